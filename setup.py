@@ -1,0 +1,35 @@
+"""gagar_jax: groupwise agentic grading and sum-preserving advantage redistribution in JAX."""
+
+import setuptools
+
+# Core: the JAX stack. Versions are pinned in constraints.txt (verified together on
+# CPU); the ranges here only state what the code is written against.
+INSTALL_REQUIRES = [
+    "jax>=0.10",
+    "flax>=0.12.8",
+    "optax>=0.2.8",
+    "orbax-checkpoint>=0.12.8",
+    "chex>=0.1.92",
+    "absl-py>=2.0",
+    "ml-collections>=1.1",
+    "numpy>=2.0",
+]
+
+EXTRAS_REQUIRE = {
+    # Everything the test suite needs besides the core.
+    "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6.100", "ruff>=0.6"],
+    # TFDS builders for task pools (no TensorFlow needed for array_record).
+    "data": ["tensorflow-datasets>=4.9.10"],
+    # Executed notebooks.
+    "notebooks": ["ipykernel", "nbclient", "nbformat", "nbmake"],
+}
+
+setuptools.setup(
+    name="gagar_jax",
+    version="0.1.0",
+    description=__doc__,
+    packages=setuptools.find_packages(include=["gagar_jax", "gagar_jax.*"]),
+    python_requires=">=3.11",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+)
