@@ -110,7 +110,8 @@ def discount_factors(
                 where = tuple(int(i) for i in np.argwhere(bad)[0])
                 raise ValueError(
                     f"{name}: expected {want} on passing valid slots, got "
-                    f"{int(np.asarray(values)[where])} at index {where} ({int(bad.sum())} bad slot(s))"
+                    f"{int(np.asarray(values)[where])} at index {where} "
+                    f"({int(bad.sum())} bad slot(s))"
                 )
     ok = groups.sum((bad_tier | bad_rank).astype(jnp.float32)) == 0
 
