@@ -21,7 +21,7 @@ EXTRAS_REQUIRE = {
     # TFDS builders for task pools (no TensorFlow needed for array_record).
     "data": ["tensorflow-datasets>=4.9.10"],
     # Executed notebooks.
-    "notebooks": ["ipykernel", "nbclient", "nbformat", "nbmake"],
+    "notebooks": ["ipykernel", "nbclient", "nbformat", "matplotlib"],
 }
 
 setuptools.setup(
