@@ -1,5 +1,12 @@
 """Policy models: a Qwen2/Llama-compatible decoder in Flax NNX, safetensors I/O, sharding."""
 
+from gagar_jax.models.hf import (
+    from_hf_tensors,
+    load_hf_safetensors,
+    model_from_params,
+    save_hf_safetensors,
+    to_hf_tensors,
+)
 from gagar_jax.models.sharding import (
     BATCH_AXES,
     LOGICAL_RULES,
@@ -16,6 +23,11 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "create_model",
+    "from_hf_tensors",
+    "load_hf_safetensors",
+    "model_from_params",
+    "save_hf_safetensors",
+    "to_hf_tensors",
     "logical_to_spec",
     "param_shardings",
     "param_specs",

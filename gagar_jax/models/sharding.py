@@ -56,7 +56,7 @@ def param_specs(abstract_state: nnx.State, mesh, rules=LOGICAL_RULES):
         return logical_to_spec(v.get_metadata()["logical_axes"], v.shape, mesh, rules)
 
     specs = jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.State(specs).to_pure_dict() if isinstance(specs, nnx.State) else specs
+    return nnx.to_pure_dict(specs) if isinstance(specs, nnx.State) else specs
 
 
 def param_shardings(abstract_state: nnx.State, mesh, rules=LOGICAL_RULES):
