@@ -5,7 +5,9 @@ PY := $(VENV)/bin/python
 EXTRAS ?= test,data,parity,notebooks
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: setup test lint train example bench clean
+SGLANG_VENV ?= .venv-sglang
+
+.PHONY: setup sglang-venv test lint train example bench clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,11 +17,18 @@ $(VENV)/.installed: setup.py constraints.txt
 
 setup: $(VENV)/.installed
 
+# A real SGLang server for the rollout/grader tests, in its own venv (it pins torch and numpy).
+$(SGLANG_VENV)/.installed: scripts/setup_sglang.sh scripts/sglang-requirements.txt
+	PYTHON=$(PYTHON) bash scripts/setup_sglang.sh $(SGLANG_VENV)
+
+sglang-venv: $(SGLANG_VENV)/.installed
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup lint
-	$(PY) -m pytest -q -n 2 tests
+# --dist loadgroup keeps the tests marked xdist_group("sglang") on one worker: one server.
+test: setup lint sglang-venv
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 # The main job (until the training loop lands: a worked Gagar example).
 train: setup

@@ -13,7 +13,7 @@ VENV="${1:-.venv-sglang}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.installed"
 REQS=scripts/sglang-requirements.txt
-if [[ -f "$STAMP" && "$STAMP" -nt "$REQS" ]]; then
+if [[ -f "$STAMP" && "$STAMP" -nt "$REQS" && "$STAMP" -nt "$0" ]]; then
   echo "setup_sglang: $VENV up to date"; exit 0
 fi
 start=$(date +%s)
