@@ -13,7 +13,7 @@ from gagar_jax.rollout import (
     SGLangRequestError,
     SGLangUnavailableError,
 )
-from gagar_jax.rollout.sglang_server import free_port, randomize_weights
+from gagar_jax.rollout.sglang_server import SGLangRouter, free_port, randomize_weights
 
 pytestmark = SGLANG
 
@@ -136,6 +136,27 @@ def test_dead_url_fails_clearly_after_retries():
     out = soft.generate([[1, 2], [3]], SamplingParams(n=2, max_tokens=4))
     assert [[s.finish_reason for s in row] for row in out] == [["abort"] * 2] * 2
     assert soft.metrics["aborted_samples"] == 4
+
+
+def test_through_a_router(sglang_server, sglang_workdir, tiny_sglang_model):
+    """The same client code through SGLang's router: generation, chat, and weight sync (which the
+    router does not forward: the client fans it out to the workers the router lists)."""
+    router = SGLangRouter([sglang_server.url], log_path=sglang_workdir / "router.log")
+    with router:
+        via = SGLangClient(router.url, ignore_eos=True, vocab_size=1024)
+        direct = SGLangClient(sglang_server.url, ignore_eos=True, vocab_size=1024)
+        assert via.health()
+        assert tokens(via.generate(PROMPTS, GREEDY)) == tokens(direct.generate(PROMPTS, GREEDY))
+        new_dir = randomize_weights(tiny_sglang_model, sglang_workdir / "v11", seed=11)
+        assert via.update_weights_from_disk(str(new_dir), version=11) == 11
+        assert via.metrics["router_weight_fanouts"] == 1
+        out = via.generate(PROMPTS, GREEDY)
+        assert all(r[0].policy_version == 11 for r in out)
+        assert tokens(out) == tokens(direct.generate(PROMPTS, GREEDY))
+        resp = via.chat_completions([{"role": "user", "content": "hi"}], max_tokens=4)
+        assert resp["choices"][0]["message"]["role"] == "assistant"
+        assert via.sync_weights(tiny_sglang_model, version=12) == 12
+    assert not router.running()
 
 
 def test_retry_survives_server_restart_mid_batch(sglang_server):

@@ -65,6 +65,13 @@ class _Retryable(Exception):
     """Internal: a failed attempt worth repeating."""
 
 
+class _NotFound(Exception):
+    """Internal: the endpoint does not exist there (e.g. a router)."""
+
+
+_NOT_FOUND = object()
+
+
 def _run_sync(coro):
     """Runs `coro` to completion from sync code, also when the calling thread already has a loop."""
     try:
@@ -173,6 +180,7 @@ class SGLangClient:
         *,
         check=None,
         what: str | None = None,
+        not_found_ok: bool = False,
     ) -> Any:
         """One logical request with retries.
 
@@ -206,6 +214,8 @@ class SGLangClient:
                 self.metrics["http_5xx"] += 1
                 last = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 continue
+            if resp.status_code == 404 and not_found_ok:
+                return _NOT_FOUND
             if resp.status_code >= 400:
                 self.metrics["http_4xx"] += 1
                 raise SGLangRequestError(
@@ -400,36 +410,96 @@ class SGLangClient:
     # ------------------------------------------------------------------ weights
 
     async def aupdate_weights_from_disk(self, path: str, version: int) -> int:
-        """Loads the safetensors checkpoint in `path` (HF layout) on the server; returns the version
-        the server reports afterwards (and records it as `policy_version`)."""
+        """Loads the safetensors checkpoint in `path` (HF layout, readable by the server) and tags
+        it `version`; returns the version the server reports afterwards (also recorded as
+        `policy_version`, which later samples are checked against).
+
+        Behind an SGLang router (which does not forward this call: it answers 404), the update
+        goes to every worker the router lists at `GET /workers`; all must report `version`.
+        """
         payload = {"model_path": str(path), "weight_version": str(int(version))}
         async with self._new_http() as http:
-            body = await self._request(
-                http, "POST", "/update_weights_from_disk", payload, what="/update_weights_from_disk"
+            try:
+                reported = [await self._update_one(http, self.base_url, payload)]
+            except _NotFound:
+                workers = await self._worker_urls(http)
+                if not workers:
+                    raise SGLangRequestError(
+                        f"{self.base_url} has no /update_weights_from_disk and lists no workers "
+                        "at /workers"
+                    ) from None
+                reported = [await self._update_one(http, w, payload) for w in workers]
+                self.metrics["router_weight_fanouts"] += 1
+        got = {int(version) if r is None else r for r in reported}
+        if got != {int(version)}:
+            raise SGLangRequestError(
+                f"after /update_weights_from_disk to version {version}, {self.base_url} reports "
+                f"versions {sorted(got)}"
             )
-            if isinstance(body, dict) and body.get("success") is False:
-                raise SGLangRequestError(
-                    f"/update_weights_from_disk at {self.base_url} failed for {path}: "
-                    f"{body.get('message')}"
-                )
-            reported = await self._reported_version(http)
-        if reported is None:
-            reported = int(version)
-        self.policy_version = reported
+        self.policy_version = int(version)
         self.metrics["weight_updates"] += 1
-        return reported
+        return self.policy_version
 
-    async def _reported_version(self, http) -> int | None:
-        """The server's `weight_version` from `GET /model_info` (None if absent or not an int)."""
+    async def _update_one(self, http, url: str, payload: dict) -> int | None:
         try:
-            resp = await http.get("/model_info")
+            body = await self._request(
+                http,
+                "POST",
+                f"{url}/update_weights_from_disk",
+                payload,
+                what="/update_weights_from_disk",
+                not_found_ok=True,
+            )
+        except SGLangRequestError as e:
+            raise SGLangRequestError(f"{e} (model_path={payload['model_path']})") from None
+        if body is _NOT_FOUND:
+            raise _NotFound(url)
+        if isinstance(body, dict) and body.get("success") is False:
+            raise SGLangRequestError(
+                f"/update_weights_from_disk at {url} failed for {payload['model_path']}: "
+                f"{body.get('message')}"
+            )
+        return await self._reported_version(http, url)
+
+    async def _worker_urls(self, http) -> list[str]:
+        """Worker URLs a router lists at `GET /workers` (any JSON holding url/worker_url keys)."""
+        try:
+            resp = await http.get("/workers")
             body = resp.json() if resp.status_code == 200 else None
         except (httpx.TransportError, ValueError):
-            return None
-        try:
-            return int(body.get("weight_version")) if isinstance(body, dict) else None
-        except (TypeError, ValueError):
-            return None
+            return []
+        urls: list[str] = []
+
+        def walk(x):
+            if isinstance(x, dict):
+                for k, v in x.items():
+                    if k in ("url", "worker_url") and isinstance(v, str) and v.startswith("http"):
+                        urls.append(v.rstrip("/"))
+                    else:
+                        walk(v)
+            elif isinstance(x, list):
+                for v in x:
+                    walk(v)
+
+        walk(body)
+        return sorted(set(urls))
+
+    async def _reported_version(self, http, url: str | None = None) -> int | None:
+        """The server's `weight_version` from `GET /model_info` (or the older `/get_model_info`);
+        None if absent or not an integer."""
+        url = url or self.base_url
+        for path in ("/model_info", "/get_model_info"):
+            try:
+                resp = await http.get(f"{url}{path}")
+                body = resp.json() if resp.status_code == 200 else None
+            except (httpx.TransportError, ValueError):
+                body = None
+            if isinstance(body, dict) and "weight_version" in body:
+                try:
+                    return int(body["weight_version"])
+                except (TypeError, ValueError):
+                    return None
+        return None
 
     def update_weights_from_disk(self, path: str, version: int) -> int:
         return _run_sync(self.aupdate_weights_from_disk(path, version))

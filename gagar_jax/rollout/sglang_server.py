@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -174,9 +175,7 @@ class SGLangServer:
     def start(self, timeout_s: float = 240.0) -> SGLangServer:
         """Launches the server; blocks until `/health` answers 200 (or raises with the log tail)."""
         if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError(
-                f"SGLang server at {self.url} is already running (pid {self.proc.pid})"
-            )
+            raise RuntimeError(f"{self.url} is already running (pid {self.proc.pid})")
         t0 = time.monotonic()
         self._log = open(self.log_path, "ab")  # noqa: SIM115 -- closed in stop()
         self.proc = subprocess.Popen(
@@ -257,6 +256,58 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class SGLangRouter(SGLangServer):
+    """SGLang's router (`python -m sglang_router.launch_router`, the `sglang-router` package) on
+    127.0.0.1 in front of running servers; the client talks to `router.url` as to one server.
+
+    Args:
+      worker_urls: URLs of running SGLang servers.
+      port: the router's port (`free_port()` if None).
+      policy: routing policy (round_robin, random, cache_aware, power_of_two).
+      log_path: where the router's output goes.
+    """
+
+    def __init__(
+        self,
+        worker_urls: list[str],
+        *,
+        port: int | None = None,
+        policy: str = "round_robin",
+        venv: str | os.PathLike | None = None,
+        log_path: str | os.PathLike | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
+        if not worker_urls:
+            raise ValueError("SGLangRouter.worker_urls must name at least one server")
+        self.python = sglang_python(venv)
+        if not self.python.exists():
+            raise FileNotFoundError(f"no SGLang venv interpreter at {self.python}")
+        self.port = int(port or free_port())
+        self.host = "127.0.0.1"
+        self.url = f"http://{self.host}:{self.port}"
+        self.log_path = Path(
+            log_path or Path(tempfile.gettempdir()) / f"sglang-router-{self.port}.log"
+        )
+        self.env = _script_env()
+        self.argv = [
+            str(self.python),
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            policy,
+            *extra_args,
+        ]
+        self.proc = None
+        self.start_seconds = None
+        self._log = None
 
 
 def _script_env() -> dict[str, str]:
