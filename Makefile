@@ -39,6 +39,7 @@ example: setup
 
 bench: setup
 	XLA_FLAGS= $(PY) benchmarks/advantages.py
+	XLA_FLAGS= $(PY) benchmarks/sampler.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -22,7 +22,7 @@ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q -r "$REQS"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-for name in ("sglang", "torch", "transformers", "tokenizers", "safetensors"):
+for name in ("sglang", "sglang-router", "torch", "transformers", "tokenizers", "safetensors"):
     print(f"setup_sglang: {name}=={md.version(name)}")
 PY
 touch "$STAMP"
