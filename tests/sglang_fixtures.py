@@ -1,8 +1,9 @@
 """Session fixtures for tests that talk to a real SGLang server (CPU, tiny random model).
 
 Imported by tests/conftest.py so every test module shares ONE server per pytest process. Mark such
-tests with `SGLANG` (skips with a clear reason when .venv-sglang is absent; `make test` builds it,
-and keeps all SGLang tests on one xdist worker with `--dist loadgroup`):
+tests with `SGLANG` (skips with a clear reason when .venv-sglang is absent; `make test` builds it
+and runs the `sglang`-marked tests in their own single-process pytest pass, so one server serves
+them all; under xdist each worker that gets such a test would start its own):
 
     from sglang_fixtures import SGLANG
     pytestmark = SGLANG
@@ -33,6 +34,7 @@ SKIP_REASON = (
 )
 SGLANG = [
     pytest.mark.skipif(not HAVE_SGLANG, reason=SKIP_REASON),
+    pytest.mark.sglang,
     pytest.mark.xdist_group("sglang"),
 ]
 
