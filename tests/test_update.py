@@ -18,7 +18,7 @@ from gagar_jax.train import (
     state_shardings,
 )
 from gagar_jax.train.state import abstract_model
-from tests.update_fixtures import CONFIG, MODEL, make_batch
+from tests.test_update_fixtures import CONFIG, MODEL, make_batch
 
 # A larger Adam eps keeps the first step's update proportional to the gradient (instead of
 # ~sign(g)), so tiny cross-mesh reduction-order differences stay tiny in the parameters.
