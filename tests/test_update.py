@@ -10,9 +10,11 @@ from flax import nnx
 
 from gagar_jax.models import logical_to_spec
 from gagar_jax.train import (
+    UpdateConfig,
     check_batch,
     create_train_state,
     jit_update,
+    learning_rate_schedule,
     make_mesh,
     shard_batch,
     state_shardings,
@@ -123,3 +125,22 @@ def test_batch_validation_names_field():
         check_batch(batch, dataclasses.replace(CONFIG, kl_coef=0.1))
     with pytest.raises(ValueError, match="aggregation"):
         dataclasses.replace(CONFIG, aggregation="mean")
+
+
+def test_update_config_from_config_dict():
+    import ml_collections
+
+    cd = ml_collections.ConfigDict({
+        "learning_rate": 3e-6, "warmup_steps": 5, "schedule": "linear", "clip_high": 0.3,
+        "num_microbatches": 2, "advantages": {"mode": "discount_only", "tier_factors": [1.0, 0.5,
+                                                                                        0.25]}})
+    config = UpdateConfig.from_mapping(cd)
+    assert config.learning_rate == 3e-6 and config.num_microbatches == 2
+    assert config.advantages.mode == "discount_only"
+    assert config.advantages.tier_factors == (1.0, 0.5, 0.25)
+    hash(config)  # static jit argument
+    with pytest.raises(ValueError, match="unknown keys"):
+        UpdateConfig.from_mapping({"learning_rte": 1.0})
+    # Warm-up then linear decay to end_lr_ratio * lr at decay_steps.
+    sched = learning_rate_schedule(dataclasses.replace(config, decay_steps=105))
+    np.testing.assert_allclose([sched(0), sched(5), sched(105)], [0.0, 3e-6, 3e-7], rtol=1e-5)

@@ -5,7 +5,7 @@ import numpy as np
 from gagar_jax.models import TransformerConfig
 from gagar_jax.train import UpdateBatch, UpdateConfig
 
-MODEL = TransformerConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+MODEL = TransformerConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
                           num_kv_heads=2, intermediate_size=64, rope_theta=10000.0)
 CONFIG = UpdateConfig(learning_rate=1e-2, warmup_steps=1, decay_steps=10, schedule="cosine",
                       max_grad_norm=1.0, num_minibatches=2, num_microbatches=1, ppo_epochs=1)
