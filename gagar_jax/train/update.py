@@ -138,7 +138,11 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     def loss_fn(params, mb, num_tokens, num_seqs):
         model = nnx.merge(graphdef, params)
         logits = model(mb["tokens"], mb["positions"], attention_mask=mb["attention_mask"])
-        logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1], mb["tokens"][:, 1:])
+        # Targets shifted left by one; the logits are consumed whole (no sliced [b, T-1, V]
+        # copy) and only the [b, T] results drop their last column.
+        next_tokens = jnp.roll(mb["tokens"], -1, axis=1)
+        logprobs, entropy = token_logprobs_and_entropy(logits, next_tokens)
+        logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
         ref = mb.get("ref_logprobs")
         terms = policy_loss(
             logprobs, mb["old_logprobs"][:, 1:], mb["advantages"], mb["response_mask"][:, 1:],
