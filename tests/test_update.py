@@ -144,3 +144,24 @@ def test_update_config_from_config_dict():
     # Warm-up then linear decay to end_lr_ratio * lr at decay_steps.
     sched = learning_rate_schedule(dataclasses.replace(config, decay_steps=105))
     np.testing.assert_allclose([sched(0), sched(5), sched(105)], [0.0, 3e-6, 3e-7], rtol=1e-5)
+
+
+def test_kl_entropy_dual_clip_epochs_path(initial_state):
+    """The reference-KL batch path with every loss option on, two PPO epochs of two
+    mini-batches: finite metrics, the schedule's learning rate at the 4th optimizer step."""
+    config = dataclasses.replace(TEST_CONFIG, kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0,
+                                 aggregation="seq-mean-token-mean", ppo_epochs=2,
+                                 num_minibatches=2)
+    mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    _, shardings = state_shardings(MODEL, config, mesh)
+    state = jax.device_put(initial_state, shardings)
+    update = jit_update(MODEL, config, mesh, with_ref=True)
+    batch = make_batch(seed=0)
+    ref = np.where(batch.response_mask, batch.old_logprobs - 0.3, 0.0).astype(np.float32)
+    state, m = update(state, shard_batch(batch._replace(ref_logprobs=ref), mesh))
+    m = {k: float(v) for k, v in m.items()}
+    assert all(np.isfinite(v) for v in m.values())
+    assert m["kl"] > 0 and m["entropy"] > 0
+    np.testing.assert_allclose(m["learning_rate"],
+                               float(learning_rate_schedule(config)(3)), rtol=1e-6)
+    assert int(state.step) == 1 and int(state.opt_state[1][0].count) == 4
