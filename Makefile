@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 EXTRAS ?= test,data
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: setup test lint train example bench clean
+.PHONY: setup system-deps test lint train example bench clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,11 @@ $(VENV)/.installed: setup.py constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed
+
+# System packages (Debian/Ubuntu, root or sudo): bubblewrap for the sandboxed test verifier.
+system-deps:
+	@command -v bwrap >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q bubblewrap; }
 
 lint: setup
 	$(VENV)/bin/ruff check .
