@@ -1,6 +1,8 @@
 """Verifiers: sandboxed execution, the Python-repo test verifier, the behaviour monitor."""
 
+from gagar_jax.verify.diff import DiffError, apply_unified_diff, parse_unified_diff
 from gagar_jax.verify.flags import MonitorFlag
+from gagar_jax.verify.repo import RepoTask, RepoVerification, verify_repo_patch
 from gagar_jax.verify.sandbox import (
     MECHANISMS,
     STATUSES,
@@ -15,6 +17,12 @@ from gagar_jax.verify.sandbox import (
 )
 
 __all__ = [
+    "DiffError",
+    "RepoTask",
+    "RepoVerification",
+    "apply_unified_diff",
+    "parse_unified_diff",
+    "verify_repo_patch",
     "MECHANISMS",
     "STATUSES",
     "Limits",

@@ -551,6 +551,11 @@ def run_sandboxed(
 def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra):
     uid = config.uid_base + slot
     use_uid = _is_root() and mechanism != "none"
+    parent = os.path.dirname(workdir)
+    while use_uid and parent != "/":
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return infra(f"workdir ancestor {parent} is not traversable (o+x) by the sandbox uid")
+        parent = os.path.dirname(parent)
     try:
         if use_uid:
             _kill_uid(uid)  # a previous holder's leftovers (should be none)
