@@ -2,6 +2,17 @@
 
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, parse_unified_diff
 from gagar_jax.verify.flags import MonitorFlag
+from gagar_jax.verify.monitor import (
+    RULES,
+    MonitorContext,
+    context_for_repo_task,
+    leakage_screen,
+    monitor,
+    monitor_metrics,
+    monitor_patch,
+    monitor_trajectory,
+    patch_similarity,
+)
 from gagar_jax.verify.repo import RepoTask, RepoVerification, verify_repo_patch
 from gagar_jax.verify.sandbox import (
     MECHANISMS,
@@ -17,6 +28,15 @@ from gagar_jax.verify.sandbox import (
 )
 
 __all__ = [
+    "RULES",
+    "MonitorContext",
+    "context_for_repo_task",
+    "leakage_screen",
+    "monitor",
+    "monitor_metrics",
+    "monitor_patch",
+    "monitor_trajectory",
+    "patch_similarity",
     "DiffError",
     "RepoTask",
     "RepoVerification",

@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path
+from gagar_jax.verify.flags import MonitorFlag
 from gagar_jax.verify.sandbox import (
     Limits,
     SandboxConfig,
@@ -166,6 +167,7 @@ class RepoVerification:
       reset_files: protected files the patch had changed and the verifier restored/removed.
       test_log: a short human/grader-readable log (outcomes, then the pytest output tail).
       sandbox: the sandbox result (None if nothing ran).
+      flags: behaviour-monitor flags of the patch (and trajectory, if given); see ``cheat``.
     """
 
     status: str
@@ -174,6 +176,12 @@ class RepoVerification:
     reset_files: tuple[str, ...]
     test_log: str
     sandbox: SandboxResult | None
+    flags: tuple[MonitorFlag, ...] = ()
+
+    @property
+    def cheat(self) -> bool:
+        """A confirmed monitor flag: the kernels turn this rollout's reward into 0."""
+        return any(f.confirmed for f in self.flags)
 
     @property
     def passed(self) -> bool:
@@ -294,6 +302,9 @@ def verify_repo_patch(
     limits: Limits = DEFAULT_LIMITS,
     config: SandboxConfig | None = None,
     keep_dir: str | None = None,
+    events: Sequence[Any] = (),
+    references: Mapping[str, str] | None = None,
+    run_monitor: bool = True,
 ) -> RepoVerification:
     """Verifies one candidate patch of ``task`` in the sandbox (see the module docstring).
 
@@ -302,19 +313,28 @@ def verify_repo_patch(
       patch: the candidate's unified diff (empty string: run the pristine repository).
       limits, config: sandbox settings.
       keep_dir: if given, the work tree is copied there after the run (debugging).
+      events: the rollout's trajectory events, for the monitor's trajectory rules.
+      references: reference/leaked solutions for the leakage pre-screen (the task's
+        ``reference_patch`` is always included).
+      run_monitor: run the behaviour monitor (``flags``; confirmed ones set ``cheat``).
     """
+    flags: tuple[MonitorFlag, ...] = ()
+    if run_monitor:
+        from gagar_jax.verify.monitor import context_for_repo_task, monitor
+
+        flags = tuple(monitor(patch, events, context_for_repo_task(task, references)))
     try:
         files, reset = prepare_tree(task, patch)
     except DiffError as e:
         return RepoVerification("failed", {t: "missing" for t in task.required_tests}, str(e), (),
-                                f"patch does not apply: {e}", None)  # fmt: skip
+                                f"patch does not apply: {e}", None, flags)  # fmt: skip
     try:
         problem = sandbox_pytest_problem(config)
     except SandboxUnavailable as e:
         problem = f"no sandbox: {e}"
     if problem:
         return RepoVerification("infra_error", {t: "missing" for t in task.required_tests}, None,
-                                reset, problem, None)  # fmt: skip
+                                reset, problem, None, flags)  # fmt: skip
     _, pythonpath = python_for_sandbox()
     work_parent = tempfile.mkdtemp(prefix="gagar_repo_")
     os.chmod(work_parent, 0o711)  # the sandbox uid must traverse it (mkdtemp makes 0700)
@@ -365,4 +385,7 @@ def verify_repo_patch(
     if result.stderr.strip():
         lines.append("--- stderr (untrusted) ---")
         lines.append(result.stderr[-2000:])
-    return RepoVerification(status, tests, None, reset, "\n".join(lines), result)
+    if flags:
+        lines.insert(1, "monitor: " + "; ".join(
+            f"{f.rule}{'' if f.confirmed else '?'} @ {f.evidence}" for f in flags))  # fmt: skip
+    return RepoVerification(status, tests, None, reset, "\n".join(lines), result, flags)
