@@ -12,6 +12,7 @@ import socket
 import stat
 import tempfile
 import time
+import uuid
 
 import pytest
 
@@ -128,12 +129,14 @@ def test_code_cannot_fake_an_infra_error(mech, workdir):
 
 
 def test_fork_bomb_is_contained(mech, workdir):
-    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    tag = uuid.uuid4().hex  # unique: another xdist worker may run its own bomb meanwhile
+    code = f"import os  # {tag}\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+    code += "        pass"
     t0 = time.monotonic()
     r = run(mech, py(code), workdir, Limits(wall_s=1, cpu_s=10, nproc=32, memory_bytes=256 << 20))
     assert r.status == "timeout" and "wall" in r.limit_hits
     assert time.monotonic() - t0 < 6
-    assert not _pids_with_cmdline("os.fork()")  # nothing of the bomb survives
+    assert not _pids_with_cmdline(tag)  # nothing of the bomb survives
 
 
 def test_memory_hog_is_contained(mech, workdir):
@@ -161,7 +164,7 @@ def test_cpu_spin_under_wall_timeout(mech, workdir):
 
 
 def test_setsid_escapee_is_killed_and_run_does_not_hang(mech, workdir):
-    tag = f"31.{os.getpid()}{len(mech)}"
+    tag = f"31.{uuid.uuid4().int % 10**9}"
     cmd = f"setsid sh -c 'sleep {tag}; touch escaped' > /dev/null 2>&1 & echo started"
     t0 = time.monotonic()
     r = run(mech, ["/bin/sh", "-c", cmd], workdir)
