@@ -30,10 +30,11 @@ test: setup lint
 train: setup
 	$(PY) scripts/gagar_example.py
 
-example: train
+example: setup
+	$(PY) scripts/gagar_example.py
 
 bench: setup
-	$(PY) benchmarks/advantages.py
+	XLA_FLAGS= $(PY) benchmarks/advantages.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
