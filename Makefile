@@ -35,6 +35,7 @@ example: setup
 
 bench: setup
 	XLA_FLAGS= $(PY) benchmarks/advantages.py
+	$(PY) benchmarks/verify.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

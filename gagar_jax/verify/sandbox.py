@@ -64,6 +64,7 @@ SANDBOX_WORKDIR = "/workdir"  # where the workdir appears inside bwrap
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _CGROUP_PARENT = "gagar_jax_sandbox"
 _SLOT_DIR = "/tmp/gagar_jax_sandbox_slots"
+_MAX_LEFTOVER = 4  # processes (zombies) a slot's uid may still hold when a run starts
 _SYSTEM_RO = ("/usr", "/etc", "/bin", "/lib", "/lib64", "/lib32", "/sbin")
 
 
@@ -366,10 +367,11 @@ def _slot(config: SandboxConfig) -> Iterator[int]:
                 except BlockingIOError:
                     os.close(fd)
                     continue
-                if _is_root() and _uid_pids(config.uid_base + i, zombies=True):
-                    # Leftovers (zombies not yet reaped) would eat this run's RLIMIT_NPROC.
+                if _is_root() and len(_uid_pids(config.uid_base + i, True)) > _MAX_LEFTOVER:
+                    # Zombies that init has not reaped yet (it takes it ~1.5 s here after a fork
+                    # bomb) count against this uid's RLIMIT_NPROC: use another slot meanwhile.
                     _kill_uid(config.uid_base + i)
-                    if _uid_pids(config.uid_base + i, zombies=True):
+                    if len(_uid_pids(config.uid_base + i, True)) > _MAX_LEFTOVER:
                         os.close(fd)
                         continue
                 _local_slots.add(i)
@@ -444,23 +446,26 @@ def _kill_cgroup(d: str) -> None:
 
 
 def _uid_pids(uid: int, zombies: bool = False) -> list[int]:
-    """Processes whose real uid is ``uid`` (/proc shows host uids); zombies only if asked."""
+    """Processes owned by ``uid`` (/proc shows host uids); zombies only if asked.
+
+    One ``stat`` per process (the /proc/<pid> owner is its effective uid, equal to the real one
+    after setpriv); the state is read only for the few that match.
+    """
     out = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/status") as f:
-                zombie = False
-                for line in f:
-                    if line.startswith("State:"):
-                        zombie = line.split()[1] in ("Z", "X")
-                    elif line.startswith("Uid:"):
-                        if int(line.split()[1]) == uid and (zombies or not zombie):
-                            out.append(int(name))
-                        break
-        except (OSError, ValueError):
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            if not zombies:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    state = f.read().rpartition(b")")[2].split()[0]
+                if state in (b"Z", b"X"):
+                    continue
+        except (OSError, IndexError):
             continue
+        out.append(int(name))
     return out
 
 
@@ -611,7 +616,7 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                 for d in cgroups.values():
                     _kill_cgroup(d)
             if use_uid:
-                _kill_uid(uid, reap_wait_s=0.2)  # slow reaping by init: the slot is skipped
+                _kill_uid(uid)  # zombies left for init to reap: see _slot
             wall = time.monotonic() - t0
         started = os.path.getsize(paths["marker"]) > 0
         out_size, err_size = os.path.getsize(paths["stdout"]), os.path.getsize(paths["stderr"])
