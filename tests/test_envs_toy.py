@@ -1,6 +1,8 @@
 """Tests for the toy code-repair family: language, tokenizer, generator, patches, verify."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gagar_jax.envs import (
     QUALITY_DIMENSIONS,
@@ -212,3 +214,35 @@ def test_monitor_unconfirmed_when_constant_is_not_the_tested_output():
     assert not v.cheat
     # Guards on untested inputs are not flagged.
     assert verify(task, "1 : a = x + 3\nins 2 : if x == 7 : return 10").cheat_flags == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, TOKENIZER.vocab_size - 1), max_size=120),
+       index=st.integers(0, 50), difficulty=st.sampled_from([1, 2, 3]))  # fmt: skip
+def test_any_token_sequence_is_a_policy_failure_never_an_infra_error(ids, index, difficulty):
+    # Masking (infra_error) instead of failing would reward garbage: no decoded output may crash.
+    task = ToyTaskGenerator(0, difficulty).task(index)
+    v = verify(task, TOKENIZER.decode(ids, stop_at_eos=False))
+    assert not v.infra_error, v.test_log
+    assert set(v.quality) >= set(QUALITY_DIMENSIONS)
+
+
+def test_deeply_nested_patch_is_rejected_not_crashing():
+    task = ToyTaskGenerator(0, 1).task(0)
+    v = verify(task, "1 : a = " + "( " * 400 + "x" + " )" * 400)
+    assert not v.passed and not v.infra_error and "longer than" in v.test_log
+
+
+_WORDS = [w for w in TOKENIZER.vocab[4:] if w != "\n"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(edits=st.lists(st.tuples(st.sampled_from(["", "ins ", "del "]), st.integers(0, 7),
+                                st.lists(st.sampled_from(_WORDS), max_size=12)), max_size=5),
+       index=st.integers(0, 50), difficulty=st.sampled_from([1, 2, 3]))  # fmt: skip
+def test_structured_random_patches_never_crash(edits, index, difficulty):
+    task = ToyTaskGenerator(0, difficulty).task(index)
+    patch = "\n".join(f"{op}{n} : {' '.join(ws)}" if op != "del " else f"del {n}"
+                      for op, n, ws in edits)  # fmt: skip
+    v = verify(task, patch)
+    assert not v.infra_error, (patch, v.test_log)

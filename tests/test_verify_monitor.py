@@ -270,3 +270,26 @@ def test_monitor_metrics_count_hacked_and_clean_passes():
     assert m["monitor/hacked_pass"] == 1 and m["monitor/clean_pass"] == 2
     assert m["monitor/flagged"] == 3 and m["monitor/rollouts"] == 5
     assert m["monitor/rule/tamper_test_harness"] == 2 and m["monitor/rule/edit_tests"] == 0
+
+
+# --- robustness: model-written text must never crash the monitor (a crash would be masked) ----
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_piece = st.sampled_from(['if ', 'return ', '==', '"a -- b"', "'a-b'", '"', "'", '#', '(', ')',
+                          'pytest', 'os._exit(0)', 'except:', 'x', ' ', '1', '-3', '2.5', '\\\\',
+                          'def test_', 'assert True', 'https://', 'f"', '"""', ':'])  # fmt: skip
+_line = st.lists(_piece, max_size=8).map("".join)
+
+
+@settings(max_examples=200, deadline=None)
+@given(path=st.sampled_from(["slugger/slug.py", "tests/test_slug.py", "conftest.py", "json.py"]),
+       added=st.lists(_line, min_size=1, max_size=6), removed=st.lists(_line, max_size=3),
+       events=st.lists(_line, max_size=4))  # fmt: skip
+def test_monitor_never_raises_on_arbitrary_text(path, added, removed, events):
+    body = "".join("-" + r + "\n" for r in removed) + "".join("+" + a + "\n" for a in added)
+    patch = f"--- a/{path}\n+++ b/{path}\n@@ -1,{len(removed)} +1,{len(added)} @@\n{body}"
+    flags = monitor(patch, [{"turn": 0, "kind": "tool_call", "text": e} for e in events], CTX)
+    assert all(f.rule in RULES for f in flags)
+    monitor_patch(patch[: len(patch) // 2], CTX)  # truncated diffs too

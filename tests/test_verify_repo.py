@@ -148,3 +148,23 @@ def test_task_validation_and_json_round_trip():
         RepoTask("t", "i", {"a.py": ""}, ("test_a",))
     with pytest.raises(ValueError, match="missing field 'files'"):
         RepoTask.from_dict({"task_id": "t", "issue": "", "fail_to_pass": []})
+
+
+@pytest.mark.parametrize("patch", [
+    "", "garbage", "--- a/../../etc/passwd\n+++ b/../../etc/passwd\n@@ -1 +1 @@\n-x\n+y\n",
+    "--- a/statkit/stats.py\n+++ b/statkit/stats.py\n@@ -1,99999999 +1,99999999 @@\n-x\n",
+    "diff --git a/x b/y\nrename from x\nrename to y\n", "GIT binary patch\nliteral 0\n",
+    "--- /dev/null\n+++ b/statkit/stats.py\n@@ -0,0 +1 @@\n+x = 1\n",
+])  # fmt: skip
+def test_garbage_patches_fail_and_are_never_infra_errors(patch):
+    v = verify_repo_patch(_task("statkit"), patch, limits=FAST)
+    assert v.status == "failed" and not v.infra_error and not v.passed
+
+
+def test_a_broken_task_is_an_infra_error_not_a_failure():
+    import dataclasses
+
+    bad = dataclasses.replace(_task("slugger"), test_patch="--- a/nope.py\n+++ b/nope.py\n"
+                              "@@ -1 +1 @@\n-a\n+b\n")  # fmt: skip
+    v = verify_repo_patch(bad, _patch("slugger", "minimal"), limits=FAST)
+    assert v.status == "infra_error" and "test_patch does not apply" in v.test_log

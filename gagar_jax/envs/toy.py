@@ -307,7 +307,7 @@ def parse_patch(patch_text: str, num_lines: int) -> list[Edit]:
         toks = L.lex(raw)
         if not toks:
             continue
-        where = f"patch line {n} ({L.render(toks)!r})"
+        where = f"patch line {n} ({L.render(toks)[:80]!r})"
         if toks[0] == "del":
             if len(toks) != 2 or not toks[1].isdigit():
                 raise PatchError(f"{where}: expected 'del N'")

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 VALUE_LIMIT = 10**12
+MAX_STATEMENT_TOKENS = 64  # bounds parser recursion: a policy's output must never crash it
 KEYWORDS = frozenset({"return", "if", "ins", "del"})
 COMPARISONS = ("==", "!=", "<=", ">=", "<", ">")
 _TOKEN_RE = re.compile(r"\d+|[A-Za-z_][A-Za-z_0-9]*|==|!=|<=|>=|\S")
@@ -132,6 +133,8 @@ def parse_statement(text_or_tokens: str | Sequence[str]):
     toks = lex(text_or_tokens) if isinstance(text_or_tokens, str) else list(text_or_tokens)
     if not toks:
         raise ToyError("empty statement")
+    if len(toks) > MAX_STATEMENT_TOKENS:
+        raise ToyError(f"statement longer than {MAX_STATEMENT_TOKENS} tokens")
     p = _Parser(toks)
     stmt = p.statement()
     if p.peek() is not None:

@@ -317,7 +317,19 @@ def verify_repo_patch(
       references: reference/leaked solutions for the leakage pre-screen (the task's
         ``reference_patch`` is always included).
       run_monitor: run the behaviour monitor (``flags``; confirmed ones set ``cheat``).
+
+    Never raises for a bad patch (it fails). A bug of the verifier or of the task itself (e.g. a
+    ``test_patch`` that does not apply) comes back as ``infra_error``: masked, not scored.
     """
+    try:
+        return _verify_repo_patch(task, patch, limits, config, keep_dir, events, references,
+                                  run_monitor)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a verifier/task bug must be masked, never scored
+        return RepoVerification("infra_error", {t: "missing" for t in task.required_tests}, None,
+                                (), f"verifier error: {type(e).__name__}: {e}", None)  # fmt: skip
+
+
+def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references, run_monitor):
     flags: tuple[MonitorFlag, ...] = ()
     if run_monitor:
         from gagar_jax.verify.monitor import context_for_repo_task, monitor
