@@ -15,10 +15,13 @@ $(VENV)/.installed: setup.py constraints.txt
 
 setup: $(VENV)/.installed
 
-# System packages (Debian/Ubuntu, root or sudo): bubblewrap for the sandboxed test verifier.
+# System packages (Debian/Ubuntu, root or sudo) for the sandboxed verifier: bubblewrap, and a
+# python3 an unprivileged uid can run (the sandbox cannot use a pyenv interpreter under /root).
 system-deps:
-	@command -v bwrap >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q bubblewrap; }
+	@PKGS=""; command -v bwrap >/dev/null || PKGS="bubblewrap"; \
+	  [ -x /usr/bin/python3 ] || PKGS="$$PKGS python3"; \
+	  [ -z "$$PKGS" ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $$PKGS; }
 
 lint: setup
 	$(VENV)/bin/ruff check .
