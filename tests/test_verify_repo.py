@@ -168,3 +168,26 @@ def test_a_broken_task_is_an_infra_error_not_a_failure():
                               "@@ -1 +1 @@\n-a\n+b\n")  # fmt: skip
     v = verify_repo_patch(bad, _patch("slugger", "minimal"), limits=FAST)
     assert v.status == "infra_error" and "test_patch does not apply" in v.test_log
+
+
+def test_task_dependencies_via_extra_pythonpath():
+    import pathlib
+    import shutil
+    import tempfile
+
+    base = pathlib.Path(tempfile.mkdtemp(prefix="gagar_deps_"))  # /tmp/pytest-of-root is 0700
+    dep = base / "deps"
+    dep.mkdir()
+    (dep / "helperlib.py").write_text("def double(x):\n    return 2 * x\n")
+    for p in (base, dep):
+        os.chmod(p, 0o755)
+    os.chmod(dep / "helperlib.py", 0o644)
+    task = RepoTask("dep-task", "use helperlib", {
+        "app.py": "import helperlib\n\n\ndef quad(x):\n    return helperlib.double(2 * x)\n",
+        "tests/test_app.py": "from app import quad\n\n\ndef test_quad():\n"
+                             "    assert quad(3) == 12\n",
+    }, ("tests/test_app.py::test_quad",), test_files=("tests/test_app.py",))  # fmt: skip
+    assert verify_repo_patch(task, "", limits=FAST).status == "failed"  # helperlib not visible
+    v = verify_repo_patch(task, "", limits=FAST, extra_pythonpath=[str(dep)])
+    shutil.rmtree(base)
+    assert v.status == "passed", v.test_log

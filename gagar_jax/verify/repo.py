@@ -305,6 +305,7 @@ def verify_repo_patch(
     events: Sequence[Any] = (),
     references: Mapping[str, str] | None = None,
     run_monitor: bool = True,
+    extra_pythonpath: Sequence[str] = (),
 ) -> RepoVerification:
     """Verifies one candidate patch of ``task`` in the sandbox (see the module docstring).
 
@@ -317,19 +318,22 @@ def verify_repo_patch(
       references: reference/leaked solutions for the leakage pre-screen (the task's
         ``reference_patch`` is always included).
       run_monitor: run the behaviour monitor (``flags``; confirmed ones set ``cheat``).
+      extra_pythonpath: more read-only directories for the sandboxed interpreter's PYTHONPATH
+        (the task's dependencies), after the one holding pytest.
 
     Never raises for a bad patch (it fails). A bug of the verifier or of the task itself (e.g. a
     ``test_patch`` that does not apply) comes back as ``infra_error``: masked, not scored.
     """
     try:
         return _verify_repo_patch(task, patch, limits, config, keep_dir, events, references,
-                                  run_monitor)  # fmt: skip
+                                  run_monitor, tuple(extra_pythonpath))  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a verifier/task bug must be masked, never scored
         return RepoVerification("infra_error", {t: "missing" for t in task.required_tests}, None,
                                 (), f"verifier error: {type(e).__name__}: {e}", None)  # fmt: skip
 
 
-def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references, run_monitor):
+def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references, run_monitor,
+                       extra_pythonpath):  # fmt: skip
     flags: tuple[MonitorFlag, ...] = ()
     if run_monitor:
         from gagar_jax.verify.monitor import context_for_repo_task, monitor
@@ -348,6 +352,7 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         return RepoVerification("infra_error", {t: "missing" for t in task.required_tests}, None,
                                 reset, problem, None, flags)  # fmt: skip
     _, pythonpath = python_for_sandbox()
+    pythonpath = tuple(pythonpath) + extra_pythonpath
     work_parent = tempfile.mkdtemp(prefix="gagar_repo_")
     os.chmod(work_parent, 0o711)  # the sandbox uid must traverse it (mkdtemp makes 0700)
     try:
