@@ -319,11 +319,11 @@ def _chain(
         chain += [_which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
         for p in _SYSTEM_RO:
             chain += ["--ro-bind-try", p, p]
-        for p in ro_paths:
-            chain += ["--ro-bind", p, p]
         chain += ["--dev", "/dev", "--proc", "/proc", "--size", str(int(limits.tmp_bytes)),
-                  "--tmpfs", "/tmp", "--bind", workdir, SANDBOX_WORKDIR,
-                  "--chdir", SANDBOX_WORKDIR, "--"]  # fmt: skip
+                  "--tmpfs", "/tmp"]  # fmt: skip
+        for p in ro_paths:  # after the tmpfs, or a path under /tmp would be hidden by it
+            chain += ["--ro-bind", p, p]
+        chain += ["--bind", workdir, SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR, "--"]
     elif mechanism == "unshare":
         chain += [_which("unshare") or "unshare", "-Urnpfm", "--kill-child", "--"]
     return chain + ["/bin/sh", "-c", _START_WRAPPER, "sandbox-start", *argv]
