@@ -411,6 +411,8 @@ def _prepare_cgroups(uid: int, limits: Limits) -> dict[str, str]:
         _kill_cgroup(d)
     _write(f"{dirs['pids']}/pids.max", str(int(limits.nproc)))
     mem = dirs["memory"]
+    with contextlib.suppress(OSError):  # drop the previous run's page cache charged to the slot
+        _write(f"{mem}/memory.force_empty", "0")
     memsw = f"{mem}/memory.memsw.limit_in_bytes"
     # limit_in_bytes <= memsw.limit_in_bytes must hold after every single write.
     order = [f"{mem}/memory.limit_in_bytes"] + ([memsw] if os.path.exists(memsw) else [])
