@@ -13,6 +13,7 @@ INSTALL_REQUIRES = [
     "absl-py>=2.0",
     "ml-collections>=1.1",
     "numpy>=2.0",
+    "safetensors>=0.6",
 ]
 
 EXTRAS_REQUIRE = {
@@ -21,8 +22,11 @@ EXTRAS_REQUIRE = {
     # TFDS builders for task pools (no TensorFlow needed for array_record).
     # (tfds 4.9.10 imports importlib_resources for builders outside its package.)
     "data": ["tensorflow-datasets>=4.9.10", "importlib_resources>=6"],
+    # Parity tests against Hugging Face transformers (CPU torch; pinned in constraints.txt:
+    # an unpinned torch pulls a multi-GB CUDA build).
+    "parity": ["torch==2.13.0", "transformers==5.24.0"],
     # Executed notebooks.
-    "notebooks": ["ipykernel", "nbclient", "nbformat", "nbmake"],
+    "notebooks": ["ipykernel", "nbclient", "nbformat", "matplotlib"],
 }
 
 setuptools.setup(
