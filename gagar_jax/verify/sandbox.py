@@ -24,6 +24,27 @@ Mechanisms, in the measured order: ``bwrap+cgroup``, ``bwrap``, ``unshare``, ``r
 and rlimits only: no network or filesystem isolation, reported in ``isolation``), and ``none``,
 which is refused unless ``SandboxConfig(allow_unisolated=True)``.
 
+Verdicts of the containment probes (``tests/test_verify_sandbox.py``, asserted per mechanism):
+
+=====================  ===============================  ===========================================
+probe                  bwrap+cgroup / bwrap             unshare / rlimits
+=====================  ===============================  ===========================================
+fork bomb              timeout; nproc/pids cap; no      same (zombies are reaped by init; a slot
+                       process survives                 with leftovers is skipped)
+memory hog             resource_killed (cgroup OOM) /   failed (MemoryError from RLIMIT_AS)
+                       failed (MemoryError, no cgroup)
+CPU spin               resource_killed (SIGXCPU)        resource_killed (unshare: signal unknown)
+setsid escapee         passed; escapee killed; no hang  same
+200 MiB output flood   resource_killed (file_size);     same
+                       8 KiB read back
+loopback connect       blocked (own network namespace)  unshare: blocked; rlimits: NOT blocked
+                                                        ("network" absent from ``isolation``)
+write outside workdir  invisible / read-only            /usr, /etc denied; a world-writable dir is
+                                                        reachable ("filesystem" absent)
+root-only file read    Permission denied                Permission denied (uid drop)
+kill -9 -1             cannot reach the caller          same
+=====================  ===============================  ===========================================
+
 Design notes (each a trap measured on these machines):
 - Each concurrent run holds a *slot* (an ``flock``-ed file, machine-wide) with its own uid
   (``uid_base + slot``) and its own cgroups: RLIMIT_NPROC counts per uid and is ignored for root.
