@@ -191,3 +191,18 @@ def test_task_dependencies_via_extra_pythonpath():
     v = verify_repo_patch(task, "", limits=FAST, extra_pythonpath=[str(dep)])
     shutil.rmtree(base)
     assert v.status == "passed", v.test_log
+
+
+def test_report_swapped_for_a_fifo_fails_without_hanging(tmp_path):
+    # At exit, replace the JUnit report with a FIFO: a blocking open would hang the verifier.
+    hack = ("import atexit, os, sys\n\n\n@atexit.register\ndef _swap():\n"
+            "    path = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--junitxml=')][0]\n"
+            "    os.unlink(path)\n    os.mkfifo(path)\n")  # fmt: skip
+    imp = (
+        "--- a/statkit/__init__.py\n+++ b/statkit/__init__.py\n@@ -1,2 +1,3 @@\n"
+        ' """statkit: small descriptive statistics."""\n+import statkit.swap  # noqa\n \n'
+    )
+    patch = _new_file_diff("statkit/swap.py", hack) + imp + _patch("statkit", "minimal")
+    v = verify_repo_patch(_task("statkit"), patch, limits=FAST, keep_dir=str(tmp_path / "kept"))
+    assert v.status == "failed" and "no JUnit report" in v.test_log, v.test_log
+    assert (tmp_path / "kept" / "statkit" / "swap.py").exists()

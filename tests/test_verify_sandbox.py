@@ -251,8 +251,8 @@ def test_concurrent_runs_use_distinct_slots(workdir):
     import concurrent.futures
 
     def one(i):
-        d = tempfile.mkdtemp(prefix="gagar_sb_conc_")
-        return run_sandboxed(["/bin/sh", "-c", "id -u; sleep 0.3"], d, FAST)
+        with tempfile.TemporaryDirectory(prefix="gagar_sb_conc_") as d:
+            return run_sandboxed(["/bin/sh", "-c", "id -u; sleep 0.3"], d, FAST)
 
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         results = list(ex.map(one, range(4)))

@@ -257,7 +257,9 @@ def parse_junit(xml_bytes: bytes) -> dict[str, str]:
 def _read_report(path: str) -> bytes | None:
     """The report written by the sandboxed run, refusing symlinks, links and oversized files."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: the sandboxed code may have swapped the report for a FIFO (a blocking open
+        # would hang the verifier); regular files ignore the flag.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:
@@ -265,6 +267,15 @@ def _read_report(path: str) -> bytes | None:
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size > MAX_REPORT_BYTES:
             return None
         return f.read(MAX_REPORT_BYTES)
+
+
+def _special_files(directory: str, names: list[str]) -> list[str]:
+    out = []
+    for n in names:
+        st = os.lstat(os.path.join(directory, n))
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            out.append(n)
+    return out
 
 
 def pytest_argv(test_ids: Sequence[str], report_name: str) -> list[str]:
@@ -365,8 +376,9 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         result = run_sandboxed(pytest_argv(task.required_tests, report_name), work, limits,
                                config=config, env=env, ro_paths=pythonpath)  # fmt: skip
         report = _read_report(os.path.join(work, report_name))
-        if keep_dir:
-            shutil.copytree(work, keep_dir, symlinks=True, dirs_exist_ok=True)
+        if keep_dir:  # regular files and directories only (no FIFOs/devices the code made)
+            shutil.copytree(work, keep_dir, symlinks=True, dirs_exist_ok=True,
+                            ignore=_special_files)  # fmt: skip
     finally:
         shutil.rmtree(work_parent, ignore_errors=True)
 
