@@ -26,7 +26,7 @@ system-deps:
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup lint
+test: setup system-deps lint
 	$(PY) -m pytest -q -n 2 tests
 
 # The main job (until the training loop lands: a worked Gagar example).
