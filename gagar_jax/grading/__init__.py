@@ -1,0 +1,61 @@
+"""Grading: verdict schema and validation, heuristic and agentic graders, asynchronous pool.
+
+See ``schema`` for the verdict contract, ``heuristic`` for the embedded default grader,
+``agentic`` for the LLM tool-loop grader and ``pool`` for overlapping grading with generation.
+"""
+
+from gagar_jax.grading.diffs import FileDiff, Hunk, ParsedPatch, is_test_path, parse_unified_diff
+from gagar_jax.grading.schema import (
+    CLAIMS,
+    DIMENSIONS,
+    EVIDENCE_KINDS,
+    NEGATIVE_SCORE,
+    Candidate,
+    Evidence,
+    FallbackReason,
+    GradeResult,
+    GroupWorkspace,
+    Judgement,
+    MonitorFlagView,
+    RejectReason,
+    TrajectoryEvent,
+    Verdict,
+    VerdictRejected,
+    extract_json,
+    parse_verdict,
+    tier_histogram,
+    to_arrays,
+    validate,
+    verdict_from_dict,
+    verdict_to_dict,
+)
+
+__all__ = [
+    "CLAIMS",
+    "DIMENSIONS",
+    "EVIDENCE_KINDS",
+    "NEGATIVE_SCORE",
+    "Candidate",
+    "Evidence",
+    "FallbackReason",
+    "FileDiff",
+    "GradeResult",
+    "GroupWorkspace",
+    "Hunk",
+    "Judgement",
+    "MonitorFlagView",
+    "ParsedPatch",
+    "RejectReason",
+    "TrajectoryEvent",
+    "Verdict",
+    "VerdictRejected",
+    "extract_json",
+    "is_test_path",
+    "parse_unified_diff",
+    "parse_verdict",
+    "tier_histogram",
+    "to_arrays",
+    "validate",
+    "verdict_from_dict",
+    "verdict_to_dict",
+]
