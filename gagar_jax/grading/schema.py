@@ -55,6 +55,8 @@ EVIDENCE_KINDS = ("patch", "trajectory", "execution")
 NUM_TIERS = 3
 NEGATIVE_SCORE = 0.5  # a dimension scored below this is a negative judgement and needs evidence
 MIN_QUOTE_CHARS = 3
+MAX_OUTPUT_CHARS = 200_000  # longer grader output is rejected unread
+MAX_JSON_ATTEMPTS = 64  # '{' positions tried per chunk when looking for the verdict object
 
 
 class RejectReason(enum.StrEnum):
@@ -562,11 +564,18 @@ def extract_json(text: str) -> Any:
     """The first JSON object in ``text`` (fenced or bare). Raises VerdictRejected(MALFORMED)."""
     if not isinstance(text, str):
         raise VerdictRejected(RejectReason.MALFORMED, f"expected text, got {type(text).__name__}")
+    if len(text) > MAX_OUTPUT_CHARS:
+        raise VerdictRejected(
+            RejectReason.MALFORMED, f"output of {len(text)} chars exceeds {MAX_OUTPUT_CHARS}"
+        )
     candidates = [m.group(1) for m in _FENCE_RE.finditer(text)] + [text]
     decoder = json.JSONDecoder()
     for chunk in candidates:
         start = chunk.find("{")
-        while start != -1:
+        attempts = 0
+        # Bounded attempts keep pathological text (many unterminated objects) linear-ish.
+        while start != -1 and attempts < MAX_JSON_ATTEMPTS:
+            attempts += 1
             try:
                 obj, _ = decoder.raw_decode(chunk, start)
                 if isinstance(obj, dict):
