@@ -90,7 +90,14 @@ def workspaces(draw, min_candidates: int = 1, max_candidates: int = 6) -> schema
                 }
             )
         log = f"{'1 passed' if passed else '1 failed'} in 0.0{i}s\nrun {i} done"
-        cands.append(schema.Candidate(f"c{i}", patch, passed, log, traj, f"summary {i}", flags))
+        if draw(st.integers(0, 5)) == 0:
+            log = ""
+        quality = draw(
+            st.dictionaries(st.sampled_from(schema.DIMENSIONS), st.floats(0, 1), max_size=3)
+        )
+        cands.append(
+            schema.Candidate(f"c{i}", patch, passed, log, traj, f"summary {i}", flags, quality)
+        )
     return schema.GroupWorkspace(
         f"g{draw(st.integers(0, 10**6))}", "Fix add() in pkg/core.py", BASE_REPO, cands
     )
@@ -98,7 +105,7 @@ def workspaces(draw, min_candidates: int = 1, max_candidates: int = 6) -> schema
 
 def _evidence_for(ws: schema.GroupWorkspace, c: schema.Candidate, claim: str, draw) -> dict:
     """A valid evidence item for ``claim`` about candidate ``c``."""
-    options = ["execution"]
+    options = ["execution"] if len(c.test_log) >= 5 else []
     pp = c.parsed_patch
     if pp.files:
         options.append("patch")

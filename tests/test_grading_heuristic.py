@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from gagar_jax.grading import schema
 from gagar_jax.grading.heuristic import HeuristicConfig, HeuristicGrader, infer_scope
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 PRINT, TEST_EDIT, CAMEL = EXTRA_EDITS[1], EXTRA_EDITS[2], EXTRA_EDITS[4]
 UTIL = EXTRA_EDITS[0]

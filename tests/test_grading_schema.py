@@ -22,7 +22,7 @@ from gagar_jax.grading import schema
 from gagar_jax.grading.schema import FallbackReason, GradeResult, RejectReason, VerdictRejected
 
 SETTINGS = settings(
-    max_examples=400,
+    max_examples=250,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

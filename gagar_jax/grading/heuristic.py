@@ -26,8 +26,9 @@ Dimension scores (each clipped to [0, 1], 1 best; ``HeuristicConfig`` holds ever
   and width, trailing whitespace, line length beyond the file's longest, operator spacing, quote
   style, camelCase names in a snake_case file), each kind counted at most twice per file.
 
-A family may supply ``Candidate.quality[d]`` in [0, 1] for a dimension ``d``: the score becomes the
-mean of the heuristic's and the family's value.
+A family may supply ``Candidate.quality[d]`` in [0, 1] for a dimension ``d`` (the toy family's
+verifier measures all five with hidden tests): the score becomes the mean of the heuristic's and
+the family's value, citing the candidate's test log as the execution evidence (no log, no blend).
 
 Tiers (``weighted`` is the ``weights``-weighted mean of the five scores):
 
@@ -137,7 +138,17 @@ class _Card:
             s = min(1.0, max(0.0, s))
             q = self.candidate.quality.get(d)
             if q is not None and math.isfinite(float(q)):
-                s = 0.5 * (s + min(1.0, max(0.0, float(q))))
+                q = min(1.0, max(0.0, float(q)))
+                ev = None
+                if q < 1.0:  # the verifier's measurement is the evidence: cite its output
+                    log = next(
+                        (ln for ln in self.candidate.test_log.splitlines() if ln.strip()), ""
+                    )
+                    ev = _log_ev(d, self.candidate, log, f"verifier quality feature {d}={q:.3f}")
+                if q >= 1.0 or ev is not None:
+                    s = 0.5 * (s + q)
+                    if ev is not None:
+                        self.evidence.append(ev)
             out[d] = round(s, 6)
         return out
 
