@@ -29,6 +29,8 @@ setuptools.setup(
     version="0.1.0",
     description=__doc__,
     packages=setuptools.find_packages(include=["gagar_jax", "gagar_jax.*"]),
+    # Versioned grader prompts (gagar_jax/grading/prompts/<version>/*.md).
+    package_data={"gagar_jax.grading": ["prompts/*/*.md"]},
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

@@ -169,6 +169,22 @@ def parse_unified_diff(text: str) -> ParsedPatch:
     return ParsedPatch(tuple(files))
 
 
+def split_by_file(text: str) -> dict[str, str]:
+    """Each file's part of a patch (headers and hunks), keyed like ``FileDiff.path``."""
+    out: dict[str, str] = {}
+    lines = text.splitlines(keepends=True)
+    starts = [
+        i
+        for i in range(len(lines) - 1)
+        if lines[i].startswith("--- ") and lines[i + 1].startswith("+++ ")
+    ]
+    for k, i in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(lines)
+        old, new = _strip_prefix(lines[i][4:]), _strip_prefix(lines[i + 1][4:])
+        out[old if new == "/dev/null" else new] = "".join(lines[i:end])
+    return out
+
+
 def is_test_path(path: str) -> bool:
     """Test-file heuristic: ``tests/``/``test/`` directories, ``test_*.py``, ``*_test.py``."""
     parts = path.replace("\\", "/").split("/")
