@@ -205,3 +205,31 @@ json_values = st.recursive(
     ),
     max_leaves=20,
 )
+
+
+KERNEL_G, KERNEL_K = 64, 8  # fixed shapes: the jitted kernel compiles once per test session
+
+
+def run_kernels(results, wss):
+    """Feeds grade results through ``gagar_advantages``; returns (advantages, original) [G, K].
+
+    Rows beyond ``len(results)`` are empty (valid=False) padding to the fixed shape.
+    """
+    import numpy as np
+
+    from gagar_jax.advantages import gagar_advantages
+
+    assert len(results) == len(wss) <= KERNEL_G
+    tier, rank, graded, cheat = schema.to_arrays(results, KERNEL_K)
+    pad = KERNEL_G - len(results)
+    tier = np.pad(tier, ((0, pad), (0, 0)), constant_values=1)
+    rank = np.pad(rank, ((0, pad), (0, 0)), constant_values=1)
+    cheat = np.pad(cheat, ((0, pad), (0, 0)))
+    graded = np.pad(graded, (0, pad))
+    passed = np.zeros((KERNEL_G, KERNEL_K), bool)
+    valid = np.zeros((KERNEL_G, KERNEL_K), bool)
+    for g, ws in enumerate(wss):
+        for k, c in enumerate(ws.candidates):
+            passed[g, k], valid[g, k] = c.passed, True
+    out = gagar_advantages(passed.astype(np.float32), passed, cheat, tier, rank, graded, valid)
+    return np.asarray(out.advantages), np.asarray(out.original)

@@ -13,6 +13,7 @@ from grading_strategies import (
     FIX,
     apply_edits,
     json_values,
+    run_kernels,
     valid_verdict_dicts,
     workspaces,
 )
@@ -22,7 +23,7 @@ from gagar_jax.grading import schema
 from gagar_jax.grading.schema import FallbackReason, GradeResult, RejectReason, VerdictRejected
 
 SETTINGS = settings(
-    max_examples=250,
+    max_examples=200,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -135,6 +136,7 @@ def _mutations(obj, ws):
 def test_mutated_verdicts_rejected_with_named_reason(data):
     ws = data.draw(workspaces())
     obj = data.draw(valid_verdict_dicts(ws))
+    results = [GradeResult.accepted(ws, _parse(obj, ws))]
     for name, reason, m in _mutations(obj, ws):
         with pytest.raises(VerdictRejected) as err:
             _parse(m, ws)
@@ -142,6 +144,12 @@ def test_mutated_verdicts_rejected_with_named_reason(data):
         # The same through JSON text, where NaN/inf serialise as non-standard tokens.
         with pytest.raises(VerdictRejected):
             _parse("model says:\n" + json.dumps(m), ws)
+        results.append(GradeResult.fallback(ws, FallbackReason(err.value.reason.value)))
+    # Every rejection's fallback feeds the kernels: finite, and the group keeps its original
+    # advantages (a malformed verdict is never a zero score).
+    adv, orig = run_kernels(results, [ws] * len(results))
+    assert np.isfinite(adv).all()
+    np.testing.assert_array_equal(adv[1 : len(results)], orig[1 : len(results)])
 
 
 @SETTINGS
@@ -162,6 +170,8 @@ def test_garbage_is_rejected_cleanly(data):
         v = _parse(garbage, ws)
     except VerdictRejected as e:
         assert isinstance(e.reason, RejectReason)
+        adv, orig = run_kernels([GradeResult.fallback(ws, FallbackReason(e.reason.value))], [ws])
+        assert np.isfinite(adv).all() and (adv[0] == orig[0]).all()
         return
     # Anything accepted must really be valid (only possible with no passing candidates).
     assert not ws.passing and v.judgements == ()
