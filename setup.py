@@ -13,6 +13,8 @@ INSTALL_REQUIRES = [
     "absl-py>=2.0",
     "ml-collections>=1.1",
     "numpy>=2.0",
+    # gagar_jax.rollout: the SGLang client (the server itself lives in .venv-sglang).
+    "httpx>=0.27",
 ]
 
 EXTRAS_REQUIRE = {
