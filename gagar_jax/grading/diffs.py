@@ -26,6 +26,7 @@ class Hunk:
       new_start, new_len: the hunk's range in the patched file.
       added: ``(new_line_number, text)`` for each ``+`` line.
       removed: ``(old_line_number, text)`` for each ``-`` line.
+      body: ``(tag, text)`` for every line in order, tag one of ``" "``, ``"-"``, ``"+"``.
     """
 
     old_start: int
@@ -34,6 +35,7 @@ class Hunk:
     new_len: int
     added: tuple[tuple[int, str], ...]
     removed: tuple[tuple[int, str], ...]
+    body: tuple[tuple[str, str], ...] = ()
 
     def covers(self, line: int) -> bool:
         """True when ``line`` is in the hunk's old or new range (an empty range: its start)."""
@@ -134,15 +136,20 @@ def parse_unified_diff(text: str) -> ParsedPatch:
                 o, n = old_start, new_start
                 added: list[tuple[int, str]] = []
                 removed: list[tuple[int, str]] = []
+                body: list[tuple[str, str]] = []
                 # Consume exactly the lines the header announces (a "---" line inside a hunk is
                 # a removed "--" line, not a new file header).
                 left_old, left_new = old_len, new_len
                 while i < len(lines) and (left_old > 0 or left_new > 0):
-                    body = lines[i]
-                    if body.startswith("\\"):
+                    body_line = lines[i]
+                    if body_line.startswith("\\"):
                         i += 1
                         continue
-                    tag, content = body[:1], body[1:]
+                    tag, content = body_line[:1], body_line[1:]
+                    if tag in "+- " and body_line:
+                        body.append((tag, content))
+                    elif body_line == "":
+                        body.append((" ", ""))
                     if tag == "+":
                         added.append((n, content))
                         n += 1
@@ -151,7 +158,7 @@ def parse_unified_diff(text: str) -> ParsedPatch:
                         removed.append((o, content))
                         o += 1
                         left_old -= 1
-                    elif tag == " " or body == "":
+                    elif tag == " " or body_line == "":
                         o += 1
                         n += 1
                         left_old -= 1
@@ -160,7 +167,15 @@ def parse_unified_diff(text: str) -> ParsedPatch:
                         break
                     i += 1
                 hunks.append(
-                    Hunk(old_start, old_len, new_start, new_len, tuple(added), tuple(removed))
+                    Hunk(
+                        old_start,
+                        old_len,
+                        new_start,
+                        new_len,
+                        tuple(added),
+                        tuple(removed),
+                        tuple(body),
+                    )
                 )
             files.append(FileDiff(path, tuple(hunks), is_new=is_new, is_deleted=is_deleted))
             old_path = None
@@ -169,19 +184,86 @@ def parse_unified_diff(text: str) -> ParsedPatch:
     return ParsedPatch(tuple(files))
 
 
+class PatchApplyError(ValueError):
+    """A hunk's context or removed lines do not match the file it is applied to."""
+
+
+def apply_file_diff(original: str, fd: FileDiff) -> str:
+    """The text of ``fd.path`` after applying ``fd`` to ``original`` (strict: context must match).
+
+    A trailing newline is kept if the original had one (or the file is new).
+    """
+    old = original.splitlines()
+    out: list[str] = []
+    pos = 0  # 0-based index of the next unconsumed original line
+    for h in fd.hunks:
+        # An empty old range names the line *after which* the hunk goes.
+        start = h.old_start if h.old_len == 0 else h.old_start - 1
+        if start < pos or start > len(old):
+            raise PatchApplyError(f"{fd.path}: hunk at line {h.old_start} out of order or range")
+        out += old[pos:start]
+        pos = start
+        for tag, text in h.body:
+            if tag == "+":
+                out.append(text)
+                continue
+            if pos >= len(old) or old[pos] != text:
+                raise PatchApplyError(f"{fd.path}:{pos + 1}: hunk expects {text!r}")
+            if tag == " ":
+                out.append(old[pos])
+            pos += 1
+    out += old[pos:]
+    trailing = original.endswith("\n") or not original
+    return "\n".join(out) + ("\n" if out and trailing else "")
+
+
+def apply_patch(repo_files: dict[str, str], patch: ParsedPatch) -> dict[str, str]:
+    """The repository snapshot after ``patch`` (deleted files removed). Raises PatchApplyError."""
+    out = dict(repo_files)
+    for fd in patch.files:
+        if fd.is_deleted:
+            out.pop(fd.path, None)
+            continue
+        out[fd.path] = apply_file_diff("" if fd.is_new else out.get(fd.path, ""), fd)
+    return out
+
+
 def split_by_file(text: str) -> dict[str, str]:
-    """Each file's part of a patch (headers and hunks), keyed like ``FileDiff.path``."""
+    """Each file's part of a patch (headers and hunks), keyed like ``FileDiff.path``.
+
+    Hunk line counts are honoured, so a removed ``-- x`` line (``--- x`` in the diff) inside a
+    hunk is not mistaken for a file header.
+    """
     out: dict[str, str] = {}
     lines = text.splitlines(keepends=True)
-    starts = [
-        i
-        for i in range(len(lines) - 1)
-        if lines[i].startswith("--- ") and lines[i + 1].startswith("+++ ")
-    ]
-    for k, i in enumerate(starts):
-        end = starts[k + 1] if k + 1 < len(starts) else len(lines)
-        old, new = _strip_prefix(lines[i][4:]), _strip_prefix(lines[i + 1][4:])
-        out[old if new == "/dev/null" else new] = "".join(lines[i:end])
+    path, chunk, left_old, left_new = None, [], 0, 0
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        in_hunk = left_old > 0 or left_new > 0
+        if (
+            not in_hunk
+            and line.startswith("--- ")
+            and i + 1 < len(lines)
+            and lines[i + 1].startswith("+++ ")
+        ):
+            if path is not None:
+                out[path] = "".join(chunk)
+            old, new = _strip_prefix(line[4:]), _strip_prefix(lines[i + 1][4:])
+            path, chunk = (old if new == "/dev/null" else new), [line, lines[i + 1]]
+            i += 2
+            continue
+        m = _HUNK_RE.match(line) if not in_hunk else None
+        if m:
+            left_old, left_new = int(m.group(2) or 1), int(m.group(4) or 1)
+        elif in_hunk and not line.startswith("\\"):
+            tag = line[:1]
+            left_old -= tag in ("-", " ", "\n", "")
+            left_new -= tag in ("+", " ", "\n", "")
+        chunk.append(line)
+        i += 1
+    if path is not None:
+        out[path] = "".join(chunk)
     return out
 
 
