@@ -1,10 +1,31 @@
 """Grading: verdict schema and validation, heuristic and agentic graders, asynchronous pool.
 
 See ``schema`` for the verdict contract, ``heuristic`` for the embedded default grader,
-``agentic`` for the LLM tool-loop grader and ``pool`` for overlapping grading with generation.
+``agentic`` for the LLM tool-loop grader (``scripted`` holds a deterministic policy for it),
+``pool`` for overlapping grading with generation, ``adapters`` for task families and sandboxed
+checks, and ``testing`` for graders with known (slow, crashing, hanging, garbage) behaviour.
 """
 
-from gagar_jax.grading.diffs import FileDiff, Hunk, ParsedPatch, is_test_path, parse_unified_diff
+from gagar_jax.grading.agentic import (
+    PROMPT_VERSION,
+    TOOLS,
+    AgenticGrader,
+    CheckResult,
+    NoCheckRunner,
+    load_prompt,
+    merge_votes,
+)
+from gagar_jax.grading.diffs import (
+    FileDiff,
+    Hunk,
+    ParsedPatch,
+    PatchApplyError,
+    apply_patch,
+    is_test_path,
+    parse_unified_diff,
+)
+from gagar_jax.grading.heuristic import HeuristicConfig, HeuristicGrader, infer_scope
+from gagar_jax.grading.pool import GradingPool, VerdictCache, accept_output, grade_all
 from gagar_jax.grading.schema import (
     CLAIMS,
     DIMENSIONS,
@@ -31,6 +52,22 @@ from gagar_jax.grading.schema import (
 )
 
 __all__ = [
+    "PROMPT_VERSION",
+    "TOOLS",
+    "AgenticGrader",
+    "CheckResult",
+    "GradingPool",
+    "HeuristicConfig",
+    "HeuristicGrader",
+    "NoCheckRunner",
+    "PatchApplyError",
+    "VerdictCache",
+    "accept_output",
+    "apply_patch",
+    "grade_all",
+    "infer_scope",
+    "load_prompt",
+    "merge_votes",
     "CLAIMS",
     "DIMENSIONS",
     "EVIDENCE_KINDS",
