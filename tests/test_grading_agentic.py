@@ -268,3 +268,55 @@ def test_prompts_are_versioned_package_files():
         "run_check",
         "submit_verdict",
     }
+
+
+def _vote(ws, tiers_ranks, cheat_for=None):
+    fix_line = ws.candidate("alpha-minimal").parsed_patch.files[0].added[0][0]
+    js = []
+    for cid, (tier, rank) in tiers_ranks.items():
+        ev = (schema.Evidence("minimality", "patch", cid, file="pkg/core.py", line=fix_line),)
+        scores = {d: 1.0 for d in schema.DIMENSIONS} | ({"minimality": 0.3} if tier > 1 else {})
+        cheat = cid == cheat_for
+        if cheat:
+            ev += (schema.Evidence("cheat", "execution", cid, quote="1 passed"),)
+        js.append(schema.Judgement(cid, tier, rank, scores, cheat, "leak" if cheat else "", ev))
+    return schema.validate(schema.Verdict(ws.group_id, tuple(js), "agentic", "v1"), ws)
+
+
+def test_merge_votes_majority_ties_and_agreement():
+    from gagar_jax.grading.agentic import merge_votes
+
+    ws = group()
+    a, b, c = "alpha-minimal", "bravo-debug", "charlie-sprawl"
+    votes = [
+        _vote(ws, {a: (1, 1), b: (2, 2), c: (3, 3)}, cheat_for=c),
+        _vote(ws, {a: (1, 1), b: (1, 1), c: (3, 2)}, cheat_for=c),
+        _vote(ws, {a: (1, 1), b: (2, 2), c: (2, 2)}),
+    ]
+    v = merge_votes(votes, ws, latency_s=1.0)
+    j = {x.candidate_id: x for x in v.judgements}
+    assert (j[a].tier, j[b].tier, j[c].tier) == (1, 2, 3)  # majorities
+    assert j[c].cheat and "leak" in j[c].cheat_reason  # 2 of 3 votes
+    assert j[a].rank < j[b].rank < j[c].rank
+    assert v.votes == 3 and v.agreement == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)
+    # A 1-1 split goes to the worse tier.
+    two = merge_votes(votes[1:], ws, latency_s=0.0)
+    assert {x.candidate_id: x.tier for x in two.judgements}[b] == 2
+
+
+class FlakyPolicy(ScriptedGraderPolicy):
+    """The scripted policy, but answering prose whenever sampled with temperature > 0."""
+
+    def chat_completions(self, messages, **kw):
+        if kw.get("temperature", 0.0) > 0:
+            return {"choices": [{"message": {"role": "assistant", "content": "looks fine to me"}}]}
+        return super().chat_completions(messages, **kw)
+
+
+def test_too_few_accepted_votes_reject_the_group():
+    ws = group()
+    with pytest.raises(VerdictRejected) as err:
+        AgenticGrader(FlakyPolicy(), votes=3, max_steps=6).grade(ws)
+    assert err.value.reason == RejectReason.MALFORMED and "1/3 votes" in err.value.detail
+    v = AgenticGrader(FlakyPolicy(), votes=3, min_votes=1, max_steps=6).grade(ws)
+    assert v.votes == 1 and v.agreement == 1.0
