@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,data
+EXTRAS ?= test,data,parity,notebooks
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 .PHONY: setup test lint train example bench clean
@@ -25,10 +25,11 @@ test: setup lint
 train: setup
 	$(PY) scripts/gagar_example.py
 
-example: train
+example: setup
+	$(PY) scripts/gagar_example.py
 
 bench: setup
-	$(PY) benchmarks/advantages.py
+	XLA_FLAGS= $(PY) benchmarks/advantages.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -15,6 +15,7 @@ INSTALL_REQUIRES = [
     "numpy>=2.0",
     # gagar_jax.rollout: the SGLang client (the server itself lives in .venv-sglang).
     "httpx>=0.27",
+    "safetensors>=0.6",
 ]
 
 EXTRAS_REQUIRE = {
@@ -22,8 +23,11 @@ EXTRAS_REQUIRE = {
     "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6.100", "ruff>=0.6"],
     # TFDS builders for task pools (no TensorFlow needed for array_record).
     "data": ["tensorflow-datasets>=4.9.10"],
+    # Parity tests against Hugging Face transformers (CPU torch; pinned in constraints.txt:
+    # an unpinned torch pulls a multi-GB CUDA build).
+    "parity": ["torch==2.13.0", "transformers==5.24.0"],
     # Executed notebooks.
-    "notebooks": ["ipykernel", "nbclient", "nbformat", "nbmake"],
+    "notebooks": ["ipykernel", "nbclient", "nbformat", "matplotlib"],
 }
 
 setuptools.setup(
