@@ -15,6 +15,7 @@ Start-up ~40 s; the five chat calls of ~3.7k-token prompts ~15 s on 2 shared cor
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -40,8 +41,12 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def grading_server(tmp_path_factory):
-    model = sglang_server.make_tiny_model(tmp_path_factory.mktemp("grading") / "tiny", seed=0)
+def grading_server(request, tmp_path_factory):
+    model = tmp_path_factory.mktemp("grading") / "tiny"
+    try:  # reuse the session's tiny model (tests/sglang_fixtures.py) when it is there
+        shutil.copytree(request.getfixturevalue("tiny_sglang_model"), model)
+    except pytest.FixtureLookupError:
+        sglang_server.make_tiny_model(model, seed=0)
     # RoPE has no length limit; the tiny model's config only declares 2048 positions.
     cfg_path = model / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -85,8 +90,8 @@ def test_tiny_random_model_fails_safe(grading_server):
     adv, orig = run_kernels(res, groups)
     assert np.isfinite(adv).all() and (adv == orig).all()
 
-
-def test_tiny_random_model_without_tools_is_rejected(grading_server):
+    # Without tool schemas (plain-text protocol) the same: a named rejection, never a verdict.
+    # (One test function, so that pytest-xdist never starts this module's server twice.)
     client = sglang_client.SGLangClient(grading_server.url, max_retries=1, request_timeout_s=60)
     grader = AgenticGrader(client, max_steps=1, max_tokens=16, use_tools=False, time_budget_s=60)
     with pytest.raises(VerdictRejected) as err:
