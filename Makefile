@@ -30,6 +30,7 @@ example: setup
 
 bench: setup
 	XLA_FLAGS= $(PY) benchmarks/advantages.py
+	$(PY) benchmarks/grading.py --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
