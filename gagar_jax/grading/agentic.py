@@ -438,7 +438,10 @@ class AgenticGrader:
         )
 
     def _accept(self, output: str | Mapping, view: AnonymisedView, t0: float) -> Verdict:
-        return schema.parse_verdict(
+        # Vote metadata is the grader's to report, never the model's.
+        if isinstance(output, Mapping):
+            output = {k: v for k, v in output.items() if k not in ("votes", "agreement")}
+        v = schema.parse_verdict(
             output,
             view.workspace,
             grader_id=self.grader_id,
@@ -447,6 +450,7 @@ class AgenticGrader:
             check_logs=view.check_logs,
             id_map=view.real_of,
         )
+        return dataclasses.replace(v, votes=1, agreement=None)
 
     @staticmethod
     def _feedback(e: VerdictRejected) -> str:
