@@ -222,3 +222,27 @@ def test_fallback_arrays_feed_finite_advantages():
     assert np.isfinite(adv).all()
     # Fallback groups keep their original advantages exactly.
     np.testing.assert_allclose(adv[:3], np.asarray(out.original)[:3], rtol=0, atol=1e-6)
+
+
+def test_async_results_keep_the_event_loop_free():
+    import asyncio
+
+    async def main(pool, ws):
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        (r,) = await pool.aresults([ws.group_id], timeout=10)
+        t.cancel()
+        return r, ticks
+
+    ws = make_group(0)
+    with GradingPool(SleepGrader(0.3), deadline_s=10) as pool:
+        pool.submit(ws)
+        r, ticks = asyncio.run(main(pool, ws))
+    assert r.verdict is not None and ticks >= 5

@@ -29,6 +29,7 @@ transient outcomes (deadline, crash, cancel) are not.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import hashlib
@@ -263,6 +264,12 @@ class GradingPool:
                 if not keep:
                     del self._jobs[g]
             return out
+
+    async def aresults(
+        self, group_ids: Iterable[str], timeout: float | None = None, *, keep: bool = False
+    ) -> list[GradeResult]:
+        """``results`` for asyncio callers (waits in a worker thread; the event loop stays free)."""
+        return await asyncio.to_thread(self.results, list(group_ids), timeout, keep=keep)
 
     def cancel(self, group_id: str) -> bool:
         """Cancels a queued or running group (result: ``cancelled``); False if none is pending."""
