@@ -49,3 +49,40 @@ def test_new_deleted_and_mismatched_files():
     assert diffs.parse_unified_diff("not a diff at all\n@@ nonsense").files == ()
     assert diffs.is_test_path("tests/x.py") and diffs.is_test_path("pkg/test_y.py")
     assert not diffs.is_test_path("pkg/core.py")
+
+
+GIT_DIFF = "\n".join(
+    [
+        "diff --git a/src/lib.py b/src/lib.py",
+        "index 3b18e51..a9c2f7e 100644",
+        "--- a/src/lib.py",
+        "+++ b/src/lib.py",
+        "@@ -10,5 +10,6 @@ class Parser:",
+        "     def parse(self, text):",
+        '-        return text.split(",")',
+        '+        parts = text.split(",")',
+        "+        return [p.strip() for p in parts]",
+        " ",
+        "     def close(self):",
+        "         pass",
+        "\\ No newline at end of file",
+        "diff --git a/src/new_mod.py b/src/new_mod.py",
+        "new file mode 100644",
+        "index 0000000..e69de29",
+        "--- /dev/null",
+        "+++ b/src/new_mod.py",
+        "@@ -0,0 +1 @@",
+        "+VALUE = 1",
+        "",
+    ]
+)
+
+
+def test_git_style_diff_headers():
+    pp = diffs.parse_unified_diff(GIT_DIFF)
+    assert pp.paths == ("src/lib.py", "src/new_mod.py")
+    lib, new = pp.files
+    assert [n for n, _ in lib.added] == [11, 12] and [n for n, _ in lib.removed] == [11]
+    assert new.is_new and new.added == [(1, "VALUE = 1")]
+    assert pp.has_location("src/lib.py", 12) and not pp.has_location("src/lib.py", 40)
+    assert set(diffs.split_by_file(GIT_DIFF)) == {"src/lib.py", "src/new_mod.py"}

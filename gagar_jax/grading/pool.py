@@ -363,6 +363,7 @@ class GradingPool:
             if result.fallback_reason in (FallbackReason.DEADLINE, FallbackReason.CANCELLED):
                 job.cancel.set()
                 if job.thread is not None and job.thread.is_alive():
+                    self._abandoned = [t for t in self._abandoned if t.is_alive()]
                     self._abandoned.append(job.thread)
         if not result.cached and job.started_at is not None:
             self._latencies.append(result.latency_s)
