@@ -247,6 +247,11 @@ def test_agentic_grader_in_pool():
             pool.submit(ws)
         res = pool.results([ws.group_id for ws in groups], timeout=30)
     assert all(r.verdict is not None for r in res)
+    with GradingPool(AgenticGrader(ScriptedGraderPolicy(), votes=3), deadline_s=30) as pool:
+        pool.submit(groups[0])
+        pool.results([groups[0].group_id], timeout=30)
+        m = pool.metrics()
+        assert m["voted_groups"] == 1 and m["vote_agreement_mean"] == 1.0
     with GradingPool(AgenticGrader(ScriptedGraderPolicy(), max_steps=1), deadline_s=30) as pool:
         pool.submit(groups[0])
         (r,) = pool.results([groups[0].group_id], timeout=30)

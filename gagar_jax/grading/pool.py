@@ -184,6 +184,8 @@ class GradingPool:
         self._fallbacks: collections.Counter[str] = collections.Counter()
         self._tiers: collections.Counter[int] = collections.Counter()
         self._latencies: collections.deque[float] = collections.deque(maxlen=10_000)
+        self._waits: collections.deque[float] = collections.deque(maxlen=10_000)
+        self._agreements: collections.deque[float] = collections.deque(maxlen=10_000)
         self._max_queue = 0
         self._abandoned: list[threading.Thread] = []  # threads past their deadline, still running
         self._supervisor = threading.Thread(
@@ -302,7 +304,11 @@ class GradingPool:
         self.close()
 
     def metrics(self) -> dict[str, float]:
-        """A flat dict of scalars (see the module docstring for the fallback keys)."""
+        """A flat dict of scalars (see the module docstring for the fallback keys).
+
+        ``latency_*`` is grading time (start to result), ``queue_wait_mean_s`` submission to start,
+        ``vote_agreement_mean`` the self-consistency agreement over ``voted_groups`` (0 when none).
+        """
         with self._cond:
             lat = np.asarray(self._latencies, np.float64)
             finished = self._counts["accepted"] + sum(self._fallbacks.values())
@@ -320,6 +326,11 @@ class GradingPool:
                 "latency_p50_s": float(np.percentile(lat, 50)) if lat.size else 0.0,
                 "latency_p95_s": float(np.percentile(lat, 95)) if lat.size else 0.0,
                 "latency_max_s": float(lat.max()) if lat.size else 0.0,
+                "queue_wait_mean_s": float(np.mean(self._waits)) if self._waits else 0.0,
+                "voted_groups": len(self._agreements),
+                "vote_agreement_mean": float(np.mean(self._agreements))
+                if self._agreements
+                else 0.0,
                 "fallback_rate": sum(self._fallbacks.values()) / max(finished, 1),
                 "t1_share": self._tiers[1] / max(judged, 1),
             }
@@ -371,6 +382,8 @@ class GradingPool:
             self._counts["accepted"] += 1
             for j in result.verdict.judgements:
                 self._tiers[j.tier] += 1
+            if result.verdict.agreement is not None:
+                self._agreements.append(result.verdict.agreement)
         else:
             self._fallbacks[result.fallback_reason.value] += 1
         self._cond.notify_all()
@@ -395,6 +408,7 @@ class GradingPool:
                     gid = self._queue.popleft()
                     job = self._jobs[gid]
                     job.started_at = time.monotonic()
+                    self._waits.append(job.started_at - job.submitted_at)
                     self._running.add(gid)
                     job.thread = threading.Thread(
                         target=self._work, args=(job,), name=f"grade-{gid}", daemon=True
