@@ -386,17 +386,35 @@ class AgenticGrader:
                 messages.append({"role": "user", "content": "Your last reply was empty. Continue."})
                 continue
             content = message.get("content") or ""
-            tool_calls = message.get("tool_calls") or []
-            if not isinstance(tool_calls, list):
-                tool_calls = []
+            if not isinstance(content, str):
+                content = str(content)
+            raw_calls = message.get("tool_calls") or []
+            if not isinstance(raw_calls, list):
+                raw_calls = [raw_calls]
+            decoded = [_decode_call(call, k) for k, call in enumerate(raw_calls)]
+            good = [(name, args, cid) for name, args, cid, err in decoded if err is None]
+            errors = [err for _, _, _, err in decoded if err is not None]
+            # Echo only well-formed calls (re-encoded): a strict server rejects a conversation
+            # whose tool messages answer calls it cannot parse.
+            echoed = [
+                {
+                    "id": cid,
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(args)},
+                }
+                for name, args, cid in good
+            ]
             messages.append(
                 {
                     "role": "assistant",
-                    "content": content,
-                    **({"tool_calls": tool_calls} if tool_calls else {}),
+                    "content": _clip(content, 4000),
+                    **({"tool_calls": echoed} if echoed else {}),
                 }
             )
-            if not tool_calls:
+            if errors:
+                stats.bad_tool_calls += len(errors)
+                self._count("bad_tool_calls", len(errors))
+            if not raw_calls:
                 try:
                     return self._accept(content, view, t0)
                 except VerdictRejected as e:
@@ -404,13 +422,7 @@ class AgenticGrader:
                     stats.rejections[e.reason] += 1
                     messages.append({"role": "user", "content": self._feedback(e)})
                     continue
-            for k, call in enumerate(tool_calls):
-                name, args, call_id, err = _decode_call(call, k)
-                if err is not None:
-                    stats.bad_tool_calls += 1
-                    self._count("bad_tool_calls")
-                    messages.append(_tool_msg(call_id, f"error: {err}"))
-                    continue
+            for name, args, call_id in good:
                 stats.tool_calls[name] += 1
                 self._count(f"tool/{name}")
                 if name == "submit_verdict":
@@ -428,6 +440,11 @@ class AgenticGrader:
                     self._count("bad_tool_calls")
                     out = f"error: {type(e).__name__}: {e}"
                 messages.append(_tool_msg(call_id, _clip(out)))
+            if errors:
+                last = last or VerdictRejected(RejectReason.MALFORMED, "malformed tool calls")
+                messages.append(
+                    {"role": "user", "content": "Malformed tool calls: " + "; ".join(errors)}
+                )
         if last is not None:
             raise VerdictRejected(
                 last.reason, f"no valid verdict in {stats.steps} steps; last: {last.detail}"
@@ -556,9 +573,9 @@ class AgenticGrader:
             return f"status: {res.status}\n{log}"
         raise ValueError(f"unknown tool {name!r}; tools: {TOOL_NAMES}")
 
-    def _count(self, key: str) -> None:
+    def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
-            self.metrics[key] += 1
+            self.metrics[key] += n
 
 
 def _first_message(response: Any) -> dict | None:
