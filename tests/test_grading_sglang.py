@@ -30,14 +30,12 @@ sglang_client = pytest.importorskip("gagar_jax.rollout.sglang_client")
 sglang_server = pytest.importorskip("gagar_jax.rollout.sglang_server")
 
 HAVE_SGLANG = sglang_server.sglang_python().exists()
-pytestmark = [
-    pytest.mark.skipif(
-        not HAVE_SGLANG,
-        reason=f"no SGLang venv at {sglang_server.sglang_python().parent.parent}: "
-        "build it with scripts/setup_sglang.sh",
-    ),
-    pytest.mark.xdist_group("sglang"),
-]
+NEEDS_SGLANG = pytest.mark.skipif(
+    not HAVE_SGLANG,
+    reason=f"no SGLang venv at {sglang_server.sglang_python().parent.parent}: "
+    "build it with scripts/setup_sglang.sh",
+)
+pytestmark = pytest.mark.xdist_group("sglang")
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +69,7 @@ def _group(i: int) -> schema.GroupWorkspace:
     return schema.GroupWorkspace(f"real-{i}", "Fix add() in pkg/core.py", BASE_REPO, c)
 
 
+@NEEDS_SGLANG
 def test_tiny_random_model_fails_safe(grading_server):
     client = sglang_client.SGLangClient(grading_server.url, max_retries=1, request_timeout_s=60)
     grader = AgenticGrader(client, max_steps=2, max_tokens=16, temperature=1.0, time_budget_s=60)
