@@ -9,6 +9,7 @@ from grading_strategies import BASE_REPO, EXTRA_EDITS, FIX, apply_edits
 
 from gagar_jax.grading import schema
 from gagar_jax.grading.agentic import TOOL_NAMES, AgenticGrader, CheckResult, load_prompt
+from gagar_jax.grading.heuristic import HeuristicGrader
 from gagar_jax.grading.pool import GradingPool
 from gagar_jax.grading.schema import FallbackReason, RejectReason, VerdictRejected
 from gagar_jax.grading.scripted import ScriptedGraderPolicy
@@ -325,3 +326,21 @@ def test_too_few_accepted_votes_reject_the_group():
     assert err.value.reason == RejectReason.MALFORMED and "1/3 votes" in err.value.detail
     v = AgenticGrader(FlakyPolicy(), votes=3, min_votes=1, max_steps=6).grade(ws)
     assert v.votes == 1 and v.agreement == 1.0
+
+
+def test_real_ids_are_not_accepted_from_an_anonymised_grader():
+    from gagar_jax.grading.agentic import AnonymisedView
+
+    ws = group()
+    view = AnonymisedView(ws, seed=0)
+    good = HeuristicGrader().grade(ws)
+    obj = schema.verdict_to_dict(good)  # real ids: what a model could only guess
+    with pytest.raises(VerdictRejected) as err:
+        schema.parse_verdict(obj, ws, grader_id="a", grader_version="1", id_map=view.real_of)
+    assert err.value.reason == RejectReason.EXTRA_CANDIDATE
+    for item in obj["verdicts"]:  # the same verdict in aliases is accepted and mapped back
+        item["candidate"] = view.alias_of[item["candidate"]]
+        for ev in item["evidence"]:
+            ev["candidate"] = view.alias_of[ev["candidate"]]
+    v = schema.parse_verdict(obj, ws, grader_id="a", grader_version="1", id_map=view.real_of)
+    assert {j.candidate_id for j in v.judgements} == {j.candidate_id for j in good.judgements}

@@ -632,8 +632,9 @@ def parse_verdict(
       workspace: the group judged (validation target).
       grader_id, grader_version, latency_s: recorded on the verdict.
       check_logs: see ``validate``.
-      id_map: alias -> real candidate id (anonymised graders); unknown aliases are left as they are
-        and then rejected by validation.
+      id_map: alias -> real candidate id (anonymised graders). When given, every candidate named
+        in the output must be an alias: a real id (which the grader never saw) or an unknown name
+        is rejected (``extra_candidate`` for a judgement, ``nonexistent_evidence`` for evidence).
 
     Raises:
       VerdictRejected: malformed output, or any validation failure.
@@ -643,7 +644,14 @@ def parse_verdict(
         raise VerdictRejected(
             RejectReason.MALFORMED, f"expected an object, got {type(obj).__name__}"
         )
-    id_map = id_map or {}
+
+    def real(name: str, reason: RejectReason, where: str) -> str:
+        if id_map is None:
+            return name
+        if name not in id_map:
+            raise VerdictRejected(reason, f"{where}: unknown candidate {name!r}")
+        return id_map[name]
+
     items = _need(obj, "verdicts", list, "verdict")
     judgements = []
     for i, item in enumerate(items):
@@ -703,7 +711,7 @@ def parse_verdict(
                 Evidence(
                     claim=claim,
                     kind=kind,
-                    candidate_id=id_map.get(ev_cid, ev_cid),
+                    candidate_id=real(ev_cid, RejectReason.NONEXISTENT_EVIDENCE, ew),
                     file=_opt(ev, "file", str, ew),
                     line=_opt(ev, "line", int, ew),
                     event=_opt(ev, "event", int, ew),
@@ -713,7 +721,7 @@ def parse_verdict(
             )
         judgements.append(
             Judgement(
-                candidate_id=id_map.get(cid, cid),
+                candidate_id=real(cid, RejectReason.EXTRA_CANDIDATE, where),
                 tier=tier,
                 rank=rank,
                 scores=scores,
