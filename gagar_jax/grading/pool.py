@@ -263,8 +263,9 @@ class GradingPool:
                     out.append(GradeResult(g, None, FallbackReason.NOT_SUBMITTED))
                     continue
                 out.append(job.result)
-                if not keep:
-                    del self._jobs[g]
+            if not keep:
+                for g in ids:
+                    self._jobs.pop(g, None)
             return out
 
     async def aresults(
