@@ -246,3 +246,12 @@ def test_async_results_keep_the_event_loop_free():
         pool.submit(ws)
         r, ticks = asyncio.run(main(pool, ws))
     assert r.verdict is not None and ticks >= 5
+
+
+def test_cache_key_depends_on_grader_settings():
+    from gagar_jax.grading.heuristic import HeuristicConfig
+
+    ws = make_group(0)
+    a = VerdictCache.key(ws, HeuristicGrader())
+    assert a == VerdictCache.key(ws, HeuristicGrader())
+    assert a != VerdictCache.key(ws, HeuristicGrader(HeuristicConfig(t1_at_least=0.9)))

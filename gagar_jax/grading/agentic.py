@@ -314,6 +314,23 @@ class AgenticGrader:
         self.task_template = string.Template(load_prompt("task", prompt_version))
         self.use_tools = use_tools
         self.version = f"{prompt_version}"
+        settings = (
+            prompt_version,
+            max_steps,
+            self.time_budget_s,
+            max_tokens,
+            temperature,
+            votes,
+            vote_temperature,
+            self.min_votes,
+            seed,
+            use_tools,
+            type(client).__name__,
+            getattr(client, "base_url", ""),
+            type(self.check_runner).__name__,
+        )
+        digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
+        self.cache_id = f"{self.grader_id}@{prompt_version}/{digest}"
         self._lock = threading.Lock()
         self.metrics: collections.Counter[str] = collections.Counter()
 

@@ -252,6 +252,7 @@ class HeuristicGrader:
 
     def __init__(self, config: HeuristicConfig | None = None):
         self.config = config or HeuristicConfig()
+        self.cache_id = f"{GRADER_ID}@{GRADER_VERSION}/{self.config!r}"
 
     def grade(self, workspace: schema.GroupWorkspace, cancel=None) -> Verdict:  # noqa: ARG002
         """Grades ``workspace``; the verdict always passes ``schema.validate``."""

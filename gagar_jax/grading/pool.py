@@ -101,7 +101,8 @@ class VerdictCache:
     @staticmethod
     def key(workspace: GroupWorkspace, grader: Any) -> str:
         name = getattr(grader, "grader_id", type(grader).__name__)
-        gid = f"{name}@{getattr(grader, 'version', '')}"
+        # A grader may fingerprint its settings (model, budgets, thresholds) in ``cache_id``.
+        gid = getattr(grader, "cache_id", None) or f"{name}@{getattr(grader, 'version', '')}"
         return hashlib.sha256(f"{gid}\n{workspace.content_key()}".encode()).hexdigest()
 
     def __len__(self) -> int:
