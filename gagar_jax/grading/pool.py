@@ -20,8 +20,9 @@ threads. So a hanging grader costs one thread, never a slot, a step or the run. 
 be killed hard belongs in a subprocess or behind a server with its own timeout (the agentic
 grader's client has one).
 
-The cache is keyed by the workspace's content and the grader's id and version, so a resumed run
-(same rollouts, same grader) does not re-grade; with ``cache_path`` it is a JSON-lines file read
+The cache is keyed by the workspace's content and the grader's ``cache_id`` (its id, version and
+settings; ``grader_id@version`` if absent), so a resumed run (same rollouts, same grader) does not
+re-grade; with ``cache_path`` it is a JSON-lines file read
 at start and appended to after each grading (a torn last line from a crash is skipped). Accepted
 verdicts and validation rejections are cached (both are the grader's answer to that content);
 transient outcomes (deadline, crash, cancel) are not.
