@@ -22,8 +22,8 @@ grader's client has one).
 
 The cache is keyed by the workspace's content and the grader's ``cache_id`` (its id, version and
 settings; ``grader_id@version`` if absent), so a resumed run (same rollouts, same grader) does not
-re-grade; with ``cache_path`` it is a JSON-lines file read
-at start and appended to after each grading (a torn last line from a crash is skipped). Accepted
+re-grade; with ``cache=<path>`` it is a JSON-lines file read at start and appended to after each
+grading (a torn last line from a crash is skipped). Accepted
 verdicts and validation rejections are cached (both are the grader's answer to that content);
 transient outcomes (deadline, crash, cancel) are not.
 """
