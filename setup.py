@@ -22,7 +22,8 @@ EXTRAS_REQUIRE = {
     # Everything the test suite needs besides the core.
     "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6.100", "ruff>=0.6"],
     # TFDS builders for task pools (no TensorFlow needed for array_record).
-    "data": ["tensorflow-datasets>=4.9.10"],
+    # (tfds 4.9.10 imports importlib_resources for builders outside its package.)
+    "data": ["tensorflow-datasets>=4.9.10", "importlib_resources>=6"],
     # Parity tests against Hugging Face transformers (CPU torch; pinned in constraints.txt:
     # an unpinned torch pulls a multi-GB CUDA build).
     "parity": ["torch==2.13.0", "transformers==5.24.0"],
