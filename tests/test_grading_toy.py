@@ -89,3 +89,23 @@ def test_sandbox_check_runner_runs_patched_repository():
     assert unfixed.status == "passed" and "\n-1\n" in unfixed.log, unfixed.log
     failing = runner.run(ws, ws.candidates[0], "python -c 'raise SystemExit(3)'")
     assert failing.status == "failed"
+
+
+def test_sandbox_check_runner_runs_pytest_on_the_patched_repository():
+    pytest.importorskip("gagar_jax.verify.sandbox", reason="sandbox (issue 5) not merged yet")
+    from grading_strategies import BASE_REPO, FIX, apply_edits
+
+    ws = schema.GroupWorkspace(
+        "g-pytest",
+        "fix add",
+        BASE_REPO,
+        [
+            schema.Candidate("fixed", apply_edits(BASE_REPO, [FIX]), True, "ok"),
+            schema.Candidate("unfixed", "", True, "ok"),
+        ],
+    )
+    runner = adapters.SandboxCheckRunner()
+    cmd = "python -m pytest -q -p no:cacheprovider tests/test_core.py"
+    fixed, unfixed = (runner.run(ws, c, cmd) for c in ws.candidates)
+    assert fixed.status == "passed" and "1 passed" in fixed.log, fixed.log
+    assert unfixed.status == "failed" and "1 failed" in unfixed.log, unfixed.log

@@ -150,18 +150,23 @@ class SandboxCheckRunner:
       limits: ``gagar_jax.verify.sandbox.Limits`` (default: 30 s wall, 30 CPU seconds).
       config: ``gagar_jax.verify.sandbox.SandboxConfig`` (default: strongest mechanism).
       ro_paths: host paths the command may read (e.g. the site-packages that holds pytest).
-      python: interpreter substituted for a leading ``python``/``python3`` (readable after the
-        sandbox's uid drop; the system one by default).
+      python: interpreter substituted for a leading ``python``/``python3``; by default
+        ``verify.sandbox.python_for_sandbox()`` (one the dropped uid can run), whose
+        site-packages (pytest) is then exposed read-only on ``PYTHONPATH``.
     """
 
-    def __init__(self, limits=None, config=None, ro_paths=(), python: str = "/usr/bin/python3"):
+    def __init__(self, limits=None, config=None, ro_paths=(), python: str | None = None):
         from gagar_jax.verify import sandbox
 
         self._sandbox = sandbox
         self.limits = limits or sandbox.Limits(wall_s=30.0, cpu_s=30)
         self.config = config
-        self.ro_paths = tuple(ro_paths)
+        extra: tuple[str, ...] = ()
+        if python is None:
+            python, extra = sandbox.python_for_sandbox()
         self.python = python
+        self.ro_paths = tuple(ro_paths) + tuple(extra)
+        self.env = {"PYTHONPATH": os.pathsep.join(extra)} if extra else None
 
     def run(
         self, workspace: schema.GroupWorkspace, candidate: schema.Candidate, command: str
@@ -187,7 +192,7 @@ class SandboxCheckRunner:
                 with open(full, "w", encoding="utf-8") as f:
                     f.write(text)
             res = self._sandbox.run_sandboxed(
-                argv, d, self.limits, config=self.config, ro_paths=self.ro_paths
+                argv, d, self.limits, config=self.config, env=self.env, ro_paths=self.ro_paths
             )
         head = f"$ {command}\nstatus: {res.status} (sandbox: {res.mechanism})\n"
         log = head + res.stdout + res.stderr
