@@ -14,6 +14,10 @@ Any repository: ``SandboxCheckRunner`` materialises the candidate's patched repo
 temporary directory and runs the command there under ``gagar_jax.verify.run_sandboxed`` (the
 measured isolation chain), returning its status and output as the check log.
 
+Python-repository tasks (``verify.RepoTask``): ``repo_group`` verifies each candidate's unified
+diff with ``verify.verify_repo_patch`` (sandboxed pytest, JUnit verdict, behaviour monitor) and
+builds the workspace from the pristine files and the issue text.
+
 The envs and verify packages are imported lazily, so grading works without them.
 """
 
@@ -199,3 +203,49 @@ class SandboxCheckRunner:
         if res.status == "infra_error":
             return CheckResult("error", f"{log}\nsandbox error: {res.error}")
         return CheckResult(res.status, log)
+
+
+def repo_candidate(
+    candidate_id: str,
+    patch: str,
+    verification: Any,
+    *,
+    trajectory: Sequence[Any] = (),
+    summary: str = "",
+) -> schema.Candidate:
+    """A Python-repository rollout (``verify.verify_repo_patch`` result) as a grading ``Candidate``.
+
+    An infrastructure error is not a pass (and should be masked by the caller, not graded).
+    """
+    return schema.Candidate(
+        candidate_id=candidate_id,
+        patch=patch,
+        passed=bool(verification.passed),
+        test_log=verification.test_log,
+        trajectory=tuple(trajectory),
+        summary=summary,
+        monitor_flags=tuple(verification.flags),
+    )
+
+
+def repo_workspace(
+    task: Any, group_id: str, candidates: Sequence[schema.Candidate]
+) -> schema.GroupWorkspace:
+    """The workspace of a ``verify.RepoTask``: issue text and pristine files (scope inferred)."""
+    return schema.GroupWorkspace(
+        group_id=group_id,
+        task_text=task.issue,
+        repo_files=dict(task.files),
+        candidates=tuple(candidates),
+    )
+
+
+def repo_group(task: Any, group_id: str, patches: Sequence[str], **verify_kwargs: Any):
+    """Verifies each patch in the sandbox; builds the workspace (candidates ``r0``, ``r1``, ...)."""
+    from gagar_jax.verify.repo import verify_repo_patch
+
+    cands = [
+        repo_candidate(f"r{k}", p, verify_repo_patch(task, p, **verify_kwargs))
+        for k, p in enumerate(patches)
+    ]
+    return repo_workspace(task, group_id, cands)
