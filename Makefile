@@ -38,6 +38,7 @@ example: setup
 
 bench: setup
 	XLA_FLAGS= $(PY) benchmarks/advantages.py
+	$(PY) benchmarks/grading.py --quick
 	$(PY) benchmarks/verify.py
 
 clean:

@@ -13,6 +13,8 @@ INSTALL_REQUIRES = [
     "absl-py>=2.0",
     "ml-collections>=1.1",
     "numpy>=2.0",
+    # gagar_jax.rollout: the SGLang client (the server itself lives in .venv-sglang).
+    "httpx>=0.27",
     "safetensors>=0.6",
 ]
 
@@ -34,6 +36,8 @@ setuptools.setup(
     version="0.1.0",
     description=__doc__,
     packages=setuptools.find_packages(include=["gagar_jax", "gagar_jax.*"]),
+    # Versioned grader prompts (gagar_jax/grading/prompts/<version>/*.md).
+    package_data={"gagar_jax.grading": ["prompts/*/*.md"]},
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
