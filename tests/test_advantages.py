@@ -26,7 +26,7 @@ ATOL = 1e-5
 def graded_groups(draw, binary=None, max_groups=6, max_k=8):
     """A dense batch of ragged groups with grader outputs, as numpy arrays."""
     # A few fixed sizes (ragged groups come from `valid`): each new shape costs a jit compile.
-    g = draw(st.sampled_from([1, 2, max_groups]))
+    g = draw(st.sampled_from([1, max_groups]))
     k = draw(st.sampled_from([1, 4, max_k]))
     shape = (g, k)
     valid = draw(hnp.arrays(bool, shape, elements=st.booleans()))
@@ -78,15 +78,16 @@ def test_worked_example_binary():
     # mean_P(f) = 1.9/3, and A*_i = (1 - mean) f_i / mean_P(f) = 0.4 * 3 f_i / 1.9:
     # 1.2/1.9 = 0.631579, 0.72/1.9 = 0.378947, 0.36/1.9 = 0.189474 (sum 1.2 = S+).
     r = np.array([[1, 1, 1, 0, 0]], np.float32)
-    out = adv.gagar_advantages(
-        r,
-        r > 0,
-        np.zeros_like(r, bool),
-        np.array([[1, 2, 3, 1, 1]]),
-        np.array([[1, 2, 3, 4, 4]]),
-        np.array([True]),
-        np.ones_like(r, bool),
+    group = dict(
+        rewards=r,
+        passed=r > 0,
+        cheat=np.zeros_like(r, bool),
+        tier=np.array([[1, 2, 3, 1, 1]]),
+        rank=np.array([[1, 2, 3, 4, 4]]),
+        graded=np.array([True]),
+        valid=np.ones_like(r, bool),
     )
+    out = adv.gagar_advantages(**group)
     np.testing.assert_allclose(
         out.advantages, [[1.2 / 1.9, 0.72 / 1.9, 0.36 / 1.9, -0.6, -0.6]], atol=1e-6
     )
@@ -94,17 +95,7 @@ def test_worked_example_binary():
     assert float(out.metrics["credit/max_conservation_error"]) < 1e-6
     # Discount only: 0.4 * (1, 0.6, 0.3) = (0.4, 0.24, 0.12): positive credit falls 1.2 -> 0.76
     # while the negative side stays -1.2, a credit ratio of 0.76 / 1.2 = 0.6333.
-    cfg = adv.GagarConfig(mode="discount_only")
-    out = adv.gagar_advantages(
-        r,
-        r > 0,
-        np.zeros_like(r, bool),
-        np.array([[1, 2, 3, 1, 1]]),
-        np.array([[1, 2, 3, 4, 4]]),
-        np.array([True]),
-        np.ones_like(r, bool),
-        config=cfg,
-    )
+    out = adv.gagar_advantages(**group, config=adv.GagarConfig(mode="discount_only"))
     np.testing.assert_allclose(out.advantages, [[0.4, 0.24, 0.12, -0.6, -0.6]], atol=1e-6)
     np.testing.assert_allclose(out.metrics["credit/ratio"], 0.76 / 1.2, rtol=1e-6)
 
@@ -323,6 +314,7 @@ def test_flat_equals_dense_each_kernel(batch):
     lay = dict(group_ids=ids, num_groups=g)
     r, v = batch["rewards"], batch["valid"]
     for fn in (adv.mean_centered, adv.grpo_normalized, adv.rloo):
+        fn = jax.jit(fn, static_argnames="num_groups")
         np.testing.assert_allclose(
             fn(flat["rewards"], flat["valid"], **lay),
             np.asarray(fn(r, v)).reshape(-1)[perm],
@@ -404,7 +396,7 @@ def test_single_passing_rollout_unchanged():
     np.testing.assert_array_equal(out, a)
 
 
-@given(st.integers(1, 6), st.integers(2, 9), st.integers(0, 2**31 - 1))
+@given(st.sampled_from([1, 3]), st.sampled_from([2, 5, 9]), st.integers(0, 2**31 - 1))
 def test_rloo_is_scaled_mean_centered(g, k, seed):
     r = np.random.default_rng(seed).random((g, k)).astype(np.float32)
     v = np.ones((g, k), bool)

@@ -52,13 +52,15 @@ def test_round_trip_keep_n_and_fingerprint(tmp_path):
     other_ckpt = Checkpointer(str(tmp_path), model_config=MODEL, update_config=changed)
     with pytest.raises(ValueError, match="fingerprint"):
         other_ckpt.restore(abstract_train_state(MODEL, changed, mesh))
-    forced, _ = other_ckpt.restore(abstract_train_state(MODEL, changed, mesh),
-                                   allow_config_change=True)
+    forced, _ = other_ckpt.restore(
+        abstract_train_state(MODEL, changed, mesh), allow_config_change=True
+    )
     _leaves_equal(state.params, forced.params)
     other_ckpt.close()
     with pytest.raises(FileNotFoundError):
-        Checkpointer(str(tmp_path / "empty"), model_config=MODEL,
-                     update_config=CONFIG).restore(abstract_train_state(MODEL, CONFIG, mesh))
+        Checkpointer(str(tmp_path / "empty"), model_config=MODEL, update_config=CONFIG).restore(
+            abstract_train_state(MODEL, CONFIG, mesh)
+        )
 
 
 ONE = (1, 1, 1)
@@ -70,15 +72,20 @@ def _child(mode, directory, log_path, ready_path):
     state = create_train_state(MODEL, CONFIG, mesh, seed=0)
     update = jit_update(MODEL, CONFIG, mesh)
     interval = 1 if mode == "kill" else 100
-    ckpt = Checkpointer(directory, model_config=MODEL, update_config=CONFIG, keep=5,
-                        save_interval_steps=interval)
+    ckpt = Checkpointer(
+        directory, model_config=MODEL, update_config=CONFIG, keep=5, save_interval_steps=interval
+    )
     ckpt.install_sigterm_handler()
     last = 3 if mode == "kill" else 2
     with open(log_path, "w") as log:
         for step in range(1, last + 1):
             state, m = update(state, shard_batch(make_batch(seed=step), mesh))
-            log.write(json.dumps({"step": step, "loss": float(m["loss"]),
-                                  "grad_norm": float(m["grad_norm"])}) + "\n")
+            log.write(
+                json.dumps(
+                    {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
+                )
+                + "\n"
+            )
             log.flush()
             if ckpt.maybe_save(step, state, data_position=step):
                 return
@@ -93,12 +100,21 @@ def _spawn(mode, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     d = tmp_path / mode
     d.mkdir()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=root,
+    )
     paths = (str(d / "ckpt"), str(d / "log.jsonl"), str(d / "ready"))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.test_checkpoint", mode, *paths],
-                            cwd=root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.test_checkpoint", mode, *paths],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return proc, paths
 
 
@@ -170,8 +186,9 @@ def test_sigterm_during_update_flags_loop(tmp_path):
     the loop's maybe_save() then saves the new state and says stop."""
     mesh = make_mesh(ONE, devices=jax.devices()[:1])
     state = create_train_state(MODEL, CONFIG, mesh, seed=0)
-    ckpt = Checkpointer(str(tmp_path), model_config=MODEL, update_config=CONFIG,
-                        save_interval_steps=100)
+    ckpt = Checkpointer(
+        str(tmp_path), model_config=MODEL, update_config=CONFIG, save_interval_steps=100
+    )
     previous = signal.getsignal(signal.SIGTERM)
     try:
         ckpt.install_sigterm_handler()

@@ -25,8 +25,16 @@ from tests.test_update_fixtures import CONFIG, MODEL, make_batch
 # A larger Adam eps keeps the first step's update proportional to the gradient (instead of
 # ~sign(g)), so tiny cross-mesh reduction-order differences stay tiny in the parameters.
 TEST_CONFIG = dataclasses.replace(CONFIG, eps=1e-3)
-KEYS = ("loss", "pg_loss", "grad_norm", "entropy", "approx_kl", "clip_frac_low",
-        "credit/moved", "tokens")
+KEYS = (
+    "loss",
+    "pg_loss",
+    "grad_norm",
+    "entropy",
+    "approx_kl",
+    "clip_frac_low",
+    "credit/moved",
+    "tokens",
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +71,10 @@ def test_meshes_agree(initial_state):
     ref_state, ref_metrics = _run((1, 1, 1), initial_state, devices=jax.devices()[:1])
     ref_params = jax.device_get(ref_state.params)
     assert ref_metrics[0]["grad_norm"] > 0 and np.isfinite(ref_metrics[1]["loss"])
-    moved = max(float(np.abs(a - b).max()) for a, b in
-                zip(jax.tree.leaves(ref_params), jax.tree.leaves(initial_state.params)))
+    moved = max(
+        float(np.abs(a - b).max())
+        for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(initial_state.params))
+    )
     assert moved > 1e-3  # the update really changed the parameters
     for shape in ((8, 1, 1), (2, 2, 2), (1, 2, 4)):
         state, metrics = _run(shape, initial_state)
@@ -76,9 +86,13 @@ def test_sharded_init_leaf_shardings():
     mesh = make_mesh((2, 2, 2))
     state = create_train_state(MODEL, CONFIG, mesh, seed=0)
     abstract = nnx.state(abstract_model(MODEL), nnx.Param)
-    expected = nnx.to_pure_dict(jax.tree.map(
-        lambda v: logical_to_spec(v.get_metadata()["logical_axes"], v.shape, mesh),
-        abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    expected = nnx.to_pure_dict(
+        jax.tree.map(
+            lambda v: logical_to_spec(v.get_metadata()["logical_axes"], v.shape, mesh),
+            abstract,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+    )
     flat_exp = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
     leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
     assert len(leaves) == len(flat_exp)
@@ -92,15 +106,19 @@ def test_sharded_init_leaf_shardings():
     assert state.params["embed_tokens"].sharding.spec == jax.P("tensor", "fsdp")
     # Adam moments are sharded like their parameters; counters and step replicated.
     adam = state.opt_state[1][0]
-    for p, mu, nu in zip(jax.tree.leaves(state.params), jax.tree.leaves(adam.mu),
-                         jax.tree.leaves(adam.nu)):
+    for p, mu, nu in zip(
+        jax.tree.leaves(state.params), jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu)
+    ):
         assert mu.sharding.spec == p.sharding.spec == nu.sharding.spec
     assert adam.count.sharding.spec == jax.P()
     assert state.step.sharding.spec == jax.P()
     # Each device holds 1/(fsdp*tensor) of q_proj.
     q = layer["self_attn"]["q_proj"]
-    assert q.addressable_shards[0].data.shape == (MODEL.hidden_size // 2, MODEL.num_heads // 2,
-                                                  MODEL.head_dim)
+    assert q.addressable_shards[0].data.shape == (
+        MODEL.hidden_size // 2,
+        MODEL.num_heads // 2,
+        MODEL.head_dim,
+    )
 
 
 def test_four_microbatches_equal_one_batch(initial_state):
@@ -130,10 +148,16 @@ def test_batch_validation_names_field():
 def test_update_config_from_config_dict():
     import ml_collections
 
-    cd = ml_collections.ConfigDict({
-        "learning_rate": 3e-6, "warmup_steps": 5, "schedule": "linear", "clip_high": 0.3,
-        "num_microbatches": 2, "advantages": {"mode": "discount_only", "tier_factors": [1.0, 0.5,
-                                                                                        0.25]}})
+    cd = ml_collections.ConfigDict(
+        {
+            "learning_rate": 3e-6,
+            "warmup_steps": 5,
+            "schedule": "linear",
+            "clip_high": 0.3,
+            "num_microbatches": 2,
+            "advantages": {"mode": "discount_only", "tier_factors": [1.0, 0.5, 0.25]},
+        }
+    )
     config = UpdateConfig.from_mapping(cd)
     assert config.learning_rate == 3e-6 and config.num_microbatches == 2
     assert config.advantages.mode == "discount_only"
@@ -149,9 +173,15 @@ def test_update_config_from_config_dict():
 def test_kl_entropy_dual_clip_epochs_path(initial_state):
     """The reference-KL batch path with every loss option on, two PPO epochs of two
     mini-batches: finite metrics, the schedule's learning rate at the 4th optimizer step."""
-    config = dataclasses.replace(TEST_CONFIG, kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0,
-                                 aggregation="seq-mean-token-mean", ppo_epochs=2,
-                                 num_minibatches=2)
+    config = dataclasses.replace(
+        TEST_CONFIG,
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        dual_clip=3.0,
+        aggregation="seq-mean-token-mean",
+        ppo_epochs=2,
+        num_minibatches=2,
+    )
     mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
     _, shardings = state_shardings(MODEL, config, mesh)
     state = jax.device_put(initial_state, shardings)
@@ -162,6 +192,7 @@ def test_kl_entropy_dual_clip_epochs_path(initial_state):
     m = {k: float(v) for k, v in m.items()}
     assert all(np.isfinite(v) for v in m.values())
     assert m["kl"] > 0 and m["entropy"] > 0
-    np.testing.assert_allclose(m["learning_rate"],
-                               float(learning_rate_schedule(config)(3)), rtol=1e-6)
+    np.testing.assert_allclose(
+        m["learning_rate"], float(learning_rate_schedule(config)(3)), rtol=1e-6
+    )
     assert int(state.step) == 1 and int(state.opt_state[1][0].count) == 4

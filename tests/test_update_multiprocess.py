@@ -28,15 +28,21 @@ def _summaries(mesh_shape):
         state, m = update(state, shard_batch(make_batch(seed=i), mesh))
         metrics.append({k: float(v) for k, v in m.items()})
     rep = jax.sharding.NamedSharding(mesh, jax.P())
-    sums = jax.jit(lambda p: [jnp.sum(x * x) for x in jax.tree.leaves(p)],
-                   out_shardings=rep)(state.params)
-    return {"metrics": metrics, "param_sq": [float(s) for s in sums],
-            "devices": jax.device_count(), "processes": jax.process_count()}
+    sums = jax.jit(lambda p: [jnp.sum(x * x) for x in jax.tree.leaves(p)], out_shardings=rep)(
+        state.params
+    )
+    return {
+        "metrics": metrics,
+        "param_sq": [float(s) for s in sums],
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+    }
 
 
 def _worker(process_id, port, out_path):
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                               process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
+    )
     result = _summaries(MESH)
     if process_id == 0:
         with open(out_path, "w") as f:
@@ -54,12 +60,23 @@ def test_two_processes_match_single_process(tmp_path):
     port = _free_port()
     out = tmp_path / "result.json"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu", PYTHONPATH=root)
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_update_multiprocess", str(i),
-                               str(port), str(out)], cwd=root, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=root,
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.test_update_multiprocess", str(i), str(port), str(out)],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = []
     try:
         for p in procs:
