@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup sglang-venv test lint train example bench clean
+.PHONY: setup system-deps sglang-venv test lint train example bench clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,14 @@ $(VENV)/.installed: setup.py constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed
+
+# System packages (Debian/Ubuntu, root or sudo) for the sandboxed verifier: bubblewrap, and a
+# python3 an unprivileged uid can run (the sandbox cannot use a pyenv interpreter under /root).
+system-deps:
+	@PKGS=""; command -v bwrap >/dev/null || PKGS="bubblewrap"; \
+	  [ -x /usr/bin/python3 ] || PKGS="$$PKGS python3"; \
+	  [ -z "$$PKGS" ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $$PKGS; }
 
 # A real SGLang server for the rollout/grader tests, in its own venv (it pins torch and numpy).
 $(SGLANG_VENV)/.installed: scripts/setup_sglang.sh scripts/sglang-requirements.txt
@@ -28,7 +36,7 @@ lint: setup
 
 # Tests marked `sglang` share one real SGLang server per pytest process, so they run in a
 # second, single-process pass (xdist's loadgroup does not group under pytest 9).
-test: setup lint sglang-venv
+test: setup system-deps sglang-venv lint
 	$(PY) -m pytest -q -n 2 -m "not sglang" tests
 	$(PY) -m pytest -q -m sglang tests
 
@@ -41,6 +49,8 @@ example: setup
 
 bench: setup
 	XLA_FLAGS= $(PY) benchmarks/advantages.py
+	$(PY) benchmarks/grading.py --quick
+	$(PY) benchmarks/verify.py
 	XLA_FLAGS= $(PY) benchmarks/sampler.py
 
 clean:
