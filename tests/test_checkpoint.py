@@ -70,13 +70,19 @@ def _child(mode, directory, log_path, ready_path):
     """The training loop run in a child process (single device, mesh (1,1,1))."""
     mesh = make_mesh(ONE)
     state = create_train_state(MODEL, CONFIG, mesh, seed=0)
-    update = jit_update(MODEL, CONFIG, mesh)
     interval = 1 if mode == "kill" else 100
     ckpt = Checkpointer(
         directory, model_config=MODEL, update_config=CONFIG, keep=5, save_interval_steps=interval
     )
     ckpt.install_sigterm_handler()
-    last = 3 if mode == "kill" else 2
+    if mode == "term":
+        # No update needed to test the handler: the tracked (never saved) state is the
+        # initial one, registered as step 2 of the data stream.
+        assert not ckpt.maybe_save(2, state, data_position=2)
+        last = 0
+    else:
+        last = 3
+        update = jit_update(MODEL, CONFIG, mesh)
     with open(log_path, "w") as log:
         for step in range(1, last + 1):
             state, m = update(state, shard_batch(make_batch(seed=step), mesh))
@@ -137,7 +143,7 @@ def test_sigterm_saves_and_sigkill_resume_matches(tmp_path):
         mesh = make_mesh(ONE, devices=jax.devices()[:1])
         update = jit_update(MODEL, CONFIG, mesh)
         state = create_train_state(MODEL, CONFIG, mesh, seed=0)
-        full, params_at = [], {}
+        full, params_at = [], {0: jax.device_get(state.params)}
         for step in range(1, 6):
             state, m = update(state, shard_batch(make_batch(seed=step), mesh))
             full.append({"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])})
@@ -172,12 +178,13 @@ def test_sigterm_saves_and_sigkill_resume_matches(tmp_path):
     _leaves_equal(state.params, params_at[5])
     ckpt.close()
 
-    # SIGTERM while waiting: the handler saved step 2 (never saved on the interval) and exited.
+    # SIGTERM while waiting: the handler saved the tracked state (step 2, never saved on the
+    # interval: it is the initial state in this child) and exited.
     ckpt = Checkpointer(term_dir, model_config=MODEL, update_config=CONFIG)
     assert ckpt.all_steps() == [2]
     state, info = ckpt.restore(abstract_train_state(MODEL, CONFIG, mesh))
     assert info.data_position == 2
-    _leaves_equal(state.params, params_at[2])
+    _leaves_equal(state.params, params_at[0])
     ckpt.close()
 
 
