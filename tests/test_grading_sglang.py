@@ -35,7 +35,8 @@ NEEDS_SGLANG = pytest.mark.skipif(
     reason=f"no SGLang venv at {sglang_server.sglang_python().parent.parent}: "
     "build it with scripts/setup_sglang.sh",
 )
-pytestmark = pytest.mark.xdist_group("sglang")
+# The `sglang` marker puts this module in `make test`'s single-process server pass.
+pytestmark = [pytest.mark.xdist_group("sglang"), pytest.mark.sglang]
 
 
 @pytest.fixture(scope="module")
