@@ -13,6 +13,9 @@ INSTALL_REQUIRES = [
     "absl-py>=2.0",
     "ml-collections>=1.1",
     "numpy>=2.0",
+    # Training metrics: TensorBoard event files and the per-run plots (issue 7).
+    "tensorboardX>=2.6",
+    "matplotlib>=3.8",
 ]
 
 EXTRAS_REQUIRE = {
