@@ -308,6 +308,19 @@ def test_metrics_writer_jsonl_tensorboard_console(tmp_path):
     assert [r["step"] for r in metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0, 1]
 
 
+def test_truncate_keeps_finished_sft_rows_drops_unfinished(tmp_path):
+    p = str(tmp_path / "metrics.jsonl")
+    w = metrics_io.MetricsWriter(str(tmp_path), total_steps=3, tensorboard=False)
+    for s in range(5):
+        w.write(s, {"sft_loss": 1.0}, phase="sft")
+    for s in range(3):
+        w.write(s, {"pass_rate": 0.5})
+    w.close()
+    assert metrics_io.truncate_jsonl(p, keep_before_step=1) == 2  # train steps 1, 2
+    assert len(metrics_io.read_jsonl(p)) == 6
+    assert metrics_io.truncate_jsonl(p, keep_before_step=0, drop_phases=("sft",)) == 6
+
+
 def test_non_primary_process_writes_nothing(tmp_path):
     w = metrics_io.MetricsWriter(str(tmp_path / "w"), total_steps=2, primary=False)
     w.write(0, {"a": 1.0})

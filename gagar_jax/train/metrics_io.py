@@ -156,15 +156,32 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def truncate_jsonl(path: str, *, keep_before_step: int) -> int:
-    """Drops rows with ``step >= keep_before_step`` (a resumed run will redo those steps).
+def truncate_jsonl(path: str, *, keep_before_step: int,
+                   drop_phases: Sequence[str] | None = None) -> int:
+    """Drops rows a resumed run will write again; returns how many were dropped.
 
-    Returns the number of rows dropped. Rewrites the file atomically.
+    Train rows with ``step >= keep_before_step`` go (those steps are redone; an eval row at
+    step n, written after n updates, is kept for n == keep_before_step > 0); SFT rows are
+    step-indexed separately and are kept unless their phase is in ``drop_phases`` (an SFT phase
+    that was killed before finishing is redone from its start). Rewrites the file atomically.
     """
     if not os.path.exists(path):
         return 0
+    drop = set(drop_phases or ())
     rows = read_jsonl(path)
-    kept = [r for r in rows if int(r.get("step", 0)) < keep_before_step]
+    k = keep_before_step
+
+    def keep(r):
+        phase, step = r.get("phase"), int(r.get("step", 0))
+        if phase in drop:
+            return False
+        if phase == "sft":
+            return True
+        if phase == "eval":  # an eval after n updates is logged at step n, before checkpoint n
+            return step < k or (step == k and k > 0)
+        return step < k
+
+    kept = [r for r in rows if keep(r)]
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         for r in kept:
@@ -283,3 +300,62 @@ def markdown_table(summaries: Mapping[str, Mapping[str, float | None]]) -> str:
             cells.append("n/a" if a is None or b is None else f"{a:.3g} -> {b:.3g}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def compare_runs(workdirs: Mapping[str, str], out_dir: str, *, window: int = 5,
+                 smooth: int = 3) -> str:
+    """Plot + markdown comparison of several runs; returns the markdown.
+
+    Writes ``out_dir/comparison.png`` and ``out_dir/comparison.md``. The markdown holds the
+    table of :func:`markdown_table` and, when runs labelled ``gagar`` / ``binary`` /
+    ``discount_only`` are present, the paper's three comparisons as plain differences of the
+    last-window means (no claim is made beyond the figures).
+
+    Raises:
+      FileNotFoundError: a workdir has no ``metrics.jsonl`` (names it).
+    """
+    runs = {}
+    for label, wd in workdirs.items():
+        path = os.path.join(wd, "metrics.jsonl")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"run {label!r}: no metrics file at {path}")
+        runs[label] = read_jsonl(path)
+    os.makedirs(out_dir, exist_ok=True)
+    png = plot_runs(runs, os.path.join(out_dir, "comparison.png"),
+                    title="Gagar ablation (toy): " + ", ".join(runs), smooth=smooth)
+    summaries = {label: summarize(rows, window=window) for label, rows in runs.items()}
+    lines = [f"# Run comparison\n\nFirst -> last: means over the first and last {window} logged "
+             "train steps (eval: first and last evaluation).\n", markdown_table(summaries), "",
+             f"![comparison]({os.path.basename(png)})", ""]
+    notes = _ablation_notes(summaries)
+    if notes:
+        lines += ["## Paper's comparisons at this scale (last-window means)", ""] + notes + [""]
+    text = "\n".join(lines)
+    with open(os.path.join(out_dir, "comparison.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    return text
+
+
+def _ablation_notes(s: Mapping[str, Mapping[str, float | None]]) -> list[str]:
+    def last(label, key):
+        return s.get(label, {}).get(f"{key}_last")
+
+    notes = []
+    if "gagar" in s and "binary" in s:
+        for key, better in (("quality", "higher"), ("t1_share", "higher"),
+                            ("response_length", "shorter"), ("eval_pass_rate", "higher")):
+            a, b = last("gagar", key), last("binary", key)
+            if a is None or b is None:
+                continue
+            expected = (a > b) if better == "higher" else (a < b)
+            seen = "reproduced" if expected else "NOT reproduced"
+            notes.append(f"- {key}: gagar {a:.4g} vs binary {b:.4g} (diff {a - b:+.4g}); paper "
+                         f"expects gagar {better}: {seen}")
+    if "discount_only" in s:
+        for key, ref in (("pg_loss_mean", "gagar"), ("entropy", "gagar"),
+                         ("credit_ratio", "gagar")):
+            a, b = last("discount_only", key), last(ref, key)
+            if a is None or b is None:
+                continue
+            notes.append(f"- {key}: discount_only {a:.4g} vs {ref} {b:.4g} (diff {a - b:+.4g})")
+    return notes
