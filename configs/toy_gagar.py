@@ -42,7 +42,7 @@ def get_config(arg=None):
                    qkv_bias=False, tie_embeddings=True, dtype="float32",
                    param_dtype="float32", remat=False, hf_checkpoint="")
     c.rollout = dict(engine="embedded", sglang_url="", num_prompts=8, num_rollouts=8,
-                     max_prompt_len=160, max_new_tokens=48, temperature=1.0, top_p=1.0,
+                     max_prompt_len=48, max_new_tokens=32, temperature=1.0, top_p=1.0,
                      top_k=0, request_timeout_s=120.0)
     c.sampling = dict(enabled=True, oversample=1.5, max_rounds=8, allow_partial=True,
                       tol=1e-6)

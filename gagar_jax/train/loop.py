@@ -163,8 +163,8 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
     """Copies the grading pool's results into the groups; returns grading metrics.
 
     ``results[i]`` is the ``GradeResult`` of ``groups[i]``: a verdict (tier/rank per passing
-    candidate) or ``None`` with a ``fallback_reason``. T1 share is over passing, non-cheating
-    rollouts of graded groups.
+    candidate) or ``None`` with a ``fallback_reason``. T1 share is over the test-passing
+    rollouts of graded groups (a cheat passes the tests and is graded T3).
     """
     from gagar_jax.grading import to_arrays
 
@@ -183,9 +183,9 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
             reasons[key] = reasons.get(key, 0) + 1
             continue
         for k, r in enumerate(g.rollouts):
-            if r.passed and not r.cheat and not r.infra_error and not g.grader_cheat[k]:
+            if r.passed and not r.infra_error:  # test-passing, cheats included (graded T3)
                 n_pass_graded += 1
-                t1 += g.tier[k] == 1
+                t1 += g.tier[k] == 1 and not g.grader_cheat[k]
     out = {
         "t1_share": t1 / n_pass_graded if n_pass_graded else math.nan,
         "grading_fallbacks": float(fallbacks),
@@ -326,7 +326,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str) -> dict[str, Any]:
         store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
 
     engine = backends.build_engine(cfg, policy, workdir=workdir)
-    grading_pool = backends.build_grading_pool(cfg, cache=ls.grader_cache)
+    cache_path = os.path.join(workdir, "grader_cache.jsonl")
+    grading_pool = backends.build_grading_pool(cfg, cache_path=cache_path if primary else None)
     engine.sync_weights(policy.params_for_sync(), ls.policy_version)
 
     summary: dict[str, Any] = {}
@@ -367,7 +368,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str) -> dict[str, Any]:
                     writer.log(f"eval @ step {step + 1}: " +
                                ", ".join(f"{k} {v:.3f}" for k, v in em.items()))
             if (step + 1) % cfg.loop.checkpoint_every == 0 or last:
-                ls.grader_cache = grading_pool.cache_state() if cfg.grading.enabled else {}
+                ls.grader_cache = {"path": os.path.basename(cache_path),
+                                   "entries": len(grading_pool.cache)}
                 policy.save(step + 1)
                 store.save(step + 1, ls, keep=cfg.loop.keep_checkpoints + 1)
     finally:

@@ -44,6 +44,7 @@ class Rollout:
     infra_error: bool = False  # verifier failed: masked out (valid=False), never scored 0
     cheat: bool = False  # a confirmed monitor flag
     quality: float | None = None  # env's quality score of a passing patch (metrics only)
+    quality_dims: dict[str, float] = dataclasses.field(default_factory=dict)  # per dimension
     test_log: str = ""
     monitor_flags: list[Any] = dataclasses.field(default_factory=list)
 

@@ -29,6 +29,12 @@ EVAL_SEED_OFFSET = 1_000_003
 DEMO_KINDS = ("minimal", "inconsistent", "sprawling", "out_of_scope", "side_effect")
 
 
+def _dims(quality: dict[str, float]) -> dict[str, float]:
+    from gagar_jax.envs import QUALITY_DIMENSIONS
+
+    return {k: float(quality[k]) for k in QUALITY_DIMENSIONS if k in quality}
+
+
 def quality_score(quality: dict[str, float]) -> float | None:
     """Mean of the five quality dimensions (None when the verifier reported none)."""
     from gagar_jax.envs import QUALITY_DIMENSIONS
@@ -86,7 +92,7 @@ class ToyTaskPool:
             policy_version=int(sample.policy_version), patch=patch, passed=bool(v.passed),
             infra_error=bool(v.infra_error), cheat=bool(v.cheat),
             quality=quality_score(v.quality) if v.passed else None, test_log=v.test_log,
-            monitor_flags=list(v.cheat_flags))
+            monitor_flags=list(v.cheat_flags), quality_dims=_dims(v.quality) if v.passed else {})
 
     def demonstrations(self, indices: Sequence[int]) -> list[tuple[list[int], list[int]]]:
         """(prompt ids, response ids + EOS) for each passing non-cheat patch kind of each task."""
@@ -108,15 +114,47 @@ class ToyTaskPool:
         return out
 
     def workspace(self, group: Group):
-        """The grading workspace for one group (all candidates; the grader ranks passing ones)."""
+        """The grading workspace for one group (all candidates; the grader ranks passing ones).
+
+        Toy patches are line edits; graders read unified diffs, so each patch is rendered as the
+        diff of ``program.toy`` it produces (:func:`toy_unified_diff`) and the repository
+        snapshot holds the plain source. The family's quality dimensions go along as
+        ``Candidate.quality`` (the heuristic grader blends them with its own scores).
+        """
         from gagar_jax import grading
 
+        task = group.task
         candidates = []
         for k, r in enumerate(group.rollouts):
             candidates.append(grading.Candidate(
-                candidate_id=f"{group.group_id}/{k}", patch=r.patch, passed=bool(r.passed),
-                test_log=r.test_log, trajectory=[], summary="",
-                monitor_flags=list(r.monitor_flags)))
-        return grading.GroupWorkspace(group_id=group.group_id, task_text=group.task.prompt,
-                                      repo_files=dict(group.task.repo_files),
-                                      candidates=candidates)
+                candidate_id=f"{group.group_id}/{k}",
+                patch=toy_unified_diff(task, r.patch) if r.passed else "",
+                passed=bool(r.passed and not r.infra_error), test_log=r.test_log,
+                monitor_flags=tuple(r.monitor_flags), quality=dict(r.quality_dims)))
+        return grading.GroupWorkspace(
+            group_id=group.group_id, task_text=task.prompt,
+            repo_files={TOY_PROGRAM: task.source + "\n", TOY_TESTS: _tests_text(task)},
+            candidates=tuple(candidates), scope_files=(TOY_PROGRAM,))
+
+
+TOY_PROGRAM = "program.toy"
+TOY_TESTS = "tests.toy"
+
+
+def _tests_text(task) -> str:
+    return "\n".join(f"f({x}) == {y}" for x, y in task.tests) + "\n"
+
+
+def toy_unified_diff(task, patch_text: str) -> str:
+    """The unified diff of ``program.toy`` that a toy line-edit patch produces ('' if invalid)."""
+    import difflib
+
+    from gagar_jax import envs
+
+    try:
+        new_source = envs.apply_patch(task, patch_text)
+    except Exception:  # noqa: BLE001 - an unparseable patch has no diff (it cannot pass either)
+        return ""
+    old = (task.source + "\n").splitlines(keepends=True)
+    new = (new_source + "\n").splitlines(keepends=True)
+    return "".join(difflib.unified_diff(old, new, f"a/{TOY_PROGRAM}", f"b/{TOY_PROGRAM}"))
