@@ -59,11 +59,13 @@ def get_config(arg=None):
     c.mesh = dict(shape=(1, -1, 1), coordinator_address="", num_processes=1, process_id=0)
 
     if smoke:
-        c.task.num_train, c.task.num_eval = 16, 4
+        # Plumbing, not learning: a 3-step SFT policy rarely passes, so dynamic sampling is off
+        # (each step takes its G groups as drawn) and eval rows = G*K reuse one sampler bucket.
+        c.task.num_train, c.task.num_eval = 16, 8
         c.model.update(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                        intermediate_size=64)
         c.rollout.update(num_prompts=2, num_rollouts=4, max_new_tokens=16)
-        c.sampling.max_rounds = 3
+        c.sampling.update(enabled=False, max_rounds=3)
         c.sft.update(steps=3, batch_size=8, warmup_steps=1)
         c.loop.update(total_steps=3, eval_every=2, checkpoint_every=1)
     return c

@@ -128,7 +128,7 @@ def build_policy(cfg: RunConfig, *, vocab_size: int, workdir: str) -> Policy:
 def build_engine(cfg: RunConfig, policy: Policy, *, workdir: str):
     """The embedded sampler over the policy model, or an SGLang client (health-checked)."""
     if cfg.rollout.engine == "embedded":
-        from gagar_jax.rollout import Sampler
+        from gagar_jax.rollout.sampler import Sampler
 
         return Sampler(policy.model, pad_id=0, seed=cfg.seed)
     return SGLangEngine(cfg, policy, workdir=workdir)
@@ -146,12 +146,11 @@ class SGLangEngine:
         from gagar_jax.rollout import SGLangClient
 
         self.url = cfg.rollout.sglang_url
-        self.client = SGLangClient(self.url, timeout_s=cfg.rollout.request_timeout_s)
-        try:
-            self.client.health()
-        except Exception as e:
-            raise RuntimeError(f"SGLang rollout server at {self.url} is not healthy "
-                               f"(rollout.sglang_url): {type(e).__name__}: {e}") from e
+        self.client = SGLangClient(self.url, request_timeout_s=cfg.rollout.request_timeout_s)
+        if not self.client.health():
+            raise RuntimeError(f"SGLang rollout server at {self.url} (rollout.sglang_url) does "
+                               "not answer GET /health: start it (scripts/launch_sglang.sh) or "
+                               "use rollout.engine='embedded'")
         self.policy = policy
         self.sync_dir = os.path.join(workdir, "sync")
 
@@ -172,7 +171,7 @@ class SGLangEngine:
                 nnx.update(model, params_or_path)
             if jax.process_index() == 0:
                 save_hf_safetensors(model, self.policy.model_config, path)
-        return self.client.update_weights_from_disk(path, version)
+        return self.client.sync_weights(path, version)
 
 
 def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None):
@@ -181,7 +180,8 @@ def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None):
     ``cache_path``: the pool's persisted verdict cache (JSON lines, reloaded at start), so a
     resumed run does not re-grade groups it already graded.
     """
-    from gagar_jax.grading import GradingPool, HeuristicGrader
+    from gagar_jax.grading.heuristic import HeuristicGrader
+    from gagar_jax.grading.pool import GradingPool
 
     if cfg.grading.grader == "heuristic":
         grader = HeuristicGrader()

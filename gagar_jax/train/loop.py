@@ -312,30 +312,33 @@ def train_and_evaluate(cfg: RunConfig, workdir: str) -> dict[str, Any]:
                    f"{ls.data_position}, policy version {ls.policy_version}"
                    + (f" ({dropped} stale metric rows dropped)" if primary and dropped else ""))
 
-    # ---- SFT warm start ---------------------------------------------------------------------
-    if not ls.sft_done:
-        if cfg.sft.steps > 0:
-            t0 = time.monotonic()
-            demos = pool.demonstrations(range(cfg.task.num_train))
-            writer.log(f"SFT warm start: {cfg.sft.steps} steps on {len(demos)} demonstrations")
-            policy.run_sft(demos, pad_id=tok.pad_id,
-                           log_fn=lambda s, m: writer.write(s, m, phase="sft"))
-            writer.log(f"SFT done in {time.monotonic() - t0:.1f}s")
-        ls.sft_done = True
-        policy.save(0)
-        store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
-
+    # Engine and grader first: a dead server fails here, before any compute is spent.
     engine = backends.build_engine(cfg, policy, workdir=workdir)
     cache_path = os.path.join(workdir, "grader_cache.jsonl")
     grading_pool = backends.build_grading_pool(cfg, cache_path=cache_path if primary else None)
-    engine.sync_weights(policy.params_for_sync(), ls.policy_version)
 
     summary: dict[str, Any] = {}
     try:
+        # ---- SFT warm start -----------------------------------------------------------------
+        if not ls.sft_done:
+            if cfg.sft.steps > 0:
+                t0 = time.monotonic()
+                demos = pool.demonstrations(range(cfg.task.num_train))
+                writer.log(f"SFT warm start: {cfg.sft.steps} steps on {len(demos)} "
+                           "demonstrations")
+                policy.run_sft(demos, pad_id=tok.pad_id,
+                               log_fn=lambda s, m: writer.write(s, m, phase="sft"))
+                writer.log(f"SFT done in {time.monotonic() - t0:.1f}s")
+            ls.sft_done = True
+            policy.save(0)
+            store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
+
+        engine.sync_weights(policy.params_for_sync(), ls.policy_version)
         if ls.step == 0 and cfg.loop.total_steps > 0 and pool.eval_tasks():
             m = evaluate(engine, pool, cfg, step=0)
             writer.write(0, m, phase="eval")
             writer.log("eval before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
+        writer.start_clock(ls.step)
         for step in range(ls.step, cfg.loop.total_steps):
             t_step = time.monotonic()
             sres, counters, grading_m, t_wait = collect_step(

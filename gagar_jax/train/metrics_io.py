@@ -91,6 +91,11 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10)
 
+    def start_clock(self, step: int) -> None:
+        """Restarts the ETA clock at ``step`` (call when the timed phase begins, after setup)."""
+        self._t0 = time.monotonic()
+        self.start_step = step
+
     def write(self, step: int, metrics: Mapping[str, Any], *, phase: str = "train") -> None:
         """Records finite scalars of ``metrics`` at ``step``; non-finite ones are kept as null."""
         if not self.primary:
