@@ -1,0 +1,51 @@
+"""Pure, jittable, shardable advantage kernels for group-relative RL (Gagar).
+
+Layouts: dense `[G, K]` (G groups, K rollout slots) with a `valid` mask, or flat `[N]` with
+`group_ids` and a static `num_groups`; every function accepts both and gives the same result.
+This package imports nothing else from gagar_jax, so other JAX RL code can reuse it alone.
+"""
+
+from gagar_jax.advantages.discount import NUM_TIERS, Factors, discount_factors
+from gagar_jax.advantages.estimators import (
+    GroupStats,
+    Penalized,
+    group_stats,
+    grpo_normalized,
+    mean_centered,
+    mixed_groups,
+    penalize_cheats,
+    rloo,
+)
+from gagar_jax.advantages.pipeline import ESTIMATORS, GagarConfig, GagarOutput, gagar_advantages
+from gagar_jax.advantages.redistribution import (
+    MODES,
+    CreditBalance,
+    broadcast_to_tokens,
+    credit_balance,
+    equivalent_rewards,
+    redistribute,
+)
+
+__all__ = [
+    "ESTIMATORS",
+    "MODES",
+    "NUM_TIERS",
+    "CreditBalance",
+    "Factors",
+    "GagarConfig",
+    "GagarOutput",
+    "GroupStats",
+    "Penalized",
+    "broadcast_to_tokens",
+    "credit_balance",
+    "discount_factors",
+    "equivalent_rewards",
+    "gagar_advantages",
+    "group_stats",
+    "grpo_normalized",
+    "mean_centered",
+    "mixed_groups",
+    "penalize_cheats",
+    "redistribute",
+    "rloo",
+]

@@ -1,0 +1,142 @@
+"""Plain NumPy references for the advantage kernels: loops over groups, written for clarity.
+
+Used only by the tests and the benchmark; nothing here is vectorised on purpose.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def stats(rewards, valid, passed=None, ddof=0):
+    rewards = np.asarray(rewards, np.float64)
+    passed = rewards > 0 if passed is None else np.asarray(passed, bool)
+    g_count, g_mean, g_std, g_pass = [], [], [], []
+    for g in range(rewards.shape[0]):
+        r = rewards[g][valid[g]]
+        n = len(r)
+        mean = r.mean() if n else 0.0
+        std = np.sqrt(((r - mean) ** 2).sum() / max(n - ddof, 1)) if n > ddof else 0.0
+        g_count.append(n)
+        g_mean.append(mean)
+        g_std.append(std)
+        g_pass.append(int((passed[g] & valid[g]).sum()))
+    return tuple(np.array(x, np.float64) for x in (g_count, g_mean, g_std, g_pass))
+
+
+def mean_centered(rewards, valid):
+    out = np.zeros(np.shape(rewards))
+    for g in range(out.shape[0]):
+        idx = np.flatnonzero(valid[g])
+        if len(idx):
+            r = np.asarray(rewards[g], np.float64)[idx]
+            out[g, idx] = r - r.mean()
+    return out
+
+
+def grpo_normalized(rewards, valid, eps=1e-6, min_std=1e-2, ddof=0):
+    out = np.zeros(np.shape(rewards))
+    for g in range(out.shape[0]):
+        idx = np.flatnonzero(valid[g])
+        if len(idx):
+            r = np.asarray(rewards[g], np.float64)[idx]
+            std = r.std(ddof=ddof) if len(r) > ddof else 0.0
+            out[g, idx] = (r - r.mean()) / (max(std, min_std) + eps)
+    return out
+
+
+def rloo(rewards, valid):
+    out = np.zeros(np.shape(rewards))
+    for g in range(out.shape[0]):
+        idx = list(np.flatnonzero(valid[g]))
+        if len(idx) < 2:
+            continue
+        for i in idx:
+            others = [rewards[g][j] for j in idx if j != i]
+            out[g, i] = rewards[g][i] - np.mean(others)
+    return out
+
+
+def mixed(rewards, valid, tol=1e-6):
+    out = []
+    for g in range(np.shape(rewards)[0]):
+        r = np.asarray(rewards[g], np.float64)[valid[g]]
+        out.append(bool(len(r)) and tol < r.mean() < 1 - tol)
+    return np.array(out, bool)
+
+
+def factors(tier, rank, passed, valid, tier_factors=(1.0, 0.6, 0.3), rank_decay=0.5):
+    f = np.ones(np.shape(tier))
+    ok = np.ones(np.shape(tier)[0], bool)
+    for g in range(f.shape[0]):
+        members = [i for i in range(f.shape[1]) if passed[g, i] and valid[g, i]]
+        if any(not 1 <= tier[g, i] <= 3 or rank[g, i] < 1 for i in members):
+            ok[g] = False
+            continue
+        for i in members:
+            t = tier[g, i]
+            if t == 3:
+                f[g, i] = tier_factors[2]
+                continue
+            same = [rank[g, j] for j in members if tier[g, j] == t]
+            lo_r, hi_r = min(same), max(same)
+            pos = (rank[g, i] - lo_r) / max(hi_r - lo_r, 1)
+            f[g, i] = (
+                tier_factors[t - 1] - rank_decay * (tier_factors[t - 1] - tier_factors[t]) * pos
+            )
+    return f, ok
+
+
+def redistribute(adv, passed, f, valid, mode="sum_preserving"):
+    adv = np.where(valid, np.asarray(adv, np.float64), 0.0)
+    out = adv.copy()
+    if mode == "none":
+        return out
+    for g in range(adv.shape[0]):
+        p = [i for i in range(adv.shape[1]) if passed[g, i] and valid[g, i]]
+        if mode == "discount_only":
+            for i in p:
+                out[g, i] = f[g, i] * adv[g, i]
+            continue
+        if len(p) < 2 or len({float(f[g, i]) for i in p}) == 1 or min(adv[g, i] for i in p) <= 0:
+            continue
+        s_plus = sum(adv[g, i] for i in p)
+        lam = s_plus / sum(f[g, i] * adv[g, i] for i in p)
+        for i in p:
+            out[g, i] = lam * f[g, i] * adv[g, i]
+    return out
+
+
+def pipeline(
+    rewards,
+    passed,
+    cheat,
+    tier,
+    rank,
+    graded,
+    valid,
+    *,
+    estimator="mean_centered",
+    mode="sum_preserving",
+    tier_factors=(1.0, 0.6, 0.3),
+    rank_decay=0.5,
+    mixed_tol=1e-6,
+    filter_unmixed=True,
+):
+    rewards = np.asarray(rewards, np.float64)
+    valid = np.asarray(valid, bool) & np.isfinite(rewards)
+    rewards = np.where(valid, rewards, 0.0)
+    cheat = np.asarray(cheat, bool) & valid
+    rewards = np.where(cheat, 0.0, rewards)
+    passed = np.asarray(passed, bool) & ~cheat & valid
+    base = {"mean_centered": mean_centered, "grpo": grpo_normalized, "rloo": rloo}[estimator]
+    original = base(rewards, valid)
+    mix = mixed(rewards, valid, mixed_tol)
+    f, ok = factors(tier, rank, passed, valid, tier_factors, rank_decay)
+    red = redistribute(original, passed, f, valid, mode)
+    count = valid.sum(1)
+    keep = mix if filter_unmixed else count > 0
+    applied = keep & mix & np.asarray(graded, bool) & ok & (mode != "none")
+    adv = np.where(applied[:, None], red, original)
+    adv = np.where(keep[:, None] & valid, adv, 0.0)
+    return adv, original, keep, applied

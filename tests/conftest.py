@@ -1,0 +1,15 @@
+"""Test configuration: 8 simulated CPU devices, set before JAX is imported anywhere."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from hypothesis import settings  # noqa: E402
+
+# CI runs on 2 shared cores: no deadline per example (jit compiles vary), fixed example counts.
+settings.register_profile("ci", deadline=None, max_examples=40, print_blob=True)
+settings.register_profile("dev", deadline=None, max_examples=25)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
