@@ -49,7 +49,7 @@ def get_config(arg=None):
     c.grading = dict(grader="heuristic", sglang_url="", max_concurrency=2, deadline_s=60.0,
                      enabled=True)
     c.advantages = dict(estimator="mean_centered", tier_factors=(1.0, 0.6, 0.3),
-                        rank_decay=0.5, cheat_penalty=True)
+                        rank_decay=0.5, cheat_reward=0.0)
     c.optim = dict(lr=3e-4, warmup_steps=3, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.99,
                    clip_low=0.2, clip_high=0.28, ppo_epochs=1, num_minibatches=1,
                    num_microbatches=1, kl_coef=0.0, entropy_coef=0.0, loss_agg="token_mean")

@@ -398,3 +398,37 @@ def _print_summary(cfg: RunConfig, workdir: str, summary: dict[str, Any]) -> Non
     if "plot" in summary:
         lines.append(f"   plot: {summary['plot']}")
     print("\n".join(lines), flush=True)
+
+
+def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
+                        temperature: float = 0.7) -> tuple[dict[str, float], int]:
+    """Restores a run's checkpoint (newest complete one for ``step=-1``) and evaluates it."""
+    import json
+
+    from gagar_jax.train import backends
+    from gagar_jax.train.tasks import ToyTaskPool
+
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: is {workdir} a run directory?")
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    d["loop"].update(eval_rollouts=samples, eval_temperature=temperature)
+    cfg = RunConfig.from_config_dict(d)
+    pool = ToyTaskPool(cfg.task, cfg.rollout)
+    policy = backends.build_policy(cfg, vocab_size=pool.tokenizer.vocab_size, workdir=workdir)
+    store = ResumeStore(os.path.join(workdir, "loop_state"))
+    steps = sorted(set(store.steps()) & set(policy.checkpoint_steps()))
+    if not steps:
+        raise FileNotFoundError(f"no complete checkpoint in {workdir}")
+    if step < 0:
+        step = steps[-1]
+    elif step not in steps:
+        raise ValueError(f"checkpoint {step} not in {workdir} (complete ones: {steps})")
+    policy.restore(step)
+    try:
+        engine = backends.build_engine(cfg, policy, workdir=workdir)
+        engine.sync_weights(policy.params_for_sync(), store.load(step).policy_version)
+        return evaluate(engine, pool, cfg, step=step), step
+    finally:
+        policy.close()

@@ -157,17 +157,19 @@ class GradingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-    estimator: str = "mean_centered"  # the paper's (Dr. GRPO style); grpo_normalized | rloo
+    estimator: str = "mean_centered"  # the paper's (Dr. GRPO style); grpo | rloo
     tier_factors: tuple[float, float, float] = (1.0, 0.6, 0.3)
     rank_decay: float = 0.5
-    cheat_penalty: bool = True
+    cheat_reward: float = 0.0  # reward of a confirmed cheat (the paper: 0)
 
     def __post_init__(self):
-        _check(self.estimator in ("mean_centered", "grpo_normalized", "rloo"),
-               "advantages.estimator", "mean_centered|grpo_normalized|rloo", self.estimator)
+        _check(self.estimator in ("mean_centered", "grpo", "rloo"),
+               "advantages.estimator", "mean_centered|grpo|rloo", self.estimator)
         _check(len(self.tier_factors) == 3 and all(0 < f <= 1 for f in self.tier_factors),
                "advantages.tier_factors", "three factors in (0, 1]", self.tier_factors)
-        _check(0 < self.rank_decay <= 1, "advantages.rank_decay", "in (0, 1]", self.rank_decay)
+        _check(0 <= self.rank_decay < 1, "advantages.rank_decay", "in [0, 1)", self.rank_decay)
+        _check(0 <= self.cheat_reward <= 1, "advantages.cheat_reward", "in [0, 1]",
+               self.cheat_reward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +290,15 @@ class RunConfig:
     def redistribution(self) -> str:
         """The advantage kernels' redistribution mode for ``self.mode``."""
         return _REDISTRIBUTION[self.mode]
+
+    def gagar_config(self):
+        """The advantage kernels' ``GagarConfig`` for this run (mode from ``self.mode``)."""
+        from gagar_jax.advantages import GagarConfig
+
+        a = self.advantages
+        return GagarConfig(estimator=a.estimator, mode=self.redistribution,
+                           tier_factors=tuple(a.tier_factors), rank_decay=a.rank_decay,
+                           mixed_tol=self.sampling.tol, cheat_reward=a.cheat_reward)
 
     @property
     def batch_rollouts(self) -> int:
