@@ -37,8 +37,8 @@ def get_config(arg=None):
     c.seed = 0
 
     c.task = dict(family="toy", seed=0, difficulty=1, num_train=512, num_eval=32)
-    c.model = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                   intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-6,
+    c.model = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                   intermediate_size=256, rope_theta=10000.0, rms_norm_eps=1e-6,
                    qkv_bias=False, tie_embeddings=True, dtype="float32",
                    param_dtype="float32", remat=False, hf_checkpoint="")
     c.rollout = dict(engine="embedded", sglang_url="", num_prompts=8, num_rollouts=8,
@@ -53,8 +53,8 @@ def get_config(arg=None):
     c.optim = dict(lr=3e-4, warmup_steps=3, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.99,
                    clip_low=0.2, clip_high=0.28, ppo_epochs=1, num_minibatches=1,
                    num_microbatches=1, kl_coef=0.0, entropy_coef=0.0, loss_agg="token_mean")
-    c.sft = dict(steps=150, lr=2e-3, batch_size=32, warmup_steps=10)
-    c.loop = dict(total_steps=40, log_every=1, eval_every=10, checkpoint_every=5,
+    c.sft = dict(steps=300, lr=3e-3, batch_size=32, warmup_steps=10)
+    c.loop = dict(total_steps=60, log_every=1, eval_every=10, checkpoint_every=10,
                   keep_checkpoints=2, eval_rollouts=1, eval_temperature=0.7, plot=True)
     c.mesh = dict(shape=(1, -1, 1), coordinator_address="", num_processes=1, process_id=0)
 
@@ -62,7 +62,7 @@ def get_config(arg=None):
         # Plumbing, not learning: a 3-step SFT policy rarely passes, so dynamic sampling is off
         # (each step takes its G groups as drawn) and eval rows = G*K reuse one sampler bucket.
         c.task.num_train, c.task.num_eval = 16, 8
-        c.model.update(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+        c.model.update(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                        intermediate_size=64)
         c.rollout.update(num_prompts=2, num_rollouts=4, max_new_tokens=16)
         c.sampling.update(enabled=False, max_rounds=3)

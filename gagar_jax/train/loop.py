@@ -169,7 +169,7 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
     from gagar_jax.grading import to_arrays
 
     tier, rank, graded, cheat = (np.asarray(a) for a in to_arrays(results, K))
-    t1 = n_pass_graded = fallbacks = 0
+    t1 = n_pass_graded = fallbacks = rank1 = n_clean = 0
     reasons: dict[str, int] = {}
     for gi, (g, res) in enumerate(zip(groups, results)):
         g.graded = bool(graded[gi])
@@ -186,8 +186,14 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
             if r.passed and not r.infra_error:  # test-passing, cheats included (graded T3)
                 n_pass_graded += 1
                 t1 += g.tier[k] == 1 and not g.grader_cheat[k]
+                if not (r.cheat or g.grader_cheat[k]):
+                    n_clean += 1
+                    rank1 += g.rank[k] == 1
     out = {
         "t1_share": t1 / n_pass_graded if n_pass_graded else math.nan,
+        # passing non-cheats ranked best in their group: rises as the policy converges on the
+        # grader's preferred (minimal, in-scope, consistent) solutions
+        "rank1_share": rank1 / n_clean if n_clean else math.nan,
         "grading_fallbacks": float(fallbacks),
         "grading_graded_frac": (len(groups) - fallbacks) / max(len(groups), 1),
         "grader_cheats": float(sum(sum(g.grader_cheat or []) for g in groups)),

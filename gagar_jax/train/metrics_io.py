@@ -30,6 +30,7 @@ PLOT_PANELS: tuple[tuple[str, str], ...] = (
     ("eval_pass_rate", "pass rate (held-out)"),
     ("quality", "quality score of passing solutions"),
     ("t1_share", "T1 share of passing solutions"),
+    ("rank1_share", "rank-1 share of passing non-cheats"),
     ("response_length", "response length (tokens)"),
     ("entropy", "policy entropy"),
     ("pg_loss_mean", "policy-gradient loss mean"),
@@ -38,7 +39,7 @@ PLOT_PANELS: tuple[tuple[str, str], ...] = (
 # Figures shown on the console line, in order: (key, short label, format).
 CONSOLE_KEYS: tuple[tuple[str, str, str], ...] = (
     ("pass_rate", "pass", ".2f"), ("quality", "qual", ".2f"), ("t1_share", "T1", ".2f"),
-    ("response_length", "len", ".1f"), ("entropy", "ent", ".3f"),
+    ("rank1_share", "R1", ".2f"), ("response_length", "len", ".1f"), ("entropy", "ent", ".3f"),
     ("pg_loss_mean", "pg", "+.4f"), ("credit_ratio", "credit", ".2f"),
     ("sampling_rounds", "rounds", ".0f"),
 )
@@ -229,7 +230,7 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], out_path: str, *,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cols = 4
+    cols = 3
     rows_n = math.ceil(len(PLOT_PANELS) / cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.2 * rows_n), squeeze=False)
     for ax, (key, panel_title) in zip(axes.flat, PLOT_PANELS):
