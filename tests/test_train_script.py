@@ -134,3 +134,30 @@ def test_dead_rollout_server_is_a_clear_error_not_a_hang(tmp_path):
         loop.train_and_evaluate(cfg, str(tmp_path))
     assert url in str(e.value)
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("kind", ["crash", "hang"])
+def test_failing_grader_falls_back_and_training_continues(kind, tmp_path):
+    """A grader that raises, or one that blocks forever: every group falls back to its original
+    advantages (counted by reason), the run finishes, nothing hangs."""
+    from gagar_jax.grading import testing as grading_testing
+    from gagar_jax.train import loop
+
+    grader = (grading_testing.CrashingGrader() if kind == "crash"
+              else grading_testing.HangingGrader())
+    cfg = smoke_config("gagar", **{"grading.deadline_s": 1.0, "loop.total_steps": 2})
+    t0 = time.monotonic()
+    try:
+        loop.train_and_evaluate(cfg, str(tmp_path), grader=grader)
+    finally:
+        if kind == "hang":
+            grader.release()
+    rows = train_rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    G = cfg.rollout.num_prompts
+    reason = "grader_error" if kind == "crash" else "deadline"
+    for r in rows:
+        assert r["grading_fallbacks"] == G and r["grading_graded_frac"] == 0.0
+        assert r[f"grading_fallback_{reason}"] == G
+        assert r["pg_loss_mean"] is not None  # the update ran on the original advantages
+    assert time.monotonic() - t0 < 300

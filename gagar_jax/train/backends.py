@@ -174,8 +174,8 @@ class SGLangEngine:
         return self.client.sync_weights(path, version)
 
 
-def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None):
-    """The grading pool with the configured grader.
+def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=None):
+    """The grading pool with the configured grader (or ``grader`` when given).
 
     ``cache_path``: the pool's persisted verdict cache (JSON lines, reloaded at start), so a
     resumed run does not re-grade groups it already graded.
@@ -183,7 +183,9 @@ def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None):
     from gagar_jax.grading.heuristic import HeuristicGrader
     from gagar_jax.grading.pool import GradingPool
 
-    if cfg.grading.grader == "heuristic":
+    if grader is not None:
+        pass
+    elif cfg.grading.grader == "heuristic":
         grader = HeuristicGrader()
     else:
         from gagar_jax.grading import AgenticGrader

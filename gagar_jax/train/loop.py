@@ -179,7 +179,7 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
         g.fallback_reason = getattr(res, "fallback_reason", None)
         if not g.graded:
             fallbacks += 1
-            key = str(g.fallback_reason or "unknown")
+            key = str(getattr(g.fallback_reason, "value", g.fallback_reason) or "unknown")
             reasons[key] = reasons.get(key, 0) + 1
             continue
         for k, r in enumerate(g.rollouts):
@@ -275,8 +275,15 @@ def _update_metric_aliases(m: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def train_and_evaluate(cfg: RunConfig, workdir: str) -> dict[str, Any]:
-    """Runs (or resumes) the configured job in ``workdir``; returns the final summary."""
+def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> dict[str, Any]:
+    """Runs (or resumes) the configured job in ``workdir``; returns the final summary.
+
+    Args:
+      cfg: the validated run configuration.
+      workdir: checkpoints, metrics, plots; an existing run there is resumed.
+      grader: optional grader object (``grade(workspace[, cancel])``) used instead of the one
+        ``cfg.grading.grader`` names, e.g. a custom grader from a notebook.
+    """
     from gagar_jax.train import backends
     from gagar_jax.train.tasks import ToyTaskPool
 
@@ -321,7 +328,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str) -> dict[str, Any]:
     # Engine and grader first: a dead server fails here, before any compute is spent.
     engine = backends.build_engine(cfg, policy, workdir=workdir)
     cache_path = os.path.join(workdir, "grader_cache.jsonl")
-    grading_pool = backends.build_grading_pool(cfg, cache_path=cache_path if primary else None)
+    grading_pool = backends.build_grading_pool(cfg, cache_path=cache_path if primary else None,
+                                               grader=grader)
 
     summary: dict[str, Any] = {}
     try:
