@@ -37,10 +37,11 @@ compare: setup
 	done
 	$(PY) scripts/compare_runs.py --workdirs=$(COMPARE)/gagar,$(COMPARE)/binary,$(COMPARE)/discount_only --out=$(COMPARE)
 
-example: train
+example: setup
+	$(PY) scripts/gagar_example.py
 
 bench: setup
-	$(PY) benchmarks/advantages.py
+	XLA_FLAGS= $(PY) benchmarks/advantages.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

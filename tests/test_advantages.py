@@ -26,7 +26,7 @@ ATOL = 1e-5
 def graded_groups(draw, binary=None, max_groups=6, max_k=8):
     """A dense batch of ragged groups with grader outputs, as numpy arrays."""
     # A few fixed sizes (ragged groups come from `valid`): each new shape costs a jit compile.
-    g = draw(st.sampled_from([1, 2, max_groups]))
+    g = draw(st.sampled_from([1, max_groups]))
     k = draw(st.sampled_from([1, 4, max_k]))
     shape = (g, k)
     valid = draw(hnp.arrays(bool, shape, elements=st.booleans()))
@@ -323,6 +323,7 @@ def test_flat_equals_dense_each_kernel(batch):
     lay = dict(group_ids=ids, num_groups=g)
     r, v = batch["rewards"], batch["valid"]
     for fn in (adv.mean_centered, adv.grpo_normalized, adv.rloo):
+        fn = jax.jit(fn, static_argnames="num_groups")
         np.testing.assert_allclose(
             fn(flat["rewards"], flat["valid"], **lay),
             np.asarray(fn(r, v)).reshape(-1)[perm],
@@ -404,7 +405,7 @@ def test_single_passing_rollout_unchanged():
     np.testing.assert_array_equal(out, a)
 
 
-@given(st.integers(1, 6), st.integers(2, 9), st.integers(0, 2**31 - 1))
+@given(st.sampled_from([1, 3]), st.sampled_from([2, 5, 9]), st.integers(0, 2**31 - 1))
 def test_rloo_is_scaled_mean_centered(g, k, seed):
     r = np.random.default_rng(seed).random((g, k)).astype(np.float32)
     v = np.ones((g, k), bool)

@@ -117,13 +117,13 @@ def discount_factors(
 
     t = jnp.clip(tier, 1, NUM_TIERS)
     r = rank.astype(jnp.float32)
-    factors = jnp.ones(groups.shape, jnp.float32)
+    factors = jnp.ones_like(r)  # *_like keeps the input sharding (Explicit axes)
     # A static loop over the three tiers (not over groups or rollouts).
     for k in range(1, NUM_TIERS + 1):
         member = graded & (t == k)
         hi = tf[k - 1]
         if k == NUM_TIERS:
-            f_k = jnp.full(groups.shape, hi, jnp.float32)
+            f_k = jnp.full_like(r, hi)
         else:
             lo = tf[k]
             r_min = groups.expand(groups.min(r, member, jnp.inf))
