@@ -351,3 +351,51 @@ def test_plot_and_summary_and_table(tmp_path):
     assert s["eval_pass_rate_last"] == 0.6
     table = metrics_io.markdown_table({"run": s})
     assert "| run |" in table and "0.05 -> 0.85" in table
+
+
+def test_compare_runs_writes_plot_table_and_ablation_notes(tmp_path):
+    def fake_run(name, quality, entropy, credit):
+        w = metrics_io.MetricsWriter(str(tmp_path / name), total_steps=6, tensorboard=False)
+        for s in range(6):
+            w.write(s, {"pass_rate": 0.3, "quality": quality[0] + s * quality[1],
+                        "t1_share": 0.5, "response_length": 10.0, "entropy": entropy,
+                        "pg_loss_mean": 0.01, "credit_ratio": credit})
+        w.close()
+        return str(tmp_path / name)
+
+    runs = {"gagar": fake_run("gagar", (0.5, 0.05), 1.0, 1.0),
+            "binary": fake_run("binary", (0.5, 0.0), 1.0, 1.0),
+            "discount_only": fake_run("discount_only", (0.5, 0.02), 1.5, 0.8)}
+    md = metrics_io.compare_runs(runs, str(tmp_path / "cmp"), window=2)
+    assert os.path.getsize(tmp_path / "cmp" / "comparison.png") > 10_000
+    assert (tmp_path / "cmp" / "comparison.md").read_text() == md
+    assert "| gagar |" in md and "| discount_only |" in md
+    assert "- quality: gagar 0.725 vs binary 0.5" in md and "reproduced" in md
+    assert "entropy: discount_only 1.5 vs gagar 1" in md
+    with pytest.raises(FileNotFoundError, match="nope"):
+        metrics_io.compare_runs({"nope": str(tmp_path / "nope")}, str(tmp_path / "x"))
+
+
+def test_mesh_shape_resolution():
+    from gagar_jax.train.backends import mesh_shape
+
+    assert mesh_shape((1, -1, 1), 8) == (1, 8, 1)
+    assert mesh_shape((2, 2, 2), 8) == (2, 2, 2)
+    with pytest.raises(ValueError, match="mesh.shape"):
+        mesh_shape((3, -1, 1), 8)
+    with pytest.raises(ValueError, match="needs 4 devices"):
+        mesh_shape((2, 2, 1), 8)
+
+
+def test_distributed_init_is_a_noop_single_process(monkeypatch):
+    from gagar_jax.train import loop
+    from gagar_jax.train.run_config import MeshConfig
+
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    loop.initialize_distributed(MeshConfig())  # nothing configured: must not touch jax.distributed
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "5")
+    with pytest.raises(ValueError, match="process id 5"):
+        loop.initialize_distributed(MeshConfig())

@@ -345,7 +345,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 writer.log(f"SFT done in {time.monotonic() - t0:.1f}s")
             ls.sft_done = True
             policy.save(0)
-            store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
+            if primary:
+                store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
 
         engine.sync_weights(policy.params_for_sync(), ls.policy_version)
         if ls.step == 0 and cfg.loop.total_steps > 0 and pool.eval_tasks():
@@ -388,7 +389,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 ls.grader_cache = {"path": os.path.basename(cache_path),
                                    "entries": len(grading_pool.cache)}
                 policy.save(step + 1)
-                store.save(step + 1, ls, keep=cfg.loop.keep_checkpoints + 1)
+                if primary:  # every process saves the state (collective); one writes metadata
+                    store.save(step + 1, ls, keep=cfg.loop.keep_checkpoints + 1)
     finally:
         policy.close()
         grading_pool.close()
