@@ -15,6 +15,9 @@ from ml_collections import config_flags
 config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:arg]).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
+flags.DEFINE_string("compilation_cache", "runs/.jax_cache",
+                    "JAX persistent compilation cache directory ('' disables): reruns and the "
+                    "three modes of `make compare` reuse compiled programs.")
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 
@@ -27,6 +30,8 @@ def main(argv):
 
     cfg = RunConfig.from_config_dict(FLAGS.config)
     loop.initialize_distributed(cfg.mesh)  # before any JAX computation
+    if FLAGS.compilation_cache:
+        loop.enable_compilation_cache(FLAGS.compilation_cache)
     loop.train_and_evaluate(cfg, FLAGS.workdir)
 
 

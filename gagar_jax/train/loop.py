@@ -69,6 +69,14 @@ def initialize_distributed(mesh_cfg: MeshConfig) -> None:
     jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
 
 
+def enable_compilation_cache(directory: str) -> None:
+    """JAX's persistent compilation cache in ``directory`` (every program, however fast)."""
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 # ------------------------------------------------------------------------------------------
 # Rollouts
 # ------------------------------------------------------------------------------------------
@@ -337,7 +345,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         if not ls.sft_done:
             if cfg.sft.steps > 0:
                 t0 = time.monotonic()
-                demos = pool.demonstrations(range(cfg.task.num_train))
+                demos = pool.demonstrations(cfg.task.num_train)
                 writer.log(f"SFT warm start: {cfg.sft.steps} steps on {len(demos)} "
                            "demonstrations")
                 policy.run_sft(demos, pad_id=tok.pad_id,

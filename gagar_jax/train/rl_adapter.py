@@ -118,7 +118,7 @@ def rl_step(graphdef, params, opt_state, rest, batch: dict[str, jax.Array], *, t
     params = optax.apply_updates(params, updates)
     metrics = dict(out.metrics)
     metrics.update(aux)
-    metrics.update(loss=loss, grad_norm=optax.global_norm(grads), loss_tokens=m.sum(),
+    metrics.update(loss=loss, grad_norm=optax.tree.norm(grads), loss_tokens=m.sum(),
                    finite=jnp.isfinite(loss).astype(jnp.float32))
     return params, opt_state, metrics
 

@@ -81,7 +81,7 @@ def sft_step(graphdef, params, opt_state, rest, batch: SFTBatch, *, tx):
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return params, opt_state, {"sft_loss": loss, "sft_token_accuracy": acc,
-                               "sft_grad_norm": optax.global_norm(grads)}
+                               "sft_grad_norm": optax.tree.norm(grads)}
 
 
 def run_sft(model, demos: Sequence[tuple[list[int], list[int]]], *, steps: int, batch_size: int,

@@ -9,22 +9,23 @@ The loop talks to a task family only through :class:`ToyTaskPool` (``gagar_jax.e
 * ``make_rollout(task, prompt, sample)``: decodes the response to a patch, verifies it in the
   family's verifier and returns the rollout with its reward inputs (``passed``, ``cheat``,
   ``infra_error``) and quality score (metrics only; the *grader* decides tiers).
-* ``demonstrations(indices)``: SFT warm-start pairs from the family's passing non-cheat patch
-  kinds (minimal, inconsistent, sprawling, ...): the warm-started policy produces solutions of
-  every quality, which is what gives the grader something to rank.
+* ``demonstrations(n)``: SFT warm-start pairs on n tasks of their own seed, from the family's
+  passing non-cheat patch kinds (minimal, inconsistent, sprawling, ...): the warm-started
+  policy produces solutions of every quality, which gives the grader something to rank.
 * ``workspace(group)``: the grading workspace of a group (``gagar_jax.grading``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from gagar_jax.train.run_config import RolloutConfig, TaskConfig
 from gagar_jax.train.sampling import Group, Rollout
 
-# Held-out tasks come from this seed offset, so they never coincide with training tasks.
+# Held-out and SFT-demonstration tasks come from other seeds, so neither coincides with the RL
+# training tasks (the warm start must not hand the RL prompts their answers).
 EVAL_SEED_OFFSET = 1_000_003
+SFT_SEED_OFFSET = 2_000_003
 # Demonstration kinds used for the SFT warm start: every passing, non-cheating kind.
 DEMO_KINDS = ("minimal", "inconsistent", "sprawling", "out_of_scope", "side_effect")
 
@@ -54,6 +55,8 @@ class ToyTaskPool:
         self._train = envs.ToyTaskGenerator(seed=task_cfg.seed, difficulty=task_cfg.difficulty)
         self._eval = envs.ToyTaskGenerator(seed=task_cfg.seed + EVAL_SEED_OFFSET,
                                            difficulty=task_cfg.difficulty)
+        self._sft = envs.ToyTaskGenerator(seed=task_cfg.seed + SFT_SEED_OFFSET,
+                                          difficulty=task_cfg.difficulty)
         self._cache: dict[int, Any] = {}
         self._eval_tasks: list[Any] | None = None
 
@@ -94,12 +97,12 @@ class ToyTaskPool:
             quality=quality_score(v.quality) if v.passed else None, test_log=v.test_log,
             monitor_flags=list(v.cheat_flags), quality_dims=_dims(v.quality) if v.passed else {})
 
-    def demonstrations(self, indices: Sequence[int]) -> list[tuple[list[int], list[int]]]:
-        """(prompt ids, response ids + EOS) for each passing non-cheat patch kind of each task."""
+    def demonstrations(self, num_tasks: int) -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, response ids + EOS) for each passing non-cheat patch kind of each of
+        ``num_tasks`` demonstration tasks (their own seed: disjoint from RL and eval tasks)."""
         out = []
         eos = self.tokenizer.eos_id
-        for i in indices:
-            task = self.train_task(i)
+        for task in self._sft.tasks(num_tasks):
             prompt = self.prompt_tokens(task)
             for kind, patch in self._envs.candidate_patches(task).items():
                 if kind not in DEMO_KINDS:
