@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -17,6 +18,16 @@ from gagar_jax.train import metrics_io
 from gagar_jax.train.run_config import RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# One persistent compilation cache for every run of this module (in-process and scripts): the
+# three modes and the resume runs share the SFT step and sampler programs.
+JAX_CACHE = os.path.join(tempfile.gettempdir(), "gagar_jax_test_train_jax_cache")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    from gagar_jax.train import loop
+
+    loop.enable_compilation_cache(JAX_CACHE)
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 CONFIG = os.path.join(ROOT, "configs", "toy_gagar.py")
 
@@ -66,7 +77,8 @@ def test_smoke_each_mode(mode, tmp_path, capsys):
 
 def _run_script(workdir, *extra, timeout=600):
     cmd = [sys.executable, SCRIPT, f"--config={CONFIG}:gagar,smoke", f"--workdir={workdir}",
-           "--config.loop.total_steps=5", "--config.loop.checkpoint_every=1", *extra]
+           f"--compilation_cache={JAX_CACHE}", "--config.loop.total_steps=5",
+           "--config.loop.checkpoint_every=1", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -79,7 +91,8 @@ def test_script_sigkill_mid_run_resumes_exactly(tmp_path):
 
     run = tmp_path / "run"
     cmd = [sys.executable, SCRIPT, f"--config={CONFIG}:gagar,smoke", f"--workdir={run}",
-           "--config.loop.total_steps=5", "--config.loop.checkpoint_every=1"]
+           f"--compilation_cache={JAX_CACHE}", "--config.loop.total_steps=5",
+           "--config.loop.checkpoint_every=1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = run / "loop_state" / "loop_state_00000002.json"
     deadline = time.monotonic() + 600
