@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,data
+EXTRAS ?= test,data,parity,notebooks
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 .PHONY: setup test lint train compare example bench clean

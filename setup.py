@@ -13,6 +13,7 @@ INSTALL_REQUIRES = [
     "absl-py>=2.0",
     "ml-collections>=1.1",
     "numpy>=2.0",
+    "safetensors>=0.6",
     # Training metrics: TensorBoard event files and the per-run plots (issue 7).
     "tensorboardX>=2.6",
     "matplotlib>=3.8",
@@ -23,8 +24,11 @@ EXTRAS_REQUIRE = {
     "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6.100", "ruff>=0.6"],
     # TFDS builders for task pools (no TensorFlow needed for array_record).
     "data": ["tensorflow-datasets>=4.9.10"],
+    # Parity tests against Hugging Face transformers (CPU torch; pinned in constraints.txt:
+    # an unpinned torch pulls a multi-GB CUDA build).
+    "parity": ["torch==2.13.0", "transformers==5.24.0"],
     # Executed notebooks.
-    "notebooks": ["ipykernel", "nbclient", "nbformat", "nbmake"],
+    "notebooks": ["ipykernel", "nbclient", "nbformat", "matplotlib"],
 }
 
 setuptools.setup(

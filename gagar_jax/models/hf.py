@@ -1,0 +1,159 @@
+"""Safetensors import/export under Hugging Face Qwen2/Llama parameter names, plus ``config.json``.
+
+A directory written by :func:`save_hf_safetensors` loads with
+``transformers.AutoModelForCausalLM.from_pretrained`` and serves with SGLang; a Hugging Face
+checkpoint loads here with :func:`load_hf_safetensors`.
+
+Layout mapping (ours -> Hugging Face ``nn.Linear.weight`` which is ``[out, in]``):
+
+====================================  ==============================================  ============
+ours (pure-dict path)                 Hugging Face name                               transform
+====================================  ==============================================  ============
+embed_tokens [V, E]                   model.embed_tokens.weight [V, E]                identity
+layers.i.self_attn.q_proj [E, N, D]   model.layers.i.self_attn.q_proj.weight [N*D, E]  reshape, T
+layers.i.self_attn.q_bias [N, D]      model.layers.i.self_attn.q_proj.bias [N*D]       reshape
+layers.i.self_attn.o_proj [N, D, E]   model.layers.i.self_attn.o_proj.weight [E, N*D]  reshape, T
+layers.i.mlp.gate_proj [E, F]         model.layers.i.mlp.gate_proj.weight [F, E]       T
+lm_head [E, V]                        lm_head.weight [V, E] (absent when tied)         T
+====================================  ==============================================  ============
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from gagar_jax.models.transformer import Transformer, TransformerConfig
+
+
+def _np(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x))
+
+
+def to_hf_tensors(params: dict, config: TransformerConfig) -> dict[str, np.ndarray]:
+    """Our pure-dict parameters (``nnx.state(model, nnx.Param).to_pure_dict()``) -> HF tensors."""
+    c = config
+    out = {"model.embed_tokens.weight": _np(params["embed_tokens"]),
+           "model.norm.weight": _np(params["norm"]["weight"])}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = _np(params["lm_head"]).T
+    for i in range(c.num_layers):
+        layer = params["layers"][i]
+        pre = f"model.layers.{i}."
+        attn, mlp = layer["self_attn"], layer["mlp"]
+        out[pre + "input_layernorm.weight"] = _np(layer["input_layernorm"]["weight"])
+        out[pre + "post_attention_layernorm.weight"] = _np(
+            layer["post_attention_layernorm"]["weight"])
+        for name in ("q", "k", "v"):
+            w = _np(attn[f"{name}_proj"])  # [E, heads, D]
+            out[pre + f"self_attn.{name}_proj.weight"] = w.reshape(w.shape[0], -1).T
+            if c.qkv_bias:
+                out[pre + f"self_attn.{name}_proj.bias"] = _np(attn[f"{name}_bias"]).reshape(-1)
+        o = _np(attn["o_proj"])  # [N, D, E]
+        out[pre + "self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[pre + f"mlp.{name}.weight"] = _np(mlp[name]).T
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def from_hf_tensors(tensors: dict[str, np.ndarray], config: TransformerConfig) -> dict:
+    """HF tensors -> our pure-dict parameters (numpy, cast to ``config.param_dtype``).
+
+    Raises a ``ValueError`` naming the tensor when one is missing or has the wrong shape.
+    """
+    c = config
+    dtype = np.dtype(jax.numpy.dtype(c.param_dtype))
+
+    def get(name, shape):
+        if name not in tensors:
+            raise ValueError(
+                f"safetensors checkpoint lacks tensor {name!r} (expected shape {shape})")
+        x = np.asarray(tensors[name])
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+        return x.astype(dtype)
+
+    e, n, kv, d, f, v = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                         c.intermediate_size, c.vocab_size)
+    params = {"embed_tokens": get("model.embed_tokens.weight", (v, e)),
+              "norm": {"weight": get("model.norm.weight", (e,))},
+              "layers": {}}
+    if not c.tie_embeddings:
+        params["lm_head"] = get("lm_head.weight", (v, e)).T
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        attn = {}
+        for name, heads in (("q", n), ("k", kv), ("v", kv)):
+            w = get(pre + f"self_attn.{name}_proj.weight", (heads * d, e))
+            attn[f"{name}_proj"] = w.T.reshape(e, heads, d)
+            if c.qkv_bias:
+                attn[f"{name}_bias"] = get(pre + f"self_attn.{name}_proj.bias",
+                                           (heads * d,)).reshape(heads, d)
+        attn["o_proj"] = get(pre + "self_attn.o_proj.weight", (e, n * d)).T.reshape(n, d, e)
+        params["layers"][i] = {
+            "input_layernorm": {"weight": get(pre + "input_layernorm.weight", (e,))},
+            "post_attention_layernorm": {
+                "weight": get(pre + "post_attention_layernorm.weight", (e,))},
+            "self_attn": attn,
+            "mlp": {"gate_proj": get(pre + "mlp.gate_proj.weight", (f, e)).T,
+                    "up_proj": get(pre + "mlp.up_proj.weight", (f, e)).T,
+                    "down_proj": get(pre + "mlp.down_proj.weight", (e, f)).T},
+        }
+    return jax.tree.map(np.ascontiguousarray, params)
+
+
+def model_from_params(config: TransformerConfig, params: dict) -> Transformer:
+    """A :class:`Transformer` holding ``params`` (pure dict), without running the initialisers."""
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, params))
+    return nnx.merge(graphdef, state)
+
+
+def save_hf_safetensors(model_or_params, config: TransformerConfig, directory: str, *,
+                        dtype: str | None = None) -> str:
+    """Writes ``model.safetensors`` and ``config.json`` to ``directory``; returns the directory.
+
+    Args:
+      model_or_params: a :class:`Transformer` or its pure-dict parameters.
+      config: the model config (written as a Hugging Face ``config.json``).
+      directory: created if missing.
+      dtype: storage dtype of the tensors (default ``config.param_dtype``).
+    """
+    if isinstance(model_or_params, nnx.Module):
+        params = nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
+    else:
+        params = model_or_params
+    dtype = np.dtype(jax.numpy.dtype(dtype or config.param_dtype))
+    tensors = {k: v.astype(dtype) for k, v in to_hf_tensors(params, config).items()}
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    hf = config.to_hf()
+    hf["torch_dtype"] = str(dtype)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    return directory
+
+
+def load_hf_safetensors(directory: str,
+                        **config_overrides) -> tuple[TransformerConfig, Transformer]:
+    """Loads ``config.json`` and every ``*.safetensors`` shard in ``directory``.
+
+    ``config_overrides`` replace config fields (e.g. ``dtype="bfloat16"``, ``remat=True``).
+    """
+    with open(os.path.join(directory, "config.json")) as f:
+        config = TransformerConfig.from_hf(json.load(f), **config_overrides)
+    files = sorted(p for p in os.listdir(directory) if p.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {directory}")
+    tensors = {}
+    for name in files:
+        tensors.update(load_file(os.path.join(directory, name)))
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)  # some exporters write the tied copy anyway
+    return config, model_from_params(config, from_hf_tensors(tensors, config))

@@ -1,0 +1,150 @@
+"""Tests of the NNX transformer: shapes, masking/padding, cached decode == full forward, remat."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gagar_jax.models import TransformerConfig, create_model
+
+TINY = TransformerConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         intermediate_size=64, rope_theta=10000.0, rms_norm_eps=1e-6,
+                         qkv_bias=True, tie_embeddings=False)
+
+
+@jax.jit
+def _perturb(state, key):
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(key, len(leaves))
+    leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _model(config=TINY, seed=0):
+    model = create_model(config, seed)
+    # Non-zero biases and norm weights so the test exercises them.
+    nnx.update(model, _perturb(nnx.state(model, nnx.Param), jax.random.key(seed + 1)))
+    return model
+
+
+@nnx.jit
+def _fwd(model, tokens, positions, mask=None):
+    return model(tokens, positions, attention_mask=mask)
+
+
+def _left_padded(batch=3, length=10, pads=(0, 2, 5), seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, TINY.vocab_size, (batch, length)).astype(np.int32)
+    mask = np.ones((batch, length), bool)
+    positions = np.zeros((batch, length), np.int32)
+    for b, p in enumerate(pads):
+        mask[b, :p] = False
+        tokens[b, :p] = 0
+        positions[b, p:] = np.arange(length - p)
+    return jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)
+
+
+def test_config_validation_names_field():
+    with pytest.raises(ValueError, match="num_heads"):
+        dataclasses.replace(TINY, num_kv_heads=3)
+    with pytest.raises(ValueError, match="vocab_size"):
+        dataclasses.replace(TINY, vocab_size=0)
+    with pytest.raises(ValueError, match="dtype"):
+        dataclasses.replace(TINY, dtype="int8")
+
+
+def test_forward_shapes_and_param_count():
+    model = _model()
+    tokens, positions, mask = _left_padded()
+    logits = _fwd(model, tokens, positions, mask)
+    assert logits.shape == (3, 10, TINY.vocab_size) and logits.dtype == jnp.float32
+    assert np.isfinite(np.asarray(logits)).all()
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n == TINY.num_params
+    with pytest.raises(ValueError, match="positions"):
+        _fwd(model, tokens, positions[:, :4])
+
+
+def test_left_padding_equals_unpadded():
+    """A left-padded row gives the same logits on its real tokens as the row alone."""
+    model = _model()
+    tokens, positions, mask = _left_padded()
+    logits = _fwd(model, tokens, positions, mask)
+    for b, p in enumerate((0, 2, 5)):
+        alone = _fwd(model, tokens[b:b + 1, p:], positions[b:b + 1, p:])
+        np.testing.assert_allclose(logits[b, p:], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_causality():
+    """Changing a later token never changes earlier logits."""
+    model = _model()
+    tokens, positions, _ = _left_padded(pads=(0, 0, 0))
+    changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % TINY.vocab_size)
+    a = _fwd(model, tokens, positions)
+    b = _fwd(model, changed, positions)
+    np.testing.assert_allclose(a[:, :6], b[:, :6], atol=1e-6)
+    assert np.abs(np.asarray(a[:, 6:] - b[:, 6:])).max() > 1e-4
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_cached_decode_equals_full_forward(tie):
+    """Prefill 4 slots then decode one token at a time: logits == the full forward's."""
+    config = dataclasses.replace(TINY, tie_embeddings=tie)
+    model = _model(config)
+    tokens, positions, mask = _left_padded(length=10, pads=(0, 2, 3))
+    full = _fwd(model, tokens, positions, mask)
+
+    cache = model.init_cache(batch=3, max_len=12)
+    prefill = 4
+    logits, cache = model.decode(tokens[:, :prefill], positions[:, :prefill], cache,
+                                 attention_mask=mask[:, :prefill])
+    # Padding slots have arbitrary (but finite) logits; compare real tokens only.
+    m = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(logits)[m[:, :prefill]],
+                               np.asarray(full[:, :prefill])[m[:, :prefill]], atol=1e-5)
+    step = nnx.jit(lambda mdl, t, p, c: mdl.decode(t, p, c))
+    for t in range(prefill, 10):
+        logits, cache = step(model, tokens[:, t:t + 1], positions[:, t:t + 1], cache)
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+    assert int(cache.index) == 10
+    np.testing.assert_array_equal(np.asarray(cache.mask[:, :10]), m)
+
+
+def test_bf16_compute_logits_f32_close_to_f32():
+    model = _model()
+    tokens, positions, mask = _left_padded()
+    ref = _fwd(model, tokens, positions, mask)
+    model_bf16 = _model(dataclasses.replace(TINY, dtype="bfloat16"))
+    out = _fwd(model_bf16, tokens, positions, mask)
+    assert out.dtype == jnp.float32
+    m = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(out)[m], np.asarray(ref)[m], atol=5e-2)
+
+
+def test_remat_same_value_and_grad():
+    tokens, positions, mask = _left_padded()
+    outs = []
+    for remat in (False, True):
+        model = _model(dataclasses.replace(TINY, remat=remat))
+
+        def loss(mdl):
+            return jnp.mean(mdl(tokens, positions, attention_mask=mask) ** 2)
+
+        value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
+        outs.append((value, jax.tree.leaves(grads)))
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-6)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_hf_config_round_trip():
+    hf = TINY.to_hf()
+    assert hf["model_type"] == "qwen2"
+    assert TransformerConfig.from_hf(hf) == TINY
+    llama = dataclasses.replace(TINY, qkv_bias=False, tie_embeddings=True)
+    assert TransformerConfig.from_hf(llama.to_hf()) == llama
+    with pytest.raises(NotImplementedError, match="rope_scaling"):
+        TransformerConfig.from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
