@@ -25,15 +25,16 @@ test: setup lint
 # runs/toy_gagar/training_dynamics.png. Re-running resumes (a finished run just re-summarises);
 # `make train RUN=runs/other` for a fresh directory.
 RUN ?= runs/toy_gagar
+# One CPU device (XLA_FLAGS cleared): 8 simulated devices only add collectives on 2 cores.
 train: setup
-	$(PY) scripts/train.py --config=configs/toy_gagar.py --workdir=$(RUN)
+	XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py --workdir=$(RUN)
 
 # The toy ablation (paper Figs. 2-4): gagar, binary, discount_only side by side, then
 # runs/compare/comparison.{md,png}. About 3x `make train`.
 COMPARE ?= runs/compare
 compare: setup
 	for m in gagar binary discount_only; do \
-	  $(PY) scripts/train.py --config=configs/toy_gagar.py:$$m --workdir=$(COMPARE)/$$m || exit 1; \
+	  XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py:$$m --workdir=$(COMPARE)/$$m || exit 1; \
 	done
 	$(PY) scripts/compare_runs.py --workdirs=$(COMPARE)/gagar,$(COMPARE)/binary,$(COMPARE)/discount_only --out=$(COMPARE)
 

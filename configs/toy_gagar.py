@@ -52,10 +52,11 @@ def get_config(arg=None):
                         rank_decay=0.5, cheat_reward=0.0)
     c.optim = dict(lr=3e-4, warmup_steps=3, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.99,
                    clip_low=0.2, clip_high=0.28, ppo_epochs=1, num_minibatches=1,
-                   num_microbatches=1, kl_coef=0.0, entropy_coef=0.0, loss_agg="token_mean")
+                   num_microbatches=1, kl_coef=0.0, entropy_coef=0.0, loss_agg="token-mean",
+                   schedule="constant", end_lr_ratio=0.1, dual_clip=0.0)
     c.sft = dict(steps=300, lr=3e-3, batch_size=32, warmup_steps=10)
     c.loop = dict(total_steps=60, log_every=1, eval_every=10, checkpoint_every=10,
-                  keep_checkpoints=2, eval_rollouts=1, eval_temperature=0.7, plot=True)
+                  keep_checkpoints=2, eval_rollouts=4, eval_temperature=0.7, plot=True)
     c.mesh = dict(shape=(1, -1, 1), coordinator_address="", num_processes=1, process_id=0)
 
     if smoke:
@@ -67,5 +68,5 @@ def get_config(arg=None):
         c.rollout.update(num_prompts=2, num_rollouts=4, max_new_tokens=16)
         c.sampling.update(enabled=False, max_rounds=3)
         c.sft.update(steps=3, batch_size=8, warmup_steps=1)
-        c.loop.update(total_steps=3, eval_every=2, checkpoint_every=1)
+        c.loop.update(total_steps=3, eval_every=2, checkpoint_every=1, eval_rollouts=1)
     return c

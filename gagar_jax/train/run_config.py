@@ -187,7 +187,10 @@ class OptimConfig:
     num_microbatches: int = 1
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
-    loss_agg: str = "token_mean"
+    loss_agg: str = "token-mean"  # the paper's; seq-mean-token-mean | seq-mean-token-sum
+    schedule: str = "constant"  # after warm-up: constant | linear | cosine (to end_lr_ratio)
+    end_lr_ratio: float = 0.1
+    dual_clip: float = 0.0  # 0 = off, else > 1
 
     def __post_init__(self):
         _check(self.lr > 0, "optim.lr", "> 0", self.lr)
@@ -197,9 +200,14 @@ class OptimConfig:
                (self.clip_low, self.clip_high))
         for name in ("ppo_epochs", "num_minibatches", "num_microbatches"):
             _check(getattr(self, name) >= 1, f"optim.{name}", ">= 1", getattr(self, name))
-        _check(self.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
-               "optim.loss_agg", "token_mean|seq_mean_token_mean|seq_mean_token_sum",
+        _check(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+               "optim.loss_agg", "token-mean|seq-mean-token-mean|seq-mean-token-sum",
                self.loss_agg)
+        _check(self.schedule in ("constant", "linear", "cosine"), "optim.schedule",
+               "constant|linear|cosine", self.schedule)
+        _check(0 <= self.end_lr_ratio <= 1, "optim.end_lr_ratio", "in [0, 1]", self.end_lr_ratio)
+        _check(self.dual_clip == 0 or self.dual_clip > 1, "optim.dual_clip", "0 (off) or > 1",
+               self.dual_clip)
 
 
 @dataclasses.dataclass(frozen=True)
