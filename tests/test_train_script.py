@@ -174,3 +174,18 @@ def test_failing_grader_falls_back_and_training_continues(kind, tmp_path):
         assert r[f"grading_fallback_{reason}"] == G
         assert r["pg_loss_mean"] is not None  # the update ran on the original advantages
     assert time.monotonic() - t0 < 300
+
+
+def test_dead_agentic_grader_server_falls_back(tmp_path):
+    """The agentic grader pointed at a real dead endpoint: groups fall back, the run finishes."""
+    from gagar_jax.train import loop
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    cfg = smoke_config("gagar", **{"grading.grader": "agentic", "grading.sglang_url": url,
+                                   "grading.deadline_s": 2.0, "loop.total_steps": 1})
+    t0 = time.monotonic()
+    loop.train_and_evaluate(cfg, str(tmp_path))
+    (row,) = train_rows(tmp_path)
+    assert row["grading_fallbacks"] == cfg.rollout.num_prompts
+    assert row["grading_graded_frac"] == 0.0
+    assert time.monotonic() - t0 < 300

@@ -189,8 +189,12 @@ def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=
         grader = HeuristicGrader()
     else:
         from gagar_jax.grading import AgenticGrader
+        from gagar_jax.grading.adapters import ToyCheckRunner
         from gagar_jax.rollout import SGLangClient
 
-        grader = AgenticGrader(SGLangClient(cfg.grading.sglang_url))
+        # An unreachable grader server is not fatal: each group falls back (grader_error or
+        # deadline, counted) and training continues on the original advantages.
+        grader = AgenticGrader(SGLangClient(cfg.grading.sglang_url),
+                               check_runner=ToyCheckRunner())
     return GradingPool(grader, max_concurrency=cfg.grading.max_concurrency,
                        deadline_s=cfg.grading.deadline_s, cache=cache_path)

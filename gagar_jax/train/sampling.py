@@ -45,6 +45,7 @@ class Rollout:
     cheat: bool = False  # a confirmed monitor flag
     quality: float | None = None  # env's quality score of a passing patch (metrics only)
     quality_dims: dict[str, float] = dataclasses.field(default_factory=dict)  # per dimension
+    verification: Any = None  # the verifier's full result (host only; for grading workspaces)
     test_log: str = ""
     monitor_flags: list[Any] = dataclasses.field(default_factory=list)
 

@@ -95,7 +95,8 @@ class ToyTaskPool:
             policy_version=int(sample.policy_version), patch=patch, passed=bool(v.passed),
             infra_error=bool(v.infra_error), cheat=bool(v.cheat),
             quality=quality_score(v.quality) if v.passed else None, test_log=v.test_log,
-            monitor_flags=list(v.cheat_flags), quality_dims=_dims(v.quality) if v.passed else {})
+            monitor_flags=list(v.cheat_flags), quality_dims=_dims(v.quality) if v.passed else {},
+            verification=v)
 
     def demonstrations(self, num_tasks: int) -> list[tuple[list[int], list[int]]]:
         """(prompt ids, response ids + EOS) for each passing non-cheat patch kind of each of
@@ -117,47 +118,12 @@ class ToyTaskPool:
         return out
 
     def workspace(self, group: Group):
-        """The grading workspace for one group (all candidates; the grader ranks passing ones).
+        """The grading workspace of one group (``gagar_jax.grading.adapters``: each line-edit
+        patch rendered as a unified diff of ``program.toy``, with its test log, monitor flags
+        and quality features; infra-error rollouts go in as failed candidates)."""
+        from gagar_jax.grading import adapters
 
-        Toy patches are line edits; graders read unified diffs, so each patch is rendered as the
-        diff of ``program.toy`` it produces (:func:`toy_unified_diff`) and the repository
-        snapshot holds the plain source. The family's quality dimensions go along as
-        ``Candidate.quality`` (the heuristic grader blends them with its own scores).
-        """
-        from gagar_jax import grading
-
-        task = group.task
-        candidates = []
-        for k, r in enumerate(group.rollouts):
-            candidates.append(grading.Candidate(
-                candidate_id=f"{group.group_id}/{k}",
-                patch=toy_unified_diff(task, r.patch) if r.passed else "",
-                passed=bool(r.passed and not r.infra_error), test_log=r.test_log,
-                monitor_flags=tuple(r.monitor_flags), quality=dict(r.quality_dims)))
-        return grading.GroupWorkspace(
-            group_id=group.group_id, task_text=task.prompt,
-            repo_files={TOY_PROGRAM: task.source + "\n", TOY_TESTS: _tests_text(task)},
-            candidates=tuple(candidates), scope_files=(TOY_PROGRAM,))
-
-
-TOY_PROGRAM = "program.toy"
-TOY_TESTS = "tests.toy"
-
-
-def _tests_text(task) -> str:
-    return "\n".join(f"f({x}) == {y}" for x, y in task.tests) + "\n"
-
-
-def toy_unified_diff(task, patch_text: str) -> str:
-    """The unified diff of ``program.toy`` that a toy line-edit patch produces ('' if invalid)."""
-    import difflib
-
-    from gagar_jax import envs
-
-    try:
-        new_source = envs.apply_patch(task, patch_text)
-    except Exception:  # noqa: BLE001 - an unparseable patch has no diff (it cannot pass either)
-        return ""
-    old = (task.source + "\n").splitlines(keepends=True)
-    new = (new_source + "\n").splitlines(keepends=True)
-    return "".join(difflib.unified_diff(old, new, f"a/{TOY_PROGRAM}", f"b/{TOY_PROGRAM}"))
+        candidates = [
+            adapters.toy_candidate(group.task, f"{group.group_id}/{k}", r.patch, r.verification)
+            for k, r in enumerate(group.rollouts)]
+        return adapters.toy_workspace(group.task, group.group_id, candidates)
