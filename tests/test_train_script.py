@@ -71,6 +71,7 @@ def test_smoke_each_mode(mode, tmp_path, capsys):
     assert any(r["phase"] == "sft" for r in metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl")))
     assert f"finished: {cfg.loop.total_steps} steps" in out and "ETA" in out
     assert os.path.getsize(summary["plot"]) > 10_000
+    assert summary["update_traces"] == 1  # one compiled update for the whole run
     assert os.listdir(tmp_path / "tb")
     assert os.path.exists(tmp_path / "loop_state" / f"loop_state_{cfg.loop.total_steps:08d}.json")
 

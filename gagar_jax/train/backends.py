@@ -100,6 +100,10 @@ class Policy:
     def update(self, batch: PackedBatch, *, step: int) -> dict[str, float]:
         return self._rl_state().update(batch, step=step)
 
+    def update_traces(self) -> int | None:
+        """How many times the update compiled in this process (None before the RL state)."""
+        return None if self._rl is None else self._rl.trace_count
+
     def params_for_sync(self):
         """What the embedded engine's ``sync_weights`` takes (the model's nnx state)."""
         return self._rl_state().params_for_sync()

@@ -379,7 +379,9 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             m = counters.metrics()
             m.update(sres.metrics(G))
             m.update(grading_m)
-            m.update(_update_metric_aliases(update_m))
+            for k, v in _update_metric_aliases(update_m).items():
+                # the update's figures cover the kept batch; ours all drawn rollouts
+                m[f"update/{k}" if k in m else k] = v
             m.update(grade_wait_s=t_update - t_wait, update_time_s=t_end - t_update,
                      step_time_s=t_end - t_step, policy_version=float(ls.policy_version),
                      data_position=float(ls.data_position))
@@ -399,13 +401,14 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 policy.save(step + 1)
                 if primary:  # every process saves the state (collective); one writes metadata
                     store.save(step + 1, ls, keep=cfg.loop.keep_checkpoints + 1)
+        summary["update_traces"] = policy.update_traces()
     finally:
         policy.close()
         grading_pool.close()
         writer.close()
     if primary:
         rows = metrics_io.read_jsonl(metrics_path)
-        summary = metrics_io.summarize(rows)
+        summary.update(metrics_io.summarize(rows))
         if cfg.loop.plot:
             summary["plot"] = metrics_io.plot_run(workdir)
         _print_summary(cfg, workdir, summary)
@@ -419,6 +422,8 @@ def _print_summary(cfg: RunConfig, workdir: str, summary: dict[str, Any]) -> Non
         if a is None or b is None:
             continue
         lines.append(f"   {title:<42s} {a:10.4f} -> {b:10.4f}")
+    if summary.get("update_traces") is not None:
+        lines.append(f"   update compiled {summary['update_traces']} time(s) (static batch shape)")
     if "plot" in summary:
         lines.append(f"   plot: {summary['plot']}")
     print("\n".join(lines), flush=True)
