@@ -123,14 +123,6 @@ def test_script_sigkill_mid_run_resumes_exactly(tmp_path):
     assert state["step"] == 5 and state["sft_done"] and state["policy_version"] == 5
 
 
-def test_resume_with_another_config_is_refused(tmp_path):
-    from gagar_jax.train import loop
-
-    loop.train_and_evaluate(smoke_config("gagar", **{"loop.total_steps": 1}), str(tmp_path))
-    with pytest.raises(loop.ResumeMismatchError, match="fingerprint"):
-        loop.train_and_evaluate(smoke_config("gagar", **{"optim.lr": 0.5}), str(tmp_path))
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -190,3 +182,15 @@ def test_dead_agentic_grader_server_falls_back(tmp_path):
     assert row["grading_fallbacks"] == cfg.rollout.num_prompts
     assert row["grading_graded_frac"] == 0.0
     assert time.monotonic() - t0 < 300
+
+
+def test_refused_resume_leaves_the_run_untouched(tmp_path):
+    from gagar_jax.train import loop
+
+    loop.train_and_evaluate(smoke_config("gagar", **{"loop.total_steps": 1}), str(tmp_path))
+    before = (tmp_path / "config.json").read_text()
+    for other in (smoke_config("binary", **{"loop.total_steps": 1}),
+                  smoke_config("gagar", **{"optim.lr": 0.5, "loop.total_steps": 1})):
+        with pytest.raises(loop.ResumeMismatchError, match="fingerprint"):
+            loop.train_and_evaluate(other, str(tmp_path))
+    assert (tmp_path / "config.json").read_text() == before

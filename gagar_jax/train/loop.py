@@ -128,7 +128,8 @@ class StepCounters:
 
 def generate_groups(engine, pool, tasks, *, cfg: RunConfig, step: int, round_id: int,
                     num_rollouts: int, temperature: float, id_prefix: str,
-                    counters: StepCounters | None = None) -> list[Group]:
+                    counters: StepCounters | None = None,
+                    rng_words: tuple[int, ...] = ()) -> list[Group]:
     """K samples for each task, verified; one :class:`Group` per task.
 
     Raises:
@@ -142,7 +143,10 @@ def generate_groups(engine, pool, tasks, *, cfg: RunConfig, step: int, round_id:
         n=num_rollouts, temperature=temperature, top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_new_tokens,
         stop_token_ids=(pool.tokenizer.eos_id,),
-        seed=int(np.random.default_rng([cfg.seed, step, round_id]).integers(2**31)))
+        # the sampler seed is a function of (run key, step, round): a resumed step redraws
+        # exactly what the uninterrupted run drew
+        seed=int(np.random.default_rng([*(rng_words or (cfg.seed,)), step, round_id])
+                 .integers(2**31)))
     t0 = time.monotonic()
     try:
         outputs = engine.generate(prompts, params)
@@ -244,7 +248,7 @@ def collect_step(engine, pool, grading_pool, stream: TaskStream, ls: LoopState, 
         return generate_groups(engine, pool, [pool.train_task(i) for i in idx], cfg=cfg,
                                step=step, round_id=rounds[0], num_rollouts=K,
                                temperature=cfg.rollout.temperature, id_prefix=f"s{step}",
-                               counters=counters)
+                               counters=counters, rng_words=tuple(ls.rng_key))
 
     def submit(group):
         grading_pool.submit(pool.workspace(group))
@@ -297,12 +301,6 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
 
     workdir = os.path.abspath(workdir)
     primary = jax.process_index() == 0
-    if primary:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-            import json
-
-            json.dump(cfg.to_dict(), f, indent=1, sort_keys=True, default=str)
     G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
     pool = ToyTaskPool(cfg.task, cfg.rollout)
     tok = pool.tokenizer
@@ -324,6 +322,11 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                        fingerprint=cfg.fingerprint())
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     if primary:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+            import json
+
+            json.dump(cfg.to_dict(), f, indent=1, sort_keys=True, default=str)
         dropped = metrics_io.truncate_jsonl(metrics_path, keep_before_step=ls.step,
                                             drop_phases=None if ls.sft_done else ("sft",))
     writer = metrics_io.MetricsWriter(workdir, total_steps=cfg.loop.total_steps,
