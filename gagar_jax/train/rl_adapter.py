@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gagar_jax.train.run_config import RunConfig
@@ -111,10 +112,13 @@ class RLState:
         """The model's full nnx state with the current parameters (``Sampler.sync_weights``)."""
         from flax import nnx
 
+        # gathered to host and placed on the default device: the embedded sampler runs
+        # unsharded, whatever the update's mesh
+        params = jax.tree.map(jnp.asarray, jax.device_get(self.state.params))
         state = nnx.state(self.model)
-        nnx.replace_by_pure_dict(state, jax.device_get(self.state.params))
+        nnx.replace_by_pure_dict(state, params)
         nnx.update(self.model, state)
-        return nnx.state(self.model)
+        return state
 
     def save(self, step: int) -> None:
         import orbax.checkpoint as ocp
