@@ -78,15 +78,16 @@ def test_worked_example_binary():
     # mean_P(f) = 1.9/3, and A*_i = (1 - mean) f_i / mean_P(f) = 0.4 * 3 f_i / 1.9:
     # 1.2/1.9 = 0.631579, 0.72/1.9 = 0.378947, 0.36/1.9 = 0.189474 (sum 1.2 = S+).
     r = np.array([[1, 1, 1, 0, 0]], np.float32)
-    out = adv.gagar_advantages(
-        r,
-        r > 0,
-        np.zeros_like(r, bool),
-        np.array([[1, 2, 3, 1, 1]]),
-        np.array([[1, 2, 3, 4, 4]]),
-        np.array([True]),
-        np.ones_like(r, bool),
+    group = dict(
+        rewards=r,
+        passed=r > 0,
+        cheat=np.zeros_like(r, bool),
+        tier=np.array([[1, 2, 3, 1, 1]]),
+        rank=np.array([[1, 2, 3, 4, 4]]),
+        graded=np.array([True]),
+        valid=np.ones_like(r, bool),
     )
+    out = adv.gagar_advantages(**group)
     np.testing.assert_allclose(
         out.advantages, [[1.2 / 1.9, 0.72 / 1.9, 0.36 / 1.9, -0.6, -0.6]], atol=1e-6
     )
@@ -94,17 +95,7 @@ def test_worked_example_binary():
     assert float(out.metrics["credit/max_conservation_error"]) < 1e-6
     # Discount only: 0.4 * (1, 0.6, 0.3) = (0.4, 0.24, 0.12): positive credit falls 1.2 -> 0.76
     # while the negative side stays -1.2, a credit ratio of 0.76 / 1.2 = 0.6333.
-    cfg = adv.GagarConfig(mode="discount_only")
-    out = adv.gagar_advantages(
-        r,
-        r > 0,
-        np.zeros_like(r, bool),
-        np.array([[1, 2, 3, 1, 1]]),
-        np.array([[1, 2, 3, 4, 4]]),
-        np.array([True]),
-        np.ones_like(r, bool),
-        config=cfg,
-    )
+    out = adv.gagar_advantages(**group, config=adv.GagarConfig(mode="discount_only"))
     np.testing.assert_allclose(out.advantages, [[0.4, 0.24, 0.12, -0.6, -0.6]], atol=1e-6)
     np.testing.assert_allclose(out.metrics["credit/ratio"], 0.76 / 1.2, rtol=1e-6)
 

@@ -62,7 +62,6 @@ def _data(seed, b=4, t=7):
 
 
 class LossTest(parameterized.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_logprobs_entropy(self):
         rng = np.random.default_rng(0)
@@ -82,36 +81,50 @@ class LossTest(parameterized.TestCase):
         expected = np.eye(11)[np.asarray(targets)] - jax.nn.softmax(logits)
         np.testing.assert_allclose(g, expected, atol=1e-6)
 
-    @parameterized.product(mode=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
-                           seed=[0, 1])
+    @parameterized.product(
+        mode=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"], seed=[0, 1]
+    )
     def test_aggregate(self, mode, seed):
         values, _, _, mask, _, _ = _data(seed)
         got = aggregate(jnp.asarray(values), jnp.asarray(mask), mode)
         np.testing.assert_allclose(got, np_aggregate(values, mask, mode), rtol=1e-5)
 
-    @parameterized.product(mode=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
-                           dual_clip=[None, 3.0], seed=[0, 1])
+    @parameterized.product(
+        mode=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
+        dual_clip=[None, 3.0],
+        seed=[0, 1],
+    )
     def test_pg_loss_matches_numpy(self, mode, dual_clip, seed):
         logp, old, adv, mask, _, _ = _data(seed)
-        terms = jax.jit(lambda *a: policy_loss(*a, clip_low=0.2, clip_high=0.28,
-                                               dual_clip=dual_clip, aggregation=mode))(
-            jnp.asarray(logp, jnp.float32), jnp.asarray(old, jnp.float32),
-            jnp.asarray(adv, jnp.float32), jnp.asarray(mask))
-        per_tok = np_pg_per_token(logp, old, np.broadcast_to(adv[:, None], logp.shape),
-                                  0.2, 0.28, dual_clip)
+        terms = jax.jit(
+            lambda *a: policy_loss(
+                *a, clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, aggregation=mode
+            )
+        )(
+            jnp.asarray(logp, jnp.float32),
+            jnp.asarray(old, jnp.float32),
+            jnp.asarray(adv, jnp.float32),
+            jnp.asarray(mask),
+        )
+        per_tok = np_pg_per_token(
+            logp, old, np.broadcast_to(adv[:, None], logp.shape), 0.2, 0.28, dual_clip
+        )
         np.testing.assert_allclose(terms.pg_loss, np_aggregate(per_tok, mask, mode), rtol=1e-5)
         np.testing.assert_allclose(terms.loss, terms.pg_loss)
         r = np.exp(logp - old)
         a = np.broadcast_to(adv[:, None], logp.shape)
         low = (r < 0.8) & (a < 0)
         high = (r > 1.28) & (a > 0)
-        np.testing.assert_allclose(terms.clip_frac_low, np_aggregate(low, mask, "token-mean"),
-                                   rtol=1e-6)
-        np.testing.assert_allclose(terms.clip_frac_high, np_aggregate(high, mask, "token-mean"),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            terms.clip_frac_low, np_aggregate(low, mask, "token-mean"), rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            terms.clip_frac_high, np_aggregate(high, mask, "token-mean"), rtol=1e-6
+        )
         self.assertGreater(float(terms.clip_frac_low) + float(terms.clip_frac_high), 0.0)
-        np.testing.assert_allclose(terms.approx_kl,
-                                   np_aggregate(r - 1 - np.log(r), mask, "token-mean"), rtol=1e-5)
+        np.testing.assert_allclose(
+            terms.approx_kl, np_aggregate(r - 1 - np.log(r), mask, "token-mean"), rtol=1e-5
+        )
 
     def test_dual_clip_bounds_negative_advantage_loss(self):
         # A = -1, ratio = e^3 ~ 20: PPO loss = 20, dual clip c=3 caps it at -A*c = 3.
@@ -133,16 +146,25 @@ class LossTest(parameterized.TestCase):
         mask = jnp.ones((1, 1), bool)
         old = jnp.zeros((1, 1))
         for log_r, expect_zero in ((np.log(1.25), False), (np.log(1.30), True)):
-            g = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, clip_low=0.2,
-                                                clip_high=0.28).loss)(jnp.full((1, 1), log_r))
+            g = jax.grad(
+                lambda lp: policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28).loss
+            )(jnp.full((1, 1), log_r))
             self.assertEqual(bool(np.all(np.asarray(g) == 0)), expect_zero)
 
     @parameterized.parameters("k1", "k3")
     def test_kl_and_entropy_terms(self, kind):
         logp, old, adv, mask, ref, ent = _data(3)
-        terms = policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv),
-                            jnp.asarray(mask), jnp.asarray(ent), jnp.asarray(ref),
-                            kl_coef=0.1, kl_estimator=kind, entropy_coef=0.01)
+        terms = policy_loss(
+            jnp.asarray(logp),
+            jnp.asarray(old),
+            jnp.asarray(adv),
+            jnp.asarray(mask),
+            jnp.asarray(ent),
+            jnp.asarray(ref),
+            kl_coef=0.1,
+            kl_estimator=kind,
+            entropy_coef=0.01,
+        )
         d = ref - logp
         kl_tok = -d if kind == "k1" else np.exp(d) - d - 1
         kl = np_aggregate(kl_tok, mask, "token-mean")
@@ -151,8 +173,9 @@ class LossTest(parameterized.TestCase):
         np.testing.assert_allclose(terms.entropy, ent_m, rtol=1e-5)
         np.testing.assert_allclose(terms.loss, terms.pg_loss + 0.1 * kl - 0.01 * ent_m, rtol=1e-5)
         if kind == "k3":
-            self.assertTrue(np.all(np.asarray(kl_estimate(jnp.asarray(logp),
-                                                          jnp.asarray(ref))) >= 0))
+            self.assertTrue(
+                np.all(np.asarray(kl_estimate(jnp.asarray(logp), jnp.asarray(ref))) >= 0)
+            )
 
     @parameterized.parameters("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
     def test_accumulation_rule(self, mode):
@@ -172,18 +195,30 @@ class LossTest(parameterized.TestCase):
         def accumulated(lp):
             total = 0.0
             for sl in (slice(0, 4), slice(4, 8)):
-                total = total + policy_loss(lp[sl], args[1][sl], args[2][sl], args[3][sl],
-                                            aggregation=mode, num_tokens=n_tok,
-                                            num_seqs=n_seq).loss
+                total = (
+                    total
+                    + policy_loss(
+                        lp[sl],
+                        args[1][sl],
+                        args[2][sl],
+                        args[3][sl],
+                        aggregation=mode,
+                        num_tokens=n_tok,
+                        num_seqs=n_seq,
+                    ).loss
+                )
             return total
 
         lp = args[0]
         np.testing.assert_allclose(accumulated(lp), full(lp), rtol=1e-5)
         np.testing.assert_allclose(jax.grad(accumulated)(lp), jax.grad(full)(lp), atol=1e-6)
         if mode == "token-mean":
-            mean_of_means = np.mean([float(policy_loss(lp[sl], args[1][sl], args[2][sl],
-                                                       args[3][sl]).loss)
-                                     for sl in (slice(0, 4), slice(4, 8))])
+            mean_of_means = np.mean(
+                [
+                    float(policy_loss(lp[sl], args[1][sl], args[2][sl], args[3][sl]).loss)
+                    for sl in (slice(0, 4), slice(4, 8))
+                ]
+            )
             self.assertGreater(abs(mean_of_means - float(full(lp))), 1e-3)
 
     def test_bad_mode_named(self):

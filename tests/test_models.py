@@ -10,9 +10,18 @@ from flax import nnx
 
 from gagar_jax.models import TransformerConfig, create_model
 
-TINY = TransformerConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=64, rope_theta=10000.0, rms_norm_eps=1e-6,
-                         qkv_bias=True, tie_embeddings=False)
+TINY = TransformerConfig(
+    vocab_size=97,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+    tie_embeddings=False,
+)
 
 
 @jax.jit
@@ -74,7 +83,7 @@ def test_left_padding_equals_unpadded():
     tokens, positions, mask = _left_padded()
     logits = _fwd(model, tokens, positions, mask)
     for b, p in enumerate((0, 2, 5)):
-        alone = _fwd(model, tokens[b:b + 1, p:], positions[b:b + 1, p:])
+        alone = _fwd(model, tokens[b : b + 1, p:], positions[b : b + 1, p:])
         np.testing.assert_allclose(logits[b, p:], alone[0], atol=1e-5, rtol=1e-5)
 
 
@@ -99,15 +108,17 @@ def test_cached_decode_equals_full_forward(tie):
 
     cache = model.init_cache(batch=3, max_len=12)
     prefill = 4
-    logits, cache = model.decode(tokens[:, :prefill], positions[:, :prefill], cache,
-                                 attention_mask=mask[:, :prefill])
+    logits, cache = model.decode(
+        tokens[:, :prefill], positions[:, :prefill], cache, attention_mask=mask[:, :prefill]
+    )
     # Padding slots have arbitrary (but finite) logits; compare real tokens only.
     m = np.asarray(mask)
-    np.testing.assert_allclose(np.asarray(logits)[m[:, :prefill]],
-                               np.asarray(full[:, :prefill])[m[:, :prefill]], atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(logits)[m[:, :prefill]], np.asarray(full[:, :prefill])[m[:, :prefill]], atol=1e-5
+    )
     step = nnx.jit(lambda mdl, t, p, c: mdl.decode(t, p, c))
     for t in range(prefill, 10):
-        logits, cache = step(model, tokens[:, t:t + 1], positions[:, t:t + 1], cache)
+        logits, cache = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], cache)
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
     assert int(cache.index) == 10
     np.testing.assert_array_equal(np.asarray(cache.mask[:, :10]), m)

@@ -18,9 +18,18 @@ TOL = 1e-4
 
 
 def _hf_config(model_type, tie):
-    common = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=tie)
+    common = dict(
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+    )
     if model_type == "qwen2":
         return transformers.Qwen2Config(**common)
     return transformers.LlamaConfig(**common, head_dim=8)
@@ -38,9 +47,11 @@ def _inputs(seed=0):
 
 def _hf_logits(hf_model, tokens, positions, mask):
     with torch.no_grad():
-        out = hf_model(input_ids=torch.from_numpy(tokens),
-                       attention_mask=torch.from_numpy(mask.astype(np.int64)),
-                       position_ids=torch.from_numpy(positions.astype(np.int64)))
+        out = hf_model(
+            input_ids=torch.from_numpy(tokens),
+            attention_mask=torch.from_numpy(mask.astype(np.int64)),
+            position_ids=torch.from_numpy(positions.astype(np.int64)),
+        )
     return out.logits.float().numpy()
 
 
@@ -50,15 +61,26 @@ def _fwd(model, tokens, positions, mask):
 
 
 def _ours(model, tokens, positions, mask):
-    return np.asarray(_fwd(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
-                           jnp.asarray(mask)))
+    return np.asarray(
+        _fwd(
+            model,
+            jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(positions, jnp.int32),
+            jnp.asarray(mask),
+        )
+    )
 
 
 @pytest.mark.parametrize("model_type,tie", [("qwen2", False), ("llama", True)])
 def test_import_transformers_checkpoint(tmp_path, model_type, tie):
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(
-        _hf_config(model_type, tie), attn_implementation="eager").float().eval()
+    hf_model = (
+        transformers.AutoModelForCausalLM.from_config(
+            _hf_config(model_type, tie), attn_implementation="eager"
+        )
+        .float()
+        .eval()
+    )
     with torch.no_grad():  # random biases / norm weights so every tensor matters
         for p in hf_model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -73,20 +95,33 @@ def test_import_transformers_checkpoint(tmp_path, model_type, tie):
 
 @pytest.mark.parametrize("qkv_bias,tie", [(True, False), (False, True)])
 def test_export_loads_in_transformers(tmp_path, qkv_bias, tie):
-    config = TransformerConfig(vocab_size=101, hidden_size=32, num_layers=2, num_heads=4,
-                               num_kv_heads=2, intermediate_size=48, rope_theta=10000.0,
-                               qkv_bias=qkv_bias, tie_embeddings=tie)
+    config = TransformerConfig(
+        vocab_size=101,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        rope_theta=10000.0,
+        qkv_bias=qkv_bias,
+        tie_embeddings=tie,
+    )
     model = create_model(config, seed=3)
     state = nnx.state(model, nnx.Param)
     leaves, treedef = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(7), len(leaves))
-    nnx.update(model, jax.tree.unflatten(
-        treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    nnx.update(
+        model,
+        jax.tree.unflatten(
+            treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+        ),
+    )
     save_hf_safetensors(model, config, str(tmp_path))
     hf_cfg = json.loads((tmp_path / "config.json").read_text())
     assert hf_cfg["model_type"] == ("qwen2" if qkv_bias else "llama")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
+        tmp_path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
     tokens, positions, mask = _inputs(1)
     ours = _ours(model, tokens, positions, mask)
     theirs = _hf_logits(hf_model, tokens, positions, mask)
@@ -97,10 +132,17 @@ def test_export_loads_in_transformers(tmp_path, qkv_bias, tie):
 
 
 def test_missing_tensor_is_named(tmp_path):
-    config = TransformerConfig(vocab_size=101, hidden_size=32, num_layers=1, num_heads=4,
-                               num_kv_heads=2, intermediate_size=48)
+    config = TransformerConfig(
+        vocab_size=101,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+    )
     save_hf_safetensors(create_model(config), config, str(tmp_path))
     from safetensors.numpy import load_file, save_file
+
     tensors = load_file(str(tmp_path / "model.safetensors"))
     del tensors["model.layers.0.mlp.up_proj.weight"]
     save_file(tensors, str(tmp_path / "model.safetensors"))

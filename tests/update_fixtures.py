@@ -5,10 +5,25 @@ import numpy as np
 from gagar_jax.models import TransformerConfig
 from gagar_jax.train import UpdateBatch, UpdateConfig
 
-MODEL = TransformerConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
-                          num_kv_heads=2, intermediate_size=64, rope_theta=10000.0)
-CONFIG = UpdateConfig(learning_rate=1e-2, warmup_steps=1, decay_steps=10, schedule="cosine",
-                      max_grad_norm=1.0, num_minibatches=2, num_microbatches=1, ppo_epochs=1)
+MODEL = TransformerConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    rope_theta=10000.0,
+)
+CONFIG = UpdateConfig(
+    learning_rate=1e-2,
+    warmup_steps=1,
+    decay_steps=10,
+    schedule="cosine",
+    max_grad_norm=1.0,
+    num_minibatches=2,
+    num_microbatches=1,
+    ppo_epochs=1,
+)
 
 
 def make_batch(seed=0, groups=4, k=4, length=12, prompt=4) -> UpdateBatch:
@@ -23,9 +38,9 @@ def make_batch(seed=0, groups=4, k=4, length=12, prompt=4) -> UpdateBatch:
         attention[i, :pad] = False
         tokens[i, :pad] = 0
         resp_len = int(rng.integers(2, length - prompt + 1))
-        response[i, prompt:prompt + resp_len] = True
-        attention[i, prompt + resp_len:] = False
-        tokens[i, prompt + resp_len:] = 0
+        response[i, prompt : prompt + resp_len] = True
+        attention[i, prompt + resp_len :] = False
+        tokens[i, prompt + resp_len :] = 0
     positions = np.maximum(np.cumsum(attention, axis=1) - 1, 0).astype(np.int32)
     old = np.where(response, np.log(rng.uniform(0.01, 0.5, (n, length))), 0.0).astype(np.float32)
     passed = rng.uniform(size=(groups, k)) < 0.5
@@ -33,9 +48,16 @@ def make_batch(seed=0, groups=4, k=4, length=12, prompt=4) -> UpdateBatch:
     valid = np.ones((groups, k), bool)
     valid[-1, -1] = False  # a lost rollout
     return UpdateBatch(
-        tokens=tokens, positions=positions, attention_mask=attention, response_mask=response,
-        old_logprobs=old, rewards=passed.astype(np.float32), passed=passed,
+        tokens=tokens,
+        positions=positions,
+        attention_mask=attention,
+        response_mask=response,
+        old_logprobs=old,
+        rewards=passed.astype(np.float32),
+        passed=passed,
         cheat=np.zeros((groups, k), bool),
         tier=rng.integers(1, 4, (groups, k)).astype(np.int32),
         rank=rng.integers(1, 3, (groups, k)).astype(np.int32),
-        valid=valid, graded=np.array([True] * (groups - 1) + [False]))
+        valid=valid,
+        graded=np.array([True] * (groups - 1) + [False]),
+    )
