@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 EXTRAS ?= test,data,parity,notebooks
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: setup test lint train compare example bench clean
+.PHONY: setup system-deps test lint train compare example bench clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,10 +15,18 @@ $(VENV)/.installed: setup.py constraints.txt
 
 setup: $(VENV)/.installed
 
+# System packages (Debian/Ubuntu, root or sudo) for the sandboxed verifier: bubblewrap, and a
+# python3 an unprivileged uid can run (the sandbox cannot use a pyenv interpreter under /root).
+system-deps:
+	@PKGS=""; command -v bwrap >/dev/null || PKGS="bubblewrap"; \
+	  [ -x /usr/bin/python3 ] || PKGS="$$PKGS python3"; \
+	  [ -z "$$PKGS" ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $$PKGS; }
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup lint
+test: setup system-deps lint
 	$(PY) -m pytest -q -n 2 tests
 
 # The main job: toy_gagar on CPU (~10 min on 2 cores); ends with a summary and
@@ -43,6 +51,8 @@ example: setup
 
 bench: setup
 	XLA_FLAGS= $(PY) benchmarks/advantages.py
+	$(PY) benchmarks/grading.py --quick
+	$(PY) benchmarks/verify.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -13,6 +13,8 @@ INSTALL_REQUIRES = [
     "absl-py>=2.0",
     "ml-collections>=1.1",
     "numpy>=2.0",
+    # gagar_jax.rollout: the SGLang client (the server itself lives in .venv-sglang).
+    "httpx>=0.27",
     "safetensors>=0.6",
     # Training metrics: TensorBoard event files and the per-run plots (issue 7).
     "tensorboardX>=2.6",
@@ -23,7 +25,8 @@ EXTRAS_REQUIRE = {
     # Everything the test suite needs besides the core.
     "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6.100", "ruff>=0.6"],
     # TFDS builders for task pools (no TensorFlow needed for array_record).
-    "data": ["tensorflow-datasets>=4.9.10"],
+    # (tfds 4.9.10 imports importlib_resources for builders outside its package.)
+    "data": ["tensorflow-datasets>=4.9.10", "importlib_resources>=6"],
     # Parity tests against Hugging Face transformers (CPU torch; pinned in constraints.txt:
     # an unpinned torch pulls a multi-GB CUDA build).
     "parity": ["torch==2.13.0", "transformers==5.24.0"],
@@ -36,6 +39,8 @@ setuptools.setup(
     version="0.1.0",
     description=__doc__,
     packages=setuptools.find_packages(include=["gagar_jax", "gagar_jax.*"]),
+    # Versioned grader prompts (gagar_jax/grading/prompts/<version>/*.md).
+    package_data={"gagar_jax.grading": ["prompts/*/*.md"]},
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

@@ -1,0 +1,44 @@
+"""Rollout engines: the `RolloutEngine` protocol, multi-turn episodes, the SGLang client.
+
+The embedded JAX sampler lives in `gagar_jax.rollout.sampler` (imported on use: it pulls in the
+model).
+"""
+
+from gagar_jax.rollout.episode import (
+    CodeAgentEnv,
+    Episode,
+    StepResult,
+    ToolCall,
+    ToolEnvironment,
+    Turn,
+    parse_action,
+    run_episode,
+    run_episodes,
+)
+from gagar_jax.rollout.sglang_client import (
+    SGLangClient,
+    SGLangError,
+    SGLangRequestError,
+    SGLangUnavailableError,
+)
+from gagar_jax.rollout.types import FINISH_REASONS, RolloutEngine, Sample, SamplingParams
+
+__all__ = [
+    "FINISH_REASONS",
+    "CodeAgentEnv",
+    "Episode",
+    "RolloutEngine",
+    "SGLangClient",
+    "SGLangError",
+    "SGLangRequestError",
+    "SGLangUnavailableError",
+    "Sample",
+    "SamplingParams",
+    "StepResult",
+    "ToolCall",
+    "ToolEnvironment",
+    "Turn",
+    "parse_action",
+    "run_episode",
+    "run_episodes",
+]

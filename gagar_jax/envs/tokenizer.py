@@ -1,0 +1,92 @@
+"""A deterministic word-level tokenizer for toy code-repair text.
+
+The vocabulary is fixed (no training, no file): special tokens, the newline, toy keywords,
+operators and punctuation, a small set of variable names, and the integers ``0..MAX_INT`` as
+whole tokens. A patch such as ``1 : a = x + 3`` is 7 tokens, short enough for a tiny policy
+trained from scratch to explore.
+
+``decode(encode(t)) == t`` for canonical text (tokens separated by single spaces, lines by
+``\\n``), which is what every ToyTask prompt and reference patch is. Words outside the vocabulary
+encode to ``unk_id`` (or raise with ``strict=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gagar_jax.envs.toy_lang import lex
+
+MAX_INT = 99
+SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
+NEWLINE = "\n"
+WORDS = (
+    # structure of prompts and patches
+    "program", "tests", "patch", "f", "return", "if", "ins", "del",
+    # operators and punctuation
+    ":", "=", "+", "-", "*", "(", ")", "==", "!=", "<", ">", "<=", ">=",
+    # variables: the input, the names programs use, and names they never use (style probes)
+    "x", "a", "b", "c", "d", "e", "t", "u", "v", "w", "y", "z", "tmp",
+)  # fmt: skip
+
+
+class ToyTokenizer:
+    """Fixed-vocabulary tokenizer; ids are stable across runs and machines."""
+
+    def __init__(self, max_int: int = MAX_INT):
+        if max_int < 9:
+            raise ValueError(f"max_int must be >= 9, got {max_int}")
+        self.vocab: tuple[str, ...] = (
+            SPECIALS + (NEWLINE,) + WORDS + tuple(str(i) for i in range(max_int + 1))
+        )
+        self._ids = {tok: i for i, tok in enumerate(self.vocab)}
+        self.max_int = max_int
+        self.pad_id, self.eos_id, self.bos_id, self.unk_id = 0, 1, 2, 3
+        self.newline_id = self._ids[NEWLINE]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def token_id(self, token: str) -> int:
+        """Id of one vocabulary word; KeyError naming the word if it is not in the vocabulary."""
+        try:
+            return self._ids[token]
+        except KeyError:
+            raise KeyError(f"{token!r} is not in the toy vocabulary") from None
+
+    def encode(self, text: str, *, strict: bool = False) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOS); unknown words -> unk_id (ValueError if strict)."""
+        ids: list[int] = []
+        for n, line in enumerate(text.split(NEWLINE)):
+            if n:
+                ids.append(self.newline_id)
+            for tok in lex(line):
+                i = self._ids.get(tok)
+                if i is None:
+                    if strict:
+                        raise ValueError(
+                            f"word {tok!r} (line {n + 1}) is not in the toy vocabulary"
+                        )
+                    i = self.unk_id
+                ids.append(i)
+        return ids
+
+    def decode(self, ids: Iterable[int], *, stop_at_eos: bool = True) -> str:
+        """Canonical text of ``ids``; pad and BOS are dropped, decoding stops at EOS by default."""
+        lines: list[list[str]] = [[]]
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id and stop_at_eos:
+                break
+            if i in (self.pad_id, self.bos_id) or i == self.eos_id:
+                continue
+            if not 0 <= i < len(self.vocab):
+                raise ValueError(f"token id {i} out of range [0, {len(self.vocab)})")
+            if i == self.newline_id:
+                lines.append([])
+            else:
+                lines[-1].append(self.vocab[i])
+        return NEWLINE.join(" ".join(line) for line in lines)
+
+
+TOKENIZER = ToyTokenizer()

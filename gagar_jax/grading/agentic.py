@@ -1,0 +1,676 @@
+"""The agentic grader: an LLM reviews a group in a tool loop and returns a validated verdict.
+
+Following Gagar (and Agent-as-a-Judge), the grader is not a single scoring call. It gets a shared
+workspace per group (task, repository snapshot, every candidate's turn summaries, trajectory,
+patch and test log; failed candidates as background) and tools to gather evidence:
+
+==================  ===========================================================================
+tool                returns
+==================  ===========================================================================
+read_summaries      every candidate: status, patch size and files, turns/tokens, summary, flags
+read_trajectory     events ``[start, end)`` of one candidate's trajectory, with their indices
+read_file           numbered lines of a repository file (the snapshot before any patch)
+show_diff           one candidate's unified diff (optionally one file of it)
+read_test_log       one candidate's test output
+run_check           a targeted check on one candidate through a ``CheckRunner`` (sandboxed)
+submit_verdict      the final verdict (validated; a rejection is reported back while steps last)
+==================  ===========================================================================
+
+Candidates are anonymised (``C1``, ``C2``, ...) and shuffled per group and vote (seeded), so
+neither the rollout order nor ids leak into the judgement; the verdict is mapped back to the
+real ids and validated against the real workspace (``schema.validate``), with the outputs of the
+checks the grader ran counted as execution evidence.
+
+Budgets: ``max_steps`` model calls and ``time_budget_s`` seconds per vote; the pool's cancel event
+is checked before each call. A model that never produces a valid verdict (e.g. a tiny random
+model) ends in ``VerdictRejected`` with the last rejection's reason (``malformed_output`` for text
+with no verdict) or ``budget_exhausted``; the pool turns it into a counted fallback. A client
+error (server down after its retries) propagates and becomes ``grader_error``.
+
+Self-consistency: ``votes > 1`` runs independent episodes (different shuffles, ``vote_temperature``)
+and merges the accepted ones: majority tier per candidate (ties go to the worse tier), mean
+scores, majority cheat, union of evidence, ranks by mean vote rank within tiers; ``agreement`` is
+the mean fraction of votes that gave each candidate its majority tier. Fewer than ``min_votes``
+accepted votes reject the group.
+
+Any OpenAI-compatible endpoint works: the client only needs
+``chat_completions(messages, *, tools, max_tokens, temperature) -> dict`` (``SGLangClient`` has
+it; so does ``scripted.ScriptedGraderPolicy``, a deterministic policy used to test this loop).
+Prompts are versioned files under ``prompts/<version>/``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import importlib.resources
+import json
+import random
+import string
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from gagar_jax.grading import diffs, schema
+from gagar_jax.grading.schema import (
+    DIMENSIONS,
+    Candidate,
+    GroupWorkspace,
+    Judgement,
+    RejectReason,
+    Verdict,
+    VerdictRejected,
+)
+
+PROMPT_VERSION = "v1"
+MAX_TOOL_OUTPUT_CHARS = 6000
+
+
+def load_prompt(name: str, version: str = PROMPT_VERSION) -> str:
+    """The text of ``prompts/<version>/<name>.md`` (package data)."""
+    res = importlib.resources.files("gagar_jax.grading") / "prompts" / version / f"{name}.md"
+    if not res.is_file():
+        raise FileNotFoundError(
+            f"grading prompt {version}/{name}.md not found in gagar_jax.grading"
+        )
+    return res.read_text(encoding="utf-8")
+
+
+class ChatClient(Protocol):
+    def chat_completions(
+        self, messages: list[dict], *, tools: list[dict] | None, max_tokens: int, temperature: float
+    ) -> dict: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """Outcome of a targeted check: ``status`` (passed|failed|timeout|error|unavailable) and log."""
+
+    status: str
+    log: str
+
+
+class CheckRunner(Protocol):
+    def run(self, workspace: GroupWorkspace, candidate: Candidate, command: str) -> CheckResult: ...
+
+
+class NoCheckRunner:
+    """The check runner when no sandbox is configured: says so (the grader continues without)."""
+
+    def run(self, workspace: GroupWorkspace, candidate: Candidate, command: str) -> CheckResult:
+        return CheckResult("unavailable", "targeted checks are not available for this task")
+
+
+def _fn(name: str, description: str, properties: dict, required: Sequence[str] = ()) -> dict:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(required)},
+        },
+    }
+
+
+_CAND = {"type": "string", "description": "candidate id, e.g. C1"}
+_VERDICT_ITEM = {
+    "type": "object",
+    "properties": {
+        "candidate": {"type": "string"},
+        "tier": {"type": "integer", "minimum": 1, "maximum": 3},
+        "rank": {"type": "integer", "minimum": 1},
+        "scores": {
+            "type": "object",
+            "properties": {d: {"type": "number", "minimum": 0, "maximum": 1} for d in DIMENSIONS},
+            "required": list(DIMENSIONS),
+        },
+        "cheat": {"type": "boolean"},
+        "cheat_reason": {"type": "string"},
+        "evidence": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "claim": {"type": "string", "enum": list(schema.CLAIMS)},
+                    "kind": {"type": "string", "enum": list(schema.EVIDENCE_KINDS)},
+                    "candidate": {"type": "string"},
+                    "file": {"type": "string"},
+                    "line": {"type": "integer"},
+                    "event": {"type": "integer"},
+                    "quote": {"type": "string"},
+                    "note": {"type": "string"},
+                },
+                "required": ["claim", "kind"],
+            },
+        },
+    },
+    "required": ["candidate", "tier", "rank", "scores", "cheat", "evidence"],
+}
+
+TOOLS = [
+    _fn(
+        "read_summaries", "Every candidate: status, patch size, turns, tokens, summary, flags.", {}
+    ),
+    _fn(
+        "read_trajectory",
+        "Events [start, end) of one candidate's trajectory (at most 20), with event indices.",
+        {"candidate": _CAND, "start": {"type": "integer"}, "end": {"type": "integer"}},
+        ["candidate"],
+    ),
+    _fn(
+        "read_file",
+        "Numbered lines [start_line, end_line] of a repository file before any patch.",
+        {
+            "path": {"type": "string"},
+            "start_line": {"type": "integer"},
+            "end_line": {"type": "integer"},
+        },
+        ["path"],
+    ),
+    _fn(
+        "show_diff",
+        "One candidate's unified diff, optionally only one file of it.",
+        {"candidate": _CAND, "file": {"type": "string"}},
+        ["candidate"],
+    ),
+    _fn("read_test_log", "One candidate's test output.", {"candidate": _CAND}, ["candidate"]),
+    _fn(
+        "run_check",
+        "Run a targeted check (a command) against one candidate's patched repository.",
+        {"candidate": _CAND, "command": {"type": "string"}},
+        ["candidate", "command"],
+    ),
+    _fn(
+        "submit_verdict",
+        "Submit the final verdict: one item per passing candidate.",
+        {"verdicts": {"type": "array", "items": _VERDICT_ITEM}},
+        ["verdicts"],
+    ),
+]
+TOOL_NAMES = tuple(t["function"]["name"] for t in TOOLS)
+
+
+def _clip(text: str, limit: int = MAX_TOOL_OUTPUT_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"\n... [{len(text) - limit} chars cut]"
+
+
+class AnonymisedView:
+    """A workspace as the model sees it: aliases ``C1..Cn`` in a seeded shuffled order."""
+
+    def __init__(self, workspace: GroupWorkspace, seed: int):
+        self.workspace = workspace
+        order = list(workspace.candidates)
+        random.Random(seed).shuffle(order)
+        self.alias_of = {c.candidate_id: f"C{i + 1}" for i, c in enumerate(order)}
+        self.real_of = {a: cid for cid, a in self.alias_of.items()}
+        self.order = order
+        self.check_logs: dict[str, list[str]] = collections.defaultdict(list)
+
+    def candidate(self, alias: Any) -> Candidate:
+        cid = self.real_of.get(alias) if isinstance(alias, str) else None
+        if cid is None:
+            raise ValueError(f"unknown candidate {alias!r}; known: {sorted(self.real_of)}")
+        return self.workspace.candidate(cid)
+
+    def summaries(self) -> dict:
+        out = []
+        for c in self.order:
+            pp = c.parsed_patch
+            out.append(
+                {
+                    "candidate": self.alias_of[c.candidate_id],
+                    "status": "passed" if c.passed else "failed (background only)",
+                    "patch": {
+                        "files": list(pp.paths),
+                        "added_lines": pp.num_added,
+                        "removed_lines": pp.num_removed,
+                        "hunks": pp.num_hunks,
+                    },
+                    "turns": c.num_turns,
+                    "tokens": c.num_tokens,
+                    "trajectory_events": len(c.trajectory),
+                    "summary": _clip(c.summary, 800),
+                    "monitor_flags": [
+                        {"rule": f.rule, "evidence": f.evidence, "confirmed": f.confirmed}
+                        for f in c.monitor_flags
+                    ],
+                }
+            )
+        return {"candidates": out}
+
+    def anonymise_text(self, text: str) -> str:
+        for cid, alias in sorted(self.alias_of.items(), key=lambda kv: -len(kv[0])):
+            if len(cid) >= 3:  # short ids ("a", "r1") would corrupt ordinary text
+                text = text.replace(cid, alias)
+        return text
+
+
+@dataclasses.dataclass
+class EpisodeStats:
+    steps: int = 0
+    tool_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    bad_tool_calls: int = 0
+    rejections: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class AgenticGrader:
+    """LLM grader with a tool loop over an anonymised group workspace (see module docstring).
+
+    Args:
+      client: anything with ``chat_completions`` (``SGLangClient``, ``ScriptedGraderPolicy``).
+      check_runner: runs ``run_check`` (default: ``NoCheckRunner``).
+      max_steps: model calls per vote.
+      time_budget_s: wall-clock budget per vote.
+      max_tokens: per model call.
+      temperature: sampling temperature of the first vote.
+      votes: self-consistency votes (independent episodes).
+      vote_temperature: temperature of votes after the first.
+      min_votes: accepted votes needed (default: a majority of ``votes``).
+      seed: base seed of the anonymising shuffles.
+      prompt_version: directory under ``prompts/``.
+      use_tools: send the tool schemas (False: the model must answer with the verdict JSON).
+    """
+
+    grader_id = "agentic"
+
+    def __init__(
+        self,
+        client: ChatClient,
+        *,
+        check_runner: CheckRunner | None = None,
+        max_steps: int = 12,
+        time_budget_s: float = 600.0,
+        max_tokens: int = 1024,
+        temperature: float = 0.0,
+        votes: int = 1,
+        vote_temperature: float = 0.7,
+        min_votes: int | None = None,
+        seed: int = 0,
+        prompt_version: str = PROMPT_VERSION,
+        use_tools: bool = True,
+    ):
+        if max_steps < 1:
+            raise ValueError(f"AgenticGrader.max_steps must be >= 1, got {max_steps}")
+        if votes < 1:
+            raise ValueError(f"AgenticGrader.votes must be >= 1, got {votes}")
+        self.client = client
+        self.check_runner = check_runner or NoCheckRunner()
+        self.max_steps = max_steps
+        self.time_budget_s = float(time_budget_s)
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.votes = votes
+        self.vote_temperature = vote_temperature
+        self.min_votes = min_votes if min_votes is not None else votes // 2 + 1
+        if not 1 <= self.min_votes <= votes:
+            raise ValueError(
+                f"AgenticGrader.min_votes must be in 1..votes={votes}, got {min_votes}"
+            )
+        self.seed = seed
+        self.prompt_version = prompt_version
+        self.system_prompt = load_prompt("system", prompt_version)
+        self.task_template = string.Template(load_prompt("task", prompt_version))
+        self.use_tools = use_tools
+        self.version = f"{prompt_version}"
+        settings = (
+            prompt_version,
+            max_steps,
+            self.time_budget_s,
+            max_tokens,
+            temperature,
+            votes,
+            vote_temperature,
+            self.min_votes,
+            seed,
+            use_tools,
+            type(client).__name__,
+            getattr(client, "base_url", ""),
+            type(self.check_runner).__name__,
+        )
+        digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
+        self.cache_id = f"{self.grader_id}@{prompt_version}/{digest}"
+        self._lock = threading.Lock()
+        self.metrics: collections.Counter[str] = collections.Counter()
+
+    # -- public ------------------------------------------------------------------------------
+
+    def grade(self, workspace: GroupWorkspace, cancel: threading.Event | None = None) -> Verdict:
+        """Runs the votes and returns the (merged) validated verdict; raises VerdictRejected."""
+        t0 = time.monotonic()
+        accepted: list[Verdict] = []
+        reasons: list[VerdictRejected] = []
+        for vote in range(self.votes):
+            if cancel is not None and cancel.is_set():
+                break
+            try:
+                accepted.append(self._episode(workspace, vote, cancel))
+            except VerdictRejected as e:
+                reasons.append(e)
+                self._count(f"rejected/{e.reason.value}")
+        latency = time.monotonic() - t0
+        if len(accepted) < self.min_votes:
+            if reasons:
+                worst = collections.Counter(e.reason for e in reasons).most_common(1)[0][0]
+                detail = next(e.detail for e in reasons if e.reason == worst)
+            else:
+                worst, detail = RejectReason.BUDGET_EXHAUSTED, "cancelled before any vote finished"
+            raise VerdictRejected(
+                worst, f"{len(accepted)}/{self.votes} votes accepted (< {self.min_votes}): {detail}"
+            )
+        self._count("accepted")
+        if len(accepted) == 1 and self.votes == 1:
+            return dataclasses.replace(accepted[0], latency_s=latency)
+        return merge_votes(accepted, workspace, latency_s=latency)
+
+    # -- one episode -------------------------------------------------------------------------
+
+    def _episode(
+        self, workspace: GroupWorkspace, vote: int, cancel: threading.Event | None
+    ) -> Verdict:
+        seed = int.from_bytes(
+            hashlib.sha256(f"{self.seed}/{workspace.group_id}/{vote}".encode()).digest()[:8], "big"
+        )
+        view = AnonymisedView(workspace, seed)
+        temperature = self.temperature if vote == 0 else self.vote_temperature
+        messages: list[dict] = [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": self._task_message(view)},
+        ]
+        stats = EpisodeStats()
+        deadline = time.monotonic() + self.time_budget_s
+        last: VerdictRejected | None = None
+        t0 = time.monotonic()
+        while stats.steps < self.max_steps:
+            if cancel is not None and cancel.is_set():
+                raise VerdictRejected(RejectReason.BUDGET_EXHAUSTED, "cancelled by the pool")
+            if time.monotonic() >= deadline:
+                break
+            stats.steps += 1
+            self._count("steps")
+            response = self.client.chat_completions(
+                messages,
+                tools=TOOLS if self.use_tools else None,
+                max_tokens=self.max_tokens,
+                temperature=temperature,
+            )
+            message = _first_message(response)
+            if message is None:
+                last = VerdictRejected(
+                    RejectReason.MALFORMED, "response without choices[0].message"
+                )
+                messages.append({"role": "user", "content": "Your last reply was empty. Continue."})
+                continue
+            content = message.get("content") or ""
+            if not isinstance(content, str):
+                content = str(content)
+            raw_calls = message.get("tool_calls") or []
+            if not isinstance(raw_calls, list):
+                raw_calls = [raw_calls]
+            decoded = [_decode_call(call, k) for k, call in enumerate(raw_calls)]
+            good = [(name, args, cid) for name, args, cid, err in decoded if err is None]
+            errors = [err for _, _, _, err in decoded if err is not None]
+            # Echo only well-formed calls (re-encoded): a strict server rejects a conversation
+            # whose tool messages answer calls it cannot parse.
+            echoed = [
+                {
+                    "id": cid,
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(args)},
+                }
+                for name, args, cid in good
+            ]
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": _clip(content, 4000),
+                    **({"tool_calls": echoed} if echoed else {}),
+                }
+            )
+            if errors:
+                stats.bad_tool_calls += len(errors)
+                self._count("bad_tool_calls", len(errors))
+            if not raw_calls:
+                try:
+                    return self._accept(content, view, t0)
+                except VerdictRejected as e:
+                    last = e
+                    stats.rejections[e.reason] += 1
+                    messages.append({"role": "user", "content": self._feedback(e)})
+                    continue
+            for name, args, call_id in good:
+                stats.tool_calls[name] += 1
+                self._count(f"tool/{name}")
+                if name == "submit_verdict":
+                    try:
+                        return self._accept(args, view, t0)
+                    except VerdictRejected as e:
+                        last = e
+                        stats.rejections[e.reason] += 1
+                        messages.append(_tool_msg(call_id, self._feedback(e)))
+                        continue
+                try:
+                    out = self._run_tool(name, args, view)
+                except Exception as e:  # noqa: BLE001 - a bad argument is reported to the model
+                    stats.bad_tool_calls += 1
+                    self._count("bad_tool_calls")
+                    out = f"error: {type(e).__name__}: {e}"
+                messages.append(_tool_msg(call_id, _clip(out)))
+            if errors:
+                last = last or VerdictRejected(RejectReason.MALFORMED, "malformed tool calls")
+                messages.append(
+                    {"role": "user", "content": "Malformed tool calls: " + "; ".join(errors)}
+                )
+        if last is not None:
+            raise VerdictRejected(
+                last.reason, f"no valid verdict in {stats.steps} steps; last: {last.detail}"
+            )
+        raise VerdictRejected(
+            RejectReason.BUDGET_EXHAUSTED,
+            f"no verdict within {stats.steps} steps / {self.time_budget_s} s",
+        )
+
+    def _accept(self, output: str | Mapping, view: AnonymisedView, t0: float) -> Verdict:
+        # Vote metadata is the grader's to report, never the model's.
+        if isinstance(output, Mapping):
+            output = {k: v for k, v in output.items() if k not in ("votes", "agreement")}
+        v = schema.parse_verdict(
+            output,
+            view.workspace,
+            grader_id=self.grader_id,
+            grader_version=self.version,
+            latency_s=time.monotonic() - t0,
+            check_logs=view.check_logs,
+            id_map=view.real_of,
+        )
+        return dataclasses.replace(v, votes=1, agreement=None)
+
+    @staticmethod
+    def _feedback(e: VerdictRejected) -> str:
+        return (
+            f"Verdict rejected ({e.reason.value}): {e.detail}. Fix it and call submit_verdict "
+            "again with the complete verdict."
+        )
+
+    def _task_message(self, view: AnonymisedView) -> str:
+        passing = [view.alias_of[c.candidate_id] for c in view.order if c.passed]
+        lines = []
+        for c in view.order:
+            pp = c.parsed_patch
+            status = "PASSED" if c.passed else "failed (background)"
+            lines.append(
+                f"- {view.alias_of[c.candidate_id]}: {status}; {len(pp.files)} file(s), "
+                f"+{pp.num_added}/-{pp.num_removed} lines"
+            )
+        example = {
+            "verdicts": [
+                {
+                    "candidate": passing[0] if passing else "C1",
+                    "tier": 2,
+                    "rank": 1,
+                    "scores": {d: 0.8 for d in DIMENSIONS} | {"minimality": 0.4},
+                    "cheat": False,
+                    "cheat_reason": "",
+                    "evidence": [
+                        {
+                            "claim": "minimality",
+                            "kind": "patch",
+                            "candidate": passing[0] if passing else "C1",
+                            "file": "path/to/file.py",
+                            "line": 12,
+                            "note": "reformats an unrelated function",
+                        }
+                    ],
+                }
+            ]
+        }
+        return self.task_template.substitute(
+            task=view.anonymise_text(view.workspace.task_text),
+            candidates="\n".join(lines),
+            max_steps=self.max_steps,
+            passing=", ".join(passing) or "none",
+            verdict_example=json.dumps(example, indent=2),
+        )
+
+    def _run_tool(self, name: str, args: Mapping[str, Any], view: AnonymisedView) -> str:
+        ws = view.workspace
+        if name == "read_summaries":
+            return view.anonymise_text(json.dumps(view.summaries(), indent=1))
+        if name == "read_trajectory":
+            c = view.candidate(args.get("candidate"))
+            start = max(0, int(args.get("start", 0)))
+            end = min(len(c.trajectory), int(args.get("end", start + 20)), start + 20)
+            events = [
+                {
+                    "event": i,
+                    "turn": e.turn,
+                    "kind": e.kind,
+                    "tokens": e.tokens,
+                    "text": view.anonymise_text(_clip(e.text, 600)),
+                }
+                for i, e in enumerate(c.trajectory[start:end], start=start)
+            ]
+            return json.dumps(
+                {"candidate": args["candidate"], "of": len(c.trajectory), "events": events},
+                indent=1,
+            )
+        if name == "read_file":
+            path = args.get("path")
+            if path not in ws.repo_files:
+                raise ValueError(f"no file {path!r} in the repository snapshot")
+            lines = ws.repo_files[path].splitlines()
+            start = max(1, int(args.get("start_line", 1)))
+            end = min(len(lines), int(args.get("end_line", start + 199)), start + 199)
+            return "\n".join(f"{n:5d}  {lines[n - 1]}" for n in range(start, end + 1)) or "(empty)"
+        if name == "show_diff":
+            c = view.candidate(args.get("candidate"))
+            patch = c.patch
+            file = args.get("file")
+            if file:
+                per_file = diffs.split_by_file(patch)
+                if file not in per_file:
+                    raise ValueError(
+                        f"candidate {args['candidate']} does not touch {file!r}; "
+                        f"it touches {sorted(per_file)}"
+                    )
+                patch = per_file[file]
+            return patch or "(empty patch)"
+        if name == "read_test_log":
+            return view.candidate(args.get("candidate")).test_log or "(no test output)"
+        if name == "run_check":
+            c = view.candidate(args.get("candidate"))
+            command = args.get("command")
+            if not isinstance(command, str) or not command.strip():
+                raise ValueError("run_check needs a non-empty 'command'")
+            res = self.check_runner.run(ws, c, command)
+            log = _clip(res.log, 4000)
+            if res.status != "unavailable":
+                view.check_logs[c.candidate_id].append(log)
+            return f"status: {res.status}\n{log}"
+        raise ValueError(f"unknown tool {name!r}; tools: {TOOL_NAMES}")
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.metrics[key] += n
+
+
+def _first_message(response: Any) -> dict | None:
+    try:
+        msg = response["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+def _tool_msg(call_id: str, content: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+def _decode_call(call: Any, k: int) -> tuple[str, dict, str, str | None]:
+    """(name, arguments, id, error) of one OpenAI tool call."""
+    call_id = f"call_{k}"
+    if not isinstance(call, dict):
+        return "", {}, call_id, "tool call is not an object"
+    call_id = str(call.get("id") or call_id)
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        return "", {}, call_id, "tool call without 'function'"
+    name = fn.get("name")
+    if name not in TOOL_NAMES:
+        return "", {}, call_id, f"unknown tool {name!r}; tools: {TOOL_NAMES}"
+    raw = fn.get("arguments") or "{}"
+    try:
+        args = json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError as e:
+        return name, {}, call_id, f"arguments are not JSON: {e}"
+    if not isinstance(args, dict):
+        return name, {}, call_id, "arguments must be a JSON object"
+    return name, args, call_id, None
+
+
+def merge_votes(
+    verdicts: Sequence[Verdict], workspace: GroupWorkspace, *, latency_s: float
+) -> Verdict:
+    """Merges accepted votes (see module docstring) into one validated verdict."""
+    ids = [j.candidate_id for j in verdicts[0].judgements]
+    by = {cid: [v.judgement(cid) for v in verdicts] for cid in ids}
+    tiers, agreement, merged = {}, [], {}
+    for cid, js in by.items():
+        counts = collections.Counter(j.tier for j in js)
+        top = max(counts.values())
+        tiers[cid] = max(t for t, n in counts.items() if n == top)  # ties: the worse tier
+        agreement.append(counts[tiers[cid]] / len(js))
+    for cid, js in by.items():
+        scores = {d: sum(float(j.scores[d]) for j in js) / len(js) for d in DIMENSIONS}
+        cheats = [j for j in js if j.cheat]
+        cheat = 2 * len(cheats) > len(js)
+        evidence = tuple(dict.fromkeys(e for j in js for e in j.evidence))
+        merged[cid] = Judgement(
+            cid,
+            tiers[cid],
+            1,
+            scores,
+            cheat,
+            "; ".join(dict.fromkeys(j.cheat_reason for j in cheats)) if cheat else "",
+            evidence,
+        )
+    mean_rank = {cid: sum(j.rank for j in js) / len(js) for cid, js in by.items()}
+    keys = sorted({(tiers[c], round(mean_rank[c], 6)) for c in ids})
+    rank_of = {k: i + 1 for i, k in enumerate(keys)}
+    judgements = tuple(
+        dataclasses.replace(merged[c], rank=rank_of[(tiers[c], round(mean_rank[c], 6))])
+        for c in ids
+    )
+    v = Verdict(
+        workspace.group_id,
+        judgements,
+        verdicts[0].grader_id,
+        verdicts[0].grader_version,
+        latency_s=latency_s,
+        votes=len(verdicts),
+        agreement=sum(agreement) / len(agreement) if agreement else 1.0,
+    )
+    # Scores are means: a dimension can fall below the evidence threshold with evidence from the
+    # votes that scored it low; validation checks that the union carries it.
+    return schema.validate(v, workspace)

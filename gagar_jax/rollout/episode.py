@@ -1,0 +1,433 @@
+"""Multi-turn agent episodes: model turns alternate with environment observations.
+
+One episode is a single token sequence
+
+    [prompt][model turn 1][observation 1][model turn 2][observation 2] ... [model turn n]
+
+with a `response_mask` that is 1 exactly on the tokens the policy generated (so only they enter the
+loss) and 0 on the prompt and on every observation token, the behaviour log-probability of every
+model token (0 elsewhere), the token span of each turn, and a one-line summary per turn that the
+grader reads. Model tokens are appended exactly as generated, never re-tokenised from text, so the
+log-probabilities stay aligned with the tokens the update scores.
+
+The environment sees text. `ToolEnvironment.step(text)` gets the decoded model turn and answers an
+observation; `CodeAgentEnv` is the code-agent one: a parsed tool call (`read_file`, `edit`,
+`run_tests`, `submit`) against an in-memory repository, with tests run by an injected runner (the
+sandboxed verifier in `gagar_jax.verify`). The tool-call syntax is pluggable (`parse_action`); the
+default is the Hermes/Qwen style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` and a
+plain fallback `name arg1 arg2` on the first line.
+
+`run_episodes` advances all live episodes together: each turn is one batched `engine.generate` call,
+so the embedded sampler or an SGLang server sees a batch, not a loop of single requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from gagar_jax.rollout.types import RolloutEngine, SamplingParams
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What the environment answers to one model turn."""
+
+    observation: str
+    done: bool = False
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class ToolEnvironment(Protocol):
+    def step(self, action_text: str) -> StepResult: ...
+
+
+@dataclasses.dataclass
+class Turn:
+    """One model turn and the observation that answered it (token spans are [start, end))."""
+
+    index: int
+    model_span: tuple[int, int]
+    observation_span: tuple[int, int]
+    finish_reason: str
+    action_text: str
+    observation: str
+    summary: str
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Episode:
+    """A finished multi-turn rollout.
+
+    Attributes:
+      tokens: [T] prompt + all turns + observations.
+      response_mask: [T] 1 on model-generated tokens, 0 on prompt and observation tokens.
+      logprobs: [T] behaviour log-probability on model tokens, 0.0 elsewhere.
+      prompt_len: number of prompt tokens at the front.
+      turns: per-turn spans, texts and summaries.
+      finish_reason: "submitted" (env said done), "max_turns", "max_tokens" (episode budget spent),
+        "abort" (the engine gave up on a turn).
+      policy_versions: the policy version of each model turn.
+      info: the environment's final info (e.g. the patch and test results after submit).
+    """
+
+    tokens: list[int]
+    response_mask: list[int]
+    logprobs: list[float]
+    prompt_len: int
+    turns: list[Turn]
+    finish_reason: str
+    policy_versions: list[int]
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.response_mask)
+
+    def summaries(self) -> list[str]:
+        return [t.summary for t in self.turns]
+
+    def trajectory(self) -> list[dict[str, Any]]:
+        """Grader-readable events: one per turn, with the action, observation and summary."""
+        return [
+            {
+                "turn": t.index,
+                "action": t.action_text,
+                "observation": t.observation,
+                "summary": t.summary,
+                **{k: v for k, v in t.info.items() if k != "files"},
+            }
+            for t in self.turns
+        ]
+
+
+# ---------------------------------------------------------------------------- actions
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def parse_action(text: str) -> ToolCall | None:
+    """Parses a tool call: `<tool_call>{json}</tool_call>` or a first line `name arg ...`."""
+    m = _TOOL_CALL_RE.search(text)
+    if m:
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return None
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+            args = obj.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    return None
+            if isinstance(args, dict):
+                return ToolCall(obj["name"], args)
+        return None
+    stripped = text.lstrip()
+    if not stripped.strip():
+        return None
+    first, _, rest = stripped.partition("\n")
+    words = first.split()
+    name = words[0]
+    if name == "read_file" and len(words) == 2:
+        return ToolCall("read_file", {"path": words[1]})
+    if name == "edit" and len(words) == 2:  # edit PATH\n<new content>
+        return ToolCall("edit", {"path": words[1], "content": rest})
+    if name in ("run_tests", "submit") and len(words) == 1:
+        return ToolCall(name, {})
+    return None
+
+
+def _short(text: str, n: int = 60) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= n else line[: n - 3] + "..."
+
+
+class CodeAgentEnv:
+    """A code-agent environment over an in-memory repository.
+
+    Tools: `read_file(path)`, `edit(path, content)` (whole-file write) or `edit(path, old, new)`
+    (replace one exact occurrence), `run_tests()`, `submit()`. `run_tests` and `submit` call
+    `test_runner(files) -> (passed: bool, log: str)`; submit ends the episode with the unified diff
+    of the repository against its start in `info["patch"]`.
+
+    Args:
+      files: path -> content at the start.
+      test_runner: runs the task's tests on a repository snapshot (sandboxed in real use).
+      parse: text -> ToolCall | None.
+      max_observation_chars: observations are cut to this length (the cut is marked).
+    """
+
+    def __init__(
+        self,
+        files: dict[str, str],
+        test_runner: Callable[[dict[str, str]], tuple[bool, str]],
+        *,
+        parse: Callable[[str], ToolCall | None] = parse_action,
+        max_observation_chars: int = 2000,
+    ):
+        self.initial = dict(files)
+        self.files = dict(files)
+        self.test_runner = test_runner
+        self.parse = parse
+        self.max_observation_chars = int(max_observation_chars)
+        self.counts = {"invalid_actions": 0, "test_runs": 0, "edits": 0}
+
+    def patch(self) -> str:
+        out = []
+        for path in sorted(set(self.initial) | set(self.files)):
+            a, b = self.initial.get(path, ""), self.files.get(path, "")
+            if a != b:
+                out.extend(
+                    difflib.unified_diff(
+                        a.splitlines(keepends=True),
+                        b.splitlines(keepends=True),
+                        fromfile=f"a/{path}",
+                        tofile=f"b/{path}",
+                    )
+                )
+        return "".join(out)
+
+    def _cut(self, text: str) -> str:
+        n = self.max_observation_chars
+        return text if len(text) <= n else text[:n] + f"\n[... {len(text) - n} chars cut]"
+
+    def step(self, action_text: str) -> StepResult:
+        call = self.parse(action_text)
+        if call is None:
+            self.counts["invalid_actions"] += 1
+            return StepResult(
+                "error: no valid tool call (tools: read_file, edit, run_tests, submit)",
+                info={"tool": None, "summary": "invalid action"},
+            )
+        args, name = call.arguments, call.name
+        if name == "read_file":
+            path = str(args.get("path", ""))
+            if path not in self.files:
+                return StepResult(
+                    f"error: no file {path!r}; files: {sorted(self.files)}",
+                    info={"tool": name, "path": path, "summary": f"read_file {path}: missing"},
+                )
+            text = self.files[path]
+            return StepResult(
+                self._cut(text),
+                info={
+                    "tool": name,
+                    "path": path,
+                    "summary": f"read_file {path} ({len(text.splitlines())} lines)",
+                },
+            )
+        if name == "edit":
+            path = str(args.get("path", ""))
+            if "content" in args:
+                self.files[path] = str(args["content"])
+            else:
+                old, new = args.get("old"), args.get("new")
+                cur = self.files.get(path)
+                if (
+                    cur is None
+                    or not isinstance(old, str)
+                    or not isinstance(new, str)
+                    or cur.count(old) != 1
+                ):
+                    return StepResult(
+                        "error: edit needs an existing file and `old` occurring exactly once in "
+                        f"{path!r}",
+                        info={"tool": name, "path": path, "summary": f"edit {path}: rejected"},
+                    )
+                self.files[path] = cur.replace(old, new)
+            self.counts["edits"] += 1
+            return StepResult(
+                f"edited {path}", info={"tool": name, "path": path, "summary": f"edit {path}"}
+            )
+        if name in ("run_tests", "submit"):
+            passed, log = self.test_runner(dict(self.files))
+            self.counts["test_runs"] += 1
+            verdict = "passed" if passed else "failed"
+            if name == "run_tests":
+                return StepResult(
+                    self._cut(f"tests {verdict}\n{log}"),
+                    info={"tool": name, "passed": passed, "summary": f"run_tests: {verdict}"},
+                )
+            return StepResult(
+                f"submitted; tests {verdict}",
+                done=True,
+                info={
+                    "tool": name,
+                    "passed": passed,
+                    "patch": self.patch(),
+                    "test_log": log,
+                    "summary": f"submit: tests {verdict}",
+                },
+            )
+        self.counts["invalid_actions"] += 1
+        return StepResult(
+            f"error: unknown tool {name!r}", info={"tool": name, "summary": f"unknown tool {name}"}
+        )
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+@dataclasses.dataclass
+class _Live:
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    prompt_len: int
+    turns: list[Turn]
+    versions: list[int]
+    finish: str | None = None
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def run_episodes(
+    engine: RolloutEngine,
+    tokenizer: Tokenizer,
+    envs: Sequence[ToolEnvironment],
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    max_turns: int = 8,
+    max_total_tokens: int = 2048,
+    max_observation_tokens: int = 512,
+    observation_format: str = "\n<observation>\n{}\n</observation>\n",
+) -> list[Episode]:
+    """Runs one episode per (env, prompt) pair, all live episodes batched per turn.
+
+    Args:
+      engine: any RolloutEngine; each turn calls it once with the live episodes' full contexts.
+      tokenizer: encodes observations and decodes model turns for the environment.
+      envs: one environment per episode (state is per episode).
+      prompts: [E] prompt token ids.
+      params: sampling parameters of each model turn (n must be 1: one trajectory per env).
+      max_turns: model turns per episode.
+      max_total_tokens: budget on the whole sequence; a turn gets min(params.max_tokens, left).
+      max_observation_tokens: observations are cut to this many tokens (mask 0 anyway).
+      observation_format: wraps each observation's text before encoding.
+
+    Returns:
+      [E] Episodes, in the order of `envs`.
+    """
+    if len(envs) != len(prompts):
+        raise ValueError(
+            f"envs and prompts must have the same length, got {len(envs)} and {len(prompts)}"
+        )
+    if params.n != 1:
+        raise ValueError(
+            f"run_episodes needs SamplingParams.n == 1 (one trajectory per env), got n={params.n}"
+        )
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    live = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompts[{i}] is empty")
+        if len(p) >= max_total_tokens:
+            raise ValueError(
+                f"prompts[{i}] has {len(p)} tokens, max_total_tokens={max_total_tokens}"
+            )
+        live.append(_Live(list(p), [0] * len(p), [0.0] * len(p), len(p), [], []))
+
+    for turn in range(max_turns):
+        active = [i for i, e in enumerate(live) if e.finish is None]
+        if not active:
+            break
+        # One engine call per distinct turn budget (usually one call: every episode far from
+        # its token budget gets params.max_tokens).
+        by_budget: dict[int, list[int]] = {}
+        for i in active:
+            budget = min(params.max_tokens, max_total_tokens - len(live[i].tokens))
+            by_budget.setdefault(budget, []).append(i)
+        outs = {}
+        for budget, idx in by_budget.items():
+            turn_params = dataclasses.replace(params, max_tokens=budget)
+            for i, samples in zip(idx, engine.generate([live[i].tokens for i in idx], turn_params)):
+                outs[i] = samples
+        for i in active:
+            samples = outs[i]
+            ep, env, s = live[i], envs[i], samples[0]
+            if s.finish_reason == "abort":
+                ep.finish = "abort"
+                continue
+            start = len(ep.tokens)
+            ep.tokens += s.tokens
+            ep.mask += [1] * len(s.tokens)
+            ep.logprobs += list(s.logprobs)
+            ep.versions.append(s.policy_version)
+            model_span = (start, len(ep.tokens))
+            action_text = tokenizer.decode(s.tokens)
+            result = env.step(action_text)
+            obs_start = len(ep.tokens)
+            if not result.done and len(ep.tokens) < max_total_tokens:
+                obs_ids = tokenizer.encode(observation_format.format(result.observation))
+                obs_ids = obs_ids[: min(max_observation_tokens, max_total_tokens - len(ep.tokens))]
+                ep.tokens += obs_ids
+                ep.mask += [0] * len(obs_ids)
+                ep.logprobs += [0.0] * len(obs_ids)
+            summary = (
+                result.info.get("summary")
+                or f"{_short(action_text)} -> {_short(result.observation)}"
+            )
+            ep.turns.append(
+                Turn(
+                    index=turn,
+                    model_span=model_span,
+                    observation_span=(obs_start, len(ep.tokens)),
+                    finish_reason=s.finish_reason,
+                    action_text=action_text,
+                    observation=result.observation,
+                    summary=f"turn {turn}: {summary}",
+                    info={k: v for k, v in result.info.items() if k != "summary"},
+                )
+            )
+            if result.done:
+                ep.finish = "submitted"
+                ep.info = dict(result.info)
+            elif len(ep.tokens) >= max_total_tokens:
+                ep.finish = "max_tokens"
+    episodes = []
+    for ep in live:
+        episodes.append(
+            Episode(
+                tokens=ep.tokens,
+                response_mask=ep.mask,
+                logprobs=ep.logprobs,
+                prompt_len=ep.prompt_len,
+                turns=ep.turns,
+                finish_reason=ep.finish or "max_turns",
+                policy_versions=ep.versions,
+                info=ep.info,
+            )
+        )
+    return episodes
+
+
+def run_episode(
+    engine: RolloutEngine,
+    tokenizer: Tokenizer,
+    env: ToolEnvironment,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    **kwargs: Any,
+) -> Episode:
+    """One episode (see `run_episodes`)."""
+    return run_episodes(engine, tokenizer, [env], [prompt], params, **kwargs)[0]

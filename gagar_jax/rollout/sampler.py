@@ -1,0 +1,332 @@
+"""The embedded rollout engine: a jitted JAX sampler over `gagar_jax.models.Transformer`.
+
+One compiled program per shape bucket does the whole generation:
+
+    prefill:  logits, cache = model.decode(prompts [B, P], positions, empty cache, attention_mask)
+    loop:     lax.while_loop while step < max_new and not all(done):
+                token, logprob = sample(logits_t)           # temperature / top-k / top-p
+                logits, cache = model.decode(token [B, 1], position, cache)
+
+Shapes are static and bucketed: prompts are left-padded to the next prompt bucket `P` (the padding
+is masked out of attention; RoPE positions start at 0 on each row's first real token), the batch is
+padded to the next batch bucket `B` with rows that start finished, and the new-token budget is
+rounded up to the next bucket `N` while the actual `max_tokens` is a traced scalar. Sampling knobs
+(temperature, top-p, top-k, stop tokens, seed) are traced values too, so every batch that falls in
+the same (B, P, N) bucket reuses one executable: `Sampler.trace_count` counts traces.
+
+Log-probabilities: each generated token's `log_softmax(logits / temperature)` (temperature 1 when
+greedy), taken from the full distribution *before* top-k/top-p truncation. This is exactly what the
+training forward recomputes on the same tokens (`log_softmax(model(tokens) / temperature)`), so the
+PPO ratio is 1 at the behaviour policy. (Truncation changes the sampling distribution, not the
+scored one; the usual choice of vLLM/SGLang-based RL trainers.)
+
+Randomness: the key of row `r` (prompt i, sample j -> r = i * n + j) at step `t` is
+`fold_in(fold_in(key(seed), r), t)`, so a fixed seed gives the same samples whatever the batch
+bucket; without `SamplingParams.seed` the sampler draws a fresh seed from its own counter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import functools
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gagar_jax.rollout.types import Sample, SamplingParams, validate_prompts
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULT_NEW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+MAX_STOP_TOKENS = 8  # stop ids are a padded [MAX_STOP_TOKENS] array: any count up to it, no retrace
+
+
+def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{what}={n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def sample_token(logits, key, temperature, top_p, top_k):
+    """Draws one token per row and returns its (untruncated) log-probability.
+
+    Args:
+      logits: [B, V] float32.
+      key: [B] PRNG keys (one per row).
+      temperature: [] float32; 0 means greedy.
+      top_p: [] float32 in (0, 1]; 1 disables.
+      top_k: [] int32; <= 0 disables.
+    Returns:
+      (tokens [B] int32, logprobs [B] float32): logprobs of log_softmax(logits / T) (T=1 greedy).
+    """
+    greedy = temperature <= 0.0
+    t = jnp.where(greedy, 1.0, temperature)
+    scaled = logits.astype(jnp.float32) / t
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    vocab = logits.shape[-1]
+
+    def truncate(x):
+        # Sort once; a token is kept if its rank < k and the mass strictly before it < top_p
+        # (so the most likely token is always kept). Ties at the threshold are kept.
+        order = jnp.argsort(-x, axis=-1)
+        sorted_x = jnp.take_along_axis(x, order, axis=-1)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        kth = sorted_x[:, k - 1][:, None]
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        keep_sorted = before < top_p
+        # Smallest kept logit under top-p: the threshold in logit space.
+        p_thresh = jnp.min(jnp.where(keep_sorted, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        thresh = jnp.maximum(kth, p_thresh)
+        return jnp.where(x >= thresh, x, -jnp.inf)
+
+    need = (top_k > 0) | (top_p < 1.0)
+    masked = jax.lax.cond(need, truncate, lambda x: x, scaled)
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    lp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, lp
+
+
+class Sampler:
+    """Embedded `RolloutEngine` over a `gagar_jax.models.Transformer` (flax NNX).
+
+    Args:
+      model: the policy (its parameters are copied out; `sync_weights` replaces them).
+      pad_id: token id used for padding (never attended to, never reported).
+      batch_buckets, prompt_buckets, new_token_buckets: the static shape buckets.
+      seed: base seed for calls whose SamplingParams.seed is None.
+      policy_version: version of the initial weights.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        pad_id: int = 0,
+        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+        new_token_buckets: Sequence[int] = DEFAULT_NEW_BUCKETS,
+        seed: int = 0,
+        policy_version: int = 0,
+    ):
+        for name, b in (
+            ("batch_buckets", batch_buckets),
+            ("prompt_buckets", prompt_buckets),
+            ("new_token_buckets", new_token_buckets),
+        ):
+            if not b or list(b) != sorted(set(b)) or b[0] < 1:
+                raise ValueError(
+                    f"Sampler.{name} must be strictly increasing positive ints, got {b}"
+                )
+        self.config = model.config
+        self.graphdef, self.state = nnx.split(model)
+        self.pad_id = int(pad_id)
+        self.batch_buckets = tuple(batch_buckets)
+        self.prompt_buckets = tuple(prompt_buckets)
+        self.new_token_buckets = tuple(new_token_buckets)
+        self.policy_version = int(policy_version)
+        self._seed_counter = int(seed) * 1_000_003
+        self._lock = threading.Lock()
+        self.trace_count = 0
+        self._generate = jax.jit(self._generate_impl, static_argnames=("max_new_bucket",))
+
+    # ------------------------------------------------------------------ compiled core
+
+    def _generate_impl(
+        self,
+        state,
+        prompts,
+        prompt_mask,
+        row_ids,
+        live,
+        seed,
+        temperature,
+        top_p,
+        top_k,
+        stop_ids,
+        max_new,
+        *,
+        max_new_bucket: int,
+    ):
+        """prompts/prompt_mask [B, P] (left-padded), row_ids [B] i32, live [B] bool -> outputs."""
+        self.trace_count += 1  # runs at trace time only: the recompile counter
+        model = nnx.merge(self.graphdef, state)
+        b, p = prompts.shape
+        n = max_new_bucket
+        positions = jnp.maximum(jnp.cumsum(prompt_mask.astype(jnp.int32), axis=1) - 1, 0)
+        prompt_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [B]
+        cache = model.init_cache(b, p + n)
+        logits, cache = model.decode(prompts, positions, cache, attention_mask=prompt_mask)
+        logits = logits[:, -1, :]  # left padding: the last slot is every row's last prompt token
+        base = jax.random.key(seed)
+        row_keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(row_ids)
+
+        def cond(carry):
+            step, _, _, done, *_ = carry
+            return (step < max_new) & ~jnp.all(done)
+
+        def body(carry):
+            step, logits, cache, done, toks, lps, lengths, stopped = carry
+            keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
+            tok, lp = sample_token(logits, keys, temperature, top_p, top_k)
+            tok = jnp.where(done, self.pad_id, tok)
+            lp = jnp.where(done, 0.0, lp)
+            toks = toks.at[:, step].set(tok)
+            lps = lps.at[:, step].set(lp)
+            lengths = jnp.where(done, lengths, step + 1)
+            hit = (~done) & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+            stopped = stopped | hit
+            done = done | hit | (step + 1 >= max_new)
+            pos = (prompt_len + step)[:, None]
+            logits, cache = model.decode(tok[:, None], pos, cache)
+            return step + 1, logits[:, 0, :], cache, done, toks, lps, lengths, stopped
+
+        init = (
+            jnp.zeros((), jnp.int32),
+            logits,
+            cache,
+            ~live,
+            jnp.full((b, n), self.pad_id, jnp.int32),
+            jnp.zeros((b, n), jnp.float32),
+            jnp.zeros((b,), jnp.int32),
+            jnp.zeros((b,), bool),
+        )
+        _, _, _, _, toks, lps, lengths, stopped = jax.lax.while_loop(cond, body, init)
+        return toks, lps, lengths, stopped
+
+    # ------------------------------------------------------------------ host side
+
+    def _next_seed(self) -> int:
+        with self._lock:
+            self._seed_counter += 1
+            return self._seed_counter
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Sample]]:
+        """`params.n` samples per prompt (outer list: prompts, inner: samples)."""
+        prompts = validate_prompts(prompts, self.config.vocab_size)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if len(params.stop_token_ids) > MAX_STOP_TOKENS:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids: at most {MAX_STOP_TOKENS} ids, "
+                f"got {len(params.stop_token_ids)}"
+            )
+        bad = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids outside the vocabulary: {bad}")
+        rows = [p for p in prompts for _ in range(params.n)]
+        b = _bucket(len(rows), self.batch_buckets, "prompts x n")
+        p = _bucket(max(len(r) for r in rows), self.prompt_buckets, "prompt length")
+        n = _bucket(params.max_tokens, self.new_token_buckets, "max_tokens")
+
+        tokens = np.full((b, p), self.pad_id, np.int32)
+        mask = np.zeros((b, p), bool)
+        for r, ids in enumerate(rows):
+            tokens[r, p - len(ids) :] = ids
+            mask[r, p - len(ids) :] = True
+        mask[len(rows) :, -1] = True  # filler rows: one visible pad token, and they start done
+        live = np.zeros((b,), bool)
+        live[: len(rows)] = True
+        stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
+        stop[: len(params.stop_token_ids)] = params.stop_token_ids
+        seed = params.seed if params.seed is not None else self._next_seed()
+
+        toks, lps, lengths, stopped = self._generate(
+            self.state,
+            jnp.asarray(tokens),
+            jnp.asarray(mask),
+            jnp.arange(b, dtype=jnp.int32),
+            jnp.asarray(live),
+            jnp.asarray(seed, jnp.uint32),
+            jnp.asarray(params.temperature, jnp.float32),
+            jnp.asarray(params.top_p, jnp.float32),
+            jnp.asarray(params.top_k, jnp.int32),
+            jnp.asarray(stop),
+            jnp.asarray(params.max_tokens, jnp.int32),
+            max_new_bucket=n,
+        )
+        toks, lps, lengths, stopped = jax.device_get((toks, lps, lengths, stopped))
+
+        out: list[list[Sample]] = []
+        for i in range(len(prompts)):
+            row_samples = []
+            for j in range(params.n):
+                r = i * params.n + j
+                k = int(lengths[r])
+                row_samples.append(
+                    Sample(
+                        tokens=[int(t) for t in toks[r, :k]],
+                        logprobs=[float(x) for x in lps[r, :k]],
+                        finish_reason="stop" if stopped[r] else "length",
+                        policy_version=self.policy_version,
+                        meta={"bucket": (b, p, n), "seed": int(seed)},
+                    )
+                )
+            out.append(row_samples)
+        return out
+
+    async def agenerate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Sample]]:
+        """`generate` in a worker thread: the event loop stays free while the device works."""
+        return await asyncio.to_thread(self.generate, prompts, params)
+
+    def sync_weights(self, params_or_path: Any, version: int) -> int:
+        """Replaces the weights: an `nnx.State` / Transformer of the same structure, or a directory
+        of HF safetensors (`gagar_jax.models.load_hf_safetensors`). Same shapes and dtypes are
+        required, so the compiled programs are reused."""
+        new = params_or_path
+        if isinstance(new, (str, Path)):
+            from gagar_jax.models import load_hf_safetensors
+
+            _, new = load_hf_safetensors(new)
+        if isinstance(new, nnx.Module):
+            _, new = nnx.split(new)
+        old_struct = jax.tree.structure(self.state)
+        new_struct = jax.tree.structure(new)
+        if old_struct != new_struct:
+            raise ValueError(
+                f"sync_weights: parameter tree differs from the sampler's model: "
+                f"{new_struct} vs {old_struct}"
+            )
+        for a, b_ in zip(jax.tree.leaves(self.state), jax.tree.leaves(new)):
+            if a.shape != b_.shape or a.dtype != b_.dtype:
+                raise ValueError(
+                    f"sync_weights: leaf shape/dtype {b_.shape}/{b_.dtype} does not "
+                    f"match {a.shape}/{a.dtype}"
+                )
+        self.state = jax.tree.map(jnp.asarray, new)
+        self.policy_version = int(version)
+        return self.policy_version
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _forward_logprobs(graphdef, state, tokens, positions, mask, temperature):
+    model = nnx.merge(graphdef, state)
+    logits = model(tokens, positions, attention_mask=mask)
+    logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+    return jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def score_tokens(model, tokens: Sequence[int], prompt_len: int, temperature: float = 1.0):
+    """Training-forward log-probabilities of `tokens[prompt_len:]` given their prefix (one row).
+
+    The reference the sampler's behaviour log-probabilities must equal.
+    """
+    graphdef, state = nnx.split(model)
+    ids = jnp.asarray([list(tokens)], jnp.int32)
+    pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+    t = 1.0 if temperature <= 0 else float(temperature)
+    lp = _forward_logprobs(graphdef, state, ids, pos, jnp.ones(ids.shape, bool), t)
+    return np.asarray(lp[0, prompt_len - 1 :])

@@ -1,0 +1,257 @@
+"""Unified diffs: a strict parser and a path-safe applier over in-memory file trees.
+
+Why not ``git apply`` / ``patch``: the applier runs on the trusted side, before the sandbox, on
+model-written text; a pure function over ``{path: text}`` cannot be steered outside the tree
+(absolute paths, ``..`` and ``.git/`` are rejected up front), needs no system tool, and gives the
+behaviour monitor the parsed hunks (files, line numbers, added/removed lines) it cites as evidence.
+
+Accepted: ``git diff`` and ``diff -u`` output (``a/``/``b/`` prefixes stripped when both sides have
+them or a ``diff --git`` header is present), new files (``--- /dev/null``), deletions
+(``+++ /dev/null``), ``\\ No newline at end of file``. Hunks must match exactly; a hunk may move
+by an offset (like ``patch``), never fuzz. Renames, copies and binary patches are rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import posixpath
+import re
+from collections.abc import Mapping
+
+_HUNK_RE = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+DEV_NULL = "/dev/null"
+
+
+class DiffError(ValueError):
+    """A diff that does not parse or does not apply (the author's fault, not infrastructure)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hunk:
+    """One ``@@`` hunk. ``lines`` keep their one-character prefix (' ', '-', '+')."""
+
+    old_start: int
+    old_len: int
+    new_start: int
+    new_len: int
+    lines: tuple[str, ...]
+    old_eof_newline: bool = True  # False if the old side's last line had no newline
+    new_eof_newline: bool = True
+
+    def old_lines(self) -> list[str]:
+        return [line[1:] for line in self.lines if line[0] in " -"]
+
+    def new_lines(self) -> list[str]:
+        return [line[1:] for line in self.lines if line[0] in " +"]
+
+    def added(self) -> list[tuple[int, str]]:
+        """(new-side line number, text) of every added line."""
+        out, n = [], self.new_start
+        for line in self.lines:
+            if line[0] == "+":
+                out.append((n, line[1:]))
+            if line[0] in " +":
+                n += 1
+        return out
+
+    def removed(self) -> list[tuple[int, str]]:
+        """(old-side line number, text) of every removed line."""
+        out, n = [], self.old_start
+        for line in self.lines:
+            if line[0] == "-":
+                out.append((n, line[1:]))
+            if line[0] in " -":
+                n += 1
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class FilePatch:
+    """The hunks of one file. ``old_path``/``new_path`` are None for created/deleted files."""
+
+    old_path: str | None
+    new_path: str | None
+    hunks: tuple[Hunk, ...]
+
+    @property
+    def path(self) -> str:
+        return self.new_path or self.old_path  # type: ignore[return-value]
+
+    @property
+    def is_new(self) -> bool:
+        return self.old_path is None
+
+    @property
+    def is_deleted(self) -> bool:
+        return self.new_path is None
+
+
+def safe_path(path: str) -> str:
+    """Normalised relative POSIX path; DiffError for absolute, escaping or .git paths."""
+    if not path or "\0" in path or "\\" in path:
+        raise DiffError(f"bad path {path!r}")
+    if path.startswith("/"):
+        raise DiffError(f"absolute path {path!r} is not allowed")
+    norm = posixpath.normpath(path)
+    parts = norm.split("/")
+    if norm in (".", "") or ".." in parts or ".git" in parts:
+        raise DiffError(f"path {path!r} escapes the repository or touches .git")
+    return norm
+
+
+def _header_path(line: str) -> str:
+    raw = line[4:].rstrip("\n")
+    raw = raw.split("\t", 1)[0]  # diff -u appends a tab and a timestamp
+    return raw.strip()
+
+
+def _norm(p: str, prefix: str, strip: bool) -> str | None:
+    if p == DEV_NULL:
+        return None
+    if strip and p.startswith(prefix):
+        p = p[2:]
+    return safe_path(p)
+
+
+def parse_unified_diff(text: str) -> list[FilePatch]:
+    """Parses a unified diff; raises DiffError naming the line that is wrong."""
+    if not isinstance(text, str):
+        raise DiffError(f"patch must be str, got {type(text).__name__}")
+    lines = text.splitlines()
+    git_style = any(line.startswith("diff --git ") for line in lines)
+    patches: list[FilePatch] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(("rename from", "rename to", "copy from", "copy to")):
+            raise DiffError(f"line {i + 1}: renames/copies are not supported")
+        if line.startswith("GIT binary patch") or line.startswith("Binary files"):
+            raise DiffError(f"line {i + 1}: binary patches are not supported")
+        if not line.startswith("--- "):
+            i += 1
+            continue
+        if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
+            raise DiffError(f"line {i + 1}: '---' header without a '+++' line")
+        old, new = _header_path(line), _header_path(lines[i + 1])
+        strip = git_style or (old.startswith("a/") or old == DEV_NULL) and (
+            new.startswith("b/") or new == DEV_NULL
+        )
+        old_path, new_path = _norm(old, "a/", strip), _norm(new, "b/", strip)
+        if old_path is None and new_path is None:
+            raise DiffError(f"line {i + 1}: both sides are /dev/null")
+        if old_path and new_path and old_path != new_path:
+            raise DiffError(f"line {i + 1}: renames ({old_path} -> {new_path}) are not supported")
+        i += 2
+        hunks = []
+        while i < len(lines) and lines[i].startswith("@@"):
+            m = _HUNK_RE.match(lines[i])
+            if not m:
+                raise DiffError(f"line {i + 1}: malformed hunk header {lines[i]!r}")
+            os_, ol, ns, nl = (int(g) if g is not None else None for g in m.groups())
+            ol = 1 if ol is None else ol
+            nl = 1 if nl is None else nl
+            i += 1
+            body: list[str] = []
+            seen_old = seen_new = 0
+            old_eof = new_eof = True
+            while seen_old < ol or seen_new < nl or (i < len(lines) and lines[i].startswith("\\")):
+                if i >= len(lines):
+                    raise DiffError(f"hunk at line {i}: ends early (expected {ol} old/{nl} new)")
+                row = lines[i]
+                if row.startswith("\\"):
+                    if not body:
+                        raise DiffError(f"line {i + 1}: '\\' marker before any line")
+                    # The marker refers to the line just before it: the last of its side(s).
+                    old_eof = old_eof and body[-1][0] == "+"
+                    new_eof = new_eof and body[-1][0] == "-"
+                    i += 1
+                    continue
+                row = row or " "  # some tools strip the space of an empty context line
+                tag = row[0]
+                if tag not in " -+":
+                    raise DiffError(f"line {i + 1}: unexpected hunk line {row[:40]!r}")
+                seen_old += tag in " -"
+                seen_new += tag in " +"
+                if seen_old > ol or seen_new > nl:
+                    raise DiffError(f"line {i + 1}: hunk longer than its header says")
+                body.append(row)
+                i += 1
+            hunks.append(Hunk(os_, ol, ns, nl, tuple(body), old_eof, new_eof))
+        if not hunks and not (old_path is None or new_path is None):
+            raise DiffError(f"file {new_path or old_path}: no hunks")
+        patches.append(FilePatch(old_path, new_path, tuple(hunks)))
+    if not patches:
+        raise DiffError("no file headers ('--- a/...', '+++ b/...') found")
+    seen: set[str] = set()
+    for p in patches:
+        if p.path in seen:
+            raise DiffError(f"file {p.path} appears twice in the patch")
+        seen.add(p.path)
+    return patches
+
+
+def _split(text: str) -> list[str]:
+    return text.splitlines(keepends=True)
+
+
+def _with_newlines(rows: list[str], eof_newline: bool) -> list[str]:
+    out = [r + "\n" for r in rows]
+    if out and not eof_newline:
+        out[-1] = out[-1][:-1]
+    return out
+
+
+def _apply_file(text: str, fp: FilePatch) -> str:
+    src = _split(text)
+    out: list[str] = []
+    pos = 0  # next unconsumed source line
+    delta = 0  # accumulated offset of earlier hunks
+    for h in fp.hunks:
+        old = _with_newlines(h.old_lines(), h.old_eof_newline)
+        new = _with_newlines(h.new_lines(), h.new_eof_newline)
+        want = max(h.old_start - 1 + delta, pos) if h.old_len else h.old_start + delta
+        found = None
+        for off in range(0, len(src) + 1):
+            for cand in (want - off, want + off) if off else (want,):
+                if pos <= cand <= len(src) - len(old) and src[cand : cand + len(old)] == old:
+                    found = cand
+                    break
+            if found is not None:
+                break
+        if found is None:
+            first = h.old_lines()[0] if h.old_lines() else ""
+            raise DiffError(
+                f"{fp.path}: hunk @@ -{h.old_start},{h.old_len} does not apply "
+                f"(context starting {first[:60]!r} not found)"
+            )
+        delta = found - (h.old_start - 1)
+        out.extend(src[pos:found])
+        out.extend(new)
+        pos = found + len(old)
+    out.extend(src[pos:])
+    return "".join(out)
+
+
+def apply_unified_diff(files: Mapping[str, str], patch: str | list[FilePatch]) -> dict[str, str]:
+    """A new ``{path: text}`` with the patch applied; DiffError if it does not apply."""
+    patches = parse_unified_diff(patch) if isinstance(patch, str) else patch
+    out = dict(files)
+    for fp in patches:
+        if fp.is_new:
+            if fp.path in out:
+                raise DiffError(f"{fp.path}: created by the patch but already exists")
+            out[fp.path] = _apply_file("", fp)
+        elif fp.old_path not in out:
+            raise DiffError(f"{fp.old_path}: not in the repository")
+        elif fp.is_deleted:
+            if _apply_file(out[fp.old_path], fp) != "":
+                raise DiffError(f"{fp.old_path}: deletion does not remove the whole file")
+            del out[fp.old_path]
+        else:
+            out[fp.path] = _apply_file(out[fp.path], fp)
+    return out
+
+
+def touched_files(patch: str) -> list[str]:
+    """Paths a patch touches (parse errors propagate as DiffError)."""
+    return [p.path for p in parse_unified_diff(patch)]

@@ -1,0 +1,757 @@
+"""Sandboxed execution of untrusted commands (model-written code and its tests).
+
+``run_sandboxed(argv, workdir, limits)`` runs ``argv`` with ``workdir`` as its only writable
+directory and returns a ``SandboxResult`` whose ``status`` is one of
+
+  passed           exit status 0
+  failed           any other exit status of the command itself
+  timeout          the wall-clock limit was hit; every descendant was killed
+  resource_killed  ended unsuccessfully with a limit seen to fire (CPU seconds, file size, memory
+                   cgroup OOM, pids), or by SIGKILL that was not ours
+  infra_error      the sandbox itself did not start (never the code's fault: mask, don't score)
+
+The chain is built as one argv (no ``preexec_fn``: unsafe in the threaded JAX trainer), strongest
+mechanism first, following the measurements in ``shared/SANDBOX.md``::
+
+  [sh: join per-slot cgroups pids + memory]                          (bwrap+cgroup only)
+  prlimit --cpu --as --fsize --nofile --nproc --core=0 --             (every mechanism)
+  setpriv --reuid U --regid U --clear-groups --no-new-privs --        (when started as root)
+  bwrap --unshare-all --die-with-parent --new-session  <minimal ro view> --tmpfs /tmp ...
+      | unshare -Urnpfm --kill-child                                   (fallback)
+  sh -c 'printf S >&0; exec 0</dev/null; exec "$@"' CMD...             (start marker)
+
+Mechanisms, in the measured order: ``bwrap+cgroup``, ``bwrap``, ``unshare``, ``rlimits`` (uid drop
+and rlimits only: no network or filesystem isolation, reported in ``isolation``), and ``none``,
+which is refused unless ``SandboxConfig(allow_unisolated=True)``.
+
+Verdicts of the containment probes (``tests/test_verify_sandbox.py``, asserted per mechanism):
+
+=====================  ===============================  ===========================================
+probe                  bwrap+cgroup / bwrap             unshare / rlimits
+=====================  ===============================  ===========================================
+fork bomb              timeout; nproc/pids cap; no      same (zombies are reaped by init; a slot
+                       process survives                 with leftovers is skipped)
+memory hog             resource_killed (cgroup OOM) /   failed (MemoryError from RLIMIT_AS)
+                       failed (MemoryError, no cgroup)
+CPU spin               resource_killed (SIGXCPU)        resource_killed (unshare: signal unknown)
+setsid escapee         passed; escapee killed; no hang  same
+200 MiB output flood   resource_killed (file_size);     same
+                       8 KiB read back
+loopback connect       blocked (own network namespace)  unshare: blocked; rlimits: NOT blocked
+                                                        ("network" absent from ``isolation``)
+write outside workdir  invisible / read-only            /usr, /etc denied; a world-writable dir is
+                                                        reachable ("filesystem" absent)
+root-only file read    Permission denied                Permission denied (uid drop)
+kill -9 -1             cannot reach the caller          same
+=====================  ===============================  ===========================================
+
+Design notes (each a trap measured on these machines):
+- Each concurrent run holds a *slot* (an ``flock``-ed file, machine-wide) with its own uid
+  (``uid_base + slot``) and its own cgroups: RLIMIT_NPROC counts per uid and is ignored for root.
+- Infrastructure errors cannot be faked by the sandboxed code: the innermost wrapper writes a start
+  marker to its stdin (a file we opened read-write) and then re-opens stdin on /dev/null. No marker
+  means the sandbox never reached the command. The code can add a marker, never remove one.
+- Output goes to files (never pipes: a ``setsid`` escapee would hold a pipe open), capped by
+  RLIMIT_FSIZE; only ``limits.output_bytes`` of each is read back (head and tail).
+- Every descendant is killed at the end of each run, ``setsid`` escapees included: by PID namespace
+  (bwrap/unshare), by the slot cgroup, by process group, and by scanning /proc for the slot uid.
+- The system view under bwrap is minimal: /usr, /etc, /bin, /lib*, /sbin read-only plus any
+  ``ro_paths`` (e.g. the site-packages holding pytest); the workdir is mounted at ``/workdir``.
+  Under ``unshare`` and ``rlimits`` the command sees the real paths; use relative paths in argv.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import os
+import shlex
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+STATUSES = ("passed", "failed", "timeout", "resource_killed", "infra_error")
+MECHANISMS = ("bwrap+cgroup", "bwrap", "unshare", "rlimits", "none")
+SANDBOX_WORKDIR = "/workdir"  # where the workdir appears inside bwrap
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_CGROUP_PARENT = "gagar_jax_sandbox"
+_SLOT_DIR = "/tmp/gagar_jax_sandbox_slots"
+_MAX_LEFTOVER = 4  # processes (zombies) a slot's uid may still hold when a run starts
+_SYSTEM_RO = ("/usr", "/etc", "/bin", "/lib", "/lib64", "/lib32", "/sbin")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Resource limits of one sandboxed run (plain byte counts; ``prlimit --as=1G`` misparses).
+
+    Attributes:
+      wall_s: wall-clock seconds before every process of the run is killed (status timeout).
+      cpu_s: CPU seconds per process (RLIMIT_CPU).
+      memory_bytes: memory cgroup limit (resident memory of the whole run) when cgroups are used.
+      address_space_bytes: RLIMIT_AS per process, the backstop without cgroups (None: 2x memory).
+      file_bytes: largest file any process may write (RLIMIT_FSIZE); also caps stdout/stderr.
+      tmp_bytes: size of the private /tmp (bwrap only).
+      nproc: processes of the slot uid (RLIMIT_NPROC) and cgroup ``pids.max``.
+      nofile: open files per process.
+      output_bytes: how much of stdout and stderr is read back (head and tail halves).
+    """
+
+    wall_s: float = 60.0
+    cpu_s: int = 60
+    memory_bytes: int = 1 << 30
+    address_space_bytes: int | None = None
+    file_bytes: int = 64 << 20
+    tmp_bytes: int = 64 << 20
+    nproc: int = 64
+    nofile: int = 256
+    output_bytes: int = 64 << 10
+
+    def __post_init__(self):
+        for name in ("wall_s", "cpu_s", "memory_bytes", "file_bytes", "tmp_bytes", "nproc",
+                     "nofile", "output_bytes"):  # fmt: skip
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"Limits.{name} must be > 0, got {value!r}")
+        if self.address_space_bytes is not None and self.address_space_bytes <= 0:
+            raise ValueError(
+                f"Limits.address_space_bytes must be > 0, got {self.address_space_bytes}"
+            )
+
+    @property
+    def as_bytes(self) -> int:
+        # Virtual size runs well above resident size (Python maps ~30-100 MB it never touches):
+        # the cgroup limits resident memory, the rlimit is only a backstop.
+        return self.address_space_bytes or 2 * self.memory_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+    """How to sandbox.
+
+    Attributes:
+      mechanism: ``"auto"`` (strongest available) or one of MECHANISMS to force (an unavailable
+        forced mechanism is an infra_error, never a silent downgrade).
+      allow_unisolated: permit ``none`` (no uid drop, no namespaces). Only for trusted code.
+      uid_base: slot ``i`` runs as uid/gid ``uid_base + i`` (when started as root).
+      num_slots: concurrent runs per machine.
+      slot_wait_s: how long to wait for a free slot before an infra_error.
+    """
+
+    mechanism: str = "auto"
+    allow_unisolated: bool = False
+    uid_base: int = 61000
+    num_slots: int = 32
+    slot_wait_s: float = 60.0
+
+    def __post_init__(self):
+        if self.mechanism != "auto" and self.mechanism not in MECHANISMS:
+            raise ValueError(f"SandboxConfig.mechanism must be 'auto' or one of {MECHANISMS}")
+        if self.num_slots < 1:
+            raise ValueError(f"SandboxConfig.num_slots must be >= 1, got {self.num_slots}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """Outcome of one sandboxed run.
+
+    Attributes:
+      status: one of STATUSES.
+      returncode: exit status of the command (128 + signal when killed by one), None if unknown.
+      signal: the signal that ended it, if any.
+      stdout, stderr: captured text (at most ``limits.output_bytes`` each, head + tail).
+      stdout_truncated, stderr_truncated: whether more was written than was read back.
+      wall_s: seconds from start to the last process killed.
+      mechanism: the mechanism used (MECHANISMS).
+      isolation: what was isolated: subset of {"uid", "rlimits", "cgroup", "pid", "network",
+        "filesystem"}.
+      limit_hits: limits seen to trigger ("cpu", "file_size", "memory", "pids", "wall").
+      error: for infra_error, what failed.
+    """
+
+    status: str
+    returncode: int | None
+    signal: int | None
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    wall_s: float
+    mechanism: str
+    isolation: frozenset[str]
+    limit_hits: tuple[str, ...] = ()
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    @property
+    def infra_error(self) -> bool:
+        return self.status == "infra_error"
+
+
+class SandboxUnavailable(RuntimeError):
+    """No acceptable isolation mechanism (and ``allow_unisolated`` is off)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Capability probes (cached per process)
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
+
+
+def _cgroup_dirs(uid: int) -> dict[str, str]:
+    return {c: f"{_CGROUP_ROOT}/{c}/{_CGROUP_PARENT}/slot-{uid}" for c in ("pids", "memory")}
+
+
+@functools.cache
+def _cgroups_usable() -> bool:
+    """cgroup v1 pids + memory hierarchies exist and we may create groups in them."""
+    if not _is_root():
+        return False
+    for c in ("pids", "memory"):
+        base = f"{_CGROUP_ROOT}/{c}"
+        if not os.path.exists(f"{base}/cgroup.procs"):
+            return False
+        try:
+            os.makedirs(f"{base}/{_CGROUP_PARENT}", exist_ok=True)
+        except OSError:
+            return False
+    return True
+
+
+@functools.cache
+def _probe(mechanism: str, config: SandboxConfig) -> str | None:
+    """Runs ``/bin/true`` under the mechanism; returns None if it works, else the reason."""
+    need = {"bwrap": "bwrap", "unshare": "unshare"}.get(mechanism)
+    for tool in ("prlimit", "setpriv" if _is_root() else None, need):
+        if tool and not _which(tool):
+            return f"{tool} not found"
+    with tempfile.TemporaryDirectory(prefix="gagar_probe_") as d, _slot(config) as slot:
+        os.chmod(d, 0o755)
+        uid = config.uid_base + slot
+        argv = _chain(mechanism, ["/bin/true"], d, Limits(wall_s=10), uid, None, ())
+        try:
+            p = subprocess.run(argv, cwd=d, stdin=subprocess.DEVNULL, capture_output=True,
+                               timeout=10, env=_base_env(d, mechanism))  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"{type(e).__name__}: {e}"
+        if p.returncode != 0:
+            return p.stderr.decode(errors="replace").strip()[-300:] or f"rc {p.returncode}"
+    return None
+
+
+def available_mechanisms(config: SandboxConfig | None = None) -> dict[str, str | None]:
+    """Each mechanism -> None if usable here, else why not (probes run once per process)."""
+    config = config or SandboxConfig()
+    out: dict[str, str | None] = {}
+    for m in MECHANISMS:
+        if m == "none":
+            out[m] = None if config.allow_unisolated else "not allowed (allow_unisolated=False)"
+        elif m == "bwrap+cgroup" and not _cgroups_usable():
+            out[m] = "cgroup v1 pids/memory not writable"
+        elif m == "rlimits" and not _is_root():
+            out[m] = "without root there is no separate uid: no isolation from the caller"
+        else:
+            out[m] = _probe(m.replace("+cgroup", ""), config)
+    return out
+
+
+def select_mechanism(config: SandboxConfig | None = None) -> str:
+    """The mechanism ``run_sandboxed`` would use; raises SandboxUnavailable if none is allowed."""
+    config = config or SandboxConfig()
+    avail = available_mechanisms(config)
+    if config.mechanism != "auto":
+        if avail[config.mechanism] is not None:
+            raise SandboxUnavailable(f"mechanism {config.mechanism!r}: {avail[config.mechanism]}")
+        return config.mechanism
+    for m in MECHANISMS:
+        if avail[m] is None:
+            return m
+    raise SandboxUnavailable(
+        "no sandbox mechanism available and allow_unisolated=False: "
+        + "; ".join(f"{m}: {why}" for m, why in avail.items())
+        + ". Install bubblewrap (apt-get install -y bubblewrap)."
+    )
+
+
+ISOLATION = {
+    "bwrap+cgroup": frozenset({"uid", "rlimits", "cgroup", "pid", "network", "filesystem"}),
+    "bwrap": frozenset({"uid", "rlimits", "pid", "network", "filesystem"}),
+    "unshare": frozenset({"uid", "rlimits", "pid", "network"}),
+    "rlimits": frozenset({"uid", "rlimits"}),
+    "none": frozenset({"rlimits"}),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The chain
+# ----------------------------------------------------------------------------------------------
+
+_START_WRAPPER = 'printf S >&0; exec 0</dev/null; exec "$@"'
+
+
+def _chain(
+    mechanism: str,
+    argv: Sequence[str],
+    workdir: str,
+    limits: Limits,
+    uid: int,
+    cgroups: Mapping[str, str] | None,
+    ro_paths: Sequence[str],
+) -> list[str]:
+    chain: list[str] = []
+    if cgroups:
+        joins = " && ".join(
+            f"echo $$ > {shlex.quote(d + '/cgroup.procs')}" for d in cgroups.values()
+        )
+        chain += ["/bin/sh", "-c", f'{joins} && exec "$@"', "sandbox-cgroup"]
+    chain += [
+        _which("prlimit") or "prlimit",
+        # soft:hard. SIGXCPU at the soft limit; equal limits would skip it and SIGKILL at once.
+        f"--cpu={int(limits.cpu_s)}:{int(limits.cpu_s) + 1}",
+        f"--as={int(limits.as_bytes)}",
+        f"--fsize={int(limits.file_bytes)}",
+        f"--nofile={int(limits.nofile)}",
+        f"--nproc={int(limits.nproc)}",
+        "--core=0",
+        "--",
+    ]
+    if _is_root() and mechanism != "none":
+        chain += [_which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}",
+                  "--clear-groups", "--no-new-privs", "--"]  # fmt: skip
+    if mechanism.startswith("bwrap"):
+        chain += [_which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+        for p in _SYSTEM_RO:
+            chain += ["--ro-bind-try", p, p]
+        chain += ["--dev", "/dev", "--proc", "/proc", "--size", str(int(limits.tmp_bytes)),
+                  "--tmpfs", "/tmp"]  # fmt: skip
+        for p in ro_paths:  # after the tmpfs, or a path under /tmp would be hidden by it
+            chain += ["--ro-bind", p, p]
+        chain += ["--bind", workdir, SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR, "--"]
+    elif mechanism == "unshare":
+        chain += [_which("unshare") or "unshare", "-Urnpfm", "--kill-child", "--"]
+    return chain + ["/bin/sh", "-c", _START_WRAPPER, "sandbox-start", *argv]
+
+
+def _base_env(workdir: str, mechanism: str, extra: Mapping[str, str] | None = None) -> dict:
+    inside = mechanism.startswith("bwrap")
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": "/tmp" if inside else workdir,
+        "TMPDIR": "/tmp" if inside else workdir,
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONHASHSEED": "0",
+    }
+    env.update(extra or {})
+    return env
+
+
+# ----------------------------------------------------------------------------------------------
+# Slots: a machine-wide lock per slot, each with its own uid and cgroups
+# ----------------------------------------------------------------------------------------------
+
+_local_slots: set[int] = set()
+_local_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _slot(config: SandboxConfig) -> Iterator[int]:
+    os.makedirs(_SLOT_DIR, mode=0o700, exist_ok=True)
+    deadline = time.monotonic() + config.slot_wait_s
+    while True:
+        for i in range(config.num_slots):
+            with _local_lock:
+                if i in _local_slots:
+                    continue
+                fd = os.open(f"{_SLOT_DIR}/slot-{config.uid_base + i}.lock", os.O_RDWR | os.O_CREAT,
+                             0o600)  # fmt: skip
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                if _is_root() and len(_uid_pids(config.uid_base + i, True)) > _MAX_LEFTOVER:
+                    # Zombies that init has not reaped yet (it takes it ~1.5 s here after a fork
+                    # bomb) count against this uid's RLIMIT_NPROC: use another slot meanwhile.
+                    _kill_uid(config.uid_base + i)
+                    if len(_uid_pids(config.uid_base + i, True)) > _MAX_LEFTOVER:
+                        os.close(fd)
+                        continue
+                _local_slots.add(i)
+            try:
+                yield i
+            finally:
+                with _local_lock:
+                    _local_slots.discard(i)
+                os.close(fd)  # releases the flock
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no free sandbox slot within {config.slot_wait_s} s")
+        time.sleep(0.05)
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _read_int_field(path: str, field: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                k, _, v = line.partition(" ")
+                if k == field:
+                    return int(v)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _prepare_cgroups(uid: int, limits: Limits) -> dict[str, str]:
+    dirs = _cgroup_dirs(uid)
+    for d in dirs.values():
+        os.makedirs(d, exist_ok=True)
+        _kill_cgroup(d)
+    _write(f"{dirs['pids']}/pids.max", str(int(limits.nproc)))
+    mem = dirs["memory"]
+    with contextlib.suppress(OSError):  # drop the previous run's page cache charged to the slot
+        _write(f"{mem}/memory.force_empty", "0")
+    memsw = f"{mem}/memory.memsw.limit_in_bytes"
+    # limit_in_bytes <= memsw.limit_in_bytes must hold after every single write.
+    order = [f"{mem}/memory.limit_in_bytes"] + ([memsw] if os.path.exists(memsw) else [])
+    try:
+        for p in reversed(order):
+            _write(p, str(int(limits.memory_bytes)))
+    except OSError:
+        for p in order:
+            _write(p, str(int(limits.memory_bytes)))
+    with contextlib.suppress(OSError):
+        _write(f"{mem}/memory.failcnt", "0")
+        _write(f"{mem}/memory.max_usage_in_bytes", "0")
+    return dirs
+
+
+def _cgroup_pids(d: str) -> list[int]:
+    try:
+        with open(f"{d}/cgroup.procs") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _kill_cgroup(d: str) -> None:
+    for _ in range(200):
+        pids = _cgroup_pids(d)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.005)
+
+
+def _uid_pids(uid: int, zombies: bool = False) -> list[int]:
+    """Processes owned by ``uid`` (/proc shows host uids); zombies only if asked.
+
+    One ``stat`` per process (the /proc/<pid> owner is its effective uid, equal to the real one
+    after setpriv); the state is read only for the few that match.
+    """
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            if not zombies:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    state = f.read().rpartition(b")")[2].split()[0]
+                if state in (b"Z", b"X"):
+                    continue
+        except (OSError, IndexError):
+            continue
+        out.append(int(name))
+    return out
+
+
+def _kill_uid(uid: int, reap_wait_s: float = 0.0) -> bool:
+    """SIGKILLs every process of ``uid``; then waits up to ``reap_wait_s`` for their zombies to
+    be reaped (zombies count against RLIMIT_NPROC of the next run in this slot). Returns whether
+    the uid ended with no process at all."""
+    for _ in range(200):
+        pids = _uid_pids(uid)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.005)
+    deadline = time.monotonic() + reap_wait_s
+    while _uid_pids(uid, zombies=True):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _read_capped(path: str, cap: int) -> tuple[str, bool]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size <= cap:
+            return f.read().decode(errors="replace"), False
+        head = f.read(cap // 2)
+        f.seek(size - cap // 2)
+        tail = f.read()
+    skipped = size - len(head) - len(tail)
+    text = head.decode(errors="replace") + f"\n[... {skipped} bytes elided ...]\n"
+    return text + tail.decode(errors="replace"), True
+
+
+def _chown_tree(path: str, uid: int) -> None:
+    os.chown(path, uid, uid)
+    for root, dirs, files in os.walk(path):
+        for n in dirs + files:
+            with contextlib.suppress(FileNotFoundError):
+                os.lchown(os.path.join(root, n), uid, uid)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def run_sandboxed(
+    argv: Sequence[str],
+    workdir: str | os.PathLike,
+    limits: Limits | None = None,
+    *,
+    config: SandboxConfig | None = None,
+    env: Mapping[str, str] | None = None,
+    ro_paths: Sequence[str] = (),
+) -> SandboxResult:
+    """Runs untrusted ``argv`` in ``workdir`` under the strongest available isolation.
+
+    Args:
+      argv: the command; it runs with cwd = the workdir (``/workdir`` under bwrap).
+      workdir: an existing directory, the only place the command may write (made owned by the
+        slot uid when running as root). Use a fresh copy per run.
+      limits: resource limits (``Limits()`` defaults).
+      config: mechanism choice and slot settings (``SandboxConfig()`` defaults).
+      env: extra environment variables (the environment is otherwise cleared).
+      ro_paths: host paths made visible read-only at the same path (bwrap only), e.g. the
+        site-packages that holds pytest. Each must be readable by an unprivileged uid.
+
+    Returns:
+      SandboxResult. Problems of the sandbox itself come back as ``status="infra_error"`` with
+      ``error`` set; ``SandboxUnavailable`` is raised only when no mechanism is allowed at all.
+    """
+    limits = limits or Limits()
+    config = config or SandboxConfig()
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"argv must be a non-empty sequence of str, got {argv!r}")
+    workdir = os.path.abspath(os.fspath(workdir))
+    if not os.path.isdir(workdir):
+        raise ValueError(f"workdir {workdir!r} is not a directory")
+    for p in ro_paths:
+        if not os.path.isabs(p) or not os.path.exists(p):
+            raise ValueError(f"ro_paths entry {p!r} must be an existing absolute path")
+    mechanism = select_mechanism(config)
+
+    def infra(msg: str, t0: float = time.monotonic()) -> SandboxResult:
+        wall = time.monotonic() - t0
+        return SandboxResult("infra_error", None, None, "", "", False, False, wall, mechanism,
+                             ISOLATION[mechanism], (), msg)  # fmt: skip
+
+    try:
+        slot_cm = _slot(config)
+        slot = slot_cm.__enter__()
+    except (OSError, TimeoutError) as e:
+        return infra(f"slot: {e}")
+    try:
+        return _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra)
+    finally:
+        slot_cm.__exit__(None, None, None)
+
+
+def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra):
+    uid = config.uid_base + slot
+    use_uid = _is_root() and mechanism != "none"
+    parent = os.path.dirname(workdir)
+    while use_uid and parent != "/":
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return infra(f"workdir ancestor {parent} is not traversable (o+x) by the sandbox uid")
+        parent = os.path.dirname(parent)
+    try:
+        if use_uid:
+            _kill_uid(uid)  # a previous holder's leftovers (should be none)
+            _chown_tree(workdir, uid)
+        cgroups = _prepare_cgroups(uid, limits) if mechanism == "bwrap+cgroup" else None
+    except OSError as e:
+        return infra(f"preparing the slot: {e}")
+    oom_before = pids_max_before = 0
+    if cgroups:
+        oom_before = _read_int_field(f"{cgroups['memory']}/memory.oom_control", "oom_kill")
+        pids_max_before = _read_int_field(f"{cgroups['pids']}/pids.events", "max")
+
+    chain = _chain(mechanism, argv, workdir, limits, uid, cgroups, ro_paths)
+    with tempfile.TemporaryDirectory(prefix="gagar_sandbox_io_") as io_dir:
+        paths = {k: os.path.join(io_dir, k) for k in ("marker", "stdout", "stderr")}
+        t0 = time.monotonic()
+        timed_out = False
+        with open(paths["marker"], "w+b") as marker, open(paths["stdout"], "wb") as out, open(
+            paths["stderr"], "wb"
+        ) as err:
+            try:
+                proc = subprocess.Popen(
+                    chain, cwd=workdir, stdin=marker, stdout=out, stderr=err,
+                    env=_base_env(workdir, mechanism, env), start_new_session=True,
+                    close_fds=True,
+                )  # fmt: skip
+            except OSError as e:
+                return infra(f"could not start {chain[0]}: {e}", t0)
+            try:
+                rc = proc.wait(timeout=limits.wall_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            # Kill every descendant whatever happened: setsid escapees outlive their parent.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+            if cgroups:
+                for d in cgroups.values():
+                    _kill_cgroup(d)
+            if use_uid:
+                _kill_uid(uid)  # zombies left for init to reap: see _slot
+            wall = time.monotonic() - t0
+        started = os.path.getsize(paths["marker"]) > 0
+        out_size, err_size = os.path.getsize(paths["stdout"]), os.path.getsize(paths["stderr"])
+        stdout, out_trunc = _read_capped(paths["stdout"], limits.output_bytes)
+        stderr, err_trunc = _read_capped(paths["stderr"], limits.output_bytes)
+
+    hits = []
+    sig = None
+    if rc < 0:
+        sig = -rc
+    elif rc > 128 and mechanism != "none":
+        sig = rc - 128  # bwrap, unshare and sh report a signalled child as 128 + signal
+    if cgroups:
+        mem = cgroups["memory"]
+        if _read_int_field(f"{mem}/memory.oom_control", "oom_kill") > oom_before:
+            hits.append("memory")
+        if _read_int_field(f"{cgroups['pids']}/pids.events", "max") > pids_max_before:
+            hits.append("pids")
+    if sig == signal.SIGXCPU:
+        hits.append("cpu")
+    # Python ignores SIGXFSZ: its writes fail with EFBIG instead, seen as a full-size file.
+    if sig == signal.SIGXFSZ or max(out_size, err_size) >= limits.file_bytes:
+        hits.append("file_size")
+    if timed_out:
+        hits.append("wall")
+
+    if not started:
+        status = "infra_error"
+        error = (
+            f"sandbox did not start within {limits.wall_s} s"
+            if timed_out
+            else f"sandbox did not start (rc {rc}): {stderr.strip()[-500:]}"
+        )
+    elif timed_out:
+        status, error = "timeout", None
+    elif rc == 0:
+        status, error = "passed", None
+    elif sig in (signal.SIGXCPU, signal.SIGXFSZ, signal.SIGKILL) or hits or (
+        # unshare as PID 1's parent cannot report a kernel-signalled child: it prints this and
+        # exits 1 (measured). Faking it only turns the code's own failure into another failure.
+        mechanism == "unshare" and rc == 1 and "sigprocmask unblock failed" in stderr[-300:]
+    ):
+        status, error = "resource_killed", None  # a limit fired and the command did not succeed
+    else:
+        status, error = "failed", None
+    returncode = rc if rc >= 0 else 128 + sig
+    return SandboxResult(status, returncode, sig, stdout, stderr, out_trunc, err_trunc, wall,
+                         mechanism, ISOLATION[mechanism], tuple(hits), error)  # fmt: skip
+
+
+def _open_to_others(path: str) -> bool:
+    """Whether an unprivileged uid can read and enter/execute ``path`` (o+rx, o+x on ancestors)."""
+    path = os.path.realpath(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if st.st_mode & (stat.S_IROTH | stat.S_IXOTH) != stat.S_IROTH | stat.S_IXOTH:
+        return False
+    parent = os.path.dirname(path)
+    while parent and parent != "/":
+        try:
+            if not os.stat(parent).st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+        parent = os.path.dirname(parent)
+    return True
+
+
+@functools.cache
+def python_for_sandbox() -> tuple[str, tuple[str, ...]]:
+    """An interpreter the sandbox uid can run, and the read-only paths to put on its PYTHONPATH.
+
+    Order: ``$GAGAR_SANDBOX_PYTHON``; this process's interpreter (resolved: the ``python3`` on
+    PATH may be a pyenv shim under /root); ``/usr/bin/python3``; ``/usr/local/bin/python3``.
+    When the chosen interpreter has this process's ``major.minor``, this environment's
+    site-packages (which holds pytest) is returned as the path to expose; its pure-Python packages
+    import fine from another patch release of the same minor version.
+
+    Raises:
+      SandboxUnavailable: no interpreter is readable by an unprivileged uid.
+    """
+    candidates = [os.environ.get("GAGAR_SANDBOX_PYTHON"), os.path.realpath(sys.executable),
+                  "/usr/bin/python3", "/usr/local/bin/python3"]  # fmt: skip
+    for exe in filter(None, candidates):
+        exe = os.path.realpath(exe)
+        if not _open_to_others(exe):
+            continue
+        try:
+            version = subprocess.run(
+                [exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                capture_output=True, text=True, timeout=30, check=True,
+            ).stdout.strip()  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            continue
+        paths: tuple[str, ...] = ()
+        purelib = sysconfig.get_paths()["purelib"]
+        if version == "{}.{}".format(*sys.version_info[:2]) and _open_to_others(purelib):
+            paths = (purelib,)
+        return exe, paths
+    raise SandboxUnavailable(
+        "no Python interpreter readable by an unprivileged uid (tried "
+        f"{[c for c in candidates if c]}); set GAGAR_SANDBOX_PYTHON"
+    )
+
+
+def release_cgroups(config: SandboxConfig | None = None) -> None:
+    """Removes this package's (empty) slot cgroups; safe to call at exit."""
+    config = config or SandboxConfig()
+    for slot in range(config.num_slots):
+        for d in _cgroup_dirs(config.uid_base + slot).values():
+            if os.path.isdir(d) and not _cgroup_pids(d):
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)

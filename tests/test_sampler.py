@@ -1,0 +1,207 @@
+"""The embedded JAX sampler: logprob equality with the training forward, determinism, stop tokens,
+bucketing without recompiles, truncation, weight sync."""
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gagar_jax.models import Transformer, TransformerConfig
+from gagar_jax.rollout import RolloutEngine, SamplingParams
+from gagar_jax.rollout.sampler import Sampler, score_tokens
+
+CONFIG = TransformerConfig(
+    vocab_size=97,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    rope_theta=10000.0,
+    initializer_range=0.3,
+)
+PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3] * 12]
+
+
+def make_model(seed):
+    return Transformer(CONFIG, rngs=nnx.Rngs(seed))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(0)
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+    return Sampler(model, batch_buckets=(4, 8), prompt_buckets=(16, 32), new_token_buckets=(16, 32))
+
+
+def forward_logits(model, tokens):
+    ids = jnp.asarray([tokens], jnp.int32)
+    pos = jnp.arange(len(tokens), dtype=jnp.int32)[None]
+    return np.asarray(model(ids, pos)[0])
+
+
+def test_is_a_rollout_engine(sampler):
+    assert isinstance(sampler, RolloutEngine)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (0.7, 10, 0.9), (1.3, 0, 1.0)])
+def test_logprobs_equal_training_forward(model, sampler, temperature, top_k, top_p):
+    params = SamplingParams(
+        n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=12, seed=3
+    )
+    out = sampler.generate(PROMPTS, params)
+    assert [len(row) for row in out] == [2, 2, 2]
+    for prompt, row in zip(PROMPTS, out):
+        for s in row:
+            assert len(s.tokens) == 12 and s.finish_reason == "length"
+            ref = score_tokens(model, prompt + s.tokens, len(prompt), temperature)
+            np.testing.assert_allclose(s.logprobs, ref, rtol=0, atol=1e-5)
+            if temperature == 0.0:  # greedy: every token is the forward pass's argmax
+                logits = forward_logits(model, prompt + s.tokens)
+                assert s.tokens == list(np.argmax(logits[len(prompt) - 1 : -1], axis=-1))
+
+
+def test_deterministic_under_seed_and_independent_of_batch_bucket(sampler):
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=42)
+    a = sampler.generate(PROMPTS, params)
+    b = sampler.generate(PROMPTS, params)
+    assert [[s.tokens for s in r] for r in a] == [[s.tokens for s in r] for r in b]
+    # More prompts (a larger batch bucket, 8 rows): the first prompts' samples are unchanged.
+    c = sampler.generate(PROMPTS + [[1, 2]], params)
+    assert [[s.tokens for s in r] for r in c[:3]] == [[s.tokens for s in r] for r in a]
+    d = sampler.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=43))
+    assert [[s.tokens for s in r] for r in d] != [[s.tokens for s in r] for r in a]
+    # The two samples of one prompt differ (independent keys per row).
+    assert a[0][0].tokens != a[0][1].tokens
+    # No seed: successive calls differ.
+    e1 = sampler.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_tokens=10))
+    e2 = sampler.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_tokens=10))
+    assert e1[0][0].tokens != e2[0][0].tokens
+
+
+def test_stop_tokens_and_max_tokens(sampler):
+    greedy = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16))
+    toks = greedy[1][0].tokens
+    # Pick a stop token whose first occurrence in row 1 is at index >= 2.
+    k = next(i for i in range(2, 16) if toks[i] not in toks[:i])
+    stop = toks[k]
+    out = sampler.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(stop, 96))
+    )
+    s = out[1][0]
+    assert s.tokens == toks[: k + 1] and s.finish_reason == "stop"
+    assert s.logprobs == pytest.approx(greedy[1][0].logprobs[: k + 1], abs=1e-6)
+    for g, o in zip(greedy, out):  # every row stops right after its own first stop token
+        full = g[0].tokens
+        cut = next((i + 1 for i, t in enumerate(full) if t in (stop, 96)), len(full))
+        assert o[0].tokens == full[:cut]
+        assert o[0].finish_reason == (
+            "stop" if cut < len(full) or full[-1] in (stop, 96) else "length"
+        )
+    short = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5))
+    assert all(
+        r[0].tokens == g[0].tokens[:5] and r[0].finish_reason == "length"
+        for r, g in zip(short, greedy)
+    )
+
+
+def test_top_k_and_top_p_truncate(model, sampler):
+    prompt = PROMPTS[1]
+    one = sampler.generate(
+        [prompt], SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=8, seed=1)
+    )
+    tiny_p = sampler.generate(
+        [prompt], SamplingParams(n=3, temperature=1.0, top_p=1e-6, max_tokens=8, seed=1)
+    )
+    greedy = sampler.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
+    for s in one[0] + tiny_p[0]:
+        assert s.tokens == greedy[0][0].tokens
+    k = 3
+    out = sampler.generate(
+        [prompt], SamplingParams(n=4, temperature=2.0, top_k=k, max_tokens=12, seed=5)
+    )
+    for s in out[0]:
+        logits = forward_logits(model, prompt + s.tokens)[len(prompt) - 1 : -1]
+        ranks = [(row > row[t]).sum() for row, t in zip(logits, s.tokens)]
+        assert max(ranks) < k
+    # top-p = 0.5: every drawn token lies in the smallest set holding >= half of the mass.
+    out = sampler.generate(
+        [prompt], SamplingParams(n=4, temperature=1.0, top_p=0.5, max_tokens=12, seed=6)
+    )
+    for s in out[0]:
+        logits = forward_logits(model, prompt + s.tokens)[len(prompt) - 1 : -1]
+        for row, t in zip(logits, s.tokens):
+            p = np.exp(row - row.max())
+            p /= p.sum()
+            before = p[p > p[t]].sum()
+            assert before < 0.5 + 1e-6
+
+
+def test_no_recompile_within_a_bucket(model):
+    s = Sampler(model, batch_buckets=(4, 8), prompt_buckets=(16, 32), new_token_buckets=(16, 32))
+    calls = [
+        ([[1, 2, 3]], SamplingParams(max_tokens=4)),
+        ([[1, 2, 3, 4, 5, 6, 7, 8, 9]], SamplingParams(n=2, max_tokens=16, temperature=0.5)),
+        (PROMPTS, SamplingParams(max_tokens=9, temperature=0.0, stop_token_ids=(4, 5, 6))),
+        (PROMPTS[:2], SamplingParams(n=2, top_k=5, top_p=0.8, seed=9, max_tokens=11)),
+    ]
+    for prompts, params in calls:  # (B<=4, P<=16, N<=16): one executable
+        s.generate(prompts, params)
+    assert s.trace_count == 1
+    s.generate(PROMPTS, SamplingParams(n=2, max_tokens=7))  # 6 rows -> batch bucket 8
+    assert s.trace_count == 2
+    s.generate(PROMPTS, SamplingParams(n=2, max_tokens=3))
+    assert s.trace_count == 2
+    s.generate([[1] * 20], SamplingParams(max_tokens=20))  # P 32, N 32
+    assert s.trace_count == 3
+
+
+def test_sync_weights_changes_outputs_without_retrace(model):
+    s = Sampler(model, batch_buckets=(4,), prompt_buckets=(16,), new_token_buckets=(16,))
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    before = s.generate(PROMPTS, greedy)
+    other = make_model(1)
+    assert s.sync_weights(other, version=7) == 7
+    after = s.generate(PROMPTS, greedy)
+    assert [r[0].tokens for r in after] != [r[0].tokens for r in before]
+    assert all(r[0].policy_version == 7 for r in after)
+    ref = score_tokens(other, PROMPTS[0] + after[0][0].tokens, len(PROMPTS[0]), 0.0)
+    np.testing.assert_allclose(after[0][0].logprobs, ref, atol=1e-5)
+    assert s.trace_count == 1
+    wrong = Transformer(
+        TransformerConfig(
+            vocab_size=97,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=64,
+        ),
+        rngs=nnx.Rngs(0),
+    )
+    with pytest.raises(ValueError, match="sync_weights"):
+        s.sync_weights(wrong, version=8)
+    assert s.policy_version == 7
+
+
+def test_agenerate_and_input_errors(sampler):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    got = asyncio.run(sampler.agenerate(PROMPTS[:1], params))
+    assert got[0][0].tokens == sampler.generate(PROMPTS[:1], params)[0][0].tokens
+    with pytest.raises(ValueError, match=r"prompts\[1\].*outside"):
+        sampler.generate([[1], [200]], params)
+    with pytest.raises(ValueError, match=r"prompts\[0\] must be a non-empty"):
+        sampler.generate([[]], params)
+    with pytest.raises(ValueError, match="max_tokens=64 exceeds the largest bucket 32"):
+        sampler.generate([[1]], SamplingParams(max_tokens=64))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="stop_token_ids outside"):
+        sampler.generate([[1]], SamplingParams(stop_token_ids=(500,)))
+    assert jax.tree.leaves(sampler.state)  # parameters are held as arrays
