@@ -241,6 +241,11 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], out_path: str, *,
             if smooth > 1 and not key.startswith("eval_"):
                 ys = _moving_average(ys, smooth)
             ax.plot(xs, ys, marker="o" if len(xs) < 12 else None, ms=3, label=label)
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+        lo, hi = ax.get_ylim()
+        if ax.lines and hi - lo < 1e-3:  # a conserved quantity: show it flat, not float jitter
+            mid = (lo + hi) / 2
+            ax.set_ylim(mid - 0.05 * max(abs(mid), 1.0), mid + 0.05 * max(abs(mid), 1.0))
         ax.set_title(panel_title, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
