@@ -5,7 +5,9 @@ PY := $(VENV)/bin/python
 EXTRAS ?= test,data,parity,notebooks
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: setup system-deps test lint train compare example bench clean
+SGLANG_VENV ?= .venv-sglang
+
+.PHONY: setup system-deps sglang-venv test lint train compare example bench clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,11 +25,18 @@ system-deps:
 	  [ -z "$$PKGS" ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $$PKGS; }
 
+# A real SGLang server for the rollout/grader tests, in its own venv (it pins torch and numpy).
+$(SGLANG_VENV)/.installed: scripts/setup_sglang.sh scripts/sglang-requirements.txt
+	PYTHON=$(PYTHON) bash scripts/setup_sglang.sh $(SGLANG_VENV)
+
+sglang-venv: $(SGLANG_VENV)/.installed
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup system-deps lint
-	$(PY) -m pytest -q -n 2 tests
+# --dist loadgroup keeps the tests marked xdist_group("sglang") on one worker: one server.
+test: setup system-deps sglang-venv lint
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 # The main job: toy_gagar on CPU (~10 min on 2 cores); ends with a summary and
 # runs/toy_gagar/training_dynamics.png. Re-running resumes (a finished run just re-summarises);
@@ -53,6 +62,7 @@ bench: setup
 	XLA_FLAGS= $(PY) benchmarks/advantages.py
 	$(PY) benchmarks/grading.py --quick
 	$(PY) benchmarks/verify.py
+	XLA_FLAGS= $(PY) benchmarks/sampler.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

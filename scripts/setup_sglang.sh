@@ -13,7 +13,7 @@ VENV="${1:-.venv-sglang}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.installed"
 REQS=scripts/sglang-requirements.txt
-if [[ -f "$STAMP" && "$STAMP" -nt "$REQS" ]]; then
+if [[ -f "$STAMP" && "$STAMP" -nt "$REQS" && "$STAMP" -nt "$0" ]]; then
   echo "setup_sglang: $VENV up to date"; exit 0
 fi
 start=$(date +%s)
@@ -22,7 +22,7 @@ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q -r "$REQS"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-for name in ("sglang", "torch", "transformers", "tokenizers", "safetensors"):
+for name in ("sglang", "sglang-router", "torch", "transformers", "tokenizers", "safetensors"):
     print(f"setup_sglang: {name}=={md.version(name)}")
 PY
 touch "$STAMP"

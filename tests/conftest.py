@@ -9,6 +9,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from hypothesis import settings  # noqa: E402
 
+# Shared fixtures: one real SGLang server per test session (see tests/sglang_fixtures.py).
+from sglang_fixtures import (  # noqa: E402, F401
+    sglang_client,
+    sglang_server,
+    sglang_workdir,
+    tiny_sglang_model,
+)
+
 # CI runs on 2 shared cores: no deadline per example (jit compiles vary), fixed example counts.
 settings.register_profile("ci", deadline=None, max_examples=40, print_blob=True)
 settings.register_profile("dev", deadline=None, max_examples=25)

@@ -2,6 +2,7 @@
 bucketing without recompiles, truncation, weight sync."""
 
 import asyncio
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gagar_jax.models import Transformer, TransformerConfig
-from gagar_jax.rollout import RolloutEngine, SamplingParams
+from gagar_jax.models import Transformer, TransformerConfig, create_model, save_hf_safetensors
+from gagar_jax.rollout import CodeAgentEnv, RolloutEngine, SamplingParams, run_episodes
 from gagar_jax.rollout.sampler import Sampler, score_tokens
 
 CONFIG = TransformerConfig(
@@ -27,7 +28,7 @@ PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3] * 12]
 
 
 def make_model(seed):
-    return Transformer(CONFIG, rngs=nnx.Rngs(seed))
+    return create_model(CONFIG, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +41,19 @@ def sampler(model):
     return Sampler(model, batch_buckets=(4, 8), prompt_buckets=(16, 32), new_token_buckets=(16, 32))
 
 
-def forward_logits(model, tokens):
-    ids = jnp.asarray([tokens], jnp.int32)
-    pos = jnp.arange(len(tokens), dtype=jnp.int32)[None]
-    return np.asarray(model(ids, pos)[0])
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, state, ids, mask):
+    model = nnx.merge(graphdef, state)
+    pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+    return model(ids, pos, attention_mask=mask)[0]
+
+
+def forward_logits(model, tokens, pad_to=64):
+    """Training-forward logits [len(tokens), V] (right-padded to one shape: one compile)."""
+    ids = np.zeros((1, pad_to), np.int32)
+    ids[0, : len(tokens)] = tokens
+    mask = np.arange(pad_to)[None] < len(tokens)
+    return np.asarray(_logits(*nnx.split(model), ids, mask))[: len(tokens)]
 
 
 def test_is_a_rollout_engine(sampler):
@@ -144,7 +154,10 @@ def test_top_k_and_top_p_truncate(model, sampler):
 
 
 def test_no_recompile_within_a_bucket(model):
-    s = Sampler(model, batch_buckets=(4, 8), prompt_buckets=(16, 32), new_token_buckets=(16, 32))
+    # pad_id is part of the program key: pad_id=1 gives this test programs no other test compiled.
+    s = Sampler(
+        model, pad_id=1, batch_buckets=(4, 8), prompt_buckets=(16, 32), new_token_buckets=(16, 32)
+    )
     calls = [
         ([[1, 2, 3]], SamplingParams(max_tokens=4)),
         ([[1, 2, 3, 4, 5, 6, 7, 8, 9]], SamplingParams(n=2, max_tokens=16, temperature=0.5)),
@@ -162,10 +175,11 @@ def test_no_recompile_within_a_bucket(model):
     assert s.trace_count == 3
 
 
-def test_sync_weights_changes_outputs_without_retrace(model):
+def test_sync_weights_changes_outputs_without_retrace(model, tmp_path):
     s = Sampler(model, batch_buckets=(4,), prompt_buckets=(16,), new_token_buckets=(16,))
     greedy = SamplingParams(temperature=0.0, max_tokens=10)
     before = s.generate(PROMPTS, greedy)
+    traces = s.trace_count
     other = make_model(1)
     assert s.sync_weights(other, version=7) == 7
     after = s.generate(PROMPTS, greedy)
@@ -173,7 +187,13 @@ def test_sync_weights_changes_outputs_without_retrace(model):
     assert all(r[0].policy_version == 7 for r in after)
     ref = score_tokens(other, PROMPTS[0] + after[0][0].tokens, len(PROMPTS[0]), 0.0)
     np.testing.assert_allclose(after[0][0].logprobs, ref, atol=1e-5)
-    assert s.trace_count == 1
+    # The trainer's pure params dict and an exported safetensors directory work the same way.
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert s.sync_weights(params, version=8) == 8
+    assert [r[0].tokens for r in s.generate(PROMPTS, greedy)] == [r[0].tokens for r in before]
+    s.sync_weights(save_hf_safetensors(other, CONFIG, str(tmp_path / "ckpt")), version=9)
+    assert [r[0].tokens for r in s.generate(PROMPTS, greedy)] == [r[0].tokens for r in after]
+    assert s.trace_count == traces <= 1  # new weights never retrace
     wrong = Transformer(
         TransformerConfig(
             vocab_size=97,
@@ -186,8 +206,50 @@ def test_sync_weights_changes_outputs_without_retrace(model):
         rngs=nnx.Rngs(0),
     )
     with pytest.raises(ValueError, match="sync_weights"):
-        s.sync_weights(wrong, version=8)
-    assert s.policy_version == 7
+        s.sync_weights(wrong, version=10)
+    with pytest.raises(TypeError, match="sync_weights takes"):
+        s.sync_weights(3.0, version=10)
+    assert s.policy_version == 9
+
+
+class AsciiTokenizer:
+    """id 0 = pad, ids 1..95 = printable ASCII, 96 = newline (the 97-token test vocabulary)."""
+
+    def encode(self, text):
+        return [96 if c == "\n" else ord(c) - 31 for c in text if c == "\n" or 32 <= ord(c) < 127]
+
+    def decode(self, ids):
+        return "".join("\n" if i == 96 else chr(i + 31) for i in ids if 0 < i < 97)
+
+
+def test_multi_turn_episode_with_the_sampler(model):
+    """A random policy in a real code-agent env: its turns are invalid actions, answered by error
+    observations. Masks cover exactly the model's tokens, and every model token's logprob equals
+    the training forward's on the whole episode (observations included in the context)."""
+    tok = AsciiTokenizer()
+    s = Sampler(model, batch_buckets=(2,), prompt_buckets=(64, 128, 256), new_token_buckets=(8,))
+    envs = [CodeAgentEnv({"a.py": "x = 1\n"}, lambda files: (False, "no tests")) for _ in range(2)]
+    prompts = [tok.encode("Fix a.py.\n"), tok.encode("Make a.py pass.\n")]
+    eps = run_episodes(
+        s,
+        tok,
+        envs,
+        prompts,
+        SamplingParams(temperature=1.0, max_tokens=8, seed=0),
+        max_turns=3,
+        max_total_tokens=256,
+        max_observation_tokens=24,
+    )
+    for ep in eps:
+        assert ep.finish_reason == "max_turns" and len(ep.turns) == 3
+        assert ep.num_model_tokens == 24
+        lp = score_tokens(model, ep.tokens, 1, temperature=1.0)  # logprob of tokens[1:]
+        for turn in ep.turns:
+            a, b = turn.model_span
+            np.testing.assert_allclose(ep.logprobs[a:b], lp[a - 1 : b - 1], atol=1e-5)
+            assert ep.response_mask[a:b] == [1] * (b - a)
+            oa, ob = turn.observation_span
+            assert ob - oa == 24 and ep.response_mask[oa:ob] == [0] * 24
 
 
 def test_agenerate_and_input_errors(sampler):

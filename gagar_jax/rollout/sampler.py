@@ -12,7 +12,8 @@ is masked out of attention; RoPE positions start at 0 on each row's first real t
 padded to the next batch bucket `B` with rows that start finished, and the new-token budget is
 rounded up to the next bucket `N` while the actual `max_tokens` is a traced scalar. Sampling knobs
 (temperature, top-p, top-k, stop tokens, seed) are traced values too, so every batch that falls in
-the same (B, P, N) bucket reuses one executable: `Sampler.trace_count` counts traces.
+the same (B, P, N) bucket reuses one executable (shared by every Sampler over the same
+architecture): `Sampler.trace_count` counts the traces its calls caused.
 
 Log-probabilities: each generated token's `log_softmax(logits / temperature)` (temperature 1 when
 greedy), taken from the full distribution *before* top-k/top-p truncation. This is exactly what the
@@ -30,9 +31,9 @@ from __future__ import annotations
 import asyncio
 import bisect
 import functools
+import os
 import threading
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -96,6 +97,78 @@ def sample_token(logits, key, temperature, top_p, top_k):
     return tokens, lp
 
 
+_TRACES = [0]  # programs traced so far (all samplers): the recompile counter
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "pad_id", "max_new_bucket"))
+def _generate_program(
+    state,
+    prompts,
+    prompt_mask,
+    row_ids,
+    live,
+    seed,
+    temperature,
+    top_p,
+    top_k,
+    stop_ids,
+    max_new,
+    *,
+    graphdef,
+    pad_id: int,
+    max_new_bucket: int,
+):
+    """prompts/prompt_mask [B, P] (left-padded), row_ids [B] i32, live [B] bool -> outputs.
+
+    One program per (graphdef, pad_id, B, P, N): samplers over models of the same architecture
+    share compiled programs.
+    """
+    _TRACES[0] += 1  # runs at trace time only
+    model = nnx.merge(graphdef, state)
+    b, p = prompts.shape
+    n = max_new_bucket
+    positions = jnp.maximum(jnp.cumsum(prompt_mask.astype(jnp.int32), axis=1) - 1, 0)
+    prompt_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [B]
+    cache = model.init_cache(b, p + n)
+    logits, cache = model.decode(prompts, positions, cache, attention_mask=prompt_mask)
+    logits = logits[:, -1, :]  # left padding: the last slot is every row's last prompt token
+    base = jax.random.key(seed)
+    row_keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(row_ids)
+
+    def cond(carry):
+        step, _, _, done, *_ = carry
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        step, logits, cache, done, toks, lps, lengths, stopped = carry
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
+        tok, lp = sample_token(logits, keys, temperature, top_p, top_k)
+        tok = jnp.where(done, pad_id, tok)
+        lp = jnp.where(done, 0.0, lp)
+        toks = toks.at[:, step].set(tok)
+        lps = lps.at[:, step].set(lp)
+        lengths = jnp.where(done, lengths, step + 1)
+        hit = (~done) & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+        stopped = stopped | hit
+        done = done | hit | (step + 1 >= max_new)
+        pos = (prompt_len + step)[:, None]
+        logits, cache = model.decode(tok[:, None], pos, cache)
+        return step + 1, logits[:, 0, :], cache, done, toks, lps, lengths, stopped
+
+    init = (
+        jnp.zeros((), jnp.int32),
+        logits,
+        cache,
+        ~live,
+        jnp.full((b, n), pad_id, jnp.int32),
+        jnp.zeros((b, n), jnp.float32),
+        jnp.zeros((b,), jnp.int32),
+        jnp.zeros((b,), bool),
+    )
+    _, _, _, _, toks, lps, lengths, stopped = jax.lax.while_loop(cond, body, init)
+    return toks, lps, lengths, stopped
+
+
 class Sampler:
     """Embedded `RolloutEngine` over a `gagar_jax.models.Transformer` (flax NNX).
 
@@ -136,72 +209,7 @@ class Sampler:
         self.policy_version = int(policy_version)
         self._seed_counter = int(seed) * 1_000_003
         self._lock = threading.Lock()
-        self.trace_count = 0
-        self._generate = jax.jit(self._generate_impl, static_argnames=("max_new_bucket",))
-
-    # ------------------------------------------------------------------ compiled core
-
-    def _generate_impl(
-        self,
-        state,
-        prompts,
-        prompt_mask,
-        row_ids,
-        live,
-        seed,
-        temperature,
-        top_p,
-        top_k,
-        stop_ids,
-        max_new,
-        *,
-        max_new_bucket: int,
-    ):
-        """prompts/prompt_mask [B, P] (left-padded), row_ids [B] i32, live [B] bool -> outputs."""
-        self.trace_count += 1  # runs at trace time only: the recompile counter
-        model = nnx.merge(self.graphdef, state)
-        b, p = prompts.shape
-        n = max_new_bucket
-        positions = jnp.maximum(jnp.cumsum(prompt_mask.astype(jnp.int32), axis=1) - 1, 0)
-        prompt_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [B]
-        cache = model.init_cache(b, p + n)
-        logits, cache = model.decode(prompts, positions, cache, attention_mask=prompt_mask)
-        logits = logits[:, -1, :]  # left padding: the last slot is every row's last prompt token
-        base = jax.random.key(seed)
-        row_keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(row_ids)
-
-        def cond(carry):
-            step, _, _, done, *_ = carry
-            return (step < max_new) & ~jnp.all(done)
-
-        def body(carry):
-            step, logits, cache, done, toks, lps, lengths, stopped = carry
-            keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
-            tok, lp = sample_token(logits, keys, temperature, top_p, top_k)
-            tok = jnp.where(done, self.pad_id, tok)
-            lp = jnp.where(done, 0.0, lp)
-            toks = toks.at[:, step].set(tok)
-            lps = lps.at[:, step].set(lp)
-            lengths = jnp.where(done, lengths, step + 1)
-            hit = (~done) & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-            stopped = stopped | hit
-            done = done | hit | (step + 1 >= max_new)
-            pos = (prompt_len + step)[:, None]
-            logits, cache = model.decode(tok[:, None], pos, cache)
-            return step + 1, logits[:, 0, :], cache, done, toks, lps, lengths, stopped
-
-        init = (
-            jnp.zeros((), jnp.int32),
-            logits,
-            cache,
-            ~live,
-            jnp.full((b, n), self.pad_id, jnp.int32),
-            jnp.zeros((b, n), jnp.float32),
-            jnp.zeros((b,), jnp.int32),
-            jnp.zeros((b,), bool),
-        )
-        _, _, _, _, toks, lps, lengths, stopped = jax.lax.while_loop(cond, body, init)
-        return toks, lps, lengths, stopped
+        self.trace_count = 0  # programs this sampler's calls traced (compiled)
 
     # ------------------------------------------------------------------ host side
 
@@ -242,20 +250,25 @@ class Sampler:
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
         seed = params.seed if params.seed is not None else self._next_seed()
 
-        toks, lps, lengths, stopped = self._generate(
-            self.state,
-            jnp.asarray(tokens),
-            jnp.asarray(mask),
-            jnp.arange(b, dtype=jnp.int32),
-            jnp.asarray(live),
-            jnp.asarray(seed, jnp.uint32),
-            jnp.asarray(params.temperature, jnp.float32),
-            jnp.asarray(params.top_p, jnp.float32),
-            jnp.asarray(params.top_k, jnp.int32),
-            jnp.asarray(stop),
-            jnp.asarray(params.max_tokens, jnp.int32),
-            max_new_bucket=n,
-        )
+        with self._lock:  # serialises dispatch so the trace count is attributed to this call
+            before = _TRACES[0]
+            toks, lps, lengths, stopped = _generate_program(
+                self.state,
+                jnp.asarray(tokens),
+                jnp.asarray(mask),
+                jnp.arange(b, dtype=jnp.int32),
+                jnp.asarray(live),
+                jnp.asarray(seed, jnp.uint32),
+                jnp.asarray(params.temperature, jnp.float32),
+                jnp.asarray(params.top_p, jnp.float32),
+                jnp.asarray(params.top_k, jnp.int32),
+                jnp.asarray(stop),
+                jnp.asarray(params.max_tokens, jnp.int32),
+                graphdef=self.graphdef,
+                pad_id=self.pad_id,
+                max_new_bucket=n,
+            )
+            self.trace_count += _TRACES[0] - before
         toks, lps, lengths, stopped = jax.device_get((toks, lps, lengths, stopped))
 
         out: list[list[Sample]] = []
@@ -283,16 +296,29 @@ class Sampler:
         return await asyncio.to_thread(self.generate, prompts, params)
 
     def sync_weights(self, params_or_path: Any, version: int) -> int:
-        """Replaces the weights: an `nnx.State` / Transformer of the same structure, or a directory
-        of HF safetensors (`gagar_jax.models.load_hf_safetensors`). Same shapes and dtypes are
-        required, so the compiled programs are reused."""
-        new = params_or_path
-        if isinstance(new, (str, Path)):
-            from gagar_jax.models import load_hf_safetensors
+        """Replaces the weights; returns `version` (stamped on every later Sample).
 
-            _, new = load_hf_safetensors(new)
+        Accepts a pure parameter dict (`TrainState.params`), an `nnx.State`, a Transformer, or a
+        directory of HF safetensors (`gagar_jax.models.load_hf_safetensors`). Shapes and dtypes
+        must match; leaves are placed like the current ones, so compiled programs are reused.
+        """
+        from gagar_jax.models import load_hf_safetensors, model_from_params
+
+        new = params_or_path
+        if isinstance(new, (str, os.PathLike)):
+            _, new = load_hf_safetensors(os.fspath(new))
         if isinstance(new, nnx.Module):
-            _, new = nnx.split(new)
+            new = nnx.split(new)[1]
+        elif not isinstance(new, nnx.State):
+            if not isinstance(new, Mapping):
+                raise TypeError(
+                    "sync_weights takes a params dict, nnx.State, Transformer or safetensors "
+                    f"directory, got {type(new).__name__}"
+                )
+            try:
+                new = nnx.split(model_from_params(self.config, new))[1]
+            except (KeyError, ValueError, TypeError) as e:
+                raise ValueError(f"sync_weights: params do not fit the sampler's model: {e}") from e
         old_struct = jax.tree.structure(self.state)
         new_struct = jax.tree.structure(new)
         if old_struct != new_struct:
@@ -306,7 +332,7 @@ class Sampler:
                     f"sync_weights: leaf shape/dtype {b_.shape}/{b_.dtype} does not "
                     f"match {a.shape}/{a.dtype}"
                 )
-        self.state = jax.tree.map(jnp.asarray, new)
+        self.state = jax.tree.map(lambda old, x: jax.device_put(x, old.sharding), self.state, new)
         self.policy_version = int(version)
         return self.policy_version
 
@@ -322,11 +348,18 @@ def _forward_logprobs(graphdef, state, tokens, positions, mask, temperature):
 def score_tokens(model, tokens: Sequence[int], prompt_len: int, temperature: float = 1.0):
     """Training-forward log-probabilities of `tokens[prompt_len:]` given their prefix (one row).
 
-    The reference the sampler's behaviour log-probabilities must equal.
+    The reference the sampler's behaviour log-probabilities must equal. The row is right-padded
+    to a multiple of 64 (masked; causal attention makes the padding invisible to earlier slots),
+    so scoring sequences of similar length reuses one compiled forward.
     """
+    if not 1 <= prompt_len <= len(tokens):
+        raise ValueError(f"prompt_len must be in [1, {len(tokens)}], got {prompt_len}")
     graphdef, state = nnx.split(model)
-    ids = jnp.asarray([list(tokens)], jnp.int32)
-    pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+    length = -(-len(tokens) // 64) * 64
+    ids = np.zeros((1, length), np.int32)
+    ids[0, : len(tokens)] = tokens
+    mask = np.arange(length)[None] < len(tokens)
+    pos = np.arange(length, dtype=np.int32)[None]
     t = 1.0 if temperature <= 0 else float(temperature)
-    lp = _forward_logprobs(graphdef, state, ids, pos, jnp.ones(ids.shape, bool), t)
-    return np.asarray(lp[0, prompt_len - 1 :])
+    lp = _forward_logprobs(graphdef, state, ids, pos, mask, t)
+    return np.asarray(lp[0, prompt_len - 1 : len(tokens) - 1])

@@ -65,6 +65,13 @@ class _Retryable(Exception):
     """Internal: a failed attempt worth repeating."""
 
 
+class _NotFound(Exception):
+    """Internal: the endpoint does not exist there (e.g. a router)."""
+
+
+_NOT_FOUND = object()
+
+
 def _run_sync(coro):
     """Runs `coro` to completion from sync code, also when the calling thread already has a loop."""
     try:
@@ -94,12 +101,16 @@ class SGLangClient:
       base_url: e.g. "http://127.0.0.1:30000" (a server) or a router's URL.
       max_concurrency: requests in flight at once per `generate` call.
       max_retries: retries per request after the first attempt (so max_retries + 1 attempts).
+      max_retry_time_s: also stop retrying a request once this much time has passed since its
+        first attempt (None: no time limit). Size it to cover a server restart.
       backoff_base_s, backoff_max_s: exponential backoff parameters (see module docstring).
       request_timeout_s: per-request timeout (connect, read and write).
       on_failure: "raise" (default) or "abort" (a failed sample comes back empty, finish "abort").
       ignore_eos: passed to the server: keep generating past the model's EOS token.
       policy_version: the version the served weights are believed to be at start.
       seed: seeds the backoff jitter (tests); sampling seeds go in SamplingParams.seed.
+      vocab_size: if given, prompt token ids are checked against it before sending (SGLang 0.5.23
+        does not check them: an out-of-vocabulary id crashes the server's scheduler).
     """
 
     def __init__(
@@ -108,6 +119,7 @@ class SGLangClient:
         *,
         max_concurrency: int = 16,
         max_retries: int = 6,
+        max_retry_time_s: float | None = None,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 10.0,
         request_timeout_s: float = 300.0,
@@ -115,6 +127,7 @@ class SGLangClient:
         ignore_eos: bool = False,
         policy_version: int = 0,
         seed: int | None = None,
+        vocab_size: int | None = None,
     ):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"SGLangClient.base_url must be an http(s) URL, got {base_url!r}")
@@ -129,12 +142,14 @@ class SGLangClient:
         self.base_url = base_url.rstrip("/")
         self.max_concurrency = int(max_concurrency)
         self.max_retries = int(max_retries)
+        self.max_retry_time_s = max_retry_time_s
         self.backoff_base_s = float(backoff_base_s)
         self.backoff_max_s = float(backoff_max_s)
         self.request_timeout_s = float(request_timeout_s)
         self.on_failure = on_failure
         self.ignore_eos = bool(ignore_eos)
         self.policy_version = int(policy_version)
+        self.vocab_size = vocab_size
         self._rng = random.Random(seed)
         self._batch_counter = itertools.count()
         self._client_id = uuid.uuid4().hex[:8]
@@ -165,6 +180,7 @@ class SGLangClient:
         *,
         check=None,
         what: str | None = None,
+        not_found_ok: bool = False,
     ) -> Any:
         """One logical request with retries.
 
@@ -174,10 +190,18 @@ class SGLangClient:
         what = what or f"{method} {path}"
         last = "no attempt made"
         t0 = time.monotonic()
+        attempts = 0
         for attempt in range(self.max_retries + 1):
             if attempt:
+                delay = self._backoff(attempt - 1)
+                if (
+                    self.max_retry_time_s is not None
+                    and time.monotonic() + delay - t0 > self.max_retry_time_s
+                ):
+                    break
                 self.metrics["retries"] += 1
-                await asyncio.sleep(self._backoff(attempt - 1))
+                await asyncio.sleep(delay)
+            attempts += 1
             self.metrics["requests"] += 1
             try:
                 body_json = payload() if callable(payload) else payload
@@ -190,6 +214,8 @@ class SGLangClient:
                 self.metrics["http_5xx"] += 1
                 last = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 continue
+            if resp.status_code == 404 and not_found_ok:
+                return _NOT_FOUND
             if resp.status_code >= 400:
                 self.metrics["http_4xx"] += 1
                 raise SGLangRequestError(
@@ -212,7 +238,7 @@ class SGLangClient:
             return body
         self.metrics["failures"] += 1
         raise SGLangUnavailableError(
-            f"SGLang server at {self.base_url} failed {what} after {self.max_retries + 1} attempts "
+            f"SGLang server at {self.base_url} failed {what} after {attempts} attempts "
             f"over {time.monotonic() - t0:.1f} s; last error: {last}"
         )
 
@@ -274,7 +300,7 @@ class SGLangClient:
         if fr.get("type") == "abort":
             raise _Retryable(f"generation aborted by the server: {fr}")
 
-    def _to_sample(self, body: dict, rid: str) -> Sample:
+    def _to_sample(self, body: dict, rid: str, stop_token_ids: tuple[int, ...] = ()) -> Sample:
         meta = body["meta_info"]
         lp = meta.get("output_token_logprobs")
         if lp is None:
@@ -286,20 +312,36 @@ class SGLangClient:
                 f"/generate output_ids disagree with output_token_logprobs ids for request {rid}"
             )
         fr = (meta.get("finish_reason") or {}).get("type", "length")
+        matched = (meta.get("finish_reason") or {}).get("matched")
+        logprobs = [float(x[0]) for x in lp]
+        if self.ignore_eos and stop_token_ids:
+            # SGLang's ignore_eos also disables stop_token_ids: enforce them here, exactly as a
+            # server-side stop would (the stop token is kept, finish_reason "stop").
+            cut = next((i for i, t in enumerate(tokens) if t in stop_token_ids), None)
+            if cut is not None:
+                tokens, logprobs = tokens[: cut + 1], logprobs[: cut + 1]
+                fr, matched = "stop", tokens[cut]
         version = meta.get("weight_version")
         try:
-            version = int(version) if version is not None else self.policy_version
-        except (TypeError, ValueError):
-            version = self.policy_version
+            version = int(version)
+        except (TypeError, ValueError):  # "default": a server that never got a weight update
+            version = None
+        # A server that reports another version than the last one this client pushed (e.g. one
+        # restarted from its original checkpoint after a crash) is counted; the sample keeps the
+        # version the server reports ("default" = the launch weights = version 0).
+        if version is None:
+            version = 0
+        if version != self.policy_version:
+            self.metrics["version_mismatch_samples"] += 1
         return Sample(
             tokens=tokens,
-            logprobs=[float(x[0]) for x in lp],
+            logprobs=logprobs,
             finish_reason=fr if fr in ("stop", "length") else "length",
             policy_version=version,
             meta={
                 "rid": rid,
                 "e2e_latency": meta.get("e2e_latency"),
-                "matched_stop": (meta.get("finish_reason") or {}).get("matched"),
+                "matched_stop": matched,
             },
         )
 
@@ -309,7 +351,7 @@ class SGLangClient:
         params: SamplingParams,
     ) -> list[list[Sample]]:
         """`params.n` samples for each prompt via `/generate`, one request per sample."""
-        prompts = validate_prompts(prompts)
+        prompts = validate_prompts(prompts, self.vocab_size)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         batch = f"{self._client_id}-{next(self._batch_counter)}"
@@ -348,7 +390,7 @@ class SGLangClient:
                 self.metrics["aborted_samples"] += 1
                 sample = Sample([], [], "abort", self.policy_version, {"rid": rid})
             else:
-                sample = self._to_sample(body, rid)
+                sample = self._to_sample(body, rid, params.stop_token_ids)
             if results[i][j] is not None:  # cannot happen by construction; guard the invariant
                 raise AssertionError(f"sample slot {rid} filled twice")
             results[i][j] = sample
@@ -368,38 +410,96 @@ class SGLangClient:
     # ------------------------------------------------------------------ weights
 
     async def aupdate_weights_from_disk(self, path: str, version: int) -> int:
-        """Loads the safetensors checkpoint in `path` (HF layout) on the server; returns the version
-        the server reports afterwards (and records it as `policy_version`)."""
+        """Loads the safetensors checkpoint in `path` (HF layout, readable by the server) and tags
+        it `version`; returns the version the server reports afterwards (also recorded as
+        `policy_version`, which later samples are checked against).
+
+        Behind an SGLang router (which does not forward this call: it answers 404), the update
+        goes to every worker the router lists at `GET /workers`; all must report `version`.
+        """
         payload = {"model_path": str(path), "weight_version": str(int(version))}
         async with self._new_http() as http:
-            body = await self._request(
-                http, "POST", "/update_weights_from_disk", payload, what="/update_weights_from_disk"
+            try:
+                reported = [await self._update_one(http, self.base_url, payload)]
+            except _NotFound:
+                workers = await self._worker_urls(http)
+                if not workers:
+                    raise SGLangRequestError(
+                        f"{self.base_url} has no /update_weights_from_disk and lists no workers "
+                        "at /workers"
+                    ) from None
+                reported = [await self._update_one(http, w, payload) for w in workers]
+                self.metrics["router_weight_fanouts"] += 1
+        got = {int(version) if r is None else r for r in reported}
+        if got != {int(version)}:
+            raise SGLangRequestError(
+                f"after /update_weights_from_disk to version {version}, {self.base_url} reports "
+                f"versions {sorted(got)}"
             )
-            if isinstance(body, dict) and body.get("success") is False:
-                raise SGLangRequestError(
-                    f"/update_weights_from_disk at {self.base_url} failed for {path}: "
-                    f"{body.get('message')}"
-                )
-            reported = await self._reported_version(http)
-        if reported is None:
-            reported = int(version)
-        self.policy_version = reported
+        self.policy_version = int(version)
         self.metrics["weight_updates"] += 1
-        return reported
+        return self.policy_version
 
-    async def _reported_version(self, http) -> int | None:
+    async def _update_one(self, http, url: str, payload: dict) -> int | None:
         try:
-            resp = await http.get("/get_weight_version")
-        except httpx.TransportError:
-            return None
-        if resp.status_code != 200:
-            return None
+            body = await self._request(
+                http,
+                "POST",
+                f"{url}/update_weights_from_disk",
+                payload,
+                what="/update_weights_from_disk",
+                not_found_ok=True,
+            )
+        except SGLangRequestError as e:
+            raise SGLangRequestError(f"{e} (model_path={payload['model_path']})") from None
+        if body is _NOT_FOUND:
+            raise _NotFound(url)
+        if isinstance(body, dict) and body.get("success") is False:
+            raise SGLangRequestError(
+                f"/update_weights_from_disk at {url} failed for {payload['model_path']}: "
+                f"{body.get('message')}"
+            )
+        return await self._reported_version(http, url)
+
+    async def _worker_urls(self, http) -> list[str]:
+        """Worker URLs a router lists at `GET /workers` (any JSON holding url/worker_url keys)."""
         try:
-            body = resp.json()
-            v = body.get("weight_version") if isinstance(body, dict) else body
-            return int(v)
-        except (ValueError, TypeError):
-            return None
+            resp = await http.get("/workers")
+            body = resp.json() if resp.status_code == 200 else None
+        except (httpx.TransportError, ValueError):
+            return []
+        urls: list[str] = []
+
+        def walk(x):
+            if isinstance(x, dict):
+                for k, v in x.items():
+                    if k in ("url", "worker_url") and isinstance(v, str) and v.startswith("http"):
+                        urls.append(v.rstrip("/"))
+                    else:
+                        walk(v)
+            elif isinstance(x, list):
+                for v in x:
+                    walk(v)
+
+        walk(body)
+        return sorted(set(urls))
+
+    async def _reported_version(self, http, url: str | None = None) -> int | None:
+        """The server's `weight_version` from `GET /model_info` (or the older `/get_model_info`);
+        None if absent or not an integer."""
+        url = url or self.base_url
+        for path in ("/model_info", "/get_model_info"):
+            try:
+                resp = await http.get(f"{url}{path}")
+                body = resp.json() if resp.status_code == 200 else None
+            except (httpx.TransportError, ValueError):
+                body = None
+            if isinstance(body, dict) and "weight_version" in body:
+                try:
+                    return int(body["weight_version"])
+                except (TypeError, ValueError):
+                    return None
+        return None
 
     def update_weights_from_disk(self, path: str, version: int) -> int:
         return _run_sync(self.aupdate_weights_from_disk(path, version))

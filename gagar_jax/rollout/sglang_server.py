@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,9 +62,35 @@ def sglang_python(venv: str | os.PathLike | None = None) -> Path:
     return venv / "bin" / "python"
 
 
-def server_env(stub_dir: str | os.PathLike | None = None) -> dict[str, str]:
-    """The environment the CPU server needs (see module docstring)."""
+def disabled_model_modules(
+    venv: str | os.PathLike | None = None, keep: tuple[str, ...] = ("qwen2", "llama")
+) -> list[str]:
+    """SGLang model modules other than `keep`: the scheduler imports all ~250 of them at start-up
+    unless SGLANG_DISABLED_MODEL_ARCHS names them, which costs a minute or more on a busy 2-core
+    machine. Empty if the SGLang package is not found (nothing is disabled then)."""
+    python = sglang_python(venv)
+    found = sorted(python.parent.parent.glob("lib/python3*/site-packages/sglang/srt/models"))
+    if not found:
+        return []
+    return sorted(
+        f.stem for f in found[-1].glob("*.py") if f.stem not in keep and not f.stem.startswith("__")
+    )
+
+
+def server_env(
+    stub_dir: str | os.PathLike | None = None,
+    venv: str | os.PathLike | None = None,
+    model_modules: tuple[str, ...] | None = ("qwen2", "llama"),
+) -> dict[str, str]:
+    """The environment the CPU server needs (see module docstring).
+
+    `model_modules`: the SGLang model modules to import (None: all of them).
+    """
     env = dict(os.environ)
+    if model_modules is not None:
+        disabled = disabled_model_modules(venv, tuple(model_modules))
+        if disabled:
+            env["SGLANG_DISABLED_MODEL_ARCHS"] = ",".join(disabled)
     stub = str(stub_dir or DEFAULT_STUB_DIR)
     env["PYTHONPATH"] = stub + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(
@@ -88,6 +115,8 @@ class SGLangServer:
       max_total_tokens, context_length, max_running_requests: the small token budgets.
       log_path: where the server's stdout/stderr go (a file next to the model if None).
       extra_args: more flags for launch_server.
+      model_modules: SGLang model modules to import at start-up (None: all; see
+        `disabled_model_modules`). Must include the served architecture's module.
     """
 
     def __init__(
@@ -102,6 +131,7 @@ class SGLangServer:
         stub_dir: str | os.PathLike | None = None,
         log_path: str | os.PathLike | None = None,
         extra_args: tuple[str, ...] = (),
+        model_modules: tuple[str, ...] | None = ("qwen2", "llama"),
     ):
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").exists():
@@ -116,7 +146,7 @@ class SGLangServer:
         self.host = "127.0.0.1"
         self.url = f"http://{self.host}:{self.port}"
         self.log_path = Path(log_path or self.model_dir.parent / f"sglang-{self.port}.log")
-        self.env = server_env(stub_dir)
+        self.env = server_env(stub_dir, venv, model_modules)
         self.argv = [
             str(self.python),
             "-m",
@@ -145,9 +175,7 @@ class SGLangServer:
     def start(self, timeout_s: float = 240.0) -> SGLangServer:
         """Launches the server; blocks until `/health` answers 200 (or raises with the log tail)."""
         if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError(
-                f"SGLang server at {self.url} is already running (pid {self.proc.pid})"
-            )
+            raise RuntimeError(f"{self.url} is already running (pid {self.proc.pid})")
         t0 = time.monotonic()
         self._log = open(self.log_path, "ab")  # noqa: SIM115 -- closed in stop()
         self.proc = subprocess.Popen(
@@ -228,6 +256,58 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class SGLangRouter(SGLangServer):
+    """SGLang's router (`python -m sglang_router.launch_router`, the `sglang-router` package) on
+    127.0.0.1 in front of running servers; the client talks to `router.url` as to one server.
+
+    Args:
+      worker_urls: URLs of running SGLang servers.
+      port: the router's port (`free_port()` if None).
+      policy: routing policy (round_robin, random, cache_aware, power_of_two).
+      log_path: where the router's output goes.
+    """
+
+    def __init__(
+        self,
+        worker_urls: list[str],
+        *,
+        port: int | None = None,
+        policy: str = "round_robin",
+        venv: str | os.PathLike | None = None,
+        log_path: str | os.PathLike | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
+        if not worker_urls:
+            raise ValueError("SGLangRouter.worker_urls must name at least one server")
+        self.python = sglang_python(venv)
+        if not self.python.exists():
+            raise FileNotFoundError(f"no SGLang venv interpreter at {self.python}")
+        self.port = int(port or free_port())
+        self.host = "127.0.0.1"
+        self.url = f"http://{self.host}:{self.port}"
+        self.log_path = Path(
+            log_path or Path(tempfile.gettempdir()) / f"sglang-router-{self.port}.log"
+        )
+        self.env = _script_env()
+        self.argv = [
+            str(self.python),
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            policy,
+            *extra_args,
+        ]
+        self.proc = None
+        self.start_seconds = None
+        self._log = None
 
 
 def _script_env() -> dict[str, str]:

@@ -1,5 +1,6 @@
 """Training: update config, train state, mesh, the jitted sharded update, checkpoints."""
 
+from gagar_jax.train.checkpoint import Checkpointer, ResumeInfo, abstract_train_state
 from gagar_jax.train.state import (
     MESH_AXES,
     TrainState,
@@ -22,6 +23,9 @@ from gagar_jax.train.update import (
 
 __all__ = [
     "MESH_AXES",
+    "Checkpointer",
+    "ResumeInfo",
+    "abstract_train_state",
     "TrainState",
     "UpdateBatch",
     "UpdateConfig",

@@ -138,7 +138,11 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     def loss_fn(params, mb, num_tokens, num_seqs):
         model = nnx.merge(graphdef, params)
         logits = model(mb["tokens"], mb["positions"], attention_mask=mb["attention_mask"])
-        logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1], mb["tokens"][:, 1:])
+        # Targets shifted left by one; the logits are consumed whole (no sliced [b, T-1, V]
+        # copy) and only the [b, T] results drop their last column.
+        next_tokens = jnp.roll(mb["tokens"], -1, axis=1)
+        logprobs, entropy = token_logprobs_and_entropy(logits, next_tokens)
+        logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
         ref = mb.get("ref_logprobs")
         terms = policy_loss(
             logprobs, mb["old_logprobs"][:, 1:], mb["advantages"], mb["response_mask"][:, 1:],
@@ -166,7 +170,7 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         zeros = (jax.tree.map(jnp.zeros_like, params),
                  PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields))))
         (grads, terms), _ = jax.lax.scan(micro, zeros, mb_all)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         out = dict(terms._asdict(), grad_norm=grad_norm, learning_rate=schedule(opt_step),
@@ -193,10 +197,11 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
 
 
 def jit_update(model_config: TransformerConfig, config: UpdateConfig, mesh: Mesh, *,
-               with_ref: bool = False):
+               with_ref: bool = False, wrap=None):
     """``update(state, batch) -> (state, metrics)`` jitted with explicit shardings.
 
     The state is donated. Returns the jitted function; it compiles once per batch shape.
+    ``wrap`` (e.g. ``chex.assert_max_traces(n=1)``) decorates the traced function.
     """
     graphdef = nnx.graphdef(abstract_model(model_config))
     _, st_sh = state_shardings(model_config, config, mesh)
@@ -205,6 +210,8 @@ def jit_update(model_config: TransformerConfig, config: UpdateConfig, mesh: Mesh
     def fn(state, batch):
         return update_step(state, batch, graphdef=graphdef, config=config, mesh=mesh)
 
+    if wrap is not None:
+        fn = wrap(fn)
     return jax.jit(fn, in_shardings=(st_sh, batch_shardings(mesh, with_ref)),
                    out_shardings=(st_sh, rep), donate_argnums=(0,))
 

@@ -10,7 +10,16 @@ Any name not defined resolves to such a raising function too (module `__getattr_
 upgrade that adds one is visible. Put this directory on PYTHONPATH only in the server's environment.
 """
 
+import os
+
 __version__ = "0.0.0+gagar-jax-cpu-stand-in"
+_LOG = os.environ.get("GAGAR_SGL_KERNEL_LOG")  # check_sgl_kernel_names.py: record every name
+
+
+def _record(event):
+    if _LOG:
+        with open(_LOG, "a") as f:
+            f.write(f"{os.getpid()} {event}\n")
 
 
 class StandInKernelCalled(RuntimeError):
@@ -19,6 +28,7 @@ class StandInKernelCalled(RuntimeError):
 
 def _stand_in(name):
     def fn(*args, **kwargs):
+        _record(f"call {name}")
         raise StandInKernelCalled(
             f"sgl_kernel.{name} was called, but this is gagar_jax's import-only stand-in for CPU "
             "servers (scripts/sglang_cpu). This SGLang code path needs the real kernel library."
@@ -32,6 +42,7 @@ def _stand_in(name):
 def __getattr__(name):
     if name.startswith("__"):
         raise AttributeError(name)
+    _record(f"import {name}")
     fn = _stand_in(name)
     globals()[name] = fn
     return fn

@@ -8,7 +8,7 @@ from gagar_jax.train import UpdateBatch, UpdateConfig
 MODEL = TransformerConfig(
     vocab_size=64,
     hidden_size=32,
-    num_layers=2,
+    num_layers=1,
     num_heads=4,
     num_kv_heads=2,
     intermediate_size=64,

@@ -1,0 +1,172 @@
+"""Orbax checkpoints of the train state with everything needed to resume, and a SIGTERM hook.
+
+A checkpoint at step ``s`` holds two items:
+
+- ``state``: the whole :class:`~gagar_jax.train.TrainState` (params, optimizer state, update
+  count, RNG key), saved asynchronously by orbax from the sharded arrays and restored directly
+  into a sharded abstract state (any mesh: orbax reshards on read);
+- ``meta``: JSON with the data position (whatever the loop needs to continue its input stream,
+  e.g. a task-pool cursor and sampler seed), the config fingerprint, and free-form extras.
+
+Restoring a checkpoint written under a different model/update config raises a ``ValueError``
+naming both fingerprints (``allow_config_change=True`` overrides, e.g. to change the learning
+rate deliberately).
+
+Preemption: orbax's own preemption hook needs ``jax.distributed``; a single-host run uses
+:meth:`Checkpointer.install_sigterm_handler`. The loop calls :meth:`Checkpointer.track` after
+each update with the newest state. On SIGTERM, if that state is intact (no update in flight
+has consumed its donated buffers) it is saved synchronously and the process exits with status
+``128 + SIGTERM``; otherwise a flag is set and the loop's next :meth:`Checkpointer.maybe_save`
+(at the end of the in-flight update) saves and tells the loop to stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from gagar_jax.models import TransformerConfig
+from gagar_jax.train.state import TrainState, UpdateConfig, config_fingerprint, state_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeInfo:
+    step: int               # checkpoint step (the loop's step counter when saved)
+    data_position: Any      # JSON value saved with the checkpoint
+    fingerprint: str
+    extra: dict
+
+
+def abstract_train_state(model_config: TransformerConfig, config: UpdateConfig, mesh):
+    """``TrainState`` of ``jax.ShapeDtypeStruct`` carrying the target shardings on ``mesh``."""
+    abstract, shardings = state_shardings(model_config, config, mesh)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, shardings)
+
+
+class Checkpointer:
+    """Thin wrapper over ``ocp.CheckpointManager`` (async saves, keep-N) with resume metadata.
+
+    Args:
+      directory: checkpoint root (created).
+      model_config, update_config: fingerprinted into every checkpoint.
+      keep: number of most recent checkpoints kept.
+      save_interval_steps: :meth:`maybe_save` saves when ``step % save_interval_steps == 0``.
+      async_save: orbax asynchronous checkpointing (the save returns once arrays are copied
+        to host; writing continues in the background).
+    """
+
+    def __init__(self, directory: str, *, model_config: TransformerConfig,
+                 update_config: UpdateConfig, keep: int = 3, save_interval_steps: int = 1,
+                 async_save: bool = True):
+        if keep < 1:
+            raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
+        if save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
+        self.directory = os.path.abspath(directory)
+        self.model_config = model_config
+        self.update_config = update_config
+        self.fingerprint = config_fingerprint(model_config, update_config)
+        self.save_interval_steps = save_interval_steps
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                                 enable_async_checkpointing=async_save))
+        self._tracked: tuple[int, TrainState, Any, dict] | None = None
+        self.preempted = False
+        self._previous_handler = None
+
+    # -- saving ----------------------------------------------------------------------------
+    def save(self, step: int, state: TrainState, *, data_position: Any = None,
+             extra: dict | None = None, wait: bool = False) -> None:
+        """Saves ``state`` and resume metadata as checkpoint ``step`` (async unless ``wait``)."""
+        meta = {"data_position": data_position, "fingerprint": self.fingerprint,
+                "extra": extra or {}}
+        self.manager.save(int(step), args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        if wait:
+            self.manager.wait_until_finished()
+
+    def maybe_save(self, step: int, state: TrainState, *, data_position: Any = None,
+                   extra: dict | None = None) -> bool:
+        """Saves on the interval or after a SIGTERM; returns True when the loop must stop."""
+        self.track(step, state, data_position=data_position, extra=extra)
+        if self.preempted:
+            self.save(step, state, data_position=data_position, extra=extra, wait=True)
+            return True
+        if step % self.save_interval_steps == 0:
+            self.save(step, state, data_position=data_position, extra=extra)
+        return False
+
+    def track(self, step: int, state: TrainState, *, data_position: Any = None,
+              extra: dict | None = None) -> None:
+        """Remembers the newest state for the SIGTERM handler."""
+        self._tracked = (int(step), state, data_position, extra or {})
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # -- restoring ---------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def restore(self, abstract_state: TrainState, step: int | None = None, *,
+                allow_config_change: bool = False) -> tuple[TrainState, ResumeInfo]:
+        """Restores ``step`` (default: the latest) into ``abstract_state``'s shardings.
+
+        Args:
+          abstract_state: from :func:`abstract_train_state` (shapes, dtypes, shardings).
+          step: which checkpoint; ``None`` for the latest.
+          allow_config_change: restore despite a different config fingerprint.
+        Raises:
+          FileNotFoundError when there is no checkpoint; ValueError on a fingerprint mismatch.
+        """
+        self.manager.wait_until_finished()
+        step = self.latest_step() if step is None else int(step)
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        meta = self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+        if meta["fingerprint"] != self.fingerprint and not allow_config_change:
+            raise ValueError(
+                f"checkpoint {self.directory} step {step} was written with config fingerprint "
+                f"{meta['fingerprint']}, but the current model/update config has "
+                f"{self.fingerprint}; refusing to restore a mismatched state (pass "
+                "allow_config_change=True to override)")
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state)))["state"]
+        state = TrainState(*restored) if not isinstance(restored, TrainState) else restored
+        return state, ResumeInfo(step=step, data_position=meta["data_position"],
+                                 fingerprint=meta["fingerprint"], extra=meta.get("extra", {}))
+
+    # -- preemption --------------------------------------------------------------------------
+    def install_sigterm_handler(self, signum: int = signal.SIGTERM) -> None:
+        """Saves the tracked state and exits on ``signum`` (see module docstring)."""
+
+        def handler(signo, frame):
+            del frame
+            self.preempted = True
+            tracked = self._tracked
+            if tracked is None:
+                return
+            step, state, data_position, extra = tracked
+            if any(x.is_deleted() for x in jax.tree.leaves(state)):
+                return  # an update is consuming it: maybe_save() saves its result
+            self.save(step, state, data_position=data_position, extra=extra, wait=True)
+            self.close()
+            sys.exit(128 + signo)
+
+        self._previous_handler = signal.signal(signum, handler)

@@ -1,0 +1,214 @@
+"""Orbax checkpoints: bit-identical sharded round trip, keep-N, fingerprint refusal, SIGTERM save,
+and SIGKILL-after-checkpoint resume reproducing an uninterrupted run."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from gagar_jax.train import create_train_state, jit_update, make_mesh, shard_batch
+from gagar_jax.train.checkpoint import Checkpointer, abstract_train_state
+from tests.test_update_fixtures import CONFIG, MODEL, make_batch
+
+
+def _leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        x, y = np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y))
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert x.tobytes() == y.tobytes()  # bit-identical
+
+
+def test_round_trip_keep_n_and_fingerprint(tmp_path):
+    mesh = make_mesh((2, 2, 2))
+    state = create_train_state(MODEL, CONFIG, mesh, seed=1)
+    ckpt = Checkpointer(str(tmp_path), model_config=MODEL, update_config=CONFIG, keep=2)
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, state, data_position={"cursor": step * 10}, extra={"note": "x"})
+    ckpt.wait()
+    assert ckpt.all_steps() == [3, 4]
+    restored, info = ckpt.restore(abstract_train_state(MODEL, CONFIG, mesh))
+    assert info.step == 4 and info.data_position == {"cursor": 40} and info.extra == {"note": "x"}
+    _leaves_equal(state, restored)
+    assert type(restored.opt_state) is type(state.opt_state)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        assert a.sharding.spec == b.sharding.spec
+    # Restore onto a different mesh: same values, the new mesh's shardings.
+    other = make_mesh((8, 1, 1))
+    resharded, _ = ckpt.restore(abstract_train_state(MODEL, CONFIG, other), step=3)
+    _leaves_equal(state, resharded)
+    assert resharded.params["embed_tokens"].sharding.mesh.shape == other.shape
+    ckpt.close()
+    # A different config is refused with both fingerprints named.
+    changed = dataclasses.replace(CONFIG, learning_rate=CONFIG.learning_rate * 2)
+    other_ckpt = Checkpointer(str(tmp_path), model_config=MODEL, update_config=changed)
+    with pytest.raises(ValueError, match="fingerprint"):
+        other_ckpt.restore(abstract_train_state(MODEL, changed, mesh))
+    forced, _ = other_ckpt.restore(
+        abstract_train_state(MODEL, changed, mesh), allow_config_change=True
+    )
+    _leaves_equal(state.params, forced.params)
+    other_ckpt.close()
+    with pytest.raises(FileNotFoundError):
+        Checkpointer(str(tmp_path / "empty"), model_config=MODEL, update_config=CONFIG).restore(
+            abstract_train_state(MODEL, CONFIG, mesh)
+        )
+
+
+ONE = (1, 1, 1)
+
+
+def _child(mode, directory, log_path, ready_path):
+    """The training loop run in a child process (single device, mesh (1,1,1))."""
+    mesh = make_mesh(ONE)
+    state = create_train_state(MODEL, CONFIG, mesh, seed=0)
+    interval = 1 if mode == "kill" else 100
+    ckpt = Checkpointer(
+        directory, model_config=MODEL, update_config=CONFIG, keep=5, save_interval_steps=interval
+    )
+    ckpt.install_sigterm_handler()
+    if mode == "term":
+        # No update needed to test the handler: the tracked (never saved) state is the
+        # initial one, registered as step 2 of the data stream.
+        assert not ckpt.maybe_save(2, state, data_position=2)
+        last = 0
+    else:
+        last = 3
+        update = jit_update(MODEL, CONFIG, mesh)
+    with open(log_path, "w") as log:
+        for step in range(1, last + 1):
+            state, m = update(state, shard_batch(make_batch(seed=step), mesh))
+            log.write(
+                json.dumps(
+                    {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
+                )
+                + "\n"
+            )
+            log.flush()
+            if ckpt.maybe_save(step, state, data_position=step):
+                return
+    ckpt.wait()
+    with open(ready_path, "w") as f:
+        f.write("ready")
+    while True:  # e.g. waiting for rollouts; killed by the parent
+        time.sleep(0.1)
+
+
+def _spawn(mode, tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    d = tmp_path / mode
+    d.mkdir()
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=root,
+    )
+    paths = (str(d / "ckpt"), str(d / "log.jsonl"), str(d / "ready"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.test_checkpoint", mode, *paths],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, paths
+
+
+def _wait_ready(proc, ready, timeout=420):
+    start = time.time()
+    while not os.path.exists(ready):
+        if proc.poll() is not None:
+            raise AssertionError(f"child exited early:\n{proc.stdout.read()[-3000:]}")
+        if time.time() - start > timeout:
+            proc.kill()
+            raise AssertionError("child did not become ready")
+        time.sleep(0.2)
+
+
+def test_sigterm_saves_and_sigkill_resume_matches(tmp_path):
+    kill_proc, (kill_dir, kill_log, kill_ready) = _spawn("kill", tmp_path)
+    term_proc, (term_dir, _, term_ready) = _spawn("term", tmp_path)
+    try:
+        # Meanwhile: the uninterrupted run of 5 updates in this process.
+        mesh = make_mesh(ONE, devices=jax.devices()[:1])
+        update = jit_update(MODEL, CONFIG, mesh)
+        state = create_train_state(MODEL, CONFIG, mesh, seed=0)
+        full, params_at = [], {0: jax.device_get(state.params)}
+        for step in range(1, 6):
+            state, m = update(state, shard_batch(make_batch(seed=step), mesh))
+            full.append({"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])})
+            params_at[step] = jax.device_get(state.params)
+
+        _wait_ready(kill_proc, kill_ready)
+        kill_proc.send_signal(signal.SIGKILL)
+        assert kill_proc.wait(60) == -signal.SIGKILL
+        _wait_ready(term_proc, term_ready)
+        term_proc.send_signal(signal.SIGTERM)
+        assert term_proc.wait(120) == 128 + signal.SIGTERM, term_proc.stdout.read()[-3000:]
+    finally:
+        for p in (kill_proc, term_proc):
+            if p.poll() is None:
+                p.kill()
+
+    # The child's pre-kill metrics equal the uninterrupted run's.
+    child = [json.loads(line) for line in open(kill_log)]
+    assert [c["step"] for c in child] == [1, 2, 3]
+    for c, f in zip(child, full):
+        np.testing.assert_allclose(c["loss"], f["loss"], rtol=1e-6)
+
+    # Resume after SIGKILL from the last checkpoint and replay steps 4 and 5.
+    ckpt = Checkpointer(kill_dir, model_config=MODEL, update_config=CONFIG)
+    state, info = ckpt.restore(abstract_train_state(MODEL, CONFIG, mesh))
+    assert info.step == 3 and info.data_position == 3 and int(state.step) == 3
+    _leaves_equal(state.params, params_at[3])
+    for step in (4, 5):
+        state, m = update(state, shard_batch(make_batch(seed=step), mesh))
+        np.testing.assert_allclose(float(m["loss"]), full[step - 1]["loss"], rtol=1e-6)
+        np.testing.assert_allclose(float(m["grad_norm"]), full[step - 1]["grad_norm"], rtol=1e-6)
+    _leaves_equal(state.params, params_at[5])
+    ckpt.close()
+
+    # SIGTERM while waiting: the handler saved the tracked state (step 2, never saved on the
+    # interval: it is the initial state in this child) and exited.
+    ckpt = Checkpointer(term_dir, model_config=MODEL, update_config=CONFIG)
+    assert ckpt.all_steps() == [2]
+    state, info = ckpt.restore(abstract_train_state(MODEL, CONFIG, mesh))
+    assert info.data_position == 2
+    _leaves_equal(state.params, params_at[0])
+    ckpt.close()
+
+
+def test_sigterm_during_update_flags_loop(tmp_path):
+    """When the tracked state's buffers were donated (update in flight), the handler only flags;
+    the loop's maybe_save() then saves the new state and says stop."""
+    mesh = make_mesh(ONE, devices=jax.devices()[:1])
+    state = create_train_state(MODEL, CONFIG, mesh, seed=0)
+    ckpt = Checkpointer(
+        str(tmp_path), model_config=MODEL, update_config=CONFIG, save_interval_steps=100
+    )
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        ckpt.install_sigterm_handler()
+        ckpt.track(1, state, data_position=1)
+        donated = jax.jit(lambda s: s, donate_argnums=0)(state)  # deletes the tracked buffers
+        os.kill(os.getpid(), signal.SIGTERM)  # handler runs: no exit, flag set
+        assert ckpt.preempted
+        assert ckpt.maybe_save(2, donated, data_position=2) is True
+        assert ckpt.all_steps() == [2]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        ckpt.close()
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:5])
