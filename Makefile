@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup system-deps sglang-venv test lint train example bench clean
+.PHONY: setup system-deps sglang-venv test lint train compare example bench clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,9 +40,22 @@ test: setup system-deps sglang-venv lint
 	$(PY) -m pytest -q -n 2 -m "not sglang" tests
 	$(PY) -m pytest -q -m sglang tests
 
-# The main job (until the training loop lands: a worked Gagar example).
+# The main job: toy_gagar on CPU (~10 min on 2 cores); ends with a summary and
+# runs/toy_gagar/training_dynamics.png. Re-running resumes (a finished run just re-summarises);
+# `make train RUN=runs/other` for a fresh directory.
+RUN ?= runs/toy_gagar
+# One CPU device (XLA_FLAGS cleared): 8 simulated devices only add collectives on 2 cores.
 train: setup
-	$(PY) scripts/gagar_example.py
+	XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py --workdir=$(RUN)
+
+# The toy ablation (paper Figs. 2-4): gagar, binary, discount_only side by side, then
+# runs/compare/comparison.{md,png}. About 3x `make train`.
+COMPARE ?= runs/compare
+compare: setup
+	for m in gagar binary discount_only; do \
+	  XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py:$$m --workdir=$(COMPARE)/$$m || exit 1; \
+	done
+	$(PY) scripts/compare_runs.py --workdirs=$(COMPARE)/gagar,$(COMPARE)/binary,$(COMPARE)/discount_only --out=$(COMPARE)
 
 example: setup
 	$(PY) scripts/gagar_example.py

@@ -1,0 +1,204 @@
+"""Builds the loop's collaborators from the config: policy (+update, checkpoints), engine, grader.
+
+This is the only module of the loop that knows the other packages' constructors; the loop itself
+talks to three small surfaces:
+
+* :class:`Policy`: ``run_sft``, ``update(batch, step) -> metrics``, ``params_for_sync``,
+  ``checkpoint_steps / save / restore / close``.
+* the rollout engine (``gagar_jax.rollout`` ``RolloutEngine``): ``generate``, ``sync_weights``.
+* the grading pool (``gagar_jax.grading.GradingPool``): ``submit``, ``results``, ``close``; its
+  verdict cache persists in the workdir (the grader cache of a resumed run).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from gagar_jax.train.run_config import RunConfig
+from gagar_jax.train.sampling import PackedBatch
+
+
+def transformer_config(cfg: RunConfig, vocab_size: int):
+    from gagar_jax.models import TransformerConfig
+
+    m = cfg.model
+    return TransformerConfig(
+        vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
+        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        intermediate_size=m.intermediate_size, rope_theta=m.rope_theta,
+        rms_norm_eps=m.rms_norm_eps, qkv_bias=m.qkv_bias, tie_embeddings=m.tie_embeddings,
+        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+
+
+def mesh_shape(shape: tuple[int, int, int], num_devices: int) -> tuple[int, int, int]:
+    """Resolves a -1 axis; raises naming ``mesh.shape`` when the devices do not factor."""
+    known = int(np.prod([s for s in shape if s != -1]))
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(f"mesh.shape={shape}: {num_devices} devices not divisible by {known}")
+        shape = tuple(num_devices // known if s == -1 else s for s in shape)
+    if int(np.prod(shape)) != num_devices:
+        raise ValueError(f"mesh.shape={shape} needs {int(np.prod(shape))} devices, "
+                         f"{num_devices} available")
+    return shape
+
+
+def make_mesh(cfg: RunConfig):
+    devices = jax.devices()
+    shape = mesh_shape(tuple(cfg.mesh.shape), len(devices))
+    return jax.sharding.Mesh(np.asarray(devices).reshape(shape), ("data", "fsdp", "tensor"))
+
+
+class Policy:
+    """The policy model, its RL train state and checkpoints (``gagar_jax.models``/``train``)."""
+
+    def __init__(self, cfg: RunConfig, *, vocab_size: int, workdir: str):
+        from flax import nnx
+
+        from gagar_jax.models import Transformer
+
+        self.cfg = cfg
+        self.workdir = workdir
+        if cfg.model.hf_checkpoint:
+            from gagar_jax.models import load_hf_safetensors
+
+            self.model_config, self.model = load_hf_safetensors(cfg.model.hf_checkpoint)
+            if self.model_config.vocab_size < vocab_size:
+                raise ValueError(f"model.hf_checkpoint vocab {self.model_config.vocab_size} < "
+                                 f"tokenizer vocab {vocab_size}")
+        else:
+            self.model_config = transformer_config(cfg, vocab_size)
+            self.model = Transformer(self.model_config, rngs=nnx.Rngs(cfg.seed))
+        self.mesh = make_mesh(cfg)
+        self._rl = None  # created after the SFT warm start (see _rl_state)
+        self._ckpt_dir = os.path.join(workdir, "checkpoints")
+
+    # -- SFT --------------------------------------------------------------------------------
+    def run_sft(self, demos, *, pad_id: int, log_fn=None):
+        from gagar_jax.train import sft
+
+        if self._rl is not None:
+            raise RuntimeError("run_sft after the RL state exists")
+        return sft.run_sft(
+            self.model, demos, steps=self.cfg.sft.steps, batch_size=self.cfg.sft.batch_size,
+            lr=self.cfg.sft.lr, warmup_steps=self.cfg.sft.warmup_steps,
+            seq_len=self.cfg.rollout.seq_len, pad_id=pad_id, seed=self.cfg.seed,
+            log_fn=log_fn)
+
+    # -- RL ---------------------------------------------------------------------------------
+    def _rl_state(self):
+        if self._rl is None:
+            from gagar_jax.train import rl_adapter
+
+            self._rl = rl_adapter.RLState.create(self.cfg, self.model, self.mesh,
+                                                 self._ckpt_dir)
+        return self._rl
+
+    def update(self, batch: PackedBatch, *, step: int) -> dict[str, float]:
+        return self._rl_state().update(batch, step=step)
+
+    def update_traces(self) -> int | None:
+        """How many times the update compiled in this process (None before the RL state)."""
+        return None if self._rl is None else self._rl.trace_count
+
+    def params_for_sync(self):
+        """What the embedded engine's ``sync_weights`` takes (the model's nnx state)."""
+        return self._rl_state().params_for_sync()
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def checkpoint_steps(self) -> list[int]:
+        from gagar_jax.train import rl_adapter
+
+        return rl_adapter.finished_checkpoint_steps(self._ckpt_dir)
+
+    def save(self, step: int) -> None:
+        self._rl_state().save(step)
+
+    def restore(self, step: int) -> None:
+        self._rl_state().restore(step)
+
+    def close(self) -> None:
+        if self._rl is not None:
+            self._rl.close()
+
+
+def build_policy(cfg: RunConfig, *, vocab_size: int, workdir: str) -> Policy:
+    return Policy(cfg, vocab_size=vocab_size, workdir=workdir)
+
+
+def build_engine(cfg: RunConfig, policy: Policy, *, workdir: str):
+    """The embedded sampler over the policy model, or an SGLang client (health-checked)."""
+    if cfg.rollout.engine == "embedded":
+        from gagar_jax.rollout.sampler import Sampler
+
+        return Sampler(policy.model, pad_id=0, seed=cfg.seed)
+    return SGLangEngine(cfg, policy, workdir=workdir)
+
+
+class SGLangEngine:
+    """Rollouts from an SGLang server; weights synced by safetensors export + reload.
+
+    A dead server is a clear error at construction (health check naming the URL) or, mid-run,
+    the client's error after its retries (the loop names the step); never a hang: every request
+    has ``rollout.request_timeout_s``.
+    """
+
+    def __init__(self, cfg: RunConfig, policy: Policy, *, workdir: str):
+        from gagar_jax.rollout import SGLangClient
+
+        self.url = cfg.rollout.sglang_url
+        self.client = SGLangClient(self.url, request_timeout_s=cfg.rollout.request_timeout_s)
+        if not self.client.health():
+            raise RuntimeError(f"SGLang rollout server at {self.url} (rollout.sglang_url) does "
+                               "not answer GET /health: start it (scripts/launch_sglang.sh) or "
+                               "use rollout.engine='embedded'")
+        self.policy = policy
+        self.sync_dir = os.path.join(workdir, "sync")
+
+    def generate(self, prompts, params):
+        return self.client.generate(prompts, params)
+
+    def sync_weights(self, params_or_path, version: int) -> int:
+        from flax import nnx
+
+        from gagar_jax.models import save_hf_safetensors
+
+        if isinstance(params_or_path, str):
+            path = params_or_path
+        else:
+            path = os.path.join(self.sync_dir, f"v{version:06d}")
+            model = self.policy.model
+            if not isinstance(params_or_path, nnx.Module):
+                nnx.update(model, params_or_path)
+            if jax.process_index() == 0:
+                save_hf_safetensors(model, self.policy.model_config, path)
+        return self.client.sync_weights(path, version)
+
+
+def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=None):
+    """The grading pool with the configured grader (or ``grader`` when given).
+
+    ``cache_path``: the pool's persisted verdict cache (JSON lines, reloaded at start), so a
+    resumed run does not re-grade groups it already graded.
+    """
+    from gagar_jax.grading.heuristic import HeuristicGrader
+    from gagar_jax.grading.pool import GradingPool
+
+    if grader is not None:
+        pass
+    elif cfg.grading.grader == "heuristic":
+        grader = HeuristicGrader()
+    else:
+        from gagar_jax.grading import AgenticGrader
+        from gagar_jax.grading.adapters import ToyCheckRunner
+        from gagar_jax.rollout import SGLangClient
+
+        # An unreachable grader server is not fatal: each group falls back (grader_error or
+        # deadline, counted) and training continues on the original advantages.
+        grader = AgenticGrader(SGLangClient(cfg.grading.sglang_url),
+                               check_runner=ToyCheckRunner())
+    return GradingPool(grader, max_concurrency=cfg.grading.max_concurrency,
+                       deadline_s=cfg.grading.deadline_s, cache=cache_path)

@@ -1,0 +1,466 @@
+"""The training loop: tasks -> rollouts -> verification -> dynamic sampling -> grading -> update.
+
+One RL step (``for step in range(start, total)``), each piece from its own package:
+
+1. **Sample and verify.** Prompts come from the task stream (deterministic by data position);
+   the rollout engine generates K samples per prompt; each is verified by the task family
+   (tests + behaviour monitor). A verifier crash is an infra error: masked, counted.
+2. **Dynamic sampling** (:func:`~gagar_jax.train.sampling.collect_groups`): rounds of fresh prompts
+   until ``num_prompts`` mixed groups are held (cap + clear error, or a partial batch when allowed).
+3. **Grading, overlapped.** Every kept group is submitted to the grading pool the moment it is
+   kept, so grading runs while the following refill rounds generate; after the last round the
+   loop waits (deadline-bounded) for the verdicts. A missing / invalid / late verdict means the
+   group keeps its original advantages (the pool's fallback, counted in metrics).
+4. **Pack** to the static ``[G, K, T]`` shape (no recompilation, whatever the refills did).
+5. **Update**: one jitted call (advantages computed inside from the raw results, then PPO-clip).
+6. **Weight sync** to the rollout engine (``policy_version`` + 1).
+7. Periodic **held-out evaluation**, **checkpoint** (train state via orbax; loop bookkeeping via
+   :class:`~gagar_jax.train.resume.ResumeStore` after the state is finished writing) and metrics.
+
+Modes (``config.mode``) change only the advantage redistribution inside the update; the grader
+runs in every mode so quality and T1 share are measured identically.
+
+Before RL, an SFT warm start on demonstrations (``config.sft``) runs once; its completion is part
+of the resumable state.
+
+Overlap note: generation for step t+1 starts after the update of step t (on-policy, as the
+paper's synchronous setting); the grading/generation overlap is inside a step, across refill
+rounds, and grading of the last round is the only exposed wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from gagar_jax.train import metrics_io
+from gagar_jax.train.resume import LoopState, ResumeStore, TaskStream
+from gagar_jax.train.run_config import MeshConfig, RunConfig
+from gagar_jax.train.sampling import Group, collect_groups, pack_groups
+
+
+class ResumeMismatchError(RuntimeError):
+    """The workdir holds a run with a different configuration."""
+
+
+def initialize_distributed(mesh_cfg: MeshConfig) -> None:
+    """``jax.distributed.initialize`` from the config, else from JAX_* environment variables.
+
+    Must be called before any JAX computation. Single-process runs (no coordinator configured
+    anywhere) skip it. Environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID.
+    """
+    address = mesh_cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+    num = mesh_cfg.num_processes
+    pid = mesh_cfg.process_id
+    if "JAX_NUM_PROCESSES" in os.environ and num == 1:
+        num = int(os.environ["JAX_NUM_PROCESSES"])
+    if "JAX_PROCESS_ID" in os.environ and pid == 0:
+        pid = int(os.environ["JAX_PROCESS_ID"])
+    if not address or num <= 1:
+        return
+    if not 0 <= pid < num:
+        raise ValueError(f"process id {pid} outside [0, {num}) (mesh.process_id/JAX_PROCESS_ID)")
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+
+
+def enable_compilation_cache(directory: str) -> None:
+    """JAX's persistent compilation cache in ``directory`` (every program, however fast)."""
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# ------------------------------------------------------------------------------------------
+# Rollouts
+# ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class StepCounters:
+    """Host-side tallies over every rollout drawn in one step (all refill rounds)."""
+
+    rollouts: int = 0
+    valid: int = 0
+    passed: int = 0
+    cheats: int = 0
+    infra_errors: int = 0
+    length_sum: int = 0
+    truncated: int = 0
+    quality_sum: float = 0.0
+    quality_n: int = 0
+    gen_time: float = 0.0
+    verify_time: float = 0.0
+
+    def add(self, group: Group) -> None:
+        for r in group.rollouts:
+            self.rollouts += 1
+            self.length_sum += len(r.response_tokens)
+            self.truncated += r.finish_reason == "length"
+            if r.infra_error:
+                self.infra_errors += 1
+                continue
+            self.valid += 1
+            self.cheats += bool(r.cheat)
+            if r.passed and not r.cheat:
+                self.passed += 1
+                if r.quality is not None:
+                    self.quality_sum += r.quality
+                    self.quality_n += 1
+
+    def metrics(self) -> dict[str, float]:
+        v = max(self.valid, 1)
+        return {
+            "pass_rate": self.passed / v,
+            "cheat_rate": self.cheats / v,
+            "infra_errors": float(self.infra_errors),
+            "response_length": self.length_sum / max(self.rollouts, 1),
+            "truncated_frac": self.truncated / max(self.rollouts, 1),
+            "quality": self.quality_sum / self.quality_n if self.quality_n else math.nan,
+            "gen_time_s": self.gen_time,
+            "verify_time_s": self.verify_time,
+        }
+
+
+def generate_groups(engine, pool, tasks, *, cfg: RunConfig, step: int, round_id: int,
+                    num_rollouts: int, temperature: float, id_prefix: str,
+                    counters: StepCounters | None = None,
+                    rng_words: tuple[int, ...] = ()) -> list[Group]:
+    """K samples for each task, verified; one :class:`Group` per task.
+
+    Raises:
+      RuntimeError: the engine failed (dead server after its retries); the message names the
+        step and the engine so a dead server is a clear error, not a hang.
+    """
+    from gagar_jax.rollout import SamplingParams
+
+    prompts = [pool.prompt_tokens(t) for t in tasks]
+    params = SamplingParams(
+        n=num_rollouts, temperature=temperature, top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=(pool.tokenizer.eos_id,),
+        # the sampler seed is a function of (run key, step, round): a resumed step redraws
+        # exactly what the uninterrupted run drew
+        seed=int(np.random.default_rng([*(rng_words or (cfg.seed,)), step, round_id])
+                 .integers(2**31)))
+    t0 = time.monotonic()
+    try:
+        outputs = engine.generate(prompts, params)
+    except Exception as e:
+        raise RuntimeError(f"rollout engine {cfg.rollout.engine!r} failed at step {step} "
+                           f"(round {round_id}): {type(e).__name__}: {e}") from e
+    t1 = time.monotonic()
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"engine returned {len(outputs)} prompt results for {len(prompts)}")
+    groups = []
+    for i, (task, prompt, samples) in enumerate(zip(tasks, prompts, outputs)):
+        if len(samples) != num_rollouts:
+            raise RuntimeError(f"engine returned {len(samples)} samples for n={num_rollouts}")
+        rollouts = [pool.make_rollout(task, prompt, s) for s in samples]
+        groups.append(Group(group_id=f"{id_prefix}-r{round_id}-{i}-{task.task_id}", task=task,
+                            rollouts=rollouts))
+    if counters is not None:
+        counters.gen_time += t1 - t0
+        counters.verify_time += time.monotonic() - t1
+        for g in groups:
+            counters.add(g)
+    return groups
+
+
+def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str, float]:
+    """Copies the grading pool's results into the groups; returns grading metrics.
+
+    ``results[i]`` is the ``GradeResult`` of ``groups[i]``: a verdict (tier/rank per passing
+    candidate) or ``None`` with a ``fallback_reason``. T1 share is over the test-passing
+    rollouts of graded groups (a cheat passes the tests and is graded T3).
+    """
+    from gagar_jax.grading import to_arrays
+
+    tier, rank, graded, cheat = (np.asarray(a) for a in to_arrays(results, K))
+    t1 = n_pass_graded = fallbacks = rank1 = n_clean = 0
+    reasons: dict[str, int] = {}
+    for gi, (g, res) in enumerate(zip(groups, results)):
+        g.graded = bool(graded[gi])
+        g.tier = [int(x) for x in tier[gi][:len(g.rollouts)]]
+        g.rank = [int(x) for x in rank[gi][:len(g.rollouts)]]
+        g.grader_cheat = [bool(x) for x in cheat[gi][:len(g.rollouts)]]
+        g.fallback_reason = getattr(res, "fallback_reason", None)
+        if not g.graded:
+            fallbacks += 1
+            key = str(getattr(g.fallback_reason, "value", g.fallback_reason) or "unknown")
+            reasons[key] = reasons.get(key, 0) + 1
+            continue
+        for k, r in enumerate(g.rollouts):
+            if r.passed and not r.infra_error:  # test-passing, cheats included (graded T3)
+                n_pass_graded += 1
+                t1 += g.tier[k] == 1 and not g.grader_cheat[k]
+                if not (r.cheat or g.grader_cheat[k]):
+                    n_clean += 1
+                    rank1 += g.rank[k] == 1
+    out = {
+        "t1_share": t1 / n_pass_graded if n_pass_graded else math.nan,
+        # passing non-cheats ranked best in their group: rises as the policy converges on the
+        # grader's preferred (minimal, in-scope, consistent) solutions
+        "rank1_share": rank1 / n_clean if n_clean else math.nan,
+        "grading_fallbacks": float(fallbacks),
+        "grading_graded_frac": (len(groups) - fallbacks) / max(len(groups), 1),
+        "grader_cheats": float(sum(sum(g.grader_cheat or []) for g in groups)),
+    }
+    for reason, n in reasons.items():
+        out[f"grading_fallback_{reason}"] = float(n)
+    return out
+
+
+def evaluate(engine, pool, cfg: RunConfig, *, step: int) -> dict[str, float]:
+    """Held-out tasks: pass rate, quality of passing patches, cheat rate, response length."""
+    tasks = pool.eval_tasks()
+    if not tasks:
+        return {}
+    counters = StepCounters()
+    generate_groups(engine, pool, tasks, cfg=cfg, step=step, round_id=10_000,
+                    num_rollouts=max(cfg.loop.eval_rollouts, 1),
+                    temperature=cfg.loop.eval_temperature, id_prefix=f"eval{step}",
+                    counters=counters)
+    m = counters.metrics()
+    return {"eval_pass_rate": m["pass_rate"], "eval_quality": m["quality"],
+            "eval_cheat_rate": m["cheat_rate"], "eval_response_length": m["response_length"]}
+
+
+def collect_step(engine, pool, grading_pool, stream: TaskStream, ls: LoopState, cfg: RunConfig,
+                 *, step: int):
+    """Steps 1-3 of the module docstring for one RL step.
+
+    Advances ``ls.data_position`` by every prompt drawn. Returns
+    ``(SamplingResult, StepCounters, grading metrics, time the grading wait started)``.
+    """
+    G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
+    counters = StepCounters()
+    submitted: list[str] = []
+    rounds = [0]
+
+    def draw(n):
+        idx, ls.data_position = stream.take(ls.data_position, n)
+        rounds[0] += 1
+        return generate_groups(engine, pool, [pool.train_task(i) for i in idx], cfg=cfg,
+                               step=step, round_id=rounds[0], num_rollouts=K,
+                               temperature=cfg.rollout.temperature, id_prefix=f"s{step}",
+                               counters=counters, rng_words=tuple(ls.rng_key))
+
+    def submit(group):
+        grading_pool.submit(pool.workspace(group))
+        submitted.append(group.group_id)
+
+    sres = collect_groups(draw, target=G, enabled=cfg.sampling.enabled,
+                          oversample=cfg.sampling.oversample, max_rounds=cfg.sampling.max_rounds,
+                          allow_partial=cfg.sampling.allow_partial,
+                          on_keep=submit if cfg.grading.enabled else None)
+    t_wait = time.monotonic()
+    grading_m: dict[str, float] = {}
+    if cfg.grading.enabled and sres.groups:
+        results = grading_pool.results(submitted, timeout=cfg.grading.deadline_s)
+        grading_m = attach_verdicts(sres.groups, results, K)
+    return sres, counters, grading_m, t_wait
+
+
+# ------------------------------------------------------------------------------------------
+# The loop
+# ------------------------------------------------------------------------------------------
+def _update_metric_aliases(m: dict[str, float]) -> dict[str, float]:
+    """Canonical names for the plot panels from the update's metric names."""
+    aliases = {
+        "entropy": ("entropy", "policy_entropy"),
+        "pg_loss_mean": ("pg_loss_mean", "pg_loss", "policy_loss"),
+        "credit_ratio": ("credit_ratio", "credit/ratio", "credit_balance_ratio"),
+    }
+    out = dict(m)
+    for canon, names in aliases.items():
+        if canon in out:
+            continue
+        for n in names:
+            if n in m:
+                out[canon] = m[n]
+                break
+    return out
+
+
+def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> dict[str, Any]:
+    """Runs (or resumes) the configured job in ``workdir``; returns the final summary.
+
+    Args:
+      cfg: the validated run configuration.
+      workdir: checkpoints, metrics, plots; an existing run there is resumed.
+      grader: optional grader object (``grade(workspace[, cancel])``) used instead of the one
+        ``cfg.grading.grader`` names, e.g. a custom grader from a notebook.
+    """
+    from gagar_jax.train import backends
+    from gagar_jax.train.tasks import ToyTaskPool
+
+    workdir = os.path.abspath(workdir)
+    primary = jax.process_index() == 0
+    G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
+    pool = ToyTaskPool(cfg.task, cfg.rollout)
+    tok = pool.tokenizer
+    stream = TaskStream(cfg.task.num_train, seed=cfg.seed)
+    store = ResumeStore(os.path.join(workdir, "loop_state"))
+
+    policy = backends.build_policy(cfg, vocab_size=tok.vocab_size, workdir=workdir)
+    resume_step = store.latest_consistent(policy.checkpoint_steps())
+    if resume_step is not None:
+        ls = store.load(resume_step)
+        if ls.fingerprint != cfg.fingerprint():
+            raise ResumeMismatchError(
+                f"{workdir} holds a run with config fingerprint {ls.fingerprint}, this config is "
+                f"{cfg.fingerprint()}: use another --workdir or the original config")
+        policy.restore(resume_step)
+    else:
+        key = jax.random.key_data(jax.random.key(cfg.seed))
+        ls = LoopState(rng_key=[int(x) for x in np.asarray(key).ravel()],
+                       fingerprint=cfg.fingerprint())
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    if primary:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+            import json
+
+            json.dump(cfg.to_dict(), f, indent=1, sort_keys=True, default=str)
+        dropped = metrics_io.truncate_jsonl(metrics_path, keep_before_step=ls.step,
+                                            drop_phases=None if ls.sft_done else ("sft",))
+    writer = metrics_io.MetricsWriter(workdir, total_steps=cfg.loop.total_steps,
+                                      start_step=ls.step, primary=primary)
+    if resume_step is not None:
+        writer.log(f"resumed from checkpoint {resume_step}: step {ls.step}, data position "
+                   f"{ls.data_position}, policy version {ls.policy_version}"
+                   + (f" ({dropped} stale metric rows dropped)" if primary and dropped else ""))
+
+    # Engine and grader first: a dead server fails here, before any compute is spent.
+    engine = backends.build_engine(cfg, policy, workdir=workdir)
+    cache_path = os.path.join(workdir, "grader_cache.jsonl")
+    grading_pool = backends.build_grading_pool(cfg, cache_path=cache_path if primary else None,
+                                               grader=grader)
+
+    summary: dict[str, Any] = {}
+    try:
+        # ---- SFT warm start -----------------------------------------------------------------
+        if not ls.sft_done:
+            if cfg.sft.steps > 0:
+                t0 = time.monotonic()
+                demos = pool.demonstrations(cfg.task.num_train)
+                writer.log(f"SFT warm start: {cfg.sft.steps} steps on {len(demos)} "
+                           "demonstrations")
+                policy.run_sft(demos, pad_id=tok.pad_id,
+                               log_fn=lambda s, m: writer.write(s, m, phase="sft"))
+                writer.log(f"SFT done in {time.monotonic() - t0:.1f}s")
+            ls.sft_done = True
+            policy.save(0)
+            if primary:
+                store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
+
+        engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+        if ls.step == 0 and cfg.loop.total_steps > 0 and pool.eval_tasks():
+            m = evaluate(engine, pool, cfg, step=0)
+            writer.write(0, m, phase="eval")
+            writer.log("eval before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
+        writer.start_clock(ls.step)
+        for step in range(ls.step, cfg.loop.total_steps):
+            t_step = time.monotonic()
+            sres, counters, grading_m, t_wait = collect_step(
+                engine, pool, grading_pool, stream, ls, cfg, step=step)
+            t_update = time.monotonic()
+            batch = pack_groups(sres.groups, num_groups=G, num_rollouts=K,
+                                max_prompt_len=cfg.rollout.max_prompt_len,
+                                max_new_tokens=cfg.rollout.max_new_tokens, pad_id=tok.pad_id)
+            update_m = policy.update(batch, step=step)
+            ls.policy_version += 1
+            engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+            ls.step = step + 1
+            t_end = time.monotonic()
+
+            m = counters.metrics()
+            m.update(sres.metrics(G))
+            m.update(grading_m)
+            for k, v in _update_metric_aliases(update_m).items():
+                # the update's figures cover the kept batch; ours all drawn rollouts
+                m[f"update/{k}" if k in m else k] = v
+            m.update(grade_wait_s=t_update - t_wait, update_time_s=t_end - t_update,
+                     step_time_s=t_end - t_step, policy_version=float(ls.policy_version),
+                     data_position=float(ls.data_position))
+            if step % cfg.loop.log_every == 0 or step == cfg.loop.total_steps - 1:
+                writer.write(step, m)
+                writer.progress(step, m)
+            last = step == cfg.loop.total_steps - 1
+            if (step + 1) % cfg.loop.eval_every == 0 or last:
+                em = evaluate(engine, pool, cfg, step=step + 1)
+                if em:
+                    writer.write(step + 1, em, phase="eval")
+                    writer.log(f"eval @ step {step + 1}: " +
+                               ", ".join(f"{k} {v:.3f}" for k, v in em.items()))
+            if (step + 1) % cfg.loop.checkpoint_every == 0 or last:
+                ls.grader_cache = {"path": os.path.basename(cache_path),
+                                   "entries": len(grading_pool.cache)}
+                policy.save(step + 1)
+                if primary:  # every process saves the state (collective); one writes metadata
+                    store.save(step + 1, ls, keep=cfg.loop.keep_checkpoints + 1)
+        summary["update_traces"] = policy.update_traces()
+    finally:
+        policy.close()
+        grading_pool.close()
+        writer.close()
+    if primary:
+        rows = metrics_io.read_jsonl(metrics_path)
+        summary.update(metrics_io.summarize(rows))
+        if cfg.loop.plot:
+            summary["plot"] = metrics_io.plot_run(workdir)
+        _print_summary(cfg, workdir, summary)
+    return summary
+
+
+def _print_summary(cfg: RunConfig, workdir: str, summary: dict[str, Any]) -> None:
+    lines = [f"== {cfg.name} ({cfg.mode}) finished: {cfg.loop.total_steps} steps in {workdir}"]
+    for key, title in metrics_io.PLOT_PANELS:
+        a, b = summary.get(f"{key}_first"), summary.get(f"{key}_last")
+        if a is None or b is None:
+            continue
+        lines.append(f"   {title:<42s} {a:10.4f} -> {b:10.4f}")
+    if summary.get("update_traces") is not None:
+        lines.append(f"   update compiled {summary['update_traces']} time(s) (static batch shape)")
+    if "plot" in summary:
+        lines.append(f"   plot: {summary['plot']}")
+    print("\n".join(lines), flush=True)
+
+
+def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
+                        temperature: float = 0.7) -> tuple[dict[str, float], int]:
+    """Restores a run's checkpoint (newest complete one for ``step=-1``) and evaluates it."""
+    import json
+
+    from gagar_jax.train import backends
+    from gagar_jax.train.tasks import ToyTaskPool
+
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: is {workdir} a run directory?")
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    d["loop"].update(eval_rollouts=samples, eval_temperature=temperature)
+    cfg = RunConfig.from_config_dict(d)
+    pool = ToyTaskPool(cfg.task, cfg.rollout)
+    policy = backends.build_policy(cfg, vocab_size=pool.tokenizer.vocab_size, workdir=workdir)
+    store = ResumeStore(os.path.join(workdir, "loop_state"))
+    steps = sorted(set(store.steps()) & set(policy.checkpoint_steps()))
+    if not steps:
+        raise FileNotFoundError(f"no complete checkpoint in {workdir}")
+    if step < 0:
+        step = steps[-1]
+    elif step not in steps:
+        raise ValueError(f"checkpoint {step} not in {workdir} (complete ones: {steps})")
+    policy.restore(step)
+    try:
+        engine = backends.build_engine(cfg, policy, workdir=workdir)
+        engine.sync_weights(policy.params_for_sync(), store.load(step).policy_version)
+        return evaluate(engine, pool, cfg, step=step), step
+    finally:
+        policy.close()

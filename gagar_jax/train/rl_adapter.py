@@ -1,0 +1,140 @@
+"""The RL train state behind :class:`~gagar_jax.train.backends.Policy`, on the sharded update.
+
+Wires the loop to the policy-update package (``gagar_jax.train.state`` / ``update``):
+
+* :func:`update_config` maps the run config to its ``UpdateConfig`` (optimiser, PPO-clip,
+  geometry, and the ``GagarConfig`` whose ``mode`` the training mode chooses);
+* the train state is created already sharded on the run's mesh from the (SFT-warmed) model's
+  parameters; ``jit_update`` compiles the update once for the static batch shape;
+* a :class:`~gagar_jax.train.sampling.PackedBatch` ``[G, K, T]`` becomes an ``UpdateBatch``
+  (group-major rows ``n = g * K + k``), validated on the host (``check_batch``) and sharded;
+* checkpoints: orbax ``CheckpointManager`` saves of the whole ``TrainState``, waited on before the
+  loop writes its bookkeeping, so a listed step is always complete; restores go onto the live
+  state's shardings.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gagar_jax.train.run_config import RunConfig
+from gagar_jax.train.sampling import PackedBatch
+
+
+def finished_checkpoint_steps(directory: str) -> list[int]:
+    """Steps with a complete checkpoint (orbax renames ``<step>.orbax-checkpoint-tmp-*`` to
+    ``<step>`` only when the write is finished)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory)
+                  if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
+def update_config(cfg: RunConfig):
+    """The policy update's ``UpdateConfig`` for this run."""
+    from gagar_jax.train.state import UpdateConfig
+
+    o = cfg.optim
+    return UpdateConfig(
+        learning_rate=o.lr, warmup_steps=o.warmup_steps,
+        decay_steps=max(cfg.loop.total_steps * o.ppo_epochs * o.num_minibatches, 1),
+        schedule=o.schedule, end_lr_ratio=o.end_lr_ratio, weight_decay=o.weight_decay,
+        b1=o.b1, b2=o.b2, max_grad_norm=o.grad_clip, clip_low=o.clip_low,
+        clip_high=o.clip_high, dual_clip=o.dual_clip or None, aggregation=o.loss_agg,
+        kl_coef=o.kl_coef, entropy_coef=o.entropy_coef, num_minibatches=o.num_minibatches,
+        num_microbatches=o.num_microbatches, ppo_epochs=o.ppo_epochs,
+        advantages=cfg.gagar_config())
+
+
+def to_update_batch(batch: PackedBatch):
+    """``[G, K, T]`` packed rollouts -> the update's ``[N, T]`` group-major ``UpdateBatch``."""
+    from gagar_jax.train.update import UpdateBatch
+
+    G, K, T = batch.tokens.shape
+    rows = lambda x: np.ascontiguousarray(x.reshape(G * K, T))
+    return UpdateBatch(
+        tokens=rows(batch.tokens), positions=rows(batch.positions),
+        attention_mask=rows(batch.attention_mask), response_mask=rows(batch.response_mask),
+        old_logprobs=rows(batch.old_logprobs), rewards=batch.rewards, passed=batch.passed,
+        cheat=batch.cheat, tier=batch.tier, rank=batch.rank, valid=batch.valid,
+        graded=batch.graded)
+
+
+class RLState:
+    """The sharded ``TrainState``, the jitted update and the checkpoint manager of one run."""
+
+    def __init__(self, cfg: RunConfig, model, mesh, ckpt_dir: str):
+        import orbax.checkpoint as ocp
+        from flax import nnx
+
+        from gagar_jax.train.state import create_train_state
+        from gagar_jax.train.update import jit_update
+
+        self.cfg = cfg
+        self.model = model
+        self.model_config = model.config
+        self.mesh = mesh
+        self.config = update_config(cfg)
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        self.state = create_train_state(self.model_config, self.config, mesh, seed=cfg.seed,
+                                        params=params)
+        self.update_fn = jit_update(self.model_config, self.config, mesh)
+        self.manager = ocp.CheckpointManager(
+            os.path.abspath(ckpt_dir),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.loop.keep_checkpoints + 1,
+                                                 create=True))
+
+    @classmethod
+    def create(cls, cfg: RunConfig, model, mesh, ckpt_dir: str) -> RLState:
+        return cls(cfg, model, mesh, ckpt_dir)
+
+    def update(self, batch: PackedBatch, *, step: int) -> dict[str, float]:
+        from gagar_jax.train.update import check_batch, shard_batch
+
+        ub = to_update_batch(batch)
+        check_batch(ub, self.config, self.mesh)
+        self.state, metrics = self.update_fn(self.state, shard_batch(ub, self.mesh))
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not np.isfinite(m["loss"]):
+            raise FloatingPointError(f"non-finite loss {m['loss']} at RL step {step}")
+        return m
+
+    @property
+    def trace_count(self) -> int:
+        """Compiled variants of the update (1 for a whole run: the batch shape is static)."""
+        return self.update_fn._cache_size()
+
+    def params_for_sync(self):
+        """The model's full nnx state with the current parameters (``Sampler.sync_weights``)."""
+        from flax import nnx
+
+        # gathered to host and placed on the default device: the embedded sampler runs
+        # unsharded, whatever the update's mesh
+        params = jax.tree.map(jnp.asarray, jax.device_get(self.state.params))
+        state = nnx.state(self.model)
+        nnx.replace_by_pure_dict(state, params)
+        nnx.update(self.model, state)
+        return state
+
+    def save(self, step: int) -> None:
+        import orbax.checkpoint as ocp
+
+        self.manager.save(step, args=ocp.args.StandardSave(self.state), force=True)
+        self.manager.wait_until_finished()
+
+    def restore(self, step: int) -> None:
+        import orbax.checkpoint as ocp
+
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
+        restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        self.state = type(self.state)(*restored) if isinstance(restored, (list, tuple)) \
+            else restored
+        self.params_for_sync()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

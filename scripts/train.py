@@ -1,0 +1,39 @@
+r"""Trains a policy with Gagar (or a baseline mode) from an ml_collections config.
+
+    python scripts/train.py --config=configs/toy_gagar.py --workdir=runs/toy_gagar
+    python scripts/train.py --config=configs/toy_gagar.py:binary,smoke --workdir=/tmp/smoke \
+        --config.optim.lr=1e-4
+
+Re-running with the same --workdir resumes from the newest complete checkpoint. Multi-host:
+``--config.mesh.coordinator_address/num_processes/process_id`` or the JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES and JAX_PROCESS_ID environment variables (see configs/tpu_pod.py).
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:arg]).",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
+flags.DEFINE_string("compilation_cache", "runs/.jax_cache",
+                    "JAX persistent compilation cache directory ('' disables): reruns and the "
+                    "three modes of `make compare` reuse compiled programs.")
+flags.mark_flags_as_required(["config", "workdir"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from gagar_jax.train import loop
+    from gagar_jax.train.run_config import RunConfig
+
+    cfg = RunConfig.from_config_dict(FLAGS.config)
+    loop.initialize_distributed(cfg.mesh)  # before any JAX computation
+    if FLAGS.compilation_cache:
+        loop.enable_compilation_cache(FLAGS.compilation_cache)
+    loop.train_and_evaluate(cfg, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    app.run(main)

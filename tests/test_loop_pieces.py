@@ -1,0 +1,401 @@
+"""Unit tests of the training loop's host-side pieces: config, dynamic sampling, packing,
+resume bookkeeping and metrics output."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gagar_jax.train import metrics_io, resume, sampling
+from gagar_jax.train.run_config import ConfigError, RunConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config_module(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------- configs
+@pytest.mark.parametrize("arg", [None, "smoke", "binary", "discount_only,smoke", "gagar"])
+def test_toy_config_builds_and_validates(arg):
+    cfg = RunConfig.from_config_dict(load_config_module("toy_gagar").get_config(arg))
+    mode = (arg or "gagar").split(",")[0] if arg not in (None, "smoke") else "gagar"
+    assert cfg.mode == mode
+    assert cfg.redistribution == {"gagar": "sum_preserving", "binary": "none",
+                                  "discount_only": "discount_only"}[mode]
+    if arg and "smoke" in arg:
+        assert cfg.loop.total_steps <= 5
+
+
+@pytest.mark.parametrize("name,mode", [("toy_binary", "binary"),
+                                       ("toy_discount_only", "discount_only")])
+def test_mode_wrapper_configs(name, mode):
+    cd = load_config_module(name).get_config("smoke")
+    cfg = RunConfig.from_config_dict(cd)
+    assert cfg.mode == mode and cfg.loop.total_steps <= 5
+
+
+@pytest.mark.parametrize("name", ["sglang_qwen", "tpu_pod"])
+def test_scale_configs_validate(name):
+    module = load_config_module(name)
+    cfg = RunConfig.from_config_dict(module.get_config(None))
+    assert cfg.rollout.num_prompts >= 1
+    cfg_smoke = RunConfig.from_config_dict(module.get_config("smoke"))
+    assert cfg_smoke.loop.total_steps <= cfg.loop.total_steps
+
+
+def test_tpu_pod_config_is_the_papers_controlled_batch():
+    cfg = RunConfig.from_config_dict(load_config_module("tpu_pod").get_config(None))
+    assert (cfg.rollout.num_prompts, cfg.rollout.num_rollouts) == (128, 16)
+
+
+def test_config_argument_typo_is_an_error():
+    with pytest.raises(ValueError, match="smok"):
+        load_config_module("toy_gagar").get_config("smok")
+
+
+def test_unknown_field_is_named():
+    cd = load_config_module("toy_gagar").get_config("smoke").to_dict()
+    cd["optim"]["lrr"] = 1.0
+    with pytest.raises(ConfigError, match=r"optim\.lrr"):
+        RunConfig.from_config_dict(cd)
+    cd = load_config_module("toy_gagar").get_config("smoke").to_dict()
+    cd["optimizer"] = {}
+    with pytest.raises(ConfigError, match="optimizer"):
+        RunConfig.from_config_dict(cd)
+
+
+@pytest.mark.parametrize("section,field,value,match", [
+    ("optim", "lr", -1.0, r"optim\.lr must be > 0"),
+    ("rollout", "num_rollouts", 1, r"rollout\.num_rollouts"),
+    ("rollout", "engine", "vllm", r"rollout\.engine"),
+    ("model", "num_kv_heads", 3, r"model\.num_kv_heads"),
+    ("mesh", "shape", (-1, -1, 1), r"mesh\.shape"),
+    ("sampling", "oversample", 0.5, r"sampling\.oversample"),
+])
+def test_bad_value_names_field(section, field, value, match):
+    cd = load_config_module("toy_gagar").get_config("smoke").to_dict()
+    cd[section][field] = value
+    with pytest.raises(ConfigError, match=match):
+        RunConfig.from_config_dict(cd)
+
+
+def test_gagar_needs_grader():
+    cd = load_config_module("toy_gagar").get_config("smoke").to_dict()
+    cd["grading"]["enabled"] = False
+    with pytest.raises(ConfigError, match="grading.enabled"):
+        RunConfig.from_config_dict(cd)
+    cd["mode"] = "binary"
+    assert RunConfig.from_config_dict(cd).mode == "binary"
+
+
+def test_config_is_frozen_and_fingerprint_tracks_what_matters():
+    cd = load_config_module("toy_gagar").get_config("smoke")
+    cfg = RunConfig.from_config_dict(cd)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.optim.lr = 1.0  # frozen
+    d = cd.to_dict()
+    d["loop"]["total_steps"] = 99
+    assert RunConfig.from_config_dict(d).fingerprint() == cfg.fingerprint()
+    d["optim"]["lr"] = 1e-2
+    assert RunConfig.from_config_dict(d).fingerprint() != cfg.fingerprint()
+
+
+# ---------------------------------------------------------------------- dynamic sampling
+def make_group(gid, passes, K=4, prompt_len=3, resp_len=2, infra=()):
+    rollouts = []
+    for k in range(K):
+        rollouts.append(sampling.Rollout(
+            prompt_tokens=list(range(1, prompt_len + 1)),
+            response_tokens=[7] * resp_len, logprobs=[-0.5] * resp_len,
+            passed=k < passes, infra_error=k in infra))
+    return sampling.Group(group_id=str(gid), task=None, rollouts=rollouts)
+
+
+class ScriptedDraw:
+    """Draws groups whose pass counts follow a fixed script (0 = all fail, K = all pass)."""
+
+    def __init__(self, script, K=4):
+        self.script, self.K, self.pos, self.calls = list(script), K, 0, []
+
+    def __call__(self, n):
+        self.calls.append(n)
+        out = []
+        for _ in range(n):
+            passes = self.script[self.pos % len(self.script)]
+            out.append(make_group(self.pos, passes, K=self.K))
+            self.pos += 1
+        return out
+
+
+def test_group_outcomes():
+    assert make_group(0, 2).outcome == "mixed"
+    assert make_group(0, 4).outcome == "all_pass"
+    assert make_group(0, 0).outcome == "all_fail"
+    assert make_group(0, 0, infra=(0, 1, 2, 3)).outcome == "empty"
+    # an infra error is masked, not a failure: 3 valid, all passing -> all_pass
+    g = make_group(0, 3, infra=(3,))
+    assert g.outcome == "all_pass" and g.valid_mask() == [True, True, True, False]
+
+
+def test_refill_until_target_and_oversample():
+    draw = ScriptedDraw([0, 2, 4, 1])  # every other group is mixed
+    kept_order = []
+    res = sampling.collect_groups(draw, target=4, oversample=1.5, max_rounds=5,
+                                  on_keep=lambda g: kept_order.append(g.group_id))
+    assert len(res.groups) == 4 and all(g.is_mixed for g in res.groups)
+    # round 1 draws ceil(1.5*4)=6 (3 mixed), round 2 draws ceil(1.5*1)=2 (1 mixed)
+    assert draw.calls == [6, 2] and res.rounds == 2 and res.drawn == 8
+    assert kept_order == [g.group_id for g in res.groups]
+    assert res.counts == {"mixed": 4, "all_pass": 2, "all_fail": 2, "empty": 0}
+    m = res.metrics(4)
+    assert m["sampling_fill"] == 1.0 and m["sampling_mixed_frac"] == 0.5
+
+
+def test_extra_mixed_groups_are_counted_not_kept():
+    res = sampling.collect_groups(ScriptedDraw([2]), target=2, oversample=2.0)
+    assert len(res.groups) == 2 and res.discarded_mixed == 2
+
+
+@pytest.mark.parametrize("script,word", [([4, 4, 4, 2], "too easy"), ([0, 0, 0, 1], "too hard")])
+def test_cap_raises_clear_error(script, word):
+    draw = ScriptedDraw(script)
+    with pytest.raises(sampling.DynamicSamplingError, match=word) as e:
+        sampling.collect_groups(draw, target=8, oversample=1.0, max_rounds=2)
+    assert "sampling.max_rounds=2" in str(e.value)
+    assert len(draw.calls) == 2  # stops at the cap, never loops forever
+
+
+def test_cap_with_nothing_mixed_raises_even_if_partial_allowed():
+    with pytest.raises(sampling.DynamicSamplingError, match="0 of 2"):
+        sampling.collect_groups(ScriptedDraw([0]), target=2, max_rounds=2, allow_partial=True)
+
+
+def test_partial_batches_when_allowed():
+    res = sampling.collect_groups(ScriptedDraw([0, 0, 0, 2]), target=8, oversample=1.0,
+                                  max_rounds=2, allow_partial=True)
+    assert 0 < len(res.groups) < 8 and res.rounds == 2
+
+
+def test_disabled_keeps_first_draw():
+    res = sampling.collect_groups(ScriptedDraw([0, 4, 2]), target=3, enabled=False)
+    assert [g.outcome for g in res.groups] == ["all_fail", "all_pass", "mixed"]
+    assert res.rounds == 1
+
+
+# ---------------------------------------------------------------------------------- packing
+def test_pack_layout():
+    g = make_group("a", 2, K=3, prompt_len=3, resp_len=2, infra=(2,))
+    g.tier, g.rank, g.graded = [1, 2, 1], [1, 2, 1], True
+    b = sampling.pack_groups([g], num_groups=2, num_rollouts=3, max_prompt_len=4,
+                             max_new_tokens=3, pad_id=0)
+    assert b.shape == (2, 3, 7)
+    np.testing.assert_array_equal(b.tokens[0, 0], [1, 2, 3, 7, 7, 0, 0])
+    np.testing.assert_array_equal(b.response_mask[0, 0], [0, 0, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(b.attention_mask[0, 0], [1, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(b.positions[0, 0], [0, 1, 2, 3, 4, 0, 0])
+    np.testing.assert_allclose(b.old_logprobs[0, 0], [0, 0, 0, -0.5, -0.5, 0, 0])
+    np.testing.assert_array_equal(b.rewards[0], [1, 1, 0])
+    np.testing.assert_array_equal(b.valid, [[1, 1, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(b.graded, [1, 0])
+    np.testing.assert_array_equal(b.tier[0], [1, 2, 1])
+    assert not b.response_mask[1].any()  # padding group carries no loss tokens
+
+
+def test_cheat_gets_zero_reward():
+    g = make_group("c", 2, K=2)
+    g.rollouts[0].cheat = True
+    b = sampling.pack_groups([g], num_groups=1, num_rollouts=2, max_prompt_len=3,
+                             max_new_tokens=2, pad_id=0)
+    np.testing.assert_array_equal(b.rewards[0], [0, 1])
+    np.testing.assert_array_equal(b.cheat[0], [1, 0])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_prompt_len=2), "rollout.max_prompt_len"),
+    (dict(max_new_tokens=1), "rollout.max_new_tokens"),
+    (dict(num_groups=0), "num_groups=0"),
+])
+def test_pack_rejects_what_does_not_fit(kwargs, match):
+    base = dict(num_groups=1, num_rollouts=4, max_prompt_len=3, max_new_tokens=2, pad_id=0)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        sampling.pack_groups([make_group("x", 2)], **base)
+
+
+def test_refills_keep_batch_shapes_static_one_trace():
+    """However many refill rounds a step took, or a partial batch, the update traces once."""
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def fake_update(batch):
+        # touches every field so that any shape/dtype change would retrace
+        return sum(jnp.sum(jnp.asarray(x, jnp.float32)) for x in batch)
+
+    chex.clear_trace_counter()
+    for script, partial in [([2], False), ([0, 4, 2], False), ([0, 0, 0, 0, 0, 2], True)]:
+        res = sampling.collect_groups(ScriptedDraw(script), target=4, max_rounds=6,
+                                      oversample=1.0, allow_partial=partial)
+        batch = sampling.pack_groups(res.groups, num_groups=4, num_rollouts=4, max_prompt_len=5,
+                                     max_new_tokens=3, pad_id=0)
+        fake_update(batch)
+
+
+# ------------------------------------------------------------------------------- resume
+def test_task_stream_epochs_are_permutations_and_resume_exactly():
+    s = resume.TaskStream(7, seed=3)
+    idx, pos = s.take(0, 21)
+    assert pos == 21
+    for e in range(3):
+        assert sorted(idx[7 * e:7 * e + 7]) == list(range(7))
+    assert idx[:7] != idx[7:14]  # reshuffled per epoch (fixed seed: deterministic)
+    # a "resumed" stream from position 10 continues exactly
+    s2 = resume.TaskStream(7, seed=3)
+    a, _ = s2.take(10, 11)
+    assert a == idx[10:21]
+
+
+def test_resume_store_roundtrip_and_consistency(tmp_path):
+    store = resume.ResumeStore(str(tmp_path))
+    st = resume.LoopState(step=5, data_position=40, rng_key=[0, 7], policy_version=5,
+                          sft_done=True, grader_cache={"k": {"tier": [1, 2]}}, fingerprint="ab")
+    store.save(5, st)
+    store.save(10, resume.LoopState(step=10))
+    assert store.load(5) == st
+    assert store.steps() == [5, 10]
+    # checkpoint 10 not finished (killed while writing) -> resume from 5
+    assert store.latest_consistent([5]) == 5
+    assert store.latest_consistent([5, 10]) == 10
+    assert store.latest_consistent([]) is None
+    store.save(15, resume.LoopState(step=15), keep=2)
+    assert store.steps() == [10, 15]
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))
+    with pytest.raises(ValueError, match="unknown fields"):
+        resume.LoopState.from_json(json.dumps({"step": 1, "bogus": 2}))
+
+
+# ------------------------------------------------------------------------------- metrics
+def test_metrics_writer_jsonl_tensorboard_console(tmp_path):
+    import io
+
+    out = io.StringIO()
+    w = metrics_io.MetricsWriter(str(tmp_path), total_steps=4, stream=out)
+    for step in range(4):
+        w.write(step, {"pass_rate": 0.1 * step, "entropy": float("nan"), "t1_share": 0.5})
+        line = w.progress(step, {"pass_rate": 0.1 * step, "t1_share": 0.5})
+    w.write(3, {"eval_pass_rate": 0.75}, phase="eval")
+    w.close()
+    assert "step 4/4" in line and "ETA" in line and "pass 0.30" in line and "T1 0.50" in line
+    assert out.getvalue().count("\n") == 4
+    rows = metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert len(rows) == 5 and rows[1]["pass_rate"] == pytest.approx(0.1)
+    assert rows[0]["entropy"] is None  # non-finite kept as null, not NaN in JSON
+    events = os.listdir(tmp_path / "tb")
+    assert events and events[0].startswith("events.out.tfevents")
+    assert os.path.getsize(tmp_path / "tb" / events[0]) > 100
+    # resume drops the steps that will be redone
+    assert metrics_io.truncate_jsonl(str(tmp_path / "metrics.jsonl"), keep_before_step=2) == 3
+    assert [r["step"] for r in metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0, 1]
+
+
+def test_truncate_keeps_finished_sft_rows_drops_unfinished(tmp_path):
+    p = str(tmp_path / "metrics.jsonl")
+    w = metrics_io.MetricsWriter(str(tmp_path), total_steps=3, tensorboard=False)
+    for s in range(5):
+        w.write(s, {"sft_loss": 1.0}, phase="sft")
+    for s in range(3):
+        w.write(s, {"pass_rate": 0.5})
+    w.close()
+    assert metrics_io.truncate_jsonl(p, keep_before_step=1) == 2  # train steps 1, 2
+    assert len(metrics_io.read_jsonl(p)) == 6
+    assert metrics_io.truncate_jsonl(p, keep_before_step=0, drop_phases=("sft",)) == 6
+
+
+def test_non_primary_process_writes_nothing(tmp_path):
+    w = metrics_io.MetricsWriter(str(tmp_path / "w"), total_steps=2, primary=False)
+    w.write(0, {"a": 1.0})
+    w.progress(0, {"a": 1.0})
+    w.close()
+    assert not os.path.exists(tmp_path / "w")
+
+
+def test_torn_last_line_is_skipped(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 0, "phase": "train", "pass_rate": 0.5}\n{"step": 1, "pha')
+    assert len(metrics_io.read_jsonl(str(p))) == 1
+
+
+def test_plot_and_summary_and_table(tmp_path):
+    w = metrics_io.MetricsWriter(str(tmp_path), total_steps=10, tensorboard=False)
+    for s in range(10):
+        w.write(s, {"pass_rate": s / 10, "quality": 0.5, "t1_share": 0.2 + s / 100,
+                    "response_length": 20 - s, "entropy": 1.0, "pg_loss_mean": 0.0,
+                    "credit_ratio": 1.0})
+    w.write(9, {"eval_pass_rate": 0.6}, phase="eval")
+    w.close()
+    png = metrics_io.plot_run(str(tmp_path))
+    assert os.path.getsize(png) > 10_000
+    s = metrics_io.summarize(metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl")), window=2)
+    assert s["pass_rate_first"] == pytest.approx(0.05)
+    assert s["pass_rate_last"] == pytest.approx(0.85)
+    assert s["eval_pass_rate_last"] == 0.6
+    table = metrics_io.markdown_table({"run": s})
+    assert "| run |" in table and "0.05 -> 0.85" in table
+
+
+def test_compare_runs_writes_plot_table_and_ablation_notes(tmp_path):
+    def fake_run(name, quality, entropy, credit):
+        w = metrics_io.MetricsWriter(str(tmp_path / name), total_steps=6, tensorboard=False)
+        for s in range(6):
+            w.write(s, {"pass_rate": 0.3, "quality": quality[0] + s * quality[1],
+                        "t1_share": 0.5, "response_length": 10.0, "entropy": entropy,
+                        "pg_loss_mean": 0.01, "credit_ratio": credit})
+        w.close()
+        return str(tmp_path / name)
+
+    runs = {"gagar": fake_run("gagar", (0.5, 0.05), 1.0, 1.0),
+            "binary": fake_run("binary", (0.5, 0.0), 1.0, 1.0),
+            "discount_only": fake_run("discount_only", (0.5, 0.02), 1.5, 0.8)}
+    md = metrics_io.compare_runs(runs, str(tmp_path / "cmp"), window=2)
+    assert os.path.getsize(tmp_path / "cmp" / "comparison.png") > 10_000
+    assert (tmp_path / "cmp" / "comparison.md").read_text() == md
+    assert "| gagar |" in md and "| discount_only |" in md
+    assert "- quality: gagar 0.725 vs binary 0.5" in md and "reproduced" in md
+    assert "entropy: discount_only 1.5 vs gagar 1" in md
+    with pytest.raises(FileNotFoundError, match="nope"):
+        metrics_io.compare_runs({"nope": str(tmp_path / "nope")}, str(tmp_path / "x"))
+
+
+def test_mesh_shape_resolution():
+    from gagar_jax.train.backends import mesh_shape
+
+    assert mesh_shape((1, -1, 1), 8) == (1, 8, 1)
+    assert mesh_shape((2, 2, 2), 8) == (2, 2, 2)
+    with pytest.raises(ValueError, match="mesh.shape"):
+        mesh_shape((3, -1, 1), 8)
+    with pytest.raises(ValueError, match="needs 4 devices"):
+        mesh_shape((2, 2, 1), 8)
+
+
+def test_distributed_init_is_a_noop_single_process(monkeypatch):
+    from gagar_jax.train import loop
+    from gagar_jax.train.run_config import MeshConfig
+
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    loop.initialize_distributed(MeshConfig())  # nothing configured: must not touch jax.distributed
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "5")
+    with pytest.raises(ValueError, match="process id 5"):
+        loop.initialize_distributed(MeshConfig())

@@ -1,0 +1,196 @@
+"""End-to-end tests of the training entry point on the `:smoke` configs (real components:
+the flax policy, the embedded JAX sampler, the toy verifier, the heuristic grading pool, orbax
+checkpoints). Each run takes seconds on a quiet 2-core machine (mostly compilation)."""
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from gagar_jax.train import metrics_io
+from gagar_jax.train.run_config import RunConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# One persistent compilation cache for every run of this module (in-process and scripts): the
+# three modes and the resume runs share the SFT step and sampler programs.
+JAX_CACHE = os.path.join(tempfile.gettempdir(), "gagar_jax_test_train_jax_cache")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    from gagar_jax.train import loop
+
+    loop.enable_compilation_cache(JAX_CACHE)
+SCRIPT = os.path.join(ROOT, "scripts", "train.py")
+CONFIG = os.path.join(ROOT, "configs", "toy_gagar.py")
+
+
+def smoke_config(mode, **overrides):
+    spec = importlib.util.spec_from_file_location("toy_cfg", CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    d = module.get_config(f"{mode},smoke").to_dict()
+    for dotted, value in overrides.items():
+        section, field = dotted.split(".")
+        d[section][field] = value
+    return RunConfig.from_config_dict(d)
+
+
+def train_rows(workdir):
+    rows = metrics_io.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    return [r for r in rows if r["phase"] == "train"]
+
+
+@pytest.mark.parametrize("mode", ["gagar", "binary", "discount_only"])
+def test_smoke_each_mode(mode, tmp_path, capsys):
+    from gagar_jax.train import loop
+
+    cfg = smoke_config(mode)
+    summary = loop.train_and_evaluate(cfg, str(tmp_path))
+    out = capsys.readouterr().out
+    rows = train_rows(tmp_path)
+    G = cfg.rollout.num_prompts
+    assert [r["step"] for r in rows] == list(range(cfg.loop.total_steps))
+    # dynamic sampling is off in :smoke, so every step draws exactly G prompts
+    assert [r["data_position"] for r in rows] == [G * (s + 1) for s in range(len(rows))]
+    assert [r["policy_version"] for r in rows] == [s + 1 for s in range(len(rows))]
+    for r in rows:
+        for key in ("pass_rate", "response_length", "entropy", "pg_loss_mean", "step_time_s"):
+            assert r[key] is not None, (key, r)
+        assert 0 < r["response_length"] <= cfg.rollout.max_new_tokens
+    evals = [r for r in metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl"))
+             if r["phase"] == "eval"]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == cfg.loop.total_steps
+    assert any(r["phase"] == "sft" for r in metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl")))
+    assert f"finished: {cfg.loop.total_steps} steps" in out and "ETA" in out
+    assert os.path.getsize(summary["plot"]) > 10_000
+    assert summary["update_traces"] == 1  # one compiled update for the whole run
+    assert os.listdir(tmp_path / "tb")
+    assert os.path.exists(tmp_path / "loop_state" / f"loop_state_{cfg.loop.total_steps:08d}.json")
+
+
+def _run_script(workdir, *extra, timeout=600):
+    cmd = [sys.executable, SCRIPT, f"--config={CONFIG}:gagar,smoke", f"--workdir={workdir}",
+           f"--compilation_cache={JAX_CACHE}", "--config.loop.total_steps=5",
+           "--config.loop.checkpoint_every=1", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_script_sigkill_mid_run_resumes_exactly(tmp_path):
+    """Killed with SIGKILL after checkpoint 2, the rerun continues without repeating or skipping
+    a step, and produces the same figures as an uninterrupted run of the same config."""
+    ref = tmp_path / "ref"
+    r = _run_script(ref)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, SCRIPT, f"--config={CONFIG}:gagar,smoke", f"--workdir={run}",
+           f"--compilation_cache={JAX_CACHE}", "--config.loop.total_steps=5",
+           "--config.loop.checkpoint_every=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = run / "loop_state" / "loop_state_00000002.json"
+    deadline = time.monotonic() + 600
+    try:
+        while not marker.exists():
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.2)  # into step 3
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    killed_rows = train_rows(run)
+    assert len(killed_rows) < 5
+
+    r = _run_script(run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from checkpoint" in r.stdout + r.stderr
+    rows, ref_rows = train_rows(run), train_rows(ref)
+    assert [x["step"] for x in rows] == [0, 1, 2, 3, 4]
+    for a, b in zip(rows, ref_rows):
+        for key in ("data_position", "policy_version", "pass_rate", "response_length"):
+            assert a[key] == b[key], (key, a["step"], a[key], b[key])
+        assert a["pg_loss_mean"] == pytest.approx(b["pg_loss_mean"], abs=1e-6)
+    state = json.loads((run / "loop_state" / "loop_state_00000005.json").read_text())
+    assert state["step"] == 5 and state["sft_done"] and state["policy_version"] == 5
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dead_rollout_server_is_a_clear_error_not_a_hang(tmp_path):
+    """A real dead endpoint (nothing listens on the port): the run stops at once, naming it."""
+    from gagar_jax.train import loop
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    cfg = smoke_config("gagar", **{"rollout.engine": "sglang", "rollout.sglang_url": url})
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rollout\.sglang_url") as e:
+        loop.train_and_evaluate(cfg, str(tmp_path))
+    assert url in str(e.value)
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("kind", ["crash", "hang"])
+def test_failing_grader_falls_back_and_training_continues(kind, tmp_path):
+    """A grader that raises, or one that blocks forever: every group falls back to its original
+    advantages (counted by reason), the run finishes, nothing hangs."""
+    from gagar_jax.grading import testing as grading_testing
+    from gagar_jax.train import loop
+
+    grader = (grading_testing.CrashingGrader() if kind == "crash"
+              else grading_testing.HangingGrader())
+    cfg = smoke_config("gagar", **{"grading.deadline_s": 1.0, "loop.total_steps": 2})
+    t0 = time.monotonic()
+    try:
+        loop.train_and_evaluate(cfg, str(tmp_path), grader=grader)
+    finally:
+        if kind == "hang":
+            grader.release()
+    rows = train_rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    G = cfg.rollout.num_prompts
+    reason = "grader_error" if kind == "crash" else "deadline"
+    for r in rows:
+        assert r["grading_fallbacks"] == G and r["grading_graded_frac"] == 0.0
+        assert r[f"grading_fallback_{reason}"] == G
+        assert r["pg_loss_mean"] is not None  # the update ran on the original advantages
+    assert time.monotonic() - t0 < 300
+
+
+def test_dead_agentic_grader_server_falls_back(tmp_path):
+    """The agentic grader pointed at a real dead endpoint: groups fall back, the run finishes."""
+    from gagar_jax.train import loop
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    cfg = smoke_config("gagar", **{"grading.grader": "agentic", "grading.sglang_url": url,
+                                   "grading.deadline_s": 2.0, "loop.total_steps": 1})
+    t0 = time.monotonic()
+    loop.train_and_evaluate(cfg, str(tmp_path))
+    (row,) = train_rows(tmp_path)
+    assert row["grading_fallbacks"] == cfg.rollout.num_prompts
+    assert row["grading_graded_frac"] == 0.0
+    assert time.monotonic() - t0 < 300
+
+
+def test_refused_resume_leaves_the_run_untouched(tmp_path):
+    from gagar_jax.train import loop
+
+    loop.train_and_evaluate(smoke_config("gagar", **{"loop.total_steps": 1}), str(tmp_path))
+    before = (tmp_path / "config.json").read_text()
+    for other in (smoke_config("binary", **{"loop.total_steps": 1}),
+                  smoke_config("gagar", **{"optim.lr": 0.5, "loop.total_steps": 1})):
+        with pytest.raises(loop.ResumeMismatchError, match="fingerprint"):
+            loop.train_and_evaluate(other, str(tmp_path))
+    assert (tmp_path / "config.json").read_text() == before
