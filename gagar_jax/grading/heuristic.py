@@ -33,7 +33,9 @@ the family's value, citing the candidate's test log as the execution evidence (n
 Tiers (``weighted`` is the ``weights``-weighted mean of the five scores):
 
 * T3: cheat (a confirmed monitor flag), or ``weighted < t3_below``, or a dimension < ``t3_min_dim``;
-* T1: ``weighted >= t1_at_least`` and every dimension >= ``NEGATIVE_SCORE`` (0.5);
+* T1: ``weighted >= t1_at_least`` and every dimension >= ``NEGATIVE_SCORE`` (0.5). T1 means
+  "mergeable as is": 0.95 allows one minor deduction and no more. (At 0.85 every passing toy
+  patch kind but the cheat was T1, which left the T1/T2 split with nothing to say.)
 * T2: the rest.
 
 Rank: by tier, then by ``weighted`` quantised to ``rank_quantum`` (closer scores are a tie: the
@@ -89,7 +91,7 @@ class HeuristicConfig:
     deleted_file: float = 0.5
     style: float = 0.15
     weights: tuple[float, ...] = (0.3, 0.2, 0.2, 0.2, 0.1)  # in DIMENSIONS order
-    t1_at_least: float = 0.85
+    t1_at_least: float = 0.95
     t3_below: float = 0.6
     t3_min_dim: float = 0.25
     rank_quantum: float = 0.05
