@@ -8,9 +8,10 @@ Wires the loop to the policy-update package (``gagar_jax.train.state`` / ``updat
   parameters; ``jit_update`` compiles the update once for the static batch shape;
 * a :class:`~gagar_jax.train.sampling.PackedBatch` ``[G, K, T]`` becomes an ``UpdateBatch``
   (group-major rows ``n = g * K + k``), validated on the host (``check_batch``) and sharded;
-* checkpoints: orbax ``CheckpointManager`` saves of the whole ``TrainState``, waited on before the
-  loop writes its bookkeeping, so a listed step is always complete; restores go onto the live
-  state's shardings.
+* checkpoints: the policy package's :class:`~gagar_jax.train.checkpoint.Checkpointer` (orbax,
+  keep-N, config fingerprint) saves the whole ``TrainState``, waited on before the loop writes
+  its bookkeeping, so a listed step is always complete; restores go onto the live state's
+  shardings.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ class RLState:
     """The sharded ``TrainState``, the jitted update and the checkpoint manager of one run."""
 
     def __init__(self, cfg: RunConfig, model, mesh, ckpt_dir: str):
-        import orbax.checkpoint as ocp
         from flax import nnx
 
+        from gagar_jax.train.checkpoint import Checkpointer
         from gagar_jax.train.state import create_train_state
         from gagar_jax.train.update import jit_update
 
@@ -83,10 +84,9 @@ class RLState:
         self.state = create_train_state(self.model_config, self.config, mesh, seed=cfg.seed,
                                         params=params)
         self.update_fn = jit_update(self.model_config, self.config, mesh)
-        self.manager = ocp.CheckpointManager(
-            os.path.abspath(ckpt_dir),
-            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.loop.keep_checkpoints + 1,
-                                                 create=True))
+        self.checkpointer = Checkpointer(ckpt_dir, model_config=self.model_config,
+                                         update_config=self.config,
+                                         keep=cfg.loop.keep_checkpoints + 1)
 
     @classmethod
     def create(cls, cfg: RunConfig, model, mesh, ckpt_dir: str) -> RLState:
@@ -121,20 +121,13 @@ class RLState:
         return state
 
     def save(self, step: int) -> None:
-        import orbax.checkpoint as ocp
-
-        self.manager.save(step, args=ocp.args.StandardSave(self.state), force=True)
-        self.manager.wait_until_finished()
+        self.checkpointer.save(step, self.state, wait=True)
 
     def restore(self, step: int) -> None:
-        import orbax.checkpoint as ocp
-
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
-        restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
-        self.state = type(self.state)(*restored) if isinstance(restored, (list, tuple)) \
-            else restored
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+        self.state, _ = self.checkpointer.restore(abstract, step)
         self.params_for_sync()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        self.checkpointer.close()
