@@ -320,6 +320,15 @@ def _script_env() -> dict[str, str]:
     return env
 
 
+def _run_model_script(args: list[str], venv, timeout_s: float, out_dir) -> Path:
+    """Runs `scripts/sglang_cpu/make_tiny_model.py ARGS` with the SGLang venv's interpreter."""
+    cmd = [str(sglang_python(venv)), str(DEFAULT_STUB_DIR / "make_tiny_model.py"), *args]
+    res = subprocess.run(cmd, env=_script_env(), capture_output=True, text=True, timeout=timeout_s)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    return Path(out_dir)
+
+
 def make_tiny_model(
     out_dir: str | os.PathLike,
     *,
@@ -334,24 +343,9 @@ def make_tiny_model(
     Runs `scripts/sglang_cpu/make_tiny_model.py` with the SGLang venv's interpreter (it needs torch,
     transformers and tokenizers, which the JAX venv does not have). Returns `out_dir`.
     """
-    python = sglang_python(venv)
-    script = DEFAULT_STUB_DIR / "make_tiny_model.py"
-    cmd = [
-        str(python),
-        str(script),
-        "--out",
-        str(out_dir),
-        "--seed",
-        str(seed),
-        "--vocab-size",
-        str(vocab_size),
-        "--arch",
-        arch,
-    ]
-    res = subprocess.run(cmd, env=_script_env(), capture_output=True, text=True, timeout=timeout_s)
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    return Path(out_dir)
+    args = ["--out", str(out_dir), "--seed", str(seed), "--vocab-size", str(vocab_size),
+            "--arch", arch]
+    return _run_model_script(args, venv, timeout_s, out_dir)
 
 
 def randomize_weights(
@@ -363,22 +357,8 @@ def randomize_weights(
     timeout_s: float = 300.0,
 ) -> Path:
     """Writes a copy of `model_dir` with fresh random weights (same config and tokenizer)."""
-    python = sglang_python(venv)
-    script = DEFAULT_STUB_DIR / "make_tiny_model.py"
-    cmd = [
-        str(python),
-        str(script),
-        "--out",
-        str(out_dir),
-        "--seed",
-        str(seed),
-        "--like",
-        str(model_dir),
-    ]
-    res = subprocess.run(cmd, env=_script_env(), capture_output=True, text=True, timeout=timeout_s)
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    return Path(out_dir)
+    args = ["--out", str(out_dir), "--seed", str(seed), "--like", str(model_dir)]
+    return _run_model_script(args, venv, timeout_s, out_dir)
 
 
 if __name__ == "__main__":  # python -m gagar_jax.rollout.sglang_server MODEL_DIR [PORT]

@@ -457,15 +457,21 @@ def _cgroup_pids(d: str) -> list[int]:
         return []
 
 
-def _kill_cgroup(d: str) -> None:
+def _kill_all(list_pids) -> None:
+    """SIGKILLs what `list_pids()` returns until it returns nothing (at most 200 rounds: a
+    process may fork between listing and killing)."""
     for _ in range(200):
-        pids = _cgroup_pids(d)
+        pids = list_pids()
         if not pids:
             return
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.005)
+
+
+def _kill_cgroup(d: str) -> None:
+    _kill_all(lambda: _cgroup_pids(d))
 
 
 def _uid_pids(uid: int, zombies: bool = False) -> list[int]:
@@ -496,14 +502,7 @@ def _kill_uid(uid: int, reap_wait_s: float = 0.0) -> bool:
     """SIGKILLs every process of ``uid``; then waits up to ``reap_wait_s`` for their zombies to
     be reaped (zombies count against RLIMIT_NPROC of the next run in this slot). Returns whether
     the uid ended with no process at all."""
-    for _ in range(200):
-        pids = _uid_pids(uid)
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.005)
+    _kill_all(lambda: _uid_pids(uid))
     deadline = time.monotonic() + reap_wait_s
     while _uid_pids(uid, zombies=True):
         if time.monotonic() > deadline:
