@@ -100,8 +100,24 @@ class Attempt:
     env: Any = None
 
     def trajectory(self) -> list[dict[str, Any]]:
-        """Grader-readable events of an episode (empty for single-turn rollouts)."""
-        return [] if self.episode is None else self.episode.trajectory()
+        """The episode as trajectory events (``grading.TrajectoryEvent`` fields ``turn``,
+        ``kind``, ``text``, ``tokens``): per turn a ``tool_call`` (a parsed call) or ``action``
+        event with the model's text and token count, then the ``observation``; empty for
+        single-turn rollouts. The grader cites these by index; the monitor reads the actions."""
+        if self.episode is None:
+            return []
+        events: list[dict[str, Any]] = []
+        for t in self.episode.turns:
+            kind = "tool_call" if t.info.get("tool") is not None else "action"
+            events.append({"turn": t.index, "kind": kind, "text": t.action_text,
+                           "tokens": t.model_span[1] - t.model_span[0]})
+            events.append({"turn": t.index, "kind": "observation", "text": t.observation,
+                           "tokens": 0})
+        return events
+
+    def summary(self) -> str:
+        """One line per turn (the episode's turn summaries); "" for single-turn rollouts."""
+        return "" if self.episode is None else "\n".join(self.episode.summaries())
 
 
 @dataclasses.dataclass(frozen=True)
