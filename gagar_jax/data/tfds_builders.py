@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from gagar_jax.envs.toy import ToyTask, ToyTaskGenerator
 from gagar_jax.envs.repo import RepoTask
+from gagar_jax.envs.toy import ToyTask, ToyTaskGenerator
 
 TEST_SEED_OFFSET = 1_000_003
 REPO_SPLITS = ("train", "validation", "test")
