@@ -79,6 +79,7 @@ class SGLangEngine:
         self.path: str | None = None  # the directory of that version
         self.metrics: collections.Counter[str] = collections.Counter()
         self._cond = threading.Condition()
+        self._weights = threading.RLock()  # one weight operation at a time (sync, repush)
         self._paused = False
         self._inflight = 0
 
@@ -143,11 +144,12 @@ class SGLangEngine:
     def _repush_if_behind(self, sample: Sample) -> None:
         """A worker serving other weights than ours (e.g. restarted from its launch
         checkpoint): push the current version again (every worker)."""
-        if self.path is None or self.version is None:
-            return
-        self.metrics["repushes"] += 1
-        self.client.update_weights_from_disk(self.path, self.version)
-        self._flush()
+        with self._weights:  # after a concurrent sync: push what is current now
+            if self.path is None or self.version is None:
+                return
+            self.metrics["repushes"] += 1
+            self.client.update_weights_from_disk(self.path, self.version)
+            self._flush()
 
     # ---- weight sync -----------------------------------------------------------------------
     def _drain(self) -> None:
@@ -215,18 +217,19 @@ class SGLangEngine:
             else:
                 path = self._export(params_or_path, version)
             last: Exception | None = None
-            for _ in range(self.max_sync_attempts):
-                try:
-                    got = self.client.update_weights_from_disk(path, version)
-                    self._flush()
-                    self.version, self.path = got, path
-                    self.metrics["syncs"] += 1
-                    self._prune()
-                    return got
-                except SGLangError as e:
-                    last = e
-                    self.metrics["sync_failures"] += 1
-                    self._rollback()
+            with self._weights:
+                for _ in range(self.max_sync_attempts):
+                    try:
+                        got = self.client.update_weights_from_disk(path, version)
+                        self._flush()
+                        self.version, self.path = got, path
+                        self.metrics["syncs"] += 1
+                        self._prune()
+                        return got
+                    except SGLangError as e:
+                        last = e
+                        self.metrics["sync_failures"] += 1
+                        self._rollback()
             raise WeightSyncError(
                 f"weight sync to version {version} failed {self.max_sync_attempts} times at "
                 f"{self.client.base_url}; rolled back to {self.version}: {last}")
