@@ -129,12 +129,13 @@ def build_policy(cfg: RunConfig, *, vocab_size: int, workdir: str) -> Policy:
     return Policy(cfg, vocab_size=vocab_size, workdir=workdir)
 
 
-def build_engine(cfg: RunConfig, policy: Policy, *, workdir: str):
-    """The embedded sampler over the policy model, or an SGLang client (health-checked)."""
+def build_engine(cfg: RunConfig, policy: Policy, *, workdir: str, pad_id: int = 0):
+    """The embedded sampler over the policy model (``pad_id``: the tokenizer's), or an SGLang
+    client (health-checked)."""
     if cfg.rollout.engine == "embedded":
         from gagar_jax.rollout.sampler import Sampler
 
-        return Sampler(policy.model, pad_id=0, seed=cfg.seed)
+        return Sampler(policy.model, pad_id=pad_id, seed=cfg.seed)
     return SGLangEngine(cfg, policy, workdir=workdir)
 
 
@@ -178,8 +179,11 @@ class SGLangEngine:
         return self.client.sync_weights(path, version)
 
 
-def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=None):
+def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=None,
+                       check_runner=None):
     """The grading pool with the configured grader (or ``grader`` when given).
+
+    ``check_runner``: the task family's targeted-check runner for the agentic grader.
 
     ``cache_path``: the pool's persisted verdict cache (JSON lines, reloaded at start), so a
     resumed run does not re-grade groups it already graded.
@@ -193,12 +197,10 @@ def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=
         grader = HeuristicGrader()
     else:
         from gagar_jax.grading import AgenticGrader
-        from gagar_jax.grading.adapters import ToyCheckRunner
         from gagar_jax.rollout import SGLangClient
 
         # An unreachable grader server is not fatal: each group falls back (grader_error or
         # deadline, counted) and training continues on the original advantages.
-        grader = AgenticGrader(SGLangClient(cfg.grading.sglang_url),
-                               check_runner=ToyCheckRunner())
+        grader = AgenticGrader(SGLangClient(cfg.grading.sglang_url), check_runner=check_runner)
     return GradingPool(grader, max_concurrency=cfg.grading.max_concurrency,
                        deadline_s=cfg.grading.deadline_s, cache=cache_path)
