@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gagar_jax.data import audit as A
-from gagar_jax.verify.repo import RepoTask
+from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify.sandbox import Limits
 
 FAST = Limits(wall_s=60, cpu_s=60, memory_bytes=1 << 30, nproc=64)

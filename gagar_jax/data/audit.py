@@ -124,7 +124,7 @@ class AuditReport:
 
 
 def _as_task(task: Any):
-    from gagar_jax.verify.repo import RepoTask
+    from gagar_jax.envs.repo import RepoTask
 
     if isinstance(task, RepoTask):
         return task
