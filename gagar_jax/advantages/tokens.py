@@ -330,7 +330,10 @@ def token_gini(values: Array, mask: Array) -> Array:
     xs = jnp.where(live, xs, 0.0)
     total = jnp.sum(xs, axis=-1)
     num = jnp.sum((2.0 * i - n[..., None] - 1.0) * xs, axis=-1)
-    ok = (n >= 2) & (total > 0)
+    hi = jnp.max(jnp.where(mask, x, -jnp.inf), axis=-1, initial=-jnp.inf)
+    lo = jnp.min(x, axis=-1, initial=jnp.inf)
+    # A constant row is exactly 0 (the float sum above may leave a 1e-10 residue).
+    ok = (n >= 2) & (total > 0) & (hi > lo)
     # Rows without spread divide by 1 and report 0.
     return jnp.where(ok, num / jnp.where(ok, n * total, 1.0), 0.0)
 
