@@ -118,3 +118,54 @@ def test_heuristic_verdict_evidence_moves_credit_off_the_cited_line():
             assert share_after < share_before
             np.testing.assert_allclose(out[0].mean(), 0.5, rtol=1e-5)
     assert hits >= 3
+
+
+def test_loop_attaches_cited_tokens_and_packs_them_at_the_response_positions():
+    from gagar_jax.train.loop import attach_verdicts
+    from gagar_jax.train.run_config import RolloutConfig, TaskConfig
+    from gagar_jax.train.sampling import Group, pack_groups
+    from gagar_jax.train.tasks import ToyTaskPool
+
+    pool = ToyTaskPool(TaskConfig(num_train=4), RolloutConfig(max_prompt_len=64))
+    task = pool.train_task(0)
+    kinds = candidate_patches(task)
+    names = [k for k in ("minimal", "sprawling", "inconsistent", "wrong") if k in kinds]
+    prompt = pool.prompt_tokens(task)
+    rollouts = []
+    for k in names:
+        resp = TOKENIZER.encode(kinds[k]) + [EOS]
+        sample = type(
+            "S",
+            (),
+            dict(tokens=resp, logprobs=[-0.5] * len(resp), finish_reason="stop", policy_version=0),
+        )
+        rollouts.append(pool.make_rollout(task, prompt, sample))
+    group = Group(group_id="g0", task=task, rollouts=rollouts)
+    ws = pool.workspace(group)
+    verdict = schema.validate(HeuristicGrader().grade(ws), ws)
+    res = schema.GradeResult.accepted(ws, verdict)
+    attach_verdicts([group], [res], len(rollouts), token_spans=pool.token_spans)
+    assert group.evidence is not None and len(group.evidence) == len(rollouts)
+    batch = pack_groups(
+        [group],
+        num_groups=2,
+        num_rollouts=len(rollouts),
+        max_prompt_len=64,
+        max_new_tokens=48,
+        pad_id=TOKENIZER.pad_id,
+    )
+    cited = 0
+    for k, r in enumerate(rollouts):
+        cid = ws.candidates[k].candidate_id
+        spans = pool.token_spans(task, r.response_tokens)
+        j = verdict.judgement(cid)
+        want = np.zeros(len(r.response_tokens), bool)
+        if j is not None:
+            want = evidence_tokens.evidence_token_mask(j.evidence, cid, spans)
+        row = batch.evidence[0, k]
+        P = len(prompt)
+        np.testing.assert_array_equal(row[P : P + len(want)], want)
+        assert not row[:P].any() and not row[P + len(want) :].any()
+        cited += int(want.sum())
+    assert cited > 0  # the heuristic grader cited at least one line of these patches
+    assert not batch.evidence[1].any()  # the padding group

@@ -171,8 +171,13 @@ def generate_groups(engine, pool, tasks, *, cfg: RunConfig, step: int, round_id:
     return groups
 
 
-def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str, float]:
+def attach_verdicts(groups: list[Group], results: list[Any], K: int, *,
+                    token_spans=None) -> dict[str, float]:
     """Copies the grading pool's results into the groups; returns grading metrics.
+
+    With ``token_spans(task, response_tokens) -> TokenSpans`` (the task pool's), each rollout
+    of a graded group also gets the mask of its response tokens that its judgement's evidence
+    cites (``Group.evidence``; token-level credit and its metrics read it).
 
     ``results[i]`` is the ``GradeResult`` of ``groups[i]``: a verdict (tier/rank per passing
     candidate) or ``None`` with a ``fallback_reason``. T1 share is over the test-passing
@@ -189,6 +194,9 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
         g.rank = [int(x) for x in rank[gi][:len(g.rollouts)]]
         g.grader_cheat = [bool(x) for x in cheat[gi][:len(g.rollouts)]]
         g.fallback_reason = getattr(res, "fallback_reason", None)
+        verdict = getattr(res, "verdict", None)
+        if token_spans is not None and g.graded and verdict is not None:
+            g.evidence = _evidence_masks(g, res, verdict, token_spans)
         if not g.graded:
             fallbacks += 1
             key = str(getattr(g.fallback_reason, "value", g.fallback_reason) or "unknown")
@@ -213,6 +221,18 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
     for reason, n in reasons.items():
         out[f"grading_fallback_{reason}"] = float(n)
     return out
+
+
+def _evidence_masks(g: Group, res: Any, verdict: Any, token_spans) -> list[Any]:
+    """Per rollout slot, the response-token mask its judgement's evidence cites."""
+    from gagar_jax.grading import evidence_tokens
+
+    ids = list(getattr(res, "candidate_ids", ()))
+    spans = {cid: token_spans(g.task, r.response_tokens)
+             for cid, r in zip(ids, g.rollouts)}
+    masks = evidence_tokens.verdict_token_masks(verdict, spans)
+    return [masks.get(cid) for cid in ids[:len(g.rollouts)]] + [None] * (len(g.rollouts)
+                                                                       - len(ids))
 
 
 def evaluate(engine, pool, cfg: RunConfig, *, step: int) -> dict[str, float]:
@@ -262,7 +282,8 @@ def collect_step(engine, pool, grading_pool, stream: TaskStream, ls: LoopState, 
     grading_m: dict[str, float] = {}
     if cfg.grading.enabled and sres.groups:
         results = grading_pool.results(submitted, timeout=cfg.grading.deadline_s)
-        grading_m = attach_verdicts(sres.groups, results, K)
+        grading_m = attach_verdicts(sres.groups, results, K,
+                                    token_spans=getattr(pool, "token_spans", None))
     return sres, counters, grading_m, t_wait
 
 

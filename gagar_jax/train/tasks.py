@@ -117,6 +117,12 @@ class ToyTaskPool:
                 out.append((prompt, response))
         return out
 
+    def token_spans(self, task, response_tokens):
+        """Where a rollout's edits live in its response tokens (``grading.evidence_tokens``)."""
+        from gagar_jax.grading import evidence_tokens
+
+        return evidence_tokens.toy_token_spans(task, response_tokens, self.tokenizer)
+
     def workspace(self, group: Group):
         """The grading workspace of one group (``gagar_jax.grading.adapters``: each line-edit
         patch rendered as a unified diff of ``program.toy``, with its test log, monitor flags
