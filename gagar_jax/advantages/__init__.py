@@ -16,6 +16,7 @@ from gagar_jax.advantages.estimators import (
     penalize_cheats,
     rloo,
 )
+from gagar_jax.advantages.multiturn import BASELINES, per_turn_advantages, turns_to_tokens
 from gagar_jax.advantages.pipeline import ESTIMATORS, GagarConfig, GagarOutput, gagar_advantages
 from gagar_jax.advantages.redistribution import (
     MODES,
@@ -40,6 +41,7 @@ from gagar_jax.advantages.tokens import (
 )
 
 __all__ = [
+    "BASELINES",
     "ESTIMATORS",
     "IMPORTANCE_PROVIDERS",
     "MODES",
@@ -70,6 +72,8 @@ __all__ = [
     "mean_centered",
     "mixed_groups",
     "penalize_cheats",
+    "per_turn_advantages",
+    "turns_to_tokens",
     "redistribute",
     "rloo",
 ]
