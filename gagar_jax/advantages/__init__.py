@@ -17,9 +17,15 @@ from gagar_jax.advantages.estimators import (
     rloo,
 )
 from gagar_jax.advantages.multiturn import BASELINES, per_turn_advantages, turns_to_tokens
-from gagar_jax.advantages.pipeline import ESTIMATORS, GagarConfig, GagarOutput, gagar_advantages
+from gagar_jax.advantages.pipeline import (
+    ESTIMATORS,
+    GagarConfig,
+    GagarOutput,
+    gagar_advantages,
+)
 from gagar_jax.advantages.redistribution import (
     MODES,
+    REDISTRIBUTION_MODES,
     CreditBalance,
     broadcast_to_tokens,
     credit_balance,
@@ -46,6 +52,7 @@ __all__ = [
     "IMPORTANCE_PROVIDERS",
     "MODES",
     "NUM_TIERS",
+    "REDISTRIBUTION_MODES",
     "CreditBalance",
     "Factors",
     "GagarConfig",
