@@ -121,30 +121,36 @@ def test_heuristic_verdict_evidence_moves_credit_off_the_cited_line():
 
 
 def test_loop_attaches_cited_tokens_and_packs_them_at_the_response_positions():
-    from gagar_jax.train.loop import attach_verdicts
-    from gagar_jax.train.run_config import RolloutConfig, TaskConfig
+    from gagar_jax.envs.family import Attempt, FamilySettings, make_family
+    from gagar_jax.train.loop import _rollout, attach_verdicts, group_workspace
     from gagar_jax.train.sampling import Group, pack_groups
-    from gagar_jax.train.tasks import ToyTaskPool
 
-    pool = ToyTaskPool(TaskConfig(num_train=4), RolloutConfig(max_prompt_len=64))
-    task = pool.train_task(0)
+    family = make_family("toy", FamilySettings(num_train=4, max_prompt_len=64))
+    task = family.train_task(0)
     kinds = candidate_patches(task)
     names = [k for k in ("minimal", "sprawling", "inconsistent", "wrong") if k in kinds]
-    prompt = pool.prompt_tokens(task)
+    prompt = family.prompt_tokens(task)
     rollouts = []
     for k in names:
         resp = TOKENIZER.encode(kinds[k]) + [EOS]
-        sample = type(
-            "S",
-            (),
-            dict(tokens=resp, logprobs=[-0.5] * len(resp), finish_reason="stop", policy_version=0),
+        attempt = Attempt(response_tokens=resp, text=TOKENIZER.decode(resp))
+        rollouts.append(
+            _rollout(
+                family,
+                task,
+                prompt,
+                attempt,
+                response_tokens=resp,
+                logprobs=[-0.5] * len(resp),
+                finish_reason="stop",
+                policy_version=0,
+            )
         )
-        rollouts.append(pool.make_rollout(task, prompt, sample))
     group = Group(group_id="g0", task=task, rollouts=rollouts)
-    ws = pool.workspace(group)
+    ws = group_workspace(family, group)
     verdict = schema.validate(HeuristicGrader().grade(ws), ws)
     res = schema.GradeResult.accepted(ws, verdict)
-    attach_verdicts([group], [res], len(rollouts), token_spans=pool.token_spans)
+    attach_verdicts([group], [res], len(rollouts), token_spans=family.token_spans)
     assert group.evidence is not None and len(group.evidence) == len(rollouts)
     batch = pack_groups(
         [group],
@@ -157,7 +163,7 @@ def test_loop_attaches_cited_tokens_and_packs_them_at_the_response_positions():
     cited = 0
     for k, r in enumerate(rollouts):
         cid = ws.candidates[k].candidate_id
-        spans = pool.token_spans(task, r.response_tokens)
+        spans = family.token_spans(task, r.attempt)
         j = verdict.judgement(cid)
         want = np.zeros(len(r.response_tokens), bool)
         if j is not None:

@@ -8,7 +8,9 @@
    each accumulating gradients over ``num_microbatches`` micro-batches (an inner ``lax.scan``);
    the split is *strided* (mini-batch ``m`` holds sequences ``m, m + M, ...``) so every device
    keeps a share of every mini-batch when the sequence axis is sharded;
-3. per micro-batch: forward, per-token log-probs/entropy, and the clipped loss, with the
+3. per micro-batch: forward, per-token log-probs/entropy of ``softmax(logits / temperature)``
+   (the sampling temperature is part of the policy: ``UpdateConfig.temperature``, set from
+   ``rollout.temperature``), and the clipped loss, with the
    sequence advantage ``[b]`` broadcast over tokens inside the fused loss expression (no
    ``[N, T]`` advantage array); normalisers are the mini-batch's token and sequence counts, so
    the accumulated loss is the mini-batch token mean (see ``gagar_jax.losses``). With
@@ -163,6 +165,8 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     def loss_fn(params, mb, num_tokens, num_seqs):
         model = nnx.merge(graphdef, params)
         logits = model(mb["tokens"], mb["positions"], attention_mask=mb["attention_mask"])
+        # The behaviour policy sampled from softmax(logits / T): score the same distribution.
+        logits = logits.astype(jnp.float32) / config.temperature
         # Targets shifted left by one; the logits are consumed whole (no sliced [b, T-1, V]
         # copy) and only the [b, T] results drop their last column.
         next_tokens = jnp.roll(mb["tokens"], -1, axis=1)
@@ -188,7 +192,11 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         if token_keys:
             extra = _token_metrics(advantages, mb["advantages"], mask, evidence, logprobs,
                                    mb["old_logprobs"][:, 1:], config, num_tokens, num_seqs)
-        return terms.loss, (terms, extra)
+        # training-inference mismatch: |trainer log-prob - engine log-prob| on the engine's own
+        # tokens (meaningful at the first optimizer step, before the parameters move)
+        diff = jnp.abs(logprobs - mb["old_logprobs"][:, 1:])
+        max_diff = jnp.max(jnp.where(mb["response_mask"][:, 1:], diff, 0.0), initial=0.0)
+        return terms.loss, (terms, extra, jax.lax.stop_gradient(max_diff))
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -200,19 +208,22 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         num_seqs = jnp.sum(jnp.any(mask, axis=-1).astype(jnp.float32))
 
         def micro(acc, mb):
-            (_, aux), grads = grad_fn(params, mb, num_tokens, num_seqs)
-            return jax.tree.map(jnp.add, acc, (grads, aux)), None
+            (_, (terms, extra, max_diff)), grads = grad_fn(params, mb, num_tokens, num_seqs)
+            acc_gt, acc_diff = acc
+            return (jax.tree.map(jnp.add, acc_gt, (grads, terms, extra)),
+                    jnp.maximum(acc_diff, max_diff)), None
 
         zero = jnp.zeros((), jnp.float32)
-        zeros = (jax.tree.map(jnp.zeros_like, params),
-                 (PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields))),
-                  {k: zero for k in token_keys}))
-        (grads, (terms, extra)), _ = jax.lax.scan(micro, zeros, mb_all)
+        zeros = ((jax.tree.map(jnp.zeros_like, params),
+                  PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields))),
+                  {k: zero for k in token_keys}), zero)
+        ((grads, terms, extra), max_diff), _ = jax.lax.scan(micro, zeros, mb_all)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         out = dict(terms._asdict(), **extra, grad_norm=grad_norm,
-                   learning_rate=schedule(opt_step), tokens=num_tokens)
+                   learning_rate=schedule(opt_step), tokens=num_tokens,
+                   logprob_max_abs_diff=max_diff)
         return (params, opt_state, opt_step + 1), out
 
     steps_per_update = config.optimizer_steps_per_update
@@ -224,6 +235,11 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     if token_keys:
         metrics.update(_token_metric_ratios(per_step))
     metrics["pg_loss_first"] = per_step["pg_loss"][0]  # on-policy value of the first step
+    # first optimizer step: on-policy, so ratio 1 and k3 KL 0 unless the update scores another
+    # distribution than the sampler's (the temperature check)
+    metrics["ratio_mean_first"] = per_step["ratio_mean"][0]
+    metrics["approx_kl_first"] = per_step["approx_kl"][0]
+    metrics["logprob_max_abs_diff_first"] = per_step["logprob_max_abs_diff"][0]
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
     metrics["learning_rate"] = per_step["learning_rate"][-1]
     metrics["tokens"] = jnp.sum(resp[:, 1:].astype(jnp.float32))
