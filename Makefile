@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup system-deps sglang-venv test lint train compare example bench clean
+.PHONY: setup system-deps sglang-venv test lint train compare feedback-compare example bench e2e clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,18 @@ compare: setup
 	  XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py:$$m --workdir=$(COMPARE)/$$m || exit 1; \
 	done
 	$(PY) scripts/compare_runs.py --workdirs=$(COMPARE)/gagar,$(COMPARE)/binary,$(COMPARE)/discount_only --out=$(COMPARE)
+
+# End to end with a real SGLang server in the loop (scripts/e2e.py): tiny random Qwen2 + local
+# BPE tokenizer, the fixture repositories, SFT warm start on tool-call demonstrations, 3 RL steps
+# of configs/swe_agent.py:smoke, SIGKILL after a checkpoint and resume; into runs/e2e/.
+e2e: setup system-deps sglang-venv
+	$(PY) scripts/e2e.py --out=runs/e2e
+
+# The feedback study: sft, rw_sft, span_kto, sft_drop_negative, sft_penalize_negative x 3 seeds on
+# one shared simulated-user feedback dataset -> runs/feedback_compare/comparison.{md,png}.
+FEEDBACK_OUT ?= runs/feedback_compare
+feedback-compare: setup
+	XLA_FLAGS= $(PY) scripts/feedback_compare.py --out=$(FEEDBACK_OUT) --seeds=0,1,2
 
 example: setup
 	$(PY) scripts/gagar_example.py

@@ -289,6 +289,24 @@ def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_i
     return groups
 
 
+def rollout_metrics(groups: list[Group], update_m: dict[str, float],
+                    weight_version: int) -> dict[str, float]:
+    """``rollout/weight_version`` (what the engine reports after this step's sync) and the
+    training-inference mismatch on this step's batch: the trainer's log-probs of the engine's
+    own tokens (recomputed by the update at its first optimizer step, before the parameters
+    move, at the sampling temperature) against the engine's behaviour log-probs, as the k3 KL
+    estimate and the largest absolute difference. ~0 for the embedded sampler (same program);
+    small but non-zero for SGLang (other kernels)."""
+    versions = [r.policy_version for g in groups for r in g.rollouts if not r.infra_error]
+    return {
+        "rollout/weight_version": float(weight_version),
+        "rollout/sample_version_min": float(min(versions)) if versions else math.nan,
+        "rollout/logprob_mismatch_k3": update_m.get("approx_kl_first", math.nan),
+        "rollout/logprob_mismatch_max_abs": update_m.get("logprob_max_abs_diff_first",
+                                                         math.nan),
+    }
+
+
 def group_workspace(family, group: Group):
     """The grading workspace of one group, built by its family."""
     from gagar_jax.envs.family import Attempt, GroupMember, Outcome
@@ -494,7 +512,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             if primary:
                 store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
 
-        engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+        weight_version = engine.sync_weights(policy.params_for_sync(), ls.policy_version)
         if ls.step == 0 and cfg.loop.total_steps > 0 and family.eval_tasks():
             m = evaluate(engine, family, cfg, step=0)
             writer.write(0, m, phase="eval")
@@ -510,7 +528,10 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                                 max_new_tokens=cfg.rollout.max_new_tokens, pad_id=tok.pad_id)
             update_m = policy.update(batch, step=step)
             ls.policy_version += 1
-            engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+            weight_version = engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+            if weight_version != ls.policy_version:
+                raise RuntimeError(f"rollout engine reports weight version {weight_version} "
+                                   f"after syncing version {ls.policy_version} (step {step})")
             ls.step = step + 1
             t_end = time.monotonic()
 
@@ -520,6 +541,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             for k, v in _update_metric_aliases(update_m).items():
                 # the update's figures cover the kept batch; ours all drawn rollouts
                 m[f"update/{k}" if k in m else k] = v
+            m.update(rollout_metrics(sres.groups, update_m, weight_version))
             m.update(grade_wait_s=t_update - t_wait, update_time_s=t_end - t_update,
                      step_time_s=t_end - t_step, policy_version=float(ls.policy_version),
                      data_position=float(ls.data_position))

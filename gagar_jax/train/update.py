@@ -155,7 +155,11 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
             aggregation=config.aggregation, kl_coef=config.kl_coef,
             kl_estimator=config.kl_estimator, entropy_coef=config.entropy_coef,
             num_tokens=num_tokens, num_seqs=num_seqs)
-        return terms.loss, terms
+        # training-inference mismatch: |trainer log-prob - engine log-prob| on the engine's own
+        # tokens (meaningful at the first optimizer step, before the parameters move)
+        diff = jnp.abs(logprobs - mb["old_logprobs"][:, 1:])
+        max_diff = jnp.max(jnp.where(mb["response_mask"][:, 1:], diff, 0.0), initial=0.0)
+        return terms.loss, (terms, jax.lax.stop_gradient(max_diff))
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -167,18 +171,20 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         num_seqs = jnp.sum(jnp.any(mask, axis=-1).astype(jnp.float32))
 
         def micro(acc, mb):
-            (_, terms), grads = grad_fn(params, mb, num_tokens, num_seqs)
-            return jax.tree.map(jnp.add, acc, (grads, terms)), None
+            (_, (terms, max_diff)), grads = grad_fn(params, mb, num_tokens, num_seqs)
+            acc_gt, acc_diff = acc
+            return (jax.tree.map(jnp.add, acc_gt, (grads, terms)),
+                    jnp.maximum(acc_diff, max_diff)), None
 
         zero = jnp.zeros((), jnp.float32)
-        zeros = (jax.tree.map(jnp.zeros_like, params),
-                 PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields))))
-        (grads, terms), _ = jax.lax.scan(micro, zeros, mb_all)
+        zeros = ((jax.tree.map(jnp.zeros_like, params),
+                  PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields)))), zero)
+        ((grads, terms), max_diff), _ = jax.lax.scan(micro, zeros, mb_all)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         out = dict(terms._asdict(), grad_norm=grad_norm, learning_rate=schedule(opt_step),
-                   tokens=num_tokens)
+                   tokens=num_tokens, logprob_max_abs_diff=max_diff)
         return (params, opt_state, opt_step + 1), out
 
     steps_per_update = config.optimizer_steps_per_update
@@ -192,6 +198,7 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     # distribution than the sampler's (the temperature check)
     metrics["ratio_mean_first"] = per_step["ratio_mean"][0]
     metrics["approx_kl_first"] = per_step["approx_kl"][0]
+    metrics["logprob_max_abs_diff_first"] = per_step["logprob_max_abs_diff"][0]
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
     metrics["learning_rate"] = per_step["learning_rate"][-1]
     metrics["tokens"] = jnp.sum(resp[:, 1:].astype(jnp.float32))
