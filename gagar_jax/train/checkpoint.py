@@ -148,7 +148,8 @@ class Checkpointer:
                 "allow_config_change=True to override)")
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state)))["state"]
-        state = TrainState(*restored) if not isinstance(restored, TrainState) else restored
+        kind = type(abstract_state)  # TrainState, or another NamedTuple state (feedback)
+        state = restored if isinstance(restored, kind) else kind(*restored)
         return state, ResumeInfo(step=step, data_position=meta["data_position"],
                                  fingerprint=meta["fingerprint"], extra=meta.get("extra", {}))
 
