@@ -573,6 +573,7 @@ def run_sandboxed(
     config: SandboxConfig | None = None,
     env: Mapping[str, str] | None = None,
     ro_paths: Sequence[str] = (),
+    pass_fds: Sequence[int] = (),
 ) -> SandboxResult:
     """Runs untrusted ``argv`` in ``workdir`` under the strongest available isolation.
 
@@ -585,6 +586,8 @@ def run_sandboxed(
       env: extra environment variables (the environment is otherwise cleared).
       ro_paths: host paths made visible read-only at the same path (bwrap only), e.g. the
         site-packages that holds pytest. Each must be readable by an unprivileged uid.
+      pass_fds: descriptors the command inherits at the same numbers (e.g. the write end of a
+        pipe the caller reads: an outcome channel with no path the code could reopen).
 
     Returns:
       SandboxResult. Problems of the sandbox itself come back as ``status="infra_error"`` with
@@ -613,7 +616,8 @@ def run_sandboxed(
     except (OSError, TimeoutError) as e:
         return infra(f"slot: {e}")
     try:
-        return _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra)
+        return _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra,
+                            tuple(pass_fds))  # fmt: skip
     finally:
         slot_cm.__exit__(None, None, None)
 
@@ -660,7 +664,7 @@ def _disk_exceeded(workdir: str, limits: Limits) -> bool:
 _DISK_POLL_S = 0.1
 
 
-def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra):
+def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra, fds=()):
     uid = config.uid_base + slot
     use_uid = _is_root() and mechanism != "none"
     parent = os.path.dirname(workdir)
@@ -699,7 +703,7 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                     proc = subprocess.Popen(
                         chain, cwd=workdir, stdin=marker_w, stdout=out, stderr=err,
                         env=_base_env(workdir, mechanism, env), start_new_session=True,
-                        close_fds=True, pass_fds=() if sec_fd is None else (sec_fd,),
+                        close_fds=True, pass_fds=fds + (() if sec_fd is None else (sec_fd,)),
                     )  # fmt: skip
                 except OSError as e:
                     return infra(f"could not start {chain[0]}: {e}", t0)
