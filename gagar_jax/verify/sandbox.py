@@ -87,6 +87,7 @@ SANDBOX_WORKDIR = "/workdir"  # where the workdir appears inside bwrap
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _CGROUP_PARENT = "gagar_jax_sandbox"
 _SLOT_DIR = "/tmp/gagar_jax_sandbox_slots"
+_VIEW_DIR = "/tmp/gagar_jax_sandbox_view"  # empty; a run's private binds are mounted over it
 _MAX_LEFTOVER = 4  # processes (zombies) a slot's uid may still hold when a run starts
 _SYSTEM_RO = ("/usr", "/etc", "/bin", "/lib", "/lib64", "/lib32", "/sbin")
 
@@ -333,6 +334,22 @@ def _chain(
     seccomp_fd: int | None = None,
 ) -> list[str]:
     chain: list[str] = []
+    sources = {p: p for p in ro_paths}
+    sources[workdir] = workdir
+    private = [p for p in sources if mechanism.startswith("bwrap") and not _open_to_others(p)]
+    if private and _is_root():
+        # bwrap (run as the slot uid) resolves each bind source itself, so a directory under a
+        # private 0700 ancestor (a home directory) cannot be bound. Root binds those onto a
+        # traversable view first, in a mount namespace of this run only; then only the files'
+        # own permissions matter.
+        script = [f"mount -t tmpfs -o size=65536,mode=0755 gagar-view {_VIEW_DIR}"]
+        for i, p in enumerate(private):
+            view = f"{_VIEW_DIR}/{i}"
+            script += [f"mkdir {view}", f"mount --bind {shlex.quote(p)} {view}"]
+            sources[p] = view
+        script_text = " && ".join(script) + ' && exec "$@"'
+        chain += [_which("unshare") or "unshare", "-m", "--propagation", "private", "--",
+                  "/bin/sh", "-c", script_text, "sandbox-binds"]  # fmt: skip
     if cgroups:
         joins = " && ".join(
             f"echo $$ > {shlex.quote(d + '/cgroup.procs')}" for d in cgroups.values()
@@ -369,8 +386,8 @@ def _chain(
         if seccomp_fd is not None:
             chain += ["--seccomp", str(seccomp_fd)]
         for p in ro_paths:  # after the tmpfs, or a path under /tmp would be hidden by it
-            chain += ["--ro-bind", p, p]
-        chain += ["--bind", workdir, SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR, "--"]
+            chain += ["--ro-bind", sources[p], p]
+        chain += ["--bind", sources[workdir], SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR, "--"]
     elif mechanism == "unshare":
         # --mount-proc: /proc shows only the new PID namespace, so the code cannot name (ptrace,
         # pidfd_getfd) the unshare process outside it that holds the start marker.
@@ -585,7 +602,8 @@ def run_sandboxed(
       config: mechanism choice and slot settings (``SandboxConfig()`` defaults).
       env: extra environment variables (the environment is otherwise cleared).
       ro_paths: host paths made visible read-only at the same path (bwrap only), e.g. the
-        site-packages that holds pytest. Each must be readable by an unprivileged uid.
+        site-packages that holds pytest. Their files must be readable by an unprivileged uid;
+        under bwrap (as root) a private 0700 ancestor does not matter (see ``_chain``).
       pass_fds: descriptors the command inherits at the same numbers (e.g. the write end of a
         pipe the caller reads: an outcome channel with no path the code could reopen).
 
@@ -668,7 +686,7 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
     uid = config.uid_base + slot
     use_uid = _is_root() and mechanism != "none"
     parent = os.path.dirname(workdir)
-    while use_uid and parent != "/":
+    while use_uid and not mechanism.startswith("bwrap") and parent != "/":
         if not os.stat(parent).st_mode & stat.S_IXOTH:
             return infra(f"workdir ancestor {parent} is not traversable (o+x) by the sandbox uid")
         parent = os.path.dirname(parent)
@@ -676,6 +694,8 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
         if use_uid:
             _kill_uid(uid)  # a previous holder's leftovers (should be none)
             _chown_tree(workdir, uid)
+            if mechanism.startswith("bwrap"):
+                os.makedirs(_VIEW_DIR, mode=0o755, exist_ok=True)
         cgroups = _prepare_cgroups(uid, limits) if mechanism == "bwrap+cgroup" else None
     except OSError as e:
         return infra(f"preparing the slot: {e}")
@@ -859,8 +879,9 @@ def _verdict(
                          mechanism, ISOLATION[mechanism], tuple(hits), error)  # fmt: skip
 
 
-def _open_to_others(path: str) -> bool:
-    """Whether an unprivileged uid can read and enter/execute ``path`` (o+rx, o+x on ancestors)."""
+def _open_to_others(path: str, own_only: bool = False) -> bool:
+    """Whether an unprivileged uid can read and enter/execute ``path`` (o+rx, o+x on ancestors
+    unless ``own_only``)."""
     path = os.path.realpath(path)
     try:
         st = os.stat(path)
@@ -868,6 +889,8 @@ def _open_to_others(path: str) -> bool:
         return False
     if st.st_mode & (stat.S_IROTH | stat.S_IXOTH) != stat.S_IROTH | stat.S_IXOTH:
         return False
+    if own_only:
+        return True
     parent = os.path.dirname(path)
     while parent and parent != "/":
         try:
@@ -907,7 +930,9 @@ def python_for_sandbox() -> tuple[str, tuple[str, ...]]:
             continue
         paths: tuple[str, ...] = ()
         purelib = sysconfig.get_paths()["purelib"]
-        if version == "{}.{}".format(*sys.version_info[:2]) and _open_to_others(purelib):
+        # Under bwrap a private ancestor (a 0700 home) is bound around: only the directory's
+        # own permissions must let an unprivileged uid in.
+        if version == "{}.{}".format(*sys.version_info[:2]) and _open_to_others(purelib, True):
             paths = (purelib,)
         return exe, paths
     raise SandboxUnavailable(
