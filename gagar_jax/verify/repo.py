@@ -6,19 +6,29 @@ must pass: fail-to-pass (fixed by a correct patch) and pass-to-pass (must keep p
 
 1. applies the candidate unified diff to a fresh copy (``diff.apply_unified_diff``: path-safe;
    a patch that does not apply is the candidate's failure);
-2. resets the task's test files, every ``conftest.py`` and the root pytest configuration files to
-   their pristine versions (files the patch added there are removed), then applies the task's
-   hidden ``test_patch`` (tests the candidate never saw, as SWE-bench does);
-3. runs ``python -P -m pytest <ids> --junitxml=<random name>`` in the sandbox (``-P``: the repo
-   cannot shadow ``pytest`` by adding a ``pytest.py``; addopts and plugins from config are off);
-4. passes only if every required id appears as passed in that JUnit report. The exit status and
-   anything printed ("PASSED") are ignored; a missing or unreadable report fails the candidate.
+2. resets to pristine the task's test files, every path its hidden ``test_patch`` touches,
+   every ``conftest.py`` and every pytest configuration file (``CONFIG_NAMES``: pytest.toml,
+   .pytest.toml, pytest.ini, .pytest.ini, pyproject.toml, tox.ini, setup.cfg) in any directory
+   (files the patch added there are removed), then applies the hidden ``test_patch``; a tree
+   that cannot be written (a file where a directory must be, a 300-byte name, an unencodable
+   name) or that collides with the hidden tests is the candidate's failure (``DiffError``);
+3. runs ``python -P -m pytest -c <pristine config> --rootdir=. -p no:cacheprovider
+   -p _gagar_outcome_plugin <ids>`` in the sandbox with PYTEST_DISABLE_PLUGIN_AUTOLOAD (``-P``:
+   the repo cannot shadow ``pytest``; ``-c``: no configuration file the candidate adds anywhere
+   is read; addopts are off);
+4. reads the outcomes from the trusted plugin (``outcome_plugin.py``) through a pipe only the
+   verifier holds (no file the code could rewrite at exit): passes only if exactly one report
+   line with this run's nonce arrived, every required id is passed in it, and pytest's recorded
+   exit status, the process's exit status and the outcomes agree. A second line, a wrong nonce or
+   a disagreeing exit status is tampering: ``failed`` plus a confirmed ``tamper_test_harness``
+   flag. Anything printed ("PASSED") is ignored.
 
 What this cannot stop: code under test runs inside the pytest process, so a patch can still
-forge results in-process (monkeypatching ``_pytest``, rewriting the report at exit). Those need
-source-level evidence, which is the behaviour monitor's job (``monitor.py`` rule
-``tamper_test_harness``). Infrastructure errors (sandbox did not start, pytest not importable
-in the sandbox) come back as ``status="infra_error"``: mask the sample, never score it 0.
+forge results in-process (monkeypatching ``_pytest`` or the plugin before it reports). Those
+need source-level evidence, which is the behaviour monitor's job (``monitor.py`` rule
+``tamper_test_harness``). Infrastructure errors before the candidate's code ran (sandbox did not
+start, pytest not importable in the sandbox, a broken task) come back as ``status="infra_error"``:
+mask the sample, never score it 0; after it started, every problem is the candidate's ``failed``.
 """
 
 from __future__ import annotations

@@ -16,15 +16,18 @@ mechanism first, following the measurements in ``shared/SANDBOX.md``::
   [sh: join per-slot cgroups pids + memory]                          (bwrap+cgroup only)
   prlimit --cpu --as --fsize --nofile --nproc --core=0 --             (every mechanism)
   setpriv --reuid U --regid U --clear-groups --no-new-privs --        (when started as root)
-  bwrap --unshare-all --die-with-parent --new-session  <minimal ro view> --tmpfs /tmp ...
-      | unshare -Urnpfm --kill-child                                   (fallback)
-  sh -c 'printf S >&0; exec 0</dev/null; exec "$@"' CMD...             (start marker)
+  [unshare -m; mount --bind PRIVATE VIEW]      (bwrap, only for a bind source under a 0700 dir)
+  bwrap --unshare-all --disable-userns --as-pid-1 --seccomp FD --die-with-parent --new-session
+        <minimal ro view> --tmpfs /tmp, /dev read-only with a capped /dev/shm ...
+      | unshare -Urnpfm --mount-proc --kill-child                      (fallback)
+  sh -c 'printf S >&0; exec 0</dev/null; exec "$@"' CMD...  (start marker into a root-owned pipe)
 
 Mechanisms, in the measured order: ``bwrap+cgroup``, ``bwrap``, ``unshare``, ``rlimits`` (uid drop
 and rlimits only: no network or filesystem isolation, reported in ``isolation``), and ``none``,
 which is refused unless ``SandboxConfig(allow_unisolated=True)``.
 
-Verdicts of the containment probes (``tests/test_verify_sandbox.py``, asserted per mechanism):
+Verdicts of the containment probes (``tests/test_verify_sandbox.py`` and, for the escapes of
+issue 11, ``tests/test_verify_sandbox_escapes.py``; asserted per mechanism):
 
 =====================  ===============================  ===========================================
 probe                  bwrap+cgroup / bwrap             unshare / rlimits
@@ -33,30 +36,58 @@ fork bomb              timeout; nproc/pids cap; no      same (zombies are reaped
                        process survives                 with leftovers is skipped)
 memory hog             resource_killed (cgroup OOM) /   failed (MemoryError from RLIMIT_AS)
                        failed (MemoryError, no cgroup)
-CPU spin               resource_killed (SIGXCPU)        resource_killed (unshare: signal unknown)
+CPU spin               resource_killed (hard-limit      resource_killed (rlimits: SIGXCPU;
+                       SIGKILL: the code is PID 1)      unshare: signal unknown)
 setsid escapee         passed; escapee killed; no hang  same
 200 MiB output flood   resource_killed (file_size);     same
                        8 KiB read back
+disk fill (many files  resource_killed ("disk": the     same (accounting and kill by the caller)
+below file_bytes)      workdir total is accounted
+                       every 0.1 s and at the end)
+/dev/shm, /dev fill    failed: /dev/shm is a tmpfs of   NOT contained: the host's /dev/shm
+                       shm_bytes, /dev is read-only,    (world-writable) is reachable
+                       nested user namespaces refused
 loopback connect       blocked (own network namespace)  unshare: blocked; rlimits: NOT blocked
                                                         ("network" absent from ``isolation``)
 write outside workdir  invisible / read-only            /usr, /etc denied; a world-writable dir is
                                                         reachable ("filesystem" absent)
 root-only file read    Permission denied                Permission denied (uid drop)
 kill -9 -1             cannot reach the caller          same
+ptrace / pidfd_getfd / EPERM (seccomp); the code is     no other process of the code's uid holds
+process_vm / /proc/1/  PID 1, no reaper of its uid      the marker or its exit status (unshare:
+mem / marker reopen    exists; marker is a root pipe    --mount-proc hides its parent; rlimits:
+                                                        the chain execs)
 =====================  ===============================  ===========================================
+
+What each still does not contain: ``rlimits`` has no network, filesystem or PID isolation (the
+code sees every host process and world-writable path, incl. /dev/shm); ``unshare`` has no
+filesystem isolation and no seccomp filter; ``bwrap`` without a known syscall table (neither
+x86_64 nor aarch64) runs unfiltered (the code is still PID 1 with no reaper to attack); the
+disk quota is accounting, not a hard file-system bound: a run may overshoot ``disk_bytes`` by
+what it writes in 0.1 s before it is killed. Memory of a tmpfs (/tmp, /dev/shm) counts against
+the memory cgroup only under ``bwrap+cgroup``.
 
 Design notes (each a trap measured on these machines):
 - Each concurrent run holds a *slot* (an ``flock``-ed file, machine-wide) with its own uid
   (``uid_base + slot``) and its own cgroups: RLIMIT_NPROC counts per uid and is ignored for root.
 - Infrastructure errors cannot be faked by the sandboxed code: the innermost wrapper writes a start
-  marker to its stdin (a file we opened read-write) and then re-opens stdin on /dev/null. No marker
-  means the sandbox never reached the command. The code can add a marker, never remove one.
+  marker to its stdin (the write end of a pipe whose read end only the caller holds; the pipe is
+  root's, mode 0600, whatever the umask) and then re-opens stdin on /dev/null. No marker means the
+  sandbox never reached the command. The code can add bytes, never remove the marker. Once the
+  marker is there, anything that goes wrong (unreadable output, ...) is the code's ``failed``.
+- The outcome is out of the code's reach: under bwrap the command is PID 1 of its namespace
+  (``--as-pid-1``; bwrap's own reaper runs as the code's uid and its memory would be writable
+  through /proc/1/mem), and a seccomp filter (``seccomp.py``) refuses ptrace, process_vm_*,
+  pidfd_getfd and kcmp; under unshare ``--mount-proc`` leaves the parent without a pid.
 - Output goes to files (never pipes: a ``setsid`` escapee would hold a pipe open), capped by
   RLIMIT_FSIZE; only ``limits.output_bytes`` of each is read back (head and tail).
 - Every descendant is killed at the end of each run, ``setsid`` escapees included: by PID namespace
   (bwrap/unshare), by the slot cgroup, by process group, and by scanning /proc for the slot uid.
 - The system view under bwrap is minimal: /usr, /etc, /bin, /lib*, /sbin read-only plus any
   ``ro_paths`` (e.g. the site-packages holding pytest); the workdir is mounted at ``/workdir``.
+  A bind source below a directory the slot uid cannot traverse (a 0700 home) is first bound, by
+  root, onto a traversable view in a mount namespace of that run only: only the files' own
+  permissions matter.
   Under ``unshare`` and ``rlimits`` the command sees the real paths; use relative paths in argv.
 """
 
