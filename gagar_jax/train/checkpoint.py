@@ -206,7 +206,8 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - data orbax cannot decode: corrupt
             raise CheckpointCorruptError(
                 f"step {step}: state unreadable: {type(e).__name__}: {e}"[:500]) from e
-        state = TrainState(*restored) if not isinstance(restored, TrainState) else restored
+        kind = type(abstract_state)  # TrainState, or another NamedTuple state (feedback)
+        state = restored if isinstance(restored, kind) else kind(*restored)
         saved = meta.get("checksums")
         if saved:
             got = array_checksums(state)
