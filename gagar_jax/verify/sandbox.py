@@ -683,7 +683,7 @@ def _seccomp_fd(mechanism: str) -> int | None:
 
 
 def _disk_usage(root: str, max_entries: int) -> tuple[int, int]:
-    """(allocated bytes, entries) under ``root``, not following symlinks; stops counting once
+    """(bytes, entries) under ``root``, not following symlinks; stops counting once
     ``max_entries`` is passed (an inode flood must not make the accounting itself slow)."""
     total = entries = 0
     stack = [root]
@@ -699,7 +699,9 @@ def _disk_usage(root: str, max_entries: int) -> tuple[int, int]:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                total += st.st_blocks * 512
+                # The larger of allocated and apparent size: a file system that has not allocated
+                # delayed writes yet reports few blocks; a sparse file counts at its full size.
+                total += max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0)
                 if stat.S_ISDIR(st.st_mode):
                     stack.append(e.path)
     return total, entries
