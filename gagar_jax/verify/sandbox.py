@@ -718,11 +718,9 @@ _DISK_POLL_S = 0.1
 def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra, fds=()):
     uid = config.uid_base + slot
     use_uid = _is_root() and mechanism != "none"
-    parent = os.path.dirname(workdir)
-    while use_uid and not mechanism.startswith("bwrap") and parent != "/":
-        if not os.stat(parent).st_mode & stat.S_IXOTH:
-            return infra(f"workdir ancestor {parent} is not traversable (o+x) by the sandbox uid")
-        parent = os.path.dirname(parent)
+    # No traversal check of the workdir's ancestors: bwrap binds a private one through the
+    # view (see _chain); unshare and rlimits start in it (the cwd is inherited as an open
+    # directory, so a 0700 ancestor does not matter to relative paths).
     try:
         if use_uid:
             _kill_uid(uid)  # a previous holder's leftovers (should be none)
