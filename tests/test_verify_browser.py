@@ -173,7 +173,9 @@ def test_hostile_pages_end_within_the_deadline_and_leave_no_process(page):
     v = _judge_alone(os.path.join(CAL, page), TODO, deadline_s=8)
     assert v.status == "ok" and v.score == 0.0 and v.fault in B.FAULTS
     # the deadline bounds every stage; teardown (close + SIGKILL + wait) comes on top
-    assert v.timings["total"] - v.timings["teardown"] - v.timings["launch"] <= 8 + B.PROBE_S + 1
+    assert v.timings["total"] - v.timings["teardown"] - v.timings["launch"] <= (
+        8 + B.PROBE_S + B.DOM_PROBE_S + 1
+    )
     assert len(v.browser_pids) >= 2  # browser + renderer(s) were seen
     assert B.alive(v.browser_pids) == ()
 

@@ -97,6 +97,7 @@ FAULTS = (
 )
 DEFAULT_EXECUTABLE = "/usr/bin/chromium"
 PROBE_S = 5.0  # the liveness probe after a call ran past its deadline
+DOM_PROBE_S = 1.5  # then: is the page's DOM flooded (a DOM count that still answers)?
 _CHROMIUM_ARGS = (
     "--no-sandbox",  # Chromium refuses to start as root otherwise (see the module docstring)
     "--disable-dev-shm-usage",
@@ -1112,10 +1113,19 @@ class BrowserJudge:
     async def _deadline(self, run, page, checklist, d: _Deadline, snap, plan=None):
         """A call ran past its deadline: the page's fault if the browser still answers."""
         if await self._browser_alive():
-            fault = "dialog_flood" if run.dialogs > self.max_dialogs else "page_unresponsive"
+            fault, detail = "page_unresponsive", str(d)
             if run.crashed:
                 fault = "page_crashed"
-            return await self._faulted(run, page, checklist, _PageFault(fault, str(d)), snap, plan)
+            elif run.dialogs > self.max_dialogs:
+                fault = "dialog_flood"
+            else:  # a flooded DOM also makes calls slow: name it when the page still answers
+                try:
+                    nodes = await asyncio.wait_for(page.locator("*").count(), DOM_PROBE_S)
+                except BaseException:  # noqa: BLE001 - hung: page_unresponsive
+                    nodes = None
+                if nodes is not None and nodes > self.max_dom_nodes:
+                    fault, detail = "dom_growth", f"{nodes} DOM nodes (> {self.max_dom_nodes})"
+            return await self._faulted(run, page, checklist, _PageFault(fault, detail), snap, plan)
         self.metrics["infra_error"] += 1
         return BrowserVerdict(
             "infra_error", 0.0, (), {}, None, f"browser unresponsive after: {d}", snap,
@@ -1157,7 +1167,8 @@ def _read_source(root: str, entry: str, cap: int = 8000) -> str:
 def load_calibration(root: str | os.PathLike) -> list[dict[str, Any]]:
     """The calibration set under ``root``: ``labels.json`` lists ``{"page", "rubric", "label"}``.
 
-    ``label`` is the planted truth: ``{"score": s, "fault": f | null, "items": {id: bool}}``.
+    ``label`` is the planted truth: ``{"score": s, "fault": f | [f, ...] | null, "items": {id:
+    bool}}`` (a list of faults: any of them is right, e.g. a DOM flood that also stalls the page).
     """
     root = os.fspath(root)
     with open(os.path.join(root, "labels.json")) as f:
@@ -1189,11 +1200,9 @@ def calibration_table(
         agree_items = sum(1 for k, want in lab["items"].items() if got.get(k) == want)
         item_agree += agree_items
         item_total += len(lab["items"])
-        ok = (
-            v.status == "ok"
-            and abs(v.score - float(lab["score"])) < 1e-6
-            and v.fault == lab.get("fault")
-        )
+        want = lab.get("fault")
+        faults = want if isinstance(want, list) else [want]  # a list: any of these names
+        ok = v.status == "ok" and abs(v.score - float(lab["score"])) < 1e-6 and v.fault in faults
         page_agree += ok
         rows.append(
             {
@@ -1201,7 +1210,7 @@ def calibration_table(
                 "defect": case["defect"],
                 "label_score": float(lab["score"]),
                 "score": v.score,
-                "label_fault": lab.get("fault"),
+                "label_fault": "/".join(faults) if isinstance(want, list) else want,
                 "fault": v.fault,
                 "status": v.status,
                 "items_agree": f"{agree_items}/{len(lab['items'])}",
