@@ -62,6 +62,7 @@ import collections
 import dataclasses
 import http.server
 import json
+import logging
 import mimetypes
 import os
 import re
@@ -85,6 +86,7 @@ from gagar_jax.verify.browser_rubric import (
     validate_rubric,
 )
 
+_log = logging.getLogger(__name__)
 STATUSES = ("ok", "infra_error")
 FAULTS = (
     "no_render",  # the entry page did not load (missing, HTTP error, navigation failed)
@@ -94,6 +96,8 @@ FAULTS = (
     "page_crashed",  # the renderer crashed
     "dom_growth",  # the DOM grew past max_dom_nodes
     "dialog_flood",  # more than max_dialogs dialogs
+    "page_closed",  # the page closed itself (window.close())
+    "page_error",  # a browser call failed because of the page (e.g. it navigated mid-call)
 )
 DEFAULT_EXECUTABLE = "/usr/bin/chromium"
 PROBE_S = 5.0  # the liveness probe after a call ran past its deadline
@@ -319,7 +323,10 @@ class _ArtifactServer:
                 self.send_header("Cache-Control", "no-store")
                 self.end_headers()
                 if body:
-                    self.wfile.write(data)
+                    try:
+                        self.wfile.write(data)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # the page navigated away mid-transfer
 
             def do_GET(self):  # noqa: N802 - http.server's naming
                 self._serve(True)
@@ -848,9 +855,14 @@ class BrowserJudge:
         except _Deadline as d:
             timings["snapshot"] = time.monotonic() - t
             return await self._deadline(run, page, checklist, d, None)
+        except Exception as e:  # noqa: BLE001 - a call the page broke (closed itself, navigated)
+            timings["snapshot"] = time.monotonic() - t
+            return await self._page_error(run, page, checklist, e, None)
         timings["snapshot"] = time.monotonic() - t
         if snap.truncated:
             self.metrics["snapshot_truncated"] += 1
+            _log.warning("ARIA snapshot of %s truncated: %d -> %d chars", snap.url,
+                         snap.aria_chars, self.max_snapshot_chars)  # fmt: skip
         # -- checklist -------------------------------------------------------------------------
         t = time.monotonic()
         checklist = checklist_of(rubric)
@@ -862,6 +874,9 @@ class BrowserJudge:
         except _Deadline as d:
             timings["plan"] = time.monotonic() - t
             return await self._deadline(run, page, checklist, d, snap)
+        except Exception as e:  # noqa: BLE001
+            timings["plan"] = time.monotonic() - t
+            return await self._page_error(run, page, checklist, e, snap)
         timings["plan"] = time.monotonic() - t
         # -- execute + rule judge ---------------------------------------------------------------
         t = time.monotonic()
@@ -875,6 +890,9 @@ class BrowserJudge:
         except _Deadline as d:
             timings["execute"] = time.monotonic() - t
             return await self._deadline(run, page, checklist, d, snap, plan)
+        except Exception as e:  # noqa: BLE001
+            timings["execute"] = time.monotonic() - t
+            return await self._page_error(run, page, checklist, e, snap, plan)
         timings["execute"] = time.monotonic() - t
         # -- judge -----------------------------------------------------------------------------
         t = time.monotonic()
@@ -1130,6 +1148,22 @@ class BrowserJudge:
         return BrowserVerdict(
             "infra_error", 0.0, (), {}, None, f"browser unresponsive after: {d}", snap,
             checklist, plan, tuple(run.frames), tuple(run.blocked), run.dialogs, run.popups,
+        )  # fmt: skip
+
+    async def _page_error(self, run, page, checklist, e: Exception, snap, plan=None):
+        """A browser call on the page failed (not a deadline). With a live browser that is the
+        page's doing (it closed itself, navigated or reloaded mid-call): a fault, score 0, so a
+        page can never turn its failure into a masked ``infra_error``."""
+        if await self._browser_alive():
+            fault = "page_closed" if page.is_closed() else "page_error"
+            if run.crashed:
+                fault = "page_crashed"
+            detail = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            return await self._faulted(run, page, checklist, _PageFault(fault, detail), snap, plan)
+        self.metrics["infra_error"] += 1
+        return BrowserVerdict(
+            "infra_error", 0.0, (), {}, None, f"browser died: {type(e).__name__}: {e}"[:300],
+            snap, checklist, plan, tuple(run.frames), tuple(run.blocked), run.dialogs, run.popups,
         )  # fmt: skip
 
     async def _llm_judge(self, run, rubric, checklist, results, page):
