@@ -50,14 +50,25 @@ RUN ?= runs/toy_gagar
 train: setup
 	XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py --workdir=$(RUN)
 
-# The toy ablation (paper Figs. 2-4): gagar, binary, discount_only side by side, then
-# runs/compare/comparison.{md,png}. About 3x `make train`.
+# The toy ablation (paper Figs. 2-4): every mode x SEEDS seeds, run after run, then
+# runs/compare/ablation.{md,png,json} (mean and standard error over seeds, +-1 SE bands).
+# `make compare SEEDS=5 COMPARE_ARGS="--config.sft.steps=150 --config.loop.total_steps=30"`
+# is the sweep in the README; each run there takes ~5 min on the shared 2-core machine.
 COMPARE ?= runs/compare
+SEEDS ?= 1
+COMPARE_MODES ?= gagar binary discount_only gagar_token
+COMPARE_ARGS ?=
+comma := ,
+empty :=
+space := $(empty) $(empty)
 compare: setup
-	for m in gagar binary discount_only; do \
-	  XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py:$$m --workdir=$(COMPARE)/$$m || exit 1; \
-	done
-	$(PY) scripts/compare_runs.py --workdirs=$(COMPARE)/gagar,$(COMPARE)/binary,$(COMPARE)/discount_only --out=$(COMPARE)
+	for s in $$(seq 0 $$(( $(SEEDS) - 1 ))); do for m in $(COMPARE_MODES); do \
+	  XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py:$$m \
+	    --workdir=$(COMPARE)/$$m/seed$$s --config.seed=$$s $(COMPARE_ARGS) || exit 1; \
+	done; done
+	$(PY) scripts/compare_runs.py --root=$(COMPARE) --seeds=$(SEEDS) --out=$(COMPARE) \
+	  --modes=$(subst $(space),$(comma),$(strip $(COMPARE_MODES))) \
+	  --command='make compare SEEDS=$(SEEDS) COMPARE_ARGS="$(COMPARE_ARGS)"'
 
 # End to end with a real SGLang server in the loop (scripts/e2e.py): tiny random Qwen2 + local
 # BPE tokenizer, the fixture repositories, SFT warm start on tool-call demonstrations, 3 RL steps

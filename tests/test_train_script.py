@@ -48,7 +48,7 @@ def train_rows(workdir):
     return [r for r in rows if r["phase"] == "train"]
 
 
-@pytest.mark.parametrize("mode", ["gagar", "binary", "discount_only"])
+@pytest.mark.parametrize("mode", ["gagar", "binary", "discount_only", "gagar_token"])
 def test_smoke_each_mode(mode, tmp_path, capsys):
     from gagar_jax.train import loop
 

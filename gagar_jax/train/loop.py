@@ -317,8 +317,13 @@ def group_workspace(family, group: Group):
     return family.workspace(group.group_id, group.task, members)
 
 
-def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str, float]:
+def attach_verdicts(groups: list[Group], results: list[Any], K: int, *,
+                    token_spans=None) -> dict[str, float]:
     """Copies the grading pool's results into the groups; returns grading metrics.
+
+    With ``token_spans(task, response_tokens) -> TokenSpans`` (the task pool's), each rollout
+    of a graded group also gets the mask of its response tokens that its judgement's evidence
+    cites (``Group.evidence``; token-level credit and its metrics read it).
 
     ``results[i]`` is the ``GradeResult`` of ``groups[i]``: a verdict (tier/rank per passing
     candidate) or ``None`` with a ``fallback_reason``. T1 share is over the test-passing
@@ -335,6 +340,9 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
         g.rank = [int(x) for x in rank[gi][:len(g.rollouts)]]
         g.grader_cheat = [bool(x) for x in cheat[gi][:len(g.rollouts)]]
         g.fallback_reason = getattr(res, "fallback_reason", None)
+        verdict = getattr(res, "verdict", None)
+        if token_spans is not None and g.graded and verdict is not None:
+            g.evidence = _evidence_masks(g, res, verdict, token_spans)
         if not g.graded:
             fallbacks += 1
             key = str(getattr(g.fallback_reason, "value", g.fallback_reason) or "unknown")
@@ -359,6 +367,21 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
     for reason, n in reasons.items():
         out[f"grading_fallback_{reason}"] = float(n)
     return out
+
+
+def _evidence_masks(g: Group, res: Any, verdict: Any, token_spans) -> list[Any]:
+    """Per rollout slot, the response-token mask its judgement's evidence cites."""
+    from gagar_jax.grading import evidence_tokens
+
+    ids = list(getattr(res, "candidate_ids", ()))
+    spans = {}
+    for cid, r in zip(ids, g.rollouts):
+        s = token_spans(g.task, r.attempt) if r.attempt is not None else None
+        if s is not None:
+            spans[cid] = s
+    masks = evidence_tokens.verdict_token_masks(verdict, spans)
+    return [masks.get(cid) for cid in ids[:len(g.rollouts)]] + [None] * (len(g.rollouts)
+                                                                       - len(ids))
 
 
 def evaluate(engine, family, cfg: RunConfig, *, step: int) -> dict[str, float]:
@@ -413,7 +436,8 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
     grading_m: dict[str, float] = {}
     if cfg.grading.enabled and sres.groups:
         results = grading_pool.results(submitted, timeout=cfg.grading.deadline_s)
-        grading_m = attach_verdicts(sres.groups, results, K)
+        grading_m = attach_verdicts(sres.groups, results, K,
+                                    token_spans=family.token_spans)
     return sres, counters, grading_m, t_wait
 
 
