@@ -323,10 +323,7 @@ class _ArtifactServer:
                 self.send_header("Cache-Control", "no-store")
                 self.end_headers()
                 if body:
-                    try:
-                        self.wfile.write(data)
-                    except (BrokenPipeError, ConnectionResetError):
-                        pass  # the page navigated away mid-transfer
+                    self.wfile.write(data)
 
             def do_GET(self):  # noqa: N802 - http.server's naming
                 self._serve(True)
@@ -334,7 +331,11 @@ class _ArtifactServer:
             def do_HEAD(self):  # noqa: N802
                 self._serve(False)
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # quiet: the page hung up
+                pass
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.origin = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
