@@ -103,10 +103,16 @@ class StepCounters:
     turns_sum: int = 0
     tool_calls_sum: int = 0
     model_tokens_sum: int = 0
+    # policy version -> [rollouts, infra errors]: infra_error is masked, so a policy that learns
+    # to provoke it escapes its negative reward; the rate per version shows such a trend.
+    by_version: dict = dataclasses.field(default_factory=dict)
 
     def add(self, group: Group) -> None:
         for r in group.rollouts:
             self.rollouts += 1
+            tally = self.by_version.setdefault(int(r.policy_version), [0, 0])
+            tally[0] += 1
+            tally[1] += bool(r.infra_error)
             self.length_sum += len(r.response_tokens)
             self.turns_sum += r.num_turns
             self.tool_calls_sum += r.num_tool_calls
@@ -130,6 +136,7 @@ class StepCounters:
             "pass_rate": self.passed / v,
             "cheat_rate": self.cheats / v,
             "infra_errors": float(self.infra_errors),
+            "infra_error_rate": self.infra_errors / max(self.rollouts, 1),
             "response_length": self.length_sum / max(self.rollouts, 1),
             "truncated_frac": self.truncated / max(self.rollouts, 1),
             "quality": self.quality_sum / self.quality_n if self.quality_n else math.nan,
