@@ -42,7 +42,7 @@ import numpy as np
 from gagar_jax.train import metrics_io
 from gagar_jax.train.resume import LoopState, ResumeStore, TaskStream
 from gagar_jax.train.run_config import MeshConfig, RunConfig
-from gagar_jax.train.sampling import Group, collect_groups, pack_groups
+from gagar_jax.train.sampling import Group, Rollout, collect_groups, pack_groups
 
 
 class ResumeMismatchError(RuntimeError):
@@ -95,11 +95,18 @@ class StepCounters:
     quality_n: int = 0
     gen_time: float = 0.0
     verify_time: float = 0.0
+    turns_sum: int = 0
+    tool_calls_sum: int = 0
+    model_tokens_sum: int = 0
 
     def add(self, group: Group) -> None:
         for r in group.rollouts:
             self.rollouts += 1
             self.length_sum += len(r.response_tokens)
+            self.turns_sum += r.num_turns
+            self.tool_calls_sum += r.num_tool_calls
+            self.model_tokens_sum += (len(r.response_tokens) if r.response_mask is None
+                                      else int(sum(r.response_mask)))
             self.truncated += r.finish_reason == "length"
             if r.infra_error:
                 self.infra_errors += 1
@@ -123,14 +130,126 @@ class StepCounters:
             "quality": self.quality_sum / self.quality_n if self.quality_n else math.nan,
             "gen_time_s": self.gen_time,
             "verify_time_s": self.verify_time,
+            # per rollout (single-turn: 1 turn, 0 tool calls, every response token the model's)
+            "episode/turns_mean": self.turns_sum / max(self.rollouts, 1),
+            "episode/tool_calls_mean": self.tool_calls_sum / max(self.rollouts, 1),
+            "episode/model_tokens_mean": self.model_tokens_sum / max(self.rollouts, 1),
         }
 
 
-def generate_groups(engine, pool, tasks, *, cfg: RunConfig, step: int, round_id: int,
+def family_settings(cfg: RunConfig):
+    """The task family's plain settings from the run config."""
+    from gagar_jax.envs.family import FamilySettings
+
+    t = cfg.task
+    return FamilySettings(
+        seed=t.seed, difficulty=t.difficulty, num_train=t.num_train, num_eval=t.num_eval,
+        max_prompt_len=cfg.rollout.max_prompt_len, data_path=t.data_path,
+        eval_data_path=t.eval_data_path,
+        tokenizer_path=t.tokenizer_path or cfg.model.hf_checkpoint, max_turns=t.max_turns,
+        max_observation_tokens=t.max_observation_tokens)
+
+
+def build_family(cfg: RunConfig):
+    """The configured task family (``gagar_jax.envs.family.make_family``)."""
+    from gagar_jax.envs.family import make_family
+
+    return make_family(cfg.task.family, family_settings(cfg))
+
+
+def _quality_score(quality) -> float | None:
+    """Mean of the outcome's per-dimension quality scores (None when it reported none)."""
+    vals = [float(v) for v in quality.values()]
+    return sum(vals) / len(vals) if vals else None
+
+
+_EPISODE_FINISH = {"submitted": "stop", "max_turns": "length", "max_tokens": "length",
+                   "abort": "abort"}
+
+
+def _rollout(family, task, prompt: list[int], attempt, *, response_tokens, logprobs,
+             finish_reason, policy_version, response_mask=None, num_turns=1,
+             num_tool_calls=0) -> Rollout:
+    """Verifies one attempt (a verifier crash is an infra error: masked, never a failure)."""
+    try:
+        out = family.verify(task, attempt)
+    except Exception as e:  # noqa: BLE001 - a family bug must be masked, never scored
+        from gagar_jax.envs.family import Outcome
+
+        out = Outcome(passed=False, infra_error=True,
+                      test_log=f"infra error: verifier raised {type(e).__name__}: {e}")
+    return Rollout(
+        prompt_tokens=list(prompt), response_tokens=list(response_tokens),
+        logprobs=[float(x) for x in logprobs], finish_reason=finish_reason,
+        policy_version=int(policy_version), patch=out.patch, passed=bool(out.passed),
+        infra_error=bool(out.infra_error), cheat=bool(out.cheat),
+        quality=_quality_score(out.quality) if out.passed else None, test_log=out.test_log,
+        monitor_flags=list(out.flags), quality_dims=dict(out.quality) if out.passed else {},
+        verification=out.detail, response_mask=response_mask, num_turns=num_turns,
+        num_tool_calls=num_tool_calls, attempt=attempt, outcome=out)
+
+
+def _sample_rollouts(engine, family, prompts, params):
+    """Single-turn: one engine call, ``params.n`` samples per prompt."""
+    from gagar_jax.envs.family import Attempt
+
+    outputs = engine.generate(prompts, params)
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"engine returned {len(outputs)} prompt results for {len(prompts)}")
+    tok = family.tokenizer
+    per_task = []
+    for samples in outputs:
+        if len(samples) != params.n:
+            raise RuntimeError(f"engine returned {len(samples)} samples for n={params.n}")
+        per_task.append([
+            (Attempt(response_tokens=list(s.tokens), text=tok.decode(s.tokens)),
+             dict(response_tokens=s.tokens, logprobs=s.logprobs, finish_reason=s.finish_reason,
+                  policy_version=s.policy_version))
+            for s in samples])
+    return per_task
+
+
+def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig):
+    """Multi-turn: ``params.n`` episodes per prompt through ``run_episodes`` (one batched engine
+    call per turn); model tokens are appended as generated, never re-tokenised."""
+    from gagar_jax.envs.family import Attempt
+    from gagar_jax.rollout import run_episodes
+
+    K = params.n
+    envs = [family.make_env(t) for t in tasks for _ in range(K)]
+    flat_prompts = [p for p in prompts for _ in range(K)]
+    turn_tokens = cfg.rollout.max_turn_tokens or cfg.rollout.max_new_tokens
+    turn_params = dataclasses.replace(params, n=1, max_tokens=turn_tokens)
+    episodes = run_episodes(
+        engine, family.tokenizer, envs, flat_prompts, turn_params,
+        max_turns=cfg.task.max_turns,
+        max_total_tokens=[len(p) + cfg.rollout.max_new_tokens for p in flat_prompts],
+        max_observation_tokens=cfg.task.max_observation_tokens,
+        observation_tokens=family.observation_tokens)
+    per_task = []
+    for i in range(len(tasks)):
+        row = []
+        for k in range(K):
+            ep, env = episodes[i * K + k], envs[i * K + k]
+            P = ep.prompt_len
+            row.append((
+                Attempt(response_tokens=ep.tokens[P:], episode=ep, env=env),
+                dict(response_tokens=ep.tokens[P:], logprobs=ep.logprobs[P:],
+                     response_mask=ep.response_mask[P:],
+                     finish_reason=_EPISODE_FINISH.get(ep.finish_reason, "length"),
+                     policy_version=min(ep.policy_versions, default=0),
+                     num_turns=len(ep.turns),
+                     num_tool_calls=sum(t.info.get("tool") is not None for t in ep.turns))))
+        per_task.append(row)
+    return per_task
+
+
+def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_id: int,
                     num_rollouts: int, temperature: float, id_prefix: str,
                     counters: StepCounters | None = None,
                     rng_words: tuple[int, ...] = ()) -> list[Group]:
-    """K samples for each task, verified; one :class:`Group` per task.
+    """K rollouts for each task (samples, or episodes of a multi-turn family), verified; one
+    :class:`Group` per task.
 
     Raises:
       RuntimeError: the engine failed (dead server after its retries); the message names the
@@ -138,31 +257,30 @@ def generate_groups(engine, pool, tasks, *, cfg: RunConfig, step: int, round_id:
     """
     from gagar_jax.rollout import SamplingParams
 
-    prompts = [pool.prompt_tokens(t) for t in tasks]
+    prompts = [family.prompt_tokens(t) for t in tasks]
     params = SamplingParams(
         n=num_rollouts, temperature=temperature, top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_new_tokens,
-        stop_token_ids=(pool.tokenizer.eos_id,),
+        stop_token_ids=tuple(family.stop_token_ids),
         # the sampler seed is a function of (run key, step, round): a resumed step redraws
         # exactly what the uninterrupted run drew
         seed=int(np.random.default_rng([*(rng_words or (cfg.seed,)), step, round_id])
                  .integers(2**31)))
     t0 = time.monotonic()
     try:
-        outputs = engine.generate(prompts, params)
+        if family.multi_turn:
+            per_task = _episode_rollouts(engine, family, tasks, prompts, params, cfg)
+        else:
+            per_task = _sample_rollouts(engine, family, prompts, params)
     except Exception as e:
         raise RuntimeError(f"rollout engine {cfg.rollout.engine!r} failed at step {step} "
                            f"(round {round_id}): {type(e).__name__}: {e}") from e
     t1 = time.monotonic()
-    if len(outputs) != len(prompts):
-        raise RuntimeError(f"engine returned {len(outputs)} prompt results for {len(prompts)}")
     groups = []
-    for i, (task, prompt, samples) in enumerate(zip(tasks, prompts, outputs)):
-        if len(samples) != num_rollouts:
-            raise RuntimeError(f"engine returned {len(samples)} samples for n={num_rollouts}")
-        rollouts = [pool.make_rollout(task, prompt, s) for s in samples]
-        groups.append(Group(group_id=f"{id_prefix}-r{round_id}-{i}-{task.task_id}", task=task,
-                            rollouts=rollouts))
+    for i, (task, prompt, row) in enumerate(zip(tasks, prompts, per_task)):
+        rollouts = [_rollout(family, task, prompt, attempt, **fields) for attempt, fields in row]
+        groups.append(Group(group_id=f"{id_prefix}-r{round_id}-{i}-{family.task_id(task)}",
+                            task=task, rollouts=rollouts))
     if counters is not None:
         counters.gen_time += t1 - t0
         counters.verify_time += time.monotonic() - t1
@@ -171,8 +289,41 @@ def generate_groups(engine, pool, tasks, *, cfg: RunConfig, step: int, round_id:
     return groups
 
 
-def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str, float]:
+def rollout_metrics(groups: list[Group], update_m: dict[str, float],
+                    weight_version: int) -> dict[str, float]:
+    """``rollout/weight_version`` (what the engine reports after this step's sync) and the
+    training-inference mismatch on this step's batch: the trainer's log-probs of the engine's
+    own tokens (recomputed by the update at its first optimizer step, before the parameters
+    move, at the sampling temperature) against the engine's behaviour log-probs, as the k3 KL
+    estimate and the largest absolute difference. ~0 for the embedded sampler (same program);
+    small but non-zero for SGLang (other kernels)."""
+    versions = [r.policy_version for g in groups for r in g.rollouts if not r.infra_error]
+    return {
+        "rollout/weight_version": float(weight_version),
+        "rollout/sample_version_min": float(min(versions)) if versions else math.nan,
+        "rollout/logprob_mismatch_k3": update_m.get("approx_kl_first", math.nan),
+        "rollout/logprob_mismatch_max_abs": update_m.get("logprob_max_abs_diff_first",
+                                                         math.nan),
+    }
+
+
+def group_workspace(family, group: Group):
+    """The grading workspace of one group, built by its family."""
+    from gagar_jax.envs.family import Attempt, GroupMember, Outcome
+
+    members = [GroupMember(f"{group.group_id}/{k}", r.attempt or Attempt(),
+                           r.outcome or Outcome(passed=r.passed, infra_error=r.infra_error))
+               for k, r in enumerate(group.rollouts)]
+    return family.workspace(group.group_id, group.task, members)
+
+
+def attach_verdicts(groups: list[Group], results: list[Any], K: int, *,
+                    token_spans=None) -> dict[str, float]:
     """Copies the grading pool's results into the groups; returns grading metrics.
+
+    With ``token_spans(task, response_tokens) -> TokenSpans`` (the task pool's), each rollout
+    of a graded group also gets the mask of its response tokens that its judgement's evidence
+    cites (``Group.evidence``; token-level credit and its metrics read it).
 
     ``results[i]`` is the ``GradeResult`` of ``groups[i]``: a verdict (tier/rank per passing
     candidate) or ``None`` with a ``fallback_reason``. T1 share is over the test-passing
@@ -189,6 +340,9 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
         g.rank = [int(x) for x in rank[gi][:len(g.rollouts)]]
         g.grader_cheat = [bool(x) for x in cheat[gi][:len(g.rollouts)]]
         g.fallback_reason = getattr(res, "fallback_reason", None)
+        verdict = getattr(res, "verdict", None)
+        if token_spans is not None and g.graded and verdict is not None:
+            g.evidence = _evidence_masks(g, res, verdict, token_spans)
         if not g.graded:
             fallbacks += 1
             key = str(getattr(g.fallback_reason, "value", g.fallback_reason) or "unknown")
@@ -215,22 +369,42 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
     return out
 
 
-def evaluate(engine, pool, cfg: RunConfig, *, step: int) -> dict[str, float]:
-    """Held-out tasks: pass rate, quality of passing patches, cheat rate, response length."""
-    tasks = pool.eval_tasks()
+def _evidence_masks(g: Group, res: Any, verdict: Any, token_spans) -> list[Any]:
+    """Per rollout slot, the response-token mask its judgement's evidence cites."""
+    from gagar_jax.grading import evidence_tokens
+
+    ids = list(getattr(res, "candidate_ids", ()))
+    spans = {}
+    for cid, r in zip(ids, g.rollouts):
+        s = token_spans(g.task, r.attempt) if r.attempt is not None else None
+        if s is not None:
+            spans[cid] = s
+    masks = evidence_tokens.verdict_token_masks(verdict, spans)
+    return [masks.get(cid) for cid in ids[:len(g.rollouts)]] + [None] * (len(g.rollouts)
+                                                                       - len(ids))
+
+
+def evaluate(engine, family, cfg: RunConfig, *, step: int) -> dict[str, float]:
+    """Held-out tasks: pass rate, quality of passing patches, cheat rate, response length (and
+    turns / tool calls per episode for multi-turn families)."""
+    tasks = family.eval_tasks()
     if not tasks:
         return {}
     counters = StepCounters()
-    generate_groups(engine, pool, tasks, cfg=cfg, step=step, round_id=10_000,
+    generate_groups(engine, family, tasks, cfg=cfg, step=step, round_id=10_000,
                     num_rollouts=max(cfg.loop.eval_rollouts, 1),
                     temperature=cfg.loop.eval_temperature, id_prefix=f"eval{step}",
                     counters=counters)
     m = counters.metrics()
-    return {"eval_pass_rate": m["pass_rate"], "eval_quality": m["quality"],
-            "eval_cheat_rate": m["cheat_rate"], "eval_response_length": m["response_length"]}
+    out = {"eval_pass_rate": m["pass_rate"], "eval_quality": m["quality"],
+           "eval_cheat_rate": m["cheat_rate"], "eval_response_length": m["response_length"]}
+    if family.multi_turn:
+        out.update({"eval_turns_mean": m["episode/turns_mean"],
+                    "eval_tool_calls_mean": m["episode/tool_calls_mean"]})
+    return out
 
 
-def collect_step(engine, pool, grading_pool, stream: TaskStream, ls: LoopState, cfg: RunConfig,
+def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState, cfg: RunConfig,
                  *, step: int):
     """Steps 1-3 of the module docstring for one RL step.
 
@@ -245,13 +419,13 @@ def collect_step(engine, pool, grading_pool, stream: TaskStream, ls: LoopState, 
     def draw(n):
         idx, ls.data_position = stream.take(ls.data_position, n)
         rounds[0] += 1
-        return generate_groups(engine, pool, [pool.train_task(i) for i in idx], cfg=cfg,
+        return generate_groups(engine, family, [family.train_task(i) for i in idx], cfg=cfg,
                                step=step, round_id=rounds[0], num_rollouts=K,
                                temperature=cfg.rollout.temperature, id_prefix=f"s{step}",
                                counters=counters, rng_words=tuple(ls.rng_key))
 
     def submit(group):
-        grading_pool.submit(pool.workspace(group))
+        grading_pool.submit(group_workspace(family, group))
         submitted.append(group.group_id)
 
     sres = collect_groups(draw, target=G, enabled=cfg.sampling.enabled,
@@ -262,7 +436,8 @@ def collect_step(engine, pool, grading_pool, stream: TaskStream, ls: LoopState, 
     grading_m: dict[str, float] = {}
     if cfg.grading.enabled and sres.groups:
         results = grading_pool.results(submitted, timeout=cfg.grading.deadline_s)
-        grading_m = attach_verdicts(sres.groups, results, K)
+        grading_m = attach_verdicts(sres.groups, results, K,
+                                    token_spans=family.token_spans)
     return sres, counters, grading_m, t_wait
 
 
@@ -297,14 +472,13 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         ``cfg.grading.grader`` names, e.g. a custom grader from a notebook.
     """
     from gagar_jax.train import backends
-    from gagar_jax.train.tasks import ToyTaskPool
 
     workdir = os.path.abspath(workdir)
     primary = jax.process_index() == 0
     G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
-    pool = ToyTaskPool(cfg.task, cfg.rollout)
-    tok = pool.tokenizer
-    stream = TaskStream(cfg.task.num_train, seed=cfg.seed)
+    family = build_family(cfg)
+    tok = family.tokenizer
+    stream = TaskStream(family.num_train, seed=cfg.seed)
     store = ResumeStore(os.path.join(workdir, "loop_state"))
 
     policy = backends.build_policy(cfg, vocab_size=tok.vocab_size, workdir=workdir)
@@ -337,10 +511,11 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                    + (f" ({dropped} stale metric rows dropped)" if primary and dropped else ""))
 
     # Engine and grader first: a dead server fails here, before any compute is spent.
-    engine = backends.build_engine(cfg, policy, workdir=workdir)
+    engine = backends.build_engine(cfg, policy, workdir=workdir, pad_id=tok.pad_id)
     cache_path = os.path.join(workdir, "grader_cache.jsonl")
     grading_pool = backends.build_grading_pool(cfg, cache_path=cache_path if primary else None,
-                                               grader=grader)
+                                               grader=grader,
+                                               check_runner=family.check_runner())
 
     summary: dict[str, Any] = {}
     try:
@@ -348,7 +523,9 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         if not ls.sft_done:
             if cfg.sft.steps > 0:
                 t0 = time.monotonic()
-                demos = pool.demonstrations(cfg.task.num_train)
+                # too long for the static response budget: skipped, never truncated
+                demos = [d for d in family.demonstrations(cfg.task.num_train)
+                         if d.response_len <= cfg.rollout.max_new_tokens]
                 writer.log(f"SFT warm start: {cfg.sft.steps} steps on {len(demos)} "
                            "demonstrations")
                 policy.run_sft(demos, pad_id=tok.pad_id,
@@ -359,23 +536,26 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             if primary:
                 store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
 
-        engine.sync_weights(policy.params_for_sync(), ls.policy_version)
-        if ls.step == 0 and cfg.loop.total_steps > 0 and pool.eval_tasks():
-            m = evaluate(engine, pool, cfg, step=0)
+        weight_version = engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+        if ls.step == 0 and cfg.loop.total_steps > 0 and family.eval_tasks():
+            m = evaluate(engine, family, cfg, step=0)
             writer.write(0, m, phase="eval")
             writer.log("eval before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
         writer.start_clock(ls.step)
         for step in range(ls.step, cfg.loop.total_steps):
             t_step = time.monotonic()
             sres, counters, grading_m, t_wait = collect_step(
-                engine, pool, grading_pool, stream, ls, cfg, step=step)
+                engine, family, grading_pool, stream, ls, cfg, step=step)
             t_update = time.monotonic()
             batch = pack_groups(sres.groups, num_groups=G, num_rollouts=K,
                                 max_prompt_len=cfg.rollout.max_prompt_len,
                                 max_new_tokens=cfg.rollout.max_new_tokens, pad_id=tok.pad_id)
             update_m = policy.update(batch, step=step)
             ls.policy_version += 1
-            engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+            weight_version = engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+            if weight_version != ls.policy_version:
+                raise RuntimeError(f"rollout engine reports weight version {weight_version} "
+                                   f"after syncing version {ls.policy_version} (step {step})")
             ls.step = step + 1
             t_end = time.monotonic()
 
@@ -385,6 +565,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             for k, v in _update_metric_aliases(update_m).items():
                 # the update's figures cover the kept batch; ours all drawn rollouts
                 m[f"update/{k}" if k in m else k] = v
+            m.update(rollout_metrics(sres.groups, update_m, weight_version))
             m.update(grade_wait_s=t_update - t_wait, update_time_s=t_end - t_update,
                      step_time_s=t_end - t_step, policy_version=float(ls.policy_version),
                      data_position=float(ls.data_position))
@@ -393,7 +574,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 writer.progress(step, m)
             last = step == cfg.loop.total_steps - 1
             if (step + 1) % cfg.loop.eval_every == 0 or last:
-                em = evaluate(engine, pool, cfg, step=step + 1)
+                em = evaluate(engine, family, cfg, step=step + 1)
                 if em:
                     writer.write(step + 1, em, phase="eval")
                     writer.log(f"eval @ step {step + 1}: " +
@@ -438,7 +619,6 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
     import json
 
     from gagar_jax.train import backends
-    from gagar_jax.train.tasks import ToyTaskPool
 
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
@@ -447,8 +627,8 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
         d = json.load(f)
     d["loop"].update(eval_rollouts=samples, eval_temperature=temperature)
     cfg = RunConfig.from_config_dict(d)
-    pool = ToyTaskPool(cfg.task, cfg.rollout)
-    policy = backends.build_policy(cfg, vocab_size=pool.tokenizer.vocab_size, workdir=workdir)
+    family = build_family(cfg)
+    policy = backends.build_policy(cfg, vocab_size=family.tokenizer.vocab_size, workdir=workdir)
     store = ResumeStore(os.path.join(workdir, "loop_state"))
     steps = sorted(set(store.steps()) & set(policy.checkpoint_steps()))
     if not steps:
@@ -461,6 +641,6 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
     try:
         engine = backends.build_engine(cfg, policy, workdir=workdir)
         engine.sync_weights(policy.params_for_sync(), store.load(step).policy_version)
-        return evaluate(engine, pool, cfg, step=step), step
+        return evaluate(engine, family, cfg, step=step), step
     finally:
         policy.close()

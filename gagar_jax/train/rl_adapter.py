@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gagar_jax.train.run_config import RunConfig
@@ -46,9 +45,11 @@ def update_config(cfg: RunConfig):
         schedule=o.schedule, end_lr_ratio=o.end_lr_ratio, weight_decay=o.weight_decay,
         b1=o.b1, b2=o.b2, max_grad_norm=o.grad_clip, clip_low=o.clip_low,
         clip_high=o.clip_high, dual_clip=o.dual_clip or None, aggregation=o.loss_agg,
-        kl_coef=o.kl_coef, entropy_coef=o.entropy_coef, num_minibatches=o.num_minibatches,
+        kl_coef=o.kl_coef, entropy_coef=o.entropy_coef, temperature=cfg.rollout.temperature,
+        num_minibatches=o.num_minibatches,
         num_microbatches=o.num_microbatches, ppo_epochs=o.ppo_epochs,
-        advantages=cfg.gagar_config())
+        advantages=cfg.gagar_config(), token_credit=cfg.token_credit,
+        token_gamma=cfg.advantages.token_gamma)
 
 
 def to_update_batch(batch: PackedBatch):
@@ -62,7 +63,54 @@ def to_update_batch(batch: PackedBatch):
         attention_mask=rows(batch.attention_mask), response_mask=rows(batch.response_mask),
         old_logprobs=rows(batch.old_logprobs), rewards=batch.rewards, passed=batch.passed,
         cheat=batch.cheat, tier=batch.tier, rank=batch.rank, valid=batch.valid,
-        graded=batch.graded)
+        graded=batch.graded,
+        evidence=None if batch.evidence is None else rows(batch.evidence))
+
+
+def _model_device(model):
+    """The device the (unsharded) policy model and the embedded sampler live on."""
+    from flax import nnx
+
+    leaf = jax.tree.leaves(nnx.state(model))[0]
+    return next(iter(leaf.devices())) if hasattr(leaf, "devices") else jax.local_devices()[0]
+
+
+_REPLICATE: dict = {}
+
+
+def local_params(params, mesh, device):
+    """A full copy of the sharded ``params`` on ``device`` (one of this process's devices).
+
+    Device to device: one jitted identity re-lays the tree out replicated over ``mesh`` (the
+    all-gather runs on the devices, across hosts over their interconnect), then each leaf's
+    shard on ``device`` is taken as is. Nothing is fetched to the host, so this works for
+    parameters spanning non-addressable devices, where ``jax.device_get`` raises. Peak memory:
+    one extra full copy per device for the duration of the call.
+
+    Raises:
+      ValueError: ``device`` is not one of this process's devices.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if device.process_index != jax.process_index():
+        raise ValueError(f"local_params: {device} belongs to process {device.process_index}, "
+                         f"this is process {jax.process_index()}")
+    rep = NamedSharding(mesh, PartitionSpec())
+    key = (rep, jax.tree.structure(params))
+    fn = _REPLICATE.get(key)
+    if fn is None:
+        fn = _REPLICATE[key] = jax.jit(lambda p: p, out_shardings=rep)
+    full = fn(params)
+
+    def pick(x):
+        for shard in x.addressable_shards:
+            if shard.device == device:
+                return shard.data
+        # the sampler's device is outside the mesh: copy the local replica over (device to
+        # device within this process)
+        return jax.device_put(x.addressable_shards[0].data, device)
+
+    return jax.tree.map(pick, full)
 
 
 class RLState:
@@ -83,7 +131,10 @@ class RLState:
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         self.state = create_train_state(self.model_config, self.config, mesh, seed=cfg.seed,
                                         params=params)
-        self.update_fn = jit_update(self.model_config, self.config, mesh)
+        # Cited-token masks travel with every graded run, so every mode reports the share of
+        # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
+        self.update_fn = jit_update(self.model_config, self.config, mesh,
+                                    with_evidence=cfg.grading.enabled)
         self.checkpointer = Checkpointer(ckpt_dir, model_config=self.model_config,
                                          update_config=self.config,
                                          keep=cfg.loop.keep_checkpoints + 1)
@@ -96,6 +147,8 @@ class RLState:
         from gagar_jax.train.update import check_batch, shard_batch
 
         ub = to_update_batch(batch)
+        if not self.cfg.grading.enabled:
+            ub = ub._replace(evidence=None)
         check_batch(ub, self.config, self.mesh)
         self.state, metrics = self.update_fn(self.state, shard_batch(ub, self.mesh))
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -109,12 +162,15 @@ class RLState:
         return self.update_fn._cache_size()
 
     def params_for_sync(self):
-        """The model's full nnx state with the current parameters (``Sampler.sync_weights``)."""
+        """The model's full nnx state with the current parameters (``Sampler.sync_weights``).
+
+        The embedded sampler runs unsharded on this process's first local device, whatever the
+        update's mesh; its copy comes device to device (:func:`local_params`), never through the
+        host, so it works when the parameters span the devices of several processes.
+        """
         from flax import nnx
 
-        # gathered to host and placed on the default device: the embedded sampler runs
-        # unsharded, whatever the update's mesh
-        params = jax.tree.map(jnp.asarray, jax.device_get(self.state.params))
+        params = local_params(self.state.params, self.mesh, _model_device(self.model))
         state = nnx.state(self.model)
         nnx.replace_by_pure_dict(state, params)
         nnx.update(self.model, state)

@@ -14,6 +14,13 @@ Modes (``config.mode``), the paper's ablation:
   verdicts do not touch the advantages.
 * ``discount_only``: low-quality passing solutions discounted without restoring the
   positive total (the ablation that breaks credit balance).
+* ``gagar_token``: ``gagar``, then each sequence advantage redistributed over its tokens by
+  ``advantages.token_importance`` (``evidence``: tokens the verdict cites get less of a positive
+  advantage; ``entropy``; ``uniform`` = ``gagar``) with strength ``advantages.token_gamma``,
+  conserving every sequence's credit (``gagar_jax.advantages.redistribute_tokens``).
+
+These are *training* modes (``TRAINING_MODES``); the advantage kernels' redistribution modes
+are ``gagar_jax.advantages.REDISTRIBUTION_MODES``. ``MODES`` is kept as an alias.
 """
 
 from __future__ import annotations
@@ -24,9 +31,14 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-MODES = ("gagar", "binary", "discount_only")
+from gagar_jax.envs.family import family_names
+
+TRAINING_MODES = ("gagar", "binary", "discount_only", "gagar_token")
+MODES = TRAINING_MODES  # backward-compatible alias
 # The advantage kernels' redistribution mode for each training mode.
-_REDISTRIBUTION = {"gagar": "sum_preserving", "binary": "none", "discount_only": "discount_only"}
+_REDISTRIBUTION = {"gagar": "sum_preserving", "binary": "none", "discount_only": "discount_only",
+                   "gagar_token": "sum_preserving"}
+TOKEN_IMPORTANCE = ("evidence", "entropy", "uniform")
 
 
 class ConfigError(ValueError):
@@ -40,19 +52,28 @@ def _check(cond: bool, field: str, expected: str, value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-    """The toy code-repair task pool (``gagar_jax.envs``)."""
+    """The task family (``gagar_jax.envs``: ``toy``, ``toy_agent``, ``python_repo``, ...)."""
 
     family: str = "toy"
     seed: int = 0
     difficulty: int = 1
     num_train: int = 256  # tasks generated for training; the pool cycles through them per epoch
     num_eval: int = 32  # held-out tasks, generated from a different seed
+    data_path: str = ""  # repository families: task dirs / a .jsonl file (see the family)
+    eval_data_path: str = ""  # their held-out pool ("" = the family's default)
+    tokenizer_path: str = ""  # HF tokenizer dir ("" = model.hf_checkpoint, else built-in)
+    max_turns: int = 6  # multi-turn families: model turns per episode
+    max_observation_tokens: int = 256  # multi-turn families: observation cut
 
     def __post_init__(self):
-        _check(self.family in ("toy",), "task.family", "'toy'", self.family)
+        names = family_names()
+        _check(self.family in names, "task.family", "|".join(names), self.family)
         _check(self.num_train >= 1, "task.num_train", ">= 1", self.num_train)
         _check(self.num_eval >= 0, "task.num_eval", ">= 0", self.num_eval)
         _check(self.difficulty >= 0, "task.difficulty", ">= 0", self.difficulty)
+        _check(self.max_turns >= 1, "task.max_turns", ">= 1", self.max_turns)
+        _check(self.max_observation_tokens >= 1, "task.max_observation_tokens", ">= 1",
+               self.max_observation_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +120,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     request_timeout_s: float = 120.0
+    # multi-turn families: new tokens per model turn (0 = max_new_tokens); max_new_tokens is
+    # the budget of the whole episode after the prompt (turns and observations)
+    max_turn_tokens: int = 0
 
     def __post_init__(self):
         _check(self.engine in ("embedded", "sglang"), "rollout.engine", "embedded|sglang",
@@ -114,6 +138,8 @@ class RolloutConfig:
         _check(self.temperature > 0, "rollout.temperature", "> 0", self.temperature)
         _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
+        _check(self.max_turn_tokens >= 0, "rollout.max_turn_tokens", ">= 0 (0 = max_new_tokens)",
+               self.max_turn_tokens)
 
     @property
     def seq_len(self) -> int:
@@ -161,6 +187,8 @@ class AdvantageConfig:
     tier_factors: tuple[float, float, float] = (1.0, 0.6, 0.3)
     rank_decay: float = 0.5
     cheat_reward: float = 0.0  # reward of a confirmed cheat (the paper: 0)
+    token_importance: str = "evidence"  # mode gagar_token: evidence | entropy | uniform
+    token_gamma: float = 0.5  # mode gagar_token: weights within [1 - gamma, 1 + gamma]
 
     def __post_init__(self):
         _check(self.estimator in ("mean_centered", "grpo", "rloo"),
@@ -170,6 +198,10 @@ class AdvantageConfig:
         _check(0 <= self.rank_decay < 1, "advantages.rank_decay", "in [0, 1)", self.rank_decay)
         _check(0 <= self.cheat_reward <= 1, "advantages.cheat_reward", "in [0, 1]",
                self.cheat_reward)
+        _check(self.token_importance in TOKEN_IMPORTANCE, "advantages.token_importance",
+               "|".join(TOKEN_IMPORTANCE), self.token_importance)
+        _check(0 <= self.token_gamma <= 1, "advantages.token_gamma", "in [0, 1]",
+               self.token_gamma)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +319,7 @@ class RunConfig:
     mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):
-        _check(self.mode in MODES, "mode", "|".join(MODES), self.mode)
+        _check(self.mode in TRAINING_MODES, "mode", "|".join(TRAINING_MODES), self.mode)
         if self.mode != "binary":
             _check(self.grading.enabled, "grading.enabled",
                    f"True for mode={self.mode!r} (its advantages need verdicts)",
@@ -307,6 +339,11 @@ class RunConfig:
         return GagarConfig(estimator=a.estimator, mode=self.redistribution,
                            tier_factors=tuple(a.tier_factors), rank_decay=a.rank_decay,
                            mixed_tol=self.sampling.tol, cheat_reward=a.cheat_reward)
+
+    @property
+    def token_credit(self) -> str:
+        """The update's ``token_credit``: the importance provider in mode ``gagar_token``."""
+        return self.advantages.token_importance if self.mode == "gagar_token" else "broadcast"
 
     @property
     def batch_rollouts(self) -> int:

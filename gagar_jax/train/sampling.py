@@ -15,8 +15,10 @@ Token layout of one rollout row (length ``T``)::
 
     [p_0 .. p_{P-1}  r_0 .. r_{R-1}  pad ... pad]
      prompt          response        right padding
-    response_mask:   0 on the prompt and padding, 1 on response tokens
+    response_mask:   0 on the prompt and padding, 1 on response tokens (of a multi-turn
+                     episode: 1 on model tokens only, 0 on the observations between turns)
     old_logprobs:    the behaviour log-prob of each response token at its own position
+                     (0 on observation tokens)
     positions:       0..P+R-1 then 0 on padding
 """
 
@@ -48,6 +50,12 @@ class Rollout:
     verification: Any = None  # the verifier's full result (host only; for grading workspaces)
     test_log: str = ""
     monitor_flags: list[Any] = dataclasses.field(default_factory=list)
+    # Multi-turn episodes: 1 on model tokens, 0 on observation tokens (None = all model tokens).
+    response_mask: list[int] | None = None
+    num_turns: int = 1
+    num_tool_calls: int = 0
+    attempt: Any = None  # the family's view of the rollout (envs.family.Attempt)
+    outcome: Any = None  # its verification (envs.family.Outcome)
 
     @property
     def reward(self) -> float:
@@ -67,6 +75,9 @@ class Group:
     grader_cheat: list[bool] | None = None
     graded: bool = False
     fallback_reason: str | None = None
+    # Per rollout, a bool mask over its response tokens: the tokens the verdict cites as
+    # evidence (``gagar_jax.grading.evidence_tokens``); None without a verdict.
+    evidence: list[Any] | None = None
 
     def valid_mask(self) -> list[bool]:
         return [not r.infra_error for r in self.rollouts]
@@ -202,6 +213,7 @@ class PackedBatch(NamedTuple):
     rank: np.ndarray  # [G, K] int32, >= 1
     graded: np.ndarray  # [G] bool, a valid verdict arrived for the group
     valid: np.ndarray  # [G, K] bool, a real rollout (not padding, not an infra error)
+    evidence: np.ndarray | None = None  # [G, K, T] bool, response tokens a verdict cites
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -238,6 +250,7 @@ def pack_groups(groups: Sequence[Group], *, num_groups: int, num_rollouts: int,
     rank = np.ones((G, K), np.int32)
     graded = np.zeros((G,), bool)
     valid = np.zeros((G, K), bool)
+    evidence = np.zeros((G, K, T), bool)
     for gi, g in enumerate(groups):
         if len(g.rollouts) > K:
             raise ValueError(f"group {g.group_id} has {len(g.rollouts)} rollouts > "
@@ -254,11 +267,14 @@ def pack_groups(groups: Sequence[Group], *, num_groups: int, num_rollouts: int,
             if len(r.logprobs) != R:
                 raise ValueError(f"group {g.group_id} rollout {ki}: {len(r.logprobs)} logprobs "
                                  f"for {R} response tokens")
+            if r.response_mask is not None and len(r.response_mask) != R:
+                raise ValueError(f"group {g.group_id} rollout {ki}: {len(r.response_mask)} "
+                                 f"response-mask entries for {R} response tokens")
             tokens[gi, ki, :P] = r.prompt_tokens
             tokens[gi, ki, P:P + R] = r.response_tokens
             positions[gi, ki, :P + R] = np.arange(P + R)
             attn[gi, ki, :P + R] = True
-            resp[gi, ki, P:P + R] = True
+            resp[gi, ki, P:P + R] = True if r.response_mask is None else r.response_mask
             old_lp[gi, ki, P:P + R] = r.logprobs
             rewards[gi, ki] = r.reward
             passed[gi, ki] = r.passed
@@ -268,7 +284,10 @@ def pack_groups(groups: Sequence[Group], *, num_groups: int, num_rollouts: int,
                 tier[gi, ki] = g.tier[ki]
             if g.rank is not None:
                 rank[gi, ki] = g.rank[ki]
+            if g.evidence is not None and g.evidence[ki] is not None:
+                ev = np.asarray(g.evidence[ki], bool)[:R]
+                evidence[gi, ki, P:P + len(ev)] = ev
     if not np.isfinite(old_lp).all():
         raise ValueError("non-finite behaviour log-probs in the batch")
     return PackedBatch(tokens, positions, attn, resp, old_lp, rewards, passed, cheat, tier, rank,
-                       graded, valid)
+                       graded, valid, evidence)
