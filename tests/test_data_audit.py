@@ -108,7 +108,8 @@ def reports():
     for name, (task, _) in PLANTED.items():
         if name.startswith("leaks_") and name != "leaks_patch_file":
             continue  # static findings: tested without the sandbox below
-        out[name] = A.precheck(task, repeats=3 if name == "flaky" else 2, limits=FAST)
+        # one run per patch suffices for the deterministic reasons; flakiness needs repeats
+        out[name] = A.precheck(task, repeats=3 if name == "flaky" else 1, limits=FAST)
     return out
 
 
@@ -118,7 +119,7 @@ def test_precheck_names_each_planted_reason(reports, name):
     rep = reports[name]
     assert rep.reasons == PLANTED[name][1], (rep.reasons, rep.details)
     assert rep.ok == (name == "sound")
-    assert len(rep.runs) == 4 and {r.patch for r in rep.runs} == {"gold", "empty"}
+    assert len(rep.runs) == 2 and {r.patch for r in rep.runs} == {"gold", "empty"}
     assert all(r.status in ("passed", "failed") for r in rep.runs)
 
 
