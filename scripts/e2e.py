@@ -11,8 +11,9 @@ r"""End to end on CPU: a real SGLang server in the loop of a multi-turn code-age
 4. runs ``configs/swe_agent.py:smoke`` (SFT warm start on the tool-call demonstrations, then 3 RL
    steps with SGLang rollouts and the agentic grader on the same server) into ``OUT/run``,
    SIGKILLs the trainer after its checkpoint of step 1 and runs it again (it resumes);
-5. stops the server and prints the per-step metrics the test checks
-   (``tests/test_e2e.py``): turns and tool calls per episode, weight version, mismatch.
+5. stops the server, prints the per-step metrics and checks them (:func:`check`, exit 1 on a
+   failure): episodes of more than one turn, parsed tool calls, the weight version +1 per step,
+   a finite training-inference mismatch, a resumed run that repeats and skips no step.
 """
 
 import argparse
@@ -31,6 +32,34 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures", "repos")
 KEYS = ("episode/turns_mean", "episode/tool_calls_mean", "rollout/weight_version",
         "rollout/logprob_mismatch_k3", "rollout/logprob_mismatch_max_abs", "pass_rate",
         "response_length")
+
+
+def check(rows: list[dict], log: str) -> list[str]:
+    """What ``make e2e`` must show (``tests/test_e2e.py`` asserts the same); [] when it does."""
+    import math
+
+    train = [r for r in rows if r.get("phase") == "train"]
+    problems = []
+    if "resumed from checkpoint 1" not in log:
+        problems.append("the second trainer run did not resume from checkpoint 1")
+    if [r["step"] for r in train] != [0, 1, 2]:
+        problems.append(f"train steps {[r['step'] for r in train]} != [0, 1, 2]")
+    if not any(r.get("phase") == "sft" for r in rows):
+        problems.append("no SFT warm-start rows")
+    if [r.get("rollout/weight_version") for r in train] != [1.0, 2.0, 3.0]:
+        problems.append("rollout/weight_version is not +1 per step from the SFT'd version 0: "
+                        f"{[r.get('rollout/weight_version') for r in train]}")
+    if not any(r.get("episode/turns_mean", 0) > 1.0 for r in train):
+        problems.append("no step with more than one turn per episode on average")
+    if not any(r.get("episode/tool_calls_mean", 0) > 0.0 for r in train):
+        problems.append("no parsed tool call in any step")
+    for r in train:
+        k3 = r.get("rollout/logprob_mismatch_k3")
+        diff = r.get("rollout/logprob_mismatch_max_abs")
+        if not (isinstance(k3, float) and math.isfinite(k3) and isinstance(diff, float)
+                and math.isfinite(diff) and diff >= 0):
+            problems.append(f"step {r['step']}: mismatch not finite ({k3}, {diff})")
+    return problems
 
 
 def write_pool(path: str) -> str:
@@ -127,16 +156,17 @@ def main() -> int:
     finally:
         if server is not None:
             server.stop()
-    rows = []
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("phase") == "train":
-                rows.append(r)
+        rows = [json.loads(line) for line in f if line.strip()]
     for r in rows:
-        print("e2e: step", r["step"], " ".join(f"{k}={r.get(k)}" for k in KEYS), flush=True)
+        if r.get("phase") == "train":
+            print("e2e: step", r["step"], " ".join(f"{k}={r.get(k)}" for k in KEYS), flush=True)
+    with open(log, encoding="utf-8", errors="replace") as f:
+        problems = check(rows, f.read())
     print(f"e2e: done in {time.monotonic() - t0:.0f} s; metrics in {run_dir}/metrics.jsonl")
-    return 0
+    for p in problems:
+        print(f"e2e: FAILED: {p}", flush=True)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -15,10 +15,14 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from sglang_fixtures import SGLANG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = SGLANG
+# Minutes of CPU (SFT and updates at 2k tokens, SGLang rollouts): not in `make test`'s budget.
+pytestmark = [*SGLANG, pytest.mark.skipif(
+    os.environ.get("GAGAR_E2E") != "1",
+    reason="make e2e as a test takes many minutes on 2 cores: run with GAGAR_E2E=1")]
 
 
 def test_make_e2e_metrics(sglang_server, tiny_sglang_model, tmp_path):
@@ -49,3 +53,6 @@ def test_make_e2e_metrics(sglang_server, tiny_sglang_model, tmp_path):
         k3, diff = x["rollout/logprob_mismatch_k3"], x["rollout/logprob_mismatch_max_abs"]
         assert math.isfinite(k3) and math.isfinite(diff) and diff >= 0.0
         assert 0 < x["response_length"] <= 1024
+    # SGLang's kernels are not the trainer's: small, but not exactly zero
+    assert any(x["rollout/logprob_mismatch_max_abs"] > 0.0 for x in train)
+    assert all(x["rollout/logprob_mismatch_max_abs"] < 1.0 for x in train)

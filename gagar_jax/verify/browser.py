@@ -109,24 +109,8 @@ _CHROMIUM_ARGS = (
     "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
     "--js-flags=--max-old-space-size=512",
 )
-_STATE_JS = """() => {
-  const all = document.getElementsByTagName('*');
-  let visible = 0;
-  const body = document.body;
-  if (body) {
-    for (const el of body.querySelectorAll('*')) {
-      if (visible >= 50) break;
-      const r = el.getBoundingClientRect();
-      if (r.width > 0 && r.height > 0) {
-        const s = getComputedStyle(el);
-        if (s.visibility !== 'hidden' && s.display !== 'none' && s.opacity !== '0') visible++;
-      }
-    }
-  }
-  return {title: document.title, url: location.href, dom_nodes: all.length,
-          text_chars: body ? body.innerText.trim().length : 0, visible_elements: visible};
-}"""
-_DOM_JS = "() => document.getElementsByTagName('*').length"
+# Page measurements go through Playwright locators, which run in Playwright's isolated utility
+# world: a page that monkeypatches DOM methods in its own world cannot fake them.
 
 
 class BrowserUnavailable(RuntimeError):
@@ -160,7 +144,7 @@ class PageSnapshot:
     truncated: bool
     dom_nodes: int
     text_chars: int
-    visible_elements: int
+    visible_elements: int  # 0 or 1: whether any element of the body is visible
     console_errors: tuple[str, ...]
     page_errors: tuple[str, ...]
 
@@ -830,7 +814,7 @@ class BrowserJudge:
             raise _PageFault("page_crashed", "the renderer crashed")
         if run.dialogs > self.max_dialogs:
             raise _PageFault("dialog_flood", f"{run.dialogs} dialogs (> {self.max_dialogs})")
-        nodes = await self._call(run, page.evaluate(_DOM_JS))
+        nodes = await self._call(run, page.locator("*").count())
         if isinstance(nodes, int) and nodes > self.max_dom_nodes:
             raise _PageFault("dom_growth", f"{nodes} DOM nodes (> {self.max_dom_nodes})")
 
@@ -930,7 +914,12 @@ class BrowserJudge:
             raise _PageFault("no_render", f"{entry}: HTTP {resp.status if resp else 'no response'}")
         await self._call(run, page.wait_for_timeout(max(self.settle_ms, 100)))
         await self._fault_check(run, page)
-        state = await self._call(run, page.evaluate(_STATE_JS))
+        nodes = await self._call(run, page.locator("*").count())
+        text = await self._call(run, page.locator("body").inner_text(timeout=5000))
+        visible = await self._call(run, page.locator("body *").filter(visible=True).first.count())
+        title = await self._call(run, page.title())
+        state = {"url": page.url, "title": title, "dom_nodes": nodes,
+                 "text_chars": len(text.strip()), "visible_elements": visible}  # fmt: skip
         aria = await self._call(run, page.locator("body").aria_snapshot(timeout=5000))
         await self._frame(run, page, None, "load")
         snap = PageSnapshot(
