@@ -262,9 +262,15 @@ def _pool(cfg: FeedbackRunConfig):
     from gagar_jax.envs.toy_family import ToyFamily
 
     t = cfg.task
-    return ToyFamily(FamilySettings(seed=t.seed, difficulty=t.difficulty,
-                                    num_train=t.num_train, num_eval=t.num_eval,
-                                    max_prompt_len=cfg.base.max_prompt_len))
+    return ToyFamily(
+        FamilySettings(
+            seed=t.seed,
+            difficulty=t.difficulty,
+            num_train=t.num_train,
+            num_eval=t.num_eval,
+            max_prompt_len=cfg.base.max_prompt_len,
+        )
+    )
 
 
 def _sample(sampler, pool, tasks, *, n: int, temperature: float, max_tokens: int, seed: int):
@@ -365,8 +371,11 @@ def prepare_base(cfg: FeedbackRunConfig, base_dir: str, *, log=print) -> dict[st
         }
 
     t0 = time.monotonic()
-    demos = [d for d in pool.demonstrations(cfg.task.num_train)
-             if d.response_len <= cfg.base.max_new_tokens]  # never truncated: skipped
+    demos = [
+        d
+        for d in pool.demonstrations(cfg.task.num_train)
+        if d.response_len <= cfg.base.max_new_tokens
+    ]  # never truncated: skipped
     b = cfg.base
     sft.run_sft(
         model,
