@@ -2,6 +2,8 @@ r"""The feedback study: five objectives x seeds on one shared simulated-user fee
 
     python scripts/feedback_compare.py --out=runs/feedback_compare --seeds=0,1,2
     python scripts/feedback_compare.py --out=/tmp/fc --seeds=0 --steps=10     # a reduced run
+    python scripts/feedback_compare.py --out=runs/fc_bal --modes=span_kto \
+        --base_dir=runs/feedback_compare/base --config.objective.lambda_w=20  # a variant
 
 Every (mode, seed) run trains from the same warm-started base policy on the same feedback data
 (``<out>/base``); the seed changes the batch order and the evaluation samples. Writes
@@ -26,6 +28,7 @@ flags.DEFINE_string(
     "modes", "sft,rw_sft,span_kto,sft_drop_negative,sft_penalize_negative", "Comma-separated modes."
 )
 flags.DEFINE_integer("steps", 0, "Override loop.steps (0: the config's).")
+flags.DEFINE_string("base_dir", "", "Shared base (policy + feedback data); '' = <out>/base.")
 flags.DEFINE_string("compilation_cache", "runs/.jax_cache", "JAX compilation cache ('' = off).")
 FLAGS = flags.FLAGS
 KEYS = ("eval_pass_rate", "eval_quality", "eval_negative_rate", "eval_response_length")
@@ -58,7 +61,7 @@ def main(argv):
             d = FLAGS.config.to_dict()
             d["seed"] = seed
             d["objective"]["mode"] = mode
-            d["base"]["dir"] = os.path.join(out, "base")
+            d["base"]["dir"] = os.path.abspath(FLAGS.base_dir or os.path.join(out, "base"))
             d["name"] = f"feedback_{mode}_s{seed}"
             if FLAGS.steps:
                 d["loop"]["steps"] = FLAGS.steps

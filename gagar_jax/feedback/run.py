@@ -257,15 +257,19 @@ def load_params(path: str, like: dict) -> dict:
 
 
 def _pool(cfg: FeedbackRunConfig):
-    from gagar_jax.train.run_config import RolloutConfig, TaskConfig
-    from gagar_jax.train.tasks import ToyTaskPool
+    """The ``toy`` task family (``gagar_jax.envs``): tasks, held-out set, prompts, demos."""
+    from gagar_jax.envs.family import FamilySettings
+    from gagar_jax.envs.toy_family import ToyFamily
 
-    t, b = cfg.task, cfg.base
-    return ToyTaskPool(
-        TaskConfig(
-            seed=t.seed, difficulty=t.difficulty, num_train=t.num_train, num_eval=t.num_eval
-        ),
-        RolloutConfig(max_prompt_len=b.max_prompt_len, max_new_tokens=b.max_new_tokens),
+    t = cfg.task
+    return ToyFamily(
+        FamilySettings(
+            seed=t.seed,
+            difficulty=t.difficulty,
+            num_train=t.num_train,
+            num_eval=t.num_eval,
+            max_prompt_len=cfg.base.max_prompt_len,
+        )
     )
 
 
@@ -293,7 +297,7 @@ def evaluate(sampler, pool, cfg: FeedbackRunConfig, *, seed: int) -> dict[str, f
     """Held-out pass rate, quality, cheat rate, negative-feedback rate and response length."""
     from gagar_jax.envs import verify
     from gagar_jax.envs.simulated_user import user_feedback
-    from gagar_jax.train.tasks import quality_score
+    from gagar_jax.envs.toy_family import quality_score
 
     tasks = pool.eval_tasks()
     if not tasks:
@@ -367,7 +371,11 @@ def prepare_base(cfg: FeedbackRunConfig, base_dir: str, *, log=print) -> dict[st
         }
 
     t0 = time.monotonic()
-    demos = pool.demonstrations(cfg.task.num_train)
+    demos = [
+        d
+        for d in pool.demonstrations(cfg.task.num_train)
+        if d.response_len <= cfg.base.max_new_tokens
+    ]  # never truncated: skipped
     b = cfg.base
     sft.run_sft(
         model,
