@@ -22,7 +22,7 @@ AVAILABLE = sb.available_mechanisms()
 ISOLATING = [m for m in ("bwrap+cgroup", "bwrap", "unshare", "rlimits") if AVAILABLE[m] is None]
 PY, _ = sb.python_for_sandbox()
 FAST = Limits(wall_s=20, cpu_s=20, memory_bytes=256 << 20, nproc=32, file_bytes=4 << 20,
-              output_bytes=16 << 10, disk_bytes=24 << 20, disk_files=2000,
+              output_bytes=16 << 10, disk_bytes=24 << 20, disk_files=500,
               shm_bytes=8 << 20)  # fmt: skip
 
 
@@ -181,8 +181,8 @@ DISK_CASES = {
         "    for i in range(12):\n        open(f'a/b/c/{i}', 'wb').write(b'y' * (3 << 20))\n"
         "    os._exit(0)\nos.wait()\n"
     ),
-    # an inode flood: tiny files past disk_files
-    "inode_flood": "for i in range(3000):\n    open(f'n{i}', 'w').close()\n",
+    # an inode flood: tiny files past disk_files (500 here)
+    "inode_flood": "for i in range(1500):\n    open(f'n{i}', 'w').close()\n",
 }
 
 
