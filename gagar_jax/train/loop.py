@@ -2,9 +2,12 @@
 
 One RL step (``for step in range(start, total)``), each piece from its own package:
 
-1. **Sample and verify.** Prompts come from the task stream (deterministic by data position);
-   the rollout engine generates K samples per prompt; each is verified by the task family
-   (tests + behaviour monitor). A verifier crash is an infra error: masked, counted.
+1. **Sample and verify.** Prompts come from the task family's stream (deterministic by data
+   position; ``gagar_jax.envs.family`` is the only part of ``envs`` the loop knows); the rollout
+   engine generates K samples per prompt, or, for a multi-turn family, K episodes through
+   ``rollout.run_episodes`` (one batched engine call per turn; model tokens kept as generated,
+   observations masked out of the loss); each is verified by the family (tests + behaviour
+   monitor). A verifier crash is an infra error: masked, counted.
 2. **Dynamic sampling** (:func:`~gagar_jax.train.sampling.collect_groups`): rounds of fresh prompts
    until ``num_prompts`` mixed groups are held (cap + clear error, or a partial batch when allowed).
 3. **Grading, overlapped.** Every kept group is submitted to the grading pool the moment it is
@@ -13,7 +16,9 @@ One RL step (``for step in range(start, total)``), each piece from its own packa
    group keeps its original advantages (the pool's fallback, counted in metrics).
 4. **Pack** to the static ``[G, K, T]`` shape (no recompilation, whatever the refills did).
 5. **Update**: one jitted call (advantages computed inside from the raw results, then PPO-clip).
-6. **Weight sync** to the rollout engine (``policy_version`` + 1).
+6. **Weight sync** to the rollout engine (``policy_version`` + 1; the engine must report that
+   version back: ``rollout/weight_version``), with the training-inference mismatch of the step's
+   batch (``rollout/logprob_mismatch_k3``, ``rollout/logprob_mismatch_max_abs``).
 7. Periodic **held-out evaluation**, **checkpoint** (train state via orbax; loop bookkeeping via
    :class:`~gagar_jax.train.resume.ResumeStore` after the state is finished writing) and metrics.
 
@@ -98,10 +103,16 @@ class StepCounters:
     turns_sum: int = 0
     tool_calls_sum: int = 0
     model_tokens_sum: int = 0
+    # policy version -> [rollouts, infra errors]: infra_error is masked, so a policy that learns
+    # to provoke it escapes its negative reward; the rate per version shows such a trend.
+    by_version: dict = dataclasses.field(default_factory=dict)
 
     def add(self, group: Group) -> None:
         for r in group.rollouts:
             self.rollouts += 1
+            tally = self.by_version.setdefault(int(r.policy_version), [0, 0])
+            tally[0] += 1
+            tally[1] += bool(r.infra_error)
             self.length_sum += len(r.response_tokens)
             self.turns_sum += r.num_turns
             self.tool_calls_sum += r.num_tool_calls
@@ -125,6 +136,7 @@ class StepCounters:
             "pass_rate": self.passed / v,
             "cheat_rate": self.cheats / v,
             "infra_errors": float(self.infra_errors),
+            "infra_error_rate": self.infra_errors / max(self.rollouts, 1),
             "response_length": self.length_sum / max(self.rollouts, 1),
             "truncated_frac": self.truncated / max(self.rollouts, 1),
             "quality": self.quality_sum / self.quality_n if self.quality_n else math.nan,
@@ -639,7 +651,8 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
         raise ValueError(f"checkpoint {step} not in {workdir} (complete ones: {steps})")
     policy.restore(step)
     try:
-        engine = backends.build_engine(cfg, policy, workdir=workdir)
+        engine = backends.build_engine(cfg, policy, workdir=workdir,
+                                       pad_id=family.tokenizer.pad_id)
         engine.sync_weights(policy.params_for_sync(), store.load(step).policy_version)
         return evaluate(engine, family, cfg, step=step), step
     finally:
