@@ -118,6 +118,58 @@ def _split(x, minibatches: int, microbatches: int, mesh: Mesh | None):
     return y
 
 
+ROUTER_METRICS = (
+    "router_aux_loss",
+    "router_load_max",
+    "router_load_min",
+    "router_load_max_pooled",
+    "router_entropy",
+)
+
+
+def chunked_token_logprobs_and_entropy(
+    model, hidden, targets, temperature: float = 1.0, chunk: int = 0
+):
+    """``token_logprobs_and_entropy(model.logits_from_hidden(hidden) / temperature, targets)``.
+
+    With ``chunk > 0`` the LM head and the log-softmax run over ``chunk`` tokens of the
+    sequence at a time (``lax.map``; each chunk rematerialised in the backward pass), so the
+    float32 ``[B, T, V]`` logits and their cotangent never exist whole: the largest buffer is
+    ``[B, chunk, V]``. The sequence is padded to a multiple of ``chunk`` (padding is dropped).
+
+    Args:
+      model: a :class:`~gagar_jax.models.Transformer` (its LM head / tied embedding is used).
+      hidden: [B, T, E] final-norm hidden states (``model.hidden_states``).
+      targets: [B, T] int token ids scored at each position.
+    Returns:
+      (logprobs [B, T] float32, entropy [B, T] float32).
+    """
+    b, t = targets.shape
+    if chunk <= 0 or chunk >= t:
+        logits = model.logits_from_hidden(hidden).astype(jnp.float32) / temperature
+        return token_logprobs_and_entropy(logits, targets)
+    tied = model.config.tie_embeddings
+    weight = model.embed_tokens[...] if tied else model.lm_head[...]
+    dt = jnp.dtype(model.config.dtype)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, -1)
+    y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk)
+
+    @jax.checkpoint
+    def one(w, hc, yc):
+        eq = "bte,ve->btv" if tied else "bte,ev->btv"
+        logits = jnp.einsum(eq, hc.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+        return token_logprobs_and_entropy(logits / temperature, yc)
+
+    lp, ent = jax.lax.map(
+        lambda xs: one(weight, *xs), (jnp.moveaxis(h, 1, 0), jnp.moveaxis(y, 1, 0))
+    )
+    lp = jnp.moveaxis(lp, 0, 1).reshape(b, n * chunk)[:, :t]
+    ent = jnp.moveaxis(ent, 0, 1).reshape(b, n * chunk)[:, :t]
+    return lp, ent
+
+
 def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: UpdateConfig,
                 mesh: Mesh | None = None):
     """The pure update (jit it with :func:`jit_update`). Returns ``(state, metrics)``."""
@@ -137,15 +189,18 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     m, a = config.num_minibatches, config.num_microbatches
     data = {key: _split(v, m, a, mesh) for key, v in fields.items()}
 
+    moe = nnx.merge(graphdef, state.params).config.num_experts > 0
+
     def loss_fn(params, mb, num_tokens, num_seqs):
         model = nnx.merge(graphdef, params)
-        logits = model(mb["tokens"], mb["positions"], attention_mask=mb["attention_mask"])
-        # The behaviour policy sampled from softmax(logits / T): score the same distribution.
-        logits = logits.astype(jnp.float32) / config.temperature
+        hidden, router = model.hidden_states(mb["tokens"], mb["positions"],
+                                             attention_mask=mb["attention_mask"], return_aux=True)
         # Targets shifted left by one; the logits are consumed whole (no sliced [b, T-1, V]
-        # copy) and only the [b, T] results drop their last column.
+        # copy) and only the [b, T] results drop their last column. The behaviour policy
+        # sampled from softmax(logits / T): score the same distribution.
         next_tokens = jnp.roll(mb["tokens"], -1, axis=1)
-        logprobs, entropy = token_logprobs_and_entropy(logits, next_tokens)
+        logprobs, entropy = chunked_token_logprobs_and_entropy(
+            model, hidden, next_tokens, config.temperature, config.logits_chunk_size)
         logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
         ref = mb.get("ref_logprobs")
         terms = policy_loss(
@@ -155,7 +210,11 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
             aggregation=config.aggregation, kl_coef=config.kl_coef,
             kl_estimator=config.kl_estimator, entropy_coef=config.entropy_coef,
             num_tokens=num_tokens, num_seqs=num_seqs)
-        return terms.loss, terms
+        loss = terms.loss
+        if moe and config.router_aux_loss_coef > 0:
+            # Per micro-batch, scaled so the accumulated sum is the micro-batches' mean.
+            loss = loss + config.router_aux_loss_coef * router["router_aux_loss"] / a
+        return loss, (terms, router)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -167,18 +226,20 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         num_seqs = jnp.sum(jnp.any(mask, axis=-1).astype(jnp.float32))
 
         def micro(acc, mb):
-            (_, terms), grads = grad_fn(params, mb, num_tokens, num_seqs)
-            return jax.tree.map(jnp.add, acc, (grads, terms)), None
+            (_, (terms, router)), grads = grad_fn(params, mb, num_tokens, num_seqs)
+            router = {k: v / a for k, v in router.items()}  # mean over micro-batches
+            return jax.tree.map(jnp.add, acc, (grads, terms, router)), None
 
         zero = jnp.zeros((), jnp.float32)
         zeros = (jax.tree.map(jnp.zeros_like, params),
-                 PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields))))
-        (grads, terms), _ = jax.lax.scan(micro, zeros, mb_all)
+                 PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields))),
+                 {k: zero for k in ROUTER_METRICS} if moe else {})
+        (grads, terms, router), _ = jax.lax.scan(micro, zeros, mb_all)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         out = dict(terms._asdict(), grad_norm=grad_norm, learning_rate=schedule(opt_step),
-                   tokens=num_tokens)
+                   tokens=num_tokens, **router)
         return (params, opt_state, opt_step + 1), out
 
     steps_per_update = config.optimizer_steps_per_update
