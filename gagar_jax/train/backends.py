@@ -136,47 +136,41 @@ def build_engine(cfg: RunConfig, policy: Policy, *, workdir: str, pad_id: int = 
         from gagar_jax.rollout.sampler import Sampler
 
         return Sampler(policy.model, pad_id=pad_id, seed=cfg.seed)
-    return SGLangEngine(cfg, policy, workdir=workdir)
+    return build_sglang_engine(cfg, policy, workdir=workdir)
 
 
-class SGLangEngine:
-    """Rollouts from an SGLang server; weights synced by safetensors export + reload.
+def build_sglang_engine(cfg: RunConfig, policy: Policy, *, workdir: str):
+    """``gagar_jax.rollout.SGLangEngine`` on ``rollout.sglang_url`` (health-checked): weights
+    exported as HF safetensors to ``workdir/sync/v<version>`` by process 0 and loaded with the
+    engine's sync protocol (pause, drain, atomic export, update, version check, flush, resume,
+    rollback on failure).
 
-    A dead server is a clear error at construction (health check naming the URL) or, mid-run,
-    the client's error after its retries (the loop names the step); never a hang: every request
-    has ``rollout.request_timeout_s``.
+    A dead server is a clear error here (naming the URL) or, mid-run, the client's error after
+    its retries (the loop names the step); never a hang: every request has
+    ``rollout.request_timeout_s``.
     """
+    from flax import nnx
 
-    def __init__(self, cfg: RunConfig, policy: Policy, *, workdir: str):
-        from gagar_jax.rollout import SGLangClient
+    from gagar_jax.models import save_hf_safetensors
+    from gagar_jax.rollout import SGLangClient
+    from gagar_jax.rollout.sglang_engine import SGLangEngine
 
-        self.url = cfg.rollout.sglang_url
-        self.client = SGLangClient(self.url, request_timeout_s=cfg.rollout.request_timeout_s)
-        if not self.client.health():
-            raise RuntimeError(f"SGLang rollout server at {self.url} (rollout.sglang_url) does "
-                               "not answer GET /health: start it (scripts/launch_sglang.sh) or "
-                               "use rollout.engine='embedded'")
-        self.policy = policy
-        self.sync_dir = os.path.join(workdir, "sync")
+    url = cfg.rollout.sglang_url
+    client = SGLangClient(url, request_timeout_s=cfg.rollout.request_timeout_s,
+                          max_retry_time_s=cfg.rollout.request_timeout_s)
+    if not client.health():
+        raise RuntimeError(f"SGLang rollout server at {url} (rollout.sglang_url) does "
+                           "not answer GET /health: start it (scripts/launch_sglang.sh) or "
+                           "use rollout.engine='embedded'")
 
-    def generate(self, prompts, params):
-        return self.client.generate(prompts, params)
+    def export(params, directory):
+        model = policy.model
+        if not isinstance(params, nnx.Module):
+            nnx.update(model, params)
+        if jax.process_index() == 0:
+            save_hf_safetensors(model, policy.model_config, directory)
 
-    def sync_weights(self, params_or_path, version: int) -> int:
-        from flax import nnx
-
-        from gagar_jax.models import save_hf_safetensors
-
-        if isinstance(params_or_path, str):
-            path = params_or_path
-        else:
-            path = os.path.join(self.sync_dir, f"v{version:06d}")
-            model = self.policy.model
-            if not isinstance(params_or_path, nnx.Module):
-                nnx.update(model, params_or_path)
-            if jax.process_index() == 0:
-                save_hf_safetensors(model, self.policy.model_config, path)
-        return self.client.sync_weights(path, version)
+    return SGLangEngine(client, export_fn=export, sync_dir=os.path.join(workdir, "sync"))
 
 
 def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=None,
