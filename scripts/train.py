@@ -9,6 +9,9 @@ Re-running with the same --workdir resumes from the newest complete checkpoint. 
 JAX_NUM_PROCESSES and JAX_PROCESS_ID environment variables (see configs/tpu_pod.py).
 """
 
+import os
+import sys
+
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -26,13 +29,21 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from gagar_jax.train import loop
+    from gagar_jax.train.multihost import HostError
     from gagar_jax.train.run_config import RunConfig
 
     cfg = RunConfig.from_config_dict(FLAGS.config)
     loop.initialize_distributed(cfg.mesh)  # before any JAX computation
     if FLAGS.compilation_cache:
         loop.enable_compilation_cache(FLAGS.compilation_cache)
-    loop.train_and_evaluate(cfg, FLAGS.workdir)
+    try:
+        loop.train_and_evaluate(cfg, FLAGS.workdir)
+    except HostError as e:
+        # Another host is dead or hung: end now. A normal exit would wait in jax.distributed's
+        # shutdown barrier for the host that never comes (minutes, then an abort).
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)
 
 
 if __name__ == "__main__":

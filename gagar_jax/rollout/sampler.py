@@ -107,7 +107,7 @@ def _generate_program(
     prompt_mask,
     row_ids,
     live,
-    seed,
+    row_seeds,
     temperature,
     top_p,
     top_k,
@@ -119,6 +119,10 @@ def _generate_program(
     max_new_bucket: int,
 ):
     """prompts/prompt_mask [B, P] (left-padded), row_ids [B] i32, live [B] bool -> outputs.
+
+    Row ``r`` draws from ``fold_in(key(row_seeds[r]), row_ids[r])`` (then ``fold_in(., t)`` per
+    step): one seed with ``row_ids = arange(B)``, or one seed per prompt with ``row_ids`` the
+    sample index within its prompt.
 
     One program per (graphdef, pad_id, B, P, N): samplers over models of the same architecture
     share compiled programs.
@@ -132,8 +136,7 @@ def _generate_program(
     cache = model.init_cache(b, p + n)
     logits, cache = model.decode(prompts, positions, cache, attention_mask=prompt_mask)
     logits = logits[:, -1, :]  # left padding: the last slot is every row's last prompt token
-    base = jax.random.key(seed)
-    row_keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(row_ids)
+    row_keys = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(row_seeds, row_ids)
 
     def cond(carry):
         step, _, _, done, *_ = carry
@@ -219,10 +222,27 @@ class Sampler:
             return self._seed_counter
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        prompt_seeds: Sequence[int] | None = None,
     ) -> list[list[Sample]]:
-        """`params.n` samples per prompt (outer list: prompts, inner: samples)."""
+        """`params.n` samples per prompt (outer list: prompts, inner: samples).
+
+        `prompt_seeds[i]` (optional, one per prompt, in [0, 2**32)) seeds prompt i's samples on
+        their own: they are then the same whatever else is in the batch and wherever prompt i
+        sits in it (what a multi-host loop needs: the rollouts of a prompt do not depend on how
+        prompts are split over hosts). Otherwise `params.seed` seeds the whole call.
+        """
         prompts = validate_prompts(prompts, self.config.vocab_size)
+        if prompt_seeds is not None:
+            prompt_seeds = [int(x) for x in prompt_seeds]
+            if len(prompt_seeds) != len(prompts) or not all(0 <= x < 2**32 for x in prompt_seeds):
+                raise ValueError(
+                    f"prompt_seeds must be {len(prompts)} ints in [0, 2**32) (one per prompt), "
+                    f"got {prompt_seeds!r:.200}"
+                )
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if len(params.stop_token_ids) > MAX_STOP_TOKENS:
@@ -249,6 +269,14 @@ class Sampler:
         stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
         seed = params.seed if params.seed is not None else self._next_seed()
+        if prompt_seeds is None:
+            row_seeds = np.full((b,), seed, np.uint32)
+            row_ids = np.arange(b, dtype=np.int32)
+        else:  # row r = i * n + j: prompt i's seed, sample index j; filler rows keep their index
+            row_seeds = np.zeros((b,), np.uint32)
+            row_seeds[: len(rows)] = np.repeat(np.asarray(prompt_seeds, np.uint32), params.n)
+            row_ids = np.arange(b, dtype=np.int32)
+            row_ids[: len(rows)] = np.tile(np.arange(params.n, dtype=np.int32), len(prompts))
 
         with self._lock:  # serialises dispatch so the trace count is attributed to this call
             before = _TRACES[0]
@@ -256,9 +284,9 @@ class Sampler:
                 self.state,
                 jnp.asarray(tokens),
                 jnp.asarray(mask),
-                jnp.arange(b, dtype=jnp.int32),
+                jnp.asarray(row_ids),
                 jnp.asarray(live),
-                jnp.asarray(seed, jnp.uint32),
+                jnp.asarray(row_seeds),
                 jnp.asarray(params.temperature, jnp.float32),
                 jnp.asarray(params.top_p, jnp.float32),
                 jnp.asarray(params.top_k, jnp.int32),
@@ -283,17 +311,26 @@ class Sampler:
                         logprobs=[float(x) for x in lps[r, :k]],
                         finish_reason="stop" if stopped[r] else "length",
                         policy_version=self.policy_version,
-                        meta={"bucket": (b, p, n), "seed": int(seed)},
+                        meta={
+                            "bucket": (b, p, n),
+                            "seed": int(seed if prompt_seeds is None else prompt_seeds[i]),
+                        },
                     )
                 )
             out.append(row_samples)
         return out
 
     async def agenerate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        prompt_seeds: Sequence[int] | None = None,
     ) -> list[list[Sample]]:
         """`generate` in a worker thread: the event loop stays free while the device works."""
-        return await asyncio.to_thread(self.generate, prompts, params)
+        return await asyncio.to_thread(
+            functools.partial(self.generate, prompt_seeds=prompt_seeds), prompts, params
+        )
 
     def sync_weights(self, params_or_path: Any, version: int) -> int:
         """Replaces the weights; returns `version` (stamped on every later Sample).

@@ -158,8 +158,8 @@ class SGLangEngine:
         self.policy = policy
         self.sync_dir = os.path.join(workdir, "sync")
 
-    def generate(self, prompts, params):
-        return self.client.generate(prompts, params)
+    def generate(self, prompts, params, *, prompt_seeds=None):
+        return self.client.generate(prompts, params, prompt_seeds=prompt_seeds)
 
     def sync_weights(self, params_or_path, version: int) -> int:
         from flax import nnx
