@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,data,parity,notebooks
+EXTRAS ?= test,data,parity,notebooks,browser
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
@@ -18,10 +18,12 @@ $(VENV)/.installed: setup.py constraints.txt
 setup: $(VENV)/.installed
 
 # System packages (Debian/Ubuntu, root or sudo) for the sandboxed verifier: bubblewrap, and a
-# python3 an unprivileged uid can run (the sandbox cannot use a pyenv interpreter under /root).
+# python3 an unprivileged uid can run (the sandbox cannot use a pyenv interpreter under /root);
+# Debian's chromium for the browser judge (driven by the playwright wheel, never downloaded).
 system-deps:
 	@PKGS=""; command -v bwrap >/dev/null || PKGS="bubblewrap"; \
 	  [ -x /usr/bin/python3 ] || PKGS="$$PKGS python3"; \
+	  [ -x /usr/bin/chromium ] || PKGS="$$PKGS chromium"; \
 	  [ -z "$$PKGS" ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $$PKGS; }
 

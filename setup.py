@@ -30,6 +30,9 @@ EXTRAS_REQUIRE = {
     # Parity tests against Hugging Face transformers (CPU torch; pinned in constraints.txt:
     # an unpinned torch pulls a multi-GB CUDA build).
     "parity": ["torch==2.13.0", "transformers==5.24.0"],
+    # The browser judge (gagar_jax.verify.browser): the Playwright driver for Debian's chromium
+    # (`make system-deps` installs it; `playwright install` is not used).
+    "browser": ["playwright==1.65.2"],
     # Executed notebooks.
     "notebooks": ["ipykernel", "nbclient", "nbformat", "matplotlib"],
 }
@@ -40,7 +43,11 @@ setuptools.setup(
     description=__doc__,
     packages=setuptools.find_packages(include=["gagar_jax", "gagar_jax.*"]),
     # Versioned grader prompts (gagar_jax/grading/prompts/<version>/*.md).
-    package_data={"gagar_jax.grading": ["prompts/*/*.md"]},
+    package_data={
+        "gagar_jax.grading": ["prompts/*/*.md"],
+        "gagar_jax.verify": ["prompts/*/*.md"],
+        "gagar_jax.data": ["prompts/*/*.md"],
+    },
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

@@ -254,7 +254,9 @@ def test_dead_or_hung_host_ends_the_other_with_an_error_naming_it(fault, tmp_pat
                 p.send_signal(signal.SIGKILL)
         logs = mh.wait_all(procs, timeout=60)
     assert procs[0].returncode == 3, logs[0][-3000:]
-    assert "process 1 did not reach exchange" in logs[0], logs[0][-3000:]
+    # at an exchange, or (a fault inside a collective) by the watchdog / the failure barrier
+    named = ("process 1 did not reach exchange", "process 1 stopped sending heartbeats")
+    assert any(n in logs[0] for n in named), logs[0][-3000:]
     assert ended_after < timeout_s + 60, ended_after
 
 
@@ -389,3 +391,72 @@ def test_one_block_is_collect_groups():
             ref.rollouts_drawn,
         )
         assert res.metrics(kw["target"]) == ref.metrics(kw["target"])
+
+
+def test_streaming_export_of_sharded_params_equals_the_plain_export(tmp_path):
+    """The tensor-by-tensor export of parameters sharded over 8 devices writes the same tensors
+    as the in-memory export, split into shards of at most max_shard_bytes (plus one tensor), and
+    loads back to the same parameters; a non-writer process writes nothing."""
+    from safetensors.numpy import load_file
+
+    from gagar_jax.models import (
+        TransformerConfig,
+        load_hf_safetensors,
+        save_hf_safetensors,
+        save_hf_safetensors_streaming,
+    )
+    from gagar_jax.models import hf as hf_module
+    from gagar_jax.train.state import UpdateConfig, create_train_state, make_mesh
+
+    mc = TransformerConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        tie_embeddings=False,
+    )
+    state = create_train_state(mc, UpdateConfig(), make_mesh((2, 2, 2)), seed=0)
+    gathered = []
+    real_gather = hf_module.gather_to_host
+
+    def counting_gather(x):
+        gathered.append(x.shape)
+        return real_gather(x)
+
+    hf_module.gather_to_host = counting_gather
+    try:
+        out = save_hf_safetensors_streaming(
+            state.params, mc, str(tmp_path / "stream"), max_shard_bytes=8192, writer=True
+        )
+    finally:
+        hf_module.gather_to_host = real_gather
+    plain = save_hf_safetensors(jax.device_get(state.params), mc, str(tmp_path / "plain"))
+    files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    assert len(files) > 3 and not any(f.startswith(".") for f in os.listdir(out))
+    want = load_file(os.path.join(plain, "model.safetensors"))
+    got, biggest = {}, 0
+    for f in files:
+        part = load_file(os.path.join(out, f))
+        biggest = max(
+            biggest, sum(a.nbytes for a in part.values()) - max(a.nbytes for a in part.values())
+        )
+        got.update(part)
+    assert biggest <= 8192
+    assert sorted(got) == sorted(want) and len(gathered) == len(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
+    assert set(index["weight_map"]) == set(want) and set(index["weight_map"].values()) == set(files)
+    _, model = load_hf_safetensors(out)
+    from flax import nnx
+
+    back = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    for a, b in zip(
+        jax.tree.leaves(back), jax.tree.leaves(jax.device_get(state.params)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    save_hf_safetensors_streaming(state.params, mc, str(tmp_path / "other"), writer=False)
+    assert not os.path.exists(tmp_path / "other")

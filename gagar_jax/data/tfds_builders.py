@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from gagar_jax.envs.repo import RepoTask
 from gagar_jax.envs.toy import ToyTask, ToyTaskGenerator
-from gagar_jax.verify.repo import RepoTask
 
 TEST_SEED_OFFSET = 1_000_003
 REPO_SPLITS = ("train", "validation", "test")
@@ -152,7 +152,7 @@ def toy_task_from_record(r: Mapping[str, Any]) -> ToyTask:
 
 
 class RepoTasks(tfds.core.GeneratorBasedBuilder):
-    """Python repository tasks (``gagar_jax.verify.RepoTask``) from JSONL in the manual dir."""
+    """Python repository tasks (``gagar_jax.envs.repo.RepoTask``) from JSONL in the manual dir."""
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Initial release."}

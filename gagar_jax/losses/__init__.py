@@ -1,5 +1,15 @@
-"""Losses: token log-probs/entropy, clipped policy-gradient loss, KL estimators, aggregation."""
+"""Losses: token log-probs/entropy, clipped policy-gradient loss, KL estimators, aggregation;
+feedback-span losses (re-weighted SFT, span-level KTO)."""
 
+from gagar_jax.losses.feedback import (
+    REFERENCE_POINTS,
+    REWARD_NORMS,
+    kto_kl_reference_point,
+    polarity_weights,
+    rw_sft_loss,
+    span_kto_loss,
+    span_rewards,
+)
 from gagar_jax.losses.policy import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -11,6 +21,13 @@ from gagar_jax.losses.policy import (
 )
 
 __all__ = [
+    "REFERENCE_POINTS",
+    "REWARD_NORMS",
+    "kto_kl_reference_point",
+    "polarity_weights",
+    "rw_sft_loss",
+    "span_kto_loss",
+    "span_rewards",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "PolicyLossTerms",

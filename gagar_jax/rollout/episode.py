@@ -306,9 +306,10 @@ def run_episodes(
     params: SamplingParams,
     *,
     max_turns: int = 8,
-    max_total_tokens: int = 2048,
+    max_total_tokens: int | Sequence[int] = 2048,
     max_observation_tokens: int = 512,
     observation_format: str = "\n<observation>\n{}\n</observation>\n",
+    observation_tokens: Callable[[str], list[int]] | None = None,
 ) -> list[Episode]:
     """Runs one episode per (env, prompt) pair, all live episodes batched per turn.
 
@@ -320,8 +321,15 @@ def run_episodes(
       params: sampling parameters of each model turn (n must be 1: one trajectory per env).
       max_turns: model turns per episode.
       max_total_tokens: budget on the whole sequence; a turn gets min(params.max_tokens, left).
+        One int for every episode, or one per episode (e.g. prompt length + a response budget).
       max_observation_tokens: observations are cut to this many tokens (mask 0 anyway).
       observation_format: wraps each observation's text before encoding.
+      observation_tokens: renders an observation to token ids instead of
+        ``tokenizer.encode(observation_format.format(text))`` (e.g. as a tool message of the
+        tokenizer's chat template).
+
+    With ``params.seed`` set, turn ``t`` samples with seed ``params.seed + t`` (mod 2**31):
+    each turn draws fresh randomness, and the episode is still a function of the seed.
 
     Returns:
       [E] Episodes, in the order of `envs`.
@@ -336,15 +344,26 @@ def run_episodes(
         )
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if isinstance(max_total_tokens, int):
+        budgets = [max_total_tokens] * len(prompts)
+    else:
+        budgets = [int(b) for b in max_total_tokens]
+        if len(budgets) != len(prompts):
+            raise ValueError(
+                f"max_total_tokens has {len(budgets)} entries for {len(prompts)} prompts"
+            )
+    if observation_tokens is None:
+
+        def observation_tokens(text: str) -> list[int]:
+            return tokenizer.encode(observation_format.format(text))
+
     live = []
     for i, p in enumerate(prompts):
         p = [int(t) for t in p]
         if not p:
             raise ValueError(f"prompts[{i}] is empty")
-        if len(p) >= max_total_tokens:
-            raise ValueError(
-                f"prompts[{i}] has {len(p)} tokens, max_total_tokens={max_total_tokens}"
-            )
+        if len(p) >= budgets[i]:
+            raise ValueError(f"prompts[{i}] has {len(p)} tokens, max_total_tokens={budgets[i]}")
         live.append(_Live(list(p), [0] * len(p), [0.0] * len(p), len(p), [], []))
 
     for turn in range(max_turns):
@@ -355,11 +374,12 @@ def run_episodes(
         # its token budget gets params.max_tokens).
         by_budget: dict[int, list[int]] = {}
         for i in active:
-            budget = min(params.max_tokens, max_total_tokens - len(live[i].tokens))
+            budget = min(params.max_tokens, budgets[i] - len(live[i].tokens))
             by_budget.setdefault(budget, []).append(i)
         outs = {}
+        seed = None if params.seed is None else (params.seed + turn) % 2**31
         for budget, idx in by_budget.items():
-            turn_params = dataclasses.replace(params, max_tokens=budget)
+            turn_params = dataclasses.replace(params, max_tokens=budget, seed=seed)
             for i, samples in zip(idx, engine.generate([live[i].tokens for i in idx], turn_params)):
                 outs[i] = samples
         for i in active:
@@ -377,9 +397,9 @@ def run_episodes(
             action_text = tokenizer.decode(s.tokens)
             result = env.step(action_text)
             obs_start = len(ep.tokens)
-            if not result.done and len(ep.tokens) < max_total_tokens:
-                obs_ids = tokenizer.encode(observation_format.format(result.observation))
-                obs_ids = obs_ids[: min(max_observation_tokens, max_total_tokens - len(ep.tokens))]
+            if not result.done and len(ep.tokens) < budgets[i]:
+                obs_ids = list(observation_tokens(result.observation))
+                obs_ids = obs_ids[: min(max_observation_tokens, budgets[i] - len(ep.tokens))]
                 ep.tokens += obs_ids
                 ep.mask += [0] * len(obs_ids)
                 ep.logprobs += [0.0] * len(obs_ids)
@@ -402,7 +422,7 @@ def run_episodes(
             if result.done:
                 ep.finish = "submitted"
                 ep.info = dict(result.info)
-            elif len(ep.tokens) >= max_total_tokens:
+            elif len(ep.tokens) >= budgets[i]:
                 ep.finish = "max_tokens"
     episodes = []
     for ep in live:

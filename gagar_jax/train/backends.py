@@ -105,7 +105,11 @@ class Policy:
         return None if self._rl is None else self._rl.trace_count
 
     def params_for_sync(self):
-        """What the embedded engine's ``sync_weights`` takes (the model's nnx state)."""
+        """What the engine's ``sync_weights`` takes: for the embedded sampler the model's nnx
+        state (a full copy on this host's device, made device to device); for SGLang the
+        sharded parameters themselves (pure dict), exported tensor by tensor."""
+        if self.cfg.rollout.engine == "sglang":
+            return self._rl_state().state.params
         return self._rl_state().params_for_sync()
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -129,12 +133,13 @@ def build_policy(cfg: RunConfig, *, vocab_size: int, workdir: str) -> Policy:
     return Policy(cfg, vocab_size=vocab_size, workdir=workdir)
 
 
-def build_engine(cfg: RunConfig, policy: Policy, *, workdir: str):
-    """The embedded sampler over the policy model, or an SGLang client (health-checked)."""
+def build_engine(cfg: RunConfig, policy: Policy, *, workdir: str, pad_id: int = 0):
+    """The embedded sampler over the policy model (``pad_id``: the tokenizer's), or an SGLang
+    client (health-checked)."""
     if cfg.rollout.engine == "embedded":
         from gagar_jax.rollout.sampler import Sampler
 
-        return Sampler(policy.model, pad_id=0, seed=cfg.seed)
+        return Sampler(policy.model, pad_id=pad_id, seed=cfg.seed)
     return SGLangEngine(cfg, policy, workdir=workdir)
 
 
@@ -157,29 +162,47 @@ class SGLangEngine:
                                "use rollout.engine='embedded'")
         self.policy = policy
         self.sync_dir = os.path.join(workdir, "sync")
+        self.host_timeout_s = cfg.mesh.host_timeout_s
 
     def generate(self, prompts, params, *, prompt_seeds=None):
         return self.client.generate(prompts, params, prompt_seeds=prompt_seeds)
 
     def sync_weights(self, params_or_path, version: int) -> int:
+        """Exports the (sharded) parameters and loads them into the server.
+
+        Every host takes part in the export, streamed tensor by tensor (gather one, write it,
+        drop it: no host holds the whole model); process 0 writes the files and asks the
+        server to load them; the others wait for the version it reports (deadline-bounded),
+        so no host samples from the old weights after the sync.
+        """
         from flax import nnx
 
-        from gagar_jax.models import save_hf_safetensors
+        from gagar_jax.models import save_hf_safetensors_streaming
+        from gagar_jax.train.multihost import Hosts
 
-        if isinstance(params_or_path, str):
-            path = params_or_path
+        hosts = Hosts(self.host_timeout_s)
+        if isinstance(params_or_path, (str, os.PathLike)):
+            path = os.fspath(params_or_path)
         else:
+            params = params_or_path
+            if isinstance(params, nnx.Module):
+                params = nnx.state(params, nnx.Param)
+            if isinstance(params, nnx.State):
+                params = nnx.to_pure_dict(params)
             path = os.path.join(self.sync_dir, f"v{version:06d}")
-            model = self.policy.model
-            if not isinstance(params_or_path, nnx.Module):
-                nnx.update(model, params_or_path)
-            if jax.process_index() == 0:
-                save_hf_safetensors(model, self.policy.model_config, path)
-        return self.client.sync_weights(path, version)
+            save_hf_safetensors_streaming(params, self.policy.model_config, path,
+                                          writer=hosts.primary)
+        got = self.client.sync_weights(path, version) if hosts.primary else None
+        got = int(hosts.allgather(f"sglang-sync/v{version}", got)[0])
+        self.client.policy_version = got
+        return got
 
 
-def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=None):
+def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=None,
+                       check_runner=None):
     """The grading pool with the configured grader (or ``grader`` when given).
+
+    ``check_runner``: the task family's targeted-check runner for the agentic grader.
 
     ``cache_path``: the pool's persisted verdict cache (JSON lines, reloaded at start), so a
     resumed run does not re-grade groups it already graded.
@@ -193,12 +216,10 @@ def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=
         grader = HeuristicGrader()
     else:
         from gagar_jax.grading import AgenticGrader
-        from gagar_jax.grading.adapters import ToyCheckRunner
         from gagar_jax.rollout import SGLangClient
 
         # An unreachable grader server is not fatal: each group falls back (grader_error or
         # deadline, counted) and training continues on the original advantages.
-        grader = AgenticGrader(SGLangClient(cfg.grading.sglang_url),
-                               check_runner=ToyCheckRunner())
+        grader = AgenticGrader(SGLangClient(cfg.grading.sglang_url), check_runner=check_runner)
     return GradingPool(grader, max_concurrency=cfg.grading.max_concurrency,
                        deadline_s=cfg.grading.deadline_s, cache=cache_path)

@@ -43,7 +43,7 @@ from gagar_jax.train import metrics_io
 from gagar_jax.train.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.train.resume import LoopState, ResumeStore, TaskStream
 from gagar_jax.train.run_config import MeshConfig, RunConfig
-from gagar_jax.train.sampling import Group, collect_blocks, pack_groups
+from gagar_jax.train.sampling import Group, Rollout, collect_blocks, pack_groups
 
 
 class ResumeMismatchError(RuntimeError):
@@ -96,11 +96,18 @@ class StepCounters:
     quality_n: int = 0
     gen_time: float = 0.0
     verify_time: float = 0.0
+    turns_sum: int = 0
+    tool_calls_sum: int = 0
+    model_tokens_sum: int = 0
 
     def add(self, group: Group) -> None:
         for r in group.rollouts:
             self.rollouts += 1
             self.length_sum += len(r.response_tokens)
+            self.turns_sum += r.num_turns
+            self.tool_calls_sum += r.num_tool_calls
+            self.model_tokens_sum += (len(r.response_tokens) if r.response_mask is None
+                                      else int(sum(r.response_mask)))
             self.truncated += r.finish_reason == "length"
             if r.infra_error:
                 self.infra_errors += 1
@@ -134,15 +141,129 @@ class StepCounters:
             "quality": self.quality_sum / self.quality_n if self.quality_n else math.nan,
             "gen_time_s": self.gen_time,
             "verify_time_s": self.verify_time,
+            # per rollout (single-turn: 1 turn, 0 tool calls, every response token the model's)
+            "episode/turns_mean": self.turns_sum / max(self.rollouts, 1),
+            "episode/tool_calls_mean": self.tool_calls_sum / max(self.rollouts, 1),
+            "episode/model_tokens_mean": self.model_tokens_sum / max(self.rollouts, 1),
         }
 
 
-def generate_groups(engine, pool, tasks, *, cfg: RunConfig, step: int, round_id: int,
+def family_settings(cfg: RunConfig):
+    """The task family's plain settings from the run config."""
+    from gagar_jax.envs.family import FamilySettings
+
+    t = cfg.task
+    return FamilySettings(
+        seed=t.seed, difficulty=t.difficulty, num_train=t.num_train, num_eval=t.num_eval,
+        max_prompt_len=cfg.rollout.max_prompt_len, data_path=t.data_path,
+        eval_data_path=t.eval_data_path,
+        tokenizer_path=t.tokenizer_path or cfg.model.hf_checkpoint, max_turns=t.max_turns,
+        max_observation_tokens=t.max_observation_tokens)
+
+
+def build_family(cfg: RunConfig):
+    """The configured task family (``gagar_jax.envs.family.make_family``)."""
+    from gagar_jax.envs.family import make_family
+
+    return make_family(cfg.task.family, family_settings(cfg))
+
+
+def _quality_score(quality) -> float | None:
+    """Mean of the outcome's per-dimension quality scores (None when it reported none)."""
+    vals = [float(v) for v in quality.values()]
+    return sum(vals) / len(vals) if vals else None
+
+
+_EPISODE_FINISH = {"submitted": "stop", "max_turns": "length", "max_tokens": "length",
+                   "abort": "abort"}
+
+
+def _rollout(family, task, prompt: list[int], attempt, *, response_tokens, logprobs,
+             finish_reason, policy_version, response_mask=None, num_turns=1,
+             num_tool_calls=0) -> Rollout:
+    """Verifies one attempt (a verifier crash is an infra error: masked, never a failure)."""
+    try:
+        out = family.verify(task, attempt)
+    except Exception as e:  # noqa: BLE001 - a family bug must be masked, never scored
+        from gagar_jax.envs.family import Outcome
+
+        out = Outcome(passed=False, infra_error=True,
+                      test_log=f"infra error: verifier raised {type(e).__name__}: {e}")
+    return Rollout(
+        prompt_tokens=list(prompt), response_tokens=list(response_tokens),
+        logprobs=[float(x) for x in logprobs], finish_reason=finish_reason,
+        policy_version=int(policy_version), patch=out.patch, passed=bool(out.passed),
+        infra_error=bool(out.infra_error), cheat=bool(out.cheat),
+        quality=_quality_score(out.quality) if out.passed else None, test_log=out.test_log,
+        monitor_flags=list(out.flags), quality_dims=dict(out.quality) if out.passed else {},
+        verification=out.detail, response_mask=response_mask, num_turns=num_turns,
+        num_tool_calls=num_tool_calls, attempt=attempt, outcome=out)
+
+
+def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
+    """Single-turn: one engine call, ``params.n`` samples per prompt (``prompt_seeds``: one
+    engine seed per prompt, see :func:`generate_groups`)."""
+    from gagar_jax.envs.family import Attempt
+
+    seeds = {} if prompt_seeds is None else {"prompt_seeds": list(prompt_seeds)}
+    outputs = engine.generate(prompts, params, **seeds)
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"engine returned {len(outputs)} prompt results for {len(prompts)}")
+    tok = family.tokenizer
+    per_task = []
+    for samples in outputs:
+        if len(samples) != params.n:
+            raise RuntimeError(f"engine returned {len(samples)} samples for n={params.n}")
+        per_task.append([
+            (Attempt(response_tokens=list(s.tokens), text=tok.decode(s.tokens)),
+             dict(response_tokens=s.tokens, logprobs=s.logprobs, finish_reason=s.finish_reason,
+                  policy_version=s.policy_version))
+            for s in samples])
+    return per_task
+
+
+def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig):
+    """Multi-turn: ``params.n`` episodes per prompt through ``run_episodes`` (one batched engine
+    call per turn); model tokens are appended as generated, never re-tokenised."""
+    from gagar_jax.envs.family import Attempt
+    from gagar_jax.rollout import run_episodes
+
+    K = params.n
+    envs = [family.make_env(t) for t in tasks for _ in range(K)]
+    flat_prompts = [p for p in prompts for _ in range(K)]
+    turn_tokens = cfg.rollout.max_turn_tokens or cfg.rollout.max_new_tokens
+    turn_params = dataclasses.replace(params, n=1, max_tokens=turn_tokens)
+    episodes = run_episodes(
+        engine, family.tokenizer, envs, flat_prompts, turn_params,
+        max_turns=cfg.task.max_turns,
+        max_total_tokens=[len(p) + cfg.rollout.max_new_tokens for p in flat_prompts],
+        max_observation_tokens=cfg.task.max_observation_tokens,
+        observation_tokens=family.observation_tokens)
+    per_task = []
+    for i in range(len(tasks)):
+        row = []
+        for k in range(K):
+            ep, env = episodes[i * K + k], envs[i * K + k]
+            P = ep.prompt_len
+            row.append((
+                Attempt(response_tokens=ep.tokens[P:], episode=ep, env=env),
+                dict(response_tokens=ep.tokens[P:], logprobs=ep.logprobs[P:],
+                     response_mask=ep.response_mask[P:],
+                     finish_reason=_EPISODE_FINISH.get(ep.finish_reason, "length"),
+                     policy_version=min(ep.policy_versions, default=0),
+                     num_turns=len(ep.turns),
+                     num_tool_calls=sum(t.info.get("tool") is not None for t in ep.turns))))
+        per_task.append(row)
+    return per_task
+
+
+def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_id: int,
                     num_rollouts: int, temperature: float, id_prefix: str,
                     counters: StepCounters | None = None,
                     rng_words: tuple[int, ...] = (), prompt_seeds: list[int] | None = None,
                     first_index: int = 0) -> list[Group]:
-    """K samples for each task, verified; one :class:`Group` per task.
+    """K rollouts for each task (samples, or episodes of a multi-turn family), verified; one
+    :class:`Group` per task.
 
     ``prompt_seeds`` (one per task) seed each prompt's samples by themselves (the engine's
     ``prompt_seeds``), so they do not depend on which other prompts share the call or host;
@@ -157,31 +278,30 @@ def generate_groups(engine, pool, tasks, *, cfg: RunConfig, step: int, round_id:
 
     if not tasks:
         return []
-    prompts = [pool.prompt_tokens(t) for t in tasks]
+    prompts = [family.prompt_tokens(t) for t in tasks]
     params = SamplingParams(
         n=num_rollouts, temperature=temperature, top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_new_tokens,
-        stop_token_ids=(pool.tokenizer.eos_id,),
+        stop_token_ids=tuple(family.stop_token_ids),
         # the sampler seed is a function of (run key, step, round): a resumed step redraws
         # exactly what the uninterrupted run drew
         seed=int(np.random.default_rng([*(rng_words or (cfg.seed,)), step, round_id])
                  .integers(2**31)))
     t0 = time.monotonic()
     try:
-        seeds = {} if prompt_seeds is None else {"prompt_seeds": list(prompt_seeds)}
-        outputs = engine.generate(prompts, params, **seeds)
+        if family.multi_turn:
+            per_task = _episode_rollouts(engine, family, tasks, prompts, params, cfg)
+        else:
+            per_task = _sample_rollouts(engine, family, prompts, params, prompt_seeds)
     except Exception as e:
         raise RuntimeError(f"rollout engine {cfg.rollout.engine!r} failed at step {step} "
                            f"(round {round_id}): {type(e).__name__}: {e}") from e
     t1 = time.monotonic()
-    if len(outputs) != len(prompts):
-        raise RuntimeError(f"engine returned {len(outputs)} prompt results for {len(prompts)}")
     groups = []
-    for i, (task, prompt, samples) in enumerate(zip(tasks, prompts, outputs)):
-        if len(samples) != num_rollouts:
-            raise RuntimeError(f"engine returned {len(samples)} samples for n={num_rollouts}")
-        rollouts = [pool.make_rollout(task, prompt, s) for s in samples]
-        groups.append(Group(group_id=f"{id_prefix}-r{round_id}-{first_index + i}-{task.task_id}",
+    for i, (task, prompt, row) in enumerate(zip(tasks, prompts, per_task)):
+        rollouts = [_rollout(family, task, prompt, attempt, **fields) for attempt, fields in row]
+        groups.append(Group(
+            group_id=f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}",
                             task=task, rollouts=rollouts))
     if counters is not None:
         counters.gen_time += t1 - t0
@@ -189,6 +309,16 @@ def generate_groups(engine, pool, tasks, *, cfg: RunConfig, step: int, round_id:
         for g in groups:
             counters.add(g)
     return groups
+
+
+def group_workspace(family, group: Group):
+    """The grading workspace of one group, built by its family."""
+    from gagar_jax.envs.family import Attempt, GroupMember, Outcome
+
+    members = [GroupMember(f"{group.group_id}/{k}", r.attempt or Attempt(),
+                           r.outcome or Outcome(passed=r.passed, infra_error=r.infra_error))
+               for k, r in enumerate(group.rollouts)]
+    return family.workspace(group.group_id, group.task, members)
 
 
 def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str, float]:
@@ -256,21 +386,22 @@ def grading_metrics(summaries: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def evaluate(engine, pool, cfg: RunConfig, *, step: int,
+def evaluate(engine, family, cfg: RunConfig, *, step: int,
              hosts: Hosts | None = None) -> dict[str, float]:
-    """Held-out tasks: pass rate, quality of passing patches, cheat rate, response length.
+    """Held-out tasks: pass rate, quality of passing patches, cheat rate, response length (and
+    turns / tool calls per episode for multi-turn families).
 
     Several hosts split the tasks (contiguous shares, each task seeded by its index) and
     reduce their counters, so every host returns the figures of all of them.
     """
-    tasks = pool.eval_tasks()
+    tasks = family.eval_tasks()
     if not tasks:
         return {}
     hosts = hosts or Hosts(cfg.mesh.host_timeout_s)
     lo = len(tasks) * hosts.index // hosts.count
     hi = len(tasks) * (hosts.index + 1) // hosts.count
     counters = StepCounters()
-    generate_groups(engine, pool, tasks[lo:hi], cfg=cfg, step=step, round_id=10_000,
+    generate_groups(engine, family, tasks[lo:hi], cfg=cfg, step=step, round_id=10_000,
                     num_rollouts=max(cfg.loop.eval_rollouts, 1),
                     temperature=cfg.loop.eval_temperature, id_prefix=f"eval{step}",
                     counters=counters, first_index=lo,
@@ -278,11 +409,15 @@ def evaluate(engine, pool, cfg: RunConfig, *, step: int,
     counters = StepCounters.merged(hosts.allgather(f"eval{step}/counters",
                                                    dataclasses.asdict(counters)))
     m = counters.metrics()
-    return {"eval_pass_rate": m["pass_rate"], "eval_quality": m["quality"],
-            "eval_cheat_rate": m["cheat_rate"], "eval_response_length": m["response_length"]}
+    out = {"eval_pass_rate": m["pass_rate"], "eval_quality": m["quality"],
+           "eval_cheat_rate": m["cheat_rate"], "eval_response_length": m["response_length"]}
+    if family.multi_turn:
+        out.update({"eval_turns_mean": m["episode/turns_mean"],
+                    "eval_tool_calls_mean": m["episode/tool_calls_mean"]})
+    return out
 
 
-def collect_step(engine, pool, grading_pool, stream: TaskStream, ls: LoopState, cfg: RunConfig,
+def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState, cfg: RunConfig,
                  *, step: int, hosts: Hosts | None = None):
     """Steps 1-3 of the module docstring for one RL step, for this host's block of groups.
 
@@ -305,7 +440,8 @@ def collect_step(engine, pool, grading_pool, stream: TaskStream, ls: LoopState, 
         lo = sum(n[:hosts.index])
         hi = lo + n[hosts.index]
         # a prompt's samples are seeded by its global data position: the same on any host
-        return generate_groups(engine, pool, [pool.train_task(i) for i in idx[lo:hi]], cfg=cfg,
+        return generate_groups(engine, family, [family.train_task(i) for i in idx[lo:hi]],
+                               cfg=cfg,
                                step=step, round_id=rounds[0], num_rollouts=K,
                                temperature=cfg.rollout.temperature, id_prefix=f"s{step}",
                                counters=counters, first_index=lo,
@@ -316,7 +452,7 @@ def collect_step(engine, pool, grading_pool, stream: TaskStream, ls: LoopState, 
         return hosts.allgather(f"s{step}/r{round_id}/tally", tally)
 
     def submit(group):
-        grading_pool.submit(pool.workspace(group))
+        grading_pool.submit(group_workspace(family, group))
         submitted.append(group.group_id)
 
     sres = collect_blocks(draw, exchange, target=G, num_blocks=hosts.count, block=hosts.index,
@@ -331,7 +467,7 @@ def collect_step(engine, pool, grading_pool, stream: TaskStream, ls: LoopState, 
     # step 4 for this block: its rows of the static [G, K, T] batch
     local = pack_groups(sres.groups, num_groups=G // hosts.count, num_rollouts=K,
                         max_prompt_len=cfg.rollout.max_prompt_len,
-                        max_new_tokens=cfg.rollout.max_new_tokens, pad_id=pool.tokenizer.pad_id)
+                        max_new_tokens=cfg.rollout.max_new_tokens, pad_id=family.tokenizer.pad_id)
     # verdicts (and fallbacks) and the [G, K] group fields of every host's block, so all hosts
     # build the same replicated arrays and metrics
     parts = hosts.allgather(f"s{step}/verdicts", {
@@ -382,7 +518,6 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         ``cfg.grading.grader`` names, e.g. a custom grader from a notebook.
     """
     from gagar_jax.train import backends
-    from gagar_jax.train.tasks import ToyTaskPool
 
     workdir = os.path.abspath(workdir)
     hosts = Hosts(cfg.mesh.host_timeout_s)
@@ -391,9 +526,9 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     if G % hosts.count:
         raise ValueError(f"config.rollout.num_prompts={G} must be a multiple of the "
                          f"{hosts.count} processes (each host fills an equal block of groups)")
-    pool = ToyTaskPool(cfg.task, cfg.rollout)
-    tok = pool.tokenizer
-    stream = TaskStream(cfg.task.num_train, seed=cfg.seed)
+    family = build_family(cfg)
+    tok = family.tokenizer
+    stream = TaskStream(family.num_train, seed=cfg.seed)
     store = ResumeStore(os.path.join(workdir, "loop_state"))
 
     policy = backends.build_policy(cfg, vocab_size=tok.vocab_size, workdir=workdir)
@@ -427,11 +562,12 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                    + (f" ({dropped} stale metric rows dropped)" if primary and dropped else ""))
 
     # Engine and grader first: a dead server fails here, before any compute is spent.
-    engine = backends.build_engine(cfg, policy, workdir=workdir)
+    engine = backends.build_engine(cfg, policy, workdir=workdir, pad_id=tok.pad_id)
     # one grading pool per host, for its own groups; each keeps its own verdict cache
     cache_path = os.path.join(workdir, "grader_cache.jsonl" if primary else
                               f"grader_cache.p{hosts.index}.jsonl")
-    grading_pool = backends.build_grading_pool(cfg, cache_path=cache_path, grader=grader)
+    grading_pool = backends.build_grading_pool(cfg, cache_path=cache_path, grader=grader,
+                                               check_runner=family.check_runner())
 
     summary: dict[str, Any] = {}
     try:
@@ -439,27 +575,32 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         if not ls.sft_done:
             if cfg.sft.steps > 0:
                 t0 = time.monotonic()
-                demos = pool.demonstrations(cfg.task.num_train)
+                # too long for the static response budget: skipped, never truncated
+                demos = [d for d in family.demonstrations(cfg.task.num_train)
+                         if d.response_len <= cfg.rollout.max_new_tokens]
                 writer.log(f"SFT warm start: {cfg.sft.steps} steps on {len(demos)} "
                            "demonstrations")
                 policy.run_sft(demos, pad_id=tok.pad_id,
                                log_fn=lambda s, m: writer.write(s, m, phase="sft"))
                 writer.log(f"SFT done in {time.monotonic() - t0:.1f}s")
             ls.sft_done = True
-            policy.save(0)
+            hosts.barrier("ckpt0")
+            with hosts.collective("the checkpoint after SFT"):
+                policy.save(0)
             if primary:
                 store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
 
-        engine.sync_weights(policy.params_for_sync(), ls.policy_version)
-        if ls.step == 0 and cfg.loop.total_steps > 0 and pool.eval_tasks():
-            m = evaluate(engine, pool, cfg, step=0, hosts=hosts)
+        with hosts.collective("the first weight sync"):
+            engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+        if ls.step == 0 and cfg.loop.total_steps > 0 and family.eval_tasks():
+            m = evaluate(engine, family, cfg, step=0, hosts=hosts)
             writer.write(0, m, phase="eval")
             writer.log("eval before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
         writer.start_clock(ls.step)
         for step in range(ls.step, cfg.loop.total_steps):
             t_step = time.monotonic()
             sres, counters, grading_m, t_wait, batch = collect_step(
-                engine, pool, grading_pool, stream, ls, cfg, step=step, hosts=hosts)
+                engine, family, grading_pool, stream, ls, cfg, step=step, hosts=hosts)
             t_update = time.monotonic()
             with hosts.collective(f"the update of step {step}"):
                 update_m = policy.update(batch, step=step)
@@ -482,7 +623,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 writer.progress(step, m)
             last = step == cfg.loop.total_steps - 1
             if (step + 1) % cfg.loop.eval_every == 0 or last:
-                em = evaluate(engine, pool, cfg, step=step + 1, hosts=hosts)
+                em = evaluate(engine, family, cfg, step=step + 1, hosts=hosts)
                 if em:
                     writer.write(step + 1, em, phase="eval")
                     writer.log(f"eval @ step {step + 1}: " +
@@ -490,6 +631,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             if (step + 1) % cfg.loop.checkpoint_every == 0 or last:
                 ls.grader_cache = {"path": os.path.basename(cache_path),
                                    "entries": len(grading_pool.cache)}
+                hosts.barrier(f"ckpt{step + 1}")  # a host hung before the save is named here
                 with hosts.collective(f"the checkpoint of step {step + 1}"):
                     policy.save(step + 1)
                 if primary:  # every process saves the state (collective); one writes metadata
@@ -528,7 +670,6 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
     import json
 
     from gagar_jax.train import backends
-    from gagar_jax.train.tasks import ToyTaskPool
 
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
@@ -537,8 +678,8 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
         d = json.load(f)
     d["loop"].update(eval_rollouts=samples, eval_temperature=temperature)
     cfg = RunConfig.from_config_dict(d)
-    pool = ToyTaskPool(cfg.task, cfg.rollout)
-    policy = backends.build_policy(cfg, vocab_size=pool.tokenizer.vocab_size, workdir=workdir)
+    family = build_family(cfg)
+    policy = backends.build_policy(cfg, vocab_size=family.tokenizer.vocab_size, workdir=workdir)
     store = ResumeStore(os.path.join(workdir, "loop_state"))
     steps = sorted(set(store.steps()) & set(policy.checkpoint_steps()))
     if not steps:
@@ -551,6 +692,6 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
     try:
         engine = backends.build_engine(cfg, policy, workdir=workdir)
         engine.sync_weights(policy.params_for_sync(), store.load(step).policy_version)
-        return evaluate(engine, pool, cfg, step=step), step
+        return evaluate(engine, family, cfg, step=step), step
     finally:
         policy.close()

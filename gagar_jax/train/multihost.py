@@ -23,11 +23,14 @@ Every host (JAX process) runs the same loop. What each one does:
   writes the loop's bookkeeping after the save is finished (the workdir must be shared).
 
 Exchanges go through the key-value store of ``jax.distributed``'s coordination service (the
-one orbax uses for its barriers), with a deadline (``mesh.host_timeout_s``): a host that does
-not post its part in time is dead or hung, and every other host ends the run with a
-:class:`HostError` naming it, instead of waiting for it forever. The store's client is reached
-through ``jax._src.distributed.global_state`` (what ``orbax.checkpoint.multihost`` does; JAX has
-no public accessor).
+one orbax uses for its barriers), with a deadline (``mesh.host_timeout_s``), and every process
+bumps a heartbeat counter there every ``HEARTBEAT_S`` seconds from a thread: a host that does
+not post its part in time and whose heartbeat stopped is dead or hung, and every other host
+ends the run with a :class:`HostError` naming it, instead of waiting for it forever (a late
+host whose heartbeat still moves is waited for up to ``MAX_EXTENSIONS`` more deadlines). Phases
+inside collectives (update, weight sync, checkpoint save) have a watchdog with the same rule.
+The store's client is reached through ``jax._src.distributed.global_state`` (what
+``orbax.checkpoint.multihost`` does; JAX has no public accessor).
 
 With one process every exchange returns its own part at once: the single-host loop is the same
 code.
@@ -37,11 +40,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
+import threading
 import time
 from typing import Any
 
 import jax
 import numpy as np
+
+HEARTBEAT_S = 2.0  # each process bumps a counter in the key-value store this often
+# A host that is late but alive (its heartbeat moves: compiling, a slow round) is waited for
+# this many more deadlines before it counts as stuck; a dead or hung one ends the run at once.
+MAX_EXTENSIONS = 3
+_HEARTBEAT_STARTED: list[int] = []
 
 
 class HostError(RuntimeError):
@@ -74,6 +86,9 @@ class Hosts:
         self.timeout_s = float(timeout_s)
         self._client = _client() if self.count > 1 else None
         self._previous_key: str | None = None
+        if self._client is not None and not _HEARTBEAT_STARTED:
+            _HEARTBEAT_STARTED.append(self.index)
+            threading.Thread(target=self._beat, daemon=True, name="gagar-heartbeat").start()
 
     @property
     def primary(self) -> bool:
@@ -95,18 +110,30 @@ class Hosts:
             return [own]
         key = f"gagar/{tag}"
         self._client.key_value_set(f"{key}/{self.index}", json.dumps(value))
-        deadline = time.monotonic() + self.timeout_s
         out: list[Any] = []
         for q in range(self.count):
             if q == self.index:
                 out.append(own)
                 continue
-            remaining_ms = max(int((deadline - time.monotonic()) * 1000), 1)
-            try:
-                out.append(json.loads(self._client.blocking_key_value_get(f"{key}/{q}",
-                                                                          remaining_ms)))
-            except Exception as e:  # noqa: BLE001 -- timeout or dead coordinator: named below
-                raise self._error(tag, key, e) from e
+            for attempt in range(MAX_EXTENSIONS + 1):
+                try:
+                    out.append(
+                        json.loads(
+                            self._client.blocking_key_value_get(
+                                f"{key}/{q}", int(self.timeout_s * 1000)
+                            )
+                        )
+                    )
+                    break
+                except Exception as e:  # noqa: BLE001 -- timeout or dead coordinator
+                    # alive (heartbeat moving) but slow, e.g. compiling: wait once more
+                    if (
+                        attempt < MAX_EXTENSIONS
+                        and "DEADLINE_EXCEEDED" in str(e)
+                        and q not in self.stale_processes()
+                    ):
+                        continue
+                    raise self._error(tag, key, e) from e
         # every host has read the previous exchange once it posted this one: drop ours
         if self._previous_key is not None:
             try:
@@ -126,18 +153,79 @@ class Hosts:
 
         A peer that dies inside the phase breaks its collectives (gloo on CPU: "Connection
         reset by peer"); the survivors then meet at a short barrier, which names the process
-        that does not come, and end with a :class:`HostError`.
+        that does not come, and end with a :class:`HostError`. A peer that hangs inside it
+        (a collective waits for it forever) is caught by a watchdog: past ``timeout_s`` it
+        names the processes whose heartbeat stopped, prints the error and ends this process
+        (exit status 3; a thread cannot interrupt a collective).
         """
+        if self.count == 1:
+            yield
+            return
+        done = threading.Event()
+
+        def watchdog():
+            for attempt in range(MAX_EXTENSIONS + 1):
+                if done.wait(self.timeout_s):
+                    return
+                stale = self.stale_processes()
+                if stale or attempt == MAX_EXTENSIONS:
+                    break  # else: every host alive (heartbeats moving), e.g. compiling: wait
+            who = (
+                f"process{'es' if len(stale) > 1 else ''} {', '.join(map(str, stale))} "
+                "stopped sending heartbeats (hung)"
+                if stale
+                else "every process still sends heartbeats (stuck?)"
+            )
+            print(
+                f"error: {HostError.__name__}: process {self.index}: {phase} did not finish "
+                f"within {self.timeout_s:g}s (mesh.host_timeout_s): {who}; ending the run",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(3)
+
+        threading.Thread(target=watchdog, daemon=True, name="gagar-watchdog").start()
         try:
             yield
         except jax.errors.JaxRuntimeError as e:
-            if self.count == 1:
-                raise
             short = Hosts(min(self.timeout_s, 30.0))
-            short._client = self._client
             short.barrier(f"failed/{phase}")  # raises, naming the dead process(es)
-            raise HostError(f"process {self.index}: a collective failed in {phase} while every "
-                            f"process is alive: {e}") from e
+            raise HostError(
+                f"process {self.index}: a collective failed in {phase} while every "
+                f"process is alive: {e}"
+            ) from e
+        finally:
+            done.set()
+
+    def _beat(self) -> None:
+        n = 0
+        while True:
+            n += 1
+            try:
+                self._client.key_value_set(
+                    f"gagar/alive/{self.index}", str(n), allow_overwrite=True
+                )
+            except Exception:  # noqa: BLE001 -- the service is gone: nothing left to tell
+                return
+            time.sleep(HEARTBEAT_S)
+
+    def stale_processes(self, wait_s: float = 3 * 2.0) -> list[int]:
+        """Other processes whose heartbeat counter did not move for ``wait_s`` seconds."""
+
+        def read():
+            out = {}
+            for q in range(self.count):
+                if q != self.index:
+                    try:
+                        out[q] = self._client.key_value_try_get(f"gagar/alive/{q}")
+                    except Exception:  # noqa: BLE001 -- never beat: counts as stale
+                        out[q] = None
+            return out
+
+        before = read()
+        time.sleep(wait_s)
+        after = read()
+        return [q for q in before if before[q] == after[q]]
 
     def _error(self, tag: str, key: str, cause: Exception) -> HostError:
         missing, reachable = [], True
@@ -157,12 +245,14 @@ class Hosts:
             return HostError(
                 f"process {self.index}: the coordination service (process 0) is unreachable at "
                 f"exchange {tag!r}: process 0 is dead ({type(cause).__name__}: "
-                f"{str(cause)[:200]})")
+                f"{str(cause)[:200]})"
+            )
         names = ", ".join(str(q) for q in missing) or "?"
         return HostError(
             f"process {self.index}: process{'es' if len(missing) > 1 else ''} {names} did not "
             f"reach exchange {tag!r} within {self.timeout_s:g}s (mesh.host_timeout_s): dead or "
-            f"hung; ending the run ({type(cause).__name__}: {str(cause)[:200]})")
+            f"hung; ending the run ({type(cause).__name__}: {str(cause)[:200]})"
+        )
 
 
 def check_process_rows(mesh, num_rows: int) -> tuple[int, int]:
@@ -192,7 +282,8 @@ def check_process_rows(mesh, num_rows: int) -> tuple[int, int]:
             f"mesh.shape={tuple(mesh.devices.shape)}: process {p} holds batch rows "
             f"{sorted(rows)[:8]}..., expected the contiguous block [{p * per}, {(p + 1) * per}): "
             "the batch axes ('data', 'fsdp') must split the rows by process (a tensor axis "
-            "spanning processes, or a reordered device mesh, does not)")
+            "spanning processes, or a reordered device mesh, does not)"
+        )
     return p * per, (p + 1) * per
 
 

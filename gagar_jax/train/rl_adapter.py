@@ -45,7 +45,8 @@ def update_config(cfg: RunConfig):
         schedule=o.schedule, end_lr_ratio=o.end_lr_ratio, weight_decay=o.weight_decay,
         b1=o.b1, b2=o.b2, max_grad_norm=o.grad_clip, clip_low=o.clip_low,
         clip_high=o.clip_high, dual_clip=o.dual_clip or None, aggregation=o.loss_agg,
-        kl_coef=o.kl_coef, entropy_coef=o.entropy_coef, num_minibatches=o.num_minibatches,
+        kl_coef=o.kl_coef, entropy_coef=o.entropy_coef, temperature=cfg.rollout.temperature,
+        num_minibatches=o.num_minibatches,
         num_microbatches=o.num_microbatches, ppo_epochs=o.ppo_epochs,
         advantages=cfg.gagar_config())
 

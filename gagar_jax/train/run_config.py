@@ -24,6 +24,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from gagar_jax.envs.family import family_names
+
 MODES = ("gagar", "binary", "discount_only")
 # The advantage kernels' redistribution mode for each training mode.
 _REDISTRIBUTION = {"gagar": "sum_preserving", "binary": "none", "discount_only": "discount_only"}
@@ -40,19 +42,28 @@ def _check(cond: bool, field: str, expected: str, value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-    """The toy code-repair task pool (``gagar_jax.envs``)."""
+    """The task family (``gagar_jax.envs``: ``toy``, ``toy_agent``, ``python_repo``, ...)."""
 
     family: str = "toy"
     seed: int = 0
     difficulty: int = 1
     num_train: int = 256  # tasks generated for training; the pool cycles through them per epoch
     num_eval: int = 32  # held-out tasks, generated from a different seed
+    data_path: str = ""  # repository families: task dirs / a .jsonl file (see the family)
+    eval_data_path: str = ""  # their held-out pool ("" = the family's default)
+    tokenizer_path: str = ""  # HF tokenizer dir ("" = model.hf_checkpoint, else built-in)
+    max_turns: int = 6  # multi-turn families: model turns per episode
+    max_observation_tokens: int = 256  # multi-turn families: observation cut
 
     def __post_init__(self):
-        _check(self.family in ("toy",), "task.family", "'toy'", self.family)
+        names = family_names()
+        _check(self.family in names, "task.family", "|".join(names), self.family)
         _check(self.num_train >= 1, "task.num_train", ">= 1", self.num_train)
         _check(self.num_eval >= 0, "task.num_eval", ">= 0", self.num_eval)
         _check(self.difficulty >= 0, "task.difficulty", ">= 0", self.difficulty)
+        _check(self.max_turns >= 1, "task.max_turns", ">= 1", self.max_turns)
+        _check(self.max_observation_tokens >= 1, "task.max_observation_tokens", ">= 1",
+               self.max_observation_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +110,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     request_timeout_s: float = 120.0
+    # multi-turn families: new tokens per model turn (0 = max_new_tokens); max_new_tokens is
+    # the budget of the whole episode after the prompt (turns and observations)
+    max_turn_tokens: int = 0
 
     def __post_init__(self):
         _check(self.engine in ("embedded", "sglang"), "rollout.engine", "embedded|sglang",
@@ -114,6 +128,8 @@ class RolloutConfig:
         _check(self.temperature > 0, "rollout.temperature", "> 0", self.temperature)
         _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
+        _check(self.max_turn_tokens >= 0, "rollout.max_turn_tokens", ">= 0 (0 = max_new_tokens)",
+               self.max_turn_tokens)
 
     @property
     def seq_len(self) -> int:

@@ -15,8 +15,10 @@ Token layout of one rollout row (length ``T``)::
 
     [p_0 .. p_{P-1}  r_0 .. r_{R-1}  pad ... pad]
      prompt          response        right padding
-    response_mask:   0 on the prompt and padding, 1 on response tokens
+    response_mask:   0 on the prompt and padding, 1 on response tokens (of a multi-turn
+                     episode: 1 on model tokens only, 0 on the observations between turns)
     old_logprobs:    the behaviour log-prob of each response token at its own position
+                     (0 on observation tokens)
     positions:       0..P+R-1 then 0 on padding
 """
 
@@ -48,6 +50,12 @@ class Rollout:
     verification: Any = None  # the verifier's full result (host only; for grading workspaces)
     test_log: str = ""
     monitor_flags: list[Any] = dataclasses.field(default_factory=list)
+    # Multi-turn episodes: 1 on model tokens, 0 on observation tokens (None = all model tokens).
+    response_mask: list[int] | None = None
+    num_turns: int = 1
+    num_tool_calls: int = 0
+    attempt: Any = None  # the family's view of the rollout (envs.family.Attempt)
+    outcome: Any = None  # its verification (envs.family.Outcome)
 
     @property
     def reward(self) -> float:
@@ -344,11 +352,14 @@ def pack_groups(groups: Sequence[Group], *, num_groups: int, num_rollouts: int,
             if len(r.logprobs) != R:
                 raise ValueError(f"group {g.group_id} rollout {ki}: {len(r.logprobs)} logprobs "
                                  f"for {R} response tokens")
+            if r.response_mask is not None and len(r.response_mask) != R:
+                raise ValueError(f"group {g.group_id} rollout {ki}: {len(r.response_mask)} "
+                                 f"response-mask entries for {R} response tokens")
             tokens[gi, ki, :P] = r.prompt_tokens
             tokens[gi, ki, P:P + R] = r.response_tokens
             positions[gi, ki, :P + R] = np.arange(P + R)
             attn[gi, ki, :P + R] = True
-            resp[gi, ki, P:P + R] = True
+            resp[gi, ki, P:P + R] = True if r.response_mask is None else r.response_mask
             old_lp[gi, ki, P:P + R] = r.logprobs
             rewards[gi, ki] = r.reward
             passed[gi, ki] = r.passed

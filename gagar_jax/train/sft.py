@@ -1,9 +1,11 @@
 """SFT warm start: next-token cross-entropy on demonstration responses.
 
 The paper starts RL from an SFT checkpoint. Here the demonstrations are the task family's
-passing, non-cheating patch kinds (see :meth:`ToyTaskPool.demonstrations`), packed to the same
-static ``[B, T]`` layout as rollouts (prompt, response, right padding) so one compiled step
-serves the whole phase.
+(``TaskFamily.demonstrations``: the toy family's passing, non-cheating patch kinds; the agent
+families' tool-call trajectories built from reference patches), packed to the same static
+``[B, T]`` layout as rollouts (prompt, response, right padding) so one compiled step serves the
+whole phase. The loss covers the demonstration's model tokens only (``loss_mask``): in a
+multi-turn trajectory the observations between tool calls are context, not targets.
 
 ``sft_step(params, opt_state, batch) -> (params, opt_state, metrics)`` is a pure function of the
 model's parameter state (flax NNX ``State``), jitted once with the optimizer bound.
@@ -28,22 +30,32 @@ class SFTBatch(NamedTuple):
     loss_mask: np.ndarray  # [B, T] bool, True on response tokens (predicted from t-1)
 
 
-def pack_demonstrations(pairs: Sequence[tuple[list[int], list[int]]], *, seq_len: int,
-                        pad_id: int) -> SFTBatch:
-    """Packs (prompt ids, response ids) pairs into a :class:`SFTBatch` of length ``seq_len``."""
-    B = len(pairs)
+def _tokens_and_mask(demo) -> tuple[list[int], list[bool]]:
+    """(tokens, loss mask) of a ``(prompt ids, response ids)`` pair or an object with
+    ``tokens`` and ``loss_mask`` (``gagar_jax.envs.family.Demonstration``)."""
+    if hasattr(demo, "loss_mask"):
+        return list(demo.tokens), [bool(m) for m in demo.loss_mask]
+    prompt, response = demo
+    return list(prompt) + list(response), [False] * len(prompt) + [True] * len(response)
+
+
+def pack_demonstrations(demos: Sequence, *, seq_len: int, pad_id: int) -> SFTBatch:
+    """Packs demonstrations (``(prompt ids, response ids)`` pairs or ``Demonstration``s with a
+    loss mask) into a :class:`SFTBatch` of length ``seq_len``."""
+    B = len(demos)
     tokens = np.full((B, seq_len), pad_id, np.int32)
     positions = np.zeros((B, seq_len), np.int32)
     attn = np.zeros((B, seq_len), bool)
     loss = np.zeros((B, seq_len), bool)
-    for i, (prompt, response) in enumerate(pairs):
-        n = len(prompt) + len(response)
+    for i, demo in enumerate(demos):
+        ids, mask = _tokens_and_mask(demo)
+        n = len(ids)
         if n > seq_len:
             raise ValueError(f"demonstration {i} has {n} tokens > seq_len={seq_len}")
-        tokens[i, :n] = list(prompt) + list(response)
+        tokens[i, :n] = ids
         positions[i, :n] = np.arange(n)
         attn[i, :n] = True
-        loss[i, len(prompt):n] = True
+        loss[i, :n] = mask
     return SFTBatch(tokens, positions, attn, loss)
 
 
@@ -84,7 +96,7 @@ def sft_step(graphdef, params, opt_state, rest, batch: SFTBatch, *, tx):
                                "sft_grad_norm": optax.tree.norm(grads)}
 
 
-def run_sft(model, demos: Sequence[tuple[list[int], list[int]]], *, steps: int, batch_size: int,
+def run_sft(model, demos: Sequence, *, steps: int, batch_size: int,
             lr: float, warmup_steps: int, seq_len: int, pad_id: int, seed: int,
             log_fn=None, log_every: int = 10):
     """Trains ``model`` (flax NNX, updated in place) on ``demos`` for ``steps`` steps.

@@ -60,6 +60,10 @@ class UpdateConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    # The sampling temperature is part of the behaviour policy: the sampler records
+    # log_softmax(logits / T), so the update (loss, ratio, entropy, KL) scores at the same T.
+    # Set it from rollout.temperature; at T != 1 a temperature-1 update is off-policy.
+    temperature: float = 1.0
     # Geometry.
     num_minibatches: int = 1
     num_microbatches: int = 1
@@ -83,6 +87,8 @@ class UpdateConfig:
                      "entropy_coef", "weight_decay", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"update.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.temperature > 0:  # also rejects NaN
+            raise ValueError(f"update.temperature must be > 0, got {self.temperature}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"update.dual_clip must be > 1 or None, got {self.dual_clip}")
         if not 0.0 <= self.end_lr_ratio <= 1.0:

@@ -8,7 +8,9 @@
    each accumulating gradients over ``num_microbatches`` micro-batches (an inner ``lax.scan``);
    the split is *strided* (mini-batch ``m`` holds sequences ``m, m + M, ...``) so every device
    keeps a share of every mini-batch when the sequence axis is sharded;
-3. per micro-batch: forward, per-token log-probs/entropy, and the clipped loss, with the
+3. per micro-batch: forward, per-token log-probs/entropy of ``softmax(logits / temperature)``
+   (the sampling temperature is part of the policy: ``UpdateConfig.temperature``, set from
+   ``rollout.temperature``), and the clipped loss, with the
    sequence advantage ``[b]`` broadcast over tokens inside the fused loss expression (no
    ``[N, T]`` advantage array); normalisers are the mini-batch's token and sequence counts, so
    the accumulated loss is the mini-batch token mean (see ``gagar_jax.losses``);
@@ -138,6 +140,8 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     def loss_fn(params, mb, num_tokens, num_seqs):
         model = nnx.merge(graphdef, params)
         logits = model(mb["tokens"], mb["positions"], attention_mask=mb["attention_mask"])
+        # The behaviour policy sampled from softmax(logits / T): score the same distribution.
+        logits = logits.astype(jnp.float32) / config.temperature
         # Targets shifted left by one; the logits are consumed whole (no sliced [b, T-1, V]
         # copy) and only the [b, T] results drop their last column.
         next_tokens = jnp.roll(mb["tokens"], -1, axis=1)
@@ -184,6 +188,10 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
 
     metrics = {k: jnp.mean(v) for k, v in per_step.items() if k != "learning_rate"}
     metrics["pg_loss_first"] = per_step["pg_loss"][0]  # on-policy value of the first step
+    # first optimizer step: on-policy, so ratio 1 and k3 KL 0 unless the update scores another
+    # distribution than the sampler's (the temperature check)
+    metrics["ratio_mean_first"] = per_step["ratio_mean"][0]
+    metrics["approx_kl_first"] = per_step["approx_kl"][0]
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
     metrics["learning_rate"] = per_step["learning_rate"][-1]
     metrics["tokens"] = jnp.sum(resp[:, 1:].astype(jnp.float32))

@@ -13,7 +13,7 @@ from gagar_jax.verify.monitor import (
     monitor_trajectory,
     patch_similarity,
 )
-from gagar_jax.verify.repo import RepoTask, RepoVerification, verify_repo_patch
+from gagar_jax.verify.repo import RepoVerification, verify_repo_patch
 from gagar_jax.verify.sandbox import (
     MECHANISMS,
     STATUSES,
@@ -27,6 +27,17 @@ from gagar_jax.verify.sandbox import (
     select_mechanism,
 )
 
+
+def __getattr__(name: str):
+    # RepoTask moved to gagar_jax.envs.repo (next to the python_repo family); the old name
+    # resolves lazily so that importing gagar_jax.verify never imports gagar_jax.envs.
+    if name == "RepoTask":
+        from gagar_jax.envs.repo import RepoTask
+
+        return RepoTask
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "RULES",
     "MonitorContext",
@@ -38,7 +49,6 @@ __all__ = [
     "monitor_trajectory",
     "patch_similarity",
     "DiffError",
-    "RepoTask",
     "RepoVerification",
     "apply_unified_diff",
     "parse_unified_diff",

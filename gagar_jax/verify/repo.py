@@ -24,7 +24,6 @@ in the sandbox) come back as ``status="infra_error"``: mask the sample, never sc
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import posixpath
 import secrets
@@ -50,102 +49,19 @@ PROTECTED_CONFIG = ("pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml")
 MAX_REPORT_BYTES = 16 << 20
 DEFAULT_LIMITS = Limits(wall_s=120, cpu_s=120, memory_bytes=2 << 30, nproc=128)
 
-
-@dataclasses.dataclass(frozen=True)
-class RepoTask:
-    """A Python repository task.
-
-    Attributes:
-      task_id: unique id.
-      issue: the problem statement shown to the policy.
-      files: the pristine repository, ``{relative posix path: text}``.
-      fail_to_pass: pytest node ids a correct patch makes pass.
-      pass_to_pass: pytest node ids that must keep passing.
-      test_files: paths reset to pristine before running (the task's tests).
-      test_patch: hidden unified diff applied after the reset (may be empty).
-      reference_patch: a known-good patch (for leakage screening and tests; may be empty).
-    """
-
-    task_id: str
-    issue: str
-    files: Mapping[str, str]
-    fail_to_pass: tuple[str, ...]
-    pass_to_pass: tuple[str, ...] = ()
-    test_files: tuple[str, ...] = ()
-    test_patch: str = ""
-    reference_patch: str = ""
-
-    def __post_init__(self):
-        if not self.task_id:
-            raise ValueError("RepoTask.task_id must be non-empty")
-        if not self.files:
-            raise ValueError(f"RepoTask {self.task_id}: files must be a non-empty mapping")
-        for p in self.files:
-            if safe_path(p) != p:
-                raise ValueError(f"RepoTask {self.task_id}: file path {p!r} is not normalised")
-        if not self.fail_to_pass:
-            raise ValueError(f"RepoTask {self.task_id}: fail_to_pass must name at least one test")
-        for tid in self.fail_to_pass + self.pass_to_pass:
-            if "::" not in tid:
-                raise ValueError(f"RepoTask {self.task_id}: test id {tid!r} is not 'file::name'")
-
-    @property
-    def required_tests(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(self.fail_to_pass + self.pass_to_pass))
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["files"] = dict(self.files)
-        for k in ("fail_to_pass", "pass_to_pass", "test_files"):
-            d[k] = list(d[k])
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> RepoTask:
-        """From a JSON object (one JSONL line); ``files`` is ``{path: text}``."""
-        for key in ("task_id", "issue", "files", "fail_to_pass"):
-            if key not in d:
-                raise ValueError(f"repo task is missing field {key!r}")
-        if not isinstance(d["files"], Mapping):
-            raise ValueError(f"repo task {d['task_id']}: 'files' must be an object path -> text")
-        return cls(
-            task_id=str(d["task_id"]),
-            issue=str(d["issue"]),
-            files=dict(d["files"]),
-            fail_to_pass=tuple(d["fail_to_pass"]),
-            pass_to_pass=tuple(d.get("pass_to_pass", ())),
-            test_files=tuple(d.get("test_files", ())),
-            test_patch=str(d.get("test_patch", "")),
-            reference_patch=str(d.get("reference_patch", "")),
-        )
-
-    @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> RepoTask:
-        """Loads ``task.json`` + ``repo/`` (+ ``test_patch_file``/``reference_patch_file``)."""
-        path = os.fspath(path)
-        with open(os.path.join(path, "task.json")) as f:
-            meta = json.load(f)
-        files = read_tree(os.path.join(path, "repo"))
-        for key in ("test_patch", "reference_patch"):
-            if f"{key}_file" in meta:
-                with open(os.path.join(path, meta.pop(f"{key}_file"))) as f:
-                    meta[key] = f.read()
-        return cls.from_dict({**meta, "files": files})
+# ``RepoTask`` and ``read_tree`` live in ``gagar_jax.envs.repo`` (next to the python_repo task
+# family). The verifier reads a task only through the attributes ``task_id``, ``files``,
+# ``test_files``, ``test_patch``, ``reference_patch`` and ``required_tests``; the old import path
+# ``gagar_jax.verify.repo.RepoTask`` still resolves (lazily, see ``__getattr__`` below).
+_MOVED = ("RepoTask", "read_tree")
 
 
-def read_tree(root: str) -> dict[str, str]:
-    """All regular text files under ``root`` as ``{posix relative path: text}`` (no symlinks)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__"))
-        for name in sorted(filenames):
-            full = os.path.join(dirpath, name)
-            if os.path.islink(full) or not os.path.isfile(full):
-                continue
-            rel = os.path.relpath(full, root).replace(os.sep, "/")
-            with open(full, encoding="utf-8") as f:
-                out[rel] = f.read()
-    return out
+def __getattr__(name: str):
+    if name in _MOVED:
+        from gagar_jax.envs import repo as _envs_repo
+
+        return getattr(_envs_repo, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def write_tree(root: str, files: Mapping[str, str]) -> None:
@@ -192,7 +108,7 @@ class RepoVerification:
         return self.status == "infra_error"
 
 
-def _is_protected(path: str, task: RepoTask) -> bool:
+def _is_protected(path: str, task: Any) -> bool:
     return (
         path in task.test_files
         or posixpath.basename(path) == "conftest.py"
@@ -200,7 +116,7 @@ def _is_protected(path: str, task: RepoTask) -> bool:
     )
 
 
-def prepare_tree(task: RepoTask, patch: str) -> tuple[dict[str, str], tuple[str, ...]]:
+def prepare_tree(task: Any, patch: str) -> tuple[dict[str, str], tuple[str, ...]]:
     """Patched tree with protected files reset and the hidden tests applied.
 
     Returns (files, reset paths). Raises DiffError if the candidate patch does not apply; a
@@ -307,7 +223,7 @@ def sandbox_pytest_problem(config: SandboxConfig | None = None) -> str | None:
 
 
 def verify_repo_patch(
-    task: RepoTask,
+    task: Any,
     patch: str,
     *,
     limits: Limits = DEFAULT_LIMITS,
@@ -321,7 +237,7 @@ def verify_repo_patch(
     """Verifies one candidate patch of ``task`` in the sandbox (see the module docstring).
 
     Args:
-      task: the task.
+      task: the task (a ``gagar_jax.envs.repo.RepoTask``).
       patch: the candidate's unified diff (empty string: run the pristine repository).
       limits, config: sandbox settings.
       keep_dir: if given, the work tree is copied there after the run (debugging).

@@ -1,0 +1,415 @@
+"""Python repository tasks: ``RepoTask`` and the ``python_repo`` task family.
+
+A :class:`RepoTask` is a repository snapshot (``{path: text}``), the issue text and the pytest
+node ids that must pass (SWE-bench style); ``gagar_jax.verify.verify_repo_patch`` verifies a
+candidate patch of it in the sandbox with the task's hidden tests.
+
+The ``python_repo`` family (:class:`PythonRepoFamily`) is multi-turn through the
+``CodeAgentEnv`` tools, called in the model's own format (Qwen/Hermes ``<tool_call>`` JSON,
+listed in the prompt through the checkpoint's chat template, :data:`TOOLS`):
+
+* ``read_file(path)``, ``edit(path, old, new)`` (one exact occurrence) or ``edit(path,
+  content)``, over the pristine repository;
+* ``run_tests()``: the task's required tests on the current tree, in the sandbox, *without* the
+  hidden ``test_patch`` (the tests the agent may see);
+* ``submit()``: ends the episode. The final patch (the unified diff of the tree against the
+  pristine repository) is verified by ``verify_repo_patch`` with the hidden tests and the
+  behaviour monitor (which also reads the trajectory). An episode that never submits fails.
+
+Observations are rendered as tool messages of the chat template (``HFTokenizer``). The task
+pool is a JSONL file (one ``RepoTask.to_dict()`` per line, as ``gagar_jax.data``'s
+``repo_tasks`` builder reads) or a directory of task directories (``task.json`` + ``repo/``).
+Demonstrations: for each task with a reference patch, read each file it changes, edit it hunk
+by hunk, run the tests, submit, with the observations the environment returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
+from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path
+
+
+@dataclasses.dataclass(frozen=True)
+class RepoTask:
+    """A Python repository task.
+
+    Attributes:
+      task_id: unique id.
+      issue: the problem statement shown to the policy.
+      files: the pristine repository, ``{relative posix path: text}``.
+      fail_to_pass: pytest node ids a correct patch makes pass.
+      pass_to_pass: pytest node ids that must keep passing.
+      test_files: paths reset to pristine before running (the task's tests).
+      test_patch: hidden unified diff applied after the reset (may be empty).
+      reference_patch: a known-good patch (for leakage screening and tests; may be empty).
+    """
+
+    task_id: str
+    issue: str
+    files: Mapping[str, str]
+    fail_to_pass: tuple[str, ...]
+    pass_to_pass: tuple[str, ...] = ()
+    test_files: tuple[str, ...] = ()
+    test_patch: str = ""
+    reference_patch: str = ""
+
+    def __post_init__(self):
+        if not self.task_id:
+            raise ValueError("RepoTask.task_id must be non-empty")
+        if not self.files:
+            raise ValueError(f"RepoTask {self.task_id}: files must be a non-empty mapping")
+        for p in self.files:
+            if safe_path(p) != p:
+                raise ValueError(f"RepoTask {self.task_id}: file path {p!r} is not normalised")
+        if not self.fail_to_pass:
+            raise ValueError(f"RepoTask {self.task_id}: fail_to_pass must name at least one test")
+        for tid in self.fail_to_pass + self.pass_to_pass:
+            if "::" not in tid:
+                raise ValueError(f"RepoTask {self.task_id}: test id {tid!r} is not 'file::name'")
+
+    @property
+    def required_tests(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.fail_to_pass + self.pass_to_pass))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["files"] = dict(self.files)
+        for k in ("fail_to_pass", "pass_to_pass", "test_files"):
+            d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RepoTask:
+        """From a JSON object (one JSONL line); ``files`` is ``{path: text}``."""
+        for key in ("task_id", "issue", "files", "fail_to_pass"):
+            if key not in d:
+                raise ValueError(f"repo task is missing field {key!r}")
+        if not isinstance(d["files"], Mapping):
+            raise ValueError(f"repo task {d['task_id']}: 'files' must be an object path -> text")
+        return cls(
+            task_id=str(d["task_id"]),
+            issue=str(d["issue"]),
+            files=dict(d["files"]),
+            fail_to_pass=tuple(d["fail_to_pass"]),
+            pass_to_pass=tuple(d.get("pass_to_pass", ())),
+            test_files=tuple(d.get("test_files", ())),
+            test_patch=str(d.get("test_patch", "")),
+            reference_patch=str(d.get("reference_patch", "")),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> RepoTask:
+        """Loads ``task.json`` + ``repo/`` (+ ``test_patch_file``/``reference_patch_file``)."""
+        path = os.fspath(path)
+        with open(os.path.join(path, "task.json")) as f:
+            meta = json.load(f)
+        files = read_tree(os.path.join(path, "repo"))
+        for key in ("test_patch", "reference_patch"):
+            if f"{key}_file" in meta:
+                with open(os.path.join(path, meta.pop(f"{key}_file"))) as f:
+                    meta[key] = f.read()
+        return cls.from_dict({**meta, "files": files})
+
+
+def read_tree(root: str) -> dict[str, str]:
+    """All regular text files under ``root`` as ``{posix relative path: text}`` (no symlinks)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__"))
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            if os.path.islink(full) or not os.path.isfile(full):
+                continue
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            with open(full, encoding="utf-8") as f:
+                out[rel] = f.read()
+    return out
+
+
+
+def load_repo_tasks(path: str) -> list[RepoTask]:
+    """Tasks from a ``.jsonl`` file (one ``RepoTask.to_dict()`` per line) or a directory of task
+    directories (each with ``task.json`` and ``repo/``, sorted by name). Errors name the file
+    and line."""
+    if not path:
+        return []
+    if os.path.isfile(path):
+        tasks = []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    tasks.append(RepoTask.from_dict(json.loads(line)))
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"{path}:{n}: not a repo task: {e}") from e
+        return tasks
+    if os.path.isdir(path):
+        dirs = sorted(d for d in os.listdir(path)
+                      if os.path.isfile(os.path.join(path, d, "task.json")))
+        if not dirs and os.path.isfile(os.path.join(path, "task.json")):
+            return [RepoTask.from_dir(path)]
+        return [RepoTask.from_dir(os.path.join(path, d)) for d in dirs]
+    raise FileNotFoundError(f"task pool {path!r} (task.data_path) is neither a .jsonl file nor "
+                            "a directory")
+
+
+# ---------------------------------------------------------------------------------------------
+# The python_repo family
+# ---------------------------------------------------------------------------------------------
+def _function(name: str, description: str, properties: dict, required: Sequence[str] = ()):
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties,
+                       "required": list(required)}}}
+
+
+_STR = {"type": "string"}
+TOOLS = (
+    _function("read_file", "Read one file of the repository.", {"path": _STR}, ["path"]),
+    _function("edit", "Replace the one exact occurrence of `old` by `new` in a file (or write "
+              "the whole file with `content`).",
+              {"path": _STR, "old": _STR, "new": _STR, "content": _STR}, ["path"]),
+    _function("run_tests", "Run the task's tests on the current repository.", {}),
+    _function("submit", "Submit the current repository as the solution (ends the episode).",
+              {}),
+)
+SYSTEM_PROMPT = ("You are a software engineer fixing an issue in a Python repository. Call one "
+                 "tool per turn; submit when the tests pass.")
+
+
+def repo_prompt_messages(task: RepoTask) -> list[dict[str, str]]:
+    files = "\n".join(sorted(task.files))
+    return [{"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"Issue:\n{task.issue}\n\nRepository files:\n{files}"}]
+
+
+def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
+    """The unified diff (``a/``/``b/`` paths) turning ``before`` into ``after``."""
+    out = []
+    for path in sorted(set(before) | set(after)):
+        a, b = before.get(path), after.get(path)
+        if a == b:
+            continue
+        out.extend(difflib.unified_diff(
+            (a or "").splitlines(keepends=True), (b or "").splitlines(keepends=True),
+            fromfile=f"a/{path}" if a is not None else "/dev/null",
+            tofile=f"b/{path}" if b is not None else "/dev/null"))
+    return "".join(out)
+
+
+class RepoAgentEnv:
+    """One ``python_repo`` episode: ``CodeAgentEnv`` over the pristine files; ``run_tests`` runs
+    the required tests in the sandbox without the hidden test patch."""
+
+    def __init__(self, task: RepoTask, *, verify_kwargs: Mapping[str, Any] | None = None):
+        from gagar_jax.rollout.episode import CodeAgentEnv
+
+        self.task = task
+        self.submitted = False
+        self.verify_kwargs = dict(verify_kwargs or {})
+        self.env = CodeAgentEnv(dict(task.files), self._run_tests)
+
+    def _run_tests(self, files: dict[str, str]) -> tuple[bool, str]:
+        from gagar_jax.verify.repo import verify_repo_patch
+
+        visible = dataclasses.replace(self.task, test_patch="")
+        v = verify_repo_patch(visible, tree_patch(self.task.files, files), run_monitor=False,
+                              **self.verify_kwargs)
+        if v.status in ("infra_error", "timeout", "resource_killed") or v.patch_error:
+            return False, f"{v.status}: {v.patch_error or v.test_log[-500:]}"
+        # a required test missing here is one of the hidden tests: not a failure of the tree
+        ran = {t: o for t, o in v.tests.items() if o != "missing"}
+        lines = [f"{o.upper()} {t}" for t, o in ran.items()]
+        hidden = len(v.tests) - len(ran)
+        if hidden:
+            lines.append(f"({hidden} required test(s) are not in the visible tests)")
+        return bool(ran) and all(o == "passed" for o in ran.values()), "\n".join(lines)
+
+    @property
+    def files(self) -> dict[str, str]:
+        return self.env.files
+
+    def patch(self) -> str:
+        return tree_patch(self.task.files, self.env.files)
+
+    def step(self, action_text: str):
+        result = self.env.step(action_text)
+        if result.done:
+            self.submitted = True
+        return result
+
+
+class PythonRepoFamily(TaskFamily):
+    """Repository tasks, multi-turn through tools (``task.family = "python_repo"``).
+
+    Settings: ``data_path`` (the pool), ``eval_data_path`` (held-out pool; "" = the last
+    ``num_eval`` tasks of the pool), ``num_train`` (at most this many training tasks),
+    ``tokenizer_path`` (required: a Hugging Face tokenizer with a chat template),
+    ``extra["demo_data_path"]`` (demonstration tasks; default: the training tasks),
+    ``extra["verify_kwargs"]`` (passed to ``verify_repo_patch``: limits, extra_pythonpath).
+    """
+
+    name = "python_repo"
+    multi_turn = True
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        from gagar_jax.envs.hf_tokenizer import HFTokenizer
+
+        if not settings.tokenizer_path:
+            raise ValueError("task.family='python_repo' needs a Hugging Face tokenizer: set "
+                             "task.tokenizer_path or model.hf_checkpoint")
+        self._tokenizer = HFTokenizer(settings.tokenizer_path)
+        pool = load_repo_tasks(settings.data_path)
+        if not pool:
+            raise ValueError(f"task.data_path={settings.data_path!r} holds no repo tasks")
+        if settings.eval_data_path:
+            self._eval = load_repo_tasks(settings.eval_data_path)[: settings.num_eval]
+            train = pool
+        else:
+            n_eval = min(settings.num_eval, len(pool) - 1)
+            self._eval = pool[len(pool) - n_eval:] if n_eval > 0 else []
+            train = pool[: len(pool) - n_eval]
+        self._train = train[: settings.num_train] if settings.num_train > 0 else train
+        self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
+        demo_path = settings.extra.get("demo_data_path", "")
+        self._demo_tasks = load_repo_tasks(demo_path) if demo_path else self._train
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def num_train(self) -> int:
+        return len(self._train)
+
+    def train_task(self, index: int) -> RepoTask:
+        if not 0 <= index < self.num_train:
+            raise IndexError(f"train task index {index} outside [0, {self.num_train})")
+        return self._train[index]
+
+    def eval_tasks(self) -> list[RepoTask]:
+        return list(self._eval)
+
+    def prompt_tokens(self, task: RepoTask) -> list[int]:
+        ids = self._tokenizer.render_prompt(repo_prompt_messages(task), tools=TOOLS)
+        if len(ids) > self.settings.max_prompt_len:
+            raise ValueError(f"task {task.task_id}: prompt is {len(ids)} tokens > "
+                             f"rollout.max_prompt_len={self.settings.max_prompt_len}")
+        return ids
+
+    def make_env(self, task: RepoTask) -> RepoAgentEnv:
+        return RepoAgentEnv(task, verify_kwargs=self._verify_kwargs)
+
+    def observation_tokens(self, text: str) -> list[int]:
+        return self._tokenizer.tool_message_tokens(text)
+
+    def verify(self, task: RepoTask, attempt: Attempt) -> Outcome:
+        from gagar_jax.verify.repo import verify_repo_patch
+
+        env = attempt.env
+        if env is None or not env.submitted:
+            reason = getattr(attempt.episode, "finish_reason", "no episode")
+            return Outcome(passed=False, test_log=f"episode ended without submit ({reason})",
+                           patch=env.patch() if env is not None else "")
+        patch = env.patch()
+        v = verify_repo_patch(task, patch, events=attempt.trajectory(), **self._verify_kwargs)
+        return Outcome(passed=v.passed, infra_error=v.infra_error, cheat=v.cheat,
+                       test_log=v.test_log, flags=tuple(v.flags), patch=patch, detail=v)
+
+    def workspace(self, group_id: str, task: RepoTask, members: Sequence[GroupMember]):
+        from gagar_jax.grading import adapters
+
+        cands = [adapters.repo_candidate(m.candidate_id, m.outcome.patch, m.outcome,
+                                         trajectory=m.attempt.trajectory(),
+                                         summary=m.attempt.summary())
+                 for m in members]
+        return adapters.repo_workspace(task, group_id, cands)
+
+    def check_runner(self):
+        from gagar_jax.grading.adapters import SandboxCheckRunner
+
+        return SandboxCheckRunner()
+
+    # ---- demonstrations ------------------------------------------------------------------
+    def demonstration_calls(self, task: RepoTask) -> list[tuple[str, dict[str, Any]]]:
+        """Tool calls that turn the pristine tree into the reference patch's: ``read_file``
+        then one ``edit(path, old, new)`` per changed block of each file (whole-file ``edit``
+        for new files or when a block's text is not unique), then ``run_tests`` and
+        ``submit``."""
+        after = apply_unified_diff(task.files, task.reference_patch)
+        calls: list[tuple[str, dict[str, Any]]] = []
+        for path in sorted(set(after) | set(task.files)):
+            a, b = task.files.get(path), after.get(path)
+            if a == b or b is None:
+                continue
+            if a is None:
+                calls.append(("edit", {"path": path, "content": b}))
+                continue
+            calls.append(("read_file", {"path": path}))
+            cur = a
+            al, bl = a.splitlines(keepends=True), b.splitlines(keepends=True)
+            ops = difflib.SequenceMatcher(a=al, b=bl, autojunk=False).get_opcodes()
+            # blocks from the end so earlier offsets stay valid; each grows by context lines
+            # until its old text is unique in the current file
+            for tag, i1, i2, j1, j2 in reversed(ops):
+                if tag == "equal":
+                    continue
+                lo, hi = i1, i2
+                while True:
+                    old = "".join(al[lo:hi])
+                    if old and cur.count(old) == 1:
+                        break
+                    if lo == 0 and hi == len(al):
+                        old = None
+                        break
+                    lo, hi = max(lo - 1, 0), min(hi + 1, len(al))
+                if old is None:
+                    calls.append(("edit", {"path": path, "content": b}))
+                    break
+                new = "".join(al[lo:i1]) + "".join(bl[j1:j2]) + "".join(al[i2:hi])
+                calls.append(("edit", {"path": path, "old": old, "new": new}))
+                cur = cur.replace(old, new)
+            if cur != b:
+                raise RuntimeError(f"{task.task_id}: demonstration edits of {path} do not "
+                                   "reproduce the reference patch (a family bug)")
+        return calls + [("run_tests", {}), ("submit", {})]
+
+    def demonstrations(self, num_tasks: int) -> list[Demonstration]:
+        """Tool-call trajectories from the reference patches of up to ``num_tasks`` tasks,
+        with the observations the environment really returns; tasks whose reference patch is
+        missing, does not apply or whose submitted patch fails the hidden tests are skipped."""
+        from gagar_jax.envs.hf_tokenizer import tool_call_text
+
+        tok = self._tokenizer
+        out = []
+        for task in [t for t in self._demo_tasks if t.reference_patch.strip()][:num_tasks]:
+            try:
+                calls = self.demonstration_calls(task)
+            except (DiffError, ValueError):
+                continue
+            prompt = self.prompt_tokens(task)
+            env = self.make_env(task)
+            tokens, mask = list(prompt), [False] * len(prompt)
+            for name, args in calls:
+                ids = tok.encode(tool_call_text(name, args)) + [tok.eos_id]
+                tokens += ids
+                mask += [True] * len(ids)
+                result = env.step(tok.decode(ids))
+                if result.done:
+                    break
+                obs = self.observation_tokens(result.observation)
+                tokens += obs
+                mask += [False] * len(obs)
+            if env.submitted and self.verify(task, Attempt(env=env)).passed:
+                out.append(Demonstration(tuple(tokens), tuple(mask), len(prompt)))
+        return out
+
