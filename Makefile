@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup system-deps sglang-venv test lint train compare example bench clean
+.PHONY: setup system-deps sglang-venv test lint train compare feedback-compare example bench e2e clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,14 +50,37 @@ RUN ?= runs/toy_gagar
 train: setup
 	XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py --workdir=$(RUN)
 
-# The toy ablation (paper Figs. 2-4): gagar, binary, discount_only side by side, then
-# runs/compare/comparison.{md,png}. About 3x `make train`.
+# The toy ablation (paper Figs. 2-4): every mode x SEEDS seeds, run after run, then
+# runs/compare/ablation.{md,png,json} (mean and standard error over seeds, +-1 SE bands).
+# `make compare SEEDS=5 COMPARE_ARGS="--config.sft.steps=150 --config.loop.total_steps=30"`
+# is the sweep in the README; each run there takes ~5 min on the shared 2-core machine.
 COMPARE ?= runs/compare
+SEEDS ?= 1
+COMPARE_MODES ?= gagar binary discount_only gagar_token
+COMPARE_ARGS ?=
+comma := ,
+empty :=
+space := $(empty) $(empty)
 compare: setup
-	for m in gagar binary discount_only; do \
-	  XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py:$$m --workdir=$(COMPARE)/$$m || exit 1; \
-	done
-	$(PY) scripts/compare_runs.py --workdirs=$(COMPARE)/gagar,$(COMPARE)/binary,$(COMPARE)/discount_only --out=$(COMPARE)
+	for s in $$(seq 0 $$(( $(SEEDS) - 1 ))); do for m in $(COMPARE_MODES); do \
+	  XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py:$$m \
+	    --workdir=$(COMPARE)/$$m/seed$$s --config.seed=$$s $(COMPARE_ARGS) || exit 1; \
+	done; done
+	$(PY) scripts/compare_runs.py --root=$(COMPARE) --seeds=$(SEEDS) --out=$(COMPARE) \
+	  --modes=$(subst $(space),$(comma),$(strip $(COMPARE_MODES))) \
+	  --command='make compare SEEDS=$(SEEDS) COMPARE_ARGS="$(COMPARE_ARGS)"'
+
+# End to end with a real SGLang server in the loop (scripts/e2e.py): tiny random Qwen2 + local
+# BPE tokenizer, the fixture repositories, SFT warm start on tool-call demonstrations, 3 RL steps
+# of configs/swe_agent.py:smoke, SIGKILL after a checkpoint and resume; into runs/e2e/.
+e2e: setup system-deps sglang-venv
+	$(PY) scripts/e2e.py --out=runs/e2e
+
+# The feedback study: sft, rw_sft, span_kto, sft_drop_negative, sft_penalize_negative x 3 seeds on
+# one shared simulated-user feedback dataset -> runs/feedback_compare/comparison.{md,png}.
+FEEDBACK_OUT ?= runs/feedback_compare
+feedback-compare: setup
+	XLA_FLAGS= $(PY) scripts/feedback_compare.py --out=$(FEEDBACK_OUT) --seeds=0,1,2
 
 example: setup
 	$(PY) scripts/gagar_example.py
@@ -67,6 +90,7 @@ bench: setup
 	$(PY) benchmarks/grading.py --quick
 	$(PY) benchmarks/verify.py
 	XLA_FLAGS= $(PY) benchmarks/sampler.py
+	$(PY) benchmarks/browser_judge.py --rounds 1
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

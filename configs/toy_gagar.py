@@ -4,14 +4,15 @@ r"""The main job: Gagar on the toy code-repair family, embedded sampler + heuris
     python scripts/train.py --config=configs/toy_gagar.py:binary --workdir=runs/toy_binary
     python scripts/train.py --config=configs/toy_gagar.py:discount_only,smoke --workdir=/tmp/s
 
-The argument is a comma-separated list: a mode (``gagar`` | ``binary`` | ``discount_only``)
-and/or ``smoke`` (a seconds-long run for CI and tests). ``make train`` runs the default
-(about 10 minutes on 2 CPU cores); ``make compare`` runs the three modes and compares them.
+The argument is a comma-separated list: a mode (``gagar`` | ``binary`` | ``discount_only`` |
+``gagar_token``) and/or ``smoke`` (a seconds-long run for CI and tests). ``make train`` runs the
+default (about 10 minutes on 2 CPU cores); ``make compare`` runs the four modes and compares
+them.
 """
 
 import ml_collections
 
-MODES = ("gagar", "binary", "discount_only")
+MODES = ("gagar", "binary", "discount_only", "gagar_token")
 
 
 def parse_arg(arg):
@@ -49,7 +50,8 @@ def get_config(arg=None):
     c.grading = dict(grader="heuristic", sglang_url="", max_concurrency=2, deadline_s=60.0,
                      enabled=True)
     c.advantages = dict(estimator="mean_centered", tier_factors=(1.0, 0.6, 0.3),
-                        rank_decay=0.5, cheat_reward=0.0)
+                        rank_decay=0.5, cheat_reward=0.0, token_importance="evidence",
+                        token_gamma=0.5)
     c.optim = dict(lr=3e-4, warmup_steps=3, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.99,
                    clip_low=0.2, clip_high=0.28, ppo_epochs=1, num_minibatches=1,
                    num_microbatches=1, kl_coef=0.0, entropy_coef=0.0, loss_agg="token-mean",

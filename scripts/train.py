@@ -7,12 +7,15 @@ r"""Trains a policy with Gagar (or a baseline mode) from an ml_collections confi
 Re-running with the same --workdir resumes from the newest complete checkpoint. Multi-host:
 ``--config.mesh.coordinator_address/num_processes/process_id`` or the JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES and JAX_PROCESS_ID environment variables (see configs/tpu_pod.py).
+
+Console: the progress bar and summaries. Library logging (orbax, absl) is at WARNING unless
+``--verbosity`` asks for more (``--verbosity=0`` is absl's INFO, ``1`` DEBUG).
 """
 
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:arg]).",
@@ -28,6 +31,8 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:  # orbax logs every save/restore step at INFO
+        logging.set_verbosity(logging.WARNING)
     from gagar_jax.train import loop
     from gagar_jax.train.multihost import HostError
     from gagar_jax.train.run_config import RunConfig

@@ -140,3 +140,46 @@ def pipeline(
     adv = np.where(applied[:, None], red, original)
     adv = np.where(keep[:, None] & valid, adv, 0.0)
     return adv, original, keep, applied
+
+
+def redistribute_tokens(seq, importance, mask, gamma, token_weights=None, negative="broadcast"):
+    """Row by row: c_t = 1 + gamma (w_t - w_bar) / max|w - w_bar| on the mask, A_t = A c_t."""
+    seq = np.asarray(seq, np.float64)
+    imp = np.asarray(importance, np.float64)
+    mask = np.asarray(mask, bool)
+    lead = seq.shape
+    seq, imp, mask = (
+        seq.reshape(-1),
+        imp.reshape(-1, imp.shape[-1]),
+        mask.reshape(-1, imp.shape[-1]),
+    )
+    ow = None if token_weights is None else np.asarray(token_weights, np.float64).reshape(imp.shape)
+    out = np.zeros(imp.shape)
+    for n in range(seq.shape[0]):
+        idx = np.flatnonzero(mask[n])
+        if not len(idx):
+            continue
+        a = seq[n]
+        c = np.ones(len(idx))
+        apply = a > 0 if negative == "broadcast" else a != 0
+        w = imp[n, idx]
+        o = np.ones(len(idx)) if ow is None else ow[n, idx]
+        if apply and w.max() > w.min() and o.sum() > 0:
+            w_bar = (o * w).sum() / o.sum()
+            dev = w - w_bar
+            c = 1.0 + gamma * dev / np.abs(dev).max()
+        out[n, idx] = a * c
+    return out.reshape(lead + (imp.shape[-1],))
+
+
+def gini(values, mask):
+    """Pairwise definition: sum_ij |x_i - x_j| / (2 n^2 mean x), per row."""
+    values = np.abs(np.asarray(values, np.float64))
+    mask = np.asarray(mask, bool)
+    out = np.zeros(values.shape[:-1])
+    for idx in np.ndindex(*values.shape[:-1]):
+        x = values[idx][mask[idx]]
+        if len(x) < 2 or x.sum() <= 0:
+            continue
+        out[idx] = np.abs(x[:, None] - x[None, :]).sum() / (2 * len(x) ** 2 * x.mean())
+    return out

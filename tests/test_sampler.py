@@ -267,3 +267,64 @@ def test_agenerate_and_input_errors(sampler):
     with pytest.raises(ValueError, match="stop_token_ids outside"):
         sampler.generate([[1]], SamplingParams(stop_token_ids=(500,)))
     assert jax.tree.leaves(sampler.state)  # parameters are held as arrays
+
+
+def test_shared_prefill_duplicate_prompts_and_exact_logprobs(model):
+    """n samples of a prompt, and repeated prompts, share one prefilled cache: the prompt
+    batch is the distinct prompts (bucket 4 here, 10 sample rows in bucket 16), and every
+    sample's logprobs still equal the training forward's."""
+    s = Sampler(model, batch_buckets=(4, 16), prompt_buckets=(16,), new_token_buckets=(8,))
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[1]]
+    out = s.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11))
+    assert s.stats["prefill_tokens"] == sum(len(p) for p in PROMPTS)  # distinct prompts only
+    for prompt, row in zip(prompts, out):
+        for smp in row:
+            ref = score_tokens(model, prompt + smp.tokens, len(prompt), 1.0)
+            np.testing.assert_allclose(smp.logprobs, ref, rtol=0, atol=1e-5)
+    # Rows r = i * n + j keep their own keys: a repeated prompt gets other samples.
+    assert out[0][0].tokens != out[2][0].tokens
+
+
+def test_multi_turn_prefix_cache_exact_and_reused(model):
+    """prefix_cache: turns 2 and 3 prefill only the observation (the history comes from the
+    kept cache), the sampled tokens equal the full-prefill sampler's (same seed), and every
+    model token's logprob equals the training forward's on the whole episode."""
+    tok = AsciiTokenizer()
+
+    def run(prefix_cache):
+        s = Sampler(
+            model,
+            batch_buckets=(2,),
+            prompt_buckets=(32, 64, 128),
+            new_token_buckets=(8,),
+            prefix_cache=prefix_cache,
+        )
+        envs = [CodeAgentEnv({"a.py": "x = 1\n"}, lambda f: (False, "no")) for _ in range(2)]
+        prompts = [tok.encode("Fix a.py.\n"), tok.encode("Make a.py pass, please.\n")]
+        eps = run_episodes(
+            s,
+            tok,
+            envs,
+            prompts,
+            SamplingParams(temperature=1.0, max_tokens=8, seed=0, stop_token_ids=(96,)),
+            max_turns=3,
+            max_total_tokens=128,
+            max_observation_tokens=12,
+        )
+        return s, eps
+
+    cached, eps = run(1)
+    full, eps_full = run(0)
+    assert cached.stats["calls_reusing_cache"] == 2 and full.stats["calls_reusing_cache"] == 0
+    assert cached.stats["reused_tokens"] > 0
+    assert cached.stats["prefill_tokens"] < full.stats["prefill_tokens"]
+    for ep, ep_full in zip(eps, eps_full):
+        assert ep.tokens == ep_full.tokens and len(ep.turns) == 3
+        np.testing.assert_allclose(ep.logprobs, ep_full.logprobs, atol=1e-5)
+        lp = score_tokens(model, ep.tokens, 1, temperature=1.0)
+        for turn in ep.turns:
+            a, b = turn.model_span
+            np.testing.assert_allclose(ep.logprobs[a:b], lp[a - 1 : b - 1], atol=1e-5)
+    # New weights drop the kept caches (they belong to the old policy).
+    cached.sync_weights(model, version=1)
+    assert cached._kept == []

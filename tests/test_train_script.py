@@ -48,7 +48,7 @@ def train_rows(workdir):
     return [r for r in rows if r["phase"] == "train"]
 
 
-@pytest.mark.parametrize("mode", ["gagar", "binary", "discount_only"])
+@pytest.mark.parametrize("mode", ["gagar", "binary", "discount_only", "gagar_token"])
 def test_smoke_each_mode(mode, tmp_path, capsys):
     from gagar_jax.train import loop
 
@@ -194,3 +194,56 @@ def test_refused_resume_leaves_the_run_untouched(tmp_path):
         with pytest.raises(loop.ResumeMismatchError, match="fingerprint"):
             loop.train_and_evaluate(other, str(tmp_path))
     assert (tmp_path / "config.json").read_text() == before
+
+
+AGENT_CONFIG = os.path.join(ROOT, "configs", "toy_agent.py")
+
+
+def _run_agent(workdir, steps=3):
+    cmd = [sys.executable, SCRIPT, f"--config={AGENT_CONFIG}:gagar,smoke", f"--workdir={workdir}",
+           f"--compilation_cache={JAX_CACHE}", f"--config.loop.total_steps={steps}",
+           "--config.loop.checkpoint_every=1"]
+    return cmd
+
+
+def test_toy_agent_multi_turn_sigkill_resumes_exactly(tmp_path):
+    """The multi-turn toy agent through the entry point: episodes of several turns with parsed
+    tool calls; killed with SIGKILL after checkpoint 1, the rerun repeats no step, skips none
+    and reproduces the uninterrupted run's figures."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    ref = tmp_path / "ref"
+    r = subprocess.run(_run_agent(ref), capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref_rows = train_rows(ref)
+    assert [x["step"] for x in ref_rows] == [0, 1, 2]
+    assert max(x["episode/turns_mean"] for x in ref_rows) > 1.0
+    for x in ref_rows:
+        assert 0 < x["episode/model_tokens_mean"] < x["response_length"]  # observations masked
+        assert x["rollout/weight_version"] == x["policy_version"]
+        assert abs(x["rollout/logprob_mismatch_k3"]) < 1e-5  # embedded sampler: same program
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_run_agent(run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    marker = run / "loop_state" / "loop_state_00000001.json"
+    deadline = time.monotonic() + 600
+    try:
+        while not marker.exists():
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    r = subprocess.run(_run_agent(run), capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from checkpoint" in r.stdout + r.stderr
+    rows = train_rows(run)
+    assert [x["step"] for x in rows] == [0, 1, 2]
+    for a, b in zip(rows, ref_rows):
+        for key in ("data_position", "policy_version", "pass_rate", "response_length",
+                    "episode/turns_mean", "episode/tool_calls_mean"):
+            assert a[key] == b[key], (key, a["step"], a[key], b[key])
+        assert a["pg_loss_mean"] == pytest.approx(b["pg_loss_mean"], abs=1e-6)

@@ -16,20 +16,43 @@ from gagar_jax.advantages.estimators import (
     penalize_cheats,
     rloo,
 )
-from gagar_jax.advantages.pipeline import ESTIMATORS, GagarConfig, GagarOutput, gagar_advantages
+from gagar_jax.advantages.multiturn import BASELINES, per_turn_advantages, turns_to_tokens
+from gagar_jax.advantages.pipeline import (
+    ESTIMATORS,
+    GagarConfig,
+    GagarOutput,
+    gagar_advantages,
+)
 from gagar_jax.advantages.redistribution import (
     MODES,
+    REDISTRIBUTION_MODES,
     CreditBalance,
     broadcast_to_tokens,
     credit_balance,
     equivalent_rewards,
     redistribute,
 )
+from gagar_jax.advantages.tokens import (
+    IMPORTANCE_PROVIDERS,
+    EntropyImportance,
+    EvidenceImportance,
+    ImportanceInputs,
+    ImportanceProvider,
+    TokenCredit,
+    UniformImportance,
+    importance_provider,
+    redistribute_tokens,
+    token_credit,
+    token_gini,
+)
 
 __all__ = [
+    "BASELINES",
     "ESTIMATORS",
+    "IMPORTANCE_PROVIDERS",
     "MODES",
     "NUM_TIERS",
+    "REDISTRIBUTION_MODES",
     "CreditBalance",
     "Factors",
     "GagarConfig",
@@ -39,6 +62,16 @@ __all__ = [
     "broadcast_to_tokens",
     "credit_balance",
     "discount_factors",
+    "EntropyImportance",
+    "EvidenceImportance",
+    "ImportanceInputs",
+    "ImportanceProvider",
+    "TokenCredit",
+    "UniformImportance",
+    "importance_provider",
+    "redistribute_tokens",
+    "token_credit",
+    "token_gini",
     "equivalent_rewards",
     "gagar_advantages",
     "group_stats",
@@ -46,6 +79,8 @@ __all__ = [
     "mean_centered",
     "mixed_groups",
     "penalize_cheats",
+    "per_turn_advantages",
+    "turns_to_tokens",
     "redistribute",
     "rloo",
 ]

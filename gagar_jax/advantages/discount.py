@@ -71,17 +71,28 @@ def discount_factors(
     group_ids: Array | None = None,
     num_groups: int | None = None,
 ) -> Factors:
-    """Discount factors `f_i in (0, 1]` from grader tiers and ranks (see module docstring).
+    """Discount factors `f_i in (0, 1]` from grader tiers and ranks.
+
+    With `tier_factors = (c1, c2, c3)`, for a passing valid rollout i of tier t and rank r:
+
+        f_i = c3                                                        if t = 3,
+        f_i = c_t - rank_decay (c_t - c_{t+1}) (r - r_min) / max(r_max - r_min, 1)   if t < 3,
+
+    `r_min`, `r_max` the best and worst rank of tier t in i's group; `f_i = 1` off the passing
+    set. So the best T1 keeps weight c1, a tier never reaches the next one's factors, equal ranks
+    get equal factors, and a better (tier, rank) never gets a smaller factor.
 
     Args:
-      tier: [G, K] (or [N]) int, 1..3 on passing valid slots (ignored elsewhere).
-      rank: [G, K] (or [N]) int >= 1, rank within the group (1 best, ties allowed) on passing
+      tier: [G, K] (or [N]) int32, 1..3 on passing valid slots (ignored elsewhere).
+      rank: [G, K] (or [N]) int32 >= 1, rank within the group (1 best, ties allowed) on passing
         valid slots (ignored elsewhere).
       passed: [G, K] (or [N]) bool, which rollouts passed (after the cheat penalty).
       valid: [G, K] (or [N]) bool, which slots hold a rollout.
-      tier_factors: (T1, T2, T3) factors, `1 >= T1 >= T2 >= T3 > 0`.
-      rank_decay: fraction of the gap to the next tier that ranks may use, in [0, 1).
-      group_ids, num_groups: the flat layout (see `estimators.group_stats`).
+      tier_factors: (T1, T2, T3) Python floats, `1 >= T1 >= T2 >= T3 > 0`.
+      rank_decay: Python float in [0, 1), the fraction of the gap to the next tier that ranks
+        may use.
+      group_ids: flat layout only, int32 [N] group ids in [0, num_groups).
+      num_groups: flat layout only, static Python int G.
 
     Returns:
       `Factors(factors, ok)`. With concrete inputs an invalid tier or rank on a passing valid
@@ -113,6 +124,14 @@ def discount_factors(
                     f"{int(np.asarray(values)[where])} at index {where} "
                     f"({int(bad.sum())} bad slot(s))"
                 )
+    return _discount_factors(groups, tier, rank, passed, valid, tf, rank_decay)
+
+
+def _discount_factors(groups, tier, rank, passed, valid, tf, rank_decay) -> Factors:
+    """`discount_factors` on inputs already checked (int32 tier/rank, bool masks)."""
+    graded = passed & valid
+    bad_tier = graded & ((tier < 1) | (tier > NUM_TIERS))
+    bad_rank = graded & (rank < 1)
     ok = groups.sum((bad_tier | bad_rank).astype(jnp.float32)) == 0
 
     t = jnp.clip(tier, 1, NUM_TIERS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -48,6 +49,8 @@ def _prepare(rewards, valid, group_ids, num_groups):
     rewards = _layout.check_float("rewards", rewards)
     valid = _layout.check_bool("valid", valid)
     groups.check("valid", valid)
+    chex.assert_rank(rewards, 1 if groups.flat else 2)
+    chex.assert_equal_shape([rewards, valid])
     # Masked slots may hold garbage (NaN padding); zero them so they never leak into sums.
     rewards = jnp.where(valid, rewards, 0.0)
     return groups, rewards, valid
@@ -68,13 +71,14 @@ def group_stats(
     max(n_g - ddof, 1))`, with `n_g = sum_i v_i`.
 
     Args:
-      rewards: [G, K] (or [N]) reward per rollout slot; any real dtype, accumulated in float32.
+      rewards: [G, K] (or [N]) float32 (any real dtype, accumulated in float32), the reward of
+        each rollout slot.
       valid: [G, K] (or [N]) bool, which slots hold a rollout.
       passed: optional [G, K] (or [N]) bool, which rollouts passed their tests; defaults to
         `rewards > 0` (binary executable-test rewards).
-      ddof: delta degrees of freedom of the standard deviation (0: population, 1: sample).
-      group_ids: flat layout only, int [N] group of each rollout, in [0, num_groups).
-      num_groups: flat layout only, static number of groups G.
+      ddof: int, delta degrees of freedom of the standard deviation (0: population, 1: sample).
+      group_ids: flat layout only, int32 [N], the group of each rollout, in [0, num_groups).
+      num_groups: flat layout only, static Python int, the number of groups G.
 
     Returns:
       `GroupStats` of [G] float32 arrays.
@@ -99,14 +103,20 @@ def mean_centered(
     normaliser; that is a typo: only `1/n` gives the zero group sum all its derivations use.
 
     Args:
-      rewards: [G, K] (or [N]) reward per rollout slot.
+      rewards: [G, K] (or [N]) float32, the reward of each rollout slot.
       valid: [G, K] (or [N]) bool, which slots hold a rollout.
-      group_ids, num_groups: the flat layout (see `group_stats`).
+      group_ids: flat layout only, int32 [N] group ids in [0, num_groups).
+      num_groups: flat layout only, static Python int G.
 
     Returns:
-      [G, K] (or [N]) float32 advantages, 0 on invalid slots.
+      [G, K] (or [N]) float32 advantages `R_i - mean_g(R)`, 0 on invalid slots.
     """
     groups, rewards, valid = _prepare(rewards, valid, group_ids, num_groups)
+    return _mean_centered(groups, rewards, valid)
+
+
+def _mean_centered(groups: _layout.Groups, rewards: Array, valid: Array) -> Array:
+    """`mean_centered` on inputs already checked (float32 rewards zeroed off `valid`)."""
     stats = _stats(groups, rewards, valid, valid, 0)
     return jnp.where(valid, rewards - groups.expand(stats.mean), 0.0)
 
@@ -129,13 +139,20 @@ def grpo_normalized(
     (1e-2 is far below the smallest std of a mixed binary group, sqrt(1/K - 1/K^2) >= 0.24 for
     K <= 16, so it never changes a real group), and `eps` keeps a zero std finite.
 
+    Std convention: the default here is the population std (`ddof=0`, `std = sqrt(sum (R -
+    mean)^2 / n)`). TRL's `GRPOTrainer` and verl's `compute_grpo_outcome_advantage` both use
+    `torch.std`, which is unbiased (`ddof=1`, divide by `n - 1`); pass `ddof=1` to match them.
+    The two differ by the factor `sqrt(n / (n - 1))` on every advantage of a group (1.033 for
+    n = 16), which changes only the scale of the update.
+
     Args:
-      rewards: [G, K] (or [N]) reward per rollout slot.
+      rewards: [G, K] (or [N]) float32, the reward of each rollout slot.
       valid: [G, K] (or [N]) bool, which slots hold a rollout.
-      eps: added to the floored std.
-      min_std: floor of the std in the denominator.
-      ddof: delta degrees of freedom of the std.
-      group_ids, num_groups: the flat layout (see `group_stats`).
+      eps: float >= 0, added to the floored std.
+      min_std: float >= 0, floor of the std in the denominator (`eps + min_std > 0`).
+      ddof: int, delta degrees of freedom of the std (0 here by default; TRL and verl use 1).
+      group_ids: flat layout only, int32 [N] group ids in [0, num_groups).
+      num_groups: flat layout only, static Python int G.
 
     Returns:
       [G, K] (or [N]) float32 advantages, 0 on invalid slots.
@@ -145,6 +162,11 @@ def grpo_normalized(
             f"eps, min_std: expected >= 0 with eps + min_std > 0, got {eps}, {min_std}"
         )
     groups, rewards, valid = _prepare(rewards, valid, group_ids, num_groups)
+    return _grpo_normalized(groups, rewards, valid, eps, min_std, ddof)
+
+
+def _grpo_normalized(groups, rewards, valid, eps: float, min_std: float, ddof: int) -> Array:
+    """`grpo_normalized` on inputs already checked."""
     stats = _stats(groups, rewards, valid, valid, ddof)
     scale = 1.0 / (jnp.maximum(stats.std, min_std) + eps)
     return jnp.where(valid, (rewards - groups.expand(stats.mean)) * groups.expand(scale), 0.0)
@@ -159,14 +181,20 @@ def rloo(
     `n / (n - 1) * (R_i - mean(R))`. A group with a single rollout has no baseline and gets 0.
 
     Args:
-      rewards: [G, K] (or [N]) reward per rollout slot.
+      rewards: [G, K] (or [N]) float32, the reward of each rollout slot.
       valid: [G, K] (or [N]) bool, which slots hold a rollout.
-      group_ids, num_groups: the flat layout (see `group_stats`).
+      group_ids: flat layout only, int32 [N] group ids in [0, num_groups).
+      num_groups: flat layout only, static Python int G.
 
     Returns:
       [G, K] (or [N]) float32 advantages, 0 on invalid slots and in single-rollout groups.
     """
     groups, rewards, valid = _prepare(rewards, valid, group_ids, num_groups)
+    return _rloo(groups, rewards, valid)
+
+
+def _rloo(groups: _layout.Groups, rewards: Array, valid: Array) -> Array:
+    """`rloo` on inputs already checked."""
     count = groups.expand(groups.sum(valid.astype(jnp.float32)))
     total = groups.expand(groups.sum(rewards))
     # Leave-one-out baseline; n - 1 is clamped so a lone rollout divides by 1, then zeroed.
@@ -189,10 +217,11 @@ def mixed_groups(
     rewards that are 0 or 1 up to rounding (e.g. a bf16 reward of 0.99999).
 
     Args:
-      rewards: [G, K] (or [N]) reward per rollout slot, expected in [0, 1].
+      rewards: [G, K] (or [N]) float32, the reward of each rollout slot, expected in [0, 1].
       valid: [G, K] (or [N]) bool, which slots hold a rollout.
-      tol: margin inside (0, 1); in [0, 0.5).
-      group_ids, num_groups: the flat layout (see `group_stats`).
+      tol: float in [0, 0.5), the margin inside (0, 1).
+      group_ids: flat layout only, int32 [N] group ids in [0, num_groups).
+      num_groups: flat layout only, static Python int G.
 
     Returns:
       [G] bool, True for mixed groups (an empty group is never mixed).
@@ -200,6 +229,11 @@ def mixed_groups(
     if not 0.0 <= tol < 0.5:
         raise ValueError(f"tol: expected a value in [0, 0.5), got {tol}")
     groups, rewards, valid = _prepare(rewards, valid, group_ids, num_groups)
+    return _mixed_groups(groups, rewards, valid, tol)
+
+
+def _mixed_groups(groups: _layout.Groups, rewards: Array, valid: Array, tol: float) -> Array:
+    """`mixed_groups` on inputs already checked."""
     stats = _stats(groups, rewards, valid, valid, 0)
     return (stats.count > 0) & (stats.mean > tol) & (stats.mean < 1.0 - tol)
 
@@ -218,14 +252,16 @@ def penalize_cheats(
     relies on a leaked answer) is scored as a failure. Group statistics and the mixed-group mask
     must be computed *after* this, since a mixed group can become all-fail.
 
+    `R'_i = cheat_reward if cheat_i else R_i`, `passed'_i = passed_i and not cheat_i`.
+
     Args:
-      rewards: reward per rollout, any shape.
+      rewards: [G, K] (or [N], any shape) float32, the reward of each rollout.
       passed: bool, same shape, whether the rollout passed its tests.
       cheat: bool, same shape, whether the rollout is a confirmed cheat.
-      cheat_reward: the reward a cheat gets.
+      cheat_reward: float, the reward a cheat gets.
 
     Returns:
-      `Penalized(rewards, passed)` with the same shape.
+      `Penalized(rewards float32, passed bool)`, both with the input shape.
     """
     rewards = _layout.check_float("rewards", rewards)
     passed = _layout.check_bool("passed", passed)

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 from typing import Any, NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -104,13 +105,13 @@ class GagarOutput(NamedTuple):
     metrics: dict[str, Array]  # flat dict of float32 scalars
 
 
-def _base_advantages(config: GagarConfig, rewards, valid, layout) -> Array:
+def _base_advantages(config: GagarConfig, groups: _layout.Groups, rewards, valid) -> Array:
     if config.estimator == "mean_centered":
-        return estimators.mean_centered(rewards, valid, **layout)
+        return estimators._mean_centered(groups, rewards, valid)
     if config.estimator == "rloo":
-        return estimators.rloo(rewards, valid, **layout)
-    return estimators.grpo_normalized(
-        rewards, valid, eps=config.grpo_eps, min_std=config.grpo_min_std, **layout
+        return estimators._rloo(groups, rewards, valid)
+    return estimators._grpo_normalized(
+        groups, rewards, valid, config.grpo_eps, config.grpo_min_std, 0
     )
 
 
@@ -128,29 +129,48 @@ def gagar_advantages(
     group_ids: Array | None = None,
     num_groups: int | None = None,
 ) -> GagarOutput:
-    """Gagar advantages for a batch of graded rollout groups (see module docstring).
+    """Gagar advantages for a batch of graded rollout groups, with per-group fallback.
+
+    Per group (Gagar section 3, steps 1-5; `f` from `discount_factors`):
+
+        R'  = cheat_reward on confirmed cheats, R elsewhere; passed' = passed and not cheat
+        A   = estimator(R')                       (mean_centered: A_i = R'_i - mean_g R')
+        A*  = redistribute(A, passed', f, mode)   (sum_preserving: lambda f_i A_i on P)
+        out = A*  where the group is kept, mixed, graded, its verdict valid and mode != "none"
+              A   where it is kept but not all of those (a fallback, counted per reason)
+              0   where dynamic sampling drops it (0 < mean R' < 1 fails) or the slot is invalid
+
+    Rollouts with a non-finite reward count as invalid. The inputs are validated once here; the
+    kernels are called on the checked arrays (no re-validation), and the metrics are computed
+    apart from the algorithm (`pipeline_metrics`).
 
     Args:
-      rewards: [G, K] (or [N]) float, executable-test reward per rollout (binary in the paper).
+      rewards: [G, K] (or [N]) float32, executable-test reward per rollout (binary in the paper).
       passed: [G, K] (or [N]) bool, whether the rollout passed its tests.
       cheat: [G, K] (or [N]) bool, confirmed cheats (grader or behaviour monitor).
-      tier: [G, K] (or [N]) int, grader tier 1..3 of passing rollouts (ignored elsewhere).
-      rank: [G, K] (or [N]) int >= 1, grader rank within the group (ignored off the passing set).
+      tier: [G, K] (or [N]) int32, grader tier 1..3 of passing rollouts (ignored elsewhere).
+      rank: [G, K] (or [N]) int32 >= 1, grader rank within the group (ignored off the passing
+        set).
       graded: [G] bool, whether the group has a usable grader verdict; False falls back to the
         original advantages for that group.
       valid: [G, K] (or [N]) bool, which slots hold a usable rollout (False for padding and for
         rollouts lost to infrastructure errors).
       config: `GagarConfig` (static).
-      group_ids, num_groups: the flat layout, int [N] group ids and a static group count.
+      group_ids: flat layout only, int32 [N] group ids in [0, num_groups).
+      num_groups: flat layout only, static Python int G.
 
     Returns:
-      `GagarOutput`.
+      `GagarOutput` (advantages, original, factors, rewards, passed [G, K] or [N]; keep,
+      applied [G]; metrics, a flat dict of float32 scalars).
     """
-    layout = dict(group_ids=group_ids, num_groups=num_groups)
     groups = _layout.Groups.make("rewards", rewards, group_ids, num_groups)
     rewards = _layout.check_float("rewards", rewards)
     valid = _layout.check_bool("valid", valid)
     graded = _layout.check_bool("graded", graded)
+    passed = _layout.check_bool("passed", passed)
+    cheat = _layout.check_bool("cheat", cheat)
+    tier = _layout.check_int("tier", tier)
+    rank = _layout.check_int("rank", rank)
     for name, x in (
         ("passed", passed),
         ("cheat", cheat),
@@ -160,44 +180,84 @@ def gagar_advantages(
     ):
         groups.check(name, x)
     groups.check_group("graded", graded)
+    chex.assert_equal_shape([rewards, passed, cheat, tier, rank, valid])
+    chex.assert_rank(graded, 1)
+    out, aux = _gagar(config, groups, rewards, passed, cheat, tier, rank, graded, valid)
+    return out._replace(metrics=pipeline_metrics(config, groups, out, **aux))
 
+
+def _gagar(
+    config: GagarConfig, groups: _layout.Groups, rewards, passed, cheat, tier, rank, graded, valid
+):
+    """The algorithm of `gagar_advantages` on checked inputs; returns (output, metric inputs)."""
     finite = jnp.isfinite(rewards)
     nonfinite = valid & ~finite
     valid = valid & finite
-    cheat = _layout.check_bool("cheat", cheat) & valid
-    rewards, passed = estimators.penalize_cheats(
-        jnp.where(valid, rewards, 0.0), passed, cheat, cheat_reward=config.cheat_reward
-    )
-    passed = passed & valid
+    cheat = cheat & valid
+    # `penalize_cheats` on the checked arrays.
+    rewards = jnp.where(cheat, jnp.float32(config.cheat_reward), jnp.where(valid, rewards, 0.0))
+    passed = passed & ~cheat & valid
 
-    stats = estimators.group_stats(rewards, valid, passed, **layout)
-    original = _base_advantages(config, rewards, valid, layout)
-    mixed = estimators.mixed_groups(rewards, valid, tol=config.mixed_tol, **layout)
-    factors, ok = discount.discount_factors(
-        tier,
-        rank,
-        passed,
-        valid,
-        tier_factors=config.tier_factors,
-        rank_decay=config.rank_decay,
-        **layout,
+    original = _base_advantages(config, groups, rewards, valid)
+    mixed = estimators._mixed_groups(groups, rewards, valid, config.mixed_tol)
+    factors, ok = discount._discount_factors(
+        groups, tier, rank, passed, valid, config.tier_factors, config.rank_decay
     )
-    redistributed = redistribution.redistribute(
-        original, passed, factors, valid, mode=config.mode, **layout
-    )
-    present = stats.count > 0
+    redistributed = redistribution._redistribute(groups, original, passed, factors, config.mode)
+    present = groups.sum(valid.astype(jnp.float32)) > 0
     keep = mixed if config.filter_unmixed else present
     applied = keep & mixed & graded & ok & (config.mode != "none")
     advantages = jnp.where(groups.expand(applied), redistributed, original)
     advantages = jnp.where(groups.expand(keep) & valid, advantages, 0.0)
-    kept_original = jnp.where(groups.expand(keep) & valid, original, 0.0)
-    credit = redistribution.credit_balance(kept_original, advantages, passed, valid, **layout)
+    out = GagarOutput(
+        advantages=advantages,
+        original=original,
+        factors=factors,
+        rewards=rewards,
+        passed=passed,
+        keep=keep,
+        applied=applied,
+        metrics={},
+    )
+    aux = dict(
+        tier=tier,
+        valid=valid,
+        graded=graded,
+        cheat=cheat,
+        nonfinite=nonfinite,
+        mixed=mixed,
+        ok=ok,
+        present=present,
+    )
+    return out, aux
 
+
+def pipeline_metrics(
+    config: GagarConfig,
+    groups: _layout.Groups,
+    out: GagarOutput,
+    *,
+    tier,
+    valid,
+    graded,
+    cheat,
+    nonfinite,
+    mixed,
+    ok,
+    present,
+) -> dict[str, Array]:
+    """The flat metrics dict of `gagar_advantages` (float32 scalars): group and rollout counts
+    by outcome and fallback reason, pass rate, tier shares, credit balance (`credit_balance` of
+    the kept original vs the final advantages) and the mean |advantage|."""
+    del config
+    keep, applied, passed, factors = out.keep, out.applied, out.passed, out.factors
+    kept_original = jnp.where(groups.expand(keep) & valid, out.original, 0.0)
+    credit = redistribution._credit_balance(groups, kept_original, out.advantages, passed, valid)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     count = lambda x: jnp.sum(x.astype(jnp.float32))
     n_valid = count(valid)
     in_applied = passed & groups.expand(applied)
-    tier_c = jnp.clip(_layout.check_int("tier", tier), 1, discount.NUM_TIERS)
+    tier_c = jnp.clip(tier, 1, discount.NUM_TIERS)
     graded_pass = passed & groups.expand(keep & graded & ok)
     n_graded_pass = jnp.maximum(count(graded_pass), 1.0)
     metrics = {
@@ -221,16 +281,6 @@ def gagar_advantages(
         "credit/ratio": credit.ratio_total,
         "credit/moved": credit.moved_total,
         "credit/max_conservation_error": credit.max_conservation_error,
-        "advantages/abs_mean": jnp.sum(jnp.abs(advantages)) / jnp.maximum(n_valid, 1.0),
+        "advantages/abs_mean": jnp.sum(jnp.abs(out.advantages)) / jnp.maximum(n_valid, 1.0),
     }
-    metrics = {k: f32(v) for k, v in metrics.items()}
-    return GagarOutput(
-        advantages=advantages,
-        original=original,
-        factors=factors,
-        rewards=rewards,
-        passed=passed,
-        keep=keep,
-        applied=applied,
-        metrics=metrics,
-    )
+    return {k: f32(v) for k, v in metrics.items()}

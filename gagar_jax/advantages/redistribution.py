@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -28,12 +29,15 @@ from gagar_jax.advantages import _layout
 
 Array = jax.Array
 
-MODES = ("sum_preserving", "discount_only", "none")
+# The redistribution modes of the kernels (training modes are
+# `gagar_jax.train.run_config.TRAINING_MODES`); `MODES` is the backward-compatible alias.
+REDISTRIBUTION_MODES = ("sum_preserving", "discount_only", "none")
+MODES = REDISTRIBUTION_MODES
 
 
 def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if mode not in REDISTRIBUTION_MODES:
+        raise ValueError(f"mode: expected one of {REDISTRIBUTION_MODES}, got {mode!r}")
     return mode
 
 
@@ -51,6 +55,7 @@ def _prepare(advantages, passed, valid, group_ids, num_groups, name="advantages"
     valid = _layout.check_bool("valid", valid)
     groups.check("passed", passed)
     groups.check("valid", valid)
+    chex.assert_equal_shape([advantages, passed, valid])
     advantages = jnp.where(valid, advantages, 0.0)
     return _Prepared(groups, advantages, passed & valid, valid)
 
@@ -65,12 +70,18 @@ def redistribute(
     group_ids: Array | None = None,
     num_groups: int | None = None,
 ) -> Array:
-    """Reweights the passing set's advantages by quality factors (see module docstring).
+    """Reweights the passing set's advantages by quality factors.
 
-    Modes:
-      "sum_preserving": Gagar, `A*_i = lambda f_i A_i` on the passing set.
-      "discount_only": the ablation, `A*_i = f_i A_i` on the passing set.
-      "none": the original advantages (plain GRPO / Dr. GRPO).
+    Per group, with `P` its passing valid rollouts:
+
+      "sum_preserving" (Gagar, Dong et al. 2026 eq. 2-4):
+          A*_i = lambda f_i A_i  (i in P),   lambda = sum_{j in P} A_j / sum_{j in P} f_j A_j,
+          A*_i = A_i             (i not in P),
+        so `sum_P A* = sum_P A` (positive credit kept), the failed side is unchanged and
+        `A*_i / A*_j = f_i / f_j` for equal `A_i = A_j`.
+      "discount_only" (the ablation): `A*_i = f_i A_i` on P; the positive total shrinks by
+        `sum_P (1 - f_i) A_i` while the negative side stays.
+      "none": `A*_i = A_i` (plain GRPO / Dr. GRPO).
 
     A group is returned unchanged, exactly, by "sum_preserving" when the redistribution is
     undefined or the identity: fewer than two passing rollouts, all passing factors equal, or a
@@ -78,13 +89,14 @@ def redistribute(
     `lambda` could be unbounded; with every passing `A_i > 0`, `1 <= lambda <= 1 / min f`).
 
     Args:
-      advantages: [G, K] (or [N]) float, the original advantages (e.g. `mean_centered`).
+      advantages: [G, K] (or [N]) float32, the original advantages (e.g. `mean_centered`).
       passed: [G, K] (or [N]) bool, the passing set (after the cheat penalty).
-      factors: [G, K] (or [N]) float in (0, 1], quality factors (`discount_factors`); values
-        on non-passing slots are ignored.
+      factors: [G, K] (or [N]) float32 in (0, 1], quality factors (`discount_factors`);
+        values on non-passing slots are ignored.
       valid: [G, K] (or [N]) bool, which slots hold a rollout.
-      mode: one of `MODES`.
-      group_ids, num_groups: the flat layout (see `estimators.group_stats`).
+      mode: one of `REDISTRIBUTION_MODES`.
+      group_ids: flat layout only, int32 [N] group ids in [0, num_groups).
+      num_groups: flat layout only, static Python int G.
 
     Returns:
       [G, K] (or [N]) float32 redistributed advantages, 0 on invalid slots.
@@ -97,13 +109,17 @@ def redistribute(
         f_p = jnp.where(p.passed, factors, 1.0)
         if not bool(jnp.all((f_p > 0) & (f_p <= 1))):
             raise ValueError("factors: expected values in (0, 1] on passing valid slots")
-    a = p.advantages
+    return _redistribute(p.groups, p.advantages, p.passed, factors, mode)
+
+
+def _redistribute(g: _layout.Groups, a: Array, passed: Array, factors: Array, mode: str):
+    """`redistribute` on inputs already checked (`a` zero and `passed` False off `valid`)."""
     if mode == "none":
         return a
     if mode == "discount_only":
-        return jnp.where(p.passed, factors * a, a)
+        return jnp.where(passed, factors * a, a)
 
-    g = p.groups
+    p = _Prepared(g, a, passed, None)
     n_pass = g.sum(p.passed.astype(jnp.float32))
     s_plus = g.sum(jnp.where(p.passed, a, 0.0))
     denom = g.sum(jnp.where(p.passed, factors * a, 0.0))
@@ -123,10 +139,12 @@ def broadcast_to_tokens(seq_advantages: Array, response_mask: Array) -> Array:
     token-mean loss. Inside a jitted loss this multiply fuses into its consumer, so no separate
     `[N, T]` array is materialised.
 
+    `A_{n,t} = A_n * response_mask[n, t]`.
+
     Args:
-      seq_advantages: [...] float, one advantage per sequence (e.g. [N] or [G, K]).
-      response_mask: [..., T] bool or float, 1 on tokens the policy generated, 0 on prompt,
-        observation and padding tokens.
+      seq_advantages: [N] (or [G, K]) float32, one advantage per sequence.
+      response_mask: [N, T] (or [G, K, T]) bool or float, 1 on tokens the policy generated,
+        0 on prompt, observation and padding tokens.
 
     Returns:
       [..., T] float32, `seq_advantages[..., None] * response_mask`.
@@ -173,15 +191,24 @@ def credit_balance(
 ) -> CreditBalance:
     """Positive/negative credit, their ratio, credit moved and conservation error.
 
-    For "sum_preserving", `net_change` and `conservation_error` are 0 up to float rounding and
+    Per group, with `A` before, `A*` after, `P` passing and `F` failed valid rollouts:
+
+        positive = sum_i max(A*_i, 0)        negative = sum_i min(A*_i, 0)
+        ratio    = positive / |negative|     (1 without negative credit)
+        moved    = sum_P max(A_i - A*_i, 0)  net_change = sum_P (A*_i - A_i)
+        conservation_error = max(|net_change|, max_F |A*_i - A_i|)
+
+    and the batch totals of positive, negative, moved, their ratio and the maximum error. For
+    "sum_preserving", `net_change` and `conservation_error` are 0 up to float rounding and
     `ratio` stays 1 on mixed groups; for "discount_only", `net_change < 0` and `ratio < 1`.
 
     Args:
-      before: [G, K] (or [N]) float, advantages before redistribution.
-      after: [G, K] (or [N]) float, advantages after.
+      before: [G, K] (or [N]) float32, advantages before redistribution.
+      after: [G, K] (or [N]) float32, advantages after.
       passed: [G, K] (or [N]) bool, the passing set.
       valid: [G, K] (or [N]) bool, which slots hold a rollout.
-      group_ids, num_groups: the flat layout (see `estimators.group_stats`).
+      group_ids: flat layout only, int32 [N] group ids in [0, num_groups).
+      num_groups: flat layout only, static Python int G.
 
     Returns:
       `CreditBalance`.
@@ -189,7 +216,12 @@ def credit_balance(
     p = _prepare(before, passed, valid, group_ids, num_groups, name="before")
     after = _layout.check_float("after", after)
     p.groups.check("after", after)
-    g, b = p.groups, p.advantages
+    return _credit_balance(p.groups, p.advantages, after, p.passed, p.valid)
+
+
+def _credit_balance(g: _layout.Groups, b: Array, after: Array, passed: Array, valid: Array):
+    """`credit_balance` on inputs already checked (`b` zero and `passed` False off `valid`)."""
+    p = _Prepared(g, b, passed, valid)
     a = jnp.where(p.valid, after, 0.0)
     failed = p.valid & ~p.passed
     positive = g.sum(jnp.maximum(a, 0.0))
@@ -234,10 +266,11 @@ def equivalent_rewards(
     each group's advantages sum to zero (true for every mode but "discount_only").
 
     Args:
-      rewards: [G, K] (or [N]) float, the original rewards.
-      advantages: [G, K] (or [N]) float, the target advantages.
+      rewards: [G, K] (or [N]) float32, the original rewards.
+      advantages: [G, K] (or [N]) float32, the target advantages.
       valid: [G, K] (or [N]) bool, which slots hold a rollout.
-      group_ids, num_groups: the flat layout (see `estimators.group_stats`).
+      group_ids: flat layout only, int32 [N] group ids in [0, num_groups).
+      num_groups: flat layout only, static Python int G.
 
     Returns:
       [G, K] (or [N]) float32 equivalent rewards, 0 on invalid slots.

@@ -31,3 +31,12 @@ def _python_repo(settings: FamilySettings) -> TaskFamily:
 register_family("toy", _toy)
 register_family("toy_agent", _toy_agent)
 register_family("python_repo", _python_repo)
+
+
+def _frontend(settings: FamilySettings) -> TaskFamily:
+    from gagar_jax.envs.frontend import FrontendFamily
+
+    return FrontendFamily(settings)
+
+
+register_family("frontend", _frontend)

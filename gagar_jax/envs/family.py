@@ -254,6 +254,27 @@ class TaskFamily(abc.ABC):
         default)."""
         return []
 
+    def token_spans(self, task: Any, attempt: Attempt) -> Any:
+        """Where the rollout's artefacts live in its response tokens
+        (``gagar_jax.grading.evidence_tokens.TokenSpans``), so a verdict's evidence maps to the
+        tokens that wrote it (token-level credit). Default: for an episode, trajectory event
+        ``2 i`` (turn i's action, as in ``Attempt.trajectory``) is that turn's model tokens and
+        event ``2 i + 1`` (its observation) none; single-turn rollouts map nothing (None).
+        Families whose responses are patches override this to map patch lines."""
+        del task
+        if attempt.episode is None:
+            return None
+        from gagar_jax.grading.evidence_tokens import TokenSpans
+
+        n = len(attempt.response_tokens)
+        offset = len(attempt.episode.tokens) - n  # model spans count the prompt
+        events: list[tuple[int, ...]] = []
+        for t in attempt.episode.turns:
+            lo, hi = t.model_span
+            events.append(tuple(i - offset for i in range(lo, hi) if 0 <= i - offset < n))
+            events.append(())
+        return TokenSpans(length=n, events=tuple(events))
+
 
 FAMILIES: dict[str, Callable[[FamilySettings], TaskFamily]] = {}
 

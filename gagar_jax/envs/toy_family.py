@@ -129,6 +129,13 @@ class ToyFamily(TaskFamily):
                                                 summary=m.attempt.summary()))
         return adapters.toy_workspace(task, group_id, cands)
 
+    def token_spans(self, task: toy.ToyTask, attempt: Attempt):
+        """Each line edit's response tokens and the lines of ``program.toy`` it wrote
+        (``gagar_jax.grading.evidence_tokens.toy_token_spans``)."""
+        from gagar_jax.grading import evidence_tokens
+
+        return evidence_tokens.toy_token_spans(task, attempt.response_tokens, self.tokenizer)
+
     def check_runner(self):
         from gagar_jax.grading.adapters import ToyCheckRunner
 
@@ -283,6 +290,10 @@ class ToyAgentFamily(ToyFamily):
 
     def demonstration_turns(self, task: toy.ToyTask, patch: str) -> list[str]:
         return ["read_file", f"edit\n{patch}", "run_tests", "submit"]
+
+    def token_spans(self, task: toy.ToyTask, attempt: Attempt):
+        """Episodes: the generic turn-event mapping of ``TaskFamily.token_spans``."""
+        return TaskFamily.token_spans(self, task, attempt)
 
     def demonstrations(self, num_tasks: int) -> list[Demonstration]:
         """read_file, edit (each passing non-cheat patch kind), run_tests, submit, with the

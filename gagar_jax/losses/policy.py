@@ -114,6 +114,35 @@ def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, kind: str = "k3") 
     raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {kind!r}")
 
 
+def delivered_credit(advantages: jax.Array, ratio: jax.Array, *, clip_low: float = 0.2,
+                     clip_high: float = 0.28, dual_clip: float | None = None) -> jax.Array:
+    """Per-token credit the clipped surrogate of :func:`policy_loss` actually delivers.
+
+    The negative gradient of ``l`` with respect to ``log pi(y_t)`` is ``A_t r_t`` where the
+    unclipped branch is active and 0 where the clip (or the dual clip) holds the loss constant:
+
+    - ``A > 0``: active iff ``r <= 1 + eps_high``;
+    - ``A < 0``: active iff ``r >= 1 - eps_low`` and, with a dual clip ``c``, ``r <= c``.
+
+    So ``delivered = A r [active]`` (0 where ``A = 0``). At ``r = 1`` (the first, on-policy
+    step) nothing is clipped and ``delivered = A``. Clipping acts per token: a token-level
+    redistribution that conserves ``sum_t A_t`` need not conserve ``sum_t delivered_t``.
+
+    Args:
+      advantages: [B, T] (or broadcastable) float32 token advantages.
+      ratio: [B, T] float32 importance ratios ``pi / pi_old`` (no gradient is taken).
+      clip_low, clip_high, dual_clip: as in :func:`policy_loss`.
+    Returns:
+      [B, T] float32.
+    """
+    a = jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32))
+    r = jax.lax.stop_gradient(jnp.asarray(ratio, jnp.float32))
+    active = jnp.where(a > 0, r <= 1.0 + clip_high, r >= 1.0 - clip_low)
+    if dual_clip is not None:
+        active = active & ~((a < 0) & (r > dual_clip))
+    return jnp.where(active, a * r, 0.0)
+
+
 class PolicyLossTerms(NamedTuple):
     loss: jax.Array            # [] total loss (pg + kl_coef * kl - entropy_coef * entropy)
     pg_loss: jax.Array         # [] aggregated clipped policy-gradient loss

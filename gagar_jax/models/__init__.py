@@ -1,4 +1,4 @@
-"""Policy models: a Qwen2/Llama-compatible decoder in Flax NNX, safetensors I/O, sharding."""
+"""Policy models: a Qwen2/Qwen3/Qwen3-MoE/Llama decoder in Flax NNX, safetensors I/O, sharding."""
 
 from gagar_jax.models.hf import (
     from_hf_tensors,
@@ -15,7 +15,18 @@ from gagar_jax.models.sharding import (
     param_shardings,
     param_specs,
 )
-from gagar_jax.models.transformer import Cache, Transformer, TransformerConfig, create_model, rope
+from gagar_jax.models.transformer import (
+    REMAT_POLICIES,
+    Cache,
+    Transformer,
+    TransformerConfig,
+    create_model,
+    rope,
+    rope_inv_freq,
+    router_metrics,
+    stack_layer_params,
+    unstack_layer_params,
+)
 
 __all__ = [
     "BATCH_AXES",
@@ -34,4 +45,9 @@ __all__ = [
     "param_shardings",
     "param_specs",
     "rope",
+    "rope_inv_freq",
+    "router_metrics",
+    "stack_layer_params",
+    "unstack_layer_params",
+    "REMAT_POLICIES",
 ]

@@ -1,4 +1,4 @@
-"""Safetensors import/export under Hugging Face Qwen2/Llama parameter names, plus ``config.json``.
+"""Safetensors import/export under Hugging Face Qwen2/Qwen3/Qwen3-MoE/Llama names + ``config.json``.
 
 A directory written by :func:`save_hf_safetensors` loads with
 ``transformers.AutoModelForCausalLM.from_pretrained`` and serves with SGLang; a Hugging Face
@@ -14,8 +14,13 @@ layers.i.self_attn.q_proj [E, N, D]   model.layers.i.self_attn.q_proj.weight [N*
 layers.i.self_attn.q_bias [N, D]      model.layers.i.self_attn.q_proj.bias [N*D]       reshape
 layers.i.self_attn.o_proj [N, D, E]   model.layers.i.self_attn.o_proj.weight [E, N*D]  reshape, T
 layers.i.mlp.gate_proj [E, F]         model.layers.i.mlp.gate_proj.weight [F, E]       T
+layers.i.self_attn.q_norm.weight [D]  model.layers.i.self_attn.q_norm.weight [D]       identity
+layers.i.mlp.router [E, X]            model.layers.i.mlp.gate.weight [X, E]            T
+layers.i.mlp.gate_proj [X, E, F]      model.layers.i.mlp.experts.j.gate_proj.weight    [j], T
 lm_head [E, V]                        lm_head.weight [V, E] (absent when tied)         T
 ====================================  ==============================================  ============
+
+(``scan_layers`` models hold ``layers.*`` stacked ``[L, ...]``; they are unstacked on export.)
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from gagar_jax.models.transformer import Transformer, TransformerConfig
+from gagar_jax.models.transformer import (
+    Transformer,
+    TransformerConfig,
+    stack_layer_params,
+    unstack_layer_params,
+)
 
 
 def _np(x) -> np.ndarray:
@@ -36,20 +46,27 @@ def _np(x) -> np.ndarray:
 
 
 def to_hf_tensors(params: dict, config: TransformerConfig) -> dict[str, np.ndarray]:
-    """Our pure-dict parameters (``nnx.state(model, nnx.Param).to_pure_dict()``) -> HF tensors."""
+    """Our pure-dict parameters (``nnx.state(model, nnx.Param).to_pure_dict()``) -> HF tensors.
+
+    Accepts both layer layouts (per-layer ``layers.{i}`` and scan-stacked ``layers``). MoE
+    experts are written under the Hugging Face hub names (``mlp.experts.{j}.gate_proj.weight``,
+    ``mlp.gate.weight``), which ``transformers`` and SGLang load.
+    """
     return dict(iter_hf_tensors(params, config))
 
 
 def iter_hf_tensors(params: dict, config: TransformerConfig, *, fetch=None):
-    """``(Hugging Face name, array)`` one tensor at a time, in a fixed order.
+    """``(Hugging Face name, array)`` one tensor at a time, in a fixed order (see
+    :func:`to_hf_tensors`).
 
     ``fetch(x)`` turns one parameter leaf into a host NumPy array (default: ``device_get``);
-    it is called for one leaf per yielded tensor, just before that tensor is yielded, so a
-    caller that drops each tensor after use holds one on the host at a time (see
-    :func:`save_hf_safetensors_streaming`).
+    it is called for one leaf at a time, just before its tensors are yielded, so a caller that
+    drops each tensor after use holds one on the host at a time (an MoE layer's stacked expert
+    weights: one stacked leaf), see :func:`save_hf_safetensors_streaming`.
     """
     c = config
     get = fetch or _np
+    params = unstack_layer_params(params)
 
     def one(name, leaf, transform=lambda w: w):
         return name, np.ascontiguousarray(transform(get(leaf)))
@@ -63,18 +80,42 @@ def iter_hf_tensors(params: dict, config: TransformerConfig, *, fetch=None):
         pre = f"model.layers.{i}."
         attn, mlp = layer["self_attn"], layer["mlp"]
         yield one(pre + "input_layernorm.weight", layer["input_layernorm"]["weight"])
-        yield one(pre + "post_attention_layernorm.weight",
-                  layer["post_attention_layernorm"]["weight"])
+        yield one(
+            pre + "post_attention_layernorm.weight", layer["post_attention_layernorm"]["weight"]
+        )
         for name in ("q", "k", "v"):  # [E, heads, D] -> [heads * D, E]
-            yield one(pre + f"self_attn.{name}_proj.weight", attn[f"{name}_proj"],
-                      lambda w: w.reshape(w.shape[0], -1).T)
+            yield one(
+                pre + f"self_attn.{name}_proj.weight",
+                attn[f"{name}_proj"],
+                lambda w: w.reshape(w.shape[0], -1).T,
+            )
             if c.qkv_bias:
-                yield one(pre + f"self_attn.{name}_proj.bias", attn[f"{name}_bias"],
-                          lambda w: w.reshape(-1))
-        yield one(pre + "self_attn.o_proj.weight", attn["o_proj"],  # [N, D, E] -> [E, N * D]
-                  lambda w: w.reshape(-1, w.shape[-1]).T)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            yield one(pre + f"mlp.{name}.weight", mlp[name], lambda w: w.T)
+                yield one(
+                    pre + f"self_attn.{name}_proj.bias",
+                    attn[f"{name}_bias"],
+                    lambda w: w.reshape(-1),
+                )
+        if c.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                yield one(pre + f"self_attn.{name}.weight", attn[name]["weight"])
+        yield one(
+            pre + "self_attn.o_proj.weight",
+            attn["o_proj"],  # [N, D, E] -> [E, N * D]
+            lambda w: w.reshape(-1, w.shape[-1]).T,
+        )
+        if c.num_experts:
+            yield one(pre + "mlp.gate.weight", mlp["router"], lambda w: w.T)  # [X, E]
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                stacked = get(mlp[name])
+                for j in range(c.num_experts):
+                    yield (
+                        pre + f"mlp.experts.{j}.{name}.weight",
+                        np.ascontiguousarray(stacked[j].T),
+                    )
+                del stacked
+        else:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                yield one(pre + f"mlp.{name}.weight", mlp[name], lambda w: w.T)
 
 
 _GATHERS: dict = {}
@@ -99,9 +140,15 @@ def gather_to_host(x) -> np.ndarray:
     return out
 
 
-def save_hf_safetensors_streaming(params: dict, config: TransformerConfig, directory: str, *,
-                                  dtype: str | None = None, writer: bool | None = None,
-                                  max_shard_bytes: int = 1 << 30) -> str:
+def save_hf_safetensors_streaming(
+    params: dict,
+    config: TransformerConfig,
+    directory: str,
+    *,
+    dtype: str | None = None,
+    writer: bool | None = None,
+    max_shard_bytes: int = 1 << 30,
+) -> str:
     """:func:`save_hf_safetensors` for sharded (multi-host) parameters, one tensor at a time.
 
     Every process calls it with the same ``params`` (global ``jax.Array`` leaves, sharded any
@@ -129,8 +176,11 @@ def save_hf_safetensors_streaming(params: dict, config: TransformerConfig, direc
         nonlocal pending, size
         if pending:
             if writer:
-                save_file(pending, os.path.join(directory, f".shard-{len(shards):05d}"),
-                          metadata={"format": "pt"})
+                save_file(
+                    pending,
+                    os.path.join(directory, f".shard-{len(shards):05d}"),
+                    metadata={"format": "pt"},
+                )
             shards.append(list(pending))
             pending, size = {}, 0
 
@@ -162,6 +212,9 @@ def save_hf_safetensors_streaming(params: dict, config: TransformerConfig, direc
 def from_hf_tensors(tensors: dict[str, np.ndarray], config: TransformerConfig) -> dict:
     """HF tensors -> our pure-dict parameters (numpy, cast to ``config.param_dtype``).
 
+    The layer layout follows ``config.scan_layers``. MoE experts are read from the hub names
+    (``mlp.experts.{j}.gate_proj.weight``) or from the fused ``transformers`` 5 layout
+    (``mlp.experts.gate_up_proj [X, 2F, E]``, ``mlp.experts.down_proj [X, E, F]``).
     Raises a ``ValueError`` naming the tensor when one is missing or has the wrong shape.
     """
     c = config
@@ -170,17 +223,26 @@ def from_hf_tensors(tensors: dict[str, np.ndarray], config: TransformerConfig) -
     def get(name, shape):
         if name not in tensors:
             raise ValueError(
-                f"safetensors checkpoint lacks tensor {name!r} (expected shape {shape})")
+                f"safetensors checkpoint lacks tensor {name!r} (expected shape {shape})"
+            )
         x = np.asarray(tensors[name])
         if tuple(x.shape) != tuple(shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(x.shape)}, expected {tuple(shape)}")
         return x.astype(dtype)
 
-    e, n, kv, d, f, v = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                         c.intermediate_size, c.vocab_size)
-    params = {"embed_tokens": get("model.embed_tokens.weight", (v, e)),
-              "norm": {"weight": get("model.norm.weight", (e,))},
-              "layers": {}}
+    e, n, kv, d, f, v = (
+        c.hidden_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.intermediate_size,
+        c.vocab_size,
+    )
+    params = {
+        "embed_tokens": get("model.embed_tokens.weight", (v, e)),
+        "norm": {"weight": get("model.norm.weight", (e,))},
+        "layers": {},
+    }
     if not c.tie_embeddings:
         params["lm_head"] = get("lm_head.weight", (v, e)).T
     for i in range(c.num_layers):
@@ -190,31 +252,63 @@ def from_hf_tensors(tensors: dict[str, np.ndarray], config: TransformerConfig) -
             w = get(pre + f"self_attn.{name}_proj.weight", (heads * d, e))
             attn[f"{name}_proj"] = w.T.reshape(e, heads, d)
             if c.qkv_bias:
-                attn[f"{name}_bias"] = get(pre + f"self_attn.{name}_proj.bias",
-                                           (heads * d,)).reshape(heads, d)
+                attn[f"{name}_bias"] = get(
+                    pre + f"self_attn.{name}_proj.bias", (heads * d,)
+                ).reshape(heads, d)
+        if c.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                attn[name] = {"weight": get(pre + f"self_attn.{name}.weight", (d,))}
         attn["o_proj"] = get(pre + "self_attn.o_proj.weight", (e, n * d)).T.reshape(n, d, e)
+        if c.num_experts:
+            x, fm = c.num_experts, c.moe_intermediate_size
+            mlp = {"router": get(pre + "mlp.gate.weight", (x, e)).T}
+            fused = pre + "mlp.experts.gate_up_proj"
+            if fused in tensors:
+                gate_up = get(fused, (x, 2 * fm, e))  # [X, 2F, E]: gate rows then up rows
+                mlp["gate_proj"] = np.swapaxes(gate_up[:, :fm], 1, 2)
+                mlp["up_proj"] = np.swapaxes(gate_up[:, fm:], 1, 2)
+                mlp["down_proj"] = np.swapaxes(get(pre + "mlp.experts.down_proj", (x, e, fm)), 1, 2)
+            else:
+                ex = pre + "mlp.experts.{}.{}.weight"
+                for name, shape in (
+                    ("gate_proj", (fm, e)),
+                    ("up_proj", (fm, e)),
+                    ("down_proj", (e, fm)),
+                ):
+                    mlp[name] = np.stack([get(ex.format(j, name), shape).T for j in range(x)])
+        else:
+            mlp = {
+                "gate_proj": get(pre + "mlp.gate_proj.weight", (f, e)).T,
+                "up_proj": get(pre + "mlp.up_proj.weight", (f, e)).T,
+                "down_proj": get(pre + "mlp.down_proj.weight", (e, f)).T,
+            }
         params["layers"][i] = {
             "input_layernorm": {"weight": get(pre + "input_layernorm.weight", (e,))},
             "post_attention_layernorm": {
-                "weight": get(pre + "post_attention_layernorm.weight", (e,))},
+                "weight": get(pre + "post_attention_layernorm.weight", (e,))
+            },
             "self_attn": attn,
-            "mlp": {"gate_proj": get(pre + "mlp.gate_proj.weight", (f, e)).T,
-                    "up_proj": get(pre + "mlp.up_proj.weight", (f, e)).T,
-                    "down_proj": get(pre + "mlp.down_proj.weight", (e, f)).T},
+            "mlp": mlp,
         }
-    return jax.tree.map(np.ascontiguousarray, params)
+    params = jax.tree.map(np.ascontiguousarray, params)
+    return stack_layer_params(params) if c.scan_layers else params
 
 
 def model_from_params(config: TransformerConfig, params: dict) -> Transformer:
-    """A :class:`Transformer` holding ``params`` (pure dict), without running the initialisers."""
+    """A :class:`Transformer` holding ``params`` (pure dict), without running the initialisers.
+
+    ``params`` may be in either layer layout; it is converted to ``config.scan_layers``'.
+    """
+    params = stack_layer_params(params) if config.scan_layers else unstack_layer_params(params)
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, params))
     return nnx.merge(graphdef, state)
 
 
-def save_hf_safetensors(model_or_params, config: TransformerConfig, directory: str, *,
-                        dtype: str | None = None) -> str:
+def save_hf_safetensors(
+    model_or_params, config: TransformerConfig, directory: str, *, dtype: str | None = None
+) -> str:
     """Writes ``model.safetensors`` and ``config.json`` to ``directory``; returns the directory.
 
     Args:
@@ -238,8 +332,9 @@ def save_hf_safetensors(model_or_params, config: TransformerConfig, directory: s
     return directory
 
 
-def load_hf_safetensors(directory: str,
-                        **config_overrides) -> tuple[TransformerConfig, Transformer]:
+def load_hf_safetensors(
+    directory: str, **config_overrides
+) -> tuple[TransformerConfig, Transformer]:
     """Loads ``config.json`` and every ``*.safetensors`` shard in ``directory``.
 
     ``config_overrides`` replace config fields (e.g. ``dtype="bfloat16"``, ``remat=True``).

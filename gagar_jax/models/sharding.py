@@ -4,6 +4,10 @@ Every parameter of :class:`~gagar_jax.models.Transformer` carries ``logical_axes
 (``("embed", "heads", "head_dim")`` ...). :data:`LOGICAL_RULES` maps each logical name to a mesh
 axis of the ``('data', 'fsdp', 'tensor')`` mesh (four rules, lm1b-style): the embedding dimension
 is split over ``fsdp`` (ZeRO-3 style parameter sharding), heads / MLP / vocabulary over ``tensor``.
+Mixture-of-experts kernels ``[expert, embed, mlp]`` put the expert dimension on ``tensor``
+(expert parallelism on the tensor-parallel devices; the expert's own ``mlp`` dimension is then
+replicated since a mesh axis is used once per leaf) and ``embed`` on ``fsdp``. The stacked layer
+dimension of ``scan_layers`` models (logical ``"layers"``) is never sharded.
 A mesh axis that does not divide a dimension is dropped for that leaf (replicated), so tiny test
 configs run on any mesh; :func:`param_specs` reports exactly what each leaf gets.
 """
@@ -24,14 +28,17 @@ LOGICAL_RULES: Mapping[str, str | None] = {
     "mlp": "tensor",
     "head_dim": None,
     "norm": None,
+    "expert": "tensor",
+    "layers": None,
 }
 
 # Activations: the batch dimension is split over every data-parallel axis.
 BATCH_AXES = ("data", "fsdp")
 
 
-def logical_to_spec(axes, shape, mesh: jax.sharding.Mesh,
-                    rules: Mapping[str, str | None] = LOGICAL_RULES) -> PartitionSpec:
+def logical_to_spec(
+    axes, shape, mesh: jax.sharding.Mesh, rules: Mapping[str, str | None] = LOGICAL_RULES
+) -> PartitionSpec:
     """PartitionSpec for one leaf with logical ``axes`` and ``shape`` on ``mesh``."""
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {axes} do not match shape {shape}")
@@ -40,8 +47,12 @@ def logical_to_spec(axes, shape, mesh: jax.sharding.Mesh,
         if name not in rules:
             raise ValueError(f"no sharding rule for logical axis {name!r}; known: {sorted(rules)}")
         mesh_axis = rules[name]
-        if (mesh_axis is None or mesh_axis in used or mesh_axis not in mesh.shape
-                or dim % mesh.shape[mesh_axis]):
+        if (
+            mesh_axis is None
+            or mesh_axis in used
+            or mesh_axis not in mesh.shape
+            or dim % mesh.shape[mesh_axis]
+        ):
             spec.append(None)
         else:
             spec.append(mesh_axis)
@@ -61,5 +72,8 @@ def param_specs(abstract_state: nnx.State, mesh, rules=LOGICAL_RULES):
 
 def param_shardings(abstract_state: nnx.State, mesh, rules=LOGICAL_RULES):
     """Pure-dict tree of NamedShardings for an (abstract) ``nnx.State`` of Params."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(abstract_state, mesh, rules),
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        param_specs(abstract_state, mesh, rules),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )

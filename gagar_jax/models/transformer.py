@@ -1,20 +1,43 @@
-"""Decoder-only transformer policy in Flax NNX, compatible with the Qwen2 / Llama family.
+"""Decoder-only transformer policy in Flax NNX: Qwen2, Qwen3, Qwen3-MoE and Llama 3.x.
 
-Architecture (pre-norm, as in Hugging Face ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``)::
+Architecture (pre-norm, as in Hugging Face ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` /
+``Qwen3MoeForCausalLM`` / ``LlamaForCausalLM``)::
 
     h = embed(tokens)
     for each layer:
-        h = h + o_proj(attention(rope(q_proj(rms(h))), rope(k_proj(rms(h))), v_proj(rms(h))))
-        h = h + down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))
+        q, k, v = q_proj(rms(h)), k_proj(rms(h)), v_proj(rms(h))      # + bias (Qwen2)
+        q, k = q_norm(q), k_norm(k)                                    # per-head RMSNorm (Qwen3)
+        h = h + o_proj(attention(rope(q), rope(k), v))                 # llama3 rope scaling
+        h = h + mlp(rms(h))          # SwiGLU, or the top-k routed mixture of SwiGLU experts
     logits = lm_head(rms(h))            # or embed^T when embeddings are tied
 
 - RMSNorm and the attention softmax are computed in float32 whatever the compute dtype; logits
   are float32 (matmul with ``preferred_element_type=float32``).
 - Rotary embeddings use the "rotate half" convention of Hugging Face, driven by explicit
-  ``positions`` so left padding and packed sequences work.
+  ``positions`` so left padding and packed sequences work; ``rope_llama3_scaling`` applies the
+  Llama 3.x frequency scaling (``rope_scaling.rope_type == "llama3"``).
 - Grouped-query attention: ``num_heads`` query heads share ``num_kv_heads`` key/value heads.
 - Kernels are stored head-split (``q: [embed, heads, head_dim]``) so heads can be sharded on the
   ``tensor`` mesh axis; every parameter carries ``logical_axes`` metadata (see ``sharding.py``).
+- Mixture of experts (``num_experts > 0``, Qwen3-MoE): a linear router gives softmax
+  probabilities over experts, each token goes to its ``num_experts_per_tok`` most likely
+  experts with those probabilities as weights (renormalised over the chosen ones when
+  ``norm_topk_prob``). Expert kernels are stacked ``[experts, ...]`` with logical axis
+  ``"expert"`` (sharded on the ``tensor`` mesh axis). Every expert runs on every token and the
+  combine weights are zero off the top-k (exact, and shardable by GSPMD; the compute is
+  ``num_experts / num_experts_per_tok`` times a dispatching kernel's: fine for the small models
+  this framework tests, a dispatch kernel is future work). Router statistics and the
+  Switch-Transformer load-balancing loss come back with ``return_aux=True``.
+
+Layer layouts. ``scan_layers=False`` (default): ``layers`` is an ``nnx.List`` of blocks, pure-dict
+parameters ``layers.{i}.self_attn.q_proj``. ``scan_layers=True``: one block whose parameters are
+stacked ``[num_layers, ...]`` (logical axis ``"layers"``, never sharded), run by ``lax.scan`` so
+the compiled program (and its compile time) does not grow with depth; pure-dict parameters
+``layers.self_attn.q_proj [L, E, N, D]``. ``gagar_jax.models.hf`` reads and writes both, and
+:func:`stack_layer_params` / :func:`unstack_layer_params` convert between them. ``remat`` wraps
+each layer in ``jax.checkpoint`` with ``remat_policy`` (``"full"``: save nothing; ``"dots"``:
+save matmul outputs; ``"dots_no_batch"``: save matmuls without batch dimensions, i.e. weights'
+products).
 
 Causal masking is by slot index (query slot ``t`` sees key slots ``s <= t``) combined with an
 ``attention_mask`` over keys; RoPE uses ``positions``. A fully masked query row (a padding token)
@@ -22,19 +45,25 @@ attends uniformly instead of producing NaN: masked scores are a large finite neg
 
 Decoding: ``init_cache(batch, max_len)`` returns a :class:`Cache`; ``decode`` writes ``T`` new
 tokens at ``cache.index`` (prefill when ``T > 1``, one step when ``T == 1``) and returns the
-logits of those tokens, equal to the full forward's logits at the same slots.
+logits of those tokens, equal to the full forward's logits at the same slots. The new keys and
+values are written into the ``[L, B, S, KV, D]`` cache buffers in place
+(``dynamic_update_slice`` at ``(layer, 0, index)``), never re-stacked, so a decode step inside a
+``while_loop`` moves one token's worth of cache, not the whole cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 _MASK_VALUE = -1e30  # finite: a fully masked row softmaxes to uniform, not NaN.
+REMAT_POLICIES = ("full", "dots", "dots_no_batch")
 
 
 def _dtype(name: Any) -> jnp.dtype:
@@ -47,6 +76,10 @@ class TransformerConfig:
 
     ``dtype`` is the compute dtype (``"float32"`` or ``"bfloat16"``), ``param_dtype`` the storage
     dtype of parameters. ``head_dim`` defaults to ``hidden_size // num_heads``.
+    ``rope_llama3_scaling`` is ``(factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings)`` of a Llama 3.x ``rope_scaling`` (None: plain RoPE).
+    ``num_experts > 0`` makes every MLP a Qwen3-MoE mixture of ``num_experts`` SwiGLU experts of
+    width ``moe_intermediate_size`` with top-``num_experts_per_tok`` routing.
     """
 
     vocab_size: int
@@ -64,10 +97,26 @@ class TransformerConfig:
     param_dtype: str = "float32"
     remat: bool = False
     initializer_range: float = 0.02
+    qk_norm: bool = False
+    rope_llama3_scaling: tuple[float, float, float, int] | None = None
+    max_position_embeddings: int = 32768
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    scan_layers: bool = False
+    remat_policy: str = "full"
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "intermediate_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}")
@@ -75,21 +124,58 @@ class TransformerConfig:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
                     f"TransformerConfig.hidden_size ({self.hidden_size}) must be divisible by "
-                    f"num_heads ({self.num_heads}) when head_dim is not given")
+                    f"num_heads ({self.num_heads}) when head_dim is not given"
+                )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim % 2:
             raise ValueError(
-                f"TransformerConfig.head_dim must be even for RoPE, got {self.head_dim}")
+                f"TransformerConfig.head_dim must be even for RoPE, got {self.head_dim}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})")
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
         for name in ("dtype", "param_dtype"):
             value = str(jnp.dtype(getattr(self, name)))
             if value not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"TransformerConfig.{name} must be float32/bfloat16/float16, "
-                                 f"got {value}")
+                raise ValueError(
+                    f"TransformerConfig.{name} must be float32/bfloat16/float16, got {value}"
+                )
             object.__setattr__(self, name, value)
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"TransformerConfig.remat_policy must be one of {REMAT_POLICIES}, "
+                f"got {self.remat_policy!r}"
+            )
+        if self.rope_llama3_scaling is not None:
+            s = tuple(self.rope_llama3_scaling)
+            if len(s) != 4 or s[0] <= 0 or s[1] <= 0 or s[2] <= s[1] or s[3] <= 0:
+                raise ValueError(
+                    "TransformerConfig.rope_llama3_scaling must be (factor > 0, "
+                    "low_freq_factor > 0, high_freq_factor > low_freq_factor, "
+                    f"original_max_position_embeddings > 0), got {self.rope_llama3_scaling}"
+                )
+            object.__setattr__(
+                self, "rope_llama3_scaling", (float(s[0]), float(s[1]), float(s[2]), int(s[3]))
+            )
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(
+                f"TransformerConfig.num_experts must be an int >= 0, got {self.num_experts!r}"
+            )
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"TransformerConfig.num_experts_per_tok must be in [1, num_experts="
+                    f"{self.num_experts}], got {self.num_experts_per_tok}"
+                )
+            if self.moe_intermediate_size is None:
+                object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(
+                    "TransformerConfig.moe_intermediate_size must be positive, "
+                    f"got {self.moe_intermediate_size}"
+                )
 
     @property
     def num_params(self) -> int:
@@ -98,38 +184,112 @@ class TransformerConfig:
         attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * h * f + 2 * h
+        if self.qk_norm:
+            attn += 2 * d
+        if self.num_experts:
+            mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)
+        else:
+            mlp = 3 * h * f
+        layer = attn + mlp + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * layer + emb + h
+
+    @property
+    def architecture(self) -> str:
+        """``"qwen3_moe"``, ``"qwen3"``, ``"qwen2"`` or ``"llama"`` (the HF ``model_type``)."""
+        if self.num_experts:
+            return "qwen3_moe"
+        if self.qk_norm:
+            return "qwen3"
+        return "qwen2" if self.qkv_bias else "llama"
 
     # -- Hugging Face config.json ------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: dict, **overrides) -> TransformerConfig:
-        """Builds a config from a Hugging Face ``config.json`` dict (Qwen2 or Llama)."""
+        """Builds a config from a Hugging Face ``config.json`` dict.
+
+        Supported ``model_type``: ``qwen2``, ``qwen3``, ``qwen3_moe``, ``llama`` (Llama 2/3.x,
+        ``rope_scaling`` of type ``llama3``). Anything this model does not implement raises
+        ``NotImplementedError`` naming the config field.
+        """
         model_type = hf.get("model_type", "qwen2")
-        if model_type not in ("qwen2", "llama"):
+        if model_type not in ("qwen2", "llama", "qwen3", "qwen3_moe"):
             raise ValueError(
-                f"config.json model_type must be 'qwen2' or 'llama', got {model_type!r}")
-        rope_scaling = hf.get("rope_scaling")
+                "config.json model_type must be 'qwen2', 'qwen3', 'qwen3_moe' or "
+                f"'llama', got {model_type!r}"
+            )
+        rope_scaling = hf.get("rope_scaling") or None
         rope_params = hf.get("rope_parameters") or {}
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
-            raise NotImplementedError(f"config.json rope_scaling={rope_scaling} is not supported")
-        if rope_params.get("rope_type", "default") != "default":
-            raise NotImplementedError(f"config.json rope_parameters={rope_params} is not supported")
+        llama3 = None
+        for field, spec in (("rope_scaling", rope_scaling), ("rope_parameters", rope_params)):
+            if not spec:
+                continue
+            kind = spec.get("rope_type", spec.get("type", "default"))
+            if kind == "default":
+                continue
+            if kind != "llama3" or model_type != "llama":
+                raise NotImplementedError(
+                    f"config.json {field}={spec} is not supported (only rope_type 'default', "
+                    "and 'llama3' for model_type 'llama')"
+                )
+            try:
+                llama3 = (
+                    float(spec["factor"]),
+                    float(spec["low_freq_factor"]),
+                    float(spec["high_freq_factor"]),
+                    int(spec["original_max_position_embeddings"]),
+                )
+            except KeyError as e:
+                raise ValueError(f"config.json {field} of rope_type llama3 lacks {e}") from e
         if hf.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(
-                f"config.json hidden_act must be 'silu', got {hf['hidden_act']}")
+                f"config.json hidden_act must be 'silu', got {hf['hidden_act']}"
+            )
         if hf.get("use_sliding_window", False):
             raise NotImplementedError("config.json use_sliding_window=true is not supported")
+        layer_types = hf.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise NotImplementedError(
+                "config.json layer_types must all be 'full_attention', got "
+                f"{sorted(set(layer_types))}"
+            )
+        moe = {}
         if model_type == "qwen2":
-            qkv_bias = True
+            qkv_bias, qk_norm = True, False
+        elif model_type == "llama":
+            if hf.get("attention_bias", False):
+                raise NotImplementedError(
+                    "Llama attention_bias=true (biased o_proj) is not supported"
+                )
+            if hf.get("mlp_bias", False):
+                raise NotImplementedError("Llama mlp_bias=true is not supported")
+            qkv_bias, qk_norm = False, False
         else:
             if hf.get("attention_bias", False):
                 raise NotImplementedError(
-                    "Llama attention_bias=true (biased o_proj) is not supported")
-            if hf.get("mlp_bias", False):
-                raise NotImplementedError("Llama mlp_bias=true is not supported")
-            qkv_bias = False
+                    f"{model_type} attention_bias=true (biased q/k/v/o_proj) is not supported"
+                )
+            qkv_bias, qk_norm = False, True
+            if model_type == "qwen3_moe":
+                if int(hf.get("decoder_sparse_step", 1)) != 1:
+                    raise NotImplementedError(
+                        "qwen3_moe decoder_sparse_step != 1 (dense layers between MoE layers) is "
+                        f"not supported, got {hf['decoder_sparse_step']}"
+                    )
+                if hf.get("mlp_only_layers"):
+                    raise NotImplementedError(
+                        "qwen3_moe mlp_only_layers (dense layers) is not supported, got "
+                        f"{hf['mlp_only_layers']}"
+                    )
+                experts = hf.get("num_experts", hf.get("num_local_experts"))
+                if not experts:
+                    raise ValueError("qwen3_moe config.json lacks num_experts")
+                moe = dict(
+                    num_experts=int(experts),
+                    num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                )
         num_heads = hf["num_attention_heads"]
         kwargs = dict(
             vocab_size=hf["vocab_size"],
@@ -142,14 +302,18 @@ class TransformerConfig:
             rope_theta=float(rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            rope_llama3_scaling=llama3,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             initializer_range=float(hf.get("initializer_range", 0.02)),
+            **moe,
         )
         kwargs.update(overrides)
         return cls(**kwargs)
 
-    def to_hf(self, *, max_position_embeddings: int = 32768) -> dict:
-        """The Hugging Face ``config.json`` dict (Qwen2 when ``qkv_bias``, else Llama)."""
+    def to_hf(self, *, max_position_embeddings: int | None = None) -> dict:
+        """The Hugging Face ``config.json`` dict of :attr:`architecture`."""
         common = dict(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -159,35 +323,97 @@ class TransformerConfig:
             num_key_value_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             hidden_act="silu",
-            max_position_embeddings=max_position_embeddings,
+            max_position_embeddings=max_position_embeddings or self.max_position_embeddings,
             rope_theta=self.rope_theta,
             rms_norm_eps=self.rms_norm_eps,
             tie_word_embeddings=self.tie_embeddings,
             initializer_range=self.initializer_range,
             torch_dtype=self.param_dtype,
             use_cache=True,
+            attention_dropout=0.0,
         )
-        if self.qkv_bias:
+        arch = self.architecture
+        if arch in ("qwen3", "qwen3_moe"):
+            if self.qkv_bias:
+                raise ValueError("Qwen3 has no q/k/v bias: set qkv_bias=False with qk_norm=True")
+            out = dict(
+                attention_bias=False,
+                use_sliding_window=False,
+                sliding_window=None,
+                max_window_layers=self.num_layers,
+                **common,
+            )
+            if arch == "qwen3":
+                return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **out)
+            if not self.qk_norm:
+                raise ValueError("Qwen3-MoE always has q/k norms: set qk_norm=True")
+            return dict(
+                architectures=["Qwen3MoeForCausalLM"],
+                model_type="qwen3_moe",
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                output_router_logits=False,
+                **out,
+            )
+        if self.rope_llama3_scaling is not None and arch != "llama":
+            raise ValueError("rope_llama3_scaling is exported as Llama only (qkv_bias=False)")
+        if arch == "qwen2":
             if self.head_dim != self.hidden_size // self.num_heads:
-                raise ValueError("Qwen2 requires head_dim == hidden_size // num_heads; "
-                                 f"got head_dim={self.head_dim}")
-            return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                        use_sliding_window=False, sliding_window=None, max_window_layers=0,
-                        attention_dropout=0.0, **common)
-        return dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False,
-                    mlp_bias=False, attention_dropout=0.0, pretraining_tp=1, **common)
+                raise ValueError(
+                    "Qwen2 requires head_dim == hidden_size // num_heads; "
+                    f"got head_dim={self.head_dim}"
+                )
+            return dict(
+                architectures=["Qwen2ForCausalLM"],
+                model_type="qwen2",
+                use_sliding_window=False,
+                sliding_window=None,
+                max_window_layers=0,
+                **common,
+            )
+        out = dict(
+            architectures=["LlamaForCausalLM"],
+            model_type="llama",
+            attention_bias=False,
+            mlp_bias=False,
+            pretraining_tp=1,
+            **common,
+        )
+        if self.rope_llama3_scaling is not None:
+            f, lo, hi, orig = self.rope_llama3_scaling
+            out["rope_scaling"] = dict(
+                rope_type="llama3",
+                factor=f,
+                low_freq_factor=lo,
+                high_freq_factor=hi,
+                original_max_position_embeddings=orig,
+            )
+        return out
 
 
 class Cache(NamedTuple):
     """Key/value cache for incremental decoding (a pytree; pass it through ``jit``)."""
 
-    k: jax.Array      # [L, B, S, KV, D] compute dtype, keys after RoPE
-    v: jax.Array      # [L, B, S, KV, D] compute dtype
-    mask: jax.Array   # [B, S] bool, True where a slot holds a real (non-padding) token
+    k: jax.Array  # [L, B, S, KV, D] compute dtype, keys after RoPE
+    v: jax.Array  # [L, B, S, KV, D] compute dtype
+    mask: jax.Array  # [B, S] bool, True where a slot holds a real (non-padding) token
     index: jax.Array  # [] int32, next slot to write
 
 
-def _param(rngs: nnx.Rngs, shape, axes, config: TransformerConfig, init: str = "normal"):
+def _param(
+    rngs: nnx.Rngs,
+    shape,
+    axes,
+    config: TransformerConfig,
+    init: str = "normal",
+    stack: int | None = None,
+):
+    if stack is not None:
+        shape, axes = (stack, *shape), ("layers", *axes)
     dtype = _dtype(config.param_dtype)
     if init == "normal":
         value = config.initializer_range * jax.random.normal(rngs.params(), shape, jnp.float32)
@@ -199,9 +425,17 @@ def _param(rngs: nnx.Rngs, shape, axes, config: TransformerConfig, init: str = "
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        rngs: nnx.Rngs,
+        size: int | None = None,
+        axis: str = "norm",
+        stack: int | None = None,
+    ):
         self.eps = config.rms_norm_eps
-        self.weight = _param(rngs, (config.hidden_size,), ("norm",), config, "ones")
+        self.weight = _param(rngs, (size or config.hidden_size,), (axis,), config, "ones", stack)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
@@ -210,18 +444,41 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(jnp.float32) * x32.astype(dtype).astype(jnp.float32)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_inv_freq(
+    head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None
+) -> np.ndarray:
+    """RoPE inverse frequencies ``[head_dim / 2]`` (float32), Llama 3.x scaled when given.
+
+    Llama 3 (``rope_type="llama3"``): wavelengths longer than ``original / low_freq_factor`` are
+    divided by ``factor``, those shorter than ``original / high_freq_factor`` kept, and the band
+    in between interpolated linearly in ``original / wavelength``.
+    """
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if llama3 is not None:
+        factor, lo, hi, orig = llama3
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > orig / lo, inv / factor, inv)
+        smooth = (orig / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= orig / hi) & (wavelen <= orig / lo)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, *, inv_freq=None) -> jax.Array:
     """Rotary embedding, Hugging Face "rotate half" layout.
 
     Args:
       x: [B, T, H, D] queries or keys.
       positions: [B, T] int positions.
-      theta: RoPE base.
+      theta: RoPE base (ignored when ``inv_freq`` is given).
+      inv_freq: [D/2] inverse frequencies (default: plain RoPE of ``theta``).
     Returns:
       [B, T, H, D], same dtype as ``x`` (rotation computed in float32).
     """
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
     x32 = x.astype(jnp.float32)
@@ -231,21 +488,29 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, stack: int | None = None):
         c = config
         self.config = c
         h, n, kv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = _param(rngs, (h, n, d), ("embed", "heads", "head_dim"), c)
-        self.k_proj = _param(rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), c)
-        self.v_proj = _param(rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), c)
-        self.o_proj = _param(rngs, (n, d, h), ("heads", "head_dim", "embed"), c)
+        self.q_proj = _param(rngs, (h, n, d), ("embed", "heads", "head_dim"), c, stack=stack)
+        self.k_proj = _param(rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), c, stack=stack)
+        self.v_proj = _param(rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), c, stack=stack)
+        self.o_proj = _param(rngs, (n, d, h), ("heads", "head_dim", "embed"), c, stack=stack)
         if c.qkv_bias:
-            self.q_bias = _param(rngs, (n, d), ("heads", "head_dim"), c, "zeros")
-            self.k_bias = _param(rngs, (kv, d), ("kv_heads", "head_dim"), c, "zeros")
-            self.v_bias = _param(rngs, (kv, d), ("kv_heads", "head_dim"), c, "zeros")
+            self.q_bias = _param(rngs, (n, d), ("heads", "head_dim"), c, "zeros", stack)
+            self.k_bias = _param(rngs, (kv, d), ("kv_heads", "head_dim"), c, "zeros", stack)
+            self.v_bias = _param(rngs, (kv, d), ("kv_heads", "head_dim"), c, "zeros", stack)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c, rngs=rngs, size=d, axis="head_dim", stack=stack)
+            self.k_norm = RMSNorm(c, rngs=rngs, size=d, axis="head_dim", stack=stack)
 
-    def __call__(self, x, positions, key_mask, cache_kv=None, index=None):
-        """x: [B, T, E]; key_mask: [B, S] bool over key slots; returns ([B, T, E], (k, v))."""
+    def __call__(self, x, positions, mask, cache=None):
+        """x: [B, T, E]; mask: [B, T, S] bool (causal & key mask).
+
+        ``cache``: None (keys are this call's tokens, S == T) or ``(k_all, v_all, layer, index)``
+        with ``[L, B, S, KV, D]`` buffers, written in place at ``(layer, 0, index)``. Returns
+        ``([B, T, E], (k_all, v_all) or None)``.
+        """
         c = self.config
         dt = x.dtype
         q = jnp.einsum("bte,end->btnd", x, self.q_proj[...].astype(dt))
@@ -255,80 +520,167 @@ class Attention(nnx.Module):
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
             v = v + self.v_bias[...].astype(dt)
-        q = rope(q, positions, c.rope_theta)
-        k = rope(k, positions, c.rope_theta)
+        if c.qk_norm:
+            q = self.q_norm(q).astype(dt)
+            k = self.k_norm(k).astype(dt)
+        inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_llama3_scaling))
+        q = rope(q, positions, c.rope_theta, inv_freq=inv_freq)
+        k = rope(k, positions, c.rope_theta, inv_freq=inv_freq)
         b, t = x.shape[:2]
-        if cache_kv is None:
-            keys, values = k, v
-            offset = 0
+        if cache is None:
+            keys, values, new_cache = k, v, None
         else:
-            ck, cv = cache_kv
-            keys = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
-            values = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
-            offset = index
-        s = keys.shape[1]
-        q_slot = offset + jnp.arange(t)[:, None]  # [T, 1]
-        causal = jnp.arange(s)[None, :] <= q_slot  # [T, S]
-        mask = causal[None] & key_mask[:, None, :]  # [B, T, S]
+            k_all, v_all, layer, index = cache
+            zero = jnp.zeros((), jnp.int32)
+            start = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(index, jnp.int32), zero, zero)
+            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+            keys = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
+            values = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+            new_cache = (k_all, v_all)
         g = c.num_heads // c.num_kv_heads
         q = q.reshape(b, t, c.num_kv_heads, g, c.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(dt),
-                            preferred_element_type=jnp.float32)
-        scores = scores * (c.head_dim ** -0.5)
+        scores = jnp.einsum(
+            "btkgd,bskd->bkgts", q, keys.astype(dt), preferred_element_type=jnp.float32
+        )
+        scores = scores * (c.head_dim**-0.5)
         scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dt))
         out = out.reshape(b, t, c.num_heads, c.head_dim)
         y = jnp.einsum("btnd,nde->bte", out, self.o_proj[...].astype(dt))
-        return y, (keys, values)
+        return y, new_cache
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, stack: int | None = None):
         h, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = _param(rngs, (h, f), ("embed", "mlp"), config)
-        self.up_proj = _param(rngs, (h, f), ("embed", "mlp"), config)
-        self.down_proj = _param(rngs, (f, h), ("mlp", "embed"), config)
+        self.gate_proj = _param(rngs, (h, f), ("embed", "mlp"), config, stack=stack)
+        self.up_proj = _param(rngs, (h, f), ("embed", "mlp"), config, stack=stack)
+        self.down_proj = _param(rngs, (f, h), ("mlp", "embed"), config, stack=stack)
 
-    def __call__(self, x):
+    def __call__(self, x, token_mask=None):
         dt = x.dtype
         gate = x @ self.gate_proj[...].astype(dt)
         up = x @ self.up_proj[...].astype(dt)
-        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
+        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt), None
+
+
+class MoE(nnx.Module):
+    """Qwen3-MoE sparse block: softmax router, top-k experts, weighted sum of SwiGLU experts."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        c = config
+        self.config = c
+        h, f, x = c.hidden_size, c.moe_intermediate_size, c.num_experts
+        self.router = _param(rngs, (h, x), ("embed", "expert"), c, stack=stack)
+        self.gate_proj = _param(rngs, (x, h, f), ("expert", "embed", "mlp"), c, stack=stack)
+        self.up_proj = _param(rngs, (x, h, f), ("expert", "embed", "mlp"), c, stack=stack)
+        self.down_proj = _param(rngs, (x, f, h), ("expert", "mlp", "embed"), c, stack=stack)
+
+    def __call__(self, x, token_mask=None):
+        """x [B, T, E] -> (y [B, T, E], router statistics of this layer)."""
+        c = self.config
+        dt = x.dtype
+        logits = jnp.einsum(
+            "bte,ex->btx", x, self.router[...].astype(dt), preferred_element_type=jnp.float32
+        )
+        probs = jax.nn.softmax(logits, axis=-1)  # [B, T, X] float32
+        top_p, top_i = jax.lax.top_k(probs, c.num_experts_per_tok)  # [B, T, K]
+        if c.norm_topk_prob:
+            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        chosen = jax.nn.one_hot(top_i, c.num_experts, dtype=jnp.float32)  # [B, T, K, X]
+        combine = jnp.einsum("btk,btkx->btx", top_p, chosen).astype(dt)
+        gate = jnp.einsum("bte,xef->btxf", x, self.gate_proj[...].astype(dt))
+        up = jnp.einsum("bte,xef->btxf", x, self.up_proj[...].astype(dt))
+        hidden = jax.nn.silu(gate) * up * combine[..., None]
+        y = jnp.einsum("btxf,xfe->bte", hidden, self.down_proj[...].astype(dt))
+        w = (
+            jnp.ones(x.shape[:2], jnp.float32)
+            if token_mask is None
+            else token_mask.astype(jnp.float32)
+        )
+        counts = jnp.einsum("bt,btx->x", w, jnp.sum(chosen, axis=2))  # assignments per expert
+        prob_sum = jnp.einsum("bt,btx->x", w, probs)
+        ent = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
+        stats = dict(
+            counts=counts, prob_sum=prob_sum, tokens=jnp.sum(w), entropy_sum=jnp.sum(w * ent)
+        )
+        return y, stats
 
 
 class Block(nnx.Module):
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(config, rngs=rngs)
-        self.self_attn = Attention(config, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(config, rngs=rngs)
-        self.mlp = MLP(config, rngs=rngs)
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        self.input_layernorm = RMSNorm(config, rngs=rngs, stack=stack)
+        self.self_attn = Attention(config, rngs=rngs, stack=stack)
+        self.post_attention_layernorm = RMSNorm(config, rngs=rngs, stack=stack)
+        mlp = MoE if config.num_experts else MLP
+        self.mlp = mlp(config, rngs=rngs, stack=stack)
 
-    def __call__(self, x, positions, key_mask, cache_kv=None, index=None):
+    def __call__(self, x, positions, mask, token_mask, cache=None):
         dt = x.dtype
-        y, kv = self.self_attn(self.input_layernorm(x).astype(dt), positions, key_mask,
-                               cache_kv, index)
+        y, kv = self.self_attn(self.input_layernorm(x).astype(dt), positions, mask, cache)
         x = x + y
-        x = x + self.mlp(self.post_attention_layernorm(x).astype(dt))
-        return x, kv
+        y, stats = self.mlp(self.post_attention_layernorm(x).astype(dt), token_mask)
+        return x + y, kv, stats
 
 
-def _block_apply(block, x, positions, key_mask, cache_kv, index):
-    return block(x, positions, key_mask, cache_kv, index)
+def _remat_policy(name: str):
+    return {
+        "full": None,
+        "dots": jax.checkpoint_policies.dots_saveable,
+        "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }[name]
+
+
+def router_metrics(stats: dict | None, num_experts: int, top_k: int) -> dict:
+    """Router statistics ``[L, X]``-summed over layers -> scalar metrics and the aux loss.
+
+    ``router_aux_loss`` is the Switch-Transformer load-balancing loss exactly as Hugging Face's
+    ``load_balancing_loss_func`` computes it (pooled over layers, padding excluded):
+    ``X * sum_x f_x P_x`` with ``f_x`` the top-k assignments to expert ``x`` per token and
+    ``P_x`` its mean router probability; 1 * top_k at perfect balance. ``router_load_max`` /
+    ``router_load_min`` are the busiest / idlest expert's share of assignments times ``X``
+    (1 = balanced), ``router_entropy`` the mean entropy of the router distribution.
+    """
+    if stats is None:
+        return {}
+    tokens = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)  # summed over layers
+    counts = jnp.sum(stats["counts"], axis=0)  # [X]
+    prob = jnp.sum(stats["prob_sum"], axis=0)
+    f, p = counts / tokens, prob / tokens
+    share = counts / jnp.maximum(jnp.sum(counts), 1.0) * num_experts
+    per_layer = (
+        stats["counts"]
+        / jnp.maximum(jnp.sum(stats["counts"], axis=-1, keepdims=True), 1.0)
+        * num_experts
+    )  # [L, X]
+    return dict(
+        router_aux_loss=num_experts * jnp.sum(f * p),
+        router_load_max=jnp.max(per_layer),
+        router_load_min=jnp.min(per_layer),
+        router_load_max_pooled=jnp.max(share),
+        router_entropy=jnp.sum(stats["entropy_sum"]) / tokens,
+    )
 
 
 class Transformer(nnx.Module):
-    """Qwen2/Llama-compatible decoder. See the module docstring."""
+    """Qwen2/Qwen3/Qwen3-MoE/Llama-compatible decoder. See the module docstring."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.embed_tokens = _param(rngs, (config.vocab_size, config.hidden_size),
-                                   ("vocab", "embed"), config)
-        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.embed_tokens = _param(
+            rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), config
+        )
+        if config.scan_layers:
+            self.layers = Block(config, rngs=rngs, stack=config.num_layers)
+        else:
+            self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config, rngs=rngs)
         if not config.tie_embeddings:
-            self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size),
-                                  ("embed", "vocab"), config)
+            self.lm_head = _param(
+                rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), config
+            )
 
     def _check(self, tokens, positions, attention_mask):
         if tokens.ndim != 2:
@@ -336,57 +688,116 @@ class Transformer(nnx.Module):
         if positions.shape != tokens.shape:
             raise ValueError(f"positions must match tokens {tokens.shape}, got {positions.shape}")
         if attention_mask is not None and attention_mask.shape != tokens.shape:
-            raise ValueError(f"attention_mask must match tokens {tokens.shape}, "
-                             f"got {attention_mask.shape}")
+            raise ValueError(
+                f"attention_mask must match tokens {tokens.shape}, got {attention_mask.shape}"
+            )
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be integer, got {tokens.dtype}")
 
-    def _run(self, tokens, positions, key_mask, cache=None):
+    def _layers(self, x, positions, mask, token_mask, cache_kv, index):
+        """Runs every block; returns (x, (k_all, v_all) or None, stacked router stats or None)."""
+        c = self.config
+
+        def apply(block, x, cache_kv, layer):
+            cache = None if cache_kv is None else (*cache_kv, layer, index)
+            return block(x, positions, mask, token_mask, cache)
+
+        if c.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+
+            def body(carry, xs):
+                x, kv = carry
+                layer, layer_state = xs
+                x, kv, stats = apply(nnx.merge(graphdef, layer_state), x, kv, layer)
+                return (x, kv), stats
+
+            if c.remat:
+                body = jax.checkpoint(body, policy=_remat_policy(c.remat_policy))
+            (x, cache_kv), stats = jax.lax.scan(
+                body, (x, cache_kv), (jnp.arange(c.num_layers, dtype=jnp.int32), stacked)
+            )
+            return x, cache_kv, stats
+        fn = apply
+        if c.remat:
+            fn = nnx.remat(apply, policy=_remat_policy(c.remat_policy))
+        all_stats = []
+        for i, block in enumerate(self.layers):
+            x, cache_kv, stats = fn(block, x, cache_kv, i)
+            all_stats.append(stats)
+        if all_stats[0] is None:
+            return x, cache_kv, None
+        return x, cache_kv, jax.tree.map(lambda *s: jnp.stack(s), *all_stats)
+
+    def _hidden(self, tokens, positions, key_mask, token_mask, cache=None):
         c = self.config
         dt = _dtype(c.dtype)
         x = self.embed_tokens[...].astype(dt)[tokens]
-        new_k, new_v = [], []
-        apply = nnx.remat(_block_apply) if c.remat else _block_apply
-        for i, block in enumerate(self.layers):
-            if cache is None:
-                x, _ = apply(block, x, positions, key_mask, None, None)
-            else:
-                x, (k, v) = apply(block, x, positions, key_mask, (cache.k[i], cache.v[i]),
-                                  cache.index)
-                new_k.append(k)
-                new_v.append(v)
-        h = self.norm(x).astype(dt)
-        if c.tie_embeddings:
-            logits = jnp.einsum("bte,ve->btv", h, self.embed_tokens[...].astype(dt),
-                                preferred_element_type=jnp.float32)
-        else:
-            logits = jnp.einsum("bte,ev->btv", h, self.lm_head[...].astype(dt),
-                                preferred_element_type=jnp.float32)
-        return logits, new_k, new_v
+        t, s = tokens.shape[1], key_mask.shape[1]
+        offset = 0 if cache is None else cache.index
+        causal = jnp.arange(s)[None, :] <= (offset + jnp.arange(t))[:, None]  # [T, S]
+        mask = causal[None] & key_mask[:, None, :]  # [B, T, S]
+        cache_kv = None if cache is None else (cache.k, cache.v)
+        index = None if cache is None else cache.index
+        x, cache_kv, stats = self._layers(x, positions, mask, token_mask, cache_kv, index)
+        return self.norm(x).astype(dt), cache_kv, stats
 
-    def __call__(self, tokens, positions, *, attention_mask=None):
+    def logits_from_hidden(self, h: jax.Array) -> jax.Array:
+        """Final-norm hidden states [..., E] -> float32 logits [..., V]."""
+        dt = _dtype(self.config.dtype)
+        h = h.astype(dt)
+        if self.config.tie_embeddings:
+            return jnp.einsum(
+                "...e,ve->...v",
+                h,
+                self.embed_tokens[...].astype(dt),
+                preferred_element_type=jnp.float32,
+            )
+        return jnp.einsum(
+            "...e,ev->...v", h, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32
+        )
+
+    def hidden_states(self, tokens, positions, *, attention_mask=None, return_aux=False):
+        """Final-norm hidden states ``[B, T, E]`` (compute dtype), the input of the LM head.
+
+        With ``return_aux`` also the router metrics (:func:`router_metrics`; empty for dense
+        models). :meth:`logits_from_hidden` gives the logits, in chunks if the caller wants.
+        """
+        self._check(tokens, positions, attention_mask)
+        if attention_mask is None:
+            attention_mask = jnp.ones(tokens.shape, bool)
+        attention_mask = attention_mask.astype(bool)
+        h, _, stats = self._hidden(tokens, positions, attention_mask, attention_mask)
+        if not return_aux:
+            return h
+        c = self.config
+        return h, router_metrics(stats, c.num_experts, c.num_experts_per_tok)
+
+    def __call__(self, tokens, positions, *, attention_mask=None, return_aux=False):
         """Full forward.
 
         Args:
           tokens: [B, T] int32 token ids.
           positions: [B, T] int32 RoPE positions.
           attention_mask: [B, T] bool, False on padding keys (None: all valid).
+          return_aux: also return the router metrics dict (MoE; ``{}`` for dense models).
         Returns:
-          logits [B, T, V] float32.
+          logits [B, T, V] float32 (and the metrics dict when ``return_aux``).
         """
-        self._check(tokens, positions, attention_mask)
-        if attention_mask is None:
-            attention_mask = jnp.ones(tokens.shape, bool)
-        logits, _, _ = self._run(tokens, positions, attention_mask.astype(bool))
-        return logits
+        out = self.hidden_states(
+            tokens, positions, attention_mask=attention_mask, return_aux=return_aux
+        )
+        if return_aux:
+            return self.logits_from_hidden(out[0]), out[1]
+        return self.logits_from_hidden(out)
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
         """An empty cache for ``batch`` sequences of at most ``max_len`` slots."""
         c = self.config
         shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
         zeros = jnp.zeros(shape, _dtype(c.dtype))
-        return Cache(k=zeros, v=zeros, mask=jnp.zeros((batch, max_len), bool),
-                     index=jnp.zeros((), jnp.int32))
+        return Cache(
+            k=zeros, v=zeros, mask=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32)
+        )
 
     def decode(self, tokens, positions, cache: Cache, *, attention_mask=None):
         """Runs ``T`` new tokens against the cache (prefill when T > 1, one step when T == 1).
@@ -405,12 +816,36 @@ class Transformer(nnx.Module):
             raise ValueError(f"cache batch {cache.mask.shape[0]} != tokens batch {tokens.shape[0]}")
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, bool)
-        key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask.astype(bool),
-                                                (0, cache.index))
-        logits, ks, vs = self._run(tokens, positions, key_mask, cache)
-        new_cache = Cache(k=jnp.stack(ks), v=jnp.stack(vs), mask=key_mask,
-                          index=cache.index + tokens.shape[1])
-        return logits, new_cache
+        attention_mask = attention_mask.astype(bool)
+        key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
+        h, (k, v), _ = self._hidden(tokens, positions, key_mask, attention_mask, cache)
+        new_cache = Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
+        return self.logits_from_hidden(h), new_cache
+
+
+def _is_stacked_layers(layers) -> bool:
+    return not (isinstance(layers, dict) and all(isinstance(k, int) for k in layers))
+
+
+def stack_layer_params(params: dict) -> dict:
+    """Pure-dict params with ``layers.{i}.*`` -> ``layers.*`` stacked ``[L, ...]`` (scan layout)."""
+    layers = params["layers"]
+    if _is_stacked_layers(layers):
+        return params
+    blocks = [layers[i] for i in sorted(layers)]
+    return {
+        **params,
+        "layers": jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *blocks),
+    }
+
+
+def unstack_layer_params(params: dict) -> dict:
+    """Pure-dict params with stacked ``layers.*`` -> ``layers.{i}.*`` (per-layer layout)."""
+    layers = params["layers"]
+    if not _is_stacked_layers(layers):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(n)}}
 
 
 def create_model(config: TransformerConfig, seed: int = 0) -> Transformer:
@@ -420,5 +855,4 @@ def create_model(config: TransformerConfig, seed: int = 0) -> Transformer:
     tens of seconds on CPU; this is the fast path for tests, benchmarks and samplers. Sharded
     creation for training lives in ``gagar_jax.train.state``.
     """
-    return nnx.jit(lambda key: Transformer(config, rngs=nnx.Rngs(params=key)))(
-        jax.random.key(seed))
+    return nnx.jit(lambda key: Transformer(config, rngs=nnx.Rngs(params=key)))(jax.random.key(seed))

@@ -21,6 +21,7 @@ from gagar_jax.rollout.sglang_client import (
     SGLangRequestError,
     SGLangUnavailableError,
 )
+from gagar_jax.rollout.sglang_engine import SGLangEngine, WeightSyncError
 from gagar_jax.rollout.types import FINISH_REASONS, RolloutEngine, Sample, SamplingParams
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "Episode",
     "RolloutEngine",
     "SGLangClient",
+    "SGLangEngine",
     "SGLangError",
     "SGLangRequestError",
     "SGLangUnavailableError",
@@ -38,6 +40,7 @@ __all__ = [
     "ToolCall",
     "ToolEnvironment",
     "Turn",
+    "WeightSyncError",
     "parse_action",
     "run_episode",
     "run_episodes",

@@ -2,10 +2,19 @@
 
 One compiled program per shape bucket does the whole generation:
 
-    prefill:  logits, cache = model.decode(prompts [B, P], positions, empty cache, attention_mask)
+    prefill:  logits, cache = model.decode(prompts [Bp, P], positions, cache, attention_mask)
+              (once per distinct prompt; the n samples of a prompt copy its cache rows: [B, ...])
     loop:     lax.while_loop while step < max_new and not all(done):
                 token, logprob = sample(logits_t)           # temperature / top-k / top-p
                 logits, cache = model.decode(token [B, 1], position, cache)
+
+The decode step is one token's attention and MLP: the cache is written in place (one slot per
+layer), the key mask gains one slot, nothing leaves the device until the loop ends.
+
+Multi-turn (``prefix_cache > 0``): the final cache of a call is kept (compacted: each row's
+valid slots right-aligned), and a later prompt that extends a kept row's sequence (prompt +
+sample, e.g. an episode's history) starts from that row's cache and prefills only the new
+tokens (the observation), instead of the whole history each turn.
 
 Shapes are static and bucketed: prompts are left-padded to the next prompt bucket `P` (the padding
 is masked out of attention; RoPE positions start at 0 on each row's first real token), the batch is
@@ -100,11 +109,32 @@ def sample_token(logits, key, temperature, top_p, top_k):
 _TRACES = [0]  # programs traced so far (all samplers): the recompile counter
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "pad_id", "max_new_bucket"))
+def _compact(cache_k, cache_v, mask):
+    """Moves every row's valid slots to the right end, in order: [L, B, S, ...] -> same shapes.
+
+    Keys carry their RoPE positions, so slot order (not slot index) is all attention needs; a
+    right-aligned history lets the next turn's tokens follow it at one common slot index.
+    """
+    order = jnp.argsort(mask.astype(jnp.int32), axis=1, stable=True)  # invalid first
+    idx = order[None, :, :, None, None]
+    return (
+        jnp.take_along_axis(cache_k, idx, axis=2),
+        jnp.take_along_axis(cache_v, idx, axis=2),
+        jnp.take_along_axis(mask, order, axis=1),
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "pad_id", "max_new_bucket", "hist_slots", "keep_cache")
+)
 def _generate_program(
     state,
+    history,
+    hist_src,
+    hist_len,
     prompts,
     prompt_mask,
+    row_src,
     row_ids,
     live,
     row_seeds,
@@ -117,25 +147,52 @@ def _generate_program(
     graphdef,
     pad_id: int,
     max_new_bucket: int,
+    hist_slots: int,
+    keep_cache: bool,
 ):
-    """prompts/prompt_mask [B, P] (left-padded), row_ids [B] i32, live [B] bool -> outputs.
+    """One generation call.
 
-    Row ``r`` draws from ``fold_in(key(row_seeds[r]), row_ids[r])`` (then ``fold_in(., t)`` per
-    step): one seed with ``row_ids = arange(B)``, or one seed per prompt with ``row_ids`` the
-    sample index within its prompt.
+    prompts/prompt_mask [Bp, P]: the distinct prompts (left-padded; only the part after the
+    history when ``history`` is given), prefilled once each; row_src [B] maps each sample row to
+    its prompt row, whose KV cache it copies after the prefill. history: None, or a stored
+    compacted cache ``(k, v, mask)`` [L, Bh, S_h, ...] of which prompt row i continues row
+    ``hist_src[i]`` (its last ``hist_slots`` slots, ``hist_len[i]`` valid tokens). row_ids [B] i32
+    and row_seeds [B] u32 (PRNG rows: row ``r`` draws from
+    ``fold_in(key(row_seeds[r]), row_ids[r])``, then ``fold_in(., t)`` per step: one seed with
+    ``row_ids = arange(B)``, or one seed per prompt with ``row_ids`` the sample index within its
+    prompt), live [B] bool. Returns (tokens, logprobs, lengths, stopped, compacted cache or
+    None).
 
-    One program per (graphdef, pad_id, B, P, N): samplers over models of the same architecture
-    share compiled programs.
+    One program per (graphdef, pad_id, Bp, B, P, N, history shape, keep_cache): samplers over
+    models of the same architecture share compiled programs.
     """
     _TRACES[0] += 1  # runs at trace time only
     model = nnx.merge(graphdef, state)
-    b, p = prompts.shape
+    bp, p = prompts.shape
+    b = row_src.shape[0]
     n = max_new_bucket
-    positions = jnp.maximum(jnp.cumsum(prompt_mask.astype(jnp.int32), axis=1) - 1, 0)
-    prompt_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [B]
-    cache = model.init_cache(b, p + n)
+    h = 0 if history is None else hist_slots
+    positions = hist_len[:, None] + jnp.maximum(
+        jnp.cumsum(prompt_mask.astype(jnp.int32), axis=1) - 1, 0
+    )
+    prompt_len = hist_len + jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [Bp]
+    cache = model.init_cache(bp, h + p + n)
+    if history is not None:
+        hk, hv, hm = history
+        start = hm.shape[1] - h
+        hk, hv, hm = hk[:, hist_src, start:], hv[:, hist_src, start:], hm[hist_src, start:]
+        cache = cache._replace(
+            k=jax.lax.dynamic_update_slice_in_dim(cache.k, hk.astype(cache.k.dtype), 0, axis=2),
+            v=jax.lax.dynamic_update_slice_in_dim(cache.v, hv.astype(cache.v.dtype), 0, axis=2),
+            mask=jax.lax.dynamic_update_slice_in_dim(cache.mask, hm, 0, axis=1),
+            index=jnp.asarray(h, jnp.int32),
+        )
     logits, cache = model.decode(prompts, positions, cache, attention_mask=prompt_mask)
-    logits = logits[:, -1, :]  # left padding: the last slot is every row's last prompt token
+    # Left padding: the last slot is every row's last prompt token. Then the n samples of a
+    # prompt copy its prefilled cache (one prefill per distinct prompt, not per sample).
+    logits = logits[row_src, -1, :]
+    prompt_len = prompt_len[row_src]
+    cache = cache._replace(k=cache.k[:, row_src], v=cache.v[:, row_src], mask=cache.mask[row_src])
     row_keys = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(row_seeds, row_ids)
 
     def cond(carry):
@@ -148,14 +205,16 @@ def _generate_program(
         tok, lp = sample_token(logits, keys, temperature, top_p, top_k)
         tok = jnp.where(done, pad_id, tok)
         lp = jnp.where(done, 0.0, lp)
-        toks = toks.at[:, step].set(tok)
-        lps = lps.at[:, step].set(lp)
+        toks = jax.lax.dynamic_update_index_in_dim(toks, tok, step, axis=1)
+        lps = jax.lax.dynamic_update_index_in_dim(lps, lp, step, axis=1)
         lengths = jnp.where(done, lengths, step + 1)
         hit = (~done) & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
         stopped = stopped | hit
-        done = done | hit | (step + 1 >= max_new)
         pos = (prompt_len + step)[:, None]
-        logits, cache = model.decode(tok[:, None], pos, cache)
+        # A finished row's pad token is written masked: the cache then holds exactly the
+        # prompt and the sample (what a later turn's prefill reuses).
+        logits, cache = model.decode(tok[:, None], pos, cache, attention_mask=~done[:, None])
+        done = done | hit | (step + 1 >= max_new)
         return step + 1, logits[:, 0, :], cache, done, toks, lps, lengths, stopped
 
     init = (
@@ -168,8 +227,9 @@ def _generate_program(
         jnp.zeros((b,), jnp.int32),
         jnp.zeros((b,), bool),
     )
-    _, _, _, _, toks, lps, lengths, stopped = jax.lax.while_loop(cond, body, init)
-    return toks, lps, lengths, stopped
+    _, _, cache, _, toks, lps, lengths, stopped = jax.lax.while_loop(cond, body, init)
+    kept = _compact(cache.k, cache.v, cache.mask) if keep_cache else None
+    return toks, lps, lengths, stopped, kept
 
 
 class Sampler:
@@ -181,6 +241,12 @@ class Sampler:
       batch_buckets, prompt_buckets, new_token_buckets: the static shape buckets.
       seed: base seed for calls whose SamplingParams.seed is None.
       policy_version: version of the initial weights.
+      prefix_cache: how many previous calls' KV caches to keep (0: none). A prompt that extends
+        a kept sequence (a previous prompt + its sample, e.g. the next turn of an episode:
+        history + observation) prefills only the new tokens; the rest of its cache is copied
+        from the kept one. A call uses it when every distinct prompt of the call extends a row
+        of one kept call; otherwise it prefills in full. Kept caches cost device memory (one
+        [L, B, S, KV, D] pair each) and are dropped by `sync_weights`.
     """
 
     def __init__(
@@ -193,6 +259,7 @@ class Sampler:
         new_token_buckets: Sequence[int] = DEFAULT_NEW_BUCKETS,
         seed: int = 0,
         policy_version: int = 0,
+        prefix_cache: int = 0,
     ):
         for name, b in (
             ("batch_buckets", batch_buckets),
@@ -213,6 +280,12 @@ class Sampler:
         self._seed_counter = int(seed) * 1_000_003
         self._lock = threading.Lock()
         self.trace_count = 0  # programs this sampler's calls traced (compiled)
+        if int(prefix_cache) < 0:
+            raise ValueError(f"Sampler.prefix_cache must be >= 0, got {prefix_cache}")
+        self.prefix_cache = int(prefix_cache)
+        self._kept: list[dict] = []  # most recent first: {"cache", "rows", "lengths"}
+        # prompt tokens prefilled / taken from a kept cache, over the sampler's life
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "calls_reusing_cache": 0}
 
     # ------------------------------------------------------------------ host side
 
@@ -253,19 +326,39 @@ class Sampler:
         bad = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids outside the vocabulary: {bad}")
-        rows = [p for p in prompts for _ in range(params.n)]
-        b = _bucket(len(rows), self.batch_buckets, "prompts x n")
-        p = _bucket(max(len(r) for r in rows), self.prompt_buckets, "prompt length")
+        uniq: dict[tuple, int] = {}
+        for ids in prompts:
+            uniq.setdefault(tuple(ids), len(uniq))
+        distinct = [list(k) for k in uniq]
+        n_rows = len(prompts) * params.n
+        b = _bucket(n_rows, self.batch_buckets, "prompts x n")
+        bp = _bucket(len(distinct), self.batch_buckets, "distinct prompts")
         n = _bucket(params.max_tokens, self.new_token_buckets, "max_tokens")
+        match = self._match(distinct)
+        if match is not None:
+            entry, hist_rows, counts = match
+            suffixes = [ids[c:] for ids, c in zip(distinct, counts)]
+            h = min(
+                _bucket(max(counts), self.prompt_buckets, "history"), entry["cache"][2].shape[1]
+            )
+        else:
+            suffixes, counts, hist_rows, h = distinct, [0] * len(distinct), [0] * len(distinct), 0
+        p = _bucket(max(len(r) for r in suffixes), self.prompt_buckets, "prompt length")
 
-        tokens = np.full((b, p), self.pad_id, np.int32)
-        mask = np.zeros((b, p), bool)
-        for r, ids in enumerate(rows):
+        tokens = np.full((bp, p), self.pad_id, np.int32)
+        mask = np.zeros((bp, p), bool)
+        for r, ids in enumerate(suffixes):
             tokens[r, p - len(ids) :] = ids
             mask[r, p - len(ids) :] = True
-        mask[len(rows) :, -1] = True  # filler rows: one visible pad token, and they start done
+        mask[len(suffixes) :, -1] = True  # filler rows: one visible pad token
+        hist_src = np.zeros((bp,), np.int32)
+        hist_src[: len(hist_rows)] = hist_rows
+        hist_len = np.zeros((bp,), np.int32)
+        hist_len[: len(counts)] = counts
+        row_src = np.zeros((b,), np.int32)
+        row_src[:n_rows] = np.repeat([uniq[tuple(ids)] for ids in prompts], params.n)
         live = np.zeros((b,), bool)
-        live[: len(rows)] = True
+        live[:n_rows] = True  # filler rows start done
         stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
         seed = params.seed if params.seed is not None else self._next_seed()
@@ -274,16 +367,20 @@ class Sampler:
             row_ids = np.arange(b, dtype=np.int32)
         else:  # row r = i * n + j: prompt i's seed, sample index j; filler rows keep their index
             row_seeds = np.zeros((b,), np.uint32)
-            row_seeds[: len(rows)] = np.repeat(np.asarray(prompt_seeds, np.uint32), params.n)
+            row_seeds[:n_rows] = np.repeat(np.asarray(prompt_seeds, np.uint32), params.n)
             row_ids = np.arange(b, dtype=np.int32)
-            row_ids[: len(rows)] = np.tile(np.arange(params.n, dtype=np.int32), len(prompts))
+            row_ids[:n_rows] = np.tile(np.arange(params.n, dtype=np.int32), len(prompts))
 
         with self._lock:  # serialises dispatch so the trace count is attributed to this call
             before = _TRACES[0]
-            toks, lps, lengths, stopped = _generate_program(
+            toks, lps, lengths, stopped, kept = _generate_program(
                 self.state,
+                None if match is None else entry["cache"],
+                jnp.asarray(hist_src),
+                jnp.asarray(hist_len),
                 jnp.asarray(tokens),
                 jnp.asarray(mask),
+                jnp.asarray(row_src),
                 jnp.asarray(row_ids),
                 jnp.asarray(live),
                 jnp.asarray(row_seeds),
@@ -295,9 +392,28 @@ class Sampler:
                 graphdef=self.graphdef,
                 pad_id=self.pad_id,
                 max_new_bucket=n,
+                hist_slots=h,
+                keep_cache=self.prefix_cache > 0,
             )
             self.trace_count += _TRACES[0] - before
+            self.stats["prefill_tokens"] += sum(len(x) for x in suffixes)
+            self.stats["reused_tokens"] += sum(counts)
+            self.stats["calls_reusing_cache"] += match is not None
         toks, lps, lengths, stopped = jax.device_get((toks, lps, lengths, stopped))
+        if self.prefix_cache:
+            rows = {}
+            for r in range(n_rows):
+                seq = tuple(prompts[r // params.n]) + tuple(int(t) for t in toks[r, : lengths[r]])
+                rows.setdefault(seq, r)
+            self._kept.insert(
+                0,
+                {
+                    "cache": kept,
+                    "rows": rows,
+                    "lengths": sorted({len(k) for k in rows}, reverse=True),
+                },
+            )
+            del self._kept[self.prefix_cache :]
 
         out: list[list[Sample]] = []
         for i in range(len(prompts)):
@@ -314,11 +430,37 @@ class Sampler:
                         meta={
                             "bucket": (b, p, n),
                             "seed": int(seed if prompt_seeds is None else prompt_seeds[i]),
+                            "cached_prefix": int(counts[uniq[tuple(prompts[i])]]),
                         },
                     )
                 )
             out.append(row_samples)
         return out
+
+    def _match(self, distinct: list[list[int]]):
+        """(kept entry, its row per prompt, reused length per prompt) or None.
+
+        A prompt matches the longest kept sequence that is a strict prefix of it (at least one
+        new token is left to prefill: its logits start the sample)."""
+        for entry in self._kept:
+            rows, counts = [], []
+            for ids in distinct:
+                hit = next(
+                    (
+                        (entry["rows"][key], n)
+                        for n in entry["lengths"]
+                        if n < len(ids) and (key := tuple(ids[:n])) in entry["rows"]
+                    ),
+                    None,
+                )
+                if hit is None:
+                    break
+                rows.append(hit[0])
+                counts.append(hit[1])
+            else:
+                if max(counts) <= self.prompt_buckets[-1]:
+                    return entry, rows, counts
+        return None
 
     async def agenerate(
         self,
@@ -370,6 +512,7 @@ class Sampler:
                     f"match {a.shape}/{a.dtype}"
                 )
         self.state = jax.tree.map(lambda old, x: jax.device_put(x, old.sharding), self.state, new)
+        self._kept.clear()  # caches of the old weights
         self.policy_version = int(version)
         return self.policy_version
 

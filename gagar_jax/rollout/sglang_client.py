@@ -342,6 +342,8 @@ class SGLangClient:
                 "rid": rid,
                 "e2e_latency": meta.get("e2e_latency"),
                 "matched_stop": matched,
+                # as the worker reported it ("default": its launch weights, never pushed)
+                "weight_version": str(meta.get("weight_version") or "default"),
             },
         )
 

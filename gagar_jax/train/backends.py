@@ -140,62 +140,44 @@ def build_engine(cfg: RunConfig, policy: Policy, *, workdir: str, pad_id: int = 
         from gagar_jax.rollout.sampler import Sampler
 
         return Sampler(policy.model, pad_id=pad_id, seed=cfg.seed)
-    return SGLangEngine(cfg, policy, workdir=workdir)
+    return build_sglang_engine(cfg, policy, workdir=workdir)
 
 
-class SGLangEngine:
-    """Rollouts from an SGLang server; weights synced by safetensors export + reload.
+def build_sglang_engine(cfg: RunConfig, policy: Policy, *, workdir: str):
+    """``gagar_jax.rollout.SGLangEngine`` on ``rollout.sglang_url`` (health-checked): weights
+    exported as HF safetensors to ``workdir/sync/v<version>`` by process 0 and loaded with the
+    engine's sync protocol (pause, drain, atomic export, update, version check, flush, resume,
+    rollback on failure).
 
-    A dead server is a clear error at construction (health check naming the URL) or, mid-run,
-    the client's error after its retries (the loop names the step); never a hang: every request
-    has ``rollout.request_timeout_s``.
+    A dead server is a clear error here (naming the URL) or, mid-run, the client's error after
+    its retries (the loop names the step); never a hang: every request has
+    ``rollout.request_timeout_s``.
     """
+    from flax import nnx
 
-    def __init__(self, cfg: RunConfig, policy: Policy, *, workdir: str):
-        from gagar_jax.rollout import SGLangClient
+    from gagar_jax.models import save_hf_safetensors_streaming
+    from gagar_jax.rollout import SGLangClient
+    from gagar_jax.rollout.sglang_engine import SGLangEngine
 
-        self.url = cfg.rollout.sglang_url
-        self.client = SGLangClient(self.url, request_timeout_s=cfg.rollout.request_timeout_s)
-        if not self.client.health():
-            raise RuntimeError(f"SGLang rollout server at {self.url} (rollout.sglang_url) does "
-                               "not answer GET /health: start it (scripts/launch_sglang.sh) or "
-                               "use rollout.engine='embedded'")
-        self.policy = policy
-        self.sync_dir = os.path.join(workdir, "sync")
-        self.host_timeout_s = cfg.mesh.host_timeout_s
+    url = cfg.rollout.sglang_url
+    client = SGLangClient(url, request_timeout_s=cfg.rollout.request_timeout_s,
+                          max_retry_time_s=cfg.rollout.request_timeout_s)
+    if not client.health():
+        raise RuntimeError(f"SGLang rollout server at {url} (rollout.sglang_url) does "
+                           "not answer GET /health: start it (scripts/launch_sglang.sh) or "
+                           "use rollout.engine='embedded'")
 
-    def generate(self, prompts, params, *, prompt_seeds=None):
-        return self.client.generate(prompts, params, prompt_seeds=prompt_seeds)
+    def export(params, directory):
+        # ``params``: the sharded train-state parameters (Policy.params_for_sync). Streamed
+        # tensor by tensor: every host takes part in each gather, process 0 writes; no host
+        # ever holds the whole model.
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params, nnx.Param)
+        if isinstance(params, nnx.State):
+            params = nnx.to_pure_dict(params)
+        save_hf_safetensors_streaming(params, policy.model_config, directory)
 
-    def sync_weights(self, params_or_path, version: int) -> int:
-        """Exports the (sharded) parameters and loads them into the server.
-
-        Every host takes part in the export, streamed tensor by tensor (gather one, write it,
-        drop it: no host holds the whole model); process 0 writes the files and asks the
-        server to load them; the others wait for the version it reports (deadline-bounded),
-        so no host samples from the old weights after the sync.
-        """
-        from flax import nnx
-
-        from gagar_jax.models import save_hf_safetensors_streaming
-        from gagar_jax.train.multihost import Hosts
-
-        hosts = Hosts(self.host_timeout_s)
-        if isinstance(params_or_path, (str, os.PathLike)):
-            path = os.fspath(params_or_path)
-        else:
-            params = params_or_path
-            if isinstance(params, nnx.Module):
-                params = nnx.state(params, nnx.Param)
-            if isinstance(params, nnx.State):
-                params = nnx.to_pure_dict(params)
-            path = os.path.join(self.sync_dir, f"v{version:06d}")
-            save_hf_safetensors_streaming(params, self.policy.model_config, path,
-                                          writer=hosts.primary)
-        got = self.client.sync_weights(path, version) if hosts.primary else None
-        got = int(hosts.allgather(f"sglang-sync/v{version}", got)[0])
-        self.client.policy_version = got
-        return got
+    return SGLangEngine(client, export_fn=export, sync_dir=os.path.join(workdir, "sync"))
 
 
 def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=None,

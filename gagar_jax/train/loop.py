@@ -2,9 +2,12 @@
 
 One RL step (``for step in range(start, total)``), each piece from its own package:
 
-1. **Sample and verify.** Prompts come from the task stream (deterministic by data position);
-   the rollout engine generates K samples per prompt; each is verified by the task family
-   (tests + behaviour monitor). A verifier crash is an infra error: masked, counted.
+1. **Sample and verify.** Prompts come from the task family's stream (deterministic by data
+   position; ``gagar_jax.envs.family`` is the only part of ``envs`` the loop knows); the rollout
+   engine generates K samples per prompt, or, for a multi-turn family, K episodes through
+   ``rollout.run_episodes`` (one batched engine call per turn; model tokens kept as generated,
+   observations masked out of the loss); each is verified by the family (tests + behaviour
+   monitor). A verifier crash is an infra error: masked, counted.
 2. **Dynamic sampling** (:func:`~gagar_jax.train.sampling.collect_groups`): rounds of fresh prompts
    until ``num_prompts`` mixed groups are held (cap + clear error, or a partial batch when allowed).
 3. **Grading, overlapped.** Every kept group is submitted to the grading pool the moment it is
@@ -13,7 +16,9 @@ One RL step (``for step in range(start, total)``), each piece from its own packa
    group keeps its original advantages (the pool's fallback, counted in metrics).
 4. **Pack** to the static ``[G, K, T]`` shape (no recompilation, whatever the refills did).
 5. **Update**: one jitted call (advantages computed inside from the raw results, then PPO-clip).
-6. **Weight sync** to the rollout engine (``policy_version`` + 1).
+6. **Weight sync** to the rollout engine (``policy_version`` + 1; the engine must report that
+   version back: ``rollout/weight_version``), with the training-inference mismatch of the step's
+   batch (``rollout/logprob_mismatch_k3``, ``rollout/logprob_mismatch_max_abs``).
 7. Periodic **held-out evaluation**, **checkpoint** (train state via orbax; loop bookkeeping via
    :class:`~gagar_jax.train.resume.ResumeStore` after the state is finished writing) and metrics.
 
@@ -99,10 +104,16 @@ class StepCounters:
     turns_sum: int = 0
     tool_calls_sum: int = 0
     model_tokens_sum: int = 0
+    # policy version -> [rollouts, infra errors]: infra_error is masked, so a policy that learns
+    # to provoke it escapes its negative reward; the rate per version shows such a trend.
+    by_version: dict = dataclasses.field(default_factory=dict)
 
     def add(self, group: Group) -> None:
         for r in group.rollouts:
             self.rollouts += 1
+            tally = self.by_version.setdefault(int(r.policy_version), [0, 0])
+            tally[0] += 1
+            tally[1] += bool(r.infra_error)
             self.length_sum += len(r.response_tokens)
             self.turns_sum += r.num_turns
             self.tool_calls_sum += r.num_tool_calls
@@ -136,6 +147,7 @@ class StepCounters:
             "pass_rate": self.passed / v,
             "cheat_rate": self.cheats / v,
             "infra_errors": float(self.infra_errors),
+            "infra_error_rate": self.infra_errors / max(self.rollouts, 1),
             "response_length": self.length_sum / max(self.rollouts, 1),
             "truncated_frac": self.truncated / max(self.rollouts, 1),
             "quality": self.quality_sum / self.quality_n if self.quality_n else math.nan,
@@ -311,6 +323,24 @@ def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_i
     return groups
 
 
+def rollout_metrics(groups: list[Group], update_m: dict[str, float],
+                    weight_version: int) -> dict[str, float]:
+    """``rollout/weight_version`` (what the engine reports after this step's sync) and the
+    training-inference mismatch on this step's batch: the trainer's log-probs of the engine's
+    own tokens (recomputed by the update at its first optimizer step, before the parameters
+    move, at the sampling temperature) against the engine's behaviour log-probs, as the k3 KL
+    estimate and the largest absolute difference. ~0 for the embedded sampler (same program);
+    small but non-zero for SGLang (other kernels)."""
+    versions = [r.policy_version for g in groups for r in g.rollouts if not r.infra_error]
+    return {
+        "rollout/weight_version": float(weight_version),
+        "rollout/sample_version_min": float(min(versions)) if versions else math.nan,
+        "rollout/logprob_mismatch_k3": update_m.get("approx_kl_first", math.nan),
+        "rollout/logprob_mismatch_max_abs": update_m.get("logprob_max_abs_diff_first",
+                                                         math.nan),
+    }
+
+
 def group_workspace(family, group: Group):
     """The grading workspace of one group, built by its family."""
     from gagar_jax.envs.family import Attempt, GroupMember, Outcome
@@ -321,8 +351,13 @@ def group_workspace(family, group: Group):
     return family.workspace(group.group_id, group.task, members)
 
 
-def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str, float]:
+def attach_verdicts(groups: list[Group], results: list[Any], K: int, *,
+                    token_spans=None) -> dict[str, float]:
     """Copies the grading pool's results into the groups; returns grading metrics.
+
+    With ``token_spans(task, response_tokens) -> TokenSpans`` (the task pool's), each rollout
+    of a graded group also gets the mask of its response tokens that its judgement's evidence
+    cites (``Group.evidence``; token-level credit and its metrics read it).
 
     ``results[i]`` is the ``GradeResult`` of ``groups[i]``: a verdict (tier/rank per passing
     candidate) or ``None`` with a ``fallback_reason``. Metrics: :func:`grading_metrics`.
@@ -336,6 +371,9 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int) -> dict[str
         g.rank = [int(x) for x in rank[gi][:len(g.rollouts)]]
         g.grader_cheat = [bool(x) for x in cheat[gi][:len(g.rollouts)]]
         g.fallback_reason = getattr(res, "fallback_reason", None)
+        verdict = getattr(res, "verdict", None)
+        if token_spans is not None and g.graded and verdict is not None:
+            g.evidence = _evidence_masks(g, res, verdict, token_spans)
     return grading_metrics([verdict_summary(g) for g in groups])
 
 
@@ -384,6 +422,21 @@ def grading_metrics(summaries: list[dict[str, Any]]) -> dict[str, float]:
     for reason, n in reasons.items():
         out[f"grading_fallback_{reason}"] = float(n)
     return out
+
+
+def _evidence_masks(g: Group, res: Any, verdict: Any, token_spans) -> list[Any]:
+    """Per rollout slot, the response-token mask its judgement's evidence cites."""
+    from gagar_jax.grading import evidence_tokens
+
+    ids = list(getattr(res, "candidate_ids", ()))
+    spans = {}
+    for cid, r in zip(ids, g.rollouts):
+        s = token_spans(g.task, r.attempt) if r.attempt is not None else None
+        if s is not None:
+            spans[cid] = s
+    masks = evidence_tokens.verdict_token_masks(verdict, spans)
+    return [masks.get(cid) for cid in ids[:len(g.rollouts)]] + [None] * (len(g.rollouts)
+                                                                       - len(ids))
 
 
 def evaluate(engine, family, cfg: RunConfig, *, step: int,
@@ -463,7 +516,7 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
     t_wait = time.monotonic()
     if cfg.grading.enabled and sres.groups:
         results = grading_pool.results(submitted, timeout=cfg.grading.deadline_s)
-        attach_verdicts(sres.groups, results, K)
+        attach_verdicts(sres.groups, results, K, token_spans=family.token_spans)
     # step 4 for this block: its rows of the static [G, K, T] batch
     local = pack_groups(sres.groups, num_groups=G // hosts.count, num_rollouts=K,
                         max_prompt_len=cfg.rollout.max_prompt_len,
@@ -591,7 +644,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
 
         with hosts.collective("the first weight sync"):
-            engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+            weight_version = engine.sync_weights(policy.params_for_sync(), ls.policy_version)
         if ls.step == 0 and cfg.loop.total_steps > 0 and family.eval_tasks():
             m = evaluate(engine, family, cfg, step=0, hosts=hosts)
             writer.write(0, m, phase="eval")
@@ -605,7 +658,11 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             with hosts.collective(f"the update of step {step}"):
                 update_m = policy.update(batch, step=step)
                 ls.policy_version += 1
-                engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+                weight_version = engine.sync_weights(policy.params_for_sync(),
+                                                     ls.policy_version)
+            if weight_version != ls.policy_version:
+                raise RuntimeError(f"rollout engine reports weight version {weight_version} "
+                                   f"after syncing version {ls.policy_version} (step {step})")
             ls.step = step + 1
             t_end = time.monotonic()
 
@@ -615,6 +672,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             for k, v in _update_metric_aliases(update_m).items():
                 # the update's figures cover the kept batch; ours all drawn rollouts
                 m[f"update/{k}" if k in m else k] = v
+            m.update(rollout_metrics(sres.groups, update_m, weight_version))
             m.update(grade_wait_s=t_update - t_wait, update_time_s=t_end - t_update,
                      step_time_s=t_end - t_step, policy_version=float(ls.policy_version),
                      data_position=float(ls.data_position))
@@ -690,7 +748,8 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
         raise ValueError(f"checkpoint {step} not in {workdir} (complete ones: {steps})")
     policy.restore(step)
     try:
-        engine = backends.build_engine(cfg, policy, workdir=workdir)
+        engine = backends.build_engine(cfg, policy, workdir=workdir,
+                                       pad_id=family.tokenizer.pad_id)
         engine.sync_weights(policy.params_for_sync(), store.load(step).policy_version)
         return evaluate(engine, family, cfg, step=step), step
     finally:

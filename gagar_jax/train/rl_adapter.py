@@ -48,7 +48,8 @@ def update_config(cfg: RunConfig):
         kl_coef=o.kl_coef, entropy_coef=o.entropy_coef, temperature=cfg.rollout.temperature,
         num_minibatches=o.num_minibatches,
         num_microbatches=o.num_microbatches, ppo_epochs=o.ppo_epochs,
-        advantages=cfg.gagar_config())
+        advantages=cfg.gagar_config(), token_credit=cfg.token_credit,
+        token_gamma=cfg.advantages.token_gamma)
 
 
 def to_update_batch(batch: PackedBatch):
@@ -62,7 +63,8 @@ def to_update_batch(batch: PackedBatch):
         attention_mask=rows(batch.attention_mask), response_mask=rows(batch.response_mask),
         old_logprobs=rows(batch.old_logprobs), rewards=batch.rewards, passed=batch.passed,
         cheat=batch.cheat, tier=batch.tier, rank=batch.rank, valid=batch.valid,
-        graded=batch.graded)
+        graded=batch.graded,
+        evidence=None if batch.evidence is None else rows(batch.evidence))
 
 
 def _model_device(model):
@@ -129,7 +131,10 @@ class RLState:
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         self.state = create_train_state(self.model_config, self.config, mesh, seed=cfg.seed,
                                         params=params)
-        self.update_fn = jit_update(self.model_config, self.config, mesh)
+        # Cited-token masks travel with every graded run, so every mode reports the share of
+        # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
+        self.update_fn = jit_update(self.model_config, self.config, mesh,
+                                    with_evidence=cfg.grading.enabled)
         self.checkpointer = Checkpointer(ckpt_dir, model_config=self.model_config,
                                          update_config=self.config,
                                          keep=cfg.loop.keep_checkpoints + 1)
@@ -143,7 +148,10 @@ class RLState:
         group fields (``P`` processes; one process: the whole batch)."""
         from gagar_jax.train.update import check_batch, shard_host_batch
 
-        ub = shard_host_batch(to_update_batch(batch), self.mesh)
+        ub = to_update_batch(batch)
+        if not self.cfg.grading.enabled:
+            ub = ub._replace(evidence=None)
+        ub = shard_host_batch(ub, self.mesh)
         check_batch(ub, self.config, self.mesh)
         self.state, metrics = self.update_fn(self.state, ub)
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}

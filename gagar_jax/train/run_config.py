@@ -14,6 +14,13 @@ Modes (``config.mode``), the paper's ablation:
   verdicts do not touch the advantages.
 * ``discount_only``: low-quality passing solutions discounted without restoring the
   positive total (the ablation that breaks credit balance).
+* ``gagar_token``: ``gagar``, then each sequence advantage redistributed over its tokens by
+  ``advantages.token_importance`` (``evidence``: tokens the verdict cites get less of a positive
+  advantage; ``entropy``; ``uniform`` = ``gagar``) with strength ``advantages.token_gamma``,
+  conserving every sequence's credit (``gagar_jax.advantages.redistribute_tokens``).
+
+These are *training* modes (``TRAINING_MODES``); the advantage kernels' redistribution modes
+are ``gagar_jax.advantages.REDISTRIBUTION_MODES``. ``MODES`` is kept as an alias.
 """
 
 from __future__ import annotations
@@ -26,9 +33,12 @@ from typing import Any
 
 from gagar_jax.envs.family import family_names
 
-MODES = ("gagar", "binary", "discount_only")
+TRAINING_MODES = ("gagar", "binary", "discount_only", "gagar_token")
+MODES = TRAINING_MODES  # backward-compatible alias
 # The advantage kernels' redistribution mode for each training mode.
-_REDISTRIBUTION = {"gagar": "sum_preserving", "binary": "none", "discount_only": "discount_only"}
+_REDISTRIBUTION = {"gagar": "sum_preserving", "binary": "none", "discount_only": "discount_only",
+                   "gagar_token": "sum_preserving"}
+TOKEN_IMPORTANCE = ("evidence", "entropy", "uniform")
 
 
 class ConfigError(ValueError):
@@ -177,6 +187,8 @@ class AdvantageConfig:
     tier_factors: tuple[float, float, float] = (1.0, 0.6, 0.3)
     rank_decay: float = 0.5
     cheat_reward: float = 0.0  # reward of a confirmed cheat (the paper: 0)
+    token_importance: str = "evidence"  # mode gagar_token: evidence | entropy | uniform
+    token_gamma: float = 0.5  # mode gagar_token: weights within [1 - gamma, 1 + gamma]
 
     def __post_init__(self):
         _check(self.estimator in ("mean_centered", "grpo", "rloo"),
@@ -186,6 +198,10 @@ class AdvantageConfig:
         _check(0 <= self.rank_decay < 1, "advantages.rank_decay", "in [0, 1)", self.rank_decay)
         _check(0 <= self.cheat_reward <= 1, "advantages.cheat_reward", "in [0, 1]",
                self.cheat_reward)
+        _check(self.token_importance in TOKEN_IMPORTANCE, "advantages.token_importance",
+               "|".join(TOKEN_IMPORTANCE), self.token_importance)
+        _check(0 <= self.token_gamma <= 1, "advantages.token_gamma", "in [0, 1]",
+               self.token_gamma)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +324,7 @@ class RunConfig:
     mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):
-        _check(self.mode in MODES, "mode", "|".join(MODES), self.mode)
+        _check(self.mode in TRAINING_MODES, "mode", "|".join(TRAINING_MODES), self.mode)
         if self.mode != "binary":
             _check(self.grading.enabled, "grading.enabled",
                    f"True for mode={self.mode!r} (its advantages need verdicts)",
@@ -328,6 +344,11 @@ class RunConfig:
         return GagarConfig(estimator=a.estimator, mode=self.redistribution,
                            tier_factors=tuple(a.tier_factors), rank_decay=a.rank_decay,
                            mixed_tol=self.sampling.tol, cheat_reward=a.cheat_reward)
+
+    @property
+    def token_credit(self) -> str:
+        """The update's ``token_credit``: the importance provider in mode ``gagar_token``."""
+        return self.advantages.token_importance if self.mode == "gagar_token" else "broadcast"
 
     @property
     def batch_rollouts(self) -> int:

@@ -75,6 +75,9 @@ class Group:
     grader_cheat: list[bool] | None = None
     graded: bool = False
     fallback_reason: str | None = None
+    # Per rollout, a bool mask over its response tokens: the tokens the verdict cites as
+    # evidence (``gagar_jax.grading.evidence_tokens``); None without a verdict.
+    evidence: list[Any] | None = None
 
     def valid_mask(self) -> list[bool]:
         return [not r.infra_error for r in self.rollouts]
@@ -300,6 +303,7 @@ class PackedBatch(NamedTuple):
     rank: np.ndarray  # [G, K] int32, >= 1
     graded: np.ndarray  # [G] bool, a valid verdict arrived for the group
     valid: np.ndarray  # [G, K] bool, a real rollout (not padding, not an infra error)
+    evidence: np.ndarray | None = None  # [G, K, T] bool, response tokens a verdict cites
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -336,6 +340,7 @@ def pack_groups(groups: Sequence[Group], *, num_groups: int, num_rollouts: int,
     rank = np.ones((G, K), np.int32)
     graded = np.zeros((G,), bool)
     valid = np.zeros((G, K), bool)
+    evidence = np.zeros((G, K, T), bool)
     for gi, g in enumerate(groups):
         if len(g.rollouts) > K:
             raise ValueError(f"group {g.group_id} has {len(g.rollouts)} rollouts > "
@@ -369,7 +374,10 @@ def pack_groups(groups: Sequence[Group], *, num_groups: int, num_rollouts: int,
                 tier[gi, ki] = g.tier[ki]
             if g.rank is not None:
                 rank[gi, ki] = g.rank[ki]
+            if g.evidence is not None and g.evidence[ki] is not None:
+                ev = np.asarray(g.evidence[ki], bool)[:R]
+                evidence[gi, ki, P:P + len(ev)] = ev
     if not np.isfinite(old_lp).all():
         raise ValueError("non-finite behaviour log-probs in the batch")
     return PackedBatch(tokens, positions, attn, resp, old_lp, rewards, passed, cheat, tier, rank,
-                       graded, valid)
+                       graded, valid, evidence)

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gagar_jax.advantages import GagarConfig
+from gagar_jax.advantages import IMPORTANCE_PROVIDERS, GagarConfig
 from gagar_jax.losses import AGGREGATIONS, KL_ESTIMATORS
 from gagar_jax.models import Transformer, TransformerConfig, param_shardings
 
@@ -70,6 +70,11 @@ class UpdateConfig:
     ppo_epochs: int = 1
     # Advantage kernels (run inside the update).
     advantages: GagarConfig = GagarConfig()
+    # Token credit: "broadcast" (each sequence advantage on all its tokens, the paper's) or an
+    # importance provider ("uniform" | "entropy" | "evidence") whose importance
+    # `redistribute_tokens` uses, with strength `token_gamma` in [0, 1], inside the loss.
+    token_credit: str = "broadcast"
+    token_gamma: float = 0.5
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -91,6 +96,12 @@ class UpdateConfig:
             raise ValueError(f"update.temperature must be > 0, got {self.temperature}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"update.dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.token_credit != "broadcast" and self.token_credit not in IMPORTANCE_PROVIDERS:
+            raise ValueError(
+                f"update.token_credit must be 'broadcast' or one of "
+                f"{tuple(IMPORTANCE_PROVIDERS)}, got {self.token_credit!r}")
+        if not 0.0 <= self.token_gamma <= 1.0:
+            raise ValueError(f"update.token_gamma must be in [0, 1], got {self.token_gamma}")
         if not 0.0 <= self.end_lr_ratio <= 1.0:
             raise ValueError(f"update.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
 

@@ -13,7 +13,12 @@
    ``rollout.temperature``), and the clipped loss, with the
    sequence advantage ``[b]`` broadcast over tokens inside the fused loss expression (no
    ``[N, T]`` advantage array); normalisers are the mini-batch's token and sequence counts, so
-   the accumulated loss is the mini-batch token mean (see ``gagar_jax.losses``);
+   the accumulated loss is the mini-batch token mean (see ``gagar_jax.losses``). With
+   ``config.token_credit`` set to an importance provider, the broadcast is replaced by
+   ``redistribute_tokens`` on the micro-batch (``[b, T]``, still inside the loss), which
+   conserves every sequence's credit, and ``token_credit/*`` metrics report the conservation
+   error before and after the clip, the token-credit Gini and the positive credit on evidence
+   tokens;
 4. optax AdamW (global-norm clipped) once per mini-batch.
 
 Token alignment: ``response_mask[n, t]`` marks token ``t`` as a model-generated token to train
@@ -36,8 +41,19 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gagar_jax.advantages import gagar_advantages
-from gagar_jax.losses import PolicyLossTerms, policy_loss, token_logprobs_and_entropy
+from gagar_jax.advantages import (
+    ImportanceInputs,
+    gagar_advantages,
+    importance_provider,
+    token_credit,
+)
+from gagar_jax.advantages.tokens import redistribute_tokens_unchecked
+from gagar_jax.losses import (
+    PolicyLossTerms,
+    delivered_credit,
+    policy_loss,
+    token_logprobs_and_entropy,
+)
 from gagar_jax.models import BATCH_AXES, TransformerConfig
 from gagar_jax.train.state import (
     TrainState,
@@ -65,18 +81,22 @@ class UpdateBatch(NamedTuple):
     valid: jax.Array           # [G, K] bool
     graded: jax.Array          # [G] bool
     ref_logprobs: jax.Array | None = None  # [N, T] float32 reference log-probs (KL term)
+    evidence: jax.Array | None = None  # [N, T] bool, tokens a verdict cites (token credit)
 
 
 _TOKEN_FIELDS = ("tokens", "positions", "attention_mask", "response_mask", "old_logprobs",
-                 "ref_logprobs")
+                 "ref_logprobs", "evidence")
 
 
-def batch_shardings(mesh: Mesh, with_ref: bool = False) -> UpdateBatch:
+def batch_shardings(mesh: Mesh, with_ref: bool = False, with_evidence: bool = False
+                    ) -> UpdateBatch:
     rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
     rep = NamedSharding(mesh, PartitionSpec())
     fields = {f: (rows if f in _TOKEN_FIELDS else rep) for f in UpdateBatch._fields}
     if not with_ref:
         fields["ref_logprobs"] = None
+    if not with_evidence:
+        fields["evidence"] = None
     return UpdateBatch(**fields)
 
 
@@ -98,6 +118,8 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
         raise ValueError(f"batch.graded must be [G={g}], got {np.shape(batch.graded)}")
     if config.kl_coef > 0 and batch.ref_logprobs is None:
         raise ValueError("batch.ref_logprobs [N, T] is required when update.kl_coef > 0")
+    if config.token_credit == "evidence" and batch.evidence is None:
+        raise ValueError("batch.evidence [N, T] is required when update.token_credit='evidence'")
     chunks = config.num_minibatches * config.num_microbatches
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     if n % (chunks * shards):
@@ -134,8 +156,11 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
                   old_logprobs=batch.old_logprobs, advantages=seq_adv)
     if batch.ref_logprobs is not None:
         fields["ref_logprobs"] = batch.ref_logprobs
+    if batch.evidence is not None:
+        fields["evidence"] = batch.evidence
     m, a = config.num_minibatches, config.num_microbatches
     data = {key: _split(v, m, a, mesh) for key, v in fields.items()}
+    token_keys = _token_metric_keys(config, batch.evidence is not None)
 
     def loss_fn(params, mb, num_tokens, num_seqs):
         model = nnx.merge(graphdef, params)
@@ -148,14 +173,30 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         logprobs, entropy = token_logprobs_and_entropy(logits, next_tokens)
         logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
         ref = mb.get("ref_logprobs")
+        mask = mb["response_mask"][:, 1:]
+        evidence = mb["evidence"][:, 1:] if "evidence" in mb else None
+        advantages = mb["advantages"]  # [b]: broadcast inside the fused loss
+        if config.token_credit != "broadcast":
+            importance = importance_provider(config.token_credit)(
+                ImportanceInputs(mask=mask, entropy=entropy, evidence=evidence))
+            advantages = redistribute_tokens_unchecked(
+                mb["advantages"], importance, mask, gamma=config.token_gamma)  # [b, T - 1]
         terms = policy_loss(
-            logprobs, mb["old_logprobs"][:, 1:], mb["advantages"], mb["response_mask"][:, 1:],
+            logprobs, mb["old_logprobs"][:, 1:], advantages, mask,
             entropy, None if ref is None else ref[:, 1:],
             clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
             aggregation=config.aggregation, kl_coef=config.kl_coef,
             kl_estimator=config.kl_estimator, entropy_coef=config.entropy_coef,
             num_tokens=num_tokens, num_seqs=num_seqs)
-        return terms.loss, terms
+        extra = {}
+        if token_keys:
+            extra = _token_metrics(advantages, mb["advantages"], mask, evidence, logprobs,
+                                   mb["old_logprobs"][:, 1:], config, num_tokens, num_seqs)
+        # training-inference mismatch: |trainer log-prob - engine log-prob| on the engine's own
+        # tokens (meaningful at the first optimizer step, before the parameters move)
+        diff = jnp.abs(logprobs - mb["old_logprobs"][:, 1:])
+        max_diff = jnp.max(jnp.where(mb["response_mask"][:, 1:], diff, 0.0), initial=0.0)
+        return terms.loss, (terms, extra, jax.lax.stop_gradient(max_diff))
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -167,18 +208,22 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         num_seqs = jnp.sum(jnp.any(mask, axis=-1).astype(jnp.float32))
 
         def micro(acc, mb):
-            (_, terms), grads = grad_fn(params, mb, num_tokens, num_seqs)
-            return jax.tree.map(jnp.add, acc, (grads, terms)), None
+            (_, (terms, extra, max_diff)), grads = grad_fn(params, mb, num_tokens, num_seqs)
+            acc_gt, acc_diff = acc
+            return (jax.tree.map(jnp.add, acc_gt, (grads, terms, extra)),
+                    jnp.maximum(acc_diff, max_diff)), None
 
         zero = jnp.zeros((), jnp.float32)
-        zeros = (jax.tree.map(jnp.zeros_like, params),
-                 PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields))))
-        (grads, terms), _ = jax.lax.scan(micro, zeros, mb_all)
+        zeros = ((jax.tree.map(jnp.zeros_like, params),
+                  PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields))),
+                  {k: zero for k in token_keys}), zero)
+        ((grads, terms, extra), max_diff), _ = jax.lax.scan(micro, zeros, mb_all)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        out = dict(terms._asdict(), grad_norm=grad_norm, learning_rate=schedule(opt_step),
-                   tokens=num_tokens)
+        out = dict(terms._asdict(), **extra, grad_norm=grad_norm,
+                   learning_rate=schedule(opt_step), tokens=num_tokens,
+                   logprob_max_abs_diff=max_diff)
         return (params, opt_state, opt_step + 1), out
 
     steps_per_update = config.optimizer_steps_per_update
@@ -187,11 +232,14 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         minibatch, (state.params, state.opt_state, opt_step0), jnp.arange(steps_per_update))
 
     metrics = {k: jnp.mean(v) for k, v in per_step.items() if k != "learning_rate"}
+    if token_keys:
+        metrics.update(_token_metric_ratios(per_step))
     metrics["pg_loss_first"] = per_step["pg_loss"][0]  # on-policy value of the first step
     # first optimizer step: on-policy, so ratio 1 and k3 KL 0 unless the update scores another
     # distribution than the sampler's (the temperature check)
     metrics["ratio_mean_first"] = per_step["ratio_mean"][0]
     metrics["approx_kl_first"] = per_step["approx_kl"][0]
+    metrics["logprob_max_abs_diff_first"] = per_step["logprob_max_abs_diff"][0]
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
     metrics["learning_rate"] = per_step["learning_rate"][-1]
     metrics["tokens"] = jnp.sum(resp[:, 1:].astype(jnp.float32))
@@ -204,8 +252,68 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     return new_state, metrics
 
 
+def _token_metric_keys(config: UpdateConfig, has_evidence: bool) -> tuple[str, ...]:
+    """Static names of the token-credit sums the loss accumulates (none for the broadcast)."""
+    if config.token_credit == "broadcast" and not has_evidence:
+        return ()
+    keys = ("token_credit/conservation_error", "token_credit/conservation_error_clipped",
+            "token_credit/delivered_abs", "token_credit/gini", "token_credit/positive")
+    return keys + (("token_credit/positive_on_evidence",) if has_evidence else ())
+
+
+def _token_metrics(tok_adv, seq_adv, mask, evidence, logprobs, old_logprobs,
+                   config: UpdateConfig, num_tokens, num_seqs) -> dict[str, jax.Array]:
+    """Token-credit sums of one micro-batch, normalised like the loss (they add up exactly).
+
+    ``conservation_error``: ``sum_seq |sum_t A_t - n A|`` (the kernel's; 0 up to rounding);
+    ``conservation_error_clipped``: ``sum_seq |sum_t (A_t - A) r_t [active_t]|``, the credit the
+    clipped surrogate delivers with token credit minus what it delivers with the broadcast (the
+    clip set is the same for both: it depends on the ratio and the sign only); both over
+    ``num_tokens``, with ``delivered_abs`` = ``sum_t |A_t r_t [active_t]|`` as their scale.
+    ``gini``: mean over sequences of the Gini of ``|A_t|``. ``positive`` /
+    ``positive_on_evidence``: positive token credit in all / on cited tokens.
+    """
+    sg = jax.lax.stop_gradient
+    tok_adv = jnp.broadcast_to(tok_adv if tok_adv.ndim == 2 else tok_adv[:, None], mask.shape)
+    tok_adv = sg(tok_adv.astype(jnp.float32))
+    seq_adv = sg(seq_adv.astype(jnp.float32))
+    ratio = jnp.exp(jnp.clip(sg(logprobs - old_logprobs), -20.0, 20.0))
+    clip = dict(clip_low=config.clip_low, clip_high=config.clip_high,
+                dual_clip=config.dual_clip)
+    maskf = mask.astype(jnp.float32)
+    delivered = delivered_credit(tok_adv, ratio, **clip) * maskf
+    broadcast = delivered_credit(jnp.broadcast_to(seq_adv[:, None], mask.shape), ratio, **clip)
+    tc = token_credit(tok_adv, seq_adv, mask, evidence)
+    per_tok = lambda x: jnp.sum(x) / jnp.maximum(num_tokens, 1.0)
+    out = {
+        "token_credit/conservation_error": per_tok(tc.error_sum),
+        "token_credit/conservation_error_clipped": per_tok(
+            jnp.abs(jnp.sum(delivered - broadcast * maskf, axis=-1))),
+        "token_credit/delivered_abs": per_tok(jnp.abs(delivered)),
+        "token_credit/gini": jnp.sum(tc.gini) / jnp.maximum(num_seqs, 1.0),
+        "token_credit/positive": per_tok(tc.positive),
+    }
+    if evidence is not None:
+        out["token_credit/positive_on_evidence"] = per_tok(tc.positive_on_evidence)
+    return out
+
+
+def _token_metric_ratios(per_step: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Shares from the accumulated sums (ratios of sums, not means of ratios)."""
+    out = {}
+    delivered = jnp.maximum(jnp.sum(per_step["token_credit/delivered_abs"]), 1e-30)
+    out["token_credit/conservation_error_clipped_rel"] = (
+        jnp.sum(per_step["token_credit/conservation_error_clipped"]) / delivered)
+    if "token_credit/positive_on_evidence" in per_step:
+        pos = jnp.sum(per_step["token_credit/positive"])
+        out["token_credit/evidence_share"] = jnp.where(
+            pos > 0, jnp.sum(per_step["token_credit/positive_on_evidence"])
+            / jnp.where(pos > 0, pos, 1.0), 0.0)
+    return out
+
+
 def jit_update(model_config: TransformerConfig, config: UpdateConfig, mesh: Mesh, *,
-               with_ref: bool = False, wrap=None):
+               with_ref: bool = False, with_evidence: bool = False, wrap=None):
     """``update(state, batch) -> (state, metrics)`` jitted with explicit shardings.
 
     The state is donated. Returns the jitted function; it compiles once per batch shape.
@@ -220,7 +328,7 @@ def jit_update(model_config: TransformerConfig, config: UpdateConfig, mesh: Mesh
 
     if wrap is not None:
         fn = wrap(fn)
-    return jax.jit(fn, in_shardings=(st_sh, batch_shardings(mesh, with_ref)),
+    return jax.jit(fn, in_shardings=(st_sh, batch_shardings(mesh, with_ref, with_evidence)),
                    out_shardings=(st_sh, rep), donate_argnums=(0,))
 
 
@@ -229,7 +337,7 @@ def shard_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
 
     Works in single- and multi-process runs: each process materialises only its own shards.
     """
-    shardings = batch_shardings(mesh, batch.ref_logprobs is not None)
+    shardings = batch_shardings(mesh, batch.ref_logprobs is not None, batch.evidence is not None)
 
     def put(x, sharding):
         if x is None:
@@ -250,7 +358,7 @@ def shard_host_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
     small ``[G, K]`` group fields are global (identical on every process) and replicated. With
     one process the local rows are all rows and this equals :func:`shard_batch`.
     """
-    shardings = batch_shardings(mesh, batch.ref_logprobs is not None)
+    shardings = batch_shardings(mesh, batch.ref_logprobs is not None, batch.evidence is not None)
     g, k = np.shape(batch.rewards)
     n = g * k
 

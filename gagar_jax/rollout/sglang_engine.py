@@ -1,0 +1,258 @@
+"""SGLang as the training loop's rollout engine, with weight sync as a protocol.
+
+``SGLangEngine`` wraps an :class:`~gagar_jax.rollout.sglang_client.SGLangClient` (one server or
+a router) and implements ``RolloutEngine``. ``sync_weights(params, version)`` after every update:
+
+1. **pause**: new ``generate`` calls wait at a gate;
+2. **drain**: in-flight calls finish (up to ``drain_timeout_s``); past it the server is asked to
+   abort them (``/abort_request``), the client retries every aborted request, and since a retry
+   may be served by either weight version, the sample-level version check below resubmits it;
+3. **export** the new weights atomically: ``export_fn`` writes the safetensors directory under a
+   temporary name, which is renamed to ``sync_dir/v<version>`` only when complete (a reader
+   never sees a half-written checkpoint);
+4. ``/update_weights_from_disk`` with ``weight_version = version``; the client checks the
+   version every worker reports (a router's workers one by one);
+5. **flush** the prefix cache (``/flush_cache``: no KV entry of the old weights is reused);
+6. **resume** the gate.
+
+Failure: if step 4 fails or only some workers report the new version, every worker is rolled
+back to the previous version's directory and the update is retried (``max_sync_attempts``); if
+the rollback itself fails the error says so. The previous directory is kept until the next
+update succeeds.
+
+Version check: every sample carries the ``weight_version`` its server reported. A sample whose
+version differs from the engine's current one (an in-flight request that crossed an update, a
+server restarted from its launch weights after a crash, which reports ``default``) is never
+returned: if the server is behind, the current weights are pushed to it again, then the slot is
+resubmitted with the same seed. Each slot is filled exactly once (none lost, none duplicated).
+
+Counters in ``engine.metrics``: syncs, sync_failures, rollbacks, drain_aborts, resubmitted,
+repushes.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+
+from gagar_jax.rollout.sglang_client import SGLangClient, SGLangError
+from gagar_jax.rollout.types import Sample, SamplingParams
+
+
+class WeightSyncError(RuntimeError):
+    """The server could not be brought to a consistent weight version."""
+
+
+class SGLangEngine:
+    """``RolloutEngine`` over SGLang with the weight-sync protocol (module docstring).
+
+    Args:
+      client: the SGLang client (server or router URL).
+      export_fn: ``export_fn(params, directory)`` writes the weights as an HF safetensors
+        directory (only called with a fresh, empty ``directory``). None: ``sync_weights`` takes
+        a directory path.
+      sync_dir: where exported versions live (``v<version>``); readable by the server.
+      drain_timeout_s: how long in-flight generations may take before they are aborted.
+      max_sync_attempts: update attempts (each failed one rolled back) before giving up.
+      max_resubmits: per generate call, how often stale slots are resubmitted before it fails.
+      keep_versions: exported directories kept (the current and the previous one at least).
+    """
+
+    def __init__(self, client: SGLangClient, *, export_fn: Callable[[Any, str], None] | None,
+                 sync_dir: str, drain_timeout_s: float = 60.0, max_sync_attempts: int = 3,
+                 max_resubmits: int = 4, keep_versions: int = 2):
+        self.client = client
+        self.export_fn = export_fn
+        self.sync_dir = sync_dir
+        self.drain_timeout_s = float(drain_timeout_s)
+        self.max_sync_attempts = int(max_sync_attempts)
+        self.max_resubmits = int(max_resubmits)
+        self.keep_versions = max(int(keep_versions), 2)
+        self.version: int | None = None  # the version every sample must carry (None: launch)
+        self.path: str | None = None  # the directory of that version
+        self.metrics: collections.Counter[str] = collections.Counter()
+        self._cond = threading.Condition()
+        self._weights = threading.RLock()  # one weight operation at a time (sync, repush)
+        self._paused = False
+        self._inflight = 0
+
+    # ---- generation ------------------------------------------------------------------------
+    def _enter(self) -> None:
+        with self._cond:
+            while self._paused:
+                self._cond.wait()
+            self._inflight += 1
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    @staticmethod
+    def sample_version(sample: Sample) -> str:
+        """The weight version the serving worker reported for ``sample`` ("default" = its
+        launch weights)."""
+        return str(sample.meta.get("weight_version", sample.policy_version))
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 prompt_seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+        """``prompt_seeds``: one seed per prompt (the client's), so a prompt's samples do not
+        depend on the other prompts of the call (multi-host loops split prompts over hosts)."""
+        self._enter()
+        try:
+            out = self.client.generate(prompts, params, prompt_seeds=prompt_seeds)
+            for attempt in range(self.max_resubmits + 1):
+                stale = [(i, j) for i, row in enumerate(out) for j, s in enumerate(row)
+                         if not self._current(s)]
+                if not stale:
+                    return out
+                if attempt == self.max_resubmits:
+                    break
+                self.metrics["resubmitted"] += len(stale)
+                self._repush_if_behind(out[stale[0][0]][stale[0][1]])
+                for i, j in stale:
+                    # the slot's own seed, as the client derives it for (prompt i, sample j)
+                    if prompt_seeds is not None:
+                        seed = (int(prompt_seeds[i]) + j) % 2**31
+                    else:
+                        seed = None if params.seed is None else params.seed + 1_000_003 * i + j
+                    one = SamplingParams(n=1, temperature=params.temperature,
+                                         top_p=params.top_p, top_k=params.top_k,
+                                         max_tokens=params.max_tokens,
+                                         stop_token_ids=params.stop_token_ids, seed=seed)
+                    out[i][j] = self.client.generate([prompts[i]], one)[0][0]
+            raise WeightSyncError(
+                f"{len(stale)} sample(s) still carry another weight version than "
+                f"{self.version} after {self.max_resubmits} resubmissions "
+                f"({self.client.base_url})")
+        finally:
+            self._leave()
+
+    async def agenerate(self, prompts, params, *, prompt_seeds=None):
+        import asyncio
+
+        return await asyncio.to_thread(self.generate, prompts, params,
+                                       prompt_seeds=prompt_seeds)
+
+    def _current(self, sample: Sample) -> bool:
+        if sample.finish_reason == "abort":
+            return True  # an empty abort sample (client on_failure="abort"): no tokens to tag
+        want = "default" if self.version is None else str(self.version)
+        return self.sample_version(sample) == want
+
+    def _repush_if_behind(self, sample: Sample) -> None:
+        """A worker serving other weights than ours (e.g. restarted from its launch
+        checkpoint): push the current version again (every worker)."""
+        with self._weights:  # after a concurrent sync: push what is current now
+            if self.path is None or self.version is None:
+                return
+            self.metrics["repushes"] += 1
+            self.client.update_weights_from_disk(self.path, self.version)
+            self._flush()
+
+    # ---- weight sync -----------------------------------------------------------------------
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        with self._cond:
+            while self._inflight and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if not self._inflight:
+                return
+        # still running: abort them on the server; the client retries each aborted request
+        # and the version check resubmits what crossed the update
+        self.metrics["drain_aborts"] += 1
+        self._post("/abort_request", {"rid": "", "abort_all": True})
+
+    def _post(self, path: str, payload: dict | None = None) -> bool:
+        try:
+            r = httpx.post(f"{self.client.base_url}{path}", json=payload, timeout=30.0,
+                           trust_env=False)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _flush(self) -> None:
+        if not self._post("/flush_cache"):
+            self.metrics["flush_failures"] += 1
+
+    def _export(self, params, version: int) -> str:
+        os.makedirs(self.sync_dir, exist_ok=True)
+        final = os.path.join(self.sync_dir, f"v{version:06d}")
+        tmp = f"{final}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        self.export_fn(params, tmp)
+        for name in os.listdir(tmp):  # the files are complete on disk before the rename
+            fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        shutil.rmtree(final, ignore_errors=True)  # a stale export of this version
+        os.replace(tmp, final)
+        return final
+
+    def _prune(self) -> None:
+        if not os.path.isdir(self.sync_dir):
+            return
+        keep = {os.path.basename(p) for p in (self.path,) if p}
+        names = sorted(n for n in os.listdir(self.sync_dir)
+                       if n.startswith("v") and n[1:].isdigit())
+        for n in names[: max(len(names) - self.keep_versions, 0)]:
+            if n not in keep:
+                shutil.rmtree(os.path.join(self.sync_dir, n), ignore_errors=True)
+
+    def sync_weights(self, params_or_path: Any, version: int) -> int:
+        """The protocol of the module docstring; returns the version every worker reports."""
+        version = int(version)
+        with self._cond:
+            self._paused = True
+        try:
+            self._drain()
+            if isinstance(params_or_path, (str, os.PathLike)):
+                path = os.fspath(params_or_path)
+            elif self.export_fn is None:
+                raise TypeError("SGLangEngine.sync_weights got parameters but has no export_fn")
+            else:
+                path = self._export(params_or_path, version)
+            last: Exception | None = None
+            with self._weights:
+                for _ in range(self.max_sync_attempts):
+                    try:
+                        got = self.client.update_weights_from_disk(path, version)
+                        self._flush()
+                        self.version, self.path = got, path
+                        self.metrics["syncs"] += 1
+                        self._prune()
+                        return got
+                    except SGLangError as e:
+                        last = e
+                        self.metrics["sync_failures"] += 1
+                        self._rollback()
+            raise WeightSyncError(
+                f"weight sync to version {version} failed {self.max_sync_attempts} times at "
+                f"{self.client.base_url}; rolled back to {self.version}: {last}")
+        finally:
+            with self._cond:
+                self._paused = False
+                self._cond.notify_all()
+
+    def _rollback(self) -> None:
+        """Every worker back to the previous version (a partial update leaves a mix)."""
+        if self.path is None or self.version is None:
+            return  # nothing pushed yet: the launch weights are the previous version
+        self.metrics["rollbacks"] += 1
+        try:
+            self.client.update_weights_from_disk(self.path, self.version)
+            self._flush()
+        except SGLangError as e:
+            raise WeightSyncError(
+                f"rollback to version {self.version} ({self.path}) failed at "
+                f"{self.client.base_url}: {e}; the workers may serve mixed versions") from e
