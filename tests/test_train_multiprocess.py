@@ -460,3 +460,20 @@ def test_streaming_export_of_sharded_params_equals_the_plain_export(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), b)
     save_hf_safetensors_streaming(state.params, mc, str(tmp_path / "other"), writer=False)
     assert not os.path.exists(tmp_path / "other")
+
+
+def test_step_counters_merge_over_hosts():
+    """Counters of several hosts (as exchanged: JSON) sum; times take the slowest host."""
+    import dataclasses
+
+    from gagar_jax.train.loop import StepCounters
+
+    a, b = make_group("a", 2), make_group("b", 4)
+    ca, cb, both = StepCounters(), StepCounters(), StepCounters()
+    ca.add(a), cb.add(b), both.add(a), both.add(b)
+    ca.gen_time, cb.gen_time = 1.0, 3.0
+    parts = [json.loads(json.dumps(dataclasses.asdict(c))) for c in (ca, cb)]
+    merged = StepCounters.merged(parts)
+    assert merged.gen_time == 3.0
+    both.gen_time = 3.0
+    assert merged == both

@@ -137,8 +137,16 @@ class StepCounters:
         out = cls()
         for f in dataclasses.fields(cls):
             values = [p[f.name] for p in parts]
-            setattr(out, f.name, max(values) if f.name.endswith("_time") else
-                    type(getattr(out, f.name))(sum(values)))
+            if isinstance(getattr(out, f.name), dict):  # by_version: key -> [counts], summed
+                merged: dict = {}
+                for v in values:  # (JSON turned the int keys into strings)
+                    for key, counts in v.items():
+                        acc = merged.setdefault(int(key), [0] * len(counts))
+                        merged[int(key)] = [a + b for a, b in zip(acc, counts)]
+                setattr(out, f.name, merged)
+            else:
+                setattr(out, f.name, max(values) if f.name.endswith("_time") else
+                        type(getattr(out, f.name))(sum(values)))
         return out
 
     def metrics(self) -> dict[str, float]:
