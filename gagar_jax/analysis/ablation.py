@@ -70,6 +70,14 @@ def series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list
     return xs, ys
 
 
+def is_complete(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """True when the run reached its final evaluation (the loop evaluates after the last
+    step, at ``step = last train step + 1``); a run still in progress or killed is not."""
+    train = [int(r["step"]) for r in rows if r.get("phase") == "train"]
+    evals = [int(r["step"]) for r in rows if r.get("phase") == "eval"]
+    return bool(train) and bool(evals) and max(evals) >= max(train) + 1
+
+
 def run_summary(rows: Sequence[Mapping[str, Any]], *, window: int = 5) -> dict[str, float]:
     """``{key_first, key_last}`` per metric, plus ``credit_imbalance`` and ``entropy_drift``."""
     out: dict[str, float] = {}
@@ -261,7 +269,8 @@ def compare_seeds(
 ) -> str:
     """Reads ``root/<mode>/seed<s>``, writes ``out_dir/ablation.{md,png,json}``; returns the md.
 
-    Missing runs are skipped and listed (a sweep cut short is reported as such, never padded).
+    Missing and unfinished runs are skipped and listed (a sweep cut short is reported as such,
+    never padded).
     """
     runs: dict[str, list] = {}
     summaries: dict[str, list] = {}
@@ -273,6 +282,9 @@ def compare_seeds(
                 rows = read_rows(wd)
             except FileNotFoundError:
                 missing.append(wd)
+                continue
+            if not is_complete(rows):
+                missing.append(wd + " (unfinished)")
                 continue
             runs.setdefault(mode, []).append(rows)
             summaries.setdefault(mode, []).append(run_summary(rows, window=window))
