@@ -244,16 +244,17 @@ def plot(
     return out_path
 
 
-def replace_readme_block(readme_path: str, text: str) -> None:
-    """Replaces the text between ``README_BEGIN`` and ``README_END`` (both must be present)."""
+def replace_readme_block(readme_path: str, text: str, block: str = "ablation-table") -> None:
+    """Replaces the text between ``<!-- block:begin -->`` and ``<!-- block:end -->``."""
+    begin, end = f"<!-- {block}:begin -->", f"<!-- {block}:end -->"
     with open(readme_path, encoding="utf-8") as f:
         doc = f.read()
-    if README_BEGIN not in doc or README_END not in doc:
-        raise ValueError(f"{readme_path}: no {README_BEGIN} ... {README_END} block to replace")
-    head, rest = doc.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
+    if begin not in doc or end not in doc:
+        raise ValueError(f"{readme_path}: no {begin} ... {end} block to replace")
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
     with open(readme_path, "w", encoding="utf-8") as f:
-        f.write(f"{head}{README_BEGIN}\n{text}\n{README_END}{tail}")
+        f.write(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
 def compare_seeds(
@@ -266,6 +267,8 @@ def compare_seeds(
     command: str = "",
     readme: str | None = None,
     title: str = "",
+    readme_block: str = "ablation-table",
+    image: str | None = None,
 ) -> str:
     """Reads ``root/<mode>/seed<s>``, writes ``out_dir/ablation.{md,png,json}``; returns the md.
 
@@ -302,12 +305,15 @@ def compare_seeds(
     if missing:
         text += "\n\nMissing runs (not included): " + ", ".join(missing)
     os.makedirs(out_dir, exist_ok=True)
+    counts = ", ".join(f"{m}: {len(r)}" for m, r in runs.items())
+    title = f"{title} (finished seeds per mode: {counts})" if title else counts
     png = plot(runs, os.path.join(out_dir, "ablation.png"), title=title)
-    text += f"\n\n![ablation]({os.path.basename(png)})"
+    # The markdown's image link: relative to the markdown by default, `image` for a README.
+    text += f"\n\n![ablation]({image or os.path.basename(png)})"
     with open(os.path.join(out_dir, "ablation.md"), "w", encoding="utf-8") as f:
         f.write(text + "\n")
     with open(os.path.join(out_dir, "ablation.json"), "w", encoding="utf-8") as f:
         json.dump({"summaries": summaries, "aggregate": agg, "fit": fit}, f, indent=1)
     if readme:
-        replace_readme_block(readme, text)
+        replace_readme_block(readme, text, readme_block)
     return text
