@@ -407,3 +407,27 @@ def shard_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
     return UpdateBatch(*[put(x, s) for x, s in zip(batch, shardings)])
+
+
+def shard_host_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
+    """This process's rows + the global group arrays -> global sharded jax arrays.
+
+    The multi-host form of :func:`shard_batch`: the ``[N_local, T]`` token fields hold only the
+    rows this process's devices own (process ``p``: rows ``[p * N_local, (p + 1) * N_local)``,
+    see ``gagar_jax.train.multihost.check_process_rows``), assembled with
+    ``jax.make_array_from_process_local_data``, so no host holds another host's rollouts; the
+    small ``[G, K]`` group fields are global (identical on every process) and replicated. With
+    one process the local rows are all rows and this equals :func:`shard_batch`.
+    """
+    shardings = batch_shardings(mesh, batch.ref_logprobs is not None, batch.evidence is not None)
+    g, k = np.shape(batch.rewards)
+    n = g * k
+
+    def put(name, x, sharding):
+        if x is None:
+            return None
+        x = np.asarray(x)
+        shape = (n,) + x.shape[1:] if name in _TOKEN_FIELDS else x.shape
+        return jax.make_array_from_process_local_data(sharding, x, shape)
+
+    return UpdateBatch(*[put(f, x, s) for f, x, s in zip(UpdateBatch._fields, batch, shardings)])
