@@ -31,6 +31,12 @@ flags.DEFINE_list(
 flags.DEFINE_integer("seeds", 0, "Multi-seed mode: seeds 0..SEEDS-1 under each mode.")
 flags.DEFINE_string("readme", None, "Multi-seed mode: README whose ablation block to rewrite.")
 flags.DEFINE_string("command", "", "Multi-seed mode: the command that produced the runs.")
+flags.DEFINE_string(
+    "readme_block",
+    "ablation-table",
+    "Multi-seed mode: the README block (<!-- NAME:begin/end -->) to rewrite.",
+)
+flags.DEFINE_string("image", None, "Multi-seed mode: the plot's link in the markdown.")
 flags.DEFINE_list("labels", None, "Labels (default: the directory names).")
 flags.DEFINE_string("out", None, "Output directory (default: the parent of the first workdir).")
 flags.DEFINE_integer("window", 5, "Steps averaged for the first/last figures.")
@@ -55,7 +61,9 @@ def main(argv):
                 window=FLAGS.window,
                 command=FLAGS.command,
                 readme=FLAGS.readme,
-                title=f"toy ablation: {FLAGS.seeds} seed(s) per mode",
+                title="toy ablation, mean ± 1 SE over seeds",
+                readme_block=FLAGS.readme_block,
+                image=FLAGS.image,
             )
         )
         return

@@ -14,8 +14,8 @@ from gagar_jax.analysis import ablation
 def _write_run(path, *, entropy, ratio, eval_pass):
     os.makedirs(path, exist_ok=True)
     rows = []
-    for i, p in enumerate(eval_pass):
-        rows.append({"step": 10 * i, "phase": "eval", "eval_pass_rate": p})
+    for i, p in enumerate(eval_pass):  # step 0 and, for a finished run, after the last step
+        rows.append({"step": i * len(entropy), "phase": "eval", "eval_pass_rate": p})
     for step, (e, r) in enumerate(zip(entropy, ratio)):
         rows.append(
             {
@@ -44,6 +44,8 @@ def test_compare_seeds(tmp_path):
                 ratio=[1 - imbalance] * 10,
                 eval_pass=[0.4, 0.4 + g],
             )
+    # An unfinished run (no final evaluation) is left out and listed, never averaged in.
+    _write_run(root / "gagar_token" / "seed1", entropy=[0.3] * 3, ratio=[1.0] * 3, eval_pass=[0.4])
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{ablation.README_BEGIN}\nold\n{ablation.README_END}\nrest\n")
     text = ablation.compare_seeds(
@@ -63,6 +65,7 @@ def test_compare_seeds(tmp_path):
     fit = data["fit"]
     assert fit["n"] == 6 and fit["slope"] == pytest.approx(2.0) and fit["r"] == pytest.approx(1)
     assert "Missing runs" in text and "gagar_token/seed0" in text  # never padded
+    assert "gagar_token/seed1 (unfinished)" in text and "| gagar_token |" not in text
     assert (tmp_path / "out" / "ablation.png").stat().st_size > 10_000
     doc = readme.read_text()
     assert doc.startswith("intro\n") and doc.endswith("rest\n") and "old" not in doc

@@ -220,7 +220,8 @@ def test_loopback_connection(mech, workdir):
 
 @needs_root
 def test_write_outside_workdir(mech, workdir):
-    with tempfile.TemporaryDirectory(prefix="gagar_sb_outside_") as outside:
+    # In /tmp itself: a TMPDIR under a private 0700 directory would hide it from every uid.
+    with tempfile.TemporaryDirectory(prefix="gagar_sb_outside_", dir="/tmp") as outside:
         os.chmod(outside, 0o777)  # world-writable: only namespaces keep it out of reach
         target = os.path.join(outside, "pwned")
         cmd = f"echo x > {target}; echo x > /usr/pwned; echo x > /etc/pwned; echo x > ok"

@@ -70,6 +70,14 @@ def series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list
     return xs, ys
 
 
+def is_complete(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """True when the run reached its final evaluation (the loop evaluates after the last
+    step, at ``step = last train step + 1``); a run still in progress or killed is not."""
+    train = [int(r["step"]) for r in rows if r.get("phase") == "train"]
+    evals = [int(r["step"]) for r in rows if r.get("phase") == "eval"]
+    return bool(train) and bool(evals) and max(evals) >= max(train) + 1
+
+
 def run_summary(rows: Sequence[Mapping[str, Any]], *, window: int = 5) -> dict[str, float]:
     """``{key_first, key_last}`` per metric, plus ``credit_imbalance`` and ``entropy_drift``."""
     out: dict[str, float] = {}
@@ -236,16 +244,17 @@ def plot(
     return out_path
 
 
-def replace_readme_block(readme_path: str, text: str) -> None:
-    """Replaces the text between ``README_BEGIN`` and ``README_END`` (both must be present)."""
+def replace_readme_block(readme_path: str, text: str, block: str = "ablation-table") -> None:
+    """Replaces the text between ``<!-- block:begin -->`` and ``<!-- block:end -->``."""
+    begin, end = f"<!-- {block}:begin -->", f"<!-- {block}:end -->"
     with open(readme_path, encoding="utf-8") as f:
         doc = f.read()
-    if README_BEGIN not in doc or README_END not in doc:
-        raise ValueError(f"{readme_path}: no {README_BEGIN} ... {README_END} block to replace")
-    head, rest = doc.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
+    if begin not in doc or end not in doc:
+        raise ValueError(f"{readme_path}: no {begin} ... {end} block to replace")
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
     with open(readme_path, "w", encoding="utf-8") as f:
-        f.write(f"{head}{README_BEGIN}\n{text}\n{README_END}{tail}")
+        f.write(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
 def compare_seeds(
@@ -258,10 +267,13 @@ def compare_seeds(
     command: str = "",
     readme: str | None = None,
     title: str = "",
+    readme_block: str = "ablation-table",
+    image: str | None = None,
 ) -> str:
     """Reads ``root/<mode>/seed<s>``, writes ``out_dir/ablation.{md,png,json}``; returns the md.
 
-    Missing runs are skipped and listed (a sweep cut short is reported as such, never padded).
+    Missing and unfinished runs are skipped and listed (a sweep cut short is reported as such,
+    never padded).
     """
     runs: dict[str, list] = {}
     summaries: dict[str, list] = {}
@@ -273,6 +285,9 @@ def compare_seeds(
                 rows = read_rows(wd)
             except FileNotFoundError:
                 missing.append(wd)
+                continue
+            if not is_complete(rows):
+                missing.append(wd + " (unfinished)")
                 continue
             runs.setdefault(mode, []).append(rows)
             summaries.setdefault(mode, []).append(run_summary(rows, window=window))
@@ -290,12 +305,15 @@ def compare_seeds(
     if missing:
         text += "\n\nMissing runs (not included): " + ", ".join(missing)
     os.makedirs(out_dir, exist_ok=True)
+    counts = ", ".join(f"{m}: {len(r)}" for m, r in runs.items())
+    title = f"{title} (finished seeds per mode: {counts})" if title else counts
     png = plot(runs, os.path.join(out_dir, "ablation.png"), title=title)
-    text += f"\n\n![ablation]({os.path.basename(png)})"
+    # The markdown's image link: relative to the markdown by default, `image` for a README.
+    text += f"\n\n![ablation]({image or os.path.basename(png)})"
     with open(os.path.join(out_dir, "ablation.md"), "w", encoding="utf-8") as f:
         f.write(text + "\n")
     with open(os.path.join(out_dir, "ablation.json"), "w", encoding="utf-8") as f:
         json.dump({"summaries": summaries, "aggregate": agg, "fit": fit}, f, indent=1)
     if readme:
-        replace_readme_block(readme, text)
+        replace_readme_block(readme, text, readme_block)
     return text

@@ -511,7 +511,11 @@ def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[s
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     metrics_io.truncate_jsonl(metrics_path, keep_before_step=start)
     writer = metrics_io.MetricsWriter(
-        workdir, total_steps=cfg.loop.steps, start_step=start, tensorboard=False
+        workdir,
+        total_steps=cfg.loop.steps,
+        start_step=start,
+        tensorboard=False,
+        primary=jax.process_index() == 0,
     )
     writer.log(
         f"{cfg.name}: mode {obj.mode}, {len(examples)} feedback records "

@@ -98,10 +98,19 @@ def sample_token(logits, key, temperature, top_p, top_k):
         thresh = jnp.maximum(kth, p_thresh)
         return jnp.where(x >= thresh, x, -jnp.inf)
 
-    need = (top_k > 0) | (top_p < 1.0)
-    masked = jax.lax.cond(need, truncate, lambda x: x, scaled)
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    def draw(x):
+        need = (top_k > 0) | (top_p < 1.0)
+        masked = jax.lax.cond(need, truncate, lambda y: y, x)
+        return jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
+
+    # Greedy rows skip the [B, V] Gumbel noise and the truncation entirely (a traced branch:
+    # one program serves greedy and sampled calls).
+    tokens = jax.lax.cond(
+        greedy,
+        lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        lambda x: draw(x).astype(jnp.int32),
+        scaled,
+    )
     lp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     return tokens, lp
 

@@ -683,7 +683,7 @@ def _seccomp_fd(mechanism: str) -> int | None:
 
 
 def _disk_usage(root: str, max_entries: int) -> tuple[int, int]:
-    """(allocated bytes, entries) under ``root``, not following symlinks; stops counting once
+    """(bytes, entries) under ``root``, not following symlinks; stops counting once
     ``max_entries`` is passed (an inode flood must not make the accounting itself slow)."""
     total = entries = 0
     stack = [root]
@@ -699,7 +699,9 @@ def _disk_usage(root: str, max_entries: int) -> tuple[int, int]:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                total += st.st_blocks * 512
+                # The larger of allocated and apparent size: a file system that has not allocated
+                # delayed writes yet reports few blocks; a sparse file counts at its full size.
+                total += max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0)
                 if stat.S_ISDIR(st.st_mode):
                     stack.append(e.path)
     return total, entries
@@ -716,11 +718,9 @@ _DISK_POLL_S = 0.1
 def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra, fds=()):
     uid = config.uid_base + slot
     use_uid = _is_root() and mechanism != "none"
-    parent = os.path.dirname(workdir)
-    while use_uid and not mechanism.startswith("bwrap") and parent != "/":
-        if not os.stat(parent).st_mode & stat.S_IXOTH:
-            return infra(f"workdir ancestor {parent} is not traversable (o+x) by the sandbox uid")
-        parent = os.path.dirname(parent)
+    # No traversal check of the workdir's ancestors: bwrap binds a private one through the
+    # view (see _chain); unshare and rlimits start in it (the cwd is inherited as an open
+    # directory, so a 0700 ancestor does not matter to relative paths).
     try:
         if use_uid:
             _kill_uid(uid)  # a previous holder's leftovers (should be none)
