@@ -227,13 +227,15 @@ def test_kill_both_after_checkpoint_and_restart(two_process_run, tmp_path):
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_dead_or_hung_host_ends_the_other_with_an_error_naming_it(fault, tmp_path):
     """Process 1 SIGKILLed (dead) or SIGSTOPped (hung) mid-run: process 0 ends with an error
-    naming process 1 within the deadline (mesh.host_timeout_s), not a silent hang."""
-    timeout_s = 15
+    naming process 1 within the deadline (mesh.host_timeout_s; JAX's heartbeat timeout inside
+    orbax's save), not a silent hang."""
+    timeout_s, heartbeat_s = 15, 40
     workdir = str(tmp_path / "run")
     procs = mh.launch(
         workdir,
         "--config.loop.total_steps=200",
         f"--config.mesh.host_timeout_s={timeout_s}",
+        f"--config.mesh.heartbeat_timeout_s={heartbeat_s}",
         num_processes=2,
     )
     marker = os.path.join(workdir, "loop_state", "loop_state_00000001.json")
@@ -246,18 +248,22 @@ def test_dead_or_hung_host_ends_the_other_with_an_error_naming_it(fault, tmp_pat
         time.sleep(0.3)  # into the next step
         procs[1].send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         t_fault = time.monotonic()
-        procs[0].wait(timeout=timeout_s + 90)
+        procs[0].wait(timeout=heartbeat_s + 90)
         ended_after = time.monotonic() - t_fault
     finally:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
         logs = mh.wait_all(procs, timeout=60)
-    assert procs[0].returncode == 3, logs[0][-3000:]
-    # at an exchange, or (a fault inside a collective) by the watchdog / the failure barrier
-    named = ("process 1 did not reach exchange", "process 1 stopped sending heartbeats")
-    assert any(n in logs[0] for n in named), logs[0][-3000:]
-    assert ended_after < timeout_s + 60, ended_after
+    # Ours (exit status 3): at an exchange, or inside a collective by the failure barrier or
+    # the watchdog. JAX's heartbeat (mesh.heartbeat_timeout_s, an abort) where ours cannot run:
+    # a host lost inside orbax's save barrier, which holds the interpreter.
+    ours = ("process 1 did not reach exchange", "process 1 stopped sending heartbeats")
+    if procs[0].returncode == 3:
+        assert any(n in logs[0] for n in ours), logs[0][-3000:]
+    else:
+        assert procs[0].returncode != 0 and "Task 1 heartbeat timeout" in logs[0], logs[0][-3000:]
+    assert ended_after < heartbeat_s + 60, ended_after
 
 
 # ------------------------------------------------------------------------------------------

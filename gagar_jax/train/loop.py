@@ -72,7 +72,10 @@ def initialize_distributed(mesh_cfg: MeshConfig) -> None:
         return
     if not 0 <= pid < num:
         raise ValueError(f"process id {pid} outside [0, {num}) (mesh.process_id/JAX_PROCESS_ID)")
-    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    # heartbeat: JAX's own detection of a dead or frozen process, the backstop where ours cannot
+    # run (a host lost inside orbax's save barrier, which holds the interpreter)
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
+                               heartbeat_timeout_seconds=int(mesh_cfg.heartbeat_timeout_s))
 
 
 def enable_compilation_cache(directory: str) -> None:

@@ -288,6 +288,9 @@ class MeshConfig:
     # run naming the missing process (longer than any phase one host can lag: a generation
     # round, grading.deadline_s, a checkpoint save)
     host_timeout_s: float = 900.0
+    # jax.distributed's heartbeat timeout: a process silent this long is declared dead by JAX
+    # itself, which ends every other process (the backstop inside orbax's save barriers)
+    heartbeat_timeout_s: int = 100
 
     def __post_init__(self):
         _check(len(self.shape) == 3 and sum(1 for s in self.shape if s == -1) <= 1
@@ -297,6 +300,8 @@ class MeshConfig:
         _check(0 <= self.process_id < self.num_processes, "mesh.process_id",
                f"in [0, {self.num_processes})", self.process_id)
         _check(self.host_timeout_s > 0, "mesh.host_timeout_s", "> 0", self.host_timeout_s)
+        _check(self.heartbeat_timeout_s >= 1, "mesh.heartbeat_timeout_s", ">= 1",
+               self.heartbeat_timeout_s)
 
 
 _SECTIONS = {
