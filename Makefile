@@ -90,6 +90,7 @@ bench: setup
 	$(PY) benchmarks/grading.py --quick
 	$(PY) benchmarks/verify.py
 	XLA_FLAGS= $(PY) benchmarks/sampler.py
+	$(PY) benchmarks/browser_judge.py --rounds 1
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

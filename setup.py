@@ -16,6 +16,9 @@ INSTALL_REQUIRES = [
     # gagar_jax.rollout: the SGLang client (the server itself lives in .venv-sglang).
     "httpx>=0.27",
     "safetensors>=0.6",
+    # gagar_jax.envs.hf_tokenizer: Hugging Face tokenizers + chat templates without transformers.
+    "tokenizers>=0.20",
+    "jinja2>=3.1",
     # Training metrics: TensorBoard event files and the per-run plots (issue 7).
     "tensorboardX>=2.6",
     "matplotlib>=3.8",

@@ -88,12 +88,17 @@ def main() -> None:
                 ok = v.status == "ok" and abs(v.score - c["label"]["score"]) < 1e-6
                 times = {s: v.timings.get(s, 0.0) for s in STAGES}
                 rows.append({"page": c["page"], "hostile": bool(c["label"].get("fault")),
-                             "agree": ok, **times})  # fmt: skip
+                             "agree": ok, "score": v.score, "fault": v.fault,
+                             "detail": v.detail[:160], **times})  # fmt: skip
     finally:
         judge.close()
     load1 = os.getloadavg()
     print(f"# load average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     print(f"# agreement with planted labels: {sum(r['agree'] for r in rows)}/{len(rows)}")
+    for r in rows:
+        if not r["agree"]:
+            print(f"#   disagrees: {r['page']} score {r['score']:.2f} fault {r['fault']} "
+                  f"({r['detail']}) after {r['total']:.1f} s")  # fmt: skip
     print()
     print("| set | n | " + " | ".join(f"{s} p50" for s in STAGES) + " | total p95 | total max |")
     print("|---|---|" + "---|" * (len(STAGES) + 2))

@@ -3,13 +3,22 @@
 Run: `make bench` (or `.venv/bin/python benchmarks/sampler.py [--quick]`). Needs the `parity`
 extra (CPU torch + transformers), which `make setup` installs.
 
-Both engines decode greedily from the same random Qwen2-style model (exported with
-`save_hf_safetensors` and loaded by `transformers`), the same prompts, the same number of new
-tokens (no early stop), in float32 on the same CPU, one after the other in this process. Rows:
-batch size; new tokens per second for each engine (median of `--repeats` timed runs after one
-warm-up that includes compilation); their ratio; and the fraction of greedy tokens on which the
-engines agree (random weights give near-ties, so a few late divergences are expected in fp32).
-Compile time of the JAX sampler is reported separately (it is paid once per shape bucket).
+Both engines decode from the same random Qwen2-style model (exported with `save_hf_safetensors`
+and loaded by `transformers`), the same prompts, the same number of new tokens (no early stop),
+in float32 on the same CPU, one after the other in this process. Tables:
+
+1. greedy rows per batch size: new tokens per second for each engine (median of `--repeats`
+   timed runs after one warm-up that includes compilation), their ratio, and the fraction of
+   greedy tokens on which the engines agree (random weights give near-ties, so a few late
+   divergences are expected in fp32). Compile time of the JAX sampler is reported separately
+   (paid once per shape bucket).
+2. the RL-shaped workload: 16 prompts x 8 samples, 256-token prompts, 96 new tokens, T=1
+   (`SamplingParams(n=8)` against `generate(num_return_sequences=8, do_sample=True, top_k=0)`).
+3. a 4-turn episode (16 episodes; each turn 64 new tokens then a 32-token observation) through
+   the JAX sampler with and without `prefix_cache` (re-prefilling the whole history each turn).
+
+The machine's load average (`os.getloadavg`) is printed before and after: on a shared machine
+PyTorch slows down more than XLA, so compare ratios from one run on a quiet machine.
 """
 
 from __future__ import annotations
@@ -23,14 +32,30 @@ import time
 import numpy as np
 
 
+def _load() -> str:
+    return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def _median_time(fn, repeats):
+    times = []
+    out = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tables", default="greedy,rl,multiturn")
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens (CI smoke)")
     args = ap.parse_args()
+    tables = set(args.tables.split(","))
 
     import jax
     import torch
@@ -41,19 +66,35 @@ def main():
     from gagar_jax.rollout.sampler import Sampler
 
     if args.quick:
-        cfg = TransformerConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
-                                num_kv_heads=2, intermediate_size=128, rope_theta=10000.0)
+        cfg = TransformerConfig(
+            vocab_size=512,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+            rope_theta=10000.0,
+        )
         args.new_tokens, args.repeats = 16, 1
-    else:  # a small Qwen2-shaped model: ~9M parameters
-        cfg = TransformerConfig(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8,
-                                num_kv_heads=4, intermediate_size=704, rope_theta=10000.0)
+        rl = dict(prompts=4, n=4, prompt_len=32, new=16)
+        mt = dict(episodes=4, turns=4, new=16, obs=8, prompt_len=32)
+    else:  # a small Qwen2-shaped model
+        cfg = TransformerConfig(
+            vocab_size=4096,
+            hidden_size=256,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=704,
+            rope_theta=10000.0,
+        )
+        rl = dict(prompts=16, n=8, prompt_len=256, new=96)
+        mt = dict(episodes=16, turns=4, new=64, obs=32, prompt_len=128)
     batches = [int(b) for b in args.batches.split(",")]
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
 
     model = create_model(cfg, seed=0)
-    sampler = Sampler(model, batch_buckets=tuple(sorted(set(batches))),
-                      prompt_buckets=(args.prompt_len,), new_token_buckets=(args.new_tokens,))
     with tempfile.TemporaryDirectory() as d:
         save_hf_safetensors(model, cfg, d)
         hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
@@ -62,47 +103,157 @@ def main():
     hf.generation_config.eos_token_id = None
 
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
-    print(f"model: {cfg.num_params / 1e6:.1f}M params (hidden {cfg.hidden_size}, "
-          f"{cfg.num_layers} layers, vocab {cfg.vocab_size}); prompt {args.prompt_len} tokens, "
-          f"{args.new_tokens} new tokens, greedy, float32; jax {jax.__version__} on "
-          f"{jax.devices()[0].platform}, torch {torch.__version__} ({threads} threads), "
-          f"transformers {transformers.__version__}")
-    print(f"{'batch':>5} | {'jax tok/s':>10} | {'hf tok/s':>10} | {'jax/hf':>6} | "
-          f"{'agree':>6} | {'jax compile s':>13}")
-    print("-" * 66)
-    for b in batches:
-        prompts = rng.integers(1, cfg.vocab_size, (b, args.prompt_len)).tolist()
+    print(
+        f"model: {cfg.num_params / 1e6:.1f}M params (hidden {cfg.hidden_size}, "
+        f"{cfg.num_layers} layers, vocab {cfg.vocab_size}), float32; jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}, torch {torch.__version__} ({threads} threads), "
+        f"transformers {transformers.__version__}"
+    )
+    print(f"start: {_load()}")
 
-        t0 = time.perf_counter()
-        out = sampler.generate(prompts, params)  # compiles this bucket
-        compile_s = time.perf_counter() - t0
-        jax_times = []
-        for _ in range(args.repeats):
+    if "greedy" in tables:
+        sampler = Sampler(
+            model,
+            batch_buckets=tuple(sorted(set(batches))),
+            prompt_buckets=(args.prompt_len,),
+            new_token_buckets=(args.new_tokens,),
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
+        print(f"\n[greedy] prompt {args.prompt_len} tokens, {args.new_tokens} new tokens")
+        print(
+            f"{'batch':>5} | {'jax tok/s':>10} | {'hf tok/s':>10} | {'jax/hf':>6} | "
+            f"{'agree':>6} | {'jax compile s':>13}"
+        )
+        print("-" * 66)
+        for b in batches:
+            prompts = rng.integers(1, cfg.vocab_size, (b, args.prompt_len)).tolist()
             t0 = time.perf_counter()
-            out = sampler.generate(prompts, params)
-            jax_times.append(time.perf_counter() - t0)
-        jax_tokens = np.array([row[0].tokens for row in out])
+            sampler.generate(prompts, params)  # compiles this bucket
+            compile_s = time.perf_counter() - t0
+            ids = torch.tensor(prompts)
+            kw = dict(
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                do_sample=False,
+            )
+            with torch.inference_mode():
+                hf.generate(ids, **kw)  # warm-up
+                # Interleave the two sides so load changes hit both alike.
+                jt, ht = [], []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    out = sampler.generate(prompts, params)
+                    jt.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    gen = hf.generate(ids, **kw)
+                    ht.append(time.perf_counter() - t0)
+            jax_tokens = np.array([row[0].tokens for row in out])
+            hf_tokens = gen[:, args.prompt_len :].numpy()
+            n_tok = b * args.new_tokens
+            jax_tps = n_tok / statistics.median(jt)
+            hf_tps = n_tok / statistics.median(ht)
+            agree = float((jax_tokens == hf_tokens).mean())
+            print(
+                f"{b:>5} | {jax_tps:>10.0f} | {hf_tps:>10.0f} | {jax_tps / hf_tps:>6.2f} | "
+                f"{agree:>6.3f} | {compile_s:>13.1f}",
+                flush=True,
+            )
 
+    if "rl" in tables:
+        np_, n, pl, new = rl["prompts"], rl["n"], rl["prompt_len"], rl["new"]
+        sampler = Sampler(
+            model, batch_buckets=(np_, np_ * n), prompt_buckets=(pl,), new_token_buckets=(new,)
+        )
+        params = SamplingParams(n=n, temperature=1.0, max_tokens=new, seed=0)
+        prompts = rng.integers(1, cfg.vocab_size, (np_, pl)).tolist()
+        t0 = time.perf_counter()
+        sampler.generate(prompts, params)
+        compile_s = time.perf_counter() - t0
         ids = torch.tensor(prompts)
-        mask = torch.ones_like(ids)
-        kw = dict(attention_mask=mask, max_new_tokens=args.new_tokens,
-                  min_new_tokens=args.new_tokens, do_sample=False)
+        kw = dict(
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=n,
+        )
         with torch.inference_mode():
-            hf.generate(ids, **kw)  # warm-up
-            hf_times = []
+            hf.generate(ids, **kw)
+            jt, ht = [], []
             for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                gen = hf.generate(ids, **kw)
-                hf_times.append(time.perf_counter() - t0)
-        hf_tokens = gen[:, args.prompt_len:].numpy()
+                jt.append(_median_time(lambda: sampler.generate(prompts, params), 1)[0])
+                ht.append(_median_time(lambda: hf.generate(ids, **kw), 1)[0])
+        n_tok = np_ * n * new
+        jax_tps, hf_tps = n_tok / statistics.median(jt), n_tok / statistics.median(ht)
+        print(
+            f"\n[RL-shaped] {np_} prompts x {n} samples, {pl}-token prompts, {new} new tokens, "
+            "T=1 (HF: num_return_sequences)"
+        )
+        print(
+            f"{'rows':>5} | {'jax tok/s':>10} | {'hf tok/s':>10} | {'jax/hf':>6} | "
+            f"{'jax compile s':>13}"
+        )
+        print("-" * 57)
+        print(
+            f"{np_ * n:>5} | {jax_tps:>10.0f} | {hf_tps:>10.0f} | {jax_tps / hf_tps:>6.2f} | "
+            f"{compile_s:>13.1f}",
+            flush=True,
+        )
 
-        n_tok = b * args.new_tokens
-        jax_tps = n_tok / statistics.median(jax_times)
-        hf_tps = n_tok / statistics.median(hf_times)
-        agree = float((jax_tokens == hf_tokens).mean())
-        print(f"{b:>5} | {jax_tps:>10.0f} | {hf_tps:>10.0f} | {jax_tps / hf_tps:>6.2f} | "
-              f"{agree:>6.3f} | {compile_s:>13.1f}")
+    if "multiturn" in tables:
+        e, turns, new, obs, pl = (mt[k] for k in ("episodes", "turns", "new", "obs", "prompt_len"))
+        total = pl + turns * (new + obs)
+        pb = tuple(b for b in (32, 64, 128, 256, 512, 1024) if b < total) + (total,)
+        params = SamplingParams(temperature=1.0, max_tokens=new, seed=1)
+        print(
+            f"\n[multi-turn] {e} episodes x {turns} turns: {pl}-token prompt, {new} new tokens "
+            f"then a {obs}-token observation per turn (JAX sampler only)"
+        )
+        print(
+            f"{'prefix_cache':>12} | {'episode s':>9} | {'tok/s':>8} | {'prefilled':>9} | "
+            f"{'reused':>8} | {'1st run s (compiles)':>20}"
+        )
+        print("-" * 82)
+        results = {}
+        for keep in (0, 1):
+            sampler = Sampler(
+                model,
+                batch_buckets=(e,),
+                prompt_buckets=pb,
+                new_token_buckets=(new,),
+                prefix_cache=keep,
+            )
+
+            def episode(sampler=sampler):
+                r = np.random.default_rng(5)
+                ctx = r.integers(1, cfg.vocab_size, (e, pl)).tolist()
+                for _ in range(turns):
+                    out = sampler.generate(ctx, params)
+                    ctx = [
+                        c + s[0].tokens + r.integers(1, cfg.vocab_size, obs).tolist()
+                        for c, s in zip(ctx, out)
+                    ]
+                return ctx
+
+            t0 = time.perf_counter()
+            episode()
+            first = time.perf_counter() - t0
+            before = dict(sampler.stats)
+            t, _ = _median_time(episode, args.repeats)
+            pre = (sampler.stats["prefill_tokens"] - before["prefill_tokens"]) // args.repeats
+            reu = (sampler.stats["reused_tokens"] - before["reused_tokens"]) // args.repeats
+            results[keep] = t
+            print(
+                f"{keep:>12} | {t:>9.2f} | {e * turns * new / t:>8.0f} | {pre:>9} | {reu:>8} | "
+                f"{first:>20.1f}",
+                flush=True,
+            )
+        print(f"speed-up of prefix_cache: {results[0] / results[1]:.2f}x")
+    print(f"\nend: {_load()}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,12 @@ loss (per-token log-probs, PPO-clip token-mean) with AdamW and global-norm clipp
 
 Reported: median step time, tokens/s, achieved FLOP/s, and model FLOP utilisation against the
 matmul peak measured in the same run (jitted f32 GEMM for JAX, ``torch.mm`` for PyTorch), so
-ratios stay meaningful on a shared machine. Model FLOPs = 6 x (matmul params) x tokens + the
+ratios stay meaningful on a shared machine. JAX rows: ``jax`` (per-layer blocks, whole-sequence
+logits) and ``jax-scan`` (``scan_layers=True``, logits in chunks of ``--chunk`` tokens), each with
+its compile seconds and XLA's temporary-buffer size of the compiled step (``temp MB``: what the
+logits chunking saves). A second table gives compile seconds per depth (``--depths`` layers of
+each config) for both layer layouts. The machine's load average is printed before and after.
+Model FLOPs = 6 x (matmul params) x tokens + the
 attention score/value matmuls (12 x layers x T^2 x heads x head_dim per sequence). On an
 accelerator the JAX column reports MFU against that device's measured GEMM peak.
 """
@@ -20,6 +25,7 @@ accelerator the JAX column reports MFU against that device's measured GEMM peak.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -54,6 +60,10 @@ CONFIGS = {
 }
 UPDATE = UpdateConfig(learning_rate=1e-5, weight_decay=0.01, max_grad_norm=1.0,
                       num_minibatches=1, num_microbatches=1)
+
+
+def _load() -> str:
+    return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
 
 def model_flops(c: TransformerConfig, batch: int, length: int) -> float:
@@ -106,21 +116,33 @@ def torch_peak(n=1024, reps=5) -> float:
     return 2 * n**3 / time_it(lambda: torch.mm(a, a), reps)
 
 
-def bench_jax(c, batch, length, steps):
+def bench_jax(c, batch, length, steps, update_config=UPDATE):
+    """(median step seconds, compile seconds, temp MB of the compiled step)."""
     mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    state = create_train_state(c, UPDATE, mesh, seed=0)
-    update = jit_update(c, UPDATE, mesh)
+    state = create_train_state(c, update_config, mesh, seed=0)
+    update = jit_update(c, update_config, mesh)
     data = shard_batch(make_batch(c, batch, length), mesh)
+    t0 = time.perf_counter()
+    compiled = update.lower(state, data).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    temp_mb = getattr(mem, "temp_size_in_bytes", float("nan")) / 2**20
     box = {"state": state}
 
     def step():
-        box["state"], m = update(box["state"], data)
+        box["state"], m = compiled(box["state"], data)
         jax.block_until_ready(m)
 
+    return time_it(step, steps), compile_s, temp_mb
+
+
+def compile_seconds(c, batch, length, update_config=UPDATE) -> float:
+    mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    state = jax.eval_shape(lambda: create_train_state(c, update_config, mesh, seed=0))
+    data = shard_batch(make_batch(c, batch, length), mesh)
     t0 = time.perf_counter()
-    step()
-    compile_s = time.perf_counter() - t0
-    return time_it(step, steps), compile_s
+    jit_update(c, update_config, mesh).lower(state, data).compile()
+    return time.perf_counter() - t0
 
 
 def bench_torch(c, batch, length, steps):
@@ -158,10 +180,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="small,100m")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=64, help="logits_chunk_size of jax-scan")
+    parser.add_argument("--depths", default="2,4,8", help="layers for the compile table ('' off)")
     parser.add_argument("--no-torch", action="store_true")
     args = parser.parse_args()
 
     backend = jax.default_backend()
+    print(f"start: {_load()}")
     peak_j = jax_peak()
     have_torch = not args.no_torch
     if have_torch:
@@ -174,24 +199,43 @@ def main():
     print(f"backend={backend} devices={jax.devices()[0].device_kind!r} cpus={os.cpu_count()}")
     print(f"measured matmul peak: jax {peak_j / 1e9:.1f} GFLOP/s"
           + (f", torch {peak_t / 1e9:.1f} GFLOP/s" if have_torch else ""))
-    header = (f"{'config':8} {'params':>8} {'tokens':>7} {'impl':6} {'step s':>8} {'tok/s':>9} "
-              f"{'GFLOP/s':>8} {'MFU':>6} {'compile s':>9} {'vs torch':>8}")
+    header = (f"{'config':8} {'params':>8} {'tokens':>7} {'impl':8} {'step s':>8} {'tok/s':>9} "
+              f"{'GFLOP/s':>8} {'MFU':>6} {'compile s':>9} {'temp MB':>8} {'vs torch':>8}")
     print(header)
     print("-" * len(header))
+    scan_update = dataclasses.replace(UPDATE, logits_chunk_size=args.chunk)
     for name in args.configs.split(","):
         c, batch, length = CONFIGS[name]
         flops = model_flops(c, batch, length)
         tokens = batch * length
-        t_jax, compile_s = bench_jax(c, batch, length, args.steps)
+        rows = []
+        t, comp, mem = bench_jax(c, batch, length, args.steps)
+        rows.append(("jax", t, peak_j, comp, mem))
+        t, comp, mem = bench_jax(dataclasses.replace(c, scan_layers=True), batch, length,
+                                 args.steps, scan_update)
+        rows.append(("jax-scan", t, peak_j, comp, mem))
         t_torch = bench_torch(c, batch, length, args.steps) if have_torch else None
-        rows = [("jax", t_jax, peak_j, f"{compile_s:9.1f}")]
         if t_torch is not None:
-            rows.append(("torch", t_torch, peak_t, f"{'':9}"))
-        for impl, t, peak, comp in rows:
+            rows.append(("torch", t_torch, peak_t, None, None))
+        for impl, t, peak, comp, mem in rows:
             ratio = f"{t / t_torch:7.2f}x" if t_torch is not None else ""
-            print(f"{name:8} {c.num_params / 1e6:7.1f}M {tokens:7d} {impl:6} {t:8.3f} "
-                  f"{tokens / t:9.0f} {flops / t / 1e9:8.1f} {flops / t / peak:6.1%} {comp} "
-                  f"{ratio:>8}")
+            comp_s = f"{comp:9.1f}" if comp is not None else f"{'':9}"
+            mem_s = f"{mem:8.1f}" if mem is not None else f"{'':8}"
+            print(f"{name:8} {c.num_params / 1e6:7.1f}M {tokens:7d} {impl:8} {t:8.3f} "
+                  f"{tokens / t:9.0f} {flops / t / 1e9:8.1f} {flops / t / peak:6.1%} {comp_s} "
+                  f"{mem_s} {ratio:>8}", flush=True)
+    if args.depths:
+        depths = [int(d) for d in args.depths.split(",")]
+        print("\ncompile seconds of the update step per depth (same widths as the config)")
+        print(f"{'config':8} {'layout':9} " + " ".join(f"{f'L={d}':>7}" for d in depths))
+        for name in args.configs.split(","):
+            c, batch, length = CONFIGS[name]
+            for layout, scan in (("unrolled", False), ("scan", True)):
+                secs = [compile_seconds(dataclasses.replace(c, num_layers=d, scan_layers=scan),
+                                        batch, length, scan_update if scan else UPDATE)
+                        for d in depths]
+                print(f"{name:8} {layout:9} " + " ".join(f"{x:7.1f}" for x in secs), flush=True)
+    print(f"end: {_load()}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ Rows (median wall time per call; ratio to the row's baseline):
 
 * sandbox start: `/bin/true` and `python3 -c pass` bare (`subprocess.run`) vs `run_sandboxed`
   under each available mechanism (SANDBOX.md measured about +6-10 ms for the bwrap chain).
-* repo verifier: `verify_repo_patch` on the statkit fixture (copy, reset, sandboxed pytest, JUnit
-  parse, monitor) vs plain `python -m pytest` of the same tree with no sandbox.
+* repo verifier: `verify_repo_patch` on the statkit fixture (copy, reset, sandboxed pytest,
+  outcome report, monitor) vs plain `python -m pytest` of the same tree with no sandbox.
 * toy verifier and monitor: calls per second (in-process, no sandbox).
 """
 
@@ -79,7 +79,7 @@ def main() -> None:
         env=env, capture_output=True), max(3, n // 4))  # fmt: skip
     row("pytest, no sandbox, no verification", base, None)
     t = timed(lambda: verify_repo_patch(task, patch), max(3, n // 4))
-    row("verify_repo_patch (bwrap chain + JUnit + monitor)", t, base)
+    row("verify_repo_patch (bwrap chain + outcome pipe + monitor)", t, base)
 
     print("in-process verifiers (calls per second)")
     tasks = ToyTaskGenerator(0, 2).tasks(50)

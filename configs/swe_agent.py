@@ -55,12 +55,15 @@ def get_config(arg=None):
     if smoke:
         c.task.update(max_turns=6, max_observation_tokens=256)
         c.model.dtype = "float32"
-        c.rollout.update(num_prompts=2, num_rollouts=2, max_prompt_len=1024,
-                         max_new_tokens=1024, max_turn_tokens=256, request_timeout_s=300.0)
+        # a low temperature: the briefly warm-started tiny model then emits the tool calls it
+        # was shown (at 1.0 after 40 SFT steps none parsed); the update scores at the same T
+        c.rollout.update(num_prompts=2, num_rollouts=2, max_prompt_len=768,
+                         max_new_tokens=768, max_turn_tokens=256, temperature=0.3,
+                         request_timeout_s=300.0)
         # plumbing, not learning: groups are kept as drawn (a tiny model rarely passes)
         c.sampling.update(enabled=False)
         c.grading.update(max_concurrency=2, deadline_s=30.0)
         c.optim.update(lr=1e-4, warmup_steps=0, num_minibatches=1, num_microbatches=1)
-        c.sft.update(steps=40, lr=3e-3, batch_size=2, warmup_steps=4)
+        c.sft.update(steps=60, lr=3e-3, batch_size=2, warmup_steps=4)
         c.loop.update(total_steps=3, eval_every=100, checkpoint_every=1, plot=False)
     return c

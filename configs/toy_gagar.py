@@ -59,7 +59,8 @@ def get_config(arg=None):
     c.sft = dict(steps=300, lr=3e-3, batch_size=32, warmup_steps=10)
     c.loop = dict(total_steps=60, log_every=1, eval_every=10, checkpoint_every=10,
                   keep_checkpoints=2, eval_rollouts=4, eval_temperature=0.7, plot=True)
-    c.mesh = dict(shape=(1, -1, 1), coordinator_address="", num_processes=1, process_id=0)
+    c.mesh = dict(shape=(1, -1, 1), coordinator_address="", num_processes=1, process_id=0,
+                  host_timeout_s=900.0, heartbeat_timeout_s=100)
 
     if smoke:
         # Plumbing, not learning: a 3-step SFT policy rarely passes, so dynamic sampling is off

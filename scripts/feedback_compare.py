@@ -2,6 +2,8 @@ r"""The feedback study: five objectives x seeds on one shared simulated-user fee
 
     python scripts/feedback_compare.py --out=runs/feedback_compare --seeds=0,1,2
     python scripts/feedback_compare.py --out=/tmp/fc --seeds=0 --steps=10     # a reduced run
+    python scripts/feedback_compare.py --out=runs/fc_bal --modes=span_kto \
+        --base_dir=runs/feedback_compare/base --config.objective.lambda_w=20  # a variant
 
 Every (mode, seed) run trains from the same warm-started base policy on the same feedback data
 (``<out>/base``); the seed changes the batch order and the evaluation samples. Writes
@@ -17,13 +19,16 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-config_flags.DEFINE_config_file("config", "configs/feedback_toy.py", "Base config file.",
-                                lock_config=False)
+config_flags.DEFINE_config_file(
+    "config", "configs/feedback_toy.py", "Base config file.", lock_config=False
+)
 flags.DEFINE_string("out", "runs/feedback_compare", "Output directory.")
 flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds.")
-flags.DEFINE_string("modes", "sft,rw_sft,span_kto,sft_drop_negative,sft_penalize_negative",
-                    "Comma-separated modes.")
+flags.DEFINE_string(
+    "modes", "sft,rw_sft,span_kto,sft_drop_negative,sft_penalize_negative", "Comma-separated modes."
+)
 flags.DEFINE_integer("steps", 0, "Override loop.steps (0: the config's).")
+flags.DEFINE_string("base_dir", "", "Shared base (policy + feedback data); '' = <out>/base.")
 flags.DEFINE_string("compilation_cache", "runs/.jax_cache", "JAX compilation cache ('' = off).")
 FLAGS = flags.FLAGS
 KEYS = ("eval_pass_rate", "eval_quality", "eval_negative_rate", "eval_response_length")
@@ -56,7 +61,7 @@ def main(argv):
             d = FLAGS.config.to_dict()
             d["seed"] = seed
             d["objective"]["mode"] = mode
-            d["base"]["dir"] = os.path.join(out, "base")
+            d["base"]["dir"] = os.path.abspath(FLAGS.base_dir or os.path.join(out, "base"))
             d["name"] = f"feedback_{mode}_s{seed}"
             if FLAGS.steps:
                 d["loop"]["steps"] = FLAGS.steps
@@ -66,16 +71,21 @@ def main(argv):
             summaries[(mode, seed)] = train_feedback(cfg, os.path.join(out, mode, f"s{seed}"))
 
     base_eval = next(iter(summaries.values()))["base_eval"]
-    lines = ["# Feedback objectives on the toy family", "",
-             f"Modes x seeds {seeds}, {cfg.loop.steps} steps each, batch {cfg.loop.batch_size}, "
-             f"lr {cfg.optim.lr}; one shared base policy and feedback dataset "
-             f"({next(iter(summaries.values()))['records']} records). Held-out: "
-             f"{cfg.task.num_eval} tasks x {cfg.loop.eval_samples} samples at T="
-             f"{cfg.loop.eval_temperature}. Mean +- sd over seeds of the final evaluation.", "",
-             "| mode | " + " | ".join(KEYS) + " |", "|---|" + "---|" * len(KEYS),
-             "| base (before training) | " + " | ".join(
-                 "n/a" if base_eval.get(k) is None else f"{base_eval[k]:.3f}" for k in KEYS)
-             + " |"]
+    lines = [
+        "# Feedback objectives on the toy family",
+        "",
+        f"Modes x seeds {seeds}, {cfg.loop.steps} steps each, batch {cfg.loop.batch_size}, "
+        f"lr {cfg.optim.lr}; one shared base policy and feedback dataset "
+        f"({next(iter(summaries.values()))['records']} records). Held-out: "
+        f"{cfg.task.num_eval} tasks x {cfg.loop.eval_samples} samples at T="
+        f"{cfg.loop.eval_temperature}. Mean +- sd over seeds of the final evaluation.",
+        "",
+        "| mode | " + " | ".join(KEYS) + " |",
+        "|---|" + "---|" * len(KEYS),
+        "| base (before training) | "
+        + " | ".join("n/a" if base_eval.get(k) is None else f"{base_eval[k]:.3f}" for k in KEYS)
+        + " |",
+    ]
     table = {}
     for mode in modes:
         cells = []
@@ -88,8 +98,7 @@ def main(argv):
     with open(os.path.join(out, "comparison.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     with open(os.path.join(out, "comparison.json"), "w", encoding="utf-8") as f:
-        json.dump({f"{m}/{k}": v for (m, k), v in table.items()} | {"base": base_eval}, f,
-                  indent=1)
+        json.dump({f"{m}/{k}": v for (m, k), v in table.items()} | {"base": base_eval}, f, indent=1)
 
     import matplotlib
 
@@ -105,8 +114,9 @@ def main(argv):
                 xs, ys = metrics_io.series(rows, key, phase="eval")
                 curves.append((xs, ys))
             xs = curves[0][0]
-            ys = [sum(c[1][i] for c in curves if i < len(c[1])) / len(curves)
-                  for i in range(len(xs))]
+            ys = [
+                sum(c[1][i] for c in curves if i < len(c[1])) / len(curves) for i in range(len(xs))
+            ]
             ax.plot(xs, ys, marker="o", ms=3, label=mode)
         ax.set_title(key + f" (mean of {len(seeds)} seeds)", fontsize=9)
         ax.set_xlabel("step", fontsize=8)

@@ -12,6 +12,9 @@ Console: the progress bar and summaries. Library logging (orbax, absl) is at WAR
 ``--verbosity`` asks for more (``--verbosity=0`` is absl's INFO, ``1`` DEBUG).
 """
 
+import os
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -31,13 +34,21 @@ def main(argv):
     if not FLAGS["verbosity"].present:  # orbax logs every save/restore step at INFO
         logging.set_verbosity(logging.WARNING)
     from gagar_jax.train import loop
+    from gagar_jax.train.multihost import HostError
     from gagar_jax.train.run_config import RunConfig
 
     cfg = RunConfig.from_config_dict(FLAGS.config)
     loop.initialize_distributed(cfg.mesh)  # before any JAX computation
     if FLAGS.compilation_cache:
         loop.enable_compilation_cache(FLAGS.compilation_cache)
-    loop.train_and_evaluate(cfg, FLAGS.workdir)
+    try:
+        loop.train_and_evaluate(cfg, FLAGS.workdir)
+    except HostError as e:
+        # Another host is dead or hung: end now. A normal exit would wait in jax.distributed's
+        # shutdown barrier for the host that never comes (minutes, then an abort).
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ Re-running with the same --workdir resumes from the newest checkpoint (z_ref inc
 from absl import app, flags
 from ml_collections import config_flags
 
-config_flags.DEFINE_config_file("config", None, "Experiment config (configs/feedback_toy.py:arg).",
-                                lock_config=True)
+config_flags.DEFINE_config_file(
+    "config", None, "Experiment config (configs/feedback_toy.py:arg).", lock_config=True
+)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the summary.")
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
@@ -26,8 +27,13 @@ def main(argv):
 
     cfg = FeedbackRunConfig.from_config_dict(FLAGS.config.to_dict())
     summary = train_feedback(cfg, FLAGS.workdir)
-    print(json.dumps({k: summary[k] for k in ("mode", "seed", "final_eval", "base_eval")},
-                     indent=1, default=str))
+    print(
+        json.dumps(
+            {k: summary[k] for k in ("mode", "seed", "final_eval", "base_eval")},
+            indent=1,
+            default=str,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -108,7 +108,8 @@ def reports():
     for name, (task, _) in PLANTED.items():
         if name.startswith("leaks_") and name != "leaks_patch_file":
             continue  # static findings: tested without the sandbox below
-        out[name] = A.precheck(task, repeats=3 if name == "flaky" else 2, limits=FAST)
+        # one run per patch suffices for the deterministic reasons; flakiness needs repeats
+        out[name] = A.precheck(task, repeats=3 if name == "flaky" else 1, limits=FAST)
     return out
 
 
@@ -118,7 +119,7 @@ def test_precheck_names_each_planted_reason(reports, name):
     rep = reports[name]
     assert rep.reasons == PLANTED[name][1], (rep.reasons, rep.details)
     assert rep.ok == (name == "sound")
-    assert len(rep.runs) == 4 and {r.patch for r in rep.runs} == {"gold", "empty"}
+    assert len(rep.runs) == 2 and {r.patch for r in rep.runs} == {"gold", "empty"}
     assert all(r.status in ("passed", "failed") for r in rep.runs)
 
 
@@ -254,22 +255,25 @@ OFF_TARGET = _task(
            "    assert neg(-1) == 1\n"},
 )  # fmt: skip
 CAL_LABELS = {
-    "sound": {"unclear": False, "invalid_tests": False},
-    "unclear": {"unclear": True, "invalid_tests": False},
-    "off_target": {"unclear": False, "invalid_tests": True},
-    "leak1": {"unclear": False, "invalid_tests": False},
+    "sound": {"unclear": False, "invalid_tests": False, "leaked": False},
+    "unclear": {"unclear": True, "invalid_tests": False, "leaked": False},
+    "off_target": {"unclear": False, "invalid_tests": True, "leaked": False},
+    "leak1": {"unclear": False, "invalid_tests": False, "leaked": True},
 }
 
 
-def test_scripted_auditor_calibration_and_votes():
+def test_scripted_auditor_calibration_and_votes(reports):
     auditor = A.TaskAuditor(A.ScriptedAuditorPolicy(), votes=3)
     tasks = [_task(), UNCLEAR, OFF_TARGET, PLANTED["leaks_patch_file"][0]]
     audits = [auditor.audit(t) for t in tasks]
     assert all(a.vote is not None and len(a.votes) == 3 and a.fallbacks == 0 for a in audits)
-    cal = A.auditor_calibration(audits, CAL_LABELS)
+    cal = A.auditor_calibration(
+        audits, CAL_LABELS, prechecks=[reports["sound"], reports["leaks_patch_file"]]
+    )
     print("\nauditor calibration (scripted policy):", cal)
     assert cal["unclear"]["precision"] == cal["unclear"]["recall"] == 1.0
     assert cal["invalid_tests"]["precision"] == cal["invalid_tests"]["recall"] == 1.0
+    assert cal["leaked"] == {"precision": 1.0, "recall": 1.0, "tp": 1, "fp": 0, "fn": 0, "n": 2}
     # evidence pointers exist (validated), and the audit round-trips
     off = audits[2]
     assert off.vote.test_validity == 3 and off.vote.evidence[0].path == "tests/test_calc.py"

@@ -257,3 +257,39 @@ def test_cache_key_depends_on_grader_settings():
     a = VerdictCache.key(ws, HeuristicGrader())
     assert a == VerdictCache.key(ws, HeuristicGrader())
     assert a != VerdictCache.key(ws, HeuristicGrader(HeuristicConfig(t1_at_least=0.9)))
+
+
+def test_corrupt_cache_records_are_ignored_counted_and_regraded(tmp_path):
+    # issue 11: a cached verdict that is a string, a latency "fast" or 10**400, an unknown
+    # reason, a record that is not an object: each is skipped and its group graded again.
+    import json
+
+    path = tmp_path / "verdicts.jsonl"
+    groups = [make_group(i) for i in range(6)]
+    with GradingPool(CountingGrader(0.0), max_concurrency=2, deadline_s=10, cache=path) as pool:
+        for ws in groups:
+            pool.submit(ws)
+        good = pool.results([ws.group_id for ws in groups], timeout=10)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    by_key = {r["key"]: r for r in recs}
+    keys = [VerdictCache.key(ws, CountingGrader()) for ws in groups]
+    corruptions = [
+        lambda r: r.update(verdict="not a verdict"),
+        lambda r: r["verdict"].update(latency_s="fast"),
+        lambda r: r["verdict"].update(latency_s=10**400),
+        lambda r: r.update(verdict=None, reason="no-such-reason"),
+        lambda r: r["verdict"]["verdicts"][0]["scores"].update(solution_fit=10**400),
+    ]
+    for key, corrupt in zip(keys, corruptions, strict=False):
+        corrupt(by_key[key])
+    lines = [json.dumps(by_key[k]) for k in keys[:5]] + [json.dumps(by_key[keys[5]])]
+    path.write_text("\n".join(lines) + '\n[1, 2]\n"text"\n')
+    again = CountingGrader(0.0)
+    with GradingPool(again, max_concurrency=2, deadline_s=10, cache=path) as pool:
+        for ws in groups:
+            pool.submit(ws)  # must not raise
+        res = pool.results([ws.group_id for ws in groups], timeout=10)
+        m = pool.metrics()
+    assert again.calls == 5 and m["cache_corrupt"] == 5 and m["cache_hits"] == 1
+    assert [r.verdict.judgements for r in res] == [r.verdict.judgements for r in good]
+    assert [r.cached for r in res] == [False] * 5 + [True]

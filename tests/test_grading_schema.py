@@ -17,7 +17,7 @@ from grading_strategies import (
     valid_verdict_dicts,
     workspaces,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 from gagar_jax.grading import schema
 from gagar_jax.grading.schema import FallbackReason, GradeResult, RejectReason, VerdictRejected
@@ -250,3 +250,95 @@ def test_workspace_rejects_duplicate_ids_and_key_is_content_based():
     b = schema.GroupWorkspace("g", "t", {"f": "x"}, [schema.Candidate("a", "", True, "log")])
     c = schema.GroupWorkspace("g", "t", {"f": "x"}, [schema.Candidate("a", "", True, "log2")])
     assert a.content_key() == b.content_key() != c.content_key()
+
+
+# --- issue 11: every input is accepted or rejected by name, in bounded time ---------------------
+
+_HUGE = st.sampled_from([10**400, -(10**400), 10**5000, 2**4000, float("inf"), float("nan")])
+
+
+def _deep(depth: int, leaf=0):
+    v = leaf
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+def _hostile_mutation(obj, data):
+    """Replaces one field of a valid verdict dict with a huge, deep or wrongly typed value."""
+    obj = copy.deepcopy(obj)
+    if not obj["verdicts"]:
+        obj["verdicts"] = [
+            {"candidate": "x", "tier": 1, "rank": 1, "scores": {d: 0.5 for d in schema.DIMENSIONS}}
+        ]
+    item = obj["verdicts"][data.draw(st.integers(0, len(obj["verdicts"]) - 1))]
+    kind = data.draw(st.sampled_from(["huge", "deep", "json", "text", "deep_dict"]))
+    if kind == "huge":
+        bad = data.draw(_HUGE)
+    elif kind == "json":
+        bad = data.draw(json_values)
+    elif kind == "text":
+        bad = "fast"
+    else:  # built here, not drawn: hypothesis would repr a 12,000-deep value
+        depth = data.draw(st.integers(1, 12_000))
+        bad = _deep(depth) if kind == "deep" else {"nested": _deep(depth)}
+    where = data.draw(st.sampled_from(["score", "tier", "rank", "cheat_reason", "note", "line",
+                                       "event", "candidate", "top_votes", "top_agreement",
+                                       "top_group", "evidence_list"]))  # fmt: skip
+    if where == "score":
+        item["scores"][data.draw(st.sampled_from(sorted(item["scores"])))] = bad
+    elif where in ("tier", "rank", "cheat_reason", "candidate"):
+        item[where] = bad
+    elif where in ("note", "line", "event"):
+        if item.get("evidence"):
+            item["evidence"][0][where] = bad
+        else:
+            item["evidence"] = [{"claim": "minimality", "kind": "patch", where: bad}]
+    elif where == "evidence_list":
+        item["evidence"] = bad
+    else:
+        obj[where.removeprefix("top_") if where != "top_group" else "group_id"] = bad
+    return obj
+
+
+@settings(max_examples=200, deadline=None, database=None, phases=[Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+@given(st.data())
+def test_fuzz_parse_and_validate_accept_or_reject_by_name(data):
+    ws = data.draw(workspaces())
+    obj = _hostile_mutation(data.draw(valid_verdict_dicts(ws)), data)
+    as_text = data.draw(st.booleans())
+    if as_text:
+        try:
+            text = json.dumps(obj)
+        except (ValueError, RecursionError):
+            text = '{"verdicts": ' + "[" * 10_000  # too deep to encode: deep text instead
+        obj = text
+    try:
+        v = _parse(obj, ws)
+    except VerdictRejected as e:
+        assert isinstance(e.reason, RejectReason) and e.detail
+        return
+    schema.validate(v, ws)  # an accepted verdict validates again, without raising
+    assert all(math.isfinite(s) for j in v.judgements for s in j.scores.values())
+
+
+@pytest.mark.parametrize("bad", [
+    '{"verdicts": [{"candidate": "r0", "tier": 1, "rank": 1, "scores": {"solution_fit": '
+    + "9" * 400 + "}}]}",
+    '{"verdicts": [{"candidate": "r0", "tier": ' + "7" * 5000 + ', "rank": 1}]}',
+    '{"verdicts": [' * 10_000 + "]" * 10_000 + "}",
+    {"verdicts": [{"candidate": "r0", "tier": 10**5000, "rank": 1, "scores": {}}]},
+    {"verdicts": [{"candidate": "r0", "tier": 1, "rank": 1, "scores": {d: 10**400 for d in
+                                                                          schema.DIMENSIONS}}]},
+    {"verdicts": [{"candidate": "r0", "tier": 1, "rank": 1, "scores": {d: 0.5 for d in
+                   schema.DIMENSIONS}, "evidence": [{"claim": "minimality", "kind": "patch",
+                                                    "note": _deep(10_000)}]}]},
+    {"verdicts": "x", "votes": 10**5000, "agreement": 10**400},
+])  # fmt: skip
+def test_the_reported_instances_are_named_rejections(bad):
+    cand = schema.Candidate("r0", apply_edits(BASE_REPO, [FIX]), True, "1 passed")
+    ws = schema.GroupWorkspace("g", "t", BASE_REPO, (cand,))
+    with pytest.raises(VerdictRejected) as e:
+        _parse(bad, ws)
+    assert e.value.reason in set(RejectReason)

@@ -399,3 +399,19 @@ def test_distributed_init_is_a_noop_single_process(monkeypatch):
     monkeypatch.setenv("JAX_PROCESS_ID", "5")
     with pytest.raises(ValueError, match="process id 5"):
         loop.initialize_distributed(MeshConfig())
+
+
+def test_infra_error_rate_is_counted_per_policy_version():
+    # issue 11: infra_error is masked (never scored), so its rate per policy version is reported.
+    from gagar_jax.train.loop import StepCounters
+    from gagar_jax.train.sampling import Group, Rollout
+
+    def r(version, infra):
+        return Rollout([1], [2], [0.0], policy_version=version, infra_error=infra)
+
+    c = StepCounters()
+    c.add(Group("g0", None, [r(3, True), r(3, False), r(3, False), r(3, False)]))
+    c.add(Group("g1", None, [r(4, True), r(4, True)]))
+    m = c.metrics()
+    assert m["infra_errors"] == 3 and m["infra_error_rate"] == pytest.approx(0.5)
+    assert c.by_version == {3: [4, 1], 4: [2, 2]}

@@ -173,7 +173,9 @@ def test_hostile_pages_end_within_the_deadline_and_leave_no_process(page):
     v = _judge_alone(os.path.join(CAL, page), TODO, deadline_s=8)
     assert v.status == "ok" and v.score == 0.0 and v.fault in B.FAULTS
     # the deadline bounds every stage; teardown (close + SIGKILL + wait) comes on top
-    assert v.timings["total"] - v.timings["teardown"] - v.timings["launch"] <= 8 + B.PROBE_S + 1
+    assert v.timings["total"] - v.timings["teardown"] - v.timings["launch"] <= (
+        8 + B.PROBE_S + B.DOM_PROBE_S + 1
+    )
     assert len(v.browser_pids) >= 2  # browser + renderer(s) were seen
     assert B.alive(v.browser_pids) == ()
 
@@ -183,6 +185,23 @@ def test_spent_deadline_on_a_looping_page_is_a_score_zero(tmp_path):
     v = _judge_alone(os.path.join(CAL, "todo_loop_at_load"), TODO, deadline_s=2, load_timeout_s=10)
     assert v.status == "ok" and v.fault == "page_unresponsive" and v.score == 0.0
     assert B.alive(v.browser_pids) == ()
+
+
+def test_pages_that_reload_or_close_themselves_score_zero_not_infra(judge, tmp_path):
+    """A page must never turn its own failure into a masked infra_error."""
+    rubric = {"items": [{"id": "a", "actions": [{"click": {"role": "button", "name": "Go"}}],
+                         "expect": [{"count": {"css": "li"}, "equals": 1}]}]}  # fmt: skip
+    for name, script in (("reload", "setTimeout(() => location.reload(), 30);"),
+                         ("close", "document.querySelector('button').onclick = () => "
+                                   "{ window.close(); location.href = 'about:blank'; };"),
+                         ("away", "document.querySelector('button').onclick = () => "
+                                  "{ location.href = 'http://127.0.0.1:9/'; };")):  # fmt: skip
+        d = tmp_path / name
+        d.mkdir()
+        (d / "index.html").write_text(f"<html><body><button>Go</button><script>{script}"
+                                      "</script></body></html>")  # fmt: skip
+        v = judge.judge(d, rubric)
+        assert v.status == "ok" and v.score == 0.0, (name, v.detail)
 
 
 def test_dead_browser_is_infra_error(tmp_path):
@@ -261,6 +280,18 @@ def test_aria_roles_parser():
     roles = B.aria_roles(aria)
     assert ("heading", "Todo") in roles and ("textbox", 'New "item"') in roles
     assert ("list", None) in roles and ("button", None) in roles
+
+
+def test_snapshot_cap_is_logged(tmp_path, caplog):
+    (tmp_path / "index.html").write_text(
+        "<html><body>" + "".join(f"<p>line {i}</p>" for i in range(300)) + "</body></html>"
+    )
+    rubric = {"items": [{"id": "x", "expect": [{"text_visible": "line 299"}]}]}
+    with caplog.at_level("WARNING", logger="gagar_jax.verify.browser"):
+        v = _judge_alone(tmp_path, rubric, max_snapshot_chars=500)
+    assert v.snapshot.truncated and len(v.snapshot.aria) == 500 and v.snapshot.aria_chars > 500
+    assert v.score == 1.0  # the cap limits what is kept, not what is checked
+    assert "truncated" in caplog.text
 
 
 def test_copied_artifact_is_judged_the_same(judge, tmp_path):

@@ -63,7 +63,7 @@ def test_fixture_verdicts(name, kind, status, reset):
     if kind == "exit_at_import":
         # pytest exited 0 (os._exit at import) without a report: the exit code proves nothing.
         assert v.sandbox.returncode == 0 and v.sandbox.status == "passed"
-        assert set(v.tests.values()) == {"missing"} and "no JUnit report" in v.test_log
+        assert set(v.tests.values()) == {"missing"} and "no test report" in v.test_log
     if kind == "fake_passed":
         assert "PASSED tests/test_stats.py::test_median_even" in v.sandbox.stdout  # printed only
         assert v.tests["tests/test_stats.py::test_median_even"] == "failed"
@@ -193,16 +193,17 @@ def test_task_dependencies_via_extra_pythonpath():
     assert v.status == "passed", v.test_log
 
 
-def test_report_swapped_for_a_fifo_fails_without_hanging(tmp_path):
-    # At exit, replace the JUnit report with a FIFO: a blocking open would hang the verifier.
-    hack = ("import atexit, os, sys\n\n\n@atexit.register\ndef _swap():\n"
-            "    path = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--junitxml=')][0]\n"
-            "    os.unlink(path)\n    os.mkfifo(path)\n")  # fmt: skip
+def test_fifos_left_in_the_tree_do_not_hang_the_verifier(tmp_path):
+    # At exit, leave FIFOs where a report or a kept file could be: a blocking open would hang.
+    # (The report itself travels through a pipe the code has no path to: issue 11.)
+    hack = ("import atexit, os\n\n\n@atexit.register\ndef _swap():\n"
+            "    for name in ('report.xml', 'statkit/fifo'):\n        os.mkfifo(name)\n")  # fmt: skip
     imp = (
         "--- a/statkit/__init__.py\n+++ b/statkit/__init__.py\n@@ -1,2 +1,3 @@\n"
         ' """statkit: small descriptive statistics."""\n+import statkit.swap  # noqa\n \n'
     )
     patch = _new_file_diff("statkit/swap.py", hack) + imp + _patch("statkit", "minimal")
     v = verify_repo_patch(_task("statkit"), patch, limits=FAST, keep_dir=str(tmp_path / "kept"))
-    assert v.status == "failed" and "no JUnit report" in v.test_log, v.test_log
+    assert v.status == "passed", v.test_log  # the fix is right; FIFOs are no outcome
     assert (tmp_path / "kept" / "statkit" / "swap.py").exists()
+    assert not (tmp_path / "kept" / "statkit" / "fifo").exists()

@@ -109,13 +109,19 @@ def test_infra_error_when_the_sandbox_cannot_start(workdir):
     assert r.status == "failed" and r.returncode == 127
     if os.geteuid() != 0:
         return
-    # ... but a sandbox that cannot be set up (a bind source the slot uid cannot reach) is an
-    # infra error: the start marker was never written.
+    # ... but a sandbox that cannot be set up is an infra error: the start marker was never
+    # written. (A bind source under a private 0700 directory no longer is one: issue 11 binds it
+    # through a root mount namespace.) Here bwrap cannot create the mount point: /dev is
+    # read-only inside.
+    with tempfile.TemporaryDirectory(prefix="gagar_sb_mnt_", dir="/dev") as under_dev:
+        r = run_sandboxed(["/bin/true"], workdir, FAST, ro_paths=[under_dev])
+    if sb.select_mechanism().startswith("bwrap"):
+        assert r.status == "infra_error" and "did not start" in r.error, r
     with tempfile.TemporaryDirectory(prefix="gagar_sb_private_") as private:
         os.chmod(private, 0o700)
         os.mkdir(os.path.join(private, "inner"))
         r = run_sandboxed(["/bin/true"], workdir, FAST, ro_paths=[private + "/inner"])
-    assert r.status == "infra_error" and "did not start" in r.error, r
+    assert r.status == "passed", r
 
 
 def test_code_cannot_fake_an_infra_error(mech, workdir):
@@ -153,8 +159,12 @@ def test_memory_hog_is_contained(mech, workdir):
 def test_cpu_spin_is_killed_by_the_cpu_limit(mech, workdir):
     r = run(mech, py("while True: pass"), workdir, Limits(wall_s=60, cpu_s=1))
     assert r.status == "resource_killed", r
-    if mech != "unshare":  # unshare cannot say which signal killed its child
+    if mech == "rlimits":
         assert "cpu" in r.limit_hits and r.signal == 24, r  # SIGXCPU
+    elif mech != "unshare":  # unshare cannot say which signal killed its child
+        # Under bwrap the code is PID 1 of its namespace (--as-pid-1): SIGXCPU is not delivered
+        # to an init without a handler; the hard limit's SIGKILL (cpu_s + 1) ends it.
+        assert "cpu" in r.limit_hits and r.signal == 9, r
     assert r.wall_s < 60 and "wall" not in r.limit_hits  # the CPU limit fired, not the wall
 
 
@@ -210,7 +220,8 @@ def test_loopback_connection(mech, workdir):
 
 @needs_root
 def test_write_outside_workdir(mech, workdir):
-    with tempfile.TemporaryDirectory(prefix="gagar_sb_outside_") as outside:
+    # In /tmp itself: a TMPDIR under a private 0700 directory would hide it from every uid.
+    with tempfile.TemporaryDirectory(prefix="gagar_sb_outside_", dir="/tmp") as outside:
         os.chmod(outside, 0o777)  # world-writable: only namespaces keep it out of reach
         target = os.path.join(outside, "pwned")
         cmd = f"echo x > {target}; echo x > /usr/pwned; echo x > /etc/pwned; echo x > ok"

@@ -780,27 +780,34 @@ def _calls(calls: list[tuple[str, str, dict]]) -> dict:
 
 def auditor_calibration(
     audits: Sequence[TaskAudit], labels: Mapping[str, Mapping[str, bool]],
-    *, threshold: int = 2,
+    *, threshold: int = 2, prechecks: Sequence[AuditReport] = (),
 ) -> dict[str, dict[str, float]]:  # fmt: skip
-    """Precision/recall of the auditor's flags against planted labels.
+    """Precision/recall of the audit's flags against planted labels.
 
-    ``labels[task_id]`` = ``{"unclear": bool, "invalid_tests": bool}``; a task is flagged unclear
-    when ``underspecification >= threshold`` and invalid when ``test_validity >= threshold``.
-    Fallback audits count as not flagged.
+    ``labels[task_id]`` = ``{"unclear": bool, "invalid_tests": bool[, "leaked": bool]}``; a task
+    is flagged unclear when ``underspecification >= threshold``, invalid when ``test_validity >=
+    threshold`` (fallback audits count as not flagged), and leaked when its pre-check (in
+    ``prechecks``, matched by task id) has ``leaks_solution``.
     """
+    flags = {}
+    for a in audits:
+        flags.setdefault(a.task_id, {})
+        flags[a.task_id]["unclear"] = a.vote is not None and a.vote.underspecification >= threshold
+        flags[a.task_id]["invalid_tests"] = a.vote is not None and a.vote.test_validity >= threshold
+    for r in prechecks:
+        flags.setdefault(r.task_id, {})["leaked"] = "leaks_solution" in r.reasons
     out = {}
-    for key, field in (("unclear", "underspecification"), ("invalid_tests", "test_validity")):
-        tp = fp = fn = 0
-        for a in audits:
-            want = bool(labels[a.task_id][key])
-            got = a.vote is not None and getattr(a.vote, field) >= threshold
-            tp += want and got
-            fp += got and not want
-            fn += want and not got
+    for key in ("unclear", "invalid_tests", "leaked"):
+        rows = [(bool(labels[t][key]), got[key]) for t, got in flags.items() if key in got]
+        if not rows:
+            continue
+        tp = sum(1 for want, got in rows if want and got)
+        fp = sum(1 for want, got in rows if got and not want)
+        fn = sum(1 for want, got in rows if want and not got)
         out[key] = {
             "precision": tp / (tp + fp) if tp + fp else 1.0,
             "recall": tp / (tp + fn) if tp + fn else 1.0,
-            "tp": tp, "fp": fp, "fn": fn,
+            "tp": tp, "fp": fp, "fn": fn, "n": len(rows),
         }  # fmt: skip
     return out
 

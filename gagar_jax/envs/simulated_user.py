@@ -46,15 +46,17 @@ def _line_token_ranges(tokens: Sequence[int], tokenizer) -> list[tuple[int, int]
             break
     for i in range(end_all + 1):
         if i == end_all or tokens[i] == tokenizer.newline_id:
-            if i > start and any(tokens[j] not in (tokenizer.pad_id, tokenizer.bos_id)
-                                 for j in range(start, i)):
+            if i > start and any(
+                tokens[j] not in (tokenizer.pad_id, tokenizer.bos_id) for j in range(start, i)
+            ):
                 out.append((start, i))
             start = i + 1
     return out
 
 
-def user_feedback(task: ToyTask, response_tokens: Sequence[int], *,
-                  tokenizer=TOKENIZER) -> list[dict]:
+def user_feedback(
+    task: ToyTask, response_tokens: Sequence[int], *, tokenizer=TOKENIZER
+) -> list[dict]:
     """Feedback items (``token_range`` relative to the response) for one sampled patch."""
     patch = tokenizer.decode(response_tokens)
     lines = _line_token_ranges(response_tokens, tokenizer)
@@ -64,8 +66,13 @@ def user_feedback(task: ToyTask, response_tokens: Sequence[int], *,
     try:
         edits = parse_patch(patch, len(task.lines))
     except (PatchError, L.ToyError) as e:
-        return [{"text": f"that patch does not parse: {e}", "polarity": "negative",
-                 "token_range": [lines[0][0], lines[-1][1]]}]
+        return [
+            {
+                "text": f"that patch does not parse: {e}",
+                "polarity": "negative",
+                "token_range": [lines[0][0], lines[-1][1]],
+            }
+        ]
     if len(edits) != len(lines):  # cannot happen: one edit per non-empty line; stay safe
         return []
     bug = task.bug_line
@@ -77,10 +84,11 @@ def user_feedback(task: ToyTask, response_tokens: Sequence[int], *,
         flag = next((f for f in v.cheat_flags if f"patch edit {k} " in f.evidence), None)
         text, pol = None, "negative"
         if flag is not None:
-            text = {"special_casing_test_inputs": "you special-cased a tested input instead "
-                                                  "of fixing the code",
-                    "hard_coded_outputs": "you hard-coded a tested output"}.get(
-                flag.rule, f"the monitor flagged this: {flag.rule}")
+            text = {
+                "special_casing_test_inputs": "you special-cased a tested input instead "
+                "of fixing the code",
+                "hard_coded_outputs": "you hard-coded a tested output",
+            }.get(flag.rule, f"the monitor flagged this: {flag.rule}")
         elif e.op == "replace" and e.line == bug:
             if e.text == fixed:
                 text, pol = "good, that fixes the buggy line", "positive"
@@ -103,9 +111,14 @@ def user_feedback(task: ToyTask, response_tokens: Sequence[int], *,
     return items
 
 
-def feedback_record(task: ToyTask, prompt_tokens: Sequence[int],
-                    response_tokens: Sequence[int], *, record_id: str,
-                    tokenizer=TOKENIZER) -> dict:
+def feedback_record(
+    task: ToyTask,
+    prompt_tokens: Sequence[int],
+    response_tokens: Sequence[int],
+    *,
+    record_id: str,
+    tokenizer=TOKENIZER,
+) -> dict:
     """One ``gagar_jax.data.feedback`` record (a dict) for a sampled single-turn patch."""
     p = len(prompt_tokens)
     items = user_feedback(task, response_tokens, tokenizer=tokenizer)
@@ -119,10 +132,12 @@ def feedback_record(task: ToyTask, prompt_tokens: Sequence[int],
     if v.passed:
         quality = sum(v.quality[d] for d in QUALITY_DIMENSIONS) / len(QUALITY_DIMENSIONS)
     return {
-        "record_id": record_id, "task_id": task.task_id,
-        "segments": [{"role": "prompt", "text": task.prompt, "tokens": list(prompt_tokens)},
-                     {"role": "model", "text": patch, "tokens": list(response_tokens)}],
+        "record_id": record_id,
+        "task_id": task.task_id,
+        "segments": [
+            {"role": "prompt", "text": task.prompt, "tokens": list(prompt_tokens)},
+            {"role": "model", "text": patch, "tokens": list(response_tokens)},
+        ],
         "feedback": items,
-        "meta": {"passed": bool(v.passed), "cheat": bool(v.cheat),
-                 "quality": quality},
+        "meta": {"passed": bool(v.passed), "cheat": bool(v.cheat), "quality": quality},
     }

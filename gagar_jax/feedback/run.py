@@ -44,8 +44,9 @@ def _section(cls, name: str, mapping: Mapping[str, Any]):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(mapping) - names)
     if unknown:
-        raise FeedbackConfigError(f"config.{name}: unknown keys {unknown}; expected some of "
-                                  f"{sorted(names)}")
+        raise FeedbackConfigError(
+            f"config.{name}: unknown keys {unknown}; expected some of {sorted(names)}"
+        )
     kw = {}
     for f in dataclasses.fields(cls):
         if f.name in mapping:
@@ -63,8 +64,9 @@ class TaskSection:
 
     def __post_init__(self):
         if self.difficulty not in (1, 2, 3):
-            raise FeedbackConfigError(f"config.task.difficulty must be 1|2|3, got "
-                                      f"{self.difficulty!r}")
+            raise FeedbackConfigError(
+                f"config.task.difficulty must be 1|2|3, got {self.difficulty!r}"
+            )
         if self.num_train < 1 or self.num_eval < 0:
             raise FeedbackConfigError("config.task.num_train must be >= 1 and num_eval >= 0")
 
@@ -122,11 +124,17 @@ class LoopSection:
     eval_temperature: float = 0.7
 
     def __post_init__(self):
-        for n in ("steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
-                  "keep_checkpoints", "eval_samples"):
+        for n in (
+            "steps",
+            "batch_size",
+            "log_every",
+            "eval_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "eval_samples",
+        ):
             if getattr(self, n) < 1:
-                raise FeedbackConfigError(f"config.loop.{n} must be >= 1, got "
-                                          f"{getattr(self, n)!r}")
+                raise FeedbackConfigError(f"config.loop.{n} must be >= 1, got {getattr(self, n)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +153,15 @@ class FeedbackRunConfig:
     @classmethod
     def from_config_dict(cls, c: Mapping[str, Any]) -> FeedbackRunConfig:
         c = dict(c)
-        sections = {"task": TaskSection, "model": ModelSection, "base": BaseSection,
-                    "data": DataSection, "objective": FeedbackObjective,
-                    "optim": OptimSection, "loop": LoopSection}
+        sections = {
+            "task": TaskSection,
+            "model": ModelSection,
+            "base": BaseSection,
+            "data": DataSection,
+            "objective": FeedbackObjective,
+            "optim": OptimSection,
+            "loop": LoopSection,
+        }
         top = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(c) - top)
         if unknown:
@@ -178,20 +192,33 @@ class FeedbackRunConfig:
         from gagar_jax.models import TransformerConfig
 
         m = self.model
-        return TransformerConfig(vocab_size=vocab_size, hidden_size=m.hidden_size,
-                                 num_layers=m.num_layers, num_heads=m.num_heads,
-                                 num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                                 intermediate_size=m.intermediate_size, rope_theta=10000.0,
-                                 qkv_bias=False, tie_embeddings=True)
+        return TransformerConfig(
+            vocab_size=vocab_size,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            intermediate_size=m.intermediate_size,
+            rope_theta=10000.0,
+            qkv_bias=False,
+            tie_embeddings=True,
+        )
 
     def update_config(self):
         from gagar_jax.train.state import UpdateConfig
 
         o = self.optim
-        return UpdateConfig(learning_rate=o.lr, warmup_steps=o.warmup_steps,
-                            decay_steps=max(self.loop.steps, 1), schedule=o.schedule,
-                            weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
-                            max_grad_norm=o.grad_clip)
+        return UpdateConfig(
+            learning_rate=o.lr,
+            warmup_steps=o.warmup_steps,
+            decay_steps=max(self.loop.steps, 1),
+            schedule=o.schedule,
+            weight_decay=o.weight_decay,
+            b1=o.b1,
+            b2=o.b2,
+            max_grad_norm=o.grad_clip,
+        )
 
     @property
     def seq_len(self) -> int:
@@ -211,8 +238,10 @@ class _Fingerprinted:
 # Params I/O, tasks, sampling
 # ------------------------------------------------------------------------------------------
 def save_params(path: str, params: dict) -> None:
-    flat = {"/".join(str(getattr(k, "key", k)) for k in p): np.asarray(v)
-            for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]}
+    flat = {
+        "/".join(str(getattr(k, "key", k)) for k in p): np.asarray(v)
+        for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
+    }
     tmp = path + ".tmp.npz"
     np.savez(tmp, **flat)
     os.replace(tmp, path)
@@ -228,23 +257,39 @@ def load_params(path: str, like: dict) -> dict:
 
 
 def _pool(cfg: FeedbackRunConfig):
-    from gagar_jax.train.run_config import RolloutConfig, TaskConfig
-    from gagar_jax.train.tasks import ToyTaskPool
+    """The ``toy`` task family (``gagar_jax.envs``): tasks, held-out set, prompts, demos."""
+    from gagar_jax.envs.family import FamilySettings
+    from gagar_jax.envs.toy_family import ToyFamily
 
-    t, b = cfg.task, cfg.base
-    return ToyTaskPool(
-        TaskConfig(seed=t.seed, difficulty=t.difficulty, num_train=t.num_train,
-                   num_eval=t.num_eval),
-        RolloutConfig(max_prompt_len=b.max_prompt_len, max_new_tokens=b.max_new_tokens))
+    t = cfg.task
+    return ToyFamily(
+        FamilySettings(
+            seed=t.seed,
+            difficulty=t.difficulty,
+            num_train=t.num_train,
+            num_eval=t.num_eval,
+            max_prompt_len=cfg.base.max_prompt_len,
+        )
+    )
 
 
 def _sample(sampler, pool, tasks, *, n: int, temperature: float, max_tokens: int, seed: int):
     from gagar_jax.rollout import SamplingParams
 
     prompts = [pool.prompt_tokens(t) for t in tasks]
-    out = sampler.generate(prompts, SamplingParams(
-        n=n, temperature=temperature, max_tokens=max_tokens,
-        stop_token_ids=(pool.tokenizer.eos_id,), seed=seed))
+    per_call = max(1, 128 // n)  # rows per call stay within one sampler batch bucket
+    out = []
+    for c in range(0, len(prompts), per_call):
+        out += sampler.generate(
+            prompts[c : c + per_call],
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                stop_token_ids=(pool.tokenizer.eos_id,),
+                seed=seed + c,
+            ),
+        )
     return prompts, out
 
 
@@ -252,14 +297,20 @@ def evaluate(sampler, pool, cfg: FeedbackRunConfig, *, seed: int) -> dict[str, f
     """Held-out pass rate, quality, cheat rate, negative-feedback rate and response length."""
     from gagar_jax.envs import verify
     from gagar_jax.envs.simulated_user import user_feedback
-    from gagar_jax.train.tasks import quality_score
+    from gagar_jax.envs.toy_family import quality_score
 
     tasks = pool.eval_tasks()
     if not tasks:
         return {}
-    _, out = _sample(sampler, pool, tasks, n=cfg.loop.eval_samples,
-                     temperature=cfg.loop.eval_temperature,
-                     max_tokens=cfg.base.max_new_tokens, seed=seed)
+    _, out = _sample(
+        sampler,
+        pool,
+        tasks,
+        n=cfg.loop.eval_samples,
+        temperature=cfg.loop.eval_temperature,
+        max_tokens=cfg.base.max_new_tokens,
+        seed=seed,
+    )
     n = passed = cheats = negative = length = 0
     quality = []
     for task, samples in zip(tasks, out):
@@ -273,9 +324,13 @@ def evaluate(sampler, pool, cfg: FeedbackRunConfig, *, seed: int) -> dict[str, f
                 quality.append(quality_score(v.quality))
             fb = user_feedback(task, s.tokens, tokenizer=pool.tokenizer)
             negative += any(f["polarity"] == "negative" for f in fb)
-    return {"eval_pass_rate": passed / n, "eval_cheat_rate": cheats / n,
-            "eval_quality": float(np.mean(quality)) if quality else math.nan,
-            "eval_negative_rate": negative / n, "eval_response_length": length / n}
+    return {
+        "eval_pass_rate": passed / n,
+        "eval_cheat_rate": cheats / n,
+        "eval_quality": float(np.mean(quality)) if quality else math.nan,
+        "eval_negative_rate": negative / n,
+        "eval_response_length": length / n,
+    }
 
 
 # ------------------------------------------------------------------------------------------
@@ -305,30 +360,57 @@ def prepare_base(cfg: FeedbackRunConfig, base_dir: str, *, log=print) -> dict[st
         if meta["fingerprint"] != cfg.base_fingerprint():
             raise FeedbackConfigError(
                 f"{base_dir} holds a base built with fingerprint {meta['fingerprint']}, this "
-                f"config needs {cfg.base_fingerprint()}: use another base.dir")
-        return {"params": load_params(params_path, like), "jsonl": jsonl, "eval": meta["eval"],
-                "stats": meta["stats"], "model_config": mc}
+                f"config needs {cfg.base_fingerprint()}: use another base.dir"
+            )
+        return {
+            "params": load_params(params_path, like),
+            "jsonl": jsonl,
+            "eval": meta["eval"],
+            "stats": meta["stats"],
+            "model_config": mc,
+        }
 
     t0 = time.monotonic()
-    demos = pool.demonstrations(cfg.task.num_train)
+    demos = [
+        d
+        for d in pool.demonstrations(cfg.task.num_train)
+        if d.response_len <= cfg.base.max_new_tokens
+    ]  # never truncated: skipped
     b = cfg.base
-    sft.run_sft(model, demos, steps=b.sft_steps, batch_size=b.sft_batch_size, lr=b.sft_lr,
-                warmup_steps=b.sft_warmup_steps, seq_len=cfg.seq_len,
-                pad_id=pool.tokenizer.pad_id, seed=cfg.task.seed)
-    log(f"base: SFT warm start {b.sft_steps} steps on {len(demos)} demonstrations "
-        f"({time.monotonic() - t0:.0f}s)")
+    sft.run_sft(
+        model,
+        demos,
+        steps=b.sft_steps,
+        batch_size=b.sft_batch_size,
+        lr=b.sft_lr,
+        warmup_steps=b.sft_warmup_steps,
+        seq_len=cfg.seq_len,
+        pad_id=pool.tokenizer.pad_id,
+        seed=cfg.task.seed,
+    )
+    log(
+        f"base: SFT warm start {b.sft_steps} steps on {len(demos)} demonstrations "
+        f"({time.monotonic() - t0:.0f}s)"
+    )
     sampler = Sampler(model, pad_id=pool.tokenizer.pad_id, seed=cfg.task.seed)
     tasks = [pool.train_task(i) for i in range(cfg.task.num_train)]
-    prompts, out = _sample(sampler, pool, tasks, n=b.samples_per_task,
-                           temperature=b.temperature, max_tokens=b.max_new_tokens,
-                           seed=cfg.task.seed + 17)
+    prompts, out = _sample(
+        sampler,
+        pool,
+        tasks,
+        n=b.samples_per_task,
+        temperature=b.temperature,
+        max_tokens=b.max_new_tokens,
+        seed=cfg.task.seed + 17,
+    )
     from gagar_jax.data.feedback import FeedbackRecord
 
     records, pol_counts = [], {"positive": 0, "neutral": 0, "negative": 0}
     for task, prompt, samples in zip(tasks, prompts, out):
         for j, s in enumerate(samples):
-            rec = feedback_record(task, prompt, s.tokens, record_id=f"{task.task_id}/{j}",
-                                  tokenizer=pool.tokenizer)
+            rec = feedback_record(
+                task, prompt, s.tokens, record_id=f"{task.task_id}/{j}", tokenizer=pool.tokenizer
+            )
             for it in rec["feedback"]:
                 pol_counts[it["polarity"]] += 1
             records.append(FeedbackRecord.from_dict(rec))
@@ -336,14 +418,18 @@ def prepare_base(cfg: FeedbackRunConfig, base_dir: str, *, log=print) -> dict[st
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     save_params(params_path, params)
     ev = evaluate(sampler, pool, cfg, seed=cfg.task.seed + 99)
-    stats = {"records": len(records), "feedback_items": pol_counts,
-             "passed_frac": float(np.mean([r.meta["passed"] for r in records]))}
+    stats = {
+        "records": len(records),
+        "feedback_items": pol_counts,
+        "passed_frac": float(np.mean([r.meta["passed"] for r in records])),
+    }
     with open(meta_path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"fingerprint": cfg.base_fingerprint(), "eval": ev, "stats": stats}, f,
-                  indent=1)
+        json.dump({"fingerprint": cfg.base_fingerprint(), "eval": ev, "stats": stats}, f, indent=1)
     os.replace(meta_path + ".tmp", meta_path)
-    log(f"base: {len(records)} feedback records {pol_counts}; held-out {ev} "
-        f"({time.monotonic() - t0:.0f}s)")
+    log(
+        f"base: {len(records)} feedback records {pol_counts}; held-out {ev} "
+        f"({time.monotonic() - t0:.0f}s)"
+    )
     return {"params": params, "jsonl": jsonl, "eval": ev, "stats": stats, "model_config": mc}
 
 
@@ -358,7 +444,7 @@ def batch_indices(step: int, batch_size: int, num_records: int, seed: int) -> np
         epoch, offset = divmod(start + len(idx), num_records)
         perm = np.random.default_rng([seed, epoch]).permutation(num_records)
         take = min(batch_size - len(idx), num_records - offset)
-        idx.extend(perm[offset:offset + take].tolist())
+        idx.extend(perm[offset : offset + take].tolist())
     return np.asarray(idx)
 
 
@@ -407,8 +493,12 @@ def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[s
     obj = cfg.objective
     mesh = _mesh(cfg.mesh_shape)
     fp = _Fingerprinted(objective=obj, update=uc, data=os.path.abspath(jsonl))
-    ck = Checkpointer(os.path.join(workdir, "checkpoints"), model_config=mc, update_config=fp,
-                      keep=cfg.loop.keep_checkpoints)
+    ck = Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        model_config=mc,
+        update_config=fp,
+        keep=cfg.loop.keep_checkpoints,
+    )
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg.to_dict(), f, indent=1, sort_keys=True, default=str)
     start = 0
@@ -420,26 +510,37 @@ def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[s
         state = fstep.create_feedback_state(mc, uc, mesh, base["params"], seed=cfg.seed)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     metrics_io.truncate_jsonl(metrics_path, keep_before_step=start)
-    writer = metrics_io.MetricsWriter(workdir, total_steps=cfg.loop.steps, start_step=start,
-                                      tensorboard=False)
-    writer.log(f"{cfg.name}: mode {obj.mode}, {len(examples)} feedback records "
-               f"({skipped} too long skipped), reference point {obj.reference_point}, "
-               f"ref log-probs {obj.ref_logprobs}")
-    sampler = Sampler(model_from_params(mc, jax.device_get(base["params"])), pad_id=tok.pad_id,
-                      seed=cfg.seed)
+    writer = metrics_io.MetricsWriter(
+        workdir,
+        total_steps=cfg.loop.steps,
+        start_step=start,
+        tensorboard=False,
+        primary=jax.process_index() == 0,
+    )
+    writer.log(
+        f"{cfg.name}: mode {obj.mode}, {len(examples)} feedback records "
+        f"({skipped} too long skipped), reference point {obj.reference_point}, "
+        f"ref log-probs {obj.ref_logprobs}"
+    )
+    sampler = Sampler(
+        model_from_params(mc, jax.device_get(base["params"])), pad_id=tok.pad_id, seed=cfg.seed
+    )
 
     def pack(step):
         idx = batch_indices(step, cfg.loop.batch_size, len(examples), cfg.seed)
-        return pack_examples([examples[i] for i in idx], seq_len=cfg.seq_len,
-                             max_spans=cfg.data.max_spans, pad_id=tok.pad_id)
+        return pack_examples(
+            [examples[i] for i in idx],
+            seq_len=cfg.seq_len,
+            max_spans=cfg.data.max_spans,
+            pad_id=tok.pad_id,
+        )
 
     ref_fn = fstep.jit_ref_logprobs(mc, uc, mesh) if obj.ref_logprobs == "precomputed" else None
 
     def train_batch(fb):
         ref = None
         if ref_fn is not None and obj.needs_reference:
-            ref = np.asarray(ref_fn(state.ref_params, fb.tokens, fb.positions,
-                                    fb.attention_mask))
+            ref = np.asarray(ref_fn(state.ref_params, fb.tokens, fb.positions, fb.attention_mask))
         return fstep.to_train_batch(fb, ref_logprobs=ref, with_kl=obj.needs_kl_pairs)
 
     example = train_batch(pack(start))
@@ -474,10 +575,16 @@ def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[s
         writer.close()
     rows = metrics_io.read_jsonl(metrics_path)
     evals = [r for r in rows if r.get("phase") == "eval"]
-    summary = {"mode": obj.mode, "seed": cfg.seed, "steps": cfg.loop.steps,
-               "train_time_s": time.monotonic() - t0, "base_eval": base["eval"],
-               "final_eval": evals[-1] if evals else {}, "records": len(examples),
-               "compiles": step_fn._cache_size()}
+    summary = {
+        "mode": obj.mode,
+        "seed": cfg.seed,
+        "steps": cfg.loop.steps,
+        "train_time_s": time.monotonic() - t0,
+        "base_eval": base["eval"],
+        "final_eval": evals[-1] if evals else {},
+        "records": len(examples),
+        "compiles": step_fn._cache_size(),
+    }
     with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1, default=str)
     return summary

@@ -320,6 +320,7 @@ class GradingPool:
                 "submitted": self._counts["submitted"],
                 "accepted": self._counts["accepted"],
                 "cache_hits": self._counts["cache_hits"],
+                "cache_corrupt": self._counts["cache_corrupt"],
                 "queue_depth": len(self._queue),
                 "max_queue_depth": self._max_queue,
                 "running": len(self._running),
@@ -346,23 +347,30 @@ class GradingPool:
     # -- internals ---------------------------------------------------------------------------
 
     def _from_cache(self, job: _Job) -> GradeResult | None:
+        """The cached result for ``job``, or None. A record that does not read back as a result
+        (a verdict that is a string, a latency of ``"fast"`` or ``10**400``, an unknown reason)
+        is ignored, counted in ``cache_corrupt``, and the group is graded again."""
         rec = self.cache.get(job.key)
         if rec is None:
             return None
-        ws = job.workspace
-        if rec.get("verdict") is not None:
-            try:
-                v = schema.verdict_from_dict(rec["verdict"], ws)
-            except VerdictRejected:
-                return None  # a stale or corrupted entry: grade again
-            return GradeResult.accepted(ws, v, cached=True)
         try:
-            reason = FallbackReason(rec.get("reason"))
-        except ValueError:
+            return self._read_cached(rec, job.workspace)
+        except Exception:  # noqa: BLE001 - a corrupt record must never take submit() down
+            self._counts["cache_corrupt"] += 1
             return None
-        return dataclasses.replace(
-            GradeResult.fallback(ws, reason, rec.get("detail", "")), cached=True
-        )
+
+    @staticmethod
+    def _read_cached(rec: Any, ws: GroupWorkspace) -> GradeResult:
+        if not isinstance(rec, Mapping):
+            raise VerdictRejected(schema.RejectReason.MALFORMED, "cache record is not an object")
+        if rec.get("verdict") is not None:
+            v = schema.verdict_from_dict(rec["verdict"], ws)  # stale or corrupt: raises
+            return GradeResult.accepted(ws, v, cached=True)
+        reason = FallbackReason(rec.get("reason"))
+        detail = rec.get("detail", "")
+        if not isinstance(detail, str):
+            raise VerdictRejected(schema.RejectReason.MALFORMED, "cache detail is not text")
+        return dataclasses.replace(GradeResult.fallback(ws, reason, detail), cached=True)
 
     def _finish(self, job: _Job, result: GradeResult) -> None:
         """Records ``result`` for ``job`` (lock held). The first result wins."""

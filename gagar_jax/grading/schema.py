@@ -430,7 +430,39 @@ def _check_types(verdict: Verdict) -> None:
                 raise VerdictRejected(RejectReason.MALFORMED, f"{where}: malformed evidence {ev!r}")
 
 
+# What malformed input can make Python itself raise while it is read: a number too large for a
+# float (OverflowError), an int over the 4,300-digit str limit (ValueError), deep nesting
+# (RecursionError), a wrong type met by an operation (TypeError, ...). Each becomes a named
+# rejection (``malformed_output``); every check is linear in the input, so time is bounded.
+_PYTHON_ERRORS = (ValueError, TypeError, OverflowError, RecursionError, KeyError, IndexError,
+                  AttributeError, UnicodeError)  # fmt: skip
+
+
+def _malformed(e: BaseException, where: str) -> VerdictRejected:
+    try:
+        msg = str(e)[:200]
+    except Exception:  # noqa: BLE001 - the message itself may be unprintable
+        msg = ""
+    return VerdictRejected(RejectReason.MALFORMED, f"{where}: {type(e).__name__} {msg}".strip())
+
+
 def validate(
+    verdict: Verdict,
+    workspace: GroupWorkspace,
+    *,
+    check_logs: Mapping[str, Sequence[str]] | None = None,
+) -> Verdict:
+    """Validates ``verdict`` against ``workspace`` (see ``_validate``); any other exception a
+    malformed value provokes is a ``malformed_output`` rejection."""
+    try:
+        return _validate(verdict, workspace, check_logs=check_logs)
+    except VerdictRejected:
+        raise
+    except _PYTHON_ERRORS as e:
+        raise _malformed(e, "verdict") from None
+
+
+def _validate(
     verdict: Verdict,
     workspace: GroupWorkspace,
     *,
@@ -580,7 +612,7 @@ def extract_json(text: str) -> Any:
                 obj, _ = decoder.raw_decode(chunk, start)
                 if isinstance(obj, dict):
                     return obj
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):  # JSONDecodeError, an int over 4,300 digits
                 pass
             start = chunk.find("{", start + 1)
     raise VerdictRejected(RejectReason.MALFORMED, f"no JSON object in output ({len(text)} chars)")
@@ -608,6 +640,31 @@ def _opt(obj: Mapping[str, Any], key: str, types: tuple[type, ...] | type, where
 
 
 def parse_verdict(
+    output: str | Mapping[str, Any],
+    workspace: GroupWorkspace,
+    *,
+    grader_id: str,
+    grader_version: str,
+    latency_s: float = 0.0,
+    check_logs: Mapping[str, Sequence[str]] | None = None,
+    id_map: Mapping[str, str] | None = None,
+) -> Verdict:
+    """Parses a grader's JSON output into a validated ``Verdict`` (see ``_parse_verdict``).
+
+    Every input is accepted or rejected with a ``VerdictRejected`` naming the reason: huge
+    numbers, deep nesting and wrong types included (``malformed_output``).
+    """
+    try:
+        return _parse_verdict(output, workspace, grader_id=grader_id,
+                              grader_version=grader_version, latency_s=latency_s,
+                              check_logs=check_logs, id_map=id_map)  # fmt: skip
+    except VerdictRejected:
+        raise
+    except _PYTHON_ERRORS as e:
+        raise _malformed(e, "verdict") from None
+
+
+def _parse_verdict(
     output: str | Mapping[str, Any],
     workspace: GroupWorkspace,
     *,
@@ -665,6 +722,8 @@ def parse_verdict(
         scores = {}
         for d in DIMENSIONS:
             s = _need(scores_obj, d, (int, float), f"{where}.scores")
+            if isinstance(s, int) and not -(10**6) <= s <= 10**6:
+                raise VerdictRejected(RejectReason.MALFORMED, f"{where}.scores: {d} out of range")
             if not math.isfinite(float(s)):
                 raise VerdictRejected(RejectReason.MALFORMED, f"{where}.scores: {d} is not finite")
             scores[d] = float(s)
@@ -707,6 +766,8 @@ def parse_verdict(
                     RejectReason.MALFORMED, f"{ew}: field 'candidate' must be text"
                 )
             note = ev.get("note") or ""
+            if not isinstance(note, str | int | float | bool):
+                raise VerdictRejected(RejectReason.MALFORMED, f"{ew}: field 'note' must be text")
             evidence.append(
                 Evidence(
                     claim=claim,
@@ -749,13 +810,19 @@ def parse_verdict(
 
 def verdict_from_dict(obj: Mapping[str, Any], workspace: GroupWorkspace) -> Verdict:
     """Inverse of ``verdict_to_dict`` (validated against ``workspace``)."""
-    return parse_verdict(
-        obj,
-        workspace,
-        grader_id=str(obj.get("grader_id", "")),
-        grader_version=str(obj.get("grader_version", "")),
-        latency_s=float(obj.get("latency_s", 0.0) or 0.0),
-    )
+    if not isinstance(obj, Mapping):
+        raise VerdictRejected(
+            RejectReason.MALFORMED, f"expected an object, got {type(obj).__name__}"
+        )
+    latency = obj.get("latency_s", 0.0) or 0.0
+    out_of_range = isinstance(latency, int) and not 0 <= latency <= 10**9
+    if out_of_range or (not isinstance(latency, int) and not _is_number(latency)):
+        raise VerdictRejected(RejectReason.MALFORMED, "field 'latency_s' must be a finite number")
+    ids = [obj.get("grader_id", ""), obj.get("grader_version", "")]
+    if not all(isinstance(x, str) for x in ids):
+        raise VerdictRejected(RejectReason.MALFORMED, "grader_id/grader_version must be text")
+    return parse_verdict(obj, workspace, grader_id=ids[0], grader_version=ids[1],
+                         latency_s=float(latency))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from gagar_jax.models.hf import (
     load_hf_safetensors,
     model_from_params,
     save_hf_safetensors,
+    save_hf_safetensors_streaming,
     to_hf_tensors,
 )
 from gagar_jax.models.sharding import (
@@ -38,6 +39,7 @@ __all__ = [
     "load_hf_safetensors",
     "model_from_params",
     "save_hf_safetensors",
+    "save_hf_safetensors_streaming",
     "to_hf_tensors",
     "logical_to_spec",
     "param_shardings",

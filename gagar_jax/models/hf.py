@@ -52,42 +52,161 @@ def to_hf_tensors(params: dict, config: TransformerConfig) -> dict[str, np.ndarr
     experts are written under the Hugging Face hub names (``mlp.experts.{j}.gate_proj.weight``,
     ``mlp.gate.weight``), which ``transformers`` and SGLang load.
     """
+    return dict(iter_hf_tensors(params, config))
+
+
+def iter_hf_tensors(params: dict, config: TransformerConfig, *, fetch=None):
+    """``(Hugging Face name, array)`` one tensor at a time, in a fixed order (see
+    :func:`to_hf_tensors`).
+
+    ``fetch(x)`` turns one parameter leaf into a host NumPy array (default: ``device_get``);
+    it is called for one leaf at a time, just before its tensors are yielded, so a caller that
+    drops each tensor after use holds one on the host at a time (an MoE layer's stacked expert
+    weights: one stacked leaf), see :func:`save_hf_safetensors_streaming`.
+    """
     c = config
+    get = fetch or _np
     params = unstack_layer_params(params)
-    out = {
-        "model.embed_tokens.weight": _np(params["embed_tokens"]),
-        "model.norm.weight": _np(params["norm"]["weight"]),
-    }
+
+    def one(name, leaf, transform=lambda w: w):
+        return name, np.ascontiguousarray(transform(get(leaf)))
+
+    yield one("model.embed_tokens.weight", params["embed_tokens"])
+    yield one("model.norm.weight", params["norm"]["weight"])
     if not c.tie_embeddings:
-        out["lm_head.weight"] = _np(params["lm_head"]).T
+        yield one("lm_head.weight", params["lm_head"], lambda w: w.T)
     for i in range(c.num_layers):
         layer = params["layers"][i]
         pre = f"model.layers.{i}."
         attn, mlp = layer["self_attn"], layer["mlp"]
-        out[pre + "input_layernorm.weight"] = _np(layer["input_layernorm"]["weight"])
-        out[pre + "post_attention_layernorm.weight"] = _np(
-            layer["post_attention_layernorm"]["weight"]
+        yield one(pre + "input_layernorm.weight", layer["input_layernorm"]["weight"])
+        yield one(
+            pre + "post_attention_layernorm.weight", layer["post_attention_layernorm"]["weight"]
         )
-        for name in ("q", "k", "v"):
-            w = _np(attn[f"{name}_proj"])  # [E, heads, D]
-            out[pre + f"self_attn.{name}_proj.weight"] = w.reshape(w.shape[0], -1).T
+        for name in ("q", "k", "v"):  # [E, heads, D] -> [heads * D, E]
+            yield one(
+                pre + f"self_attn.{name}_proj.weight",
+                attn[f"{name}_proj"],
+                lambda w: w.reshape(w.shape[0], -1).T,
+            )
             if c.qkv_bias:
-                out[pre + f"self_attn.{name}_proj.bias"] = _np(attn[f"{name}_bias"]).reshape(-1)
+                yield one(
+                    pre + f"self_attn.{name}_proj.bias",
+                    attn[f"{name}_bias"],
+                    lambda w: w.reshape(-1),
+                )
         if c.qk_norm:
             for name in ("q_norm", "k_norm"):
-                out[pre + f"self_attn.{name}.weight"] = _np(attn[name]["weight"])
-        o = _np(attn["o_proj"])  # [N, D, E]
-        out[pre + "self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
+                yield one(pre + f"self_attn.{name}.weight", attn[name]["weight"])
+        yield one(
+            pre + "self_attn.o_proj.weight",
+            attn["o_proj"],  # [N, D, E] -> [E, N * D]
+            lambda w: w.reshape(-1, w.shape[-1]).T,
+        )
         if c.num_experts:
-            out[pre + "mlp.gate.weight"] = _np(mlp["router"]).T  # [X, E]
-            stacked = {name: _np(mlp[name]) for name in ("gate_proj", "up_proj", "down_proj")}
-            for j in range(c.num_experts):
-                for name, w in stacked.items():
-                    out[pre + f"mlp.experts.{j}.{name}.weight"] = w[j].T
+            yield one(pre + "mlp.gate.weight", mlp["router"], lambda w: w.T)  # [X, E]
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                stacked = get(mlp[name])
+                for j in range(c.num_experts):
+                    yield (
+                        pre + f"mlp.experts.{j}.{name}.weight",
+                        np.ascontiguousarray(stacked[j].T),
+                    )
+                del stacked
         else:
             for name in ("gate_proj", "up_proj", "down_proj"):
-                out[pre + f"mlp.{name}.weight"] = _np(mlp[name]).T
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+                yield one(pre + f"mlp.{name}.weight", mlp[name], lambda w: w.T)
+
+
+_GATHERS: dict = {}
+
+
+def gather_to_host(x) -> np.ndarray:
+    """One (possibly multi-host sharded) ``jax.Array`` as a NumPy array on every process.
+
+    A jitted identity re-lays it out fully replicated (an all-gather on the devices; every
+    process must call this for the same array, in the same order), then this process's
+    replica is copied to the host. Only this one tensor is ever gathered.
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return _np(x)
+    rep = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
+    fn = _GATHERS.get(rep)
+    if fn is None:
+        fn = _GATHERS[rep] = jax.jit(lambda a: a, out_shardings=rep)
+    full = fn(x)
+    out = np.asarray(full.addressable_shards[0].data)
+    del full
+    return out
+
+
+def save_hf_safetensors_streaming(
+    params: dict,
+    config: TransformerConfig,
+    directory: str,
+    *,
+    dtype: str | None = None,
+    writer: bool | None = None,
+    max_shard_bytes: int = 1 << 30,
+) -> str:
+    """:func:`save_hf_safetensors` for sharded (multi-host) parameters, one tensor at a time.
+
+    Every process calls it with the same ``params`` (global ``jax.Array`` leaves, sharded any
+    way over the mesh): each tensor is gathered (:func:`gather_to_host`), cast, added to the
+    current shard file and dropped; a shard is written when it reaches ``max_shard_bytes``.
+    So no host ever holds more than one shard plus one tensor, never the whole model. Only
+    the ``writer`` process (default: process 0) writes; the others take part in the gathers.
+    The directory is a standard sharded Hugging Face checkpoint
+    (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` + ``config.json``)
+    that ``transformers``, SGLang and :func:`load_hf_safetensors` read.
+
+    Returns:
+      ``directory``.
+    """
+    writer = jax.process_index() == 0 if writer is None else writer
+    dtype = np.dtype(jax.numpy.dtype(dtype or config.param_dtype))
+    shards: list[list[str]] = []
+    weight_map: dict[str, int] = {}
+    pending: dict[str, np.ndarray] = {}
+    size = total = 0
+    if writer:
+        os.makedirs(directory, exist_ok=True)
+
+    def flush():
+        nonlocal pending, size
+        if pending:
+            if writer:
+                save_file(
+                    pending,
+                    os.path.join(directory, f".shard-{len(shards):05d}"),
+                    metadata={"format": "pt"},
+                )
+            shards.append(list(pending))
+            pending, size = {}, 0
+
+    for name, array in iter_hf_tensors(params, config, fetch=gather_to_host):
+        array = array.astype(dtype, copy=False)
+        if size and size + array.nbytes > max_shard_bytes:
+            flush()
+        pending[name] = array
+        size += array.nbytes
+        total += array.nbytes
+        del array
+    flush()
+    if not writer:
+        return directory
+    n = len(shards)
+    for i, names in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(os.path.join(directory, f".shard-{i:05d}"), os.path.join(directory, final))
+        weight_map.update({name: final for name in names})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    hf = config.to_hf()
+    hf["torch_dtype"] = str(dtype)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    return directory
 
 
 def from_hf_tensors(tensors: dict[str, np.ndarray], config: TransformerConfig) -> dict:

@@ -98,10 +98,19 @@ def sample_token(logits, key, temperature, top_p, top_k):
         thresh = jnp.maximum(kth, p_thresh)
         return jnp.where(x >= thresh, x, -jnp.inf)
 
-    need = (top_k > 0) | (top_p < 1.0)
-    masked = jax.lax.cond(need, truncate, lambda x: x, scaled)
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    def draw(x):
+        need = (top_k > 0) | (top_p < 1.0)
+        masked = jax.lax.cond(need, truncate, lambda y: y, x)
+        return jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
+
+    # Greedy rows skip the [B, V] Gumbel noise and the truncation entirely (a traced branch:
+    # one program serves greedy and sampled calls).
+    tokens = jax.lax.cond(
+        greedy,
+        lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        lambda x: draw(x).astype(jnp.int32),
+        scaled,
+    )
     lp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     return tokens, lp
 
@@ -137,7 +146,7 @@ def _generate_program(
     row_src,
     row_ids,
     live,
-    seed,
+    row_seeds,
     temperature,
     top_p,
     top_k,
@@ -157,7 +166,10 @@ def _generate_program(
     its prompt row, whose KV cache it copies after the prefill. history: None, or a stored
     compacted cache ``(k, v, mask)`` [L, Bh, S_h, ...] of which prompt row i continues row
     ``hist_src[i]`` (its last ``hist_slots`` slots, ``hist_len[i]`` valid tokens). row_ids [B] i32
-    (PRNG rows), live [B] bool. Returns (tokens, logprobs, lengths, stopped, compacted cache or
+    and row_seeds [B] u32 (PRNG rows: row ``r`` draws from
+    ``fold_in(key(row_seeds[r]), row_ids[r])``, then ``fold_in(., t)`` per step: one seed with
+    ``row_ids = arange(B)``, or one seed per prompt with ``row_ids`` the sample index within its
+    prompt), live [B] bool. Returns (tokens, logprobs, lengths, stopped, compacted cache or
     None).
 
     One program per (graphdef, pad_id, Bp, B, P, N, history shape, keep_cache): samplers over
@@ -190,8 +202,7 @@ def _generate_program(
     logits = logits[row_src, -1, :]
     prompt_len = prompt_len[row_src]
     cache = cache._replace(k=cache.k[:, row_src], v=cache.v[:, row_src], mask=cache.mask[row_src])
-    base = jax.random.key(seed)
-    row_keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(row_ids)
+    row_keys = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(row_seeds, row_ids)
 
     def cond(carry):
         step, _, _, done, *_ = carry
@@ -293,10 +304,27 @@ class Sampler:
             return self._seed_counter
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        prompt_seeds: Sequence[int] | None = None,
     ) -> list[list[Sample]]:
-        """`params.n` samples per prompt (outer list: prompts, inner: samples)."""
+        """`params.n` samples per prompt (outer list: prompts, inner: samples).
+
+        `prompt_seeds[i]` (optional, one per prompt, in [0, 2**32)) seeds prompt i's samples on
+        their own: they are then the same whatever else is in the batch and wherever prompt i
+        sits in it (what a multi-host loop needs: the rollouts of a prompt do not depend on how
+        prompts are split over hosts). Otherwise `params.seed` seeds the whole call.
+        """
         prompts = validate_prompts(prompts, self.config.vocab_size)
+        if prompt_seeds is not None:
+            prompt_seeds = [int(x) for x in prompt_seeds]
+            if len(prompt_seeds) != len(prompts) or not all(0 <= x < 2**32 for x in prompt_seeds):
+                raise ValueError(
+                    f"prompt_seeds must be {len(prompts)} ints in [0, 2**32) (one per prompt), "
+                    f"got {prompt_seeds!r:.200}"
+                )
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if len(params.stop_token_ids) > MAX_STOP_TOKENS:
@@ -343,6 +371,14 @@ class Sampler:
         stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
         seed = params.seed if params.seed is not None else self._next_seed()
+        if prompt_seeds is None:
+            row_seeds = np.full((b,), seed, np.uint32)
+            row_ids = np.arange(b, dtype=np.int32)
+        else:  # row r = i * n + j: prompt i's seed, sample index j; filler rows keep their index
+            row_seeds = np.zeros((b,), np.uint32)
+            row_seeds[:n_rows] = np.repeat(np.asarray(prompt_seeds, np.uint32), params.n)
+            row_ids = np.arange(b, dtype=np.int32)
+            row_ids[:n_rows] = np.tile(np.arange(params.n, dtype=np.int32), len(prompts))
 
         with self._lock:  # serialises dispatch so the trace count is attributed to this call
             before = _TRACES[0]
@@ -354,9 +390,9 @@ class Sampler:
                 jnp.asarray(tokens),
                 jnp.asarray(mask),
                 jnp.asarray(row_src),
-                jnp.arange(b, dtype=jnp.int32),
+                jnp.asarray(row_ids),
                 jnp.asarray(live),
-                jnp.asarray(seed, jnp.uint32),
+                jnp.asarray(row_seeds),
                 jnp.asarray(params.temperature, jnp.float32),
                 jnp.asarray(params.top_p, jnp.float32),
                 jnp.asarray(params.top_k, jnp.int32),
@@ -402,7 +438,7 @@ class Sampler:
                         policy_version=self.policy_version,
                         meta={
                             "bucket": (b, p, n),
-                            "seed": int(seed),
+                            "seed": int(seed if prompt_seeds is None else prompt_seeds[i]),
                             "cached_prefix": int(counts[uniq[tuple(prompts[i])]]),
                         },
                     )
@@ -436,10 +472,16 @@ class Sampler:
         return None
 
     async def agenerate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        prompt_seeds: Sequence[int] | None = None,
     ) -> list[list[Sample]]:
         """`generate` in a worker thread: the event loop stays free while the device works."""
-        return await asyncio.to_thread(self.generate, prompts, params)
+        return await asyncio.to_thread(
+            functools.partial(self.generate, prompt_seeds=prompt_seeds), prompts, params
+        )
 
     def sync_weights(self, params_or_path: Any, version: int) -> int:
         """Replaces the weights; returns `version` (stamped on every later Sample).

@@ -351,9 +351,20 @@ class SGLangClient:
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
+        *,
+        prompt_seeds: Sequence[int] | None = None,
     ) -> list[list[Sample]]:
-        """`params.n` samples for each prompt via `/generate`, one request per sample."""
+        """`params.n` samples for each prompt via `/generate`, one request per sample.
+
+        `prompt_seeds[i]` (optional, one per prompt) seeds prompt i's samples by themselves
+        (sample j gets `prompt_seeds[i] + j`), whatever the other prompts of the call.
+        """
         prompts = validate_prompts(prompts, self.vocab_size)
+        if prompt_seeds is not None and len(prompt_seeds) != len(prompts):
+            raise ValueError(
+                f"prompt_seeds must have one seed per prompt: {len(prompt_seeds)} for "
+                f"{len(prompts)} prompts"
+            )
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         batch = f"{self._client_id}-{next(self._batch_counter)}"
@@ -362,7 +373,10 @@ class SGLangClient:
 
         async def one(http, i: int, j: int):
             rid = f"{batch}-{i}-{j}"
-            seed = None if params.seed is None else params.seed + 1_000_003 * i + j
+            if prompt_seeds is not None:
+                seed = (int(prompt_seeds[i]) + j) % 2**31
+            else:
+                seed = None if params.seed is None else params.seed + 1_000_003 * i + j
             attempt_box = itertools.count()
 
             def payload():
@@ -405,9 +419,13 @@ class SGLangClient:
         return [[s for s in row] for row in results]  # every slot is filled (gather re-raises)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        prompt_seeds: Sequence[int] | None = None,
     ) -> list[list[Sample]]:
-        return _run_sync(self.agenerate(prompts, params))
+        return _run_sync(self.agenerate(prompts, params, prompt_seeds=prompt_seeds))
 
     # ------------------------------------------------------------------ weights
 

@@ -101,11 +101,13 @@ class SGLangEngine:
         launch weights)."""
         return str(sample.meta.get("weight_version", sample.policy_version))
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> list[list[Sample]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 prompt_seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+        """``prompt_seeds``: one seed per prompt (the client's), so a prompt's samples do not
+        depend on the other prompts of the call (multi-host loops split prompts over hosts)."""
         self._enter()
         try:
-            out = self.client.generate(prompts, params)
+            out = self.client.generate(prompts, params, prompt_seeds=prompt_seeds)
             for attempt in range(self.max_resubmits + 1):
                 stale = [(i, j) for i, row in enumerate(out) for j, s in enumerate(row)
                          if not self._current(s)]
@@ -117,7 +119,10 @@ class SGLangEngine:
                 self._repush_if_behind(out[stale[0][0]][stale[0][1]])
                 for i, j in stale:
                     # the slot's own seed, as the client derives it for (prompt i, sample j)
-                    seed = None if params.seed is None else params.seed + 1_000_003 * i + j
+                    if prompt_seeds is not None:
+                        seed = (int(prompt_seeds[i]) + j) % 2**31
+                    else:
+                        seed = None if params.seed is None else params.seed + 1_000_003 * i + j
                     one = SamplingParams(n=1, temperature=params.temperature,
                                          top_p=params.top_p, top_k=params.top_k,
                                          max_tokens=params.max_tokens,
@@ -130,10 +135,11 @@ class SGLangEngine:
         finally:
             self._leave()
 
-    async def agenerate(self, prompts, params):
+    async def agenerate(self, prompts, params, *, prompt_seeds=None):
         import asyncio
 
-        return await asyncio.to_thread(self.generate, prompts, params)
+        return await asyncio.to_thread(self.generate, prompts, params,
+                                       prompt_seeds=prompt_seeds)
 
     def _current(self, sample: Sample) -> bool:
         if sample.finish_reason == "abort":

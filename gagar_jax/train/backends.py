@@ -105,7 +105,11 @@ class Policy:
         return None if self._rl is None else self._rl.trace_count
 
     def params_for_sync(self):
-        """What the embedded engine's ``sync_weights`` takes (the model's nnx state)."""
+        """What the engine's ``sync_weights`` takes: for the embedded sampler the model's nnx
+        state (a full copy on this host's device, made device to device); for SGLang the
+        sharded parameters themselves (pure dict), exported tensor by tensor."""
+        if self.cfg.rollout.engine == "sglang":
+            return self._rl_state().state.params
         return self._rl_state().params_for_sync()
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -151,7 +155,7 @@ def build_sglang_engine(cfg: RunConfig, policy: Policy, *, workdir: str):
     """
     from flax import nnx
 
-    from gagar_jax.models import save_hf_safetensors
+    from gagar_jax.models import save_hf_safetensors_streaming
     from gagar_jax.rollout import SGLangClient
     from gagar_jax.rollout.sglang_engine import SGLangEngine
 
@@ -164,11 +168,14 @@ def build_sglang_engine(cfg: RunConfig, policy: Policy, *, workdir: str):
                            "use rollout.engine='embedded'")
 
     def export(params, directory):
-        model = policy.model
-        if not isinstance(params, nnx.Module):
-            nnx.update(model, params)
-        if jax.process_index() == 0:
-            save_hf_safetensors(model, policy.model_config, directory)
+        # ``params``: the sharded train-state parameters (Policy.params_for_sync). Streamed
+        # tensor by tensor: every host takes part in each gather, process 0 writes; no host
+        # ever holds the whole model.
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params, nnx.Param)
+        if isinstance(params, nnx.State):
+            params = nnx.to_pure_dict(params)
+        save_hf_safetensors_streaming(params, policy.model_config, directory)
 
     return SGLangEngine(client, export_fn=export, sync_dir=os.path.join(workdir, "sync"))
 

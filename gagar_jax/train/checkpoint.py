@@ -12,6 +12,14 @@ Restoring a checkpoint written under a different model/update config raises a ``
 naming both fingerprints (``allow_config_change=True`` overrides, e.g. to change the learning
 rate deliberately).
 
+Integrity: ``meta`` also holds a SHA-256 of every array of the state (dtype, shape and bytes of
+the global value), computed from the state being saved, in the same save. A restore recomputes
+them from what it read: a mismatch, or data orbax cannot read, makes that checkpoint corrupt.
+``restore()`` of the latest then falls back to the previous complete checkpoint, logging which
+step was skipped and why; ``restore(step=s)`` and a directory with no intact checkpoint raise
+``CheckpointCorruptError`` naming the step(s). Checkpoints without checksums (older ones) are
+restored unchecked. Arrays not fully addressable by this process (multi-host) are not summed.
+
 Preemption: orbax's own preemption hook needs ``jax.distributed``; a single-host run uses
 :meth:`Checkpointer.install_sigterm_handler`. The loop calls :meth:`Checkpointer.track` after
 each update with the newest state. On SIGTERM, if that state is intact (no update in flight
@@ -23,16 +31,38 @@ has consumed its donated buffers) it is saved synchronously and the process exit
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import logging
 import os
 import signal
 import sys
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from gagar_jax.models import TransformerConfig
 from gagar_jax.train.state import TrainState, UpdateConfig, config_fingerprint, state_shardings
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint whose data does not match its checksums or cannot be read."""
+
+
+def array_checksums(state: Any) -> dict[str, str]:
+    """``{key path: sha256 hex}`` of every fully addressable array leaf of ``state``."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            continue
+        a = np.ascontiguousarray(np.asarray(jax.device_get(leaf)))
+        h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+        out[jax.tree_util.keystr(path)] = h.hexdigest()
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +117,7 @@ class Checkpointer:
              extra: dict | None = None, wait: bool = False) -> None:
         """Saves ``state`` and resume metadata as checkpoint ``step`` (async unless ``wait``)."""
         meta = {"data_position": data_position, "fingerprint": self.fingerprint,
-                "extra": extra or {}}
+                "extra": extra or {}, "checksums": array_checksums(state)}
         self.manager.save(int(step), args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
         if wait:
@@ -132,24 +162,59 @@ class Checkpointer:
           step: which checkpoint; ``None`` for the latest.
           allow_config_change: restore despite a different config fingerprint.
         Raises:
-          FileNotFoundError when there is no checkpoint; ValueError on a fingerprint mismatch.
+          FileNotFoundError when there is no checkpoint; ValueError on a fingerprint mismatch;
+          CheckpointCorruptError when ``step`` (or, for the latest, every checkpoint) is corrupt.
         """
         self.manager.wait_until_finished()
-        step = self.latest_step() if step is None else int(step)
-        if step is None:
+        if step is not None:
+            return self._restore_step(abstract_state, int(step), allow_config_change)
+        steps = sorted(self.all_steps(), reverse=True)
+        if not steps:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        meta = self.manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"]
+        problems = []
+        for s in steps:
+            try:
+                return self._restore_step(abstract_state, s, allow_config_change)
+            except CheckpointCorruptError as e:
+                problems.append(str(e))
+                log.error("checkpoint %s step %d is corrupt (%s); falling back to the previous "
+                          "complete checkpoint", self.directory, s, e)  # fmt: skip
+        raise CheckpointCorruptError(
+            f"no intact checkpoint in {self.directory}: " + "; ".join(problems))
+
+    def _restore_step(self, abstract_state: TrainState, step: int,
+                      allow_config_change: bool) -> tuple[TrainState, ResumeInfo]:
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint step {step} in {self.directory}")
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta, dict) or "fingerprint" not in meta:
+                raise ValueError(f"metadata is {type(meta).__name__} without a fingerprint")
+        except Exception as e:  # noqa: BLE001 - unreadable metadata: this checkpoint is corrupt
+            raise CheckpointCorruptError(
+                f"step {step}: metadata unreadable: {type(e).__name__}: {e}"[:500]) from e
         if meta["fingerprint"] != self.fingerprint and not allow_config_change:
             raise ValueError(
                 f"checkpoint {self.directory} step {step} was written with config fingerprint "
                 f"{meta['fingerprint']}, but the current model/update config has "
                 f"{self.fingerprint}; refusing to restore a mismatched state (pass "
                 "allow_config_change=True to override)")
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state)))["state"]
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))["state"]
+        except Exception as e:  # noqa: BLE001 - data orbax cannot decode: corrupt
+            raise CheckpointCorruptError(
+                f"step {step}: state unreadable: {type(e).__name__}: {e}"[:500]) from e
         kind = type(abstract_state)  # TrainState, or another NamedTuple state (feedback)
         state = restored if isinstance(restored, kind) else kind(*restored)
+        saved = meta.get("checksums")
+        if saved:
+            got = array_checksums(state)
+            bad = sorted(k for k in saved if got.get(k) != saved[k])
+            if bad:
+                raise CheckpointCorruptError(
+                    f"step {step}: checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}")
         return state, ResumeInfo(step=step, data_position=meta["data_position"],
                                  fingerprint=meta["fingerprint"], extra=meta.get("extra", {}))
 

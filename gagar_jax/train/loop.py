@@ -2,9 +2,12 @@
 
 One RL step (``for step in range(start, total)``), each piece from its own package:
 
-1. **Sample and verify.** Prompts come from the task stream (deterministic by data position);
-   the rollout engine generates K samples per prompt; each is verified by the task family
-   (tests + behaviour monitor). A verifier crash is an infra error: masked, counted.
+1. **Sample and verify.** Prompts come from the task family's stream (deterministic by data
+   position; ``gagar_jax.envs.family`` is the only part of ``envs`` the loop knows); the rollout
+   engine generates K samples per prompt, or, for a multi-turn family, K episodes through
+   ``rollout.run_episodes`` (one batched engine call per turn; model tokens kept as generated,
+   observations masked out of the loss); each is verified by the family (tests + behaviour
+   monitor). A verifier crash is an infra error: masked, counted.
 2. **Dynamic sampling** (:func:`~gagar_jax.train.sampling.collect_groups`): rounds of fresh prompts
    until ``num_prompts`` mixed groups are held (cap + clear error, or a partial batch when allowed).
 3. **Grading, overlapped.** Every kept group is submitted to the grading pool the moment it is
@@ -13,7 +16,9 @@ One RL step (``for step in range(start, total)``), each piece from its own packa
    group keeps its original advantages (the pool's fallback, counted in metrics).
 4. **Pack** to the static ``[G, K, T]`` shape (no recompilation, whatever the refills did).
 5. **Update**: one jitted call (advantages computed inside from the raw results, then PPO-clip).
-6. **Weight sync** to the rollout engine (``policy_version`` + 1).
+6. **Weight sync** to the rollout engine (``policy_version`` + 1; the engine must report that
+   version back: ``rollout/weight_version``), with the training-inference mismatch of the step's
+   batch (``rollout/logprob_mismatch_k3``, ``rollout/logprob_mismatch_max_abs``).
 7. Periodic **held-out evaluation**, **checkpoint** (train state via orbax; loop bookkeeping via
    :class:`~gagar_jax.train.resume.ResumeStore` after the state is finished writing) and metrics.
 
@@ -40,9 +45,10 @@ import jax
 import numpy as np
 
 from gagar_jax.train import metrics_io
+from gagar_jax.train.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.train.resume import LoopState, ResumeStore, TaskStream
 from gagar_jax.train.run_config import MeshConfig, RunConfig
-from gagar_jax.train.sampling import Group, Rollout, collect_groups, pack_groups
+from gagar_jax.train.sampling import Group, Rollout, collect_blocks, pack_groups
 
 
 class ResumeMismatchError(RuntimeError):
@@ -66,7 +72,10 @@ def initialize_distributed(mesh_cfg: MeshConfig) -> None:
         return
     if not 0 <= pid < num:
         raise ValueError(f"process id {pid} outside [0, {num}) (mesh.process_id/JAX_PROCESS_ID)")
-    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    # heartbeat: JAX's own detection of a dead or frozen process, the backstop where ours cannot
+    # run (a host lost inside orbax's save barrier, which holds the interpreter)
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
+                               heartbeat_timeout_seconds=int(mesh_cfg.heartbeat_timeout_s))
 
 
 def enable_compilation_cache(directory: str) -> None:
@@ -98,10 +107,16 @@ class StepCounters:
     turns_sum: int = 0
     tool_calls_sum: int = 0
     model_tokens_sum: int = 0
+    # policy version -> [rollouts, infra errors]: infra_error is masked, so a policy that learns
+    # to provoke it escapes its negative reward; the rate per version shows such a trend.
+    by_version: dict = dataclasses.field(default_factory=dict)
 
     def add(self, group: Group) -> None:
         for r in group.rollouts:
             self.rollouts += 1
+            tally = self.by_version.setdefault(int(r.policy_version), [0, 0])
+            tally[0] += 1
+            tally[1] += bool(r.infra_error)
             self.length_sum += len(r.response_tokens)
             self.turns_sum += r.num_turns
             self.tool_calls_sum += r.num_tool_calls
@@ -119,12 +134,31 @@ class StepCounters:
                     self.quality_sum += r.quality
                     self.quality_n += 1
 
+    @classmethod
+    def merged(cls, parts: list[dict[str, Any]]) -> StepCounters:
+        """The counters of all hosts (``dataclasses.asdict`` of each): sums; times: the slowest."""
+        out = cls()
+        for f in dataclasses.fields(cls):
+            values = [p[f.name] for p in parts]
+            if isinstance(getattr(out, f.name), dict):  # by_version: key -> [counts], summed
+                merged: dict = {}
+                for v in values:  # (JSON turned the int keys into strings)
+                    for key, counts in v.items():
+                        acc = merged.setdefault(int(key), [0] * len(counts))
+                        merged[int(key)] = [a + b for a, b in zip(acc, counts)]
+                setattr(out, f.name, merged)
+            else:
+                setattr(out, f.name, max(values) if f.name.endswith("_time") else
+                        type(getattr(out, f.name))(sum(values)))
+        return out
+
     def metrics(self) -> dict[str, float]:
         v = max(self.valid, 1)
         return {
             "pass_rate": self.passed / v,
             "cheat_rate": self.cheats / v,
             "infra_errors": float(self.infra_errors),
+            "infra_error_rate": self.infra_errors / max(self.rollouts, 1),
             "response_length": self.length_sum / max(self.rollouts, 1),
             "truncated_frac": self.truncated / max(self.rollouts, 1),
             "quality": self.quality_sum / self.quality_n if self.quality_n else math.nan,
@@ -189,11 +223,13 @@ def _rollout(family, task, prompt: list[int], attempt, *, response_tokens, logpr
         num_tool_calls=num_tool_calls, attempt=attempt, outcome=out)
 
 
-def _sample_rollouts(engine, family, prompts, params):
-    """Single-turn: one engine call, ``params.n`` samples per prompt."""
+def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
+    """Single-turn: one engine call, ``params.n`` samples per prompt (``prompt_seeds``: one
+    engine seed per prompt, see :func:`generate_groups`)."""
     from gagar_jax.envs.family import Attempt
 
-    outputs = engine.generate(prompts, params)
+    seeds = {} if prompt_seeds is None else {"prompt_seeds": list(prompt_seeds)}
+    outputs = engine.generate(prompts, params, **seeds)
     if len(outputs) != len(prompts):
         raise RuntimeError(f"engine returned {len(outputs)} prompt results for {len(prompts)}")
     tok = family.tokenizer
@@ -247,9 +283,15 @@ def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig):
 def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_id: int,
                     num_rollouts: int, temperature: float, id_prefix: str,
                     counters: StepCounters | None = None,
-                    rng_words: tuple[int, ...] = ()) -> list[Group]:
+                    rng_words: tuple[int, ...] = (), prompt_seeds: list[int] | None = None,
+                    first_index: int = 0) -> list[Group]:
     """K rollouts for each task (samples, or episodes of a multi-turn family), verified; one
     :class:`Group` per task.
+
+    ``prompt_seeds`` (one per task) seed each prompt's samples by themselves (the engine's
+    ``prompt_seeds``), so they do not depend on which other prompts share the call or host;
+    otherwise one seed from ``(rng_words, step, round_id)`` seeds the call. ``first_index``:
+    the index of ``tasks[0]`` within its round (group ids stay global on every host).
 
     Raises:
       RuntimeError: the engine failed (dead server after its retries); the message names the
@@ -257,6 +299,8 @@ def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_i
     """
     from gagar_jax.rollout import SamplingParams
 
+    if not tasks:
+        return []
     prompts = [family.prompt_tokens(t) for t in tasks]
     params = SamplingParams(
         n=num_rollouts, temperature=temperature, top_p=cfg.rollout.top_p,
@@ -271,7 +315,7 @@ def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_i
         if family.multi_turn:
             per_task = _episode_rollouts(engine, family, tasks, prompts, params, cfg)
         else:
-            per_task = _sample_rollouts(engine, family, prompts, params)
+            per_task = _sample_rollouts(engine, family, prompts, params, prompt_seeds)
     except Exception as e:
         raise RuntimeError(f"rollout engine {cfg.rollout.engine!r} failed at step {step} "
                            f"(round {round_id}): {type(e).__name__}: {e}") from e
@@ -279,7 +323,8 @@ def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_i
     groups = []
     for i, (task, prompt, row) in enumerate(zip(tasks, prompts, per_task)):
         rollouts = [_rollout(family, task, prompt, attempt, **fields) for attempt, fields in row]
-        groups.append(Group(group_id=f"{id_prefix}-r{round_id}-{i}-{family.task_id(task)}",
+        groups.append(Group(
+            group_id=f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}",
                             task=task, rollouts=rollouts))
     if counters is not None:
         counters.gen_time += t1 - t0
@@ -326,14 +371,11 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int, *,
     cites (``Group.evidence``; token-level credit and its metrics read it).
 
     ``results[i]`` is the ``GradeResult`` of ``groups[i]``: a verdict (tier/rank per passing
-    candidate) or ``None`` with a ``fallback_reason``. T1 share is over the test-passing
-    rollouts of graded groups (a cheat passes the tests and is graded T3).
+    candidate) or ``None`` with a ``fallback_reason``. Metrics: :func:`grading_metrics`.
     """
     from gagar_jax.grading import to_arrays
 
     tier, rank, graded, cheat = (np.asarray(a) for a in to_arrays(results, K))
-    t1 = n_pass_graded = fallbacks = rank1 = n_clean = 0
-    reasons: dict[str, int] = {}
     for gi, (g, res) in enumerate(zip(groups, results)):
         g.graded = bool(graded[gi])
         g.tier = [int(x) for x in tier[gi][:len(g.rollouts)]]
@@ -343,26 +385,50 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int, *,
         verdict = getattr(res, "verdict", None)
         if token_spans is not None and g.graded and verdict is not None:
             g.evidence = _evidence_masks(g, res, verdict, token_spans)
-        if not g.graded:
+    return grading_metrics([verdict_summary(g) for g in groups])
+
+
+def verdict_summary(g: Group) -> dict[str, Any]:
+    """What the other hosts need of a graded group (JSON): outcomes and verdict per slot."""
+    reason = None if g.graded else str(getattr(g.fallback_reason, "value", g.fallback_reason)
+                                       or "unknown")
+    return {"graded": bool(g.graded), "reason": reason,
+            "passed": [bool(r.passed) for r in g.rollouts],
+            "infra": [bool(r.infra_error) for r in g.rollouts],
+            "cheat": [bool(r.cheat) for r in g.rollouts],
+            "tier": list(g.tier or [1] * len(g.rollouts)),
+            "rank": list(g.rank or [1] * len(g.rollouts)),
+            "grader_cheat": list(g.grader_cheat or [False] * len(g.rollouts))}
+
+
+def grading_metrics(summaries: list[dict[str, Any]]) -> dict[str, float]:
+    """Grading metrics over groups (:func:`verdict_summary` of each, from every host).
+
+    T1 share is over the test-passing rollouts of graded groups (a cheat passes the tests and
+    is graded T3).
+    """
+    t1 = n_pass_graded = fallbacks = rank1 = n_clean = 0
+    reasons: dict[str, int] = {}
+    for g in summaries:
+        if not g["graded"]:
             fallbacks += 1
-            key = str(getattr(g.fallback_reason, "value", g.fallback_reason) or "unknown")
-            reasons[key] = reasons.get(key, 0) + 1
+            reasons[g["reason"]] = reasons.get(g["reason"], 0) + 1
             continue
-        for k, r in enumerate(g.rollouts):
-            if r.passed and not r.infra_error:  # test-passing, cheats included (graded T3)
+        for k, passed in enumerate(g["passed"]):
+            if passed and not g["infra"][k]:  # test-passing, cheats included (graded T3)
                 n_pass_graded += 1
-                t1 += g.tier[k] == 1 and not g.grader_cheat[k]
-                if not (r.cheat or g.grader_cheat[k]):
+                t1 += g["tier"][k] == 1 and not g["grader_cheat"][k]
+                if not (g["cheat"][k] or g["grader_cheat"][k]):
                     n_clean += 1
-                    rank1 += g.rank[k] == 1
+                    rank1 += g["rank"][k] == 1
     out = {
         "t1_share": t1 / n_pass_graded if n_pass_graded else math.nan,
         # passing non-cheats ranked best in their group: rises as the policy converges on the
         # grader's preferred (minimal, in-scope, consistent) solutions
         "rank1_share": rank1 / n_clean if n_clean else math.nan,
         "grading_fallbacks": float(fallbacks),
-        "grading_graded_frac": (len(groups) - fallbacks) / max(len(groups), 1),
-        "grader_cheats": float(sum(sum(g.grader_cheat or []) for g in groups)),
+        "grading_graded_frac": (len(summaries) - fallbacks) / max(len(summaries), 1),
+        "grader_cheats": float(sum(sum(g["grader_cheat"]) for g in summaries)),
     }
     for reason, n in reasons.items():
         out[f"grading_fallback_{reason}"] = float(n)
@@ -384,17 +450,28 @@ def _evidence_masks(g: Group, res: Any, verdict: Any, token_spans) -> list[Any]:
                                                                        - len(ids))
 
 
-def evaluate(engine, family, cfg: RunConfig, *, step: int) -> dict[str, float]:
+def evaluate(engine, family, cfg: RunConfig, *, step: int,
+             hosts: Hosts | None = None) -> dict[str, float]:
     """Held-out tasks: pass rate, quality of passing patches, cheat rate, response length (and
-    turns / tool calls per episode for multi-turn families)."""
+    turns / tool calls per episode for multi-turn families).
+
+    Several hosts split the tasks (contiguous shares, each task seeded by its index) and
+    reduce their counters, so every host returns the figures of all of them.
+    """
     tasks = family.eval_tasks()
     if not tasks:
         return {}
+    hosts = hosts or Hosts(cfg.mesh.host_timeout_s)
+    lo = len(tasks) * hosts.index // hosts.count
+    hi = len(tasks) * (hosts.index + 1) // hosts.count
     counters = StepCounters()
-    generate_groups(engine, family, tasks, cfg=cfg, step=step, round_id=10_000,
+    generate_groups(engine, family, tasks[lo:hi], cfg=cfg, step=step, round_id=10_000,
                     num_rollouts=max(cfg.loop.eval_rollouts, 1),
                     temperature=cfg.loop.eval_temperature, id_prefix=f"eval{step}",
-                    counters=counters)
+                    counters=counters, first_index=lo,
+                    prompt_seeds=[prompt_seed((cfg.seed,), 2, step, i) for i in range(lo, hi)])
+    counters = StepCounters.merged(hosts.allgather(f"eval{step}/counters",
+                                                   dataclasses.asdict(counters)))
     m = counters.metrics()
     out = {"eval_pass_rate": m["pass_rate"], "eval_quality": m["quality"],
            "eval_cheat_rate": m["cheat_rate"], "eval_response_length": m["response_length"]}
@@ -405,40 +482,73 @@ def evaluate(engine, family, cfg: RunConfig, *, step: int) -> dict[str, float]:
 
 
 def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState, cfg: RunConfig,
-                 *, step: int):
-    """Steps 1-3 of the module docstring for one RL step.
+                 *, step: int, hosts: Hosts | None = None):
+    """Steps 1-3 of the module docstring for one RL step, for this host's block of groups.
 
-    Advances ``ls.data_position`` by every prompt drawn. Returns
-    ``(SamplingResult, StepCounters, grading metrics, time the grading wait started)``.
+    Advances ``ls.data_position`` by every prompt drawn (by all hosts). Returns
+    ``(SamplingResult, StepCounters, grading metrics, time the grading wait started, batch)``:
+    the counters and metrics are over all hosts, the :class:`PackedBatch` holds this host's
+    ``[G / P, K, T]`` rows and the global ``[G, K]`` group fields (see
+    :mod:`gagar_jax.train.multihost`).
     """
+    hosts = hosts or Hosts(cfg.mesh.host_timeout_s)
     G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
     counters = StepCounters()
     submitted: list[str] = []
     rounds = [0]
 
     def draw(n):
-        idx, ls.data_position = stream.take(ls.data_position, n)
+        start = ls.data_position
+        idx, ls.data_position = stream.take(ls.data_position, sum(n))
         rounds[0] += 1
-        return generate_groups(engine, family, [family.train_task(i) for i in idx], cfg=cfg,
+        lo = sum(n[:hosts.index])
+        hi = lo + n[hosts.index]
+        # a prompt's samples are seeded by its global data position: the same on any host
+        return generate_groups(engine, family, [family.train_task(i) for i in idx[lo:hi]],
+                               cfg=cfg,
                                step=step, round_id=rounds[0], num_rollouts=K,
                                temperature=cfg.rollout.temperature, id_prefix=f"s{step}",
-                               counters=counters, rng_words=tuple(ls.rng_key))
+                               counters=counters, first_index=lo,
+                               prompt_seeds=[prompt_seed(ls.rng_key, 1, start + i)
+                                             for i in range(lo, hi)])
+
+    def exchange(round_id, tally):
+        return hosts.allgather(f"s{step}/r{round_id}/tally", tally)
 
     def submit(group):
         grading_pool.submit(group_workspace(family, group))
         submitted.append(group.group_id)
 
-    sres = collect_groups(draw, target=G, enabled=cfg.sampling.enabled,
-                          oversample=cfg.sampling.oversample, max_rounds=cfg.sampling.max_rounds,
+    sres = collect_blocks(draw, exchange, target=G, num_blocks=hosts.count, block=hosts.index,
+                          enabled=cfg.sampling.enabled, oversample=cfg.sampling.oversample,
+                          max_rounds=cfg.sampling.max_rounds,
                           allow_partial=cfg.sampling.allow_partial,
                           on_keep=submit if cfg.grading.enabled else None)
     t_wait = time.monotonic()
-    grading_m: dict[str, float] = {}
     if cfg.grading.enabled and sres.groups:
         results = grading_pool.results(submitted, timeout=cfg.grading.deadline_s)
-        grading_m = attach_verdicts(sres.groups, results, K,
-                                    token_spans=family.token_spans)
-    return sres, counters, grading_m, t_wait
+        attach_verdicts(sres.groups, results, K, token_spans=family.token_spans)
+    # step 4 for this block: its rows of the static [G, K, T] batch
+    local = pack_groups(sres.groups, num_groups=G // hosts.count, num_rollouts=K,
+                        max_prompt_len=cfg.rollout.max_prompt_len,
+                        max_new_tokens=cfg.rollout.max_new_tokens, pad_id=family.tokenizer.pad_id)
+    # verdicts (and fallbacks) and the [G, K] group fields of every host's block, so all hosts
+    # build the same replicated arrays and metrics
+    parts = hosts.allgather(f"s{step}/verdicts", {
+        "groups": [verdict_summary(g) for g in sres.groups],
+        "counters": dataclasses.asdict(counters),
+        "fields": {f: getattr(local, f).tolist() for f in GROUP_FIELDS}})
+    summaries = [g for part in parts for g in part["groups"]]
+    grading_m = grading_metrics(summaries) if cfg.grading.enabled and summaries else {}
+    counters = StepCounters.merged([part["counters"] for part in parts])
+    batch = local._replace(**{
+        f: np.concatenate([np.asarray(part["fields"][f], getattr(local, f).dtype)
+                           for part in parts]) for f in GROUP_FIELDS})
+    return sres, counters, grading_m, t_wait, batch
+
+
+# The [G, K] (and [G]) fields of a PackedBatch: global on every host (the rest are its rows).
+GROUP_FIELDS = ("rewards", "passed", "cheat", "tier", "rank", "graded", "valid")
 
 
 # ------------------------------------------------------------------------------------------
@@ -474,14 +584,19 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     from gagar_jax.train import backends
 
     workdir = os.path.abspath(workdir)
-    primary = jax.process_index() == 0
+    hosts = Hosts(cfg.mesh.host_timeout_s)
+    primary = hosts.primary
     G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
+    if G % hosts.count:
+        raise ValueError(f"config.rollout.num_prompts={G} must be a multiple of the "
+                         f"{hosts.count} processes (each host fills an equal block of groups)")
     family = build_family(cfg)
     tok = family.tokenizer
     stream = TaskStream(family.num_train, seed=cfg.seed)
     store = ResumeStore(os.path.join(workdir, "loop_state"))
 
     policy = backends.build_policy(cfg, vocab_size=tok.vocab_size, workdir=workdir)
+    check_process_rows(policy.mesh, G * K)
     resume_step = store.latest_consistent(policy.checkpoint_steps())
     if resume_step is not None:
         ls = store.load(resume_step)
@@ -512,9 +627,10 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
 
     # Engine and grader first: a dead server fails here, before any compute is spent.
     engine = backends.build_engine(cfg, policy, workdir=workdir, pad_id=tok.pad_id)
-    cache_path = os.path.join(workdir, "grader_cache.jsonl")
-    grading_pool = backends.build_grading_pool(cfg, cache_path=cache_path if primary else None,
-                                               grader=grader,
+    # one grading pool per host, for its own groups; each keeps its own verdict cache
+    cache_path = os.path.join(workdir, "grader_cache.jsonl" if primary else
+                              f"grader_cache.p{hosts.index}.jsonl")
+    grading_pool = backends.build_grading_pool(cfg, cache_path=cache_path, grader=grader,
                                                check_runner=family.check_runner())
 
     summary: dict[str, Any] = {}
@@ -532,27 +648,29 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                                log_fn=lambda s, m: writer.write(s, m, phase="sft"))
                 writer.log(f"SFT done in {time.monotonic() - t0:.1f}s")
             ls.sft_done = True
-            policy.save(0)
+            hosts.barrier("ckpt0")
+            with hosts.collective("the checkpoint after SFT"):
+                policy.save(0)
             if primary:
                 store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
 
-        weight_version = engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+        with hosts.collective("the first weight sync"):
+            weight_version = engine.sync_weights(policy.params_for_sync(), ls.policy_version)
         if ls.step == 0 and cfg.loop.total_steps > 0 and family.eval_tasks():
-            m = evaluate(engine, family, cfg, step=0)
+            m = evaluate(engine, family, cfg, step=0, hosts=hosts)
             writer.write(0, m, phase="eval")
             writer.log("eval before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
         writer.start_clock(ls.step)
         for step in range(ls.step, cfg.loop.total_steps):
             t_step = time.monotonic()
-            sres, counters, grading_m, t_wait = collect_step(
-                engine, family, grading_pool, stream, ls, cfg, step=step)
+            sres, counters, grading_m, t_wait, batch = collect_step(
+                engine, family, grading_pool, stream, ls, cfg, step=step, hosts=hosts)
             t_update = time.monotonic()
-            batch = pack_groups(sres.groups, num_groups=G, num_rollouts=K,
-                                max_prompt_len=cfg.rollout.max_prompt_len,
-                                max_new_tokens=cfg.rollout.max_new_tokens, pad_id=tok.pad_id)
-            update_m = policy.update(batch, step=step)
-            ls.policy_version += 1
-            weight_version = engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+            with hosts.collective(f"the update of step {step}"):
+                update_m = policy.update(batch, step=step)
+                ls.policy_version += 1
+                weight_version = engine.sync_weights(policy.params_for_sync(),
+                                                     ls.policy_version)
             if weight_version != ls.policy_version:
                 raise RuntimeError(f"rollout engine reports weight version {weight_version} "
                                    f"after syncing version {ls.policy_version} (step {step})")
@@ -574,7 +692,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 writer.progress(step, m)
             last = step == cfg.loop.total_steps - 1
             if (step + 1) % cfg.loop.eval_every == 0 or last:
-                em = evaluate(engine, family, cfg, step=step + 1)
+                em = evaluate(engine, family, cfg, step=step + 1, hosts=hosts)
                 if em:
                     writer.write(step + 1, em, phase="eval")
                     writer.log(f"eval @ step {step + 1}: " +
@@ -582,7 +700,9 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             if (step + 1) % cfg.loop.checkpoint_every == 0 or last:
                 ls.grader_cache = {"path": os.path.basename(cache_path),
                                    "entries": len(grading_pool.cache)}
-                policy.save(step + 1)
+                hosts.barrier(f"ckpt{step + 1}")  # a host hung before the save is named here
+                with hosts.collective(f"the checkpoint of step {step + 1}"):
+                    policy.save(step + 1)
                 if primary:  # every process saves the state (collective); one writes metadata
                     store.save(step + 1, ls, keep=cfg.loop.keep_checkpoints + 1)
         summary["update_traces"] = policy.update_traces()
@@ -639,7 +759,8 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
         raise ValueError(f"checkpoint {step} not in {workdir} (complete ones: {steps})")
     policy.restore(step)
     try:
-        engine = backends.build_engine(cfg, policy, workdir=workdir)
+        engine = backends.build_engine(cfg, policy, workdir=workdir,
+                                       pad_id=family.tokenizer.pad_id)
         engine.sync_weights(policy.params_for_sync(), store.load(step).policy_version)
         return evaluate(engine, family, cfg, step=step), step
     finally:

@@ -144,13 +144,16 @@ class RLState:
         return cls(cfg, model, mesh, ckpt_dir)
 
     def update(self, batch: PackedBatch, *, step: int) -> dict[str, float]:
-        from gagar_jax.train.update import check_batch, shard_batch
+        """One update on ``batch``: this host's ``[G / P, K, T]`` rows, the global ``[G, K]``
+        group fields (``P`` processes; one process: the whole batch)."""
+        from gagar_jax.train.update import check_batch, shard_host_batch
 
         ub = to_update_batch(batch)
         if not self.cfg.grading.enabled:
             ub = ub._replace(evidence=None)
+        ub = shard_host_batch(ub, self.mesh)
         check_batch(ub, self.config, self.mesh)
-        self.state, metrics = self.update_fn(self.state, shard_batch(ub, self.mesh))
+        self.state, metrics = self.update_fn(self.state, ub)
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not np.isfinite(m["loss"]):
             raise FloatingPointError(f"non-finite loss {m['loss']} at RL step {step}")

@@ -284,6 +284,13 @@ class MeshConfig:
     coordinator_address: str = ""  # multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS)
     num_processes: int = 1
     process_id: int = 0
+    # multi-host: how long a host waits for the others at an exchange point before it ends the
+    # run naming the missing process (longer than any phase one host can lag: a generation
+    # round, grading.deadline_s, a checkpoint save)
+    host_timeout_s: float = 900.0
+    # jax.distributed's heartbeat timeout: a process silent this long is declared dead by JAX
+    # itself, which ends every other process (the backstop inside orbax's save barriers)
+    heartbeat_timeout_s: int = 100
 
     def __post_init__(self):
         _check(len(self.shape) == 3 and sum(1 for s in self.shape if s == -1) <= 1
@@ -292,6 +299,9 @@ class MeshConfig:
         _check(self.num_processes >= 1, "mesh.num_processes", ">= 1", self.num_processes)
         _check(0 <= self.process_id < self.num_processes, "mesh.process_id",
                f"in [0, {self.num_processes})", self.process_id)
+        _check(self.host_timeout_s > 0, "mesh.host_timeout_s", "> 0", self.host_timeout_s)
+        _check(self.heartbeat_timeout_s >= 1, "mesh.heartbeat_timeout_s", ">= 1",
+               self.heartbeat_timeout_s)
 
 
 _SECTIONS = {

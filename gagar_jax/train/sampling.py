@@ -119,14 +119,16 @@ class SamplingResult:
     counts: dict[str, int]  # outcome -> groups drawn with that outcome
     discarded_mixed: int  # mixed groups beyond the target (thrown away)
     rollouts_drawn: int
+    num_kept: int | None = None  # kept groups over all hosts (None: len(groups), one host)
 
     def metrics(self, target: int) -> dict[str, float]:
         drawn = max(self.drawn, 1)
+        kept = len(self.groups) if self.num_kept is None else self.num_kept
         return {
             "sampling_rounds": float(self.rounds),
             "sampling_groups_drawn": float(self.drawn),
-            "sampling_kept": float(len(self.groups)),
-            "sampling_fill": len(self.groups) / max(target, 1),
+            "sampling_kept": float(kept),
+            "sampling_fill": kept / max(target, 1),
             "sampling_mixed_frac": self.counts.get("mixed", 0) / drawn,
             "sampling_all_pass_frac": self.counts.get("all_pass", 0) / drawn,
             "sampling_all_fail_frac": self.counts.get("all_fail", 0) / drawn,
@@ -195,6 +197,94 @@ def collect_groups(draw: Callable[[int], Sequence[Group]], *, target: int, enabl
             f"mixed, {easy} all-pass, {hard} all-fail, {counts['empty']} all infra errors. "
             f"The data is {verdict}; or raise sampling.max_rounds / sampling.oversample, or set "
             f"sampling.allow_partial=True to train on partial batches.")
+    return result
+
+
+def collect_blocks(draw: Callable[[list[int]], Sequence[Group]],
+                   exchange: Callable[[int, dict], list[dict]], *, target: int,
+                   num_blocks: int, block: int, enabled: bool = True, oversample: float = 1.5,
+                   max_rounds: int = 8, allow_partial: bool = False,
+                   on_keep: Callable[[Group], None] | None = None) -> SamplingResult:
+    """Dynamic sampling of one block of ``target / num_blocks`` groups, refills decided globally.
+
+    The multi-host form of :func:`collect_groups` (``num_blocks = 1`` is exactly it): the
+    ``target`` groups are ``num_blocks`` blocks of equal size, this caller fills block
+    ``block``. Each round, every block still missing ``m`` mixed groups draws
+    ``max(m, ceil(oversample * m))`` fresh prompts (``m`` when ``enabled`` is False, one round);
+    after the round the blocks' cumulative tallies are exchanged, so the next round's numbers,
+    the round count, the cap error and the metrics are the same for every block.
+
+    Args:
+      draw: ``draw(n)`` with ``n[b]`` the prompts block ``b`` draws this round; draws all of
+        them from the stream (every caller advances it alike) and returns the verified groups
+        of this caller's block only (``n[block]`` of them).
+      exchange: ``exchange(round, tally) -> [tally of block 0, ..., tally of block B-1]``.
+      target, enabled, oversample, max_rounds, allow_partial, on_keep: as in
+        :func:`collect_groups` (``target`` counts all blocks; ``allow_partial`` needs at least
+        one mixed group over all blocks).
+
+    Returns:
+      A :class:`SamplingResult` whose ``groups`` are this block's kept groups and whose counts
+      are global (``num_kept``: kept over all blocks).
+
+    Raises:
+      ValueError: ``target`` does not split into ``num_blocks`` equal blocks.
+      DynamicSamplingError: as :func:`collect_groups`, from the global counts (every block
+        raises it in the same round).
+    """
+    if target < 1 or num_blocks < 1 or target % num_blocks:
+        raise ValueError(f"target={target} groups do not split into {num_blocks} equal blocks "
+                         "(rollout.num_prompts must be a multiple of the number of processes)")
+    if not 0 <= block < num_blocks:
+        raise ValueError(f"block {block} outside [0, {num_blocks})")
+    quota = target // num_blocks
+    kept: list[Group] = []
+    mine = {"kept": 0, "drawn": 0, "rollouts": 0, "discarded": 0,
+            "counts": {"mixed": 0, "all_pass": 0, "all_fail": 0, "empty": 0}}
+    missing = [quota] * num_blocks
+    tallies: list[dict] = [mine] * num_blocks
+    rounds = 0
+    while any(missing) and rounds < (max_rounds if enabled else 1):
+        rounds += 1
+        n = [0 if m == 0 else (m if not enabled else max(m, math.ceil(oversample * m)))
+             for m in missing]
+        new = list(draw(n))
+        if len(new) != n[block]:
+            raise RuntimeError(f"draw({n}) returned {len(new)} groups for block {block}")
+        for g in new:
+            mine["drawn"] += 1
+            mine["rollouts"] += len(g.rollouts)
+            mine["counts"][g.outcome] += 1
+            if enabled and not g.is_mixed:
+                continue
+            if len(kept) < quota:
+                kept.append(g)
+                if on_keep is not None:
+                    on_keep(g)
+            elif g.is_mixed:
+                mine["discarded"] += 1
+        mine["kept"] = len(kept)
+        tallies = exchange(rounds, mine)
+        missing = [quota - int(t["kept"]) for t in tallies]
+    counts = {k: sum(int(t["counts"][k]) for t in tallies) for k in mine["counts"]}
+    total_kept = sum(int(t["kept"]) for t in tallies)
+    drawn = sum(int(t["drawn"]) for t in tallies)
+    result = SamplingResult(kept, rounds, drawn, counts,
+                            sum(int(t["discarded"]) for t in tallies),
+                            sum(int(t["rollouts"]) for t in tallies), num_kept=total_kept)
+    if total_kept < target and enabled and not (allow_partial and total_kept):
+        easy, hard = counts["all_pass"], counts["all_fail"]
+        verdict = ("too easy (mostly all-pass groups): raise task.difficulty"
+                   if easy > hard else
+                   "too hard (mostly all-fail groups): lower task.difficulty, "
+                   "lengthen the SFT warm start (sft.steps)")
+        raise DynamicSamplingError(
+            f"dynamic sampling found {total_kept} of {target} mixed groups after {rounds} "
+            f"rounds (sampling.max_rounds={max_rounds}); of {drawn} groups drawn: "
+            f"{counts['mixed']} mixed, {easy} all-pass, {hard} all-fail, {counts['empty']} all "
+            f"infra errors. The data is {verdict}; or raise sampling.max_rounds / "
+            "sampling.oversample, or set sampling.allow_partial=True to train on partial "
+            "batches.")
     return result
 
 

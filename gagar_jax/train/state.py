@@ -64,6 +64,14 @@ class UpdateConfig:
     # log_softmax(logits / T), so the update (loss, ratio, entropy, KL) scores at the same T.
     # Set it from rollout.temperature; at T != 1 a temperature-1 update is off-policy.
     temperature: float = 1.0
+    # Mixture-of-experts models: weight of the load-balancing loss (``router_aux_loss`` of
+    # ``gagar_jax.models.router_metrics``, Switch-Transformer / HF Qwen3-MoE definition) added
+    # to the policy loss; 0 disables (the router metrics are reported either way).
+    router_aux_loss_coef: float = 0.0
+    # Memory: the LM head + log-softmax run over the sequence in chunks of this many tokens
+    # (rematerialised in the backward pass), so the [tokens, vocab] float32 logits never exist
+    # whole; 0 = the whole sequence at once.
+    logits_chunk_size: int = 0
     # Geometry.
     num_minibatches: int = 1
     num_microbatches: int = 1
@@ -89,7 +97,8 @@ class UpdateConfig:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"update.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("learning_rate", "max_grad_norm", "clip_low", "clip_high", "kl_coef",
-                     "entropy_coef", "weight_decay", "warmup_steps"):
+                     "entropy_coef", "weight_decay", "warmup_steps", "router_aux_loss_coef",
+                     "logits_chunk_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"update.{name} must be >= 0, got {getattr(self, name)}")
         if not self.temperature > 0:  # also rejects NaN

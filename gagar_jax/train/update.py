@@ -140,6 +140,58 @@ def _split(x, minibatches: int, microbatches: int, mesh: Mesh | None):
     return y
 
 
+ROUTER_METRICS = (
+    "router_aux_loss",
+    "router_load_max",
+    "router_load_min",
+    "router_load_max_pooled",
+    "router_entropy",
+)
+
+
+def chunked_token_logprobs_and_entropy(
+    model, hidden, targets, temperature: float = 1.0, chunk: int = 0
+):
+    """``token_logprobs_and_entropy(model.logits_from_hidden(hidden) / temperature, targets)``.
+
+    With ``chunk > 0`` the LM head and the log-softmax run over ``chunk`` tokens of the
+    sequence at a time (``lax.map``; each chunk rematerialised in the backward pass), so the
+    float32 ``[B, T, V]`` logits and their cotangent never exist whole: the largest buffer is
+    ``[B, chunk, V]``. The sequence is padded to a multiple of ``chunk`` (padding is dropped).
+
+    Args:
+      model: a :class:`~gagar_jax.models.Transformer` (its LM head / tied embedding is used).
+      hidden: [B, T, E] final-norm hidden states (``model.hidden_states``).
+      targets: [B, T] int token ids scored at each position.
+    Returns:
+      (logprobs [B, T] float32, entropy [B, T] float32).
+    """
+    b, t = targets.shape
+    if chunk <= 0 or chunk >= t:
+        logits = model.logits_from_hidden(hidden).astype(jnp.float32) / temperature
+        return token_logprobs_and_entropy(logits, targets)
+    tied = model.config.tie_embeddings
+    weight = model.embed_tokens[...] if tied else model.lm_head[...]
+    dt = jnp.dtype(model.config.dtype)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, -1)
+    y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk)
+
+    @jax.checkpoint
+    def one(w, hc, yc):
+        eq = "bte,ve->btv" if tied else "bte,ev->btv"
+        logits = jnp.einsum(eq, hc.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+        return token_logprobs_and_entropy(logits / temperature, yc)
+
+    lp, ent = jax.lax.map(
+        lambda xs: one(weight, *xs), (jnp.moveaxis(h, 1, 0), jnp.moveaxis(y, 1, 0))
+    )
+    lp = jnp.moveaxis(lp, 0, 1).reshape(b, n * chunk)[:, :t]
+    ent = jnp.moveaxis(ent, 0, 1).reshape(b, n * chunk)[:, :t]
+    return lp, ent
+
+
 def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: UpdateConfig,
                 mesh: Mesh | None = None):
     """The pure update (jit it with :func:`jit_update`). Returns ``(state, metrics)``."""
@@ -162,15 +214,18 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     data = {key: _split(v, m, a, mesh) for key, v in fields.items()}
     token_keys = _token_metric_keys(config, batch.evidence is not None)
 
+    moe = nnx.merge(graphdef, state.params).config.num_experts > 0
+
     def loss_fn(params, mb, num_tokens, num_seqs):
         model = nnx.merge(graphdef, params)
-        logits = model(mb["tokens"], mb["positions"], attention_mask=mb["attention_mask"])
-        # The behaviour policy sampled from softmax(logits / T): score the same distribution.
-        logits = logits.astype(jnp.float32) / config.temperature
+        hidden, router = model.hidden_states(mb["tokens"], mb["positions"],
+                                             attention_mask=mb["attention_mask"], return_aux=True)
         # Targets shifted left by one; the logits are consumed whole (no sliced [b, T-1, V]
-        # copy) and only the [b, T] results drop their last column.
+        # copy) and only the [b, T] results drop their last column. The behaviour policy
+        # sampled from softmax(logits / T): score the same distribution.
         next_tokens = jnp.roll(mb["tokens"], -1, axis=1)
-        logprobs, entropy = token_logprobs_and_entropy(logits, next_tokens)
+        logprobs, entropy = chunked_token_logprobs_and_entropy(
+            model, hidden, next_tokens, config.temperature, config.logits_chunk_size)
         logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
         ref = mb.get("ref_logprobs")
         mask = mb["response_mask"][:, 1:]
@@ -192,11 +247,17 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         if token_keys:
             extra = _token_metrics(advantages, mb["advantages"], mask, evidence, logprobs,
                                    mb["old_logprobs"][:, 1:], config, num_tokens, num_seqs)
+        # MoE router metrics, averaged over micro-batches (the accumulation sums them).
+        extra.update({k: v / a for k, v in router.items()})
+        loss = terms.loss
+        if moe and config.router_aux_loss_coef > 0:
+            # Per micro-batch, scaled so the accumulated sum is the micro-batches' mean.
+            loss = loss + config.router_aux_loss_coef * router["router_aux_loss"] / a
         # training-inference mismatch: |trainer log-prob - engine log-prob| on the engine's own
         # tokens (meaningful at the first optimizer step, before the parameters move)
         diff = jnp.abs(logprobs - mb["old_logprobs"][:, 1:])
         max_diff = jnp.max(jnp.where(mb["response_mask"][:, 1:], diff, 0.0), initial=0.0)
-        return terms.loss, (terms, extra, jax.lax.stop_gradient(max_diff))
+        return loss, (terms, extra, jax.lax.stop_gradient(max_diff))
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -216,7 +277,7 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         zero = jnp.zeros((), jnp.float32)
         zeros = ((jax.tree.map(jnp.zeros_like, params),
                   PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields))),
-                  {k: zero for k in token_keys}), zero)
+                  {k: zero for k in token_keys + (ROUTER_METRICS if moe else ())}), zero)
         ((grads, terms, extra), max_diff), _ = jax.lax.scan(micro, zeros, mb_all)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -346,3 +407,27 @@ def shard_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
     return UpdateBatch(*[put(x, s) for x, s in zip(batch, shardings)])
+
+
+def shard_host_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
+    """This process's rows + the global group arrays -> global sharded jax arrays.
+
+    The multi-host form of :func:`shard_batch`: the ``[N_local, T]`` token fields hold only the
+    rows this process's devices own (process ``p``: rows ``[p * N_local, (p + 1) * N_local)``,
+    see ``gagar_jax.train.multihost.check_process_rows``), assembled with
+    ``jax.make_array_from_process_local_data``, so no host holds another host's rollouts; the
+    small ``[G, K]`` group fields are global (identical on every process) and replicated. With
+    one process the local rows are all rows and this equals :func:`shard_batch`.
+    """
+    shardings = batch_shardings(mesh, batch.ref_logprobs is not None, batch.evidence is not None)
+    g, k = np.shape(batch.rewards)
+    n = g * k
+
+    def put(name, x, sharding):
+        if x is None:
+            return None
+        x = np.asarray(x)
+        shape = (n,) + x.shape[1:] if name in _TOKEN_FIELDS else x.shape
+        return jax.make_array_from_process_local_data(sharding, x, shape)
+
+    return UpdateBatch(*[put(f, x, s) for f, x, s in zip(UpdateBatch._fields, batch, shardings)])

@@ -62,6 +62,7 @@ import collections
 import dataclasses
 import http.server
 import json
+import logging
 import mimetypes
 import os
 import re
@@ -85,6 +86,7 @@ from gagar_jax.verify.browser_rubric import (
     validate_rubric,
 )
 
+_log = logging.getLogger(__name__)
 STATUSES = ("ok", "infra_error")
 FAULTS = (
     "no_render",  # the entry page did not load (missing, HTTP error, navigation failed)
@@ -94,9 +96,12 @@ FAULTS = (
     "page_crashed",  # the renderer crashed
     "dom_growth",  # the DOM grew past max_dom_nodes
     "dialog_flood",  # more than max_dialogs dialogs
+    "page_closed",  # the page closed itself (window.close())
+    "page_error",  # a browser call failed because of the page (e.g. it navigated mid-call)
 )
 DEFAULT_EXECUTABLE = "/usr/bin/chromium"
 PROBE_S = 5.0  # the liveness probe after a call ran past its deadline
+DOM_PROBE_S = 1.5  # then: is the page's DOM flooded (a DOM count that still answers)?
 _CHROMIUM_ARGS = (
     "--no-sandbox",  # Chromium refuses to start as root otherwise (see the module docstring)
     "--disable-dev-shm-usage",
@@ -326,7 +331,11 @@ class _ArtifactServer:
             def do_HEAD(self):  # noqa: N802
                 self._serve(False)
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # quiet: the page hung up
+                pass
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.origin = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -847,9 +856,14 @@ class BrowserJudge:
         except _Deadline as d:
             timings["snapshot"] = time.monotonic() - t
             return await self._deadline(run, page, checklist, d, None)
+        except Exception as e:  # noqa: BLE001 - a call the page broke (closed itself, navigated)
+            timings["snapshot"] = time.monotonic() - t
+            return await self._page_error(run, page, checklist, e, None)
         timings["snapshot"] = time.monotonic() - t
         if snap.truncated:
             self.metrics["snapshot_truncated"] += 1
+            _log.warning("ARIA snapshot of %s truncated: %d -> %d chars", snap.url,
+                         snap.aria_chars, self.max_snapshot_chars)  # fmt: skip
         # -- checklist -------------------------------------------------------------------------
         t = time.monotonic()
         checklist = checklist_of(rubric)
@@ -861,6 +875,9 @@ class BrowserJudge:
         except _Deadline as d:
             timings["plan"] = time.monotonic() - t
             return await self._deadline(run, page, checklist, d, snap)
+        except Exception as e:  # noqa: BLE001
+            timings["plan"] = time.monotonic() - t
+            return await self._page_error(run, page, checklist, e, snap)
         timings["plan"] = time.monotonic() - t
         # -- execute + rule judge ---------------------------------------------------------------
         t = time.monotonic()
@@ -874,6 +891,9 @@ class BrowserJudge:
         except _Deadline as d:
             timings["execute"] = time.monotonic() - t
             return await self._deadline(run, page, checklist, d, snap, plan)
+        except Exception as e:  # noqa: BLE001
+            timings["execute"] = time.monotonic() - t
+            return await self._page_error(run, page, checklist, e, snap, plan)
         timings["execute"] = time.monotonic() - t
         # -- judge -----------------------------------------------------------------------------
         t = time.monotonic()
@@ -1112,14 +1132,39 @@ class BrowserJudge:
     async def _deadline(self, run, page, checklist, d: _Deadline, snap, plan=None):
         """A call ran past its deadline: the page's fault if the browser still answers."""
         if await self._browser_alive():
-            fault = "dialog_flood" if run.dialogs > self.max_dialogs else "page_unresponsive"
+            fault, detail = "page_unresponsive", str(d)
             if run.crashed:
                 fault = "page_crashed"
-            return await self._faulted(run, page, checklist, _PageFault(fault, str(d)), snap, plan)
+            elif run.dialogs > self.max_dialogs:
+                fault = "dialog_flood"
+            else:  # a flooded DOM also makes calls slow: name it when the page still answers
+                try:
+                    nodes = await asyncio.wait_for(page.locator("*").count(), DOM_PROBE_S)
+                except BaseException:  # noqa: BLE001 - hung: page_unresponsive
+                    nodes = None
+                if nodes is not None and nodes > self.max_dom_nodes:
+                    fault, detail = "dom_growth", f"{nodes} DOM nodes (> {self.max_dom_nodes})"
+            return await self._faulted(run, page, checklist, _PageFault(fault, detail), snap, plan)
         self.metrics["infra_error"] += 1
         return BrowserVerdict(
             "infra_error", 0.0, (), {}, None, f"browser unresponsive after: {d}", snap,
             checklist, plan, tuple(run.frames), tuple(run.blocked), run.dialogs, run.popups,
+        )  # fmt: skip
+
+    async def _page_error(self, run, page, checklist, e: Exception, snap, plan=None):
+        """A browser call on the page failed (not a deadline). With a live browser that is the
+        page's doing (it closed itself, navigated or reloaded mid-call): a fault, score 0, so a
+        page can never turn its failure into a masked ``infra_error``."""
+        if await self._browser_alive():
+            fault = "page_closed" if page.is_closed() else "page_error"
+            if run.crashed:
+                fault = "page_crashed"
+            detail = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            return await self._faulted(run, page, checklist, _PageFault(fault, detail), snap, plan)
+        self.metrics["infra_error"] += 1
+        return BrowserVerdict(
+            "infra_error", 0.0, (), {}, None, f"browser died: {type(e).__name__}: {e}"[:300],
+            snap, checklist, plan, tuple(run.frames), tuple(run.blocked), run.dialogs, run.popups,
         )  # fmt: skip
 
     async def _llm_judge(self, run, rubric, checklist, results, page):
@@ -1157,7 +1202,8 @@ def _read_source(root: str, entry: str, cap: int = 8000) -> str:
 def load_calibration(root: str | os.PathLike) -> list[dict[str, Any]]:
     """The calibration set under ``root``: ``labels.json`` lists ``{"page", "rubric", "label"}``.
 
-    ``label`` is the planted truth: ``{"score": s, "fault": f | null, "items": {id: bool}}``.
+    ``label`` is the planted truth: ``{"score": s, "fault": f | [f, ...] | null, "items": {id:
+    bool}}`` (a list of faults: any of them is right, e.g. a DOM flood that also stalls the page).
     """
     root = os.fspath(root)
     with open(os.path.join(root, "labels.json")) as f:
@@ -1189,11 +1235,9 @@ def calibration_table(
         agree_items = sum(1 for k, want in lab["items"].items() if got.get(k) == want)
         item_agree += agree_items
         item_total += len(lab["items"])
-        ok = (
-            v.status == "ok"
-            and abs(v.score - float(lab["score"])) < 1e-6
-            and v.fault == lab.get("fault")
-        )
+        want = lab.get("fault")
+        faults = want if isinstance(want, list) else [want]  # a list: any of these names
+        ok = v.status == "ok" and abs(v.score - float(lab["score"])) < 1e-6 and v.fault in faults
         page_agree += ok
         rows.append(
             {
@@ -1201,7 +1245,7 @@ def calibration_table(
                 "defect": case["defect"],
                 "label_score": float(lab["score"]),
                 "score": v.score,
-                "label_fault": lab.get("fault"),
+                "label_fault": "/".join(faults) if isinstance(want, list) else want,
                 "fault": v.fault,
                 "status": v.status,
                 "items_agree": f"{agree_items}/{len(lab['items'])}",

@@ -144,10 +144,11 @@ _BROAD_EXCEPT_RE = re.compile(r"^\s*except\s*(\(?\s*(Base)?Exception\s*\)?\s*(as
 _HARNESS_RE = re.compile(
     r"\bos\._exit\(|\batexit\b|\b_pytest\b|\bpytest_runtest_\w+|\bpytest_collection\w*|"
     r"junit|\bsys\.modules\[|\bbuiltins\.\w+\s*=|sys\.exit\(\s*0?\s*\)|"
-    r"\bPASSED\b|\d+\s+passed\b"
+    r"\bPASSED\b|\d+\s+passed\b|\bpluginmanager\b|_gagar_outcome_plugin|GAGAR_(OUTCOME|NONCE)_FD"
 )
 _HARNESS_CONFIRMED_RE = re.compile(
-    r"\bos\._exit\(|\bpytest_runtest_\w+|\b_pytest\b|junit|\bPASSED\b|\d+\s+passed\b"
+    r"\bos\._exit\(|\bpytest_runtest_\w+|\b_pytest\b|junit|\bPASSED\b|\d+\s+passed\b|"
+    r"\bpluginmanager\b|_gagar_outcome_plugin|GAGAR_(OUTCOME|NONCE)_FD"  # the verifier's reporter
 )
 _NET_CALL_RE = re.compile(
     r"\burlopen\(|\brequests\.(get|post|put|head|request|Session)\b|\bhttpx\.|"

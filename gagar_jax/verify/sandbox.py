@@ -16,15 +16,18 @@ mechanism first, following the measurements in ``shared/SANDBOX.md``::
   [sh: join per-slot cgroups pids + memory]                          (bwrap+cgroup only)
   prlimit --cpu --as --fsize --nofile --nproc --core=0 --             (every mechanism)
   setpriv --reuid U --regid U --clear-groups --no-new-privs --        (when started as root)
-  bwrap --unshare-all --die-with-parent --new-session  <minimal ro view> --tmpfs /tmp ...
-      | unshare -Urnpfm --kill-child                                   (fallback)
-  sh -c 'printf S >&0; exec 0</dev/null; exec "$@"' CMD...             (start marker)
+  [unshare -m; mount --bind PRIVATE VIEW]      (bwrap, only for a bind source under a 0700 dir)
+  bwrap --unshare-all --disable-userns --as-pid-1 --seccomp FD --die-with-parent --new-session
+        <minimal ro view> --tmpfs /tmp, /dev read-only with a capped /dev/shm ...
+      | unshare -Urnpfm --mount-proc --kill-child                      (fallback)
+  sh -c 'printf S >&0; exec 0</dev/null; exec "$@"' CMD...  (start marker into a root-owned pipe)
 
 Mechanisms, in the measured order: ``bwrap+cgroup``, ``bwrap``, ``unshare``, ``rlimits`` (uid drop
 and rlimits only: no network or filesystem isolation, reported in ``isolation``), and ``none``,
 which is refused unless ``SandboxConfig(allow_unisolated=True)``.
 
-Verdicts of the containment probes (``tests/test_verify_sandbox.py``, asserted per mechanism):
+Verdicts of the containment probes (``tests/test_verify_sandbox.py`` and, for the escapes of
+issue 11, ``tests/test_verify_sandbox_escapes.py``; asserted per mechanism):
 
 =====================  ===============================  ===========================================
 probe                  bwrap+cgroup / bwrap             unshare / rlimits
@@ -33,30 +36,58 @@ fork bomb              timeout; nproc/pids cap; no      same (zombies are reaped
                        process survives                 with leftovers is skipped)
 memory hog             resource_killed (cgroup OOM) /   failed (MemoryError from RLIMIT_AS)
                        failed (MemoryError, no cgroup)
-CPU spin               resource_killed (SIGXCPU)        resource_killed (unshare: signal unknown)
+CPU spin               resource_killed (hard-limit      resource_killed (rlimits: SIGXCPU;
+                       SIGKILL: the code is PID 1)      unshare: signal unknown)
 setsid escapee         passed; escapee killed; no hang  same
 200 MiB output flood   resource_killed (file_size);     same
                        8 KiB read back
+disk fill (many files  resource_killed ("disk": the     same (accounting and kill by the caller)
+below file_bytes)      workdir total is accounted
+                       every 0.1 s and at the end)
+/dev/shm, /dev fill    failed: /dev/shm is a tmpfs of   NOT contained: the host's /dev/shm
+                       shm_bytes, /dev is read-only,    (world-writable) is reachable
+                       nested user namespaces refused
 loopback connect       blocked (own network namespace)  unshare: blocked; rlimits: NOT blocked
                                                         ("network" absent from ``isolation``)
 write outside workdir  invisible / read-only            /usr, /etc denied; a world-writable dir is
                                                         reachable ("filesystem" absent)
 root-only file read    Permission denied                Permission denied (uid drop)
 kill -9 -1             cannot reach the caller          same
+ptrace / pidfd_getfd / EPERM (seccomp); the code is     no other process of the code's uid holds
+process_vm / /proc/1/  PID 1, no reaper of its uid      the marker or its exit status (unshare:
+mem / marker reopen    exists; marker is a root pipe    --mount-proc hides its parent; rlimits:
+                                                        the chain execs)
 =====================  ===============================  ===========================================
+
+What each still does not contain: ``rlimits`` has no network, filesystem or PID isolation (the
+code sees every host process and world-writable path, incl. /dev/shm); ``unshare`` has no
+filesystem isolation and no seccomp filter; ``bwrap`` without a known syscall table (neither
+x86_64 nor aarch64) runs unfiltered (the code is still PID 1 with no reaper to attack); the
+disk quota is accounting, not a hard file-system bound: a run may overshoot ``disk_bytes`` by
+what it writes in 0.1 s before it is killed. Memory of a tmpfs (/tmp, /dev/shm) counts against
+the memory cgroup only under ``bwrap+cgroup``.
 
 Design notes (each a trap measured on these machines):
 - Each concurrent run holds a *slot* (an ``flock``-ed file, machine-wide) with its own uid
   (``uid_base + slot``) and its own cgroups: RLIMIT_NPROC counts per uid and is ignored for root.
 - Infrastructure errors cannot be faked by the sandboxed code: the innermost wrapper writes a start
-  marker to its stdin (a file we opened read-write) and then re-opens stdin on /dev/null. No marker
-  means the sandbox never reached the command. The code can add a marker, never remove one.
+  marker to its stdin (the write end of a pipe whose read end only the caller holds; the pipe is
+  root's, mode 0600, whatever the umask) and then re-opens stdin on /dev/null. No marker means the
+  sandbox never reached the command. The code can add bytes, never remove the marker. Once the
+  marker is there, anything that goes wrong (unreadable output, ...) is the code's ``failed``.
+- The outcome is out of the code's reach: under bwrap the command is PID 1 of its namespace
+  (``--as-pid-1``; bwrap's own reaper runs as the code's uid and its memory would be writable
+  through /proc/1/mem), and a seccomp filter (``seccomp.py``) refuses ptrace, process_vm_*,
+  pidfd_getfd and kcmp; under unshare ``--mount-proc`` leaves the parent without a pid.
 - Output goes to files (never pipes: a ``setsid`` escapee would hold a pipe open), capped by
   RLIMIT_FSIZE; only ``limits.output_bytes`` of each is read back (head and tail).
 - Every descendant is killed at the end of each run, ``setsid`` escapees included: by PID namespace
   (bwrap/unshare), by the slot cgroup, by process group, and by scanning /proc for the slot uid.
 - The system view under bwrap is minimal: /usr, /etc, /bin, /lib*, /sbin read-only plus any
   ``ro_paths`` (e.g. the site-packages holding pytest); the workdir is mounted at ``/workdir``.
+  A bind source below a directory the slot uid cannot traverse (a 0700 home) is first bound, by
+  root, onto a traversable view in a mount namespace of that run only: only the files' own
+  permissions matter.
   Under ``unshare`` and ``rlimits`` the command sees the real paths; use relative paths in argv.
 """
 
@@ -79,12 +110,15 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
+from gagar_jax.verify import seccomp
+
 STATUSES = ("passed", "failed", "timeout", "resource_killed", "infra_error")
 MECHANISMS = ("bwrap+cgroup", "bwrap", "unshare", "rlimits", "none")
 SANDBOX_WORKDIR = "/workdir"  # where the workdir appears inside bwrap
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _CGROUP_PARENT = "gagar_jax_sandbox"
 _SLOT_DIR = "/tmp/gagar_jax_sandbox_slots"
+_VIEW_DIR = "/tmp/gagar_jax_sandbox_view"  # empty; a run's private binds are mounted over it
 _MAX_LEFTOVER = 4  # processes (zombies) a slot's uid may still hold when a run starts
 _SYSTEM_RO = ("/usr", "/etc", "/bin", "/lib", "/lib64", "/lib32", "/sbin")
 
@@ -100,6 +134,11 @@ class Limits:
       address_space_bytes: RLIMIT_AS per process, the backstop without cgroups (None: 2x memory).
       file_bytes: largest file any process may write (RLIMIT_FSIZE); also caps stdout/stderr.
       tmp_bytes: size of the private /tmp (bwrap only).
+      shm_bytes: size of the private /dev/shm (bwrap only; the rest of /dev is read-only).
+      disk_bytes: total bytes the workdir may hold (every file, all processes together);
+        accounted while the run goes and at its end, the run killed when exceeded
+        (``limit_hits`` "disk", status resource_killed).
+      disk_files: total directory entries the workdir may hold (bounds the accounting walk).
       nproc: processes of the slot uid (RLIMIT_NPROC) and cgroup ``pids.max``.
       nofile: open files per process.
       output_bytes: how much of stdout and stderr is read back (head and tail halves).
@@ -111,13 +150,16 @@ class Limits:
     address_space_bytes: int | None = None
     file_bytes: int = 64 << 20
     tmp_bytes: int = 64 << 20
+    shm_bytes: int = 64 << 20
+    disk_bytes: int = 1 << 30
+    disk_files: int = 100_000
     nproc: int = 64
     nofile: int = 256
     output_bytes: int = 64 << 10
 
     def __post_init__(self):
-        for name in ("wall_s", "cpu_s", "memory_bytes", "file_bytes", "tmp_bytes", "nproc",
-                     "nofile", "output_bytes"):  # fmt: skip
+        for name in ("wall_s", "cpu_s", "memory_bytes", "file_bytes", "tmp_bytes", "shm_bytes",
+                     "disk_bytes", "disk_files", "nproc", "nofile", "output_bytes"):  # fmt: skip
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"Limits.{name} must be > 0, got {value!r}")
@@ -246,12 +288,17 @@ def _probe(mechanism: str, config: SandboxConfig) -> str | None:
     with tempfile.TemporaryDirectory(prefix="gagar_probe_") as d, _slot(config) as slot:
         os.chmod(d, 0o755)
         uid = config.uid_base + slot
-        argv = _chain(mechanism, ["/bin/true"], d, Limits(wall_s=10), uid, None, ())
+        sec_fd = _seccomp_fd(mechanism)
+        argv = _chain(mechanism, ["/bin/true"], d, Limits(wall_s=10), uid, None, (), sec_fd)
         try:
             p = subprocess.run(argv, cwd=d, stdin=subprocess.DEVNULL, capture_output=True,
-                               timeout=10, env=_base_env(d, mechanism))  # fmt: skip
+                               timeout=10, env=_base_env(d, mechanism),
+                               pass_fds=() if sec_fd is None else (sec_fd,))  # fmt: skip
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"{type(e).__name__}: {e}"
+        finally:
+            if sec_fd is not None:
+                os.close(sec_fd)
         if p.returncode != 0:
             return p.stderr.decode(errors="replace").strip()[-300:] or f"rc {p.returncode}"
     return None
@@ -315,8 +362,25 @@ def _chain(
     uid: int,
     cgroups: Mapping[str, str] | None,
     ro_paths: Sequence[str],
+    seccomp_fd: int | None = None,
 ) -> list[str]:
     chain: list[str] = []
+    sources = {p: p for p in ro_paths}
+    sources[workdir] = workdir
+    private = [p for p in sources if mechanism.startswith("bwrap") and not _open_to_others(p)]
+    if private and _is_root():
+        # bwrap (run as the slot uid) resolves each bind source itself, so a directory under a
+        # private 0700 ancestor (a home directory) cannot be bound. Root binds those onto a
+        # traversable view first, in a mount namespace of this run only; then only the files'
+        # own permissions matter.
+        script = [f"mount -t tmpfs -o size=65536,mode=0755 gagar-view {_VIEW_DIR}"]
+        for i, p in enumerate(private):
+            view = f"{_VIEW_DIR}/{i}"
+            script += [f"mkdir {view}", f"mount --bind {shlex.quote(p)} {view}"]
+            sources[p] = view
+        script_text = " && ".join(script) + ' && exec "$@"'
+        chain += [_which("unshare") or "unshare", "-m", "--propagation", "private", "--",
+                  "/bin/sh", "-c", script_text, "sandbox-binds"]  # fmt: skip
     if cgroups:
         joins = " && ".join(
             f"echo $$ > {shlex.quote(d + '/cgroup.procs')}" for d in cgroups.values()
@@ -337,16 +401,28 @@ def _chain(
         chain += [_which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}",
                   "--clear-groups", "--no-new-privs", "--"]  # fmt: skip
     if mechanism.startswith("bwrap"):
-        chain += [_which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+        # --disable-userns: a nested user namespace could mount an unbounded tmpfs of its own.
+        # --as-pid-1: no bwrap reaper inside the PID namespace. That reaper runs as the code's
+        # uid, holds the start marker and decides the exit status; the code could write its
+        # memory through /proc/1/mem (an open(), which seccomp cannot tell apart) and make a
+        # failing run exit 0. Now PID 1 is the start wrapper, which execs the command itself.
+        chain += [_which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
+                  "--as-pid-1", "--die-with-parent", "--new-session"]  # fmt: skip
         for p in _SYSTEM_RO:
             chain += ["--ro-bind-try", p, p]
-        chain += ["--dev", "/dev", "--proc", "/proc", "--size", str(int(limits.tmp_bytes)),
-                  "--tmpfs", "/tmp"]  # fmt: skip
+        # /dev is a host-sized tmpfs: made read-only, with a size-capped /dev/shm inside it.
+        chain += ["--dev", "/dev", "--size", str(int(limits.shm_bytes)), "--tmpfs", "/dev/shm",
+                  "--remount-ro", "/dev", "--proc", "/proc",
+                  "--size", str(int(limits.tmp_bytes)), "--tmpfs", "/tmp"]  # fmt: skip
+        if seccomp_fd is not None:
+            chain += ["--seccomp", str(seccomp_fd)]
         for p in ro_paths:  # after the tmpfs, or a path under /tmp would be hidden by it
-            chain += ["--ro-bind", p, p]
-        chain += ["--bind", workdir, SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR, "--"]
+            chain += ["--ro-bind", sources[p], p]
+        chain += ["--bind", sources[workdir], SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR, "--"]
     elif mechanism == "unshare":
-        chain += [_which("unshare") or "unshare", "-Urnpfm", "--kill-child", "--"]
+        # --mount-proc: /proc shows only the new PID namespace, so the code cannot name (ptrace,
+        # pidfd_getfd) the unshare process outside it that holds the start marker.
+        chain += [_which("unshare") or "unshare", "-Urnpfm", "--mount-proc", "--kill-child", "--"]
     return chain + ["/bin/sh", "-c", _START_WRAPPER, "sandbox-start", *argv]
 
 
@@ -545,6 +621,7 @@ def run_sandboxed(
     config: SandboxConfig | None = None,
     env: Mapping[str, str] | None = None,
     ro_paths: Sequence[str] = (),
+    pass_fds: Sequence[int] = (),
 ) -> SandboxResult:
     """Runs untrusted ``argv`` in ``workdir`` under the strongest available isolation.
 
@@ -556,7 +633,10 @@ def run_sandboxed(
       config: mechanism choice and slot settings (``SandboxConfig()`` defaults).
       env: extra environment variables (the environment is otherwise cleared).
       ro_paths: host paths made visible read-only at the same path (bwrap only), e.g. the
-        site-packages that holds pytest. Each must be readable by an unprivileged uid.
+        site-packages that holds pytest. Their files must be readable by an unprivileged uid;
+        under bwrap (as root) a private 0700 ancestor does not matter (see ``_chain``).
+      pass_fds: descriptors the command inherits at the same numbers (e.g. the write end of a
+        pipe the caller reads: an outcome channel with no path the code could reopen).
 
     Returns:
       SandboxResult. Problems of the sandbox itself come back as ``status="infra_error"`` with
@@ -585,23 +665,68 @@ def run_sandboxed(
     except (OSError, TimeoutError) as e:
         return infra(f"slot: {e}")
     try:
-        return _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra)
+        return _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra,
+                            tuple(pass_fds))  # fmt: skip
     finally:
         slot_cm.__exit__(None, None, None)
 
 
-def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra):
+def _seccomp_fd(mechanism: str) -> int | None:
+    """A memfd holding the seccomp program for bwrap (None: not bwrap, or no table here)."""
+    prog = seccomp.host_filter()
+    if not mechanism.startswith("bwrap") or prog is None:
+        return None
+    fd = os.memfd_create("gagar-seccomp", os.MFD_CLOEXEC)
+    os.write(fd, prog)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _disk_usage(root: str, max_entries: int) -> tuple[int, int]:
+    """(bytes, entries) under ``root``, not following symlinks; stops counting once
+    ``max_entries`` is passed (an inode flood must not make the accounting itself slow)."""
+    total = entries = 0
+    stack = [root]
+    while stack and entries <= max_entries:
+        try:
+            it = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                entries += 1
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                # The larger of allocated and apparent size: a file system that has not allocated
+                # delayed writes yet reports few blocks; a sparse file counts at its full size.
+                total += max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0)
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(e.path)
+    return total, entries
+
+
+def _disk_exceeded(workdir: str, limits: Limits) -> bool:
+    used, entries = _disk_usage(workdir, limits.disk_files)
+    return used > limits.disk_bytes or entries > limits.disk_files
+
+
+_DISK_POLL_S = 0.1
+
+
+def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra, fds=()):
     uid = config.uid_base + slot
     use_uid = _is_root() and mechanism != "none"
-    parent = os.path.dirname(workdir)
-    while use_uid and parent != "/":
-        if not os.stat(parent).st_mode & stat.S_IXOTH:
-            return infra(f"workdir ancestor {parent} is not traversable (o+x) by the sandbox uid")
-        parent = os.path.dirname(parent)
+    # No traversal check of the workdir's ancestors: bwrap binds a private one through the
+    # view (see _chain); unshare and rlimits start in it (the cwd is inherited as an open
+    # directory, so a 0700 ancestor does not matter to relative paths).
     try:
         if use_uid:
             _kill_uid(uid)  # a previous holder's leftovers (should be none)
             _chown_tree(workdir, uid)
+            if mechanism.startswith("bwrap"):
+                os.makedirs(_VIEW_DIR, mode=0o755, exist_ok=True)
         cgroups = _prepare_cgroups(uid, limits) if mechanism == "bwrap+cgroup" else None
     except OSError as e:
         return infra(f"preparing the slot: {e}")
@@ -610,41 +735,124 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
         oom_before = _read_int_field(f"{cgroups['memory']}/memory.oom_control", "oom_kill")
         pids_max_before = _read_int_field(f"{cgroups['pids']}/pids.events", "max")
 
-    chain = _chain(mechanism, argv, workdir, limits, uid, cgroups, ro_paths)
-    with tempfile.TemporaryDirectory(prefix="gagar_sandbox_io_") as io_dir:
-        paths = {k: os.path.join(io_dir, k) for k in ("marker", "stdout", "stderr")}
-        t0 = time.monotonic()
-        timed_out = False
-        with open(paths["marker"], "w+b") as marker, open(paths["stdout"], "wb") as out, open(
-            paths["stderr"], "wb"
-        ) as err:
+    # The start marker travels through a pipe whose read end only this (root) process holds:
+    # the sandboxed code can add bytes, never remove the marker (a file could be truncated
+    # through /proc/1/fd/0 or a descriptor taken with pidfd_getfd), and the pipe's inode is
+    # owned by us with mode 0600 whatever the umask.
+    marker_r, marker_w = os.pipe()
+    sec_fd = None
+    try:
+        sec_fd = _seccomp_fd(mechanism)
+        chain = _chain(mechanism, argv, workdir, limits, uid, cgroups, ro_paths, sec_fd)
+        with tempfile.TemporaryDirectory(prefix="gagar_sandbox_io_") as io_dir:
+            os.chmod(io_dir, 0o700)
+            paths = {k: os.path.join(io_dir, k) for k in ("stdout", "stderr")}
+            t0 = time.monotonic()
+            timed_out = disk_hit = False
+            with open(paths["stdout"], "wb") as out, open(paths["stderr"], "wb") as err:
+                try:
+                    proc = subprocess.Popen(
+                        chain, cwd=workdir, stdin=marker_w, stdout=out, stderr=err,
+                        env=_base_env(workdir, mechanism, env), start_new_session=True,
+                        close_fds=True, pass_fds=fds + (() if sec_fd is None else (sec_fd,)),
+                    )  # fmt: skip
+                except OSError as e:
+                    return infra(f"could not start {chain[0]}: {e}", t0)
+                finally:
+                    os.close(marker_w)
+                    marker_w = -1
+                deadline = t0 + limits.wall_s
+                while True:
+                    try:
+                        rc = proc.wait(
+                            timeout=max(0.0, min(_DISK_POLL_S, deadline - time.monotonic()))
+                        )
+                        break
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if _disk_exceeded(workdir, limits):
+                        disk_hit = True
+                        break
+                    if time.monotonic() >= deadline:
+                        timed_out = True
+                        break
+                # Kill every descendant whatever happened: setsid escapees outlive their parent.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+                if cgroups:
+                    for d in cgroups.values():
+                        _kill_cgroup(d)
+                if use_uid:
+                    _kill_uid(uid)  # zombies left for init to reap: see _slot
+                wall = time.monotonic() - t0
+            os.set_blocking(marker_r, False)
             try:
-                proc = subprocess.Popen(
-                    chain, cwd=workdir, stdin=marker, stdout=out, stderr=err,
-                    env=_base_env(workdir, mechanism, env), start_new_session=True,
-                    close_fds=True,
-                )  # fmt: skip
-            except OSError as e:
-                return infra(f"could not start {chain[0]}: {e}", t0)
+                started = os.read(marker_r, 1) == b"S"
+            except BlockingIOError:
+                started = False
+            if not started:
+                stderr, _ = _read_capped(paths["stderr"], limits.output_bytes)
+                return _verdict(rc, False, timed_out, False, "", stderr, False, False, wall,
+                                mechanism, cgroups, oom_before, pids_max_before, limits,
+                                0, 0)  # fmt: skip
+            # From here on the code ran: any problem reading what it left is its failure.
             try:
-                rc = proc.wait(timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            # Kill every descendant whatever happened: setsid escapees outlive their parent.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-            if cgroups:
-                for d in cgroups.values():
-                    _kill_cgroup(d)
-            if use_uid:
-                _kill_uid(uid)  # zombies left for init to reap: see _slot
-            wall = time.monotonic() - t0
-        started = os.path.getsize(paths["marker"]) > 0
-        out_size, err_size = os.path.getsize(paths["stdout"]), os.path.getsize(paths["stderr"])
-        stdout, out_trunc = _read_capped(paths["stdout"], limits.output_bytes)
-        stderr, err_trunc = _read_capped(paths["stderr"], limits.output_bytes)
+                disk_hit = disk_hit or _disk_exceeded(workdir, limits)
+                out_size, err_size = (
+                    os.path.getsize(paths["stdout"]),
+                    os.path.getsize(paths["stderr"]),
+                )
+                stdout, out_trunc = _read_capped(paths["stdout"], limits.output_bytes)
+                stderr, err_trunc = _read_capped(paths["stderr"], limits.output_bytes)
+            except (OSError, ValueError) as e:
+                return SandboxResult("failed", rc if rc >= 0 else None, None, "", "", False,
+                                     False, wall, mechanism, ISOLATION[mechanism], (),
+                                     f"reading the run's output: {e}")  # fmt: skip
+    finally:
+        os.close(marker_r)
+        if marker_w >= 0:
+            os.close(marker_w)
+        if sec_fd is not None:
+            os.close(sec_fd)
+    return _verdict(
+        rc,
+        True,
+        timed_out,
+        disk_hit,
+        stdout,
+        stderr,
+        out_trunc,
+        err_trunc,
+        wall,
+        mechanism,
+        cgroups,
+        oom_before,
+        pids_max_before,
+        limits,
+        out_size,
+        err_size,
+    )
 
+
+def _verdict(
+    rc,
+    started,
+    timed_out,
+    disk_hit,
+    stdout,
+    stderr,
+    out_trunc,
+    err_trunc,
+    wall,
+    mechanism,
+    cgroups,
+    oom_before,
+    pids_max_before,
+    limits,
+    out_size,
+    err_size,
+):
     hits = []
     sig = None
     if rc < 0:
@@ -659,9 +867,16 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
             hits.append("pids")
     if sig == signal.SIGXCPU:
         hits.append("cpu")
+    elif (sig == signal.SIGKILL and mechanism.startswith("bwrap") and not timed_out
+          and not disk_hit and "memory" not in hits):  # fmt: skip
+        # The code is its PID namespace's init: SIGXCPU (default action) does not reach it,
+        # and nothing inside can SIGKILL it; the kernel's RLIMIT_CPU hard limit can.
+        hits.append("cpu")
     # Python ignores SIGXFSZ: its writes fail with EFBIG instead, seen as a full-size file.
     if sig == signal.SIGXFSZ or max(out_size, err_size) >= limits.file_bytes:
         hits.append("file_size")
+    if disk_hit:
+        hits.append("disk")
     if timed_out:
         hits.append("wall")
 
@@ -672,14 +887,20 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
             if timed_out
             else f"sandbox did not start (rc {rc}): {stderr.strip()[-500:]}"
         )
+    elif disk_hit:
+        status, error = "resource_killed", None  # a passing exit status does not undo it
     elif timed_out:
         status, error = "timeout", None
     elif rc == 0:
         status, error = "passed", None
-    elif sig in (signal.SIGXCPU, signal.SIGXFSZ, signal.SIGKILL) or hits or (
-        # unshare as PID 1's parent cannot report a kernel-signalled child: it prints this and
-        # exits 1 (measured). Faking it only turns the code's own failure into another failure.
-        mechanism == "unshare" and rc == 1 and "sigprocmask unblock failed" in stderr[-300:]
+    elif (
+        sig in (signal.SIGXCPU, signal.SIGXFSZ, signal.SIGKILL)
+        or hits
+        or (
+            # unshare as PID 1's parent cannot report a kernel-signalled child: it prints this and
+            # exits 1 (measured). Faking it only turns the code's own failure into another failure.
+            mechanism == "unshare" and rc == 1 and "sigprocmask unblock failed" in stderr[-300:]
+        )
     ):
         status, error = "resource_killed", None  # a limit fired and the command did not succeed
     else:
@@ -689,8 +910,9 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                          mechanism, ISOLATION[mechanism], tuple(hits), error)  # fmt: skip
 
 
-def _open_to_others(path: str) -> bool:
-    """Whether an unprivileged uid can read and enter/execute ``path`` (o+rx, o+x on ancestors)."""
+def _open_to_others(path: str, own_only: bool = False) -> bool:
+    """Whether an unprivileged uid can read and enter/execute ``path`` (o+rx, o+x on ancestors
+    unless ``own_only``)."""
     path = os.path.realpath(path)
     try:
         st = os.stat(path)
@@ -698,6 +920,8 @@ def _open_to_others(path: str) -> bool:
         return False
     if st.st_mode & (stat.S_IROTH | stat.S_IXOTH) != stat.S_IROTH | stat.S_IXOTH:
         return False
+    if own_only:
+        return True
     parent = os.path.dirname(path)
     while parent and parent != "/":
         try:
@@ -737,7 +961,9 @@ def python_for_sandbox() -> tuple[str, tuple[str, ...]]:
             continue
         paths: tuple[str, ...] = ()
         purelib = sysconfig.get_paths()["purelib"]
-        if version == "{}.{}".format(*sys.version_info[:2]) and _open_to_others(purelib):
+        # Under bwrap a private ancestor (a 0700 home) is bound around: only the directory's
+        # own permissions must let an unprivileged uid in.
+        if version == "{}.{}".format(*sys.version_info[:2]) and _open_to_others(purelib, True):
             paths = (purelib,)
         return exe, paths
     raise SandboxUnavailable(
