@@ -1,5 +1,6 @@
 """TFDS builders (array_record, no TensorFlow): tiny datasets built in tmp dirs, read back."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -97,3 +98,69 @@ def test_repo_tasks_without_jsonl(tmp_path):
     with pytest.raises(Exception, match="train.jsonl"):
         builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(manual_dir=tmp_path))
+
+
+def test_repo_tasks_audit_fields_round_trip(tmp_path):
+    """A pool built with audit results and pass rates reads them back; others get defaults."""
+    from gagar_jax.data import audit as A
+
+    statkit = RepoTask.from_dir(os.path.join(FIXTURES, "statkit"))
+    slugger = RepoTask.from_dir(os.path.join(FIXTURES, "slugger"))
+    report = A.AuditReport(statkit.task_id, False, ("flaky", "leaks_solution"),
+                           (A.AuditRun("gold", 0, "passed", {"t::a": "passed"}),),
+                           {"flaky": "t::a"})
+    vote = A.AuditVote(2, 1, "15m-1h", "bug_fix",
+                       (A.AuditEvidence("issue", quote="the mean"),))
+    audit = A.TaskAudit(statkit.task_id, vote, (vote, vote), 1, "max_severity", "v1", ("x",))
+    entry = A.PoolEntry(statkit, report, audit, (True, False, True, True))
+    manual = tmp_path / "manual"
+    manual.mkdir()
+    # train: a save_pool line (statkit, with results) and a task without any (other);
+    # test: a bare slugger whose attempts and failed audit come from audit.jsonl
+    other = dataclasses.replace(slugger, task_id="slugger-copy")
+    A.save_pool(manual / "train.jsonl", [entry, A.PoolEntry(other)])
+    _write_jsonl(manual / "test.jsonl", [slugger])
+    fell_back = A.TaskAudit(slugger.task_id, None, (), 3, "majority", "v1", ("schema",))
+    with open(manual / "audit.jsonl", "w") as f:
+        f.write(json.dumps({"task_id": slugger.task_id, "audit": fell_back.to_dict(),
+                            "attempts": [False, False]}) + "\n")
+    builder = B.RepoTasks(data_dir=str(tmp_path / "data"))
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual))
+    ds = tfds.data_source("repo_tasks", data_dir=str(tmp_path / "data"))
+    r0, r1 = ds["train"][0], ds["train"][1]
+    assert B.repo_task_from_record(r0) == statkit
+    assert B.audit_from_record(r0) == {
+        "precheck_ran": True, "precheck_ok": False,
+        "precheck_reasons": ["flaky", "leaks_solution"], "audit_ok": True,
+        "underspecification": 2, "test_validity": 1, "audit_difficulty": "15m-1h",
+        "audit_category": "bug_fix", "audit_prompt_version": "v1", "pass_rate": 0.75,
+        "num_attempts": 4, "attempts": [True, False, True, True],
+        "precheck_json": json.dumps(report.to_dict(), sort_keys=True),
+        "audit_json": json.dumps(audit.to_dict(), sort_keys=True),
+    }
+    back = B.pool_entry_from_record(r0)
+    assert (back.task, back.precheck, back.audit, back.attempts) == (
+        statkit, report, audit, entry.attempts)
+    # no audit results: exactly the documented defaults
+    assert B.audit_from_record(r1) == B.AUDIT_DEFAULTS
+    assert B.pool_entry_from_record(r1) == A.PoolEntry(other)
+    t = B.audit_from_record(ds["test"][0])
+    assert (t["audit_ok"], t["audit_prompt_version"], t["underspecification"]) == (False, "v1", -1)
+    assert (t["pass_rate"], t["num_attempts"], t["precheck_ran"]) == (0.0, 2, False)
+    # the built pool filters by its stored results
+    pool = [B.pool_entry_from_record(r) for r in ds["train"]]
+    kept, rep = A.filter_tasks(pool, {"require_precheck": True})
+    assert kept == [] and rep["reasons"] == {
+        "precheck:flaky": 1, "precheck:leaks_solution": 1, "precheck:missing": 1}
+    kept, _ = A.filter_tasks(pool, {"max_underspecification": 1})
+    assert [e.task_id for e in kept] == [other.task_id]
+
+
+def test_repo_tasks_bad_audit_line_fails_the_build(tmp_path):
+    manual = tmp_path / "manual"
+    manual.mkdir()
+    _write_jsonl(manual / "train.jsonl", [RepoTask.from_dir(os.path.join(FIXTURES, "slugger"))])
+    (manual / "audit.jsonl").write_text('{"attempts": [true]}\n')
+    with pytest.raises(ValueError, match="audit.jsonl:1.*task_id"):
+        B.RepoTasks(data_dir=str(tmp_path / "data")).download_and_prepare(
+            download_config=tfds.download.DownloadConfig(manual_dir=manual))
