@@ -415,3 +415,156 @@ def test_infra_error_rate_is_counted_per_policy_version():
     m = c.metrics()
     assert m["infra_errors"] == 3 and m["infra_error_rate"] == pytest.approx(0.5)
     assert c.by_version == {3: [4, 1], 4: [2, 2]}
+
+
+# ------------------------------------------------------------ skipping saturated tasks
+def _tracker(history, window=4, min_attempts=2):
+    from gagar_jax.data.audit import PassRateTracker
+
+    tr = PassRateTracker(window, min_attempts)
+    for task, passed in history.items():
+        tr.record(str(task), passed)
+    return tr
+
+
+def test_select_prompts_skips_saturated_tasks_within_the_window():
+    T, F = True, False
+    tr = _tracker({
+        2: [T, T],  # all pass, enough attempts: skipped
+        5: [F, F, F],  # all fail: skipped
+        6: [T, F, F, F, F],  # the last 4 (the window) all fail: skipped
+        1: [F, F, F, T],  # mixed within the window: kept
+        3: [T, F],  # mixed: kept
+        4: [T],  # too few attempts (min_attempts=2): kept
+    })
+    assert [t for t in map(str, range(8)) if tr.skip(t)] == ["2", "5", "6"]
+    stream = resume.TaskStream(8, seed=1)
+    skip = lambda i: tr.skip(str(i))  # noqa: E731
+    idx, pos, new_pos, skipped = sampling.select_prompts(stream, 3, 10, skip)
+    plain, _ = stream.take(3, new_pos - 3)
+    assert idx == [i for i in plain if i not in (2, 5, 6)]
+    assert len(idx) == 10 and skipped == new_pos - 3 - 10 > 0
+    assert [stream.index(p) for p in pos] == idx and pos == sorted(pos)
+    # flag off (skip=None): exactly the stream, positions contiguous, nothing skipped
+    assert sampling.select_prompts(stream, 3, 10) == (
+        stream.take(3, 10)[0], list(range(3, 13)), 13, 0)
+    # every task saturated: selection still ends (takes after a full pool of skips)
+    idx, _, new_pos, skipped = sampling.select_prompts(stream, 0, 3, lambda i: True)
+    assert len(idx) == 3 and skipped == 8 * 3 and new_pos == 3 + 8 * 3
+
+
+def test_pass_rate_tracker_state_round_trips():
+    from gagar_jax.data.audit import PassRateTracker
+
+    tr = _tracker({"a": [True, False, True, True, True], "b": [False] * 3}, window=3)
+    back = PassRateTracker.from_state(json.loads(json.dumps(tr.state_dict())))
+    assert back.state_dict() == tr.state_dict()
+    assert back.saturated() == tr.saturated() == ["a", "b"]
+    assert back.attempts("a") == (True, True, True)
+
+
+class _Hosts:
+    """Simulated hosts (threads) exchanging JSON like the real coordinator does."""
+
+    def __init__(self, index, count, board, barrier):
+        self.index, self.count, self.board, self.barrier = index, count, board, barrier
+
+    def allgather(self, tag, value):
+        self.board[(tag, self.index)] = json.loads(json.dumps(value))
+        self.barrier.wait()
+        out = [self.board[(tag, i)] for i in range(self.count)]
+        self.barrier.wait()
+        return out
+
+
+def _skip_saturated_steps(monkeypatch, *, skip, num_hosts, steps=3):
+    """Runs collect_step for ``steps`` steps on ``num_hosts`` simulated hosts; task i's groups
+    pass ``PASSES[i]`` of 4 rollouts. Returns per host: (tasks drawn per step, metrics, state)."""
+    import threading
+    import types
+
+    from gagar_jax.data.audit import PassRateTracker
+    from gagar_jax.train import loop
+
+    passes = [4, 0, 2, 1, 3, 0, 2, 4]  # tasks 0, 1, 5, 7 saturate after one group
+    drawn: dict[tuple[int, int], list[int]] = {}
+
+    def fake_generate(engine, family, tasks, *, step, **kw):
+        key = (threading.current_thread().host, step)
+        drawn.setdefault(key, []).extend(tasks)
+        return [make_group(f"{step}-{t}", passes[t]) for t in tasks]
+
+    monkeypatch.setattr(loop, "generate_groups", fake_generate)
+    cd = load_config_module("toy_gagar").get_config("binary,smoke").to_dict()
+    cd["rollout"].update(num_prompts=2 * num_hosts, num_rollouts=4, max_prompt_len=8,
+                         max_new_tokens=8)
+    cd["task"].update(num_train=8, skip_saturated=skip, saturation_window=4,
+                      saturation_min_attempts=4)
+    cd["grading"]["enabled"] = False
+    cd["sampling"].update(enabled=True, allow_partial=True, max_rounds=4)
+    cfg = RunConfig.from_config_dict(cd)
+    family = types.SimpleNamespace(train_task=lambda i: i,
+                                   tokenizer=types.SimpleNamespace(pad_id=0))
+    board, barrier, out = {}, threading.Barrier(num_hosts), {}
+
+    def host(h):
+        threading.current_thread().host = h
+        hosts = _Hosts(h, num_hosts, board, barrier)
+        ls = resume.LoopState(rng_key=[0, 1])
+        tracker = PassRateTracker(4, 4) if skip else None
+        ms = []
+        for step in range(steps):
+            sres, *_ = loop.collect_step(None, family, None, resume.TaskStream(8, seed=0), ls,
+                                         cfg, step=step, hosts=hosts, tracker=tracker)
+            ms.append(loop.saturation_metrics(sres, tracker) if tracker else {})
+        out[h] = (ms, tracker.state_dict() if tracker else None, ls.data_position)
+
+    threads = [threading.Thread(target=host, args=(h,)) for h in range(num_hosts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(out) == num_hosts
+    tasks = {s: [t for h in range(num_hosts) for t in drawn.get((h, s), [])]
+             for s in range(steps)}
+    return tasks, out
+
+
+@pytest.mark.parametrize("num_hosts", [1, 2])
+def test_collect_step_skips_saturated_tasks_identically_on_every_host(monkeypatch, num_hosts):
+    tasks, out = _skip_saturated_steps(monkeypatch, skip=True, num_hosts=num_hosts)
+    saturated = {0, 1, 5, 7}
+    seen: set[int] = set()
+    for s in range(3):
+        # a task drawn in an earlier step and saturated there is never drawn again
+        assert not set(tasks[s]) & (seen & saturated)
+        seen |= set(tasks[s])
+    assert seen & saturated  # some were drawn once (and then skipped)
+    ms, state, pos = out[0]
+    assert sum(m["sampling_skipped_saturated"] for m in ms) > 0
+    assert ms[-1]["sampling_saturated_tasks"] == len(seen & saturated)
+    assert set(state["attempts"]) == {str(t) for t in seen}
+    for h in range(1, num_hosts):  # the same tracker, metrics and stream on every host
+        assert out[h] == out[0]
+
+
+def test_collect_step_without_skip_saturated_draws_the_plain_stream(monkeypatch):
+    tasks, out = _skip_saturated_steps(monkeypatch, skip=False, num_hosts=2)
+    _, _, pos = out[0]
+    drawn = [t for s in range(3) for t in tasks[s]]
+    # every host draws all prompts of a round and generates its block: in stream order per
+    # round; over the run exactly the stream's first `pos` tasks, none skipped
+    assert sorted(drawn) == sorted(resume.TaskStream(8, seed=0).take(0, pos)[0])
+
+
+def test_skip_saturated_config_and_fingerprint():
+    cd = load_config_module("toy_gagar").get_config("smoke").to_dict()
+    base = RunConfig.from_config_dict(cd)
+    assert base.task.skip_saturated is False
+    cd["task"]["saturation_window"] = 16  # unused while the flag is off: same run
+    assert RunConfig.from_config_dict(cd).fingerprint() == base.fingerprint()
+    cd["task"]["skip_saturated"] = True
+    assert RunConfig.from_config_dict(cd).fingerprint() != base.fingerprint()
+    cd["task"]["saturation_min_attempts"] = 17
+    with pytest.raises(ConfigError, match="task.saturation_min_attempts"):
+        RunConfig.from_config_dict(cd)

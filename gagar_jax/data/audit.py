@@ -968,3 +968,22 @@ class PassRateTracker:
 
     def attempts(self, task_id: str) -> tuple[bool, ...]:
         return tuple(self._hist.get(task_id, ()))
+
+    def saturated(self) -> list[str]:
+        """The task ids ``skip`` is True for (sorted)."""
+        return sorted(t for t in self._hist if self.skip(t))
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready state (for a resumable loop): the window and each task's last attempts."""
+        return {
+            "window": self.window,
+            "min_attempts": self.min_attempts,
+            "attempts": {t: [bool(x) for x in h] for t, h in sorted(self._hist.items())},
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> PassRateTracker:
+        tr = cls(int(state["window"]), int(state["min_attempts"]))
+        for t, h in state.get("attempts", {}).items():
+            tr.record(str(t), [bool(x) for x in h])
+        return tr

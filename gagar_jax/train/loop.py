@@ -44,11 +44,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from gagar_jax.data.audit import PassRateTracker
 from gagar_jax.train import metrics_io
 from gagar_jax.train.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.train.resume import LoopState, ResumeStore, TaskStream
 from gagar_jax.train.run_config import MeshConfig, RunConfig
-from gagar_jax.train.sampling import Group, Rollout, collect_blocks, pack_groups
+from gagar_jax.train.sampling import Group, Rollout, collect_blocks, pack_groups, select_prompts
 
 
 class ResumeMismatchError(RuntimeError):
@@ -482,10 +483,15 @@ def evaluate(engine, family, cfg: RunConfig, *, step: int,
 
 
 def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState, cfg: RunConfig,
-                 *, step: int, hosts: Hosts | None = None):
+                 *, step: int, hosts: Hosts | None = None, tracker: PassRateTracker | None = None):
     """Steps 1-3 of the module docstring for one RL step, for this host's block of groups.
 
-    Advances ``ls.data_position`` by every prompt drawn (by all hosts). Returns
+    Advances ``ls.data_position`` by every prompt drawn (by all hosts). With ``tracker``
+    (``task.skip_saturated``), prompt selection passes over tasks the tracker finds saturated
+    (:func:`~gagar_jax.train.sampling.select_prompts`; ``sres.skipped_saturated`` counts them)
+    and, after the step, the tracker records every drawn group's valid rollouts of every host
+    (exchanged with the verdicts, recorded in host order), so it stays identical on all hosts.
+    Returns
     ``(SamplingResult, StepCounters, grading metrics, time the grading wait started, batch)``:
     the counters and metrics are over all hosts, the :class:`PackedBatch` holds this host's
     ``[G / P, K, T]`` rows and the global ``[G, K]`` group fields (see
@@ -496,21 +502,29 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
     counters = StepCounters()
     submitted: list[str] = []
     rounds = [0]
+    skipped = [0]
+    attempts: list[tuple[int, list[bool]]] = []  # (task index, valid rollouts passed) of ours
+    skip = None if tracker is None else (lambda i: tracker.skip(str(i)))
 
     def draw(n):
-        start = ls.data_position
-        idx, ls.data_position = stream.take(ls.data_position, sum(n))
+        idx, pos, ls.data_position, n_skip = select_prompts(stream, ls.data_position, sum(n),
+                                                            skip)
+        skipped[0] += n_skip  # every host selects the same prompts: a global count
         rounds[0] += 1
         lo = sum(n[:hosts.index])
         hi = lo + n[hosts.index]
         # a prompt's samples are seeded by its global data position: the same on any host
-        return generate_groups(engine, family, [family.train_task(i) for i in idx[lo:hi]],
-                               cfg=cfg,
-                               step=step, round_id=rounds[0], num_rollouts=K,
-                               temperature=cfg.rollout.temperature, id_prefix=f"s{step}",
-                               counters=counters, first_index=lo,
-                               prompt_seeds=[prompt_seed(ls.rng_key, 1, start + i)
-                                             for i in range(lo, hi)])
+        groups = generate_groups(engine, family, [family.train_task(i) for i in idx[lo:hi]],
+                                 cfg=cfg,
+                                 step=step, round_id=rounds[0], num_rollouts=K,
+                                 temperature=cfg.rollout.temperature, id_prefix=f"s{step}",
+                                 counters=counters, first_index=lo,
+                                 prompt_seeds=[prompt_seed(ls.rng_key, 1, p)
+                                               for p in pos[lo:hi]])
+        if tracker is not None:
+            attempts.extend((int(i), [r.reward > 0 for r in g.rollouts if not r.infra_error])
+                            for i, g in zip(idx[lo:hi], groups))
+        return groups
 
     def exchange(round_id, tally):
         return hosts.allgather(f"s{step}/r{round_id}/tally", tally)
@@ -537,7 +551,13 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
     parts = hosts.allgather(f"s{step}/verdicts", {
         "groups": [verdict_summary(g) for g in sres.groups],
         "counters": dataclasses.asdict(counters),
-        "fields": {f: getattr(local, f).tolist() for f in GROUP_FIELDS}})
+        "fields": {f: getattr(local, f).tolist() for f in GROUP_FIELDS},
+        "attempts": attempts})
+    if tracker is not None:
+        for part in parts:
+            for i, passed in part["attempts"]:
+                tracker.record(str(i), [bool(x) for x in passed])
+    sres.skipped_saturated = skipped[0]
     summaries = [g for part in parts for g in part["groups"]]
     grading_m = grading_metrics(summaries) if cfg.grading.enabled and summaries else {}
     counters = StepCounters.merged([part["counters"] for part in parts])
@@ -545,6 +565,15 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
         f: np.concatenate([np.asarray(part["fields"][f], getattr(local, f).dtype)
                            for part in parts]) for f in GROUP_FIELDS})
     return sres, counters, grading_m, t_wait, batch
+
+
+PASS_RATES_KEY = "pass_rates"  # LoopState.extra: the PassRateTracker's state
+
+
+def saturation_metrics(sres, tracker: PassRateTracker) -> dict[str, float]:
+    """``task.skip_saturated`` figures of one step (identical on every host)."""
+    return {"sampling_skipped_saturated": float(getattr(sres, "skipped_saturated", 0)),
+            "sampling_saturated_tasks": float(len(tracker.saturated()))}
 
 
 # The [G, K] (and [G]) fields of a PackedBatch: global on every host (the rest are its rows).
@@ -594,6 +623,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     tok = family.tokenizer
     stream = TaskStream(family.num_train, seed=cfg.seed)
     store = ResumeStore(os.path.join(workdir, "loop_state"))
+    tracker = None
 
     policy = backends.build_policy(cfg, vocab_size=tok.vocab_size, workdir=workdir)
     check_process_rows(policy.mesh, G * K)
@@ -605,10 +635,14 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 f"{workdir} holds a run with config fingerprint {ls.fingerprint}, this config is "
                 f"{cfg.fingerprint()}: use another --workdir or the original config")
         policy.restore(resume_step)
+        if cfg.task.skip_saturated and PASS_RATES_KEY in ls.extra:
+            tracker = PassRateTracker.from_state(ls.extra[PASS_RATES_KEY])
     else:
         key = jax.random.key_data(jax.random.key(cfg.seed))
         ls = LoopState(rng_key=[int(x) for x in np.asarray(key).ravel()],
                        fingerprint=cfg.fingerprint())
+    if cfg.task.skip_saturated and tracker is None:
+        tracker = PassRateTracker(cfg.task.saturation_window, cfg.task.saturation_min_attempts)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     if primary:
         os.makedirs(workdir, exist_ok=True)
@@ -664,7 +698,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         for step in range(ls.step, cfg.loop.total_steps):
             t_step = time.monotonic()
             sres, counters, grading_m, t_wait, batch = collect_step(
-                engine, family, grading_pool, stream, ls, cfg, step=step, hosts=hosts)
+                engine, family, grading_pool, stream, ls, cfg, step=step, hosts=hosts,
+                tracker=tracker)
             t_update = time.monotonic()
             with hosts.collective(f"the update of step {step}"):
                 update_m = policy.update(batch, step=step)
@@ -680,6 +715,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             m = counters.metrics()
             m.update(sres.metrics(G))
             m.update(grading_m)
+            if tracker is not None:
+                m.update(saturation_metrics(sres, tracker))
             for k, v in _update_metric_aliases(update_m).items():
                 # the update's figures cover the kept batch; ours all drawn rollouts
                 m[f"update/{k}" if k in m else k] = v
@@ -700,6 +737,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             if (step + 1) % cfg.loop.checkpoint_every == 0 or last:
                 ls.grader_cache = {"path": os.path.basename(cache_path),
                                    "entries": len(grading_pool.cache)}
+                if tracker is not None:  # the same on every host: the primary's is saved
+                    ls.extra[PASS_RATES_KEY] = tracker.state_dict()
                 hosts.barrier(f"ckpt{step + 1}")  # a host hung before the save is named here
                 with hosts.collective(f"the checkpoint of step {step + 1}"):
                     policy.save(step + 1)

@@ -64,6 +64,11 @@ class TaskConfig:
     tokenizer_path: str = ""  # HF tokenizer dir ("" = model.hf_checkpoint, else built-in)
     max_turns: int = 6  # multi-turn families: model turns per episode
     max_observation_tokens: int = 256  # multi-turn families: observation cut
+    # dynamic sampling: pass over tasks whose last ``saturation_window`` attempts (at least
+    # ``saturation_min_attempts`` of them) all passed or all failed (PassRateTracker)
+    skip_saturated: bool = False
+    saturation_window: int = 8
+    saturation_min_attempts: int = 4
 
     def __post_init__(self):
         names = family_names()
@@ -74,6 +79,11 @@ class TaskConfig:
         _check(self.max_turns >= 1, "task.max_turns", ">= 1", self.max_turns)
         _check(self.max_observation_tokens >= 1, "task.max_observation_tokens", ">= 1",
                self.max_observation_tokens)
+        _check(self.saturation_window >= 1, "task.saturation_window", ">= 1",
+               self.saturation_window)
+        _check(1 <= self.saturation_min_attempts <= self.saturation_window,
+               "task.saturation_min_attempts", "1..task.saturation_window",
+               self.saturation_min_attempts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,6 +377,9 @@ class RunConfig:
                      if k not in ("total_steps", "log_every", "eval_every", "plot",
                                   "checkpoint_every", "keep_checkpoints")}
         d.pop("mesh")
+        if not d["task"]["skip_saturated"]:  # off: the fingerprint of runs from before the flag
+            for k in ("skip_saturated", "saturation_window", "saturation_min_attempts"):
+                d["task"].pop(k)
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -120,6 +120,7 @@ class SamplingResult:
     discarded_mixed: int  # mixed groups beyond the target (thrown away)
     rollouts_drawn: int
     num_kept: int | None = None  # kept groups over all hosts (None: len(groups), one host)
+    skipped_saturated: int = 0  # prompts passed over as saturated (task.skip_saturated)
 
     def metrics(self, target: int) -> dict[str, float]:
         drawn = max(self.drawn, 1)
@@ -134,6 +135,38 @@ class SamplingResult:
             "sampling_all_fail_frac": self.counts.get("all_fail", 0) / drawn,
             "sampling_empty_frac": self.counts.get("empty", 0) / drawn,
         }
+
+
+def select_prompts(stream: Any, position: int, n: int, skip: Callable[[int], bool] | None = None
+                   ) -> tuple[list[int], list[int], int, int]:
+    """The next ``n`` prompts of ``stream`` from ``position``, passing over saturated tasks.
+
+    ``skip(task_index)`` True (e.g. a :class:`gagar_jax.data.audit.PassRateTracker` saw the
+    task's last attempts all pass or all fail) passes over that data position; the position
+    still advances, so the stream stays a pure function of the position. If ``num_tasks``
+    positions in a row are skipped (every task saturated), the next one is taken anyway, so
+    selection always terminates. ``skip=None`` is exactly ``stream.take(position, n)``.
+
+    Returns ``(task indices, their data positions, new position, number skipped)``.
+    """
+    if skip is None:
+        idx, new_pos = stream.take(position, n)
+        return idx, list(range(position, position + n)), new_pos, 0
+    idx: list[int] = []
+    positions: list[int] = []
+    skipped = run = 0
+    p = position
+    while len(idx) < n:
+        i = stream.index(p)
+        if run < stream.num_tasks and skip(i):
+            skipped += 1
+            run += 1
+        else:
+            idx.append(i)
+            positions.append(p)
+            run = 0
+        p += 1
+    return idx, positions, p, skipped
 
 
 def collect_groups(draw: Callable[[int], Sequence[Group]], *, target: int, enabled: bool = True,
