@@ -568,3 +568,22 @@ def test_skip_saturated_config_and_fingerprint():
     cd["task"]["saturation_min_attempts"] = 17
     with pytest.raises(ConfigError, match="task.saturation_min_attempts"):
         RunConfig.from_config_dict(cd)
+
+
+def test_skip_saturated_tracker_resumes_from_the_loop_state(tmp_path):
+    from gagar_jax.train import loop
+
+    cd = load_config_module("toy_gagar").get_config("smoke").to_dict()
+    assert loop.pass_rate_tracker(RunConfig.from_config_dict(cd), resume.LoopState()) is None
+    cd["task"].update(skip_saturated=True, saturation_window=3, saturation_min_attempts=2)
+    cfg = RunConfig.from_config_dict(cd)
+    ls = resume.LoopState(step=4, fingerprint=cfg.fingerprint())
+    fresh = loop.pass_rate_tracker(cfg, ls)
+    assert (fresh.window, fresh.min_attempts, fresh.saturated()) == (3, 2, [])
+    fresh.record("5", [True, True])
+    fresh.record("2", [False, True, False])
+    ls.extra[loop.PASS_RATES_KEY] = fresh.state_dict()  # what the loop saves at a checkpoint
+    store = resume.ResumeStore(str(tmp_path))
+    store.save(4, ls)
+    back = loop.pass_rate_tracker(cfg, store.load(4))
+    assert back.state_dict() == fresh.state_dict() and back.saturated() == ["5"]

@@ -570,6 +570,16 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
 PASS_RATES_KEY = "pass_rates"  # LoopState.extra: the PassRateTracker's state
 
 
+def pass_rate_tracker(cfg: RunConfig, ls: LoopState) -> PassRateTracker | None:
+    """The run's tracker (``task.skip_saturated``; else None): the one saved in the loop state
+    (a resumed run), or a fresh one."""
+    if not cfg.task.skip_saturated:
+        return None
+    if PASS_RATES_KEY in ls.extra:
+        return PassRateTracker.from_state(ls.extra[PASS_RATES_KEY])
+    return PassRateTracker(cfg.task.saturation_window, cfg.task.saturation_min_attempts)
+
+
 def saturation_metrics(sres, tracker: PassRateTracker) -> dict[str, float]:
     """``task.skip_saturated`` figures of one step (identical on every host)."""
     return {"sampling_skipped_saturated": float(getattr(sres, "skipped_saturated", 0)),
@@ -623,7 +633,6 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     tok = family.tokenizer
     stream = TaskStream(family.num_train, seed=cfg.seed)
     store = ResumeStore(os.path.join(workdir, "loop_state"))
-    tracker = None
 
     policy = backends.build_policy(cfg, vocab_size=tok.vocab_size, workdir=workdir)
     check_process_rows(policy.mesh, G * K)
@@ -635,14 +644,11 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 f"{workdir} holds a run with config fingerprint {ls.fingerprint}, this config is "
                 f"{cfg.fingerprint()}: use another --workdir or the original config")
         policy.restore(resume_step)
-        if cfg.task.skip_saturated and PASS_RATES_KEY in ls.extra:
-            tracker = PassRateTracker.from_state(ls.extra[PASS_RATES_KEY])
     else:
         key = jax.random.key_data(jax.random.key(cfg.seed))
         ls = LoopState(rng_key=[int(x) for x in np.asarray(key).ravel()],
                        fingerprint=cfg.fingerprint())
-    if cfg.task.skip_saturated and tracker is None:
-        tracker = PassRateTracker(cfg.task.saturation_window, cfg.task.saturation_min_attempts)
+    tracker = pass_rate_tracker(cfg, ls)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     if primary:
         os.makedirs(workdir, exist_ok=True)
