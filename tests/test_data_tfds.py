@@ -25,7 +25,7 @@ def test_toy_tasks_round_trip(tmp_path):
     builder = B.ToyTasks(config=cfg, data_dir=str(tmp_path))
     builder.download_and_prepare()
     assert builder.info.file_format.value == "array_record"
-    assert list(tmp_path.glob("toy_tasks/tiny3/1.0.0/*.array_record*"))
+    assert list(tmp_path.glob(f"toy_tasks/tiny3/{builder.version}/*.array_record*"))
     src = builder.as_data_source()
     assert (len(src["train"]), len(src["test"])) == (12, 4)
     train = [B.toy_task_from_record(src["train"][i]) for i in range(12)]
@@ -164,3 +164,23 @@ def test_repo_tasks_bad_audit_line_fails_the_build(tmp_path):
     with pytest.raises(ValueError, match="audit.jsonl:1.*task_id"):
         B.RepoTasks(data_dir=str(tmp_path / "data")).download_and_prepare(
             download_config=tfds.download.DownloadConfig(manual_dir=manual))
+
+
+def test_toy_tasks_audit_fields_from_audit_path(tmp_path):
+    from gagar_jax.data import audit as A
+
+    tasks = ToyTaskGenerator(2, 1).tasks(3)
+    path = tmp_path / "audit.jsonl"
+    A.save_pool(path, [A.PoolEntry(tasks[1], attempts=(True,) * 4)])
+    cfg = B.ToyTasksConfig(name="aud", seed=2, num_train=3, num_test=1, audit_path=str(path))
+    builder = B.ToyTasks(config=cfg, data_dir=str(tmp_path / "data"))
+    builder.download_and_prepare()
+    src = builder.as_data_source()["train"]
+    assert [B.toy_task_from_record(r) for r in src] == tasks
+    assert B.audit_from_record(src[0]) == B.AUDIT_DEFAULTS
+    got = B.audit_from_record(src[1])
+    assert (got["pass_rate"], got["num_attempts"], got["precheck_ran"]) == (1.0, 4, False)
+    pool = [B.pool_entry_from_record(r, B.toy_task_from_record) for r in src]
+    kept, rep = A.filter_tasks(pool, {"skip_saturated": {"window": 4, "min_attempts": 4}})
+    assert [e.task for e in kept] == [tasks[0], tasks[2]]
+    assert rep["reasons"] == {"saturated:pass_rate=1": 1}

@@ -23,8 +23,9 @@ lines :func:`gagar_jax.data.audit.save_pool` writes) instead of a bare task, and
 ``audit.jsonl`` in the manual directory holds more of them (``save_pool`` output, or lines
 ``{"task_id": ..., "precheck": ..., "audit": ..., "attempts": ...}``); for a task it names, it
 replaces what the split line carried. Every record has the fields of :data:`AUDIT_DEFAULTS`
-(a task without audit results reads back with exactly those defaults), so a built pool can be
-filtered by them without parsing anything (``r["precheck_ok"]``, ``r["underspecification"]``,
+(a task without audit results reads back with exactly those defaults; ``toy_tasks`` records have
+them too, from ``ToyTasksConfig.audit_path``), so a built pool can be filtered by them without
+parsing anything (``r["precheck_ok"]``, ``r["underspecification"]``,
 ``r["pass_rate"]``); :func:`pool_entry_from_record` rebuilds the ``PoolEntry`` for
 :func:`gagar_jax.data.audit.filter_tasks`.
 
@@ -46,6 +47,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow_datasets as tfds
+from etils.epath import Path as epath
 
 from gagar_jax.data.audit import AuditReport, PoolEntry, TaskAudit
 from gagar_jax.envs.repo import RepoTask
@@ -72,13 +74,17 @@ class ToyTasksConfig(tfds.core.BuilderConfig):
     seed: int = 0
     num_train: int = 1000
     num_test: int = 200
+    audit_path: str = ""  # optional save_pool / audit JSONL: results and attempts by task_id
 
 
 class ToyTasks(tfds.core.GeneratorBasedBuilder):
     """Seeded toy code-repair tasks (``gagar_jax.envs.ToyTaskGenerator``) as array_record."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {
+        "1.0.0": "Initial release.",
+        "1.1.0": "Audit fields (AUDIT_DEFAULTS) from ToyTasksConfig.audit_path.",
+    }
     BUILDER_CONFIGS = [
         ToyTasksConfig(name=f"d{d}", description=f"difficulty {d}", difficulty=d)
         for d in (1, 2, 3)
@@ -104,6 +110,7 @@ class ToyTasks(tfds.core.GeneratorBasedBuilder):
                 "reference_patch": tfds.features.Text(),
                 "bug_line": np.int32,
                 "bug_kind": tfds.features.Text(),
+                **_audit_features(),
             }),
             homepage="https://github.com/gagar-jax",
             disable_shuffling=True,  # record i of a split is task i of its generator
@@ -116,15 +123,17 @@ class ToyTasks(tfds.core.GeneratorBasedBuilder):
         if c.num_train < 0 or c.num_test < 0:
             raise ValueError(f"ToyTasksConfig num_train/num_test must be >= 0, got "
                              f"{c.num_train}/{c.num_test}")  # fmt: skip
+        audits = _read_audits(epath(c.audit_path)) if c.audit_path else {}
         return {
-            "train": self._generate_examples(c.seed, c.num_train),
-            "test": self._generate_examples(c.seed + TEST_SEED_OFFSET, c.num_test),
+            "train": self._generate_examples(c.seed, c.num_train, audits),
+            "test": self._generate_examples(c.seed + TEST_SEED_OFFSET, c.num_test, audits),
         }
 
-    def _generate_examples(self, seed: int, n: int) -> Iterator[tuple[str, dict]]:
+    def _generate_examples(self, seed: int, n: int, audits) -> Iterator[tuple[str, dict]]:
         gen = ToyTaskGenerator(seed, self.builder_config.difficulty)
         for i in range(n):
-            yield f"{i:08d}", toy_task_to_record(gen.task(i))
+            task = gen.task(i)
+            yield f"{i:08d}", toy_task_to_record(task) | audit_to_record(audits.get(task.task_id))
 
 
 def toy_task_to_record(task: ToyTask) -> dict[str, Any]:
@@ -245,11 +254,12 @@ def audit_from_record(r: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def pool_entry_from_record(r: Mapping[str, Any]) -> PoolEntry:
-    """The ``PoolEntry`` (task, pre-check, audit, attempts) of one ``repo_tasks`` record."""
+def pool_entry_from_record(r: Mapping[str, Any], task_from_record=None) -> PoolEntry:
+    """The ``PoolEntry`` (task, pre-check, audit, attempts) of one record; ``task_from_record``
+    defaults to :func:`repo_task_from_record` (pass :func:`toy_task_from_record` for toy pools)."""
     pre, aud = _text(r["precheck_json"]), _text(r["audit_json"])
     return PoolEntry(
-        repo_task_from_record(r),
+        (task_from_record or repo_task_from_record)(r),
         AuditReport.from_dict(json.loads(pre)) if pre else None,
         TaskAudit.from_dict(json.loads(aud)) if aud else None,
         tuple(bool(x) for x in r["attempts"]),
