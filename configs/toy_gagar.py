@@ -37,7 +37,10 @@ def get_config(arg=None):
     c.mode = mode
     c.seed = 0
 
-    c.task = dict(family="toy", seed=0, difficulty=1, num_train=512, num_eval=32)
+    # skip_saturated: pass over tasks whose last saturation_window rollouts all passed or all
+    # failed (README "Skipping saturated tasks in training"); off: selection is unchanged
+    c.task = dict(family="toy", seed=0, difficulty=1, num_train=512, num_eval=32,
+                  skip_saturated=False, saturation_window=8, saturation_min_attempts=4)
     c.model = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                    intermediate_size=256, rope_theta=10000.0, rms_norm_eps=1e-6,
                    qkv_bias=False, tie_embeddings=True, dtype="float32",
