@@ -196,8 +196,10 @@ def test_task_dependencies_via_extra_pythonpath():
 def test_fifos_left_in_the_tree_do_not_hang_the_verifier(tmp_path):
     # At exit, leave FIFOs where a report or a kept file could be: a blocking open would hang.
     # (The report itself travels through a pipe the code has no path to: issue 11.)
-    hack = ("import atexit, os\n\n\n@atexit.register\ndef _swap():\n"
-            "    for name in ('report.xml', 'statkit/fifo'):\n        os.mkfifo(name)\n")  # fmt: skip
+    hack = (
+        "import atexit, os\n\n\n@atexit.register\ndef _swap():\n"
+        "    for name in ('report.xml', 'statkit/fifo'):\n        os.mkfifo(name)\n"
+    )
     imp = (
         "--- a/statkit/__init__.py\n+++ b/statkit/__init__.py\n@@ -1,2 +1,3 @@\n"
         ' """statkit: small descriptive statistics."""\n+import statkit.swap  # noqa\n \n'
