@@ -50,6 +50,7 @@ setuptools.setup(
         "gagar_jax.grading": ["prompts/*/*.md"],
         "gagar_jax.verify": ["prompts/*/*.md"],
         "gagar_jax.data": ["prompts/*/*.md"],
+        "gagar_jax.envs": ["prompts/*/*.md"],
     },
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,

@@ -57,6 +57,17 @@ def get_config(arg=None):
         max_new_tokens=32,
     )
     c.data = dict(jsonl="", max_spans=16, uncovered="neutral")
+    # Who gives the feedback: "rule" (gagar_jax.envs.simulated_user) or "llm" (a chat model at
+    # sglang_url, gagar_jax.envs.llm_user; re-asked once, then the rule-based user, counted).
+    c.feedback = dict(
+        user="rule",
+        sglang_url="",
+        max_attempts=2,
+        max_tokens=512,
+        temperature=0.0,
+        request_timeout_s=120.0,
+        prompt_version="v1",
+    )
     c.objective = dict(
         mode=mode,
         w_pos=1.5,

@@ -118,10 +118,15 @@ def feedback_record(
     *,
     record_id: str,
     tokenizer=TOKENIZER,
+    user=None,
 ) -> dict:
-    """One ``gagar_jax.data.feedback`` record (a dict) for a sampled single-turn patch."""
+    """One ``gagar_jax.data.feedback`` record (a dict) for a sampled single-turn patch.
+
+    ``user``: who gives the feedback, ``(task, response_tokens, *, tokenizer) -> items``; default
+    the rule-based :func:`user_feedback` (``gagar_jax.envs.llm_user.LLMUser`` is the LLM one).
+    """
     p = len(prompt_tokens)
-    items = user_feedback(task, response_tokens, tokenizer=tokenizer)
+    items = (user or user_feedback)(task, response_tokens, tokenizer=tokenizer)
     for it in items:
         a, b = it["token_range"]
         it["token_range"] = [p + a, p + b]

@@ -102,6 +102,55 @@ class DataSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class FeedbackSection:
+    """Who gives the simulated feedback: ``rule`` (default) or ``llm`` (a chat model).
+
+    ``llm``: ``gagar_jax.envs.llm_user.LLMUser`` through ``SGLangClient(sglang_url)``; a rejected
+    answer is re-asked (``max_attempts`` in all), then the rule-based user answers; its counters
+    (``fallback``, ``rejected_<reason>``) go to the base's ``base.json`` stats.
+    """
+
+    user: str = "rule"
+    sglang_url: str = ""
+    max_attempts: int = 2
+    max_tokens: int = 512
+    temperature: float = 0.0
+    request_timeout_s: float = 120.0
+    prompt_version: str = "v1"
+
+    def __post_init__(self):
+        if self.user not in ("rule", "llm"):
+            raise FeedbackConfigError(f"config.feedback.user must be rule|llm, got {self.user!r}")
+        if self.user == "llm" and not str(self.sglang_url).startswith(("http://", "https://")):
+            raise FeedbackConfigError(
+                "config.feedback.sglang_url must be an http(s) URL when feedback.user = 'llm', "
+                f"got {self.sglang_url!r}"
+            )
+        if self.max_attempts < 1:
+            raise FeedbackConfigError(
+                f"config.feedback.max_attempts must be >= 1, got {self.max_attempts!r}"
+            )
+
+    def make_user(self, client=None):
+        """The feedback callable for ``feedback_record(user=...)``: None = the rule-based user."""
+        if self.user == "rule":
+            return None
+        from gagar_jax.envs.llm_user import LLMUser
+
+        if client is None:
+            from gagar_jax.rollout import SGLangClient
+
+            client = SGLangClient(self.sglang_url, request_timeout_s=self.request_timeout_s)
+        return LLMUser(
+            client,
+            max_attempts=self.max_attempts,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            prompt_version=self.prompt_version,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimSection:
     lr: float = 1e-4
     warmup_steps: int = 0
@@ -146,6 +195,7 @@ class FeedbackRunConfig:
     model: ModelSection = ModelSection()
     base: BaseSection = BaseSection()
     data: DataSection = DataSection()
+    feedback: FeedbackSection = FeedbackSection()
     objective: FeedbackObjective = FeedbackObjective()
     optim: OptimSection = OptimSection()
     loop: LoopSection = LoopSection()
@@ -158,6 +208,7 @@ class FeedbackRunConfig:
             "model": ModelSection,
             "base": BaseSection,
             "data": DataSection,
+            "feedback": FeedbackSection,
             "objective": FeedbackObjective,
             "optim": OptimSection,
             "loop": LoopSection,
@@ -186,6 +237,12 @@ class FeedbackRunConfig:
         """What the shared base depends on (not the mode, objective, optimiser or loop)."""
         d = {k: dataclasses.asdict(getattr(self, k)) for k in ("task", "model", "base")}
         d["base"].pop("dir")
+        if self.feedback.user != "rule":  # the rule-based default keeps earlier fingerprints
+            d["feedback"] = {
+                k: v
+                for k, v in dataclasses.asdict(self.feedback).items()
+                if k != "request_timeout_s"
+            }
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def model_config(self, vocab_size: int):
@@ -336,8 +393,14 @@ def evaluate(sampler, pool, cfg: FeedbackRunConfig, *, seed: int) -> dict[str, f
 # ------------------------------------------------------------------------------------------
 # Base: warm-started policy + simulated-user feedback data
 # ------------------------------------------------------------------------------------------
-def prepare_base(cfg: FeedbackRunConfig, base_dir: str, *, log=print) -> dict[str, Any]:
-    """Builds (or loads) the shared base; returns ``{params, jsonl, eval, stats}``."""
+def prepare_base(
+    cfg: FeedbackRunConfig, base_dir: str, *, log=print, user_client=None
+) -> dict[str, Any]:
+    """Builds (or loads) the shared base; returns ``{params, jsonl, eval, stats}``.
+
+    ``user_client``: the chat client of an ``llm`` feedback user (default: an ``SGLangClient``
+    of ``feedback.sglang_url``; tests pass a scripted one).
+    """
     from flax import nnx
 
     from gagar_jax.data.feedback import write_jsonl
@@ -405,11 +468,17 @@ def prepare_base(cfg: FeedbackRunConfig, base_dir: str, *, log=print) -> dict[st
     )
     from gagar_jax.data.feedback import FeedbackRecord
 
+    user = cfg.feedback.make_user(user_client)
     records, pol_counts = [], {"positive": 0, "neutral": 0, "negative": 0}
     for task, prompt, samples in zip(tasks, prompts, out):
         for j, s in enumerate(samples):
             rec = feedback_record(
-                task, prompt, s.tokens, record_id=f"{task.task_id}/{j}", tokenizer=pool.tokenizer
+                task,
+                prompt,
+                s.tokens,
+                record_id=f"{task.task_id}/{j}",
+                tokenizer=pool.tokenizer,
+                user=user,
             )
             for it in rec["feedback"]:
                 pol_counts[it["polarity"]] += 1
@@ -422,7 +491,10 @@ def prepare_base(cfg: FeedbackRunConfig, base_dir: str, *, log=print) -> dict[st
         "records": len(records),
         "feedback_items": pol_counts,
         "passed_frac": float(np.mean([r.meta["passed"] for r in records])),
+        "feedback_user": cfg.feedback.user,
     }
+    if user is not None:
+        stats["llm_user"] = dict(user.metrics)
     with open(meta_path + ".tmp", "w", encoding="utf-8") as f:
         json.dump({"fingerprint": cfg.base_fingerprint(), "eval": ev, "stats": stats}, f, indent=1)
     os.replace(meta_path + ".tmp", meta_path)
