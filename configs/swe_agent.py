@@ -49,7 +49,7 @@ def get_config(arg=None):
     c.grading.update(grader="agentic",
                      sglang_url=os.environ.get("GAGAR_GRADER_URL", "http://127.0.0.1:30001"),
                      max_concurrency=16, deadline_s=600.0)
-    c.optim.update(lr=1e-6, warmup_steps=10, num_minibatches=4, num_microbatches=8)
+    c.learner.update(learning_rate=1e-6, warmup_steps=10, num_minibatches=4, num_microbatches=8)
     c.sft.steps = 0  # start from an SFT'd checkpoint, as the paper does
     c.loop.update(total_steps=200, eval_every=20, checkpoint_every=10, eval_rollouts=1)
     if smoke:
@@ -63,7 +63,7 @@ def get_config(arg=None):
         # plumbing, not learning: groups are kept as drawn (a tiny model rarely passes)
         c.sampling.update(enabled=False)
         c.grading.update(max_concurrency=2, deadline_s=30.0)
-        c.optim.update(lr=1e-4, warmup_steps=0, num_minibatches=1, num_microbatches=1)
+        c.learner.update(learning_rate=1e-4, warmup_steps=0, num_minibatches=1, num_microbatches=1)
         c.sft.update(steps=60, lr=3e-3, batch_size=2, warmup_steps=4)
         c.loop.update(total_steps=3, eval_every=100, checkpoint_every=1, plot=False)
     return c

@@ -11,6 +11,7 @@ them.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 MODES = ("gagar", "binary", "discount_only", "gagar_token")
 
@@ -48,17 +49,21 @@ def get_config(arg=None):
     c.rollout = dict(engine="embedded", sglang_url="", num_prompts=8, num_rollouts=8,
                      max_prompt_len=48, max_new_tokens=32, temperature=1.0, top_p=1.0,
                      top_k=0, request_timeout_s=120.0)
-    c.sampling = dict(enabled=True, oversample=1.5, max_rounds=8, allow_partial=True,
-                      tol=1e-6)
+    c.sampling = dict(enabled=True, oversample=1.5, max_rounds=8, allow_partial=True)
     c.grading = dict(grader="heuristic", sglang_url="", max_concurrency=2, deadline_s=60.0,
                      enabled=True)
-    c.advantages = dict(estimator="mean_centered", tier_factors=(1.0, 0.6, 0.3),
-                        rank_decay=0.5, cheat_reward=0.0, token_importance="evidence",
-                        token_gamma=0.5)
-    c.optim = dict(lr=3e-4, warmup_steps=3, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.99,
-                   clip_low=0.2, clip_high=0.28, ppo_epochs=1, num_minibatches=1,
-                   num_microbatches=1, kl_coef=0.0, entropy_coef=0.0, loss_agg="token-mean",
-                   schedule="constant", end_lr_ratio=0.1, dual_clip=0.0)
+    # the update (gagar_jax.update.UpdateConfig; advantages: gagar_jax.advantages.GagarConfig).
+    # Left to the run config: temperature (= rollout.temperature), decay_steps, advantages.mode
+    # (the mode's redistribution) and token_credit (mode gagar_token: "evidence").
+    c.learner = dict(learning_rate=3e-4, warmup_steps=3, weight_decay=0.0, max_grad_norm=1.0,
+                     b1=0.9, b2=0.99, clip_low=0.2, clip_high=0.28, ppo_epochs=1,
+                     num_minibatches=1, num_microbatches=1, kl_coef=0.0, entropy_coef=0.0,
+                     aggregation="token-mean", schedule="constant", end_lr_ratio=0.1,
+                     dual_clip=config_dict.placeholder(float), token_gamma=0.5,
+                     advantages=dict(estimator="mean_centered", tier_factors=(1.0, 0.6, 0.3),
+                                     rank_decay=0.5, cheat_reward=0.0, mixed_tol=1e-6))
+    if mode == "gagar_token":  # the importance provider of the token credit
+        c.learner.token_credit = "evidence"
     c.sft = dict(steps=300, lr=3e-3, batch_size=32, warmup_steps=10)
     c.loop = dict(total_steps=60, log_every=1, eval_every=10, checkpoint_every=10,
                   keep_checkpoints=2, eval_rollouts=4, eval_temperature=0.7, plot=True)

@@ -32,12 +32,12 @@ def get_config(arg=None):
                      max_new_tokens=16384)
     c.model.remat = True
     c.mesh.shape = (-1, 8, 2)  # data x fsdp x tensor; data takes the remaining devices
-    c.optim.update(num_minibatches=8, num_microbatches=16)
+    c.learner.update(num_minibatches=8, num_microbatches=16)
     c.grading.max_concurrency = 64
     c.loop.update(total_steps=300)
     if "smoke" in words:
         c.rollout.update(num_prompts=4, num_rollouts=4, max_prompt_len=512, max_new_tokens=64)
         c.mesh.shape = (1, -1, 1)
-        c.optim.update(num_minibatches=1, num_microbatches=1)
+        c.learner.update(num_minibatches=1, num_microbatches=1)
         c.loop.update(total_steps=2, eval_every=1, checkpoint_every=1)
     return c

@@ -156,7 +156,7 @@ def main() -> int:
     log = os.path.join(out, "trainer.log")
     try:
         cmd = trainer_cmd(run_dir, model_dir, pool, url)
-        marker = os.path.join(run_dir, "loop_state", "loop_state_00000001.json")
+        marker = os.path.join(run_dir, "checkpoints", "1")
         run_with_kill(cmd, marker, log, args.timeout_s)
         print(f"e2e: trainer SIGKILLed after checkpoint 1 ({time.monotonic() - t0:.0f} s)",
               flush=True)

@@ -2,9 +2,11 @@ r"""Trains a policy with Gagar (or a baseline mode) from an ml_collections confi
 
     python scripts/train.py --config=configs/toy_gagar.py --workdir=runs/toy_gagar
     python scripts/train.py --config=configs/toy_gagar.py:binary,smoke --workdir=/tmp/smoke \
-        --config.optim.lr=1e-4
+        --config.learner.learning_rate=1e-4
 
-Re-running with the same --workdir resumes from the newest complete checkpoint. Multi-host:
+Re-running with the same --workdir resumes from the newest complete checkpoint. SIGTERM (a pod's
+preemption notice) saves a checkpoint at the next step boundary and exits with status
+128 + SIGTERM; a rerun resumes there. Multi-host:
 ``--config.mesh.coordinator_address/num_processes/process_id`` or the JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES and JAX_PROCESS_ID environment variables (see configs/tpu_pod.py).
 
@@ -13,6 +15,7 @@ Console: the progress bar and summaries. Library logging (orbax, absl) is at WAR
 """
 
 import os
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -42,13 +45,15 @@ def main(argv):
     if FLAGS.compilation_cache:
         train.enable_compilation_cache(FLAGS.compilation_cache)
     try:
-        train.train_and_evaluate(cfg, FLAGS.workdir)
+        summary = train.train_and_evaluate(cfg, FLAGS.workdir)
     except HostError as e:
         # Another host is dead or hung: end now. A normal exit would wait in jax.distributed's
         # shutdown barrier for the host that never comes (minutes, then an abort).
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(3)
+    if summary.get("preempted"):  # checkpoint saved at the step boundary after SIGTERM
+        sys.exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Orbax checkpoints: bit-identical sharded round trip, keep-N, fingerprint refusal, SIGTERM save,
-and SIGKILL-after-checkpoint resume reproducing an uninterrupted run."""
+"""Orbax checkpoints: bit-identical sharded round trip, keep-N, fingerprint refusal, and
+SIGKILL-after-checkpoint resume reproducing an uninterrupted run. (SIGTERM is the RL loop's:
+tests/test_train_script.py::test_sigterm_saves_at_the_step_boundary_and_resumes.)"""
 
 import dataclasses
 import json
@@ -68,23 +69,13 @@ ONE = (1, 1, 1)
 
 def _child(mode, directory, log_path, ready_path):
     """The training loop run in a child process (single device, mesh (1,1,1))."""
+    assert mode == "kill"
     mesh = make_mesh(ONE)
     state = create_train_state(MODEL, CONFIG, mesh, seed=0)
-    interval = 1 if mode == "kill" else 100
-    ckpt = Checkpointer(
-        directory, model_config=MODEL, update_config=CONFIG, keep=5, save_interval_steps=interval
-    )
-    ckpt.install_sigterm_handler()
-    if mode == "term":
-        # No update needed to test the handler: the tracked (never saved) state is the
-        # initial one, registered as step 2 of the data stream.
-        assert not ckpt.maybe_save(2, state, data_position=2)
-        last = 0
-    else:
-        last = 3
-        update = jit_update(MODEL, CONFIG, mesh)
+    ckpt = Checkpointer(directory, model_config=MODEL, update_config=CONFIG, keep=5)
+    update = jit_update(MODEL, CONFIG, mesh)
     with open(log_path, "w") as log:
-        for step in range(1, last + 1):
+        for step in range(1, 4):
             state, m = update(state, shard_batch(make_batch(seed=step), mesh))
             log.write(
                 json.dumps(
@@ -93,8 +84,7 @@ def _child(mode, directory, log_path, ready_path):
                 + "\n"
             )
             log.flush()
-            if ckpt.maybe_save(step, state, data_position=step):
-                return
+            ckpt.save(step, state, data_position=step)
     ckpt.wait()
     with open(ready_path, "w") as f:
         f.write("ready")
@@ -135,9 +125,8 @@ def _wait_ready(proc, ready, timeout=420):
         time.sleep(0.2)
 
 
-def test_sigterm_saves_and_sigkill_resume_matches(tmp_path):
+def test_sigkill_resume_matches(tmp_path):
     kill_proc, (kill_dir, kill_log, kill_ready) = _spawn("kill", tmp_path)
-    term_proc, (term_dir, _, term_ready) = _spawn("term", tmp_path)
     try:
         # Meanwhile: the uninterrupted run of 5 updates in this process.
         mesh = make_mesh(ONE, devices=jax.devices()[:1])
@@ -152,13 +141,9 @@ def test_sigterm_saves_and_sigkill_resume_matches(tmp_path):
         _wait_ready(kill_proc, kill_ready)
         kill_proc.send_signal(signal.SIGKILL)
         assert kill_proc.wait(60) == -signal.SIGKILL
-        _wait_ready(term_proc, term_ready)
-        term_proc.send_signal(signal.SIGTERM)
-        assert term_proc.wait(120) == 128 + signal.SIGTERM, term_proc.stdout.read()[-3000:]
     finally:
-        for p in (kill_proc, term_proc):
-            if p.poll() is None:
-                p.kill()
+        if kill_proc.poll() is None:
+            kill_proc.kill()
 
     # The child's pre-kill metrics equal the uninterrupted run's.
     child = [json.loads(line) for line in open(kill_log)]
@@ -177,37 +162,6 @@ def test_sigterm_saves_and_sigkill_resume_matches(tmp_path):
         np.testing.assert_allclose(float(m["grad_norm"]), full[step - 1]["grad_norm"], rtol=1e-6)
     _leaves_equal(state.params, params_at[5])
     ckpt.close()
-
-    # SIGTERM while waiting: the handler saved the tracked state (step 2, never saved on the
-    # interval: it is the initial state in this child) and exited.
-    ckpt = Checkpointer(term_dir, model_config=MODEL, update_config=CONFIG)
-    assert ckpt.all_steps() == [2]
-    state, info = ckpt.restore(abstract_train_state(MODEL, CONFIG, mesh))
-    assert info.data_position == 2
-    _leaves_equal(state.params, params_at[0])
-    ckpt.close()
-
-
-def test_sigterm_during_update_flags_loop(tmp_path):
-    """When the tracked state's buffers were donated (update in flight), the handler only flags;
-    the loop's maybe_save() then saves the new state and says stop."""
-    mesh = make_mesh(ONE, devices=jax.devices()[:1])
-    state = create_train_state(MODEL, CONFIG, mesh, seed=0)
-    ckpt = Checkpointer(
-        str(tmp_path), model_config=MODEL, update_config=CONFIG, save_interval_steps=100
-    )
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        ckpt.install_sigterm_handler()
-        ckpt.track(1, state, data_position=1)
-        donated = jax.jit(lambda s: s, donate_argnums=0)(state)  # deletes the tracked buffers
-        os.kill(os.getpid(), signal.SIGTERM)  # handler runs: no exit, flag set
-        assert ckpt.preempted
-        assert ckpt.maybe_save(2, donated, data_position=2) is True
-        assert ckpt.all_steps() == [2]
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        ckpt.close()
 
 
 if __name__ == "__main__":

@@ -66,8 +66,8 @@ def test_config_argument_typo_is_an_error():
 
 def test_unknown_field_is_named():
     cd = load_config_module("toy_gagar").get_config("smoke").to_dict()
-    cd["optim"]["lrr"] = 1.0
-    with pytest.raises(ConfigError, match=r"optim\.lrr"):
+    cd["learner"]["lrr"] = 1.0
+    with pytest.raises(ConfigError, match=r"learner\.lrr"):
         RunConfig.from_config_dict(cd)
     cd = load_config_module("toy_gagar").get_config("smoke").to_dict()
     cd["optimizer"] = {}
@@ -76,10 +76,10 @@ def test_unknown_field_is_named():
 
 
 @pytest.mark.parametrize("section,field,value,match", [
-    ("optim", "lr", -1.0, r"optim\.lr must be > 0"),
+    ("learner", "learning_rate", -1.0, r"learner\.learning_rate must be >= 0"),
     ("rollout", "num_rollouts", 1, r"rollout\.num_rollouts"),
     ("rollout", "engine", "vllm", r"rollout\.engine"),
-    ("model", "num_kv_heads", 3, r"model\.num_kv_heads"),
+    ("model", "num_kv_heads", 3, r"config\.model: .*num_kv_heads"),
     ("mesh", "shape", (-1, -1, 1), r"mesh\.shape"),
     ("sampling", "oversample", 0.5, r"sampling\.oversample"),
 ])
@@ -103,12 +103,49 @@ def test_config_is_frozen_and_fingerprint_tracks_what_matters():
     cd = load_config_module("toy_gagar").get_config("smoke")
     cfg = RunConfig.from_config_dict(cd)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.optim.lr = 1.0  # frozen
+        cfg.learner.learning_rate = 1.0  # frozen
     d = cd.to_dict()
     d["loop"]["total_steps"] = 99
     assert RunConfig.from_config_dict(d).fingerprint() == cfg.fingerprint()
-    d["optim"]["lr"] = 1e-2
+    d["learner"]["learning_rate"] = 1e-2
     assert RunConfig.from_config_dict(d).fingerprint() != cfg.fingerprint()
+
+
+def test_config_sections_are_the_library_types():
+    """One config layer: ``model`` is the TransformerConfig, ``learner`` the UpdateConfig the
+    update receives (with its GagarConfig); the derived fields come from the run's choices and
+    a config that contradicts them is refused, naming the field."""
+    from gagar_jax.advantages import GagarConfig
+    from gagar_jax.models import TransformerConfig
+    from gagar_jax.update import UpdateConfig
+
+    cd = load_config_module("toy_gagar").get_config("binary,smoke").to_dict()
+    cd["rollout"]["temperature"] = 0.6
+    cd["loop"]["total_steps"] = 7
+    cd["learner"]["num_minibatches"] = 2
+    cfg = RunConfig.from_config_dict(cd)
+    assert type(cfg.model) is TransformerConfig and type(cfg.learner) is UpdateConfig
+    assert type(cfg.learner.advantages) is GagarConfig
+    assert cfg.learner.learning_rate == cd["learner"]["learning_rate"]
+    assert cfg.learner.temperature == 0.6  # the sampler's: the update scores at it
+    assert cfg.learner.decay_steps == 7 * 2  # optimizer steps of the run
+    assert cfg.learner.advantages.mode == "none" and cfg.learner.token_credit == "broadcast"
+    assert cfg.model_config(139).vocab_size == 139
+    assert cfg.model_config(139).hidden_size == cd["model"]["hidden_size"]
+    assert RunConfig.from_config_dict(cfg.to_dict()) == cfg  # config.json round trip
+    token = load_config_module("toy_gagar").get_config("gagar_token,smoke")
+    assert RunConfig.from_config_dict(token).learner.token_credit == "evidence"
+    for section, field, value, match in [
+        ("learner", "temperature", 0.5, r"learner\.temperature"),
+        ("learner", "token_credit", "entropy", r"learner\.token_credit"),
+        ("advantages", "mode", "sum_preserving", r"learner\.advantages\.mode"),
+        ("advantages", "estimator", "ppo", r"config\.learner\.advantages: estimator"),
+        ("model", "dtype", "int8", r"config\.model: model\.dtype"),
+    ]:
+        bad = load_config_module("toy_gagar").get_config("binary,smoke").to_dict()
+        (bad["learner"]["advantages"] if section == "advantages" else bad[section])[field] = value
+        with pytest.raises(ConfigError, match=match):
+            RunConfig.from_config_dict(bad)
 
 
 # ---------------------------------------------------------------------- dynamic sampling
@@ -265,21 +302,32 @@ def test_task_stream_epochs_are_permutations_and_resume_exactly():
     assert a == idx[10:21]
 
 
-def test_resume_store_roundtrip_and_consistency(tmp_path):
-    store = resume.ResumeStore(str(tmp_path))
+def test_loop_state_is_an_item_of_the_checkpoint_step(tmp_path):
+    """The loop state goes into the same orbax step as the train state: a step is listed only
+    when both are written (an unfinished one is invisible), keep-N drops both together, and
+    the state comes back exactly."""
+    from gagar_jax.models import TransformerConfig
+    from gagar_jax.update import Checkpointer, TrainState, UpdateConfig
+
+    state = TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.arange(4.0)},
+                       opt_state=(), rng=jax.random.key_data(jax.random.key(0)))
+    ckpt = Checkpointer(str(tmp_path), model_config=TransformerConfig(4, 8, 1, 2, 1, 8),
+                        update_config=UpdateConfig(), keep=2, fingerprint="ab")
     st = resume.LoopState(step=5, data_position=40, rng_key=[0, 7], policy_version=5,
-                          sft_done=True, grader_cache={"k": {"tier": [1, 2]}}, fingerprint="ab")
-    store.save(5, st)
-    store.save(10, resume.LoopState(step=10))
-    assert store.load(5) == st
-    assert store.steps() == [5, 10]
-    # checkpoint 10 not finished (killed while writing) -> resume from 5
-    assert store.latest_consistent([5]) == 5
-    assert store.latest_consistent([5, 10]) == 10
-    assert store.latest_consistent([]) is None
-    store.save(15, resume.LoopState(step=15), keep=2)
-    assert store.steps() == [10, 15]
-    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))
+                          sft_done=True, grader_cache={"k": {"tier": [1, 2]}})
+    for step, ls in ((5, st), (10, resume.LoopState(step=10))):
+        ckpt.save(step, state, data_position=ls.data_position,
+                  extra={resume.LOOP_STATE_KEY: dataclasses.asdict(ls)}, wait=True)
+    assert resume.read_loop_state(str(tmp_path), 5) == st
+    # checkpoint 15 not finished (killed while writing): orbax does not list it -> resume from 10
+    (tmp_path / "15.orbax-checkpoint-tmp-1").mkdir()
+    assert ckpt.all_steps() == [5, 10]
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    _, info = ckpt.restore(abstract)
+    assert info.step == 10 and info.extra[resume.LOOP_STATE_KEY]["step"] == 10
+    ckpt.save(15, state, extra={resume.LOOP_STATE_KEY: {"step": 15}}, wait=True)
+    assert ckpt.all_steps() == [10, 15]
+    ckpt.close()
     with pytest.raises(ValueError, match="unknown fields"):
         resume.LoopState.from_json(json.dumps({"step": 1, "bogus": 2}))
 
@@ -577,13 +625,11 @@ def test_skip_saturated_tracker_resumes_from_the_loop_state(tmp_path):
     assert train.pass_rate_tracker(RunConfig.from_config_dict(cd), resume.LoopState()) is None
     cd["task"].update(skip_saturated=True, saturation_window=3, saturation_min_attempts=2)
     cfg = RunConfig.from_config_dict(cd)
-    ls = resume.LoopState(step=4, fingerprint=cfg.fingerprint())
+    ls = resume.LoopState(step=4)
     fresh = train.pass_rate_tracker(cfg, ls)
     assert (fresh.window, fresh.min_attempts, fresh.saturated()) == (3, 2, [])
     fresh.record("5", [True, True])
     fresh.record("2", [False, True, False])
     ls.extra[train.PASS_RATES_KEY] = fresh.state_dict()  # what the loop saves at a checkpoint
-    store = resume.ResumeStore(str(tmp_path))
-    store.save(4, ls)
-    back = train.pass_rate_tracker(cfg, store.load(4))
+    back = train.pass_rate_tracker(cfg, resume.LoopState.from_json(ls.to_json()))  # saved form
     assert back.state_dict() == fresh.state_dict() and back.saturated() == ["5"]

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from gagar_jax.rl import collect, writers
+from gagar_jax.rl.resume import read_loop_state
 from tests import multihost_fixtures as mh
 from tests.test_loop_pieces import make_group
 
@@ -31,7 +32,7 @@ COMPARE_ARGS = (
     "--config.sft.steps=200",
     "--config.sft.lr=1e-2",
     "--config.sft.batch_size=32",
-    "--config.optim.entropy_coef=0.01",
+    "--config.learner.entropy_coef=0.01",
 )
 TIMES = ("time", "gen_time_s", "verify_time_s", "grade_wait_s", "update_time_s", "step_time_s")
 # Fractions of rollouts: one rollout of the G * K = 8 of a step is 1/8; the held-out set: 1/8.
@@ -133,8 +134,8 @@ def test_two_processes_run_the_whole_loop(two_process_run):
     # only process 0 reports and writes the loop's bookkeeping; both wrote the checkpoint
     assert "(gagar) finished: 3 steps" in logs[0] and ") finished" not in logs[1]
     assert "step 1/3" not in logs[1]
-    state = json.loads(open(os.path.join(workdir, "loop_state", "loop_state_00000003.json")).read())
-    assert state["step"] == 3 and state["policy_version"] == 3
+    state = read_loop_state(os.path.join(workdir, "checkpoints"), 3)
+    assert state.step == 3 and state.policy_version == 3
     assert "3" in os.listdir(os.path.join(workdir, "checkpoints"))
     # one grading pool per host, each for its own block (its own verdict cache)
     assert os.path.exists(os.path.join(workdir, "grader_cache.jsonl"))
@@ -189,7 +190,7 @@ def test_kill_both_after_checkpoint_and_restart(two_process_run, tmp_path):
     ref_dir, _, _ = two_process_run
     workdir = str(tmp_path / "run")
     procs = mh.launch(workdir, *COMPARE_ARGS, num_processes=2)
-    marker = os.path.join(workdir, "loop_state", "loop_state_00000001.json")
+    marker = os.path.join(workdir, "checkpoints", "1")
     deadline = time.monotonic() + 600
     try:
         while not os.path.exists(marker):
@@ -238,7 +239,7 @@ def test_dead_or_hung_host_ends_the_other_with_an_error_naming_it(fault, tmp_pat
         f"--config.mesh.heartbeat_timeout_s={heartbeat_s}",
         num_processes=2,
     )
-    marker = os.path.join(workdir, "loop_state", "loop_state_00000001.json")
+    marker = os.path.join(workdir, "checkpoints", "1")
     deadline = time.monotonic() + 600
     try:
         while not os.path.exists(marker):

@@ -3,7 +3,6 @@ the flax policy, the embedded JAX sampler, the toy verifier, the heuristic gradi
 checkpoints). Each run takes seconds on a quiet 2-core machine (mostly compilation)."""
 
 import importlib.util
-import json
 import os
 import signal
 import socket
@@ -16,6 +15,7 @@ import pytest
 
 from gagar_jax.rl import writers
 from gagar_jax.rl.config import RunConfig
+from gagar_jax.rl.resume import read_loop_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One persistent compilation cache for every run of this module (in-process and scripts): the
@@ -73,7 +73,9 @@ def test_smoke_each_mode(mode, tmp_path, capsys):
     assert os.path.getsize(summary["plot"]) > 10_000
     assert summary["update_traces"] == 1  # one compiled update for the whole run
     assert os.listdir(tmp_path / "tb")
-    assert os.path.exists(tmp_path / "loop_state" / f"loop_state_{cfg.loop.total_steps:08d}.json")
+    # the loop's bookkeeping is an item of the last checkpoint step
+    last = cfg.loop.total_steps
+    assert read_loop_state(tmp_path / "checkpoints", last).step == last
 
 
 def _run_script(workdir, *extra, timeout=600):
@@ -95,7 +97,7 @@ def test_script_sigkill_mid_run_resumes_exactly(tmp_path):
            f"--compilation_cache={JAX_CACHE}", "--config.loop.total_steps=5",
            "--config.loop.checkpoint_every=1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker = run / "loop_state" / "loop_state_00000002.json"
+    marker = run / "checkpoints" / "2"
     deadline = time.monotonic() + 600
     try:
         while not marker.exists():
@@ -119,8 +121,45 @@ def test_script_sigkill_mid_run_resumes_exactly(tmp_path):
         for key in ("data_position", "policy_version", "pass_rate", "response_length"):
             assert a[key] == b[key], (key, a["step"], a[key], b[key])
         assert a["pg_loss_mean"] == pytest.approx(b["pg_loss_mean"], abs=1e-6)
-    state = json.loads((run / "loop_state" / "loop_state_00000005.json").read_text())
-    assert state["step"] == 5 and state["sft_done"] and state["policy_version"] == 5
+    state = read_loop_state(run / "checkpoints", 5)
+    assert state.step == 5 and state.sft_done and state.policy_version == 5
+
+
+def test_sigterm_saves_at_the_step_boundary_and_resumes(tmp_path):
+    """SIGTERM (a pod's preemption notice) mid-run: the loop finishes the step it is in, saves
+    that step's checkpoint (none is due on the interval), exits with 128 + SIGTERM; the rerun
+    resumes there, repeating no step and skipping none."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, SCRIPT, f"--config={CONFIG}:gagar,smoke", f"--workdir={run}",
+           f"--compilation_cache={JAX_CACHE}", "--config.loop.total_steps=5",
+           "--config.loop.checkpoint_every=100"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.monotonic() + 600
+    try:
+        while not (run / "metrics.jsonl").exists() or not train_rows(run):
+            assert proc.poll() is None, "the run ended before SIGTERM: " + proc.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # during step 1 (or at its end)
+        out = proc.communicate(timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    rows = train_rows(run)
+    done = len(rows)
+    assert 1 <= done < 5 and [r["step"] for r in rows] == list(range(done))
+    steps = sorted(int(n) for n in os.listdir(run / "checkpoints") if n.isdigit())
+    assert steps == [0, done]  # after SFT, and at the boundary after SIGTERM (not on interval)
+    state = read_loop_state(run / "checkpoints", done)
+    assert state.step == done and state.policy_version == done
+    assert state.data_position == rows[-1]["data_position"]
+
+    r = _run_script(run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from checkpoint {done}" in r.stdout + r.stderr
+    assert [x["step"] for x in train_rows(run)] == [0, 1, 2, 3, 4]
 
 
 def _free_port():
@@ -190,7 +229,7 @@ def test_refused_resume_leaves_the_run_untouched(tmp_path):
     train.train_and_evaluate(smoke_config("gagar", **{"loop.total_steps": 1}), str(tmp_path))
     before = (tmp_path / "config.json").read_text()
     for other in (smoke_config("binary", **{"loop.total_steps": 1}),
-                  smoke_config("gagar", **{"optim.lr": 0.5, "loop.total_steps": 1})):
+                  smoke_config("gagar", **{"learner.learning_rate": 0.5, "loop.total_steps": 1})):
         with pytest.raises(train.ResumeMismatchError, match="fingerprint"):
             train.train_and_evaluate(other, str(tmp_path))
     assert (tmp_path / "config.json").read_text() == before
@@ -226,7 +265,7 @@ def test_toy_agent_multi_turn_sigkill_resumes_exactly(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(_run_agent(run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    marker = run / "loop_state" / "loop_state_00000001.json"
+    marker = run / "checkpoints" / "1"
     deadline = time.monotonic() + 600
     try:
         while not marker.exists():

@@ -6,7 +6,6 @@ packs them; at the first optimizer step (the parameters that drew them) the impo
 scores at temperature 1 (the bug this guards against).
 """
 
-import dataclasses
 
 import jax
 import numpy as np
@@ -92,9 +91,10 @@ def test_sampler_rollouts_are_on_policy_at_the_first_step(model, temperature):
 def test_temperature_is_validated_and_taken_from_the_rollout_config():
     with pytest.raises(ValueError, match="update.temperature"):
         UpdateConfig(temperature=0.0)
-    from gagar_jax.rl.config import RunConfig
-    from gagar_jax.rl.rl_adapter import update_config
+    from gagar_jax.rl.config import ConfigError, RunConfig
 
-    cfg = RunConfig()
-    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=0.7))
-    assert update_config(cfg).temperature == 0.7
+    cfg = RunConfig.from_config_dict({"rollout": {"temperature": 0.7}})
+    assert cfg.learner.temperature == 0.7  # the update's own config, as the loop passes it
+    with pytest.raises(ConfigError, match="learner.temperature"):  # never two temperatures
+        RunConfig.from_config_dict({"rollout": {"temperature": 0.7},
+                                    "learner": {"temperature": 1.0}})

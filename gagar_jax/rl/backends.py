@@ -19,18 +19,7 @@ import numpy as np
 
 from gagar_jax.rl.collect import PackedBatch
 from gagar_jax.rl.config import RunConfig
-
-
-def transformer_config(cfg: RunConfig, vocab_size: int):
-    from gagar_jax.models import TransformerConfig
-
-    m = cfg.model
-    return TransformerConfig(
-        vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
-        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-        intermediate_size=m.intermediate_size, rope_theta=m.rope_theta,
-        rms_norm_eps=m.rms_norm_eps, qkv_bias=m.qkv_bias, tie_embeddings=m.tie_embeddings,
-        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+from gagar_jax.update.checkpoint import Checkpointer
 
 
 def mesh_shape(shape: tuple[int, int, int], num_devices: int) -> tuple[int, int, int]:
@@ -62,19 +51,23 @@ class Policy:
 
         self.cfg = cfg
         self.workdir = workdir
-        if cfg.model.hf_checkpoint:
+        if cfg.hf_checkpoint:
             from gagar_jax.models import load_hf_safetensors
 
-            self.model_config, self.model = load_hf_safetensors(cfg.model.hf_checkpoint)
+            self.model_config, self.model = load_hf_safetensors(cfg.hf_checkpoint)
             if self.model_config.vocab_size < vocab_size:
                 raise ValueError(f"model.hf_checkpoint vocab {self.model_config.vocab_size} < "
                                  f"tokenizer vocab {vocab_size}")
         else:
-            self.model_config = transformer_config(cfg, vocab_size)
+            self.model_config = cfg.model_config(vocab_size)
             self.model = Transformer(self.model_config, rngs=nnx.Rngs(cfg.seed))
         self.mesh = make_mesh(cfg)
         self._rl = None  # created after the SFT warm start (see _rl_state)
-        self._ckpt_dir = os.path.join(workdir, "checkpoints")
+        # one checkpoint step = train state + loop state; the run config's fingerprint
+        self.checkpointer = Checkpointer(
+            os.path.join(workdir, "checkpoints"), model_config=self.model_config,
+            update_config=cfg.learner, fingerprint=cfg.fingerprint(),
+            keep=cfg.loop.keep_checkpoints + 1)
 
     # -- SFT --------------------------------------------------------------------------------
     def run_sft(self, demos, *, pad_id: int, log_fn=None):
@@ -94,7 +87,7 @@ class Policy:
             from gagar_jax.rl import rl_adapter
 
             self._rl = rl_adapter.RLState.create(self.cfg, self.model, self.mesh,
-                                                 self._ckpt_dir)
+                                                 self.checkpointer)
         return self._rl
 
     def update(self, batch: PackedBatch, *, step: int) -> dict[str, float]:
@@ -114,19 +107,18 @@ class Policy:
 
     # -- checkpoints --------------------------------------------------------------------------
     def checkpoint_steps(self) -> list[int]:
-        from gagar_jax.rl import rl_adapter
+        """Finished checkpoint steps (orbax lists a step once all its items are written)."""
+        return self.checkpointer.all_steps()
 
-        return rl_adapter.finished_checkpoint_steps(self._ckpt_dir)
+    def save(self, step: int, loop_state) -> None:
+        self._rl_state().save(step, loop_state)
 
-    def save(self, step: int) -> None:
-        self._rl_state().save(step)
-
-    def restore(self, step: int) -> None:
-        self._rl_state().restore(step)
+    def restore(self, step: int | None = None):
+        """``(step, LoopState)`` of the restored checkpoint (None: the newest intact one)."""
+        return self._rl_state().restore(step)
 
     def close(self) -> None:
-        if self._rl is not None:
-            self._rl.close()
+        self.checkpointer.close()
 
 
 def build_policy(cfg: RunConfig, *, vocab_size: int, workdir: str) -> Policy:

@@ -1,10 +1,25 @@
 """The typed run configuration: the ``ConfigDict`` of ``configs/*.py``, converted once.
 
 ``configs/*.py`` return a sectioned ``ConfigDict`` (editable from the command line with
-``--config.optim.lr=1e-6``); :func:`RunConfig.from_config_dict` turns it into frozen
-dataclasses whose ``__post_init__`` validates every field and names the one that is wrong.
-Derived values (batch sizes, the redistribution mode of a training mode, whether a grader is
-needed) are properties, never written back into the config.
+``--config.learner.learning_rate=1e-6``); :func:`RunConfig.from_config_dict` turns it into
+frozen dataclasses whose ``__post_init__`` validates every field and names the one that is wrong.
+
+One config layer: the policy and its update are configured by the library's own types, not by
+restatements of them. ``model`` *is* a :class:`~gagar_jax.models.TransformerConfig` (its
+``vocab_size`` is the task family's tokenizer's, filled in by :meth:`RunConfig.model_config`;
+``model.hf_checkpoint`` in the ``ConfigDict`` loads architecture and weights from a Hugging Face
+checkpoint instead, :attr:`RunConfig.hf_checkpoint`), and ``learner`` *is* the
+:class:`~gagar_jax.update.UpdateConfig` the jitted update receives, ``learner.advantages`` its
+:class:`~gagar_jax.advantages.GagarConfig`. (The section is called ``learner``, not ``update``,
+because ``ConfigDict.update`` is a method: ``c.update`` would never reach the section.) The
+loop-only sections (``task``, ``rollout``, ``sampling``, ``grading``, ``sft``, ``loop``,
+``mesh``) are dataclasses of this module.
+
+Four ``learner`` fields follow from other choices and are filled in by
+:meth:`RunConfig.from_config_dict` when the ``ConfigDict`` leaves them out (and checked when it
+sets them): ``temperature`` = ``rollout.temperature`` (the behaviour policy's), ``decay_steps``
+= the run's optimizer steps, ``advantages.mode`` = the training mode's redistribution, and
+``token_credit`` (``"evidence"`` in mode ``gagar_token``, else ``"broadcast"``).
 
 Modes (``config.mode``), the paper's ablation:
 
@@ -15,12 +30,15 @@ Modes (``config.mode``), the paper's ablation:
 * ``discount_only``: low-quality passing solutions discounted without restoring the
   positive total (the ablation that breaks credit balance).
 * ``gagar_token``: ``gagar``, then each sequence advantage redistributed over its tokens by
-  ``advantages.token_importance`` (``evidence``: tokens the verdict cites get less of a positive
-  advantage; ``entropy``; ``uniform`` = ``gagar``) with strength ``advantages.token_gamma``,
+  ``learner.token_credit`` (``evidence``: tokens the verdict cites get less of a positive
+  advantage; ``entropy``; ``uniform`` = ``gagar``) with strength ``learner.token_gamma``,
   conserving every sequence's credit (``gagar_jax.advantages.redistribute_tokens``).
 
 These are *training* modes (``TRAINING_MODES``); the advantage kernels' redistribution modes
 are ``gagar_jax.advantages.REDISTRIBUTION_MODES``. ``MODES`` is kept as an alias.
+
+One fingerprint: :meth:`RunConfig.fingerprint` is what the checkpoint stores and a resume
+compares (the ``Checkpointer`` is given it).
 """
 
 from __future__ import annotations
@@ -31,14 +49,25 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from gagar_jax.advantages import IMPORTANCE_PROVIDERS, GagarConfig
 from gagar_jax.envs.family import family_names
+from gagar_jax.models import TransformerConfig
+from gagar_jax.update import UpdateConfig
 
 TRAINING_MODES = ("gagar", "binary", "discount_only", "gagar_token")
 MODES = TRAINING_MODES  # backward-compatible alias
 # The advantage kernels' redistribution mode for each training mode.
 _REDISTRIBUTION = {"gagar": "sum_preserving", "binary": "none", "discount_only": "discount_only",
                    "gagar_token": "sum_preserving"}
-TOKEN_IMPORTANCE = ("evidence", "entropy", "uniform")
+
+# The policy of a run that does not say otherwise: the toy family's small decoder. vocab_size is a
+# placeholder: the family's tokenizer decides it (RunConfig.model_config).
+DEFAULT_MODEL = TransformerConfig(
+    vocab_size=1, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=128, rope_theta=10000.0, qkv_bias=False, tie_embeddings=True)
+# The update of a run that does not say otherwise (a from-scratch RL run: a larger learning rate
+# and a shorter Adam memory than the library's fine-tuning defaults).
+DEFAULT_LEARNER = UpdateConfig(learning_rate=1e-4, warmup_steps=5, b2=0.99)
 
 
 class ConfigError(ValueError):
@@ -84,36 +113,6 @@ class TaskConfig:
         _check(1 <= self.saturation_min_attempts <= self.saturation_window,
                "task.saturation_min_attempts", "1..task.saturation_window",
                self.saturation_min_attempts)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The policy; ``hf_checkpoint`` (config.json + safetensors dir) overrides the sizes."""
-
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    intermediate_size: int = 128
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    qkv_bias: bool = False
-    tie_embeddings: bool = True
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    remat: bool = False
-    hf_checkpoint: str = ""
-
-    def __post_init__(self):
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size"):
-            _check(getattr(self, name) >= 1, f"model.{name}", ">= 1", getattr(self, name))
-        _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
-               f"a divisor of model.num_heads={self.num_heads}", self.num_kv_heads)
-        _check(self.dtype in ("float32", "bfloat16"), "model.dtype", "float32|bfloat16", self.dtype)
-        _check(self.param_dtype in ("float32", "bfloat16"), "model.param_dtype",
-               "float32|bfloat16", self.param_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,12 +164,11 @@ class DynamicSamplingConfig:
     oversample: float = 1.5  # prompts drawn per round = ceil(oversample * missing groups)
     max_rounds: int = 8  # cap: after this many rounds the step fails with a clear error
     allow_partial: bool = False  # True: pad the batch with masked-out groups instead of failing
-    tol: float = 1e-6
+    # (a group is mixed when tol < mean reward < 1 - tol: learner.advantages.mixed_tol)
 
     def __post_init__(self):
         _check(self.oversample >= 1.0, "sampling.oversample", ">= 1.0", self.oversample)
         _check(self.max_rounds >= 1, "sampling.max_rounds", ">= 1", self.max_rounds)
-        _check(self.tol >= 0, "sampling.tol", ">= 0", self.tol)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,67 +187,6 @@ class GradingConfig:
                    "an http(s) URL when grading.grader='agentic'", self.sglang_url)
         _check(self.max_concurrency >= 1, "grading.max_concurrency", ">= 1", self.max_concurrency)
         _check(self.deadline_s > 0, "grading.deadline_s", "> 0", self.deadline_s)
-
-
-@dataclasses.dataclass(frozen=True)
-class AdvantageConfig:
-    estimator: str = "mean_centered"  # the paper's (Dr. GRPO style); grpo | rloo
-    tier_factors: tuple[float, float, float] = (1.0, 0.6, 0.3)
-    rank_decay: float = 0.5
-    cheat_reward: float = 0.0  # reward of a confirmed cheat (the paper: 0)
-    token_importance: str = "evidence"  # mode gagar_token: evidence | entropy | uniform
-    token_gamma: float = 0.5  # mode gagar_token: weights within [1 - gamma, 1 + gamma]
-
-    def __post_init__(self):
-        _check(self.estimator in ("mean_centered", "grpo", "rloo"),
-               "advantages.estimator", "mean_centered|grpo|rloo", self.estimator)
-        _check(len(self.tier_factors) == 3 and all(0 < f <= 1 for f in self.tier_factors),
-               "advantages.tier_factors", "three factors in (0, 1]", self.tier_factors)
-        _check(0 <= self.rank_decay < 1, "advantages.rank_decay", "in [0, 1)", self.rank_decay)
-        _check(0 <= self.cheat_reward <= 1, "advantages.cheat_reward", "in [0, 1]",
-               self.cheat_reward)
-        _check(self.token_importance in TOKEN_IMPORTANCE, "advantages.token_importance",
-               "|".join(TOKEN_IMPORTANCE), self.token_importance)
-        _check(0 <= self.token_gamma <= 1, "advantages.token_gamma", "in [0, 1]",
-               self.token_gamma)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-4
-    warmup_steps: int = 5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.99
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    ppo_epochs: int = 1
-    num_minibatches: int = 1
-    num_microbatches: int = 1
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    loss_agg: str = "token-mean"  # the paper's; seq-mean-token-mean | seq-mean-token-sum
-    schedule: str = "constant"  # after warm-up: constant | linear | cosine (to end_lr_ratio)
-    end_lr_ratio: float = 0.1
-    dual_clip: float = 0.0  # 0 = off, else > 1
-
-    def __post_init__(self):
-        _check(self.lr > 0, "optim.lr", "> 0", self.lr)
-        _check(self.warmup_steps >= 0, "optim.warmup_steps", ">= 0", self.warmup_steps)
-        _check(self.grad_clip > 0, "optim.grad_clip", "> 0", self.grad_clip)
-        _check(self.clip_low > 0 and self.clip_high > 0, "optim.clip_low/clip_high", "> 0",
-               (self.clip_low, self.clip_high))
-        for name in ("ppo_epochs", "num_minibatches", "num_microbatches"):
-            _check(getattr(self, name) >= 1, f"optim.{name}", ">= 1", getattr(self, name))
-        _check(self.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
-               "optim.loss_agg", "token-mean|seq-mean-token-mean|seq-mean-token-sum",
-               self.loss_agg)
-        _check(self.schedule in ("constant", "linear", "cosine"), "optim.schedule",
-               "constant|linear|cosine", self.schedule)
-        _check(0 <= self.end_lr_ratio <= 1, "optim.end_lr_ratio", "in [0, 1]", self.end_lr_ratio)
-        _check(self.dual_clip == 0 or self.dual_clip > 1, "optim.dual_clip", "0 (off) or > 1",
-               self.dual_clip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,11 +252,40 @@ class MeshConfig:
 
 
 _SECTIONS = {
-    "task": TaskConfig, "model": ModelConfig, "rollout": RolloutConfig,
-    "sampling": DynamicSamplingConfig, "grading": GradingConfig,
-    "advantages": AdvantageConfig, "optim": OptimConfig, "sft": SFTConfig,
-    "loop": LoopConfig, "mesh": MeshConfig,
+    "task": TaskConfig, "rollout": RolloutConfig, "sampling": DynamicSamplingConfig,
+    "grading": GradingConfig, "sft": SFTConfig, "loop": LoopConfig, "mesh": MeshConfig,
 }
+
+
+def _library(build, section: str):
+    """Builds a library config, turning its ``ValueError`` into a ``ConfigError`` naming the
+    section (the library's messages name the field)."""
+    try:
+        return build()
+    except (TypeError, ValueError) as e:
+        # the library names its fields as its own type's: TransformerConfig.x, update.x
+        msg = str(e).replace("TransformerConfig.", "model.").replace("update.", "learner.")
+        raise ConfigError(f"config.{section}: {msg}") from e
+
+
+def _known(section: str, value: Mapping[str, Any], names) -> dict[str, Any]:
+    bad = sorted(set(value) - set(names))
+    if bad:
+        raise ConfigError(f"unknown field(s) {[f'{section}.{b}' for b in bad]}; "
+                          f"known: {sorted(names)}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _as_mapping(key: str, value: Any) -> Mapping[str, Any]:
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"config.{key} must be a section (mapping), got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,12 +294,13 @@ class RunConfig:
     mode: str = "gagar"
     seed: int = 0
     task: TaskConfig = TaskConfig()
-    model: ModelConfig = ModelConfig()
+    # the policy; vocab_size is the tokenizer's (model_config); ignored with hf_checkpoint
+    model: TransformerConfig = DEFAULT_MODEL
+    hf_checkpoint: str = ""  # ConfigDict: model.hf_checkpoint (config.json + safetensors dir)
     rollout: RolloutConfig = RolloutConfig()
     sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     grading: GradingConfig = GradingConfig()
-    advantages: AdvantageConfig = AdvantageConfig()
-    optim: OptimConfig = OptimConfig()
+    learner: UpdateConfig = DEFAULT_LEARNER  # the jitted update's config, as it receives it
     sft: SFTConfig = SFTConfig()
     loop: LoopConfig = LoopConfig()
     mesh: MeshConfig = MeshConfig()
@@ -344,38 +311,46 @@ class RunConfig:
             _check(self.grading.enabled, "grading.enabled",
                    f"True for mode={self.mode!r} (its advantages need verdicts)",
                    self.grading.enabled)
+        u = self.learner
+        _check(u.temperature == self.rollout.temperature, "learner.temperature",
+               f"rollout.temperature={self.rollout.temperature} (the sampler's: the update "
+               "scores the behaviour policy at its temperature)", u.temperature)
+        _check(u.advantages.mode == _REDISTRIBUTION[self.mode], "learner.advantages.mode",
+               f"{_REDISTRIBUTION[self.mode]!r} for mode={self.mode!r}", u.advantages.mode)
+        if self.mode == "gagar_token":
+            _check(u.token_credit in IMPORTANCE_PROVIDERS, "learner.token_credit",
+                   "|".join(IMPORTANCE_PROVIDERS) + " for mode='gagar_token'", u.token_credit)
+        else:
+            _check(u.token_credit == "broadcast", "learner.token_credit",
+                   f"'broadcast' for mode={self.mode!r} (token credit is mode gagar_token)",
+                   u.token_credit)
 
     # ---- derived -----------------------------------------------------------------------------
     @property
     def redistribution(self) -> str:
-        """The advantage kernels' redistribution mode for ``self.mode``."""
-        return _REDISTRIBUTION[self.mode]
-
-    def gagar_config(self):
-        """The advantage kernels' ``GagarConfig`` for this run (mode from ``self.mode``)."""
-        from gagar_jax.advantages import GagarConfig
-
-        a = self.advantages
-        return GagarConfig(estimator=a.estimator, mode=self.redistribution,
-                           tier_factors=tuple(a.tier_factors), rank_decay=a.rank_decay,
-                           mixed_tol=self.sampling.tol, cheat_reward=a.cheat_reward)
-
-    @property
-    def token_credit(self) -> str:
-        """The update's ``token_credit``: the importance provider in mode ``gagar_token``."""
-        return self.advantages.token_importance if self.mode == "gagar_token" else "broadcast"
+        """The advantage kernels' redistribution mode (``learner.advantages.mode``)."""
+        return self.learner.advantages.mode
 
     @property
     def batch_rollouts(self) -> int:
         """N = G * K rollouts per update (static)."""
         return self.rollout.num_prompts * self.rollout.num_rollouts
 
+    def model_config(self, vocab_size: int) -> TransformerConfig:
+        """``model`` with the tokenizer's ``vocab_size`` (a from-scratch policy)."""
+        return dataclasses.replace(self.model, vocab_size=int(vocab_size))
+
     def fingerprint(self) -> str:
-        """Hash of everything that must match for a resumed run (not the step count or logging)."""
+        """Hash of everything that must match for a resumed run (not the step count or logging).
+
+        ``learner.decay_steps`` follows ``loop.total_steps`` and is left out with it: a run may
+        be extended.
+        """
         d = self.to_dict()
         d["loop"] = {k: v for k, v in d["loop"].items()
                      if k not in ("total_steps", "log_every", "eval_every", "plot",
                                   "checkpoint_every", "keep_checkpoints")}
+        d["learner"].pop("decay_steps")
         d.pop("mesh")
         if not d["task"]["skip_saturated"]:  # off: the fingerprint of runs from before the flag
             for k in ("skip_saturated", "saturation_window", "saturation_min_attempts"):
@@ -384,37 +359,53 @@ class RunConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The ``ConfigDict`` layout (``from_config_dict`` of it gives this config back)."""
+        d = dataclasses.asdict(self)
+        d["model"].pop("vocab_size")
+        d["model"]["hf_checkpoint"] = d.pop("hf_checkpoint")
+        return d
 
     @classmethod
     def from_config_dict(cls, config: Mapping[str, Any]) -> RunConfig:
         """Builds and validates from a ``ConfigDict`` (or plain nested dict).
 
         Unknown keys are an error naming the key, so a typo on the command line never
-        silently falls back to a default.
+        silently falls back to a default. ``learner`` fields left out take
+        :data:`DEFAULT_LEARNER`'s values, except the four derived ones (module docstring).
         """
         raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        top = {f.name for f in dataclasses.fields(cls)}
+        top = _fields(cls) - {"hf_checkpoint"}
         unknown = sorted(set(raw) - top)
         if unknown:
             raise ConfigError(f"unknown config field(s) {unknown}; known: {sorted(top)}")
         kwargs: dict[str, Any] = {}
         for key, value in raw.items():
             section = _SECTIONS.get(key)
-            if section is None:
+            if section is not None:
+                kwargs[key] = section(**_known(key, _as_mapping(key, value), _fields(section)))
+            elif key not in ("model", "learner"):
                 kwargs[key] = value
-                continue
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"config.{key} must be a section (mapping), got {value!r}")
-            names = {f.name: f for f in dataclasses.fields(section)}
-            bad = sorted(set(value) - set(names))
-            if bad:
-                raise ConfigError(f"unknown field(s) {[f'{key}.{b}' for b in bad]}; "
-                                  f"known: {sorted(names)}")
-            fields = {}
-            for k, v in value.items():
-                if isinstance(v, list):  # ConfigDict tuples may come back as lists
-                    v = tuple(v)
-                fields[k] = v
-            kwargs[key] = section(**fields)
+        if "model" in raw:
+            m = _known("model", _as_mapping("model", raw["model"]),
+                       _fields(TransformerConfig) - {"vocab_size"} | {"hf_checkpoint"})
+            kwargs["hf_checkpoint"] = m.pop("hf_checkpoint", "")
+            kwargs["model"] = _library(lambda: dataclasses.replace(DEFAULT_MODEL, **m), "model")
+        mode = kwargs.get("mode", cls.mode)
+        rollout = kwargs.get("rollout", RolloutConfig())
+        loop = kwargs.get("loop", LoopConfig())
+        u = dict(_known("learner", _as_mapping("learner", raw.get("learner", {})),
+                        _fields(UpdateConfig)))
+        a = dict(_known("learner.advantages", _as_mapping("learner.advantages",
+                                                          u.pop("advantages", {})),
+                        _fields(GagarConfig)))
+        a.setdefault("mode", _REDISTRIBUTION.get(mode, "none"))
+        u.setdefault("temperature", rollout.temperature)
+        u.setdefault("token_credit", "evidence" if mode == "gagar_token" else "broadcast")
+        steps_per_update = (u.get("ppo_epochs", DEFAULT_LEARNER.ppo_epochs)
+                            * u.get("num_minibatches", DEFAULT_LEARNER.num_minibatches))
+        u.setdefault("decay_steps", max(loop.total_steps * steps_per_update, 1))
+        advantages = _library(
+            lambda: dataclasses.replace(DEFAULT_LEARNER.advantages, **a), "learner.advantages")
+        kwargs["learner"] = _library(
+            lambda: dataclasses.replace(DEFAULT_LEARNER, advantages=advantages, **u), "learner")
         return cls(**kwargs)

@@ -4,10 +4,11 @@
   permutations of the pool), so the data position is one integer and a resumed run neither
   repeats nor skips a prompt.
 * :class:`LoopState`: the next step, data position, base RNG key, policy version, whether the
-  SFT warm start is done, the grader cache and the config fingerprint.
-* :class:`ResumeStore`: one JSON file per checkpointed step, written atomically (tmp + rename)
-  *after* the train-state checkpoint of that step is finished, so the newest step that has both
-  is always a consistent pair, whenever the process is killed.
+  SFT warm start is done and the grader cache. It is saved as an item of the same orbax
+  checkpoint step as the train state (the ``meta`` JSON item of
+  :class:`~gagar_jax.update.Checkpointer`, key ``loop_state``): one atomic step with one
+  fingerprint, written once however many hosts save the state, so a killed run resumes from a
+  consistent pair without any scanning of its own (orbax lists only finished steps).
 
 Per-step randomness is ``fold_in(base_key, step)``: nothing random is carried from step to step,
 so a resumed step draws exactly what the uninterrupted run drew.
@@ -18,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import orbax.checkpoint as ocp
 
 
 class TaskStream:
@@ -67,7 +68,6 @@ class LoopState:
     policy_version: int = 0  # weight syncs done (the sampler's version)
     sft_done: bool = False
     grader_cache: dict[str, Any] = dataclasses.field(default_factory=dict)
-    fingerprint: str = ""
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -75,7 +75,10 @@ class LoopState:
 
     @classmethod
     def from_json(cls, text: str) -> LoopState:
-        data = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoopState:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -83,48 +86,13 @@ class LoopState:
         return cls(**data)
 
 
-class ResumeStore:
-    """``dir/loop_state_<step>.json`` files; ``step`` is the checkpoint step they belong to."""
+LOOP_STATE_KEY = "loop_state"  # the LoopState's key in the checkpoint's ``meta`` item
 
-    PREFIX = "loop_state_"
 
-    def __init__(self, directory: str):
-        self.directory = directory
-
-    def path(self, step: int) -> str:
-        return os.path.join(self.directory, f"{self.PREFIX}{step:08d}.json")
-
-    def save(self, step: int, state: LoopState, *, keep: int | None = None) -> str:
-        os.makedirs(self.directory, exist_ok=True)
-        path = self.path(step)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(state.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if keep is not None:
-            for old in self.steps()[:-keep]:
-                os.remove(self.path(old))
-        return path
-
-    def steps(self) -> list[int]:
-        if not os.path.isdir(self.directory):
-            return []
-        out = []
-        for name in os.listdir(self.directory):
-            if name.startswith(self.PREFIX) and name.endswith(".json"):
-                try:
-                    out.append(int(name[len(self.PREFIX):-len(".json")]))
-                except ValueError:
-                    continue
-        return sorted(out)
-
-    def load(self, step: int) -> LoopState:
-        with open(self.path(step), encoding="utf-8") as f:
-            return LoopState.from_json(f.read())
-
-    def latest_consistent(self, checkpoint_steps: Iterable[int]) -> int | None:
-        """Newest step that has both a finished train-state checkpoint and a loop state."""
-        both = set(self.steps()) & {int(s) for s in checkpoint_steps}
-        return max(both) if both else None
+def read_loop_state(checkpoint_dir: str, step: int) -> LoopState:
+    """The :class:`LoopState` saved with checkpoint ``step`` in ``checkpoint_dir`` (reads only
+    the step's JSON item, never the arrays; for tools and tests)."""
+    options = ocp.CheckpointManagerOptions(read_only=True)
+    with ocp.CheckpointManager(os.path.abspath(checkpoint_dir), options=options) as manager:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return LoopState.from_dict(meta["extra"][LOOP_STATE_KEY])

@@ -2,54 +2,27 @@
 
 Wires the loop to the policy-update package (``gagar_jax.update.state`` / ``update``):
 
-* :func:`update_config` maps the run config to its ``UpdateConfig`` (optimiser, PPO-clip,
-  geometry, and the ``GagarConfig`` whose ``mode`` the training mode chooses);
+* the update's ``UpdateConfig`` is the run config's ``learner`` section itself;
 * the train state is created already sharded on the run's mesh from the (SFT-warmed) model's
   parameters; ``jit_update`` compiles the update once for the static batch shape;
 * a :class:`~gagar_jax.rl.collect.PackedBatch` ``[G, K, T]`` becomes an ``UpdateBatch``
   (group-major rows ``n = g * K + k``), validated on the host (``check_batch``) and sharded;
 * checkpoints: the policy package's :class:`~gagar_jax.update.checkpoint.Checkpointer` (orbax,
-  keep-N, config fingerprint) saves the whole ``TrainState``, waited on before the loop writes
-  its bookkeeping, so a listed step is always complete; restores go onto the live state's
-  shardings.
+  keep-N, the run config's fingerprint) saves the whole ``TrainState`` and the loop's
+  :class:`~gagar_jax.rl.resume.LoopState` as two items of one checkpoint step (atomic: orbax
+  lists a step only once both are written); restores go onto the live state's shardings.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import jax
 import numpy as np
 
 from gagar_jax.rl.collect import PackedBatch
 from gagar_jax.rl.config import RunConfig
-
-
-def finished_checkpoint_steps(directory: str) -> list[int]:
-    """Steps with a complete checkpoint (orbax renames ``<step>.orbax-checkpoint-tmp-*`` to
-    ``<step>`` only when the write is finished)."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(n) for n in os.listdir(directory)
-                  if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
-
-
-def update_config(cfg: RunConfig):
-    """The policy update's ``UpdateConfig`` for this run."""
-    from gagar_jax.update.state import UpdateConfig
-
-    o = cfg.optim
-    return UpdateConfig(
-        learning_rate=o.lr, warmup_steps=o.warmup_steps,
-        decay_steps=max(cfg.loop.total_steps * o.ppo_epochs * o.num_minibatches, 1),
-        schedule=o.schedule, end_lr_ratio=o.end_lr_ratio, weight_decay=o.weight_decay,
-        b1=o.b1, b2=o.b2, max_grad_norm=o.grad_clip, clip_low=o.clip_low,
-        clip_high=o.clip_high, dual_clip=o.dual_clip or None, aggregation=o.loss_agg,
-        kl_coef=o.kl_coef, entropy_coef=o.entropy_coef, temperature=cfg.rollout.temperature,
-        num_minibatches=o.num_minibatches,
-        num_microbatches=o.num_microbatches, ppo_epochs=o.ppo_epochs,
-        advantages=cfg.gagar_config(), token_credit=cfg.token_credit,
-        token_gamma=cfg.advantages.token_gamma)
+from gagar_jax.rl.resume import LOOP_STATE_KEY, LoopState
 
 
 def to_update_batch(batch: PackedBatch):
@@ -116,10 +89,9 @@ def local_params(params, mesh, device):
 class RLState:
     """The sharded ``TrainState``, the jitted update and the checkpoint manager of one run."""
 
-    def __init__(self, cfg: RunConfig, model, mesh, ckpt_dir: str):
+    def __init__(self, cfg: RunConfig, model, mesh, checkpointer):
         from flax import nnx
 
-        from gagar_jax.update.checkpoint import Checkpointer
         from gagar_jax.update.state import create_train_state
         from gagar_jax.update.step import jit_update
 
@@ -127,7 +99,7 @@ class RLState:
         self.model = model
         self.model_config = model.config
         self.mesh = mesh
-        self.config = update_config(cfg)
+        self.config = cfg.learner
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         self.state = create_train_state(self.model_config, self.config, mesh, seed=cfg.seed,
                                         params=params)
@@ -135,13 +107,11 @@ class RLState:
         # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
         self.update_fn = jit_update(self.model_config, self.config, mesh,
                                     with_evidence=cfg.grading.enabled)
-        self.checkpointer = Checkpointer(ckpt_dir, model_config=self.model_config,
-                                         update_config=self.config,
-                                         keep=cfg.loop.keep_checkpoints + 1)
+        self.checkpointer = checkpointer
 
     @classmethod
-    def create(cls, cfg: RunConfig, model, mesh, ckpt_dir: str) -> RLState:
-        return cls(cfg, model, mesh, ckpt_dir)
+    def create(cls, cfg: RunConfig, model, mesh, checkpointer) -> RLState:
+        return cls(cfg, model, mesh, checkpointer)
 
     def update(self, batch: PackedBatch, *, step: int) -> dict[str, float]:
         """One update on ``batch``: this host's ``[G / P, K, T]`` rows, the global ``[G, K]``
@@ -179,14 +149,17 @@ class RLState:
         nnx.update(self.model, state)
         return state
 
-    def save(self, step: int) -> None:
-        self.checkpointer.save(step, self.state, wait=True)
+    def save(self, step: int, loop_state: LoopState) -> None:
+        """Checkpoint ``step``: the train state and ``loop_state``, one orbax step (waited on)."""
+        self.checkpointer.save(step, self.state, data_position=loop_state.data_position,
+                               extra={LOOP_STATE_KEY: dataclasses.asdict(loop_state)},
+                               wait=True)
 
-    def restore(self, step: int) -> None:
+    def restore(self, step: int | None = None) -> tuple[int, LoopState]:
+        """Restores checkpoint ``step`` (None: the newest intact one); returns its step and loop
+        state. Raises ``ConfigMismatchError`` for a checkpoint of another run config."""
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
-        self.state, _ = self.checkpointer.restore(abstract, step)
+        self.state, info = self.checkpointer.restore(abstract, step)
         self.params_for_sync()
-
-    def close(self) -> None:
-        self.checkpointer.close()
+        return info.step, LoopState.from_dict(info.extra[LOOP_STATE_KEY])

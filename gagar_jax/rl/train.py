@@ -19,8 +19,14 @@ One RL step (``for step in range(start, total)``), each piece from its own packa
 6. **Weight sync** to the rollout engine (``policy_version`` + 1; the engine must report that
    version back: ``rollout/weight_version``), with the training-inference mismatch of the step's
    batch (``rollout/logprob_mismatch_k3``, ``rollout/logprob_mismatch_max_abs``).
-7. Periodic **held-out evaluation**, **checkpoint** (train state via orbax; loop bookkeeping via
-   :class:`~gagar_jax.rl.resume.ResumeStore` after the state is finished writing) and metrics.
+7. Periodic **held-out evaluation**, **checkpoint** (one orbax step: the train state and the
+   loop's :class:`~gagar_jax.rl.resume.LoopState` as two items, one fingerprint) and metrics.
+
+Preemption: SIGTERM (what a pod sends before it takes the machines) sets a flag; at the next step
+boundary every host learns whether any host got one, they save that step's checkpoint together
+and :func:`train_and_evaluate` returns ``{"preempted": True, ...}`` (``scripts/train.py`` then
+exits with ``128 + SIGTERM``); a rerun resumes there. SIGKILL loses at most the steps since the
+last checkpoint, and a rerun repeats none and skips none.
 
 Modes (``config.mode``) change only the advantage redistribution inside the update; the grader
 runs in every mode so quality and T1 share are measured identically.
@@ -36,8 +42,11 @@ rounds, and grading of the last round is the only exposed wait.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -49,11 +58,35 @@ from gagar_jax.rl import writers
 from gagar_jax.rl.collect import Group, Rollout, collect_blocks, pack_groups, select_prompts
 from gagar_jax.rl.config import MeshConfig, RunConfig
 from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
-from gagar_jax.rl.resume import LoopState, ResumeStore, TaskStream
+from gagar_jax.rl.resume import LoopState, TaskStream
+from gagar_jax.update.checkpoint import ConfigMismatchError
 
 
 class ResumeMismatchError(RuntimeError):
     """The workdir holds a run with a different configuration."""
+
+
+class SigtermFlag:
+    """Between :meth:`install` and :meth:`uninstall`, SIGTERM only sets ``requested`` (the loop
+    saves at the next step boundary and stops). Outside the main thread (a notebook's worker, a
+    test's host thread) signals cannot be caught, and the flag stays False."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        del signum, frame
+        self.requested = True
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 def initialize_distributed(mesh_cfg: MeshConfig) -> None:
@@ -181,7 +214,7 @@ def family_settings(cfg: RunConfig):
         seed=t.seed, difficulty=t.difficulty, num_train=t.num_train, num_eval=t.num_eval,
         max_prompt_len=cfg.rollout.max_prompt_len, data_path=t.data_path,
         eval_data_path=t.eval_data_path,
-        tokenizer_path=t.tokenizer_path or cfg.model.hf_checkpoint, max_turns=t.max_turns,
+        tokenizer_path=t.tokenizer_path or cfg.hf_checkpoint, max_turns=t.max_turns,
         max_observation_tokens=t.max_observation_tokens)
 
 
@@ -632,29 +665,26 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     family = build_family(cfg)
     tok = family.tokenizer
     stream = TaskStream(family.num_train, seed=cfg.seed)
-    store = ResumeStore(os.path.join(workdir, "loop_state"))
 
     policy = backends.build_policy(cfg, vocab_size=tok.vocab_size, workdir=workdir)
     check_process_rows(policy.mesh, G * K)
-    resume_step = store.latest_consistent(policy.checkpoint_steps())
-    if resume_step is not None:
-        ls = store.load(resume_step)
-        if ls.fingerprint != cfg.fingerprint():
+    resume_step = None
+    if policy.checkpoint_steps():
+        try:  # the newest intact checkpoint: train state and loop state, one orbax step
+            resume_step, ls = policy.restore()
+        except ConfigMismatchError as e:
+            policy.close()
             raise ResumeMismatchError(
-                f"{workdir} holds a run with config fingerprint {ls.fingerprint}, this config is "
-                f"{cfg.fingerprint()}: use another --workdir or the original config")
-        policy.restore(resume_step)
+                f"{workdir} holds a run with another config fingerprint ({e}), this config is "
+                f"{cfg.fingerprint()}: use another --workdir or the original config") from e
     else:
         key = jax.random.key_data(jax.random.key(cfg.seed))
-        ls = LoopState(rng_key=[int(x) for x in np.asarray(key).ravel()],
-                       fingerprint=cfg.fingerprint())
+        ls = LoopState(rng_key=[int(x) for x in np.asarray(key).ravel()])
     tracker = pass_rate_tracker(cfg, ls)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     if primary:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-            import json
-
             json.dump(cfg.to_dict(), f, indent=1, sort_keys=True, default=str)
         dropped = writers.truncate_jsonl(metrics_path, keep_before_step=ls.step,
                                             drop_phases=None if ls.sft_done else ("sft",))
@@ -674,6 +704,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                                                check_runner=family.check_runner())
 
     summary: dict[str, Any] = {}
+    sigterm = SigtermFlag()
     try:
         # ---- SFT warm start -----------------------------------------------------------------
         if not ls.sft_done:
@@ -690,9 +721,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             ls.sft_done = True
             hosts.barrier("ckpt0")
             with hosts.collective("the checkpoint after SFT"):
-                policy.save(0)
-            if primary:
-                store.save(0, ls, keep=cfg.loop.keep_checkpoints + 1)
+                policy.save(0, ls)
 
         with hosts.collective("the first weight sync"):
             weight_version = engine.sync_weights(policy.params_for_sync(), ls.policy_version)
@@ -701,6 +730,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             writer.write(0, m, phase="eval")
             writer.log("eval before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
         writer.start_clock(ls.step)
+        sigterm.install()
         for step in range(ls.step, cfg.loop.total_steps):
             t_step = time.monotonic()
             sres, counters, grading_m, t_wait, batch = collect_step(
@@ -740,18 +770,23 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                     writer.write(step + 1, em, phase="eval")
                     writer.log(f"eval @ step {step + 1}: " +
                                ", ".join(f"{k} {v:.3f}" for k, v in em.items()))
-            if (step + 1) % cfg.loop.checkpoint_every == 0 or last:
+            # SIGTERM on any host: all save this step and stop (the save is collective)
+            stop = any(hosts.allgather(f"s{step}/sigterm", sigterm.requested))
+            if (step + 1) % cfg.loop.checkpoint_every == 0 or last or stop:
                 ls.grader_cache = {"path": os.path.basename(cache_path),
                                    "entries": len(grading_pool.cache)}
                 if tracker is not None:  # the same on every host: the primary's is saved
                     ls.extra[PASS_RATES_KEY] = tracker.state_dict()
                 hosts.barrier(f"ckpt{step + 1}")  # a host hung before the save is named here
                 with hosts.collective(f"the checkpoint of step {step + 1}"):
-                    policy.save(step + 1)
-                if primary:  # every process saves the state (collective); one writes metadata
-                    store.save(step + 1, ls, keep=cfg.loop.keep_checkpoints + 1)
+                    policy.save(step + 1, ls)  # every process takes part; orbax writes once
+            if stop and not last:
+                writer.log(f"SIGTERM: checkpoint {step + 1} saved; stopping (rerun to resume)")
+                summary.update(preempted=True, step=step + 1)
+                return summary
         summary["update_traces"] = policy.update_traces()
     finally:
+        sigterm.uninstall()
         policy.close()
         grading_pool.close()
         writer.close()
@@ -781,8 +816,6 @@ def _print_summary(cfg: RunConfig, workdir: str, summary: dict[str, Any]) -> Non
 def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
                         temperature: float = 0.7) -> tuple[dict[str, float], int]:
     """Restores a run's checkpoint (newest complete one for ``step=-1``) and evaluates it."""
-    import json
-
     from gagar_jax.rl import backends
 
     path = os.path.join(workdir, "config.json")
@@ -794,19 +827,18 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
     cfg = RunConfig.from_config_dict(d)
     family = build_family(cfg)
     policy = backends.build_policy(cfg, vocab_size=family.tokenizer.vocab_size, workdir=workdir)
-    store = ResumeStore(os.path.join(workdir, "loop_state"))
-    steps = sorted(set(store.steps()) & set(policy.checkpoint_steps()))
+    steps = policy.checkpoint_steps()
     if not steps:
+        policy.close()
         raise FileNotFoundError(f"no complete checkpoint in {workdir}")
-    if step < 0:
-        step = steps[-1]
-    elif step not in steps:
+    if step >= 0 and step not in steps:
+        policy.close()
         raise ValueError(f"checkpoint {step} not in {workdir} (complete ones: {steps})")
-    policy.restore(step)
     try:
+        step, ls = policy.restore(None if step < 0 else step)
         engine = backends.build_engine(cfg, policy, workdir=workdir,
                                        pad_id=family.tokenizer.pad_id)
-        engine.sync_weights(policy.params_for_sync(), store.load(step).policy_version)
+        engine.sync_weights(policy.params_for_sync(), ls.policy_version)
         return evaluate(engine, family, cfg, step=step), step
     finally:
         policy.close()

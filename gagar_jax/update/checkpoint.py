@@ -1,4 +1,4 @@
-"""Orbax checkpoints of the train state with everything needed to resume, and a SIGTERM hook.
+"""Orbax checkpoints of the train state with everything needed to resume.
 
 A checkpoint at step ``s`` holds two items:
 
@@ -20,12 +20,10 @@ step was skipped and why; ``restore(step=s)`` and a directory with no intact che
 ``CheckpointCorruptError`` naming the step(s). Checkpoints without checksums (older ones) are
 restored unchecked. Arrays not fully addressable by this process (multi-host) are not summed.
 
-Preemption: orbax's own preemption hook needs ``jax.distributed``; a single-host run uses
-:meth:`Checkpointer.install_sigterm_handler`. The loop calls :meth:`Checkpointer.track` after
-each update with the newest state. On SIGTERM, if that state is intact (no update in flight
-has consumed its donated buffers) it is saved synchronously and the process exits with status
-``128 + SIGTERM``; otherwise a flag is set and the loop's next :meth:`Checkpointer.maybe_save`
-(at the end of the in-flight update) saves and tells the loop to stop.
+Preemption (SIGTERM) is the training loop's business, not this class's: the RL loop
+(``gagar_jax.rl.train``) sets a flag on SIGTERM and saves at the next step boundary, where the
+state is whole and every host can take part in the (collective) save. A save from inside a
+signal handler could meet donated buffers, a half-finished collective or a grading thread.
 """
 
 from __future__ import annotations
@@ -34,8 +32,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import signal
-import sys
 from typing import Any
 
 import jax
@@ -46,6 +42,10 @@ from gagar_jax.models import TransformerConfig
 from gagar_jax.update.state import TrainState, UpdateConfig, config_fingerprint, state_shardings
 
 log = logging.getLogger(__name__)
+
+
+class ConfigMismatchError(ValueError):
+    """The checkpoint was written under another config (its fingerprint differs)."""
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -86,31 +86,26 @@ class Checkpointer:
     Args:
       directory: checkpoint root (created).
       model_config, update_config: fingerprinted into every checkpoint.
+      fingerprint: the fingerprint to store and compare instead (an experiment's own, e.g.
+        ``RunConfig.fingerprint()``, which covers these configs and more).
       keep: number of most recent checkpoints kept.
-      save_interval_steps: :meth:`maybe_save` saves when ``step % save_interval_steps == 0``.
       async_save: orbax asynchronous checkpointing (the save returns once arrays are copied
         to host; writing continues in the background).
     """
 
     def __init__(self, directory: str, *, model_config: TransformerConfig,
-                 update_config: UpdateConfig, keep: int = 3, save_interval_steps: int = 1,
-                 async_save: bool = True):
+                 update_config: UpdateConfig, keep: int = 3, async_save: bool = True,
+                 fingerprint: str | None = None):
         if keep < 1:
             raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
-        if save_interval_steps < 1:
-            raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         self.directory = os.path.abspath(directory)
         self.model_config = model_config
         self.update_config = update_config
-        self.fingerprint = config_fingerprint(model_config, update_config)
-        self.save_interval_steps = save_interval_steps
+        self.fingerprint = fingerprint or config_fingerprint(model_config, update_config)
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                  enable_async_checkpointing=async_save))
-        self._tracked: tuple[int, TrainState, Any, dict] | None = None
-        self.preempted = False
-        self._previous_handler = None
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: TrainState, *, data_position: Any = None,
@@ -122,22 +117,6 @@ class Checkpointer:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
         if wait:
             self.manager.wait_until_finished()
-
-    def maybe_save(self, step: int, state: TrainState, *, data_position: Any = None,
-                   extra: dict | None = None) -> bool:
-        """Saves on the interval or after a SIGTERM; returns True when the loop must stop."""
-        self.track(step, state, data_position=data_position, extra=extra)
-        if self.preempted:
-            self.save(step, state, data_position=data_position, extra=extra, wait=True)
-            return True
-        if step % self.save_interval_steps == 0:
-            self.save(step, state, data_position=data_position, extra=extra)
-        return False
-
-    def track(self, step: int, state: TrainState, *, data_position: Any = None,
-              extra: dict | None = None) -> None:
-        """Remembers the newest state for the SIGTERM handler."""
-        self._tracked = (int(step), state, data_position, extra or {})
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -195,7 +174,7 @@ class Checkpointer:
             raise CheckpointCorruptError(
                 f"step {step}: metadata unreadable: {type(e).__name__}: {e}"[:500]) from e
         if meta["fingerprint"] != self.fingerprint and not allow_config_change:
-            raise ValueError(
+            raise ConfigMismatchError(
                 f"checkpoint {self.directory} step {step} was written with config fingerprint "
                 f"{meta['fingerprint']}, but the current model/update config has "
                 f"{self.fingerprint}; refusing to restore a mismatched state (pass "
@@ -217,22 +196,3 @@ class Checkpointer:
                     f"step {step}: checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}")
         return state, ResumeInfo(step=step, data_position=meta["data_position"],
                                  fingerprint=meta["fingerprint"], extra=meta.get("extra", {}))
-
-    # -- preemption --------------------------------------------------------------------------
-    def install_sigterm_handler(self, signum: int = signal.SIGTERM) -> None:
-        """Saves the tracked state and exits on ``signum`` (see module docstring)."""
-
-        def handler(signo, frame):
-            del frame
-            self.preempted = True
-            tracked = self._tracked
-            if tracked is None:
-                return
-            step, state, data_position, extra = tracked
-            if any(x.is_deleted() for x in jax.tree.leaves(state)):
-                return  # an update is consuming it: maybe_save() saves its result
-            self.save(step, state, data_position=data_position, extra=extra, wait=True)
-            self.close()
-            sys.exit(128 + signo)
-
-        self._previous_handler = signal.signal(signum, handler)
