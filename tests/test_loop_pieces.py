@@ -425,7 +425,7 @@ def test_compare_runs_writes_plot_table_and_ablation_notes(tmp_path):
 
 
 def test_mesh_shape_resolution():
-    from gagar_jax.rl.backends import mesh_shape
+    from gagar_jax.update.state import mesh_shape
 
     assert mesh_shape((1, -1, 1), 8) == (1, 8, 1)
     assert mesh_shape((2, 2, 2), 8) == (2, 2, 2)

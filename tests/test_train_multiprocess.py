@@ -45,7 +45,7 @@ def test_local_params_is_device_to_device():
     (That no host gather is involved is what the two-process test proves: there the parameters
     span non-addressable devices and a ``device_get`` raises. CPU has no transfer guard.)"""
     from gagar_jax.models import TransformerConfig
-    from gagar_jax.rl import rl_adapter
+    from gagar_jax.rl import policy
     from gagar_jax.update.state import UpdateConfig, create_train_state, make_mesh
 
     mc = TransformerConfig(
@@ -62,7 +62,7 @@ def test_local_params_is_device_to_device():
     assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state.params))
     expected = jax.device_get(state.params)
     device = jax.local_devices()[3]
-    out = rl_adapter.local_params(state.params, mesh, device)
+    out = policy.local_params(state.params, mesh, device)
     for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(expected), strict=True):
         assert got.devices() == {device}
         np.testing.assert_array_equal(np.asarray(got), want)

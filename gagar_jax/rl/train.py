@@ -54,11 +54,12 @@ import jax
 import numpy as np
 
 from gagar_jax.data.audit import PassRateTracker
-from gagar_jax.rl import writers
+from gagar_jax.rl import engines, policy, writers
 from gagar_jax.rl.collect import Group, Rollout, collect_blocks, pack_groups, select_prompts
 from gagar_jax.rl.config import MeshConfig, RunConfig
 from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.rl.resume import LoopState, TaskStream
+from gagar_jax.update import jit_update, make_mesh, sft
 from gagar_jax.update.checkpoint import ConfigMismatchError
 
 
@@ -644,8 +645,95 @@ def _update_metric_aliases(m: dict[str, float]) -> dict[str, float]:
     return out
 
 
+@dataclasses.dataclass
+class RLContext:
+    """What one RL step works with, built once by :func:`train_and_evaluate`."""
+
+    cfg: RunConfig
+    hosts: Hosts
+    family: Any  # gagar_jax.envs.family.TaskFamily
+    stream: TaskStream
+    engine: Any  # gagar_jax.rollout RolloutEngine: generate, sync_weights
+    grading_pool: Any  # gagar_jax.grading.GradingPool
+    update_fn: Any  # gagar_jax.update.jit_update(...)
+    mesh: Any
+    sampler_device: Any  # the embedded sampler's device (weight sync target)
+    tracker: PassRateTracker | None = None
+
+
+def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
+    """One RL step: collect -> grade -> pack -> update -> sync weights. Returns
+    ``(state, metrics)`` and advances ``ls`` (data position, policy version, step).
+
+    1-3. :func:`collect_step`: K rollouts per prompt, verified, dynamic sampling; each kept
+         group graded while the next refill round generates; verdicts as ``[G, K]`` arrays in
+         this host's ``[G / P, K, T]`` rows of the static batch.
+    4.   :func:`~gagar_jax.rl.policy.rl_update`: the jitted update (advantages inside).
+    5.   :func:`~gagar_jax.rl.policy.sync_engine`: the engine reports the new version back.
+    """
+    cfg, hosts = ctx.cfg, ctx.hosts
+    t_step = time.monotonic()
+    sres, counters, grading_m, t_wait, batch = collect_step(
+        ctx.engine, ctx.family, ctx.grading_pool, ctx.stream, ls, cfg, step=step, hosts=hosts,
+        tracker=ctx.tracker)
+    t_update = time.monotonic()
+    with hosts.collective(f"the update of step {step}"):
+        state, update_m = policy.rl_update(ctx.update_fn, state, batch, cfg=cfg, mesh=ctx.mesh,
+                                           step=step)
+        ls.policy_version += 1
+        weight_version = policy.sync_engine(ctx.engine, cfg, state.params, mesh=ctx.mesh,
+                                            device=ctx.sampler_device,
+                                            version=ls.policy_version)
+    if weight_version != ls.policy_version:
+        raise RuntimeError(f"rollout engine reports weight version {weight_version} "
+                           f"after syncing version {ls.policy_version} (step {step})")
+    ls.step = step + 1
+    t_end = time.monotonic()
+    m = step_metrics(sres, counters, grading_m, update_m, weight_version, cfg, ctx.tracker)
+    m.update(grade_wait_s=t_update - t_wait, update_time_s=t_end - t_update,
+             step_time_s=t_end - t_step, policy_version=float(ls.policy_version),
+             data_position=float(ls.data_position))
+    return state, m
+
+
+def step_metrics(sres, counters: StepCounters, grading_m, update_m, weight_version: int,
+                 cfg: RunConfig, tracker: PassRateTracker | None) -> dict[str, float]:
+    """The metrics row of one step (rollouts over all drawn, the update's over the kept batch;
+    an update figure whose name a rollout figure has is logged as ``update/<name>``)."""
+    m = counters.metrics()
+    m.update(sres.metrics(cfg.rollout.num_prompts))
+    m.update(grading_m)
+    if tracker is not None:
+        m.update(saturation_metrics(sres, tracker))
+    for k, v in _update_metric_aliases(update_m).items():
+        m[f"update/{k}" if k in m else k] = v
+    m.update(rollout_metrics(sres.groups, update_m, weight_version))
+    return m
+
+
+def _itstime(step: int, every: int, total: int) -> bool:
+    """After step ``step`` (0-based): on the ``every`` interval, and after the last step."""
+    return (step + 1) % every == 0 or step == total - 1
+
+
+def _restore_or_start(cfg: RunConfig, ckpt, model_config, mesh, workdir: str):
+    """``(state or None, LoopState, checkpoint step or None)``: the newest intact checkpoint's,
+    else a fresh loop state (the state is created after the SFT warm start)."""
+    if not ckpt.all_steps():
+        key = jax.random.key_data(jax.random.key(cfg.seed))
+        return None, LoopState(rng_key=[int(x) for x in np.asarray(key).ravel()]), None
+    try:  # train state and loop state: one orbax step
+        state, step, ls = policy.restore(ckpt, cfg, model_config, mesh)
+    except ConfigMismatchError as e:
+        raise ResumeMismatchError(
+            f"{workdir} holds a run with another config fingerprint ({e}), this config is "
+            f"{cfg.fingerprint()}: use another --workdir or the original config") from e
+    return state, ls, step
+
+
 def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> dict[str, Any]:
-    """Runs (or resumes) the configured job in ``workdir``; returns the final summary.
+    """Runs (or resumes) the configured job in ``workdir``; returns the final summary
+    (``{"preempted": True, "step": s}`` when SIGTERM stopped it after checkpoint ``s``).
 
     Args:
       cfg: the validated run configuration.
@@ -653,8 +741,6 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
       grader: optional grader object (``grade(workspace[, cancel])``) used instead of the one
         ``cfg.grading.grader`` names, e.g. a custom grader from a notebook.
     """
-    from gagar_jax.rl import backends
-
     workdir = os.path.abspath(workdir)
     hosts = Hosts(cfg.mesh.host_timeout_s)
     primary = hosts.primary
@@ -664,49 +750,49 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                          f"{hosts.count} processes (each host fills an equal block of groups)")
     family = build_family(cfg)
     tok = family.tokenizer
-    stream = TaskStream(family.num_train, seed=cfg.seed)
-
-    policy = backends.build_policy(cfg, vocab_size=tok.vocab_size, workdir=workdir)
-    check_process_rows(policy.mesh, G * K)
-    resume_step = None
-    if policy.checkpoint_steps():
-        try:  # the newest intact checkpoint: train state and loop state, one orbax step
-            resume_step, ls = policy.restore()
-        except ConfigMismatchError as e:
-            policy.close()
-            raise ResumeMismatchError(
-                f"{workdir} holds a run with another config fingerprint ({e}), this config is "
-                f"{cfg.fingerprint()}: use another --workdir or the original config") from e
-    else:
-        key = jax.random.key_data(jax.random.key(cfg.seed))
-        ls = LoopState(rng_key=[int(x) for x in np.asarray(key).ravel()])
-    tracker = pass_rate_tracker(cfg, ls)
+    model_config, model = policy.build_model(cfg, tok.vocab_size)
+    mesh = make_mesh(cfg.mesh.shape)
+    check_process_rows(mesh, G * K)
+    ckpt = policy.checkpointer(cfg, workdir, model_config)
+    try:
+        state, ls, resume_step = _restore_or_start(cfg, ckpt, model_config, mesh, workdir)
+    except ResumeMismatchError:
+        ckpt.close()
+        raise
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     if primary:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=1, sort_keys=True, default=str)
         dropped = writers.truncate_jsonl(metrics_path, keep_before_step=ls.step,
-                                            drop_phases=None if ls.sft_done else ("sft",))
+                                         drop_phases=None if ls.sft_done else ("sft",))
     writer = writers.MetricsWriter(workdir, total_steps=cfg.loop.total_steps,
-                                      start_step=ls.step, primary=primary)
+                                   start_step=ls.step, primary=primary)
     if resume_step is not None:
         writer.log(f"resumed from checkpoint {resume_step}: step {ls.step}, data position "
                    f"{ls.data_position}, policy version {ls.policy_version}"
                    + (f" ({dropped} stale metric rows dropped)" if primary and dropped else ""))
 
     # Engine and grader first: a dead server fails here, before any compute is spent.
-    engine = backends.build_engine(cfg, policy, workdir=workdir, pad_id=tok.pad_id)
+    engine = engines.build_engine(cfg, model, workdir=workdir, pad_id=tok.pad_id)
     # one grading pool per host, for its own groups; each keeps its own verdict cache
     cache_path = os.path.join(workdir, "grader_cache.jsonl" if primary else
                               f"grader_cache.p{hosts.index}.jsonl")
-    grading_pool = backends.build_grading_pool(cfg, cache_path=cache_path, grader=grader,
-                                               check_runner=family.check_runner())
+    grading_pool = engines.build_grading_pool(cfg, cache_path=cache_path, grader=grader,
+                                              check_runner=family.check_runner())
+    # Cited-token masks travel with every graded run, so every mode reports the share of
+    # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
+    update_fn = jit_update(model_config, cfg.learner, mesh, with_evidence=cfg.grading.enabled)
+    ctx = RLContext(cfg=cfg, hosts=hosts, family=family,
+                    stream=TaskStream(family.num_train, seed=cfg.seed), engine=engine,
+                    grading_pool=grading_pool, update_fn=update_fn, mesh=mesh,
+                    sampler_device=policy.model_device(model),
+                    tracker=pass_rate_tracker(cfg, ls))
 
     summary: dict[str, Any] = {}
     sigterm = SigtermFlag()
     try:
-        # ---- SFT warm start -----------------------------------------------------------------
+        # ---- SFT warm start, then the train state from the warmed model -------------------
         if not ls.sft_done:
             if cfg.sft.steps > 0:
                 t0 = time.monotonic()
@@ -715,56 +801,33 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                          if d.response_len <= cfg.rollout.max_new_tokens]
                 writer.log(f"SFT warm start: {cfg.sft.steps} steps on {len(demos)} "
                            "demonstrations")
-                policy.run_sft(demos, pad_id=tok.pad_id,
-                               log_fn=lambda s, m: writer.write(s, m, phase="sft"))
+                sft.run_sft(model, demos, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size,
+                            lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps,
+                            seq_len=cfg.rollout.seq_len, pad_id=tok.pad_id, seed=cfg.seed,
+                            log_fn=lambda s, m: writer.write(s, m, phase="sft"))
                 writer.log(f"SFT done in {time.monotonic() - t0:.1f}s")
             ls.sft_done = True
+            state = policy.initial_state(cfg, model, mesh)
             hosts.barrier("ckpt0")
             with hosts.collective("the checkpoint after SFT"):
-                policy.save(0, ls)
+                policy.save(ckpt, 0, state, ls)
 
         with hosts.collective("the first weight sync"):
-            weight_version = engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+            policy.sync_engine(engine, cfg, state.params, mesh=mesh, device=ctx.sampler_device,
+                               version=ls.policy_version)
         if ls.step == 0 and cfg.loop.total_steps > 0 and family.eval_tasks():
             m = evaluate(engine, family, cfg, step=0, hosts=hosts)
             writer.write(0, m, phase="eval")
             writer.log("eval before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
         writer.start_clock(ls.step)
         sigterm.install()
-        for step in range(ls.step, cfg.loop.total_steps):
-            t_step = time.monotonic()
-            sres, counters, grading_m, t_wait, batch = collect_step(
-                engine, family, grading_pool, stream, ls, cfg, step=step, hosts=hosts,
-                tracker=tracker)
-            t_update = time.monotonic()
-            with hosts.collective(f"the update of step {step}"):
-                update_m = policy.update(batch, step=step)
-                ls.policy_version += 1
-                weight_version = engine.sync_weights(policy.params_for_sync(),
-                                                     ls.policy_version)
-            if weight_version != ls.policy_version:
-                raise RuntimeError(f"rollout engine reports weight version {weight_version} "
-                                   f"after syncing version {ls.policy_version} (step {step})")
-            ls.step = step + 1
-            t_end = time.monotonic()
-
-            m = counters.metrics()
-            m.update(sres.metrics(G))
-            m.update(grading_m)
-            if tracker is not None:
-                m.update(saturation_metrics(sres, tracker))
-            for k, v in _update_metric_aliases(update_m).items():
-                # the update's figures cover the kept batch; ours all drawn rollouts
-                m[f"update/{k}" if k in m else k] = v
-            m.update(rollout_metrics(sres.groups, update_m, weight_version))
-            m.update(grade_wait_s=t_update - t_wait, update_time_s=t_end - t_update,
-                     step_time_s=t_end - t_step, policy_version=float(ls.policy_version),
-                     data_position=float(ls.data_position))
-            if step % cfg.loop.log_every == 0 or step == cfg.loop.total_steps - 1:
+        total = cfg.loop.total_steps
+        for step in range(ls.step, total):
+            state, m = rl_step(step, state, ls, ctx)
+            if step % cfg.loop.log_every == 0 or step == total - 1:
                 writer.write(step, m)
                 writer.progress(step, m)
-            last = step == cfg.loop.total_steps - 1
-            if (step + 1) % cfg.loop.eval_every == 0 or last:
+            if _itstime(step, cfg.loop.eval_every, total):
                 em = evaluate(engine, family, cfg, step=step + 1, hosts=hosts)
                 if em:
                     writer.write(step + 1, em, phase="eval")
@@ -772,22 +835,22 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                                ", ".join(f"{k} {v:.3f}" for k, v in em.items()))
             # SIGTERM on any host: all save this step and stop (the save is collective)
             stop = any(hosts.allgather(f"s{step}/sigterm", sigterm.requested))
-            if (step + 1) % cfg.loop.checkpoint_every == 0 or last or stop:
+            if _itstime(step, cfg.loop.checkpoint_every, total) or stop:
                 ls.grader_cache = {"path": os.path.basename(cache_path),
                                    "entries": len(grading_pool.cache)}
-                if tracker is not None:  # the same on every host: the primary's is saved
-                    ls.extra[PASS_RATES_KEY] = tracker.state_dict()
+                if ctx.tracker is not None:  # the same on every host: the primary's is saved
+                    ls.extra[PASS_RATES_KEY] = ctx.tracker.state_dict()
                 hosts.barrier(f"ckpt{step + 1}")  # a host hung before the save is named here
                 with hosts.collective(f"the checkpoint of step {step + 1}"):
-                    policy.save(step + 1, ls)  # every process takes part; orbax writes once
-            if stop and not last:
+                    policy.save(ckpt, step + 1, state, ls)  # all hosts take part; orbax writes once
+            if stop and step < total - 1:
                 writer.log(f"SIGTERM: checkpoint {step + 1} saved; stopping (rerun to resume)")
                 summary.update(preempted=True, step=step + 1)
                 return summary
-        summary["update_traces"] = policy.update_traces()
+        summary["update_traces"] = update_fn._cache_size()
     finally:
         sigterm.uninstall()
-        policy.close()
+        ckpt.close()
         grading_pool.close()
         writer.close()
     if primary:
@@ -816,8 +879,6 @@ def _print_summary(cfg: RunConfig, workdir: str, summary: dict[str, Any]) -> Non
 def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
                         temperature: float = 0.7) -> tuple[dict[str, float], int]:
     """Restores a run's checkpoint (newest complete one for ``step=-1``) and evaluates it."""
-    from gagar_jax.rl import backends
-
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: is {workdir} a run directory?")
@@ -826,19 +887,21 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
     d["loop"].update(eval_rollouts=samples, eval_temperature=temperature)
     cfg = RunConfig.from_config_dict(d)
     family = build_family(cfg)
-    policy = backends.build_policy(cfg, vocab_size=family.tokenizer.vocab_size, workdir=workdir)
-    steps = policy.checkpoint_steps()
-    if not steps:
-        policy.close()
-        raise FileNotFoundError(f"no complete checkpoint in {workdir}")
-    if step >= 0 and step not in steps:
-        policy.close()
-        raise ValueError(f"checkpoint {step} not in {workdir} (complete ones: {steps})")
+    model_config, model = policy.build_model(cfg, family.tokenizer.vocab_size)
+    mesh = make_mesh(cfg.mesh.shape)
+    ckpt = policy.checkpointer(cfg, workdir, model_config)
     try:
-        step, ls = policy.restore(None if step < 0 else step)
-        engine = backends.build_engine(cfg, policy, workdir=workdir,
-                                       pad_id=family.tokenizer.pad_id)
-        engine.sync_weights(policy.params_for_sync(), ls.policy_version)
+        steps = ckpt.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {workdir}")
+        if step >= 0 and step not in steps:
+            raise ValueError(f"checkpoint {step} not in {workdir} (complete ones: {steps})")
+        state, step, ls = policy.restore(ckpt, cfg, model_config, mesh,
+                                         None if step < 0 else step)
+        engine = engines.build_engine(cfg, model, workdir=workdir,
+                                      pad_id=family.tokenizer.pad_id)
+        policy.sync_engine(engine, cfg, state.params, mesh=mesh,
+                           device=policy.model_device(model), version=ls.policy_version)
         return evaluate(engine, family, cfg, step=step), step
     finally:
-        policy.close()
+        ckpt.close()

@@ -170,14 +170,30 @@ def make_optimizer(config: UpdateConfig) -> optax.GradientTransformation:
     )
 
 
+def mesh_shape(shape: tuple[int, int, int], num_devices: int) -> tuple[int, int, int]:
+    """Resolves a -1 axis; raises naming ``mesh.shape`` when the devices do not factor."""
+    known = int(np.prod([s for s in shape if s != -1]))
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(f"mesh.shape={shape}: {num_devices} devices not divisible by {known}")
+        shape = tuple(num_devices // known if s == -1 else s for s in shape)
+    if int(np.prod(shape)) != num_devices:
+        raise ValueError(f"mesh.shape={shape} needs {int(np.prod(shape))} devices, "
+                         f"{num_devices} available")
+    return shape
+
+
 def make_mesh(shape: tuple[int, int, int], devices=None) -> Mesh:
     """A ``('data', 'fsdp', 'tensor')`` mesh with Auto axes (GSPMD inserts collectives).
 
     Auto rather than ``jax.make_mesh``'s Explicit default: the model and kernels then need no
-    per-op ``out_sharding`` annotations and run unchanged on any mesh shape.
+    per-op ``out_sharding`` annotations and run unchanged on any mesh shape. One axis may be -1
+    (the remaining devices, :func:`mesh_shape`).
     """
     devices = jax.devices() if devices is None else devices
     shape = tuple(int(s) for s in shape)
+    if len(shape) == 3 and -1 in shape:
+        shape = mesh_shape(shape, len(devices))
     if len(shape) != 3 or int(np.prod(shape)) != len(devices):
         raise ValueError(f"mesh shape {shape} (data, fsdp, tensor) must multiply to the "
                          f"{len(devices)} devices")

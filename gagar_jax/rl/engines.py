@@ -1,0 +1,92 @@
+"""The rollout engine and the grading pool of a run, built from its config.
+
+* :func:`build_engine`: the embedded JAX sampler over the policy model, or an SGLang server
+  (``gagar_jax.rollout.SGLangEngine``: versioned weight sync by its protocol);
+* :func:`build_grading_pool`: the configured grader behind ``gagar_jax.grading.GradingPool``
+  (async, deadline, fallback; its verdict cache persists in the workdir).
+"""
+
+from __future__ import annotations
+
+import os
+
+from flax import nnx
+
+from gagar_jax.grading import AgenticGrader
+from gagar_jax.grading.heuristic import HeuristicGrader
+from gagar_jax.grading.pool import GradingPool
+from gagar_jax.models import save_hf_safetensors_streaming
+from gagar_jax.rl.config import RunConfig
+from gagar_jax.rollout import SGLangClient
+from gagar_jax.rollout.sampler import Sampler
+from gagar_jax.rollout.sglang_engine import SGLangEngine
+
+
+def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int = 0):
+    """The embedded sampler over ``model`` (its own copy of the weights from then on;
+    ``pad_id``: the tokenizer's), or an SGLang client (health-checked)."""
+    if cfg.rollout.engine == "embedded":
+        return Sampler(model, pad_id=pad_id, seed=cfg.seed)
+    return build_sglang_engine(cfg, model.config, workdir=workdir)
+
+
+def build_sglang_engine(cfg: RunConfig, model_config, *, workdir: str):
+    """``gagar_jax.rollout.SGLangEngine`` on ``rollout.sglang_url`` (health-checked): weights
+    exported as HF safetensors to ``workdir/sync/v<version>`` by process 0 and loaded with the
+    engine's sync protocol (pause, drain, atomic export, update, version check, flush, resume,
+    rollback on failure).
+
+    A dead server is a clear error here (naming the URL) or, mid-run, the client's error after
+    its retries (the loop names the step); never a hang: every request has
+    ``rollout.request_timeout_s``.
+    """
+    url = cfg.rollout.sglang_url
+    client = SGLangClient(
+        url,
+        request_timeout_s=cfg.rollout.request_timeout_s,
+        max_retry_time_s=cfg.rollout.request_timeout_s,
+    )
+    if not client.health():
+        raise RuntimeError(
+            f"SGLang rollout server at {url} (rollout.sglang_url) does "
+            "not answer GET /health: start it (scripts/launch_sglang.sh) or "
+            "use rollout.engine='embedded'"
+        )
+
+    def export(params, directory):
+        # ``params``: the sharded train-state parameters (policy.sync_engine). Streamed
+        # tensor by tensor: every host takes part in each gather, process 0 writes; no host
+        # ever holds the whole model.
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params, nnx.Param)
+        if isinstance(params, nnx.State):
+            params = nnx.to_pure_dict(params)
+        save_hf_safetensors_streaming(params, model_config, directory)
+
+    return SGLangEngine(client, export_fn=export, sync_dir=os.path.join(workdir, "sync"))
+
+
+def build_grading_pool(
+    cfg: RunConfig, *, cache_path: str | None = None, grader=None, check_runner=None
+):
+    """The grading pool with the configured grader (or ``grader`` when given).
+
+    ``check_runner``: the task family's targeted-check runner for the agentic grader.
+
+    ``cache_path``: the pool's persisted verdict cache (JSON lines, reloaded at start), so a
+    resumed run does not re-grade groups it already graded.
+    """
+    if grader is not None:
+        pass
+    elif cfg.grading.grader == "heuristic":
+        grader = HeuristicGrader()
+    else:
+        # An unreachable grader server is not fatal: each group falls back (grader_error or
+        # deadline, counted) and training continues on the original advantages.
+        grader = AgenticGrader(SGLangClient(cfg.grading.sglang_url), check_runner=check_runner)
+    return GradingPool(
+        grader,
+        max_concurrency=cfg.grading.max_concurrency,
+        deadline_s=cfg.grading.deadline_s,
+        cache=cache_path,
+    )

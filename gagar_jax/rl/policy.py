@@ -1,0 +1,201 @@
+"""The policy side of an RL run: building the model, the update as one RL step calls it, weight
+sync to the rollout engine, and checkpoints of the train state with the loop state.
+
+Small functions over the update library's own objects (``TrainState``, ``jit_update``,
+``Checkpointer``); the loop holds those objects itself (no wrapper class forwarding to them):
+
+* :func:`build_model`: the policy model from ``cfg.model`` (vocab from the tokenizer) or from a
+  Hugging Face checkpoint (``cfg.hf_checkpoint``);
+* :func:`initial_state`: the sharded ``TrainState`` from the (SFT-warmed) model's parameters;
+* :func:`rl_update`: ``[G, K, T]`` packed rollouts -> the update's group-major ``[N, T]``
+  ``UpdateBatch`` (rows ``n = g * K + k``), validated on the host and sharded, through the jitted
+  update; a non-finite loss is an error naming the step;
+* :func:`sync_engine`: the new parameters to the rollout engine. The embedded sampler gets a
+  full copy on its own device made device to device (:func:`local_params`; the sampler then
+  ``device_put``\\ s it onto its own sharding, a no-op copy), never through the host and never
+  by mutating a model object shared with the sampler; SGLang gets the sharded parameters,
+  exported tensor by tensor by its engine's sync protocol;
+* :func:`checkpointer`, :func:`save`, :func:`restore`: one orbax step holds the ``TrainState``
+  and the loop's :class:`~gagar_jax.rl.resume.LoopState` (the ``meta`` item, key
+  ``loop_state``), with the run config's fingerprint; restores go onto the mesh's shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gagar_jax.models import Transformer, TransformerConfig, load_hf_safetensors
+from gagar_jax.rl.collect import PackedBatch
+from gagar_jax.rl.config import RunConfig
+from gagar_jax.rl.resume import LOOP_STATE_KEY, LoopState
+from gagar_jax.update import (
+    Checkpointer,
+    TrainState,
+    UpdateBatch,
+    abstract_train_state,
+    check_batch,
+    create_train_state,
+    shard_host_batch,
+)
+
+
+def build_model(cfg: RunConfig, vocab_size: int) -> tuple[TransformerConfig, Transformer]:
+    """The policy: ``cfg.model`` with the tokenizer's vocab (seeded by ``cfg.seed``), or the
+    architecture and weights of ``cfg.hf_checkpoint``."""
+    if cfg.hf_checkpoint:
+        model_config, model = load_hf_safetensors(cfg.hf_checkpoint)
+        if model_config.vocab_size < vocab_size:
+            raise ValueError(
+                f"model.hf_checkpoint vocab {model_config.vocab_size} < "
+                f"tokenizer vocab {vocab_size}"
+            )
+        return model_config, model
+    model_config = cfg.model_config(vocab_size)
+    return model_config, Transformer(model_config, rngs=nnx.Rngs(cfg.seed))
+
+
+def initial_state(cfg: RunConfig, model: Transformer, mesh) -> TrainState:
+    """The sharded train state holding ``model``'s (SFT-warmed) parameters."""
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return create_train_state(model.config, cfg.learner, mesh, seed=cfg.seed, params=params)
+
+
+def to_update_batch(batch: PackedBatch) -> UpdateBatch:
+    """``[G, K, T]`` packed rollouts -> the update's ``[N, T]`` group-major ``UpdateBatch``."""
+    G, K, T = batch.tokens.shape
+
+    def rows(x):
+        return np.ascontiguousarray(x.reshape(G * K, T))
+
+    return UpdateBatch(
+        tokens=rows(batch.tokens),
+        positions=rows(batch.positions),
+        attention_mask=rows(batch.attention_mask),
+        response_mask=rows(batch.response_mask),
+        old_logprobs=rows(batch.old_logprobs),
+        rewards=batch.rewards,
+        passed=batch.passed,
+        cheat=batch.cheat,
+        tier=batch.tier,
+        rank=batch.rank,
+        valid=batch.valid,
+        graded=batch.graded,
+        evidence=None if batch.evidence is None else rows(batch.evidence),
+    )
+
+
+def rl_update(
+    update_fn, state: TrainState, batch: PackedBatch, *, cfg: RunConfig, mesh, step: int
+) -> tuple[TrainState, dict[str, float]]:
+    """One update on ``batch``: this host's ``[G / P, K, T]`` rows, the global ``[G, K]`` group
+    fields (``P`` processes; one process: the whole batch). ``update_fn``: ``jit_update(...)``.
+
+    Raises:
+      FloatingPointError: a non-finite loss (naming the RL step).
+    """
+    ub = to_update_batch(batch)
+    if not cfg.grading.enabled:
+        ub = ub._replace(evidence=None)
+    ub = shard_host_batch(ub, mesh)
+    check_batch(ub, cfg.learner, mesh)
+    state, metrics = update_fn(state, ub)
+    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if not np.isfinite(m["loss"]):
+        raise FloatingPointError(f"non-finite loss {m['loss']} at RL step {step}")
+    return state, m
+
+
+def model_device(model: Transformer):
+    """The device the (unsharded) policy model, hence the embedded sampler, lives on."""
+    leaf = jax.tree.leaves(nnx.state(model))[0]
+    return next(iter(leaf.devices())) if hasattr(leaf, "devices") else jax.local_devices()[0]
+
+
+_REPLICATE: dict = {}
+
+
+def local_params(params, mesh, device):
+    """A full copy of the sharded ``params`` on ``device`` (one of this process's devices).
+
+    Device to device: one jitted identity re-lays the tree out replicated over ``mesh`` (the
+    all-gather runs on the devices, across hosts over their interconnect), then each leaf's
+    shard on ``device`` is taken as is. Nothing is fetched to the host, so this works for
+    parameters spanning non-addressable devices, where ``jax.device_get`` raises. Peak memory:
+    one extra full copy per device for the duration of the call.
+
+    Raises:
+      ValueError: ``device`` is not one of this process's devices.
+    """
+    if device.process_index != jax.process_index():
+        raise ValueError(
+            f"local_params: {device} belongs to process {device.process_index}, "
+            f"this is process {jax.process_index()}"
+        )
+    rep = NamedSharding(mesh, PartitionSpec())
+    key = (rep, jax.tree.structure(params))
+    fn = _REPLICATE.get(key)
+    if fn is None:
+        fn = _REPLICATE[key] = jax.jit(lambda p: p, out_shardings=rep)
+    full = fn(params)
+
+    def pick(x):
+        for shard in x.addressable_shards:
+            if shard.device == device:
+                return shard.data
+        # the sampler's device is outside the mesh: copy the local replica over (device to
+        # device within this process)
+        return jax.device_put(x.addressable_shards[0].data, device)
+
+    return jax.tree.map(pick, full)
+
+
+def sync_engine(engine, cfg: RunConfig, params, *, mesh, device, version: int) -> int:
+    """Sends ``params`` (the train state's, sharded) to the rollout engine as ``version``;
+    returns the version the engine reports (``device``: the embedded sampler's)."""
+    if cfg.rollout.engine == "sglang":
+        return engine.sync_weights(params, version)
+    return engine.sync_weights(local_params(params, mesh, device), version)
+
+
+def checkpointer(cfg: RunConfig, workdir: str, model_config: TransformerConfig) -> Checkpointer:
+    """The run's orbax checkpoints in ``workdir/checkpoints`` (run-config fingerprint)."""
+    return Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        model_config=model_config,
+        update_config=cfg.learner,
+        fingerprint=cfg.fingerprint(),
+        keep=cfg.loop.keep_checkpoints + 1,
+    )
+
+
+def save(ckpt: Checkpointer, step: int, state: TrainState, loop_state: LoopState) -> None:
+    """Checkpoint ``step``: the train state and ``loop_state``, one orbax step (waited on)."""
+    ckpt.save(
+        step,
+        state,
+        data_position=loop_state.data_position,
+        extra={LOOP_STATE_KEY: dataclasses.asdict(loop_state)},
+        wait=True,
+    )
+
+
+def restore(
+    ckpt: Checkpointer,
+    cfg: RunConfig,
+    model_config: TransformerConfig,
+    mesh,
+    step: int | None = None,
+) -> tuple[TrainState, int, LoopState]:
+    """Checkpoint ``step`` (None: the newest intact one) onto ``mesh``: state, step, loop state.
+
+    Raises:
+      ConfigMismatchError: the checkpoint belongs to another run config.
+    """
+    state, info = ckpt.restore(abstract_train_state(model_config, cfg.learner, mesh), step)
+    return state, info.step, LoopState.from_dict(info.extra[LOOP_STATE_KEY])
