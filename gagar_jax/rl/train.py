@@ -54,11 +54,14 @@ import jax
 import numpy as np
 
 from gagar_jax.data.audit import PassRateTracker
+from gagar_jax.envs.family import Attempt, FamilySettings, GroupMember, Outcome, make_family
+from gagar_jax.grading import evidence_tokens, to_arrays
 from gagar_jax.rl import engines, policy, writers
 from gagar_jax.rl.collect import Group, Rollout, collect_blocks, pack_groups, select_prompts
 from gagar_jax.rl.config import MeshConfig, RunConfig
 from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.rl.resume import LoopState, TaskStream
+from gagar_jax.rollout import SamplingParams, run_episodes
 from gagar_jax.update import jit_update, make_mesh, sft
 from gagar_jax.update.checkpoint import ConfigMismatchError
 
@@ -208,8 +211,6 @@ class StepCounters:
 
 def family_settings(cfg: RunConfig):
     """The task family's plain settings from the run config."""
-    from gagar_jax.envs.family import FamilySettings
-
     t = cfg.task
     return FamilySettings(
         seed=t.seed, difficulty=t.difficulty, num_train=t.num_train, num_eval=t.num_eval,
@@ -221,8 +222,6 @@ def family_settings(cfg: RunConfig):
 
 def build_family(cfg: RunConfig):
     """The configured task family (``gagar_jax.envs.family.make_family``)."""
-    from gagar_jax.envs.family import make_family
-
     return make_family(cfg.task.family, family_settings(cfg))
 
 
@@ -243,8 +242,6 @@ def _rollout(family, task, prompt: list[int], attempt, *, response_tokens, logpr
     try:
         out = family.verify(task, attempt)
     except Exception as e:  # noqa: BLE001 - a family bug must be masked, never scored
-        from gagar_jax.envs.family import Outcome
-
         out = Outcome(passed=False, infra_error=True,
                       test_log=f"infra error: verifier raised {type(e).__name__}: {e}")
     return Rollout(
@@ -261,8 +258,6 @@ def _rollout(family, task, prompt: list[int], attempt, *, response_tokens, logpr
 def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
     """Single-turn: one engine call, ``params.n`` samples per prompt (``prompt_seeds``: one
     engine seed per prompt, see :func:`generate_groups`)."""
-    from gagar_jax.envs.family import Attempt
-
     seeds = {} if prompt_seeds is None else {"prompt_seeds": list(prompt_seeds)}
     outputs = engine.generate(prompts, params, **seeds)
     if len(outputs) != len(prompts):
@@ -283,9 +278,6 @@ def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
 def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig):
     """Multi-turn: ``params.n`` episodes per prompt through ``run_episodes`` (one batched engine
     call per turn); model tokens are appended as generated, never re-tokenised."""
-    from gagar_jax.envs.family import Attempt
-    from gagar_jax.rollout import run_episodes
-
     K = params.n
     envs = [family.make_env(t) for t in tasks for _ in range(K)]
     flat_prompts = [p for p in prompts for _ in range(K)]
@@ -332,8 +324,6 @@ def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_i
       RuntimeError: the engine failed (dead server after its retries); the message names the
         step and the engine so a dead server is a clear error, not a hang.
     """
-    from gagar_jax.rollout import SamplingParams
-
     if not tasks:
         return []
     prompts = [family.prompt_tokens(t) for t in tasks]
@@ -389,8 +379,6 @@ def rollout_metrics(groups: list[Group], update_m: dict[str, float],
 
 def group_workspace(family, group: Group):
     """The grading workspace of one group, built by its family."""
-    from gagar_jax.envs.family import Attempt, GroupMember, Outcome
-
     members = [GroupMember(f"{group.group_id}/{k}", r.attempt or Attempt(),
                            r.outcome or Outcome(passed=r.passed, infra_error=r.infra_error))
                for k, r in enumerate(group.rollouts)]
@@ -408,8 +396,6 @@ def attach_verdicts(groups: list[Group], results: list[Any], K: int, *,
     ``results[i]`` is the ``GradeResult`` of ``groups[i]``: a verdict (tier/rank per passing
     candidate) or ``None`` with a ``fallback_reason``. Metrics: :func:`grading_metrics`.
     """
-    from gagar_jax.grading import to_arrays
-
     tier, rank, graded, cheat = (np.asarray(a) for a in to_arrays(results, K))
     for gi, (g, res) in enumerate(zip(groups, results)):
         g.graded = bool(graded[gi])
@@ -472,8 +458,6 @@ def grading_metrics(summaries: list[dict[str, Any]]) -> dict[str, float]:
 
 def _evidence_masks(g: Group, res: Any, verdict: Any, token_spans) -> list[Any]:
     """Per rollout slot, the response-token mask its judgement's evidence cites."""
-    from gagar_jax.grading import evidence_tokens
-
     ids = list(getattr(res, "candidate_ids", ()))
     spans = {}
     for cid, r in zip(ids, g.rollouts):
