@@ -5,9 +5,10 @@ task families (:mod:`gagar_jax.envs`) and graders (:mod:`gagar_jax.grading`), an
 package that imports all of them.
 
 Modules: ``config`` (``RunConfig``, the validated run config), ``train`` (``train_and_evaluate``,
-the loop; ``evaluate_checkpoint``), ``collect`` (rollout records, groups, dynamic sampling,
-packing), ``resume`` (the loop's bookkeeping), ``writers`` (metrics JSONL/TensorBoard/console,
-plots, comparisons), ``multihost`` (one loop over ``jax.distributed`` processes), ``policy``
-(model, update call, weight sync, checkpoints), ``engines`` (rollout engine, grading pool). The package
-itself imports nothing, so ``from gagar_jax.rl import writers`` stays light.
+``rl_step``, ``evaluate_checkpoint``), ``collect`` (rollout records, groups, generation and
+verification, dynamic sampling, packing), ``grade`` (workspaces, verdicts onto groups, grading
+metrics), ``policy`` (model, the update call, weight sync, checkpoints), ``engines`` (rollout
+engine, grading pool), ``resume`` (the loop state), ``writers`` (metrics JSONL/TensorBoard/
+console, plots, comparisons), ``multihost`` (one loop over ``jax.distributed`` processes). The
+package itself imports nothing, so ``from gagar_jax.rl import writers`` stays light.
 """

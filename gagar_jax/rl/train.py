@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import signal
 import threading
@@ -54,14 +53,29 @@ import jax
 import numpy as np
 
 from gagar_jax.data.audit import PassRateTracker
-from gagar_jax.envs.family import Attempt, FamilySettings, GroupMember, Outcome, make_family
-from gagar_jax.grading import evidence_tokens, to_arrays
 from gagar_jax.rl import engines, policy, writers
-from gagar_jax.rl.collect import Group, Rollout, collect_blocks, pack_groups, select_prompts
+from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests import them here)
+    Group,
+    Rollout,
+    StepCounters,
+    _rollout,
+    build_family,
+    collect_blocks,
+    family_settings,
+    generate_groups,
+    pack_groups,
+    rollout_metrics,
+    select_prompts,
+)
 from gagar_jax.rl.config import MeshConfig, RunConfig
+from gagar_jax.rl.grade import (  # noqa: F401 - some re-exported (tests import them here)
+    attach_verdicts,
+    grading_metrics,
+    group_workspace,
+    verdict_summary,
+)
 from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.rl.resume import LoopState, TaskStream
-from gagar_jax.rollout import SamplingParams, run_episodes
 from gagar_jax.update import jit_update, make_mesh, sft
 from gagar_jax.update.checkpoint import ConfigMismatchError
 
@@ -122,351 +136,6 @@ def enable_compilation_cache(directory: str) -> None:
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-# ------------------------------------------------------------------------------------------
-# Rollouts
-# ------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class StepCounters:
-    """Host-side tallies over every rollout drawn in one step (all refill rounds)."""
-
-    rollouts: int = 0
-    valid: int = 0
-    passed: int = 0
-    cheats: int = 0
-    infra_errors: int = 0
-    length_sum: int = 0
-    truncated: int = 0
-    quality_sum: float = 0.0
-    quality_n: int = 0
-    gen_time: float = 0.0
-    verify_time: float = 0.0
-    turns_sum: int = 0
-    tool_calls_sum: int = 0
-    model_tokens_sum: int = 0
-    # policy version -> [rollouts, infra errors]: infra_error is masked, so a policy that learns
-    # to provoke it escapes its negative reward; the rate per version shows such a trend.
-    by_version: dict = dataclasses.field(default_factory=dict)
-
-    def add(self, group: Group) -> None:
-        for r in group.rollouts:
-            self.rollouts += 1
-            tally = self.by_version.setdefault(int(r.policy_version), [0, 0])
-            tally[0] += 1
-            tally[1] += bool(r.infra_error)
-            self.length_sum += len(r.response_tokens)
-            self.turns_sum += r.num_turns
-            self.tool_calls_sum += r.num_tool_calls
-            self.model_tokens_sum += (len(r.response_tokens) if r.response_mask is None
-                                      else int(sum(r.response_mask)))
-            self.truncated += r.finish_reason == "length"
-            if r.infra_error:
-                self.infra_errors += 1
-                continue
-            self.valid += 1
-            self.cheats += bool(r.cheat)
-            if r.passed and not r.cheat:
-                self.passed += 1
-                if r.quality is not None:
-                    self.quality_sum += r.quality
-                    self.quality_n += 1
-
-    @classmethod
-    def merged(cls, parts: list[dict[str, Any]]) -> StepCounters:
-        """The counters of all hosts (``dataclasses.asdict`` of each): sums; times: the slowest."""
-        out = cls()
-        for f in dataclasses.fields(cls):
-            values = [p[f.name] for p in parts]
-            if isinstance(getattr(out, f.name), dict):  # by_version: key -> [counts], summed
-                merged: dict = {}
-                for v in values:  # (JSON turned the int keys into strings)
-                    for key, counts in v.items():
-                        acc = merged.setdefault(int(key), [0] * len(counts))
-                        merged[int(key)] = [a + b for a, b in zip(acc, counts)]
-                setattr(out, f.name, merged)
-            else:
-                setattr(out, f.name, max(values) if f.name.endswith("_time") else
-                        type(getattr(out, f.name))(sum(values)))
-        return out
-
-    def metrics(self) -> dict[str, float]:
-        v = max(self.valid, 1)
-        return {
-            "pass_rate": self.passed / v,
-            "cheat_rate": self.cheats / v,
-            "infra_errors": float(self.infra_errors),
-            "infra_error_rate": self.infra_errors / max(self.rollouts, 1),
-            "response_length": self.length_sum / max(self.rollouts, 1),
-            "truncated_frac": self.truncated / max(self.rollouts, 1),
-            "quality": self.quality_sum / self.quality_n if self.quality_n else math.nan,
-            "gen_time_s": self.gen_time,
-            "verify_time_s": self.verify_time,
-            # per rollout (single-turn: 1 turn, 0 tool calls, every response token the model's)
-            "episode/turns_mean": self.turns_sum / max(self.rollouts, 1),
-            "episode/tool_calls_mean": self.tool_calls_sum / max(self.rollouts, 1),
-            "episode/model_tokens_mean": self.model_tokens_sum / max(self.rollouts, 1),
-        }
-
-
-def family_settings(cfg: RunConfig):
-    """The task family's plain settings from the run config."""
-    t = cfg.task
-    return FamilySettings(
-        seed=t.seed, difficulty=t.difficulty, num_train=t.num_train, num_eval=t.num_eval,
-        max_prompt_len=cfg.rollout.max_prompt_len, data_path=t.data_path,
-        eval_data_path=t.eval_data_path,
-        tokenizer_path=t.tokenizer_path or cfg.hf_checkpoint, max_turns=t.max_turns,
-        max_observation_tokens=t.max_observation_tokens)
-
-
-def build_family(cfg: RunConfig):
-    """The configured task family (``gagar_jax.envs.family.make_family``)."""
-    return make_family(cfg.task.family, family_settings(cfg))
-
-
-def _quality_score(quality) -> float | None:
-    """Mean of the outcome's per-dimension quality scores (None when it reported none)."""
-    vals = [float(v) for v in quality.values()]
-    return sum(vals) / len(vals) if vals else None
-
-
-_EPISODE_FINISH = {"submitted": "stop", "max_turns": "length", "max_tokens": "length",
-                   "abort": "abort"}
-
-
-def _rollout(family, task, prompt: list[int], attempt, *, response_tokens, logprobs,
-             finish_reason, policy_version, response_mask=None, num_turns=1,
-             num_tool_calls=0) -> Rollout:
-    """Verifies one attempt (a verifier crash is an infra error: masked, never a failure)."""
-    try:
-        out = family.verify(task, attempt)
-    except Exception as e:  # noqa: BLE001 - a family bug must be masked, never scored
-        out = Outcome(passed=False, infra_error=True,
-                      test_log=f"infra error: verifier raised {type(e).__name__}: {e}")
-    return Rollout(
-        prompt_tokens=list(prompt), response_tokens=list(response_tokens),
-        logprobs=[float(x) for x in logprobs], finish_reason=finish_reason,
-        policy_version=int(policy_version), patch=out.patch, passed=bool(out.passed),
-        infra_error=bool(out.infra_error), cheat=bool(out.cheat),
-        quality=_quality_score(out.quality) if out.passed else None, test_log=out.test_log,
-        monitor_flags=list(out.flags), quality_dims=dict(out.quality) if out.passed else {},
-        verification=out.detail, response_mask=response_mask, num_turns=num_turns,
-        num_tool_calls=num_tool_calls, attempt=attempt, outcome=out)
-
-
-def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
-    """Single-turn: one engine call, ``params.n`` samples per prompt (``prompt_seeds``: one
-    engine seed per prompt, see :func:`generate_groups`)."""
-    seeds = {} if prompt_seeds is None else {"prompt_seeds": list(prompt_seeds)}
-    outputs = engine.generate(prompts, params, **seeds)
-    if len(outputs) != len(prompts):
-        raise RuntimeError(f"engine returned {len(outputs)} prompt results for {len(prompts)}")
-    tok = family.tokenizer
-    per_task = []
-    for samples in outputs:
-        if len(samples) != params.n:
-            raise RuntimeError(f"engine returned {len(samples)} samples for n={params.n}")
-        per_task.append([
-            (Attempt(response_tokens=list(s.tokens), text=tok.decode(s.tokens)),
-             dict(response_tokens=s.tokens, logprobs=s.logprobs, finish_reason=s.finish_reason,
-                  policy_version=s.policy_version))
-            for s in samples])
-    return per_task
-
-
-def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig):
-    """Multi-turn: ``params.n`` episodes per prompt through ``run_episodes`` (one batched engine
-    call per turn); model tokens are appended as generated, never re-tokenised."""
-    K = params.n
-    envs = [family.make_env(t) for t in tasks for _ in range(K)]
-    flat_prompts = [p for p in prompts for _ in range(K)]
-    turn_tokens = cfg.rollout.max_turn_tokens or cfg.rollout.max_new_tokens
-    turn_params = dataclasses.replace(params, n=1, max_tokens=turn_tokens)
-    episodes = run_episodes(
-        engine, family.tokenizer, envs, flat_prompts, turn_params,
-        max_turns=cfg.task.max_turns,
-        max_total_tokens=[len(p) + cfg.rollout.max_new_tokens for p in flat_prompts],
-        max_observation_tokens=cfg.task.max_observation_tokens,
-        observation_tokens=family.observation_tokens)
-    per_task = []
-    for i in range(len(tasks)):
-        row = []
-        for k in range(K):
-            ep, env = episodes[i * K + k], envs[i * K + k]
-            P = ep.prompt_len
-            row.append((
-                Attempt(response_tokens=ep.tokens[P:], episode=ep, env=env),
-                dict(response_tokens=ep.tokens[P:], logprobs=ep.logprobs[P:],
-                     response_mask=ep.response_mask[P:],
-                     finish_reason=_EPISODE_FINISH.get(ep.finish_reason, "length"),
-                     policy_version=min(ep.policy_versions, default=0),
-                     num_turns=len(ep.turns),
-                     num_tool_calls=sum(t.info.get("tool") is not None for t in ep.turns))))
-        per_task.append(row)
-    return per_task
-
-
-def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_id: int,
-                    num_rollouts: int, temperature: float, id_prefix: str,
-                    counters: StepCounters | None = None,
-                    rng_words: tuple[int, ...] = (), prompt_seeds: list[int] | None = None,
-                    first_index: int = 0) -> list[Group]:
-    """K rollouts for each task (samples, or episodes of a multi-turn family), verified; one
-    :class:`Group` per task.
-
-    ``prompt_seeds`` (one per task) seed each prompt's samples by themselves (the engine's
-    ``prompt_seeds``), so they do not depend on which other prompts share the call or host;
-    otherwise one seed from ``(rng_words, step, round_id)`` seeds the call. ``first_index``:
-    the index of ``tasks[0]`` within its round (group ids stay global on every host).
-
-    Raises:
-      RuntimeError: the engine failed (dead server after its retries); the message names the
-        step and the engine so a dead server is a clear error, not a hang.
-    """
-    if not tasks:
-        return []
-    prompts = [family.prompt_tokens(t) for t in tasks]
-    params = SamplingParams(
-        n=num_rollouts, temperature=temperature, top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_new_tokens,
-        stop_token_ids=tuple(family.stop_token_ids),
-        # the sampler seed is a function of (run key, step, round): a resumed step redraws
-        # exactly what the uninterrupted run drew
-        seed=int(np.random.default_rng([*(rng_words or (cfg.seed,)), step, round_id])
-                 .integers(2**31)))
-    t0 = time.monotonic()
-    try:
-        if family.multi_turn:
-            per_task = _episode_rollouts(engine, family, tasks, prompts, params, cfg)
-        else:
-            per_task = _sample_rollouts(engine, family, prompts, params, prompt_seeds)
-    except Exception as e:
-        raise RuntimeError(f"rollout engine {cfg.rollout.engine!r} failed at step {step} "
-                           f"(round {round_id}): {type(e).__name__}: {e}") from e
-    t1 = time.monotonic()
-    groups = []
-    for i, (task, prompt, row) in enumerate(zip(tasks, prompts, per_task)):
-        rollouts = [_rollout(family, task, prompt, attempt, **fields) for attempt, fields in row]
-        groups.append(Group(
-            group_id=f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}",
-                            task=task, rollouts=rollouts))
-    if counters is not None:
-        counters.gen_time += t1 - t0
-        counters.verify_time += time.monotonic() - t1
-        for g in groups:
-            counters.add(g)
-    return groups
-
-
-def rollout_metrics(groups: list[Group], update_m: dict[str, float],
-                    weight_version: int) -> dict[str, float]:
-    """``rollout/weight_version`` (what the engine reports after this step's sync) and the
-    training-inference mismatch on this step's batch: the trainer's log-probs of the engine's
-    own tokens (recomputed by the update at its first optimizer step, before the parameters
-    move, at the sampling temperature) against the engine's behaviour log-probs, as the k3 KL
-    estimate and the largest absolute difference. ~0 for the embedded sampler (same program);
-    small but non-zero for SGLang (other kernels)."""
-    versions = [r.policy_version for g in groups for r in g.rollouts if not r.infra_error]
-    return {
-        "rollout/weight_version": float(weight_version),
-        "rollout/sample_version_min": float(min(versions)) if versions else math.nan,
-        "rollout/logprob_mismatch_k3": update_m.get("approx_kl_first", math.nan),
-        "rollout/logprob_mismatch_max_abs": update_m.get("logprob_max_abs_diff_first",
-                                                         math.nan),
-    }
-
-
-def group_workspace(family, group: Group):
-    """The grading workspace of one group, built by its family."""
-    members = [GroupMember(f"{group.group_id}/{k}", r.attempt or Attempt(),
-                           r.outcome or Outcome(passed=r.passed, infra_error=r.infra_error))
-               for k, r in enumerate(group.rollouts)]
-    return family.workspace(group.group_id, group.task, members)
-
-
-def attach_verdicts(groups: list[Group], results: list[Any], K: int, *,
-                    token_spans=None) -> dict[str, float]:
-    """Copies the grading pool's results into the groups; returns grading metrics.
-
-    With ``token_spans(task, response_tokens) -> TokenSpans`` (the task pool's), each rollout
-    of a graded group also gets the mask of its response tokens that its judgement's evidence
-    cites (``Group.evidence``; token-level credit and its metrics read it).
-
-    ``results[i]`` is the ``GradeResult`` of ``groups[i]``: a verdict (tier/rank per passing
-    candidate) or ``None`` with a ``fallback_reason``. Metrics: :func:`grading_metrics`.
-    """
-    tier, rank, graded, cheat = (np.asarray(a) for a in to_arrays(results, K))
-    for gi, (g, res) in enumerate(zip(groups, results)):
-        g.graded = bool(graded[gi])
-        g.tier = [int(x) for x in tier[gi][:len(g.rollouts)]]
-        g.rank = [int(x) for x in rank[gi][:len(g.rollouts)]]
-        g.grader_cheat = [bool(x) for x in cheat[gi][:len(g.rollouts)]]
-        g.fallback_reason = getattr(res, "fallback_reason", None)
-        verdict = getattr(res, "verdict", None)
-        if token_spans is not None and g.graded and verdict is not None:
-            g.evidence = _evidence_masks(g, res, verdict, token_spans)
-    return grading_metrics([verdict_summary(g) for g in groups])
-
-
-def verdict_summary(g: Group) -> dict[str, Any]:
-    """What the other hosts need of a graded group (JSON): outcomes and verdict per slot."""
-    reason = None if g.graded else str(getattr(g.fallback_reason, "value", g.fallback_reason)
-                                       or "unknown")
-    return {"graded": bool(g.graded), "reason": reason,
-            "passed": [bool(r.passed) for r in g.rollouts],
-            "infra": [bool(r.infra_error) for r in g.rollouts],
-            "cheat": [bool(r.cheat) for r in g.rollouts],
-            "tier": list(g.tier or [1] * len(g.rollouts)),
-            "rank": list(g.rank or [1] * len(g.rollouts)),
-            "grader_cheat": list(g.grader_cheat or [False] * len(g.rollouts))}
-
-
-def grading_metrics(summaries: list[dict[str, Any]]) -> dict[str, float]:
-    """Grading metrics over groups (:func:`verdict_summary` of each, from every host).
-
-    T1 share is over the test-passing rollouts of graded groups (a cheat passes the tests and
-    is graded T3).
-    """
-    t1 = n_pass_graded = fallbacks = rank1 = n_clean = 0
-    reasons: dict[str, int] = {}
-    for g in summaries:
-        if not g["graded"]:
-            fallbacks += 1
-            reasons[g["reason"]] = reasons.get(g["reason"], 0) + 1
-            continue
-        for k, passed in enumerate(g["passed"]):
-            if passed and not g["infra"][k]:  # test-passing, cheats included (graded T3)
-                n_pass_graded += 1
-                t1 += g["tier"][k] == 1 and not g["grader_cheat"][k]
-                if not (g["cheat"][k] or g["grader_cheat"][k]):
-                    n_clean += 1
-                    rank1 += g["rank"][k] == 1
-    out = {
-        "t1_share": t1 / n_pass_graded if n_pass_graded else math.nan,
-        # passing non-cheats ranked best in their group: rises as the policy converges on the
-        # grader's preferred (minimal, in-scope, consistent) solutions
-        "rank1_share": rank1 / n_clean if n_clean else math.nan,
-        "grading_fallbacks": float(fallbacks),
-        "grading_graded_frac": (len(summaries) - fallbacks) / max(len(summaries), 1),
-        "grader_cheats": float(sum(sum(g["grader_cheat"]) for g in summaries)),
-    }
-    for reason, n in reasons.items():
-        out[f"grading_fallback_{reason}"] = float(n)
-    return out
-
-
-def _evidence_masks(g: Group, res: Any, verdict: Any, token_spans) -> list[Any]:
-    """Per rollout slot, the response-token mask its judgement's evidence cites."""
-    ids = list(getattr(res, "candidate_ids", ()))
-    spans = {}
-    for cid, r in zip(ids, g.rollouts):
-        s = token_spans(g.task, r.attempt) if r.attempt is not None else None
-        if s is not None:
-            spans[cid] = s
-    masks = evidence_tokens.verdict_token_masks(verdict, spans)
-    return [masks.get(cid) for cid in ids[:len(g.rollouts)]] + [None] * (len(g.rollouts)
-                                                                       - len(ids))
 
 
 def evaluate(engine, family, cfg: RunConfig, *, step: int,
