@@ -141,6 +141,28 @@ def test_two_processes_run_the_whole_loop(two_process_run):
     assert os.path.exists(os.path.join(workdir, "grader_cache.p1.jsonl"))
 
 
+def test_tpu_pod_smoke_runs_as_two_processes(tmp_path):
+    """configs/tpu_pod.py:smoke, started as the README says (two processes, JAX_* variables):
+    the mesh spans both processes (fsdp across them), the update rematerialises and accumulates
+    2 micro-batches, each host rolls out its own group on the embedded sampler; it finishes
+    with every step, evaluation and checkpoint."""
+    workdir = str(tmp_path / "run")
+    procs = mh.launch(workdir, num_processes=2, config=mh.POD_CONFIG + ":smoke")
+    logs = mh.wait_all(procs, timeout=900)
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+    rows = _rows(workdir)
+    train = [r for r in rows if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [0, 1]
+    assert [r["policy_version"] for r in train] == [1, 2]
+    assert [r["rollout/weight_version"] for r in train] == [1, 2]
+    assert [r["data_position"] for r in train] == [2, 4]
+    assert all(r["response_length"] > 0 and math.isfinite(r["grad_norm"]) for r in train)
+    assert [r["step"] for r in rows if r["phase"] == "eval"] == [0, 1, 2]
+    assert "(gagar) finished: 2 steps" in logs[0]
+    assert {"1", "2"} <= set(os.listdir(os.path.join(workdir, "checkpoints")))
+
+
 def comparison_table(rows_a, rows_b):
     """{(phase, metric): max |a - b| over steps} (inf where only one side has a value)."""
     out = {}
@@ -303,6 +325,61 @@ def test_prompt_seeds_make_a_prompts_samples_independent_of_the_batch():
     assert tokens(shared) != tokens(sampler.generate([a], params)[0])
     with pytest.raises(ValueError, match="one per prompt"):
         sampler.generate([a, b], params, prompt_seeds=[1])
+
+
+def test_episode_seeds_make_an_episode_independent_of_the_batch():
+    """Multi-turn: with per-episode seeds an episode of the real sampler on the toy_agent family
+    is the same alone or next to other episodes (each turn's engine call batches whichever
+    episodes are still live), which is what splitting a step's episodes over hosts needs."""
+    from flax import nnx
+
+    from gagar_jax.envs.family import FamilySettings, make_family
+    from gagar_jax.models import Transformer, TransformerConfig
+    from gagar_jax.rollout import SamplingParams, run_episodes
+    from gagar_jax.rollout.sampler import Sampler
+
+    family = make_family("toy_agent", FamilySettings(num_train=4, num_eval=0, max_prompt_len=64))
+    tok = family.tokenizer
+    mc = TransformerConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+    )
+    sampler = Sampler(Transformer(mc, rngs=nnx.Rngs(0)), pad_id=tok.pad_id, seed=0)
+    tasks = [family.train_task(i) for i in range(3)]
+    prompts = [family.prompt_tokens(t) for t in tasks]
+    params = SamplingParams(
+        n=1, temperature=1.0, max_tokens=6, seed=3, stop_token_ids=tuple(family.stop_token_ids)
+    )
+
+    def episodes(idx, seeds):
+        return run_episodes(
+            sampler,
+            tok,
+            [family.make_env(tasks[i]) for i in idx],
+            [prompts[i] for i in idx],
+            params,
+            max_turns=3,
+            max_total_tokens=[len(prompts[i]) + 40 for i in idx],
+            max_observation_tokens=12,
+            observation_tokens=family.observation_tokens,
+            episode_seeds=seeds,
+        )
+
+    alone = episodes([1], [21])[0]
+    batched = episodes([0, 1, 2], [20, 21, 22])
+    swapped = episodes([2, 1], [22, 21])
+    assert len(alone.turns) > 1  # several engine calls, batched with the other episodes
+    assert alone.tokens == batched[1].tokens == swapped[1].tokens
+    assert alone.logprobs == pytest.approx(batched[1].logprobs, abs=1e-5)
+    assert batched[2].tokens == swapped[0].tokens
+    assert episodes([1], [99])[0].tokens != alone.tokens  # the seed matters
+    with pytest.raises(ValueError, match="one per"):
+        episodes([0, 1], [1])
 
 
 class _Blocks:
