@@ -21,8 +21,8 @@ import httpx
 import pytest
 from sglang_fixtures import SGLANG
 
+from gagar_jax.rl import writers
 from gagar_jax.rollout import SamplingParams, SGLangClient, SGLangEngine, WeightSyncError
-from gagar_jax.train import metrics_io
 from tests import multihost_fixtures as mh
 
 pytestmark = SGLANG
@@ -140,7 +140,7 @@ def test_two_processes_share_one_server(
         assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
     # each host checked the version the server reports after every sync (the loop raises
     # otherwise); the writer's rows:
-    rows = metrics_io.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    rows = writers.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     train = [r for r in rows if r["phase"] == "train"]
     assert [r["step"] for r in train] == [0, 1]
     assert [r["rollout/weight_version"] for r in train] == [1.0, 2.0]
