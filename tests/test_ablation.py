@@ -67,7 +67,10 @@ def test_compare_seeds(tmp_path):
     # paired by seed: discount_only's drift is 2 x 0.3 above gagar's on every seed
     assert data["paired"]["entropy_drift"][0] == pytest.approx(0.6)
     assert data["paired"]["eval_pass_gain"][0] == pytest.approx(-0.1)
-    assert "Paired by seed, discount_only - gagar:" in text and "- entropy drift: 0.6 ± " in text
+    assert (
+        "Paired by seed, discount_only - gagar (mean ± SE over 3 shared seeds):" in text
+        and "- entropy drift: 0.6 ± " in text
+    )
     assert "Per step (pooled, 54 step pairs)" in text
     assert "Missing runs" in text and "gagar_token/seed0" in text  # never padded
     assert "gagar_token/seed1 (unfinished)" in text and "| gagar_token |" not in text
@@ -75,6 +78,8 @@ def test_compare_seeds(tmp_path):
     doc = readme.read_text()
     assert doc.startswith("intro\n") and doc.endswith("rest\n") and "old" not in doc
     assert "Command: `make compare`" in doc
+    ablation.compare_seeds(str(root), ["gagar"], range(3), str(tmp_path / "d"), prefix="named")
+    assert sorted(os.listdir(tmp_path / "d")) == ["named.json", "named.md", "named.png"]
 
 
 def test_mean_se_and_fit_degenerate():

@@ -296,10 +296,11 @@ def markdown(
             )
     if paired:
         a, b = paired_modes
-        lines += ["", f"Paired by seed, {a} - {b}:", ""]
+        n = max(v[2] for v in paired.values())
+        lines += ["", f"Paired by seed, {a} - {b} (mean ± SE over {n} shared seeds):", ""]
         for key, label in PAIRED:
             if key in paired:
-                lines.append(f"- {label}: {_fmt(paired[key])} ({paired[key][2]} seeds)")
+                lines.append(f"- {label}: {_fmt(paired[key])}")
     return "\n".join(lines)
 
 
@@ -385,8 +386,9 @@ def compare_seeds(
     readme_block: str = "ablation-table",
     image: str | None = None,
     paired_modes: tuple[str, str] = ("discount_only", "gagar"),
+    prefix: str = "ablation",
 ) -> str:
-    """Reads ``root/<mode>/seed<s>``, writes ``out_dir/ablation.{md,png,json}``; returns the md.
+    """Reads ``root/<mode>/seed<s>``, writes ``out_dir/<prefix>.{md,png,json}``; returns the md.
 
     Missing and unfinished runs are skipped and listed (a sweep cut short is reported as such,
     never padded).
@@ -436,12 +438,12 @@ def compare_seeds(
     os.makedirs(out_dir, exist_ok=True)
     counts = ", ".join(f"{m}: {len(r)}" for m, r in runs.items())
     title = f"{title} (finished seeds per mode: {counts})" if title else counts
-    png = plot(runs, os.path.join(out_dir, "ablation.png"), title=title)
+    png = plot(runs, os.path.join(out_dir, f"{prefix}.png"), title=title)
     # The markdown's image link: relative to the markdown by default, `image` for a README.
     text += f"\n\n![ablation]({image or os.path.basename(png)})"
-    with open(os.path.join(out_dir, "ablation.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out_dir, f"{prefix}.md"), "w", encoding="utf-8") as f:
         f.write(text + "\n")
-    with open(os.path.join(out_dir, "ablation.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out_dir, f"{prefix}.json"), "w", encoding="utf-8") as f:
         json.dump(
             {
                 "summaries": summaries,
