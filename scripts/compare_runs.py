@@ -42,6 +42,11 @@ flags.DEFINE_string(
     "prefix", "ablation", "Multi-seed mode: output file names OUT/PREFIX.{md,png,json}."
 )
 flags.DEFINE_string("title", "toy ablation", "Multi-seed mode: the plot's title.")
+flags.DEFINE_list(
+    "fit_roots",
+    [],
+    "Multi-seed mode: further sweep roots pooled into one imbalance-entropy fit.",
+)
 flags.DEFINE_list("labels", None, "Labels (default: the directory names).")
 flags.DEFINE_string("out", None, "Output directory (default: the parent of the first workdir).")
 flags.DEFINE_integer("window", 5, "Steps averaged for the first/last figures.")
@@ -70,6 +75,7 @@ def main(argv):
                 readme_block=FLAGS.readme_block,
                 image=FLAGS.image,
                 prefix=FLAGS.prefix,
+                fit_roots=FLAGS.fit_roots,
             )
         )
         return

@@ -78,8 +78,27 @@ def test_compare_seeds(tmp_path):
     doc = readme.read_text()
     assert doc.startswith("intro\n") and doc.endswith("rest\n") and "old" not in doc
     assert "Command: `make compare`" in doc
-    ablation.compare_seeds(str(root), ["gagar"], range(3), str(tmp_path / "d"), prefix="named")
+    # A second sweep pooled into the fit: same relation, so the pooled slope is still 2.
+    other = tmp_path / "other"
+    for s in range(2):
+        _write_run(
+            other / "binary" / f"seed{s}",
+            entropy=[0.3] * 5 + [0.3 + 0.2 * s] * 5,
+            ratio=[1 - 0.1 * s] * 10,
+            eval_pass=[0.4, 0.4],
+        )
+    text = ablation.compare_seeds(
+        str(root),
+        ["gagar"],
+        range(3),
+        str(tmp_path / "d"),
+        prefix="named",
+        fit_roots=[str(other), str(root)],
+    )
     assert sorted(os.listdir(tmp_path / "d")) == ["named.json", "named.md", "named.png"]
+    pooled = json.loads((tmp_path / "d" / "named.json").read_text())["pooled"]
+    assert pooled["fit"]["n"] == 5 and pooled["fit"]["slope"] == pytest.approx(2.0)
+    assert f"Pooled over 5 runs of {other}, {root}" in text
 
 
 def test_mean_se_and_fit_degenerate():

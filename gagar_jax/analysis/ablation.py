@@ -373,26 +373,12 @@ def replace_readme_block(readme_path: str, text: str, block: str = "ablation-tab
         f.write(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
-def compare_seeds(
-    root: str,
-    modes: Sequence[str],
-    seeds: Sequence[int],
-    out_dir: str,
-    *,
-    window: int = 5,
-    command: str = "",
-    readme: str | None = None,
-    title: str = "",
-    readme_block: str = "ablation-table",
-    image: str | None = None,
-    paired_modes: tuple[str, str] = ("discount_only", "gagar"),
-    prefix: str = "ablation",
-) -> str:
-    """Reads ``root/<mode>/seed<s>``, writes ``out_dir/<prefix>.{md,png,json}``; returns the md.
-
-    Missing and unfinished runs are skipped and listed (a sweep cut short is reported as such,
-    never padded).
-    """
+def load_runs(
+    root: str, modes: Sequence[str], seeds: Sequence[int], *, window: int = 5
+) -> tuple[dict, dict, dict, list]:
+    """``(runs, summaries, seeds, missing)`` of the finished runs ``root/<mode>/seed<s>``:
+    mode -> rows lists / ``run_summary`` dicts / seed numbers; ``missing`` lists the absent
+    and unfinished run directories."""
     runs: dict[str, list] = {}
     summaries: dict[str, list] = {}
     done_seeds: dict[str, list] = {}
@@ -411,16 +397,48 @@ def compare_seeds(
             runs.setdefault(mode, []).append(rows)
             summaries.setdefault(mode, []).append(run_summary(rows, window=window))
             done_seeds.setdefault(mode, []).append(s)
-    if not runs:
-        raise FileNotFoundError(f"no runs under {root} for modes {list(modes)}")
-    agg = aggregate(summaries)
+    return runs, summaries, done_seeds, missing
+
+
+def run_fit(summaries: Mapping[Any, Sequence[Mapping[str, float]]]) -> dict[str, float]:
+    """``linear_fit`` of entropy drift on credit imbalance over every run summary given."""
     pts = [
         (s["credit_imbalance"], s["entropy_drift"])
         for ss in summaries.values()
         for s in ss
         if "credit_imbalance" in s and "entropy_drift" in s
     ]
-    fit = linear_fit([p[0] for p in pts], [p[1] for p in pts]) if pts else {}
+    return linear_fit([p[0] for p in pts], [p[1] for p in pts]) if pts else {}
+
+
+def compare_seeds(
+    root: str,
+    modes: Sequence[str],
+    seeds: Sequence[int],
+    out_dir: str,
+    *,
+    window: int = 5,
+    command: str = "",
+    readme: str | None = None,
+    title: str = "",
+    readme_block: str = "ablation-table",
+    image: str | None = None,
+    paired_modes: tuple[str, str] = ("discount_only", "gagar"),
+    prefix: str = "ablation",
+    fit_roots: Sequence[str] = (),
+) -> str:
+    """Reads ``root/<mode>/seed<s>``, writes ``out_dir/<prefix>.{md,png,json}``; returns the md.
+
+    Missing and unfinished runs are skipped and listed (a sweep cut short is reported as such,
+    never padded).
+    ``fit_roots``: further sweep roots (every ``<mode>/seed<s>`` found under them, finished
+    runs only) whose runs join this one's in a pooled imbalance-entropy fit, reported apart.
+    """
+    runs, summaries, done_seeds, missing = load_runs(root, modes, seeds, window=window)
+    if not runs:
+        raise FileNotFoundError(f"no runs under {root} for modes {list(modes)}")
+    agg = aggregate(summaries)
+    fit = run_fit(summaries)
     sfit, sfit_within = step_fits([r for rs in runs.values() for r in rs])
     paired = paired_differences(summaries, done_seeds, *paired_modes)
     text = markdown(
@@ -433,6 +451,34 @@ def compare_seeds(
         paired=paired,
         paired_modes=paired_modes,
     )
+    pooled = {}
+    if fit_roots:
+        all_runs = {(root, m): rs for m, rs in runs.items()}
+        all_sums = {(root, m): ss for m, ss in summaries.items()}
+        for other in fit_roots:
+            if os.path.abspath(other) == os.path.abspath(root):
+                continue
+            o_modes = sorted(d for d in os.listdir(other) if os.path.isdir(os.path.join(other, d)))
+            o_seeds = sorted(
+                {
+                    int(d[4:])
+                    for m in o_modes
+                    for d in os.listdir(os.path.join(other, m))
+                    if d.startswith("seed") and d[4:].isdigit()
+                }
+            )
+            o_runs, o_sums, _, _ = load_runs(other, o_modes, o_seeds, window=window)
+            for m in o_runs:
+                all_runs[(other, m)], all_sums[(other, m)] = o_runs[m], o_sums[m]
+        roots = sorted({r for r, _ in all_runs})
+        pf = run_fit(all_sums)
+        ps, pw = step_fits([r for rs in all_runs.values() for r in rs])
+        pooled = {"roots": roots, "fit": pf, "step_fit": ps, "step_fit_within": pw}
+        text += (
+            f"\n\nPooled over {int(pf['n'])} runs of {', '.join(roots)}: per run r = "
+            f"{pf['r']:.3g}, slope = {_slope(pf)}; per step (within runs, {int(pw['n'])} "
+            f"pairs) r = {pw['r']:.3g}, slope = {_slope(pw)}."
+        )
     if missing:
         text += "\n\nMissing runs (not included): " + ", ".join(missing)
     os.makedirs(out_dir, exist_ok=True)
@@ -453,6 +499,7 @@ def compare_seeds(
                 "step_fit": sfit,
                 "step_fit_within": sfit_within,
                 "paired": {"modes": list(paired_modes), **paired},
+                "pooled": pooled,
             },
             f,
             indent=1,
