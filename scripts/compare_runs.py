@@ -43,6 +43,11 @@ flags.DEFINE_string(
 )
 flags.DEFINE_string("title", "toy ablation", "Multi-seed mode: the plot's title.")
 flags.DEFINE_list(
+    "paired",
+    ["discount_only-gagar"],
+    "Multi-seed mode: A-B mode pairs whose per-seed differences are reported.",
+)
+flags.DEFINE_list(
     "fit_roots",
     [],
     "Multi-seed mode: further sweep roots pooled into one imbalance-entropy fit.",
@@ -76,6 +81,7 @@ def main(argv):
                 image=FLAGS.image,
                 prefix=FLAGS.prefix,
                 fit_roots=FLAGS.fit_roots,
+                paired_modes=[tuple(p.split("-", 1)) for p in FLAGS.paired],
             )
         )
         return

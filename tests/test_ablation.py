@@ -65,8 +65,8 @@ def test_compare_seeds(tmp_path):
     fit = data["fit"]
     assert fit["n"] == 6 and fit["slope"] == pytest.approx(2.0) and fit["r"] == pytest.approx(1)
     # paired by seed: discount_only's drift is 2 x 0.3 above gagar's on every seed
-    assert data["paired"]["entropy_drift"][0] == pytest.approx(0.6)
-    assert data["paired"]["eval_pass_gain"][0] == pytest.approx(-0.1)
+    assert data["paired"]["discount_only-gagar"]["entropy_drift"][0] == pytest.approx(0.6)
+    assert data["paired"]["discount_only-gagar"]["eval_pass_gain"][0] == pytest.approx(-0.1)
     assert (
         "Paired by seed, discount_only - gagar (mean ± SE over 3 shared seeds):" in text
         and "- entropy drift: 0.6 ± " in text

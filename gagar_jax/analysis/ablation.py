@@ -22,9 +22,11 @@ Two readings the paper's claims need, both computed from the runs, never asserte
     imbalance ``1 - credit_ratio[t]`` against the next step's entropy change
     ``entropy[t+1] - entropy[t]``, pooled, and within runs (both centred on their run's mean, so
     a run-level offset cannot make the relation);
-  - paired by seed (``paired``): ``discount_only`` minus ``gagar`` (the same seed: the same
-    initialisation, task order and sampling seed) for the entropy drift, the response-length
-    drift, the pg-loss mean and the credit imbalance, mean +- SE over the shared seeds.
+  - paired by seed (``paired``): mode A minus mode B on the same seed (the same
+    initialisation, task order and sampling seed; ``paired_modes`` names the pairs, by default
+    ``discount_only`` - ``gagar``) for the entropy drift, the response-length drift, the
+    pg-loss mean, the credit imbalance and the held-out pass-rate gain, mean +- SE over the
+    seeds both finished.
 """
 
 from __future__ import annotations
@@ -242,8 +244,7 @@ def markdown(
     window: int = 5,
     step_fit: Mapping[str, float] | None = None,
     step_fit_within: Mapping[str, float] | None = None,
-    paired: Mapping[str, tuple] | None = None,
-    paired_modes: tuple[str, str] = ("discount_only", "gagar"),
+    paired: Mapping[tuple[str, str], Mapping[str, tuple]] | None = None,
 ) -> str:
     """The README table (first -> last, mean ± SE over seeds) and the readings (module
     docstring): the paired pass-rate change, the imbalance-entropy fits, the paired mode
@@ -294,13 +295,14 @@ def markdown(
                 f"Per step ({what}, {int(f['n'])} step pairs): step imbalance vs the next "
                 f"step's entropy change: Pearson r = {f['r']:.3g}, slope = {_slope(f)}."
             )
-    if paired:
-        a, b = paired_modes
-        n = max(v[2] for v in paired.values())
+    for (a, b), diffs in (paired or {}).items():
+        if not diffs:
+            continue
+        n = max(v[2] for v in diffs.values())
         lines += ["", f"Paired by seed, {a} - {b} (mean ± SE over {n} shared seeds):", ""]
         for key, label in PAIRED:
-            if key in paired:
-                lines.append(f"- {label}: {_fmt(paired[key])}")
+            if key in diffs:
+                lines.append(f"- {label}: {_fmt(diffs[key])}")
     return "\n".join(lines)
 
 
@@ -423,7 +425,7 @@ def compare_seeds(
     title: str = "",
     readme_block: str = "ablation-table",
     image: str | None = None,
-    paired_modes: tuple[str, str] = ("discount_only", "gagar"),
+    paired_modes: Sequence[tuple[str, str]] = (("discount_only", "gagar"),),
     prefix: str = "ablation",
     fit_roots: Sequence[str] = (),
 ) -> str:
@@ -440,7 +442,7 @@ def compare_seeds(
     agg = aggregate(summaries)
     fit = run_fit(summaries)
     sfit, sfit_within = step_fits([r for rs in runs.values() for r in rs])
-    paired = paired_differences(summaries, done_seeds, *paired_modes)
+    paired = {(a, b): paired_differences(summaries, done_seeds, a, b) for a, b in paired_modes}
     text = markdown(
         agg,
         fit,
@@ -449,7 +451,6 @@ def compare_seeds(
         step_fit=sfit,
         step_fit_within=sfit_within,
         paired=paired,
-        paired_modes=paired_modes,
     )
     pooled = {}
     if fit_roots:
@@ -498,7 +499,7 @@ def compare_seeds(
                 "fit": fit,
                 "step_fit": sfit,
                 "step_fit_within": sfit_within,
-                "paired": {"modes": list(paired_modes), **paired},
+                "paired": {f"{a}-{b}": d for (a, b), d in paired.items()},
                 "pooled": pooled,
             },
             f,
