@@ -74,8 +74,8 @@ def test_no_demonstrated_kind_is_t1_so_discounting_has_something_to_discount():
 
 
 def test_imbalanced_config_variant():
-    from gagar_jax.rl.train import family_settings
     from gagar_jax.rl.config import RunConfig
+    from gagar_jax.rl.train import family_settings
 
     module, cd = _config("discount_only,imbalanced")
     cfg = RunConfig.from_config_dict(cd)
