@@ -22,48 +22,57 @@ from gagar_jax.rollout.sampler import Sampler
 from gagar_jax.rollout.sglang_engine import SGLangEngine
 
 
-def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int = 0):
+def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int = 0, hosts=None):
     """The embedded sampler over ``model`` (its own copy of the weights from then on;
-    ``pad_id``: the tokenizer's), or an SGLang client (health-checked)."""
+    ``pad_id``: the tokenizer's), or an SGLang engine (health-checked; ``hosts``: see
+    :func:`build_sglang_engine`)."""
     if cfg.rollout.engine == "embedded":
         return Sampler(model, pad_id=pad_id, seed=cfg.seed)
-    return build_sglang_engine(cfg, model.config, workdir=workdir)
+    return build_sglang_engine(cfg, model.config, workdir=workdir, hosts=hosts)
 
 
-def build_sglang_engine(cfg: RunConfig, model_config, *, workdir: str):
+def build_sglang_engine(cfg: RunConfig, model_config, *, workdir: str, hosts=None):
     """``gagar_jax.rollout.SGLangEngine`` on ``rollout.sglang_url`` (health-checked): weights
-    exported as HF safetensors to ``workdir/sync/v<version>`` by process 0 and loaded with the
-    engine's sync protocol (pause, drain, atomic export, update, version check, flush, resume,
-    rollback on failure).
+    exported as HF safetensors to ``workdir/sync/v<version>`` and loaded with the engine's sync
+    protocol (pause, drain, atomic export, update, version check, flush, resume, rollback on
+    failure).
+
+    Several hosts (``hosts``, the loop's :class:`~gagar_jax.rl.multihost.Hosts`): process
+    ``rollout.weight_writer`` writes the export and drives ``/update_weights_from_disk``; every
+    host takes part in the streamed export's gathers; the others wait (``hosts.allgather``)
+    for the writer's outcome and then for the servers to report the new version before they
+    sample again; a failure anywhere is the same ``WeightSyncError`` on every host.
 
     A dead server is a clear error here (naming the URL) or, mid-run, the client's error after
     its retries (the loop names the step); never a hang: every request has
     ``rollout.request_timeout_s``.
     """
+    count, index = (1, 0) if hosts is None else (hosts.count, hosts.index)
+    if not 0 <= cfg.rollout.weight_writer < count:
+        raise ValueError(f"rollout.weight_writer={cfg.rollout.weight_writer} is not a process "
+                         f"index of this run ({count} process(es))")
+    writer = index == cfg.rollout.weight_writer
     url = cfg.rollout.sglang_url
-    client = SGLangClient(
-        url,
-        request_timeout_s=cfg.rollout.request_timeout_s,
-        max_retry_time_s=cfg.rollout.request_timeout_s,
-    )
+    client = SGLangClient(url, request_timeout_s=cfg.rollout.request_timeout_s,
+                          max_retry_time_s=cfg.rollout.request_timeout_s)
     if not client.health():
-        raise RuntimeError(
-            f"SGLang rollout server at {url} (rollout.sglang_url) does "
-            "not answer GET /health: start it (scripts/launch_sglang.sh) or "
-            "use rollout.engine='embedded'"
-        )
+        raise RuntimeError(f"SGLang rollout server at {url} (rollout.sglang_url) does "
+                           "not answer GET /health: start it (scripts/launch_sglang.sh) or "
+                           "use rollout.engine='embedded'")
 
     def export(params, directory):
         # ``params``: the sharded train-state parameters (policy.sync_engine). Streamed
-        # tensor by tensor: every host takes part in each gather, process 0 writes; no host
-        # ever holds the whole model.
+        # tensor by tensor: every host takes part in each gather, the weight writer writes; no
+        # host ever holds the whole model.
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
         if isinstance(params, nnx.State):
             params = nnx.to_pure_dict(params)
-        save_hf_safetensors_streaming(params, model_config, directory)
+        save_hf_safetensors_streaming(params, model_config, directory, writer=writer)
 
-    return SGLangEngine(client, export_fn=export, sync_dir=os.path.join(workdir, "sync"))
+    return SGLangEngine(client, export_fn=export, sync_dir=os.path.join(workdir, "sync"),
+                        writer=writer, exchange=None if count == 1 else hosts.allgather,
+                        version_timeout_s=cfg.mesh.host_timeout_s)
 
 
 def build_grading_pool(
