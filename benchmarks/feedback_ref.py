@@ -30,7 +30,7 @@ from gagar_jax.feedback.step import (
     to_train_batch,
 )
 from gagar_jax.models import Transformer, TransformerConfig
-from gagar_jax.train.state import UpdateConfig, make_mesh
+from gagar_jax.update.state import UpdateConfig, make_mesh
 
 
 def batch(n, t, vocab, seed=0):

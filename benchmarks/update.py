@@ -6,7 +6,7 @@
 Both sides run one optimizer step on the same model (Qwen2 architecture, fp32) and the same
 loss (per-token log-probs, PPO-clip token-mean) with AdamW and global-norm clipping:
 
-- JAX: ``gagar_jax.train.jit_update`` (advantage kernels included) on a one-device mesh;
+- JAX: ``gagar_jax.update.jit_update`` (advantage kernels included) on a one-device mesh;
 - PyTorch: ``transformers.Qwen2ForCausalLM`` (SDPA attention) + ``log_softmax``/``gather`` +
   the clipped loss + ``torch.optim.AdamW`` -- the straightforward implementation.
 
@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gagar_jax.models import TransformerConfig  # noqa: E402
-from gagar_jax.train import (  # noqa: E402
+from gagar_jax.update import (  # noqa: E402
     UpdateBatch,
     UpdateConfig,
     create_train_state,

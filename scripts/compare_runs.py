@@ -69,13 +69,13 @@ def main(argv):
         return
     if not FLAGS.workdirs:
         raise app.UsageError("pass --workdirs (one run each) or --root with --seeds")
-    from gagar_jax.train import metrics_io
+    from gagar_jax.rl import writers
 
     labels = FLAGS.labels or [os.path.basename(os.path.normpath(w)) for w in FLAGS.workdirs]
     if len(labels) != len(FLAGS.workdirs):
         raise app.UsageError(f"{len(labels)} labels for {len(FLAGS.workdirs)} workdirs")
     out = FLAGS.out or os.path.dirname(os.path.normpath(FLAGS.workdirs[0]))
-    report = metrics_io.compare_runs(
+    report = writers.compare_runs(
         dict(zip(labels, FLAGS.workdirs)), out, window=FLAGS.window, smooth=FLAGS.smooth
     )
     print(report)

@@ -59,6 +59,14 @@ def check(rows: list[dict], log: str) -> list[str]:
         if not (isinstance(k3, float) and math.isfinite(k3) and isinstance(diff, float)
                 and math.isfinite(diff) and diff >= 0):
             problems.append(f"step {r['step']}: mismatch not finite ({k3}, {diff})")
+    # SGLang's kernels are not the trainer's: the mismatch is small, but not exactly zero (an
+    # exact 0 would mean the trainer scored its own tokens, not the engine's)
+    diffs = [r.get("rollout/logprob_mismatch_max_abs") for r in train]
+    if train and all(isinstance(d, float) for d in diffs):
+        if not any(d > 0.0 for d in diffs):
+            problems.append(f"mismatch exactly 0 on every step ({diffs}): not the engine's tokens?")
+        if not all(d < 1.0 for d in diffs):
+            problems.append(f"mismatch max |diff| >= 1 nat on some step ({diffs})")
     return problems
 
 

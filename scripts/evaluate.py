@@ -24,9 +24,9 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from gagar_jax.train import loop
+    from gagar_jax.rl import train
 
-    metrics, step = loop.evaluate_checkpoint(FLAGS.workdir, step=FLAGS.step,
+    metrics, step = train.evaluate_checkpoint(FLAGS.workdir, step=FLAGS.step,
                                              samples=FLAGS.samples,
                                              temperature=FLAGS.temperature)
     out = os.path.join(FLAGS.workdir, f"eval_{step}.json")

@@ -46,10 +46,10 @@ def _stats(xs):
 def main(argv):
     del argv
     from gagar_jax.feedback.run import FeedbackRunConfig, train_feedback
-    from gagar_jax.train import metrics_io
+    from gagar_jax.rl import writers
 
     if FLAGS.compilation_cache:
-        from gagar_jax.train.loop import enable_compilation_cache
+        from gagar_jax.rl.train import enable_compilation_cache
 
         enable_compilation_cache(FLAGS.compilation_cache)
     seeds = [int(s) for s in FLAGS.seeds.split(",") if s.strip()]
@@ -110,8 +110,8 @@ def main(argv):
         for mode in modes:
             curves = []
             for s in seeds:
-                rows = metrics_io.read_jsonl(os.path.join(out, mode, f"s{s}", "metrics.jsonl"))
-                xs, ys = metrics_io.series(rows, key, phase="eval")
+                rows = writers.read_jsonl(os.path.join(out, mode, f"s{s}", "metrics.jsonl"))
+                xs, ys = writers.series(rows, key, phase="eval")
                 curves.append((xs, ys))
             xs = curves[0][0]
             ys = [

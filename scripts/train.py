@@ -33,16 +33,16 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:  # orbax logs every save/restore step at INFO
         logging.set_verbosity(logging.WARNING)
-    from gagar_jax.train import loop
-    from gagar_jax.train.multihost import HostError
-    from gagar_jax.train.run_config import RunConfig
+    from gagar_jax.rl import train
+    from gagar_jax.rl.config import RunConfig
+    from gagar_jax.rl.multihost import HostError
 
     cfg = RunConfig.from_config_dict(FLAGS.config)
-    loop.initialize_distributed(cfg.mesh)  # before any JAX computation
+    train.initialize_distributed(cfg.mesh)  # before any JAX computation
     if FLAGS.compilation_cache:
-        loop.enable_compilation_cache(FLAGS.compilation_cache)
+        train.enable_compilation_cache(FLAGS.compilation_cache)
     try:
-        loop.train_and_evaluate(cfg, FLAGS.workdir)
+        train.train_and_evaluate(cfg, FLAGS.workdir)
     except HostError as e:
         # Another host is dead or hung: end now. A normal exit would wait in jax.distributed's
         # shutdown barrier for the host that never comes (minutes, then an abort).

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from gagar_jax.train import create_train_state, jit_update, make_mesh, shard_batch
-from gagar_jax.train.checkpoint import Checkpointer, abstract_train_state
+from gagar_jax.update import create_train_state, jit_update, make_mesh, shard_batch
+from gagar_jax.update.checkpoint import Checkpointer, abstract_train_state
 from tests.test_update_fixtures import CONFIG, MODEL, make_batch
 
 
@@ -237,7 +237,7 @@ def test_corrupt_checkpoint_is_detected_and_falls_back(tmp_path, caplog):
     # issue 11: per-array checksums in the checkpoint, verified on restore.
     import shutil
 
-    from gagar_jax.train.checkpoint import CheckpointCorruptError
+    from gagar_jax.update.checkpoint import CheckpointCorruptError
 
     mesh = make_mesh((2, 2, 2))
     s1 = create_train_state(MODEL, CONFIG, mesh, seed=1)
@@ -250,7 +250,7 @@ def test_corrupt_checkpoint_is_detected_and_falls_back(tmp_path, caplog):
     # partial copy or a mixed-up restore of files would leave it): only the checksums see it.
     shutil.rmtree(tmp_path / "2" / "state")
     shutil.copytree(tmp_path / "1" / "state", tmp_path / "2" / "state")
-    with caplog.at_level("ERROR", logger="gagar_jax.train.checkpoint"):
+    with caplog.at_level("ERROR", logger="gagar_jax.update.checkpoint"):
         restored, info = ckpt.restore(abstract)
     assert info.step == 1 and info.data_position == 1
     _leaves_equal(s1, restored)  # the previous complete checkpoint, bit for bit

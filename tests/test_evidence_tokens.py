@@ -122,8 +122,8 @@ def test_heuristic_verdict_evidence_moves_credit_off_the_cited_line():
 
 def test_loop_attaches_cited_tokens_and_packs_them_at_the_response_positions():
     from gagar_jax.envs.family import Attempt, FamilySettings, make_family
-    from gagar_jax.train.loop import _rollout, attach_verdicts, group_workspace
-    from gagar_jax.train.sampling import Group, pack_groups
+    from gagar_jax.rl.collect import Group, pack_groups
+    from gagar_jax.rl.train import _rollout, attach_verdicts, group_workspace
 
     family = make_family("toy", FamilySettings(num_train=4, max_prompt_len=64))
     task = family.train_task(0)

@@ -13,7 +13,7 @@ from gagar_jax.data.feedback import FeedbackRecord, derive_spans
 from gagar_jax.envs import TOKENIZER, ToyTaskGenerator, candidate_patches
 from gagar_jax.envs.simulated_user import feedback_record, user_feedback
 from gagar_jax.feedback.run import batch_indices
-from gagar_jax.train import metrics_io
+from gagar_jax.rl import writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +87,7 @@ def test_entry_point_smoke_and_resume(tmp_path):
     )
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
-    rows = metrics_io.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    rows = writers.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     train = [r for r in rows if r["phase"] == "train"]
     assert [r["step"] for r in train] == [0, 1, 2]
     assert all(np.isfinite(r["loss"]) for r in train)
@@ -100,5 +100,5 @@ def test_entry_point_smoke_and_resume(tmp_path):
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed" in second.stdout + second.stderr
-    rows2 = metrics_io.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    rows2 = writers.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     assert [r["step"] for r in rows2 if r["phase"] == "train"] == [0, 1, 2]

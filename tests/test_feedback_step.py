@@ -20,8 +20,8 @@ from gagar_jax.feedback.step import (
 )
 from gagar_jax.losses import aggregate
 from gagar_jax.models import Transformer, TransformerConfig
-from gagar_jax.train.checkpoint import Checkpointer
-from gagar_jax.train.state import UpdateConfig, abstract_model, make_mesh
+from gagar_jax.update.checkpoint import Checkpointer
+from gagar_jax.update.state import UpdateConfig, abstract_model, make_mesh
 
 MC = TransformerConfig(
     vocab_size=16,

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gagar_jax.train import metrics_io, resume, sampling
-from gagar_jax.train.run_config import ConfigError, RunConfig
+from gagar_jax.rl import collect, resume, writers
+from gagar_jax.rl.config import ConfigError, RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,11 +115,11 @@ def test_config_is_frozen_and_fingerprint_tracks_what_matters():
 def make_group(gid, passes, K=4, prompt_len=3, resp_len=2, infra=()):
     rollouts = []
     for k in range(K):
-        rollouts.append(sampling.Rollout(
+        rollouts.append(collect.Rollout(
             prompt_tokens=list(range(1, prompt_len + 1)),
             response_tokens=[7] * resp_len, logprobs=[-0.5] * resp_len,
             passed=k < passes, infra_error=k in infra))
-    return sampling.Group(group_id=str(gid), task=None, rollouts=rollouts)
+    return collect.Group(group_id=str(gid), task=None, rollouts=rollouts)
 
 
 class ScriptedDraw:
@@ -151,7 +151,7 @@ def test_group_outcomes():
 def test_refill_until_target_and_oversample():
     draw = ScriptedDraw([0, 2, 4, 1])  # every other group is mixed
     kept_order = []
-    res = sampling.collect_groups(draw, target=4, oversample=1.5, max_rounds=5,
+    res = collect.collect_groups(draw, target=4, oversample=1.5, max_rounds=5,
                                   on_keep=lambda g: kept_order.append(g.group_id))
     assert len(res.groups) == 4 and all(g.is_mixed for g in res.groups)
     # round 1 draws ceil(1.5*4)=6 (3 mixed), round 2 draws ceil(1.5*1)=2 (1 mixed)
@@ -163,32 +163,32 @@ def test_refill_until_target_and_oversample():
 
 
 def test_extra_mixed_groups_are_counted_not_kept():
-    res = sampling.collect_groups(ScriptedDraw([2]), target=2, oversample=2.0)
+    res = collect.collect_groups(ScriptedDraw([2]), target=2, oversample=2.0)
     assert len(res.groups) == 2 and res.discarded_mixed == 2
 
 
 @pytest.mark.parametrize("script,word", [([4, 4, 4, 2], "too easy"), ([0, 0, 0, 1], "too hard")])
 def test_cap_raises_clear_error(script, word):
     draw = ScriptedDraw(script)
-    with pytest.raises(sampling.DynamicSamplingError, match=word) as e:
-        sampling.collect_groups(draw, target=8, oversample=1.0, max_rounds=2)
+    with pytest.raises(collect.DynamicSamplingError, match=word) as e:
+        collect.collect_groups(draw, target=8, oversample=1.0, max_rounds=2)
     assert "sampling.max_rounds=2" in str(e.value)
     assert len(draw.calls) == 2  # stops at the cap, never loops forever
 
 
 def test_cap_with_nothing_mixed_raises_even_if_partial_allowed():
-    with pytest.raises(sampling.DynamicSamplingError, match="0 of 2"):
-        sampling.collect_groups(ScriptedDraw([0]), target=2, max_rounds=2, allow_partial=True)
+    with pytest.raises(collect.DynamicSamplingError, match="0 of 2"):
+        collect.collect_groups(ScriptedDraw([0]), target=2, max_rounds=2, allow_partial=True)
 
 
 def test_partial_batches_when_allowed():
-    res = sampling.collect_groups(ScriptedDraw([0, 0, 0, 2]), target=8, oversample=1.0,
+    res = collect.collect_groups(ScriptedDraw([0, 0, 0, 2]), target=8, oversample=1.0,
                                   max_rounds=2, allow_partial=True)
     assert 0 < len(res.groups) < 8 and res.rounds == 2
 
 
 def test_disabled_keeps_first_draw():
-    res = sampling.collect_groups(ScriptedDraw([0, 4, 2]), target=3, enabled=False)
+    res = collect.collect_groups(ScriptedDraw([0, 4, 2]), target=3, enabled=False)
     assert [g.outcome for g in res.groups] == ["all_fail", "all_pass", "mixed"]
     assert res.rounds == 1
 
@@ -197,7 +197,7 @@ def test_disabled_keeps_first_draw():
 def test_pack_layout():
     g = make_group("a", 2, K=3, prompt_len=3, resp_len=2, infra=(2,))
     g.tier, g.rank, g.graded = [1, 2, 1], [1, 2, 1], True
-    b = sampling.pack_groups([g], num_groups=2, num_rollouts=3, max_prompt_len=4,
+    b = collect.pack_groups([g], num_groups=2, num_rollouts=3, max_prompt_len=4,
                              max_new_tokens=3, pad_id=0)
     assert b.shape == (2, 3, 7)
     np.testing.assert_array_equal(b.tokens[0, 0], [1, 2, 3, 7, 7, 0, 0])
@@ -215,7 +215,7 @@ def test_pack_layout():
 def test_cheat_gets_zero_reward():
     g = make_group("c", 2, K=2)
     g.rollouts[0].cheat = True
-    b = sampling.pack_groups([g], num_groups=1, num_rollouts=2, max_prompt_len=3,
+    b = collect.pack_groups([g], num_groups=1, num_rollouts=2, max_prompt_len=3,
                              max_new_tokens=2, pad_id=0)
     np.testing.assert_array_equal(b.rewards[0], [0, 1])
     np.testing.assert_array_equal(b.cheat[0], [1, 0])
@@ -230,7 +230,7 @@ def test_pack_rejects_what_does_not_fit(kwargs, match):
     base = dict(num_groups=1, num_rollouts=4, max_prompt_len=3, max_new_tokens=2, pad_id=0)
     base.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        sampling.pack_groups([make_group("x", 2)], **base)
+        collect.pack_groups([make_group("x", 2)], **base)
 
 
 def test_refills_keep_batch_shapes_static_one_trace():
@@ -244,9 +244,9 @@ def test_refills_keep_batch_shapes_static_one_trace():
 
     chex.clear_trace_counter()
     for script, partial in [([2], False), ([0, 4, 2], False), ([0, 0, 0, 0, 0, 2], True)]:
-        res = sampling.collect_groups(ScriptedDraw(script), target=4, max_rounds=6,
+        res = collect.collect_groups(ScriptedDraw(script), target=4, max_rounds=6,
                                       oversample=1.0, allow_partial=partial)
-        batch = sampling.pack_groups(res.groups, num_groups=4, num_rollouts=4, max_prompt_len=5,
+        batch = collect.pack_groups(res.groups, num_groups=4, num_rollouts=4, max_prompt_len=5,
                                      max_new_tokens=3, pad_id=0)
         fake_update(batch)
 
@@ -289,7 +289,7 @@ def test_metrics_writer_jsonl_tensorboard_console(tmp_path):
     import io
 
     out = io.StringIO()
-    w = metrics_io.MetricsWriter(str(tmp_path), total_steps=4, stream=out)
+    w = writers.MetricsWriter(str(tmp_path), total_steps=4, stream=out)
     for step in range(4):
         w.write(step, {"pass_rate": 0.1 * step, "entropy": float("nan"), "t1_share": 0.5})
         line = w.progress(step, {"pass_rate": 0.1 * step, "t1_share": 0.5})
@@ -297,32 +297,32 @@ def test_metrics_writer_jsonl_tensorboard_console(tmp_path):
     w.close()
     assert "step 4/4" in line and "ETA" in line and "pass 0.30" in line and "T1 0.50" in line
     assert out.getvalue().count("\n") == 4
-    rows = metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl"))
+    rows = writers.read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert len(rows) == 5 and rows[1]["pass_rate"] == pytest.approx(0.1)
     assert rows[0]["entropy"] is None  # non-finite kept as null, not NaN in JSON
     events = os.listdir(tmp_path / "tb")
     assert events and events[0].startswith("events.out.tfevents")
     assert os.path.getsize(tmp_path / "tb" / events[0]) > 100
     # resume drops the steps that will be redone
-    assert metrics_io.truncate_jsonl(str(tmp_path / "metrics.jsonl"), keep_before_step=2) == 3
-    assert [r["step"] for r in metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0, 1]
+    assert writers.truncate_jsonl(str(tmp_path / "metrics.jsonl"), keep_before_step=2) == 3
+    assert [r["step"] for r in writers.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0, 1]
 
 
 def test_truncate_keeps_finished_sft_rows_drops_unfinished(tmp_path):
     p = str(tmp_path / "metrics.jsonl")
-    w = metrics_io.MetricsWriter(str(tmp_path), total_steps=3, tensorboard=False)
+    w = writers.MetricsWriter(str(tmp_path), total_steps=3, tensorboard=False)
     for s in range(5):
         w.write(s, {"sft_loss": 1.0}, phase="sft")
     for s in range(3):
         w.write(s, {"pass_rate": 0.5})
     w.close()
-    assert metrics_io.truncate_jsonl(p, keep_before_step=1) == 2  # train steps 1, 2
-    assert len(metrics_io.read_jsonl(p)) == 6
-    assert metrics_io.truncate_jsonl(p, keep_before_step=0, drop_phases=("sft",)) == 6
+    assert writers.truncate_jsonl(p, keep_before_step=1) == 2  # train steps 1, 2
+    assert len(writers.read_jsonl(p)) == 6
+    assert writers.truncate_jsonl(p, keep_before_step=0, drop_phases=("sft",)) == 6
 
 
 def test_non_primary_process_writes_nothing(tmp_path):
-    w = metrics_io.MetricsWriter(str(tmp_path / "w"), total_steps=2, primary=False)
+    w = writers.MetricsWriter(str(tmp_path / "w"), total_steps=2, primary=False)
     w.write(0, {"a": 1.0})
     w.progress(0, {"a": 1.0})
     w.close()
@@ -332,30 +332,30 @@ def test_non_primary_process_writes_nothing(tmp_path):
 def test_torn_last_line_is_skipped(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 0, "phase": "train", "pass_rate": 0.5}\n{"step": 1, "pha')
-    assert len(metrics_io.read_jsonl(str(p))) == 1
+    assert len(writers.read_jsonl(str(p))) == 1
 
 
 def test_plot_and_summary_and_table(tmp_path):
-    w = metrics_io.MetricsWriter(str(tmp_path), total_steps=10, tensorboard=False)
+    w = writers.MetricsWriter(str(tmp_path), total_steps=10, tensorboard=False)
     for s in range(10):
         w.write(s, {"pass_rate": s / 10, "quality": 0.5, "t1_share": 0.2 + s / 100,
                     "response_length": 20 - s, "entropy": 1.0, "pg_loss_mean": 0.0,
                     "credit_ratio": 1.0})
     w.write(9, {"eval_pass_rate": 0.6}, phase="eval")
     w.close()
-    png = metrics_io.plot_run(str(tmp_path))
+    png = writers.plot_run(str(tmp_path))
     assert os.path.getsize(png) > 10_000
-    s = metrics_io.summarize(metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl")), window=2)
+    s = writers.summarize(writers.read_jsonl(str(tmp_path / "metrics.jsonl")), window=2)
     assert s["pass_rate_first"] == pytest.approx(0.05)
     assert s["pass_rate_last"] == pytest.approx(0.85)
     assert s["eval_pass_rate_last"] == 0.6
-    table = metrics_io.markdown_table({"run": s})
+    table = writers.markdown_table({"run": s})
     assert "| run |" in table and "0.05 -> 0.85" in table
 
 
 def test_compare_runs_writes_plot_table_and_ablation_notes(tmp_path):
     def fake_run(name, quality, entropy, credit):
-        w = metrics_io.MetricsWriter(str(tmp_path / name), total_steps=6, tensorboard=False)
+        w = writers.MetricsWriter(str(tmp_path / name), total_steps=6, tensorboard=False)
         for s in range(6):
             w.write(s, {"pass_rate": 0.3, "quality": quality[0] + s * quality[1],
                         "t1_share": 0.5, "response_length": 10.0, "entropy": entropy,
@@ -366,18 +366,18 @@ def test_compare_runs_writes_plot_table_and_ablation_notes(tmp_path):
     runs = {"gagar": fake_run("gagar", (0.5, 0.05), 1.0, 1.0),
             "binary": fake_run("binary", (0.5, 0.0), 1.0, 1.0),
             "discount_only": fake_run("discount_only", (0.5, 0.02), 1.5, 0.8)}
-    md = metrics_io.compare_runs(runs, str(tmp_path / "cmp"), window=2)
+    md = writers.compare_runs(runs, str(tmp_path / "cmp"), window=2)
     assert os.path.getsize(tmp_path / "cmp" / "comparison.png") > 10_000
     assert (tmp_path / "cmp" / "comparison.md").read_text() == md
     assert "| gagar |" in md and "| discount_only |" in md
     assert "- quality: gagar 0.725 vs binary 0.5" in md and "reproduced" in md
     assert "entropy: discount_only 1.5 vs gagar 1" in md
     with pytest.raises(FileNotFoundError, match="nope"):
-        metrics_io.compare_runs({"nope": str(tmp_path / "nope")}, str(tmp_path / "x"))
+        writers.compare_runs({"nope": str(tmp_path / "nope")}, str(tmp_path / "x"))
 
 
 def test_mesh_shape_resolution():
-    from gagar_jax.train.backends import mesh_shape
+    from gagar_jax.rl.backends import mesh_shape
 
     assert mesh_shape((1, -1, 1), 8) == (1, 8, 1)
     assert mesh_shape((2, 2, 2), 8) == (2, 2, 2)
@@ -388,23 +388,23 @@ def test_mesh_shape_resolution():
 
 
 def test_distributed_init_is_a_noop_single_process(monkeypatch):
-    from gagar_jax.train import loop
-    from gagar_jax.train.run_config import MeshConfig
+    from gagar_jax.rl import train
+    from gagar_jax.rl.config import MeshConfig
 
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)
-    loop.initialize_distributed(MeshConfig())  # nothing configured: must not touch jax.distributed
+    train.initialize_distributed(MeshConfig())  # nothing configured: must not touch jax.distributed
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAX_PROCESS_ID", "5")
     with pytest.raises(ValueError, match="process id 5"):
-        loop.initialize_distributed(MeshConfig())
+        train.initialize_distributed(MeshConfig())
 
 
 def test_infra_error_rate_is_counted_per_policy_version():
     # issue 11: infra_error is masked (never scored), so its rate per policy version is reported.
-    from gagar_jax.train.loop import StepCounters
-    from gagar_jax.train.sampling import Group, Rollout
+    from gagar_jax.rl.collect import Group, Rollout
+    from gagar_jax.rl.train import StepCounters
 
     def r(version, infra):
         return Rollout([1], [2], [0.0], policy_version=version, infra_error=infra)
@@ -440,16 +440,16 @@ def test_select_prompts_skips_saturated_tasks_within_the_window():
     assert [t for t in map(str, range(8)) if tr.skip(t)] == ["2", "5", "6"]
     stream = resume.TaskStream(8, seed=1)
     skip = lambda i: tr.skip(str(i))  # noqa: E731
-    idx, pos, new_pos, skipped = sampling.select_prompts(stream, 3, 10, skip)
+    idx, pos, new_pos, skipped = collect.select_prompts(stream, 3, 10, skip)
     plain, _ = stream.take(3, new_pos - 3)
     assert idx == [i for i in plain if i not in (2, 5, 6)]
     assert len(idx) == 10 and skipped == new_pos - 3 - 10 > 0
     assert [stream.index(p) for p in pos] == idx and pos == sorted(pos)
     # flag off (skip=None): exactly the stream, positions contiguous, nothing skipped
-    assert sampling.select_prompts(stream, 3, 10) == (
+    assert collect.select_prompts(stream, 3, 10) == (
         stream.take(3, 10)[0], list(range(3, 13)), 13, 0)
     # every task saturated: selection still ends (takes after a full pool of skips)
-    idx, _, new_pos, skipped = sampling.select_prompts(stream, 0, 3, lambda i: True)
+    idx, _, new_pos, skipped = collect.select_prompts(stream, 0, 3, lambda i: True)
     assert len(idx) == 3 and skipped == 8 * 3 and new_pos == 3 + 8 * 3
 
 
@@ -484,7 +484,7 @@ def _skip_saturated_steps(monkeypatch, *, skip, num_hosts, steps=3):
     import types
 
     from gagar_jax.data.audit import PassRateTracker
-    from gagar_jax.train import loop
+    from gagar_jax.rl import train
 
     passes = [4, 0, 2, 1, 3, 0, 2, 4]  # tasks 0, 1, 5, 7 saturate after one group
     drawn: dict[tuple[int, int], list[int]] = {}
@@ -494,7 +494,7 @@ def _skip_saturated_steps(monkeypatch, *, skip, num_hosts, steps=3):
         drawn.setdefault(key, []).extend(tasks)
         return [make_group(f"{step}-{t}", passes[t]) for t in tasks]
 
-    monkeypatch.setattr(loop, "generate_groups", fake_generate)
+    monkeypatch.setattr(train, "generate_groups", fake_generate)
     cd = load_config_module("toy_gagar").get_config("binary,smoke").to_dict()
     cd["rollout"].update(num_prompts=2 * num_hosts, num_rollouts=4, max_prompt_len=8,
                          max_new_tokens=8)
@@ -514,9 +514,9 @@ def _skip_saturated_steps(monkeypatch, *, skip, num_hosts, steps=3):
         tracker = PassRateTracker(4, 4) if skip else None
         ms = []
         for step in range(steps):
-            sres, *_ = loop.collect_step(None, family, None, resume.TaskStream(8, seed=0), ls,
+            sres, *_ = train.collect_step(None, family, None, resume.TaskStream(8, seed=0), ls,
                                          cfg, step=step, hosts=hosts, tracker=tracker)
-            ms.append(loop.saturation_metrics(sres, tracker) if tracker else {})
+            ms.append(train.saturation_metrics(sres, tracker) if tracker else {})
         out[h] = (ms, tracker.state_dict() if tracker else None, ls.data_position)
 
     threads = [threading.Thread(target=host, args=(h,)) for h in range(num_hosts)]
@@ -571,19 +571,19 @@ def test_skip_saturated_config_and_fingerprint():
 
 
 def test_skip_saturated_tracker_resumes_from_the_loop_state(tmp_path):
-    from gagar_jax.train import loop
+    from gagar_jax.rl import train
 
     cd = load_config_module("toy_gagar").get_config("smoke").to_dict()
-    assert loop.pass_rate_tracker(RunConfig.from_config_dict(cd), resume.LoopState()) is None
+    assert train.pass_rate_tracker(RunConfig.from_config_dict(cd), resume.LoopState()) is None
     cd["task"].update(skip_saturated=True, saturation_window=3, saturation_min_attempts=2)
     cfg = RunConfig.from_config_dict(cd)
     ls = resume.LoopState(step=4, fingerprint=cfg.fingerprint())
-    fresh = loop.pass_rate_tracker(cfg, ls)
+    fresh = train.pass_rate_tracker(cfg, ls)
     assert (fresh.window, fresh.min_attempts, fresh.saturated()) == (3, 2, [])
     fresh.record("5", [True, True])
     fresh.record("2", [False, True, False])
-    ls.extra[loop.PASS_RATES_KEY] = fresh.state_dict()  # what the loop saves at a checkpoint
+    ls.extra[train.PASS_RATES_KEY] = fresh.state_dict()  # what the loop saves at a checkpoint
     store = resume.ResumeStore(str(tmp_path))
     store.save(4, ls)
-    back = loop.pass_rate_tracker(cfg, store.load(4))
+    back = train.pass_rate_tracker(cfg, store.load(4))
     assert back.state_dict() == fresh.state_dict() and back.saturated() == ["5"]

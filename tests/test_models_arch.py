@@ -264,7 +264,7 @@ MOE = TransformerConfig(
 
 def test_moe_sharded_equals_unsharded():
     """Experts split over the `tensor` mesh axis (2 x 2 x 2 mesh): same logits and aux."""
-    from gagar_jax.train import make_mesh
+    from gagar_jax.update import make_mesh
 
     model = create_model(MOE, seed=1)
     graphdef, state = nnx.split(model)

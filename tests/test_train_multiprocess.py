@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from gagar_jax.train import metrics_io, sampling
+from gagar_jax.rl import collect, writers
 from tests import multihost_fixtures as mh
 from tests.test_loop_pieces import make_group
 
@@ -44,8 +44,8 @@ def test_local_params_is_device_to_device():
     (That no host gather is involved is what the two-process test proves: there the parameters
     span non-addressable devices and a ``device_get`` raises. CPU has no transfer guard.)"""
     from gagar_jax.models import TransformerConfig
-    from gagar_jax.train import rl_adapter
-    from gagar_jax.train.state import UpdateConfig, create_train_state, make_mesh
+    from gagar_jax.rl import rl_adapter
+    from gagar_jax.update.state import UpdateConfig, create_train_state, make_mesh
 
     mc = TransformerConfig(
         vocab_size=64,
@@ -68,7 +68,7 @@ def test_local_params_is_device_to_device():
 
 
 def _rows(workdir):
-    return metrics_io.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    return writers.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
 
 
 def _timed_run(cmd_or_procs, timeout=900):
@@ -336,7 +336,7 @@ def _run_blocks(script, num_blocks, **kw):
 
     def run(b):
         try:
-            results[b] = sampling.collect_blocks(
+            results[b] = collect.collect_blocks(
                 draws[b], exchange_for(b), num_blocks=num_blocks, block=b, **kw
             )
         except Exception as e:  # noqa: BLE001 -- compared below
@@ -369,7 +369,7 @@ def test_blocks_fill_their_own_quota_with_refills_decided_globally():
 def test_blocks_hit_the_cap_together():
     script = [2, 0, 0, 0, 0, 0]  # block 1 never finds a mixed group
     results, errors, _ = _run_blocks(script, 2, target=2, oversample=1.0, max_rounds=3)
-    assert all(isinstance(e, sampling.DynamicSamplingError) for e in errors)
+    assert all(isinstance(e, collect.DynamicSamplingError) for e in errors)
     assert str(errors[0]) == str(errors[1]) and "after 3 rounds" in str(errors[0])
 
 
@@ -383,9 +383,9 @@ def test_one_block_is_collect_groups():
         ([0, 0, 0, 2], dict(target=8, oversample=1.0, max_rounds=2, allow_partial=True)),
         ([0, 4, 2], dict(target=3, enabled=False)),
     ]:
-        ref = sampling.collect_groups(ScriptedDraw(script), **kw)
+        ref = collect.collect_groups(ScriptedDraw(script), **kw)
         draw = ScriptedDraw(script)
-        res = sampling.collect_blocks(
+        res = collect.collect_blocks(
             lambda n, d=draw: d(n[0]), lambda r, t: [t], num_blocks=1, block=0, **kw
         )
         assert [g.group_id for g in res.groups] == [g.group_id for g in ref.groups]
@@ -412,7 +412,7 @@ def test_streaming_export_of_sharded_params_equals_the_plain_export(tmp_path):
         save_hf_safetensors_streaming,
     )
     from gagar_jax.models import hf as hf_module
-    from gagar_jax.train.state import UpdateConfig, create_train_state, make_mesh
+    from gagar_jax.update.state import UpdateConfig, create_train_state, make_mesh
 
     mc = TransformerConfig(
         vocab_size=64,
@@ -472,7 +472,7 @@ def test_step_counters_merge_over_hosts():
     """Counters of several hosts (as exchanged: JSON) sum; times take the slowest host."""
     import dataclasses
 
-    from gagar_jax.train.loop import StepCounters
+    from gagar_jax.rl.train import StepCounters
 
     a, b = make_group("a", 2), make_group("b", 4)
     ca, cb, both = StepCounters(), StepCounters(), StepCounters()

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from gagar_jax.train import metrics_io
-from gagar_jax.train.run_config import RunConfig
+from gagar_jax.rl import writers
+from gagar_jax.rl.config import RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One persistent compilation cache for every run of this module (in-process and scripts): the
@@ -25,9 +25,9 @@ JAX_CACHE = os.path.join(tempfile.gettempdir(), "gagar_jax_test_train_jax_cache"
 
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache():
-    from gagar_jax.train import loop
+    from gagar_jax.rl import train
 
-    loop.enable_compilation_cache(JAX_CACHE)
+    train.enable_compilation_cache(JAX_CACHE)
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 CONFIG = os.path.join(ROOT, "configs", "toy_gagar.py")
 
@@ -44,16 +44,16 @@ def smoke_config(mode, **overrides):
 
 
 def train_rows(workdir):
-    rows = metrics_io.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    rows = writers.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     return [r for r in rows if r["phase"] == "train"]
 
 
 @pytest.mark.parametrize("mode", ["gagar", "binary", "discount_only", "gagar_token"])
 def test_smoke_each_mode(mode, tmp_path, capsys):
-    from gagar_jax.train import loop
+    from gagar_jax.rl import train
 
     cfg = smoke_config(mode)
-    summary = loop.train_and_evaluate(cfg, str(tmp_path))
+    summary = train.train_and_evaluate(cfg, str(tmp_path))
     out = capsys.readouterr().out
     rows = train_rows(tmp_path)
     G = cfg.rollout.num_prompts
@@ -65,10 +65,10 @@ def test_smoke_each_mode(mode, tmp_path, capsys):
         for key in ("pass_rate", "response_length", "entropy", "pg_loss_mean", "step_time_s"):
             assert r[key] is not None, (key, r)
         assert 0 < r["response_length"] <= cfg.rollout.max_new_tokens
-    evals = [r for r in metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl"))
+    evals = [r for r in writers.read_jsonl(str(tmp_path / "metrics.jsonl"))
              if r["phase"] == "eval"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == cfg.loop.total_steps
-    assert any(r["phase"] == "sft" for r in metrics_io.read_jsonl(str(tmp_path / "metrics.jsonl")))
+    assert any(r["phase"] == "sft" for r in writers.read_jsonl(str(tmp_path / "metrics.jsonl")))
     assert f"finished: {cfg.loop.total_steps} steps" in out and "ETA" in out
     assert os.path.getsize(summary["plot"]) > 10_000
     assert summary["update_traces"] == 1  # one compiled update for the whole run
@@ -131,13 +131,13 @@ def _free_port():
 
 def test_dead_rollout_server_is_a_clear_error_not_a_hang(tmp_path):
     """A real dead endpoint (nothing listens on the port): the run stops at once, naming it."""
-    from gagar_jax.train import loop
+    from gagar_jax.rl import train
 
     url = f"http://127.0.0.1:{_free_port()}"
     cfg = smoke_config("gagar", **{"rollout.engine": "sglang", "rollout.sglang_url": url})
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rollout\.sglang_url") as e:
-        loop.train_and_evaluate(cfg, str(tmp_path))
+        train.train_and_evaluate(cfg, str(tmp_path))
     assert url in str(e.value)
     assert time.monotonic() - t0 < 60
 
@@ -147,14 +147,14 @@ def test_failing_grader_falls_back_and_training_continues(kind, tmp_path):
     """A grader that raises, or one that blocks forever: every group falls back to its original
     advantages (counted by reason), the run finishes, nothing hangs."""
     from gagar_jax.grading import testing as grading_testing
-    from gagar_jax.train import loop
+    from gagar_jax.rl import train
 
     grader = (grading_testing.CrashingGrader() if kind == "crash"
               else grading_testing.HangingGrader())
     cfg = smoke_config("gagar", **{"grading.deadline_s": 1.0, "loop.total_steps": 2})
     t0 = time.monotonic()
     try:
-        loop.train_and_evaluate(cfg, str(tmp_path), grader=grader)
+        train.train_and_evaluate(cfg, str(tmp_path), grader=grader)
     finally:
         if kind == "hang":
             grader.release()
@@ -171,13 +171,13 @@ def test_failing_grader_falls_back_and_training_continues(kind, tmp_path):
 
 def test_dead_agentic_grader_server_falls_back(tmp_path):
     """The agentic grader pointed at a real dead endpoint: groups fall back, the run finishes."""
-    from gagar_jax.train import loop
+    from gagar_jax.rl import train
 
     url = f"http://127.0.0.1:{_free_port()}"
     cfg = smoke_config("gagar", **{"grading.grader": "agentic", "grading.sglang_url": url,
                                    "grading.deadline_s": 2.0, "loop.total_steps": 1})
     t0 = time.monotonic()
-    loop.train_and_evaluate(cfg, str(tmp_path))
+    train.train_and_evaluate(cfg, str(tmp_path))
     (row,) = train_rows(tmp_path)
     assert row["grading_fallbacks"] == cfg.rollout.num_prompts
     assert row["grading_graded_frac"] == 0.0
@@ -185,14 +185,14 @@ def test_dead_agentic_grader_server_falls_back(tmp_path):
 
 
 def test_refused_resume_leaves_the_run_untouched(tmp_path):
-    from gagar_jax.train import loop
+    from gagar_jax.rl import train
 
-    loop.train_and_evaluate(smoke_config("gagar", **{"loop.total_steps": 1}), str(tmp_path))
+    train.train_and_evaluate(smoke_config("gagar", **{"loop.total_steps": 1}), str(tmp_path))
     before = (tmp_path / "config.json").read_text()
     for other in (smoke_config("binary", **{"loop.total_steps": 1}),
                   smoke_config("gagar", **{"optim.lr": 0.5, "loop.total_steps": 1})):
-        with pytest.raises(loop.ResumeMismatchError, match="fingerprint"):
-            loop.train_and_evaluate(other, str(tmp_path))
+        with pytest.raises(train.ResumeMismatchError, match="fingerprint"):
+            train.train_and_evaluate(other, str(tmp_path))
     assert (tmp_path / "config.json").read_text() == before
 
 

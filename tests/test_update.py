@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from gagar_jax.models import logical_to_spec
-from gagar_jax.train import (
+from gagar_jax.update import (
     UpdateConfig,
     check_batch,
     create_train_state,
@@ -19,7 +19,7 @@ from gagar_jax.train import (
     shard_batch,
     state_shardings,
 )
-from gagar_jax.train.state import abstract_model
+from gagar_jax.update.state import abstract_model
 from tests.test_update_fixtures import CONFIG, MODEL, make_batch
 
 # A larger Adam eps keeps the first step's update proportional to the gradient (instead of

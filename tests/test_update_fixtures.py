@@ -3,7 +3,7 @@
 import numpy as np
 
 from gagar_jax.models import TransformerConfig
-from gagar_jax.train import UpdateBatch, UpdateConfig
+from gagar_jax.update import UpdateBatch, UpdateConfig
 
 MODEL = TransformerConfig(
     vocab_size=64,

@@ -17,7 +17,7 @@ STEPS = 2
 
 def _summaries(mesh_shape):
     """Metrics and per-leaf parameter sums of squares after STEPS updates (process-agnostic)."""
-    from gagar_jax.train import create_train_state, jit_update, make_mesh, shard_batch
+    from gagar_jax.update import create_train_state, jit_update, make_mesh, shard_batch
     from tests.test_update_fixtures import CONFIG, MODEL, make_batch
 
     mesh = make_mesh(mesh_shape)

@@ -16,7 +16,7 @@ from flax import nnx
 from gagar_jax.models import TransformerConfig, create_model
 from gagar_jax.rollout import SamplingParams
 from gagar_jax.rollout.sampler import Sampler
-from gagar_jax.train import (
+from gagar_jax.update import (
     UpdateBatch,
     UpdateConfig,
     create_train_state,
@@ -92,8 +92,8 @@ def test_sampler_rollouts_are_on_policy_at_the_first_step(model, temperature):
 def test_temperature_is_validated_and_taken_from_the_rollout_config():
     with pytest.raises(ValueError, match="update.temperature"):
         UpdateConfig(temperature=0.0)
-    from gagar_jax.train.rl_adapter import update_config
-    from gagar_jax.train.run_config import RunConfig
+    from gagar_jax.rl.config import RunConfig
+    from gagar_jax.rl.rl_adapter import update_config
 
     cfg = RunConfig()
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=0.7))

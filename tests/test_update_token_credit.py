@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gagar_jax.losses import delivered_credit, policy_loss
-from gagar_jax.train import (
+from gagar_jax.update import (
     check_batch,
     create_train_state,
     jit_update,

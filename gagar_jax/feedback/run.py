@@ -3,7 +3,7 @@
 ``train_feedback(cfg, workdir)`` runs (or resumes) one mode:
 
 1. **Base** (shared by every mode and seed that names the same ``base.dir``): a policy
-   warm-started by SFT on demonstrations of every passing kind (``gagar_jax.train.sft``), its
+   warm-started by SFT on demonstrations of every passing kind (``gagar_jax.update.sft``), its
    samples on the training tasks, and the rule-based simulated user's feedback on each
    (``gagar_jax.envs.simulated_user``), written as ``feedback.jsonl`` (``gagar_jax.data.feedback``
    records) next to ``base_params.npz``. Built once; later runs load it, so all modes train on
@@ -263,7 +263,7 @@ class FeedbackRunConfig:
         )
 
     def update_config(self):
-        from gagar_jax.train.state import UpdateConfig
+        from gagar_jax.update.state import UpdateConfig
 
         o = self.optim
         return UpdateConfig(
@@ -407,7 +407,7 @@ def prepare_base(
     from gagar_jax.envs.simulated_user import feedback_record
     from gagar_jax.models import Transformer
     from gagar_jax.rollout.sampler import Sampler
-    from gagar_jax.train import sft
+    from gagar_jax.update import sft
 
     os.makedirs(base_dir, exist_ok=True)
     meta_path = os.path.join(base_dir, "base.json")
@@ -521,7 +521,7 @@ def batch_indices(step: int, batch_size: int, num_records: int, seed: int) -> np
 
 
 def _mesh(shape):
-    from gagar_jax.train.state import make_mesh
+    from gagar_jax.update.state import make_mesh
 
     n = len(jax.devices())
     known = int(np.prod([s for s in shape if s != -1]))
@@ -539,9 +539,9 @@ def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[s
     )
     from gagar_jax.feedback import step as fstep
     from gagar_jax.models import model_from_params
+    from gagar_jax.rl import writers
     from gagar_jax.rollout.sampler import Sampler
-    from gagar_jax.train import metrics_io
-    from gagar_jax.train.checkpoint import Checkpointer
+    from gagar_jax.update.checkpoint import Checkpointer
 
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -581,8 +581,8 @@ def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[s
     else:
         state = fstep.create_feedback_state(mc, uc, mesh, base["params"], seed=cfg.seed)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    metrics_io.truncate_jsonl(metrics_path, keep_before_step=start)
-    writer = metrics_io.MetricsWriter(
+    writers.truncate_jsonl(metrics_path, keep_before_step=start)
+    writer = writers.MetricsWriter(
         workdir,
         total_steps=cfg.loop.steps,
         start_step=start,
@@ -645,7 +645,7 @@ def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[s
     finally:
         ck.close()
         writer.close()
-    rows = metrics_io.read_jsonl(metrics_path)
+    rows = writers.read_jsonl(metrics_path)
     evals = [r for r in rows if r.get("phase") == "eval"]
     summary = {
         "mode": obj.mode,

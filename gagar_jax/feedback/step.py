@@ -27,7 +27,7 @@ reference never changes). ``benchmarks/feedback_ref.py`` measures both.
 Token alignment as in the RL update: arrays describe token ``t``; the logits at ``t - 1`` predict
 it, so every ``[N, T]`` array is used from column 1 and ``response_mask[:, 0]`` must be False.
 
-Imports from the update library (``gagar_jax.train``): ``UpdateConfig``, ``make_optimizer``,
+Imports from the update library (``gagar_jax.update``): ``UpdateConfig``, ``make_optimizer``,
 ``learning_rate_schedule``, ``state_shardings``, ``abstract_model``, ``BATCH_AXES``. Nothing else
 of the RL experiment is used here.
 """
@@ -53,7 +53,7 @@ from gagar_jax.losses import (
     token_logprobs_and_entropy,
 )
 from gagar_jax.models import BATCH_AXES, TransformerConfig
-from gagar_jax.train.state import (
+from gagar_jax.update.state import (
     UpdateConfig,
     abstract_model,
     learning_rate_schedule,

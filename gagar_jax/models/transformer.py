@@ -853,6 +853,6 @@ def create_model(config: TransformerConfig, seed: int = 0) -> Transformer:
 
     Eager NNX construction runs (and compiles) every initialiser op separately, which costs
     tens of seconds on CPU; this is the fast path for tests, benchmarks and samplers. Sharded
-    creation for training lives in ``gagar_jax.train.state``.
+    creation for training lives in ``gagar_jax.update.state``.
     """
     return nnx.jit(lambda key: Transformer(config, rngs=nnx.Rngs(params=key)))(jax.random.key(seed))

@@ -1,14 +1,14 @@
-"""The RL train state behind :class:`~gagar_jax.train.backends.Policy`, on the sharded update.
+"""The RL train state behind :class:`~gagar_jax.rl.backends.Policy`, on the sharded update.
 
-Wires the loop to the policy-update package (``gagar_jax.train.state`` / ``update``):
+Wires the loop to the policy-update package (``gagar_jax.update.state`` / ``update``):
 
 * :func:`update_config` maps the run config to its ``UpdateConfig`` (optimiser, PPO-clip,
   geometry, and the ``GagarConfig`` whose ``mode`` the training mode chooses);
 * the train state is created already sharded on the run's mesh from the (SFT-warmed) model's
   parameters; ``jit_update`` compiles the update once for the static batch shape;
-* a :class:`~gagar_jax.train.sampling.PackedBatch` ``[G, K, T]`` becomes an ``UpdateBatch``
+* a :class:`~gagar_jax.rl.collect.PackedBatch` ``[G, K, T]`` becomes an ``UpdateBatch``
   (group-major rows ``n = g * K + k``), validated on the host (``check_batch``) and sharded;
-* checkpoints: the policy package's :class:`~gagar_jax.train.checkpoint.Checkpointer` (orbax,
+* checkpoints: the policy package's :class:`~gagar_jax.update.checkpoint.Checkpointer` (orbax,
   keep-N, config fingerprint) saves the whole ``TrainState``, waited on before the loop writes
   its bookkeeping, so a listed step is always complete; restores go onto the live state's
   shardings.
@@ -21,8 +21,8 @@ import os
 import jax
 import numpy as np
 
-from gagar_jax.train.run_config import RunConfig
-from gagar_jax.train.sampling import PackedBatch
+from gagar_jax.rl.collect import PackedBatch
+from gagar_jax.rl.config import RunConfig
 
 
 def finished_checkpoint_steps(directory: str) -> list[int]:
@@ -36,7 +36,7 @@ def finished_checkpoint_steps(directory: str) -> list[int]:
 
 def update_config(cfg: RunConfig):
     """The policy update's ``UpdateConfig`` for this run."""
-    from gagar_jax.train.state import UpdateConfig
+    from gagar_jax.update.state import UpdateConfig
 
     o = cfg.optim
     return UpdateConfig(
@@ -54,7 +54,7 @@ def update_config(cfg: RunConfig):
 
 def to_update_batch(batch: PackedBatch):
     """``[G, K, T]`` packed rollouts -> the update's ``[N, T]`` group-major ``UpdateBatch``."""
-    from gagar_jax.train.update import UpdateBatch
+    from gagar_jax.update.step import UpdateBatch
 
     G, K, T = batch.tokens.shape
     rows = lambda x: np.ascontiguousarray(x.reshape(G * K, T))
@@ -119,9 +119,9 @@ class RLState:
     def __init__(self, cfg: RunConfig, model, mesh, ckpt_dir: str):
         from flax import nnx
 
-        from gagar_jax.train.checkpoint import Checkpointer
-        from gagar_jax.train.state import create_train_state
-        from gagar_jax.train.update import jit_update
+        from gagar_jax.update.checkpoint import Checkpointer
+        from gagar_jax.update.state import create_train_state
+        from gagar_jax.update.step import jit_update
 
         self.cfg = cfg
         self.model = model
@@ -146,7 +146,7 @@ class RLState:
     def update(self, batch: PackedBatch, *, step: int) -> dict[str, float]:
         """One update on ``batch``: this host's ``[G / P, K, T]`` rows, the global ``[G, K]``
         group fields (``P`` processes; one process: the whole batch)."""
-        from gagar_jax.train.update import check_batch, shard_host_batch
+        from gagar_jax.update.step import check_batch, shard_host_batch
 
         ub = to_update_batch(batch)
         if not self.cfg.grading.enabled:

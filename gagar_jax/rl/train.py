@@ -8,7 +8,7 @@ One RL step (``for step in range(start, total)``), each piece from its own packa
    ``rollout.run_episodes`` (one batched engine call per turn; model tokens kept as generated,
    observations masked out of the loss); each is verified by the family (tests + behaviour
    monitor). A verifier crash is an infra error: masked, counted.
-2. **Dynamic sampling** (:func:`~gagar_jax.train.sampling.collect_groups`): rounds of fresh prompts
+2. **Dynamic sampling** (:func:`~gagar_jax.rl.collect.collect_groups`): rounds of fresh prompts
    until ``num_prompts`` mixed groups are held (cap + clear error, or a partial batch when allowed).
 3. **Grading, overlapped.** Every kept group is submitted to the grading pool the moment it is
    kept, so grading runs while the following refill rounds generate; after the last round the
@@ -20,7 +20,7 @@ One RL step (``for step in range(start, total)``), each piece from its own packa
    version back: ``rollout/weight_version``), with the training-inference mismatch of the step's
    batch (``rollout/logprob_mismatch_k3``, ``rollout/logprob_mismatch_max_abs``).
 7. Periodic **held-out evaluation**, **checkpoint** (train state via orbax; loop bookkeeping via
-   :class:`~gagar_jax.train.resume.ResumeStore` after the state is finished writing) and metrics.
+   :class:`~gagar_jax.rl.resume.ResumeStore` after the state is finished writing) and metrics.
 
 Modes (``config.mode``) change only the advantage redistribution inside the update; the grader
 runs in every mode so quality and T1 share are measured identically.
@@ -45,11 +45,11 @@ import jax
 import numpy as np
 
 from gagar_jax.data.audit import PassRateTracker
-from gagar_jax.train import metrics_io
-from gagar_jax.train.multihost import Hosts, check_process_rows, prompt_seed
-from gagar_jax.train.resume import LoopState, ResumeStore, TaskStream
-from gagar_jax.train.run_config import MeshConfig, RunConfig
-from gagar_jax.train.sampling import Group, Rollout, collect_blocks, pack_groups, select_prompts
+from gagar_jax.rl import writers
+from gagar_jax.rl.collect import Group, Rollout, collect_blocks, pack_groups, select_prompts
+from gagar_jax.rl.config import MeshConfig, RunConfig
+from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
+from gagar_jax.rl.resume import LoopState, ResumeStore, TaskStream
 
 
 class ResumeMismatchError(RuntimeError):
@@ -488,14 +488,14 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
 
     Advances ``ls.data_position`` by every prompt drawn (by all hosts). With ``tracker``
     (``task.skip_saturated``), prompt selection passes over tasks the tracker finds saturated
-    (:func:`~gagar_jax.train.sampling.select_prompts`; ``sres.skipped_saturated`` counts them)
+    (:func:`~gagar_jax.rl.collect.select_prompts`; ``sres.skipped_saturated`` counts them)
     and, after the step, the tracker records every drawn group's valid rollouts of every host
     (exchanged with the verdicts, recorded in host order), so it stays identical on all hosts.
     Returns
     ``(SamplingResult, StepCounters, grading metrics, time the grading wait started, batch)``:
     the counters and metrics are over all hosts, the :class:`PackedBatch` holds this host's
     ``[G / P, K, T]`` rows and the global ``[G, K]`` group fields (see
-    :mod:`gagar_jax.train.multihost`).
+    :mod:`gagar_jax.rl.multihost`).
     """
     hosts = hosts or Hosts(cfg.mesh.host_timeout_s)
     G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
@@ -620,7 +620,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
       grader: optional grader object (``grade(workspace[, cancel])``) used instead of the one
         ``cfg.grading.grader`` names, e.g. a custom grader from a notebook.
     """
-    from gagar_jax.train import backends
+    from gagar_jax.rl import backends
 
     workdir = os.path.abspath(workdir)
     hosts = Hosts(cfg.mesh.host_timeout_s)
@@ -656,9 +656,9 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             import json
 
             json.dump(cfg.to_dict(), f, indent=1, sort_keys=True, default=str)
-        dropped = metrics_io.truncate_jsonl(metrics_path, keep_before_step=ls.step,
+        dropped = writers.truncate_jsonl(metrics_path, keep_before_step=ls.step,
                                             drop_phases=None if ls.sft_done else ("sft",))
-    writer = metrics_io.MetricsWriter(workdir, total_steps=cfg.loop.total_steps,
+    writer = writers.MetricsWriter(workdir, total_steps=cfg.loop.total_steps,
                                       start_step=ls.step, primary=primary)
     if resume_step is not None:
         writer.log(f"resumed from checkpoint {resume_step}: step {ls.step}, data position "
@@ -756,17 +756,17 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         grading_pool.close()
         writer.close()
     if primary:
-        rows = metrics_io.read_jsonl(metrics_path)
-        summary.update(metrics_io.summarize(rows))
+        rows = writers.read_jsonl(metrics_path)
+        summary.update(writers.summarize(rows))
         if cfg.loop.plot:
-            summary["plot"] = metrics_io.plot_run(workdir)
+            summary["plot"] = writers.plot_run(workdir)
         _print_summary(cfg, workdir, summary)
     return summary
 
 
 def _print_summary(cfg: RunConfig, workdir: str, summary: dict[str, Any]) -> None:
     lines = [f"== {cfg.name} ({cfg.mode}) finished: {cfg.loop.total_steps} steps in {workdir}"]
-    for key, title in metrics_io.PLOT_PANELS:
+    for key, title in writers.PLOT_PANELS:
         a, b = summary.get(f"{key}_first"), summary.get(f"{key}_last")
         if a is None or b is None:
             continue
@@ -783,7 +783,7 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
     """Restores a run's checkpoint (newest complete one for ``step=-1``) and evaluates it."""
     import json
 
-    from gagar_jax.train import backends
+    from gagar_jax.rl import backends
 
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):

@@ -55,7 +55,7 @@ from gagar_jax.losses import (
     token_logprobs_and_entropy,
 )
 from gagar_jax.models import BATCH_AXES, TransformerConfig
-from gagar_jax.train.state import (
+from gagar_jax.update.state import (
     TrainState,
     UpdateConfig,
     abstract_model,
@@ -429,7 +429,7 @@ def shard_host_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
 
     The multi-host form of :func:`shard_batch`: the ``[N_local, T]`` token fields hold only the
     rows this process's devices own (process ``p``: rows ``[p * N_local, (p + 1) * N_local)``,
-    see ``gagar_jax.train.multihost.check_process_rows``), assembled with
+    see ``gagar_jax.rl.multihost.check_process_rows``), assembled with
     ``jax.make_array_from_process_local_data``, so no host holds another host's rollouts; the
     small ``[G, K]`` group fields are global (identical on every process) and replicated. With
     one process the local rows are all rows and this equals :func:`shard_batch`.

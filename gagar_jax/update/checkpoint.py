@@ -2,7 +2,7 @@
 
 A checkpoint at step ``s`` holds two items:
 
-- ``state``: the whole :class:`~gagar_jax.train.TrainState` (params, optimizer state, update
+- ``state``: the whole :class:`~gagar_jax.update.TrainState` (params, optimizer state, update
   count, RNG key), saved asynchronously by orbax from the sharded arrays and restored directly
   into a sharded abstract state (any mesh: orbax reshards on read);
 - ``meta``: JSON with the data position (whatever the loop needs to continue its input stream,
@@ -43,7 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from gagar_jax.models import TransformerConfig
-from gagar_jax.train.state import TrainState, UpdateConfig, config_fingerprint, state_shardings
+from gagar_jax.update.state import TrainState, UpdateConfig, config_fingerprint, state_shardings
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import os
 import jax
 import numpy as np
 
-from gagar_jax.train.run_config import RunConfig
-from gagar_jax.train.sampling import PackedBatch
+from gagar_jax.rl.collect import PackedBatch
+from gagar_jax.rl.config import RunConfig
 
 
 def transformer_config(cfg: RunConfig, vocab_size: int):
@@ -78,7 +78,7 @@ class Policy:
 
     # -- SFT --------------------------------------------------------------------------------
     def run_sft(self, demos, *, pad_id: int, log_fn=None):
-        from gagar_jax.train import sft
+        from gagar_jax.update import sft
 
         if self._rl is not None:
             raise RuntimeError("run_sft after the RL state exists")
@@ -91,7 +91,7 @@ class Policy:
     # -- RL ---------------------------------------------------------------------------------
     def _rl_state(self):
         if self._rl is None:
-            from gagar_jax.train import rl_adapter
+            from gagar_jax.rl import rl_adapter
 
             self._rl = rl_adapter.RLState.create(self.cfg, self.model, self.mesh,
                                                  self._ckpt_dir)
@@ -114,7 +114,7 @@ class Policy:
 
     # -- checkpoints --------------------------------------------------------------------------
     def checkpoint_steps(self) -> list[int]:
-        from gagar_jax.train import rl_adapter
+        from gagar_jax.rl import rl_adapter
 
         return rl_adapter.finished_checkpoint_steps(self._ckpt_dir)
 

@@ -1,0 +1,12 @@
+"""The RL experiment: run config, the training loop, collection, resume, metrics writers.
+
+It drives the update library (:mod:`gagar_jax.update`) with rollouts (:mod:`gagar_jax.rollout`),
+task families (:mod:`gagar_jax.envs`) and graders (:mod:`gagar_jax.grading`), and is the only
+package that imports all of them.
+
+Modules: ``config`` (``RunConfig``, the validated run config), ``train`` (``train_and_evaluate``,
+the loop; ``evaluate_checkpoint``), ``collect`` (rollout records, groups, dynamic sampling,
+packing), ``resume`` (the loop's bookkeeping), ``writers`` (metrics JSONL/TensorBoard/console,
+plots, comparisons), ``multihost`` (one loop over ``jax.distributed`` processes). The package
+itself imports nothing, so ``from gagar_jax.rl import writers`` stays light.
+"""
