@@ -26,8 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+
+# Measure the checkout this script lives in (run as a script, sys.path[0] is benchmarks/ and
+# the venv's editable install may point at another checkout).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 
