@@ -718,7 +718,10 @@ class Transformer(nnx.Module):
             )
             return x, cache_kv, stats
         fn = apply
-        if c.remat:
+        # Not with a KV cache (sampling): nothing is differentiated there, and nnx.remat inside
+        # the sampler's decode loop would update the layer's Params from the loop body's trace
+        # (flax TraceContextError), so `remat=True` models could not sample.
+        if c.remat and cache_kv is None:
             fn = nnx.remat(apply, policy=_remat_policy(c.remat_policy))
         all_stats = []
         for i, block in enumerate(self.layers):
