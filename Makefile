@@ -58,17 +58,20 @@ COMPARE ?= runs/compare
 SEEDS ?= 1
 COMPARE_MODES ?= gagar binary discount_only gagar_token
 COMPARE_ARGS ?=
+# a configs/toy_gagar.py variant word added to each mode (e.g. imbalanced: the discount-only regime)
+COMPARE_VARIANT ?=
 comma := ,
 empty :=
 space := $(empty) $(empty)
 compare: setup
 	for s in $$(seq 0 $$(( $(SEEDS) - 1 ))); do for m in $(COMPARE_MODES); do \
-	  XLA_FLAGS= $(PY) scripts/train.py --config=configs/toy_gagar.py:$$m \
+	  XLA_FLAGS= $(PY) scripts/train.py \
+	    --config=configs/toy_gagar.py:$$m$(if $(COMPARE_VARIANT),$(comma)$(COMPARE_VARIANT)) \
 	    --workdir=$(COMPARE)/$$m/seed$$s --config.seed=$$s $(COMPARE_ARGS) || exit 1; \
 	done; done
 	$(PY) scripts/compare_runs.py --root=$(COMPARE) --seeds=$(SEEDS) --out=$(COMPARE) \
 	  --modes=$(subst $(space),$(comma),$(strip $(COMPARE_MODES))) \
-	  --command='make compare SEEDS=$(SEEDS) COMPARE_ARGS="$(COMPARE_ARGS)"'
+	  --command='make compare SEEDS=$(SEEDS) COMPARE_ARGS="$(COMPARE_ARGS)"$(if $(COMPARE_VARIANT), COMPARE_VARIANT=$(COMPARE_VARIANT))$(if $(filter-out gagar binary discount_only gagar_token,$(COMPARE_MODES))$(filter-out 4,$(words $(COMPARE_MODES))), COMPARE_MODES="$(COMPARE_MODES)")'
 
 # End to end with a real SGLang server in the loop (scripts/e2e.py): tiny random Qwen2 + local
 # BPE tokenizer, the fixture repositories, SFT warm start on tool-call demonstrations, 3 RL steps

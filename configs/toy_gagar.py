@@ -5,42 +5,58 @@ r"""The main job: Gagar on the toy code-repair family, embedded sampler + heuris
     python scripts/train.py --config=configs/toy_gagar.py:discount_only,smoke --workdir=/tmp/s
 
 The argument is a comma-separated list: a mode (``gagar`` | ``binary`` | ``discount_only`` |
-``gagar_token``) and/or ``smoke`` (a seconds-long run for CI and tests). ``make train`` runs the
-default (about 10 minutes on 2 CPU cores); ``make compare`` runs the four modes and compares
-them.
+``gagar_token``), ``imbalanced`` and/or ``smoke`` (a seconds-long run for CI and tests).
+``make train`` runs the default (about 10 minutes on 2 CPU cores); ``make compare`` runs the four
+modes and compares them.
+
+``imbalanced`` is the regime for the discount-only question (README "The discount-only
+question"): the heuristic grader puts only the ``minimal`` patch kind in T1 (every other passing
+kind is T2, the cheat T3), and the default warm start demonstrates ``minimal`` among the five
+kinds, so RL with any quality signal drives the T1 share to ~0.9 and the discounted credit --
+the imbalance ``discount_only`` is about -- vanishes. ``imbalanced`` warm-starts on the
+``sprawling``, ``out_of_scope`` and ``side_effect`` kinds only (``task.demo_kinds``; no
+``minimal``, no ``inconsistent``, its one-token reordering), with the weaker 150-step SFT, a
+higher learning rate (1e-3) and ``IMBALANCED_STEPS`` RL steps.
 """
 
 import ml_collections
 
 MODES = ("gagar", "binary", "discount_only", "gagar_token")
+IMBALANCED_DEMO_KINDS = "sprawling,out_of_scope,side_effect"
+IMBALANCED_STEPS = 40
 
 
 def parse_arg(arg):
-    """'binary,smoke' -> ('binary', True). Unknown words are an error naming them."""
+    """'binary,smoke' -> ('binary', False, True): (mode, imbalanced, smoke). Unknown words are
+    an error naming them."""
     words = [w.strip() for w in (arg or "").split(",") if w.strip()]
-    mode, smoke = "gagar", False
+    mode, imbalanced, smoke = "gagar", False, False
     for w in words:
         if w in MODES:
             mode = w
         elif w == "smoke":
             smoke = True
+        elif w == "imbalanced":
+            imbalanced = True
         else:
             raise ValueError(f"config argument {w!r} not understood; expected one of "
-                             f"{MODES + ('smoke',)}")
-    return mode, smoke
+                             f"{MODES + ('imbalanced', 'smoke')}")
+    return mode, imbalanced, smoke
 
 
 def get_config(arg=None):
-    mode, smoke = parse_arg(arg)
+    mode, imbalanced, smoke = parse_arg(arg)
     c = ml_collections.ConfigDict()
-    c.name = f"toy_{mode}" + ("_smoke" if smoke else "")
+    c.name = (f"toy_{mode}" + ("_imbalanced" if imbalanced else "")
+              + ("_smoke" if smoke else ""))
     c.mode = mode
     c.seed = 0
 
     # skip_saturated: pass over tasks whose last saturation_window rollouts all passed or all
     # failed (README "Skipping saturated tasks in training"); off: selection is unchanged
     c.task = dict(family="toy", seed=0, difficulty=1, num_train=512, num_eval=32,
-                  skip_saturated=False, saturation_window=8, saturation_min_attempts=4)
+                  skip_saturated=False, saturation_window=8, saturation_min_attempts=4,
+                  demo_kinds="")
     c.model = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                    intermediate_size=256, rope_theta=10000.0, rms_norm_eps=1e-6,
                    qkv_bias=False, tie_embeddings=True, dtype="float32",
@@ -65,6 +81,11 @@ def get_config(arg=None):
     c.mesh = dict(shape=(1, -1, 1), coordinator_address="", num_processes=1, process_id=0,
                   host_timeout_s=900.0, heartbeat_timeout_s=100)
 
+    if imbalanced:
+        c.task.demo_kinds = IMBALANCED_DEMO_KINDS
+        c.sft.steps = 150
+        c.optim.lr = 1e-3
+        c.loop.total_steps = IMBALANCED_STEPS
     if smoke:
         # Plumbing, not learning: a 3-step SFT policy rarely passes, so dynamic sampling is off
         # (each step takes its G groups as drawn) and eval rows = G*K reuse one sampler bucket.

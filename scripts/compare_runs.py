@@ -11,9 +11,10 @@ With several seeds per mode (``make compare SEEDS=5`` lays them out as ``ROOT/<m
     python scripts/compare_runs.py --root=runs/compare --modes=gagar,binary,discount_only,\
 gagar_token --seeds=5 --out=runs/compare [--readme=README.md --command="make compare SEEDS=5"]
 
-writes ``OUT/ablation.{md,png,json}``: per mode the mean and standard error over seeds of each
-metric, a plot with ±1 SE bands, the held-out pass-rate change over the SFT start, and the
-relation between credit imbalance and entropy drift (``gagar_jax.analysis.ablation``);
+writes ``OUT/ablation.{md,png,json}`` (``--prefix`` renames them): per mode the mean and
+standard error over seeds of each metric, a plot with ±1 SE bands, the held-out pass-rate
+change over the SFT start, the relation between credit imbalance and entropy drift (per run and
+per step) and the paired discount_only - gagar differences (``gagar_jax.analysis.ablation``);
 ``--readme`` rewrites the README's ablation table from them.
 """
 
@@ -37,6 +38,20 @@ flags.DEFINE_string(
     "Multi-seed mode: the README block (<!-- NAME:begin/end -->) to rewrite.",
 )
 flags.DEFINE_string("image", None, "Multi-seed mode: the plot's link in the markdown.")
+flags.DEFINE_string(
+    "prefix", "ablation", "Multi-seed mode: output file names OUT/PREFIX.{md,png,json}."
+)
+flags.DEFINE_string("title", "toy ablation", "Multi-seed mode: the plot's title.")
+flags.DEFINE_list(
+    "paired",
+    ["discount_only-gagar"],
+    "Multi-seed mode: A-B mode pairs whose per-seed differences are reported.",
+)
+flags.DEFINE_list(
+    "fit_roots",
+    [],
+    "Multi-seed mode: further sweep roots pooled into one imbalance-entropy fit.",
+)
 flags.DEFINE_list("labels", None, "Labels (default: the directory names).")
 flags.DEFINE_string("out", None, "Output directory (default: the parent of the first workdir).")
 flags.DEFINE_integer("window", 5, "Steps averaged for the first/last figures.")
@@ -61,9 +76,12 @@ def main(argv):
                 window=FLAGS.window,
                 command=FLAGS.command,
                 readme=FLAGS.readme,
-                title="toy ablation, mean ± 1 SE over seeds",
+                title=f"{FLAGS.title}, mean ± 1 SE over seeds",
                 readme_block=FLAGS.readme_block,
                 image=FLAGS.image,
+                prefix=FLAGS.prefix,
+                fit_roots=FLAGS.fit_roots,
+                paired_modes=[tuple(p.split("-", 1)) for p in FLAGS.paired],
             )
         )
         return

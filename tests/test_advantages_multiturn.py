@@ -2,10 +2,13 @@
 stopping-invariant baseline without it; NumPy reference, layouts, identities."""
 
 import hypothesis.extra.numpy as hnp
+import jax
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gagar_jax.advantages import mean_centered
 from gagar_jax.advantages import multiturn as mt
@@ -126,3 +129,32 @@ def test_turns_to_tokens_and_bad_input():
         mt.per_turn_advantages(r, np.zeros((1, 2, 3), bool), baseline="x")
     with pytest.raises(ValueError, match="turn_mask"):
         mt.per_turn_advantages(r, np.zeros((1, 2, 4), bool))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("baseline", mt.BASELINES)
+def test_sharded_equals_unsharded(baseline):
+    rng = np.random.default_rng(3)
+    g, k, lmax = 8, 4, 5
+    lengths = rng.integers(0, lmax + 1, size=(g, k))
+    m = np.arange(lmax)[None, None, :] < lengths[..., None]
+    r = rng.normal(size=(g, k, lmax)).astype(np.float32)
+    want = np.asarray(mt.per_turn_advantages(r, m, baseline=baseline))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "fsdp"))
+    rows = NamedSharding(mesh, P(("data", "fsdp"), None, None))
+    got = mt.per_turn_advantages(
+        jax.device_put(r, rows), jax.device_put(m, rows), baseline=baseline
+    )
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    # Flat layout, episodes sharded along N (groups split over devices).
+    flat_rows = NamedSharding(mesh, P(("data", "fsdp"), None))
+    flat = mt.per_turn_advantages(
+        jax.device_put(r.reshape(g * k, lmax), flat_rows),
+        jax.device_put(m.reshape(g * k, lmax), flat_rows),
+        baseline=baseline,
+        group_ids=jax.device_put(
+            np.repeat(np.arange(g), k), NamedSharding(mesh, P(("data", "fsdp")))
+        ),
+        num_groups=g,
+    )
+    np.testing.assert_allclose(np.asarray(flat), want.reshape(g * k, lmax), rtol=1e-6, atol=1e-6)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,9 +96,11 @@ def discount_factors(
       num_groups: flat layout only, static Python int G.
 
     Returns:
-      `Factors(factors, ok)`. With concrete inputs an invalid tier or rank on a passing valid
-      slot raises a ValueError naming the field and slot; under `jit` the group is reported
-      with `ok = False` and gets factors 1 (callers fall back to the original advantages).
+      `Factors(factors, ok)`: `factors` [G, K] (or [N]) float32 in (0, 1] (1 off the passing
+      set), `ok` [G] bool (the group's tiers and ranks were valid). With concrete inputs an
+      invalid tier or rank on a passing valid slot raises a ValueError naming the field and
+      slot; under `jit` the group is reported with `ok = False` and gets factors 1 (callers
+      fall back to the original advantages).
     """
     tf = check_tier_factors(tier_factors, rank_decay)
     groups = _layout.Groups.make("tier", tier, group_ids, num_groups)
@@ -107,6 +110,8 @@ def discount_factors(
     valid = _layout.check_bool("valid", valid)
     for name, x in (("rank", rank), ("passed", passed), ("valid", valid)):
         groups.check(name, x)
+    chex.assert_rank(tier, 1 if groups.flat else 2)
+    chex.assert_equal_shape([tier, rank, passed, valid])
 
     graded = passed & valid
     bad_tier = graded & ((tier < 1) | (tier > NUM_TIERS))

@@ -32,6 +32,7 @@ Layout: dense `[G, K, L]` (G groups, K episodes, up to L turns) with a `turn_mas
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,12 +57,19 @@ def per_turn_advantages(
     group_ids: Array | None = None,
     num_groups: int | None = None,
 ) -> Array:
-    """Turn-level advantages `A_{i,t}` of multi-turn episodes (see the module docstring).
+    """Turn-level advantages `A_{i,t}` of multi-turn episodes.
 
-    "stopping_invariant": `A_{i,t} = G_{i,t} - mean_j G_{j,t}` over all the group's episodes
-    (stopped ones contribute `G = 0`); the baseline never depends on the episode's own length.
-    "per_turn_index": `A_{i,t} = sum_{s >= t} (r_{i,s} - mu_s)`, `mu_s` the mean reward at turn
-    index s over the episodes that reached it: biased by `-mu` per extra turn.
+    With `L_i` the turns episode i took, `G_{i,t} = sum_{s=t}^{L_i - 1} r_{i,s}` its return-to-go
+    (0 for `t >= L_i`) and n the group's episodes:
+
+        "stopping_invariant":  A_{i,t} = G_{i,t} - (1/n) sum_j G_{j,t}
+        "per_turn_index":      A_{i,t} = sum_{s=t}^{L_i - 1} (r_{i,s} - mu_s),
+                               mu_s = mean_{j : L_j > s} r_{j,s}
+
+    The first baseline has n terms at every turn (a stopped episode contributes `G = 0`), so it
+    never depends on the episode's own length; at `t = 0` it is `mean_centered` of the returns.
+    The second has `L_i - t` terms, a baseline that depends on the episode's stopping turn: a
+    hidden bonus of `-mu_{t+1}` per extra turn (verl RFC #7244), kept only to show that bias.
 
     Args:
       turn_rewards: [G, K, L] (or [N, L]) float32, reward of each turn (0 off the mask).
@@ -86,6 +94,8 @@ def per_turn_advantages(
     if r.ndim < 2:
         raise ValueError(f"turn_rewards: expected [G, K, L] or [N, L], got shape {list(r.shape)}")
     groups = _layout.Groups.make("turn_rewards", r[..., 0], group_ids, num_groups)
+    chex.assert_rank(r, 2 if groups.flat else 3)
+    chex.assert_equal_shape([r, m])
     if _layout.is_concrete(m):
         mv = np.asarray(m)
         if (mv[..., 1:] & ~mv[..., :-1]).any():
@@ -130,5 +140,7 @@ def turns_to_tokens(turn_advantages: Array, token_turn: Array, mask: Array) -> A
             f"turn_advantages [N, L] and token_turn [N, T] must share N, got "
             f"{list(a.shape)} and {list(tt.shape)}"
         )
+    chex.assert_rank([a, tt, mask], 2)
+    chex.assert_equal_shape([tt, mask])
     idx = jnp.clip(tt, 0, a.shape[-1] - 1)
     return jnp.where(mask, jnp.take_along_axis(a, idx, axis=-1), 0.0)

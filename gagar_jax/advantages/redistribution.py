@@ -156,6 +156,7 @@ def broadcast_to_tokens(seq_advantages: Array, response_mask: Array) -> Array:
             f"response_mask: expected shape {list(seq.shape) + ['T']} (seq_advantages.shape + [T]),"
             f" got {list(mask.shape)}"
         )
+    chex.assert_rank(mask, seq.ndim + 1)
     return seq[..., None] * mask.astype(jnp.float32)
 
 

@@ -159,7 +159,14 @@ def redistribute_tokens(
     token-mean loss and under the two seq-mean aggregations), every masked token keeps the sign
     of `A`, more important tokens never get less credit, and each token's weight lies in
     `[1 - gamma, 1 + gamma]`. `gamma = 0` or constant importance give exactly
-    `broadcast_to_tokens(seq_advantages, mask)`. See the module docstring for the derivation.
+    `broadcast_to_tokens(seq_advantages, mask)`. Per sequence, on its masked tokens M:
+
+        w_bar = sum_{t in M} o_t w_t / sum_{t in M} o_t      (w = importance, o = token_weights)
+        z_t   = (w_t - w_bar) / max_{s in M} |w_s - w_bar|   (0 when w is constant on M)
+        A_t   = A (1 + gamma z_t) on M,   0 off M
+
+    so `sum_M o_t z_t = 0` is the conservation. Sequences with `A <= 0` keep the broadcast under
+    `negative="broadcast"`.
 
     Layouts: flat (`seq_advantages [N]`, token arrays `[N, T]`) or group-major
     (`[G, K]` and `[G, K, T]`); rows are independent, so a batch sharded along its leading axis
@@ -295,7 +302,19 @@ IMPORTANCE_PROVIDERS = {
 
 
 def importance_provider(name: str) -> ImportanceProvider:
-    """The provider registered under `name` (one of `IMPORTANCE_PROVIDERS`)."""
+    """The provider registered under `name`.
+
+    Args:
+      name: str, one of `IMPORTANCE_PROVIDERS` ("uniform", "entropy", "evidence").
+
+    Returns:
+      An `ImportanceProvider`: `provider(ImportanceInputs) -> [..., T] float32 >= 0`
+      (uniform: 1 on the mask; entropy: `max(H_t, 0)` on the mask, no gradient; evidence:
+      `cited` (0) on cited tokens and `uncited` (1) on the other masked tokens); 0 off the mask.
+
+    Raises:
+      ValueError naming `importance` and the registered names for an unknown `name`.
+    """
     try:
         return IMPORTANCE_PROVIDERS[name]
     except KeyError:
@@ -352,6 +371,17 @@ def token_credit(
     token_advantages: Array, seq_advantages: Array, mask: Array, evidence: Array | None = None
 ) -> TokenCredit:
     """Conservation error, positive credit (on evidence tokens) and Gini per sequence.
+
+    Per sequence, over its masked tokens M (A = the sequence advantage, A_t the token ones):
+
+        tokens               = |M|
+        error_sum            = |sum_{t in M} A_t - A |M||   (0 up to rounding when conserved)
+        positive             = sum_{t in M} max(A_t, 0)
+        positive_on_evidence = sum_{t in M, evidence_t} max(A_t, 0)
+        gini                 = token_gini(|A_t|, mask)
+
+    Each is a per-row value, so batch figures are sums over rows (e.g. the update reports
+    `sum error_sum / sum tokens` and `sum positive_on_evidence / sum positive`).
 
     Args:
       token_advantages: [..., T] float32, e.g. `redistribute_tokens(...)`.

@@ -12,9 +12,21 @@ Two readings the paper's claims need, both computed from the runs, never asserte
 * does RL raise the held-out pass rate over the SFT start? per mode, the paired change
   ``eval_pass_rate(last) - eval_pass_rate(step 0)`` over seeds, mean +- SE; "raised" when the
   mean exceeds two standard errors;
-* does discount-only's credit imbalance move the entropy? over every run of every mode, the
-  credit imbalance ``mean_steps(1 - credit_ratio)`` against the entropy drift
-  ``entropy(last window) - entropy(first window)``: Pearson r and the least-squares slope.
+* does discount-only's credit imbalance move the entropy? three measurements:
+
+  - per run (``fit``): over every run of every mode, the credit imbalance
+    ``mean_steps(1 - credit_ratio)`` against the entropy drift
+    ``entropy(last window) - entropy(first window)``: Pearson r, the least-squares slope and its
+    standard error;
+  - per step (``step_fit``, ``step_fit_within``): over every run and step ``t``, the step's
+    imbalance ``1 - credit_ratio[t]`` against the next step's entropy change
+    ``entropy[t+1] - entropy[t]``, pooled, and within runs (both centred on their run's mean, so
+    a run-level offset cannot make the relation);
+  - paired by seed (``paired``): mode A minus mode B on the same seed (the same
+    initialisation, task order and sampling seed; ``paired_modes`` names the pairs, by default
+    ``discount_only`` - ``gagar``) for the entropy drift, the response-length drift, the
+    pg-loss mean, the credit imbalance and the held-out pass-rate gain, mean +- SE over the
+    seeds both finished.
 """
 
 from __future__ import annotations
@@ -95,6 +107,8 @@ def run_summary(rows: Sequence[Mapping[str, Any]], *, window: int = 5) -> dict[s
         out["credit_imbalance"] = sum(1.0 - r for r in ratio) / len(ratio)
     if "entropy_first" in out:
         out["entropy_drift"] = out["entropy_last"] - out["entropy_first"]
+    if "response_length_first" in out:
+        out["response_length_drift"] = out["response_length_last"] - out["response_length_first"]
     if "eval_pass_rate_first" in out:
         out["eval_pass_gain"] = out["eval_pass_rate_last"] - out["eval_pass_rate_first"]
     return out
@@ -122,17 +136,97 @@ def aggregate(summaries: Mapping[str, Sequence[Mapping[str, float]]]) -> dict[st
 
 
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
-    """Pearson r and least-squares slope/intercept of ys on xs (nan when undefined)."""
+    """Pearson r, least-squares slope/intercept of ys on xs and the slope's standard error
+    (``sqrt(SSR / (n - 2) / Sxx)``, the OLS formula); nan when undefined (n < 3, constant xs)."""
     n = len(xs)
+    nan = {
+        "n": float(n),
+        "r": math.nan,
+        "slope": math.nan,
+        "slope_se": math.nan,
+        "intercept": math.nan,
+    }
     if n < 3:
-        return {"n": float(n), "r": math.nan, "slope": math.nan, "intercept": math.nan}
+        return nan
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
     syy = sum((y - my) ** 2 for y in ys)
     sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    slope = sxy / sxx if sxx > 0 else math.nan
-    r = sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
-    return {"n": float(n), "r": r, "slope": slope, "intercept": my - slope * mx}
+    if sxx <= 0:
+        return nan
+    slope = sxy / sxx
+    r = sxy / math.sqrt(sxx * syy) if syy > 0 else math.nan
+    ssr = max(syy - slope * sxy, 0.0)
+    return {
+        "n": float(n),
+        "r": r,
+        "slope": slope,
+        "slope_se": math.sqrt(ssr / (n - 2) / sxx),
+        "intercept": my - slope * mx,
+    }
+
+
+def step_pairs(rows: Sequence[Mapping[str, Any]]) -> list[tuple[float, float]]:
+    """``(1 - credit_ratio[t], entropy[t+1] - entropy[t])`` for each pair of consecutive logged
+    train steps that both carry the two metrics."""
+    by_step: dict[int, dict[str, float]] = {}
+    for key in ("credit_ratio", "entropy"):
+        for x, y in zip(*series(rows, key)):
+            by_step.setdefault(x, {})[key] = y
+    steps = sorted(s for s, m in by_step.items() if len(m) == 2)
+    return [
+        (1.0 - by_step[a]["credit_ratio"], by_step[b]["entropy"] - by_step[a]["entropy"])
+        for a, b in zip(steps, steps[1:])
+        if b == a + 1
+    ]
+
+
+def step_fits(runs: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[dict, dict]:
+    """(pooled, within-run) ``linear_fit`` of the next step's entropy change on the step's
+    credit imbalance over every run and step; within-run centres both on each run's mean."""
+    xs, ys, wx, wy = [], [], [], []
+    for rows in runs:
+        pairs = step_pairs(rows)
+        if not pairs:
+            continue
+        mx = sum(p[0] for p in pairs) / len(pairs)
+        my = sum(p[1] for p in pairs) / len(pairs)
+        for x, y in pairs:
+            xs.append(x)
+            ys.append(y)
+            wx.append(x - mx)
+            wy.append(y - my)
+    return linear_fit(xs, ys), linear_fit(wx, wy)
+
+
+# (summary key, label) of the paired discount_only - gagar differences
+PAIRED: tuple[tuple[str, str], ...] = (
+    ("entropy_drift", "entropy drift"),
+    ("response_length_drift", "response-length drift"),
+    ("pg_loss_mean_last", "pg-loss mean (last window)"),
+    ("credit_imbalance", "credit imbalance"),
+    ("eval_pass_gain", "held-out pass-rate gain"),
+)
+
+
+def paired_differences(
+    summaries: Mapping[str, Sequence[Mapping[str, float]]],
+    seeds: Mapping[str, Sequence[int]],
+    a: str,
+    b: str,
+) -> dict[str, tuple[float, float, int]]:
+    """``a - b`` per ``PAIRED`` key over the seeds both modes finished: mean, SE, count."""
+    if a not in summaries or b not in summaries:
+        return {}
+    sa = dict(zip(seeds[a], summaries[a]))
+    sb = dict(zip(seeds[b], summaries[b]))
+    shared = sorted(set(sa) & set(sb))
+    out = {}
+    for key, _ in PAIRED:
+        d = [sa[s][key] - sb[s][key] for s in shared if key in sa[s] and key in sb[s]]
+        if d:
+            out[key] = mean_se(d)
+    return out
 
 
 def _fmt(stat: tuple[float, float, int], digits: int = 3) -> str:
@@ -148,8 +242,13 @@ def markdown(
     *,
     command: str = "",
     window: int = 5,
+    step_fit: Mapping[str, float] | None = None,
+    step_fit_within: Mapping[str, float] | None = None,
+    paired: Mapping[tuple[str, str], Mapping[str, tuple]] | None = None,
 ) -> str:
-    """The README table (first -> last, mean ± SE over seeds) and the two readings."""
+    """The README table (first -> last, mean ± SE over seeds) and the readings (module
+    docstring): the paired pass-rate change, the imbalance-entropy fits, the paired mode
+    differences."""
     seeds = {m: max((v[2] for v in stats.values()), default=0) for m, stats in agg.items()}
     lines = []
     if command:
@@ -187,10 +286,29 @@ def markdown(
         lines += [
             "",
             f"Credit imbalance (mean 1 - credit ratio) vs entropy drift over all {int(fit['n'])} "
-            f"runs: Pearson r = {fit['r']:.3g}, slope = {fit['slope']:.3g} entropy per unit "
+            f"runs: Pearson r = {fit['r']:.3g}, slope = {_slope(fit)} entropy per unit "
             "imbalance.",
         ]
+    for f, what in ((step_fit, "pooled"), (step_fit_within, "within runs")):
+        if f:
+            lines.append(
+                f"Per step ({what}, {int(f['n'])} step pairs): step imbalance vs the next "
+                f"step's entropy change: Pearson r = {f['r']:.3g}, slope = {_slope(f)}."
+            )
+    for (a, b), diffs in (paired or {}).items():
+        if not diffs:
+            continue
+        n = max(v[2] for v in diffs.values())
+        lines += ["", f"Paired by seed, {a} - {b} (mean ± SE over {n} shared seeds):", ""]
+        for key, label in PAIRED:
+            if key in diffs:
+                lines.append(f"- {label}: {_fmt(diffs[key])}")
     return "\n".join(lines)
+
+
+def _slope(fit: Mapping[str, float]) -> str:
+    se = fit.get("slope_se", math.nan)
+    return f"{fit['slope']:.3g}" + (f" ± {se:.2g} (SE)" if math.isfinite(se) else "")
 
 
 def plot(
@@ -257,26 +375,15 @@ def replace_readme_block(readme_path: str, text: str, block: str = "ablation-tab
         f.write(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
-def compare_seeds(
-    root: str,
-    modes: Sequence[str],
-    seeds: Sequence[int],
-    out_dir: str,
-    *,
-    window: int = 5,
-    command: str = "",
-    readme: str | None = None,
-    title: str = "",
-    readme_block: str = "ablation-table",
-    image: str | None = None,
-) -> str:
-    """Reads ``root/<mode>/seed<s>``, writes ``out_dir/ablation.{md,png,json}``; returns the md.
-
-    Missing and unfinished runs are skipped and listed (a sweep cut short is reported as such,
-    never padded).
-    """
+def load_runs(
+    root: str, modes: Sequence[str], seeds: Sequence[int], *, window: int = 5
+) -> tuple[dict, dict, dict, list]:
+    """``(runs, summaries, seeds, missing)`` of the finished runs ``root/<mode>/seed<s>``:
+    mode -> rows lists / ``run_summary`` dicts / seed numbers; ``missing`` lists the absent
+    and unfinished run directories."""
     runs: dict[str, list] = {}
     summaries: dict[str, list] = {}
+    done_seeds: dict[str, list] = {}
     missing = []
     for mode in modes:
         for s in seeds:
@@ -291,29 +398,113 @@ def compare_seeds(
                 continue
             runs.setdefault(mode, []).append(rows)
             summaries.setdefault(mode, []).append(run_summary(rows, window=window))
-    if not runs:
-        raise FileNotFoundError(f"no runs under {root} for modes {list(modes)}")
-    agg = aggregate(summaries)
+            done_seeds.setdefault(mode, []).append(s)
+    return runs, summaries, done_seeds, missing
+
+
+def run_fit(summaries: Mapping[Any, Sequence[Mapping[str, float]]]) -> dict[str, float]:
+    """``linear_fit`` of entropy drift on credit imbalance over every run summary given."""
     pts = [
         (s["credit_imbalance"], s["entropy_drift"])
         for ss in summaries.values()
         for s in ss
         if "credit_imbalance" in s and "entropy_drift" in s
     ]
-    fit = linear_fit([p[0] for p in pts], [p[1] for p in pts]) if pts else {}
-    text = markdown(agg, fit, command=command, window=window)
+    return linear_fit([p[0] for p in pts], [p[1] for p in pts]) if pts else {}
+
+
+def compare_seeds(
+    root: str,
+    modes: Sequence[str],
+    seeds: Sequence[int],
+    out_dir: str,
+    *,
+    window: int = 5,
+    command: str = "",
+    readme: str | None = None,
+    title: str = "",
+    readme_block: str = "ablation-table",
+    image: str | None = None,
+    paired_modes: Sequence[tuple[str, str]] = (("discount_only", "gagar"),),
+    prefix: str = "ablation",
+    fit_roots: Sequence[str] = (),
+) -> str:
+    """Reads ``root/<mode>/seed<s>``, writes ``out_dir/<prefix>.{md,png,json}``; returns the md.
+
+    Missing and unfinished runs are skipped and listed (a sweep cut short is reported as such,
+    never padded).
+    ``fit_roots``: further sweep roots (every ``<mode>/seed<s>`` found under them, finished
+    runs only) whose runs join this one's in a pooled imbalance-entropy fit, reported apart.
+    """
+    runs, summaries, done_seeds, missing = load_runs(root, modes, seeds, window=window)
+    if not runs:
+        raise FileNotFoundError(f"no runs under {root} for modes {list(modes)}")
+    agg = aggregate(summaries)
+    fit = run_fit(summaries)
+    sfit, sfit_within = step_fits([r for rs in runs.values() for r in rs])
+    paired = {(a, b): paired_differences(summaries, done_seeds, a, b) for a, b in paired_modes}
+    text = markdown(
+        agg,
+        fit,
+        command=command,
+        window=window,
+        step_fit=sfit,
+        step_fit_within=sfit_within,
+        paired=paired,
+    )
+    pooled = {}
+    if fit_roots:
+        all_runs = {(root, m): rs for m, rs in runs.items()}
+        all_sums = {(root, m): ss for m, ss in summaries.items()}
+        for other in fit_roots:
+            if os.path.abspath(other) == os.path.abspath(root):
+                continue
+            o_modes = sorted(d for d in os.listdir(other) if os.path.isdir(os.path.join(other, d)))
+            o_seeds = sorted(
+                {
+                    int(d[4:])
+                    for m in o_modes
+                    for d in os.listdir(os.path.join(other, m))
+                    if d.startswith("seed") and d[4:].isdigit()
+                }
+            )
+            o_runs, o_sums, _, _ = load_runs(other, o_modes, o_seeds, window=window)
+            for m in o_runs:
+                all_runs[(other, m)], all_sums[(other, m)] = o_runs[m], o_sums[m]
+        roots = sorted({r for r, _ in all_runs})
+        pf = run_fit(all_sums)
+        ps, pw = step_fits([r for rs in all_runs.values() for r in rs])
+        pooled = {"roots": roots, "fit": pf, "step_fit": ps, "step_fit_within": pw}
+        text += (
+            f"\n\nPooled over {int(pf['n'])} runs of {', '.join(roots)}: per run r = "
+            f"{pf['r']:.3g}, slope = {_slope(pf)}; per step (within runs, {int(pw['n'])} "
+            f"pairs) r = {pw['r']:.3g}, slope = {_slope(pw)}."
+        )
     if missing:
         text += "\n\nMissing runs (not included): " + ", ".join(missing)
     os.makedirs(out_dir, exist_ok=True)
     counts = ", ".join(f"{m}: {len(r)}" for m, r in runs.items())
     title = f"{title} (finished seeds per mode: {counts})" if title else counts
-    png = plot(runs, os.path.join(out_dir, "ablation.png"), title=title)
+    png = plot(runs, os.path.join(out_dir, f"{prefix}.png"), title=title)
     # The markdown's image link: relative to the markdown by default, `image` for a README.
     text += f"\n\n![ablation]({image or os.path.basename(png)})"
-    with open(os.path.join(out_dir, "ablation.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out_dir, f"{prefix}.md"), "w", encoding="utf-8") as f:
         f.write(text + "\n")
-    with open(os.path.join(out_dir, "ablation.json"), "w", encoding="utf-8") as f:
-        json.dump({"summaries": summaries, "aggregate": agg, "fit": fit}, f, indent=1)
+    with open(os.path.join(out_dir, f"{prefix}.json"), "w", encoding="utf-8") as f:
+        json.dump(
+            {
+                "summaries": summaries,
+                "seeds": done_seeds,
+                "aggregate": agg,
+                "fit": fit,
+                "step_fit": sfit,
+                "step_fit_within": sfit_within,
+                "paired": {f"{a}-{b}": d for (a, b), d in paired.items()},
+                "pooled": pooled,
+            },
+            f,
+            indent=1,
+        )
     if readme:
         replace_readme_block(readme, text, readme_block)
     return text

@@ -55,6 +55,21 @@ TOOL_WORDS = ("read_file", "edit", "run_tests", "submit", "tools", "passed", "fa
               "edited", "error", "submitted")
 
 
+def parse_demo_kinds(spec) -> tuple[str, ...]:
+    """``"sprawling,side_effect"`` (or a sequence of names) -> those kinds in ``DEMO_KINDS``
+    order; ``""`` -> every kind of ``DEMO_KINDS``. An unknown or empty selection is an error
+    naming ``task.demo_kinds`` (the run config field that sets ``extra["demo_kinds"]``)."""
+    words = [w.strip() for w in spec.split(",")] if isinstance(spec, str) else list(spec)
+    words = [w for w in words if w]
+    if not words:
+        return DEMO_KINDS
+    unknown = sorted(set(words) - set(DEMO_KINDS))
+    if unknown:
+        raise ValueError(f"task.demo_kinds: {unknown} not demonstration kinds; expected a "
+                         f"comma-separated subset of {', '.join(DEMO_KINDS)}")
+    return tuple(k for k in DEMO_KINDS if k in words)
+
+
 def quality_dims(quality) -> dict[str, float]:
     return {k: float(quality[k]) for k in toy.QUALITY_DIMENSIONS if k in quality}
 
@@ -90,6 +105,7 @@ class ToyFamily(TaskFamily):
             from gagar_jax.envs.hf_tokenizer import HFTokenizer
 
             self._hf = HFTokenizer(s.tokenizer_path)
+        self.demo_kinds = parse_demo_kinds(s.extra.get("demo_kinds", ""))
 
     @property
     def tokenizer(self):
@@ -161,10 +177,11 @@ class ToyFamily(TaskFamily):
         return ToyCheckRunner()
 
     def demonstration_patches(self, task: toy.ToyTask) -> list[str]:
-        """The passing non-cheating patch kinds of ``task`` (``DEMO_KINDS`` order)."""
+        """The passing non-cheating patch kinds of ``task`` among ``self.demo_kinds``
+        (``DEMO_KINDS`` order; ``settings.extra["demo_kinds"]`` narrows them)."""
         out = []
         for kind, patch in toy.candidate_patches(task).items():
-            if kind not in DEMO_KINDS:
+            if kind not in self.demo_kinds:
                 continue
             v = toy.verify(task, patch)
             if v.passed and not v.cheat:

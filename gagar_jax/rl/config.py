@@ -69,6 +69,9 @@ class TaskConfig:
     skip_saturated: bool = False
     saturation_window: int = 8
     saturation_min_attempts: int = 4
+    # SFT demonstration kinds (comma-separated; families with patch kinds: toy, toy_agent):
+    # "" = the family's default (every passing, non-cheating kind)
+    demo_kinds: str = ""
 
     def __post_init__(self):
         names = family_names()

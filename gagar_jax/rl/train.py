@@ -182,7 +182,8 @@ def family_settings(cfg: RunConfig):
         max_prompt_len=cfg.rollout.max_prompt_len, data_path=t.data_path,
         eval_data_path=t.eval_data_path,
         tokenizer_path=t.tokenizer_path or cfg.model.hf_checkpoint, max_turns=t.max_turns,
-        max_observation_tokens=t.max_observation_tokens)
+        max_observation_tokens=t.max_observation_tokens,
+        extra={"demo_kinds": t.demo_kinds} if t.demo_kinds else {})
 
 
 def build_family(cfg: RunConfig):
