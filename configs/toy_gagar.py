@@ -63,7 +63,7 @@ def get_config(arg=None):
                    param_dtype="float32", remat=False, hf_checkpoint="")
     c.rollout = dict(engine="embedded", sglang_url="", num_prompts=8, num_rollouts=8,
                      max_prompt_len=48, max_new_tokens=32, temperature=1.0, top_p=1.0,
-                     top_k=0, request_timeout_s=120.0)
+                     top_k=0, request_timeout_s=120.0, weight_writer=0)
     c.sampling = dict(enabled=True, oversample=1.5, max_rounds=8, allow_partial=True,
                       tol=1e-6)
     c.grading = dict(grader="heuristic", sglang_url="", max_concurrency=2, deadline_s=60.0,

@@ -18,6 +18,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 TOY_CONFIG = os.path.join(ROOT, "configs", "toy_gagar.py")
+POD_CONFIG = os.path.join(ROOT, "configs", "tpu_pod.py")
 # One compilation cache for every multi-process run of the tests (same programs each time).
 JAX_CACHE = os.path.join(tempfile.gettempdir(), "gagar_jax_test_multihost_jax_cache")
 

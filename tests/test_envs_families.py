@@ -289,3 +289,30 @@ def test_repo_demonstrations_and_workspace(repo):
                                     GroupMember("g/1", Attempt(), bad)])
     assert ws.repo_files == dict(task.files) and ws.task_text == task.issue
     assert [c.passed for c in ws.candidates] == [True, False]
+
+
+# ---------------------------------------------------------------------------- toy on HF ids
+def test_toy_on_a_hugging_face_tokenizer_speaks_its_ids(tmp_path):
+    """The toy family on an HF checkpoint's tokenizer (an SGLang-served policy): prompts
+    through its chat template, responses decoded with it and verified as toy patches, so the
+    ids the served model samples are the ids the family reads; toy_agent refuses one."""
+    tok_dir = make_tiny_tokenizer(tmp_path / "tok")
+    fam = make_family("toy", FamilySettings(tokenizer_path=tok_dir, num_train=4, num_eval=2,
+                                            max_prompt_len=256))
+    assert fam.tokenizer.vocab_size == 1024 and fam.tokenizer is not TOKENIZER
+    task = fam.train_task(0)
+    ids = fam.prompt_tokens(task)
+    text = fam.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>user\n") and task.prompt in text
+    assert text.endswith("<|im_start|>assistant\n")
+    patch = candidate_patches(task)["minimal"]
+    response = fam.tokenizer.encode(patch) + [fam.tokenizer.eos_id]
+    out = fam.verify(task, Attempt(response_tokens=response,
+                                   text=fam.tokenizer.decode(response)))
+    assert out.passed and out.patch == patch
+    assert not fam.verify(task, Attempt(response_tokens=[5, 6], text="del 1")).passed
+    assert fam.token_spans(task, Attempt(response_tokens=response)) is None
+    demo = fam.demonstrations(2)[0]
+    assert demo.tokens[-1] == fam.tokenizer.eos_id and max(demo.tokens) < 1024
+    with pytest.raises(ValueError, match="toy_agent.*own vocabulary"):
+        make_family("toy_agent", FamilySettings(tokenizer_path=tok_dir))

@@ -328,3 +328,31 @@ def test_multi_turn_prefix_cache_exact_and_reused(model):
     # New weights drop the kept caches (they belong to the old policy).
     cached.sync_weights(model, version=1)
     assert cached._kept == []
+
+
+def test_remat_model_samples_like_the_plain_model():
+    """``remat=True`` (the pod configs' setting, for the update's backward pass) changes nothing
+    when sampling: same tokens and log-probs as the plain model (it used to fail in the decode
+    loop with flax's TraceContextError)."""
+    kw = dict(
+        vocab_size=32,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+    )
+    out = []
+    for remat in (False, True):
+        sampler = Sampler(
+            Transformer(TransformerConfig(remat=remat, **kw), rngs=nnx.Rngs(0)), seed=0
+        )
+        rows = sampler.generate(
+            [[1, 2, 3], [4, 5]], SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=1)
+        )
+        out.append([s for row in rows for s in row])
+    assert [s.tokens for s in out[0]] == [s.tokens for s in out[1]]
+    np.testing.assert_allclose(
+        [x for s in out[0] for x in s.logprobs], [x for s in out[1] for x in s.logprobs], atol=1e-6
+    )

@@ -87,10 +87,8 @@ def two_process_run(tmp_path_factory):
     return workdir, logs, wall
 
 
-@pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory):
-    """The same config, one process with two simulated CPU devices (same mesh shape)."""
-    workdir = str(tmp_path_factory.mktemp("one") / "run")
+def _one_process(workdir, config=mh.TOY_CONFIG + ":smoke", args=COMPARE_ARGS):
+    """``config`` as one process with two simulated CPU devices (the 2-process mesh shape)."""
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -104,10 +102,10 @@ def one_process_run(tmp_path_factory):
         [
             sys.executable,
             mh.SCRIPT,
-            f"--config={mh.TOY_CONFIG}:smoke",
+            f"--config={config}",
             f"--workdir={workdir}",
             f"--compilation_cache={mh.JAX_CACHE}",
-            *COMPARE_ARGS,
+            *args,
         ],
         cwd=mh.ROOT,
         env=env,
@@ -117,6 +115,12 @@ def one_process_run(tmp_path_factory):
     )
     assert r.returncode == 0, r.stderr[-4000:]
     return workdir, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """The same config, one process with two simulated CPU devices (same mesh shape)."""
+    return _one_process(str(tmp_path_factory.mktemp("one") / "run"))
 
 
 def test_two_processes_run_the_whole_loop(two_process_run):
@@ -139,6 +143,28 @@ def test_two_processes_run_the_whole_loop(two_process_run):
     # one grading pool per host, each for its own block (its own verdict cache)
     assert os.path.exists(os.path.join(workdir, "grader_cache.jsonl"))
     assert os.path.exists(os.path.join(workdir, "grader_cache.p1.jsonl"))
+
+
+def test_tpu_pod_smoke_runs_as_two_processes(tmp_path):
+    """configs/tpu_pod.py:smoke, started as the README says (two processes, JAX_* variables):
+    the mesh spans both processes (fsdp across them), the update rematerialises and accumulates
+    2 micro-batches, each host rolls out its own group on the embedded sampler; it finishes
+    with every step, evaluation and checkpoint."""
+    workdir = str(tmp_path / "run")
+    procs = mh.launch(workdir, num_processes=2, config=mh.POD_CONFIG + ":smoke")
+    logs = mh.wait_all(procs, timeout=900)
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+    rows = _rows(workdir)
+    train = [r for r in rows if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [0, 1]
+    assert [r["policy_version"] for r in train] == [1, 2]
+    assert [r["rollout/weight_version"] for r in train] == [1, 2]
+    assert [r["data_position"] for r in train] == [2, 4]
+    assert all(r["response_length"] > 0 and math.isfinite(r["grad_norm"]) for r in train)
+    assert [r["step"] for r in rows if r["phase"] == "eval"] == [0, 1, 2]
+    assert "(gagar) finished: 2 steps" in logs[0]
+    assert {"1", "2"} <= set(os.listdir(os.path.join(workdir, "checkpoints")))
 
 
 def comparison_table(rows_a, rows_b):
@@ -169,18 +195,51 @@ def test_two_processes_equal_one_process_on_two_devices(
     two_dir, _, two_wall = two_process_run
     one_dir, one_wall = one_process_run
     table = comparison_table(_rows(two_dir), _rows(one_dir))
-    report = ["| phase | metric | max abs difference |", "|---|---|---|"]
-    report += [f"| {ph} | {k} | {d:.3g} |" for (ph, k), d in table.items()]
-    report.append(f"\nwall time: 2 processes {two_wall:.1f}s, 1 process {one_wall:.1f}s")
-    out = tmp_path_factory.getbasetemp() / "multihost_comparison.md"
-    out.write_text("\n".join(report) + "\n")
-    print(f"comparison table: {out}")
+    _write_table(
+        table, tmp_path_factory.getbasetemp() / "multihost_comparison.md", two_wall, one_wall
+    )
     assert len(table) > 40
     for (ph, key), d in table.items():
         tol = 1 / 8 if key in PASS_RATES else 1e-5
         assert d <= tol, (ph, key, d)
     train_rows = [r for r in _rows(one_dir) if r["phase"] == "train"]
     assert any(abs(r["pg_loss_mean"]) > 1e-4 for r in train_rows)  # not a trivial comparison
+
+
+def _write_table(table, path, two_wall, one_wall):
+    report = ["| phase | metric | max abs difference |", "|---|---|---|"]
+    report += [f"| {ph} | {k} | {d:.3g} |" for (ph, k), d in table.items()]
+    report.append(f"\nwall time: 2 processes {two_wall:.1f}s, 1 process {one_wall:.1f}s")
+    path.write_text("\n".join(report) + "\n")
+    print(f"comparison table: {path}")
+
+
+@pytest.mark.skipif(
+    os.environ.get("GAGAR_MULTIHOST_SLOW") != "1",
+    reason="two more 2-process vs 1-process runs (~4 min on 2 cores): GAGAR_MULTIHOST_SLOW=1",
+)
+@pytest.mark.parametrize("config", ["toy_agent.py:smoke", "tpu_pod.py:smoke"])
+def test_more_configs_two_processes_equal_one_process(config, tmp_path):
+    """The comparison above for the multi-turn toy agent (episodes seeded per episode, so a
+    host's share does not change them) and for tpu_pod.py:smoke (remat, 2 micro-batches), on
+    the same mixed-group settings (SFT 200 steps)."""
+    path = os.path.join(mh.ROOT, "configs", config)
+    two_dir = str(tmp_path / "two" / "run")
+    procs = mh.launch(two_dir, *COMPARE_ARGS, num_processes=2, config=path)
+    logs, two_wall = _timed_run(procs)
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+    one_dir, one_wall = _one_process(str(tmp_path / "one" / "run"), path)
+    table = comparison_table(_rows(two_dir), _rows(one_dir))
+    _write_table(table, tmp_path / "comparison.md", two_wall, one_wall)
+    assert len(table) > 40
+    for (ph, key), d in table.items():
+        tol = 1 / 8 if key in PASS_RATES else 1e-5
+        assert d <= tol, (ph, key, d)
+    train = [r for r in _rows(one_dir) if r["phase"] == "train"]
+    assert any(0 < r["pass_rate"] < 1 for r in train)  # mixed groups: a real comparison
+    if config.startswith("toy_agent"):
+        assert any(r["episode/turns_mean"] > 1 for r in train)
 
 
 def test_kill_both_after_checkpoint_and_restart(two_process_run, tmp_path):
@@ -250,6 +309,7 @@ def test_dead_or_hung_host_ends_the_other_with_an_error_naming_it(fault, tmp_pat
         t_fault = time.monotonic()
         procs[0].wait(timeout=heartbeat_s + 90)
         ended_after = time.monotonic() - t_fault
+        print(f"{fault}: process 0 ended {ended_after:.1f}s after the fault")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -303,6 +363,61 @@ def test_prompt_seeds_make_a_prompts_samples_independent_of_the_batch():
     assert tokens(shared) != tokens(sampler.generate([a], params)[0])
     with pytest.raises(ValueError, match="one per prompt"):
         sampler.generate([a, b], params, prompt_seeds=[1])
+
+
+def test_episode_seeds_make_an_episode_independent_of_the_batch():
+    """Multi-turn: with per-episode seeds an episode of the real sampler on the toy_agent family
+    is the same alone or next to other episodes (each turn's engine call batches whichever
+    episodes are still live), which is what splitting a step's episodes over hosts needs."""
+    from flax import nnx
+
+    from gagar_jax.envs.family import FamilySettings, make_family
+    from gagar_jax.models import Transformer, TransformerConfig
+    from gagar_jax.rollout import SamplingParams, run_episodes
+    from gagar_jax.rollout.sampler import Sampler
+
+    family = make_family("toy_agent", FamilySettings(num_train=4, num_eval=0, max_prompt_len=64))
+    tok = family.tokenizer
+    mc = TransformerConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+    )
+    sampler = Sampler(Transformer(mc, rngs=nnx.Rngs(0)), pad_id=tok.pad_id, seed=0)
+    tasks = [family.train_task(i) for i in range(3)]
+    prompts = [family.prompt_tokens(t) for t in tasks]
+    params = SamplingParams(
+        n=1, temperature=1.0, max_tokens=6, seed=3, stop_token_ids=tuple(family.stop_token_ids)
+    )
+
+    def episodes(idx, seeds):
+        return run_episodes(
+            sampler,
+            tok,
+            [family.make_env(tasks[i]) for i in idx],
+            [prompts[i] for i in idx],
+            params,
+            max_turns=2,
+            max_total_tokens=[len(prompts[i]) + 40 for i in idx],
+            max_observation_tokens=12,
+            observation_tokens=family.observation_tokens,
+            episode_seeds=seeds,
+        )
+
+    alone = episodes([1], [21])[0]
+    batched = episodes([0, 1, 2], [20, 21, 22])
+    assert len(alone.turns) > 1  # several engine calls, batched with the other episodes
+    assert alone.tokens == batched[1].tokens
+    assert alone.logprobs == pytest.approx(batched[1].logprobs, abs=1e-5)
+    assert episodes([1], [99])[0].tokens != alone.tokens  # the seed matters
+    # without episode seeds an episode depends on its row in the batch (the call-wide seed)
+    assert episodes([0, 1, 2], None)[1].tokens != episodes([1], None)[0].tokens
+    with pytest.raises(ValueError, match="one per"):
+        episodes([0, 1], [1])
 
 
 class _Blocks:

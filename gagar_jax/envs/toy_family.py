@@ -25,6 +25,14 @@ monitor, quality features); an episode that never submits fails (``test_log`` sa
 The tokenizer is the toy vocabulary with the tool words appended (``ToyAgentTokenizer``), so
 every ``toy`` token keeps its id. Demonstrations: read the file, edit it with a passing
 non-cheating patch kind, run the tests, submit, with the observations the environment returns.
+
+``toy`` on a Hugging Face policy (``task.tokenizer_path`` or ``model.hf_checkpoint`` set, e.g. an
+SGLang-served checkpoint): prompts, responses and demonstrations go through that checkpoint's
+tokenizer (the prompt as one user message of its chat template, when it has one), so the ids
+the policy samples are the ids the family decodes; the programs, verification and workspaces
+are unchanged. Only the evidence-to-token map of token-level credit needs the toy vocabulary's
+line structure (``token_spans`` is None there: evidence maps to no tokens). ``toy_agent`` always
+uses its own vocabulary (its tool words) and refuses a Hugging Face tokenizer.
 """
 
 from __future__ import annotations
@@ -92,11 +100,17 @@ class ToyFamily(TaskFamily):
         self._sft = toy.ToyTaskGenerator(seed=s.seed + SFT_SEED_OFFSET, difficulty=s.difficulty)
         self._cache: dict[int, toy.ToyTask] = {}
         self._eval_tasks: list[toy.ToyTask] | None = None
+        self._hf = None
+        if s.tokenizer_path:
+            from gagar_jax.envs.hf_tokenizer import HFTokenizer
+
+            self._hf = HFTokenizer(s.tokenizer_path)
         self.demo_kinds = parse_demo_kinds(s.extra.get("demo_kinds", ""))
 
     @property
-    def tokenizer(self) -> ToyTokenizer:
-        return TOKENIZER
+    def tokenizer(self):
+        """The toy vocabulary, or the policy checkpoint's ``HFTokenizer`` (module docstring)."""
+        return TOKENIZER if self._hf is None else self._hf
 
     @property
     def num_train(self) -> int:
@@ -119,7 +133,10 @@ class ToyFamily(TaskFamily):
         return task.prompt
 
     def prompt_tokens(self, task: toy.ToyTask) -> list[int]:
-        ids = self.tokenizer.encode(self.prompt_text(task))
+        if self._hf is not None and self._hf.chat_template:
+            ids = self._hf.render_prompt([{"role": "user", "content": self.prompt_text(task)}])
+        else:
+            ids = self.tokenizer.encode(self.prompt_text(task))
         if len(ids) > self.settings.max_prompt_len:
             raise ValueError(f"task {task.task_id}: prompt is {len(ids)} tokens > "
                              f"rollout.max_prompt_len={self.settings.max_prompt_len}; raise it "
@@ -150,6 +167,8 @@ class ToyFamily(TaskFamily):
         (``gagar_jax.grading.evidence_tokens.toy_token_spans``)."""
         from gagar_jax.grading import evidence_tokens
 
+        if self._hf is not None:  # the map reads the toy vocabulary's newline / EOS ids
+            return None
         return evidence_tokens.toy_token_spans(task, attempt.response_tokens, self.tokenizer)
 
     def check_runner(self):
@@ -279,6 +298,15 @@ class ToyAgentFamily(ToyFamily):
 
     name = "toy_agent"
     multi_turn = True
+
+    def __init__(self, settings):
+        if settings.tokenizer_path:
+            raise ValueError(
+                "task.family='toy_agent' speaks its own vocabulary (the toy tokens and tool "
+                f"words): task.tokenizer_path / model.hf_checkpoint must be empty, got "
+                f"{settings.tokenizer_path!r} (the single-turn 'toy' family runs on a Hugging "
+                "Face checkpoint)")
+        super().__init__(settings)
 
     @property
     def tokenizer(self) -> ToyAgentTokenizer:

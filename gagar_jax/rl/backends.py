@@ -133,21 +133,28 @@ def build_policy(cfg: RunConfig, *, vocab_size: int, workdir: str) -> Policy:
     return Policy(cfg, vocab_size=vocab_size, workdir=workdir)
 
 
-def build_engine(cfg: RunConfig, policy: Policy, *, workdir: str, pad_id: int = 0):
+def build_engine(cfg: RunConfig, policy: Policy, *, workdir: str, pad_id: int = 0,
+                 hosts=None):
     """The embedded sampler over the policy model (``pad_id``: the tokenizer's), or an SGLang
-    client (health-checked)."""
+    engine (health-checked; ``hosts``: see :func:`build_sglang_engine`)."""
     if cfg.rollout.engine == "embedded":
         from gagar_jax.rollout.sampler import Sampler
 
         return Sampler(policy.model, pad_id=pad_id, seed=cfg.seed)
-    return build_sglang_engine(cfg, policy, workdir=workdir)
+    return build_sglang_engine(cfg, policy, workdir=workdir, hosts=hosts)
 
 
-def build_sglang_engine(cfg: RunConfig, policy: Policy, *, workdir: str):
+def build_sglang_engine(cfg: RunConfig, policy: Policy, *, workdir: str, hosts=None):
     """``gagar_jax.rollout.SGLangEngine`` on ``rollout.sglang_url`` (health-checked): weights
-    exported as HF safetensors to ``workdir/sync/v<version>`` by process 0 and loaded with the
-    engine's sync protocol (pause, drain, atomic export, update, version check, flush, resume,
-    rollback on failure).
+    exported as HF safetensors to ``workdir/sync/v<version>`` and loaded with the engine's sync
+    protocol (pause, drain, atomic export, update, version check, flush, resume, rollback on
+    failure).
+
+    Several hosts (``hosts``, the loop's :class:`~gagar_jax.train.multihost.Hosts`): process
+    ``rollout.weight_writer`` writes the export and drives ``/update_weights_from_disk``; every
+    host takes part in the streamed export's gathers; the others wait (``hosts.allgather``)
+    for the writer's outcome and then for the servers to report the new version before they
+    sample again; a failure anywhere is the same ``WeightSyncError`` on every host.
 
     A dead server is a clear error here (naming the URL) or, mid-run, the client's error after
     its retries (the loop names the step); never a hang: every request has
@@ -159,6 +166,11 @@ def build_sglang_engine(cfg: RunConfig, policy: Policy, *, workdir: str):
     from gagar_jax.rollout import SGLangClient
     from gagar_jax.rollout.sglang_engine import SGLangEngine
 
+    count, index = (1, 0) if hosts is None else (hosts.count, hosts.index)
+    if not 0 <= cfg.rollout.weight_writer < count:
+        raise ValueError(f"rollout.weight_writer={cfg.rollout.weight_writer} is not a process "
+                         f"index of this run ({count} process(es))")
+    writer = index == cfg.rollout.weight_writer
     url = cfg.rollout.sglang_url
     client = SGLangClient(url, request_timeout_s=cfg.rollout.request_timeout_s,
                           max_retry_time_s=cfg.rollout.request_timeout_s)
@@ -169,15 +181,17 @@ def build_sglang_engine(cfg: RunConfig, policy: Policy, *, workdir: str):
 
     def export(params, directory):
         # ``params``: the sharded train-state parameters (Policy.params_for_sync). Streamed
-        # tensor by tensor: every host takes part in each gather, process 0 writes; no host
-        # ever holds the whole model.
+        # tensor by tensor: every host takes part in each gather, the weight writer writes; no
+        # host ever holds the whole model.
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
         if isinstance(params, nnx.State):
             params = nnx.to_pure_dict(params)
-        save_hf_safetensors_streaming(params, policy.model_config, directory)
+        save_hf_safetensors_streaming(params, policy.model_config, directory, writer=writer)
 
-    return SGLangEngine(client, export_fn=export, sync_dir=os.path.join(workdir, "sync"))
+    return SGLangEngine(client, export_fn=export, sync_dir=os.path.join(workdir, "sync"),
+                        writer=writer, exchange=None if count == 1 else hosts.allgather,
+                        version_timeout_s=cfg.mesh.host_timeout_s)
 
 
 def build_grading_pool(cfg: RunConfig, *, cache_path: str | None = None, grader=None,

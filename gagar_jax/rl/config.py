@@ -136,6 +136,9 @@ class RolloutConfig:
     # multi-turn families: new tokens per model turn (0 = max_new_tokens); max_new_tokens is
     # the budget of the whole episode after the prompt (turns and observations)
     max_turn_tokens: int = 0
+    # several hosts sharing SGLang servers: the process that writes the weight export and
+    # drives /update_weights_from_disk; the others wait for the version it reports
+    weight_writer: int = 0
 
     def __post_init__(self):
         _check(self.engine in ("embedded", "sglang"), "rollout.engine", "embedded|sglang",
@@ -153,6 +156,8 @@ class RolloutConfig:
         _check(self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
         _check(self.max_turn_tokens >= 0, "rollout.max_turn_tokens", ">= 0 (0 = max_new_tokens)",
                self.max_turn_tokens)
+        _check(self.weight_writer >= 0, "rollout.weight_writer", "a process index >= 0",
+               self.weight_writer)
 
     @property
     def seq_len(self) -> int:
@@ -380,6 +385,7 @@ class RunConfig:
                      if k not in ("total_steps", "log_every", "eval_every", "plot",
                                   "checkpoint_every", "keep_checkpoints")}
         d.pop("mesh")
+        d["rollout"].pop("weight_writer")  # which host exports: deployment, not the run
         if not d["task"]["skip_saturated"]:  # off: the fingerprint of runs from before the flag
             for k in ("skip_saturated", "saturation_window", "saturation_min_attempts"):
                 d["task"].pop(k)

@@ -247,9 +247,12 @@ def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
     return per_task
 
 
-def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig):
+def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig,
+                      prompt_seeds=None):
     """Multi-turn: ``params.n`` episodes per prompt through ``run_episodes`` (one batched engine
-    call per turn); model tokens are appended as generated, never re-tokenised."""
+    call per turn); model tokens are appended as generated, never re-tokenised. With
+    ``prompt_seeds``, episode ``k`` of prompt ``i`` is seeded by ``(prompt_seeds[i], k)``
+    alone (each of its turns by that and the turn), so it does not depend on the host."""
     from gagar_jax.envs.family import Attempt
     from gagar_jax.rollout import run_episodes
 
@@ -263,7 +266,9 @@ def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig):
         max_turns=cfg.task.max_turns,
         max_total_tokens=[len(p) + cfg.rollout.max_new_tokens for p in flat_prompts],
         max_observation_tokens=cfg.task.max_observation_tokens,
-        observation_tokens=family.observation_tokens)
+        observation_tokens=family.observation_tokens,
+        episode_seeds=None if prompt_seeds is None else
+        [prompt_seed((s,), k) for s in prompt_seeds for k in range(K)])
     per_task = []
     for i in range(len(tasks)):
         row = []
@@ -315,7 +320,8 @@ def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_i
     t0 = time.monotonic()
     try:
         if family.multi_turn:
-            per_task = _episode_rollouts(engine, family, tasks, prompts, params, cfg)
+            per_task = _episode_rollouts(engine, family, tasks, prompts, params, cfg,
+                                         prompt_seeds)
         else:
             per_task = _sample_rollouts(engine, family, prompts, params, prompt_seeds)
     except Exception as e:
@@ -667,7 +673,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                    + (f" ({dropped} stale metric rows dropped)" if primary and dropped else ""))
 
     # Engine and grader first: a dead server fails here, before any compute is spent.
-    engine = backends.build_engine(cfg, policy, workdir=workdir, pad_id=tok.pad_id)
+    engine = backends.build_engine(cfg, policy, workdir=workdir, pad_id=tok.pad_id,
+                                   hosts=hosts)
     # one grading pool per host, for its own groups; each keeps its own verdict cache
     cache_path = os.path.join(workdir, "grader_cache.jsonl" if primary else
                               f"grader_cache.p{hosts.index}.jsonl")

@@ -30,6 +30,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from gagar_jax.rollout.types import RolloutEngine, SamplingParams
 
 
@@ -310,6 +312,7 @@ def run_episodes(
     max_observation_tokens: int = 512,
     observation_format: str = "\n<observation>\n{}\n</observation>\n",
     observation_tokens: Callable[[str], list[int]] | None = None,
+    episode_seeds: Sequence[int] | None = None,
 ) -> list[Episode]:
     """Runs one episode per (env, prompt) pair, all live episodes batched per turn.
 
@@ -328,8 +331,14 @@ def run_episodes(
         ``tokenizer.encode(observation_format.format(text))`` (e.g. as a tool message of the
         tokenizer's chat template).
 
-    With ``params.seed`` set, turn ``t`` samples with seed ``params.seed + t`` (mod 2**31):
-    each turn draws fresh randomness, and the episode is still a function of the seed.
+      episode_seeds: [E] optional seeds in [0, 2**32), one per episode: turn ``t`` of episode
+        ``i`` samples with its own seed (a function of ``(episode_seeds[i], t)``, passed as the
+        engine's ``prompt_seeds``), so an episode does not depend on which other episodes share
+        its engine calls (several hosts split a step's episodes between them).
+
+    Without ``episode_seeds``, with ``params.seed`` set, turn ``t`` samples with seed
+    ``params.seed + t`` (mod 2**31): each turn draws fresh randomness, and the episodes are
+    still a function of the seed (and of the batch).
 
     Returns:
       [E] Episodes, in the order of `envs`.
@@ -351,6 +360,13 @@ def run_episodes(
         if len(budgets) != len(prompts):
             raise ValueError(
                 f"max_total_tokens has {len(budgets)} entries for {len(prompts)} prompts"
+            )
+    if episode_seeds is not None:
+        episode_seeds = [int(x) for x in episode_seeds]
+        if len(episode_seeds) != len(prompts) or not all(0 <= x < 2**32 for x in episode_seeds):
+            raise ValueError(
+                f"episode_seeds must be {len(prompts)} ints in [0, 2**32) (one per "
+                f"episode), got {episode_seeds!r:.200}"
             )
     if observation_tokens is None:
 
@@ -380,7 +396,13 @@ def run_episodes(
         seed = None if params.seed is None else (params.seed + turn) % 2**31
         for budget, idx in by_budget.items():
             turn_params = dataclasses.replace(params, max_tokens=budget, seed=seed)
-            for i, samples in zip(idx, engine.generate([live[i].tokens for i in idx], turn_params)):
+            contexts = [live[i].tokens for i in idx]
+            if episode_seeds is None:
+                results = engine.generate(contexts, turn_params)
+            else:
+                seeds = [_turn_seed(episode_seeds[i], turn) for i in idx]
+                results = engine.generate(contexts, turn_params, prompt_seeds=seeds)
+            for i, samples in zip(idx, results):
                 outs[i] = samples
         for i in active:
             samples = outs[i]
@@ -439,6 +461,11 @@ def run_episodes(
             )
         )
     return episodes
+
+
+def _turn_seed(episode_seed: int, turn: int) -> int:
+    """The engine seed of one turn of one episode, in [0, 2**32)."""
+    return int(np.random.default_rng([episode_seed, turn]).integers(2**32))
 
 
 def run_episode(

@@ -524,6 +524,17 @@ class SGLangClient:
     def update_weights_from_disk(self, path: str, version: int) -> int:
         return _run_sync(self.aupdate_weights_from_disk(path, version))
 
+    async def areported_versions(self) -> list[int | None]:
+        """The weight version each worker reports now (`GET /model_info`): the server's own, or
+        behind a router every worker it lists at `GET /workers`; None where a worker reports
+        none (its launch weights: "default") or does not answer."""
+        async with self._new_http() as http:
+            urls = await self._worker_urls(http) or [self.base_url]
+            return [await self._reported_version(http, u) for u in urls]
+
+    def reported_versions(self) -> list[int | None]:
+        return _run_sync(self.areported_versions())
+
     def sync_weights(self, params_or_path: Any, version: int) -> int:
         """RolloutEngine API: a path to an HF safetensors directory readable by the server."""
         if not isinstance(params_or_path, (str, bytes)) and not hasattr(

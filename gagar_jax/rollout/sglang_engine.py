@@ -26,8 +26,20 @@ server restarted from its launch weights after a crash, which reports ``default`
 returned: if the server is behind, the current weights are pushed to it again, then the slot is
 resubmitted with the same seed. Each slot is filled exactly once (none lost, none duplicated).
 
+Several hosts sharing the servers (one engine per JAX process, ``exchange`` given): only the
+**weight writer** (``writer=True``; the loop's ``rollout.weight_writer``, default process 0)
+writes the export and runs steps 4-5. Every host pauses and drains its own requests and calls
+``export_fn`` (the export is a collective: each tensor is gathered with every host's part, and
+only the writer's call writes). Then all hosts exchange their outcome (``exchange``, the loop's
+deadline-bounded allgather): if any host failed -- the writer's update after its rollbacks and
+retries, or a host's export -- every host raises the same :class:`WeightSyncError` naming the
+process and its error. Otherwise each other host waits, before it resumes sampling, until every
+worker reports the new version (the version handshake, :meth:`SGLangEngine.await_version`), and
+takes it as its current version; so no host samples with stale weights, and the sample-level
+version check below holds on every host.
+
 Counters in ``engine.metrics``: syncs, sync_failures, rollbacks, drain_aborts, resubmitted,
-repushes.
+repushes, followed (syncs this host took from the writer).
 """
 
 from __future__ import annotations
@@ -63,11 +75,36 @@ class SGLangEngine:
       max_sync_attempts: update attempts (each failed one rolled back) before giving up.
       max_resubmits: per generate call, how often stale slots are resubmitted before it fails.
       keep_versions: exported directories kept (the current and the previous one at least).
+      writer: this engine writes the export and updates the servers (one host of several
+        sharing them; always True for a single host). A non-writer's ``export_fn`` must take
+        part in the export's collectives and write nothing.
+      exchange: ``exchange(tag, value) -> [value of every host]`` (JSON values, same order on
+        every host; the loop's ``Hosts.allgather``) when several hosts share the servers; None
+        for one host.
+      version_timeout_s: how long a non-writer waits for the servers to report the writer's
+        version after the writer succeeded.
     """
 
-    def __init__(self, client: SGLangClient, *, export_fn: Callable[[Any, str], None] | None,
-                 sync_dir: str, drain_timeout_s: float = 60.0, max_sync_attempts: int = 3,
-                 max_resubmits: int = 4, keep_versions: int = 2):
+    def __init__(
+        self,
+        client: SGLangClient,
+        *,
+        export_fn: Callable[[Any, str], None] | None,
+        sync_dir: str,
+        drain_timeout_s: float = 60.0,
+        max_sync_attempts: int = 3,
+        max_resubmits: int = 4,
+        keep_versions: int = 2,
+        writer: bool = True,
+        exchange: Callable[[str, Any], list[Any]] | None = None,
+        version_timeout_s: float = 120.0,
+    ):
+        if not writer and exchange is None:
+            raise ValueError("SGLangEngine(writer=False) needs an exchange with the writer host")
+        self.writer = bool(writer)
+        self.exchange = exchange
+        self.version_timeout_s = float(version_timeout_s)
+        self._num_syncs = 0  # identical on every host: names each sync's exchange
         self.client = client
         self.export_fn = export_fn
         self.sync_dir = sync_dir
@@ -101,16 +138,25 @@ class SGLangEngine:
         launch weights)."""
         return str(sample.meta.get("weight_version", sample.policy_version))
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 prompt_seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        prompt_seeds: Sequence[int] | None = None,
+    ) -> list[list[Sample]]:
         """``prompt_seeds``: one seed per prompt (the client's), so a prompt's samples do not
         depend on the other prompts of the call (multi-host loops split prompts over hosts)."""
         self._enter()
         try:
             out = self.client.generate(prompts, params, prompt_seeds=prompt_seeds)
             for attempt in range(self.max_resubmits + 1):
-                stale = [(i, j) for i, row in enumerate(out) for j, s in enumerate(row)
-                         if not self._current(s)]
+                stale = [
+                    (i, j)
+                    for i, row in enumerate(out)
+                    for j, s in enumerate(row)
+                    if not self._current(s)
+                ]
                 if not stale:
                     return out
                 if attempt == self.max_resubmits:
@@ -123,23 +169,28 @@ class SGLangEngine:
                         seed = (int(prompt_seeds[i]) + j) % 2**31
                     else:
                         seed = None if params.seed is None else params.seed + 1_000_003 * i + j
-                    one = SamplingParams(n=1, temperature=params.temperature,
-                                         top_p=params.top_p, top_k=params.top_k,
-                                         max_tokens=params.max_tokens,
-                                         stop_token_ids=params.stop_token_ids, seed=seed)
+                    one = SamplingParams(
+                        n=1,
+                        temperature=params.temperature,
+                        top_p=params.top_p,
+                        top_k=params.top_k,
+                        max_tokens=params.max_tokens,
+                        stop_token_ids=params.stop_token_ids,
+                        seed=seed,
+                    )
                     out[i][j] = self.client.generate([prompts[i]], one)[0][0]
             raise WeightSyncError(
                 f"{len(stale)} sample(s) still carry another weight version than "
                 f"{self.version} after {self.max_resubmits} resubmissions "
-                f"({self.client.base_url})")
+                f"({self.client.base_url})"
+            )
         finally:
             self._leave()
 
     async def agenerate(self, prompts, params, *, prompt_seeds=None):
         import asyncio
 
-        return await asyncio.to_thread(self.generate, prompts, params,
-                                       prompt_seeds=prompt_seeds)
+        return await asyncio.to_thread(self.generate, prompts, params, prompt_seeds=prompt_seeds)
 
     def _current(self, sample: Sample) -> bool:
         if sample.finish_reason == "abort":
@@ -172,8 +223,9 @@ class SGLangEngine:
 
     def _post(self, path: str, payload: dict | None = None) -> bool:
         try:
-            r = httpx.post(f"{self.client.base_url}{path}", json=payload, timeout=30.0,
-                           trust_env=False)
+            r = httpx.post(
+                f"{self.client.base_url}{path}", json=payload, timeout=30.0, trust_env=False
+            )
             return r.status_code == 200
         except httpx.HTTPError:
             return False
@@ -184,7 +236,7 @@ class SGLangEngine:
 
     def _export(self, params, version: int) -> str:
         os.makedirs(self.sync_dir, exist_ok=True)
-        final = os.path.join(self.sync_dir, f"v{version:06d}")
+        final = self.version_dir(version)
         tmp = f"{final}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -203,46 +255,112 @@ class SGLangEngine:
         if not os.path.isdir(self.sync_dir):
             return
         keep = {os.path.basename(p) for p in (self.path,) if p}
-        names = sorted(n for n in os.listdir(self.sync_dir)
-                       if n.startswith("v") and n[1:].isdigit())
+        names = sorted(
+            n for n in os.listdir(self.sync_dir) if n.startswith("v") and n[1:].isdigit()
+        )
         for n in names[: max(len(names) - self.keep_versions, 0)]:
             if n not in keep:
                 shutil.rmtree(os.path.join(self.sync_dir, n), ignore_errors=True)
 
+    def version_dir(self, version: int) -> str:
+        """Where version ``version``'s export lives (the same path on every host)."""
+        return os.path.join(self.sync_dir, f"v{int(version):06d}")
+
     def sync_weights(self, params_or_path: Any, version: int) -> int:
         """The protocol of the module docstring; returns the version every worker reports."""
         version = int(version)
+        self._num_syncs += 1
         with self._cond:
             self._paused = True
         try:
             self._drain()
-            if isinstance(params_or_path, (str, os.PathLike)):
-                path = os.fspath(params_or_path)
-            elif self.export_fn is None:
-                raise TypeError("SGLangEngine.sync_weights got parameters but has no export_fn")
-            else:
-                path = self._export(params_or_path, version)
-            last: Exception | None = None
+            if self.exchange is None:
+                return self._write_and_update(params_or_path, version)
+            error, got = None, None
+            try:
+                if self.writer:
+                    got = self._write_and_update(params_or_path, version)
+                elif not isinstance(params_or_path, (str, os.PathLike)):
+                    if self.export_fn is None:
+                        raise TypeError(
+                            "SGLangEngine.sync_weights got parameters but has no export_fn"
+                        )
+                    self.export_fn(params_or_path, self.version_dir(version))  # writes nothing
+            except (WeightSyncError, SGLangError, OSError, TypeError, ValueError) as e:
+                # told to every host, raised below. Not caught: a broken collective (a peer
+                # died during the export's gathers), which the loop names at its own barrier
+                error = f"{type(e).__name__}: {e}"
+            parts = self.exchange(
+                f"weights/{self._num_syncs}/v{version}", {"error": error, "writer": self.writer}
+            )
+            failed = [(q, p) for q, p in enumerate(parts) if p["error"]]
+            if failed:
+                raise WeightSyncError(
+                    f"weight sync to version {version} failed on "
+                    + "; ".join(
+                        f"process {q}{' (the weight writer)' if p['writer'] else ''}: {p['error']}"
+                        for q, p in failed
+                    )
+                )
+            if self.writer:
+                return got
+            got = self.await_version(version)
+            path = (
+                os.fspath(params_or_path)
+                if isinstance(params_or_path, (str, os.PathLike))
+                else self.version_dir(version)
+            )
             with self._weights:
-                for _ in range(self.max_sync_attempts):
-                    try:
-                        got = self.client.update_weights_from_disk(path, version)
-                        self._flush()
-                        self.version, self.path = got, path
-                        self.metrics["syncs"] += 1
-                        self._prune()
-                        return got
-                    except SGLangError as e:
-                        last = e
-                        self.metrics["sync_failures"] += 1
-                        self._rollback()
-            raise WeightSyncError(
-                f"weight sync to version {version} failed {self.max_sync_attempts} times at "
-                f"{self.client.base_url}; rolled back to {self.version}: {last}")
+                self.version, self.path = got, path
+            self.metrics["followed"] += 1
+            return got
         finally:
             with self._cond:
                 self._paused = False
                 self._cond.notify_all()
+
+    def await_version(self, version: int, *, poll_s: float = 0.1) -> int:
+        """Waits until every worker reports ``version`` (the version handshake of a host that
+        did not run the update itself); raises :class:`WeightSyncError` after
+        ``version_timeout_s`` naming what they report."""
+        deadline = time.monotonic() + self.version_timeout_s
+        while True:
+            reported = self.client.reported_versions()
+            if reported and all(v == int(version) for v in reported):
+                return int(version)
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"{self.client.base_url} reports weight versions {reported}, not {version}, "
+                    f"{self.version_timeout_s:g}s after the weight writer's update"
+                )
+            time.sleep(poll_s)
+
+    def _write_and_update(self, params_or_path: Any, version: int) -> int:
+        """Steps 3-5 (the writer's part): export, update with rollback and retries, flush."""
+        if isinstance(params_or_path, (str, os.PathLike)):
+            path = os.fspath(params_or_path)
+        elif self.export_fn is None:
+            raise TypeError("SGLangEngine.sync_weights got parameters but has no export_fn")
+        else:
+            path = self._export(params_or_path, version)
+        last: Exception | None = None
+        with self._weights:
+            for _ in range(self.max_sync_attempts):
+                try:
+                    got = self.client.update_weights_from_disk(path, version)
+                    self._flush()
+                    self.version, self.path = got, path
+                    self.metrics["syncs"] += 1
+                    self._prune()
+                    return got
+                except SGLangError as e:
+                    last = e
+                    self.metrics["sync_failures"] += 1
+                    self._rollback()
+        raise WeightSyncError(
+            f"weight sync to version {version} failed {self.max_sync_attempts} times at "
+            f"{self.client.base_url}; rolled back to {self.version}: {last}"
+        )
 
     def _rollback(self) -> None:
         """Every worker back to the previous version (a partial update leaves a mix)."""
@@ -255,4 +373,5 @@ class SGLangEngine:
         except SGLangError as e:
             raise WeightSyncError(
                 f"rollback to version {self.version} ({self.path}) failed at "
-                f"{self.client.base_url}: {e}; the workers may serve mixed versions") from e
+                f"{self.client.base_url}: {e}; the workers may serve mixed versions"
+            ) from e
