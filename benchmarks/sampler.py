@@ -16,6 +16,8 @@ in float32 on the same CPU, one after the other in this process. Tables:
    (`SamplingParams(n=8)` against `generate(num_return_sequences=8, do_sample=True, top_k=0)`).
 3. a 4-turn episode (16 episodes; each turn 64 new tokens then a 32-token observation) through
    the JAX sampler with and without `prefix_cache` (re-prefilling the whole history each turn).
+4. with `--tables ...,sglang`: the embedded sampler against a real SGLang server from
+   `.venv-sglang` on the same model and the greedy / RL-shaped workloads (tokens/s both ways).
 
 The machine's load average (`os.getloadavg`) is printed before and after: on a shared machine
 PyTorch slows down more than XLA, so compare ratios from one run on a quiet machine.
@@ -26,8 +28,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+
+# Measure the checkout this script lives in (run as a script, sys.path[0] is benchmarks/ and
+# the venv's editable install may point at another checkout).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 
@@ -52,7 +59,11 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--tables", default="greedy,rl,multiturn")
+    ap.add_argument(
+        "--tables",
+        default="greedy,rl,multiturn",
+        help="comma-separated: greedy, rl, multiturn, sglang (a real SGLang server)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens (CI smoke)")
     args = ap.parse_args()
     tables = set(args.tables.split(","))
@@ -253,7 +264,110 @@ def main():
                 flush=True,
             )
         print(f"speed-up of prefix_cache: {results[0] / results[1]:.2f}x")
+    if "sglang" in tables:
+        _sglang_table(model, cfg, batches, args, rl, rng)
+
     print(f"\nend: {_load()}")
+
+
+def _sglang_table(model, cfg, batches, args, rl, rng):
+    """The embedded sampler against a real SGLang server (``.venv-sglang``) on the same model.
+
+    The JAX model is exported with ``save_hf_safetensors`` next to a BPE tokenizer trained
+    locally with the model's vocabulary size (SGLang needs one to start; token ids go in and come
+    out as ids, ``ignore_eos``), served on CPU in float32 with the flags of
+    ``gagar_jax.rollout.sglang_server``, and sent the same prompts as the greedy and RL-shaped
+    tables through ``SGLangClient`` (all rows of a call in flight at once). Each row times the
+    two engines alternately, after one warm-up call each. One server, killed at the end.
+    """
+    import shutil
+    from pathlib import Path
+
+    from gagar_jax.models import save_hf_safetensors
+    from gagar_jax.rollout import SamplingParams
+    from gagar_jax.rollout.sampler import Sampler
+    from gagar_jax.rollout.sglang_client import SGLangClient
+    from gagar_jax.rollout.sglang_server import SGLangServer, make_tiny_model
+
+    np_, n, pl, new = rl["prompts"], rl["n"], rl["prompt_len"], rl["new"]
+    rows = max(max(batches), np_ * n)
+    workloads = [
+        (
+            f"greedy, batch {b}",
+            rng.integers(1, cfg.vocab_size, (b, args.prompt_len)).tolist(),
+            SamplingParams(temperature=0.0, max_tokens=args.new_tokens),
+            b * args.new_tokens,
+        )
+        for b in batches
+    ]
+    workloads.append(
+        (
+            f"RL-shaped, {np_ * n} rows, T=1",
+            rng.integers(1, cfg.vocab_size, (np_, pl)).tolist(),
+            SamplingParams(n=n, temperature=1.0, max_tokens=new, seed=0),
+            np_ * n * new,
+        )
+    )
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        tok = make_tiny_model(d / "tok", vocab_size=cfg.vocab_size)
+        out = d / "export"
+        save_hf_safetensors(model, cfg, str(out))
+        for f in tok.iterdir():
+            if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+                shutil.copy(f, out / f.name)
+        server = SGLangServer(
+            out,
+            max_running_requests=rows,
+            max_total_tokens=rows * (max(pl, args.prompt_len) + max(new, args.new_tokens)) + 1024,
+        )
+        t0 = time.perf_counter()
+        server.start(timeout_s=900)
+        start_s = time.perf_counter() - t0
+        try:
+            client = SGLangClient(
+                server.url,
+                ignore_eos=True,
+                vocab_size=cfg.vocab_size,
+                max_concurrency=rows,
+                request_timeout_s=1800.0,
+            )
+            print(
+                f"\n[sglang] real SGLang server on CPU (float32, torch_native attention; "
+                f"started in {start_s:.0f} s), same model and prompts"
+            )
+            print(
+                f"{'workload':>24} | {'jax tok/s':>10} | {'sglang tok/s':>12} | {'jax/sglang':>10}"
+            )
+            print("-" * 66)
+            for name, prompts, params, n_tok in workloads:
+                b = len(prompts) * params.n
+                sampler = Sampler(
+                    model,
+                    batch_buckets=tuple(sorted({len(prompts), b})),
+                    prompt_buckets=(len(prompts[0]),),
+                    new_token_buckets=(params.max_tokens,),
+                )
+                sampler.generate(prompts, params)  # compiles
+                client.generate(prompts, params)  # warm-up
+                jt, st = [], []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    sampler.generate(prompts, params)
+                    jt.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    got = client.generate(prompts, params)
+                    st.append(time.perf_counter() - t0)
+                assert sum(len(s.tokens) for row in got for s in row) == n_tok
+                jax_tps = n_tok / statistics.median(jt)
+                sgl_tps = n_tok / statistics.median(st)
+                print(
+                    f"{name:>24} | {jax_tps:>10.0f} | {sgl_tps:>12.0f} | "
+                    f"{jax_tps / sgl_tps:>10.2f}",
+                    flush=True,
+                )
+        finally:
+            server.stop()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,12 @@ import argparse
 import dataclasses
 import os
 import statistics
+import sys
 import time
+
+# Measure the checkout this script lives in (run as a script, sys.path[0] is benchmarks/ and
+# the venv's editable install may point at another checkout).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # One host device for the benchmark (the test suite's 8 simulated devices would split threads).
 os.environ["XLA_FLAGS"] = " ".join(

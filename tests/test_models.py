@@ -124,6 +124,20 @@ def test_cached_decode_equals_full_forward(tie):
     np.testing.assert_array_equal(np.asarray(cache.mask[:, :10]), m)
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_decode_last_only_is_the_last_position(tie):
+    """``decode(last_only=True)`` (the sampler's prefill) == the last column, same cache."""
+    model = _model(dataclasses.replace(TINY, tie_embeddings=tie))
+    tokens, positions, mask = _left_padded(length=10, pads=(0, 2, 3))
+    cache = model.init_cache(batch=3, max_len=12)
+    full, c_full = model.decode(tokens, positions, cache, attention_mask=mask)
+    last, c_last = model.decode(tokens, positions, cache, attention_mask=mask, last_only=True)
+    assert last.shape == (3, 1, TINY.vocab_size)
+    np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(full[:, -1]), atol=1e-6)
+    for a, b in zip(jax.tree.leaves(c_full), jax.tree.leaves(c_last)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_bf16_compute_logits_f32_close_to_f32():
     model = _model()
     tokens, positions, mask = _left_padded()

@@ -310,6 +310,7 @@ def test_dead_or_hung_host_ends_the_other_with_an_error_naming_it(fault, tmp_pat
         t_fault = time.monotonic()
         procs[0].wait(timeout=heartbeat_s + 90)
         ended_after = time.monotonic() - t_fault
+        print(f"{fault}: process 0 ended {ended_after:.1f}s after the fault")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -401,7 +402,7 @@ def test_episode_seeds_make_an_episode_independent_of_the_batch():
             [family.make_env(tasks[i]) for i in idx],
             [prompts[i] for i in idx],
             params,
-            max_turns=3,
+            max_turns=2,
             max_total_tokens=[len(prompts[i]) + 40 for i in idx],
             max_observation_tokens=12,
             observation_tokens=family.observation_tokens,
@@ -410,12 +411,12 @@ def test_episode_seeds_make_an_episode_independent_of_the_batch():
 
     alone = episodes([1], [21])[0]
     batched = episodes([0, 1, 2], [20, 21, 22])
-    swapped = episodes([2, 1], [22, 21])
     assert len(alone.turns) > 1  # several engine calls, batched with the other episodes
-    assert alone.tokens == batched[1].tokens == swapped[1].tokens
+    assert alone.tokens == batched[1].tokens
     assert alone.logprobs == pytest.approx(batched[1].logprobs, abs=1e-5)
-    assert batched[2].tokens == swapped[0].tokens
     assert episodes([1], [99])[0].tokens != alone.tokens  # the seed matters
+    # without episode seeds an episode depends on its row in the batch (the call-wide seed)
+    assert episodes([0, 1, 2], None)[1].tokens != episodes([1], None)[0].tokens
     with pytest.raises(ValueError, match="one per"):
         episodes([0, 1], [1])
 

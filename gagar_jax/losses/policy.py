@@ -230,8 +230,14 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
     else:
         kl = jnp.zeros((), jnp.float32)
     if entropy is not None:
-        ent = tok_mean(entropy)
-        loss = loss - entropy_coef * ent
+        if isinstance(entropy_coef, (int, float)) and entropy_coef == 0:
+            # A static zero weight: the entropy is a metric only. Without the stop_gradient the
+            # backward pass would still run the entropy's [.., V] cotangent passes (x * 0 is not
+            # simplified away for floats).
+            ent = tok_mean(jax.lax.stop_gradient(entropy))
+        else:
+            ent = tok_mean(entropy)
+            loss = loss - entropy_coef * ent
     else:
         ent = jnp.zeros((), jnp.float32)
 

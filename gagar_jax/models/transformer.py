@@ -802,7 +802,7 @@ class Transformer(nnx.Module):
             k=zeros, v=zeros, mask=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32)
         )
 
-    def decode(self, tokens, positions, cache: Cache, *, attention_mask=None):
+    def decode(self, tokens, positions, cache: Cache, *, attention_mask=None, last_only=False):
         """Runs ``T`` new tokens against the cache (prefill when T > 1, one step when T == 1).
 
         Args:
@@ -810,6 +810,9 @@ class Transformer(nnx.Module):
           positions: [B, T] int32 RoPE positions.
           cache: from :meth:`init_cache` or a previous ``decode``.
           attention_mask: [B, T] bool, False for padding tokens (None: all valid).
+          last_only: the logits of the last position only (``[B, 1, V]``): what a prefill
+            needs to start sampling; the LM head over all ``T`` prompt positions would cost
+            ``T`` decode steps' worth of head FLOPs for nothing.
         Returns:
           (logits [B, T, V] float32, updated Cache). Writing past ``max_len`` is clamped by
           ``dynamic_update_slice``: callers must keep ``index + T <= max_len``.
@@ -823,6 +826,8 @@ class Transformer(nnx.Module):
         key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
         h, (k, v), _ = self._hidden(tokens, positions, key_mask, attention_mask, cache)
         new_cache = Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
+        if last_only:
+            h = h[:, -1:]
         return self.logits_from_hidden(h), new_cache
 
 

@@ -17,6 +17,12 @@ Every host (JAX process) runs the same loop. What each one does:
   rank, graded, cheat per slot, fallback reason) are exchanged, so every host builds the same
   replicated ``[G, K]`` arrays and the same grading metrics; a fallback on one host is the
   fallback everywhere.
+* **Weight sync.** The embedded sampler on each host gets its copy of the sharded parameters
+  device to device. SGLang servers shared by the hosts: every host takes part in the streamed
+  export's gathers; process ``rollout.weight_writer`` alone writes it and updates the servers;
+  the hosts exchange the outcome (a failure is the same ``WeightSyncError`` everywhere) and the
+  others wait until the servers report the new version before they sample
+  (``gagar_jax.rollout.SGLangEngine``, ``writer`` / ``exchange``).
 * **Metrics and plots.** The step's counters are reduced over hosts (sums; times: the slowest
   host); process 0 writes them.
 * **Checkpoints.** Every host takes part in the orbax save of the sharded state; process 0

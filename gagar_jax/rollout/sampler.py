@@ -196,9 +196,12 @@ def _generate_program(
             mask=jax.lax.dynamic_update_slice_in_dim(cache.mask, hm, 0, axis=1),
             index=jnp.asarray(h, jnp.int32),
         )
-    logits, cache = model.decode(prompts, positions, cache, attention_mask=prompt_mask)
-    # Left padding: the last slot is every row's last prompt token. Then the n samples of a
+    # Left padding: the last slot is every row's last prompt token, the only logits needed
+    # (last_only: no LM head over the other prompt positions). Then the n samples of a
     # prompt copy its prefilled cache (one prefill per distinct prompt, not per sample).
+    logits, cache = model.decode(
+        prompts, positions, cache, attention_mask=prompt_mask, last_only=True
+    )
     logits = logits[row_src, -1, :]
     prompt_len = prompt_len[row_src]
     cache = cache._replace(k=cache.k[:, row_src], v=cache.v[:, row_src], mask=cache.mask[row_src])

@@ -286,7 +286,9 @@ class SGLangEngine:
                             "SGLangEngine.sync_weights got parameters but has no export_fn"
                         )
                     self.export_fn(params_or_path, self.version_dir(version))  # writes nothing
-            except Exception as e:  # noqa: BLE001 -- told to every host, raised below
+            except (WeightSyncError, SGLangError, OSError, TypeError, ValueError) as e:
+                # told to every host, raised below. Not caught: a broken collective (a peer
+                # died during the export's gathers), which the loop names at its own barrier
                 error = f"{type(e).__name__}: {e}"
             parts = self.exchange(
                 f"weights/{self._num_syncs}/v{version}", {"error": error, "writer": self.writer}

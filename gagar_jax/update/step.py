@@ -149,6 +149,21 @@ ROUTER_METRICS = (
 )
 
 
+def head_weight_ve(model) -> jax.Array:
+    """The LM head as ``[V, E]`` (the tied embedding, or the untied ``[E, V]`` head transposed).
+
+    Training contracts the head in this orientation: with the ``[E, V]`` parameter XLA:CPU
+    computed the hidden-state gradient ``dlogits [T, V] @ W^T`` as a dot contracting both
+    operands' minor dimension, the slowest dot of the small config's step (a profile of
+    ``benchmarks/update.py``'s step: 16-21 GFLOP/s against 40-180 GFLOP/s for the other dots of
+    that size, under the same load). The transposed copy is ``V * E`` values once per step, and
+    ``optimization_barrier`` keeps XLA from folding it back into the dot.
+    """
+    if model.config.tie_embeddings:
+        return model.embed_tokens[...]
+    return jax.lax.optimization_barrier(model.lm_head[...].T)
+
+
 def chunked_token_logprobs_and_entropy(
     model, hidden, targets, temperature: float = 1.0, chunk: int = 0
 ):
@@ -167,12 +182,12 @@ def chunked_token_logprobs_and_entropy(
       (logprobs [B, T] float32, entropy [B, T] float32).
     """
     b, t = targets.shape
-    if chunk <= 0 or chunk >= t:
-        logits = model.logits_from_hidden(hidden).astype(jnp.float32) / temperature
-        return token_logprobs_and_entropy(logits, targets)
-    tied = model.config.tie_embeddings
-    weight = model.embed_tokens[...] if tied else model.lm_head[...]
     dt = jnp.dtype(model.config.dtype)
+    weight = head_weight_ve(model)  # [V, E]
+    if chunk <= 0 or chunk >= t:
+        logits = jnp.einsum("bte,ve->btv", hidden.astype(dt), weight.astype(dt),
+                            preferred_element_type=jnp.float32)
+        return token_logprobs_and_entropy(logits / temperature, targets)
     n = -(-t // chunk)
     pad = n * chunk - t
     h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, -1)
@@ -180,8 +195,8 @@ def chunked_token_logprobs_and_entropy(
 
     @jax.checkpoint
     def one(w, hc, yc):
-        eq = "bte,ve->btv" if tied else "bte,ev->btv"
-        logits = jnp.einsum(eq, hc.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bte,ve->btv", hc.astype(dt), w.astype(dt),
+                            preferred_element_type=jnp.float32)
         return token_logprobs_and_entropy(logits / temperature, yc)
 
     lp, ent = jax.lax.map(
