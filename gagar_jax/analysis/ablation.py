@@ -25,8 +25,8 @@ Two readings the paper's claims need, both computed from the runs, never asserte
   - paired by seed (``paired``): mode A minus mode B on the same seed (the same
     initialisation, task order and sampling seed; ``paired_modes`` names the pairs, by default
     ``discount_only`` - ``gagar``) for the entropy drift, the response-length drift, the
-    pg-loss mean, the credit imbalance and the held-out pass-rate gain, mean +- SE over the
-    seeds both finished.
+    pg-loss mean, the credit imbalance, the held-out pass-rate gain and the last window's
+    quality and T1 share (``PAIRED``), mean +- SE over the seeds both finished.
 """
 
 from __future__ import annotations
@@ -206,6 +206,8 @@ PAIRED: tuple[tuple[str, str], ...] = (
     ("pg_loss_mean_last", "pg-loss mean (last window)"),
     ("credit_imbalance", "credit imbalance"),
     ("eval_pass_gain", "held-out pass-rate gain"),
+    ("quality_last", "quality of passing (last window)"),
+    ("t1_share_last", "T1 share (last window)"),
 )
 
 
