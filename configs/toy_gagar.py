@@ -61,7 +61,14 @@ def get_config(arg=None):
     c.model = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                    intermediate_size=256, rope_theta=10000.0, rms_norm_eps=1e-6,
                    qkv_bias=False, tie_embeddings=True, dtype="float32",
-                   param_dtype="float32", remat=False, hf_checkpoint="")
+                   param_dtype="float32", remat=False, hf_checkpoint="",
+                   # execution (also applied to an hf_checkpoint): layers through nnx.scan
+                   # (compile time flat in depth), the remat policy ("full", "dots", ...)
+                   scan_layers=False, remat_policy="full",
+                   # architecture of a from-scratch policy (an hf_checkpoint brings its own):
+                   # Qwen3's per-head q/k RMSNorm; a mixture of experts when num_experts > 0
+                   qk_norm=False, num_experts=0, num_experts_per_tok=2,
+                   moe_intermediate_size=config_dict.placeholder(int), norm_topk_prob=True)
     c.rollout = dict(engine="embedded", sglang_url="", num_prompts=8, num_rollouts=8,
                      max_prompt_len=48, max_new_tokens=32, temperature=1.0, top_p=1.0,
                      top_k=0, request_timeout_s=120.0, weight_writer=0)
@@ -76,6 +83,9 @@ def get_config(arg=None):
                      num_minibatches=1, num_microbatches=1, kl_coef=0.0, entropy_coef=0.0,
                      aggregation="token-mean", schedule="constant", end_lr_ratio=0.1,
                      dual_clip=config_dict.placeholder(float), token_gamma=0.5,
+                     # logits/log-softmax in chunks of this many tokens (0: whole sequence);
+                     # MoE load-balancing loss weight (router metrics are logged either way)
+                     logits_chunk_size=0, router_aux_loss_coef=0.0,
                      advantages=dict(estimator="mean_centered", tier_factors=(1.0, 0.6, 0.3),
                                      rank_decay=0.5, cheat_reward=0.0, mixed_tol=1e-6))
     if mode == "gagar_token":  # the importance provider of the token credit

@@ -44,12 +44,18 @@ from gagar_jax.update import (
     shard_host_batch,
 )
 
+# How the policy runs, not what it is: taken from ``cfg.model`` for a Hugging Face checkpoint too
+# (whose config.json decides the architecture).
+EXECUTION_FIELDS = ("dtype", "param_dtype", "remat", "remat_policy", "scan_layers")
+
 
 def build_model(cfg: RunConfig, vocab_size: int) -> tuple[TransformerConfig, Transformer]:
     """The policy: ``cfg.model`` with the tokenizer's vocab (seeded by ``cfg.seed``), or the
-    architecture and weights of ``cfg.hf_checkpoint``."""
+    architecture and weights of ``cfg.hf_checkpoint`` run with ``cfg.model``'s
+    :data:`EXECUTION_FIELDS` (dtype, rematerialisation, scanned layers)."""
     if cfg.hf_checkpoint:
-        model_config, model = load_hf_safetensors(cfg.hf_checkpoint)
+        overrides = {k: getattr(cfg.model, k) for k in EXECUTION_FIELDS}
+        model_config, model = load_hf_safetensors(cfg.hf_checkpoint, **overrides)
         if model_config.vocab_size < vocab_size:
             raise ValueError(
                 f"model.hf_checkpoint vocab {model_config.vocab_size} < "
