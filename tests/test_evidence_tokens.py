@@ -122,8 +122,9 @@ def test_heuristic_verdict_evidence_moves_credit_off_the_cited_line():
 
 def test_loop_attaches_cited_tokens_and_packs_them_at_the_response_positions():
     from gagar_jax.envs.family import Attempt, FamilySettings, make_family
+    from gagar_jax.rl import grade
     from gagar_jax.rl.collect import Group, pack_groups
-    from gagar_jax.rl.train import _rollout, attach_verdicts, group_workspace
+    from gagar_jax.rl.train import _rollout, group_workspace
 
     family = make_family("toy", FamilySettings(num_train=4, max_prompt_len=64))
     task = family.train_task(0)
@@ -150,10 +151,18 @@ def test_loop_attaches_cited_tokens_and_packs_them_at_the_response_positions():
     ws = group_workspace(family, group)
     verdict = schema.validate(HeuristicGrader().grade(ws), ws)
     res = schema.GradeResult.accepted(ws, verdict)
-    attach_verdicts([group], [res], len(rollouts), token_spans=family.token_spans)
-    assert group.evidence is not None and len(group.evidence) == len(rollouts)
+    grades = grade.to_arrays(
+        [res],
+        [group],
+        num_groups=2,
+        num_rollouts=len(rollouts),
+        max_new_tokens=48,
+        token_spans=family.token_spans,
+    )
+    assert grades.evidence.shape == (2, len(rollouts), 48) and grades.graded.tolist() == [1, 0]
     batch = pack_groups(
         [group],
+        grades,
         num_groups=2,
         num_rollouts=len(rollouts),
         max_prompt_len=64,
@@ -168,10 +177,10 @@ def test_loop_attaches_cited_tokens_and_packs_them_at_the_response_positions():
         want = np.zeros(len(r.response_tokens), bool)
         if j is not None:
             want = evidence_tokens.evidence_token_mask(j.evidence, cid, spans)
-        row = batch.evidence[0, k]
+        row = batch.evidence[k]  # group-major rows: group 0, rollout k
         P = len(prompt)
         np.testing.assert_array_equal(row[P : P + len(want)], want)
         assert not row[:P].any() and not row[P + len(want) :].any()
         cited += int(want.sum())
     assert cited > 0  # the heuristic grader cited at least one line of these patches
-    assert not batch.evidence[1].any()  # the padding group
+    assert not batch.evidence[len(rollouts) :].any()  # the padding group

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gagar_jax.rl import collect, resume, writers
+from gagar_jax.rl import collect, grade, resume, writers
 from gagar_jax.rl.config import ConfigError, RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,20 +233,27 @@ def test_disabled_keeps_first_draw():
 # ---------------------------------------------------------------------------------- packing
 def test_pack_layout():
     g = make_group("a", 2, K=3, prompt_len=3, resp_len=2, infra=(2,))
-    g.tier, g.rank, g.graded = [1, 2, 1], [1, 2, 1], True
-    b = collect.pack_groups([g], num_groups=2, num_rollouts=3, max_prompt_len=4,
-                             max_new_tokens=3, pad_id=0)
-    assert b.shape == (2, 3, 7)
-    np.testing.assert_array_equal(b.tokens[0, 0], [1, 2, 3, 7, 7, 0, 0])
-    np.testing.assert_array_equal(b.response_mask[0, 0], [0, 0, 0, 1, 1, 0, 0])
-    np.testing.assert_array_equal(b.attention_mask[0, 0], [1, 1, 1, 1, 1, 0, 0])
-    np.testing.assert_array_equal(b.positions[0, 0], [0, 1, 2, 3, 4, 0, 0])
-    np.testing.assert_allclose(b.old_logprobs[0, 0], [0, 0, 0, -0.5, -0.5, 0, 0])
+    grades = grade.no_grades(2, 3, 3)
+    grades.tier[0], grades.rank[0], grades.graded[0] = [1, 2, 1], [1, 2, 1], True
+    b = collect.pack_groups([g], grades, num_groups=2, num_rollouts=3, max_prompt_len=4,
+                            max_new_tokens=3, pad_id=0)
+    assert b.tokens.shape == (2 * 3, 7)  # group-major rows n = g * K + k
+    np.testing.assert_array_equal(b.tokens[0], [1, 2, 3, 7, 7, 0, 0])
+    np.testing.assert_array_equal(b.response_mask[0], [0, 0, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(b.attention_mask[0], [1, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(b.positions[0], [0, 1, 2, 3, 4, 0, 0])
+    np.testing.assert_allclose(b.old_logprobs[0], [0, 0, 0, -0.5, -0.5, 0, 0])
     np.testing.assert_array_equal(b.rewards[0], [1, 1, 0])
     np.testing.assert_array_equal(b.valid, [[1, 1, 0], [0, 0, 0]])
     np.testing.assert_array_equal(b.graded, [1, 0])
     np.testing.assert_array_equal(b.tier[0], [1, 2, 1])
-    assert not b.response_mask[1].any()  # padding group carries no loss tokens
+    assert not b.response_mask[3:].any()  # padding group carries no loss tokens
+
+
+def test_pack_rejects_grades_of_another_shape():
+    with pytest.raises(ValueError, match=r"grades\.evidence has shape"):
+        collect.pack_groups([make_group("a", 2)], grade.no_grades(1, 4, 5), num_groups=1,
+                            num_rollouts=4, max_prompt_len=3, max_new_tokens=2, pad_id=0)
 
 
 def test_cheat_gets_zero_reward():
@@ -277,7 +284,7 @@ def test_refills_keep_batch_shapes_static_one_trace():
     @chex.assert_max_traces(n=1)
     def fake_update(batch):
         # touches every field so that any shape/dtype change would retrace
-        return sum(jnp.sum(jnp.asarray(x, jnp.float32)) for x in batch)
+        return sum(jnp.sum(jnp.asarray(x, jnp.float32)) for x in batch if x is not None)
 
     chex.clear_trace_counter()
     for script, partial in [([2], False), ([0, 4, 2], False), ([0, 0, 0, 0, 0, 2], True)]:

@@ -6,7 +6,7 @@ package that imports all of them.
 
 Modules: ``config`` (``RunConfig``, the validated run config), ``train`` (``train_and_evaluate``,
 ``rl_step``, ``evaluate_checkpoint``), ``collect`` (rollout records, groups, generation and
-verification, dynamic sampling, packing), ``grade`` (workspaces, verdicts onto groups, grading
+verification, dynamic sampling, packing), ``grade`` (workspaces, verdicts as arrays, grading
 metrics), ``policy`` (model, the update call, weight sync, checkpoints), ``engines`` (rollout
 engine, grading pool), ``resume`` (the loop state), ``writers`` (metrics JSONL/TensorBoard/
 console, plots, comparisons), ``multihost`` (one loop over ``jax.distributed`` processes). The

@@ -10,10 +10,11 @@ compare. Each training step therefore over-samples prompts and keeps drawing unt
 ``num_prompts`` *mixed* groups, with a cap on the rounds and an error that says whether the
 data is too easy or too hard when the cap is hit.
 
-Whatever the number of refill rounds, :func:`pack_groups` writes the kept groups into arrays of
-one static shape ``[G, K, T]`` (``G = num_prompts``, ``K = num_rollouts``,
-``T = max_prompt_len + max_new_tokens``); missing groups and rollouts are masked with ``valid``,
-so the jitted update is traced once for the whole run.
+Whatever the number of refill rounds, :func:`pack_groups` writes the kept groups and their
+grades straight into the update's ``UpdateBatch`` of one static shape: group-major rows
+``[N = G * K, T]`` (``G = num_prompts``, ``K = num_rollouts``,
+``T = max_prompt_len + max_new_tokens``) and ``[G, K]`` group fields; missing groups and rollouts
+are masked with ``valid``, so the jitted update is traced once for the whole run.
 
 Token layout of one rollout row (length ``T``)::
 
@@ -32,7 +33,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from gagar_jax.envs.family import Attempt, FamilySettings, Outcome, make_family
 from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.multihost import prompt_seed
 from gagar_jax.rollout import SamplingParams, run_episodes
+from gagar_jax.update import UpdateBatch
 
 
 @dataclasses.dataclass
@@ -74,20 +76,11 @@ class Rollout:
 
 @dataclasses.dataclass
 class Group:
-    """The K rollouts of one prompt, plus whatever the grader said about them."""
+    """The K rollouts of one prompt (the grader's verdict on them: ``rl.grade.Grades``)."""
 
     group_id: str
     task: Any
     rollouts: list[Rollout]
-    # Filled from the grading pool; per rollout, defaults mean "no verdict".
-    tier: list[int] | None = None
-    rank: list[int] | None = None
-    grader_cheat: list[bool] | None = None
-    graded: bool = False
-    fallback_reason: str | None = None
-    # Per rollout, a bool mask over its response tokens: the tokens the verdict cites as
-    # evidence (``gagar_jax.grading.evidence_tokens``); None without a verdict.
-    evidence: list[Any] | None = None
 
     def valid_mask(self) -> list[bool]:
         return [not r.infra_error for r in self.rollouts]
@@ -331,64 +324,62 @@ def collect_blocks(draw: Callable[[list[int]], Sequence[Group]],
     return result
 
 
-class PackedBatch(NamedTuple):
-    """A static-shape batch of G groups x K rollouts x T tokens (NumPy, host side)."""
+def pack_groups(groups: Sequence[Group], grades=None, *, num_groups: int, num_rollouts: int,
+                max_prompt_len: int, max_new_tokens: int, pad_id: int) -> UpdateBatch:
+    """Packs up to ``num_groups`` groups and their grades into the update's batch (NumPy).
 
-    tokens: np.ndarray  # [G, K, T] int32, prompt + response, right-padded with pad_id
-    positions: np.ndarray  # [G, K, T] int32
-    attention_mask: np.ndarray  # [G, K, T] bool, True on prompt and response tokens
-    response_mask: np.ndarray  # [G, K, T] bool, True on response tokens (the loss's tokens)
-    old_logprobs: np.ndarray  # [G, K, T] float32, behaviour log-probs on response tokens
-    rewards: np.ndarray  # [G, K] float32, 1 = passed and not a cheat
-    passed: np.ndarray  # [G, K] bool
-    cheat: np.ndarray  # [G, K] bool
-    tier: np.ndarray  # [G, K] int32, 1..3 where graded and passing, else 1
-    rank: np.ndarray  # [G, K] int32, >= 1
-    graded: np.ndarray  # [G] bool, a valid verdict arrived for the group
-    valid: np.ndarray  # [G, K] bool, a real rollout (not padding, not an infra error)
-    evidence: np.ndarray | None = None  # [G, K, T] bool, response tokens a verdict cites
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return self.tokens.shape
-
-
-def pack_groups(groups: Sequence[Group], *, num_groups: int, num_rollouts: int,
-                max_prompt_len: int, max_new_tokens: int, pad_id: int) -> PackedBatch:
-    """Packs up to ``num_groups`` groups into a :class:`PackedBatch` of static shape.
+    Group-major rows ``n = g * K + k`` of static shape ``[N = G * K, T]``; the group fields
+    (``rewards``, ``passed``, ``cheat``, ``tier``, ``rank``, ``valid``) are ``[G, K]`` and
+    ``graded`` is ``[G]``. ``evidence`` (``[N, T]``) holds the cited response tokens of each row
+    at their positions; all False without verdicts.
 
     Args:
       groups: kept groups (each with at most ``num_rollouts`` rollouts).
+      grades: ``rl.grade.Grades`` of ``num_groups`` slots (``[G, K]``, evidence ``[G, K, R]``);
+        None: no verdicts (tier 1, rank 1, not graded).
       num_groups: G, static.
       num_rollouts: K, static.
       max_prompt_len, max_new_tokens: P and R; T = P + R.
       pad_id: the tokenizer's pad id.
 
     Raises:
-      ValueError: more groups or rollouts than the static shape holds, or a prompt / response
-        longer than its budget (names the group and the lengths).
+      ValueError: more groups or rollouts than the static shape holds, grades of another shape,
+        or a prompt / response longer than its budget (names the group and the lengths).
     """
     G, K, T = num_groups, num_rollouts, max_prompt_len + max_new_tokens
     if len(groups) > G:
         raise ValueError(f"{len(groups)} groups do not fit num_groups={G}")
-    tokens = np.full((G, K, T), pad_id, np.int32)
-    positions = np.zeros((G, K, T), np.int32)
-    attn = np.zeros((G, K, T), bool)
-    resp = np.zeros((G, K, T), bool)
-    old_lp = np.zeros((G, K, T), np.float32)
+    if grades is None:
+        tier, rank = np.ones((G, K), np.int32), np.ones((G, K), np.int32)
+        graded, grade_cheat = np.zeros((G,), bool), np.zeros((G, K), bool)
+        cited = np.zeros((G, K, max_new_tokens), bool)
+    else:
+        for name, want in (("tier", (G, K)), ("rank", (G, K)), ("graded", (G,)),
+                           ("cheat", (G, K)), ("evidence", (G, K, max_new_tokens))):
+            got = np.shape(getattr(grades, name))
+            if got != want:
+                raise ValueError(f"pack_groups: grades.{name} has shape {got}, expected {want} "
+                                 "(num_groups, num_rollouts, rollout.max_new_tokens)")
+        tier = np.array(grades.tier, np.int32)
+        rank = np.array(grades.rank, np.int32)
+        graded = np.array(grades.graded, bool)
+        grade_cheat = np.asarray(grades.cheat, bool)
+        cited = np.asarray(grades.evidence, bool)
+    N = G * K
+    tokens = np.full((N, T), pad_id, np.int32)
+    positions = np.zeros((N, T), np.int32)
+    attn = np.zeros((N, T), bool)
+    resp = np.zeros((N, T), bool)
+    old_lp = np.zeros((N, T), np.float32)
+    evidence = np.zeros((N, T), bool)
     rewards = np.zeros((G, K), np.float32)
     passed = np.zeros((G, K), bool)
     cheat = np.zeros((G, K), bool)
-    tier = np.ones((G, K), np.int32)
-    rank = np.ones((G, K), np.int32)
-    graded = np.zeros((G,), bool)
     valid = np.zeros((G, K), bool)
-    evidence = np.zeros((G, K, T), bool)
     for gi, g in enumerate(groups):
         if len(g.rollouts) > K:
             raise ValueError(f"group {g.group_id} has {len(g.rollouts)} rollouts > "
                              f"num_rollouts={K}")
-        graded[gi] = bool(g.graded)
         for ki, r in enumerate(g.rollouts):
             P, R = len(r.prompt_tokens), len(r.response_tokens)
             if P > max_prompt_len or P == 0:
@@ -403,27 +394,24 @@ def pack_groups(groups: Sequence[Group], *, num_groups: int, num_rollouts: int,
             if r.response_mask is not None and len(r.response_mask) != R:
                 raise ValueError(f"group {g.group_id} rollout {ki}: {len(r.response_mask)} "
                                  f"response-mask entries for {R} response tokens")
-            tokens[gi, ki, :P] = r.prompt_tokens
-            tokens[gi, ki, P:P + R] = r.response_tokens
-            positions[gi, ki, :P + R] = np.arange(P + R)
-            attn[gi, ki, :P + R] = True
-            resp[gi, ki, P:P + R] = True if r.response_mask is None else r.response_mask
-            old_lp[gi, ki, P:P + R] = r.logprobs
+            n = gi * K + ki
+            tokens[n, :P] = r.prompt_tokens
+            tokens[n, P:P + R] = r.response_tokens
+            positions[n, :P + R] = np.arange(P + R)
+            attn[n, :P + R] = True
+            resp[n, P:P + R] = True if r.response_mask is None else r.response_mask
+            old_lp[n, P:P + R] = r.logprobs
+            evidence[n, P:P + R] = cited[gi, ki, :R]
             rewards[gi, ki] = r.reward
             passed[gi, ki] = r.passed
-            cheat[gi, ki] = r.cheat or bool(g.grader_cheat and g.grader_cheat[ki])
+            cheat[gi, ki] = r.cheat or bool(grade_cheat[gi, ki])
             valid[gi, ki] = not r.infra_error
-            if g.tier is not None:
-                tier[gi, ki] = g.tier[ki]
-            if g.rank is not None:
-                rank[gi, ki] = g.rank[ki]
-            if g.evidence is not None and g.evidence[ki] is not None:
-                ev = np.asarray(g.evidence[ki], bool)[:R]
-                evidence[gi, ki, P:P + len(ev)] = ev
     if not np.isfinite(old_lp).all():
         raise ValueError("non-finite behaviour log-probs in the batch")
-    return PackedBatch(tokens, positions, attn, resp, old_lp, rewards, passed, cheat, tier, rank,
-                       graded, valid, evidence)
+    return UpdateBatch(tokens=tokens, positions=positions, attention_mask=attn,
+                       response_mask=resp, old_logprobs=old_lp, rewards=rewards, passed=passed,
+                       cheat=cheat, tier=tier, rank=rank, valid=valid, graded=graded,
+                       evidence=evidence)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,15 +1,17 @@
-"""Grading of kept groups: each family's workspace, the pool's verdicts onto the groups (tiers,
-ranks, cheat flags, cited-evidence token masks) and the grading metrics over all hosts."""
+"""Grading of kept groups: each family's workspace, the pool's verdicts as arrays (tiers, ranks,
+cheat flags, cited-evidence token masks: :class:`Grades`) and the grading metrics over all
+hosts."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from gagar_jax.envs.family import Attempt, GroupMember, Outcome
-from gagar_jax.grading import evidence_tokens, to_arrays
+from gagar_jax.grading import evidence_tokens
+from gagar_jax.grading import to_arrays as to_schema_arrays
 from gagar_jax.rl.collect import Group
 
 
@@ -26,52 +28,104 @@ def group_workspace(family, group: Group):
     return family.workspace(group.group_id, group.task, members)
 
 
-def attach_verdicts(
-    groups: list[Group], results: list[Any], K: int, *, token_spans=None
-) -> dict[str, float]:
-    """Copies the grading pool's results into the groups; returns grading metrics.
+class Grades(NamedTuple):
+    """The grading pool's results for one host's block of ``G`` group slots, as arrays.
 
-    With ``token_spans(task, response_tokens) -> TokenSpans`` (the task pool's), each rollout
-    of a graded group also gets the mask of its response tokens that its judgement's evidence
-    cites (``Group.evidence``; token-level credit and its metrics read it).
-
-    ``results[i]`` is the ``GradeResult`` of ``groups[i]``: a verdict (tier/rank per passing
-    candidate) or ``None`` with a ``fallback_reason``. Metrics: :func:`grading_metrics`.
+    Slots without a judgement (no verdict, failed or missing rollouts, padding groups) hold the
+    defaults the kernels ignore: tier 1, rank 1, not graded, no cheat, no cited token.
     """
-    tier, rank, graded, cheat = (np.asarray(a) for a in to_arrays(results, K))
-    for gi, (g, res) in enumerate(zip(groups, results)):
-        g.graded = bool(graded[gi])
-        g.tier = [int(x) for x in tier[gi][: len(g.rollouts)]]
-        g.rank = [int(x) for x in rank[gi][: len(g.rollouts)]]
-        g.grader_cheat = [bool(x) for x in cheat[gi][: len(g.rollouts)]]
-        g.fallback_reason = getattr(res, "fallback_reason", None)
-        verdict = getattr(res, "verdict", None)
-        if token_spans is not None and g.graded and verdict is not None:
-            g.evidence = _evidence_masks(g, res, verdict, token_spans)
-    return grading_metrics([verdict_summary(g) for g in groups])
+
+    tier: np.ndarray  # [G, K] int32, 1..3 per judged candidate
+    rank: np.ndarray  # [G, K] int32, >= 1
+    graded: np.ndarray  # [G] bool, a valid verdict arrived for the group
+    cheat: np.ndarray  # [G, K] bool, the verdict's cheat flag or the slot's monitor flag
+    evidence: np.ndarray  # [G, K, R] bool, response tokens (from the first) a verdict cites
+    reasons: tuple[Any, ...] = ()  # per group with a result, its fallback reason or None
 
 
-def verdict_summary(g: Group) -> dict[str, Any]:
-    """What the other hosts need of a graded group (JSON): outcomes and verdict per slot."""
-    reason = (
-        None
-        if g.graded
-        else str(getattr(g.fallback_reason, "value", g.fallback_reason) or "unknown")
+def no_grades(num_groups: int, num_rollouts: int, max_new_tokens: int) -> Grades:
+    """``Grades`` of ``num_groups`` groups without any verdict (grading off, nothing kept)."""
+    G, K, R = num_groups, num_rollouts, max_new_tokens
+    return Grades(
+        tier=np.ones((G, K), np.int32),
+        rank=np.ones((G, K), np.int32),
+        graded=np.zeros((G,), bool),
+        cheat=np.zeros((G, K), bool),
+        evidence=np.zeros((G, K, R), bool),
     )
-    return {
-        "graded": bool(g.graded),
-        "reason": reason,
-        "passed": [bool(r.passed) for r in g.rollouts],
-        "infra": [bool(r.infra_error) for r in g.rollouts],
-        "cheat": [bool(r.cheat) for r in g.rollouts],
-        "tier": list(g.tier or [1] * len(g.rollouts)),
-        "rank": list(g.rank or [1] * len(g.rollouts)),
-        "grader_cheat": list(g.grader_cheat or [False] * len(g.rollouts)),
-    }
+
+
+def to_arrays(
+    results: list[Any],
+    groups: list[Group],
+    *,
+    num_groups: int,
+    num_rollouts: int,
+    max_new_tokens: int,
+    token_spans=None,
+) -> Grades:
+    """The pool's results for ``groups`` (``results[i]`` of ``groups[i]``) as :class:`Grades`.
+
+    ``results[i]`` is a ``GradeResult``: a verdict (tier/rank per passing candidate) or
+    ``None`` with a ``fallback_reason``. With ``token_spans(task, attempt) -> TokenSpans`` (the
+    task pool's), each rollout of a graded group also gets the mask of its response tokens
+    that its judgement's evidence cites (token-level credit and its metrics read it).
+
+    Raises:
+      ValueError: more results than ``num_groups``, or than there are groups.
+    """
+    G, K, R = num_groups, num_rollouts, max_new_tokens
+    if len(results) > G or len(results) != len(groups):
+        raise ValueError(
+            f"to_arrays: {len(results)} results for {len(groups)} groups (num_groups={G})"
+        )
+    out = no_grades(G, K, R)
+    if not results:
+        return out
+    tier, rank, graded, cheat = (np.asarray(a) for a in to_schema_arrays(results, K))
+    reasons = []
+    for gi, (g, res) in enumerate(zip(groups, results)):
+        n = len(g.rollouts)  # slots past the group's rollouts keep the defaults
+        out.graded[gi] = bool(graded[gi])
+        out.tier[gi, :n] = tier[gi, :n]
+        out.rank[gi, :n] = rank[gi, :n]
+        out.cheat[gi, :n] = cheat[gi, :n]
+        reasons.append(getattr(res, "fallback_reason", None))
+        verdict = getattr(res, "verdict", None)
+        if token_spans is not None and graded[gi] and verdict is not None:
+            for ki, (r, mask) in enumerate(
+                zip(g.rollouts, _evidence_masks(g, res, verdict, token_spans))
+            ):
+                if mask is not None:
+                    ev = np.asarray(mask, bool)[: min(len(r.response_tokens), R)]
+                    out.evidence[gi, ki, : len(ev)] = ev
+    return out._replace(reasons=tuple(reasons))
+
+
+def verdict_summaries(groups: list[Group], grades: Grades) -> list[dict[str, Any]]:
+    """What the other hosts need of each kept group (JSON): outcomes and verdict per slot."""
+    out = []
+    for gi, g in enumerate(groups):
+        n = len(g.rollouts)
+        graded = bool(grades.graded[gi])
+        reason = grades.reasons[gi] if gi < len(grades.reasons) else None
+        out.append(
+            {
+                "graded": graded,
+                "reason": None if graded else str(getattr(reason, "value", reason) or "unknown"),
+                "passed": [bool(r.passed) for r in g.rollouts],
+                "infra": [bool(r.infra_error) for r in g.rollouts],
+                "cheat": [bool(r.cheat) for r in g.rollouts],
+                "tier": [int(x) for x in grades.tier[gi, :n]],
+                "rank": [int(x) for x in grades.rank[gi, :n]],
+                "grader_cheat": [bool(x) for x in grades.cheat[gi, :n]],
+            }
+        )
+    return out
 
 
 def grading_metrics(summaries: list[dict[str, Any]]) -> dict[str, float]:
-    """Grading metrics over groups (:func:`verdict_summary` of each, from every host).
+    """Grading metrics over groups (:func:`verdict_summaries`, from every host).
 
     T1 share is over the test-passing rollouts of graded groups (a cheat passes the tests and
     is graded T3).

@@ -7,9 +7,9 @@ Small functions over the update library's own objects (``TrainState``, ``jit_upd
 * :func:`build_model`: the policy model from ``cfg.model`` (vocab from the tokenizer) or from a
   Hugging Face checkpoint (``cfg.hf_checkpoint``);
 * :func:`initial_state`: the sharded ``TrainState`` from the (SFT-warmed) model's parameters;
-* :func:`rl_update`: ``[G, K, T]`` packed rollouts -> the update's group-major ``[N, T]``
-  ``UpdateBatch`` (rows ``n = g * K + k``), validated on the host and sharded, through the jitted
-  update; a non-finite loss is an error naming the step;
+* :func:`rl_update`: the packed group-major ``[N, T]`` ``UpdateBatch`` (rows ``n = g * K + k``),
+  validated on the host and sharded, through the jitted update; a non-finite loss is an error
+  naming the step;
 * :func:`sync_engine`: the new parameters to the rollout engine. The embedded sampler gets a
   full copy on its own device made device to device (:func:`local_params`; the sampler then
   ``device_put``\\ s it onto its own sharding, a no-op copy), never through the host and never
@@ -31,7 +31,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gagar_jax.models import Transformer, TransformerConfig, load_hf_safetensors
-from gagar_jax.rl.collect import PackedBatch
 from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.resume import LOOP_STATE_KEY, LoopState
 from gagar_jax.update import (
@@ -72,42 +71,17 @@ def initial_state(cfg: RunConfig, model: Transformer, mesh) -> TrainState:
     return create_train_state(model.config, cfg.learner, mesh, seed=cfg.seed, params=params)
 
 
-def to_update_batch(batch: PackedBatch) -> UpdateBatch:
-    """``[G, K, T]`` packed rollouts -> the update's ``[N, T]`` group-major ``UpdateBatch``."""
-    G, K, T = batch.tokens.shape
-
-    def rows(x):
-        return np.ascontiguousarray(x.reshape(G * K, T))
-
-    return UpdateBatch(
-        tokens=rows(batch.tokens),
-        positions=rows(batch.positions),
-        attention_mask=rows(batch.attention_mask),
-        response_mask=rows(batch.response_mask),
-        old_logprobs=rows(batch.old_logprobs),
-        rewards=batch.rewards,
-        passed=batch.passed,
-        cheat=batch.cheat,
-        tier=batch.tier,
-        rank=batch.rank,
-        valid=batch.valid,
-        graded=batch.graded,
-        evidence=None if batch.evidence is None else rows(batch.evidence),
-    )
-
-
 def rl_update(
-    update_fn, state: TrainState, batch: PackedBatch, *, cfg: RunConfig, mesh, step: int
+    update_fn, state: TrainState, batch: UpdateBatch, *, cfg: RunConfig, mesh, step: int
 ) -> tuple[TrainState, dict[str, float]]:
-    """One update on ``batch``: this host's ``[G / P, K, T]`` rows, the global ``[G, K]`` group
-    fields (``P`` processes; one process: the whole batch). ``update_fn``: ``jit_update(...)``.
+    """One update on ``batch`` (NumPy, from ``rl.collect.pack_groups``): this host's
+    ``[G / P * K, T]`` rows, the global ``[G, K]`` group fields (``P`` processes; one process:
+    the whole batch). ``update_fn``: ``jit_update(...)``.
 
     Raises:
       FloatingPointError: a non-finite loss (naming the RL step).
     """
-    ub = to_update_batch(batch)
-    if not cfg.grading.enabled:
-        ub = ub._replace(evidence=None)
+    ub = batch if cfg.grading.enabled else batch._replace(evidence=None)
     ub = shard_host_batch(ub, mesh)
     check_batch(ub, cfg.learner, mesh)
     state, metrics = update_fn(state, ub)

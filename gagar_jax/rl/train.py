@@ -14,7 +14,8 @@ One RL step (``for step in range(start, total)``), each piece from its own packa
    kept, so grading runs while the following refill rounds generate; after the last round the
    loop waits (deadline-bounded) for the verdicts. A missing / invalid / late verdict means the
    group keeps its original advantages (the pool's fallback, counted in metrics).
-4. **Pack** to the static ``[G, K, T]`` shape (no recompilation, whatever the refills did).
+4. **Pack** the groups and their grade arrays into the update's static group-major ``[N, T]``
+   batch (no recompilation, whatever the refills did).
 5. **Update**: one jitted call (advantages computed inside from the raw results, then PPO-clip).
 6. **Weight sync** to the rollout engine (``policy_version`` + 1; the engine must report that
    version back: ``rollout/weight_version``), with the training-inference mismatch of the step's
@@ -53,7 +54,7 @@ import jax
 import numpy as np
 
 from gagar_jax.data.audit import PassRateTracker
-from gagar_jax.rl import engines, policy, writers
+from gagar_jax.rl import engines, grade, policy, writers
 from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests import them here)
     Group,
     Rollout,
@@ -69,10 +70,8 @@ from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests impor
 )
 from gagar_jax.rl.config import MeshConfig, RunConfig
 from gagar_jax.rl.grade import (  # noqa: F401 - some re-exported (tests import them here)
-    attach_verdicts,
     grading_metrics,
     group_workspace,
-    verdict_summary,
 )
 from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.rl.resume import LoopState, TaskStream
@@ -180,9 +179,15 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
     (exchanged with the verdicts, recorded in host order), so it stays identical on all hosts.
     Returns
     ``(SamplingResult, StepCounters, grading metrics, time the grading wait started, batch)``:
-    the counters and metrics are over all hosts, the :class:`PackedBatch` holds this host's
-    ``[G / P, K, T]`` rows and the global ``[G, K]`` group fields (see
+    the counters and metrics are over all hosts, the ``UpdateBatch`` (NumPy) holds this host's
+    ``[G / P * K, T]`` rows and the global ``[G, K]`` group fields (see
     :mod:`gagar_jax.rl.multihost`).
+
+    Phases, with arrays between them: collect (dynamic sampling, each kept group submitted to
+    the grading pool) -> grade (:func:`~gagar_jax.rl.grade.to_arrays`: the verdicts as
+    ``[G / P, K]`` tier/rank/cheat, ``[G / P]`` graded, ``[G / P, K, R]`` cited tokens) -> pack
+    (:func:`~gagar_jax.rl.collect.pack_groups`: the group-major update batch) -> exchange of
+    the group fields and verdict summaries with the other hosts.
     """
     hosts = hosts or Hosts(cfg.mesh.host_timeout_s)
     G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
@@ -226,17 +231,22 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
                           allow_partial=cfg.sampling.allow_partial,
                           on_keep=submit if cfg.grading.enabled else None)
     t_wait = time.monotonic()
+    # grade: the pool's verdicts on this block's groups, once, as [G / P, K] arrays
+    G_local, R = G // hosts.count, cfg.rollout.max_new_tokens
     if cfg.grading.enabled and sres.groups:
         results = grading_pool.results(submitted, timeout=cfg.grading.deadline_s)
-        attach_verdicts(sres.groups, results, K, token_spans=family.token_spans)
-    # step 4 for this block: its rows of the static [G, K, T] batch
-    local = pack_groups(sres.groups, num_groups=G // hosts.count, num_rollouts=K,
-                        max_prompt_len=cfg.rollout.max_prompt_len,
-                        max_new_tokens=cfg.rollout.max_new_tokens, pad_id=family.tokenizer.pad_id)
+        grades = grade.to_arrays(results, sres.groups, num_groups=G_local, num_rollouts=K,
+                                 max_new_tokens=R, token_spans=family.token_spans)
+    else:
+        grades = grade.no_grades(G_local, K, R)
+    # pack (step 4) for this block: its rows of the static [N, T] update batch
+    local = pack_groups(sres.groups, grades, num_groups=G_local, num_rollouts=K,
+                        max_prompt_len=cfg.rollout.max_prompt_len, max_new_tokens=R,
+                        pad_id=family.tokenizer.pad_id)
     # verdicts (and fallbacks) and the [G, K] group fields of every host's block, so all hosts
     # build the same replicated arrays and metrics
     parts = hosts.allgather(f"s{step}/verdicts", {
-        "groups": [verdict_summary(g) for g in sres.groups],
+        "groups": grade.verdict_summaries(sres.groups, grades),
         "counters": dataclasses.asdict(counters),
         "fields": {f: getattr(local, f).tolist() for f in GROUP_FIELDS},
         "attempts": attempts})
@@ -273,7 +283,7 @@ def saturation_metrics(sres, tracker: PassRateTracker) -> dict[str, float]:
             "sampling_saturated_tasks": float(len(tracker.saturated()))}
 
 
-# The [G, K] (and [G]) fields of a PackedBatch: global on every host (the rest are its rows).
+# The [G, K] (and [G]) fields of the UpdateBatch: global on every host (the rest are its rows).
 GROUP_FIELDS = ("rewards", "passed", "cheat", "tier", "rank", "graded", "valid")
 
 
@@ -318,9 +328,9 @@ def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
     """One RL step: collect -> grade -> pack -> update -> sync weights. Returns
     ``(state, metrics)`` and advances ``ls`` (data position, policy version, step).
 
-    1-3. :func:`collect_step`: K rollouts per prompt, verified, dynamic sampling; each kept
-         group graded while the next refill round generates; verdicts as ``[G, K]`` arrays in
-         this host's ``[G / P, K, T]`` rows of the static batch.
+    1-3. :func:`collect_step`: collect (K rollouts per prompt, verified, dynamic sampling; each
+         kept group graded while the next refill round generates) -> grade (the verdicts as
+         ``[G, K]`` arrays) -> pack (this host's ``[G / P * K, T]`` rows of the update batch).
     4.   :func:`~gagar_jax.rl.policy.rl_update`: the jitted update (advantages inside).
     5.   :func:`~gagar_jax.rl.policy.sync_engine`: the engine reports the new version back.
     """
