@@ -158,3 +158,51 @@ def test_two_processes_share_one_server(
     # the server saw one update per version (0: the first sync, 1, 2), not one per host
     served = sglang_server.log_path.read_bytes()[log_start:].decode(errors="replace")
     assert served.count("POST /update_weights_from_disk") == 3, served[-3000:]
+
+
+@pytest.mark.skipif(
+    os.environ.get("GAGAR_MULTIHOST_SLOW") != "1",
+    reason="make e2e's config on two processes: SFT at 768+768 tokens on both hosts, ~15 min "
+    "on 2 cores: GAGAR_MULTIHOST_SLOW=1",
+)
+def test_e2e_config_as_two_processes_on_one_server(
+    sglang_server, tiny_sglang_model, tmp_path, restore_launch_weights
+):
+    """``configs/swe_agent.py:smoke`` (what ``make e2e`` runs: the fixture repositories,
+    multi-turn tool episodes, the sandboxed verifier, the agentic grader on the same server) as
+    two processes: one group per host, the weight version +1 per step on both, one update per
+    version."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("e2e_script", os.path.join(mh.ROOT, "scripts",
+                                                                             "e2e.py"))
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    pool = e2e.write_pool(str(tmp_path / "tasks.jsonl"))
+    workdir = str(tmp_path / "run")
+    log_start = len(sglang_server.log_path.read_bytes())
+    procs = mh.launch(
+        workdir,
+        f"--config.model.hf_checkpoint={tiny_sglang_model}",
+        f"--config.task.data_path={pool}",
+        f"--config.rollout.sglang_url={sglang_server.url}",
+        f"--config.grading.sglang_url={sglang_server.url}",
+        config=os.path.join(mh.ROOT, "configs", "swe_agent.py") + ":smoke",
+    )
+    logs = mh.wait_all(procs, timeout=3000)
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+    rows = writers.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    train = [r for r in rows if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [0, 1, 2]
+    assert [r["rollout/weight_version"] for r in train] == [1.0, 2.0, 3.0]
+    assert max(r["episode/turns_mean"] for r in train) > 1.0
+    for r in train:
+        assert 0.0 <= r["rollout/logprob_mismatch_max_abs"] < 1.0
+    assert SGLangClient(sglang_server.url).reported_versions() == [3]
+    served = sglang_server.log_path.read_bytes()[log_start:].decode(errors="replace")
+    assert served.count("POST /update_weights_from_disk") == 4, served[-3000:]
+    print("e2e config, 2 processes:", json.dumps([
+        {k: r.get(k) for k in ("step", "episode/turns_mean", "episode/tool_calls_mean",
+                               "rollout/weight_version", "rollout/logprob_mismatch_max_abs",
+                               "pass_rate", "step_time_s")} for r in train]))
