@@ -198,42 +198,12 @@ def collect_groups(draw: Callable[[int], Sequence[Group]], *, target: int, enabl
     """
     if target < 1:
         raise ValueError(f"target must be >= 1, got {target}")
-    kept: list[Group] = []
-    counts = {"mixed": 0, "all_pass": 0, "all_fail": 0, "empty": 0}
-    drawn = rollouts = discarded = rounds = 0
-    while len(kept) < target and rounds < (max_rounds if enabled else 1):
-        rounds += 1
-        missing = target - len(kept)
-        n = missing if not enabled else max(missing, math.ceil(oversample * missing))
-        new = list(draw(n))
-        if len(new) != n:
-            raise RuntimeError(f"draw({n}) returned {len(new)} groups")
-        for g in new:
-            drawn += 1
-            rollouts += len(g.rollouts)
-            counts[g.outcome] += 1
-            if enabled and not g.is_mixed:
-                continue
-            if len(kept) < target:
-                kept.append(g)
-                if on_keep is not None:
-                    on_keep(g)
-            elif g.is_mixed:
-                discarded += 1
-    result = SamplingResult(kept, rounds, drawn, counts, discarded, rollouts)
-    if len(kept) < target and enabled and not (allow_partial and kept):
-        easy, hard = counts["all_pass"], counts["all_fail"]
-        verdict = ("too easy (mostly all-pass groups): raise task.difficulty"
-                   if easy > hard else
-                   "too hard (mostly all-fail groups): lower task.difficulty, "
-                   "lengthen the SFT warm start (sft.steps)")
-        raise DynamicSamplingError(
-            f"dynamic sampling found {len(kept)} of {target} mixed groups after {rounds} rounds "
-            f"(sampling.max_rounds={max_rounds}); of {drawn} groups drawn: {counts['mixed']} "
-            f"mixed, {easy} all-pass, {hard} all-fail, {counts['empty']} all infra errors. "
-            f"The data is {verdict}; or raise sampling.max_rounds / sampling.oversample, or set "
-            f"sampling.allow_partial=True to train on partial batches.")
-    return result
+    # one block of one host: collect_blocks with a draw of n[0] and no other host to hear from
+    result = collect_blocks(lambda n: draw(n[0]), lambda _round, tally: [tally], target=target,
+                            num_blocks=1, block=0, enabled=enabled, oversample=oversample,
+                            max_rounds=max_rounds, allow_partial=allow_partial,
+                            on_keep=on_keep)
+    return dataclasses.replace(result, num_kept=None)
 
 
 def collect_blocks(draw: Callable[[list[int]], Sequence[Group]],
