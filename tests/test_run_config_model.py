@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gagar_jax.models import Transformer, save_hf_safetensors
+from gagar_jax.models import Transformer, TransformerConfig, save_hf_safetensors
 from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.policy import EXECUTION_FIELDS, build_model
+from gagar_jax.update import UpdateConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,9 +40,13 @@ def test_model_and_update_options_are_overridable_and_reach_the_run_config():
     assert (cfg.learner.logits_chunk_size, cfg.learner.router_aux_loss_coef) == (8, 0.01)
     # the defaults the config lists are the library's: listing them changes no run
     base = RunConfig.from_config_dict(_toy_config())
-    for f in ("scan_layers", "remat_policy", "qk_norm", "num_experts", "norm_topk_prob"):
-        assert getattr(base.model, f) == getattr(dataclasses.replace(base.model), f)
-    assert base.model.num_experts == 0 and not base.model.scan_layers
+    library = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    for f in ("scan_layers", "remat_policy", "qk_norm", "num_experts", "num_experts_per_tok",
+              "moe_intermediate_size", "norm_topk_prob"):
+        assert getattr(base.model, f) == library[f], f
+    updates = {f.name: f.default for f in dataclasses.fields(UpdateConfig)}
+    for f in ("logits_chunk_size", "router_aux_loss_coef"):
+        assert getattr(base.learner, f) == updates[f], f
 
 
 def test_hf_checkpoint_runs_with_the_configs_execution_options(tmp_path):

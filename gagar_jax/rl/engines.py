@@ -22,7 +22,7 @@ from gagar_jax.rollout.sampler import Sampler
 from gagar_jax.rollout.sglang_engine import SGLangEngine
 
 
-def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int = 0, hosts=None):
+def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int, hosts=None):
     """The embedded sampler over ``model`` (its own copy of the weights from then on;
     ``pad_id``: the tokenizer's), or an SGLang engine (health-checked; ``hosts``: see
     :func:`build_sglang_engine`)."""

@@ -23,6 +23,7 @@ Small functions over the update library's own objects (``TrainState``, ``jit_upd
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -97,7 +98,10 @@ def model_device(model: Transformer):
     return next(iter(leaf.devices())) if hasattr(leaf, "devices") else jax.local_devices()[0]
 
 
-_REPLICATE: dict = {}
+@functools.lru_cache(maxsize=8)
+def _replicator(sharding: NamedSharding):
+    """A jitted identity onto ``sharding`` (one per mesh; jit caches per parameter tree)."""
+    return jax.jit(lambda p: p, out_shardings=sharding)
 
 
 def local_params(params, mesh, device):
@@ -117,12 +121,7 @@ def local_params(params, mesh, device):
             f"local_params: {device} belongs to process {device.process_index}, "
             f"this is process {jax.process_index()}"
         )
-    rep = NamedSharding(mesh, PartitionSpec())
-    key = (rep, jax.tree.structure(params))
-    fn = _REPLICATE.get(key)
-    if fn is None:
-        fn = _REPLICATE[key] = jax.jit(lambda p: p, out_shardings=rep)
-    full = fn(params)
+    full = _replicator(NamedSharding(mesh, PartitionSpec()))(params)
 
     def pick(x):
         for shard in x.addressable_shards:
