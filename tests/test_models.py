@@ -1,6 +1,7 @@
 """Tests of the NNX transformer: shapes, masking/padding, cached decode == full forward, remat."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,52 @@ def test_cached_decode_equals_full_forward(tie):
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
     assert int(cache.index) == 10
     np.testing.assert_array_equal(np.asarray(cache.mask[:, :10]), m)
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    comps, cur = {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) ", line)
+        if head:
+            cur = comps.setdefault(head.group(1), [])
+        elif cur is not None:
+            cur.append(line)
+    return comps
+
+
+def test_decode_loop_reads_the_cache_in_place():
+    """A decode step inside a while loop moves one token's worth of cache, never the cache.
+
+    Every instruction of the compiled loop body whose result is a layer's cache buffer must be
+    the in-place write of the new slot (a dynamic-update-slice) or a tuple access: a cache-sized
+    copy or transpose there (the re-layout that made decode throughput stop growing with the
+    batch) fails this test.
+    """
+    model = _model()
+    batch, slots = 8, 48
+    graphdef, state = nnx.split(model)
+
+    def run(state, tok):
+        mdl = nnx.merge(graphdef, state)
+
+        def body(i, carry):
+            cache, tok = carry
+            logits, cache = mdl.decode(tok, jnp.full((batch, 1), i), cache)
+            return cache, jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, slots, body, (mdl.init_cache(batch, slots), tok))[1]
+
+    text = jax.jit(run).lower(state, jnp.ones((batch, 1), jnp.int32)).compile().as_text()
+    body = _computations(text)[re.search(r"body=%([\w.\-]+)", text).group(1)]
+    size = batch * TINY.num_kv_heads * TINY.head_dim * slots
+    cache_sized = []
+    for line in body:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = \w+\[([\d,]+)\]\S* (\S+)", line)
+        if m and int(np.prod([int(d) for d in m.group(2).split(",")])) == size:
+            cache_sized.append((m.group(1), m.group(3)))
+    assert len(cache_sized) >= 2 * TINY.num_layers, cache_sized  # the writes, at least
+    for name, op in cache_sized:
+        assert op.startswith("get-tuple-element") or "dynamic-update-slice" in name, (name, op)
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -9,10 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gagar_jax.models import Transformer, TransformerConfig, create_model, save_hf_safetensors
 from gagar_jax.rollout import CodeAgentEnv, RolloutEngine, SamplingParams, run_episodes
-from gagar_jax.rollout.sampler import Sampler, score_tokens
+from gagar_jax.rollout.sampler import Sampler, _argmax, sample_token, score_tokens
 
 CONFIG = TransformerConfig(
     vocab_size=97,
@@ -356,3 +358,31 @@ def test_remat_model_samples_like_the_plain_model():
     np.testing.assert_allclose(
         [x for s in out[0] for x in s.logprobs], [x for s in out[1] for x in s.logprobs], atol=1e-6
     )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.sampled_from([-np.inf, -2.0, 0.0, 0.5, 1.0, 3.0]), min_size=5, max_size=5),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_argmax_is_jnp_argmax_with_ties_and_inf(rows):
+    """The sampler's two-reduction argmax picks the first maximum, as ``jnp.argmax`` does."""
+    x = jnp.asarray(np.array(rows, np.float32))
+    np.testing.assert_array_equal(np.asarray(_argmax(x)), np.asarray(jnp.argmax(x, axis=-1)))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampled_tokens_are_the_categorical_draws(seed):
+    """Untruncated sampling (top-k/top-p off) draws what ``jax.random.categorical`` draws with
+    the same row keys, and its log-probs are the full log-softmax's."""
+    x = 3.0 * jax.random.normal(jax.random.key(seed), (32, 257))
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(seed + 7), r))(jnp.arange(32))
+    t = jnp.float32(0.7)
+    tok, lp = sample_token(x, keys, t, jnp.float32(1.0), jnp.int32(0))
+    ref = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, x / t)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref))
+    logp = np.asarray(jax.nn.log_softmax(x / t, axis=-1))
+    np.testing.assert_allclose(np.asarray(lp), logp[np.arange(32), np.asarray(ref)], rtol=1e-6)

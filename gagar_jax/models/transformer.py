@@ -46,9 +46,12 @@ attends uniformly instead of producing NaN: masked scores are a large finite neg
 Decoding: ``init_cache(batch, max_len)`` returns a :class:`Cache`; ``decode`` writes ``T`` new
 tokens at ``cache.index`` (prefill when ``T > 1``, one step when ``T == 1``) and returns the
 logits of those tokens, equal to the full forward's logits at the same slots. The new keys and
-values are written into the ``[L, B, S, KV, D]`` cache buffers in place
-(``dynamic_update_slice`` at ``(layer, 0, index)``), never re-stacked, so a decode step inside a
-``while_loop`` moves one token's worth of cache, not the whole cache.
+values are written into the cache buffers in place (``dynamic_update_slice`` at slot ``index``),
+never re-stacked, so a decode step inside a ``while_loop`` moves one token's worth of cache, not
+the whole cache. The buffers are laid out for the attention dots, so a step reads them as they
+are (no per-step transposing copy of the cache): keys slot-minor ``[B, KV, D, S]``, values
+``[B, KV, S, D]``, one buffer per layer (a tuple) for per-layer blocks; for ``scan_layers``
+models one stacked ``[L, ...]`` buffer each (the scan carries it).
 """
 
 from __future__ import annotations
@@ -398,10 +401,31 @@ class TransformerConfig:
 class Cache(NamedTuple):
     """Key/value cache for incremental decoding (a pytree; pass it through ``jit``)."""
 
-    k: jax.Array  # [L, B, S, KV, D] compute dtype, keys after RoPE
-    v: jax.Array  # [L, B, S, KV, D] compute dtype
+    k: Any  # keys after RoPE, compute dtype: per layer [B, KV, D, S] (tuple); scan [L, B, KV, D, S]
+    v: Any  # values, compute dtype: per layer [B, KV, S, D] (tuple); scan [L, B, KV, S, D]
     mask: jax.Array  # [B, S] bool, True where a slot holds a real (non-padding) token
     index: jax.Array  # [] int32, next slot to write
+
+    # Axes counted from the end, so each holds for a layer's buffer and a stacked one alike.
+    BATCH_AXIS = -4
+    K_SLOT_AXIS = -1
+    V_SLOT_AXIS = -2
+
+    def take_rows(self, rows: jax.Array) -> Cache:
+        """The cache of rows ``rows`` ([B'] int): row ``i`` of the result is row ``rows[i]``."""
+        take = lambda x: jnp.take(x, rows, axis=Cache.BATCH_AXIS)  # noqa: E731
+        return self._replace(
+            k=jax.tree.map(take, self.k), v=jax.tree.map(take, self.v), mask=self.mask[rows]
+        )
+
+    def map_slots(self, k_fn, v_fn, mask_fn) -> Cache:
+        """Applies ``k_fn(buf, slot_axis)`` / ``v_fn`` to every key / value buffer and
+        ``mask_fn`` to the mask (slot axis 1): slot-wise edits of the whole cache."""
+        return self._replace(
+            k=jax.tree.map(lambda x: k_fn(x, x.ndim + Cache.K_SLOT_AXIS), self.k),
+            v=jax.tree.map(lambda x: v_fn(x, x.ndim + Cache.V_SLOT_AXIS), self.v),
+            mask=mask_fn(self.mask),
+        )
 
 
 def _param(
@@ -507,9 +531,10 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, mask, cache=None):
         """x: [B, T, E]; mask: [B, T, S] bool (causal & key mask).
 
-        ``cache``: None (keys are this call's tokens, S == T) or ``(k_all, v_all, layer, index)``
-        with ``[L, B, S, KV, D]`` buffers, written in place at ``(layer, 0, index)``. Returns
-        ``([B, T, E], (k_all, v_all) or None)``.
+        ``cache``: None (keys are this call's tokens, S == T) or ``(k_buf, v_buf, layer, index)``:
+        this layer's buffers ``[B, KV, D, S]`` / ``[B, KV, S, D]`` (``layer`` None), or the
+        stacked ``[L, ...]`` ones and this layer's index; the new keys and values are written in
+        place at slot ``index``. Returns ``([B, T, E], (k_buf, v_buf) or None)``.
         """
         c = self.config
         dt = x.dtype
@@ -527,26 +552,47 @@ class Attention(nnx.Module):
         q = rope(q, positions, c.rope_theta, inv_freq=inv_freq)
         k = rope(k, positions, c.rope_theta, inv_freq=inv_freq)
         b, t = x.shape[:2]
-        if cache is None:
-            keys, values, new_cache = k, v, None
-        else:
-            k_all, v_all, layer, index = cache
-            zero = jnp.zeros((), jnp.int32)
-            start = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(index, jnp.int32), zero, zero)
-            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-            keys = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
-            values = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
-            new_cache = (k_all, v_all)
         g = c.num_heads // c.num_kv_heads
         q = q.reshape(b, t, c.num_kv_heads, g, c.head_dim)
-        scores = jnp.einsum(
-            "btkgd,bskd->bkgts", q, keys.astype(dt), preferred_element_type=jnp.float32
-        )
+        if cache is None:
+            new_cache = None
+            scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        else:
+            k_buf, v_buf, layer, index = cache
+            index = jnp.asarray(index, jnp.int32)
+            k_new = k.transpose(0, 2, 3, 1).astype(k_buf.dtype)  # [B, KV, D, T]
+            v_new = v.transpose(0, 2, 1, 3).astype(v_buf.dtype)  # [B, KV, T, D]
+            zero = jnp.zeros((), jnp.int32)
+            if layer is None:
+                k_buf = jax.lax.dynamic_update_slice(k_buf, k_new, (zero, zero, zero, index))
+                v_buf = jax.lax.dynamic_update_slice(v_buf, v_new, (zero, zero, index, zero))
+                keys, values = k_buf, v_buf
+            else:
+                layer = jnp.asarray(layer, jnp.int32)
+                k_buf = jax.lax.dynamic_update_slice(
+                    k_buf, k_new[None], (layer, zero, zero, zero, index)
+                )
+                v_buf = jax.lax.dynamic_update_slice(
+                    v_buf, v_new[None], (layer, zero, zero, index, zero)
+                )
+                keys = jax.lax.dynamic_index_in_dim(k_buf, layer, 0, keepdims=False)
+                values = jax.lax.dynamic_index_in_dim(v_buf, layer, 0, keepdims=False)
+            new_cache = (k_buf, v_buf)
+            # Batch dims leading on both operands ([B, KV, G*T, D] x [B, KV, D, S]): the layout
+            # the CPU dot fusions take without re-laying-out the cache.
+            qm = q.transpose(0, 2, 3, 1, 4).reshape(b, c.num_kv_heads, g * t, c.head_dim)
+            scores = jnp.einsum(
+                "bkmd,bkds->bkms", qm, keys.astype(dt), preferred_element_type=jnp.float32
+            ).reshape(b, c.num_kv_heads, g, t, -1)
         scores = scores * (c.head_dim**-0.5)
         scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dt))
+        if cache is None:
+            out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+        else:
+            pm = probs.reshape(b, c.num_kv_heads, g * t, -1)
+            out = jnp.einsum("bkms,bksd->bkmd", pm, values.astype(dt))
+            out = out.reshape(b, c.num_kv_heads, g, t, c.head_dim).transpose(0, 3, 1, 2, 4)
         out = out.reshape(b, t, c.num_heads, c.head_dim)
         y = jnp.einsum("btnd,nde->bte", out, self.o_proj[...].astype(dt))
         return y, new_cache
@@ -702,6 +748,15 @@ class Transformer(nnx.Module):
             cache = None if cache_kv is None else (*cache_kv, layer, index)
             return block(x, positions, mask, token_mask, cache)
 
+        def apply_own(block, x, cache_kv, layer):  # per-layer buffers: a tuple of L each
+            if cache_kv is None:
+                return apply(block, x, None, layer)
+            ks, vs = cache_kv
+            y, (k, v), stats = apply(block, x, (ks[layer], vs[layer]), None)
+            ks = ks[:layer] + (k,) + ks[layer + 1 :]
+            vs = vs[:layer] + (v,) + vs[layer + 1 :]
+            return y, (ks, vs), stats
+
         if c.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
@@ -717,7 +772,7 @@ class Transformer(nnx.Module):
                 body, (x, cache_kv), (jnp.arange(c.num_layers, dtype=jnp.int32), stacked)
             )
             return x, cache_kv, stats
-        fn = apply
+        fn = apply_own
         # Not with a KV cache (sampling): nothing is differentiated there, and nnx.remat inside
         # the sampler's decode loop would update the layer's Params from the loop body's trace
         # (flax TraceContextError), so `remat=True` models could not sample.
@@ -796,10 +851,17 @@ class Transformer(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> Cache:
         """An empty cache for ``batch`` sequences of at most ``max_len`` slots."""
         c = self.config
-        shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
-        zeros = jnp.zeros(shape, _dtype(c.dtype))
+        dt = _dtype(c.dtype)
+        k_shape = (batch, c.num_kv_heads, c.head_dim, max_len)
+        v_shape = (batch, c.num_kv_heads, max_len, c.head_dim)
+        if c.scan_layers:
+            k = jnp.zeros((c.num_layers, *k_shape), dt)
+            v = jnp.zeros((c.num_layers, *v_shape), dt)
+        else:
+            k = tuple(jnp.zeros(k_shape, dt) for _ in range(c.num_layers))
+            v = tuple(jnp.zeros(v_shape, dt) for _ in range(c.num_layers))
         return Cache(
-            k=zeros, v=zeros, mask=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32)
+            k=k, v=v, mask=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32)
         )
 
     def decode(self, tokens, positions, cache: Cache, *, attention_mask=None, last_only=False):

@@ -65,6 +65,18 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
     return buckets[i]
 
 
+def _argmax(x):
+    """``jnp.argmax(x, -1)`` (first index of the maximum) as two plain reductions.
+
+    XLA:CPU runs argmax as one variadic (value, index) reduce that does not vectorise: over a
+    [128, 4096] row block it cost 4x a max followed by a min over the matching indices.
+    """
+    vocab = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)
+    idx = jnp.min(jnp.where(x == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.minimum(idx, vocab - 1)  # NaN rows (nothing equals the max): the last id
+
+
 def sample_token(logits, key, temperature, top_p, top_k):
     """Draws one token per row and returns its (untruncated) log-probability.
 
@@ -101,13 +113,15 @@ def sample_token(logits, key, temperature, top_p, top_k):
     def draw(x):
         need = (top_k > 0) | (top_p < 1.0)
         masked = jax.lax.cond(need, truncate, lambda y: y, x)
-        return jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
+        # Gumbel-max, the draws of jax.random.categorical(key[r], masked[r]) row by row.
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(key)
+        return _argmax(masked + gumbel)
 
     # Greedy rows skip the [B, V] Gumbel noise and the truncation entirely (a traced branch:
     # one program serves greedy and sampled calls).
     tokens = jax.lax.cond(
         greedy,
-        lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        lambda x: _argmax(x).astype(jnp.int32),
         lambda x: draw(x).astype(jnp.int32),
         scaled,
     )
@@ -118,19 +132,21 @@ def sample_token(logits, key, temperature, top_p, top_k):
 _TRACES = [0]  # programs traced so far (all samplers): the recompile counter
 
 
-def _compact(cache_k, cache_v, mask):
-    """Moves every row's valid slots to the right end, in order: [L, B, S, ...] -> same shapes.
+def _compact(cache):
+    """Moves every row's valid slots to the right end, in order (same shapes).
 
     Keys carry their RoPE positions, so slot order (not slot index) is all attention needs; a
     right-aligned history lets the next turn's tokens follow it at one common slot index.
     """
-    order = jnp.argsort(mask.astype(jnp.int32), axis=1, stable=True)  # invalid first
-    idx = order[None, :, :, None, None]
-    return (
-        jnp.take_along_axis(cache_k, idx, axis=2),
-        jnp.take_along_axis(cache_v, idx, axis=2),
-        jnp.take_along_axis(mask, order, axis=1),
-    )
+    order = jnp.argsort(cache.mask.astype(jnp.int32), axis=1, stable=True)  # invalid first
+
+    def gather(x, axis):  # x [..., B, ...] with the slot axis at `axis`: order [B, S] there
+        shape = [1] * x.ndim
+        batch = x.ndim + cache.BATCH_AXIS
+        shape[batch], shape[axis] = order.shape
+        return jnp.take_along_axis(x, order.reshape(shape), axis=axis)
+
+    return cache.map_slots(gather, gather, lambda m: jnp.take_along_axis(m, order, axis=1))
 
 
 @functools.partial(
@@ -164,7 +180,7 @@ def _generate_program(
     prompts/prompt_mask [Bp, P]: the distinct prompts (left-padded; only the part after the
     history when ``history`` is given), prefilled once each; row_src [B] maps each sample row to
     its prompt row, whose KV cache it copies after the prefill. history: None, or a stored
-    compacted cache ``(k, v, mask)`` [L, Bh, S_h, ...] of which prompt row i continues row
+    compacted `Cache` (``Bh`` rows of ``S_h`` slots) of which prompt row i continues row
     ``hist_src[i]`` (its last ``hist_slots`` slots, ``hist_len[i]`` valid tokens). row_ids [B] i32
     and row_seeds [B] u32 (PRNG rows: row ``r`` draws from
     ``fold_in(key(row_seeds[r]), row_ids[r])``, then ``fold_in(., t)`` per step: one seed with
@@ -187,13 +203,26 @@ def _generate_program(
     prompt_len = hist_len + jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [Bp]
     cache = model.init_cache(bp, h + p + n)
     if history is not None:
-        hk, hv, hm = history
-        start = hm.shape[1] - h
-        hk, hv, hm = hk[:, hist_src, start:], hv[:, hist_src, start:], hm[hist_src, start:]
+        start = history.mask.shape[1] - h
+        hist = history.take_rows(hist_src).map_slots(
+            lambda x, a: jax.lax.slice_in_dim(x, start, None, axis=a),
+            lambda x, a: jax.lax.slice_in_dim(x, start, None, axis=a),
+            lambda m: m[:, start:],
+        )
+
+        def put(axis_of, old, new):
+            return jax.tree.map(
+                lambda o, n: jax.lax.dynamic_update_slice_in_dim(
+                    o, n.astype(o.dtype), 0, axis=o.ndim + axis_of
+                ),
+                old,
+                new,
+            )
+
         cache = cache._replace(
-            k=jax.lax.dynamic_update_slice_in_dim(cache.k, hk.astype(cache.k.dtype), 0, axis=2),
-            v=jax.lax.dynamic_update_slice_in_dim(cache.v, hv.astype(cache.v.dtype), 0, axis=2),
-            mask=jax.lax.dynamic_update_slice_in_dim(cache.mask, hm, 0, axis=1),
+            k=put(cache.K_SLOT_AXIS, cache.k, hist.k),
+            v=put(cache.V_SLOT_AXIS, cache.v, hist.v),
+            mask=jax.lax.dynamic_update_slice_in_dim(cache.mask, hist.mask, 0, axis=1),
             index=jnp.asarray(h, jnp.int32),
         )
     # Left padding: the last slot is every row's last prompt token, the only logits needed
@@ -204,7 +233,7 @@ def _generate_program(
     )
     logits = logits[row_src, -1, :]
     prompt_len = prompt_len[row_src]
-    cache = cache._replace(k=cache.k[:, row_src], v=cache.v[:, row_src], mask=cache.mask[row_src])
+    cache = cache.take_rows(row_src)
     row_keys = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(row_seeds, row_ids)
 
     def cond(carry):
@@ -240,7 +269,7 @@ def _generate_program(
         jnp.zeros((b,), bool),
     )
     _, _, cache, _, toks, lps, lengths, stopped = jax.lax.while_loop(cond, body, init)
-    kept = _compact(cache.k, cache.v, cache.mask) if keep_cache else None
+    kept = _compact(cache) if keep_cache else None
     return toks, lps, lengths, stopped, kept
 
 
@@ -257,8 +286,8 @@ class Sampler:
         a kept sequence (a previous prompt + its sample, e.g. the next turn of an episode:
         history + observation) prefills only the new tokens; the rest of its cache is copied
         from the kept one. A call uses it when every distinct prompt of the call extends a row
-        of one kept call; otherwise it prefills in full. Kept caches cost device memory (one
-        [L, B, S, KV, D] pair each) and are dropped by `sync_weights`.
+        of one kept call; otherwise it prefills in full. Kept caches cost device memory (a key
+        and a value buffer per layer, the call's rows x slots) and are dropped by `sync_weights`.
     """
 
     def __init__(
@@ -351,7 +380,7 @@ class Sampler:
             entry, hist_rows, counts = match
             suffixes = [ids[c:] for ids, c in zip(distinct, counts)]
             h = min(
-                _bucket(max(counts), self.prompt_buckets, "history"), entry["cache"][2].shape[1]
+                _bucket(max(counts), self.prompt_buckets, "history"), entry["cache"].mask.shape[1]
             )
         else:
             suffixes, counts, hist_rows, h = distinct, [0] * len(distinct), [0] * len(distinct), 0
