@@ -10,7 +10,9 @@ loss (per-token log-probs, PPO-clip token-mean) with AdamW and global-norm clipp
 - PyTorch: ``transformers.Qwen2ForCausalLM`` (SDPA attention) + ``log_softmax``/``gather`` +
   the clipped loss + ``torch.optim.AdamW`` -- the straightforward implementation.
 
-Reported: median step time, tokens/s, achieved FLOP/s, and model FLOP utilisation against the
+The implementations' steps are timed interleaved (one step of each per round, ``--steps``
+rounds after a warm-up), so a change of the machine's load hits all of them alike. Reported:
+median step time, tokens/s, achieved FLOP/s, and model FLOP utilisation against the
 matmul peak measured in the same run (jitted f32 GEMM for JAX, ``torch.mm`` for PyTorch), so
 ratios stay meaningful on a shared machine. JAX rows: ``jax`` (per-layer blocks, whole-sequence
 logits) and ``jax-scan`` (``scan_layers=True``, logits in chunks of ``--chunk`` tokens), each with
@@ -121,8 +123,22 @@ def torch_peak(n=1024, reps=5) -> float:
     return 2 * n**3 / time_it(lambda: torch.mm(a, a), reps)
 
 
-def bench_jax(c, batch, length, steps, update_config=UPDATE):
-    """(median step seconds, compile seconds, temp MB of the compiled step)."""
+def interleaved(steps_by_impl: dict, steps: int) -> dict:
+    """Median seconds of each step function, timed in rounds that run every impl once (after
+    one warm-up each), so a load change during the run hits all sides alike."""
+    for fn in steps_by_impl.values():
+        fn()
+    times = {k: [] for k in steps_by_impl}
+    for _ in range(steps):
+        for k, fn in steps_by_impl.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_jax(c, batch, length, update_config=UPDATE):
+    """(step function, compile seconds, temp MB of the compiled step)."""
     mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
     state = create_train_state(c, update_config, mesh, seed=0)
     update = jit_update(c, update_config, mesh)
@@ -138,7 +154,7 @@ def bench_jax(c, batch, length, steps, update_config=UPDATE):
         box["state"], m = compiled(box["state"], data)
         jax.block_until_ready(m)
 
-    return time_it(step, steps), compile_s, temp_mb
+    return step, compile_s, temp_mb
 
 
 def compile_seconds(c, batch, length, update_config=UPDATE) -> float:
@@ -150,7 +166,8 @@ def compile_seconds(c, batch, length, update_config=UPDATE) -> float:
     return time.perf_counter() - t0
 
 
-def bench_torch(c, batch, length, steps):
+def bench_torch(c, batch, length):
+    """The PyTorch step function."""
     import torch
     import transformers
 
@@ -178,7 +195,7 @@ def bench_torch(c, batch, length, steps):
         torch.nn.utils.clip_grad_norm_(model.parameters(), UPDATE.max_grad_norm)
         opt.step()
 
-    return time_it(step, steps)
+    return step
 
 
 def main():
@@ -213,15 +230,15 @@ def main():
         c, batch, length = CONFIGS[name]
         flops = model_flops(c, batch, length)
         tokens = batch * length
-        rows = []
-        t, comp, mem = bench_jax(c, batch, length, args.steps)
-        rows.append(("jax", t, peak_j, comp, mem))
-        t, comp, mem = bench_jax(dataclasses.replace(c, scan_layers=True), batch, length,
-                                 args.steps, scan_update)
-        rows.append(("jax-scan", t, peak_j, comp, mem))
-        t_torch = bench_torch(c, batch, length, args.steps) if have_torch else None
-        if t_torch is not None:
-            rows.append(("torch", t_torch, peak_t, None, None))
+        fns, info = {}, {}
+        fns["jax"], *info["jax"] = bench_jax(c, batch, length)
+        fns["jax-scan"], *info["jax-scan"] = bench_jax(
+            dataclasses.replace(c, scan_layers=True), batch, length, scan_update)
+        if have_torch:
+            fns["torch"], info["torch"] = bench_torch(c, batch, length), (None, None)
+        med = interleaved(fns, args.steps)
+        t_torch = med.get("torch")
+        rows = [(k, med[k], peak_t if k == "torch" else peak_j, *info[k]) for k in fns]
         for impl, t, peak, comp, mem in rows:
             ratio = f"{t / t_torch:7.2f}x" if t_torch is not None else ""
             comp_s = f"{comp:9.1f}" if comp is not None else f"{'':9}"

@@ -63,8 +63,9 @@ def get_config(arg=None):
                    qkv_bias=False, tie_embeddings=True, dtype="float32",
                    param_dtype="float32", remat=False, hf_checkpoint="",
                    # execution (also applied to an hf_checkpoint): layers through nnx.scan
-                   # (compile time flat in depth), the remat policy ("full", "dots", ...)
-                   scan_layers=False, remat_policy="full",
+                   # (compile time flat in depth), the remat policy ("full", "dots", ...),
+                   # causal attention in query blocks of this many tokens (0: one block)
+                   scan_layers=False, remat_policy="full", causal_block_size=64,
                    # architecture of a from-scratch policy (an hf_checkpoint brings its own):
                    # Qwen3's per-head q/k RMSNorm; a mixture of experts when num_experts > 0
                    qk_norm=False, num_experts=0, num_experts_per_tok=2,

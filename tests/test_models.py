@@ -8,8 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gagar_jax.models import TransformerConfig, create_model
+from gagar_jax.models.transformer import _causal_blocks
 
 TINY = TransformerConfig(
     vocab_size=97,
@@ -220,3 +223,44 @@ def test_hf_config_round_trip():
     assert TransformerConfig.from_hf(llama.to_hf()) == llama
     with pytest.raises(NotImplementedError, match="rope_scaling"):
         TransformerConfig.from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5000), st.integers(0, 300))
+def test_causal_blocks_cover_the_sequence(t, block):
+    """Query blocks are contiguous, cover 0..t in order, and number at most 16."""
+    blocks = _causal_blocks(t, block)
+    assert blocks[0][0] == 0 and blocks[-1][1] == t
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    assert all(lo < hi for lo, hi in blocks)
+    assert len(blocks) <= 16
+    if block == 0 or t <= block:
+        assert blocks == [(0, t)]
+
+
+@pytest.mark.parametrize("block", [4, 7])
+def test_causal_blocks_equal_unblocked_attention(block):
+    """Blocked causal attention (keys up to each query block's end) == one block, in value and
+    gradient, with left padding and a length the block does not divide."""
+    config = dataclasses.replace(TINY, causal_block_size=0)
+    model = _model(config)
+    blocked = nnx.merge(
+        nnx.graphdef(_model(dataclasses.replace(config, causal_block_size=block))),
+        nnx.state(model),
+    )
+    tokens, positions, mask = _left_padded(length=30, pads=(0, 3, 11))
+    m = np.asarray(mask)
+
+    def loss(mdl):
+        return jnp.sum(jnp.where(mask[..., None], _fwd(mdl, tokens, positions, mask), 0.0) ** 2)
+
+    np.testing.assert_allclose(
+        np.asarray(_fwd(blocked, tokens, positions, mask))[m],
+        np.asarray(_fwd(model, tokens, positions, mask))[m],
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    g_ref = nnx.state(nnx.grad(loss)(model))
+    g_blk = nnx.state(nnx.grad(loss)(blocked))
+    for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_blk)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-4, rtol=1e-4)

@@ -42,7 +42,7 @@ def test_model_and_update_options_are_overridable_and_reach_the_run_config():
     base = RunConfig.from_config_dict(_toy_config())
     library = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
     for f in ("scan_layers", "remat_policy", "qk_norm", "num_experts", "num_experts_per_tok",
-              "moe_intermediate_size", "norm_topk_prob"):
+              "moe_intermediate_size", "norm_topk_prob", "causal_block_size"):
         assert getattr(base.model, f) == library[f], f
     updates = {f.name: f.default for f in dataclasses.fields(UpdateConfig)}
     for f in ("logits_chunk_size", "router_aux_loss_coef"):
@@ -59,7 +59,8 @@ def test_hf_checkpoint_runs_with_the_configs_execution_options(tmp_path):
     mask = jnp.ones((2, 7), bool)
     want = np.asarray(plain(tokens, positions, attention_mask=mask))
 
-    c.model.update(hf_checkpoint=str(tmp_path), scan_layers=True, remat=True)
+    c.model.update(hf_checkpoint=str(tmp_path), scan_layers=True, remat=True,
+                   causal_block_size=3)
     c.model.num_layers = 5  # architecture comes from config.json, not from the run config
     cfg = RunConfig.from_config_dict(c)
     model_config, model = build_model(cfg, vocab_size=64)

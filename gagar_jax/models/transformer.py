@@ -83,6 +83,10 @@ class TransformerConfig:
     original_max_position_embeddings)`` of a Llama 3.x ``rope_scaling`` (None: plain RoPE).
     ``num_experts > 0`` makes every MLP a Qwen3-MoE mixture of ``num_experts`` SwiGLU experts of
     width ``moe_intermediate_size`` with top-``num_experts_per_tok`` routing.
+    ``causal_block_size`` (execution only, 0: off): the full forward's attention runs its
+    queries in blocks of this many slots (at most 16 blocks; longer sequences use ``T / 16``),
+    each block against the keys up to its last slot only, skipping the score blocks the causal
+    mask zeroes anyway (about half the attention work and memory at long ``T``).
     """
 
     vocab_size: int
@@ -109,6 +113,7 @@ class TransformerConfig:
     norm_topk_prob: bool = True
     scan_layers: bool = False
     remat_policy: str = "full"
+    causal_block_size: int = 64
 
     def __post_init__(self):
         for name in (
@@ -146,6 +151,11 @@ class TransformerConfig:
                     f"TransformerConfig.{name} must be float32/bfloat16/float16, got {value}"
                 )
             object.__setattr__(self, name, value)
+        if not isinstance(self.causal_block_size, int) or self.causal_block_size < 0:
+            raise ValueError(
+                "TransformerConfig.causal_block_size must be an int >= 0 (0: one block), "
+                f"got {self.causal_block_size!r}"
+            )
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
                 f"TransformerConfig.remat_policy must be one of {REMAT_POLICIES}, "
@@ -511,6 +521,14 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, *, inv_freq=None) -> 
     return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
+def _causal_blocks(t: int, block: int) -> list[tuple[int, int]]:
+    """Query blocks ``[lo, hi)`` covering ``0..t``: ``block`` slots each, at most 16 blocks."""
+    if block <= 0 or t <= block:
+        return [(0, t)]
+    block = max(block, -(-t // 16))
+    return [(lo, min(lo + block, t)) for lo in range(0, t, block)]
+
+
 class Attention(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, stack: int | None = None):
         c = config
@@ -527,6 +545,33 @@ class Attention(nnx.Module):
         if c.qk_norm:
             self.q_norm = RMSNorm(c, rngs=rngs, size=d, axis="head_dim", stack=stack)
             self.k_norm = RMSNorm(c, rngs=rngs, size=d, axis="head_dim", stack=stack)
+
+    def _attend_causal(self, q, k, v, mask):
+        """Attention of a whole causal sequence (no cache), in query blocks.
+
+        q [B, T, KV, G, D], k/v [B, T, KV, D], mask [B, T, T] (causal & key mask) ->
+        [B, T, KV, G, D]. Query block ``[lo, hi)`` is scored against keys ``[0, hi)`` only
+        (the rest is causally masked: it would softmax to exact zeros). Heads are moved in
+        front once (``[B, KV, T, G, D]``), so every block's dots take contiguous slices.
+        """
+        b, t, kv, g, d = q.shape
+        dt = q.dtype
+        qh = q.transpose(0, 2, 1, 3, 4)  # [B, KV, T, G, D]
+        kh = k.transpose(0, 2, 1, 3)  # [B, KV, T, D]
+        vh = v.transpose(0, 2, 1, 3)
+        outs = []
+        for lo, hi in _causal_blocks(t, self.config.causal_block_size):
+            qb = qh[:, :, lo:hi].reshape(b, kv, (hi - lo) * g, d)
+            scores = jnp.einsum(
+                "bkmd,bksd->bkms", qb, kh[:, :, :hi], preferred_element_type=jnp.float32
+            ).reshape(b, kv, hi - lo, g, hi)
+            scores = scores * (d**-0.5)
+            scores = jnp.where(mask[:, None, lo:hi, None, :hi], scores, _MASK_VALUE)
+            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+            out = jnp.einsum("bkms,bksd->bkmd", probs.reshape(b, kv, -1, hi), vh[:, :, :hi])
+            outs.append(out.reshape(b, kv, hi - lo, g, d))
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+        return out.transpose(0, 2, 1, 3, 4)
 
     def __call__(self, x, positions, mask, cache=None):
         """x: [B, T, E]; mask: [B, T, S] bool (causal & key mask).
@@ -556,46 +601,49 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, c.num_kv_heads, g, c.head_dim)
         if cache is None:
             new_cache = None
-            scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+            out = self._attend_causal(q, k, v, mask)
         else:
-            k_buf, v_buf, layer, index = cache
-            index = jnp.asarray(index, jnp.int32)
-            k_new = k.transpose(0, 2, 3, 1).astype(k_buf.dtype)  # [B, KV, D, T]
-            v_new = v.transpose(0, 2, 1, 3).astype(v_buf.dtype)  # [B, KV, T, D]
-            zero = jnp.zeros((), jnp.int32)
-            if layer is None:
-                k_buf = jax.lax.dynamic_update_slice(k_buf, k_new, (zero, zero, zero, index))
-                v_buf = jax.lax.dynamic_update_slice(v_buf, v_new, (zero, zero, index, zero))
-                keys, values = k_buf, v_buf
-            else:
-                layer = jnp.asarray(layer, jnp.int32)
-                k_buf = jax.lax.dynamic_update_slice(
-                    k_buf, k_new[None], (layer, zero, zero, zero, index)
-                )
-                v_buf = jax.lax.dynamic_update_slice(
-                    v_buf, v_new[None], (layer, zero, zero, index, zero)
-                )
-                keys = jax.lax.dynamic_index_in_dim(k_buf, layer, 0, keepdims=False)
-                values = jax.lax.dynamic_index_in_dim(v_buf, layer, 0, keepdims=False)
-            new_cache = (k_buf, v_buf)
-            # Batch dims leading on both operands ([B, KV, G*T, D] x [B, KV, D, S]): the layout
-            # the CPU dot fusions take without re-laying-out the cache.
-            qm = q.transpose(0, 2, 3, 1, 4).reshape(b, c.num_kv_heads, g * t, c.head_dim)
-            scores = jnp.einsum(
-                "bkmd,bkds->bkms", qm, keys.astype(dt), preferred_element_type=jnp.float32
-            ).reshape(b, c.num_kv_heads, g, t, -1)
-        scores = scores * (c.head_dim**-0.5)
-        scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        if cache is None:
-            out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-        else:
-            pm = probs.reshape(b, c.num_kv_heads, g * t, -1)
-            out = jnp.einsum("bkms,bksd->bkmd", pm, values.astype(dt))
-            out = out.reshape(b, c.num_kv_heads, g, t, c.head_dim).transpose(0, 3, 1, 2, 4)
+            out, new_cache = self._attend_cached(q, k, v, mask, cache)
         out = out.reshape(b, t, c.num_heads, c.head_dim)
         y = jnp.einsum("btnd,nde->bte", out, self.o_proj[...].astype(dt))
         return y, new_cache
+
+    def _attend_cached(self, q, k, v, mask, cache):
+        """Writes k/v [B, T, KV, D] into the cache at slot ``index`` and attends to all its
+        slots: q [B, T, KV, G, D], mask [B, T, S] -> ([B, T, KV, G, D], (k_buf, v_buf))."""
+        c = self.config
+        dt = q.dtype
+        b, t, kv, g, d = q.shape
+        k_buf, v_buf, layer, index = cache
+        index = jnp.asarray(index, jnp.int32)
+        k_new = k.transpose(0, 2, 3, 1).astype(k_buf.dtype)  # [B, KV, D, T]
+        v_new = v.transpose(0, 2, 1, 3).astype(v_buf.dtype)  # [B, KV, T, D]
+        zero = jnp.zeros((), jnp.int32)
+        if layer is None:
+            k_buf = jax.lax.dynamic_update_slice(k_buf, k_new, (zero, zero, zero, index))
+            v_buf = jax.lax.dynamic_update_slice(v_buf, v_new, (zero, zero, index, zero))
+            keys, values = k_buf, v_buf
+        else:
+            layer = jnp.asarray(layer, jnp.int32)
+            k_buf = jax.lax.dynamic_update_slice(
+                k_buf, k_new[None], (layer, zero, zero, zero, index)
+            )
+            v_buf = jax.lax.dynamic_update_slice(
+                v_buf, v_new[None], (layer, zero, zero, index, zero)
+            )
+            keys = jax.lax.dynamic_index_in_dim(k_buf, layer, 0, keepdims=False)
+            values = jax.lax.dynamic_index_in_dim(v_buf, layer, 0, keepdims=False)
+        # Batch dims leading on both operands ([B, KV, G*T, D] x [B, KV, D, S]): the layout the
+        # CPU dot fusions take without re-laying-out the cache.
+        qm = q.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+        scores = jnp.einsum(
+            "bkmd,bkds->bkms", qm, keys.astype(dt), preferred_element_type=jnp.float32
+        ).reshape(b, kv, g, t, -1)
+        scores = scores * (c.head_dim**-0.5)
+        scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkms,bksd->bkmd", probs.reshape(b, kv, g * t, -1), values.astype(dt))
+        return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4), (k_buf, v_buf)
 
 
 class MLP(nnx.Module):

@@ -46,13 +46,20 @@ from gagar_jax.update import (
 
 # How the policy runs, not what it is: taken from ``cfg.model`` for a Hugging Face checkpoint too
 # (whose config.json decides the architecture).
-EXECUTION_FIELDS = ("dtype", "param_dtype", "remat", "remat_policy", "scan_layers")
+EXECUTION_FIELDS = (
+    "dtype",
+    "param_dtype",
+    "remat",
+    "remat_policy",
+    "scan_layers",
+    "causal_block_size",
+)
 
 
 def build_model(cfg: RunConfig, vocab_size: int) -> tuple[TransformerConfig, Transformer]:
     """The policy: ``cfg.model`` with the tokenizer's vocab (seeded by ``cfg.seed``), or the
     architecture and weights of ``cfg.hf_checkpoint`` run with ``cfg.model``'s
-    :data:`EXECUTION_FIELDS` (dtype, rematerialisation, scanned layers)."""
+    :data:`EXECUTION_FIELDS` (dtype, rematerialisation, scanned layers, causal blocks)."""
     if cfg.hf_checkpoint:
         overrides = {k: getattr(cfg.model, k) for k in EXECUTION_FIELDS}
         model_config, model = load_hf_safetensors(cfg.hf_checkpoint, **overrides)
