@@ -101,26 +101,27 @@ def make_batch(c: TransformerConfig, batch: int, length: int, seed=0) -> UpdateB
         valid=np.ones((g, k), bool), graded=np.ones((g,), bool))
 
 
-def time_it(fn, steps: int) -> float:
-    fn()  # warm-up / compile
+def best_time(fn, reps: int) -> float:
+    fn()
     times = []
-    for _ in range(steps):
+    for _ in range(reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return min(times)
 
 
-def jax_peak(n=1024, reps=5) -> float:
+def jax_peak(n=1024, reps=15) -> float:
+    """The fastest of ``reps`` jitted f32 GEMMs (a peak: one slow repeat must not lower it)."""
     a = jnp.ones((n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)
-    return 2 * n**3 / time_it(lambda: f(a).block_until_ready(), reps)
+    return 2 * n**3 / best_time(lambda: f(a).block_until_ready(), reps)
 
 
-def torch_peak(n=1024, reps=5) -> float:
+def torch_peak(n=1024, reps=15) -> float:
     import torch
     a = torch.ones((n, n))
-    return 2 * n**3 / time_it(lambda: torch.mm(a, a), reps)
+    return 2 * n**3 / best_time(lambda: torch.mm(a, a), reps)
 
 
 def interleaved(steps_by_impl: dict, steps: int) -> dict:

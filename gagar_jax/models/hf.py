@@ -17,7 +17,7 @@ layers.i.mlp.gate_proj [E, F]         model.layers.i.mlp.gate_proj.weight [F, E]
 layers.i.self_attn.q_norm.weight [D]  model.layers.i.self_attn.q_norm.weight [D]       identity
 layers.i.mlp.router [E, X]            model.layers.i.mlp.gate.weight [X, E]            T
 layers.i.mlp.gate_proj [X, E, F]      model.layers.i.mlp.experts.j.gate_proj.weight    [j], T
-lm_head [E, V]                        lm_head.weight [V, E] (absent when tied)         T
+lm_head [V, E]                        lm_head.weight [V, E] (absent when tied)         identity
 ====================================  ==============================================  ============
 
 (``scan_layers`` models hold ``layers.*`` stacked ``[L, ...]``; they are unstacked on export.)
@@ -74,7 +74,7 @@ def iter_hf_tensors(params: dict, config: TransformerConfig, *, fetch=None):
     yield one("model.embed_tokens.weight", params["embed_tokens"])
     yield one("model.norm.weight", params["norm"]["weight"])
     if not c.tie_embeddings:
-        yield one("lm_head.weight", params["lm_head"], lambda w: w.T)
+        yield one("lm_head.weight", params["lm_head"])
     for i in range(c.num_layers):
         layer = params["layers"][i]
         pre = f"model.layers.{i}."
@@ -244,7 +244,7 @@ def from_hf_tensors(tensors: dict[str, np.ndarray], config: TransformerConfig) -
         "layers": {},
     }
     if not c.tie_embeddings:
-        params["lm_head"] = get("lm_head.weight", (v, e)).T
+        params["lm_head"] = get("lm_head.weight", (v, e))
     for i in range(c.num_layers):
         pre = f"model.layers.{i}."
         attn = {}

@@ -772,8 +772,10 @@ class Transformer(nnx.Module):
             self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config, rngs=rngs)
         if not config.tie_embeddings:
+            # [V, E] like the embedding (and HF's lm_head.weight): training contracts the head
+            # in this orientation (see gagar_jax.update.step.head_weight_ve).
             self.lm_head = _param(
-                rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), config
+                rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), config
             )
 
     def _check(self, tokens, positions, attention_mask):
@@ -859,7 +861,7 @@ class Transformer(nnx.Module):
                 preferred_element_type=jnp.float32,
             )
         return jnp.einsum(
-            "...e,ev->...v", h, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32
+            "...e,ve->...v", h, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32
         )
 
     def hidden_states(self, tokens, positions, *, attention_mask=None, return_aux=False):
