@@ -428,6 +428,29 @@ class Cache(NamedTuple):
             k=jax.tree.map(take, self.k), v=jax.tree.map(take, self.v), mask=self.mask[rows]
         )
 
+    def slice_slots(self, start: int, stop: int | None = None) -> Cache:
+        """Slots ``start:stop`` of every row (static bounds)."""
+        cut = lambda x, axis: jax.lax.slice_in_dim(x, start, stop, axis=axis)  # noqa: E731
+        return self.map_slots(cut, cut, lambda m: m[:, start:stop])
+
+    def write_slots(self, other: Cache, start: int = 0) -> Cache:
+        """This cache with ``other``'s slots (same rows, fewer slots) written from ``start``."""
+
+        def put(bufs, new, axis):
+            return jax.tree.map(
+                lambda o, n: jax.lax.dynamic_update_slice_in_dim(
+                    o, n.astype(o.dtype), start, axis=o.ndim + axis
+                ),
+                bufs,
+                new,
+            )
+
+        return self._replace(
+            k=put(self.k, other.k, Cache.K_SLOT_AXIS),
+            v=put(self.v, other.v, Cache.V_SLOT_AXIS),
+            mask=jax.lax.dynamic_update_slice_in_dim(self.mask, other.mask, start, axis=1),
+        )
+
     def map_slots(self, k_fn, v_fn, mask_fn) -> Cache:
         """Applies ``k_fn(buf, slot_axis)`` / ``v_fn`` to every key / value buffer and
         ``mask_fn`` to the mask (slot axis 1): slot-wise edits of the whole cache."""

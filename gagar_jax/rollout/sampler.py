@@ -203,28 +203,8 @@ def _generate_program(
     prompt_len = hist_len + jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [Bp]
     cache = model.init_cache(bp, h + p + n)
     if history is not None:
-        start = history.mask.shape[1] - h
-        hist = history.take_rows(hist_src).map_slots(
-            lambda x, a: jax.lax.slice_in_dim(x, start, None, axis=a),
-            lambda x, a: jax.lax.slice_in_dim(x, start, None, axis=a),
-            lambda m: m[:, start:],
-        )
-
-        def put(axis_of, old, new):
-            return jax.tree.map(
-                lambda o, n: jax.lax.dynamic_update_slice_in_dim(
-                    o, n.astype(o.dtype), 0, axis=o.ndim + axis_of
-                ),
-                old,
-                new,
-            )
-
-        cache = cache._replace(
-            k=put(cache.K_SLOT_AXIS, cache.k, hist.k),
-            v=put(cache.V_SLOT_AXIS, cache.v, hist.v),
-            mask=jax.lax.dynamic_update_slice_in_dim(cache.mask, hist.mask, 0, axis=1),
-            index=jnp.asarray(h, jnp.int32),
-        )
+        hist = history.take_rows(hist_src).slice_slots(history.mask.shape[1] - h)
+        cache = cache.write_slots(hist, 0)._replace(index=jnp.asarray(h, jnp.int32))
     # Left padding: the last slot is every row's last prompt token, the only logits needed
     # (last_only: no LM head over the other prompt positions). Then the n samples of a
     # prompt copy its prefilled cache (one prefill per distinct prompt, not per sample).
