@@ -123,24 +123,30 @@ def test_one_writer_updates_the_follower_waits_and_failures_agree(
     assert clients[0].reported_versions() == [7]
 
 
+def _run_two_processes(workdir: str, *flags: str, config: str, timeout: float) -> list[dict]:
+    """Runs ``config`` as two processes in ``workdir``; both must exit 0. The metrics rows."""
+    procs = mh.launch(workdir, *flags, config=config)
+    logs = mh.wait_all(procs, timeout=timeout)
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+    return writers.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+
+
 def test_two_processes_share_one_server(
     sglang_server, tiny_sglang_model, tmp_path, restore_launch_weights
 ):
     """tpu_pod.py:smoke,sglang as two processes against the one real server."""
     workdir = str(tmp_path / "run")
     log_start = len(sglang_server.log_path.read_bytes())
-    procs = mh.launch(
+    # each host checked the version the server reports after every sync (the loop raises
+    # otherwise); the writer's rows:
+    rows = _run_two_processes(
         workdir,
         f"--config.model.hf_checkpoint={tiny_sglang_model}",
         f"--config.rollout.sglang_url={sglang_server.url}",
         config=POD_CONFIG + ":smoke,sglang",
+        timeout=900,
     )
-    logs = mh.wait_all(procs, timeout=900)
-    for i, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
-    # each host checked the version the server reports after every sync (the loop raises
-    # otherwise); the writer's rows:
-    rows = writers.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     train = [r for r in rows if r["phase"] == "train"]
     assert [r["step"] for r in train] == [0, 1]
     assert [r["rollout/weight_version"] for r in train] == [1.0, 2.0]
@@ -181,18 +187,15 @@ def test_e2e_config_as_two_processes_on_one_server(
     pool = e2e.write_pool(str(tmp_path / "tasks.jsonl"))
     workdir = str(tmp_path / "run")
     log_start = len(sglang_server.log_path.read_bytes())
-    procs = mh.launch(
+    rows = _run_two_processes(
         workdir,
         f"--config.model.hf_checkpoint={tiny_sglang_model}",
         f"--config.task.data_path={pool}",
         f"--config.rollout.sglang_url={sglang_server.url}",
         f"--config.grading.sglang_url={sglang_server.url}",
         config=os.path.join(mh.ROOT, "configs", "swe_agent.py") + ":smoke",
+        timeout=3000,
     )
-    logs = mh.wait_all(procs, timeout=3000)
-    for i, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
-    rows = writers.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     train = [r for r in rows if r["phase"] == "train"]
     assert [r["step"] for r in train] == [0, 1, 2]
     assert [r["rollout/weight_version"] for r in train] == [1.0, 2.0, 3.0]

@@ -85,11 +85,9 @@ def build_grading_pool(
     ``cache_path``: the pool's persisted verdict cache (JSON lines, reloaded at start), so a
     resumed run does not re-grade groups it already graded.
     """
-    if grader is not None:
-        pass
-    elif cfg.grading.grader == "heuristic":
+    if grader is None and cfg.grading.grader == "heuristic":
         grader = HeuristicGrader()
-    else:
+    elif grader is None:
         # An unreachable grader server is not fatal: each group falls back (grader_error or
         # deadline, counted) and training continues on the original advantages.
         grader = AgenticGrader(SGLangClient(cfg.grading.sglang_url), check_runner=check_runner)

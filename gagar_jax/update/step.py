@@ -149,20 +149,6 @@ ROUTER_METRICS = (
 )
 
 
-def head_weight_ve(model) -> jax.Array:
-    """The LM head as ``[V, E]``: the tied embedding or the untied ``lm_head``, both stored so.
-
-    Training contracts the head in this orientation: with an ``[E, V]`` head XLA:CPU computed
-    the hidden-state gradient ``dlogits [T, V] @ W^T`` as a dot contracting both operands' minor
-    dimension, the slowest dot of the small config's step (16-21 GFLOP/s against 40-180 for the
-    other dots of that size in one profile), and transposing it per step cost two ``V x E``
-    copies (the weight and its gradient: 4.6% of the ~100M config's step).
-    """
-    if model.config.tie_embeddings:
-        return model.embed_tokens[...]
-    return model.lm_head[...]
-
-
 def chunked_token_logprobs_and_entropy(
     model, hidden, targets, temperature: float = 1.0, chunk: int = 0
 ):
@@ -182,7 +168,7 @@ def chunked_token_logprobs_and_entropy(
     """
     b, t = targets.shape
     dt = jnp.dtype(model.config.dtype)
-    weight = head_weight_ve(model)  # [V, E]
+    weight = model.head_weight()  # [V, E]
     if chunk <= 0 or chunk >= t:
         logits = jnp.einsum("bte,ve->btv", hidden.astype(dt), weight.astype(dt),
                             preferred_element_type=jnp.float32)
