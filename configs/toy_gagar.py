@@ -65,7 +65,7 @@ def get_config(arg=None):
                    # execution (also applied to an hf_checkpoint): layers through nnx.scan
                    # (compile time flat in depth), the remat policy ("full", "dots", ...),
                    # causal attention in query blocks of this many tokens (0: one block)
-                   scan_layers=False, remat_policy="full", causal_block_size=64,
+                   scan_layers=False, remat_policy="full", causal_block_size=32,
                    # architecture of a from-scratch policy (an hf_checkpoint brings its own):
                    # Qwen3's per-head q/k RMSNorm; a mixture of experts when num_experts > 0
                    qk_norm=False, num_experts=0, num_experts_per_tok=2,

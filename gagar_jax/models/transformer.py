@@ -57,6 +57,7 @@ models one stacked ``[L, ...]`` buffer each (the scan carries it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -113,7 +114,7 @@ class TransformerConfig:
     norm_topk_prob: bool = True
     scan_layers: bool = False
     remat_policy: str = "full"
-    causal_block_size: int = 64
+    causal_block_size: int = 32
 
     def __post_init__(self):
         for name in (
@@ -552,6 +553,94 @@ def _causal_blocks(t: int, block: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + block, t)) for lo in range(0, t, block)]
 
 
+def _block_scores(qh, kh, mask, lo, hi):
+    """Masked float32 scores of query block ``[lo, hi)`` against keys ``[0, hi)``:
+    ``[B, KV, hi - lo, G, hi]``, and the block's mask broadcast to them."""
+    b, kv, _, g, d = qh.shape
+    qb = qh[:, :, lo:hi].reshape(b, kv, (hi - lo) * g, d)
+    scores = jnp.einsum(
+        "bkmd,bksd->bkms", qb, kh[:, :, :hi], preferred_element_type=jnp.float32
+    ).reshape(b, kv, hi - lo, g, hi)
+    block_mask = mask[:, None, lo:hi, None, :hi]
+    return jnp.where(block_mask, scores * (d**-0.5), _MASK_VALUE), block_mask
+
+
+def _blocked_attention_fwd(qh, kh, vh, mask, blocks):
+    """Per block: scores, row max ``m``, ``e = exp(s - m)``, ``out = (e @ v) / sum(e)``.
+    Returns (out [B, KV, T, G, D], per-block ``(m, log sum e)`` each [B, KV, n, G, 1])."""
+    b, kv, _, g, d = qh.shape
+    dt = qh.dtype
+    outs, stats = [], []
+    for lo, hi in blocks:
+        scores, _ = _block_scores(qh, kh, mask, lo, hi)
+        m = jnp.max(scores, axis=-1, keepdims=True)
+        e = jnp.exp(scores - m)
+        total = jnp.sum(e, axis=-1, keepdims=True)
+        out = jnp.einsum(
+            "bkms,bksd->bkmd", e.astype(dt).reshape(b, kv, -1, hi), vh[:, :, :hi],
+            preferred_element_type=jnp.float32,
+        ).reshape(b, kv, hi - lo, g, d)
+        outs.append((out / total).astype(dt))
+        stats.append((m, jnp.log(total)))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+    return out, stats
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blocked_causal_attention(qh, kh, vh, mask, blocks):
+    """``softmax(q k^T / sqrt(D), masked) v`` with query blocks ``blocks`` (``[lo, hi)``, each
+    scored against keys ``[0, hi)`` only: the causally masked rest would softmax to zeros).
+
+    qh [B, KV, T, G, D], kh/vh [B, KV, T, D], mask [B, T, T] bool -> [B, KV, T, G, D].
+
+    The backward pass is FlashAttention's: the forward keeps only its output and each query
+    row's max and log-sum-exp, and the backward recomputes the probabilities block by block
+    (``p = exp(s - m - log l)``, bit-equal to the forward's) and uses
+    ``ds = p * (dp - rowsum(dout * out))``. No ``[.., T, S]`` probability array is stored
+    between the passes, and the softmax backward is one elementwise pass instead of autodiff's
+    three. A query row without any valid key (left padding) gets a finite output, uniform
+    over its block's keys; it is not defined by the mask and callers mask it out.
+    """
+    return _blocked_attention_fwd(qh, kh, vh, mask, blocks)[0]
+
+
+def _blocked_causal_attention_fwd(qh, kh, vh, mask, blocks):
+    out, stats = _blocked_attention_fwd(qh, kh, vh, mask, blocks)
+    return out, (qh, kh, vh, mask, out, stats)
+
+
+def _blocked_causal_attention_bwd(blocks, residuals, d_out):
+    qh, kh, vh, mask, out, stats = residuals
+    b, kv, _, g, d = qh.shape
+    dt = qh.dtype
+    d_out = d_out.astype(jnp.float32)
+    # rowsum(dout * out) == sum_s p_s dp_s, the softmax backward's subtracted term.
+    row_dot = jnp.sum(d_out * out.astype(jnp.float32), axis=-1, keepdims=True)
+    dq, dk, dv = [], jnp.zeros(kh.shape, jnp.float32), jnp.zeros(vh.shape, jnp.float32)
+    for (lo, hi), (m, log_total) in zip(blocks, stats):
+        scores, block_mask = _block_scores(qh, kh, mask, lo, hi)
+        p = jnp.exp((scores - m) - log_total)  # [B, KV, n, G, hi] float32
+        do_b = d_out[:, :, lo:hi].reshape(b, kv, -1, d)
+        dp = jnp.einsum(
+            "bkmd,bksd->bkms", do_b.astype(dt), vh[:, :, :hi], preferred_element_type=jnp.float32
+        ).reshape(p.shape)
+        ds = jnp.where(block_mask, p * (dp - row_dot[:, :, lo:hi]), 0.0) * (d**-0.5)
+        p = p.astype(dt).reshape(b, kv, -1, hi)
+        ds = ds.astype(dt).reshape(b, kv, -1, hi)
+        qb = qh[:, :, lo:hi].reshape(b, kv, -1, d)
+        dv = dv.at[:, :, :hi].add(jnp.einsum("bkms,bkmd->bksd", p, do_b.astype(dt),
+                                             preferred_element_type=jnp.float32))
+        dk = dk.at[:, :, :hi].add(jnp.einsum("bkms,bkmd->bksd", ds, qb,
+                                             preferred_element_type=jnp.float32))
+        dq.append(jnp.einsum("bkms,bksd->bkmd", ds, kh[:, :, :hi],
+                             preferred_element_type=jnp.float32).reshape(b, kv, hi - lo, g, d))
+    dq = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=2)
+    return dq.astype(dt), dk.astype(kh.dtype), dv.astype(vh.dtype), None
+
+
+_blocked_causal_attention.defvjp(_blocked_causal_attention_fwd, _blocked_causal_attention_bwd)
+
+
 class Attention(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, stack: int | None = None):
         c = config
@@ -573,28 +662,14 @@ class Attention(nnx.Module):
         """Attention of a whole causal sequence (no cache), in query blocks.
 
         q [B, T, KV, G, D], k/v [B, T, KV, D], mask [B, T, T] (causal & key mask) ->
-        [B, T, KV, G, D]. Query block ``[lo, hi)`` is scored against keys ``[0, hi)`` only
-        (the rest is causally masked: it would softmax to exact zeros). Heads are moved in
-        front once (``[B, KV, T, G, D]``), so every block's dots take contiguous slices.
+        [B, T, KV, G, D]. Heads are moved in front once (``[B, KV, T, G, D]``), so every
+        block's dots take contiguous slices; see :func:`_blocked_causal_attention`.
         """
-        b, t, kv, g, d = q.shape
-        dt = q.dtype
+        blocks = tuple(_causal_blocks(q.shape[1], self.config.causal_block_size))
         qh = q.transpose(0, 2, 1, 3, 4)  # [B, KV, T, G, D]
         kh = k.transpose(0, 2, 1, 3)  # [B, KV, T, D]
         vh = v.transpose(0, 2, 1, 3)
-        outs = []
-        for lo, hi in _causal_blocks(t, self.config.causal_block_size):
-            qb = qh[:, :, lo:hi].reshape(b, kv, (hi - lo) * g, d)
-            scores = jnp.einsum(
-                "bkmd,bksd->bkms", qb, kh[:, :, :hi], preferred_element_type=jnp.float32
-            ).reshape(b, kv, hi - lo, g, hi)
-            scores = scores * (d**-0.5)
-            scores = jnp.where(mask[:, None, lo:hi, None, :hi], scores, _MASK_VALUE)
-            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-            out = jnp.einsum("bkms,bksd->bkmd", probs.reshape(b, kv, -1, hi), vh[:, :, :hi])
-            outs.append(out.reshape(b, kv, hi - lo, g, d))
-        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
-        return out.transpose(0, 2, 1, 3, 4)
+        return _blocked_causal_attention(qh, kh, vh, mask, blocks).transpose(0, 2, 1, 3, 4)
 
     def __call__(self, x, positions, mask, cache=None):
         """x: [B, T, E]; mask: [B, T, S] bool (causal & key mask).
