@@ -419,6 +419,9 @@ def test_scanned_compile_time_flat_in_depth():
         intermediate_size=48,
         scan_layers=True,
     )
-    t2 = _compile_seconds(base)
-    t8 = _compile_seconds(dataclasses.replace(base, num_layers=8))
-    assert t8 / t2 < 1.5, (t2, t8)
+    deep = dataclasses.replace(base, num_layers=8)
+    # The fastest of three alternating compiles each: a load spike (the suite runs two
+    # workers) slows one compile, not the ratio of the fastest.
+    times = [(_compile_seconds(base), _compile_seconds(deep)) for _ in range(3)]
+    t2, t8 = min(t for t, _ in times), min(t for _, t in times)
+    assert t8 / t2 < 1.5, times

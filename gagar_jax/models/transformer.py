@@ -566,13 +566,18 @@ def _linear(x, w, in_dims: int = 1):
     backward dots have the layout the fast GEMM path takes: 10% of the small benchmark
     config's update step and 8% of the ~100M one's (``benchmarks/update.py``).
     """
-    return _linear_fwd(x, w, in_dims)[0]
+    return _matmul_2d(x, w, in_dims)[0]
+
+
+def _matmul_2d(x, w, in_dims):
+    """(x @ w in x's and w's shapes, x as [tokens, I])."""
+    x2 = x.reshape(-1, math.prod(x.shape[x.ndim - in_dims:]))
+    y = x2 @ w.reshape(x2.shape[1], -1)
+    return y.reshape(x.shape[: x.ndim - in_dims] + w.shape[in_dims:]), x2
 
 
 def _linear_fwd(x, w, in_dims):
-    k = math.prod(x.shape[x.ndim - in_dims:])
-    x2 = x.reshape(-1, k)
-    y = (x2 @ w.reshape(k, -1)).reshape(x.shape[: x.ndim - in_dims] + w.shape[in_dims:])
+    y, x2 = _matmul_2d(x, w, in_dims)
     return y, (jax.lax.optimization_barrier(x2.T), w, x.shape)
 
 
