@@ -243,7 +243,9 @@ def test_causal_blocks_cover_the_sequence(t, block):
        st.sampled_from(["float32", "bfloat16"]))
 def test_linear_equals_the_matmul_in_value_and_gradient(in_dims, out_dims, t, seed, dtype):
     """``_linear`` (the projections' hand-written backward) == the einsum it replaces, value and
-    both gradients, for 1-2 contracted and 1-3 output dims, in float32 and bfloat16."""
+    both gradients, for 1-2 contracted and 1-3 output dims, in float32 and bfloat16. Both
+    residual layouts are exercised: ``I <= O`` keeps ``x^T`` (e.g. I=3, O=10), ``I > O``
+    keeps ``x`` and transposes ``dy`` (e.g. I=3, O=2)."""
     rng = np.random.default_rng(seed)
     in_shape, out_shape = (3, 4)[:in_dims], (2, 5, 3)[:out_dims]
     x = jnp.asarray(rng.standard_normal((2, t, *in_shape)), dtype)

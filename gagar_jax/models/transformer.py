@@ -560,11 +560,12 @@ def _linear(x, w, in_dims: int = 1):
 
     The value and gradient are the plain matmul's. The backward is written out because
     XLA:CPU, left to autodiff, computes the weight gradient ``x^T dy`` by transposing ``dy``
-    (the wider operand, with the activation's backward fused into that transposing pass) and
-    then runs a slow strided dot. Here the forward keeps ``x^T`` as the residual (an
-    ``optimization_barrier`` makes it a real, row-major ``[I, tokens]`` array), so both
-    backward dots have the layout the fast GEMM path takes: 10% of the small benchmark
-    config's update step and 8% of the ~100M one's (``benchmarks/update.py``).
+    (with the activation's backward fused into that strided pass, however wide ``dy`` is) and
+    then runs a slow strided dot. Here the narrower of ``x`` and ``dy`` is transposed into a
+    real row-major ``[width, tokens]`` array (an ``optimization_barrier`` keeps XLA from
+    folding it back into the dot), so both backward dots take the fast GEMM path (README,
+    "Measured: speed"): ``x^T`` is the forward's residual when ``I <= O``; otherwise the
+    forward keeps ``x`` and the backward computes ``(dy^T x)^T``, a weight-sized transpose.
     """
     return _matmul_2d(x, w, in_dims)[0]
 
@@ -576,17 +577,28 @@ def _matmul_2d(x, w, in_dims):
     return y.reshape(x.shape[: x.ndim - in_dims] + w.shape[in_dims:]), x2
 
 
+def _keeps_x_transposed(w, in_dims) -> bool:
+    """I <= O: the residual is x^T (else x, and the backward transposes dy)."""
+    return math.prod(w.shape[:in_dims]) <= math.prod(w.shape[in_dims:])
+
+
 def _linear_fwd(x, w, in_dims):
     y, x2 = _matmul_2d(x, w, in_dims)
-    return y, (jax.lax.optimization_barrier(x2.T), w, x.shape)
+    if _keeps_x_transposed(w, in_dims):
+        return y, (jax.lax.optimization_barrier(x2.T), w, x.shape)
+    return y, (x2, w, x.shape)
 
 
 def _linear_bwd(in_dims, residuals, dy):
-    xt, w, x_shape = residuals
-    k = xt.shape[0]
-    dy2 = dy.reshape(-1, math.prod(w.shape[in_dims:]))
-    dx = jnp.einsum("to,ko->tk", dy2, w.reshape(k, -1)).reshape(x_shape)
-    return dx, (xt @ dy2).reshape(w.shape)
+    x_res, w, x_shape = residuals
+    w2 = w.reshape(math.prod(w.shape[:in_dims]), -1)
+    dy2 = dy.reshape(-1, w2.shape[1])
+    dx = jnp.einsum("to,ko->tk", dy2, w2).reshape(x_shape)
+    if _keeps_x_transposed(w, in_dims):
+        dw = x_res @ dy2  # x^T [I, tokens] @ dy
+    else:
+        dw = (jax.lax.optimization_barrier(dy2.T) @ x_res).T  # (dy^T x)^T
+    return dx, dw.reshape(w.shape)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
