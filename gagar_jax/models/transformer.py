@@ -646,7 +646,7 @@ def _blocked_causal_attention(qh, kh, vh, mask, blocks):
 
     The backward pass is FlashAttention's: the forward keeps only its output and each query
     row's max and log-sum-exp, and the backward recomputes the probabilities block by block
-    (``p = exp(s - m - log l)``, bit-equal to the forward's) and uses
+    (``p = exp(s - m - log l)`` from the same scores and row statistics) and uses
     ``ds = p * (dp - rowsum(dout * out))``. No ``[.., T, S]`` probability array is stored
     between the passes, and the softmax backward is one elementwise pass instead of autodiff's
     three. A query row without any valid key (left padding) gets a finite output, uniform
