@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gagar_jax.models import TransformerConfig, create_model
@@ -241,6 +241,8 @@ def test_causal_blocks_cover_the_sequence(t, block):
 @settings(max_examples=10, deadline=None)
 @given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 5), st.integers(0, 2**16),
        st.sampled_from(["float32", "bfloat16"]))
+@example(1, 1, 3, 0, "float32")  # I=3 > O=2: the backward transposes dy
+@example(1, 2, 3, 0, "float32")  # I=3 <= O=10: the residual is x^T
 def test_linear_equals_the_matmul_in_value_and_gradient(in_dims, out_dims, t, seed, dtype):
     """``_linear`` (the projections' hand-written backward) == the einsum it replaces, value and
     both gradients, for 1-2 contracted and 1-3 output dims, in float32 and bfloat16. Both
