@@ -452,6 +452,16 @@ class Cache(NamedTuple):
             mask=jax.lax.dynamic_update_slice_in_dim(self.mask, other.mask, start, axis=1),
         )
 
+    def pad_slots(self, extra: int) -> Cache:
+        """This cache with ``extra`` empty (masked) slots appended to every row (static)."""
+
+        def pad(x, axis):
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, extra)
+            return jnp.pad(x, widths)
+
+        return self.map_slots(pad, pad, lambda m: jnp.pad(m, ((0, 0), (0, extra))))
+
     def map_slots(self, k_fn, v_fn, mask_fn) -> Cache:
         """Applies ``k_fn(buf, slot_axis)`` / ``v_fn`` to every key / value buffer and
         ``mask_fn`` to the mask (slot axis 1): slot-wise edits of the whole cache."""
