@@ -702,6 +702,30 @@ def _blocked_causal_attention_bwd(blocks, residuals, d_out):
 _blocked_causal_attention.defvjp(_blocked_causal_attention_fwd, _blocked_causal_attention_bwd)
 
 
+def _linear_qkv(x, wq, wk, wv):
+    """q, k, v = x @ wq, x @ wk, x @ wv as one dot: x [B, T, E], wq [E, N, D], wk / wv
+    [E, KV, D] -> [B, T, N, D], [B, T, KV, D], [B, T, KV, D].
+
+    The weights are stacked per KV group (``[E, KV, G + 2, D]``: a group's G query heads, then
+    its key and its value head), so a mesh that splits the KV heads (and with them the query
+    heads) over ``tensor`` stacks them without moving data between devices. One dot instead of
+    three: the update's backward keeps one transposed ``x`` and runs one weight-gradient dot
+    (~100M config, one interleaved run: 4.66 -> 4.03 s a step; the small one within noise).
+    The sampler and the update share it, so both round the projections alike. In the decode
+    loop the stacked weight is loop-invariant and XLA builds it once per call.
+    """
+    dt = x.dtype
+    e, n, d = wq.shape
+    kv = wk.shape[1]
+    g = n // kv
+    w = jnp.concatenate(
+        [wq.reshape(e, kv, g, d), wk[:, :, None], wv[:, :, None]], axis=2
+    ).astype(dt)
+    qkv = _linear(x, w)  # [B, T, KV, G + 2, D]
+    b, t = x.shape[:2]
+    return qkv[..., :g, :].reshape(b, t, n, d), qkv[..., g, :], qkv[..., g + 1, :]
+
+
 class Attention(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, stack: int | None = None):
         c = config
@@ -742,9 +766,7 @@ class Attention(nnx.Module):
         """
         c = self.config
         dt = x.dtype
-        q = _linear(x, self.q_proj[...].astype(dt))  # [B, T, N, D]
-        k = _linear(x, self.k_proj[...].astype(dt))  # [B, T, KV, D]
-        v = _linear(x, self.v_proj[...].astype(dt))
+        q, k, v = _linear_qkv(x, self.q_proj[...], self.k_proj[...], self.v_proj[...])
         if c.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
