@@ -133,8 +133,10 @@ def sample_token(logits, key, temperature, top_p, top_k):
 
 def _segment_ends(n: int, segments: int) -> list[int]:
     """Static ends (in new tokens, increasing, the last one ``n``) of the decode loop's
-    segments: at most ``segments`` parts, each a multiple of 8 tokens but the last."""
-    step = max(8, -(-n // segments // 8) * 8)
+    segments: at most ``segments`` parts of at least 16 tokens, each a multiple of 8 but the
+    last (a shorter segment would save less reading than its copy of the step costs to
+    compile)."""
+    step = max(16, -(-n // segments // 8) * 8)
     return list(range(step, n, step)) + [n]
 
 
