@@ -283,12 +283,13 @@ class Sampler:
       batch_buckets, prompt_buckets, new_token_buckets: the static shape buckets.
       seed: base seed for calls whose SamplingParams.seed is None.
       policy_version: version of the initial weights.
-      decode_segments: the decode loop runs as up to this many loops in sequence, each over a
-        KV cache of the slots filled by its end (grown by one copy between them), so a step
-        reads only up to its segment's end instead of the whole budget: at 64 new tokens
-        after a 32-token prompt, 72 slots on average instead of 96. Each segment is another
-        copy of the decode step in the compiled program (compile time grows with it); 1 turns
-        it off. Results are the same either way (up to float rounding of the softmax sums).
+      decode_segments: the decode loop runs as up to this many loops in sequence (at least 16
+        new tokens each), each over a KV cache of the slots filled by its end (grown by one
+        copy between them), so a step reads only up to its segment's end instead of the whole
+        budget: at 64 new tokens after a 32-token prompt, 72 slots on average instead of 96.
+        Each segment is another copy of the decode step in the compiled program (compile time
+        grows with it); 1 turns it off. Results are the same either way (up to float rounding
+        of the softmax sums).
       prefix_cache: how many previous calls' KV caches to keep (0: none). A prompt that extends
         a kept sequence (a previous prompt + its sample, e.g. the next turn of an episode:
         history + observation) prefills only the new tokens; the rest of its cache is copied
