@@ -2,6 +2,7 @@
 bucketing without recompiles, truncation, weight sync."""
 
 import asyncio
+import dataclasses
 import functools
 
 import jax
@@ -467,3 +468,109 @@ def test_decode_segments_must_be_a_positive_int(model):
     for bad in (0, -1, 2.5, True, "4"):
         with pytest.raises(ValueError, match="decode_segments"):
             Sampler(model, decode_segments=bad)
+
+
+def _data_mesh(size):
+    return jax.sharding.Mesh(np.array(jax.devices()[:size]), ("data",))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_data_parallel_sampler_samples_what_one_device_samples(model, temperature):
+    """Rows split over a 4-device data axis: the prefill is partitioned (samples copy their
+    prompt's cache across shards: prompt 0's rows sit on shards 0 and 2), each shard runs its
+    own decode loop and stops when its rows are done, and a second turn continues the kept,
+    sharded cache. Tokens, finish reasons and the kept cache are those of the one-device
+    sampler, log-probs agree and equal the training forward's, and nothing retraces in a bucket."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0], [9, 8, 7, 6], PROMPTS[1]]
+    # A stop token some rows draw early: shards finish at different steps.
+    free = Sampler(model, batch_buckets=(16,), prompt_buckets=(16,), new_token_buckets=(16,))
+    params = SamplingParams(n=2, temperature=temperature, max_tokens=16, seed=3)
+    stop = free.generate(prompts, params)[1][0].tokens[2]
+    params = dataclasses.replace(params, stop_token_ids=(stop,))
+    runs = []
+    for mesh in (None, _data_mesh(4)):
+        s = Sampler(
+            model,
+            batch_buckets=(8, 16),
+            prompt_buckets=(16, 32, 64),
+            new_token_buckets=(16,),
+            mesh=mesh,
+            prefix_cache=1,
+        )
+        first = s.generate(prompts, params)
+        kept = s._kept[0]["cache"]
+        # Turn 2: every row's prompt + sample + an observation, from the kept cache.
+        nexts = [prompts[i] + first[i][0].tokens + [40, 41, 42] for i in range(len(prompts))]
+        second = s.generate(nexts, params)
+        traces = s.trace_count
+        s.generate(prompts, dataclasses.replace(params, seed=4))
+        assert s.trace_count == traces  # the first call's bucket, other seed: no retrace
+        runs.append((s, first, second, kept))
+    (one, first1, second1, kept1), (dp, first4, second4, kept4) = runs
+    assert dp.stats == one.stats and dp.stats["calls_reusing_cache"] == 1
+    for x in jax.tree.leaves(dp.state):
+        assert x.sharding.is_fully_replicated and len(x.sharding.device_set) == 4
+    assert any(smp.finish_reason == "stop" for row in first1 for smp in row)
+    assert any(smp.finish_reason == "length" for row in first1 for smp in row)
+    for a, b, call_prompts in ((first1, first4, prompts), (second1, second4, nexts)):
+        flat_a = [smp for row in a for smp in row]
+        flat_b = [smp for row in b for smp in row]
+        assert [s.tokens for s in flat_b] == [s.tokens for s in flat_a]
+        assert [s.finish_reason for s in flat_b] == [s.finish_reason for s in flat_a]
+        np.testing.assert_allclose(
+            [x for s in flat_b for x in s.logprobs], [x for s in flat_a for x in s.logprobs],
+            rtol=0, atol=1e-5,
+        )
+        for prompt, row in zip(call_prompts, b):
+            for smp in row:
+                ref = score_tokens(model, prompt + smp.tokens, len(prompt), temperature)
+                np.testing.assert_allclose(smp.logprobs, ref, rtol=0, atol=1e-5)
+    assert len(kept4.mask.sharding.device_set) == 4
+    np.testing.assert_array_equal(np.asarray(kept4.mask), np.asarray(kept1.mask))
+    assert int(kept4.index) == int(kept1.index)
+    valid = np.asarray(kept1.mask)
+    for x, y in zip(kept4.v, kept1.v):  # [B, KV, S, D]: the valid slots
+        np.testing.assert_allclose(
+            np.asarray(x).transpose(0, 2, 1, 3)[valid],
+            np.asarray(y).transpose(0, 2, 1, 3)[valid],
+            atol=1e-5,
+        )
+
+
+def test_data_parallel_sampler_sync_weights_and_buckets(model):
+    """sync_weights keeps the weights replicated on the mesh (the programs are reused) and the
+    new weights sample what a one-device sampler over them samples; the default batch buckets
+    become the data axis's multiples; a call of fewer rows than devices still fits."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    dp = Sampler(model, mesh=_data_mesh(4), prompt_buckets=(16,), new_token_buckets=(8,))
+    assert dp.batch_buckets == (4, 8, 16, 32, 64, 128, 256)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=2)
+    dp.generate([PROMPTS[0]], params)  # one row, bucket 4
+    traces = dp.trace_count
+    new = make_model(1)
+    dp.sync_weights(new, version=7)
+    out = dp.generate([PROMPTS[0]], params)
+    assert dp.trace_count == traces
+    for x in jax.tree.leaves(dp.state):
+        assert x.sharding.is_fully_replicated and len(x.sharding.device_set) == 4
+    ref = Sampler(new, prompt_buckets=(16,), new_token_buckets=(8,)).generate([PROMPTS[0]], params)
+    assert out[0][0].tokens == ref[0][0].tokens and out[0][0].policy_version == 7
+    np.testing.assert_allclose(out[0][0].logprobs, ref[0][0].logprobs, rtol=0, atol=1e-5)
+
+
+def test_data_parallel_sampler_rejects_what_cannot_work(model):
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = _data_mesh(4)
+    with pytest.raises(ValueError, match=r"Sampler.batch_buckets must be multiples .* 4"):
+        Sampler(model, mesh=mesh, batch_buckets=(4, 6))
+    with pytest.raises(ValueError, match="Sampler.data_axis='rows' is not an axis"):
+        Sampler(model, mesh=mesh, data_axis="rows")
+    two_d = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    with pytest.raises(ValueError, match="only the data axis"):
+        Sampler(model, mesh=two_d)
+    with pytest.raises(TypeError, match="Sampler.mesh must be a jax.sharding.Mesh"):
+        Sampler(model, mesh=jax.devices()[:4])

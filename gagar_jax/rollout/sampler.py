@@ -51,7 +51,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from gagar_jax.models.transformer import Cache
 from gagar_jax.rollout.types import Sample, SamplingParams, validate_prompts
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -131,6 +134,48 @@ def sample_token(logits, key, temperature, top_p, top_k):
     return tokens, lp
 
 
+def _check_mesh(mesh, data_axis: str, batch_buckets):
+    """(mesh, batch buckets) for a data-parallel Sampler; a clear error for what cannot work.
+
+    The default buckets keep those the data axis divides (and the axis size itself, so a call
+    of fewer rows than devices still fits); given buckets must all be multiples of it."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"Sampler.mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}"
+        )
+    if data_axis not in mesh.axis_names:
+        raise ValueError(
+            f"Sampler.data_axis={data_axis!r} is not an axis of Sampler.mesh "
+            f"(axes {mesh.axis_names})"
+        )
+    others = [a for a in mesh.axis_names if a != data_axis and mesh.shape[a] != 1]
+    if others:
+        raise ValueError(
+            f"Sampler.mesh: only the data axis {data_axis!r} may have more than one device "
+            f"(the sampler replicates the weights), got sizes {dict(mesh.shape)}"
+        )
+    here = jax.process_index()
+    if any(d.process_index != here for d in mesh.devices.flat):
+        raise ValueError(
+            "Sampler.mesh must hold only this process's devices (the embedded sampler runs "
+            "per host: build it from jax.local_devices())"
+        )
+    # The program's sharding is XLA's to propagate (Auto axes), whatever the caller's mesh says
+    # (`jax.make_mesh` makes Explicit ones).
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+    size = mesh.shape[data_axis]
+    if tuple(batch_buckets) == DEFAULT_BATCH_BUCKETS:
+        batch_buckets = tuple(sorted({size, *(b for b in batch_buckets if b % size == 0)}))
+    bad = [b for b in batch_buckets if b % size]
+    if bad:
+        raise ValueError(
+            f"Sampler.batch_buckets must be multiples of the data axis size {size} "
+            f"(Sampler.mesh.shape[{data_axis!r}]), got {tuple(batch_buckets)}"
+        )
+    return mesh, batch_buckets
+
+
 def _segment_ends(n: int, segments: int) -> list[int]:
     """Static ends (in new tokens, increasing, the last one ``n``) of the decode loop's
     segments: at most ``segments`` parts of at least 16 tokens, each a multiple of 8 but the
@@ -163,7 +208,14 @@ def _compact(cache):
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "graphdef", "pad_id", "max_new_bucket", "hist_slots", "keep_cache", "decode_segments"
+        "graphdef",
+        "pad_id",
+        "max_new_bucket",
+        "hist_slots",
+        "keep_cache",
+        "decode_segments",
+        "mesh",
+        "data_axis",
     ),
 )
 def _generate_program(
@@ -189,6 +241,8 @@ def _generate_program(
     hist_slots: int,
     keep_cache: bool,
     decode_segments: int,
+    mesh=None,
+    data_axis: str = "data",
 ):
     """One generation call.
 
@@ -203,13 +257,17 @@ def _generate_program(
     prompt), live [B] bool. Returns (tokens, logprobs, lengths, stopped, compacted cache or
     None).
 
+    With ``mesh``, the rows are split over its ``data_axis``: the prefill runs partitioned by
+    XLA (the sample rows' copy of their prompt's cache may cross shards), then the decode loop
+    runs under ``shard_map``, each shard its own loop over its own rows, stopping when they are
+    all done (no collective per step).
+
     One program per (graphdef, pad_id, Bp, B, P, N, history shape, keep_cache): samplers over
     models of the same architecture share compiled programs.
     """
     _TRACES[0] += 1  # runs at trace time only
     model = nnx.merge(graphdef, state)
     bp, p = prompts.shape
-    b = row_src.shape[0]
     n = max_new_bucket
     h = 0 if history is None else hist_slots
     positions = hist_len[:, None] + jnp.maximum(
@@ -230,48 +288,84 @@ def _generate_program(
     logits = logits[row_src, -1, :]
     prompt_len = prompt_len[row_src]
     cache = cache.take_rows(row_src)
-    row_keys = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(row_seeds, row_ids)
+    def decode_loop(state, logits, cache, live, prompt_len, row_seeds, row_ids, temperature,
+                    top_p, top_k, stop_ids, max_new):
+        model = nnx.merge(graphdef, state)
+        row_keys = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(
+            row_seeds, row_ids
+        )
+        b = logits.shape[0]
 
-    def cond(end, carry):
-        step, _, _, done, *_ = carry
-        return (step < jnp.minimum(max_new, end)) & ~jnp.all(done)
+        def cond(end, carry):
+            step, _, _, done, *_ = carry
+            return (step < jnp.minimum(max_new, end)) & ~jnp.all(done)
 
-    def body(carry):
-        step, logits, cache, done, toks, lps, lengths, stopped = carry
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
-        tok, lp = sample_token(logits, keys, temperature, top_p, top_k)
-        tok = jnp.where(done, pad_id, tok)
-        lp = jnp.where(done, 0.0, lp)
-        toks = jax.lax.dynamic_update_index_in_dim(toks, tok, step, axis=1)
-        lps = jax.lax.dynamic_update_index_in_dim(lps, lp, step, axis=1)
-        lengths = jnp.where(done, lengths, step + 1)
-        hit = (~done) & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-        stopped = stopped | hit
-        pos = (prompt_len + step)[:, None]
-        # A finished row's pad token is written masked: the cache then holds exactly the
-        # prompt and the sample (what a later turn's prefill reuses).
-        logits, cache = model.decode(tok[:, None], pos, cache, attention_mask=~done[:, None])
-        done = done | hit | (step + 1 >= max_new)
-        return step + 1, logits[:, 0, :], cache, done, toks, lps, lengths, stopped
+        def body(carry):
+            step, logits, cache, done, toks, lps, lengths, stopped = carry
+            keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
+            tok, lp = sample_token(logits, keys, temperature, top_p, top_k)
+            tok = jnp.where(done, pad_id, tok)
+            lp = jnp.where(done, 0.0, lp)
+            toks = jax.lax.dynamic_update_index_in_dim(toks, tok, step, axis=1)
+            lps = jax.lax.dynamic_update_index_in_dim(lps, lp, step, axis=1)
+            lengths = jnp.where(done, lengths, step + 1)
+            hit = (~done) & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+            stopped = stopped | hit
+            pos = (prompt_len + step)[:, None]
+            # A finished row's pad token is written masked: the cache then holds exactly the
+            # prompt and the sample (what a later turn's prefill reuses).
+            logits, cache = model.decode(tok[:, None], pos, cache, attention_mask=~done[:, None])
+            done = done | hit | (step + 1 >= max_new)
+            return step + 1, logits[:, 0, :], cache, done, toks, lps, lengths, stopped
 
-    init = (
-        jnp.zeros((), jnp.int32),
-        logits,
-        cache,
-        ~live,
-        jnp.full((b, n), pad_id, jnp.int32),
-        jnp.zeros((b, n), jnp.float32),
-        jnp.zeros((b,), jnp.int32),
-        jnp.zeros((b,), bool),
-    )
-    carry = init
-    for i, end in enumerate(ends):
-        if i:  # the next segment attends over more slots: grow the cache (one copy)
-            carry = (*carry[:2], carry[2].pad_slots(end - ends[i - 1]), *carry[3:])
-        carry = jax.lax.while_loop(functools.partial(cond, end), body, carry)
-    _, _, cache, _, toks, lps, lengths, stopped = carry
-    kept = _compact(cache) if keep_cache else None
+        carry = (
+            jnp.zeros((), jnp.int32),
+            logits,
+            cache,
+            ~live,
+            jnp.full((b, n), pad_id, jnp.int32),
+            jnp.zeros((b, n), jnp.float32),
+            jnp.zeros((b,), jnp.int32),
+            jnp.zeros((b,), bool),
+        )
+        for i, end in enumerate(ends):
+            if i:  # the next segment attends over more slots: grow the cache (one copy)
+                carry = (*carry[:2], carry[2].pad_slots(end - ends[i - 1]), *carry[3:])
+            carry = jax.lax.while_loop(functools.partial(cond, end), body, carry)
+        _, _, cache, _, toks, lps, lengths, stopped = carry
+        kept = _compact(cache)._replace(index=cache.index[None]) if keep_cache else None
+        return toks, lps, lengths, stopped, kept
+
+    args = (state, logits, cache, live, prompt_len, row_seeds, row_ids, temperature, top_p,
+            top_k, stop_ids, max_new)
+    if mesh is None:
+        toks, lps, lengths, stopped, kept = decode_loop(*args)
+    else:
+        rows, whole = P(data_axis), P()
+        cache_spec = _cache_spec(cache, data_axis)
+        in_specs = (jax.tree.map(lambda _: whole, state), rows, cache_spec, rows, rows, rows,
+                    rows, whole, whole, whole, whole, whole)
+        kept_spec = cache_spec._replace(index=rows) if keep_cache else None
+        toks, lps, lengths, stopped, kept = jax.shard_map(
+            decode_loop,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=(rows, rows, rows, rows, kept_spec),
+            check_vma=False,
+        )(*args)
+    if kept is not None:  # the slot index reached by the last shard to finish (one loop: its own)
+        kept = kept._replace(index=jnp.max(kept.index))
     return toks, lps, lengths, stopped, kept
+
+
+def _cache_spec(cache, data_axis: str):
+    """`PartitionSpec`s of a `Cache` with its rows split over ``data_axis``."""
+    def rows(x):
+        return P(*([None] * (x.ndim + Cache.BATCH_AXIS)), data_axis)
+    return Cache(
+        k=jax.tree.map(rows, cache.k), v=jax.tree.map(rows, cache.v), mask=P(data_axis),
+        index=P(),
+    )
 
 
 class Sampler:
@@ -310,7 +404,11 @@ class Sampler:
         policy_version: int = 0,
         prefix_cache: int = 0,
         decode_segments: int = 4,
+        mesh: jax.sharding.Mesh | None = None,
+        data_axis: str = "data",
     ):
+        if mesh is not None:
+            mesh, batch_buckets = _check_mesh(mesh, data_axis, batch_buckets)
         for name, b in (
             ("batch_buckets", batch_buckets),
             ("prompt_buckets", prompt_buckets),
@@ -340,11 +438,26 @@ class Sampler:
                 f"Sampler.decode_segments must be an int >= 1, got {decode_segments!r}"
             )
         self.decode_segments = int(decode_segments)
+        self.mesh, self.data_axis = mesh, data_axis
+        if mesh is not None:  # the weights whole on every device of the mesh
+            self.state = jax.device_put(self.state, NamedSharding(mesh, P()))
         self._kept: list[dict] = []  # most recent first: {"cache", "rows", "lengths"}
         # prompt tokens prefilled / taken from a kept cache, over the sampler's life
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "calls_reusing_cache": 0}
 
     # ------------------------------------------------------------------ host side
+
+    def _place_rows(self, *arrays):
+        """Per-row inputs ([Bp] or [B] leading): split over the mesh's data axis, if any."""
+        if self.mesh is None:
+            return [jnp.asarray(x) for x in arrays]
+        return jax.device_put(list(arrays), NamedSharding(self.mesh, P(self.data_axis)))
+
+    def _place_whole(self, *arrays):
+        """Call-wide inputs (sampling knobs, stop ids): whole on every device."""
+        if self.mesh is None:
+            return [jnp.asarray(x) for x in arrays]
+        return jax.device_put(list(arrays), NamedSharding(self.mesh, P()))
 
     def _next_seed(self) -> int:
         with self._lock:
@@ -430,28 +543,28 @@ class Sampler:
 
         with self._lock:  # serialises dispatch so the trace count is attributed to this call
             before = _TRACES[0]
+            per_row = self._place_rows(hist_src, hist_len, tokens, mask, row_src, row_ids, live,
+                                       row_seeds)
+            knobs = self._place_whole(
+                np.float32(params.temperature),
+                np.float32(params.top_p),
+                np.int32(params.top_k),
+                stop,
+                np.int32(params.max_tokens),
+            )
             toks, lps, lengths, stopped, kept = _generate_program(
                 self.state,
                 None if match is None else entry["cache"],
-                jnp.asarray(hist_src),
-                jnp.asarray(hist_len),
-                jnp.asarray(tokens),
-                jnp.asarray(mask),
-                jnp.asarray(row_src),
-                jnp.asarray(row_ids),
-                jnp.asarray(live),
-                jnp.asarray(row_seeds),
-                jnp.asarray(params.temperature, jnp.float32),
-                jnp.asarray(params.top_p, jnp.float32),
-                jnp.asarray(params.top_k, jnp.int32),
-                jnp.asarray(stop),
-                jnp.asarray(params.max_tokens, jnp.int32),
+                *per_row,
+                *knobs,
                 graphdef=self.graphdef,
                 pad_id=self.pad_id,
                 max_new_bucket=n,
                 hist_slots=h,
                 keep_cache=self.prefix_cache > 0,
                 decode_segments=self.decode_segments,
+                mesh=self.mesh,
+                data_axis=self.data_axis,
             )
             self.trace_count += _TRACES[0] - before
             self.stats["prefill_tokens"] += sum(len(x) for x in suffixes)
