@@ -92,7 +92,7 @@ bench: setup
 	XLA_FLAGS= $(PY) benchmarks/advantages.py
 	$(PY) benchmarks/grading.py --quick
 	$(PY) benchmarks/verify.py
-	XLA_FLAGS= $(PY) benchmarks/sampler.py
+	XLA_FLAGS= $(PY) benchmarks/sampler.py --data-parallel 2
 	$(PY) benchmarks/browser_judge.py --rounds 1
 
 clean:

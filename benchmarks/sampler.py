@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -65,8 +66,23 @@ def main():
         help="comma-separated: greedy, rl, multiturn, sglang (a real SGLang server)",
     )
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens (CI smoke)")
+    ap.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        help="N > 1: the greedy and RL-shaped tables add a column for the sampler with its rows "
+        "split over N devices (`Sampler(mesh=...)`; on CPU, N host devices via XLA_FLAGS)",
+    )
     args = ap.parse_args()
     tables = set(args.tables.split(","))
+    dp = args.data_parallel
+    if dp < 1:
+        ap.error(f"--data-parallel must be >= 1, got {dp}")
+    if dp > 1:  # before jax is imported: N host (CPU) devices; other platforms keep theirs
+        flags = re.sub(
+            r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
+        )
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={dp}".strip()
 
     import jax
     import torch
@@ -113,6 +129,12 @@ def main():
     hf.generation_config.pad_token_id = 0
     hf.generation_config.eos_token_id = None
 
+    mesh = None
+    if dp > 1:
+        if len(jax.local_devices()) < dp:
+            raise SystemExit(f"--data-parallel {dp}: only {len(jax.local_devices())} devices")
+        mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:dp]), ("data",))
+
     rng = np.random.default_rng(0)
     print(
         f"model: {cfg.num_params / 1e6:.1f}M params (hidden {cfg.hidden_size}, "
@@ -120,27 +142,35 @@ def main():
         f"{jax.devices()[0].platform}, torch {torch.__version__} ({threads} threads), "
         f"transformers {transformers.__version__}"
     )
+    if mesh is not None:
+        print(f"jax dp{dp}: the sampler's rows split over {dp} {jax.devices()[0].platform} devices")
     print(f"start: {_load()}")
 
     if "greedy" in tables:
-        sampler = Sampler(
-            model,
+        kw = dict(
             batch_buckets=tuple(sorted(set(batches))),
             prompt_buckets=(args.prompt_len,),
             new_token_buckets=(args.new_tokens,),
         )
+        engines = {"jax": Sampler(model, **kw)}
+        if mesh is not None:
+            engines[f"jax dp{dp}"] = Sampler(model, pad_id=1, mesh=mesh, **kw)
         params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
         print(f"\n[greedy] prompt {args.prompt_len} tokens, {args.new_tokens} new tokens")
-        print(
-            f"{'batch':>5} | {'jax tok/s':>10} | {'hf tok/s':>10} | {'jax/hf':>6} | "
-            f"{'agree':>6} | {'jax compile s':>13}"
+        head = f"{'batch':>5} | " + "".join(
+            f"{name + ' tok/s':>14} | {name + '/hf':>10} | " for name in engines
         )
-        print("-" * 66)
+        head += f"{'hf tok/s':>10} | {'agree':>6} | {'jax compile s':>13}"
+        print(head)
+        print("-" * len(head))
+        tps_by_batch = {}
         for b in batches:
             prompts = rng.integers(1, cfg.vocab_size, (b, args.prompt_len)).tolist()
-            t0 = time.perf_counter()
-            sampler.generate(prompts, params)  # compiles this bucket
-            compile_s = time.perf_counter() - t0
+            compile_s = []
+            for sampler in engines.values():
+                t0 = time.perf_counter()
+                sampler.generate(prompts, params)  # compiles this bucket
+                compile_s.append(time.perf_counter() - t0)
             ids = torch.tensor(prompts)
             kw = dict(
                 attention_mask=torch.ones_like(ids),
@@ -150,37 +180,53 @@ def main():
             )
             with torch.inference_mode():
                 hf.generate(ids, **kw)  # warm-up
-                # Interleave the two sides so load changes hit both alike.
-                jt, ht = [], []
+                # Interleave the sides so load changes hit them alike.
+                jt = {name: [] for name in engines}
+                ht = []
                 for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    out = sampler.generate(prompts, params)
-                    jt.append(time.perf_counter() - t0)
+                    for name, sampler in engines.items():
+                        t0 = time.perf_counter()
+                        out = sampler.generate(prompts, params)
+                        jt[name].append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     gen = hf.generate(ids, **kw)
                     ht.append(time.perf_counter() - t0)
             jax_tokens = np.array([row[0].tokens for row in out])
             hf_tokens = gen[:, args.prompt_len :].numpy()
             n_tok = b * args.new_tokens
-            jax_tps = n_tok / statistics.median(jt)
             hf_tps = n_tok / statistics.median(ht)
+            tps_by_batch[b] = {name: n_tok / statistics.median(t) for name, t in jt.items()}
             agree = float((jax_tokens == hf_tokens).mean())
+            row = f"{b:>5} | " + "".join(
+                f"{tps:>14.0f} | {tps / hf_tps:>10.2f} | " for tps in tps_by_batch[b].values()
+            )
+            row += f"{hf_tps:>10.0f} | {agree:>6.3f} | "
+            row += f"{' / '.join(f'{c:.1f}' for c in compile_s):>13}"
+            print(row, flush=True)
+        big, small = max(batches), min(batches)
+        if big != small:
             print(
-                f"{b:>5} | {jax_tps:>10.0f} | {hf_tps:>10.0f} | {jax_tps / hf_tps:>6.2f} | "
-                f"{agree:>6.3f} | {compile_s:>13.1f}",
+                f"throughput, batch {big} / batch {small}: "
+                + ", ".join(
+                    f"{name} {tps_by_batch[big][name] / tps_by_batch[small][name]:.2f}"
+                    for name in engines
+                ),
                 flush=True,
             )
 
     if "rl" in tables:
         np_, n, pl, new = rl["prompts"], rl["n"], rl["prompt_len"], rl["new"]
-        sampler = Sampler(
-            model, batch_buckets=(np_, np_ * n), prompt_buckets=(pl,), new_token_buckets=(new,)
-        )
+        kw = dict(batch_buckets=(np_, np_ * n), prompt_buckets=(pl,), new_token_buckets=(new,))
+        engines = {"jax": Sampler(model, **kw)}
+        if mesh is not None:
+            engines[f"jax dp{dp}"] = Sampler(model, pad_id=1, mesh=mesh, **kw)
         params = SamplingParams(n=n, temperature=1.0, max_tokens=new, seed=0)
         prompts = rng.integers(1, cfg.vocab_size, (np_, pl)).tolist()
-        t0 = time.perf_counter()
-        sampler.generate(prompts, params)
-        compile_s = time.perf_counter() - t0
+        compile_s = []
+        for sampler in engines.values():
+            t0 = time.perf_counter()
+            sampler.generate(prompts, params)
+            compile_s.append(time.perf_counter() - t0)
         ids = torch.tensor(prompts)
         kw = dict(
             attention_mask=torch.ones_like(ids),
@@ -194,26 +240,33 @@ def main():
         )
         with torch.inference_mode():
             hf.generate(ids, **kw)
-            jt, ht = [], []
+            jt = {name: [] for name in engines}
+            ht = []
             for _ in range(args.repeats):
-                jt.append(_median_time(lambda: sampler.generate(prompts, params), 1)[0])
+                for name, sampler in engines.items():
+                    t0 = time.perf_counter()
+                    sampler.generate(prompts, params)
+                    jt[name].append(time.perf_counter() - t0)
                 ht.append(_median_time(lambda: hf.generate(ids, **kw), 1)[0])
         n_tok = np_ * n * new
-        jax_tps, hf_tps = n_tok / statistics.median(jt), n_tok / statistics.median(ht)
+        hf_tps = n_tok / statistics.median(ht)
         print(
             f"\n[RL-shaped] {np_} prompts x {n} samples, {pl}-token prompts, {new} new tokens, "
             "T=1 (HF: num_return_sequences)"
         )
-        print(
-            f"{'rows':>5} | {'jax tok/s':>10} | {'hf tok/s':>10} | {'jax/hf':>6} | "
-            f"{'jax compile s':>13}"
+        head = f"{'rows':>5} | " + "".join(
+            f"{name + ' tok/s':>14} | {name + '/hf':>10} | " for name in engines
         )
-        print("-" * 57)
-        print(
-            f"{np_ * n:>5} | {jax_tps:>10.0f} | {hf_tps:>10.0f} | {jax_tps / hf_tps:>6.2f} | "
-            f"{compile_s:>13.1f}",
-            flush=True,
+        head += f"{'hf tok/s':>10} | {'jax compile s':>13}"
+        print(head)
+        print("-" * len(head))
+        row = f"{np_ * n:>5} | " + "".join(
+            f"{n_tok / statistics.median(t):>14.0f} | "
+            f"{n_tok / statistics.median(t) / hf_tps:>10.2f} | "
+            for t in jt.values()
         )
+        row += f"{hf_tps:>10.0f} | {' / '.join(f'{c:.1f}' for c in compile_s):>13}"
+        print(row, flush=True)
 
     if "multiturn" in tables:
         e, turns, new, obs, pl = (mt[k] for k in ("episodes", "turns", "new", "obs", "prompt_len"))
