@@ -72,7 +72,9 @@ def get_config(arg=None):
                    moe_intermediate_size=config_dict.placeholder(int), norm_topk_prob=True)
     c.rollout = dict(engine="embedded", sglang_url="", num_prompts=8, num_rollouts=8,
                      max_prompt_len=48, max_new_tokens=32, temperature=1.0, top_p=1.0,
-                     top_k=0, request_timeout_s=120.0, weight_writer=0)
+                     top_k=0, request_timeout_s=120.0, weight_writer=0,
+                     # the embedded sampler's rows over this many local devices (0: all)
+                     embedded_data_parallel=1)
     c.sampling = dict(enabled=True, oversample=1.5, max_rounds=8, allow_partial=True)
     c.grading = dict(grader="heuristic", sglang_url="", max_concurrency=2, deadline_s=60.0,
                      enabled=True)

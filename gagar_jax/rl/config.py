@@ -138,6 +138,9 @@ class RolloutConfig:
     # several hosts sharing SGLang servers: the process that writes the weight export and
     # drives /update_weights_from_disk; the others wait for the version it reports
     weight_writer: int = 0
+    # the embedded sampler's rows split over this many of this process's devices (1: one
+    # device; 0: all of them): weights replicated on each, one decode loop per device
+    embedded_data_parallel: int = 1
 
     def __post_init__(self):
         _check(self.engine in ("embedded", "sglang"), "rollout.engine", "embedded|sglang",
@@ -157,6 +160,8 @@ class RolloutConfig:
                self.max_turn_tokens)
         _check(self.weight_writer >= 0, "rollout.weight_writer", "a process index >= 0",
                self.weight_writer)
+        _check(self.embedded_data_parallel >= 0, "rollout.embedded_data_parallel",
+               ">= 0 (devices; 0 = all of this process's)", self.embedded_data_parallel)
 
     @property
     def seq_len(self) -> int:
@@ -361,6 +366,7 @@ class RunConfig:
         d["learner"].pop("decay_steps")
         d.pop("mesh")
         d["rollout"].pop("weight_writer")  # which host exports: deployment, not the run
+        d["rollout"].pop("embedded_data_parallel")  # devices per sampler: deployment too
         if not d["task"]["skip_saturated"]:  # off: the fingerprint of runs from before the flag
             for k in ("skip_saturated", "saturation_window", "saturation_min_attempts"):
                 d["task"].pop(k)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+import numpy as np
 from flax import nnx
 
 from gagar_jax.grading import AgenticGrader
@@ -24,11 +26,27 @@ from gagar_jax.rollout.sglang_engine import SGLangEngine
 
 def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int, hosts=None):
     """The embedded sampler over ``model`` (its own copy of the weights from then on;
-    ``pad_id``: the tokenizer's), or an SGLang engine (health-checked; ``hosts``: see
-    :func:`build_sglang_engine`)."""
+    ``pad_id``: the tokenizer's; its rows split over ``rollout.embedded_data_parallel`` of
+    this process's devices, see :func:`sampler_mesh`), or an SGLang engine (health-checked;
+    ``hosts``: see :func:`build_sglang_engine`)."""
     if cfg.rollout.engine == "embedded":
-        return Sampler(model, pad_id=pad_id, seed=cfg.seed)
+        return Sampler(model, pad_id=pad_id, seed=cfg.seed,
+                       mesh=sampler_mesh(cfg.rollout.embedded_data_parallel))
     return build_sglang_engine(cfg, model.config, workdir=workdir, hosts=hosts)
+
+
+def sampler_mesh(devices: int):
+    """The embedded sampler's data mesh: this process's first ``devices`` devices (0: all of
+    them) on the axis ``"data"``, or None for one device (the sampler's plain path)."""
+    local = jax.local_devices()
+    n = len(local) if devices == 0 else devices
+    if n > len(local):
+        raise ValueError(
+            f"rollout.embedded_data_parallel={devices}: this process has {len(local)} devices"
+        )
+    if n == 1:
+        return None
+    return jax.sharding.Mesh(np.array(local[:n]), ("data",))
 
 
 def build_sglang_engine(cfg: RunConfig, model_config, *, workdir: str, hosts=None):
