@@ -318,12 +318,12 @@ def main():
             )
         print(f"speed-up of prefix_cache: {results[0] / results[1]:.2f}x")
     if "sglang" in tables:
-        _sglang_table(model, cfg, batches, args, rl, rng)
+        _sglang_table(model, cfg, batches, args, rl, rng, mesh)
 
     print(f"\nend: {_load()}")
 
 
-def _sglang_table(model, cfg, batches, args, rl, rng):
+def _sglang_table(model, cfg, batches, args, rl, rng, mesh=None):
     """The embedded sampler against a real SGLang server (``.venv-sglang``) on the same model.
 
     The JAX model is exported with ``save_hf_safetensors`` next to a BPE tokenizer trained
@@ -389,34 +389,39 @@ def _sglang_table(model, cfg, batches, args, rl, rng):
                 f"\n[sglang] real SGLang server on CPU (float32, torch_native attention; "
                 f"started in {start_s:.0f} s), same model and prompts"
             )
-            print(
-                f"{'workload':>24} | {'jax tok/s':>10} | {'sglang tok/s':>12} | {'jax/sglang':>10}"
-            )
-            print("-" * 66)
+            names = ["jax"] + ([] if mesh is None else [f"jax dp{args.data_parallel}"])
+            head = f"{'workload':>24} | " + "".join(f"{n + ' tok/s':>14} | " for n in names)
+            head += f"{'sglang tok/s':>12} | " + " | ".join(f"{n + '/sglang':>14}" for n in names)
+            print(head)
+            print("-" * len(head))
             for name, prompts, params, n_tok in workloads:
                 b = len(prompts) * params.n
-                sampler = Sampler(
-                    model,
+                kw = dict(
                     batch_buckets=tuple(sorted({len(prompts), b})),
                     prompt_buckets=(len(prompts[0]),),
                     new_token_buckets=(params.max_tokens,),
                 )
-                sampler.generate(prompts, params)  # compiles
+                engines = [Sampler(model, **kw)]
+                if mesh is not None:
+                    engines.append(Sampler(model, pad_id=1, mesh=mesh, **kw))
+                for sampler in engines:
+                    sampler.generate(prompts, params)  # compiles
                 client.generate(prompts, params)  # warm-up
-                jt, st = [], []
+                jt, st = [[] for _ in engines], []
                 for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    sampler.generate(prompts, params)
-                    jt.append(time.perf_counter() - t0)
+                    for times, sampler in zip(jt, engines):
+                        t0 = time.perf_counter()
+                        sampler.generate(prompts, params)
+                        times.append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     got = client.generate(prompts, params)
                     st.append(time.perf_counter() - t0)
                 assert sum(len(s.tokens) for row in got for s in row) == n_tok
-                jax_tps = n_tok / statistics.median(jt)
+                jax_tps = [n_tok / statistics.median(t) for t in jt]
                 sgl_tps = n_tok / statistics.median(st)
                 print(
-                    f"{name:>24} | {jax_tps:>10.0f} | {sgl_tps:>12.0f} | "
-                    f"{jax_tps / sgl_tps:>10.2f}",
+                    f"{name:>24} | " + "".join(f"{t:>14.0f} | " for t in jax_tps)
+                    + f"{sgl_tps:>12.0f} | " + " | ".join(f"{t / sgl_tps:>14.2f}" for t in jax_tps),
                     flush=True,
                 )
         finally:
