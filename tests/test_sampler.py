@@ -542,11 +542,13 @@ def test_data_parallel_sampler_samples_what_one_device_samples(model, temperatur
 def test_data_parallel_sampler_sync_weights_and_buckets(model):
     """sync_weights keeps the weights replicated on the mesh (the programs are reused) and the
     new weights sample what a one-device sampler over them samples; the default batch buckets
-    become the data axis's multiples; a call of fewer rows than devices still fits."""
+    are rounded up to the data axis's multiples; a call of fewer rows than devices still fits."""
     if jax.device_count() < 4:
         pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     dp = Sampler(model, mesh=_data_mesh(4), prompt_buckets=(16,), new_token_buckets=(8,))
     assert dp.batch_buckets == (4, 8, 16, 32, 64, 128, 256)
+    three = jax.sharding.Mesh(np.array(jax.devices()[:3]), ("data",))
+    assert Sampler(model, mesh=three).batch_buckets == (3, 6, 9, 18, 33, 66, 129, 258)
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=2)
     dp.generate([PROMPTS[0]], params)  # one row, bucket 4
     traces = dp.trace_count

@@ -137,8 +137,9 @@ def sample_token(logits, key, temperature, top_p, top_k):
 def _check_mesh(mesh, data_axis: str, batch_buckets):
     """(mesh, batch buckets) for a data-parallel Sampler; a clear error for what cannot work.
 
-    The default buckets keep those the data axis divides (and the axis size itself, so a call
-    of fewer rows than devices still fits); given buckets must all be multiples of it."""
+    The default buckets are rounded up to multiples of the data axis size (a call of fewer rows
+    than devices still fits, in a bucket of one row per device); given buckets must all be
+    multiples of it."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(
             f"Sampler.mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}"
@@ -165,8 +166,8 @@ def _check_mesh(mesh, data_axis: str, batch_buckets):
     auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
     mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
     size = mesh.shape[data_axis]
-    if tuple(batch_buckets) == DEFAULT_BATCH_BUCKETS:
-        batch_buckets = tuple(sorted({size, *(b for b in batch_buckets if b % size == 0)}))
+    if tuple(batch_buckets) == DEFAULT_BATCH_BUCKETS:  # each rounded up to a multiple
+        batch_buckets = tuple(sorted({-(-b // size) * size for b in batch_buckets}))
     bad = [b for b in batch_buckets if b % size]
     if bad:
         raise ValueError(
