@@ -32,6 +32,9 @@ training forward recomputes on the same tokens (`log_softmax(model(tokens) / tem
 PPO ratio is 1 at the behaviour policy. (Truncation changes the sampling distribution, not the
 scored one; the usual choice of vLLM/SGLang-based RL trainers.)
 
+Data parallel (``mesh``): the rows of a call are split over the mesh's data axis; the prefill
+is partitioned by XLA, the decode loop runs under ``shard_map``, one loop per device.
+
 Randomness: the key of row `r` (prompt i, sample j -> r = i * n + j) at step `t` is
 `fold_in(fold_in(key(seed), r), t)`, so a fixed seed gives the same samples whatever the batch
 bucket; without `SamplingParams.seed` the sampler draws a fresh seed from its own counter.
@@ -391,6 +394,12 @@ class Sampler:
         from the kept one. A call uses it when every distinct prompt of the call extends a row
         of one kept call; otherwise it prefills in full. Kept caches cost device memory (a key
         and a value buffer per layer, the call's rows x slots) and are dropped by `sync_weights`.
+      mesh, data_axis: None (one device), or a `jax.sharding.Mesh` of this process's devices
+        whose ``data_axis`` (the only axis of size > 1) splits every call's rows: the weights
+        are replicated on each device and each device runs its own decode loop over its rows
+        (stopping when they are done; no collective per step). Batch buckets must be multiples
+        of the axis size (the default ones are rounded up). Samples equal the one-device
+        sampler's up to float rounding.
     """
 
     def __init__(
