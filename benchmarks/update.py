@@ -18,7 +18,10 @@ ratios stay meaningful on a shared machine. JAX rows: ``jax`` (per-layer blocks,
 logits) and ``jax-scan`` (``scan_layers=True``, logits in chunks of ``--chunk`` tokens), each with
 its compile seconds and XLA's temporary-buffer size of the compiled step (``temp MB``: what the
 logits chunking saves). A second table gives compile seconds per depth (``--depths`` layers of
-each config) for both layer layouts. The machine's load average is printed before and after.
+each config) for both layer layouts. A third table isolates what the logits chunking saves: the
+compiled update's temporary buffers with whole and chunked logits, same model, per vocabulary
+size up to Qwen's 151,936 (``--logits-vocabs``). The machine's load average is printed before
+and after.
 Model FLOPs = 6 x (matmul params) x tokens + the
 attention score/value matmuls (12 x layers x T^2 x heads x head_dim per sequence). On an
 accelerator the JAX column reports MFU against that device's measured GEMM peak.
@@ -158,13 +161,42 @@ def bench_jax(c, batch, length, update_config=UPDATE):
     return step, compile_s, temp_mb
 
 
-def compile_seconds(c, batch, length, update_config=UPDATE) -> float:
+def _compile_abstract(c, batch, length, update_config):
+    """The update compiled for an abstract train state (nothing allocated); its seconds."""
     mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
     state = jax.eval_shape(lambda: create_train_state(c, update_config, mesh, seed=0))
     data = shard_batch(make_batch(c, batch, length), mesh)
     t0 = time.perf_counter()
-    jit_update(c, update_config, mesh).lower(state, data).compile()
-    return time.perf_counter() - t0
+    compiled = jit_update(c, update_config, mesh).lower(state, data).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def compile_seconds(c, batch, length, update_config=UPDATE) -> float:
+    return _compile_abstract(c, batch, length, update_config)[1]
+
+
+def logits_memory_table(chunk: int, vocabs, batch=8, length=256):
+    """XLA's temporary buffers of the compiled update with whole-sequence logits and with
+    logits in chunks of ``chunk`` tokens, same model otherwise (the small config's widths, 2
+    scanned layers), per vocabulary size: what ``logits_chunk_size`` saves, next to the size
+    of one whole ``[tokens, vocab]`` float32 buffer. Compiled only (nothing runs)."""
+    base, _, _ = CONFIGS["small"]
+    tokens = batch * length
+    print(f"\nlogits memory: temp MB of the compiled update, {tokens} tokens, hidden "
+          f"{base.hidden_size}, 2 scanned layers (compile only)")
+    header = (f"{'vocab':>7} {'[T, V] f32 MB':>13} {'whole MB':>9} {f'chunk {chunk} MB':>12} "
+              f"{'saved MB':>9}")
+    print(header)
+    print("-" * len(header))
+    for v in vocabs:
+        c = dataclasses.replace(base, vocab_size=v, num_layers=2, scan_layers=True)
+        mem = []
+        for size in (0, chunk):
+            compiled, _ = _compile_abstract(
+                c, batch, length, dataclasses.replace(UPDATE, logits_chunk_size=size))
+            mem.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
+        print(f"{v:7d} {tokens * v * 4 / 2**20:13.1f} {mem[0]:9.1f} {mem[1]:12.1f} "
+              f"{mem[0] - mem[1]:9.1f}", flush=True)
 
 
 def bench_torch(c, batch, length):
@@ -201,11 +233,13 @@ def bench_torch(c, batch, length):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="small,100m")
+    parser.add_argument("--configs", default="small,100m", help="'' for none")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=64, help="logits_chunk_size of jax-scan")
     parser.add_argument("--depths", default="2,4,8", help="layers for the compile table ('' off)")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--logits-vocabs", default="4096,32000,151936",
+                        help="vocabularies of the logits-memory table ('' off)")
     args = parser.parse_args()
 
     backend = jax.default_backend()
@@ -227,7 +261,8 @@ def main():
     print(header)
     print("-" * len(header))
     scan_update = dataclasses.replace(UPDATE, logits_chunk_size=args.chunk)
-    for name in args.configs.split(","):
+    configs = [name for name in args.configs.split(",") if name]
+    for name in configs:
         c, batch, length = CONFIGS[name]
         flops = model_flops(c, batch, length)
         tokens = batch * length
@@ -247,17 +282,19 @@ def main():
             print(f"{name:8} {c.num_params / 1e6:7.1f}M {tokens:7d} {impl:8} {t:8.3f} "
                   f"{tokens / t:9.0f} {flops / t / 1e9:8.1f} {flops / t / peak:6.1%} {comp_s} "
                   f"{mem_s} {ratio:>8}", flush=True)
-    if args.depths:
+    if args.depths and configs:
         depths = [int(d) for d in args.depths.split(",")]
         print("\ncompile seconds of the update step per depth (same widths as the config)")
         print(f"{'config':8} {'layout':9} " + " ".join(f"{f'L={d}':>7}" for d in depths))
-        for name in args.configs.split(","):
+        for name in configs:
             c, batch, length = CONFIGS[name]
             for layout, scan in (("unrolled", False), ("scan", True)):
                 secs = [compile_seconds(dataclasses.replace(c, num_layers=d, scan_layers=scan),
                                         batch, length, scan_update if scan else UPDATE)
                         for d in depths]
                 print(f"{name:8} {layout:9} " + " ".join(f"{x:7.1f}" for x in secs), flush=True)
+    if args.logits_vocabs:
+        logits_memory_table(args.chunk, [int(v) for v in args.logits_vocabs.split(",")])
     print(f"end: {_load()}")
 
 
