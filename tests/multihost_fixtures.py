@@ -53,8 +53,10 @@ def launch(
     config: str = TOY_CONFIG + ":smoke",
     log_dir: str | None = None,
     env_extra: dict[str, str] | None = None,
+    devices_per_host: int = 1,
 ) -> list[subprocess.Popen]:
-    """Starts ``scripts/train.py`` on every host; host i logs to ``log_dir/i.log``."""
+    """Starts ``scripts/train.py`` on every host (``devices_per_host`` CPU devices each); host i
+    logs to ``log_dir/i.log``."""
     port = free_port()
     log_dir = log_dir or workdir + ".logs"
     os.makedirs(log_dir, exist_ok=True)
@@ -72,7 +74,9 @@ def launch(
         p = subprocess.Popen(
             cmd,
             cwd=ROOT,
-            env=host_env(i, num_processes, port, **(env_extra or {})),
+            env=host_env(
+                i, num_processes, port, devices_per_host=devices_per_host, **(env_extra or {})
+            ),
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,

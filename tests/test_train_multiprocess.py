@@ -599,3 +599,26 @@ def test_step_counters_merge_over_hosts():
     assert merged.gen_time == 3.0
     both.gen_time = 3.0
     assert merged == both
+
+
+def test_two_hosts_with_data_parallel_samplers_equal_the_plain_run(two_process_run, tmp_path):
+    """Two hosts of two CPU devices each, every host's embedded sampler splitting its rows over
+    its own two devices (rollout.embedded_data_parallel=2; the update's mesh spans all four):
+    the weight sync reaches both samplers every step, and the per-step metrics equal the
+    two-host run of one device each (pass rates within one rollout, the rest within float
+    tolerance)."""
+    workdir = str(tmp_path / "run")
+    procs = mh.launch(workdir, *COMPARE_ARGS, "--config.rollout.embedded_data_parallel=2",
+                      num_processes=2, devices_per_host=2)
+    logs = mh.wait_all(procs, timeout=900)
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+    assert "embedded sampler: rows split over 2 local devices" in logs[0]
+    rows = _rows(workdir)
+    train = [r for r in rows if r["phase"] == "train"]
+    assert [r["policy_version"] for r in train] == [1, 2, 3]
+    table = comparison_table(rows, _rows(two_process_run[0]))
+    assert len(table) > 40
+    for (ph, key), d in table.items():
+        tol = 1 / 8 if key in PASS_RATES else 1e-5
+        assert d <= tol, (ph, key, d)
