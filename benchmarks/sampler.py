@@ -130,9 +130,10 @@ def main():
     hf.generation_config.eos_token_id = None
 
     mesh = None
-    if dp > 1:
-        if len(jax.local_devices()) < dp:
-            raise SystemExit(f"--data-parallel {dp}: only {len(jax.local_devices())} devices")
+    if dp > 1 and len(jax.local_devices()) < dp:  # e.g. one accelerator: no such column
+        print(f"--data-parallel {dp}: only {len(jax.local_devices())} "
+              f"{jax.devices()[0].platform} device(s) here, so no data-parallel column")
+    elif dp > 1:
         mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:dp]), ("data",))
 
     rng = np.random.default_rng(0)
