@@ -44,6 +44,21 @@ def _load() -> str:
     return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
 
+def _jax_labels(mesh) -> list[str]:
+    """The JAX columns: the one-device sampler, and with ``mesh`` the same sampler over it."""
+    return ["jax"] + ([] if mesh is None else [f"jax dp{mesh.devices.size}"])
+
+
+def _jax_engines(model, mesh, **kw) -> dict:
+    """{label: Sampler} for the columns of `_jax_labels`."""
+    from gagar_jax.rollout.sampler import Sampler
+
+    return {
+        label: Sampler(model, mesh=None if label == "jax" else mesh, **kw)
+        for label in _jax_labels(mesh)
+    }
+
+
 def _median_time(fn, repeats):
     times = []
     out = None
@@ -153,9 +168,7 @@ def main():
             prompt_buckets=(args.prompt_len,),
             new_token_buckets=(args.new_tokens,),
         )
-        engines = {"jax": Sampler(model, **kw)}
-        if mesh is not None:
-            engines[f"jax dp{dp}"] = Sampler(model, pad_id=1, mesh=mesh, **kw)
+        engines = _jax_engines(model, mesh, **kw)
         params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
         print(f"\n[greedy] prompt {args.prompt_len} tokens, {args.new_tokens} new tokens")
         head = f"{'batch':>5} | " + "".join(
@@ -218,9 +231,7 @@ def main():
     if "rl" in tables:
         np_, n, pl, new = rl["prompts"], rl["n"], rl["prompt_len"], rl["new"]
         kw = dict(batch_buckets=(np_, np_ * n), prompt_buckets=(pl,), new_token_buckets=(new,))
-        engines = {"jax": Sampler(model, **kw)}
-        if mesh is not None:
-            engines[f"jax dp{dp}"] = Sampler(model, pad_id=1, mesh=mesh, **kw)
+        engines = _jax_engines(model, mesh, **kw)
         params = SamplingParams(n=n, temperature=1.0, max_tokens=new, seed=0)
         prompts = rng.integers(1, cfg.vocab_size, (np_, pl)).tolist()
         compile_s = []
@@ -339,7 +350,6 @@ def _sglang_table(model, cfg, batches, args, rl, rng, mesh=None):
 
     from gagar_jax.models import save_hf_safetensors
     from gagar_jax.rollout import SamplingParams
-    from gagar_jax.rollout.sampler import Sampler
     from gagar_jax.rollout.sglang_client import SGLangClient
     from gagar_jax.rollout.sglang_server import SGLangServer, make_tiny_model
 
@@ -390,7 +400,7 @@ def _sglang_table(model, cfg, batches, args, rl, rng, mesh=None):
                 f"\n[sglang] real SGLang server on CPU (float32, torch_native attention; "
                 f"started in {start_s:.0f} s), same model and prompts"
             )
-            names = ["jax"] + ([] if mesh is None else [f"jax dp{args.data_parallel}"])
+            names = _jax_labels(mesh)
             head = f"{'workload':>24} | " + "".join(f"{n + ' tok/s':>14} | " for n in names)
             head += f"{'sglang tok/s':>12} | " + " | ".join(f"{n + '/sglang':>14}" for n in names)
             print(head)
@@ -402,9 +412,7 @@ def _sglang_table(model, cfg, batches, args, rl, rng, mesh=None):
                     prompt_buckets=(len(prompts[0]),),
                     new_token_buckets=(params.max_tokens,),
                 )
-                engines = [Sampler(model, **kw)]
-                if mesh is not None:
-                    engines.append(Sampler(model, pad_id=1, mesh=mesh, **kw))
+                engines = list(_jax_engines(model, mesh, **kw).values())
                 for sampler in engines:
                     sampler.generate(prompts, params)  # compiles
                 client.generate(prompts, params)  # warm-up

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from gagar_jax.rl import writers
-from gagar_jax.rl.config import RunConfig
+from gagar_jax.rl.config import ConfigError, RunConfig
 from gagar_jax.rl.resume import read_loop_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -288,7 +288,7 @@ def test_toy_agent_multi_turn_sigkill_resumes_exactly(tmp_path):
         assert a["pg_loss_mean"] == pytest.approx(b["pg_loss_mean"], abs=1e-6)
 
 
-def test_smoke_with_a_data_parallel_sampler(tmp_path):
+def test_smoke_with_a_data_parallel_sampler(tmp_path, monkeypatch):
     """rollout.embedded_data_parallel=4: the loop's embedded sampler splits its rows over 4 of
     the process's devices (weight sync included) and the run trains as with one device: the
     same rollouts, hence the same pass rates and response lengths step by step (the figures
@@ -306,15 +306,12 @@ def test_smoke_with_a_data_parallel_sampler(tmp_path):
         built.append(original(*args, **kwargs))
         return built[-1]
 
+    monkeypatch.setattr(engines, "build_engine", spy)
     runs = {}
     for devices in (1, 4):
         cfg = smoke_config("gagar", **{"rollout.embedded_data_parallel": devices,
                                        "loop.total_steps": 3})
-        engines.build_engine = spy
-        try:
-            train.train_and_evaluate(cfg, str(tmp_path / f"dp{devices}"))
-        finally:
-            engines.build_engine = original
+        train.train_and_evaluate(cfg, str(tmp_path / f"dp{devices}"))
         runs[devices] = train_rows(tmp_path / f"dp{devices}")
     assert built[0].mesh is None and built[1].mesh.shape["data"] == 4
     assert built[1].policy_version == 3  # synced after every step
@@ -330,5 +327,5 @@ def test_embedded_data_parallel_names_the_field():
 
     with pytest.raises(ValueError, match=r"rollout\.embedded_data_parallel=4096: this process"):
         engines.sampler_mesh(4096)
-    with pytest.raises(Exception, match=r"rollout\.embedded_data_parallel"):
+    with pytest.raises(ConfigError, match=r"rollout\.embedded_data_parallel"):
         smoke_config("gagar", **{"rollout.embedded_data_parallel": -1})

@@ -438,7 +438,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
 
     # Engine and grader first: a dead server fails here, before any compute is spent.
     engine = engines.build_engine(cfg, model, workdir=workdir, pad_id=tok.pad_id, hosts=hosts)
-    if getattr(engine, "mesh", None) is not None:
+    if cfg.rollout.engine == "embedded" and engine.mesh is not None:
         writer.log(f"embedded sampler: rows split over {engine.mesh.devices.size} local devices")
     # one grading pool per host, for its own groups; each keeps its own verdict cache
     cache_path = os.path.join(workdir, "grader_cache.jsonl" if primary else

@@ -457,17 +457,13 @@ class Sampler:
 
     # ------------------------------------------------------------------ host side
 
-    def _place_rows(self, *arrays):
-        """Per-row inputs ([Bp] or [B] leading): split over the mesh's data axis, if any."""
+    def _place(self, arrays, *, split_rows: bool):
+        """The program's inputs on the sampler's devices: with a mesh, per-row arrays ([Bp] or
+        [B] leading) split over its data axis, call-wide ones (knobs, stop ids) whole on each."""
         if self.mesh is None:
             return [jnp.asarray(x) for x in arrays]
-        return jax.device_put(list(arrays), NamedSharding(self.mesh, P(self.data_axis)))
-
-    def _place_whole(self, *arrays):
-        """Call-wide inputs (sampling knobs, stop ids): whole on every device."""
-        if self.mesh is None:
-            return [jnp.asarray(x) for x in arrays]
-        return jax.device_put(list(arrays), NamedSharding(self.mesh, P()))
+        spec = P(self.data_axis) if split_rows else P()
+        return jax.device_put(list(arrays), NamedSharding(self.mesh, spec))
 
     def _next_seed(self) -> int:
         with self._lock:
@@ -553,14 +549,19 @@ class Sampler:
 
         with self._lock:  # serialises dispatch so the trace count is attributed to this call
             before = _TRACES[0]
-            per_row = self._place_rows(hist_src, hist_len, tokens, mask, row_src, row_ids, live,
-                                       row_seeds)
-            knobs = self._place_whole(
-                np.float32(params.temperature),
-                np.float32(params.top_p),
-                np.int32(params.top_k),
-                stop,
-                np.int32(params.max_tokens),
+            per_row = self._place(
+                (hist_src, hist_len, tokens, mask, row_src, row_ids, live, row_seeds),
+                split_rows=True,
+            )
+            knobs = self._place(
+                (
+                    np.float32(params.temperature),
+                    np.float32(params.top_p),
+                    np.int32(params.top_k),
+                    stop,
+                    np.int32(params.max_tokens),
+                ),
+                split_rows=False,
             )
             toks, lps, lengths, stopped, kept = _generate_program(
                 self.state,
