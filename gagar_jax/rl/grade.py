@@ -102,62 +102,6 @@ def to_arrays(
     return out._replace(reasons=tuple(reasons))
 
 
-def verdict_summaries(groups: list[Group], grades: Grades) -> list[dict[str, Any]]:
-    """What the other hosts need of each kept group (JSON): outcomes and verdict per slot."""
-    out = []
-    for gi, g in enumerate(groups):
-        n = len(g.rollouts)
-        graded = bool(grades.graded[gi])
-        reason = grades.reasons[gi] if gi < len(grades.reasons) else None
-        out.append(
-            {
-                "graded": graded,
-                "reason": None if graded else str(getattr(reason, "value", reason) or "unknown"),
-                "passed": [bool(r.passed) for r in g.rollouts],
-                "infra": [bool(r.infra_error) for r in g.rollouts],
-                "cheat": [bool(r.cheat) for r in g.rollouts],
-                "tier": [int(x) for x in grades.tier[gi, :n]],
-                "rank": [int(x) for x in grades.rank[gi, :n]],
-                "grader_cheat": [bool(x) for x in grades.cheat[gi, :n]],
-            }
-        )
-    return out
-
-
-def grading_metrics(summaries: list[dict[str, Any]]) -> dict[str, float]:
-    """Grading metrics over groups (:func:`verdict_summaries`, from every host).
-
-    T1 share is over the test-passing rollouts of graded groups (a cheat passes the tests and
-    is graded T3).
-    """
-    t1 = n_pass_graded = fallbacks = rank1 = n_clean = 0
-    reasons: dict[str, int] = {}
-    for g in summaries:
-        if not g["graded"]:
-            fallbacks += 1
-            reasons[g["reason"]] = reasons.get(g["reason"], 0) + 1
-            continue
-        for k, passed in enumerate(g["passed"]):
-            if passed and not g["infra"][k]:  # test-passing, cheats included (graded T3)
-                n_pass_graded += 1
-                t1 += g["tier"][k] == 1 and not g["grader_cheat"][k]
-                if not (g["cheat"][k] or g["grader_cheat"][k]):
-                    n_clean += 1
-                    rank1 += g["rank"][k] == 1
-    out = {
-        "t1_share": t1 / n_pass_graded if n_pass_graded else math.nan,
-        # passing non-cheats ranked best in their group: rises as the policy converges on the
-        # grader's preferred (minimal, in-scope, consistent) solutions
-        "rank1_share": rank1 / n_clean if n_clean else math.nan,
-        "grading_fallbacks": float(fallbacks),
-        "grading_graded_frac": (len(summaries) - fallbacks) / max(len(summaries), 1),
-        "grader_cheats": float(sum(sum(g["grader_cheat"]) for g in summaries)),
-    }
-    for reason, n in reasons.items():
-        out[f"grading_fallback_{reason}"] = float(n)
-    return out
-
-
 def _evidence_masks(g: Group, res: Any, verdict: Any, token_spans) -> list[Any]:
     """Per rollout slot, the response-token mask its judgement's evidence cites."""
     ids = list(getattr(res, "candidate_ids", ()))
@@ -170,3 +114,44 @@ def _evidence_masks(g: Group, res: Any, verdict: Any, token_spans) -> list[Any]:
     return [masks.get(cid) for cid in ids[: len(g.rollouts)]] + [None] * (
         len(g.rollouts) - len(ids)
     )
+
+
+def batch_grading_metrics(batch, kept: np.ndarray, grader_cheat: np.ndarray,
+                          fallback: tuple[str, ...]) -> dict[str, float]:
+    """Grading metrics from the packed update batch (every host's group fields).
+
+    The one T1 share: over the test-passing valid rollouts of graded kept groups (a cheat
+    passes the tests and is graded T3), the fraction in tier 1 and not flagged as a cheat (by
+    the verdict or the monitor: the batch's ``cheat``). ``rank1_share``: passing non-cheats
+    ranked best in their group, over passing non-cheats of graded groups.
+
+    Args:
+      batch: ``UpdateBatch`` (NumPy) whose ``[G, K]`` fields hold every host's groups.
+      kept: [G] bool, the slot holds a kept group (padding slots are not counted).
+      grader_cheat: [G, K] bool, the verdict's (or the monitor's) cheat flag per slot.
+      fallback: [G] the fallback reason of each kept ungraded group ("" otherwise).
+    """
+    kept = np.asarray(kept, bool)
+    graded = np.asarray(batch.graded, bool) & kept
+    passing = np.asarray(batch.passed, bool) & np.asarray(batch.valid, bool) & graded[:, None]
+    cheat = np.asarray(batch.cheat, bool)
+    clean = passing & ~cheat
+    tier1 = passing & (np.asarray(batch.tier) == 1) & ~cheat
+    rank1 = clean & (np.asarray(batch.rank) == 1)
+    n_pass, n_clean, n_kept = int(passing.sum()), int(clean.sum()), int(kept.sum())
+    fallbacks = kept & ~graded
+    out = {
+        "t1_share": int(tier1.sum()) / n_pass if n_pass else math.nan,
+        # passing non-cheats ranked best in their group: rises as the policy converges on the
+        # grader's preferred (minimal, in-scope, consistent) solutions
+        "rank1_share": int(rank1.sum()) / n_clean if n_clean else math.nan,
+        "grading_fallbacks": float(fallbacks.sum()),
+        "grading_graded_frac": int(graded.sum()) / max(n_kept, 1),
+        "grader_cheats": float((np.asarray(grader_cheat, bool) & kept[:, None]).sum()),
+    }
+    reasons: dict[str, int] = {}
+    for gi in np.flatnonzero(fallbacks):
+        reasons[fallback[gi]] = reasons.get(fallback[gi], 0) + 1
+    for reason, n in reasons.items():
+        out[f"grading_fallback_{reason}"] = float(n)
+    return out

@@ -48,7 +48,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -58,6 +58,7 @@ from gagar_jax.rl import engines, grade, policy, writers
 from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests import them here)
     Group,
     Rollout,
+    SamplingResult,
     StepCounters,
     _rollout,
     build_family,
@@ -69,13 +70,10 @@ from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests impor
     select_prompts,
 )
 from gagar_jax.rl.config import MeshConfig, RunConfig
-from gagar_jax.rl.grade import (  # noqa: F401 - some re-exported (tests import them here)
-    grading_metrics,
-    group_workspace,
-)
+from gagar_jax.rl.grade import group_workspace
 from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.rl.resume import LoopState, TaskStream
-from gagar_jax.update import jit_update, make_mesh, sft
+from gagar_jax.update import UpdateBatch, jit_update, make_mesh, sft
 from gagar_jax.update.checkpoint import ConfigMismatchError
 
 
@@ -168,102 +166,6 @@ def evaluate(engine, family, cfg: RunConfig, *, step: int,
     return out
 
 
-def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState, cfg: RunConfig,
-                 *, step: int, hosts: Hosts | None = None, tracker: PassRateTracker | None = None):
-    """Steps 1-3 of the module docstring for one RL step, for this host's block of groups.
-
-    Advances ``ls.data_position`` by every prompt drawn (by all hosts). With ``tracker``
-    (``task.skip_saturated``), prompt selection passes over tasks the tracker finds saturated
-    (:func:`~gagar_jax.rl.collect.select_prompts`; ``sres.skipped_saturated`` counts them)
-    and, after the step, the tracker records every drawn group's valid rollouts of every host
-    (exchanged with the verdicts, recorded in host order), so it stays identical on all hosts.
-    Returns
-    ``(SamplingResult, StepCounters, grading metrics, time the grading wait started, batch)``:
-    the counters and metrics are over all hosts, the ``UpdateBatch`` (NumPy) holds this host's
-    ``[G / P * K, T]`` rows and the global ``[G, K]`` group fields (see
-    :mod:`gagar_jax.rl.multihost`).
-
-    Phases, with arrays between them: collect (dynamic sampling, each kept group submitted to
-    the grading pool) -> grade (:func:`~gagar_jax.rl.grade.to_arrays`: the verdicts as
-    ``[G / P, K]`` tier/rank/cheat, ``[G / P]`` graded, ``[G / P, K, R]`` cited tokens) -> pack
-    (:func:`~gagar_jax.rl.collect.pack_groups`: the group-major update batch) -> exchange of
-    the group fields and verdict summaries with the other hosts.
-    """
-    hosts = hosts or Hosts(cfg.mesh.host_timeout_s)
-    G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
-    counters = StepCounters()
-    submitted: list[str] = []
-    rounds = [0]
-    skipped = [0]
-    attempts: list[tuple[int, list[bool]]] = []  # (task index, valid rollouts passed) of ours
-    skip = None if tracker is None else (lambda i: tracker.skip(str(i)))
-
-    def draw(n):
-        idx, pos, ls.data_position, n_skip = select_prompts(stream, ls.data_position, sum(n),
-                                                            skip)
-        skipped[0] += n_skip  # every host selects the same prompts: a global count
-        rounds[0] += 1
-        lo = sum(n[:hosts.index])
-        hi = lo + n[hosts.index]
-        # a prompt's samples are seeded by its global data position: the same on any host
-        groups = generate_groups(engine, family, [family.train_task(i) for i in idx[lo:hi]],
-                                 cfg=cfg,
-                                 step=step, round_id=rounds[0], num_rollouts=K,
-                                 temperature=cfg.rollout.temperature, id_prefix=f"s{step}",
-                                 counters=counters, first_index=lo,
-                                 prompt_seeds=[prompt_seed(ls.rng_key, 1, p)
-                                               for p in pos[lo:hi]])
-        if tracker is not None:
-            attempts.extend((int(i), [r.reward > 0 for r in g.rollouts if not r.infra_error])
-                            for i, g in zip(idx[lo:hi], groups))
-        return groups
-
-    def exchange(round_id, tally):
-        return hosts.allgather(f"s{step}/r{round_id}/tally", tally)
-
-    def submit(group):
-        grading_pool.submit(group_workspace(family, group))
-        submitted.append(group.group_id)
-
-    sres = collect_blocks(draw, exchange, target=G, num_blocks=hosts.count, block=hosts.index,
-                          enabled=cfg.sampling.enabled, oversample=cfg.sampling.oversample,
-                          max_rounds=cfg.sampling.max_rounds,
-                          allow_partial=cfg.sampling.allow_partial,
-                          on_keep=submit if cfg.grading.enabled else None)
-    t_wait = time.monotonic()
-    # grade: the pool's verdicts on this block's groups, once, as [G / P, K] arrays
-    G_local, R = G // hosts.count, cfg.rollout.max_new_tokens
-    if cfg.grading.enabled and sres.groups:
-        results = grading_pool.results(submitted, timeout=cfg.grading.deadline_s)
-        grades = grade.to_arrays(results, sres.groups, num_groups=G_local, num_rollouts=K,
-                                 max_new_tokens=R, token_spans=family.token_spans)
-    else:
-        grades = grade.no_grades(G_local, K, R)
-    # pack (step 4) for this block: its rows of the static [N, T] update batch
-    local = pack_groups(sres.groups, grades, num_groups=G_local, num_rollouts=K,
-                        max_prompt_len=cfg.rollout.max_prompt_len, max_new_tokens=R,
-                        pad_id=family.tokenizer.pad_id)
-    # verdicts (and fallbacks) and the [G, K] group fields of every host's block, so all hosts
-    # build the same replicated arrays and metrics
-    parts = hosts.allgather(f"s{step}/verdicts", {
-        "groups": grade.verdict_summaries(sres.groups, grades),
-        "counters": dataclasses.asdict(counters),
-        "fields": {f: getattr(local, f).tolist() for f in GROUP_FIELDS},
-        "attempts": attempts})
-    if tracker is not None:
-        for part in parts:
-            for i, passed in part["attempts"]:
-                tracker.record(str(i), [bool(x) for x in passed])
-    sres.skipped_saturated = skipped[0]
-    summaries = [g for part in parts for g in part["groups"]]
-    grading_m = grading_metrics(summaries) if cfg.grading.enabled and summaries else {}
-    counters = StepCounters.merged([part["counters"] for part in parts])
-    batch = local._replace(**{
-        f: np.concatenate([np.asarray(part["fields"][f], getattr(local, f).dtype)
-                           for part in parts]) for f in GROUP_FIELDS})
-    return sres, counters, grading_m, t_wait, batch
-
-
 PASS_RATES_KEY = "pass_rates"  # LoopState.extra: the PassRateTracker's state
 
 
@@ -324,39 +226,251 @@ class RLContext:
     tracker: PassRateTracker | None = None
 
 
-def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
-    """One RL step: collect -> grade -> pack -> update -> sync weights. Returns
-    ``(state, metrics)`` and advances ``ls`` (data position, policy version, step).
+# ------------------------------------------------------------------------------------------
+# The phases of one RL step, with arrays (named types) between them
+# ------------------------------------------------------------------------------------------
+class Collected(NamedTuple):
+    """The collect phase's output: this host's kept groups (each already submitted to the
+    grading pool when grading is on) and the step's tallies."""
 
-    1-3. :func:`collect_step`: collect (K rollouts per prompt, verified, dynamic sampling; each
-         kept group graded while the next refill round generates) -> grade (the verdicts as
-         ``[G, K]`` arrays) -> pack (this host's ``[G / P * K, T]`` rows of the update batch).
-    4.   :func:`~gagar_jax.rl.policy.rl_update`: the jitted update (advantages inside).
-    5.   :func:`~gagar_jax.rl.policy.sync_engine`: the engine reports the new version back.
+    sampling: SamplingResult  # kept groups (this host's block), rounds, drawn counts
+    counters: StepCounters  # this host's tallies over every rollout drawn
+    submitted: tuple[str, ...]  # group ids submitted to the grading pool, in order
+    attempts: tuple[tuple[int, tuple[bool, ...]], ...]  # (task index, valid rollouts passed)
+    wait_start: float  # time.monotonic() when collection ended (the grading wait starts)
+
+
+class Packed(NamedTuple):
+    """The pack phase's output: the update batch and the per-group grading facts the metrics
+    read (arrays only: what the exchange moves between hosts)."""
+
+    batch: UpdateBatch  # NumPy; this host's [G_local * K, T] rows and [G_local, K] fields
+    kept: np.ndarray  # [G_local] bool, the slot holds a kept group (not padding)
+    grader_cheat: np.ndarray  # [G_local, K] bool, the verdict's (or monitor's) cheat flag
+    fallback: tuple[str, ...]  # [G_local] fallback reason of a kept ungraded group, else ""
+
+
+class Exchanged(NamedTuple):
+    """The exchange phase's output: every host's group fields and tallies (identity on one
+    host)."""
+
+    batch: UpdateBatch  # this host's token rows, the global [G, K] group fields
+    kept: np.ndarray  # [G] bool
+    grader_cheat: np.ndarray  # [G, K] bool
+    fallback: tuple[str, ...]  # [G]
+    counters: StepCounters  # over all hosts
+    attempts: tuple[tuple[int, tuple[bool, ...]], ...]  # every host's, in host order
+
+
+class Updated(NamedTuple):
+    """The update phase's output."""
+
+    state: Any  # the new TrainState
+    metrics: dict[str, float]  # the update's metrics (host floats)
+
+
+def collect_phase(engine, family, grading_pool, stream: TaskStream, ls: LoopState,
+                  cfg: RunConfig, *, step: int, hosts: Hosts,
+                  tracker: PassRateTracker | None = None) -> Collected:
+    """Collect: dynamic sampling of this host's block of groups (K rollouts per prompt,
+    verified), each kept group submitted to the grading pool the moment it is kept.
+
+    Advances ``ls.data_position`` by every prompt drawn (by all hosts). With ``tracker``
+    (``task.skip_saturated``), prompt selection passes over tasks the tracker finds saturated
+    (:func:`~gagar_jax.rl.collect.select_prompts`; ``skipped_saturated`` counts them).
+    """
+    G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
+    counters = StepCounters()
+    submitted: list[str] = []
+    rounds = [0]
+    skipped = [0]
+    attempts: list[tuple[int, tuple[bool, ...]]] = []
+    skip = None if tracker is None else (lambda i: tracker.skip(str(i)))
+
+    def draw(n):
+        idx, pos, ls.data_position, n_skip = select_prompts(stream, ls.data_position, sum(n),
+                                                            skip)
+        skipped[0] += n_skip  # every host selects the same prompts: a global count
+        rounds[0] += 1
+        lo = sum(n[:hosts.index])
+        hi = lo + n[hosts.index]
+        # a prompt's samples are seeded by its global data position: the same on any host
+        groups = generate_groups(engine, family, [family.train_task(i) for i in idx[lo:hi]],
+                                 cfg=cfg,
+                                 step=step, round_id=rounds[0], num_rollouts=K,
+                                 temperature=cfg.rollout.temperature, id_prefix=f"s{step}",
+                                 counters=counters, first_index=lo,
+                                 prompt_seeds=[prompt_seed(ls.rng_key, 1, p)
+                                               for p in pos[lo:hi]])
+        if tracker is not None:
+            attempts.extend((int(i), tuple(r.reward > 0 for r in g.rollouts
+                                           if not r.infra_error))
+                            for i, g in zip(idx[lo:hi], groups))
+        return groups
+
+    def exchange(round_id, tally):
+        return hosts.allgather(f"s{step}/r{round_id}/tally", tally)
+
+    def submit(group):
+        grading_pool.submit(group_workspace(family, group))
+        submitted.append(group.group_id)
+
+    sres = collect_blocks(draw, exchange, target=G, num_blocks=hosts.count, block=hosts.index,
+                          enabled=cfg.sampling.enabled, oversample=cfg.sampling.oversample,
+                          max_rounds=cfg.sampling.max_rounds,
+                          allow_partial=cfg.sampling.allow_partial,
+                          on_keep=submit if cfg.grading.enabled else None)
+    sres.skipped_saturated = skipped[0]
+    return Collected(sampling=sres, counters=counters, submitted=tuple(submitted),
+                     attempts=tuple(attempts), wait_start=time.monotonic())
+
+
+def grade_phase(grading_pool, family, collected: Collected, cfg: RunConfig, *,
+                num_groups: int) -> grade.Grades:
+    """Grade: the pool's verdicts on the collected groups, once, as ``[G_local, K]`` arrays
+    (deadline-bounded wait; a missing verdict is the pool's counted fallback)."""
+    K, R = cfg.rollout.num_rollouts, cfg.rollout.max_new_tokens
+    groups = collected.sampling.groups
+    if cfg.grading.enabled and groups:
+        results = grading_pool.results(list(collected.submitted),
+                                       timeout=cfg.grading.deadline_s)
+        return grade.to_arrays(results, groups, num_groups=num_groups, num_rollouts=K,
+                               max_new_tokens=R, token_spans=family.token_spans)
+    return grade.no_grades(num_groups, K, R)
+
+
+def pack_phase(groups, grades: grade.Grades, cfg: RunConfig, *, num_groups: int,
+               pad_id: int) -> Packed:
+    """Pack: the groups and their grades into the static group-major update batch."""
+    batch = pack_groups(groups, grades, num_groups=num_groups,
+                        num_rollouts=cfg.rollout.num_rollouts,
+                        max_prompt_len=cfg.rollout.max_prompt_len,
+                        max_new_tokens=cfg.rollout.max_new_tokens, pad_id=pad_id)
+    kept = np.zeros((num_groups,), bool)
+    kept[:len(groups)] = True
+    fallback = [""] * num_groups
+    for gi in range(len(groups)):
+        if not grades.graded[gi]:
+            reason = grades.reasons[gi] if gi < len(grades.reasons) else None
+            fallback[gi] = str(getattr(reason, "value", reason) or "unknown")
+    return Packed(batch=batch, kept=kept, grader_cheat=np.asarray(grades.cheat, bool),
+                  fallback=tuple(fallback))
+
+
+def exchange_phase(packed: Packed, collected: Collected, hosts: Hosts, *,
+                   step: int) -> Exchanged:
+    """Exchange: every host's ``[G_local, K]`` group fields, grading facts and tallies, so all
+    hosts build the same replicated group arrays and metrics. The identity on one host (no
+    serialisation)."""
+    if hosts.count == 1:
+        return Exchanged(batch=packed.batch, kept=packed.kept,
+                         grader_cheat=packed.grader_cheat, fallback=packed.fallback,
+                         counters=collected.counters, attempts=collected.attempts)
+    local = packed.batch
+    parts = hosts.allgather(f"s{step}/verdicts", {
+        "fields": {f: getattr(local, f).tolist() for f in GROUP_FIELDS},
+        "kept": packed.kept.tolist(), "grader_cheat": packed.grader_cheat.tolist(),
+        "fallback": list(packed.fallback),
+        "counters": dataclasses.asdict(collected.counters),
+        "attempts": [[i, list(p)] for i, p in collected.attempts]})
+    batch = local._replace(**{
+        f: np.concatenate([np.asarray(part["fields"][f], getattr(local, f).dtype)
+                           for part in parts]) for f in GROUP_FIELDS})
+    return Exchanged(
+        batch=batch,
+        kept=np.concatenate([np.asarray(p["kept"], bool) for p in parts]),
+        grader_cheat=np.concatenate([np.asarray(p["grader_cheat"], bool).reshape(
+            len(p["kept"]), -1) for p in parts]),
+        fallback=tuple(r for p in parts for r in p["fallback"]),
+        counters=StepCounters.merged([p["counters"] for p in parts]),
+        attempts=tuple((int(i), tuple(bool(x) for x in passed))
+                       for p in parts for i, passed in p["attempts"]))
+
+
+def update_phase(ctx: RLContext, state, batch: UpdateBatch, *, step: int) -> Updated:
+    """Update: the jitted update on the exchanged batch (advantages computed inside)."""
+    state, m = policy.rl_update(ctx.update_fn, state, batch, cfg=ctx.cfg, mesh=ctx.mesh,
+                                step=step)
+    return Updated(state=state, metrics=m)
+
+
+def sync_phase(ctx: RLContext, state, ls: LoopState, *, step: int) -> int:
+    """Sync: the new parameters to the rollout engine as ``policy_version + 1``; returns the
+    version the engine reports (it must be that one)."""
+    ls.policy_version += 1
+    version = policy.sync_engine(ctx.engine, ctx.cfg, state.params, mesh=ctx.mesh,
+                                 device=ctx.sampler_device, version=ls.policy_version)
+    if version != ls.policy_version:
+        raise RuntimeError(f"rollout engine reports weight version {version} "
+                           f"after syncing version {ls.policy_version} (step {step})")
+    return version
+
+
+def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState, cfg: RunConfig,
+                 *, step: int, hosts: Hosts | None = None, tracker: PassRateTracker | None = None):
+    """Collect -> grade -> pack -> exchange for one RL step (what :func:`rl_step` runs before
+    the update), for this host's block of groups.
+
+    Returns ``(SamplingResult, StepCounters, grading metrics, time the grading wait started,
+    batch)``: the counters and metrics are over all hosts, the ``UpdateBatch`` (NumPy) holds
+    this host's ``[G / P * K, T]`` rows and the global ``[G, K]`` group fields (see
+    :mod:`gagar_jax.rl.multihost`). With ``tracker``, every drawn group's valid rollouts of
+    every host are recorded after the step (in host order), so it stays identical on all
+    hosts.
+    """
+    hosts = hosts or Hosts(cfg.mesh.host_timeout_s)
+    G_local = cfg.rollout.num_prompts // hosts.count
+    collected = collect_phase(engine, family, grading_pool, stream, ls, cfg, step=step,
+                              hosts=hosts, tracker=tracker)
+    grades = grade_phase(grading_pool, family, collected, cfg, num_groups=G_local)
+    packed = pack_phase(collected.sampling.groups, grades, cfg, num_groups=G_local,
+                        pad_id=family.tokenizer.pad_id)
+    ex = exchange_phase(packed, collected, hosts, step=step)
+    if tracker is not None:
+        for i, passed in ex.attempts:
+            tracker.record(str(i), list(passed))
+    grading_m = (grade.batch_grading_metrics(ex.batch, ex.kept, ex.grader_cheat, ex.fallback)
+                 if cfg.grading.enabled and ex.kept.any() else {})
+    return collected.sampling, ex.counters, grading_m, collected.wait_start, ex.batch
+
+
+def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
+    """One RL step as named phases with arrays between them; returns ``(state, metrics)`` and
+    advances ``ls`` (data position, policy version, step).
+
+    :func:`collect_phase` (:class:`Collected`) -> :func:`grade_phase`
+    (:class:`~gagar_jax.rl.grade.Grades`) -> :func:`pack_phase` (:class:`Packed`) ->
+    :func:`exchange_phase` (:class:`Exchanged`; the identity on one host) ->
+    :func:`update_phase` (:class:`Updated`) -> :func:`sync_phase` (the engine's version).
+    The grading metrics are computed from the exchanged, packed batch
+    (:func:`~gagar_jax.rl.grade.batch_grading_metrics`).
     """
     cfg, hosts = ctx.cfg, ctx.hosts
     t_step = time.monotonic()
-    sres, counters, grading_m, t_wait, batch = collect_step(
-        ctx.engine, ctx.family, ctx.grading_pool, ctx.stream, ls, cfg, step=step, hosts=hosts,
-        tracker=ctx.tracker)
+    G_local = cfg.rollout.num_prompts // hosts.count
+    collected = collect_phase(ctx.engine, ctx.family, ctx.grading_pool, ctx.stream, ls, cfg,
+                              step=step, hosts=hosts, tracker=ctx.tracker)
+    grades = grade_phase(ctx.grading_pool, ctx.family, collected, cfg, num_groups=G_local)
+    packed = pack_phase(collected.sampling.groups, grades, cfg, num_groups=G_local,
+                        pad_id=ctx.family.tokenizer.pad_id)
+    ex = exchange_phase(packed, collected, hosts, step=step)
+    if ctx.tracker is not None:
+        for i, passed in ex.attempts:
+            ctx.tracker.record(str(i), list(passed))
     t_update = time.monotonic()
     with hosts.collective(f"the update of step {step}"):
-        state, update_m = policy.rl_update(ctx.update_fn, state, batch, cfg=cfg, mesh=ctx.mesh,
-                                           step=step)
-        ls.policy_version += 1
-        weight_version = policy.sync_engine(ctx.engine, cfg, state.params, mesh=ctx.mesh,
-                                            device=ctx.sampler_device,
-                                            version=ls.policy_version)
-    if weight_version != ls.policy_version:
-        raise RuntimeError(f"rollout engine reports weight version {weight_version} "
-                           f"after syncing version {ls.policy_version} (step {step})")
+        updated = update_phase(ctx, state, ex.batch, step=step)
+        weight_version = sync_phase(ctx, updated.state, ls, step=step)
     ls.step = step + 1
     t_end = time.monotonic()
-    m = step_metrics(sres, counters, grading_m, update_m, weight_version, cfg, ctx.tracker)
-    m.update(grade_wait_s=t_update - t_wait, update_time_s=t_end - t_update,
+    grading_m = (grade.batch_grading_metrics(ex.batch, ex.kept, ex.grader_cheat, ex.fallback)
+                 if cfg.grading.enabled and ex.kept.any() else {})
+    m = step_metrics(collected.sampling, ex.counters, grading_m, updated.metrics,
+                     weight_version, cfg, ctx.tracker)
+    m.update(grade_wait_s=t_update - collected.wait_start, update_time_s=t_end - t_update,
              step_time_s=t_end - t_step, policy_version=float(ls.policy_version),
              data_position=float(ls.data_position))
-    return state, m
+    return updated.state, m
 
 
 def step_metrics(sres, counters: StepCounters, grading_m, update_m, weight_version: int,
