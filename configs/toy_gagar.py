@@ -74,10 +74,13 @@ def get_config(arg=None):
                      max_prompt_len=48, max_new_tokens=32, temperature=1.0, top_p=1.0,
                      top_k=0, request_timeout_s=120.0, weight_writer=0,
                      # the embedded sampler's rows over this many local devices (0: all)
-                     embedded_data_parallel=1)
+                     embedded_data_parallel=1,
+                     # asynchronous RL (docs/async.md): policy versions a trained group may
+                     # lag (0: synchronous), multi-turn episodes at a sync, token masking
+                     max_staleness=0, partial_rollout="finish", mask_offpolicy_tokens=False)
     c.sampling = dict(enabled=True, oversample=1.5, max_rounds=8, allow_partial=True)
     c.grading = dict(grader="heuristic", sglang_url="", max_concurrency=2, deadline_s=60.0,
-                     enabled=True)
+                     enabled=True, max_inflight_groups=16)
     # the update (gagar_jax.update.UpdateConfig; advantages: gagar_jax.advantages.GagarConfig).
     # Left to the run config: temperature (= rollout.temperature), decay_steps, advantages.mode
     # (the mode's redistribution) and token_credit (mode gagar_token: "evidence").
@@ -89,6 +92,10 @@ def get_config(arg=None):
                      # logits/log-softmax in chunks of this many tokens (0: whole sequence);
                      # MoE load-balancing loss weight (router metrics are logged either way)
                      logits_chunk_size=0, router_aux_loss_coef=0.0,
+                     # off-policy correction (docs/async.md): truncated IS, rejection, and the
+                     # decoupled objective; all off = today's on-policy loss
+                     rollout_is="none", rollout_is_threshold=2.0, rollout_rs="none",
+                     rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5, decoupled=False,
                      advantages=dict(estimator="mean_centered", tier_factors=(1.0, 0.6, 0.3),
                                      rank_decay=0.5, cheat_reward=0.0, mixed_tol=1e-6))
     if mode == "gagar_token":  # the importance provider of the token credit

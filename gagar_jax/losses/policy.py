@@ -21,6 +21,8 @@ import jax.numpy as jnp
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k3")
+ROLLOUT_IS = ("none", "token", "sequence")
+ROLLOUT_RS = ("none", "token_k3", "geometric")
 
 
 def token_logprobs_and_entropy(logits: jax.Array, targets: jax.Array):
@@ -143,6 +145,89 @@ def delivered_credit(advantages: jax.Array, ratio: jax.Array, *, clip_low: float
     return jnp.where(active, a * r, 0.0)
 
 
+class OffPolicyWeights(NamedTuple):
+    """Off-policy correction of one micro-batch: per-token weights, kept tokens, diagnostics."""
+
+    weights: jax.Array        # [B, T] float32 truncated IS weight on each token (1: none)
+    keep: jax.Array           # [B, T] bool, token not rejected by ``rollout_rs``
+    log_ratio: jax.Array      # [B, T] float32 log pi_prox - log mu on response tokens (else 0)
+    clipped: jax.Array        # [B, T] bool, the raw weight exceeded the threshold
+
+
+def off_policy_weights(proximal_logprobs: jax.Array, behaviour_logprobs: jax.Array,
+                       mask: jax.Array, *, rollout_is: str = "none",
+                       rollout_is_threshold: float = 2.0, rollout_rs: str = "none",
+                       rollout_rs_threshold: float = 2.0,
+                       rollout_rs_threshold_lower: float = 0.5) -> OffPolicyWeights:
+    """Truncated importance weights and rejection masks on the behaviour/trainer mismatch.
+
+    With ``d_t = log pi_prox(y_t) - log mu(y_t)`` (the trainer's own log-prob at the start of
+    the update against the engine's that sampled the token; both without gradient):
+
+    - ``rollout_is="token"``: ``w_t = min(exp(d_t), C)`` (truncated IS, Ionides 2008; the
+      "TIS" of slime / verl); ``"sequence"``: ``w_t = min(exp(sum_s d_s), C)`` on every token
+      of the sequence (the sum over its response tokens); ``"none"``: ``w_t = 1``.
+      ``C = rollout_is_threshold`` >= 1.
+    - ``rollout_rs="token_k3"``: a token whose k3 estimate ``exp(d) - d - 1`` of
+      KL(mu || pi_prox) (from mu's samples) exceeds ``rollout_rs_threshold`` is rejected
+      (masked from the loss);
+      ``"geometric"``: a sequence whose geometric-mean ratio ``exp(mean_t d_t)`` lies outside
+      ``[rollout_rs_threshold_lower, rollout_rs_threshold]`` is rejected whole.
+
+    Equal log-probs (``d = 0``) give ``w = 1`` and reject nothing for every valid setting
+    (``C >= 1``, the k3 threshold >= 0, ``lower <= 1 <= upper``), so the corrected loss is the
+    on-policy loss exactly.
+
+    Args:
+      proximal_logprobs: [B, T] float32, the trainer's log-probs before the update.
+      behaviour_logprobs: [B, T] float32, the rollout engine's log-probs.
+      mask: [B, T] bool, response tokens.
+      rollout_is, rollout_is_threshold: one of :data:`ROLLOUT_IS` and the truncation ``C``.
+      rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower: one of :data:`ROLLOUT_RS`
+        and its bounds.
+    Returns:
+      :class:`OffPolicyWeights`.
+    """
+    chex.assert_rank([proximal_logprobs, behaviour_logprobs, mask], 2)
+    chex.assert_equal_shape([proximal_logprobs, behaviour_logprobs, mask])
+    if rollout_is not in ROLLOUT_IS:
+        raise ValueError(f"rollout_is must be one of {ROLLOUT_IS}, got {rollout_is!r}")
+    if rollout_rs not in ROLLOUT_RS:
+        raise ValueError(f"rollout_rs must be one of {ROLLOUT_RS}, got {rollout_rs!r}")
+    if not rollout_is_threshold >= 1.0:
+        raise ValueError(f"rollout_is_threshold must be >= 1, got {rollout_is_threshold}")
+    if rollout_rs == "token_k3" and not rollout_rs_threshold >= 0.0:
+        raise ValueError(f"rollout_rs_threshold (a k3 bound) must be >= 0, got "
+                         f"{rollout_rs_threshold}")
+    if rollout_rs == "geometric" and not (
+            rollout_rs_threshold_lower <= 1.0 <= rollout_rs_threshold):
+        raise ValueError("rollout_rs bounds must satisfy rollout_rs_threshold_lower <= 1 <= "
+                         f"rollout_rs_threshold, got [{rollout_rs_threshold_lower}, "
+                         f"{rollout_rs_threshold}]")
+    sg = jax.lax.stop_gradient
+    maskf = mask.astype(jnp.float32)
+    # Clamp before exp(): past e^20 every weight is truncated anyway and exp would overflow.
+    d = jnp.clip(sg(proximal_logprobs.astype(jnp.float32) - behaviour_logprobs.astype(
+        jnp.float32)), -20.0, 20.0) * maskf
+    if rollout_is == "token":
+        raw = jnp.exp(d)
+    elif rollout_is == "sequence":
+        raw = jnp.broadcast_to(jnp.exp(jnp.clip(jnp.sum(d, -1, keepdims=True), -20.0, 20.0)),
+                               d.shape)
+    else:
+        raw = jnp.ones_like(d)
+    weights = jnp.minimum(raw, rollout_is_threshold)
+    keep = mask.astype(bool)
+    if rollout_rs == "token_k3":
+        keep = keep & (jnp.exp(d) - d - 1.0 <= rollout_rs_threshold)
+    elif rollout_rs == "geometric":
+        n = jnp.maximum(jnp.sum(maskf, -1, keepdims=True), 1.0)
+        geo = jnp.exp(jnp.sum(d, -1, keepdims=True) / n)
+        keep = keep & (geo >= rollout_rs_threshold_lower) & (geo <= rollout_rs_threshold)
+    return OffPolicyWeights(weights=weights, keep=keep, log_ratio=d,
+                            clipped=(raw > rollout_is_threshold) & mask.astype(bool))
+
+
 class PolicyLossTerms(NamedTuple):
     loss: jax.Array            # [] total loss (pg + kl_coef * kl - entropy_coef * entropy)
     pg_loss: jax.Array         # [] aggregated clipped policy-gradient loss
@@ -153,6 +238,15 @@ class PolicyLossTerms(NamedTuple):
     clip_frac_high: jax.Array  # [] fraction of tokens clipped above (A > 0, ratio > 1 + eps_high)
     dual_clip_frac: jax.Array  # [] fraction of tokens hit by the dual clip
     ratio_mean: jax.Array      # [] token-mean importance ratio
+    # Off-policy correction (all token means over the same normaliser; see off_policy_weights)
+    mismatch_kl: jax.Array     # [] k3 estimate of KL(mu || pi_prox), behaviour vs trainer
+    is_frac_clipped: jax.Array  # [] fraction of tokens whose IS weight was truncated
+    is_weight_mean: jax.Array  # [] mean IS weight (is_ess = mean^2 / mean of squares)
+    is_weight_sq_mean: jax.Array  # [] mean squared IS weight
+    rs_frac_rejected: jax.Array  # [] fraction of response tokens rejected by rollout_rs
+    credit_positive: jax.Array  # [] token mean of the positive advantages (the S+ delivered
+    #                             on policy, with r = w = 1)
+    credit_delivered: jax.Array  # [] token mean of w A r [clip active] over A > 0 tokens
 
 
 def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
@@ -160,8 +254,13 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
                 ref_logprobs: jax.Array | None = None, *,
                 clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = None,
                 aggregation: str = "token-mean", kl_coef: float = 0.0, kl_estimator: str = "k3",
-                entropy_coef: float = 0.0, num_tokens=None, num_seqs=None) -> PolicyLossTerms:
-    """Clipped surrogate policy-gradient loss with clip-higher and optional dual clip.
+                entropy_coef: float = 0.0, num_tokens=None, num_seqs=None,
+                proximal_logprobs: jax.Array | None = None, rollout_is: str = "none",
+                rollout_is_threshold: float = 2.0, rollout_rs: str = "none",
+                rollout_rs_threshold: float = 2.0, rollout_rs_threshold_lower: float = 0.5,
+                decoupled: bool = False) -> PolicyLossTerms:
+    """Clipped surrogate policy-gradient loss with clip-higher, optional dual clip and an
+    off-policy correction.
 
     Per token, with ``r = exp(log pi - log pi_old)``::
 
@@ -169,6 +268,23 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
         l = min(l, -A c)  where A < 0                                 (dual clip, c > 1)
 
     then ``loss = agg(l) + kl_coef * agg(KL(pi || pi_ref)) - entropy_coef * token_mean(H)``.
+
+    Off-policy correction, given ``proximal_logprobs`` (``pi_prox``: the trainer's own log-probs
+    before the update; ``old_logprobs`` are then the behaviour ``mu``'s, the engine's):
+
+    - ``decoupled=True`` (AReaL's decoupled PPO, arXiv:2505.24298): the clip's ratio is
+      ``pi / pi_prox``, a trust region around the policy the update starts from, separate
+      from the (possibly several versions older) policy that sampled the tokens;
+      ``decoupled=False``: ``pi / mu`` as without a correction.
+    - ``rollout_is``: each token's ``l`` is multiplied by the truncated weight ``w`` of
+      :func:`off_policy_weights` (``pi_prox / mu``); it needs ``decoupled=True`` (with the
+      clip around ``mu`` the ratio already holds ``pi / mu`` and the weight would count the
+      mismatch twice).
+    - ``rollout_rs``: rejected tokens leave the loss (their mask is cleared; the normalisers
+      are unchanged, so a rejected token counts as a zero, as a clipped one does).
+
+    Without ``proximal_logprobs`` (or with ``pi_prox == mu``) the loss is the on-policy one
+    exactly.
     Diagnostics (entropy, clip fractions, approximate KL, ratio) are token means with the same
     ``num_tokens`` normaliser, so they also sum exactly across micro-batches.
 
@@ -186,10 +302,21 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
       kl_coef, kl_estimator: KL penalty weight and estimator ("k1" | "k3").
       entropy_coef: weight of the entropy bonus.
       num_tokens, num_seqs: mini-batch normalisers (see :func:`aggregate`).
+      proximal_logprobs: [B, T] float32 of the trainer before the update, or None.
+      rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
+      rollout_rs_threshold_lower: see :func:`off_policy_weights`.
+      decoupled: the clip around ``pi_prox`` instead of ``mu``.
     Returns:
       :class:`PolicyLossTerms` of scalars.
     """
     chex.assert_rank([logprobs, old_logprobs, mask], 2)
+    if (rollout_is != "none" or rollout_rs != "none" or decoupled) and (
+            proximal_logprobs is None):
+        raise ValueError("rollout_is / rollout_rs / decoupled need proximal_logprobs (the "
+                         "trainer's log-probs before the update)")
+    if rollout_is != "none" and not decoupled:
+        raise ValueError(f"rollout_is={rollout_is!r} needs decoupled=True: with the clip "
+                         "around the behaviour policy the ratio already carries pi / mu")
     chex.assert_equal_shape([logprobs, old_logprobs, mask])
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -202,9 +329,29 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
         chex.assert_equal_shape([advantages, logprobs])
     advantages = jax.lax.stop_gradient(advantages.astype(jnp.float32))
     old_logprobs = jax.lax.stop_gradient(old_logprobs.astype(jnp.float32))
+    response = mask.astype(bool)
+    if proximal_logprobs is not None:
+        chex.assert_equal_shape([proximal_logprobs, logprobs])
+        proximal_logprobs = jax.lax.stop_gradient(proximal_logprobs.astype(jnp.float32))
+        opw = off_policy_weights(proximal_logprobs, old_logprobs, response,
+                                 rollout_is=rollout_is,
+                                 rollout_is_threshold=rollout_is_threshold,
+                                 rollout_rs=rollout_rs,
+                                 rollout_rs_threshold=rollout_rs_threshold,
+                                 rollout_rs_threshold_lower=rollout_rs_threshold_lower)
+        anchor = proximal_logprobs if decoupled else old_logprobs
+        # the normalisers count every response token, rejected ones included
+        respf0 = response.astype(jnp.float32)
+        if num_tokens is None:
+            num_tokens = jnp.sum(respf0)
+        if num_seqs is None:
+            num_seqs = jnp.sum(jnp.any(response, axis=-1).astype(jnp.float32))
+        mask = opw.keep
+    else:
+        opw, anchor = None, old_logprobs
     maskf = mask.astype(jnp.float32)
 
-    log_ratio = logprobs - old_logprobs
+    log_ratio = logprobs - anchor
     # Clamp before exp(): the clipped objective never uses ratios past e^20 and the raw value
     # would overflow for a stale, very unlikely token.
     ratio = jnp.exp(jnp.clip(log_ratio, -20.0, 20.0))
@@ -217,6 +364,8 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
         per_token = jnp.where(advantages < 0, jnp.minimum(per_token, dual), per_token)
     else:
         dual_hit = jnp.zeros(per_token.shape, bool)
+    if opw is not None and rollout_is != "none":
+        per_token = per_token * opw.weights
 
     def tok_mean(x):
         return aggregate(x, maskf, "token-mean", num_tokens=num_tokens)
@@ -248,6 +397,20 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
     high = ((ratio_sg > 1.0 + clip_high) & (adv_b > 0)).astype(jnp.float32)
     # k3 of KL(pi_old || pi) from pi_old samples: r - 1 - log r with r = pi / pi_old.
     d = jnp.clip(sg(log_ratio), -20.0, 20.0)
+    respf = response.astype(jnp.float32)
+
+    def resp_mean(x):  # over every response token, rejected ones included
+        return aggregate(x, respf, "token-mean", num_tokens=num_tokens)
+
+    if opw is not None:
+        w, mism = opw.weights, opw.log_ratio
+        clipped_is = opw.clipped.astype(jnp.float32)
+    else:
+        w, mism = jnp.ones_like(ratio_sg), jnp.zeros_like(ratio_sg)
+        clipped_is = jnp.zeros_like(ratio_sg)
+    positive = jnp.where(adv_b > 0, adv_b, 0.0)
+    delivered = delivered_credit(positive, ratio_sg, clip_low=clip_low, clip_high=clip_high,
+                                 dual_clip=dual_clip) * w
     return PolicyLossTerms(
         loss=loss,
         pg_loss=pg_loss,
@@ -258,4 +421,12 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
         clip_frac_high=tok_mean(high),
         dual_clip_frac=tok_mean(sg(dual_hit).astype(jnp.float32)),
         ratio_mean=tok_mean(ratio_sg),
+        # k3 of KL(mu || pi_prox) from mu's samples, d = log pi_prox - log mu
+        mismatch_kl=resp_mean(jnp.exp(mism) - mism - 1.0),
+        is_frac_clipped=resp_mean(clipped_is),
+        is_weight_mean=resp_mean(w),
+        is_weight_sq_mean=resp_mean(w * w),
+        rs_frac_rejected=resp_mean((response & ~mask.astype(bool)).astype(jnp.float32)),
+        credit_positive=resp_mean(positive),
+        credit_delivered=tok_mean(delivered),
     )

@@ -118,6 +118,14 @@ class TaskConfig:
                self.saturation_min_attempts)
 
 
+_OFF_POLICY_DEFAULTS = {"rollout_is": "none", "rollout_is_threshold": 2.0,
+                        "rollout_rs": "none", "rollout_rs_threshold": 2.0,
+                        "rollout_rs_threshold_lower": 0.5, "decoupled": False}
+_ASYNC_ROLLOUT_DEFAULTS = {"max_staleness": 0, "partial_rollout": "finish",
+                           "mask_offpolicy_tokens": False}
+_ASYNC_GRADING_DEFAULTS = {"max_inflight_groups": 16}
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """Generation: G prompts x K rollouts per step, by the embedded sampler or SGLang."""
@@ -141,6 +149,15 @@ class RolloutConfig:
     # the embedded sampler's rows split over this many of this process's devices (1: one
     # device; 0: all of them): weights replicated on each, one decode loop per device
     embedded_data_parallel: int = 1
+    # Asynchronous RL (gagar_jax.rl.asynchronous): how many policy versions the oldest token
+    # of a trained group may lag the trainer, generation, verification, grading and queue
+    # time included (0: the synchronous loop, collect -> grade -> update -> sync each step)
+    max_staleness: int = 0
+    # in-flight multi-turn episodes at a weight sync: "finish" under the weights they started
+    # with (tagged with that version); "off" keeps them in the sampler's call
+    partial_rollout: str = "finish"
+    # keep in the loss only the tokens of the newest policy version in each sequence
+    mask_offpolicy_tokens: bool = False
 
     def __post_init__(self):
         _check(self.engine in ("embedded", "sglang"), "rollout.engine", "embedded|sglang",
@@ -162,6 +179,10 @@ class RolloutConfig:
                self.weight_writer)
         _check(self.embedded_data_parallel >= 0, "rollout.embedded_data_parallel",
                ">= 0 (devices; 0 = all of this process's)", self.embedded_data_parallel)
+        _check(self.max_staleness >= 0, "rollout.max_staleness",
+               ">= 0 policy versions (0 = synchronous)", self.max_staleness)
+        _check(self.partial_rollout in ("finish", "off"), "rollout.partial_rollout",
+               "finish|off", self.partial_rollout)
 
     @property
     def seq_len(self) -> int:
@@ -191,6 +212,9 @@ class GradingConfig:
     max_concurrency: int = 4
     deadline_s: float = 60.0
     enabled: bool = True  # False: no grader at all (tiers/ranks unknown; gagar == binary)
+    # asynchronous loop (rollout.max_staleness > 0): groups submitted and not yet resolved at
+    # most this many; dispatch of new prompts waits while the pool is full
+    max_inflight_groups: int = 16
 
     def __post_init__(self):
         _check(self.grader in ("heuristic", "agentic"), "grading.grader", "heuristic|agentic",
@@ -200,6 +224,8 @@ class GradingConfig:
                    "an http(s) URL when grading.grader='agentic'", self.sglang_url)
         _check(self.max_concurrency >= 1, "grading.max_concurrency", ">= 1", self.max_concurrency)
         _check(self.deadline_s > 0, "grading.deadline_s", "> 0", self.deadline_s)
+        _check(self.max_inflight_groups >= 1, "grading.max_inflight_groups", ">= 1",
+               self.max_inflight_groups)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +396,14 @@ class RunConfig:
         if not d["task"]["skip_saturated"]:  # off: the fingerprint of runs from before the flag
             for k in ("skip_saturated", "saturation_window", "saturation_min_attempts"):
                 d["task"].pop(k)
+        # fields added after runs existed: at their defaults (the synchronous on-policy loop)
+        # they stay out, so those runs keep their fingerprint
+        for section, defaults in (("learner", _OFF_POLICY_DEFAULTS),
+                                  ("rollout", _ASYNC_ROLLOUT_DEFAULTS),
+                                  ("grading", _ASYNC_GRADING_DEFAULTS)):
+            for k, v in defaults.items():
+                if d[section].get(k) == v:
+                    d[section].pop(k)
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

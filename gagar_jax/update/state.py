@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gagar_jax.advantages import IMPORTANCE_PROVIDERS, GagarConfig
 from gagar_jax.losses import AGGREGATIONS, KL_ESTIMATORS
+from gagar_jax.losses.policy import ROLLOUT_IS, ROLLOUT_RS
 from gagar_jax.models import Transformer, TransformerConfig, param_shardings
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -83,6 +84,22 @@ class UpdateConfig:
     # `redistribute_tokens` uses, with strength `token_gamma` in [0, 1], inside the loss.
     token_credit: str = "broadcast"
     token_gamma: float = 0.5
+    # Off-policy correction (``gagar_jax.losses.policy_loss``): truncated importance sampling
+    # on the trainer/behaviour ratio ("none" | "token" | "sequence", truncated at
+    # ``rollout_is_threshold``), rejection ("none" | "token_k3" | "geometric" with its bounds)
+    # and the decoupled objective (the clip around the policy the update starts from). Any of
+    # them makes the update recompute the trainer's own log-probs first (one forward pass).
+    rollout_is: str = "none"
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str = "none"
+    rollout_rs_threshold: float = 2.0
+    rollout_rs_threshold_lower: float = 0.5
+    decoupled: bool = False
+
+    @property
+    def off_policy(self) -> bool:
+        """Some correction is on (the update computes the proximal log-probs)."""
+        return self.decoupled or self.rollout_is != "none" or self.rollout_rs != "none"
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -111,6 +128,27 @@ class UpdateConfig:
                 f"{tuple(IMPORTANCE_PROVIDERS)}, got {self.token_credit!r}")
         if not 0.0 <= self.token_gamma <= 1.0:
             raise ValueError(f"update.token_gamma must be in [0, 1], got {self.token_gamma}")
+        if self.rollout_is not in ROLLOUT_IS:
+            raise ValueError(f"update.rollout_is must be one of {ROLLOUT_IS}, got "
+                             f"{self.rollout_is!r}")
+        if self.rollout_rs not in ROLLOUT_RS:
+            raise ValueError(f"update.rollout_rs must be one of {ROLLOUT_RS}, got "
+                             f"{self.rollout_rs!r}")
+        if self.rollout_is != "none" and not self.decoupled:
+            raise ValueError(f"update.rollout_is={self.rollout_is!r} needs update.decoupled="
+                             "True (with the clip around the behaviour policy the ratio "
+                             "already carries pi / mu)")
+        if not self.rollout_is_threshold >= 1.0:
+            raise ValueError(f"update.rollout_is_threshold must be >= 1, got "
+                             f"{self.rollout_is_threshold}")
+        if self.rollout_rs == "token_k3" and not self.rollout_rs_threshold >= 0.0:
+            raise ValueError("update.rollout_rs_threshold (a k3 bound for token_k3) must be "
+                             f">= 0, got {self.rollout_rs_threshold}")
+        if self.rollout_rs == "geometric" and not (
+                self.rollout_rs_threshold_lower <= 1.0 <= self.rollout_rs_threshold):
+            raise ValueError("update.rollout_rs_threshold_lower <= 1 <= "
+                             "update.rollout_rs_threshold expected, got "
+                             f"[{self.rollout_rs_threshold_lower}, {self.rollout_rs_threshold}]")
         if not 0.0 <= self.end_lr_ratio <= 1.0:
             raise ValueError(f"update.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
 

@@ -215,6 +215,8 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     token_keys = _token_metric_keys(config, batch.evidence is not None)
 
     moe = nnx.merge(graphdef, state.params).config.num_experts > 0
+    if config.off_policy:
+        data["proximal_logprobs"] = _proximal_logprobs(state.params, data, graphdef, config)
 
     def loss_fn(params, mb, num_tokens, num_seqs):
         model = nnx.merge(graphdef, params)
@@ -242,7 +244,7 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
             clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
             aggregation=config.aggregation, kl_coef=config.kl_coef,
             kl_estimator=config.kl_estimator, entropy_coef=config.entropy_coef,
-            num_tokens=num_tokens, num_seqs=num_seqs)
+            num_tokens=num_tokens, num_seqs=num_seqs, **_off_policy_args(mb, config))
         extra = {}
         if token_keys:
             extra = _token_metrics(advantages, mb["advantages"], mask, evidence, logprobs,
@@ -301,6 +303,7 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     metrics["ratio_mean_first"] = per_step["ratio_mean"][0]
     metrics["approx_kl_first"] = per_step["approx_kl"][0]
     metrics["logprob_max_abs_diff_first"] = per_step["logprob_max_abs_diff"][0]
+    metrics.update(_off_policy_metrics(per_step))
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
     metrics["learning_rate"] = per_step["learning_rate"][-1]
     metrics["tokens"] = jnp.sum(resp[:, 1:].astype(jnp.float32))
@@ -311,6 +314,46 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            rng=state.rng)
     return new_state, metrics
+
+
+def _proximal_logprobs(params, data, graphdef, config: UpdateConfig) -> jax.Array:
+    """The trainer's own log-probs of every token before the update (``[M, A, b, T]`` like the
+    split ``data``; no gradient): the proximal policy of the off-policy correction."""
+
+    def one(mb):
+        model = nnx.merge(graphdef, params)
+        hidden = model.hidden_states(mb["tokens"], mb["positions"],
+                                     attention_mask=mb["attention_mask"])
+        lp, _ = chunked_token_logprobs_and_entropy(
+            model, hidden, jnp.roll(mb["tokens"], -1, axis=1), config.temperature,
+            config.logits_chunk_size)
+        return jax.lax.stop_gradient(lp)
+
+    inputs = {k: data[k] for k in ("tokens", "positions", "attention_mask")}
+    return jax.lax.map(lambda mbs: jax.lax.map(one, mbs), inputs)
+
+
+def _off_policy_args(mb, config: UpdateConfig) -> dict:
+    """``policy_loss``'s correction arguments (none when no correction is configured)."""
+    if not config.off_policy:
+        return {}
+    return dict(proximal_logprobs=mb["proximal_logprobs"][:, :-1],
+                rollout_is=config.rollout_is, rollout_is_threshold=config.rollout_is_threshold,
+                rollout_rs=config.rollout_rs, rollout_rs_threshold=config.rollout_rs_threshold,
+                rollout_rs_threshold_lower=config.rollout_rs_threshold_lower,
+                decoupled=config.decoupled)
+
+
+def _off_policy_metrics(per_step: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """``is_ess`` (normalised effective sample size of the IS weights, 1 when all are equal)
+    and ``credit/delivered_ratio`` (positive credit delivered after weights and clipping over
+    the positive credit S+), from the accumulated token means."""
+    ess = per_step["is_weight_mean"] ** 2 / jnp.maximum(per_step["is_weight_sq_mean"], 1e-30)
+    pos = jnp.sum(per_step["credit_positive"])
+    return {"is_ess": jnp.mean(jnp.where(per_step["is_weight_sq_mean"] > 0, ess, 1.0)),
+            "credit/delivered_ratio": jnp.where(
+                pos > 0, jnp.sum(per_step["credit_delivered"]) / jnp.where(pos > 0, pos, 1.0),
+                1.0)}
 
 
 def _token_metric_keys(config: UpdateConfig, has_evidence: bool) -> tuple[str, ...]:
