@@ -255,3 +255,55 @@ def test_bad_settings_name_the_field():
         off_policy_weights(x, x, m, rollout_is="token", rollout_is_threshold=0.5)
     with pytest.raises(ValueError, match="rollout_rs"):
         off_policy_weights(x, x, m, rollout_rs="geometric", rollout_rs_threshold=0.9)
+
+
+def test_update_with_corrections_on_own_logprobs_equals_the_plain_update():
+    """The update's proximal pass (the trainer's own log-probs) against behaviour log-probs
+    that are those same log-probs: the corrected update is the plain one (up to rounding);
+    against another behaviour it reports the mismatch."""
+    import dataclasses
+
+    from flax import nnx
+
+    from gagar_jax.update import UpdateConfig, create_train_state, jit_update, make_mesh
+    from gagar_jax.update.state import abstract_model
+    from gagar_jax.update.step import chunked_token_logprobs_and_entropy
+    from tests.test_update_fixtures import CONFIG, MODEL, make_batch
+
+    mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    base = dataclasses.replace(CONFIG, eps=1e-3, num_minibatches=1)
+    state0 = jax.device_get(create_train_state(MODEL, base, mesh, seed=0))
+    batch = make_batch(seed=0)
+    model = nnx.merge(nnx.graphdef(abstract_model(MODEL)), state0.params)
+    hidden = model.hidden_states(jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+                                 attention_mask=jnp.asarray(batch.attention_mask))
+    own, _ = chunked_token_logprobs_and_entropy(
+        model, hidden, jnp.roll(jnp.asarray(batch.tokens), -1, axis=1), 1.0, 0)
+    # behaviour log-prob of token t sits at t (the update reads old_logprobs[:, 1:])
+    own = np.concatenate([np.zeros((own.shape[0], 1)), np.asarray(own)[:, :-1]], 1)
+    on_policy = batch._replace(old_logprobs=np.where(batch.response_mask, own, 0.0).astype(
+        np.float32))
+    corr = dataclasses.replace(base, decoupled=True, rollout_is="token",
+                               rollout_is_threshold=2.0, rollout_rs="token_k3",
+                               rollout_rs_threshold=0.5)
+    assert isinstance(corr, UpdateConfig) and corr.off_policy
+    # behaviour less likely than the trainer finds its tokens: weights above the truncation
+    shift = np.random.default_rng(0).uniform(0.0, 2.0, batch.old_logprobs.shape)
+    shifted = batch._replace(old_logprobs=(on_policy.old_logprobs - shift * batch.response_mask
+                                           ).astype(np.float32))
+    fns = {id(cfg): jit_update(MODEL, cfg, mesh) for cfg in (base, corr)}
+    out = {}
+    for name, cfg, b in (("plain", base, on_policy), ("corr", corr, on_policy),
+                         ("off", corr, shifted)):
+        state, m = fns[id(cfg)](jax.device_put(state0), b)
+        out[name] = (jax.device_get(state.params), {k: float(v) for k, v in m.items()})
+    for a, b in zip(jax.tree.leaves(out["plain"][0]), jax.tree.leaves(out["corr"][0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    m = out["corr"][1]
+    assert m["mismatch_kl"] < 1e-5 and m["is_frac_clipped"] == 0.0
+    assert m["is_ess"] == pytest.approx(1.0, abs=1e-5)
+    assert m["credit/delivered_ratio"] == pytest.approx(1.0, abs=1e-4)
+    off = out["off"][1]  # a large mismatch: weights truncated, tokens rejected
+    assert off["mismatch_kl"] > 0.1 and off["is_frac_clipped"] > 0.0
+    assert 0.0 < off["is_ess"] < 1.0 and off["rs_frac_rejected"] > 0.0
+    assert np.isfinite(off["loss"]) and off["credit/delivered_ratio"] < 1.0

@@ -54,7 +54,7 @@ import jax
 import numpy as np
 
 from gagar_jax.data.audit import PassRateTracker
-from gagar_jax.rl import engines, grade, policy, writers
+from gagar_jax.rl import asynchronous, engines, grade, policy, writers
 from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests import them here)
     Group,
     Rollout,
@@ -326,14 +326,16 @@ def collect_phase(engine, family, grading_pool, stream: TaskStream, ls: LoopStat
 
 
 def grade_phase(grading_pool, family, collected: Collected, cfg: RunConfig, *,
-                num_groups: int) -> grade.Grades:
+                num_groups: int, timeout: float | None = None) -> grade.Grades:
     """Grade: the pool's verdicts on the collected groups, once, as ``[G_local, K]`` arrays
-    (deadline-bounded wait; a missing verdict is the pool's counted fallback)."""
+    (a wait of at most ``timeout`` seconds, default ``grading.deadline_s``; a missing verdict
+    is the pool's counted fallback)."""
     K, R = cfg.rollout.num_rollouts, cfg.rollout.max_new_tokens
     groups = collected.sampling.groups
     if cfg.grading.enabled and groups:
-        results = grading_pool.results(list(collected.submitted),
-                                       timeout=cfg.grading.deadline_s)
+        results = grading_pool.results(
+            list(collected.submitted),
+            timeout=cfg.grading.deadline_s if timeout is None else timeout)
         return grade.to_arrays(results, groups, num_groups=num_groups, num_rollouts=K,
                                max_new_tokens=R, token_spans=family.token_spans)
     return grade.no_grades(num_groups, K, R)
@@ -601,8 +603,17 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         writer.start_clock(ls.step)
         sigterm.install()
         total = cfg.loop.total_steps
+        aq = None
+        if cfg.rollout.max_staleness > 0:  # the asynchronous loop (rl.asynchronous)
+            aq = asynchronous.AsyncQueue(cfg.rollout.max_staleness,
+                                         cfg.grading.max_inflight_groups,
+                                         G // hosts.count)
+            aq.load(ls.extra.get(asynchronous.ASYNC_KEY, {}))
         for step in range(ls.step, total):
-            state, m = rl_step(step, state, ls, ctx)
+            if aq is None:
+                state, m = rl_step(step, state, ls, ctx)
+            else:
+                state, m = asynchronous.async_step(step, state, ls, ctx, aq)
             if step % cfg.loop.log_every == 0 or step == total - 1:
                 writer.write(step, m)
                 writer.progress(step, m)

@@ -1,0 +1,261 @@
+"""Asynchronous RL steps: grading overlapped with the next steps' generation, bounded staleness.
+
+With ``rollout.max_staleness = S > 0`` the loop keeps a FIFO of dispatched batches (each one
+collect phase: ``G`` kept groups, every group submitted to the grading pool as it is kept) and
+every RL step
+
+1. **dispatches** (admission control): while fewer than ``S + 1`` batches wait and the grading
+   pool has room for another batch (``grading.max_inflight_groups`` groups submitted and not
+   yet trained), a new batch is collected with the engine's current weights; each sample is
+   tagged with the policy version it was dispatched with (``Rollout.policy_version``; every
+   token of an embedded-sampler sample or episode is generated within that dispatch, so a
+   token's version is its sample's);
+2. **trains the oldest batch** (oldest first, nothing discarded or requeued): the loop waits
+   for its verdicts until the grading deadline counted from its submission, then grade ->
+   pack -> exchange -> update -> sync as the synchronous step does;
+3. reports the staleness of that batch at its update: the trainer's version minus the oldest
+   version in it. A batch dispatched at version ``v`` has at most ``S`` batches ahead of it, so
+   it is trained at a version ``<= v + S``, generation, verification, grading and queue time
+   included. A group whose verdict has not arrived when the bound forces its update takes the
+   grading fallback (``deadline``; counted as ``async/staleness_fallbacks``), never dropped.
+
+``S = 0`` is not run by this module: the loop then calls the synchronous
+:func:`~gagar_jax.rl.train.rl_step` (one dispatch, wait, update per step), bit for bit.
+
+Bias monitor: per step, the two-sample Kolmogorov-Smirnov distance between the dispatched and
+the trained distributions of response length (``async/ks_length``) and of grading latency
+(``async/ks_grading_latency``; latency = submission to the verdict as the loop observes it).
+FIFO training keeps both near the sampling noise; a scheme that let fast groups overtake slow
+ones would show here first.
+
+Checkpoints: the batches still queued at a checkpoint are saved as their data positions and
+dispatch versions in the loop state; a resumed run dispatches those positions again first
+(under the restored weights: the old weights are gone), so no prompt is lost or trained twice
+and the data position stays exact.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from gagar_jax.rl import grade
+
+ASYNC_KEY = "async"  # LoopState.extra: dispatch counter and the queued batches
+
+
+def ks_distance(a, b) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic ``sup_x |F_a(x) - F_b(x)|`` (nan if either is
+    empty)."""
+    a = np.sort(np.asarray(a, np.float64).ravel())
+    b = np.sort(np.asarray(b, np.float64).ravel())
+    if a.size == 0 or b.size == 0:
+        return float("nan")
+    x = np.concatenate([a, b])
+    fa = np.searchsorted(a, x, side="right") / a.size
+    fb = np.searchsorted(b, x, side="right") / b.size
+    return float(np.max(np.abs(fa - fb)))
+
+
+@dataclasses.dataclass
+class InflightBatch:
+    """One dispatched collect phase waiting for its update."""
+
+    index: int  # dispatch counter (group ids and host exchange tags use it)
+    version: int  # the policy version the engine had at dispatch
+    position: int  # data position at dispatch (a resumed run re-dispatches from here)
+    collected: Any = None  # train.Collected
+    submitted_at: float = 0.0  # time.monotonic() at the end of the dispatch
+    resolved_at: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def lengths(self) -> list[int]:
+        return [
+            len(r.response_tokens)
+            for g in self.collected.sampling.groups
+            for r in g.rollouts
+            if not r.infra_error
+        ]
+
+
+class AsyncQueue:
+    """Admission control and the FIFO of dispatched batches (host-side, one per host)."""
+
+    def __init__(self, max_staleness: int, max_inflight_groups: int, groups_per_batch: int):
+        if max_staleness < 1:
+            raise ValueError(f"AsyncQueue: max_staleness must be >= 1, got {max_staleness}")
+        self.max_staleness = max_staleness
+        self.max_inflight_groups = max_inflight_groups
+        self.groups_per_batch = groups_per_batch
+        self.queue: collections.deque[InflightBatch] = collections.deque()
+        self.dispatched = 0
+        self.resume_positions: list[tuple[int, int]] = []  # (position, version) to redo first
+        self.latencies: list[float] = []  # grading latencies observed this step
+
+    def inflight_groups(self) -> int:
+        return sum(len(b.collected.submitted) for b in self.queue)
+
+    def may_dispatch(self) -> bool:
+        """Admission: a new batch keeps the staleness bound (at most ``S`` batches ahead of it)
+        and the pool's bound; an empty queue always admits one batch (no deadlock)."""
+        if not self.queue:
+            return True
+        if len(self.queue) > self.max_staleness:
+            return False
+        return self.inflight_groups() + self.groups_per_batch <= self.max_inflight_groups
+
+    def observe(self, pool) -> None:
+        """Records the verdicts that arrived since the last look (their latencies)."""
+        now = time.monotonic()
+        for b in self.queue:
+            for gid in b.collected.submitted:
+                if gid not in b.resolved_at and pool.done(gid):
+                    b.resolved_at[gid] = now
+                    self.latencies.append(now - b.submitted_at)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpointed part: the dispatch counter and the queued batches' positions."""
+        return {
+            "dispatched": self.dispatched,
+            "queued": [[b.position, b.version] for b in self.queue]
+            + [list(p) for p in self.resume_positions],
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.dispatched = int(state.get("dispatched", 0))
+        self.resume_positions = [(int(p), int(v)) for p, v in state.get("queued", [])]
+
+
+def async_step(step: int, state, ls, ctx, aq: AsyncQueue):
+    """One asynchronous RL step (module docstring); returns ``(state, metrics)``."""
+    from gagar_jax.rl import train  # the phases live with the synchronous step
+
+    cfg, hosts = ctx.cfg, ctx.hosts
+    t_step = time.monotonic()
+    G_local = cfg.rollout.num_prompts // hosts.count
+    dispatched_lengths: list[int] = []
+    while aq.may_dispatch():
+        saved_position = None
+        if aq.resume_positions:  # a resumed run's queued batches first, from their positions
+            position, _ = aq.resume_positions.pop(0)
+            saved_position, ls.data_position = ls.data_position, position
+        start = ls.data_position
+        collected = train.collect_phase(
+            ctx.engine,
+            ctx.family,
+            ctx.grading_pool,
+            ctx.stream,
+            ls,
+            cfg,
+            step=aq.dispatched,
+            hosts=hosts,
+            tracker=ctx.tracker,
+        )
+        if saved_position is not None:
+            ls.data_position = max(saved_position, ls.data_position)
+        batch = InflightBatch(
+            index=aq.dispatched,
+            version=ls.policy_version,
+            position=start,
+            collected=collected,
+            submitted_at=time.monotonic(),
+        )
+        aq.dispatched += 1
+        aq.queue.append(batch)
+        dispatched_lengths += batch.lengths()
+        aq.observe(ctx.grading_pool)
+    t_wait = time.monotonic()
+    aq.observe(ctx.grading_pool)
+    oldest = aq.queue.popleft()
+    pending_before = [g for g in oldest.collected.submitted if g not in oldest.resolved_at]
+    remaining = max(cfg.grading.deadline_s - (t_wait - oldest.submitted_at), 0.0)
+    grades = train.grade_phase(
+        ctx.grading_pool, ctx.family, oldest.collected, cfg, num_groups=G_local, timeout=remaining
+    )
+    t_graded = time.monotonic()
+    paused = t_graded - t_wait
+    late = 0
+    for gi, gid in enumerate(oldest.collected.submitted):
+        if gid in pending_before:
+            oldest.resolved_at[gid] = t_graded
+            aq.latencies.append(t_graded - oldest.submitted_at)
+            late += int(not grades.graded[gi]) and bool(
+                grades.reasons[gi] is not None
+                and "deadline" in str(getattr(grades.reasons[gi], "value", grades.reasons[gi]))
+            )
+    packed = train.pack_phase(
+        oldest.collected.sampling.groups,
+        grades,
+        cfg,
+        num_groups=G_local,
+        pad_id=ctx.family.tokenizer.pad_id,
+    )
+    ex = train.exchange_phase(packed, oldest.collected, hosts, step=oldest.index)
+    if ctx.tracker is not None:
+        for i, passed in ex.attempts:
+            ctx.tracker.record(str(i), list(passed))
+    versions = [
+        r.policy_version
+        for g in oldest.collected.sampling.groups
+        for r in g.rollouts
+        if not r.infra_error
+    ]
+    version_at_update = ls.policy_version
+    t_update = time.monotonic()
+    with hosts.collective(f"the update of step {step}"):
+        updated = train.update_phase(ctx, state, ex.batch, step=step)
+        weight_version = train.sync_phase(ctx, updated.state, ls, step=step)
+    ls.step = step + 1
+    ls.extra[ASYNC_KEY] = aq.state_dict()
+    t_end = time.monotonic()
+    grading_m = (
+        grade.batch_grading_metrics(ex.batch, ex.kept, ex.grader_cheat, ex.fallback)
+        if cfg.grading.enabled and ex.kept.any()
+        else {}
+    )
+    m = train.step_metrics(
+        oldest.collected.sampling,
+        ex.counters,
+        grading_m,
+        updated.metrics,
+        weight_version,
+        cfg,
+        ctx.tracker,
+    )
+    trained_latency = [
+        oldest.resolved_at[g] - oldest.submitted_at
+        for g in oldest.collected.submitted
+        if g in oldest.resolved_at
+    ]
+    oldest_version = min(versions) if versions else oldest.version
+    m.update(
+        {
+            "async/staleness": float(version_at_update - oldest_version),
+            "async/version_spread": float(max(versions) - min(versions)) if versions else 0.0,
+            "async/dispatch_version": float(oldest.version),
+            "async/dispatch_index": float(oldest.index),
+            "async/queued_batches": float(len(aq.queue)),
+            "async/inflight_groups": float(aq.inflight_groups()),
+            "async/dispatch_paused_s": paused,
+            "async/staleness_fallbacks": float(late),
+            "async/ks_length": ks_distance(dispatched_lengths, oldest.lengths())
+            if dispatched_lengths
+            else float("nan"),
+            "async/ks_grading_latency": ks_distance(aq.latencies, trained_latency),
+        }
+    )
+    aq.latencies = []
+    m.update(
+        grade_wait_s=t_update - t_wait,
+        update_time_s=t_end - t_update,
+        step_time_s=t_end - t_step,
+        policy_version=float(ls.policy_version),
+        data_position=float(ls.data_position),
+    )
+    return updated.state, m
+
+
+__all__ = ["ASYNC_KEY", "AsyncQueue", "InflightBatch", "async_step", "ks_distance"]
