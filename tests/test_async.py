@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from gagar_jax.grading import GradingPool
 from gagar_jax.grading.testing import SleepGrader
-from gagar_jax.rl import asynchronous, resume, train
+from gagar_jax.rl import asynchronous, collect, resume, train
 from gagar_jax.rl.config import RunConfig
 from tests.test_grading_pool import make_group as make_workspace
 from tests.test_loop_pieces import load_config_module, make_group
@@ -96,7 +96,14 @@ def _run(monkeypatch, cfg, seconds, steps):
             ids.append(gid)
         ls.data_position += G
         dispatched.append(step)
-        sres = types.SimpleNamespace(groups=groups, skipped_saturated=0, metrics=lambda target: {})
+        sres = collect.SamplingResult(
+            groups=groups,
+            rounds=1,
+            drawn=G,
+            counts={"mixed": G},
+            discarded_mixed=0,
+            rollouts_drawn=G * K,
+        )
         return train.Collected(
             sampling=sres,
             counters=train.StepCounters(),
@@ -152,7 +159,7 @@ def test_oldest_first_nothing_dropped_staleness_bounded(monkeypatch):
     assert all(m["async/staleness"] <= 2 for m in ms)
     assert [m["async/staleness"] for m in ms] == [0.0, 1.0, 2.0, 2.0, 2.0]
     assert all(m["grading_fallbacks"] == 0 for m in ms)
-    assert ls.extra[asynchronous.ASYNC_KEY]["dispatched"] == len(dispatched)
+    assert aq.state_dict()["dispatched"] == len(dispatched)
 
 
 def test_slow_grader_pauses_dispatch_and_past_the_bound_falls_back(monkeypatch):
@@ -172,13 +179,55 @@ def test_slow_grader_pauses_dispatch_and_past_the_bound_falls_back(monkeypatch):
     assert all(m["async/staleness"] <= 1 for m in ms)
 
 
-def test_queued_batches_saved_and_redispatched_from_their_positions(monkeypatch):
+def test_queued_batches_saved_with_trajectories_and_restored(monkeypatch, tmp_path):
     cfg = _cfg(max_staleness=2, max_inflight=16, deadline=30.0)
     _, _, aq, ls = _run(monkeypatch, cfg, seconds=0.01, steps=3)
+    ls.extra[asynchronous.ASYNC_KEY] = aq.state_dict()  # what the loop saves at a checkpoint
     saved = resume.LoopState.from_json(ls.to_json()).extra[asynchronous.ASYNC_KEY]
-    assert [p for p, _ in saved["queued"]] == [b.position for b in aq.queue] == [6, 8]
-    back = asynchronous.AsyncQueue(2, 16, G)
-    back.load(saved)
-    assert back.dispatched == 5
-    # (position, version at dispatch): batches 3 and 4, dispatched at versions 1 and 2
-    assert back.resume_positions == [(6, 1), (8, 2)]
+    # batches 3 and 4 wait (dispatched at versions 1 and 2, data positions 6 and 8)
+    assert [(q["index"], q["version"], q["position"]) for q in saved["queued"]] == [
+        (3, 1, 6),
+        (4, 2, 8),
+    ]
+    assert saved["dispatched"] == 5
+    family = train.build_family(cfg)
+    for q in saved["queued"]:
+        for g in q["groups"]:
+            g["task_index"] = 0  # the scripted groups carry no task: any of the pool
+    pool = GradingPool(
+        SleepGrader(0.0), max_concurrency=1, deadline_s=30.0, cache=str(tmp_path / "cache.jsonl")
+    )
+    try:
+        back = asynchronous.AsyncQueue(2, 16, G)
+        back.load(saved, family=family, pool=pool, cfg=cfg)
+        assert [b.index for b in back.queue] == [3, 4] and not back.resume_positions
+        for b, old in zip(back.queue, aq.queue):
+            for g, og in zip(b.collected.sampling.groups, old.collected.sampling.groups):
+                assert g.group_id == og.group_id
+                for r, o in zip(g.rollouts, og.rollouts):
+                    assert (r.response_tokens, r.logprobs, r.policy_version) == (
+                        o.response_tokens,
+                        o.logprobs,
+                        o.policy_version,
+                    )
+        ids = [gid for b in back.queue for gid in b.collected.submitted]
+        assert len(pool.results(ids, timeout=30.0)) == 4 and pool.metrics()["submitted"] == 4
+    finally:
+        pool.close()
+    # the same trajectories again (a second resume): every verdict from the cache
+    pool = GradingPool(
+        SleepGrader(0.0), max_concurrency=1, deadline_s=30.0, cache=str(tmp_path / "cache.jsonl")
+    )
+    try:
+        again = asynchronous.AsyncQueue(2, 16, G)
+        again.load(saved, family=family, pool=pool, cfg=cfg)
+        assert pool.metrics()["cache_hits"] == 4 and pool.grader.calls == 0
+    finally:
+        pool.close()
+
+
+def test_multi_turn_batches_saved_as_positions_are_dispatched_again_first():
+    back = asynchronous.AsyncQueue(1, 16, G)
+    back.load({"dispatched": 7, "queued": [{"position": 40, "version": 3, "groups": None}]})
+    assert back.resume_positions == [(40, 3)] and back.dispatched == 7
+    assert back.state_dict()["queued"] == [{"position": 40, "version": 3}]

@@ -28,10 +28,15 @@ the trained distributions of response length (``async/ks_length``) and of gradin
 FIFO training keeps both near the sampling noise; a scheme that let fast groups overtake slow
 ones would show here first.
 
-Checkpoints: the batches still queued at a checkpoint are saved as their data positions and
-dispatch versions in the loop state; a resumed run dispatches those positions again first
-(under the restored weights: the old weights are gone), so no prompt is lost or trained twice
-and the data position stays exact.
+Checkpoints: the batches still queued at a checkpoint are saved in the loop state of the same
+atomic checkpoint (:func:`batch_state`): dispatch index and version, data position and, for
+single-turn families, every kept group's trajectories. A resumed run rebuilds them (verified
+again from their tokens, resubmitted to the grading pool, whose verdict cache keyed by the
+trajectory's content answers every group graded before the interruption) and trains them
+first: no group is lost, duplicated or graded twice and the data position is exact. A
+multi-turn batch (its episodes end in environment states) is saved as its data position and
+dispatched again from there under the restored weights; with dynamic sampling the redrawn
+prompts may then differ from the lost ones.
 """
 
 from __future__ import annotations
@@ -117,16 +122,116 @@ class AsyncQueue:
                     self.latencies.append(now - b.submitted_at)
 
     def state_dict(self) -> dict[str, Any]:
-        """The checkpointed part: the dispatch counter and the queued batches' positions."""
+        """The checkpointed part (JSON): the dispatch counter and every queued batch, its
+        groups' trajectories included (:func:`batch_state`)."""
         return {
             "dispatched": self.dispatched,
-            "queued": [[b.position, b.version] for b in self.queue]
-            + [list(p) for p in self.resume_positions],
+            "queued": [batch_state(b) for b in self.queue]
+            + [{"position": p, "version": v} for p, v in self.resume_positions],
         }
 
-    def load(self, state: dict[str, Any]) -> None:
+    def load(self, state: dict[str, Any], *, family=None, pool=None, cfg=None) -> None:
+        """Restores :meth:`state_dict`: batches saved with their trajectories are rebuilt
+        (verified again, resubmitted to ``pool``, whose verdict cache answers every group
+        graded before the interruption) and queued as they were; batches saved as positions
+        only are dispatched again from there, first."""
         self.dispatched = int(state.get("dispatched", 0))
-        self.resume_positions = [(int(p), int(v)) for p, v in state.get("queued", [])]
+        self.resume_positions = []
+        for item in state.get("queued", []):
+            if item.get("groups") is not None and family is not None:
+                self.queue.append(restore_batch(item, family, pool, cfg))
+            else:
+                self.resume_positions.append((int(item["position"]), int(item["version"])))
+
+
+_ROLLOUT_FIELDS = (
+    "prompt_tokens",
+    "response_tokens",
+    "logprobs",
+    "finish_reason",
+    "policy_version",
+    "response_mask",
+    "num_turns",
+    "num_tool_calls",
+)
+
+
+def batch_state(b: InflightBatch) -> dict[str, Any]:
+    """One queued batch as JSON: dispatch index, version, data position, and (single-turn
+    families) each kept group's task index and trajectories (tokens, behaviour log-probs,
+    versions), its tallies and sampling figures. Multi-turn episodes end in an environment
+    state the trajectory alone cannot restore: those batches are saved as their position."""
+    out: dict[str, Any] = {
+        "index": b.index,
+        "version": b.version,
+        "position": b.position,
+        "groups": None,
+    }
+    sres = b.collected.sampling
+    if any(
+        getattr(r.attempt, "episode", None) is not None for g in sres.groups for r in g.rollouts
+    ):
+        return out
+    out["groups"] = [
+        {
+            "group_id": g.group_id,
+            "task_index": g.task_index,
+            "rollouts": [{f: getattr(r, f) for f in _ROLLOUT_FIELDS} for r in g.rollouts],
+        }
+        for g in sres.groups
+    ]
+    out["sampling"] = {
+        f.name: getattr(sres, f.name) for f in dataclasses.fields(sres) if f.name != "groups"
+    }
+    out["counters"] = dataclasses.asdict(b.collected.counters)
+    out["submitted"] = list(b.collected.submitted)
+    out["attempts"] = [[i, list(p)] for i, p in b.collected.attempts]
+    return out
+
+
+def restore_batch(item: dict[str, Any], family, pool, cfg) -> InflightBatch:
+    """The :class:`InflightBatch` of :func:`batch_state`: each rollout verified again from its
+    tokens (the verifier is a function of the task and the response) and each group
+    resubmitted for grading when grading is on."""
+    from gagar_jax.envs.family import Attempt
+    from gagar_jax.rl import train
+    from gagar_jax.rl.collect import Group, SamplingResult, StepCounters, _rollout
+
+    tok = family.tokenizer
+    groups = []
+    for gd in item["groups"]:
+        task = family.train_task(gd["task_index"])
+        rollouts = []
+        for rd in gd["rollouts"]:
+            attempt = Attempt(
+                response_tokens=list(rd["response_tokens"]), text=tok.decode(rd["response_tokens"])
+            )
+            fields = {f: rd[f] for f in _ROLLOUT_FIELDS if f != "prompt_tokens"}
+            rollouts.append(_rollout(family, task, rd["prompt_tokens"], attempt, **fields))
+        groups.append(
+            Group(
+                group_id=gd["group_id"], task=task, rollouts=rollouts, task_index=gd["task_index"]
+            )
+        )
+    sres = SamplingResult(groups=groups, **item["sampling"])
+    if cfg is not None and cfg.grading.enabled:
+        for g in groups:
+            if g.group_id in item["submitted"]:
+                pool.submit(train.group_workspace(family, g))
+    collected = train.Collected(
+        sampling=sres,
+        counters=StepCounters.merged([item["counters"]]),
+        submitted=tuple(item["submitted"]),
+        attempts=tuple((int(i), tuple(bool(x) for x in p)) for i, p in item["attempts"]),
+        wait_start=time.monotonic(),
+    )
+    return InflightBatch(
+        index=int(item["index"]),
+        version=int(item["version"]),
+        position=int(item["position"]),
+        collected=collected,
+        submitted_at=time.monotonic(),
+    )
 
 
 def async_step(step: int, state, ls, ctx, aq: AsyncQueue):
@@ -209,7 +314,6 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue):
         updated = train.update_phase(ctx, state, ex.batch, step=step)
         weight_version = train.sync_phase(ctx, updated.state, ls, step=step)
     ls.step = step + 1
-    ls.extra[ASYNC_KEY] = aq.state_dict()
     t_end = time.monotonic()
     grading_m = (
         grade.batch_grading_metrics(ex.batch, ex.kept, ex.grader_cheat, ex.fallback)

@@ -81,6 +81,7 @@ class Group:
     group_id: str
     task: Any
     rollouts: list[Rollout]
+    task_index: int = -1  # the task's index in the family's training pool (-1: not known)
 
     def valid_mask(self) -> list[bool]:
         return [not r.infra_error for r in self.rollouts]

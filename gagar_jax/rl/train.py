@@ -302,6 +302,8 @@ def collect_phase(engine, family, grading_pool, stream: TaskStream, ls: LoopStat
                                  counters=counters, first_index=lo,
                                  prompt_seeds=[prompt_seed(ls.rng_key, 1, p)
                                                for p in pos[lo:hi]])
+        for i, g in zip(idx[lo:hi], groups):
+            g.task_index = int(i)
         if tracker is not None:
             attempts.extend((int(i), tuple(r.reward > 0 for r in g.rollouts
                                            if not r.infra_error))
@@ -608,7 +610,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             aq = asynchronous.AsyncQueue(cfg.rollout.max_staleness,
                                          cfg.grading.max_inflight_groups,
                                          G // hosts.count)
-            aq.load(ls.extra.get(asynchronous.ASYNC_KEY, {}))
+            aq.load(ls.extra.get(asynchronous.ASYNC_KEY, {}), family=family,
+                    pool=grading_pool, cfg=cfg)
         for step in range(ls.step, total):
             if aq is None:
                 state, m = rl_step(step, state, ls, ctx)
@@ -630,6 +633,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                                    "entries": len(grading_pool.cache)}
                 if ctx.tracker is not None:  # the same on every host: the primary's is saved
                     ls.extra[PASS_RATES_KEY] = ctx.tracker.state_dict()
+                if aq is not None:  # the queued batches, in the same atomic checkpoint
+                    ls.extra[asynchronous.ASYNC_KEY] = aq.state_dict()
                 hosts.barrier(f"ckpt{step + 1}")  # a host hung before the save is named here
                 with hosts.collective(f"the checkpoint of step {step + 1}"):
                     policy.save(ckpt, step + 1, state, ls)  # all hosts take part; orbax writes once
