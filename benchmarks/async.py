@@ -91,7 +91,7 @@ def main():
         per_step = sum(r["step_time_s"] for r in timed) / len(timed)
 
         def mean(key, rows=ms):
-            vals = [r[key] for r in rows if key in r and not math.isnan(r[key])]
+            vals = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
             return sum(vals) / len(vals) if vals else float("nan")
 
         rows.append(

@@ -76,8 +76,8 @@ def get_config(arg=None):
                      # the embedded sampler's rows over this many local devices (0: all)
                      embedded_data_parallel=1,
                      # asynchronous RL (docs/async.md): policy versions a trained group may
-                     # lag (0: synchronous), multi-turn episodes at a sync, token masking
-                     max_staleness=0, partial_rollout="finish", mask_offpolicy_tokens=False)
+                     # lag, grading and queue time included (0: the synchronous loop)
+                     max_staleness=0)
     c.sampling = dict(enabled=True, oversample=1.5, max_rounds=8, allow_partial=True)
     c.grading = dict(grader="heuristic", sglang_url="", max_concurrency=2, deadline_s=60.0,
                      enabled=True, max_inflight_groups=16)

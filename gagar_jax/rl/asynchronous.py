@@ -234,15 +234,18 @@ def restore_batch(item: dict[str, Any], family, pool, cfg) -> InflightBatch:
     )
 
 
-def async_step(step: int, state, ls, ctx, aq: AsyncQueue):
-    """One asynchronous RL step (module docstring); returns ``(state, metrics)``."""
+def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | None = None):
+    """One asynchronous RL step (module docstring); returns ``(state, metrics)``.
+
+    ``steps_left`` (this one included): no batch is dispatched that no remaining step would
+    train, so a run ends with an empty queue."""
     from gagar_jax.rl import train  # the phases live with the synchronous step
 
     cfg, hosts = ctx.cfg, ctx.hosts
     t_step = time.monotonic()
     G_local = cfg.rollout.num_prompts // hosts.count
     dispatched_lengths: list[int] = []
-    while aq.may_dispatch():
+    while aq.may_dispatch() and (steps_left is None or len(aq.queue) < steps_left):
         saved_position = None
         if aq.resume_positions:  # a resumed run's queued batches first, from their positions
             position, _ = aq.resume_positions.pop(0)

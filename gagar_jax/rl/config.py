@@ -121,8 +121,7 @@ class TaskConfig:
 _OFF_POLICY_DEFAULTS = {"rollout_is": "none", "rollout_is_threshold": 2.0,
                         "rollout_rs": "none", "rollout_rs_threshold": 2.0,
                         "rollout_rs_threshold_lower": 0.5, "decoupled": False}
-_ASYNC_ROLLOUT_DEFAULTS = {"max_staleness": 0, "partial_rollout": "finish",
-                           "mask_offpolicy_tokens": False}
+_ASYNC_ROLLOUT_DEFAULTS = {"max_staleness": 0}
 _ASYNC_GRADING_DEFAULTS = {"max_inflight_groups": 16}
 
 
@@ -153,11 +152,6 @@ class RolloutConfig:
     # of a trained group may lag the trainer, generation, verification, grading and queue
     # time included (0: the synchronous loop, collect -> grade -> update -> sync each step)
     max_staleness: int = 0
-    # in-flight multi-turn episodes at a weight sync: "finish" under the weights they started
-    # with (tagged with that version); "off" keeps them in the sampler's call
-    partial_rollout: str = "finish"
-    # keep in the loss only the tokens of the newest policy version in each sequence
-    mask_offpolicy_tokens: bool = False
 
     def __post_init__(self):
         _check(self.engine in ("embedded", "sglang"), "rollout.engine", "embedded|sglang",
@@ -181,8 +175,6 @@ class RolloutConfig:
                ">= 0 (devices; 0 = all of this process's)", self.embedded_data_parallel)
         _check(self.max_staleness >= 0, "rollout.max_staleness",
                ">= 0 policy versions (0 = synchronous)", self.max_staleness)
-        _check(self.partial_rollout in ("finish", "off"), "rollout.partial_rollout",
-               "finish|off", self.partial_rollout)
 
     @property
     def seq_len(self) -> int:

@@ -616,7 +616,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             if aq is None:
                 state, m = rl_step(step, state, ls, ctx)
             else:
-                state, m = asynchronous.async_step(step, state, ls, ctx, aq)
+                state, m = asynchronous.async_step(step, state, ls, ctx, aq,
+                                                   steps_left=total - step)
             if step % cfg.loop.log_every == 0 or step == total - 1:
                 writer.write(step, m)
                 writer.progress(step, m)
