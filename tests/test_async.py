@@ -182,8 +182,9 @@ def test_slow_grader_pauses_dispatch_and_past_the_bound_falls_back(monkeypatch):
 def test_queued_batches_saved_with_trajectories_and_restored(monkeypatch, tmp_path):
     cfg = _cfg(max_staleness=2, max_inflight=16, deadline=30.0)
     _, _, aq, ls = _run(monkeypatch, cfg, seconds=0.01, steps=3)
-    ls.extra[asynchronous.ASYNC_KEY] = aq.state_dict()  # what the loop saves at a checkpoint
-    saved = resume.LoopState.from_json(ls.to_json()).extra[asynchronous.ASYNC_KEY]
+    # what the loop saves at a checkpoint (one host)
+    ls.extra[asynchronous.ASYNC_KEY] = {"per_host": [aq.state_dict()]}
+    saved = resume.LoopState.from_json(ls.to_json()).extra[asynchronous.ASYNC_KEY]["per_host"][0]
     # batches 3 and 4 wait (dispatched at versions 1 and 2, data positions 6 and 8)
     assert [(q["index"], q["version"], q["position"]) for q in saved["queued"]] == [
         (3, 1, 6),

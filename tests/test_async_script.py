@@ -78,7 +78,7 @@ def test_async_sigkill_resumes_with_queued_groups_exactly(tmp_path):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     state = read_loop_state(run / "checkpoints", 2)
-    queued = state.extra["async"]["queued"]
+    queued = state.extra["async"]["per_host"][0]["queued"]
     assert [q["index"] for q in queued] == [2] and queued[0]["groups"]  # a batch in flight
 
     r = subprocess.run(_cmd(run), capture_output=True, text=True, timeout=900, cwd=ROOT)

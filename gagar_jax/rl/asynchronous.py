@@ -101,7 +101,9 @@ class AsyncQueue:
         self.latencies: list[float] = []  # grading latencies observed this step
 
     def inflight_groups(self) -> int:
-        return sum(len(b.collected.submitted) for b in self.queue)
+        """Group slots dispatched and not yet trained (``groups_per_batch`` per queued batch:
+        the same count on every host, so all hosts take the same admission decisions)."""
+        return len(self.queue) * self.groups_per_batch
 
     def may_dispatch(self) -> bool:
         """Admission: a new batch keeps the staleness bound (at most ``S`` batches ahead of it)

@@ -610,8 +610,14 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             aq = asynchronous.AsyncQueue(cfg.rollout.max_staleness,
                                          cfg.grading.max_inflight_groups,
                                          G // hosts.count)
-            aq.load(ls.extra.get(asynchronous.ASYNC_KEY, {}), family=family,
-                    pool=grading_pool, cfg=cfg)
+            saved = ls.extra.get(asynchronous.ASYNC_KEY, {}).get("per_host")
+            if saved is not None:
+                if len(saved) != hosts.count:
+                    raise ResumeMismatchError(
+                        f"{workdir}: the checkpoint holds the queued batches of {len(saved)} "
+                        f"hosts, this run has {hosts.count} (rollout.max_staleness > 0 "
+                        "resumes on the same number of processes)")
+                aq.load(saved[hosts.index], family=family, pool=grading_pool, cfg=cfg)
         for step in range(ls.step, total):
             if aq is None:
                 state, m = rl_step(step, state, ls, ctx)
@@ -634,8 +640,9 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                                    "entries": len(grading_pool.cache)}
                 if ctx.tracker is not None:  # the same on every host: the primary's is saved
                     ls.extra[PASS_RATES_KEY] = ctx.tracker.state_dict()
-                if aq is not None:  # the queued batches, in the same atomic checkpoint
-                    ls.extra[asynchronous.ASYNC_KEY] = aq.state_dict()
+                if aq is not None:  # every host's queued batches, in the same checkpoint
+                    ls.extra[asynchronous.ASYNC_KEY] = {"per_host": hosts.allgather(
+                        f"s{step}/async_state", aq.state_dict())}
                 hosts.barrier(f"ckpt{step + 1}")  # a host hung before the save is named here
                 with hosts.collective(f"the checkpoint of step {step + 1}"):
                     policy.save(ckpt, step + 1, state, ls)  # all hosts take part; orbax writes once
