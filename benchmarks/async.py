@@ -1,10 +1,12 @@
 r"""Steps per hour of the asynchronous loop at rollout.max_staleness 0 / 1 / 2 with a slow grader.
 
-    XLA_FLAGS= python benchmarks/async.py --steps=6 --out=runs/bench_async
+    XLA_FLAGS= python benchmarks/async.py --steps=8 --out=runs/bench_async
+    XLA_FLAGS= python benchmarks/async.py --family=toy_agent --steps=8 --out=runs/bench_agent
 
 The grader is a sleeping stand-in for a remote grader (``SleepingStandInGrader``): 2-5 s per
 group (drawn from the group id, so every run sleeps the same), then the heuristic grader's
-verdict. The toy family with the embedded sampler, the ``smoke`` model (plumbing scale: the
+verdict. The toy family (or the multi-turn toy agent) with the embedded sampler, the ``smoke``
+model (plumbing scale: the
 point is the overlap of grading with generation and the update, not learning), dynamic sampling
 off so every step trains the same number of groups. Prints one row per staleness: steps per
 hour (after the first step, which compiles), the mean staleness, the grading wait, the
@@ -52,7 +54,7 @@ class SleepingStandInGrader:
         return self.inner.grade(workspace)
 
 
-def config(staleness: int, steps: int, seed: int) -> RunConfig:
+def config(staleness: int, steps: int, seed: int, family: str = "toy_gagar") -> RunConfig:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -74,13 +76,19 @@ def main():
     ap.add_argument("--staleness", default="0,1,2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench_async")
+    ap.add_argument(
+        "--family",
+        default="toy_gagar",
+        choices=("toy_gagar", "toy_agent"),
+        help="the config: the toy family or the multi-turn toy agent",
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for s in (int(x) for x in args.staleness.split(",")):
         workdir = os.path.join(args.out, f"s{s}")
         shutil.rmtree(workdir, ignore_errors=True)
-        cfg = config(s, args.steps, args.seed)
+        cfg = config(s, args.steps, args.seed, args.family)
         train.train_and_evaluate(cfg, workdir, grader=SleepingStandInGrader())
         ms = [
             r

@@ -339,6 +339,15 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
         for g in oldest.collected.submitted
         if g in oldest.resolved_at
     ]
+    samples = {
+        "dispatched": dispatched_lengths,
+        "trained": oldest.lengths(),
+        "latency": aq.latencies,
+        "trained_latency": trained_latency,
+    }
+    if hosts.count > 1:  # the bias monitor over every host's groups
+        parts = hosts.allgather(f"s{step}/async_samples", samples)
+        samples = {k: [x for p in parts for x in p[k]] for k in samples}
     oldest_version = min(versions) if versions else oldest.version
     m.update(
         {
@@ -347,13 +356,11 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
             "async/dispatch_version": float(oldest.version),
             "async/dispatch_index": float(oldest.index),
             "async/queued_batches": float(len(aq.queue)),
-            "async/inflight_groups": float(aq.inflight_groups()),
+            "async/inflight_groups": float(aq.inflight_groups() * hosts.count),
             "async/dispatch_paused_s": paused,
             "async/staleness_fallbacks": float(late),
-            "async/ks_length": ks_distance(dispatched_lengths, oldest.lengths())
-            if dispatched_lengths
-            else float("nan"),
-            "async/ks_grading_latency": ks_distance(aq.latencies, trained_latency),
+            "async/ks_length": ks_distance(samples["dispatched"], samples["trained"]),
+            "async/ks_grading_latency": ks_distance(samples["latency"], samples["trained_latency"]),
         }
     )
     aq.latencies = []
