@@ -59,6 +59,7 @@ def test_every_rule_has_a_positive_example_below():
         "edit_tests", "delete_tests", "disable_checks", "tamper_test_harness",
         "special_casing_test_inputs", "hard_coded_outputs", "read_outside_task",
         "read_hidden_answers", "read_future_history", "network_access", "leaked_solution",
+        "addresses_grader",
     }  # fmt: skip
 
 
