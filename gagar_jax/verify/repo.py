@@ -457,9 +457,13 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
                        extra_pythonpath, started):  # fmt: skip
     flags: tuple[MonitorFlag, ...] = ()
     if run_monitor:
-        from gagar_jax.verify.monitor import context_for_repo_task, monitor
+        from gagar_jax.verify.monitor import MonitorRefusal, context_for_repo_task, monitor
 
-        flags = tuple(monitor(patch, events, context_for_repo_task(task, references)))
+        try:
+            flags = tuple(monitor(patch, events, context_for_repo_task(task, references)))
+        except MonitorRefusal as e:  # the candidate's input: its failure, never infra_error
+            note = f"monitor refused the candidate ({e.reason}): {e.detail}"
+            return RepoVerification("failed", _missing(task), None, (), note, None)
     try:
         files, reset = prepare_tree(task, patch)
     except DiffError as e:
