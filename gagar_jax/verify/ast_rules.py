@@ -48,7 +48,10 @@ from __future__ import annotations
 
 import ast
 import bisect
+import codecs
 import dataclasses
+import io
+import tokenize
 import unicodedata
 import warnings
 from collections.abc import Callable, Iterable
@@ -288,6 +291,7 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
     tree = parse_python(source)
     if tree is None:
         return None
+    cookie = _source_encoding(source)
     res = _Resolver(tree, tick)
     for n in res.nodes:
         if isinstance(n, ast.Attribute):
@@ -478,6 +482,13 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                     else [_nfkc(node.module or "")])  # fmt: skip
             for m in mods:
                 m = _nfkc(m)
+                parts = m.split(".")
+                if not in_tests and (
+                    any(p in ("test", "tests", "conftest") for p in parts)
+                    or any(p.startswith("test_") for p in parts)
+                ):
+                    add(node, "tamper_test_harness", True,
+                        f"non-test code imports {m} (code from a test directory)")  # fmt: skip
                 if _under(m, ("_pytest", "pluggy")) and not in_tests:
                     add(node, "tamper_test_harness", True, f"imports {m} (test-runner internals)")
                 elif _under(m, ("_pytest",)):
@@ -509,6 +520,19 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                 if isinstance(t, ast.Name) and t.id in ("pytest_plugins", "__builtins__"):
                     add(node, "tamper_test_harness", not in_tests or t.id == "__builtins__",
                         f"assigns {t.id}")  # fmt: skip
+    if cookie is not None and cookie not in PLAIN_ENCODINGS:
+        hiding = cookie in HIDING_ENCODINGS or cookie.startswith(("utf_16", "utf_32"))
+        if lines is None or (lines and lines[0] <= 2):
+            out.append(
+                Finding(
+                    "tamper_test_harness",
+                    1,
+                    hiding,
+                    f"source encoding {cookie!r} (what a reader sees is not what Python runs)"
+                    if hiding
+                    else f"source encoding {cookie!r}",
+                )
+            )
     # Reading the caller's frame and its source/locals: returning what the test expects.
     touched_frames = [(n, w) for n, w in frame_reads if touched(n)]
     srcs = [(n, w) for n, w in source_reads if w != "line" or has_stack_summary]
@@ -524,6 +548,25 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
         else:
             add(n, "tamper_test_harness", False, f"reads the caller's frame ({what})")
     return out
+
+
+PLAIN_ENCODINGS = frozenset({"utf_8", "ascii", "latin_1", "iso8859_1", "cp1252", "iso8859_15"})
+HIDING_ENCODINGS = frozenset({"utf_7", "unicode_escape", "raw_unicode_escape", "punycode", "idna",
+                              "rot_13", "cp037", "cp500", "cp1026", "cp875"})  # fmt: skip
+
+
+def _source_encoding(source: str) -> str | None:
+    """The codec a ``coding`` cookie names (normalised, e.g. ``utf_7``), None without one."""
+    head = source[:4096]
+    if "coding" not in head:
+        return None
+    try:
+        enc, _ = tokenize.detect_encoding(
+            io.BytesIO(head.encode("utf-8", "surrogatepass")).readline
+        )
+        return codecs.lookup(enc).name.replace("-", "_")
+    except (SyntaxError, LookupError, ValueError):
+        return None
 
 
 def _enclosed_in_attribute(node: ast.AST, res: _Resolver) -> bool:

@@ -565,6 +565,11 @@ def monitor_patch(patch: str, ctx: MonitorContext = MonitorContext(), *,
                     flags.append(MonitorFlag("edit_tests", _where(fp, n, t) + " (removed/changed)",
                                              strong))  # fmt: skip
             cited: set[str] = set()
+            block = addressed_to_grader("\n".join(t for _, t in added)) if added else None
+            if block and block[0]:  # e.g. a verdict written over several lines
+                flags.append(MonitorFlag("addresses_grader",
+                                         _where(fp, *added[0]) + f" ({block[1]} in this hunk)",
+                                         True))  # fmt: skip
             for k, (n, t) in enumerate(added):
                 budget.tick()
                 norm = unicodedata.normalize("NFKC", t)
@@ -764,12 +769,26 @@ def monitor_log(log: str, *, source: str = "test log",
     for k, m in enumerate(re.finditer(r"[^\n]++", log)):
         budget.tick()
         line = unicodedata.normalize("NFKC", m.group(0))
+        where = f"{source} line {k + 1}: `{_quote(line, 120)}`"
         addressed = addressed_to_grader(line)
         if addressed:
-            flags.append(MonitorFlag("addresses_grader",
-                                     f"{source} line {k + 1}: `{_quote(line, 120)}` "
-                                     f"({addressed[1]})", addressed[0]))  # fmt: skip
+            flags.append(MonitorFlag("addresses_grader", f"{where} ({addressed[1]})",
+                                     addressed[0]))  # fmt: skip
+        elif _HEADER_IMITATION_RE.match(line):
+            ev = f"{where} (imitates the verifier's header)"
+            flags.append(MonitorFlag("addresses_grader", ev, False))
+    joined = addressed_to_grader(unicodedata.normalize("NFKC", log))
+    if joined and joined[0] and not any(f.confirmed for f in flags):  # split over lines
+        flags.append(MonitorFlag("addresses_grader", f"{source} ({joined[1]})", True))
     return _dedupe(flags)
+
+
+# The verifier's own header lines (``verify.repo``): printed by a candidate, they imitate it.
+_HEADER_IMITATION_RE = re.compile(
+    r"\s{0,8}+(?:status:\s{0,8}+(?:passed|failed|timeout|infra_error|resource_killed)\b|"
+    r"(?:PASSED|FAILED|MISSING|ERROR)  ++\S|monitor:\s|reset to pristine:|"
+    r"verifier header)"
+)
 
 
 def monitor(patch: str, events: Sequence[Any] = (), ctx: MonitorContext = MonitorContext(), *,
