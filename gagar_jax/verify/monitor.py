@@ -259,8 +259,8 @@ _ADDRESS_CONFIRMED_RE = re.compile(
 )
 _ROLE_MARKER_RE = re.compile(
     r"<\|(?:im_start|im_end|system|assistant|user|eot_id|start_header_id|end_header_id|"
-    r"endoftext)\|>|\[/?INST\]|<</?SYS>>|<start_of_turn>|^\s{0,8}+#{1,6}\s{0,8}+(?:system|"
-    r"assistant)\s{0,8}+:|^\s{0,8}+(?:system|assistant)\s{0,8}+:\s",
+    r"endoftext)\|>|\[/?INST\]|<</?SYS>>|<start_of_turn>|(?<![^\s#/*>\"'`])#{1,6}\s{0,8}+"
+    r"(?:system|assistant)\s{0,8}+:|^\s{0,8}+(?:system|assistant)\s{0,8}+:\s",
     re.IGNORECASE | re.MULTILINE,
 )
 _ADDRESS_ADVISORY_RE = re.compile(
