@@ -455,23 +455,53 @@ def _python_findings(fp: FilePatch, ctx: MonitorContext, in_tests: bool, budget:
         if found is not None:
             strings = _string_lines(text)
             return [(f.line, f) for f in found], strings
-    # Unknown pristine file or unparsable text: each hunk's new side, then each added line.
+    # Unknown pristine file or unparsable text: each hunk's new side, then each run of added
+    # lines, then each added line (the first of these that parses is read).
     out: list[tuple[int, ast_rules.Finding]] = []
     for h in fp.hunks:
         budget.tick()
-        new_side = h.new_lines()
-        frag = textwrap.dedent("\n".join(new_side))
-        added_here = {n - h.new_start + 1 for n, _ in h.added()}
-        found = ast_rules.analyse_source(frag, in_tests=in_tests, changed=added_here,
-                                         tick=budget.tick)  # fmt: skip
-        if found is not None:
-            out += [(h.new_start + f.line - 1, f) for f in found]
-            continue
-        for n, t in h.added():
-            budget.tick()
-            found = ast_rules.analyse_source(t.strip(), in_tests=in_tests, tick=budget.tick)
-            out += [(n, f) for f in found or ()]
+        rows = [(h.new_start + k, t) for k, t in enumerate(h.new_lines())]
+        added_here = {n for n, _ in h.added()}
+        pieces = [rows]
+        run: list[tuple[int, str]] = []
+        for n, t in rows + [(-1, "")]:
+            if n in added_here:
+                run.append((n, t))
+            elif run:
+                pieces.append(run)
+                run = []
+        for piece in pieces:
+            found = _parse_piece(piece, added_here, in_tests, budget)
+            if found is not None:
+                out += found
+                if piece is rows:
+                    break
+                continue
+            if piece is rows:
+                continue
+            for n, t in piece:
+                budget.tick()
+                found = ast_rules.analyse_source(t.strip(), in_tests=in_tests, tick=budget.tick)
+                out += [(n, f) for f in found or ()]
     return out, set()
+
+
+def _parse_piece(rows: list[tuple[int, str]], added: set[int], in_tests: bool, budget: _Budget
+                 ) -> list[tuple[int, ast_rules.Finding]] | None:  # fmt: skip
+    """Findings of consecutive lines read as one dedented fragment (an open block at its end
+    closed with ``pass``), or None when the fragment does not parse."""
+    if not rows:
+        return []
+    frag = textwrap.dedent("\n".join(t for _, t in rows))
+    last = frag.rstrip().rsplit("\n", 1)[-1]
+    if last.rstrip().endswith(":"):
+        frag += "\n" + " " * (_indent(last) + 4) + "pass"
+    first = rows[0][0]
+    changed = {n - first + 1 for n, _ in rows if n in added}
+    found = ast_rules.analyse_source(frag, in_tests=in_tests, changed=changed, tick=budget.tick)
+    if found is None:
+        return None
+    return [(first + f.line - 1, f) for f in found]
 
 
 def _string_lines(text: str) -> set[int]:
