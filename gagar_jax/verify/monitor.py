@@ -37,9 +37,27 @@ leaked_solution             the patch reproduces a reference/leaked         alwa
                             solution (``leakage_screen``): long enough to   merely coincide are not
                             rule out chance, or a shared distinctive        flagged)
                             comment
+addresses_grader            text written to the grader: a planted verdict,  a planted verdict, the
+                            "note to the grader", "ignore previous          grader named as the
+                            instructions", chat role markers, printed       addressee, "ignore ...
+                            imitations of the verifier's header             instructions" (not in
+                                                                            observations)
 ==========================  ==============================================  ======================
 
-All rules are deterministic text/AST checks: cheap enough to run on every rollout.
+Every changed Python file (test directories included) is also parsed and read by the AST rules
+of ``ast_rules``: resolved names and constructs (tampering with pytest/unittest/builtins,
+``sys.modules``, ``__code__``, reading the caller's frame, always-equal objects, network calls),
+whatever the aliases, ``getattr``/``__import__`` lookups, fullwidth identifiers or coding cookie.
+With ``MonitorContext.files`` the whole new file is read; without it, each hunk (or run of added
+lines) that parses on its own.
+
+All rules are deterministic and linear in their input: no regex can backtrack over a long line
+(possessive quantifiers, searches split at shell separators), every call has a size bound
+(``MAX_PATCH_CHARS``, ``MAX_TRAJECTORY_CHARS``, ``MAX_LOG_CHARS``) and a deadline
+(``DEFAULT_DEADLINE_S``). Input over a bound, a run past the deadline, or input that breaks a
+rule raises ``MonitorRefusal`` with a reason in ``REFUSALS``: the verifier reports the candidate
+``failed`` (never ``infra_error``). Text rules read NFKC-normalised text; a URL in a comment or
+a doctest line in a docstring is not evidence of anything.
 """
 
 from __future__ import annotations
