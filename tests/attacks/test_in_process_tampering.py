@@ -11,6 +11,11 @@ directories hide nothing.
 import pytest
 from _monitor_kit import BUGGY, app, confirmed, new_file, verdict, verify
 
+from gagar_jax.verify import sandbox as sb
+from gagar_jax.verify.sandbox import SandboxConfig
+
+MECHANISMS = [m for m, why in sb.available_mechanisms().items() if why is None]
+
 HALF = "\n\ndef half(x):\n    return x // 2 + 1\n"
 IMPORT_HELPER = "from {mod} import *  # noqa\n" + BUGGY
 
@@ -120,3 +125,18 @@ def test_in_process_tampering_is_not_rewarded(attack):
     v = verify(ATTACKS[attack])
     assert verdict(v) == "failed" and not v.infra_error, (v.status, v.flags, v.test_log[-800:])
     assert confirmed(v.flags, "tamper_test_harness"), (v.status, v.flags)
+
+
+# One attack of each kind again under every sandbox mechanism of this machine: the monitor reads
+# the patch before the run, so no mechanism's quirks (e.g. what reaches the test process) let one
+# through.
+SAMPLE = ("always_equal_class", "frame_linecache", "sys_modules_test_module",
+          "unittest_assert_patched", "testreport_wrapped", "setprofile_code_swap")  # fmt: skip
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_a_sample_is_stopped_under_every_mechanism(mechanism):
+    for attack in SAMPLE:
+        v = verify(ATTACKS[attack], config=SandboxConfig(mechanism=mechanism))
+        assert verdict(v) == "failed" and not v.infra_error, (attack, v.status, v.test_log[-400:])
+        assert confirmed(v.flags, "tamper_test_harness"), (attack, v.flags)
