@@ -63,7 +63,6 @@ a doctest line in a docstring is not evidence of anything.
 from __future__ import annotations
 
 import ast
-import collections
 import dataclasses
 import difflib
 import functools
@@ -280,6 +279,7 @@ _NET_MENTION_RE = re.compile(r"https?://|\burllib\.request\b|\bimport\s++request
 _CMP_RE = re.compile(r"==|!=|\bin\b|\bis\b|\bif\b|\belif\b|\bcase\b")
 _RETURN_RE = re.compile(r"\s*+return\b")
 _DEF_TEST_RE = re.compile(r"def (test\w*)")
+_PY_NEWLINE_RE = re.compile(r"\r\n|\r|\n")
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"pytest", "_pytest", "pluggy"}
 # Modules the test run imports by name: a new module of this name on its ``sys.path`` replaces it.
 SHADOWED = _STDLIB | {"iniconfig", "packaging", "exceptiongroup", "tomli", "py", "hypothesis",
@@ -489,8 +489,9 @@ def _python_findings(fp: FilePatch, ctx: MonitorContext, in_tests: bool, budget:
         return [], set()
     text = _new_text(fp, ctx.files)
     if text is not None:
-        new_lines = text.splitlines()
-        added_texts = collections.Counter(t for _, t in added)
+        # Lines as Python numbers them (\r\n, \r, \n; not \f or \u2028 as splitlines does).
+        new_lines = _PY_NEWLINE_RE.split(text)
+        added_texts = {part for _, t in added for part in _PY_NEWLINE_RE.split(t)}
         # Lines the patch added, located in the new text (the hunk header's numbers may lie).
         changed = {i + 1 for i, row in enumerate(new_lines) if row in added_texts}
         found = ast_rules.analyse_source(text, in_tests=in_tests, changed=changed,
@@ -538,17 +539,21 @@ def _parse_piece(rows: list[tuple[int, str]], added: set[int], in_tests: bool, b
     closed with ``pass``), or None when the fragment does not parse."""
     if not rows:
         return []
-    frag = textwrap.dedent("\n".join(t for _, t in rows))
+    nums, parts = [], []  # a row holding \r is several lines to Python: keep the numbering
+    for n, t in rows:
+        for part in _PY_NEWLINE_RE.split(t):
+            nums.append(n)
+            parts.append(part)
+    frag = textwrap.dedent("\n".join(parts))
     last = frag.rstrip().rsplit("\n", 1)[-1]
     if last.rstrip().endswith(":"):
         frag += "\n" + " " * (_indent(last) + 4) + "pass"
-    first = rows[0][0]
-    changed = {n - first + 1 for n, _ in rows if n in added}
+    changed = {k + 1 for k, n in enumerate(nums) if n in added}
     found = ast_rules.analyse_source(frag, in_tests=in_tests, changed=changed, tick=budget.tick,
                                      own=ctx.own_modules, imported=ctx.imported_modules)
     if found is None:
         return None
-    return [(first + f.line - 1, f) for f in found]
+    return [(nums[min(f.line, len(nums)) - 1], f) for f in found]
 
 
 def _string_lines(text: str) -> set[int]:
