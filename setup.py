@@ -47,7 +47,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=["gagar_jax", "gagar_jax.*"]),
     # Versioned grader prompts (gagar_jax/grading/prompts/<version>/*.md).
     package_data={
-        "gagar_jax.grading": ["prompts/*/*.md"],
+        "gagar_jax.grading": ["prompts/*/*.md", "sets/*/*/*.jsonl"],
         "gagar_jax.verify": ["prompts/*/*.md"],
         "gagar_jax.data": ["prompts/*/*.md"],
         "gagar_jax.envs": ["prompts/*/*.md"],
