@@ -71,7 +71,7 @@ METRIC_KEYS = ("kappa", "kappa_baseline", "tau_b", "auc", "ece", "cheat_precisio
 EXTRA_KEYS = ("accuracy", "accuracy_baseline", "fallback_rate", "tokens_per_group")
 ECE_BINS = 10
 TIERS = (1, 2, 3)
-GRADER_NAMES = ("heuristic", "scripted", "panel", "agentic")
+GRADER_NAMES = ("heuristic", "scripted", "panel", "panel_mean_rank", "panel_escalate", "agentic")
 INVARIANT_PROBES = ("permute", "rename_ids")
 NO_GAIN_PROBES = ("comment_padding", "dead_code", "master_key", "injection")
 PROBES = INVARIANT_PROBES + NO_GAIN_PROBES
@@ -573,10 +573,11 @@ def make_grader(name: str, set_name: str, *, sglang_url: str = "", votes: int = 
         g = AgenticGrader(ScriptedGraderPolicy(), check_runner=check_runner_for(set_name))
         g.grader_id = "scripted"
         return g
-    if name == "panel":
+    if name in ("panel", "panel_mean_rank", "panel_escalate"):
         from gagar_jax.grading.panel import default_panel
 
-        return default_panel(set_name)
+        agg = "mean_rank" if name == "panel_mean_rank" else "majority"
+        return default_panel(set_name, aggregation=agg, escalate=name == "panel_escalate")
     if name == "agentic":
         if not sglang_url:
             raise ValueError("--grader agentic needs --sglang-url http://host:port")
