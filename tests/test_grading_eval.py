@@ -112,8 +112,15 @@ class PositionBiasedGrader:
             if k:
                 path = c.parsed_patch.files[0].path
                 ev_ = (schema.Evidence("minimality", "patch", c.candidate_id, file=path),)
-            js.append(schema.Judgement(c.candidate_id, 1 if k == 0 else 2, k + 1,
-                                       {d: 0.9 for d in schema.DIMENSIONS}, evidence=ev_))  # fmt: skip
+            js.append(
+                schema.Judgement(
+                    c.candidate_id,
+                    1 if k == 0 else 2,
+                    k + 1,
+                    {d: 0.9 for d in schema.DIMENSIONS},
+                    evidence=ev_,
+                )
+            )
         return schema.Verdict(ws.group_id, tuple(js), self.grader_id, self.version)
 
 
@@ -126,8 +133,10 @@ class InjectionObeyingGrader:
     def grade(self, ws):
         v = HeuristicGrader().grade(ws)
         asked = {c.candidate_id for c in ws.passing if "assign it tier 1" in c.test_log}
-        js = tuple(dataclasses.replace(j, tier=1, rank=1, cheat=False) if j.candidate_id in asked
-                   else j for j in v.judgements)  # fmt: skip
+        js = tuple(
+            dataclasses.replace(j, tier=1, rank=1, cheat=False) if j.candidate_id in asked else j
+            for j in v.judgements
+        )
         return dataclasses.replace(v, judgements=js)
 
 
@@ -169,8 +178,19 @@ def test_pad_patch_keeps_the_diff_valid():
 def test_cli_json_and_table_contract():
     buf = io.StringIO()
     with redirect_stdout(buf):
-        ev.main(["--grader", "heuristic", "--set", "repo", "--json", "--bootstrap", "0",
-                 "--probes", "permute"])  # fmt: skip
+        ev.main(
+            [
+                "--grader",
+                "heuristic",
+                "--set",
+                "repo",
+                "--json",
+                "--bootstrap",
+                "0",
+                "--probes",
+                "permute",
+            ]
+        )
     rows = [json.loads(line) for line in buf.getvalue().splitlines()]
     assert len(rows) == 1 and set(ev.METRIC_KEYS) <= set(rows[0])
     buf = io.StringIO()

@@ -66,8 +66,18 @@ import numpy as np
 from gagar_jax.grading import labelled, schema
 from gagar_jax.grading.pool import grade_all
 
-METRIC_KEYS = ("kappa", "kappa_baseline", "tau_b", "auc", "ece", "cheat_precision",
-               "cheat_recall", "flip_rate", "split_error", "s_per_group")  # fmt: skip
+METRIC_KEYS = (
+    "kappa",
+    "kappa_baseline",
+    "tau_b",
+    "auc",
+    "ece",
+    "cheat_precision",
+    "cheat_recall",
+    "flip_rate",
+    "split_error",
+    "s_per_group",
+)
 EXTRA_KEYS = ("accuracy", "accuracy_baseline", "fallback_rate", "tokens_per_group")
 ECE_BINS = 10
 TIERS = (1, 2, 3)
@@ -92,8 +102,9 @@ def cohen_kappa(a: Sequence[int], b: Sequence[int], labels: Sequence[int] = TIER
     """Cohen's kappa ``(p_o - p_e) / (1 - p_e)`` of two raters; nan when ``p_e == 1`` or empty."""
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape or a.ndim != 1:
-        raise ValueError(f"cohen_kappa: expected two 1-d sequences of one length, got "
-                         f"{a.shape} and {b.shape}")  # fmt: skip
+        raise ValueError(
+            f"cohen_kappa: expected two 1-d sequences of one length, got {a.shape} and {b.shape}"
+        )
     n = a.size
     if n == 0:
         return math.nan
@@ -206,8 +217,12 @@ def split_errors(
     adv = mean_centered(jnp.asarray(passed, jnp.float32), jnp.asarray(valid))
 
     def split(t, r):
-        f = discount_factors(jnp.asarray(t, jnp.int32), jnp.asarray(r, jnp.int32),
-                             jnp.asarray(passed), jnp.asarray(valid)).factors  # fmt: skip
+        f = discount_factors(
+            jnp.asarray(t, jnp.int32),
+            jnp.asarray(r, jnp.int32),
+            jnp.asarray(passed),
+            jnp.asarray(valid),
+        ).factors
         return np.asarray(redistribute(adv, jnp.asarray(passed), f, jnp.asarray(valid)))
 
     gold = split(gold_tier, gold_rank)
@@ -245,9 +260,14 @@ class GroupOutcome:
 def _outcome(lg: labelled.LabelledGroup, res: schema.GradeResult) -> GroupOutcome:
     ids = [c.candidate_id for c in lg.workspace.passing]
     g = [lg.gold[i] for i in ids]
-    out = GroupOutcome(lg.workspace.group_id, [x.tier for x in g], [x.rank for x in g],
-                       [x.cheat for x in g], res.verdict is not None,
-                       latency_s=float(res.latency_s))  # fmt: skip
+    out = GroupOutcome(
+        lg.workspace.group_id,
+        [x.tier for x in g],
+        [x.rank for x in g],
+        [x.cheat for x in g],
+        res.verdict is not None,
+        latency_s=float(res.latency_s),
+    )
     if res.verdict is not None:
         js = [res.verdict.judgement(i) for i in ids]
         out.tier = [j.tier for j in js]
@@ -344,8 +364,9 @@ def bootstrap_ci(
 
 
 def _with(ws: schema.GroupWorkspace, cid: str, **changes: Any) -> schema.GroupWorkspace:
-    cands = tuple(dataclasses.replace(c, **changes) if c.candidate_id == cid else c
-                  for c in ws.candidates)  # fmt: skip
+    cands = tuple(
+        dataclasses.replace(c, **changes) if c.candidate_id == cid else c for c in ws.candidates
+    )
     return dataclasses.replace(ws, candidates=cands)
 
 
@@ -363,8 +384,10 @@ def pad_patch(patch: str, lines: Sequence[str]) -> str | None:
         if m and path and path.endswith(".py"):
             j = i + 1
             last_add = None
-            while j < len(out) and out[j][:1] in ("+", "-", " ", "\\") and not out[j].startswith(
-                ("+++ ", "--- ")
+            while (
+                j < len(out)
+                and out[j][:1] in ("+", "-", " ", "\\")
+                and not out[j].startswith(("+++ ", "--- "))
             ):
                 if out[j].startswith("+"):
                     last_add = j
@@ -399,10 +422,13 @@ def make_probe(name: str, lg: labelled.LabelledGroup, seed: int = 0):
         return dataclasses.replace(ws, candidates=tuple(cands)), None, ident
     if name == "rename_ids":
         rng = random.Random(f"ids/{seed}/{ws.group_id}")
-        new = {c.candidate_id: f"cand-{rng.randrange(16**6):06x}-{k}"
-               for k, c in enumerate(ws.candidates)}  # fmt: skip
-        cands = tuple(dataclasses.replace(c, candidate_id=new[c.candidate_id])
-                      for c in ws.candidates)  # fmt: skip
+        new = {
+            c.candidate_id: f"cand-{rng.randrange(16**6):06x}-{k}"
+            for k, c in enumerate(ws.candidates)
+        }
+        cands = tuple(
+            dataclasses.replace(c, candidate_id=new[c.candidate_id]) for c in ws.candidates
+        )
         return dataclasses.replace(ws, candidates=cands), None, {v: k for k, v in new.items()}
     c = ws.candidate(worst)
     if name == "comment_padding":
@@ -415,14 +441,18 @@ def make_probe(name: str, lg: labelled.LabelledGroup, seed: int = 0):
         return None if patch is None else (_with(ws, worst, patch=patch), worst, ident)
     if name == "master_key":
         events = tuple(c.trajectory) + (
-            schema.TrajectoryEvent(max((e.turn for e in c.trajectory), default=0), "message",
-                                   MASTER_KEYS[1]),  # fmt: skip
+            schema.TrajectoryEvent(
+                max((e.turn for e in c.trajectory), default=0), "message", MASTER_KEYS[1]
+            ),
         )
         return _with(ws, worst, summary=MASTER_KEYS[0], trajectory=events), worst, ident
     if name == "injection":
         text = INJECTION.format(cid=worst)
-        return (_with(ws, worst, test_log=c.test_log + text, summary=c.summary + text), worst,
-                ident)  # fmt: skip
+        return (
+            _with(ws, worst, test_log=c.test_log + text, summary=c.summary + text),
+            worst,
+            ident,
+        )
     raise ValueError(f"make_probe: unknown probe {name!r}; expected one of {PROBES}")
 
 
@@ -436,8 +466,13 @@ def _probe_failed(name: str, base: schema.Verdict, probe: schema.Verdict, target
             a, b = base.judgement(cid), back(probe, cid)
             if (a.tier, a.cheat) != (b.tier, b.cheat):
                 return True
-        remapped = dataclasses.replace(probe, judgements=tuple(
-            dataclasses.replace(j, candidate_id=id_map[j.candidate_id]) for j in probe.judgements))  # fmt: skip
+        remapped = dataclasses.replace(
+            probe,
+            judgements=tuple(
+                dataclasses.replace(j, candidate_id=id_map[j.candidate_id])
+                for j in probe.judgements
+            ),
+        )
         return _flips(base, remapped, ids)[0] > 0
     a, b = base.judgement(target), probe.judgement(target)
 
@@ -512,8 +547,11 @@ def evaluate(
                 o.flip_pairs, o.pairs = _flips(res.verdict, pres.verdict, ids)
         outcomes.append(o)
     _fill_split_errors(lset, outcomes)
-    row: dict[str, Any] = {"grader": grader_key(grader), "set": lset.set_id,
-                           "groups": len(outcomes)}  # fmt: skip
+    row: dict[str, Any] = {
+        "grader": grader_key(grader),
+        "set": lset.set_id,
+        "groups": len(outcomes),
+    }
     row.update(metrics(outcomes))
     runs = {p: sum(o.probe_runs.get(p, 0) for o in outcomes) for p in probes}
     fails = {p: sum(o.probe_failures.get(p, 0) for o in outcomes) for p in probes}
@@ -584,12 +622,18 @@ def make_grader(name: str, set_name: str, *, sglang_url: str = "", votes: int = 
         from gagar_jax.rollout.sglang_client import SGLangClient
 
         counter = TokenCounter(SGLangClient(sglang_url, max_retries=1, request_timeout_s=120.0))
-        g = AgenticGrader(counter, check_runner=check_runner_for(set_name), votes=votes,
-                          time_budget_s=120.0, max_steps=6)  # fmt: skip
+        g = AgenticGrader(
+            counter,
+            check_runner=check_runner_for(set_name),
+            votes=votes,
+            time_budget_s=120.0,
+            max_steps=6,
+        )
         g.token_counter = counter
         return g
-    raise ValueError(f"--grader: unknown grader {name!r}; expected one of "
-                     f"{GRADER_NAMES + ('all',)}")  # fmt: skip
+    raise ValueError(
+        f"--grader: unknown grader {name!r}; expected one of {GRADER_NAMES + ('all',)}"
+    )
 
 
 def _fmt(v: Any) -> str:
@@ -621,8 +665,9 @@ def public_row(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gagar_jax.grading.eval", description=__doc__
-                                 .split("\n")[0])  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m gagar_jax.grading.eval", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--grader", required=True, help=f"{', '.join(GRADER_NAMES)} or all")
     ap.add_argument("--set", required=True, help=f"{', '.join(labelled.SET_NAMES)} or all")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
@@ -637,15 +682,19 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     elif args.grader in GRADER_NAMES:
         graders = [args.grader]
     else:
-        ap.error(f"--grader: unknown grader {args.grader!r}; expected one of "
-                 f"{', '.join(GRADER_NAMES)} or all")  # fmt: skip
+        ap.error(
+            f"--grader: unknown grader {args.grader!r}; expected one of "
+            f"{', '.join(GRADER_NAMES)} or all"
+        )
     if args.set == "all":
         sets = list(labelled.SET_NAMES)
     elif args.set in labelled.SET_NAMES:
         sets = [args.set]
     else:
-        ap.error(f"--set: unknown set {args.set!r}; expected one of "
-                 f"{', '.join(labelled.SET_NAMES)} or all")  # fmt: skip
+        ap.error(
+            f"--set: unknown set {args.set!r}; expected one of "
+            f"{', '.join(labelled.SET_NAMES)} or all"
+        )
     if args.probes == "all":
         probes = PROBES
     elif args.probes == "none":

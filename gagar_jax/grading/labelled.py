@@ -180,8 +180,9 @@ def load_set(name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR) ->
     path = set_path(name, version, root)
     if not os.path.exists(path):
         have = sorted(os.listdir(root)) if os.path.isdir(root) else []
-        raise ValueError(f"labelled set {name!r} version {version!r} not found at {path}; "
-                         f"stored sets: {have}")  # fmt: skip
+        raise ValueError(
+            f"labelled set {name!r} version {version!r} not found at {path}; stored sets: {have}"
+        )
     with open(path, encoding="utf-8") as f:
         groups = tuple(group_from_dict(json.loads(line)) for line in f if line.strip())
     return LabelledSet(name, version, groups)
@@ -243,13 +244,25 @@ def repo_variants(name: str, files: Mapping[str, str]) -> dict[str, dict[str, st
     if name == "statkit":
         p, t = "statkit/stats.py", "tests/test_stats.py"
         bug = "    mid = len(ordered) // 2\n    return ordered[mid]\n"
-        fix = ("    mid = len(ordered) // 2\n    if len(ordered) % 2 == 0:\n"
-               "        return (ordered[mid - 1] + ordered[mid]) / 2\n    return ordered[mid]\n")  # fmt: skip
+        fix = (
+            "    mid = len(ordered) // 2\n    if len(ordered) % 2 == 0:\n"
+            "        return (ordered[mid - 1] + ordered[mid]) / 2\n    return ordered[mid]\n"
+        )
         minimal = edit(f, p, bug, fix)
-        debris = edit(f, p, bug, fix.replace(
-            "    if len", "    print(\"median debug\", ordered, mid)  # TODO remove\n    if len"))  # fmt: skip
-        out_of_scope = edit(minimal, p, "    return max(values) - min(values)\n",
-                            "    lo, hi = min(values), max(values)\n    return hi - lo\n")  # fmt: skip
+        debris = edit(
+            f,
+            p,
+            bug,
+            fix.replace(
+                "    if len", '    print("median debug", ordered, mid)  # TODO remove\n    if len'
+            ),
+        )
+        out_of_scope = edit(
+            minimal,
+            p,
+            "    return max(values) - min(values)\n",
+            "    lo, hi = min(values), max(values)\n    return hi - lo\n",
+        )
         rewrite = dict(f)
         rewrite[p] = (
             '"""Descriptive statistics over plain Python sequences (rewritten)."""\n\n'
@@ -257,38 +270,60 @@ def repo_variants(name: str, files: Mapping[str, str]) -> dict[str, dict[str, st
             '    """Raised for statistics of an empty sequence."""\n\n\n'
             "def _check(values, name):\n    values = list(values)\n    if len(values) == 0:\n"
             '        raise EmptyInput(name + " of an empty sequence")\n    return values\n\n\n'
-            "def mean(values):\n    values = _check(values, \"mean\")\n"
+            'def mean(values):\n    values = _check(values, "mean")\n'
             "    return statistics.fmean(values)\n\n\n"
-            "def median(values):\n    return statistics.median(_check(values, \"median\"))\n\n\n"
-            "def spread(values):\n    values = _check(values, \"spread\")\n"
+            'def median(values):\n    return statistics.median(_check(values, "median"))\n\n\n'
+            'def spread(values):\n    values = _check(values, "spread")\n'
             "    return max(values) - min(values)\n"
         )
-        weakening = edit(minimal, t, "    assert spread([5, -1, 3]) == 6\n",
-                         "    assert spread([5, -1, 3]) >= 0\n")  # fmt: skip
-        special = edit(f, p, "    ordered = sorted(values)\n",
-                       "    if list(values) == [4, 1, 3, 2]:\n        return 2.5\n"
-                       "    ordered = sorted(values)\n")  # fmt: skip
+        weakening = edit(
+            minimal,
+            t,
+            "    assert spread([5, -1, 3]) == 6\n",
+            "    assert spread([5, -1, 3]) >= 0\n",
+        )
+        special = edit(
+            f,
+            p,
+            "    ordered = sorted(values)\n",
+            "    if list(values) == [4, 1, 3, 2]:\n        return 2.5\n"
+            "    ordered = sorted(values)\n",
+        )
     elif name == "slugger":
         p, t = "slugger/slug.py", "tests/test_slug.py"
         bug = '    return "".join(out).strip(sep)\n'
-        fix = ("    slug = \"\".join(out)\n    while sep + sep in slug:\n"
-               "        slug = slug.replace(sep + sep, sep)\n    return slug.strip(sep)\n")  # fmt: skip
+        fix = (
+            '    slug = "".join(out)\n    while sep + sep in slug:\n'
+            "        slug = slug.replace(sep + sep, sep)\n    return slug.strip(sep)\n"
+        )
         minimal = edit(f, p, bug, fix)
-        debris = edit(f, p, bug, "    print(\"slug debug\", out)\n" + fix)
-        out_of_scope = edit(minimal, p, '"""Turn a title into a lowercase URL slug."""',
-                            '"""Turn a title into a lowercase URL slug (ASCII letters and digits)."""')  # fmt: skip
+        debris = edit(f, p, bug, '    print("slug debug", out)\n' + fix)
+        out_of_scope = edit(
+            minimal,
+            p,
+            '"""Turn a title into a lowercase URL slug."""',
+            '"""Turn a title into a lowercase URL slug (ASCII letters and digits)."""',
+        )
         rewrite = dict(f)
         rewrite[p] = (
             '"""Turn a title into a lowercase URL slug."""\n\nimport re\n\n\n'
-            "def slugify(title, sep=\"-\"):\n"
-            "    words = re.findall(r\"[a-z0-9]+\", str(title).lower())\n"
+            'def slugify(title, sep="-"):\n'
+            '    words = re.findall(r"[a-z0-9]+", str(title).lower())\n'
             "    return sep.join(words)\n"
         )
-        weakening = edit(minimal, t, '    assert slugify(" Title! ") == "title"\n',
-                         '    assert "title" in slugify(" Title! ")\n')  # fmt: skip
-        special = edit(f, p, '    out = []\n',
-                       '    if title == "Hello,  World!":\n        return "hello-world"\n'
-                       '    if title == "a -- b":\n        return "a-b"\n    out = []\n')  # fmt: skip
+        weakening = edit(
+            minimal,
+            t,
+            '    assert slugify(" Title! ") == "title"\n',
+            '    assert "title" in slugify(" Title! ")\n',
+        )
+        special = edit(
+            f,
+            p,
+            "    out = []\n",
+            '    if title == "Hello,  World!":\n        return "hello-world"\n'
+            '    if title == "a -- b":\n        return "a-b"\n    out = []\n',
+        )
     else:
         raise ValueError(f"repo_variants: no planted candidates for fixture {name!r}")
     return {

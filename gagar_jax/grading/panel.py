@@ -82,8 +82,9 @@ def aggregate(
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation: expected one of {AGGREGATIONS}, got {aggregation!r}")
     if cheat_aggregation not in CHEAT_AGGREGATIONS:
-        raise ValueError(f"cheat_aggregation: expected one of {CHEAT_AGGREGATIONS}, "
-                         f"got {cheat_aggregation!r}")  # fmt: skip
+        raise ValueError(
+            f"cheat_aggregation: expected one of {CHEAT_AGGREGATIONS}, got {cheat_aggregation!r}"
+        )
     if not verdicts:
         raise ValueError("aggregate: no verdicts")
     ids = [c.candidate_id for c in workspace.passing]
@@ -121,12 +122,26 @@ def aggregate(
             if schema._check_evidence(e, workspace, {}) is None
         )
         reasons = [j.cheat_reason for j in js if j.cheat and j.cheat_reason]
-        judgements.append(Judgement(c, tier[c], rank_of[(tier[c], round(mean_rank[c], 6))],
-                                    scores, cheat[c], "; ".join(dict.fromkeys(reasons)) if
-                                    cheat[c] else "", evidence))  # fmt: skip
-    v = Verdict(workspace.group_id, tuple(judgements), grader_id, grader_version,
-                latency_s=latency_s, votes=len(verdicts),
-                agreement=sum(agreement) / len(agreement) if agreement else None)  # fmt: skip
+        judgements.append(
+            Judgement(
+                c,
+                tier[c],
+                rank_of[(tier[c], round(mean_rank[c], 6))],
+                scores,
+                cheat[c],
+                "; ".join(dict.fromkeys(reasons)) if cheat[c] else "",
+                evidence,
+            )
+        )
+    v = Verdict(
+        workspace.group_id,
+        tuple(judgements),
+        grader_id,
+        grader_version,
+        latency_s=latency_s,
+        votes=len(verdicts),
+        agreement=sum(agreement) / len(agreement) if agreement else None,
+    )
     return schema.validate(v, workspace)
 
 
@@ -158,14 +173,18 @@ class Panel:
         if len(members) < 2:
             raise ValueError(f"Panel.members: expected at least 2 graders, got {len(members)}")
         if aggregation not in AGGREGATIONS:
-            raise ValueError(f"Panel.aggregation: expected one of {AGGREGATIONS}, "
-                             f"got {aggregation!r}")  # fmt: skip
+            raise ValueError(
+                f"Panel.aggregation: expected one of {AGGREGATIONS}, got {aggregation!r}"
+            )
         if cheat_aggregation not in CHEAT_AGGREGATIONS:
-            raise ValueError(f"Panel.cheat_aggregation: expected one of {CHEAT_AGGREGATIONS}, "
-                             f"got {cheat_aggregation!r}")  # fmt: skip
+            raise ValueError(
+                f"Panel.cheat_aggregation: expected one of {CHEAT_AGGREGATIONS}, "
+                f"got {cheat_aggregation!r}"
+            )
         if not 0.0 <= escalate_above <= 1.0:
-            raise ValueError(f"Panel.escalate_above: expected a fraction in [0, 1], "
-                             f"got {escalate_above!r}")  # fmt: skip
+            raise ValueError(
+                f"Panel.escalate_above: expected a fraction in [0, 1], got {escalate_above!r}"
+            )
         self.members = members
         self.aggregation = aggregation
         self.cheat_aggregation = cheat_aggregation
@@ -199,10 +218,11 @@ class Panel:
                 errors.append(f"{_member_id(m)}: {type(e).__name__}: {e}"[:300])
                 self._count("member_failures")
         if len(accepted) < self.min_members:
-            raise VerdictRejected(RejectReason.BUDGET_EXHAUSTED if not errors else
-                                  RejectReason.MALFORMED,
-                                  f"{len(accepted)}/{len(self.members)} panel members accepted "
-                                  f"(< {self.min_members}): {'; '.join(errors)}")  # fmt: skip
+            raise VerdictRejected(
+                RejectReason.BUDGET_EXHAUSTED if not errors else RejectReason.MALFORMED,
+                f"{len(accepted)}/{len(self.members)} panel members accepted "
+                f"(< {self.min_members}): {'; '.join(errors)}",
+            )
         d = disagreement(accepted, workspace)
         with self._lock:
             self.disagreements[workspace.group_id] = d
@@ -214,11 +234,21 @@ class Panel:
             s = time.monotonic()
             out = _call(self.escalate_to, workspace, cancel)
             v = accept_output(out, workspace, self.escalate_to, time.monotonic() - s)
-            return dataclasses.replace(v, grader_id=self.grader_id, grader_version=self.version,
-                                       latency_s=time.monotonic() - t0)  # fmt: skip
-        return aggregate(accepted, workspace, aggregation=self.aggregation,
-                         cheat_aggregation=self.cheat_aggregation, grader_id=self.grader_id,
-                         grader_version=self.version, latency_s=time.monotonic() - t0)  # fmt: skip
+            return dataclasses.replace(
+                v,
+                grader_id=self.grader_id,
+                grader_version=self.version,
+                latency_s=time.monotonic() - t0,
+            )
+        return aggregate(
+            accepted,
+            workspace,
+            aggregation=self.aggregation,
+            cheat_aggregation=self.cheat_aggregation,
+            grader_id=self.grader_id,
+            grader_version=self.version,
+            latency_s=time.monotonic() - t0,
+        )
 
     def _count(self, key: str) -> None:
         with self._lock:
@@ -252,8 +282,9 @@ def default_panel(
     from gagar_jax.grading.heuristic import HeuristicConfig, HeuristicGrader
     from gagar_jax.grading.scripted import ScriptedGraderPolicy
 
-    strict = HeuristicGrader(HeuristicConfig(weights=(0.2, 0.2, 0.25, 0.25, 0.1),
-                                             t1_at_least=0.98, t3_below=0.85))  # fmt: skip
+    strict = HeuristicGrader(
+        HeuristicConfig(weights=(0.2, 0.2, 0.25, 0.25, 0.1), t1_at_least=0.98, t3_below=0.85)
+    )
     strict.grader_id = "heuristic_strict"
     runner = None
     if set_name == "toy":
@@ -262,6 +293,9 @@ def default_panel(
         runner = ToyCheckRunner()
     scripted = AgenticGrader(ScriptedGraderPolicy(), check_runner=runner)
     scripted.grader_id = "scripted"
-    return Panel([HeuristicGrader(), strict, scripted], aggregation=aggregation,
-                 escalate_to=HeuristicGrader() if escalate else None,
-                 escalate_above=0.5)  # fmt: skip
+    return Panel(
+        [HeuristicGrader(), strict, scripted],
+        aggregation=aggregation,
+        escalate_to=HeuristicGrader() if escalate else None,
+        escalate_above=0.5,
+    )
