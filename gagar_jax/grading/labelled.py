@@ -137,29 +137,39 @@ def _candidate_to_dict(c: schema.Candidate) -> dict[str, Any]:
     }
 
 
-def group_to_dict(g: LabelledGroup) -> dict[str, Any]:
-    ws = g.workspace
+def workspace_to_dict(ws: schema.GroupWorkspace) -> dict[str, Any]:
     return {
         "group_id": ws.group_id,
         "task_text": ws.task_text,
         "repo_files": dict(sorted(ws.repo_files.items())),
         "scope_files": list(ws.scope_files),
         "candidates": [_candidate_to_dict(c) for c in ws.candidates],
+    }
+
+
+def workspace_from_dict(d: Mapping[str, Any]) -> schema.GroupWorkspace:
+    for key in ("group_id", "task_text", "repo_files", "candidates"):
+        if key not in d:
+            raise ValueError(f"workspace record: missing field {key!r}")
+    cands = tuple(schema.Candidate(**c) for c in d["candidates"])
+    return schema.GroupWorkspace(
+        d["group_id"], d["task_text"], d["repo_files"], cands, tuple(d.get("scope_files", ()))
+    )
+
+
+def group_to_dict(g: LabelledGroup) -> dict[str, Any]:
+    return workspace_to_dict(g.workspace) | {
         "gold": {cid: dataclasses.asdict(x) for cid, x in sorted(g.gold.items())},
         "kinds": dict(sorted(g.kinds.items())),
     }
 
 
 def group_from_dict(d: Mapping[str, Any]) -> LabelledGroup:
-    for key in ("group_id", "task_text", "repo_files", "candidates", "gold", "kinds"):
+    for key in ("gold", "kinds"):
         if key not in d:
             raise ValueError(f"labelled group: missing field {key!r}")
-    cands = tuple(schema.Candidate(**c) for c in d["candidates"])
-    ws = schema.GroupWorkspace(
-        d["group_id"], d["task_text"], d["repo_files"], cands, tuple(d.get("scope_files", ()))
-    )
     gold = {cid: Gold(**x) for cid, x in d["gold"].items()}
-    return LabelledGroup(ws, gold, dict(d["kinds"]))
+    return LabelledGroup(workspace_from_dict(d), gold, dict(d["kinds"]))
 
 
 def set_path(name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR) -> str:
