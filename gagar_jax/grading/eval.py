@@ -566,8 +566,9 @@ def evaluate(
 
 
 def _fill_split_errors(lset: labelled.LabelledSet, outcomes: list[GroupOutcome]) -> None:
-    G = len(lset.groups)
-    K = max(len(lg.workspace.candidates) for lg in lset.groups)
+    # Padded to bucketed shapes (invalid slots) so repeated evaluations reuse compiled kernels.
+    G = -(-len(lset.groups) // 32) * 32
+    K = max(8, max(len(lg.workspace.candidates) for lg in lset.groups))
     passed = np.zeros((G, K), bool)
     valid = np.zeros((G, K), bool)
     gt, gr, pt, pr = (np.ones((G, K), np.int32) for _ in range(4))
