@@ -600,7 +600,15 @@ def check_runner_for(set_name: str):
     return adapters.ToyCheckRunner() if set_name == "toy" else None
 
 
-def make_grader(name: str, set_name: str, *, sglang_url: str = "", votes: int = 1) -> Any:
+def make_grader(
+    name: str,
+    set_name: str,
+    *,
+    sglang_url: str = "",
+    votes: int = 1,
+    max_steps: int = 6,
+    max_tokens: int = 1024,
+) -> Any:
     """A grader by CLI name (``GRADER_NAMES``); ``agentic`` needs ``sglang_url``."""
     from gagar_jax.grading.agentic import AgenticGrader
     from gagar_jax.grading.heuristic import HeuristicGrader
@@ -628,7 +636,8 @@ def make_grader(name: str, set_name: str, *, sglang_url: str = "", votes: int = 
             check_runner=check_runner_for(set_name),
             votes=votes,
             time_budget_s=120.0,
-            max_steps=6,
+            max_steps=max_steps,
+            max_tokens=max_tokens,
         )
         g.token_counter = counter
         return g
@@ -675,6 +684,9 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     ap.add_argument("--version", default=labelled.DEFAULT_VERSION, help="labelled set version")
     ap.add_argument("--sglang-url", default="", help="SGLang server for the agentic grader")
     ap.add_argument("--votes", type=int, default=1, help="agentic grader self-consistency votes")
+    ap.add_argument("--max-steps", type=int, default=6, help="agentic grader: calls per vote")
+    ap.add_argument("--max-tokens", type=int, default=1024, help="agentic grader: per call")
+    ap.add_argument("--limit", type=int, default=0, help="grade only the first N groups of a set")
     ap.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples (0: none)")
     ap.add_argument("--probes", default="all", help="comma-separated probes, 'all' or 'none'")
     args = ap.parse_args(argv)
@@ -708,8 +720,17 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     rows = []
     for set_name in sets:
         lset = labelled.load_set(set_name, args.version)
+        if args.limit > 0:
+            lset = dataclasses.replace(lset, groups=lset.groups[: args.limit])
         for gname in graders:
-            grader = make_grader(gname, set_name, sglang_url=args.sglang_url, votes=args.votes)
+            grader = make_grader(
+                gname,
+                set_name,
+                sglang_url=args.sglang_url,
+                votes=args.votes,
+                max_steps=args.max_steps,
+                max_tokens=args.max_tokens,
+            )
             t0 = time.monotonic()
             row = evaluate(grader, lset, probes=probes, n_boot=args.bootstrap)
             row["wall_s"] = time.monotonic() - t0
