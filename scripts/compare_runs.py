@@ -9,7 +9,8 @@ metric, averaged over ``--window`` logged steps) and prints the table.
 With several seeds per mode (``make compare SEEDS=5`` lays them out as ``ROOT/<mode>/seed<s>``):
 
     python scripts/compare_runs.py --root=runs/compare --modes=gagar,binary,discount_only,\
-gagar_token --seeds=5 --out=runs/compare [--results_page=docs/results/toy_ablation.md --command="make compare SEEDS=5"]
+gagar_token --seeds=5 --out=runs/compare \
+        [--results_page=docs/results/toy_ablation.md --command="make compare SEEDS=5"]
 
 writes ``OUT/ablation.{md,png,json}`` (``--prefix`` renames them): per mode the mean and
 standard error over seeds of each metric, a plot with ±1 SE bands, the held-out pass-rate

@@ -1,5 +1,6 @@
 """The multi-seed ablation report: mean and standard error over seeds, the paired pass-rate
-change, the imbalance-entropy fit, the banded plot and the results page's block, on synthetic runs."""
+change, the imbalance-entropy fit, the banded plot and the results page's block, on synthetic
+runs."""
 
 import json
 import math

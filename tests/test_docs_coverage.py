@@ -1,4 +1,5 @@
-"""The docs build's undocumented-symbol check (docs/_ext/coverage_check.py) on the real API pages."""
+"""The docs build's undocumented-symbol check (docs/_ext/coverage_check.py), on the real API
+pages."""
 
 import os
 import shutil
