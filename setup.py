@@ -46,7 +46,8 @@ setuptools.setup(
     name="gagar_jax",
     version="0.1.0",
     description=__doc__,
-    packages=setuptools.find_packages(include=["gagar_jax", "gagar_jax.*"]),
+    # configs/: the experiment configs, importable (`from configs import toy_gagar`).
+    packages=setuptools.find_packages(include=["gagar_jax", "gagar_jax.*", "configs"]),
     # Versioned grader prompts (gagar_jax/grading/prompts/<version>/*.md).
     package_data={
         "gagar_jax.grading": ["prompts/*/*.md"],

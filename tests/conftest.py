@@ -7,6 +7,13 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import sys  # noqa: E402
+
+# The checkout's root first: `configs` and `gagar_jax` of this tree, whatever is installed.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
 from hypothesis import settings  # noqa: E402
 
 # Shared fixtures: one real SGLang server per test session (see tests/sglang_fixtures.py).
