@@ -22,17 +22,9 @@ from gagar_jax.rollout.sampler import (
     sample_token,
     score_tokens,
 )
+from tests.update_fixtures import tiny_config
 
-CONFIG = TransformerConfig(
-    vocab_size=97,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    rope_theta=10000.0,
-    initializer_range=0.3,
-)
+CONFIG = tiny_config(initializer_range=0.3)  # peaked logits: samples differ by temperature
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3] * 12]
 
 

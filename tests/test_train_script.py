@@ -17,6 +17,9 @@ from gagar_jax.rl import writers
 from gagar_jax.rl.config import ConfigError, RunConfig
 from gagar_jax.rl.resume import read_loop_state
 
+# Runs of scripts/train.py and of the whole loop: minutes on 2 cores (make test-unit skips them).
+pytestmark = pytest.mark.e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One persistent compilation cache for every run of this module (in-process and scripts): the
 # three modes and the resume runs share the SFT step and sampler programs.
