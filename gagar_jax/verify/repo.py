@@ -51,7 +51,14 @@ import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, touched_files
+from gagar_jax.verify.diff import (
+    MAX_PATCH_BYTES,
+    DiffError,
+    apply_unified_diff,
+    check_patch_size,
+    safe_path,
+    touched_files,
+)
 from gagar_jax.verify.flags import MonitorFlag
 from gagar_jax.verify.sandbox import (
     Limits,
@@ -70,7 +77,6 @@ CONFIG_NAMES = ("pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini", "pyp
 PROTECTED_CONFIG = CONFIG_NAMES
 PLUGIN_MODULE = "_gagar_outcome_plugin"
 MAX_REPORT_BYTES = 16 << 20
-MAX_PATCH_BYTES = 1 << 20  # a candidate patch over this is refused unread (patch_too_large)
 MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 3000  # well below PATH_MAX (4096) once the workdir prefix is added
 DEFAULT_LIMITS = Limits(wall_s=120, cpu_s=120, memory_bytes=2 << 30, nproc=128)
@@ -712,13 +718,10 @@ def _missing(task: Any) -> dict[str, str]:
 def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references, run_monitor,
                        extra_pythonpath, started):  # fmt: skip
     flags: tuple[MonitorFlag, ...] = ()
-    if not isinstance(patch, str):
-        note = f"the patch must be text, got {type(patch).__name__}"
-        return RepoVerification("failed", _missing(task), note, (), note, None)
-    size = len(patch.encode("utf-8", "surrogatepass"))
-    if size > MAX_PATCH_BYTES:
-        note = f"patch_too_large: {size} bytes, the limit is {MAX_PATCH_BYTES}"
-        return RepoVerification("failed", _missing(task), note, (), note, None)
+    try:
+        check_patch_size(patch, MAX_PATCH_BYTES)
+    except DiffError as e:
+        return RepoVerification("failed", _missing(task), str(e), (), str(e), None)
     if run_monitor:
         from gagar_jax.verify.monitor import context_for_repo_task, monitor
 
