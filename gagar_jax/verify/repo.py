@@ -779,7 +779,8 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # fmt: skip
         result = run_sandboxed(runner_argv(ctl_r), work, limits, config=config, env=env,
                                ro_paths=(plugin_dir(), *pythonpath),
-                               pass_fds=(out_w, ctl_r))  # fmt: skip
+                               pass_fds=(out_w, ctl_r),
+                               private_workdir=not keep_dir)  # fmt: skip
         if result.status != "infra_error":
             started.append(True)
         os.close(out_w)  # every other holder is dead: the reader sees EOF
