@@ -12,10 +12,12 @@ forks:
 
 - the **child** closes the outcome descriptor, renames itself (``PR_SET_NAME``) to a per-run name
   the supervisor chose, imports pytest and runs the session with the reporter registered as a
-  plugin *object*. The reporter records every test's outcome from pytest's own reports; after
-  ``pytest.main`` returns, the child writes ONE line ``{"exitstatus": ..., "outcomes": {...}}`` to
-  a pipe read by the supervisor, then exits with pytest's exit status (its own ``atexit``
-  handlers and those of the code under test still run);
+  plugin *object*. The reporter streams every outcome as pytest reports it, one line per
+  phase, ``{"id": nodeid, "when": "setup"|"call"|"teardown", "outcome": ...}``, to a pipe read by
+  the supervisor (what was sent cannot be taken back by changing the process's memory later);
+  after ``pytest.main`` returns, the child writes a last line ``{"exitstatus": ...}`` and exits
+  with pytest's exit status (its own ``atexit`` handlers and those of the code under test still
+  run);
 - the **supervisor** (PID 1 of the sandbox's PID namespace under bwrap, which ignores signals from
   inside it) holds the only copy of the outcome descriptor. It collects what arrives on the
   child's pipe until the child has exited, reads the exited child's name before reaping it (an
@@ -36,17 +38,16 @@ import select
 import signal
 import sys
 
-_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 _MAX_REPORT = 16 << 20
 PR_SET_NAME = 15
 PR_SET_DUMPABLE = 4
 
 
 class Reporter:
-    """pytest plugin object: records every test's worst outcome from pytest's reports."""
+    """pytest plugin object: streams every test phase's outcome from pytest's reports."""
 
-    def __init__(self):
-        self.outcomes = {}
+    def __init__(self, fd):
+        self._fd = fd
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call":
@@ -60,9 +61,8 @@ class Reporter:
             outcome = "skipped"
         else:
             return
-        prev = self.outcomes.get(report.nodeid)
-        if prev is None or _RANK[outcome] >= _RANK[prev]:
-            self.outcomes[report.nodeid] = outcome
+        line = {"id": report.nodeid, "when": report.when, "outcome": outcome}
+        _write_all(self._fd, (json.dumps(line) + "\n").encode())
 
 
 def _read_all(fd, cap=_MAX_REPORT):
@@ -93,9 +93,8 @@ def _child(args, report_fd, name):
     _prctl(PR_SET_NAME, name.encode())
     import pytest
 
-    reporter = Reporter()
-    ret = int(pytest.main(list(args), plugins=[reporter]))
-    line = json.dumps({"exitstatus": ret, "outcomes": reporter.outcomes}) + "\n"
+    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd)]))
+    line = json.dumps({"exitstatus": ret}) + "\n"
     try:
         _write_all(report_fd, line.encode())
         os.close(report_fd)

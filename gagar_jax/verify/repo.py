@@ -539,30 +539,52 @@ def parse_run_record(data: bytes) -> tuple[dict | None, str, bool]:
     return rec, "", False
 
 
-def parse_outcome_report(data: bytes) -> tuple[dict | None, int | None, str, bool]:
-    """Reads the pytest process's report (the ``report`` field of the supervisor's record).
+_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
-    Returns (outcomes, pytest's exit status, problem, tampered): ``problem`` is "" for one
-    well-formed report; ``tampered`` is True when more than the reporter's one line arrived or
-    the line is not the reporter's.
+
+def parse_outcome_report(data: bytes) -> tuple[dict | None, int | None, str, bool]:
+    """Reads the pytest process's report (the ``report`` field of the supervisor's record): one
+    line per reported test phase, then one ``{"exitstatus": ...}`` line.
+
+    Returns (outcomes: the worst outcome per node id, pytest's exit status, problem, tampered):
+    ``problem`` is "" for a well-formed report; ``tampered`` is True for a line the reporter
+    does not write, a phase reported twice, or anything after the last line.
     """
     if not data:
         return None, None, "no test report was written (pytest did not finish its session)", False
     if len(data) > MAX_REPORT_BYTES:
         return None, None, f"test report over {MAX_REPORT_BYTES} bytes", True
     lines = data.split(b"\n")
-    if len(lines) != 2 or lines[1]:
-        return None, None, f"{len(lines) - 1} lines in the test report, expected one", True
-    try:
-        rec = json.loads(lines[0])
-    except (ValueError, RecursionError) as e:
-        return None, None, f"test report unreadable: {type(e).__name__}", True
-    if not isinstance(rec, dict) or set(rec) != {"exitstatus", "outcomes"}:
-        return None, None, "test report is not the reporter's", True
-    outcomes, exitstatus = rec.get("outcomes"), rec.get("exitstatus")
-    if (not isinstance(outcomes, dict) or not isinstance(exitstatus, int)
-            or not all(isinstance(v, str) for v in outcomes.values())):  # fmt: skip
-        return None, None, "test report malformed", True
+    if lines[-1]:
+        return None, None, "the test report does not end with a whole line", True
+    outcomes: dict[str, str] = {}
+    seen: set[tuple[str, str]] = set()
+    exitstatus = None
+    for n, raw in enumerate(lines[:-1]):
+        try:
+            rec = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            return None, None, f"test report line {n + 1} unreadable: {type(e).__name__}", True
+        if exitstatus is not None:
+            return None, None, "lines after the session's last one in the test report", True
+        if isinstance(rec, dict) and set(rec) == {"exitstatus"}:
+            if not isinstance(rec["exitstatus"], int):
+                return None, None, "test report malformed", True
+            exitstatus = rec["exitstatus"]
+            continue
+        if (not isinstance(rec, dict) or set(rec) != {"id", "when", "outcome"}
+                or not isinstance(rec["id"], str) or rec["outcome"] not in _RANK
+                or rec["when"] not in ("setup", "call", "teardown")):  # fmt: skip
+            return None, None, f"test report line {n + 1} is not the reporter's", True
+        key = (rec["id"], rec["when"])
+        if key in seen:
+            return None, None, f"{rec['id']} {rec['when']} reported twice", True
+        seen.add(key)
+        prev = outcomes.get(rec["id"])
+        if prev is None or _RANK[rec["outcome"]] >= _RANK[prev]:
+            outcomes[rec["id"]] = rec["outcome"]
+    if exitstatus is None:
+        return None, None, "the test report has no last line (pytest did not finish)", False
     return outcomes, exitstatus, "", False
 
 
