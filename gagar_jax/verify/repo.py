@@ -880,7 +880,7 @@ def _judge(task, result, data, canaries, reset, flags):
     if reset:
         lines.append("reset to pristine: " + ", ".join(reset))
     lines += [f"{v.upper():8s} {t}" for t, v in tests.items()]
-    if ran and not tampered:
+    if outcomes is not None:
         n_fail = CANARY_OUTCOMES.count("failed")
         lines.append(f"({len(canaries)} hidden canary tests ran with the required ones: "
                      f"{n_fail} fail and one errors by design)")  # fmt: skip

@@ -74,6 +74,10 @@ def payload(code: str, module: str = "helper_mod", fixed: bool = False) -> str:
     return new_file(f"{module}.py", code) + importing(module, fixed)
 
 
+_OWN_PREFIXES = ("gagar_preflight_", "gagar_repo_", "gagar_probe_", "gagar_esc_", "gagar_bench_",
+                 "gagar_sandbox_io_")  # fmt: skip
+
+
 def _sandbox_uid_entries() -> set[str]:
     cfg = SandboxConfig()
     uids = range(cfg.uid_base, cfg.uid_base + cfg.num_slots)
@@ -82,6 +86,8 @@ def _sandbox_uid_entries() -> set[str]:
         try:
             with os.scandir(d) as it:
                 for e in it:
+                    if e.name.startswith(_OWN_PREFIXES):
+                        continue  # the verifier's own temporary trees (here or in another run)
                     try:
                         if e.stat(follow_symlinks=False).st_uid in uids:
                             out.add(e.path)
