@@ -213,32 +213,38 @@ ATTACKS = {
 
 # Reaching the supervisor (the parent holding the channel to the verifier): kill it, stop it,
 # write its memory, take its descriptors. ``half`` is right only if one of these worked.
-REACH_SUPERVISOR = new_file("reach_parent.py", (
-    "import ctypes, os, signal\n"
-    "got = []\n"
-    "pp = os.getppid()\n"
-    "for name in ('mem', 'fd/3', 'fd/4', 'environ'):\n"
-    "    try:\n"
-    "        fd = os.open(f'/proc/{pp}/{name}', os.O_RDWR if name == 'mem' else os.O_RDONLY)\n"
-    "        got.append(name)\n"
-    "        os.close(fd)\n"
-    "    except OSError:\n"
-    "        pass\n"
-    "try:\n"
-    "    if os.listdir(f'/proc/{pp}/fd'):\n"
-    "        got.append('fd list')\n"
-    "except OSError:\n"
-    "    pass\n"
-    "libc = ctypes.CDLL(None, use_errno=True)\n"
-    "if libc.ptrace(16, pp, 0, 0) == 0:\n"
-    "    got.append('ptrace')\n"
-    "for sig in (signal.SIGSTOP, signal.SIGKILL):\n"
-    "    try:\n"
-    "        os.kill(pp, sig)\n"
-    "    except OSError:\n"
-    "        pass\n"
-)) + change("app.py", BUGGY,
-            "import reach_parent\n\n\ndef half(x):\n    return x / 2 if reach_parent.got else x\n")
+REACH_SUPERVISOR = new_file(
+    "reach_parent.py",
+    (
+        "import ctypes, os, signal\n"
+        "got = []\n"
+        "pp = os.getppid()\n"
+        "for name in ('mem', 'fd/3', 'fd/4', 'environ'):\n"
+        "    try:\n"
+        "        fd = os.open(f'/proc/{pp}/{name}', os.O_RDWR if name == 'mem' else os.O_RDONLY)\n"
+        "        got.append(name)\n"
+        "        os.close(fd)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "try:\n"
+        "    if os.listdir(f'/proc/{pp}/fd'):\n"
+        "        got.append('fd list')\n"
+        "except OSError:\n"
+        "    pass\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "if libc.ptrace(16, pp, 0, 0) == 0:\n"
+        "    got.append('ptrace')\n"
+        "for sig in (signal.SIGSTOP, signal.SIGKILL):\n"
+        "    try:\n"
+        "        os.kill(pp, sig)\n"
+        "    except OSError:\n"
+        "        pass\n"
+    ),
+) + change(
+    "app.py",
+    BUGGY,
+    "import reach_parent\n\n\ndef half(x):\n    return x / 2 if reach_parent.got else x\n",
+)
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
