@@ -758,13 +758,16 @@ def _sandbox_root_pid(pid: int) -> int | None:
 
 
 def _tmpfs_full(pid: int | None, limits: Limits) -> bool:
-    """Whether the private work tree of the run whose PID-1 is ``pid`` is (nearly) full."""
+    """Whether the private work tree of the run whose PID-1 is ``pid`` is (nearly) full, or
+    holds more than ``limits.disk_files`` entries."""
     if pid is None:
         return False
     try:
         st = os.statvfs(f"/proc/{pid}/root{SANDBOX_WORKDIR}")
     except OSError:
         return False
+    if st.f_files and st.f_files - st.f_ffree > limits.disk_files:
+        return True  # an inode flood: empty files take no blocks but kernel memory
     return st.f_bavail * st.f_frsize < min(_TMPFS_FULL_BYTES, limits.disk_bytes // 4)
 
 
