@@ -683,7 +683,131 @@ def _trl_advantages(trainer, rewards, group):
 
 
 def _tunix_worker(spec: dict) -> None:
-    raise NotImplementedError("tunix worker")
+    t_setup = time.perf_counter()
+    import jax
+    import numpy as np
+    import optax
+    from transformers import AutoTokenizer
+    from tunix.models.qwen2 import model as qwen2_model
+    from tunix.models.qwen2 import params as qwen2_params
+    from tunix.rl import common, function_registry
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.grpo import grpo_learner
+    from tunix.rl.rollout import base_rollout
+
+    meta = json.loads((Path(spec["assets"]) / "bench-assets.json").read_text())
+    conf = json.loads((Path(spec["assets"]) / "config.json").read_text())
+    G, K, P, R = spec["prompts"], spec["samples"], spec["prompt_len"], spec["new"]
+    prompts, completion = _check_inputs(spec, meta)
+    tok = AutoTokenizer.from_pretrained(spec["assets"])
+    mcfg = qwen2_model.ModelConfig(
+        num_layers=conf["num_hidden_layers"], vocab_size=conf["vocab_size"],
+        embed_dim=conf["hidden_size"], hidden_dim=conf["intermediate_size"],
+        num_heads=conf["num_attention_heads"], head_dim=conf["head_dim"],
+        num_kv_heads=conf["num_key_value_heads"], rope_theta=int(conf["rope_theta"]),
+        norm_eps=conf["rms_norm_eps"], use_tied_embedding=conf["tie_word_embeddings"],
+    )
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    with jax.set_mesh(mesh):
+        model = qwen2_params.create_model_from_safe_tensors(spec["assets"], mcfg, mesh)
+    algo = grpo_learner.GRPOConfig(
+        num_generations=K, num_iterations=1, beta=0.0, epsilon=spec["epsilon"],
+        advantage_estimator="drgrpo", loss_agg_mode="token-mean", policy_loss_fn="grpo",
+        loss_algo="grpo",
+    )
+    if spec["mode"] == "check":
+        from flax import nnx
+
+        adv = function_registry.get_advantage_estimator(algo.advantage_estimator)(
+            rewards=np.array(CHECK_REWARDS, np.float32), num_generations=CHECK_GROUP)
+        ids = [list(tok.encode(p, add_special_tokens=False)) for p in prompts]
+        graphdef, state = nnx.split(model)
+        lp = common.compute_per_token_logps(
+            graphdef, state, prompt_tokens=jax.numpy.array(ids, jax.numpy.int32),
+            completion_tokens=jax.numpy.array([completion] * len(ids), jax.numpy.int32),
+            pad_id=meta["pad_id"], eos_id=meta["eos_id"], temperature=1.0)
+        _reply({"advantages": np.asarray(adv).tolist(), "first_logprobs": np.asarray(lp).tolist(),
+                "prompt_ids": ids})
+        return
+
+    clock = PhaseClock()
+
+    def reward(prompts, completions, **kwargs):
+        t = time.perf_counter()
+        out = [reward_of_text(c) for c in completions]
+        clock.add("score", time.perf_counter() - t)
+        return out
+
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(spec["max_grad_norm"]),
+        optax.adamw(spec["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0),
+    )
+    training = rl_cluster_lib.RLTrainingConfig(
+        actor_optimizer=optimizer, eval_every_n_steps=10**9, max_steps=10**6,
+        mini_batch_size=G, train_micro_batch_size=G, rollout_micro_batch_size=G,
+        compute_logps_micro_batch_size=G, metrics_logging_options=None,
+    )
+    rollout = base_rollout.RolloutConfig(
+        max_tokens_to_generate=R, max_prompt_length=P, kv_cache_size=P + R + 8,
+        temperature=1.0, top_p=None, top_k=None, eos_tokens=[meta["eos_id"]], seed=None,
+    )
+    roles = {r: mesh for r in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
+                               rl_cluster_lib.Role.ROLLOUT)}
+    cluster = rl_cluster_lib.RLCluster(
+        actor=model, reference=None, tokenizer=tok,
+        cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh=roles, rollout_engine="vanilla", offload_to_cpu=False,
+            training_config=training, rollout_config=rollout),
+    )
+    learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=[reward])
+
+    def timed(obj, name, phase):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            if phase == "update":
+                jax.block_until_ready(nnx_state(cluster.actor_trainer.model))
+            clock.add(phase, time.perf_counter() - t)
+            return out
+
+        setattr(obj, name, wrapper)
+
+    def nnx_state(m):
+        from flax import nnx
+
+        return nnx.state(m)
+
+    timed(cluster, "generate", "generate")
+    timed(cluster, "update_actor", "update")
+    timed(cluster, "sync_weights", "sync")
+    orig_prepare = learner._generate_and_compute_advantage
+
+    def prepare(*a, **k):
+        t = time.perf_counter()
+        out = orig_prepare(*a, **k)
+        clock.extra["prepare"] = time.perf_counter() - t
+        return out
+
+    learner._generate_and_compute_advantage = prepare
+
+    def batches():
+        first = True
+        while True:
+            if not first:  # the previous step ends when the learner asks for the next batch
+                rec = clock.record()
+                rec["pack"] = max(clock.extra.get("prepare", 0.0) - rec["generate"]
+                                  - rec["score"], 0.0)
+                _reply(rec)
+            first = False
+            _wait_for_step()
+            clock.reset()
+            yield {"prompts": list(prompts)}
+
+    _reply({"setup_s": time.perf_counter() - t_setup,
+            "shares_rollout_model": not learner.should_sync_weights})
+    learner.train(batches())
 
 
 def main():
