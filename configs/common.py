@@ -74,8 +74,9 @@ def parse_arg(
         if "=" in item:
             key, value = (s.strip() for s in item.split("=", 1))
             if key not in spec:
-                raise ValueError(f"config argument {item!r}: unknown key {key!r}; "
-                                 f"expected one of {sorted(spec)}")
+                raise ValueError(
+                    f"config argument {item!r}: unknown key {key!r}; expected one of {sorted(spec)}"
+                )
             out[key] = _cast(key, value, spec[key])
             continue
         owners = [k for k, vals in words.items() if item in vals]
@@ -86,8 +87,10 @@ def parse_arg(
         else:
             understood = [w for vals in words.values() for w in vals]
             understood += [k for k, v in spec.items() if isinstance(v, bool)]
-            raise ValueError(f"config argument {item!r} not understood; expected one of "
-                             f"{tuple(understood)} or key=value with a key of {sorted(spec)}")
+            raise ValueError(
+                f"config argument {item!r} not understood; expected one of "
+                f"{tuple(understood)} or key=value with a key of {sorted(spec)}"
+            )
     return ml_collections.ConfigDict(out)
 
 
@@ -101,8 +104,9 @@ def _cast(key: str, value: str, default: Any) -> Any:
     try:
         return type(default)(value)
     except ValueError as e:
-        raise ValueError(f"config argument {key}={value!r}: expected a "
-                         f"{type(default).__name__}") from e
+        raise ValueError(
+            f"config argument {key}={value!r}: expected a {type(default).__name__}"
+        ) from e
 
 
 def base() -> ml_collections.ConfigDict:
