@@ -27,6 +27,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from gagar_jax.feedback.run import FeedbackRunConfig
 from gagar_jax.rl.config import RunConfig
 
 # Fields the run config derives (from the mode, the rollout temperature and the step count)
@@ -120,6 +121,15 @@ def base() -> ml_collections.ConfigDict:
             section = section[key]
         section.pop(path[-1])
     _placeholders(d, RunConfig())
+    return ml_collections.ConfigDict(d)
+
+
+def feedback_base() -> ml_collections.ConfigDict:
+    """``FeedbackRunConfig()`` as a ``ConfigDict``, for the feedback experiments: every field
+    with its default, ``learner.decay_steps`` left out (it follows ``loop.steps``)."""
+    d = FeedbackRunConfig().to_dict()
+    d["learner"].pop("decay_steps")
+    _placeholders(d, FeedbackRunConfig())
     return ml_collections.ConfigDict(d)
 
 

@@ -159,3 +159,29 @@ def test_config_files_load_each_other_by_import():
         if name.endswith(".py"):
             with open(os.path.join(ROOT, "configs", name), encoding="utf-8") as f:
                 assert "spec_from_file_location" not in f.read(), name
+
+
+def test_feedback_config_sections_are_the_library_types():
+    from gagar_jax.models import TransformerConfig
+    from gagar_jax.update import UpdateConfig
+
+    cfg = FeedbackRunConfig.from_config_dict(feedback_toy.get_config("sft"))
+    assert isinstance(cfg.model, TransformerConfig) and isinstance(cfg.learner, UpdateConfig)
+    # decay_steps follows the loop unless set; rope_theta is a field like any other
+    assert cfg.learner.decay_steps == cfg.loop.steps and cfg.model.rope_theta == 10000.0
+    c = feedback_toy.get_config("sft")
+    c.learner.decay_steps = 7
+    c.model.rope_theta = 5e5
+    cfg = FeedbackRunConfig.from_config_dict(c)
+    assert (cfg.learner.decay_steps, cfg.model.rope_theta) == (7, 5e5)
+    assert FeedbackRunConfig.from_config_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("section,key", [("learner", "lr"), ("model", "hiddn_size")])
+def test_feedback_config_unknown_library_field_is_named(section, key):
+    from gagar_jax.feedback.run import FeedbackConfigError
+
+    d = feedback_toy.get_config().to_dict()
+    d[section][key] = 1
+    with pytest.raises(FeedbackConfigError, match=rf"config\.{section}: unknown keys \['{key}'\]"):
+        FeedbackRunConfig.from_config_dict(d)
