@@ -56,6 +56,9 @@ class StepResult:
 
 
 class ToolEnvironment(Protocol):
+    """An episode's environment: ``step`` takes the model's turn as text and answers with the
+    observation and whether the episode is done (a task family builds one per rollout)."""
+
     def step(self, action_text: str) -> StepResult: ...
 
 
