@@ -839,6 +839,15 @@ def _write_close(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
+def _mask_canaries(text: str, canaries: Mapping[str, str]) -> str:
+    """``text`` with the canaries' node ids and module name replaced by ``[canary]`` (readers
+    of the log, a grader or a pre-screen, see no test ids that are not the task's)."""
+    for cid in canaries:
+        text = text.replace(cid, "[canary]")
+    module = next(iter(canaries), "::").split("::")[0]
+    return text.replace(module, "[canary]") if module else text
+
+
 def _judge(task, result, data, canaries, reset, flags):
     """The verdict from the sandbox result and the runner's record (see the module docstring)."""
     ran = result.status not in ("infra_error", "timeout", "resource_killed")
@@ -892,10 +901,10 @@ def _judge(task, result, data, canaries, reset, flags):
         lines.append(f"({len(canaries)} hidden canary tests ran with the required ones: "
                      f"{n_fail} fail and one errors by design)")  # fmt: skip
     lines.append("--- pytest output (untrusted) ---")
-    lines.append(result.stdout[-4000:])
+    lines.append(_mask_canaries(result.stdout, canaries)[-4000:])
     if result.stderr.strip():
         lines.append("--- stderr (untrusted) ---")
-        lines.append(result.stderr[-2000:])
+        lines.append(_mask_canaries(result.stderr, canaries)[-2000:])
     if flags:
         lines.insert(1, "monitor: " + "; ".join(
             f"{f.rule}{'' if f.confirmed else '?'} @ {f.evidence}" for f in flags))  # fmt: skip
