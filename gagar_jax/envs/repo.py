@@ -198,6 +198,10 @@ def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
         a, b = before.get(path), after.get(path)
         if a == b:
             continue
+        if not (a or b):  # an empty file created or deleted: headers only, no hunk
+            out.append(f"--- a/{path}\n+++ /dev/null\n" if b is None else
+                       f"--- /dev/null\n+++ b/{path}\n")  # fmt: skip
+            continue
         for line in difflib.unified_diff(
             split_lines(a or ""), split_lines(b or ""),  # "\n" only: CRLF, form feeds kept
             fromfile=f"a/{path}" if a is not None else "/dev/null",

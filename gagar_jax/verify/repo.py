@@ -2,33 +2,38 @@
 
 A task is a repository snapshot (``{path: text}``), the issue text, and the pytest node ids that
 must pass: fail-to-pass (fixed by a correct patch) and pass-to-pass (must keep passing).
-``verify_repo_patch(task, patch)``:
+``verify_repo_patch(task, patch)`` (the threat model: ``docs/threat_model.md``):
 
-1. applies the candidate unified diff to a fresh copy (``diff.apply_unified_diff``: path-safe;
-   a patch that does not apply is the candidate's failure);
-2. resets to pristine the task's test files, every path its hidden ``test_patch`` touches,
-   every ``conftest.py`` and every pytest configuration file (``CONFIG_NAMES``: pytest.toml,
-   .pytest.toml, pytest.ini, .pytest.ini, pyproject.toml, tox.ini, setup.cfg) in any directory
-   (files the patch added there are removed), then applies the hidden ``test_patch``; a tree
-   that cannot be written (a file where a directory must be, a 300-byte name, an unencodable
-   name) or that collides with the hidden tests is the candidate's failure (``DiffError``);
-3. runs ``python -P -m pytest -c <pristine config> --rootdir=. -p no:cacheprovider
-   -p _gagar_outcome_plugin <ids>`` in the sandbox with PYTEST_DISABLE_PLUGIN_AUTOLOAD (``-P``:
-   the repo cannot shadow ``pytest``; ``-c``: no configuration file the candidate adds anywhere
-   is read; addopts are off);
-4. reads the outcomes from the trusted plugin (``outcome_plugin.py``) through a pipe only the
-   verifier holds (no file the code could rewrite at exit): passes only if exactly one report
-   line with this run's nonce arrived, every required id is passed in it, and pytest's recorded
-   exit status, the process's exit status and the outcomes agree. A second line, a wrong nonce or
-   a disagreeing exit status is tampering: ``failed`` plus a confirmed ``tamper_test_harness``
-   flag. Anything printed ("PASSED") is ignored.
+1. refuses a patch over ``MAX_PATCH_BYTES`` unread, runs the behaviour monitor (an exception on
+   the candidate's text is its ``failed``, ``monitor_error``), applies the unified diff to a
+   fresh copy (``diff.apply_unified_diff``: path-safe; a patch that does not apply, or any
+   exception it causes, is the candidate's failure);
+2. resets to pristine every file under the task's test directories (``test_dirs``: helpers,
+   ``__init__.py``, data files; files the patch added there are removed), the task's test files,
+   every path its hidden ``test_patch`` touches, every ``conftest.py`` and every pytest
+   configuration file (``CONFIG_NAMES``) in any directory, then applies the hidden
+   ``test_patch``; refuses a new module that would shadow the standard library, the test
+   framework or an installed module on the test run's ``sys.path`` (``shadowing_problem``); a
+   tree that cannot be written or that collides with the hidden tests is the candidate's failure
+   (``DiffError``);
+3. adds canary tests of unpredictable names (``make_canaries``: two must pass, two must fail,
+   one must error) and runs the test runner (``outcome_plugin.py``) by absolute path,
+   ``python -P``, with pytest on the pristine configuration (``-c``), plugin autoloading off,
+   ``addopts`` cleared, in the sandbox's private work tree (a tmpfs of ``limits.disk_bytes``);
+4. reads one record from the runner's supervisor through a pipe only it holds: the test
+   process's streamed report (one line per test phase, then pytest's exit status), its exit
+   status and whether it ended as itself (no ``exec``). Passes only if every required id passed,
+   every canary has its outcome, pytest's exit status is 1 (its failing canaries) and the exit
+   statuses agree. A report that contradicts any check is tampering: ``failed`` plus a
+   confirmed ``tamper_test_harness`` flag. Anything printed ("PASSED") is ignored.
 
 What this cannot stop: code under test runs inside the pytest process, so a patch can still
-forge results in-process (monkeypatching ``_pytest`` or the plugin before it reports). Those
-need source-level evidence, which is the behaviour monitor's job (``monitor.py`` rule
-``tamper_test_harness``). Infrastructure errors before the candidate's code ran (sandbox did not
-start, pytest not importable in the sandbox, a broken task) come back as ``status="infra_error"``:
-mask the sample, never score it 0; after it started, every problem is the candidate's ``failed``.
+emulate the reporter in-process (learn the canaries' outcomes by running them, write a consistent
+report and exit early) or rewrite pytest's report objects for the required tests only. Those
+need source-level evidence: the behaviour monitor's job (``monitor.py``). Infrastructure errors
+before the candidate's code ran (sandbox did not start, pytest not importable in the sandbox, a
+broken task) come back as ``status="infra_error"``: mask the sample, never score it 0; after it
+started, every problem is the candidate's ``failed``.
 """
 
 from __future__ import annotations
@@ -791,7 +796,9 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
                 f.write("[pytest]\n")
         out_r, out_w = os.pipe()
         ctl_r, ctl_w = os.pipe()
-        ids = list(task.required_tests) + list(canaries)
+        # Canaries first: an honest session cut short by the code under test (a crash in a
+        # required test) has already reported them.
+        ids = list(canaries) + list(task.required_tests)
         ctl = json.dumps({"out_fd": out_w, "args": pytest_args(ids, cfg)}).encode()
         if len(ctl) > 60_000:  # a pipe holds 64 KiB: write the rest while the runner reads
             threading.Thread(target=_write_close, args=(ctl_w, ctl), daemon=True).start()
@@ -833,6 +840,15 @@ def _write_close(fd: int, data: bytes) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _mask_canaries(text: str, canaries: Mapping[str, str]) -> str:
+    """``text`` with the canaries' node ids and module name replaced by ``[canary]`` (readers
+    of the log, a grader or a pre-screen, see no test ids that are not the task's)."""
+    for cid in canaries:
+        text = text.replace(cid, "[canary]")
+    module = next(iter(canaries), "::").split("::")[0]
+    return text.replace(module, "[canary]") if module else text
 
 
 def _judge(task, result, data, canaries, reset, flags):
@@ -888,10 +904,10 @@ def _judge(task, result, data, canaries, reset, flags):
         lines.append(f"({len(canaries)} hidden canary tests ran with the required ones: "
                      f"{n_fail} fail and one errors by design)")  # fmt: skip
     lines.append("--- pytest output (untrusted) ---")
-    lines.append(result.stdout[-4000:])
+    lines.append(_mask_canaries(result.stdout, canaries)[-4000:])
     if result.stderr.strip():
         lines.append("--- stderr (untrusted) ---")
-        lines.append(result.stderr[-2000:])
+        lines.append(_mask_canaries(result.stderr, canaries)[-2000:])
     if flags:
         lines.insert(1, "monitor: " + "; ".join(
             f"{f.rule}{'' if f.confirmed else '?'} @ {f.evidence}" for f in flags))  # fmt: skip
