@@ -268,7 +268,7 @@ def test_update_with_corrections_on_own_logprobs_equals_the_plain_update():
     from gagar_jax.update import UpdateConfig, create_train_state, jit_update, make_mesh
     from gagar_jax.update.state import abstract_model
     from gagar_jax.update.step import chunked_token_logprobs_and_entropy
-    from tests.test_update_fixtures import CONFIG, MODEL, make_batch
+    from tests.update_fixtures import CONFIG, MODEL, make_batch
 
     mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
     base = dataclasses.replace(CONFIG, eps=1e-3, num_minibatches=1)
