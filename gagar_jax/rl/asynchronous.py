@@ -287,15 +287,9 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
     )
     t_graded = time.monotonic()
     paused = t_graded - t_wait
-    late = 0
-    for gi, gid in enumerate(oldest.collected.submitted):
-        if gid in pending_before:
-            oldest.resolved_at[gid] = t_graded
-            aq.latencies.append(t_graded - oldest.submitted_at)
-            late += int(not grades.graded[gi]) and bool(
-                grades.reasons[gi] is not None
-                and "deadline" in str(getattr(grades.reasons[gi], "value", grades.reasons[gi]))
-            )
+    for gid in pending_before:
+        oldest.resolved_at[gid] = t_graded
+        aq.latencies.append(t_graded - oldest.submitted_at)
     packed = train.pack_phase(
         oldest.collected.sampling.groups,
         grades,
@@ -358,7 +352,9 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
             "async/queued_batches": float(len(aq.queue)),
             "async/inflight_groups": float(aq.inflight_groups() * hosts.count),
             "async/dispatch_paused_s": paused,
-            "async/staleness_fallbacks": float(late),
+            # groups trained without a verdict because none came within the deadline counted
+            # from their submission (every host's)
+            "async/staleness_fallbacks": float(sum(r == "deadline" for r in ex.fallback)),
             "async/ks_length": ks_distance(samples["dispatched"], samples["trained"]),
             "async/ks_grading_latency": ks_distance(samples["latency"], samples["trained_latency"]),
         }
