@@ -310,6 +310,8 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     metrics["approx_kl_first"] = per_step["approx_kl"][0]
     metrics["logprob_max_abs_diff_first"] = per_step["logprob_max_abs_diff"][0]
     metrics.update(_off_policy_metrics(per_step))
+    for k in ("credit_delivered", "credit_positive", "is_weight_sq_mean"):  # summed into those
+        metrics.pop(k)
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
     metrics["learning_rate"] = per_step["learning_rate"][-1]
     metrics["tokens"] = jnp.sum(resp[:, 1:].astype(jnp.float32))
