@@ -1,4 +1,5 @@
-"""Losses: token log-probs/entropy, clipped policy-gradient loss, KL estimators, aggregation;
+"""Losses: token log-probs/entropy, clipped policy-gradient loss with off-policy correction, KL
+estimators, aggregation;
 feedback-span losses (re-weighted SFT, span-level KTO)."""
 
 from gagar_jax.losses.feedback import (
@@ -13,10 +14,14 @@ from gagar_jax.losses.feedback import (
 from gagar_jax.losses.policy import (
     AGGREGATIONS,
     KL_ESTIMATORS,
+    ROLLOUT_IS,
+    ROLLOUT_RS,
+    OffPolicyWeights,
     PolicyLossTerms,
     aggregate,
     delivered_credit,
     kl_estimate,
+    off_policy_weights,
     policy_loss,
     token_logprobs_and_entropy,
 )
@@ -31,10 +36,14 @@ __all__ = [
     "span_rewards",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
+    "ROLLOUT_IS",
+    "ROLLOUT_RS",
+    "OffPolicyWeights",
     "PolicyLossTerms",
     "aggregate",
     "delivered_credit",
     "kl_estimate",
+    "off_policy_weights",
     "policy_loss",
     "token_logprobs_and_entropy",
 ]
