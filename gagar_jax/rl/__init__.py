@@ -5,7 +5,8 @@ task families (:mod:`gagar_jax.envs`) and graders (:mod:`gagar_jax.grading`), an
 package that imports all of them.
 
 Modules: ``config`` (``RunConfig``, the validated run config), ``train`` (``train_and_evaluate``,
-``rl_step``, ``evaluate_checkpoint``), ``collect`` (rollout records, groups, generation and
+``rl_step`` and its named phases, ``evaluate_checkpoint``), ``asynchronous`` (the loop with
+``rollout.max_staleness > 0``: admission control, oldest-first training, the bias monitor), ``collect`` (rollout records, groups, generation and
 verification, dynamic sampling, packing), ``grade`` (workspaces, verdicts as arrays, grading
 metrics), ``policy`` (model, the update call, weight sync, checkpoints), ``engines`` (rollout
 engine, grading pool), ``resume`` (the loop state), ``writers`` (metrics JSONL/TensorBoard/
