@@ -35,9 +35,17 @@ runs in every mode so quality and T1 share are measured identically.
 Before RL, an SFT warm start on demonstrations (``config.sft``) runs once; its completion is part
 of the resumable state.
 
-Overlap note: generation for step t+1 starts after the update of step t (on-policy, as the
-paper's synchronous setting); the grading/generation overlap is inside a step, across refill
-rounds, and grading of the last round is the only exposed wait.
+Overlap: with ``rollout.max_staleness = 0`` (the default) generation for step t+1 starts after
+the update of step t (on-policy, as the paper's synchronous setting); the grading/generation
+overlap is inside a step, across refill rounds, and grading of the last round is the only
+exposed wait. With ``max_staleness > 0`` the loop runs :func:`~gagar_jax.rl.asynchronous.async_step`
+instead: grading overlaps the following steps' generation and updates, with the staleness of
+every trained group bounded (docs/async.md).
+
+Steps 1-6 are the named phases of :func:`rl_step`: :func:`collect_phase` (1-3, each kept group
+submitted for grading) -> :func:`grade_phase` -> :func:`pack_phase` (4) ->
+:func:`exchange_phase` (the group fields of every host; the identity on one host) ->
+:func:`update_phase` (5) -> :func:`sync_phase` (6), with a named type between each.
 """
 
 from __future__ import annotations
