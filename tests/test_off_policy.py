@@ -275,26 +275,40 @@ def test_update_with_corrections_on_own_logprobs_equals_the_plain_update():
     state0 = jax.device_get(create_train_state(MODEL, base, mesh, seed=0))
     batch = make_batch(seed=0)
     model = nnx.merge(nnx.graphdef(abstract_model(MODEL)), state0.params)
-    hidden = model.hidden_states(jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
-                                 attention_mask=jnp.asarray(batch.attention_mask))
+    hidden = model.hidden_states(
+        jnp.asarray(batch.tokens),
+        jnp.asarray(batch.positions),
+        attention_mask=jnp.asarray(batch.attention_mask),
+    )
     own, _ = chunked_token_logprobs_and_entropy(
-        model, hidden, jnp.roll(jnp.asarray(batch.tokens), -1, axis=1), 1.0, 0)
+        model, hidden, jnp.roll(jnp.asarray(batch.tokens), -1, axis=1), 1.0, 0
+    )
     # behaviour log-prob of token t sits at t (the update reads old_logprobs[:, 1:])
     own = np.concatenate([np.zeros((own.shape[0], 1)), np.asarray(own)[:, :-1]], 1)
-    on_policy = batch._replace(old_logprobs=np.where(batch.response_mask, own, 0.0).astype(
-        np.float32))
-    corr = dataclasses.replace(base, decoupled=True, rollout_is="token",
-                               rollout_is_threshold=2.0, rollout_rs="token_k3",
-                               rollout_rs_threshold=0.5)
+    on_policy = batch._replace(
+        old_logprobs=np.where(batch.response_mask, own, 0.0).astype(np.float32)
+    )
+    corr = dataclasses.replace(
+        base,
+        decoupled=True,
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_rs="token_k3",
+        rollout_rs_threshold=0.5,
+    )
     assert isinstance(corr, UpdateConfig) and corr.off_policy
     # behaviour less likely than the trainer finds its tokens: weights above the truncation
     shift = np.random.default_rng(0).uniform(0.0, 2.0, batch.old_logprobs.shape)
-    shifted = batch._replace(old_logprobs=(on_policy.old_logprobs - shift * batch.response_mask
-                                           ).astype(np.float32))
+    shifted = batch._replace(
+        old_logprobs=(on_policy.old_logprobs - shift * batch.response_mask).astype(np.float32)
+    )
     fns = {id(cfg): jit_update(MODEL, cfg, mesh) for cfg in (base, corr)}
     out = {}
-    for name, cfg, b in (("plain", base, on_policy), ("corr", corr, on_policy),
-                         ("off", corr, shifted)):
+    for name, cfg, b in (
+        ("plain", base, on_policy),
+        ("corr", corr, on_policy),
+        ("off", corr, shifted),
+    ):
         state, m = fns[id(cfg)](jax.device_put(state0), b)
         out[name] = (jax.device_get(state.params), {k: float(v) for k, v in m.items()})
     for a, b in zip(jax.tree.leaves(out["plain"][0]), jax.tree.leaves(out["corr"][0])):
