@@ -55,14 +55,11 @@ class SleepingStandInGrader:
 
 
 def config(staleness: int, steps: int, seed: int, family: str = "toy_gagar") -> RunConfig:
-    import importlib.util
+    import importlib
+    import sys
 
-    spec = importlib.util.spec_from_file_location(
-        "toy_gagar", os.path.join(os.path.dirname(__file__), "..", "configs", "toy_gagar.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cd = mod.get_config("smoke").to_dict()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    cd = importlib.import_module(f"configs.{family}").get_config("smoke").to_dict()
     cd["seed"] = seed
     cd["rollout"]["max_staleness"] = staleness
     cd["grading"].update(max_concurrency=4, deadline_s=30.0, max_inflight_groups=16)
