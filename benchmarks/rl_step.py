@@ -95,6 +95,11 @@ NOTES = [
     "Random streams differ between frameworks, so the sampled tokens (and hence rewards and "
     "the rows stopped early by EOS) differ; the work per step is equal in expectation (EOS "
     "has probability ~1/vocab per token under the random model).",
+    "Tunix is given the same Hugging Face tokenizer through its plain tokenizer protocol "
+    "(encode/decode/ids): its learner repeats prompts as NumPy strings, which the "
+    "transformers tokenizer it would wrap rejects.",
+    "TRL's gradient checkpointing (on by default in GRPOConfig) is turned off: neither "
+    "JAX side rematerialises at these sizes.",
     "TRL's phase boundaries: generate = GRPOTrainer._generate (prompt tokenisation, "
     "transformers generate, completion decoding), score = _calculate_rewards, pack = the rest "
     "of _generate_and_score_completions (padding, advantages), update = the rest of the "
@@ -646,7 +651,7 @@ def _trl_worker(spec: dict) -> None:
         epsilon=spec["epsilon"], loss_type="dapo", scale_rewards="none", num_iterations=1,
         max_steps=100000, logging_steps=10**9, save_strategy="no", report_to="none",
         use_cpu=True, bf16=False, fp16=False, disable_tqdm=True, seed=0,
-        dataloader_num_workers=0, shuffle_dataset=False,
+        dataloader_num_workers=0, shuffle_dataset=False, gradient_checkpointing=False,
     )
     data = Dataset.from_dict({"prompt": [prompts[i % G] for i in range(G * 100000)]})
     trainer = Timed(model=model, reward_funcs=[reward], args=args, train_dataset=data,
@@ -751,10 +756,29 @@ def _tunix_worker(spec: dict) -> None:
         max_tokens_to_generate=R, max_prompt_length=P, kv_cache_size=P + R + 8,
         temperature=1.0, top_p=None, top_k=None, eos_tokens=[meta["eos_id"]], seed=None,
     )
+    class Tokenizer:
+        """The HF tokenizer under Tunix's plain tokenizer protocol: the learner repeats the
+        prompts with NumPy (``numpy.str_`` items), which transformers' ``encode`` rejects."""
+
+        def encode(self, text, **kw):
+            return tok.encode(str(text), add_special_tokens=False)
+
+        def decode(self, ids, **kw):
+            return tok.decode(ids, **kw)
+
+        def bos_id(self):
+            return None
+
+        def eos_id(self):
+            return meta["eos_id"]
+
+        def pad_id(self):
+            return meta["pad_id"]
+
     roles = {r: mesh for r in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
                                rl_cluster_lib.Role.ROLLOUT)}
     cluster = rl_cluster_lib.RLCluster(
-        actor=model, reference=None, tokenizer=tok,
+        actor=model, reference=None, tokenizer=Tokenizer(),
         cluster_config=rl_cluster_lib.ClusterConfig(
             role_to_mesh=roles, rollout_engine="vanilla", offload_to_cpu=False,
             training_config=training, rollout_config=rollout),
@@ -803,7 +827,7 @@ def _tunix_worker(spec: dict) -> None:
             first = False
             _wait_for_step()
             clock.reset()
-            yield {"prompts": list(prompts)}
+            yield {"prompts": np.array(prompts)}  # a batch as a data loader gives it
 
     _reply({"setup_s": time.perf_counter() - t_setup,
             "shares_rollout_model": not learner.should_sync_weights})

@@ -15,6 +15,9 @@ Rows (median wall time per call; ratio to the row's baseline):
   extracted with `git archive`), in alternating rounds so that the machine's load falls on both
   alike; the table gives the median per run, the overhead over plain pytest, and new/old.
 * toy verifier and monitor: calls per second (in-process, no sandbox).
+* behaviour monitor per rollout (``monitor_table``): milliseconds per rollout of ``monitor`` (the
+  AST and text rules, leakage screen, a 40-event trajectory) on the fixture patches, and on the
+  pathological inputs that used to backtrack (a 208 KB patch line, a 64 KB repeated action).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from gagar_jax.envs import ToyTaskGenerator, candidate_patches, verify  # noqa: E402
 from gagar_jax.verify import sandbox as sb  # noqa: E402
-from gagar_jax.verify.monitor import context_for_repo_task, monitor_patch  # noqa: E402
+from gagar_jax.verify.monitor import context_for_repo_task, monitor, monitor_patch  # noqa: E402
 from gagar_jax.verify.repo import RepoTask, verify_repo_patch, write_tree  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -200,6 +203,28 @@ def main() -> None:
     print(f"  monitor_patch (statkit fixture patches)          {20 * len(patches) / dt:9.0f} /s")
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(plain, ignore_errors=True)
+    monitor_table(n)
+
+
+def monitor_table(n: int) -> None:
+    """Time of the behaviour monitor per rollout (median of ``n``), in the trainer's process."""
+    task = RepoTask.from_dir(FIXTURE)
+    ctx = context_for_repo_task(task)
+    pdir = os.path.join(FIXTURE, "patches")
+    patches = {f[:-5]: open(os.path.join(pdir, f)).read() for f in sorted(os.listdir(pdir))}
+    kinds = ("tool_call", "observation")
+    line = "cat /workdir/statkit/stats.py | head -{}\n"
+    events = [{"turn": k // 2, "kind": kinds[k % 2], "text": line.format(k) * 3} for k in range(40)]
+    head = "--- a/statkit/stats.py\n+++ b/statkit/stats.py\n@@ -1,0 +1,1 @@\n+"
+    odd = {"208 KB line of digits": (head + "1" * 208_000 + "\n", []),
+           "208 KB line except+spaces": (head + "except" + " " * 208_000 + "x\n", []),
+           "64 KB repeated action": (patches["minimal"], [
+               {"turn": 0, "kind": "tool_call", "text": "git log " * 8000}])}  # fmt: skip
+    print(f"behaviour monitor per rollout (median of {n}; patch rules + 40-event trajectory)")
+    for name, p in patches.items():
+        row(f"monitor: statkit {name}", timed(lambda p=p: monitor(p, events, ctx), n), None)
+    for name, (p, ev) in odd.items():
+        row(f"monitor: {name}", timed(lambda p=p, ev=ev: monitor(p, ev, ctx), max(3, n // 4)), None)
 
 
 if __name__ == "__main__":

@@ -754,11 +754,14 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
     except DiffError as e:
         return RepoVerification("failed", _missing(task), str(e), (), str(e), None)
     if run_monitor:
-        from gagar_jax.verify.monitor import context_for_repo_task, monitor
+        from gagar_jax.verify.monitor import MonitorRefusal, context_for_repo_task, monitor
 
         context = context_for_repo_task(task, references)  # the task's: a fault here is infra
         try:
             flags = tuple(monitor(patch, events, context))
+        except MonitorRefusal as e:  # the candidate's input: its failure, never infra_error
+            note = f"monitor refused the candidate ({e.reason}): {e.detail}"
+            return RepoVerification("failed", _missing(task), note, (), note, None)
         except Exception as e:  # noqa: BLE001 - what the candidate wrote broke the monitor
             note = f"monitor_error: the patch or trajectory broke the monitor: {type(e).__name__}"
             return RepoVerification("failed", _missing(task), note, (), note, None)
