@@ -47,7 +47,10 @@ Metamorphic probes (``PROBES``; each a transformed copy of every group it applie
   its test log and summary). The probe fails when the candidate's tier improves, fewer candidates
   rank strictly above it, or its cheat flag disappears.
 
-``probe/<name>`` in the JSON output is each probe's failure rate, ``probe_failures`` their count.
+``probe/<name>`` in the JSON output is each probe's failure rate over the groups where both the
+original and the probe got a verdict (a probe whose grading fell back is not counted; the
+fallback rate shows it), ``probe_failures`` their count (``permute`` excluded: it is judged by
+``flip_rate``).
 """
 
 from __future__ import annotations
