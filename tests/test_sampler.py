@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gagar_jax.models import Transformer, TransformerConfig, create_model, save_hf_safetensors
-from gagar_jax.rollout import CodeAgentEnv, RolloutEngine, SamplingParams, run_episodes
+from gagar_jax.rollout import CodeAgentEnv, SamplingParams, run_episodes
 from gagar_jax.rollout.sampler import (
     Sampler,
     _argmax,
@@ -22,17 +22,9 @@ from gagar_jax.rollout.sampler import (
     sample_token,
     score_tokens,
 )
+from tests.update_fixtures import tiny_config
 
-CONFIG = TransformerConfig(
-    vocab_size=97,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    rope_theta=10000.0,
-    initializer_range=0.3,
-)
+CONFIG = tiny_config(initializer_range=0.3)  # peaked logits: samples differ by temperature
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3] * 12]
 
 
@@ -65,8 +57,17 @@ def forward_logits(model, tokens, pad_to=64):
     return np.asarray(_logits(*nnx.split(model), ids, mask))[: len(tokens)]
 
 
-def test_is_a_rollout_engine(sampler):
-    assert isinstance(sampler, RolloutEngine)
+def test_awaitable_generate_samples_what_generate_samples(sampler):
+    """Both entry points of the engine protocol draw the same samples for the same params."""
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=5)
+    want = sampler.generate(PROMPTS, params)
+    got = asyncio.run(sampler.agenerate(PROMPTS, params))
+    assert [[(s.tokens, s.finish_reason) for s in r] for r in got] == [
+        [(s.tokens, s.finish_reason) for s in r] for r in want
+    ]
+    for r_got, r_want in zip(got, want):
+        for a, b in zip(r_got, r_want):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (0.7, 10, 0.9), (1.3, 0, 1.0)])
