@@ -48,7 +48,15 @@ class RepoTask:
       pass_to_pass: pytest node ids that must keep passing.
       test_files: paths reset to pristine before running (the task's tests).
       test_patch: hidden unified diff applied after the reset (may be empty).
-      reference_patch: a known-good patch (for leakage screening and tests; may be empty).
+      reference_patch: a known-good patch (for tests and demonstrations; may be empty).
+      python_path: directories of the tree, relative to its root, put on the sandboxed
+        interpreter's path besides the root (``("src",)`` for a ``src/`` layout).
+      env_path: a virtual environment (``gagar_jax.data.repos.build_env``) whose site-packages
+        hold the task's dependencies and pytest; bound read-only into the sandbox ("" = the
+        verifier's own interpreter packages).
+      test_timeout_s: per-test timeout through pytest-timeout (0 = none): a hanging test fails
+        that test, not the run.
+      env_hash: the environment's content address (interpreter + resolved lockfile), or "".
     """
 
     task_id: str
@@ -59,6 +67,10 @@ class RepoTask:
     test_files: tuple[str, ...] = ()
     test_patch: str = ""
     reference_patch: str = ""
+    python_path: tuple[str, ...] = ()
+    env_path: str = ""
+    test_timeout_s: float = 0.0
+    env_hash: str = ""
 
     def __post_init__(self):
         if not self.task_id:
@@ -73,6 +85,16 @@ class RepoTask:
         for tid in self.fail_to_pass + self.pass_to_pass:
             if "::" not in tid:
                 raise ValueError(f"RepoTask {self.task_id}: test id {tid!r} is not 'file::name'")
+        for p in self.python_path:
+            if not isinstance(p, str) or safe_path(p) != p:
+                raise ValueError(f"RepoTask {self.task_id}: python_path entry {p!r} must be a "
+                                 "normalised path relative to the repository root")
+        if self.env_path and not os.path.isabs(self.env_path):
+            raise ValueError(f"RepoTask {self.task_id}: env_path {self.env_path!r} must be "
+                             "absolute")
+        if not isinstance(self.test_timeout_s, (int, float)) or not self.test_timeout_s >= 0:
+            raise ValueError(f"RepoTask {self.task_id}: test_timeout_s must be a number >= 0, "
+                             f"got {self.test_timeout_s!r}")
 
     @property
     def required_tests(self) -> tuple[str, ...]:
@@ -81,7 +103,7 @@ class RepoTask:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["files"] = dict(self.files)
-        for k in ("fail_to_pass", "pass_to_pass", "test_files"):
+        for k in ("fail_to_pass", "pass_to_pass", "test_files", "python_path"):
             d[k] = list(d[k])
         return d
 
@@ -102,6 +124,10 @@ class RepoTask:
             test_files=tuple(d.get("test_files", ())),
             test_patch=str(d.get("test_patch", "")),
             reference_patch=str(d.get("reference_patch", "")),
+            python_path=tuple(d.get("python_path", ())),
+            env_path=str(d.get("env_path", "")),
+            test_timeout_s=float(d.get("test_timeout_s", 0.0)),
+            env_hash=str(d.get("env_hash", "")),
         )
 
     @classmethod

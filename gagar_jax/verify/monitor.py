@@ -106,9 +106,9 @@ def context_for_repo_task(task: Any, references: Mapping[str, str] | None = None
 
     files, _ = prepare_tree(task, "")
     tests = {p: t for p, t in files.items() if p in task.test_files or is_test_path(p)}
+    # Only solutions the agent could have read: the task's own reference fix is what a correct
+    # candidate is expected to reproduce, never evidence of a leak.
     refs = dict(references or {})
-    if task.reference_patch and "reference" not in refs:
-        refs["reference"] = task.reference_patch
     return MonitorContext(tuple(task.test_files), tests, repo_root, HIDDEN_PATTERNS, refs)
 
 

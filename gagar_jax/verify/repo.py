@@ -318,15 +318,55 @@ def _special_files(directory: str, names: list[str]) -> list[str]:
     return out
 
 
-def pytest_argv(test_ids: Sequence[str], config_file: str) -> list[str]:
+def pytest_argv(test_ids: Sequence[str], config_file: str, *, python_path: Sequence[str] = (),
+                timeout_s: float = 0.0) -> list[str]:  # fmt: skip
     """The sandboxed pytest command: the pristine ``config_file`` (``-c``), no cache, no plugin
-    but the outcome reporter (PYTEST_DISABLE_PLUGIN_AUTOLOAD is set in its environment)."""
+    but the outcome reporter (PYTEST_DISABLE_PLUGIN_AUTOLOAD is set in its environment).
+
+    ``python_path``: tree-relative directories put on ``sys.path`` after the root (pytest's
+    ``pythonpath`` option); ``timeout_s`` > 0 loads pytest-timeout with that per-test limit."""
     exe, _ = python_for_sandbox()
+    paths = " ".join((".", *python_path))
+    timeout = (["-p", "pytest_timeout", "-o", f"timeout={timeout_s:g}"]
+               if timeout_s > 0 else [])  # fmt: skip
     return [
         exe, "-P", "-m", "pytest", "-q", "-rA", "-c", config_file, "--rootdir=.",
-        "-p", "no:cacheprovider", "-p", PLUGIN_MODULE, "-o", "addopts=", "-o", "pythonpath=.",
-        "-o", "console_output_style=classic", "--", *test_ids,
+        "-p", "no:cacheprovider", "-p", PLUGIN_MODULE, *timeout, "-o", "addopts=",
+        "-o", f"pythonpath={paths}", "-o", "console_output_style=classic", "--", *test_ids,
     ]  # fmt: skip
+
+
+def env_site_packages(env_path: str) -> tuple[str, ...]:
+    """The site-packages directories of the virtual environment ``env_path`` (ValueError if it
+    holds none: a broken task)."""
+    lib = os.path.join(env_path, "lib")
+    found = sorted(os.path.join(lib, d, "site-packages") for d in
+                   (os.listdir(lib) if os.path.isdir(lib) else ()) if d.startswith("python"))  # fmt: skip
+    found = [d for d in found if os.path.isdir(d)]
+    if not found:
+        raise ValueError(f"env_path {env_path!r} holds no lib/python*/site-packages")
+    return tuple(found)
+
+
+def sandbox_paths(task: Any, extra_pythonpath: Sequence[str] = ()) -> tuple[tuple[str, ...],
+                                                                            tuple[str, ...]]:
+    """(read-only host directories for PYTHONPATH, tree-relative ``sys.path`` entries) of a run.
+
+    With the task's ``env_path`` its site-packages (which hold pytest) replace the verifier's
+    own; absolute ``extra_pythonpath`` entries are bound read-only after them, relative ones
+    (``"src"``) name directories of the tree, like the task's ``python_path``."""
+    env_path = getattr(task, "env_path", "") or ""
+    if env_path:
+        base: tuple[str, ...] = env_site_packages(env_path)
+    else:
+        _, base = python_for_sandbox()
+    ro, rel = [], list(getattr(task, "python_path", ()) or ())
+    for p in extra_pythonpath:
+        if os.path.isabs(p):
+            ro.append(p)
+        else:
+            rel.append(safe_path(p))
+    return (plugin_dir(), *base, *ro), tuple(dict.fromkeys(r for r in rel if r != "."))
 
 
 @functools.cache
@@ -385,23 +425,27 @@ def parse_outcome_report(data: bytes, nonce: str) -> tuple[dict | None, int | No
 _PREFLIGHT: dict[tuple, str | None] = {}
 
 
-def sandbox_pytest_problem(config: SandboxConfig | None = None) -> str | None:
-    """None if the sandboxed interpreter can import pytest and the outcome plugin, else why
-    (checked once per config)."""
-    key = (config,)
+def sandbox_pytest_problem(config: SandboxConfig | None = None,
+                           paths: Sequence[str] | None = None,
+                           timeout: bool = False) -> str | None:  # fmt: skip
+    """None if the sandboxed interpreter can import pytest and the outcome plugin (and
+    pytest-timeout with ``timeout``) from ``paths`` (default: the verifier's own), else why
+    (checked once per config, paths and timeout)."""
+    exe, pythonpath = python_for_sandbox()
+    paths = tuple(paths) if paths is not None else (plugin_dir(), *pythonpath)
+    key = (config, paths, timeout)
     if key not in _PREFLIGHT:
-        exe, pythonpath = python_for_sandbox()
-        paths = (plugin_dir(), *pythonpath)
+        mods = f"pytest, {PLUGIN_MODULE}" + (", pytest_timeout" if timeout else "")
         with tempfile.TemporaryDirectory(prefix="gagar_preflight_") as d:
             os.chmod(d, 0o755)
-            r = run_sandboxed([exe, "-P", "-c", f"import pytest, {PLUGIN_MODULE}"], d,
+            r = run_sandboxed([exe, "-P", "-c", f"import {mods}"], d,
                               Limits(wall_s=60), config=config,
                               env={"PYTHONPATH": ":".join(paths)}, ro_paths=paths)  # fmt: skip
         _PREFLIGHT[key] = (
             None
             if r.passed
             else (
-                f"pytest is not importable in the sandbox ({exe}, PYTHONPATH={pythonpath}): "
+                f"pytest is not importable in the sandbox ({exe}, PYTHONPATH={paths}): "
                 f"{r.status} {r.error or r.stderr.strip()[-300:]}"
             )
         )
@@ -428,11 +472,12 @@ def verify_repo_patch(
       limits, config: sandbox settings.
       keep_dir: if given, the work tree is copied there after the run (debugging).
       events: the rollout's trajectory events, for the monitor's trajectory rules.
-      references: reference/leaked solutions for the leakage pre-screen (the task's
-        ``reference_patch`` is always included).
+      references: leaked solutions (ones the agent could read) for the leakage pre-screen; the
+        task's own ``reference_patch`` is not one: a correct fix may well reproduce it.
       run_monitor: run the behaviour monitor (``flags``; confirmed ones set ``cheat``).
-      extra_pythonpath: more read-only directories for the sandboxed interpreter's PYTHONPATH
-        (the task's dependencies), after the one holding pytest.
+      extra_pythonpath: more directories for the sandboxed interpreter's path: absolute ones
+        (the task's dependencies) are bound read-only after the one holding pytest; relative
+        ones are directories of the repository (``"src"``), like the task's ``python_path``.
 
     Never raises for a bad patch (it fails). A bug of the verifier or of the task itself (e.g. a
     ``test_patch`` that does not apply) before the candidate's code ran comes back as
@@ -447,6 +492,16 @@ def verify_repo_patch(
         status = "failed" if started else "infra_error"
         return RepoVerification(status, {t: "missing" for t in task.required_tests}, None,
                                 (), f"verifier error: {type(e).__name__}: {e}", None)  # fmt: skip
+
+
+def tests_resolved(tests: Mapping[str, str], fail_to_pass: Sequence[str],
+                   pass_to_pass: Sequence[str]) -> bool:  # fmt: skip
+    """SWE-bench's rule on the per-test outcomes: every fail-to-pass test passed (a skipped one
+    fails), every pass-to-pass test passed or skipped (a skip is not a regression)."""
+    f2p = set(fail_to_pass)
+    return (all(tests.get(t) == "passed" for t in f2p)
+            and all(tests.get(t) in ("passed", "skipped") for t in pass_to_pass
+                    if t not in f2p))  # fmt: skip
 
 
 def _missing(task: Any) -> dict[str, str]:
@@ -465,15 +520,15 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
     except DiffError as e:
         return RepoVerification("failed", _missing(task), str(e), (),
                                 f"patch does not apply: {e}", None, flags)  # fmt: skip
+    timeout_s = float(getattr(task, "test_timeout_s", 0.0) or 0.0)
     try:
-        problem = sandbox_pytest_problem(config)
+        pythonpath, tree_paths = sandbox_paths(task, extra_pythonpath)
+        problem = sandbox_pytest_problem(config, pythonpath, timeout_s > 0)
     except SandboxUnavailable as e:
         problem = f"no sandbox: {e}"
     if problem:
         return RepoVerification("infra_error", _missing(task), None, reset, problem, None,
                                 flags)  # fmt: skip
-    _, pythonpath = python_for_sandbox()
-    pythonpath = (plugin_dir(), *pythonpath, *extra_pythonpath)
     cfg = pristine_config(task)
     work_parent = tempfile.mkdtemp(prefix="gagar_repo_")
     os.chmod(work_parent, 0o711)  # the sandbox uid must traverse it (mkdtemp makes 0700)
@@ -501,7 +556,9 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         env = {"PYTHONPATH": ":".join(pythonpath), "PYTHONNOUSERSITE": "1",
                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "GAGAR_OUTCOME_FD": str(out_w),
                "GAGAR_NONCE_FD": str(nonce_r)}  # fmt: skip
-        result = run_sandboxed(pytest_argv(task.required_tests, cfg), work, limits,
+        argv = pytest_argv(task.required_tests, cfg, python_path=tree_paths,
+                           timeout_s=timeout_s)
+        result = run_sandboxed(argv, work, limits,
                                config=config, env=env, ro_paths=pythonpath,
                                pass_fds=(out_w, nonce_r))  # fmt: skip
         if result.status != "infra_error":
@@ -523,7 +580,7 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
 
     outcomes, exitstatus, report_note, tampered = parse_outcome_report(data, nonce)
     tests = {t: (outcomes or {}).get(t, "missing") for t in task.required_tests}
-    all_passed = all(v == "passed" for v in tests.values())
+    all_passed = tests_resolved(tests, task.fail_to_pass, task.pass_to_pass)
     rc = result.returncode
     if result.status not in ("infra_error", "timeout", "resource_killed") and not report_note:
         if exitstatus != rc:
