@@ -72,7 +72,7 @@ def git(*args: str, cwd: str | None = None, check: bool = True, input: bytes | N
 
 def repo_key(repo: str) -> str:
     """``owner/name`` -> ``owner__name`` (ValueError for anything else)."""
-    if not isinstance(repo, str) or not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or ".." in repo:
+    if not isinstance(repo, str) or not re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", repo):
         raise ValueError(f"repo must be 'owner/name', got {repo!r}")
     return repo.replace("/", "__")
 

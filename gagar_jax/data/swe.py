@@ -117,7 +117,7 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
         if not isinstance(row[key], str):
             raise InstanceError(f"{where}: {key} must be a string, got "
                                 f"{type(row[key]).__name__}")  # fmt: skip
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", row["repo"]):
+    if not re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", row["repo"]):
         raise InstanceError(f"{where}: repo must be 'owner/name', got {row['repo']!r}")
     f2p = _tests(row["FAIL_TO_PASS"], "FAIL_TO_PASS", where)
     if not f2p:
@@ -257,7 +257,7 @@ def grade(status_map: Mapping[str, str], fail_to_pass: Sequence[str],
 # Tasks
 # ---------------------------------------------------------------------------------------------
 def to_repo_task(inst: SweInstance, repos_dir: str, *, cache_dir: str | None = None,
-                 build_envs: bool = True, test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S):  # fmt: skip
+                 build_envs: bool = True, test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S):
     """The ``RepoTask`` of ``inst``: the tree of ``base_commit`` from ``repos_dir``, the hidden
     ``test_patch``, the gold ``patch`` as reference, the layout's ``python_path`` and (with
     ``build_envs``) the environment of ``python_deps`` or, without them, of the dependencies

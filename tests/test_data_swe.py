@@ -1,0 +1,243 @@
+"""SWE-bench-format import, grading, log parsing, git snapshots and uv environments."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from gagar_jax.data import repos, swe
+from gagar_jax.envs.repo import RepoTask
+from gagar_jax.verify.repo import verify_repo_patch
+from tests.swe_fixtures import make_instance, src_layout_row
+
+# ---- rows ------------------------------------------------------------------------------------
+
+ROW = {"instance_id": "a__b-1", "repo": "a/b", "base_commit": "abc1234", "patch": "",
+       "test_patch": "", "problem_statement": "x", "hints_text": "", "created_at": "",
+       "version": "1", "FAIL_TO_PASS": '["t.py::test_a"]', "PASS_TO_PASS": '["t.py::test_b"]',
+       "environment_setup_commit": "abc1234"}  # fmt: skip
+
+
+def test_rows_round_trip_jsonl_json_parquet(tmp_path):
+    listy = dict(ROW, instance_id="a__b-2", FAIL_TO_PASS=["t.py::c"], PASS_TO_PASS=[])
+    insts = [swe.parse_instance(ROW), swe.parse_instance(listy)]
+    assert insts[0].FAIL_TO_PASS == ("t.py::test_a",) and insts[1].FAIL_TO_PASS == ("t.py::c",)
+    jl = str(tmp_path / "i.jsonl")
+    swe.write_instances(jl, insts)
+    assert swe.load_instances(jl) == insts
+    js = str(tmp_path / "i.json")
+    with open(js, "w") as f:
+        json.dump([i.to_row() for i in insts], f)
+    assert swe.load_instances(js) == insts
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pqp = str(tmp_path / "i.parquet")
+    pq.write_table(pa.Table.from_pylist([i.to_row() for i in insts]), pqp)
+    assert swe.load_instances(pqp) == insts
+
+
+def test_empty_fail_to_pass_is_refused_by_name():
+    for empty in ("[]", [], ""):
+        with pytest.raises(swe.EmptyFailToPass, match="FAIL_TO_PASS is empty"):
+            swe.parse_instance(dict(ROW, FAIL_TO_PASS=empty))
+    with pytest.raises(swe.InstanceError, match="missing field 'base_commit'"):
+        swe.parse_instance({k: v for k, v in ROW.items() if k != "base_commit"})
+    with pytest.raises(swe.InstanceError, match="PASS_TO_PASS is not a JSON list"):
+        swe.parse_instance(dict(ROW, PASS_TO_PASS="[oops"))
+    with pytest.raises(swe.InstanceError, match="repo must be 'owner/name'"):
+        swe.parse_instance(dict(ROW, repo="../etc"))
+
+
+# ---- grading and the log parser ---------------------------------------------------------------
+
+
+def test_grade_follows_swebench_rules():
+    f2p, p2p = ["a::f"], ["a::p", "a::q"]
+    assert swe.grade({"a::f": "passed", "a::p": "passed", "a::q": "skipped"}, f2p, p2p)[
+        "resolved"] == swe.RESOLVED_FULL  # a skipped P2P test is kept  # fmt: skip
+    r = swe.grade({"a::f": "skipped", "a::p": "passed", "a::q": "passed"}, f2p, p2p)
+    assert r["resolved"] == swe.RESOLVED_NO and r["FAIL_TO_PASS"]["failure"] == ["a::f"]
+    assert swe.grade({"a::p": "PASSED", "a::q": "PASSED"}, f2p, p2p)["resolved"] == "RESOLVED_NO"
+    assert swe.grade({"a::f": "XFAIL", "a::p": "PASSED", "a::q": "PASSED"}, f2p, p2p)[
+        "resolved"] == swe.RESOLVED_FULL  # fmt: skip
+    two = swe.grade({"a::f": "PASSED", "a::g": "FAILED", "a::p": "PASSED"}, ["a::f", "a::g"],
+                    ["a::p"])  # fmt: skip
+    assert two["resolved"] == swe.RESOLVED_PARTIAL
+    # an id cut inside its parameters matches by prefix when the matches agree
+    assert swe.grade({"a::f[x-1]": "PASSED"}, ["a::f[x-"], [])["resolved"] == swe.RESOLVED_FULL
+
+
+def _swebench_parser():
+    spec = importlib.util.find_spec("swebench")
+    if spec is None:
+        pytest.skip("swebench (test dependency) is not installed")
+    root = os.path.dirname(spec.origin)
+    # import only the log parser module: swebench's package __init__ pulls in docker
+    saved = {k: v for k, v in sys.modules.items() if k.startswith("swebench")}
+    for name, sub in (("swebench", ""), ("swebench.harness", "harness"),
+                      ("swebench.harness.log_parsers", "harness/log_parsers")):  # fmt: skip
+        m = types.ModuleType(name)
+        m.__path__ = [os.path.join(root, sub)]
+        sys.modules[name] = m
+    try:
+        from swebench.harness.log_parsers.python import parse_log_pytest
+
+        return parse_log_pytest
+    finally:
+        for k in [k for k in sys.modules if k.startswith("swebench")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+def _recorded_log(tmp_path) -> str:
+    """A real pytest -rA log: passed, failed (with a ' - ' message), error, skipped, xfail,
+    xpass, parametrized ids with spaces and dashes."""
+    (tmp_path / "test_rec.py").write_text(
+        "import pytest\n\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('setup - broke')\n\n"
+        "def test_ok():\n    pass\n\n"
+        "def test_bad():\n    assert 1 == 2, 'one - two'\n\n"
+        "def test_err(broken):\n    pass\n\n"
+        "@pytest.mark.skip(reason='not here')\ndef test_skip():\n    pass\n\n"
+        "@pytest.mark.xfail\ndef test_xf():\n    assert False\n\n"
+        "@pytest.mark.xfail\ndef test_xp():\n    pass\n\n"
+        "@pytest.mark.parametrize('v', ['a b', 'x-y', 1])\ndef test_p(v):\n    assert v != 1\n\n"
+        "class TestK:\n    def test_m(self):\n        pass\n"
+    )
+    r = subprocess.run([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider",
+                        "test_rec.py"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "PYTEST_ADDOPTS": ""})  # fmt: skip
+    return r.stdout
+
+
+def test_log_parser_equals_swebench_on_recorded_logs(tmp_path):
+    theirs = _swebench_parser()
+    logs = [_recorded_log(tmp_path),
+            "PASSED a.py::t\nFAILED b.py::x - boom - again\nSKIPPED [2] a.py:3: why\n"
+            "ERROR c.py::e - E\nXFAIL d.py::x\nPASSED\nPASSED [100%]\n  PASSED e.py::no\n"
+            "FAILED b.py::x\n"]  # fmt: skip
+    for log in logs:
+        mine = swe.parse_log_pytest(log)
+        assert mine == theirs(log, None)
+    rec = swe.parse_log_pytest(logs[0])
+    assert rec["test_rec.py::test_ok"] == "PASSED" and rec["test_rec.py::test_bad"] == "FAILED"
+    assert rec["test_rec.py::test_err"] == "ERROR" and rec["test_rec.py::test_xf"] == "XFAIL"
+
+
+# ---- snapshots, environments and the verifier -------------------------------------------------
+
+
+def test_snapshot_from_git_has_no_history_and_is_cached(tmp_path):
+    repos_dir, cache = str(tmp_path / "repos"), str(tmp_path / "cache")
+    row = src_layout_row(repos_dir)
+    tree = repos.snapshot(repos_dir, "acme/srcpkg", row["base_commit"], cache)
+    assert not os.path.exists(os.path.join(tree, ".git"))
+    files = repos.read_text_tree(tree)
+    assert "a - b" in files["src/srcpkg/__init__.py"] and "tests/test_add.py" not in files
+    assert repos.snapshot(repos_dir, "acme/srcpkg", row["base_commit"][:10], cache) == tree
+    # a bare store and a bundle give the same tree
+    src = os.path.join(repos_dir, "acme__srcpkg")
+    for kind in ("bare", "bundle"):
+        d = str(tmp_path / kind)
+        os.makedirs(d)
+        if kind == "bare":
+            repos.git("clone", "-q", "--bare", src, os.path.join(d, "acme__srcpkg.git"))
+        else:
+            repos.git("bundle", "create", "-q", os.path.join(d, "acme__srcpkg.bundle"), "--all",
+                      cwd=src)  # fmt: skip
+        t = repos.snapshot(d, "acme/srcpkg", row["base_commit"], str(tmp_path / f"c_{kind}"))
+        assert repos.read_text_tree(t) == files
+    with pytest.raises(repos.RepoNotFound, match="acme__nope"):
+        repos.find_repo(repos_dir, "acme/nope")
+
+
+def test_src_layout_with_third_party_test_dependency_verifies_right(tmp_path):
+    repos_dir, cache = str(tmp_path / "repos"), str(tmp_path / "cache")
+    inst = swe.parse_instance(src_layout_row(repos_dir))
+    task = swe.to_repo_task(inst, repos_dir, cache_dir=cache)
+    assert task.python_path == ("src",) and task.env_hash and os.path.isdir(task.env_path)
+    assert "cachetools==5.5.0" in open(os.path.join(task.env_path, ".gagar-env")).read()
+    gold = verify_repo_patch(task, inst.patch)
+    assert gold.status == "passed", gold.test_log
+    # the task's own reference fix is never a leak
+    assert not [f for f in gold.flags if f.rule == "leaked_solution"]
+    empty = verify_repo_patch(task, "")
+    assert empty.status == "failed"
+    assert empty.tests == {"tests/test_add.py::test_add": "failed",
+                           "tests/test_neg.py::test_neg": "passed"}  # fmt: skip
+    # without the environment the third-party import fails: the env is what made it pass
+    bare = verify_repo_patch(dataclasses.replace(task, env_path=""), inst.patch, run_monitor=False)
+    assert bare.status == "failed" and bare.tests["tests/test_add.py::test_add"] != "passed"
+    # the environment is built once and reused
+    again = repos.build_env(list(inst.python_deps), cache_dir=cache)
+    assert again.reused and again.env_hash == task.env_hash and again.path == task.env_path
+
+
+FILES = {"m.py": "def f():\n    return 1\n",
+         "test_m.py": "import time\n\nimport pytest\n\nfrom m import f\n\n\n"
+                      "def test_f():\n    assert f() == 2\n\n\n"
+                      "@pytest.mark.skip(reason='platform')\ndef test_skipped():\n    pass\n\n\n"
+                      "def test_ok():\n    assert True\n\n\n"
+                      "def test_hangs():\n    time.sleep(60)\n"}  # fmt: skip
+FIX = "--- a/m.py\n+++ b/m.py\n@@ -1,2 +1,2 @@\n def f():\n-    return 1\n+    return 2\n"
+
+
+def test_skipped_p2p_kept_skipped_f2p_fails_and_per_test_timeout():
+    t = RepoTask("t", "f must return 2", FILES, ("test_m.py::test_f",),
+                 ("test_m.py::test_skipped", "test_m.py::test_ok"))  # fmt: skip
+    assert verify_repo_patch(t, FIX, run_monitor=False).status == "passed"
+    skip_f2p = dataclasses.replace(t, fail_to_pass=("test_m.py::test_skipped",),
+                                   pass_to_pass=("test_m.py::test_ok",))  # fmt: skip
+    assert verify_repo_patch(skip_f2p, FIX, run_monitor=False).status == "failed"
+    # a hanging test fails that test, not the run
+    hang = dataclasses.replace(t, pass_to_pass=("test_m.py::test_ok", "test_m.py::test_hangs"),
+                               test_timeout_s=2.0)  # fmt: skip
+    v = verify_repo_patch(hang, FIX, run_monitor=False)
+    assert v.status == "failed" and v.tests == {"test_m.py::test_f": "passed",
+                                                "test_m.py::test_ok": "passed",
+                                                "test_m.py::test_hangs": "failed"}, v.test_log
+
+
+def test_relative_extra_pythonpath_is_a_tree_directory_not_an_infra_error():
+    files = {"src/pkg/__init__.py": "X = 1\n",
+             "tests/test_x.py": "from pkg import X\n\n\ndef test_x():\n    assert X == 1\n"}
+    t = RepoTask("s", "x", files, ("tests/test_x.py::test_x",))
+    assert verify_repo_patch(t, "", run_monitor=False).status == "failed"  # not importable
+    v = verify_repo_patch(t, "", run_monitor=False, extra_pythonpath=("src",))
+    assert v.status == "passed", v.test_log
+    v = verify_repo_patch(t, "", run_monitor=False, extra_pythonpath=("../escape",))
+    assert v.status == "infra_error"
+
+
+def test_validate_cli_writes_one_line_per_instance(tmp_path):
+    repos_dir, cache = str(tmp_path / "repos"), str(tmp_path / "cache")
+    base = {"m.py": "def f():\n    return 1\n",
+            "test_old.py": "from m import f\n\n\ndef test_old():\n    assert f() in (1, 2)\n"}
+    rows = [make_instance(repos_dir, "acme/flat", base, {"m.py": "def f():\n    return 2\n"},
+                          {"test_new.py": "from m import f\n\n\ndef test_new():\n"
+                                          "    assert f() == 2\n"},
+                          ["test_new.py::test_new"], ["test_old.py::test_old"]),
+            dict(ROW, instance_id="missing-repo", repo="acme/absent")]  # fmt: skip
+    inst = str(tmp_path / "instances.jsonl")
+    with open(inst, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    out = str(tmp_path / "report.jsonl")
+    r = subprocess.run([sys.executable, "-m", "gagar_jax.data.swe", "validate", "--instances",
+                        inst, "--repos", repos_dir, "--runs", "2", "--out", out, "--cache",
+                        cache], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 1, r.stderr  # one row could not be validated
+    assert "validated 1/2 instances" in r.stdout
+    lines = [json.loads(x) for x in open(out)]
+    assert [x["instance_id"] for x in lines] == ["acme__flat-1", "missing-repo"]
+    good = lines[0]
+    assert set(good) == {"instance_id", "gold", "empty", "flaky_tests", "infra_errors",
+                         "env_hash", "seconds"}  # fmt: skip
+    assert good["gold"] == "passed" and good["empty"] == "failed" and good["flaky_tests"] == []
+    assert good["infra_errors"] == 0 and len(good["env_hash"]) == 32
+    assert "RepoNotFound" in lines[1]["error"]
