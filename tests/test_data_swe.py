@@ -241,3 +241,60 @@ def test_validate_cli_writes_one_line_per_instance(tmp_path):
     assert good["gold"] == "passed" and good["empty"] == "failed" and good["flaky_tests"] == []
     assert good["infra_errors"] == 0 and len(good["env_hash"]) == 32
     assert "RepoNotFound" in lines[1]["error"]
+
+
+# ---- leak kinds in the agent's tree -----------------------------------------------------------
+
+
+def test_each_planted_leak_kind_is_caught_by_name(tmp_path):
+    from gagar_jax.data import audit
+
+    repos_dir, cache = str(tmp_path / "repos"), str(tmp_path / "cache")
+    inst = swe.parse_instance(src_layout_row(repos_dir))
+    task = swe.to_repo_task(inst, repos_dir, cache_dir=cache, build_envs=False)
+    tree = repos.snapshot(repos_dir, inst.repo, inst.base_commit, cache)
+    assert audit.leak_kinds(task, tree_dir=tree) == {}  # the snapshot: no .git at all
+    n = iter(range(100))
+
+    def agent_tree():
+        return repos.agent_git_repo(tree, str(tmp_path / f"agent{next(n)}"))
+
+    clean = agent_tree()
+    assert audit.leak_kinds(task, tree_dir=clean) == {}
+
+    def plant(kind, how):
+        d = agent_tree()
+        how(d)
+        kinds = audit.leak_kinds(task, tree_dir=d)
+        assert kind in kinds, (kind, kinds)
+        return kinds
+
+    fixed = inst.patch
+    assert plant("git_objects", lambda d: repos.git("hash-object", "-w", "--stdin", cwd=d,
+                                                    input=fixed.encode())) == {
+        "git_objects": [".git: 1 object(s) not reachable from HEAD"]}  # fmt: skip
+    assert set(plant("tags", lambda d: repos.git("tag", "v2", cwd=d))) == {"tags"}
+
+    def reflog(d):
+        os.makedirs(os.path.join(d, ".git", "logs"))
+        with open(os.path.join(d, ".git", "logs", "HEAD"), "w") as f:
+            f.write("0" * 40 + " " + "1" * 40 + " a <a@b> 0 +0000\tcommit: the fix\n")
+
+    assert set(plant("reflog", reflog)) == {"reflog"}
+
+    def stray(d):
+        with open(os.path.join(d, "src", "srcpkg", "__init__.py.orig"), "w") as f:
+            f.write("x\n")
+
+    assert set(plant("patch_files", stray)) == {"patch_files"}
+    # the real store checked out at the base: the fix commit and its tag are readable
+    full = str(tmp_path / "full")
+    repos.git("clone", "-q", os.path.join(repos_dir, "acme__srcpkg"), full)
+    repos.git("checkout", "-q", inst.base_commit, cwd=full)
+    kinds = audit.leak_kinds(task, tree_dir=full)
+    assert {"git_objects", "tags"} <= set(kinds)
+    # the issue text quoting the fix
+    told = dataclasses.replace(task, issue="Please change it to:\n    return a + b\n")
+    assert set(audit.leak_kinds(told)) == {"issue_text"}
+    rep = audit.leak_findings(told)
+    assert rep == ["<issue text>: holds 1/1 distinctive lines of the gold patch"]

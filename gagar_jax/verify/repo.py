@@ -340,8 +340,8 @@ def env_site_packages(env_path: str) -> tuple[str, ...]:
     """The site-packages directories of the virtual environment ``env_path`` (ValueError if it
     holds none: a broken task)."""
     lib = os.path.join(env_path, "lib")
-    found = sorted(os.path.join(lib, d, "site-packages") for d in
-                   (os.listdir(lib) if os.path.isdir(lib) else ()) if d.startswith("python"))  # fmt: skip
+    names = os.listdir(lib) if os.path.isdir(lib) else ()
+    found = [os.path.join(lib, d, "site-packages") for d in sorted(names) if d.startswith("py")]
     found = [d for d in found if os.path.isdir(d)]
     if not found:
         raise ValueError(f"env_path {env_path!r} holds no lib/python*/site-packages")
