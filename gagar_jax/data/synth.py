@@ -232,6 +232,49 @@ class _Mutator(cst.CSTTransformer):
         return updated
 
 
+class _SiteCounter(cst.CSTTransformer):
+    """Counts, in one pass, the sites of every transform in every function (a nested
+    function's sites count for each enclosing one, as ``_Mutator`` sees them)."""
+
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[int] = []
+        self.counts: collections.Counter = collections.Counter()
+
+    def visit_FunctionDef(self, node):
+        self.stack.append(_def_lines(self, node)[0])
+        return True
+
+    def leave_FunctionDef(self, original, updated):
+        self.stack.pop()
+        return updated
+
+    def on_leave(self, original, updated):
+        updated = super().on_leave(original, updated)
+        if not self.stack or isinstance(original, cst.FunctionDef):
+            return updated
+        if not isinstance(updated, cst.CSTNode):
+            return updated
+        for name, fn in TRANSFORMS.items():
+            try:
+                hit = fn(updated) is not None
+            except Exception:  # noqa: BLE001 - as in _Mutator
+                hit = False
+            if hit:
+                for first in self.stack:
+                    self.counts[(first, name)] += 1
+        return updated
+
+
+def all_sites(source: str) -> dict[tuple[int, str], int]:
+    """``{(function's first line, transform): sites}`` of every function in ``source``."""
+    c = _SiteCounter()
+    MetadataWrapper(cst.parse_module(source)).visit(c)
+    return dict(c.counts)
+
+
 def function_sites(source: str, line: int, transform: str) -> int:
     """How many nodes of the function starting at ``line`` ``transform`` can change."""
     m = _Mutator(TRANSFORMS[transform], line)
@@ -448,21 +491,20 @@ def _candidates(files, calls, passing, rng) -> Iterator[tuple[str, int, str, str
             for path, line in sites:
                 covered[(path, line)].add(test)
     out = []
-    for path, line in list(covered):
+    parsed: dict[str, tuple[dict, dict]] = {}
+    for path, line in sorted(covered):
         if path not in files or not path.endswith(".py") or _is_test_file(path):
             continue
-        try:
-            names = functions_at(files[path])
-        except cst.ParserSyntaxError:
-            continue
+        if path not in parsed:
+            try:
+                parsed[path] = (functions_at(files[path]), all_sites(files[path]))
+            except cst.ParserSyntaxError:
+                parsed[path] = ({}, {})
+        names, sites = parsed[path]
         if line not in names:
             continue
         for t in TRANSFORMS:
-            try:
-                n = function_sites(files[path], line, t)
-            except cst.ParserSyntaxError:
-                n = 0
-            out += [(path, line, names[line], t, i) for i in range(n)]
+            out += [(path, line, names[line], t, i) for i in range(sites.get((line, t), 0))]
     rng.shuffle(out)
     # round-robin over transforms so the mix is not dominated by the commonest site kind
     by_t: dict[str, list] = collections.defaultdict(list)

@@ -62,6 +62,8 @@ class FamilySettings:
       data_path: where the task pool lives (a directory of task dirs or a ``.jsonl`` file) for
         repository / front-end families; "" for generated families.
       eval_data_path: the held-out pool (same format); "" = the last ``num_eval`` of the pool.
+      repos_dir: for SWE-bench-format pools (``gagar_jax.data.swe``): the directory of the
+        git repositories the rows name; "" = the pool holds whole trees.
       tokenizer_path: a Hugging Face checkpoint / tokenizer directory (``tokenizer.json`` +
         ``tokenizer_config.json``); "" = the family's built-in tokenizer.
       max_turns: model turns per episode (multi-turn families).
@@ -76,6 +78,7 @@ class FamilySettings:
     max_prompt_len: int = 128
     data_path: str = ""
     eval_data_path: str = ""
+    repos_dir: str = ""
     tokenizer_path: str = ""
     max_turns: int = 6
     max_observation_tokens: int = 256

@@ -160,12 +160,18 @@ def read_tree(root: str) -> dict[str, str]:
 
 
 
-def load_repo_tasks(path: str) -> list[RepoTask]:
+def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
     """Tasks from a ``.jsonl`` file (one ``RepoTask.to_dict()`` per line) or a directory of task
     directories (each with ``task.json`` and ``repo/``, sorted by name). Errors name the file
-    and line."""
+    and line. With ``repos_dir``, ``path`` holds SWE-bench-format rows (``.jsonl``, ``.json``
+    or ``.parquet``) naming repositories there (``gagar_jax.data.swe.load_tasks``: trees
+    materialised from git per commit, environments built once and reused)."""
     if not path:
         return []
+    if repos_dir:
+        from gagar_jax.data.swe import load_tasks
+
+        return load_tasks(path, repos_dir)
     if os.path.isfile(path):
         tasks = []
         with open(path, encoding="utf-8") as f:
@@ -277,7 +283,9 @@ class PythonRepoFamily(TaskFamily):
     """Repository tasks, multi-turn through tools (``task.family = "python_repo"``).
 
     Settings: ``data_path`` (the pool), ``eval_data_path`` (held-out pool; "" = the last
-    ``num_eval`` tasks of the pool), ``num_train`` (at most this many training tasks),
+    ``num_eval`` tasks of the pool), ``repos_dir`` (the pool is SWE-bench-format rows whose
+    repositories live there: imported or ``gagar_jax.data.synth`` tasks), ``num_train`` (at
+    most this many training tasks),
     ``tokenizer_path`` (required: a Hugging Face tokenizer with a chat template),
     ``extra["demo_data_path"]`` (demonstration tasks; default: the training tasks),
     ``extra["verify_kwargs"]`` (passed to ``verify_repo_patch``: limits, extra_pythonpath).
@@ -294,11 +302,12 @@ class PythonRepoFamily(TaskFamily):
             raise ValueError("task.family='python_repo' needs a Hugging Face tokenizer: set "
                              "task.tokenizer_path or model.hf_checkpoint")
         self._tokenizer = HFTokenizer(settings.tokenizer_path)
-        pool = load_repo_tasks(settings.data_path)
+        repos_dir = getattr(settings, "repos_dir", "")
+        pool = load_repo_tasks(settings.data_path, repos_dir)
         if not pool:
             raise ValueError(f"task.data_path={settings.data_path!r} holds no repo tasks")
         if settings.eval_data_path:
-            self._eval = load_repo_tasks(settings.eval_data_path)[: settings.num_eval]
+            self._eval = load_repo_tasks(settings.eval_data_path, repos_dir)[: settings.num_eval]
             train = pool
         else:
             n_eval = min(settings.num_eval, len(pool) - 1)
@@ -307,7 +316,8 @@ class PythonRepoFamily(TaskFamily):
         self._train = train[: settings.num_train] if settings.num_train > 0 else train
         self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
         demo_path = settings.extra.get("demo_data_path", "")
-        self._demo_tasks = load_repo_tasks(demo_path) if demo_path else self._train
+        self._demo_tasks = (load_repo_tasks(demo_path, repos_dir) if demo_path
+                            else self._train)  # fmt: skip
 
     @property
     def tokenizer(self):

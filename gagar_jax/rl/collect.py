@@ -475,7 +475,7 @@ def family_settings(cfg: RunConfig):
     return FamilySettings(
         seed=t.seed, difficulty=t.difficulty, num_train=t.num_train, num_eval=t.num_eval,
         max_prompt_len=cfg.rollout.max_prompt_len, data_path=t.data_path,
-        eval_data_path=t.eval_data_path,
+        eval_data_path=t.eval_data_path, repos_dir=t.repos_dir,
         tokenizer_path=t.tokenizer_path or cfg.hf_checkpoint, max_turns=t.max_turns,
         max_observation_tokens=t.max_observation_tokens,
         extra={"demo_kinds": t.demo_kinds} if t.demo_kinds else {})

@@ -90,6 +90,7 @@ class TaskConfig:
     num_eval: int = 32  # held-out tasks, generated from a different seed
     data_path: str = ""  # repository families: task dirs / a .jsonl file (see the family)
     eval_data_path: str = ""  # their held-out pool ("" = the family's default)
+    repos_dir: str = ""  # python_repo: data_path is SWE-bench rows, repositories live here
     tokenizer_path: str = ""  # HF tokenizer dir ("" = model.hf_checkpoint, else built-in)
     max_turns: int = 6  # multi-turn families: model turns per episode
     max_observation_tokens: int = 256  # multi-turn families: observation cut
