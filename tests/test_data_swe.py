@@ -298,3 +298,32 @@ def test_each_planted_leak_kind_is_caught_by_name(tmp_path):
     assert set(audit.leak_kinds(told)) == {"issue_text"}
     rep = audit.leak_findings(told)
     assert rep == ["<issue text>: holds 1/1 distinctive lines of the gold patch"]
+
+
+# ---- in the loop ------------------------------------------------------------------------------
+
+
+def test_python_repo_family_trains_on_an_swe_pool(tmp_path, monkeypatch):
+    """task.data_path = the instances file, task.repos_dir = the repositories: the family's
+    episode submits the reference fix and the verdict passes with the task's environment."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from hf_fixtures import make_tiny_tokenizer
+
+    from gagar_jax.envs.family import Attempt, FamilySettings, make_family
+    from gagar_jax.envs.hf_tokenizer import tool_call_text
+
+    monkeypatch.setenv("GAGAR_REPO_CACHE", str(tmp_path / "cache"))
+    repos_dir = str(tmp_path / "repos")
+    path = str(tmp_path / "instances.jsonl")
+    swe.write_instances(path, [swe.parse_instance(src_layout_row(repos_dir))])
+    fam = make_family("python_repo", FamilySettings(
+        data_path=path, repos_dir=repos_dir, tokenizer_path=make_tiny_tokenizer(tmp_path / "tok"),
+        num_eval=0, max_prompt_len=2048))  # fmt: skip
+    task = fam.train_task(0)
+    assert task.task_id == "acme__srcpkg-1" and task.env_path and task.python_path == ("src",)
+    assert "tests/test_add.py" not in task.files  # the hidden test is not in the agent's tree
+    env = fam.make_env(task)
+    for name, args in fam.demonstration_calls(task):
+        env.step(tool_call_text(name, args))
+    out = fam.verify(task, Attempt(env=env))
+    assert out.passed and not out.cheat and not out.infra_error, out.test_log
