@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,data,parity,notebooks,browser
+EXTRAS ?= test,data,parity,notebooks,browser,swe
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
@@ -13,6 +13,7 @@ $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q --no-deps -c constraints.txt swebench==5.0.2
 	touch $@
 
 setup: $(VENV)/.installed
