@@ -199,14 +199,18 @@ def test_skipped_p2p_kept_skipped_f2p_fails_and_per_test_timeout():
     hang = dataclasses.replace(t, pass_to_pass=("test_m.py::test_ok", "test_m.py::test_hangs"),
                                test_timeout_s=2.0)  # fmt: skip
     v = verify_repo_patch(hang, FIX, run_monitor=False)
-    assert v.status == "failed" and v.tests == {"test_m.py::test_f": "passed",
-                                                "test_m.py::test_ok": "passed",
-                                                "test_m.py::test_hangs": "failed"}, v.test_log
+    assert v.status == "failed" and v.tests == {
+        "test_m.py::test_f": "passed",
+        "test_m.py::test_ok": "passed",
+        "test_m.py::test_hangs": "failed",
+    }, v.test_log
 
 
 def test_relative_extra_pythonpath_is_a_tree_directory_not_an_infra_error():
-    files = {"src/pkg/__init__.py": "X = 1\n",
-             "tests/test_x.py": "from pkg import X\n\n\ndef test_x():\n    assert X == 1\n"}
+    files = {
+        "src/pkg/__init__.py": "X = 1\n",
+        "tests/test_x.py": "from pkg import X\n\n\ndef test_x():\n    assert X == 1\n",
+    }
     t = RepoTask("s", "x", files, ("tests/test_x.py::test_x",))
     assert verify_repo_patch(t, "", run_monitor=False).status == "failed"  # not importable
     v = verify_repo_patch(t, "", run_monitor=False, extra_pythonpath=("src",))
@@ -217,8 +221,10 @@ def test_relative_extra_pythonpath_is_a_tree_directory_not_an_infra_error():
 
 def test_validate_cli_writes_one_line_per_instance(tmp_path):
     repos_dir, cache = str(tmp_path / "repos"), str(tmp_path / "cache")
-    base = {"m.py": "def f():\n    return 1\n",
-            "test_old.py": "from m import f\n\n\ndef test_old():\n    assert f() in (1, 2)\n"}
+    base = {
+        "m.py": "def f():\n    return 1\n",
+        "test_old.py": "from m import f\n\n\ndef test_old():\n    assert f() in (1, 2)\n",
+    }
     rows = [make_instance(repos_dir, "acme/flat", base, {"m.py": "def f():\n    return 2\n"},
                           {"test_new.py": "from m import f\n\n\ndef test_new():\n"
                                           "    assert f() == 2\n"},

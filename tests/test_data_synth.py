@@ -42,8 +42,9 @@ def changes(transform):
         compile(m, "m", "exec")
         assert m.split("def untouched")[1] == SRC.split("def untouched")[1]  # only f changes
         a, b = SRC.splitlines(), m.splitlines()
-        out.append((tuple(x.strip() for x in a if x not in b),
-                    tuple(x.strip() for x in b if x not in a)))
+        out.append(
+            (tuple(x.strip() for x in a if x not in b), tuple(x.strip() for x in b if x not in a))
+        )
     return out
 
 

@@ -131,8 +131,17 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
         deps = deps.tolist()
     if not all(isinstance(d, str) for d in deps):
         raise InstanceError(f"{where}: python_deps must be a list of requirement strings")
-    text = {k: row.get(k) or "" for k in ("hints_text", "created_at", "version",
-                                          "environment_setup_commit", "test_cmd", "install")}
+    text = {
+        k: row.get(k) or ""
+        for k in (
+            "hints_text",
+            "created_at",
+            "version",
+            "environment_setup_commit",
+            "test_cmd",
+            "install",
+        )
+    }
     return SweInstance(row["instance_id"], row["repo"], row["base_commit"], row["patch"],
                        row["test_patch"], row["problem_statement"], f2p, p2p,
                        python_deps=tuple(deps), **{k: str(v) for k, v in text.items()})  # fmt: skip
@@ -249,15 +258,24 @@ def grade(status_map: Mapping[str, str], fail_to_pass: Sequence[str],
         resolved = RESOLVED_PARTIAL
     else:
         resolved = RESOLVED_NO
-    return {"FAIL_TO_PASS": {"success": f_ok, "failure": f_bad},
-            "PASS_TO_PASS": {"success": p_ok, "failure": p_bad}, "resolved": resolved}
+    return {
+        "FAIL_TO_PASS": {"success": f_ok, "failure": f_bad},
+        "PASS_TO_PASS": {"success": p_ok, "failure": p_bad},
+        "resolved": resolved,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Tasks
 # ---------------------------------------------------------------------------------------------
-def to_repo_task(inst: SweInstance, repos_dir: str, *, cache_dir: str | None = None,
-                 build_envs: bool = True, test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S):
+def to_repo_task(
+    inst: SweInstance,
+    repos_dir: str,
+    *,
+    cache_dir: str | None = None,
+    build_envs: bool = True,
+    test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
+):
     """The ``RepoTask`` of ``inst``: the tree of ``base_commit`` from ``repos_dir``, the hidden
     ``test_patch``, the gold ``patch`` as reference, the layout's ``python_path`` and (with
     ``build_envs``) the environment of ``python_deps`` or, without them, of the dependencies

@@ -130,8 +130,11 @@ def _t_swap_operands(node):
 
 
 def _t_remove_assignment(node):
-    if (isinstance(node, cst.SimpleStatementLine) and len(node.body) == 1
-            and isinstance(node.body[0], (cst.Assign, cst.AugAssign, cst.AnnAssign))):
+    if (
+        isinstance(node, cst.SimpleStatementLine)
+        and len(node.body) == 1
+        and isinstance(node.body[0], (cst.Assign, cst.AugAssign, cst.AnnAssign))
+    ):
         return _PASS.with_changes(leading_lines=node.leading_lines)
     return None
 
@@ -151,9 +154,13 @@ def _t_remove_loop(node):
 
 
 def _t_off_by_one(node):
-    if (isinstance(node, cst.Call) and isinstance(node.func, cst.Name)
-            and node.func.value == "range" and 1 <= len(node.args) <= 3
-            and all(a.keyword is None and not a.star for a in node.args)):
+    if (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Name)
+        and node.func.value == "range"
+        and 1 <= len(node.args) <= 3
+        and all(a.keyword is None and not a.star for a in node.args)
+    ):
         i = 0 if len(node.args) == 1 else 1
         args = list(node.args)
         args[i] = args[i].with_changes(value=_shift(args[i].value, -1 if i == 0 else 1))
@@ -378,8 +385,11 @@ def extract_sdist(path: str, dest: str) -> str:
 
 def _clean_tree(files: dict[str, str]) -> dict[str, str]:
     """Drops build leftovers of an sdist (``*.egg-info``, ``PKG-INFO``) and binary files."""
-    return {p: t for p, t in files.items()
-            if ".egg-info/" not in p and p != "PKG-INFO" and not p.endswith((".pyc", ".so"))}
+    return {
+        p: t
+        for p, t in files.items()
+        if ".egg-info/" not in p and p != "PKG-INFO" and not p.endswith((".pyc", ".so"))
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,15 +426,21 @@ def trace_suite(files: Mapping[str, str], env_path: str, python_path: Sequence[s
                 "_gagar_synth_trace", "-p", "pytest_timeout", "-o", f"timeout={timeout_s:g}",
                 "-o", "addopts=", "-o", "pythonpath=" + " ".join((".", *python_path)),
                 "-o", "console_output_style=classic"]  # fmt: skip
-        env = {"PYTHONPATH": ":".join(paths), "PYTHONNOUSERSITE": "1",
-               "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "GAGAR_TRACE_OUT": ".gagar_trace.json"}
+        env = {
+            "PYTHONPATH": ":".join(paths),
+            "PYTHONNOUSERSITE": "1",
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+            "GAGAR_TRACE_OUT": ".gagar_trace.json",
+        }
         r = run_sandboxed(argv, work, Limits(wall_s=wall_s, cpu_s=int(wall_s), memory_bytes=4 << 30,
                                              nproc=256, disk_bytes=1 << 30),
                           env=env, ro_paths=paths)  # fmt: skip
         out = os.path.join(work, ".gagar_trace.json")
         if not os.path.isfile(out):
-            raise RuntimeError(f"the test suite did not finish ({r.status}): "
-                               f"{(r.error or r.stdout[-600:] + r.stderr[-600:]).strip()}")
+            raise RuntimeError(
+                f"the test suite did not finish ({r.status}): "
+                f"{(r.error or r.stdout[-600:] + r.stderr[-600:]).strip()}"
+            )
         with open(out) as f:
             data = json.load(f)
         data["seconds"] = r.wall_s
@@ -551,13 +567,17 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
         deps = repos.package_requirements(files)
         env = repos.build_env(deps, cache_dir=cache)
         stats.env_seconds, stats.env_reused = env.seconds, env.reused
-        log(f"{spec}: {len(files)} files, env {env.env_hash[:12]} "
-            f"({'reused' if env.reused else 'built'} in {env.seconds:.1f}s)")
+        log(
+            f"{spec}: {len(files)} files, env {env.env_hash[:12]} "
+            f"({'reused' if env.reused else 'built'} in {env.seconds:.1f}s)"
+        )
         trace = trace_suite(files, env.path, python_path, timeout_s=test_timeout_s)
         stats.suite_seconds = trace["seconds"]
         passing = {t for t, o in trace["outcomes"].items() if o == "passed" and "::" in t}
-        log(f"{spec}: suite {len(trace['outcomes'])} tests, {len(passing)} pass "
-            f"({trace['seconds']:.1f}s)")
+        log(
+            f"{spec}: suite {len(trace['outcomes'])} tests, {len(passing)} pass "
+            f"({trace['seconds']:.1f}s)"
+        )
         key = "pypi__" + re.sub(r"[^\w.-]", "_", name.lower())
         repo_name = key.replace("__", "/", 1)
         store = os.path.join(out_dir, "repos", key)
@@ -586,8 +606,9 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
                 continue
             buggy = {**files, path: mutant}
             covering = _tests_covering(trace["calls"], passing, path, line)
-            same_files = sorted({t for t in passing
-                                 if t.split("::")[0] in {c.split("::")[0] for c in covering}})
+            same_files = sorted(
+                {t for t in passing if t.split("::")[0] in {c.split("::")[0] for c in covering}}
+            )
             others = [t for t in same_files if t not in covering]
             rng.shuffle(others)
             run_ids = tuple(covering + others[:max_p2p])
@@ -638,8 +659,9 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             stats.kept += 1
             stats.transforms_kept[transform] += 1
             seen_funcs[(path, func)] += 1
-            log(f"{spec}: task {tid} ({transform} in {path}:{func}; F2P {len(f2p)}, "
-                f"P2P {len(p2p)})")
+            log(
+                f"{spec}: task {tid} ({transform} in {path}:{func}; F2P {len(f2p)}, P2P {len(p2p)})"
+            )
     except Exception as e:  # noqa: BLE001 - one package's failure is reported, others go on
         stats.error = f"{type(e).__name__}: {e}"
         log(f"{spec}: failed: {stats.error}")
@@ -654,8 +676,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--packages", required=True, help="comma-separated names or name==version")
     ap.add_argument("--out", required=True, help="output directory (instances.jsonl, repos/)")
     ap.add_argument("--tasks-per-package", type=int, default=25)
-    ap.add_argument("--max-candidates", type=int, default=200,
-                    help="mutants tried per package at most")
+    ap.add_argument(
+        "--max-candidates", type=int, default=200, help="mutants tried per package at most"
+    )
     ap.add_argument("--runs", type=int, default=3, help="validation runs of gold and empty")
     ap.add_argument("--test-timeout", type=float, default=10.0, help="per-test timeout (s)")
     ap.add_argument("--seed", type=int, default=0)
@@ -694,9 +717,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                "per_package": [s.to_dict() for s in all_stats]}  # fmt: skip
     with open(os.path.join(args.out, "synth_stats.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"{len(all_rows)} tasks from {summary['packages_with_tasks']}/{len(specs)} packages "
-          f"in {wall:.0f}s ({summary['tasks_per_hour']} tasks/hour, yield "
-          f"{summary['yield']:.0%} of screened mutants); mix {dict(mix)} -> {path}")
+    print(
+        f"{len(all_rows)} tasks from {summary['packages_with_tasks']}/{len(specs)} packages "
+        f"in {wall:.0f}s ({summary['tasks_per_hour']} tasks/hour, yield "
+        f"{summary['yield']:.0%} of screened mutants); mix {dict(mix)} -> {path}"
+    )
     return 0 if all_rows else 1
 
 

@@ -44,8 +44,11 @@ def pytest_runtest_logreport(report):
     if report.when == "call" or report.outcome != "passed":
         prev = _OUTCOMES.get(report.nodeid)
         if prev is None or prev == "passed":
-            _OUTCOMES[report.nodeid] = report.outcome if report.when == "call" else (
-                "error" if report.failed else report.outcome)
+            _OUTCOMES[report.nodeid] = (
+                report.outcome
+                if report.when == "call"
+                else ("error" if report.failed else report.outcome)
+            )
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -53,5 +56,4 @@ def pytest_sessionfinish(session, exitstatus):
     if not out:
         return
     with open(out, "w") as f:
-        json.dump({"calls": {k: sorted(v) for k, v in _CALLS.items()},
-                   "outcomes": _OUTCOMES}, f)
+        json.dump({"calls": {k: sorted(v) for k, v in _CALLS.items()}, "outcomes": _OUTCOMES}, f)
