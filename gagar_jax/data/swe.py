@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 import time
@@ -310,19 +311,34 @@ def load_tasks(path: str, repos_dir: str, **kwargs) -> list:
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
-def validate_task(task, runs: int = 3, **verify_kwargs) -> dict[str, Any]:
-    """Runs the gold and the empty patch ``runs`` times; the report line (without timing)."""
+def default_workers() -> int:
+    """Sandboxed runs at once: one per CPU core, at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def validate_task(task, runs: int = 3, *, workers: int = 1, **verify_kwargs) -> dict[str, Any]:
+    """Runs the gold and the empty patch ``runs`` times (``workers`` sandboxed runs at once);
+    the report line (without timing)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from gagar_jax.verify.repo import verify_repo_patch
 
     if not isinstance(runs, int) or runs < 1:
         raise ValueError(f"runs must be an int >= 1, got {runs!r}")
+    kinds = (("gold", task.reference_patch), ("empty", ""))
+    jobs = [(kind, patch) for kind, patch in kinds for _ in range(runs)]
+
+    def one(job):
+        return job[0], verify_repo_patch(task, job[1], run_monitor=False, **verify_kwargs)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        results = list(pool.map(one, jobs))
     out: dict[str, Any] = {"instance_id": task.task_id}
     flaky: set[str] = set()
     infra = 0
-    for kind, patch in (("gold", task.reference_patch), ("empty", "")):
+    for kind, _ in kinds:
         statuses, seen = [], {}
-        for _ in range(runs):
-            v = verify_repo_patch(task, patch, run_monitor=False, **verify_kwargs)
+        for v in (v for k, v in results if k == kind):
             statuses.append(v.status)
             infra += v.status == "infra_error"
             if v.status == "infra_error":
@@ -336,8 +352,8 @@ def validate_task(task, runs: int = 3, **verify_kwargs) -> dict[str, Any]:
 
 
 def validate(instances_path: str, repos_dir: str, *, runs: int = 3, out_path: str | None = None,
-             cache_dir: str | None = None, log=print,
-             emit=None) -> tuple[list[dict], bool]:  # fmt: skip
+             cache_dir: str | None = None, log=print, emit=None,
+             workers: int | None = None) -> tuple[list[dict], bool]:  # fmt: skip
     """Validates every row; returns (report lines, every row validated). ``emit`` gets each
     line as it is made; ``log`` the summary."""
     t_all = time.monotonic()
@@ -349,7 +365,7 @@ def validate(instances_path: str, repos_dir: str, *, runs: int = 3, out_path: st
             t0 = time.monotonic()
             try:
                 task = to_repo_task(inst, repos_dir, cache_dir=cache_dir)
-                rec = validate_task(task, runs)
+                rec = validate_task(task, runs, workers=workers or default_workers())
             except Exception as e:  # noqa: BLE001 - one bad row is reported, the rest go on
                 ok = False
                 rec = {"instance_id": inst.instance_id, "gold": None, "empty": None,
@@ -386,12 +402,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     v.add_argument("--runs", type=int, default=3)
     v.add_argument("--out", default=None, help="report JSONL (one line per instance)")
     v.add_argument("--cache", default=None, help="snapshot/environment cache directory")
+    v.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="sandboxed runs at once (default: one per core, at most 4)",
+    )
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error("--runs must be >= 1")
     emit = None if args.out else (lambda rec: print(json.dumps(rec), flush=True))
     _, ok = validate(args.instances, args.repos, runs=args.runs, out_path=args.out,
-                     cache_dir=args.cache, emit=emit)  # fmt: skip
+                     cache_dir=args.cache, emit=emit, workers=args.workers)  # fmt: skip
     return 0 if ok else 1
 
 

@@ -544,7 +544,7 @@ def _tests_covering(calls, passing, path, line) -> list[str]:
 
 def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: str | None = None,
                        runs: int = 3, seed: int = 0, test_timeout_s: float = 10.0,
-                       max_candidates: int = 200, max_p2p: int = 20,
+                       max_candidates: int = 200, max_p2p: int = 20, workers: int = 1,
                        log: Callable[[str], None] = print) -> tuple[list[dict], Stats]:  # fmt: skip
     """Tasks of one package (SWE-bench rows) and their statistics; the repository goes to
     ``out_dir/repos/pypi__<name>``."""
@@ -637,7 +637,7 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             if "issue_text" in audit.leak_kinds(task):
                 stats.rejected["issue_leaks_fix"] += 1
                 continue
-            rep = swe.validate_task(task, runs, limits=limits)
+            rep = swe.validate_task(task, runs, workers=workers, limits=limits)
             if rep["gold"] != "passed" or rep["empty"] != "failed" or rep["flaky_tests"]:
                 stats.rejected["validation"] += 1
                 continue
@@ -682,8 +682,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="validation runs of gold and empty")
     ap.add_argument("--test-timeout", type=float, default=10.0, help="per-test timeout (s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="sandboxed validation runs at once (default: one per core, at most 4)",
+    )
     ap.add_argument("--cache", default=None, help="sdist/environment cache directory")
     args = ap.parse_args(argv)
+    from gagar_jax.data import swe
+
     specs = [p.strip() for p in args.packages.split(",") if p.strip()]
     if not specs:
         ap.error("--packages names no package")
@@ -696,7 +704,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows, stats = make_package_tasks(
                 spec, args.out, max_tasks=args.tasks_per_package, cache_dir=args.cache,
                 runs=args.runs, seed=args.seed, test_timeout_s=args.test_timeout,
-                max_candidates=args.max_candidates)  # fmt: skip
+                max_candidates=args.max_candidates,
+                workers=args.workers or swe.default_workers())  # fmt: skip
             for r in rows:
                 f.write(json.dumps(r) + "\n")
             f.flush()

@@ -279,6 +279,40 @@ class RepoAgentEnv:
         return result
 
 
+class TaskEnvCheckRunner:
+    """``grading.adapters.SandboxCheckRunner`` per task environment: the checks of a group whose
+    task has an ``env_path`` see that environment's site-packages (read-only) and the task's
+    ``python_path`` on ``PYTHONPATH``, as the verifier's runs do; other groups get the plain
+    runner. ``group_tasks``: group id -> task, filled by the family's ``workspace``."""
+
+    def __init__(self, group_tasks: Mapping[str, RepoTask], **runner_kwargs):
+        from gagar_jax.grading.adapters import SandboxCheckRunner
+
+        self._groups = group_tasks
+        self._kwargs = runner_kwargs
+        self._plain = SandboxCheckRunner(**runner_kwargs)
+        self._by_env: dict[tuple, Any] = {}
+
+    def runner_for(self, task: RepoTask | None):
+        from gagar_jax.grading.adapters import SandboxCheckRunner
+        from gagar_jax.verify.repo import env_site_packages
+
+        if task is None or not task.env_path:
+            return self._plain
+        key = (task.env_path, task.python_path)
+        if key not in self._by_env:
+            site = env_site_packages(task.env_path)
+            r = SandboxCheckRunner(**self._kwargs)
+            r.ro_paths = tuple(self._kwargs.get("ro_paths", ())) + site
+            r.env = {"PYTHONPATH": os.pathsep.join([*site, ".", *task.python_path])}
+            self._by_env[key] = r
+        return self._by_env[key]
+
+    def run(self, workspace, candidate, command):
+        return self.runner_for(self._groups.get(workspace.group_id)).run(
+            workspace, candidate, command)
+
+
 class PythonRepoFamily(TaskFamily):
     """Repository tasks, multi-turn through tools (``task.family = "python_repo"``).
 
@@ -315,6 +349,7 @@ class PythonRepoFamily(TaskFamily):
             train = pool[: len(pool) - n_eval]
         self._train = train[: settings.num_train] if settings.num_train > 0 else train
         self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
+        self._group_tasks: dict[str, RepoTask] = {}
         demo_path = settings.extra.get("demo_data_path", "")
         self._demo_tasks = (load_repo_tasks(demo_path, repos_dir) if demo_path
                             else self._train)  # fmt: skip
@@ -368,12 +403,15 @@ class PythonRepoFamily(TaskFamily):
                                          trajectory=m.attempt.trajectory(),
                                          summary=m.attempt.summary())
                  for m in members]
+        self._group_tasks[group_id] = task
+        while len(self._group_tasks) > 4096:  # groups graded long ago
+            self._group_tasks.pop(next(iter(self._group_tasks)))
         return adapters.repo_workspace(task, group_id, cands)
 
     def check_runner(self):
-        from gagar_jax.grading.adapters import SandboxCheckRunner
-
-        return SandboxCheckRunner()
+        """The grader's sandboxed check runner: a group's checks run with its task's
+        environment and ``python_path`` (``TaskEnvCheckRunner``)."""
+        return TaskEnvCheckRunner(self._group_tasks)
 
     # ---- demonstrations ------------------------------------------------------------------
     def demonstration_calls(self, task: RepoTask) -> list[tuple[str, dict[str, Any]]]:
