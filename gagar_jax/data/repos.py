@@ -24,6 +24,7 @@ from __future__ import annotations
 import configparser
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import io
@@ -293,6 +294,7 @@ def pinned_test_tools() -> list[str]:
     return out
 
 
+@functools.cache
 def _interpreter() -> tuple[str, str]:
     exe, _ = python_for_sandbox()
     version = subprocess.run([exe, "-c", "import sys; print(sys.version)"], capture_output=True,
@@ -319,17 +321,28 @@ def env_hash_of(interpreter_version: str, lockfile: str) -> str:
     return hashlib.sha256(f"{interpreter_version}\n{lockfile}".encode()).hexdigest()[:32]
 
 
+_BUILT: dict[tuple, EnvInfo] = {}
+
+
 def build_env(requirements: Sequence[str] = (), *, cache_dir: str | None = None) -> EnvInfo:
     """The environment of ``requirements`` (+ pinned pytest, pytest-timeout), built once per
-    ``env_hash`` under ``<cache>/envs/`` and reused."""
+    ``env_hash`` under ``<cache>/envs/`` and reused (within one process the same requirements
+    are resolved once)."""
     t0 = time.monotonic()
+    root = os.path.join(cache_dir or default_cache_dir(), "envs")
+    memo_key = (tuple(requirements), root)
+    known = _BUILT.get(memo_key)
+    if known is not None and os.path.isfile(os.path.join(known.path, ".gagar-env")):
+        # resolved and built by this process already: no second resolution
+        return dataclasses.replace(known, seconds=time.monotonic() - t0, reused=True)
     exe, version = _interpreter()
     lock = lock_requirements(requirements, exe)
     h = env_hash_of(version, lock)
-    root = os.path.join(cache_dir or default_cache_dir(), "envs")
     dest = os.path.join(root, h)
     if os.path.isfile(os.path.join(dest, ".gagar-env")):
-        return EnvInfo(dest, h, lock, time.monotonic() - t0, True)
+        info = EnvInfo(dest, h, lock, time.monotonic() - t0, True)
+        _BUILT[memo_key] = info
+        return info
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{h}-", dir=root)
     try:
@@ -352,4 +365,6 @@ def build_env(requirements: Sequence[str] = (), *, cache_dir: str | None = None)
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return EnvInfo(dest, h, lock, time.monotonic() - t0, False)
+    info = EnvInfo(dest, h, lock, time.monotonic() - t0, False)
+    _BUILT[memo_key] = info
+    return info
