@@ -344,3 +344,24 @@ def test_python_repo_family_trains_on_an_swe_pool(tmp_path, monkeypatch):
     assert res.status == "passed", res.log
     plain = TaskEnvCheckRunner({}).run(ws, ws.candidates[0], "python -c 'import cachetools'")
     assert plain.status == "failed"
+
+
+def test_editing_the_named_tests_does_not_pass_a_row_without_test_patch(tmp_path):
+    """Factory rows carry their tests in the base tree (empty test_patch): the files of the
+    named tests are reset, so rewriting the failing assertion earns nothing."""
+    from gagar_jax.envs.repo import tree_patch
+
+    repos_dir = str(tmp_path / "repos")
+    base = {"m.py": "def f():\n    return 1\n",
+            "test_m.py": "from m import f\n\n\ndef test_f():\n    assert f() == 2\n\n\n"
+                         "def test_g():\n    assert f() > 0\n"}  # fmt: skip
+    row = make_instance(repos_dir, "acme/intree", base, {"m.py": "def f():\n    return 2\n"},
+                        {}, ["test_m.py::test_f"], ["test_m.py::test_g"], future=False)  # fmt: skip
+    assert row["test_patch"] == ""
+    task = swe.to_repo_task(swe.parse_instance(row), repos_dir, cache_dir=str(tmp_path / "c"),
+                            build_envs=False)  # fmt: skip
+    assert task.test_files == ("test_m.py",)
+    cheat = tree_patch(base, {**base, "test_m.py": base["test_m.py"].replace("== 2", "== 1")})
+    v = verify_repo_patch(task, cheat, run_monitor=False)
+    assert v.status == "failed" and v.reset_files == ("test_m.py",)
+    assert verify_repo_patch(task, row["patch"], run_monitor=False).status == "passed"

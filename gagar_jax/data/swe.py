@@ -290,6 +290,10 @@ def to_repo_task(
         hidden = touched_files(inst.test_patch) if inst.test_patch.strip() else []
     except DiffError as e:
         raise InstanceError(f"{inst.instance_id}: test_patch does not parse: {e}") from e
+    # the files of every named test are reset to pristine before a run: a candidate cannot
+    # pass a pass-to-pass test by editing it
+    named = {t.split("::", 1)[0] for t in inst.FAIL_TO_PASS + inst.PASS_TO_PASS}
+    test_files = tuple(sorted(set(hidden) | {p for p in named if p in files}))
     env_path = env_hash = ""
     if build_envs:
         reqs = list(inst.python_deps) or repos.package_requirements(files)
@@ -297,7 +301,7 @@ def to_repo_task(
         env_path, env_hash = env.path, env.env_hash
     return RepoTask(task_id=inst.instance_id, issue=inst.problem_statement, files=files,
                     fail_to_pass=inst.FAIL_TO_PASS, pass_to_pass=inst.PASS_TO_PASS,
-                    test_files=tuple(hidden), test_patch=inst.test_patch,
+                    test_files=test_files, test_patch=inst.test_patch,
                     reference_patch=inst.patch, python_path=repos.detect_python_path(files),
                     env_path=env_path, test_timeout_s=test_timeout_s,
                     env_hash=env_hash)  # fmt: skip

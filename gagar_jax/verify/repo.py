@@ -15,10 +15,13 @@ must pass: fail-to-pass (fixed by a correct patch) and pass-to-pass (must keep p
 3. runs ``python -P -m pytest -c <pristine config> --rootdir=. -p no:cacheprovider
    -p _gagar_outcome_plugin <ids>`` in the sandbox with PYTEST_DISABLE_PLUGIN_AUTOLOAD (``-P``:
    the repo cannot shadow ``pytest``; ``-c``: no configuration file the candidate adds anywhere
-   is read; addopts are off);
+   is read; addopts are off; ``pythonpath`` is the root plus the task's ``python_path``, e.g.
+   ``src``; with ``test_timeout_s`` pytest-timeout bounds each test); the task's ``env_path``
+   environment, when set, supplies pytest and the dependencies, read-only;
 4. reads the outcomes from the trusted plugin (``outcome_plugin.py``) through a pipe only the
    verifier holds (no file the code could rewrite at exit): passes only if exactly one report
-   line with this run's nonce arrived, every required id is passed in it, and pytest's recorded
+   line with this run's nonce arrived, every fail-to-pass id is passed in it and every
+   pass-to-pass id passed or skipped (SWE-bench's rule), and pytest's recorded
    exit status, the process's exit status and the outcomes agree. A second line, a wrong nonce or
    a disagreeing exit status is tampering: ``failed`` plus a confirmed ``tamper_test_harness``
    flag. Anything printed ("PASSED") is ignored.
