@@ -365,3 +365,40 @@ def test_editing_the_named_tests_does_not_pass_a_row_without_test_patch(tmp_path
     v = verify_repo_patch(task, cheat, run_monitor=False)
     assert v.status == "failed" and v.reset_files == ("test_m.py",)
     assert verify_repo_patch(task, row["patch"], run_monitor=False).status == "passed"
+
+
+def test_swesmith_layout_row_with_its_bug_branch(tmp_path):
+    """A SWE-smith row: no base_commit, the bug on a branch named instance_id of the mirror,
+    ``patch`` introduces the bug; the fix is derived and verifies."""
+    from gagar_jax.envs.repo import tree_patch
+    from tests.swe_fixtures import commit_all, write
+
+    repos_dir = str(tmp_path / "repos")
+    root = os.path.join(repos_dir, "swesmith__acme__calc.abc1234")
+    os.makedirs(root)
+    repos.git("init", "-q", "-b", "main", cwd=root)
+    good = {"calc.py": "def add(a, b):\n    return a + b\n",
+            "test_calc.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+                            "\n\ndef test_zero():\n    assert add(0, 0) == 0\n"}  # fmt: skip
+    write(root, good)
+    commit_all(root, "original")
+    iid = "acme__calc.abc1234.func_pm_op_flip__x1"
+    repos.git("checkout", "-q", "-b", iid, cwd=root)
+    bad = {**good, "calc.py": "def add(a, b):\n    return a - b\n"}
+    write(root, bad)
+    commit_all(root, "bug")
+    repos.git("checkout", "-q", "main", cwd=root)
+    row = {"instance_id": iid, "repo": "swesmith/acme__calc.abc1234",
+           "patch": tree_patch(good, bad), "FAIL_TO_PASS": ["test_calc.py::test_add"],
+           "PASS_TO_PASS": ["test_calc.py::test_zero"], "image_name": "swesmith.x86_64.acme",
+           "problem_statement": "add gives the wrong sum"}  # fmt: skip
+    inst = swe.parse_instance(row)
+    assert inst.layout == "swesmith" and inst.base_commit == iid
+    assert swe.parse_instance(inst.to_row()) == inst  # round trip
+    task = swe.to_repo_task(inst, repos_dir, cache_dir=str(tmp_path / "c"), build_envs=False)
+    assert "a - b" in task.files["calc.py"] and "+    return a + b" in task.reference_patch
+    assert verify_repo_patch(task, task.reference_patch, run_monitor=False).status == "passed"
+    assert verify_repo_patch(task, "", run_monitor=False).status == "failed"
+    wrong = swe.parse_instance(dict(row, patch=tree_patch(good, {**good, "calc.py": "x = 1\n"})))
+    with pytest.raises(swe.InstanceError, match="not its parent plus the row's bug patch"):
+        swe.to_repo_task(wrong, repos_dir, cache_dir=str(tmp_path / "c"), build_envs=False)

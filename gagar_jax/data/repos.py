@@ -110,7 +110,7 @@ def git_dir(repos_dir: str, repo: str, cache_dir: str | None = None) -> str:
 
 
 def resolve_commit(store: str, commit: str) -> str:
-    if not re.fullmatch(r"[0-9a-fA-F]{4,40}|[\w./-]+", commit or "") or commit.startswith("-"):
+    if not re.fullmatch(r"[\w./^~-]+", commit or "") or commit.startswith("-"):
         raise ValueError(f"commit must be a hash or a ref name, got {commit!r}")
     r = git("rev-parse", "--verify", "--quiet", commit + "^{commit}", cwd=store, check=False)
     if r.returncode != 0:

@@ -6,7 +6,9 @@ problem_statement, hints_text, created_at, version, FAIL_TO_PASS, PASS_TO_PASS,
 environment_setup_commit`` (``FAIL_TO_PASS``/``PASS_TO_PASS`` as JSON-encoded strings or lists)
 plus the optional ``test_cmd``, ``python_deps`` (requirement strings for the environment) and
 ``install``. A row with an empty ``FAIL_TO_PASS`` is refused (:class:`EmptyFailToPass`); any
-other bad field raises :class:`InstanceError` naming the row and the field.
+other bad field raises :class:`InstanceError` naming the row and the field. SWE-smith rows (no
+``base_commit``, an ``image_name``; the bug on the branch ``instance_id`` of the mirror
+repository, ``patch`` the bug) are read too (:func:`swesmith_row`).
 
 **Repositories.** ``repos_dir`` holds, per ``repo`` ``owner/name``, ``owner__name/``,
 ``owner__name.git/`` or ``owner__name.bundle``; :func:`to_repo_task` materialises the tree of
@@ -79,6 +81,7 @@ class SweInstance:
     test_cmd: str = ""
     python_deps: tuple[str, ...] = ()
     install: str = ""
+    layout: str = "swebench"
 
     def to_row(self) -> dict[str, Any]:
         """The row as SWE-bench stores it (test lists JSON-encoded)."""
@@ -105,11 +108,25 @@ def _tests(value: Any, field: str, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def swesmith_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A SWE-smith row (``instance_id, repo, patch, FAIL_TO_PASS, PASS_TO_PASS, image_name,
+    problem_statement``) in this module's terms: the bug lives on the branch named
+    ``instance_id`` of the mirror ``repo`` (``swesmith/owner__name.<commit>``), one commit on
+    top of the original; ``patch`` introduces the bug, so the fix is its reverse, computed at
+    :func:`to_repo_task` from the branch and its parent."""
+    out = dict(row)
+    out.update(base_commit=str(row.get("instance_id", "")), test_patch="", layout="swesmith",
+               environment_setup_commit=str(row.get("instance_id", "")))  # fmt: skip
+    return out
+
+
 def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
     """A validated :class:`SweInstance` from one row (see the module docstring)."""
     if not isinstance(row, Mapping):
         raise InstanceError(f"{where}: expected an object, got {type(row).__name__}")
     where = f"{where} ({row.get('instance_id', '?')})"
+    if "base_commit" not in row and "image_name" in row:
+        row = swesmith_row(row)
     for key in REQUIRED:
         if key not in row or row[key] is None:
             raise InstanceError(f"{where}: missing field {key!r}")
@@ -145,7 +162,8 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
     }
     return SweInstance(row["instance_id"], row["repo"], row["base_commit"], row["patch"],
                        row["test_patch"], row["problem_statement"], f2p, p2p,
-                       python_deps=tuple(deps), **{k: str(v) for k, v in text.items()})  # fmt: skip
+                       python_deps=tuple(deps), layout=str(row.get("layout") or "swebench"),
+                       **{k: str(v) for k, v in text.items()})  # fmt: skip
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
@@ -286,6 +304,9 @@ def to_repo_task(
     from gagar_jax.verify.diff import DiffError, touched_files
 
     files = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit, cache_dir)
+    reference = inst.patch
+    if inst.layout == "swesmith":
+        reference = _swesmith_fix(inst, repos_dir, files, cache_dir)
     try:
         hidden = touched_files(inst.test_patch) if inst.test_patch.strip() else []
     except DiffError as e:
@@ -302,9 +323,32 @@ def to_repo_task(
     return RepoTask(task_id=inst.instance_id, issue=inst.problem_statement, files=files,
                     fail_to_pass=inst.FAIL_TO_PASS, pass_to_pass=inst.PASS_TO_PASS,
                     test_files=test_files, test_patch=inst.test_patch,
-                    reference_patch=inst.patch, python_path=repos.detect_python_path(files),
+                    reference_patch=reference, python_path=repos.detect_python_path(files),
                     env_path=env_path, test_timeout_s=test_timeout_s,
                     env_hash=env_hash)  # fmt: skip
+
+
+def _swesmith_fix(inst: SweInstance, repos_dir: str, buggy: Mapping[str, str],
+                  cache_dir: str | None) -> str:  # fmt: skip
+    """The fix of a SWE-smith row: the bug branch's tree back to its parent's, checked against
+    the row's bug patch."""
+    from gagar_jax.data import repos
+    from gagar_jax.envs.repo import tree_patch
+    from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files
+
+    parent = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit + "^", cache_dir)
+    try:
+        paths = touched_files(inst.patch)
+        again = apply_unified_diff(parent, inst.patch)
+    except DiffError as e:
+        raise InstanceError(f"{inst.instance_id}: the bug patch does not apply to the parent "
+                            f"of branch {inst.base_commit!r}: {e}") from e  # fmt: skip
+    if any(again.get(p) != buggy.get(p) for p in paths):
+        raise InstanceError(f"{inst.instance_id}: branch {inst.base_commit!r} is not its parent "
+                            "plus the row's bug patch")  # fmt: skip
+    return tree_patch(
+        {p: buggy[p] for p in paths if p in buggy}, {p: parent[p] for p in paths if p in parent}
+    )
 
 
 def load_tasks(path: str, repos_dir: str, **kwargs) -> list:
