@@ -526,8 +526,10 @@ def _candidates(files, calls, passing, rng) -> Iterator[tuple[str, int, str, str
     by_t: dict[str, list] = collections.defaultdict(list)
     for c in out:
         by_t[c[3]].append(c)
+    order = list(TRANSFORMS)
+    rng.shuffle(order)  # which transform comes first differs per package
     while any(by_t.values()):
-        for t in list(TRANSFORMS):
+        for t in order:
             if by_t[t]:
                 yield by_t[t].pop()
 
