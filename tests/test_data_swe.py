@@ -402,3 +402,12 @@ def test_swesmith_layout_row_with_its_bug_branch(tmp_path):
     wrong = swe.parse_instance(dict(row, patch=tree_patch(good, {**good, "calc.py": "x = 1\n"})))
     with pytest.raises(swe.InstanceError, match="not its parent plus the row's bug patch"):
         swe.to_repo_task(wrong, repos_dir, cache_dir=str(tmp_path / "c"), build_envs=False)
+
+
+def test_a_relative_cache_dir_gives_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    row = src_layout_row(str(tmp_path / "repos"))
+    tree = repos.snapshot("repos", "acme/srcpkg", row["base_commit"], "rel_cache")
+    assert os.path.isabs(tree) and os.path.isdir(tree)
+    env = repos.build_env(["cachetools==5.5.0"], cache_dir="rel_cache")
+    assert os.path.isabs(env.path)

@@ -94,7 +94,7 @@ def git_dir(repos_dir: str, repo: str, cache_dir: str | None = None) -> str:
     """A git directory holding ``repo``'s objects (a bundle is cloned once into the cache)."""
     path = find_repo(repos_dir, repo)
     if path.endswith(".bundle"):
-        cache = os.path.join(cache_dir or default_cache_dir(), "stores")
+        cache = os.path.join(os.path.abspath(cache_dir or default_cache_dir()), "stores")
         dest = os.path.join(cache, repo_key(repo) + ".git")
         if not os.path.isdir(dest):
             os.makedirs(cache, exist_ok=True)
@@ -121,7 +121,7 @@ def resolve_commit(store: str, commit: str) -> str:
 def snapshot(repos_dir: str, repo: str, commit: str, cache_dir: str | None = None) -> str:
     """The directory holding ``repo``'s tree at ``commit`` (``git archive``; no ``.git``),
     materialised once per commit under ``<cache>/trees/owner__name/<sha>`` and reused."""
-    cache = cache_dir or default_cache_dir()
+    cache = os.path.abspath(cache_dir or default_cache_dir())
     store = git_dir(repos_dir, repo, cache)
     sha = resolve_commit(store, commit)
     dest = os.path.join(cache, "trees", repo_key(repo), sha)
@@ -329,7 +329,7 @@ def build_env(requirements: Sequence[str] = (), *, cache_dir: str | None = None)
     ``env_hash`` under ``<cache>/envs/`` and reused (within one process the same requirements
     are resolved once)."""
     t0 = time.monotonic()
-    root = os.path.join(cache_dir or default_cache_dir(), "envs")
+    root = os.path.join(os.path.abspath(cache_dir or default_cache_dir()), "envs")
     memo_key = (tuple(requirements), root)
     known = _BUILT.get(memo_key)
     if known is not None and os.path.isfile(os.path.join(known.path, ".gagar-env")):

@@ -558,7 +558,7 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
     t0 = time.monotonic()
     name = spec.split("==")[0]
     stats = Stats(spec)
-    cache = cache_dir or repos.default_cache_dir()
+    cache = os.path.abspath(cache_dir or repos.default_cache_dir())
     work = tempfile.mkdtemp(prefix=f"gagar_synth_{name}_")
     rows: list[dict] = []
     try:
