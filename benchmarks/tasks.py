@@ -57,7 +57,7 @@ def bare_pytest_seconds(task) -> float:
                "PYTEST_ADDOPTS": ""}  # fmt: skip
         t0 = time.monotonic()
         subprocess.run([exe, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                        "-o", "pythonpath=" + " ".join((".", *task.python_path)), "--",
+                        "-o", "pythonpath=" + " ".join((".", *task.pythonpath)), "--",
                         *task.required_tests], cwd=d, env=env, capture_output=True,
                        check=False)  # fmt: skip
         return time.monotonic() - t0

@@ -15,9 +15,14 @@ Re-running resumes finished or interrupted runs from their checkpoints.
 import json
 import math
 import os
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
+
+# The config files import `configs.common` of this checkout: its root on the path, as for
+# `python -m` from the root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 config_flags.DEFINE_config_file(
     "config", "configs/feedback_toy.py", "Base config file.", lock_config=False
@@ -75,7 +80,7 @@ def main(argv):
         "# Feedback objectives on the toy family",
         "",
         f"Modes x seeds {seeds}, {cfg.loop.steps} steps each, batch {cfg.loop.batch_size}, "
-        f"lr {cfg.optim.lr}; one shared base policy and feedback dataset "
+        f"lr {cfg.learner.learning_rate}; one shared base policy and feedback dataset "
         f"({next(iter(summaries.values()))['records']} records). Held-out: "
         f"{cfg.task.num_eval} tasks x {cfg.loop.eval_samples} samples at T="
         f"{cfg.loop.eval_temperature}. Mean +- sd over seeds of the final evaluation.",

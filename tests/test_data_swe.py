@@ -161,7 +161,7 @@ def test_src_layout_with_third_party_test_dependency_verifies_right(tmp_path):
     repos_dir, cache = str(tmp_path / "repos"), str(tmp_path / "cache")
     inst = swe.parse_instance(src_layout_row(repos_dir))
     task = swe.to_repo_task(inst, repos_dir, cache_dir=cache)
-    assert task.python_path == ("src",) and task.env_hash and os.path.isdir(task.env_path)
+    assert task.pythonpath == ("src",) and task.env_hash and os.path.isdir(task.env_path)
     assert "cachetools==5.5.0" in open(os.path.join(task.env_path, ".gagar-env")).read()
     gold = verify_repo_patch(task, inst.patch)
     assert gold.status == "passed", gold.test_log
@@ -326,7 +326,7 @@ def test_python_repo_family_trains_on_an_swe_pool(tmp_path, monkeypatch):
         data_path=path, repos_dir=repos_dir, tokenizer_path=make_tiny_tokenizer(tmp_path / "tok"),
         num_eval=0, max_prompt_len=2048))  # fmt: skip
     task = fam.train_task(0)
-    assert task.task_id == "acme__srcpkg-1" and task.env_path and task.python_path == ("src",)
+    assert task.task_id == "acme__srcpkg-1" and task.env_path and task.pythonpath == ("src",)
     assert "tests/test_add.py" not in task.files  # the hidden test is not in the agent's tree
     env = fam.make_env(task)
     for name, args in fam.demonstration_calls(task):

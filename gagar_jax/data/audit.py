@@ -206,19 +206,25 @@ def git_leaks(tree_dir: str | os.PathLike) -> dict[str, list[str]]:
         return out
     base = {ln.split()[0] for ln in reachable.splitlines() if ln.strip()}
     extra = sorted({ln.strip() for ln in every.splitlines() if ln.strip()} - base)
-    refs = (_git_out(root, "for-each-ref", "--format=%(refname) %(objectname)") or "")
+    refs = _git_out(root, "for-each-ref", "--format=%(refname) %(objectname)") or ""
     head = (_git_out(root, "rev-parse", "HEAD") or "").strip()
     other = [ln.split()[0] for ln in refs.splitlines()
              if ln.split() and not ln.startswith("refs/tags/") and ln.split()[1] != head
              and ln.split()[1] not in base]  # fmt: skip
     if extra or other:
-        out["git_objects"] = [f".git: {len(extra)} object(s) not reachable from HEAD"
-                              + (f"; refs beyond it: {', '.join(other)}" if other else "")]
+        out["git_objects"] = [
+            f".git: {len(extra)} object(s) not reachable from HEAD"
+            + (f"; refs beyond it: {', '.join(other)}" if other else "")
+        ]
     return out
 
 
-def leak_kinds(task: Any, *, source_dir: str | os.PathLike | None = None,
-               tree_dir: str | os.PathLike | None = None) -> dict[str, list[str]]:
+def leak_kinds(
+    task: Any,
+    *,
+    source_dir: str | os.PathLike | None = None,
+    tree_dir: str | os.PathLike | None = None,
+) -> dict[str, list[str]]:
     """Where the gold patch is reachable, by kind (``LEAK_KINDS``); empty: no leak found.
 
     ``source_dir``: the task's directory (``RepoTask.from_dir``); its version-control history
@@ -283,8 +289,12 @@ def _text_leaks(task, ref, added, source_dir, found) -> None:
                 )
 
 
-def leak_findings(task: Any, *, source_dir: str | os.PathLike | None = None,
-                  tree_dir: str | os.PathLike | None = None) -> list[str]:
+def leak_findings(
+    task: Any,
+    *,
+    source_dir: str | os.PathLike | None = None,
+    tree_dir: str | os.PathLike | None = None,
+) -> list[str]:
     """Where the gold patch is reachable (``leak_kinds``, flattened; empty: no leak found)."""
     kinds = leak_kinds(task, source_dir=source_dir, tree_dir=tree_dir)
     return sorted({item for items in kinds.values() for item in items})

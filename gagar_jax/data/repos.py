@@ -15,7 +15,7 @@ versions, and the environment is content-addressed: ``env_hash`` = SHA-256 of th
 version and the resolved lockfile. It is built once under ``<cache>/envs/<env_hash>`` and reused
 by every task naming the same requirements. The verifier binds its site-packages read-only into
 the sandbox (``RepoTask.env_path``); the package under test itself is imported from the task's
-tree (the repository root and, for a ``src/`` layout, ``src``: ``RepoTask.python_path``), which
+tree (the repository root and, for a ``src/`` layout, ``src``: ``RepoTask.pythonpath``), which
 is what an editable install provides, without a path baked into the environment.
 """
 
@@ -193,7 +193,7 @@ def agent_git_repo(tree: str, dest: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Layout detection
 # ---------------------------------------------------------------------------------------------
-def detect_python_path(files: Mapping[str, str]) -> tuple[str, ...]:
+def detect_pythonpath(files: Mapping[str, str]) -> tuple[str, ...]:
     """Tree-relative directories the package under test is imported from, besides the root:
     the ``pythonpath`` of the repository's pytest configuration if it sets one, else ``src``
     when the packages live there (``src/<pkg>/__init__.py`` or a ``src`` package-dir)."""

@@ -296,7 +296,7 @@ def to_repo_task(
     test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
 ):
     """The ``RepoTask`` of ``inst``: the tree of ``base_commit`` from ``repos_dir``, the hidden
-    ``test_patch``, the gold ``patch`` as reference, the layout's ``python_path`` and (with
+    ``test_patch``, the gold ``patch`` as reference, the layout's ``pythonpath`` and (with
     ``build_envs``) the environment of ``python_deps`` or, without them, of the dependencies
     the repository declares."""
     from gagar_jax.data import repos
@@ -323,7 +323,7 @@ def to_repo_task(
     return RepoTask(task_id=inst.instance_id, issue=inst.problem_statement, files=files,
                     fail_to_pass=inst.FAIL_TO_PASS, pass_to_pass=inst.PASS_TO_PASS,
                     test_files=test_files, test_patch=inst.test_patch,
-                    reference_patch=reference, python_path=repos.detect_python_path(files),
+                    reference_patch=reference, pythonpath=repos.detect_pythonpath(files),
                     env_path=env_path, test_timeout_s=test_timeout_s,
                     env_hash=env_hash)  # fmt: skip
 

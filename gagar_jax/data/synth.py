@@ -406,7 +406,7 @@ def _trace_dir() -> str:
     return d
 
 
-def trace_suite(files: Mapping[str, str], env_path: str, python_path: Sequence[str], *,
+def trace_suite(files: Mapping[str, str], env_path: str, pythonpath: Sequence[str], *,
                 timeout_s: float, wall_s: float = 900) -> dict[str, Any]:  # fmt: skip
     """Runs the whole suite once in the sandbox; ``{"calls": {test: [[path, line]...]},
     "outcomes": {test: outcome}, "seconds": wall}``."""
@@ -424,7 +424,7 @@ def trace_suite(files: Mapping[str, str], env_path: str, python_path: Sequence[s
         os.chmod(work, 0o777)
         argv = [exe, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                 "_gagar_synth_trace", "-p", "pytest_timeout", "-o", f"timeout={timeout_s:g}",
-                "-o", "addopts=", "-o", "pythonpath=" + " ".join((".", *python_path)),
+                "-o", "addopts=", "-o", "pythonpath=" + " ".join((".", *pythonpath)),
                 "-o", "console_output_style=classic"]  # fmt: skip
         env = {
             "PYTHONPATH": ":".join(paths),
@@ -565,7 +565,7 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
         sdist = download_sdist(spec, os.path.join(cache, "sdists"))
         top = extract_sdist(sdist, work)
         files = _clean_tree(repos.read_text_tree(top))
-        python_path = repos.detect_python_path(files)
+        pythonpath = repos.detect_pythonpath(files)
         deps = repos.package_requirements(files)
         env = repos.build_env(deps, cache_dir=cache)
         stats.env_seconds, stats.env_reused = env.seconds, env.reused
@@ -573,7 +573,7 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             f"{spec}: {len(files)} files, env {env.env_hash[:12]} "
             f"({'reused' if env.reused else 'built'} in {env.seconds:.1f}s)"
         )
-        trace = trace_suite(files, env.path, python_path, timeout_s=test_timeout_s)
+        trace = trace_suite(files, env.path, pythonpath, timeout_s=test_timeout_s)
         stats.suite_seconds = trace["seconds"]
         passing = {t for t, o in trace["outcomes"].items() if o == "passed" and "::" in t}
         log(
@@ -616,7 +616,7 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             run_ids = tuple(covering + others[:max_p2p])
             stats.screened += 1
             probe = RepoTask("probe", "", buggy, run_ids, test_timeout_s=test_timeout_s,
-                             env_path=env.path, python_path=python_path)  # fmt: skip
+                             env_path=env.path, pythonpath=pythonpath)  # fmt: skip
             v = verify_repo_patch(probe, "", limits=limits, run_monitor=False)
             if v.status in ("infra_error", "timeout", "resource_killed"):
                 stats.rejected[f"screen_{v.status}"] += 1
@@ -634,7 +634,7 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             issue = issue_text(name, f2p, v.test_log)
             test_paths = tuple(sorted({t.split("::")[0] for t in run_ids}))
             task = RepoTask(tid, issue, buggy, f2p, p2p, test_files=test_paths,
-                            reference_patch=fix, python_path=python_path, env_path=env.path,
+                            reference_patch=fix, pythonpath=pythonpath, env_path=env.path,
                             test_timeout_s=test_timeout_s, env_hash=env.env_hash)  # fmt: skip
             if "issue_text" in audit.leak_kinds(task):
                 stats.rejected["issue_leaks_fix"] += 1
@@ -655,7 +655,7 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
                 created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 version=spec.split("==")[1] if "==" in spec else "",
                 environment_setup_commit=sha, test_cmd="pytest", python_deps=tuple(deps),
-                install="python_path").to_row() | {
+                install="pythonpath").to_row() | {
                     "synth": {"transform": transform, "file": path, "function": func,
                               "template": ISSUE_TEMPLATE_VERSION}})  # fmt: skip
             stats.kept += 1

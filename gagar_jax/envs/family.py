@@ -112,10 +112,17 @@ class Attempt:
         events: list[dict[str, Any]] = []
         for t in self.episode.turns:
             kind = "tool_call" if t.info.get("tool") is not None else "action"
-            events.append({"turn": t.index, "kind": kind, "text": t.action_text,
-                           "tokens": t.model_span[1] - t.model_span[0]})
-            events.append({"turn": t.index, "kind": "observation", "text": t.observation,
-                           "tokens": 0})
+            events.append(
+                {
+                    "turn": t.index,
+                    "kind": kind,
+                    "text": t.action_text,
+                    "tokens": t.model_span[1] - t.model_span[0],
+                }
+            )
+            events.append(
+                {"turn": t.index, "kind": "observation", "text": t.observation, "tokens": 0}
+            )
         return events
 
     def summary(self) -> str:
@@ -162,11 +169,14 @@ class Demonstration:
 
     def __post_init__(self):
         if len(self.tokens) != len(self.loss_mask):
-            raise ValueError(f"Demonstration: {len(self.tokens)} tokens but "
-                             f"{len(self.loss_mask)} loss-mask entries")
+            raise ValueError(
+                f"Demonstration: {len(self.tokens)} tokens but "
+                f"{len(self.loss_mask)} loss-mask entries"
+            )
         if not 1 <= self.prompt_len <= len(self.tokens):
-            raise ValueError(f"Demonstration.prompt_len={self.prompt_len} outside "
-                             f"[1, {len(self.tokens)}]")
+            raise ValueError(
+                f"Demonstration.prompt_len={self.prompt_len} outside [1, {len(self.tokens)}]"
+            )
         if any(self.loss_mask[: self.prompt_len]):
             raise ValueError("Demonstration.loss_mask must be False on the prompt")
 
