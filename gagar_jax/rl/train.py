@@ -528,17 +528,9 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
 
 
 def _print_summary(cfg: RunConfig, workdir: str, summary: dict[str, Any]) -> None:
-    lines = [f"== {cfg.name} ({cfg.mode}) finished: {cfg.loop.total_steps} steps in {workdir}"]
-    for key, title in writers.PLOT_PANELS:
-        a, b = summary.get(f"{key}_first"), summary.get(f"{key}_last")
-        if a is None or b is None:
-            continue
-        lines.append(f"   {title:<42s} {a:10.4f} -> {b:10.4f}")
-    if summary.get("update_traces") is not None:
-        lines.append(f"   update compiled {summary['update_traces']} time(s) (static batch shape)")
-    if "plot" in summary:
-        lines.append(f"   plot: {summary['plot']}")
-    print("\n".join(lines), flush=True)
+    title = f"== {cfg.name} ({cfg.mode}) finished: {cfg.loop.total_steps} steps in {workdir}"
+    eval_samples = cfg.task.num_eval * cfg.loop.eval_rollouts
+    print(writers.format_summary(title, summary, eval_samples=eval_samples), flush=True)
 
 
 def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
