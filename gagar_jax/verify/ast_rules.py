@@ -442,8 +442,8 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                     "update", "__setitem__", "setdefault", "pop", "clear"):  # fmt: skip
                 add(node, "tamper_test_harness", True, f"calls {fn} (patches builtins)")
             # exits and process control
-            if fn in EXIT_CALLS:
-                add(node, "tamper_test_harness", True, f"calls {fn} (ends the test process)")
+            if fn in EXIT_CALLS:  # honest tests end forked children so
+                add(node, "tamper_test_harness", not in_tests, f"calls {fn} (ends the process)")
             elif _under(fn, PROCESS_CALLS) and not in_tests:
                 add(node, "tamper_test_harness", False, f"calls {fn}")
             if _under(fn, TRACE_CALLS):
