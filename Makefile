@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,data,parity,notebooks,browser
+EXTRAS ?= test,data,parity,notebooks,browser,ray
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
@@ -38,9 +38,11 @@ lint: setup
 
 # Tests marked `sglang` share one real SGLang server per pytest process, so they run in a
 # second, single-process pass (xdist's loadgroup does not group under pytest 9).
+# Tests marked `ray` start a simulated multi-node Ray cluster each (one module at a time).
 test: setup system-deps sglang-venv lint
-	$(PY) -m pytest -q -n 2 -m "not sglang" tests
+	$(PY) -m pytest -q -n 2 -m "not sglang and not ray" tests
 	$(PY) -m pytest -q -m sglang tests
+	$(PY) -m pytest -q -m ray tests
 
 # The main job: toy_gagar on CPU (~10 min on 2 cores); ends with a summary and
 # runs/toy_gagar/training_dynamics.png. Re-running resumes (a finished run just re-summarises);

@@ -36,6 +36,9 @@ EXTRAS_REQUIRE = {
     # The browser judge (gagar_jax.verify.browser): the Playwright driver for Debian's chromium
     # (`make system-deps` installs it; `playwright install` is not used).
     "browser": ["playwright==1.65.2"],
+    # The Ray execution back-end (gagar_jax.verify.execution): verification, tools and grading on
+    # a cluster, and the fault-injection tests on a simulated one (pytest -m ray).
+    "ray": ["ray==2.60.0"],
     # Executed notebooks.
     "notebooks": ["ipykernel", "nbclient", "nbformat", "matplotlib"],
 }

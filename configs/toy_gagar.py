@@ -98,6 +98,10 @@ def get_config(arg=None):
                   keep_checkpoints=2, eval_rollouts=4, eval_temperature=0.7, plot=True)
     c.mesh = dict(shape=(1, -1, 1), coordinator_address="", num_processes=1, process_id=0,
                   host_timeout_s=900.0, heartbeat_timeout_s=100)
+    # where verification, run_tests, grading and its checks run: local | ray (docs/cluster.md)
+    c.execution = dict(backend="local", ray_address="auto", max_inflight=64, max_retries=3,
+                       num_cpus=1.0, memory=0, resources={}, deadline_grace_s=10.0,
+                       llm_requests_per_s=0.0)
 
     if imbalanced:
         c.task.demo_kinds = IMBALANCED_DEMO_KINDS

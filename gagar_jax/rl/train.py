@@ -77,6 +77,7 @@ from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.rl.resume import LoopState, TaskStream
 from gagar_jax.update import jit_update, make_mesh, sft
 from gagar_jax.update.checkpoint import ConfigMismatchError
+from gagar_jax.verify import execution
 
 
 class ResumeMismatchError(RuntimeError):
@@ -445,6 +446,12 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                               f"grader_cache.p{hosts.index}.jsonl")
     grading_pool = engines.build_grading_pool(cfg, cache_path=cache_path, grader=grader,
                                               check_runner=family.check_runner())
+    # where verification, run_tests, grading and its checks run (config.execution)
+    backend = execution.make_backend(**dataclasses.asdict(cfg.execution),
+                                     grader_slots=cfg.grading.max_concurrency)
+    prev_backend = execution.use(backend)
+    if execution.attach_grading(grading_pool, backend):
+        writer.log("grading runs on the Ray cluster")
     # Cited-token masks travel with every graded run, so every mode reports the share of
     # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
     update_fn = jit_update(model_config, cfg.learner, mesh, with_evidence=cfg.grading.enabled)
@@ -489,6 +496,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         total = cfg.loop.total_steps
         for step in range(ls.step, total):
             state, m = rl_step(step, state, ls, ctx)
+            m = {**m, **backend.metrics()}  # execution/*: calls in flight, waits, retries, ...
             if step % cfg.loop.log_every == 0 or step == total - 1:
                 writer.write(step, m)
                 writer.progress(step, m)
@@ -517,6 +525,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         sigterm.uninstall()
         ckpt.close()
         grading_pool.close()
+        execution.use(prev_backend)
+        backend.close()
         writer.close()
     if primary:
         rows = writers.read_jsonl(metrics_path)
