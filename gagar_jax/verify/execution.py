@@ -225,6 +225,28 @@ def call_dirs(root: str | None = None) -> list[str]:
         return []
 
 
+def reap_stale_call_dirs(root: str | None = None) -> int:
+    """Removes the call directories whose worker process is gone (a worker or node killed in
+    the middle of a call: ``gagar_call_<pid>_...``); returns how many. Each node runs this
+    before every call."""
+    n = 0
+    for path in call_dirs(root):
+        try:
+            pid = int(os.path.basename(path)[len(CALL_DIR_PREFIX):].split("_", 1)[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # its worker is alive: the call is running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        n += not os.path.exists(path)
+    return n
+
+
 def _set_pdeathsig() -> None:
     """This process gets SIGKILL when its parent (the Ray worker) dies."""
     try:
@@ -276,9 +298,9 @@ def run_isolated(
                 f"environment {env.env_hash} did not build on this node: {type(e).__name__}: {e}"
             ) from e
     node_id = _node_id()
-    calldir = tempfile.mkdtemp(prefix=CALL_DIR_PREFIX)
+    reaped = reap_stale_call_dirs()
+    calldir = tempfile.mkdtemp(prefix=f"{CALL_DIR_PREFIX}{os.getpid()}_")
     os.chmod(calldir, 0o711)  # sandbox uids traverse it to their workdirs below
-    reaped = 0
     try:
         payload, out = os.path.join(calldir, "call.pkl"), os.path.join(calldir, "result.pkl")
         with open(payload, "wb") as f:
@@ -314,7 +336,7 @@ def run_isolated(
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                reaped = kill_tree(proc.pid)
+                reaped += kill_tree(proc.pid)
                 proc.wait()
         finally:
             if relay:
@@ -535,25 +557,19 @@ def llm_rate_limit(n: int = 1) -> float:
     return wait
 
 
-_RAY_LIMITER: Any = None
-_RAY_LIMITER_LOOKED_UP = False
-
-
 def _ray_limiter():
-    global _RAY_LIMITER, _RAY_LIMITER_LOOKED_UP
+    """The cluster's limiter actor, when this process is connected to a cluster that has one
+    (looked up on each call: it may be started or stopped by another back-end)."""
     if "ray" not in sys.modules:
         return None
     import ray
 
     if not ray.is_initialized():
         return None
-    if not _RAY_LIMITER_LOOKED_UP:
-        try:
-            _RAY_LIMITER = ray.get_actor(LLM_LIMITER_NAME, namespace=RAY_NAMESPACE)
-        except ValueError:
-            _RAY_LIMITER = None
-        _RAY_LIMITER_LOOKED_UP = True
-    return _RAY_LIMITER
+    try:
+        return ray.get_actor(LLM_LIMITER_NAME, namespace=RAY_NAMESPACE)
+    except ValueError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -855,6 +871,8 @@ class RayBackend(Backend):
         self._grading = 0
         self._closed = False
         self._known_dead: set[str] = set()
+        self._count_node_losses()  # nodes dead before this back-end started are not its losses
+        self._stats.node_losses = 0
         self._threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(4, max_inflight), thread_name_prefix="gagar-exec"
         )
@@ -953,6 +971,10 @@ class RayBackend(Backend):
             with self._cond:
                 self._reserved -= slots
                 self._cond.notify_all()
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        self._count_node_losses()  # nodes the cluster declared dead since the last look
+        return self._stats.metrics(reset)
 
     def limiter_stats(self) -> dict[str, float]:
         return {} if self.limiter is None else self._ray.get(self.limiter.stats.remote())
@@ -1195,18 +1217,30 @@ def make_backend(
 CALL_MARGIN_S = 30.0  # a call's deadline beyond its sandbox's wall limit (setup, pytest start)
 
 
-def verify_repo_call(task: Any, patch: str, *, backend: Backend | None = None, **kwargs: Any):
+def verify_repo_call(
+    task: Any,
+    patch: str,
+    *,
+    backend: Backend | None = None,
+    deadline_s: float | None = None,
+    fn: Callable | None = None,
+    env: EnvSpec | None = None,
+    **kwargs: Any,
+):
     """``verify.repo.verify_repo_patch(task, patch, **kwargs)`` through the back-end.
 
-    The call's deadline is the sandbox's wall limit plus :data:`CALL_MARGIN_S`. A call that
-    passes it is the rollout's own ``timeout`` failure (the sandbox should have ended it first:
-    something of the candidate's hung); an infrastructure failure is ``infra_error`` (masked).
+    The call's deadline (``deadline_s``) defaults to the sandbox's wall limit plus
+    :data:`CALL_MARGIN_S`. A call that passes it is the rollout's own ``timeout`` failure (the
+    sandbox should have ended it first: something of the candidate's hung); an infrastructure
+    failure is ``infra_error`` (masked). ``fn`` replaces ``verify_repo_patch`` (same
+    signature); ``env``: the task environment the call needs on its node.
     """
     from gagar_jax.verify.repo import DEFAULT_LIMITS, RepoVerification, verify_repo_patch
 
     limits = kwargs.get("limits") or DEFAULT_LIMITS
     b = backend or current()
-    r = b.call(verify_repo_patch, task, patch, deadline_s=limits.wall_s + CALL_MARGIN_S, **kwargs)
+    deadline = deadline_s if deadline_s is not None else limits.wall_s + CALL_MARGIN_S
+    r = b.call(fn or verify_repo_patch, task, patch, deadline_s=deadline, env=env, **kwargs)
     if r.ok:
         return r.value
     missing = {t: "missing" for t in task.required_tests}
