@@ -307,6 +307,9 @@ def run_isolated(
             f.write(_dumps((fn, tuple(args), dict(kwargs or {}))))
         log_path = os.path.join(calldir, "child.log")
         env_vars = dict(os.environ, TMPDIR=calldir)
+        # the child imports what its caller imports (functions are pickled by reference)
+        paths = [*os.environ.get("PYTHONPATH", "").split(os.pathsep), *sys.path]
+        env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
         relay = _TokenRelay.start(env_vars)
         try:
             with open(log_path, "wb") as log:
