@@ -7,6 +7,7 @@ deadline plus a margin, the same verdicts (and update batch) as the ``local`` ba
 ``infra_error`` scored 0, and no orphan process or temporary directory.
 """
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -417,3 +418,58 @@ def test_environment_built_once_per_node(backend, tmp_path):
     paths = {f.result().value for f in futs}
     assert all(os.path.isdir(p) for p in paths) and 1 <= len(paths) <= 2
     assert all("envs-w" in p for p in paths)
+
+
+def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_orphans):
+    """``configs/swe_agent.py:smoke`` with ``execution.backend=ray`` on the cluster: the
+    family's ``run_tests`` tool, its verifier and the grader's check runner run as Ray calls and
+    give what the local back-end gives (the demonstrations' observations, token for token)."""
+    import importlib.util
+
+    from hf_fixtures import fixture_pool, make_tiny_tokenizer
+
+    from gagar_jax.grading import adapters
+    from gagar_jax.rl.collect import build_family
+    from gagar_jax.rl.config import RunConfig
+
+    c, _, _ = cluster
+    spec = importlib.util.spec_from_file_location(
+        "_swe_agent", os.path.join(ROOT, "configs", "swe_agent.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    d = module.get_config("smoke")
+    d.task.data_path = fixture_pool(tmp_path / "pool.jsonl")
+    d.task.tokenizer_path = make_tiny_tokenizer(tmp_path / "tok")
+    d.execution.update(
+        backend="ray", ray_address=c.address, max_inflight=4, resources={"verifier": 1}
+    )
+    cfg = RunConfig.from_config_dict(d)
+    family = build_family(cfg)
+    local = family.demonstrations(2)
+    backend = execution.make_backend(**dataclasses.asdict(cfg.execution), grader_slots=2)
+    assert backend.name == "ray"
+    try:
+        with execution.using(backend):
+            remote = family.demonstrations(2)
+            task = family.train_task(0)
+            ws = adapters.repo_workspace(
+                task,
+                "g",
+                [
+                    adapters.repo_candidate(
+                        "r0",
+                        task.reference_patch,
+                        execution.verify_repo_call(task, task.reference_patch),
+                    )
+                ],
+            )
+            check = family.check_runner().run(ws, ws.candidates[0], "python -m pytest -q")
+        m = backend.metrics()
+    finally:
+        backend.close()
+    local_check = family.check_runner().run(ws, ws.candidates[0], "python -m pytest -q")
+    assert len(local) == 2 and [x.tokens for x in remote] == [x.tokens for x in local]
+    # per demonstration: one run_tests call and one verification; then one more and the check
+    assert m["execution/calls"] >= 6 and m["execution/infra_errors"] == 0, m
+    assert check.status == local_check.status == "passed", (check.log, local_check.log)
