@@ -66,7 +66,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -75,7 +74,6 @@ CALL_STATUSES = ("ok", "timeout", "infra_error")
 LLM_LIMITER_NAME = "gagar_llm_rate_limit"
 RAY_NAMESPACE = "gagar_jax"
 CALL_DIR_PREFIX = "gagar_call_"
-_CHILD_FLAG = "--gagar-call"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +230,7 @@ def reap_stale_call_dirs(root: str | None = None) -> int:
     n = 0
     for path in call_dirs(root):
         try:
-            pid = int(os.path.basename(path)[len(CALL_DIR_PREFIX):].split("_", 1)[0])
+            pid = int(os.path.basename(path)[len(CALL_DIR_PREFIX) :].split("_", 1)[0])
         except ValueError:
             continue
         try:
@@ -247,32 +245,34 @@ def reap_stale_call_dirs(root: str | None = None) -> int:
     return n
 
 
-def _set_pdeathsig() -> None:
-    """This process gets SIGKILL when its parent (the Ray worker) dies."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _child_main(payload: str, out: str, parent: int) -> None:
-    """Entry point of a call's child process: runs the pickled call, pickles the result."""
-    _set_pdeathsig()
-    if os.getppid() != parent:  # the worker died before prctl took effect
-        os._exit(1)
-    with open(payload, "rb") as f:  # imports ray's cloudpickle only if the payload needs it
-        fn, args, kwargs = pickle.load(f)
-    try:
-        result = ("ok", fn(*args, **kwargs))
-    except BaseException as e:  # noqa: BLE001 - reported to the caller, never lost
-        result = ("raised", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
-    tmp = out + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(_dumps(result))
-    os.replace(tmp, out)
+# The program of a call's child process (``python -c``: it imports nothing of this package
+# unless the call does, so a call that runs little starts fast). It dies with its parent (the
+# Ray worker: PR_SET_PDEATHSIG), runs the pickled call and pickles the result (plain pickle;
+# ray's cloudpickle for what that cannot do).
+_CHILD_CODE = """
+import ctypes, os, pickle, signal, sys, traceback
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+payload, out, parent = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if os.getppid() != parent:
+    os._exit(1)
+with open(payload, "rb") as f:
+    fn, args, kwargs = pickle.load(f)
+try:
+    result = ("ok", fn(*args, **kwargs))
+except BaseException as e:
+    result = ("raised", f"{type(e).__name__}: {e}\\n{traceback.format_exc()[-2000:]}")
+try:
+    data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+except Exception:
+    from ray import cloudpickle
+    data = cloudpickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+with open(out + ".tmp", "wb") as f:
+    f.write(data)
+os.replace(out + ".tmp", out)
+"""
 
 
 def run_isolated(
@@ -314,15 +314,7 @@ def run_isolated(
         try:
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "gagar_jax.verify.execution",
-                        _CHILD_FLAG,
-                        payload,
-                        out,
-                        str(os.getpid()),
-                    ],
+                    [sys.executable, "-c", _CHILD_CODE, payload, out, str(os.getpid())],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,
@@ -1248,7 +1240,3 @@ def verify_repo_call(
         return r.value
     missing = {t: "missing" for t in task.required_tests}
     return RepoVerification(r.status, missing, None, (), f"{r.status}: {r.error}", None)
-
-
-if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == _CHILD_FLAG:
-    _child_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
