@@ -78,8 +78,10 @@ compare: setup
 # End to end with a real SGLang server in the loop (scripts/e2e.py): tiny random Qwen2 + local
 # BPE tokenizer, the fixture repositories, SFT warm start on tool-call demonstrations, 3 RL steps
 # of configs/swe_agent.py:smoke, SIGKILL after a checkpoint and resume; into runs/e2e/.
+# `make e2e E2E_ARGS=--execution=ray`: the same run with verification on a simulated Ray cluster.
+E2E_ARGS ?=
 e2e: setup system-deps sglang-venv
-	$(PY) scripts/e2e.py --out=runs/e2e
+	$(PY) scripts/e2e.py --out=runs/e2e $(E2E_ARGS)
 
 # The feedback study: sft, rw_sft, span_kto, sft_drop_negative, sft_penalize_negative x 3 seeds on
 # one shared simulated-user feedback dataset -> runs/feedback_compare/comparison.{md,png}.

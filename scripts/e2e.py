@@ -14,6 +14,11 @@ r"""End to end on CPU: a real SGLang server in the loop of a multi-turn code-age
 5. stops the server, prints the per-step metrics and checks them (:func:`check`, exit 1 on a
    failure): episodes of more than one turn, parsed tool calls, the weight version +1 per step,
    a finite training-inference mismatch, a resumed run that repeats and skips no step.
+
+``--execution=ray`` runs the same config with ``execution.backend=ray`` on a simulated Ray
+cluster started here (``ray.cluster_utils.Cluster``: a head without CPUs and one worker node),
+so every verification and ``run_tests`` call of the run is a Ray task; the check then also
+requires Ray calls on every step.
 """
 
 import argparse
@@ -34,12 +39,18 @@ KEYS = ("episode/turns_mean", "episode/tool_calls_mean", "rollout/weight_version
         "response_length")
 
 
-def check(rows: list[dict], log: str) -> list[str]:
+def check(rows: list[dict], log: str, execution: str = "local") -> list[str]:
     """What ``make e2e`` must show (``tests/test_e2e.py`` asserts the same); [] when it does."""
     import math
 
     train = [r for r in rows if r.get("phase") == "train"]
     problems = []
+    if execution == "ray" and not all(r.get("execution/calls", 0) > 0 for r in train):
+        problems.append("execution=ray: a train step without calls on the Ray cluster "
+                        f"{[r.get('execution/calls') for r in train]}")
+    if any(r.get("execution/infra_errors", 0) > 0 for r in train):
+        problems.append("execution: infrastructure errors "
+                        f"{[r.get('execution/infra_errors') for r in train]}")
     if "resumed from checkpoint 1" not in log:
         problems.append("the second trainer run did not resume from checkpoint 1")
     if [r["step"] for r in train] != [0, 1, 2]:
@@ -131,6 +142,8 @@ def main() -> int:
                     "--model_dir) instead of starting one")
     ap.add_argument("--model_dir", default="", help="the served model (with --sglang_url)")
     ap.add_argument("--timeout_s", type=float, default=1800.0)
+    ap.add_argument("--execution", choices=("local", "ray"), default="local",
+                    help="where verification and run_tests calls run (ray: a simulated cluster)")
     args = ap.parse_args()
 
     from gagar_jax.rollout.sglang_server import SGLangServer, make_tiny_model
@@ -154,8 +167,21 @@ def main() -> int:
         url = server.url
         print(f"e2e: SGLang server {url} up in {server.start_seconds:.0f} s", flush=True)
     log = os.path.join(out, "trainer.log")
+    cluster = None
+    extra = []
+    if args.execution == "ray":
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=0, object_store_memory=100 << 20, include_dashboard=False))
+        cluster.add_node(num_cpus=2, object_store_memory=100 << 20,
+                         env_vars={"PYTHONPATH": ROOT})
+        cluster.wait_for_nodes()
+        extra = ["--config.execution.backend=ray",
+                 f"--config.execution.ray_address={cluster.address}"]
+        print(f"e2e: Ray cluster {cluster.address} up", flush=True)
     try:
-        cmd = trainer_cmd(run_dir, model_dir, pool, url)
+        cmd = trainer_cmd(run_dir, model_dir, pool, url, extra)
         marker = os.path.join(run_dir, "checkpoints", "1")
         run_with_kill(cmd, marker, log, args.timeout_s)
         print(f"e2e: trainer SIGKILLed after checkpoint 1 ({time.monotonic() - t0:.0f} s)",
@@ -164,13 +190,15 @@ def main() -> int:
     finally:
         if server is not None:
             server.stop()
+        if cluster is not None:
+            cluster.shutdown()
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     for r in rows:
         if r.get("phase") == "train":
             print("e2e: step", r["step"], " ".join(f"{k}={r.get(k)}" for k in KEYS), flush=True)
     with open(log, encoding="utf-8", errors="replace") as f:
-        problems = check(rows, f.read())
+        problems = check(rows, f.read(), args.execution)
     print(f"e2e: done in {time.monotonic() - t0:.0f} s; metrics in {run_dir}/metrics.jsonl")
     for p in problems:
         print(f"e2e: FAILED: {p}", flush=True)

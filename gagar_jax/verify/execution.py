@@ -506,9 +506,12 @@ class _TokenRelay:
         f = self.parent.makefile("rwb", buffering=0)
         try:
             for line in f:
-                wait = ray.get(self.limiter.reserve.remote(max(1, int(line))))
+                try:
+                    wait = ray.get(self.limiter.reserve.remote(max(1, int(line))))
+                except Exception:  # noqa: BLE001 - limiter gone: no wait, never a hung grader
+                    wait = 0.0
                 f.write(f"{wait}\n".encode())
-        except (OSError, ValueError):
+        except OSError:
             pass
 
     def close(self) -> None:
@@ -544,7 +547,10 @@ def llm_rate_limit(n: int = 1) -> float:
     elif limiter is not None:
         import ray
 
-        wait = ray.get(limiter.reserve.remote(n))
+        try:
+            wait = ray.get(limiter.reserve.remote(n))
+        except Exception:  # noqa: BLE001 - the limiter went away: no wait
+            wait = 0.0
     elif _LOCAL_LIMITER is not None:
         wait = _LOCAL_LIMITER.reserve(n)
     if wait > 0:
@@ -872,6 +878,9 @@ class RayBackend(Backend):
             max_workers=max(4, max_inflight), thread_name_prefix="gagar-exec"
         )
         self.limiter = None
+        # the limiter is the cluster's: several trainer hosts share the first one's; only the
+        # back-end that created it stops it
+        self._created_limiter = bool(llm_requests_per_s) and _ray_limiter() is None
         if llm_requests_per_s:
             self.limiter = (
                 _limiter_actor_cls()
@@ -989,7 +998,7 @@ class RayBackend(Backend):
             )
         self._dispatcher.join(timeout=10)
         self._threads.shutdown(wait=False, cancel_futures=True)
-        if self.limiter is not None:
+        if self.limiter is not None and self._created_limiter:
             with contextlib.suppress(Exception):
                 self._ray.kill(self.limiter)
         if self._owns_ray:
