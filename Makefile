@@ -2,12 +2,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,data,parity,notebooks,browser,ray
+EXTRAS ?= test,data,parity,notebooks,browser,docs,ray
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup system-deps sglang-venv test lint train compare feedback-compare example bench e2e clean
+.PHONY: setup system-deps sglang-venv test test-unit lint format-check docs train compare feedback-compare example bench e2e clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ sglang-venv: $(SGLANG_VENV)/.installed
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The formatter's verdict on the whole tree (ruff format; `# fmt: skip` only where a table reads
+# better aligned, with the reason beside it).
+format-check: setup
+	$(VENV)/bin/ruff format --check .
+
 # Tests marked `sglang` share one real SGLang server per pytest process, so they run in a
 # second, single-process pass (xdist's loadgroup does not group under pytest 9).
 # Tests marked `ray` start a simulated multi-node Ray cluster each (one module at a time).
@@ -43,6 +48,16 @@ test: setup system-deps sglang-venv lint
 	$(PY) -m pytest -q -n 2 -m "not sglang and not ray" tests
 	$(PY) -m pytest -q -m sglang tests
 	$(PY) -m pytest -q -m ray tests
+
+# The check before a commit: every test but the end-to-end runs (scripts, several processes), the
+# real SGLang server and the Ray cluster; no system packages or second venv needed.
+test-unit: setup
+	$(PY) -m pytest -q -n 2 -m "not e2e and not sglang and not ray" tests
+
+# The documentation site: warnings are errors, and so is a public symbol (a name in a package's
+# __all__) without an API entry or a docstring (docs/_ext/coverage_check.py).
+docs: setup
+	$(VENV)/bin/sphinx-build -W --keep-going -j auto -b html docs docs/_build/html
 
 # The main job: toy_gagar on CPU (~10 min on 2 cores); ends with a summary and
 # runs/toy_gagar/training_dynamics.png. Re-running resumes (a finished run just re-summarises);

@@ -19,7 +19,7 @@ INSTALL_REQUIRES = [
     # gagar_jax.envs.hf_tokenizer: Hugging Face tokenizers + chat templates without transformers.
     "tokenizers>=0.20",
     "jinja2>=3.1",
-    # Training metrics: TensorBoard event files and the per-run plots (issue 7).
+    # Training metrics: TensorBoard event files and the per-run plots.
     "tensorboardX>=2.6",
     "matplotlib>=3.8",
 ]
@@ -41,16 +41,19 @@ EXTRAS_REQUIRE = {
     "ray": ["ray==2.60.0"],
     # Executed notebooks.
     "notebooks": ["ipykernel", "nbclient", "nbformat", "matplotlib"],
+    # The documentation site (`make docs`): Sphinx, MyST markdown and notebooks, the furo theme.
+    "docs": ["sphinx==9.0.4", "myst-parser==5.2.0", "myst-nb==1.4.0", "furo==2025.12.19"],
 }
 
 setuptools.setup(
     name="gagar_jax",
     version="0.1.0",
     description=__doc__,
-    packages=setuptools.find_packages(include=["gagar_jax", "gagar_jax.*"]),
+    # configs/: the experiment configs, importable (`from configs import toy_gagar`).
+    packages=setuptools.find_packages(include=["gagar_jax", "gagar_jax.*", "configs"]),
     # Versioned grader prompts (gagar_jax/grading/prompts/<version>/*.md).
     package_data={
-        "gagar_jax.grading": ["prompts/*/*.md"],
+        "gagar_jax.grading": ["prompts/*/*.md", "sets/*/*/*.jsonl"],
         "gagar_jax.verify": ["prompts/*/*.md"],
         "gagar_jax.data": ["prompts/*/*.md"],
         "gagar_jax.envs": ["prompts/*/*.md"],

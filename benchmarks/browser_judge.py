@@ -9,7 +9,7 @@ times; the table gives p50 / p95 / max seconds per stage and in total, over all 
 split into well-behaved pages and hostile ones (those with a planted fault). The baseline row,
 measured in the same run on the same browser, is the least any judge must do: load the page and
 take one screenshot. The machine's load average is printed before and after (the figures of a
-shared machine are not quiet-machine figures). Goal of the issue: p50 <= 10 s per artifact.
+shared machine are not quiet-machine figures). Goal: p50 <= 10 s per artifact.
 """
 
 from __future__ import annotations

@@ -12,26 +12,13 @@ of simulated-user feedback on its samples, built by the first run that needs it.
 
 import ml_collections
 
-MODES = ("sft", "rw_sft", "span_kto", "sft_drop_negative", "sft_penalize_negative")
-
-
-def parse_arg(arg):
-    words = [w.strip() for w in (arg or "").split(",") if w.strip()]
-    mode, smoke = "span_kto", False
-    for w in words:
-        if w in MODES:
-            mode = w
-        elif w == "smoke":
-            smoke = True
-        else:
-            raise ValueError(
-                f"config argument {w!r} not understood; expected one of {MODES + ('smoke',)}"
-            )
-    return mode, smoke
+from configs import common
+from gagar_jax.feedback.step import MODES as FEEDBACK_MODES
 
 
 def get_config(arg=None):
-    mode, smoke = parse_arg(arg)
+    arg = common.parse_arg(arg, words={"mode": FEEDBACK_MODES}, mode="span_kto", smoke=False)
+    mode, smoke = arg.mode, arg.smoke
     c = ml_collections.ConfigDict()
     c.name = f"feedback_toy_{mode}" + ("_smoke" if smoke else "")
     c.seed = 0

@@ -19,22 +19,16 @@ sync protocol (``gagar_jax.rollout.SGLangEngine``); the agentic grader talks to
 ``grading.sglang_url`` in the same loop.
 """
 
-import importlib.util
 import os
 
-
-def _toy():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_gagar.py")
-    spec = importlib.util.spec_from_file_location("_toy_gagar_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from configs import common, toy_gagar
+from gagar_jax.rl.config import TRAINING_MODES
 
 
 def get_config(arg=None):
-    words = [w for w in (arg or "").split(",") if w]
-    smoke = "smoke" in words
-    c = _toy().get_config(",".join(w for w in words if w != "smoke"))
+    arg = common.parse_arg(arg, words={"mode": TRAINING_MODES}, mode="gagar", smoke=False)
+    smoke = arg.smoke
+    c = toy_gagar.get_config(arg.mode)
     c.name = "swe_agent_" + c.mode + ("_smoke" if smoke else "")
     c.task.update(family="python_repo", data_path=os.environ.get("GAGAR_TASKS", ""),
                   num_train=100_000, num_eval=0, max_turns=12, max_observation_tokens=1024)

@@ -8,7 +8,7 @@ Start the same command on every host of the slice (one JAX process per host):
         --config.rollout.sglang_url=http://router:30000 \
         --config.grading.sglang_url=http://grader-router:30001
 
-What a pod run needs (README "Several hosts"):
+What a pod run needs (docs/how_to/clusters.md):
 
 * **Processes.** On a TPU slice ``jax.distributed`` finds the coordinator, the number of
   processes and this host's index itself. Elsewhere (GPU/CPU clusters) set, on every host,
@@ -48,30 +48,23 @@ speaks its tokenizer) and ``--config.rollout.sglang_url=URL``
 Qwen2 of ``make e2e``).
 """
 
-import importlib.util
 import os
 
-WORDS = ("smoke", "sglang")
-
-
-def _load(name):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-    spec = importlib.util.spec_from_file_location(f"_{name[:-3]}_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from configs import common, swe_agent, toy_gagar
+from gagar_jax.rl.config import TRAINING_MODES
 
 
 def get_config(arg=None):
-    words = [w for w in (arg or "").split(",") if w]
-    mode_words = ",".join(w for w in words if w not in WORDS)
-    if "sglang" in words and "smoke" not in words:
+    arg = common.parse_arg(
+        arg, words={"mode": TRAINING_MODES}, mode="gagar", smoke=False, sglang=False
+    )
+    if arg.sglang and not arg.smoke:
         raise ValueError(
             "tpu_pod.py: 'sglang' is a variant of 'smoke' (the full config "
             "already rolls out on SGLang)"
         )
-    if "smoke" not in words:
-        c = _load("sglang_qwen.py").get_config(mode_words)
+    if not arg.smoke:
+        c = swe_agent.get_config(arg.mode)
         c.name = "tpu_pod_" + c.mode
         c.rollout.update(
             num_prompts=128, num_rollouts=16, max_prompt_len=8192, max_new_tokens=16384
@@ -85,14 +78,14 @@ def get_config(arg=None):
 
     # the toy smoke run (toy family, embedded sampler, heuristic grader, tiny model) with the
     # pod's structure
-    c = _load("toy_gagar.py").get_config(",".join(filter(None, (mode_words, "smoke"))))
+    c = toy_gagar.get_config(arg.mode + ",smoke")
     c.name = "tpu_pod_" + c.mode + "_smoke"
     c.model.remat = True
     c.mesh.shape = (1, -1, 1)  # fsdp over every device of every process
     c.learner.update(num_minibatches=1, num_microbatches=2)
     c.rollout.num_prompts = 2  # a multiple of the 2 processes: one group per host
     c.loop.update(total_steps=2, eval_every=1, checkpoint_every=1, plot=False)
-    if "sglang" in words:
+    if arg.sglang:
         c.name += "_sglang"
         c.rollout.update(
             engine="sglang",

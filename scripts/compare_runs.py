@@ -9,13 +9,14 @@ metric, averaged over ``--window`` logged steps) and prints the table.
 With several seeds per mode (``make compare SEEDS=5`` lays them out as ``ROOT/<mode>/seed<s>``):
 
     python scripts/compare_runs.py --root=runs/compare --modes=gagar,binary,discount_only,\
-gagar_token --seeds=5 --out=runs/compare [--readme=README.md --command="make compare SEEDS=5"]
+gagar_token --seeds=5 --out=runs/compare \
+        [--results_page=docs/results/toy_ablation.md --command="make compare SEEDS=5"]
 
 writes ``OUT/ablation.{md,png,json}`` (``--prefix`` renames them): per mode the mean and
 standard error over seeds of each metric, a plot with ±1 SE bands, the held-out pass-rate
 change over the SFT start, the relation between credit imbalance and entropy drift (per run and
 per step) and the paired discount_only - gagar differences (``gagar_jax.analysis.ablation``);
-``--readme`` rewrites the README's ablation table from them.
+``--results_page`` rewrites a results page's ablation block (``--block``) from them.
 """
 
 import os
@@ -30,12 +31,14 @@ flags.DEFINE_list(
     "Multi-seed mode: the modes under --root.",
 )
 flags.DEFINE_integer("seeds", 0, "Multi-seed mode: seeds 0..SEEDS-1 under each mode.")
-flags.DEFINE_string("readme", None, "Multi-seed mode: README whose ablation block to rewrite.")
+flags.DEFINE_string(
+    "results_page", None, "Multi-seed mode: the results page (docs/results/*.md) to rewrite."
+)
 flags.DEFINE_string("command", "", "Multi-seed mode: the command that produced the runs.")
 flags.DEFINE_string(
-    "readme_block",
+    "block",
     "ablation-table",
-    "Multi-seed mode: the README block (<!-- NAME:begin/end -->) to rewrite.",
+    "Multi-seed mode: the results page's block (<!-- NAME:begin/end -->) to rewrite.",
 )
 flags.DEFINE_string("image", None, "Multi-seed mode: the plot's link in the markdown.")
 flags.DEFINE_string(
@@ -75,9 +78,9 @@ def main(argv):
                 FLAGS.out or FLAGS.root,
                 window=FLAGS.window,
                 command=FLAGS.command,
-                readme=FLAGS.readme,
+                results_page=FLAGS.results_page,
                 title=f"{FLAGS.title}, mean ± 1 SE over seeds",
-                readme_block=FLAGS.readme_block,
+                block=FLAGS.block,
                 image=FLAGS.image,
                 prefix=FLAGS.prefix,
                 fit_roots=FLAGS.fit_roots,

@@ -15,9 +15,14 @@ Re-running resumes finished or interrupted runs from their checkpoints.
 import json
 import math
 import os
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
+
+# The config files import `configs.common` of this checkout: its root on the path, as for
+# `python -m` from the root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 config_flags.DEFINE_config_file(
     "config", "configs/feedback_toy.py", "Base config file.", lock_config=False

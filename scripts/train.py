@@ -21,6 +21,10 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+# The config files import `configs.common` of this checkout: its root on the path, as for
+# `python -m` from the root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:arg]).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")

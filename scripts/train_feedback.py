@@ -7,8 +7,15 @@ r"""Trains a policy from user-feedback spans (SFT, RW-SFT, Span-KTO or a baselin
 Re-running with the same --workdir resumes from the newest checkpoint (z_ref included).
 """
 
+import os
+import sys
+
 from absl import app, flags
 from ml_collections import config_flags
+
+# The config files import `configs.common` of this checkout: its root on the path, as for
+# `python -m` from the root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 config_flags.DEFINE_config_file(
     "config", None, "Experiment config (configs/feedback_toy.py:arg).", lock_config=True

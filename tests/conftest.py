@@ -7,6 +7,14 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import sys  # noqa: E402
+
+# The checkout's root first: `configs` and `gagar_jax` of this tree, whatever is installed.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # Shared fixtures: one real SGLang server per test session (see tests/sglang_fixtures.py).
@@ -16,6 +24,15 @@ from sglang_fixtures import (  # noqa: E402, F401
     sglang_workdir,
     tiny_sglang_model,
 )
+
+from tests.update_fixtures import tiny_config  # noqa: E402
+
+
+@pytest.fixture
+def tiny_model_config():
+    """The tests' tiny decoder config (``tests.update_fixtures.tiny_config``)."""
+    return tiny_config()
+
 
 # CI runs on 2 shared cores: no deadline per example (jit compiles vary), fixed example counts.
 settings.register_profile("ci", deadline=None, max_examples=40, print_blob=True)

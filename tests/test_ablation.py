@@ -1,5 +1,6 @@
 """The multi-seed ablation report: mean and standard error over seeds, the paired pass-rate
-change, the imbalance-entropy fit, the banded plot and the README block, on synthetic runs."""
+change, the imbalance-entropy fit, the banded plot and the results page's block, on synthetic
+runs."""
 
 import json
 import math
@@ -46,15 +47,15 @@ def test_compare_seeds(tmp_path):
             )
     # An unfinished run (no final evaluation) is left out and listed, never averaged in.
     _write_run(root / "gagar_token" / "seed1", entropy=[0.3] * 3, ratio=[1.0] * 3, eval_pass=[0.4])
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{ablation.README_BEGIN}\nold\n{ablation.README_END}\nrest\n")
+    page = tmp_path / "toy_ablation.md"
+    page.write_text(f"# intro\n{ablation.BLOCK_BEGIN}\nold\n{ablation.BLOCK_END}\nrest\n")
     text = ablation.compare_seeds(
         str(root),
         ["gagar", "discount_only", "gagar_token"],
         range(3),
         str(tmp_path / "out"),
         command="make compare",
-        readme=str(readme),
+        results_page=str(page),
     )
     data = json.loads((tmp_path / "out" / "ablation.json").read_text())
     mean, se, n = data["aggregate"]["gagar"]["eval_pass_gain"]
@@ -75,8 +76,8 @@ def test_compare_seeds(tmp_path):
     assert "Missing runs" in text and "gagar_token/seed0" in text  # never padded
     assert "gagar_token/seed1 (unfinished)" in text and "| gagar_token |" not in text
     assert (tmp_path / "out" / "ablation.png").stat().st_size > 10_000
-    doc = readme.read_text()
-    assert doc.startswith("intro\n") and doc.endswith("rest\n") and "old" not in doc
+    doc = page.read_text()
+    assert doc.startswith("# intro\n") and doc.endswith("rest\n") and "old" not in doc
     assert "Command: `make compare`" in doc
     # A second sweep pooled into the fit: same relation, so the pooled slope is still 2.
     other = tmp_path / "other"

@@ -13,8 +13,8 @@ import os
 import pytest
 
 from gagar_jax.data import audit as A
+from gagar_jax.rollout import sglang_server
 
-sglang_server = pytest.importorskip("gagar_jax.rollout.sglang_server")
 pytestmark = [
     pytest.mark.xdist_group("sglang"),
     pytest.mark.sglang,

@@ -16,7 +16,7 @@ import pytest
 
 from gagar_jax.update import create_train_state, jit_update, make_mesh, shard_batch
 from gagar_jax.update.checkpoint import Checkpointer, abstract_train_state
-from tests.test_update_fixtures import CONFIG, MODEL, make_batch
+from tests.update_fixtures import CONFIG, MODEL, make_batch
 
 
 def _leaves_equal(a, b):
@@ -125,6 +125,7 @@ def _wait_ready(proc, ready, timeout=420):
         time.sleep(0.2)
 
 
+@pytest.mark.e2e  # a child process, SIGKILLed and restarted
 def test_sigkill_resume_matches(tmp_path):
     kill_proc, (kill_dir, kill_log, kill_ready) = _spawn("kill", tmp_path)
     try:

@@ -20,7 +20,7 @@ from sglang_fixtures import SGLANG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Minutes of CPU (SFT and updates at 2k tokens, SGLang rollouts): not in `make test`'s budget.
-pytestmark = [*SGLANG, pytest.mark.skipif(
+pytestmark = [*SGLANG, pytest.mark.e2e, pytest.mark.skipif(
     os.environ.get("GAGAR_E2E") != "1",
     reason="make e2e as a test takes many minutes on 2 cores: run with GAGAR_E2E=1")]
 

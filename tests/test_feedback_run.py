@@ -74,6 +74,7 @@ def test_batch_indices_are_seeded_epochs():
     )
 
 
+@pytest.mark.e2e  # scripts/train_feedback.py, twice
 def test_entry_point_smoke_and_resume(tmp_path):
     workdir = str(tmp_path / "run")
     cmd = [

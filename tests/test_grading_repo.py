@@ -1,4 +1,4 @@
-"""Grading real Python-repository patches (git diffs of the issue-5 fixture repositories), verified
+"""Grading real Python-repository patches (git diffs of the fixture repositories), verified
 in the sandbox: the minimal fix ranks first, sprawl is penalised with cited files, the monitor's
 confirmed test edit becomes a cheat; the agentic loop runs pytest in the sandbox as a check."""
 
@@ -6,12 +6,11 @@ import pathlib
 
 import pytest
 
-repo = pytest.importorskip("gagar_jax.verify.repo", reason="repository verifier (issue 5) missing")
-
-from gagar_jax.grading import adapters, schema  # noqa: E402
-from gagar_jax.grading.agentic import AgenticGrader  # noqa: E402
-from gagar_jax.grading.heuristic import HeuristicGrader  # noqa: E402
-from gagar_jax.grading.scripted import ScriptedGraderPolicy  # noqa: E402
+from gagar_jax.grading import adapters, schema
+from gagar_jax.grading.agentic import AgenticGrader
+from gagar_jax.grading.heuristic import HeuristicGrader
+from gagar_jax.grading.scripted import ScriptedGraderPolicy
+from gagar_jax.verify import repo
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "repos" / "statkit"
 KINDS = ("sprawling", "minimal", "edit_tests_with_fix", "edit_tests")

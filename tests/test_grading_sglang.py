@@ -25,9 +25,7 @@ from gagar_jax.grading import schema
 from gagar_jax.grading.agentic import AgenticGrader
 from gagar_jax.grading.pool import GradingPool
 from gagar_jax.grading.schema import FallbackReason, RejectReason, VerdictRejected
-
-sglang_client = pytest.importorskip("gagar_jax.rollout.sglang_client")
-sglang_server = pytest.importorskip("gagar_jax.rollout.sglang_server")
+from gagar_jax.rollout import sglang_client, sglang_server
 
 HAVE_SGLANG = sglang_server.sglang_python().exists()
 NEEDS_SGLANG = pytest.mark.skipif(

@@ -1,15 +1,12 @@
-"""Grading the toy code-repair family (issue 5) through the adapters: every passing patch kind is
+"""Grading the toy code-repair family through the adapters: every passing patch kind is
 judged, the minimal fix wins, the monitor's cheat becomes a cheat verdict, and the agentic loop
 runs real targeted checks on toy programs."""
 
-import pytest
-
-toy = pytest.importorskip("gagar_jax.envs.toy", reason="toy family (issue 5) not merged yet")
-
-from gagar_jax.grading import adapters, schema  # noqa: E402
-from gagar_jax.grading.agentic import AgenticGrader  # noqa: E402
-from gagar_jax.grading.heuristic import HeuristicGrader  # noqa: E402
-from gagar_jax.grading.scripted import ScriptedGraderPolicy  # noqa: E402
+from gagar_jax.envs import toy
+from gagar_jax.grading import adapters, schema
+from gagar_jax.grading.agentic import AgenticGrader
+from gagar_jax.grading.heuristic import HeuristicGrader
+from gagar_jax.grading.scripted import ScriptedGraderPolicy
 
 
 def _groups(n=6):
@@ -69,7 +66,6 @@ def test_toy_check_runner_and_agentic_loop():
 
 
 def test_sandbox_check_runner_runs_patched_repository():
-    pytest.importorskip("gagar_jax.verify.sandbox", reason="sandbox (issue 5) not merged yet")
     from grading_strategies import BASE_REPO, FIX, apply_edits
 
     ws = schema.GroupWorkspace(
@@ -92,7 +88,6 @@ def test_sandbox_check_runner_runs_patched_repository():
 
 
 def test_sandbox_check_runner_runs_pytest_on_the_patched_repository():
-    pytest.importorskip("gagar_jax.verify.sandbox", reason="sandbox (issue 5) not merged yet")
     from grading_strategies import BASE_REPO, FIX, apply_edits
 
     ws = schema.GroupWorkspace(

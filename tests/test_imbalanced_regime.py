@@ -2,26 +2,19 @@
 `task.demo_kinds`, so the warm-started policy writes T2 patches and discount-only's credit
 imbalance persists through RL (README "The discount-only question")."""
 
-import importlib.util
-import os
 
 import pytest
 
+from configs import toy_gagar
 from gagar_jax.envs import TOKENIZER, candidate_patches, verify
 from gagar_jax.envs.family import FamilySettings, make_family
 from gagar_jax.envs.toy_family import DEMO_KINDS, parse_demo_kinds
 from gagar_jax.grading import adapters
 from gagar_jax.grading.heuristic import HeuristicGrader
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _config(arg):
-    path = os.path.join(ROOT, "configs", "toy_gagar.py")
-    spec = importlib.util.spec_from_file_location("_toy_gagar_i14", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, module.get_config(arg)
+    return toy_gagar, toy_gagar.get_config(arg)
 
 
 def test_parse_demo_kinds():

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from configs import feedback_toy
 from gagar_jax.data.feedback import FeedbackRecord, derive_spans
 from gagar_jax.envs.family import FamilySettings
 from gagar_jax.envs.llm_user import (
@@ -292,17 +293,10 @@ def test_feedback_record_takes_the_llm_user_and_the_config_selects_it():
 def test_prepare_base_builds_llm_user_feedback_data(tmp_path):
     """The feedback data generation with ``feedback.user = "llm"``: every record from the model
     or the rule-based fallback, the counters in the base stats."""
-    import importlib.util
-    import os
-
     from gagar_jax.data.feedback import read_jsonl
     from gagar_jax.feedback.run import prepare_base
 
-    path = os.path.join(os.path.dirname(__file__), "..", "configs", "feedback_toy.py")
-    spec = importlib.util.spec_from_file_location("feedback_toy_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config("span_kto,smoke").to_dict()
+    c = feedback_toy.get_config("span_kto,smoke").to_dict()
     c["feedback"].update(user="llm", sglang_url="http://127.0.0.1:1")
     cfg = FeedbackRunConfig.from_config_dict(c)
     # every other answer is garbage: the re-ask is accepted

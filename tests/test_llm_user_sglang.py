@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-sglang_server = pytest.importorskip("gagar_jax.rollout.sglang_server")
+from gagar_jax.rollout import sglang_server
+
 pytestmark = [
     pytest.mark.xdist_group("sglang"),
     pytest.mark.sglang,

@@ -13,19 +13,9 @@ from hypothesis import strategies as st
 
 from gagar_jax.models import TransformerConfig, create_model
 from gagar_jax.models.transformer import _blocked_causal_attention, _causal_blocks, _linear
+from tests.update_fixtures import tiny_config
 
-TINY = TransformerConfig(
-    vocab_size=97,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    qkv_bias=True,
-    tie_embeddings=False,
-)
+TINY = tiny_config()
 
 
 @jax.jit

@@ -1,14 +1,182 @@
-"""The package split: the update library stands alone, and ``gagar_jax.train`` is only an alias."""
+"""The package layering: every import of one of our packages, function bodies included, against
+the architecture table's "depends on" column (docs/concepts/architecture.md)."""
 
+import ast
+import functools
+import os
+import re
 import subprocess
 import sys
 
-import gagar_jax.train
-import gagar_jax.update
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "gagar_jax")
+
+# The "depends on" column, our packages only (jax, optax, httpx, ... are not checked here). A
+# package may import what it lists and, transitively, what those list.
+DEPENDS_ON = {
+    "advantages": set(),
+    "losses": set(),
+    "models": set(),
+    "update": {"models", "losses", "advantages"},
+    "rollout": {"models"},
+    "verify": set(),
+    "grading": {"rollout", "verify"},
+    "envs": {"verify", "rollout", "grading"},
+    "data": {"verify"},
+    "rl": {"advantages", "losses", "models", "update", "rollout", "verify", "grading", "envs",
+           "data", "analysis"},
+    "feedback": {"update", "losses", "data", "envs"},
+    # Not in the table: plots and comparisons of finished runs, and the update library's old name.
+    "analysis": set(),
+    "train": {"update"},
+}
+
+# Imports against the table that the code has today, each pinned here so that the test fails on
+# any new one and on any of these that goes away (then delete its line). They are the knot of
+# the task side: families, graders and verifiers reaching into each other.
+KNOWN_EXCEPTIONS = {
+    # the grading workspace and token spans of the toy family live in grading/
+    ("grading", "envs"): "grading/adapters.py, grading/evidence_tokens.py",
+    # __getattr__ shims for RepoTask, which moved to envs/
+    ("verify", "envs"): "verify/__init__.py, verify/repo.py",
+    # task pools and feedback records built from the families' tasks
+    ("data", "envs"): "data/tfds_builders.py, data/feedback.py, data/audit.py",
+    # the LLM simulated user parses feedback records
+    ("envs", "data"): "envs/llm_user.py",
+    # the feedback trainer writes its metrics with the RL loop's MetricsWriter
+    ("feedback", "rl"): "feedback/run.py",
+}
+
+
+def closure(package):
+    """What ``package`` may import: its listed dependencies and, transitively, theirs."""
+    seen, todo = set(), list(DEPENDS_ON[package])
+    while todo:
+        p = todo.pop()
+        if p not in seen:
+            seen.add(p)
+            todo.extend(DEPENDS_ON.get(p, ()))
+    return seen
+
+
+def _module_name(path):
+    rel = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+    return rel[:-1] if rel[-1] == "__init__" else rel
+
+
+def imported_packages(path):
+    """``{(our package, line)}`` for every import in the file at ``path``, anywhere in it."""
+    mod = _module_name(path)
+    is_init = path.endswith("__init__.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolved against the importing module's package
+                base = mod if is_init else mod[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target == "gagar_jax":
+                names = [f"gagar_jax.{a.name}" for a in node.names]
+            else:
+                names = [target]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "gagar_jax" and len(parts) > 1:
+                found.add((parts[1], node.lineno))
+    return found
+
+
+@functools.cache
+def package_imports():
+    """``{(package, dependency): [file:line, ...]}`` over every module of gagar_jax."""
+    edges = {}
+    for dirpath, _, files in os.walk(PACKAGE):
+        for fname in sorted(files):
+            if not fname.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, fname)
+            parts = os.path.relpath(path, PACKAGE).split(os.sep)
+            if len(parts) < 2:  # gagar_jax/__init__.py
+                continue
+            pkg = parts[0]
+            for dep, line in imported_packages(path):
+                if dep != pkg:
+                    rel = os.path.relpath(path, PACKAGE)
+                    edges.setdefault((pkg, dep), []).append(f"{rel}:{line}")
+    return edges
+
+
+def test_every_package_is_in_the_table():
+    packages = {d for d in os.listdir(PACKAGE)
+                if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py"))}
+    assert packages == set(DEPENDS_ON)
+
+
+@pytest.mark.parametrize("package", sorted(DEPENDS_ON))
+def test_imports_follow_the_table(package):
+    allowed = closure(package)
+    edges = package_imports()
+    wrong = {dep: where for (pkg, dep), where in edges.items()
+             if pkg == package and dep not in allowed and (pkg, dep) not in KNOWN_EXCEPTIONS}
+    assert not wrong, (f"{package}/ imports {sorted(wrong)} (allowed: {sorted(allowed)}): "
+                       f"{wrong}")
+
+
+def test_known_exceptions_still_exist():
+    """A resolved exception is deleted from KNOWN_EXCEPTIONS, so the table stays strict."""
+    edges = package_imports()
+    gone = [e for e in KNOWN_EXCEPTIONS if e not in edges]
+    assert not gone, f"no longer imported, delete from KNOWN_EXCEPTIONS: {gone}"
+    allowed_anyway = [e for e in KNOWN_EXCEPTIONS if e[1] in closure(e[0])]
+    assert not allowed_anyway, f"allowed by the table, not an exception: {allowed_anyway}"
+
+
+def test_the_checker_sees_function_bodies_and_relative_imports(tmp_path):
+    pkg = tmp_path / "gagar_jax" / "grading"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from . import late\n")
+    (pkg / "late.py").write_text(
+        "def f():\n    from gagar_jax.envs import toy\n\n"
+        "def g():\n    from ..rl import train\n    import gagar_jax.data.audit\n"
+    )
+    global ROOT
+    old, ROOT = ROOT, str(tmp_path)
+    try:
+        got = imported_packages(str(pkg / "late.py"))
+        init = imported_packages(str(pkg / "__init__.py"))
+    finally:
+        ROOT = old
+    assert got == {("envs", 2), ("rl", 5), ("data", 6)}
+    assert init == {("grading", 1)}
+
+
+def test_docs_table_matches():
+    """docs/concepts/architecture.md's table says what DEPENDS_ON says."""
+    with open(os.path.join(ROOT, "docs", "concepts", "architecture.md"), encoding="utf-8") as f:
+        rows = [line for line in f if line.startswith("| `")]
+    table = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        name = re.match(r"`(\w+)/`", cells[0]).group(1)
+        deps = set(re.findall(r"`(\w+)/`", cells[-1]))
+        table[name] = deps
+    expected = {k: v for k, v in DEPENDS_ON.items() if k not in ("rl", "train")}
+    assert {k: v for k, v in table.items() if k != "rl"} == expected
 
 
 def test_update_library_imports_no_experiment_package():
-    """``gagar_jax.update`` loads without envs/grading/rollout/rl (DESIGN's dependency order)."""
+    """``gagar_jax.update`` loads without envs/grading/rollout/rl (the table's order), in a
+    fresh interpreter."""
     code = (
         "import sys, gagar_jax.update, gagar_jax.update.sft\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[:2] in "
@@ -16,13 +184,20 @@ def test_update_library_imports_no_experiment_package():
         "print(bad)\n"
         "assert not bad, bad\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_train_alias_reexports_update_names():
-    """``from gagar_jax.train import UpdateConfig, jit_update`` gets the update library's names."""
-    assert gagar_jax.train.__all__
-    for name in gagar_jax.train.__all__:
-        assert getattr(gagar_jax.train, name) is getattr(gagar_jax.update, name), name
-    assert set(gagar_jax.train.__all__) <= set(gagar_jax.update.__all__)
+def test_nothing_imports_the_train_alias():
+    """``gagar_jax.train`` is the update library's old name; no code of ours uses it."""
+    users = [where for (pkg, dep), where in package_imports().items() if dep == "train"]
+    for d in ("scripts", "benchmarks", "configs", "tests"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, d)):
+            for fname in files:
+                path = os.path.join(dirpath, fname)
+                if fname.endswith(".py") and fname != os.path.basename(__file__):
+                    with open(path, encoding="utf-8") as f:
+                        if re.search(r"gagar_jax\.train\b(?!_)|from gagar_jax import train\b",
+                                     f.read()):
+                            users.append(path)
+    assert not users, users

@@ -4,13 +4,13 @@ chunked logits and MoE loss weight, and a Hugging Face checkpoint runs with the 
 execution options (dtype, remat, scanned layers) while keeping its own architecture."""
 
 import dataclasses
-import importlib.util
 import os
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from configs import toy_gagar
 from gagar_jax.models import Transformer, TransformerConfig, save_hf_safetensors
 from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.policy import EXECUTION_FIELDS, build_model
@@ -20,11 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _toy_config(arg="smoke"):
-    path = os.path.join(ROOT, "configs", "toy_gagar.py")
-    spec = importlib.util.spec_from_file_location("toy_gagar_cfg", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return toy_gagar.get_config(arg)
 
 
 def test_model_and_update_options_are_overridable_and_reach_the_run_config():

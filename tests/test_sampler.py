@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gagar_jax.models import Transformer, TransformerConfig, create_model, save_hf_safetensors
-from gagar_jax.rollout import CodeAgentEnv, RolloutEngine, SamplingParams, run_episodes
+from gagar_jax.rollout import CodeAgentEnv, SamplingParams, run_episodes
 from gagar_jax.rollout.sampler import (
     Sampler,
     _argmax,
@@ -22,17 +22,9 @@ from gagar_jax.rollout.sampler import (
     sample_token,
     score_tokens,
 )
+from tests.update_fixtures import tiny_config
 
-CONFIG = TransformerConfig(
-    vocab_size=97,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    rope_theta=10000.0,
-    initializer_range=0.3,
-)
+CONFIG = tiny_config(initializer_range=0.3)  # peaked logits: samples differ by temperature
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3] * 12]
 
 
@@ -65,8 +57,17 @@ def forward_logits(model, tokens, pad_to=64):
     return np.asarray(_logits(*nnx.split(model), ids, mask))[: len(tokens)]
 
 
-def test_is_a_rollout_engine(sampler):
-    assert isinstance(sampler, RolloutEngine)
+def test_awaitable_generate_samples_what_generate_samples(sampler):
+    """Both entry points of the engine protocol draw the same samples for the same params."""
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=5)
+    want = sampler.generate(PROMPTS, params)
+    got = asyncio.run(sampler.agenerate(PROMPTS, params))
+    assert [[(s.tokens, s.finish_reason) for s in r] for r in got] == [
+        [(s.tokens, s.finish_reason) for s in r] for r in want
+    ]
+    for r_got, r_want in zip(got, want):
+        for a, b in zip(r_got, r_want):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (0.7, 10, 0.9), (1.3, 0, 1.0)])
@@ -292,6 +293,28 @@ def test_shared_prefill_duplicate_prompts_and_exact_logprobs(model):
             np.testing.assert_allclose(smp.logprobs, ref, rtol=0, atol=1e-5)
     # Rows r = i * n + j keep their own keys: a repeated prompt gets other samples.
     assert out[0][0].tokens != out[2][0].tokens
+
+
+def test_prefill_bucket_independent_of_sample_rows(model):
+    """A batch bucket sized for the sample rows (2 prompts x 32 samples in a 64-row bucket) does
+    not pad the shared prefill to 64 rows: the distinct prompts take the smallest prefill
+    bucket (16), and the samples equal those of a sampler whose batch buckets hold 2 rows."""
+    from gagar_jax.rollout.sampler import prefill_buckets
+
+    assert prefill_buckets((128,)) == (16, 32, 64, 128)
+    assert prefill_buckets((4, 8)) == (4, 8)
+    assert prefill_buckets((12, 96), multiple=12) == (12, 24, 36, 72, 96)
+    params = SamplingParams(n=32, temperature=1.0, max_tokens=8, seed=3)
+    wide = Sampler(model, batch_buckets=(64,), prompt_buckets=(16,), new_token_buckets=(8,))
+    out = wide.generate(PROMPTS[:2], params)
+    assert out[0][0].meta["prefill_rows"] == 16 and out[0][0].meta["bucket"][0] == 64
+    ref = Sampler(model, batch_buckets=(2, 64), prompt_buckets=(16,), new_token_buckets=(8,))
+    want = ref.generate(PROMPTS[:2], params)
+    assert want[0][0].meta["prefill_rows"] == 2
+    for got_row, want_row in zip(out, want):
+        for got, exp in zip(got_row, want_row):
+            assert got.tokens == exp.tokens
+            np.testing.assert_allclose(got.logprobs, exp.logprobs, rtol=0, atol=1e-5)
 
 
 def test_multi_turn_prefix_cache_exact_and_reused(model):

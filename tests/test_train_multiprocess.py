@@ -25,6 +25,9 @@ from gagar_jax.rl.resume import read_loop_state
 from tests import multihost_fixtures as mh
 from tests.test_loop_pieces import make_group
 
+# Several jax.distributed processes per test (make test-unit skips them).
+pytestmark = pytest.mark.e2e
+
 # The comparison run: the toy smoke config with an SFT warm start long enough that groups are
 # mixed (pass rates ~0.4-0.9), so advantages, the loss, the grader's tiers and ranks and the
 # weight sync all carry real values; and an entropy bonus so every update moves the weights.

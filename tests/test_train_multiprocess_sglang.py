@@ -25,7 +25,7 @@ from gagar_jax.rl import writers
 from gagar_jax.rollout import SamplingParams, SGLangClient, SGLangEngine, WeightSyncError
 from tests import multihost_fixtures as mh
 
-pytestmark = SGLANG
+pytestmark = [*SGLANG, pytest.mark.e2e]  # several processes on one real server
 POD_CONFIG = os.path.join(mh.ROOT, "configs", "tpu_pod.py")
 PROMPTS = [[30 + i, 31 + i, 32 + i] for i in range(4)]
 

@@ -2,7 +2,6 @@
 the flax policy, the embedded JAX sampler, the toy verifier, the heuristic grading pool, orbax
 checkpoints). Each run takes seconds on a quiet 2-core machine (mostly compilation)."""
 
-import importlib.util
 import os
 import signal
 import socket
@@ -13,9 +12,13 @@ import time
 
 import pytest
 
+from configs import toy_gagar
 from gagar_jax.rl import writers
 from gagar_jax.rl.config import ConfigError, RunConfig
 from gagar_jax.rl.resume import read_loop_state
+
+# Runs of scripts/train.py and of the whole loop: minutes on 2 cores (make test-unit skips them).
+pytestmark = pytest.mark.e2e
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One persistent compilation cache for every run of this module (in-process and scripts): the
@@ -33,10 +36,7 @@ CONFIG = os.path.join(ROOT, "configs", "toy_gagar.py")
 
 
 def smoke_config(mode, **overrides):
-    spec = importlib.util.spec_from_file_location("toy_cfg", CONFIG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    d = module.get_config(f"{mode},smoke").to_dict()
+    d = toy_gagar.get_config(f"{mode},smoke").to_dict()
     for dotted, value in overrides.items():
         section, field = dotted.split(".")
         d[section][field] = value

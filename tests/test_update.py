@@ -20,7 +20,7 @@ from gagar_jax.update import (
     state_shardings,
 )
 from gagar_jax.update.state import abstract_model
-from tests.test_update_fixtures import CONFIG, MODEL, make_batch
+from tests.update_fixtures import CONFIG, MODEL, make_batch
 
 # A larger Adam eps keeps the first step's update proportional to the gradient (instead of
 # ~sign(g)), so tiny cross-mesh reduction-order differences stay tiny in the parameters.

@@ -12,7 +12,7 @@ from gagar_jax.models import stack_layer_params, unstack_layer_params
 from gagar_jax.update import create_train_state, jit_update, make_mesh, shard_batch
 from gagar_jax.update.checkpoint import Checkpointer, abstract_train_state
 from gagar_jax.update.step import ROUTER_METRICS, chunked_token_logprobs_and_entropy
-from tests.test_update_fixtures import CONFIG, MODEL, make_batch
+from tests.update_fixtures import CONFIG, MODEL, make_batch
 
 MESH = (2, 2, 2)
 

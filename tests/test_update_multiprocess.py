@@ -10,6 +10,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+# Several jax.distributed processes per test (make test-unit skips them).
+pytestmark = pytest.mark.e2e
 
 MESH = (2, 2, 2)
 STEPS = 2
@@ -18,7 +22,7 @@ STEPS = 2
 def _summaries(mesh_shape):
     """Metrics and per-leaf parameter sums of squares after STEPS updates (process-agnostic)."""
     from gagar_jax.update import create_train_state, jit_update, make_mesh, shard_batch
-    from tests.test_update_fixtures import CONFIG, MODEL, make_batch
+    from tests.update_fixtures import CONFIG, MODEL, make_batch
 
     mesh = make_mesh(mesh_shape)
     state = create_train_state(MODEL, CONFIG, mesh, seed=0)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gagar_jax.models import TransformerConfig, create_model
+from gagar_jax.models import create_model
 from gagar_jax.rollout import SamplingParams
 from gagar_jax.rollout.sampler import Sampler
 from gagar_jax.update import (
@@ -23,10 +23,9 @@ from gagar_jax.update import (
     make_mesh,
     shard_batch,
 )
+from tests.update_fixtures import tiny_config
 
-MODEL = TransformerConfig(vocab_size=61, hidden_size=32, num_layers=1, num_heads=4,
-                          num_kv_heads=2, intermediate_size=64, rope_theta=10000.0,
-                          initializer_range=0.3)
+MODEL = tiny_config(vocab_size=61, num_layers=1, initializer_range=0.3)
 G, K, P, R = 2, 4, 6, 10  # groups, rollouts per group, prompt and response budgets
 
 

@@ -17,7 +17,7 @@ from gagar_jax.update import (
     shard_batch,
     state_shardings,
 )
-from tests.test_update_fixtures import CONFIG, MODEL, make_batch
+from tests.update_fixtures import CONFIG, MODEL, make_batch
 
 BASE = dataclasses.replace(CONFIG, eps=1e-3)
 EVIDENCE = dataclasses.replace(BASE, token_credit="evidence", token_gamma=0.8)

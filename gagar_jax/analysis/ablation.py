@@ -1,4 +1,4 @@
-"""The multi-seed toy ablation: per-mode means and standard errors, a banded plot, a README table.
+"""The multi-seed toy ablation: per-mode means and standard errors, a banded plot, a results table.
 
 Input: one run directory per (mode, seed), each with the loop's ``metrics.jsonl``
 (``ROOT/<mode>/seed<s>``, as ``make compare SEEDS=n`` writes them). For every run and metric the
@@ -51,8 +51,9 @@ METRICS: tuple[tuple[str, str], ...] = (
     ("token_credit/gini", "token-credit Gini"),
 )
 
-README_BEGIN = "<!-- ablation-table:begin -->"
-README_END = "<!-- ablation-table:end -->"
+# The block of a results page (docs/results/*.md) that `replace_results_block` rewrites.
+BLOCK_BEGIN = "<!-- ablation-table:begin -->"
+BLOCK_END = "<!-- ablation-table:end -->"
 
 
 def read_rows(workdir: str) -> list[dict[str, Any]]:
@@ -248,7 +249,7 @@ def markdown(
     step_fit_within: Mapping[str, float] | None = None,
     paired: Mapping[tuple[str, str], Mapping[str, tuple]] | None = None,
 ) -> str:
-    """The README table (first -> last, mean ± SE over seeds) and the readings (module
+    """The results table (first -> last, mean ± SE over seeds) and the readings (module
     docstring): the paired pass-rate change, the imbalance-entropy fits, the paired mode
     differences."""
     seeds = {m: max((v[2] for v in stats.values()), default=0) for m, stats in agg.items()}
@@ -364,16 +365,17 @@ def plot(
     return out_path
 
 
-def replace_readme_block(readme_path: str, text: str, block: str = "ablation-table") -> None:
-    """Replaces the text between ``<!-- block:begin -->`` and ``<!-- block:end -->``."""
+def replace_results_block(page_path: str, text: str, block: str = "ablation-table") -> None:
+    """Replaces the text between ``<!-- block:begin -->`` and ``<!-- block:end -->`` of a
+    results page (``docs/results/<study>.md``); the rest of the page is kept as it is."""
     begin, end = f"<!-- {block}:begin -->", f"<!-- {block}:end -->"
-    with open(readme_path, encoding="utf-8") as f:
+    with open(page_path, encoding="utf-8") as f:
         doc = f.read()
     if begin not in doc or end not in doc:
-        raise ValueError(f"{readme_path}: no {begin} ... {end} block to replace")
+        raise ValueError(f"{page_path}: no {begin} ... {end} block to replace")
     head, rest = doc.split(begin, 1)
     _, tail = rest.split(end, 1)
-    with open(readme_path, "w", encoding="utf-8") as f:
+    with open(page_path, "w", encoding="utf-8") as f:
         f.write(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
@@ -423,9 +425,9 @@ def compare_seeds(
     *,
     window: int = 5,
     command: str = "",
-    readme: str | None = None,
+    results_page: str | None = None,
     title: str = "",
-    readme_block: str = "ablation-table",
+    block: str = "ablation-table",
     image: str | None = None,
     paired_modes: Sequence[tuple[str, str]] = (("discount_only", "gagar"),),
     prefix: str = "ablation",
@@ -488,10 +490,12 @@ def compare_seeds(
     counts = ", ".join(f"{m}: {len(r)}" for m, r in runs.items())
     title = f"{title} (finished seeds per mode: {counts})" if title else counts
     png = plot(runs, os.path.join(out_dir, f"{prefix}.png"), title=title)
-    # The markdown's image link: relative to the markdown by default, `image` for a README.
+    # The markdown's image link: relative to the markdown by default, `image` for a results
+    # page in another directory.
     text += f"\n\n![ablation]({image or os.path.basename(png)})"
     with open(os.path.join(out_dir, f"{prefix}.md"), "w", encoding="utf-8") as f:
-        f.write(text + "\n")
+        # A title of its own, so the file is a valid docs page wherever it is written.
+        f.write(f"# Multi-seed ablation: {prefix}\n\n{text}\n")
     with open(os.path.join(out_dir, f"{prefix}.json"), "w", encoding="utf-8") as f:
         json.dump(
             {
@@ -507,6 +511,6 @@ def compare_seeds(
             f,
             indent=1,
         )
-    if readme:
-        replace_readme_block(readme, text, readme_block)
+    if results_page:
+        replace_results_block(results_page, text, block)
     return text

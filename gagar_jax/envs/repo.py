@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
-from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path
+from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, split_lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,10 +199,12 @@ def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
         a, b = before.get(path), after.get(path)
         if a == b:
             continue
-        out.extend(difflib.unified_diff(
-            (a or "").splitlines(keepends=True), (b or "").splitlines(keepends=True),
+        for line in difflib.unified_diff(
+            split_lines(a or ""), split_lines(b or ""),  # "\n" only: CRLF, form feeds kept
             fromfile=f"a/{path}" if a is not None else "/dev/null",
-            tofile=f"b/{path}" if b is not None else "/dev/null"))
+            tofile=f"b/{path}" if b is not None else "/dev/null"):
+            # A last line without a newline gets the marker ``patch`` and the applier read.
+            out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
     return "".join(out)
 
 

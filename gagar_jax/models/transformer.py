@@ -573,8 +573,8 @@ def _linear(x, w, in_dims: int = 1):
     (with the activation's backward fused into that strided pass, however wide ``dy`` is) and
     then runs a slow strided dot. Here the narrower of ``x`` and ``dy`` is transposed into a
     real row-major ``[width, tokens]`` array (an ``optimization_barrier`` keeps XLA from
-    folding it back into the dot), so both backward dots take the fast GEMM path (README,
-    "Measured: speed"): ``x^T`` is the forward's residual when ``I <= O``; otherwise the
+    folding it back into the dot), so both backward dots take the fast GEMM path (docs/
+    benchmarks.md): ``x^T`` is the forward's residual when ``I <= O``; otherwise the
     forward keeps ``x`` and the backward computes ``(dy^T x)^T``, a weight-sized transpose.
     """
     return _matmul_2d(x, w, in_dims)[0]

@@ -21,10 +21,13 @@ tokens (the observation), instead of the whole history each turn.
 Shapes are static and bucketed: prompts are left-padded to the next prompt bucket `P` (the padding
 is masked out of attention; RoPE positions start at 0 on each row's first real token), the batch is
 padded to the next batch bucket `B` with rows that start finished, and the new-token budget is
-rounded up to the next bucket `N` while the actual `max_tokens` is a traced scalar. Sampling knobs
-(temperature, top-p, top-k, stop tokens, seed) are traced values too, so every batch that falls in
-the same (B, P, N) bucket reuses one executable (shared by every Sampler over the same
-architecture): `Sampler.trace_count` counts the traces its calls caused.
+rounded up to the next bucket `N` while the actual `max_tokens` is a traced scalar. The distinct
+prompts (prefilled once each) are padded to their own bucket `Bp` (`prefill_buckets`: the batch
+buckets and the powers of two from 16 up), so 16 prompts x 8 samples in a 128-row bucket prefill
+16 rows, not 128. Sampling knobs (temperature, top-p, top-k, stop tokens, seed) are traced values
+too, so every batch that falls in the same (B, Bp, P, N) bucket reuses one executable (shared by
+every Sampler over the same architecture): `Sampler.trace_count` counts the traces its calls
+caused.
 
 Log-probabilities: each generated token's `log_softmax(logits / temperature)` (temperature 1 when
 greedy), taken from the full distribution *before* top-k/top-p truncation. This is exactly what the
@@ -64,6 +67,22 @@ DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_NEW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 MAX_STOP_TOKENS = 8  # stop ids are a padded [MAX_STOP_TOKENS] array: any count up to it, no retrace
+# The shared prefill of the distinct prompts has its own buckets: the batch buckets and the
+# powers of two from this size up to the largest batch bucket, so a batch bucket sized for the
+# sample rows (prompts x n) never pads the prefill to the row count.
+MIN_PREFILL_BUCKET = 16
+
+
+def prefill_buckets(batch_buckets: Sequence[int], multiple: int = 1) -> tuple[int, ...]:
+    """The buckets of the distinct-prompt (prefill) batch: ``batch_buckets`` plus the powers of
+    two from ``MIN_PREFILL_BUCKET`` to the largest batch bucket, each rounded up to a multiple
+    of ``multiple`` (the data axis size of a data-parallel sampler)."""
+    top = max(batch_buckets)
+    extra, b = set(), MIN_PREFILL_BUCKET
+    while b < top:
+        extra.add(-(-b // multiple) * multiple)
+        b *= 2
+    return tuple(sorted(set(batch_buckets) | {x for x in extra if x <= top}))
 
 
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
@@ -432,6 +451,9 @@ class Sampler:
         self.graphdef, self.state = nnx.split(model)
         self.pad_id = int(pad_id)
         self.batch_buckets = tuple(batch_buckets)
+        self.prefill_buckets = prefill_buckets(
+            self.batch_buckets, 1 if mesh is None else mesh.shape[data_axis]
+        )
         self.prompt_buckets = tuple(prompt_buckets)
         self.new_token_buckets = tuple(new_token_buckets)
         self.policy_version = int(policy_version)
@@ -508,7 +530,7 @@ class Sampler:
         distinct = [list(k) for k in uniq]
         n_rows = len(prompts) * params.n
         b = _bucket(n_rows, self.batch_buckets, "prompts x n")
-        bp = _bucket(len(distinct), self.batch_buckets, "distinct prompts")
+        bp = _bucket(len(distinct), self.prefill_buckets, "distinct prompts")
         n = _bucket(params.max_tokens, self.new_token_buckets, "max_tokens")
         match = self._match(distinct)
         if match is not None:
@@ -611,6 +633,7 @@ class Sampler:
                         policy_version=self.policy_version,
                         meta={
                             "bucket": (b, p, n),
+                            "prefill_rows": bp,
                             "seed": int(seed if prompt_seeds is None else prompt_seeds[i]),
                             "cached_prefix": int(counts[uniq[tuple(prompts[i])]]),
                         },

@@ -90,6 +90,12 @@ _TOKEN_FIELDS = ("tokens", "positions", "attention_mask", "response_mask", "old_
 
 def batch_shardings(mesh: Mesh, with_ref: bool = False, with_evidence: bool = False
                     ) -> UpdateBatch:
+    """The shardings of an :class:`UpdateBatch` on ``mesh``, field by field.
+
+    Token fields (``[N, T]``: tokens, positions, masks, log-probs, evidence) split their rows
+    over the batch axes; the group fields (``[G, K]``) are replicated. ``ref_logprobs`` and
+    ``evidence`` are ``None`` unless ``with_ref`` / ``with_evidence`` ask for them.
+    """
     rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
     rep = NamedSharding(mesh, PartitionSpec())
     fields = {f: (rows if f in _TOKEN_FIELDS else rep) for f in UpdateBatch._fields}

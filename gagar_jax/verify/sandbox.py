@@ -115,6 +115,7 @@ from gagar_jax.verify import seccomp
 STATUSES = ("passed", "failed", "timeout", "resource_killed", "infra_error")
 MECHANISMS = ("bwrap+cgroup", "bwrap", "unshare", "rlimits", "none")
 SANDBOX_WORKDIR = "/workdir"  # where the workdir appears inside bwrap
+_TREE_SOURCE = "/.gagar-tree"  # the host workdir, read-only, copied into a private /workdir
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _CGROUP_PARENT = "gagar_jax_sandbox"
 _SLOT_DIR = "/tmp/gagar_jax_sandbox_slots"
@@ -352,6 +353,8 @@ ISOLATION = {
 # ----------------------------------------------------------------------------------------------
 
 _START_WRAPPER = 'printf S >&0; exec 0</dev/null; exec "$@"'
+# cp fails (no marker: infra_error) only if the pristine tree does not fit the quota.
+_COPY_IN = f"cp -dR --preserve=mode,timestamps {_TREE_SOURCE}/. . || exit 97; "
 
 
 def _chain(
@@ -363,6 +366,7 @@ def _chain(
     cgroups: Mapping[str, str] | None,
     ro_paths: Sequence[str],
     seccomp_fd: int | None = None,
+    private_workdir: bool = False,
 ) -> list[str]:
     chain: list[str] = []
     sources = {p: p for p in ro_paths}
@@ -418,7 +422,17 @@ def _chain(
             chain += ["--seccomp", str(seccomp_fd)]
         for p in ro_paths:  # after the tmpfs, or a path under /tmp would be hidden by it
             chain += ["--ro-bind", sources[p], p]
-        chain += ["--bind", sources[workdir], SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR, "--"]
+        if private_workdir:
+            # The work tree on a tmpfs of disk_bytes: its size is the quota, so files unlinked
+            # while open and preallocated ones count, and nothing the run writes reaches the
+            # host's disk. The start wrapper copies the tree in before the start marker.
+            chain += ["--size", str(int(limits.disk_bytes)), "--tmpfs", SANDBOX_WORKDIR,
+                      "--ro-bind", sources[workdir], _TREE_SOURCE]  # fmt: skip
+        else:
+            chain += ["--bind", sources[workdir], SANDBOX_WORKDIR]
+        chain += ["--chdir", SANDBOX_WORKDIR, "--"]
+        if private_workdir:
+            return chain + ["/bin/sh", "-c", _COPY_IN + _START_WRAPPER, "sandbox-start", *argv]
     elif mechanism == "unshare":
         # --mount-proc: /proc shows only the new PID namespace, so the code cannot name (ptrace,
         # pidfd_getfd) the unshare process outside it that holds the start marker.
@@ -622,6 +636,7 @@ def run_sandboxed(
     env: Mapping[str, str] | None = None,
     ro_paths: Sequence[str] = (),
     pass_fds: Sequence[int] = (),
+    private_workdir: bool = False,
 ) -> SandboxResult:
     """Runs untrusted ``argv`` in ``workdir`` under the strongest available isolation.
 
@@ -637,6 +652,11 @@ def run_sandboxed(
         under bwrap (as root) a private 0700 ancestor does not matter (see ``_chain``).
       pass_fds: descriptors the command inherits at the same numbers (e.g. the write end of a
         pipe the caller reads: an outcome channel with no path the code could reopen).
+      private_workdir: under bwrap, run in a copy of the workdir on a tmpfs of
+        ``limits.disk_bytes`` (a hard quota: unlinked-while-open and preallocated files count;
+        filling it is ``limit_hits`` "disk"); what the command writes there is discarded and the
+        host workdir stays as it was (``isolation`` gains "disk"). Other mechanisms use the
+        accounted host workdir as without it.
 
     Returns:
       SandboxResult. Problems of the sandbox itself come back as ``status="infra_error"`` with
@@ -665,8 +685,11 @@ def run_sandboxed(
     except (OSError, TimeoutError) as e:
         return infra(f"slot: {e}")
     try:
-        return _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra,
-                            tuple(pass_fds))  # fmt: skip
+        res = _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra,
+                           tuple(pass_fds), private_workdir)  # fmt: skip
+        if private_workdir and mechanism.startswith("bwrap"):
+            res = dataclasses.replace(res, isolation=res.isolation | {"disk"})
+        return res
     finally:
         slot_cm.__exit__(None, None, None)
 
@@ -713,9 +736,44 @@ def _disk_exceeded(workdir: str, limits: Limits) -> bool:
 
 
 _DISK_POLL_S = 0.1
+_TMPFS_FULL_BYTES = 64 << 10  # a private work tree with less free is full: the quota was hit
 
 
-def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra, fds=()):
+def _sandbox_root_pid(pid: int) -> int | None:
+    """The descendant of ``pid`` (the bwrap process) whose root holds the private work tree."""
+    frontier = [pid]
+    for _ in range(3):
+        nxt = []
+        for p in frontier:
+            try:
+                with open(f"/proc/{p}/task/{p}/children") as f:
+                    nxt += [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+        for c in nxt:
+            if os.path.isdir(f"/proc/{c}/root{_TREE_SOURCE}"):
+                return c
+        frontier = nxt
+    return None
+
+
+def _tmpfs_full(pid: int | None, limits: Limits) -> bool:
+    """Whether the private work tree of the run whose PID-1 is ``pid`` is (nearly) full, or
+    holds more than ``limits.disk_files`` entries."""
+    if pid is None:
+        return False
+    try:
+        st = os.statvfs(f"/proc/{pid}/root{SANDBOX_WORKDIR}")
+    except OSError:
+        return False
+    if st.f_files and st.f_files - st.f_ffree > limits.disk_files:
+        return True  # an inode flood: empty files take no blocks but kernel memory
+    return st.f_bavail * st.f_frsize < min(_TMPFS_FULL_BYTES, limits.disk_bytes // 4)
+
+
+def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra, fds=(),
+                 private_workdir=False):  # fmt: skip
+    private = private_workdir and mechanism.startswith("bwrap")
     uid = config.uid_base + slot
     use_uid = _is_root() and mechanism != "none"
     # No traversal check of the workdir's ancestors: bwrap binds a private one through the
@@ -743,7 +801,7 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
     sec_fd = None
     try:
         sec_fd = _seccomp_fd(mechanism)
-        chain = _chain(mechanism, argv, workdir, limits, uid, cgroups, ro_paths, sec_fd)
+        chain = _chain(mechanism, argv, workdir, limits, uid, cgroups, ro_paths, sec_fd, private)
         with tempfile.TemporaryDirectory(prefix="gagar_sandbox_io_") as io_dir:
             os.chmod(io_dir, 0o700)
             paths = {k: os.path.join(io_dir, k) for k in ("stdout", "stderr")}
@@ -762,6 +820,7 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                     os.close(marker_w)
                     marker_w = -1
                 deadline = t0 + limits.wall_s
+                root_pid = None
                 while True:
                     try:
                         rc = proc.wait(
@@ -770,7 +829,12 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                         break
                     except subprocess.TimeoutExpired:
                         pass
-                    if _disk_exceeded(workdir, limits):
+                    if private:
+                        root_pid = root_pid or _sandbox_root_pid(proc.pid)
+                        if _tmpfs_full(root_pid, limits):
+                            disk_hit = True
+                            break
+                    elif _disk_exceeded(workdir, limits):
                         disk_hit = True
                         break
                     if time.monotonic() >= deadline:
@@ -798,7 +862,7 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                                 0, 0)  # fmt: skip
             # From here on the code ran: any problem reading what it left is its failure.
             try:
-                disk_hit = disk_hit or _disk_exceeded(workdir, limits)
+                disk_hit = disk_hit or (not private and _disk_exceeded(workdir, limits))
                 out_size, err_size = (
                     os.path.getsize(paths["stdout"]),
                     os.path.getsize(paths["stderr"]),

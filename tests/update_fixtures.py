@@ -1,19 +1,23 @@
-"""Shared tiny model/batch for the update, checkpoint and multi-process tests."""
+"""The tests' shared tiny model and update batch (the update, checkpoint, sampler, model and
+multi-process tests; a plain module so that the multi-process tests' children import it too)."""
 
 import numpy as np
 
 from gagar_jax.models import TransformerConfig
 from gagar_jax.update import UpdateBatch, UpdateConfig
 
-MODEL = TransformerConfig(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    rope_theta=10000.0,
-)
+
+def tiny_config(**overrides) -> TransformerConfig:
+    """The tests' tiny decoder: vocabulary 97, hidden 32, 2 layers, 4 query and 2 KV heads of 8,
+    MLP 64, RoPE base 1e4; ``overrides`` replace fields (``initializer_range=0.3``: peaked
+    logits)."""
+    fields = dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=64, rope_theta=10000.0)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+MODEL = tiny_config(vocab_size=64, num_layers=1)
 CONFIG = UpdateConfig(
     learning_rate=1e-2,
     warmup_steps=1,

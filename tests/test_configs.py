@@ -1,0 +1,143 @@
+"""The experiment configs: one source of defaults (configs/common.py), the argument parser, and
+the main job's choices on top of the defaults."""
+
+import os
+
+import pytest
+
+from configs import common, feedback_toy, swe_agent, toy_agent, toy_gagar, tpu_pod
+from gagar_jax.feedback.run import FeedbackRunConfig
+from gagar_jax.rl.config import TRAINING_MODES, RunConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _diff(a, b, prefix=""):
+    """{dotted key: (a, b)} where two nested dicts differ."""
+    out = {}
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out.update(_diff(x, y, f"{prefix}{k}."))
+        elif x != y:
+            out[prefix + k] = (x, y)
+    return out
+
+
+# ------------------------------------------------------------------------------- parse_arg
+def test_parse_arg_words_flags_and_values():
+    arg = common.parse_arg(
+        "binary,smoke,steps=7,lr=1e-3,plot=false",
+        words={"mode": TRAINING_MODES},
+        mode="gagar",
+        smoke=False,
+        steps=3,
+        lr=0.1,
+        plot=True,
+    )
+    assert (arg.mode, arg.smoke, arg.steps, arg.lr, arg.plot) == ("binary", True, 7, 1e-3, False)
+    defaults = common.parse_arg(None, words={"mode": TRAINING_MODES}, mode="gagar", smoke=False)
+    assert (defaults.mode, defaults.smoke) == ("gagar", False)
+
+
+@pytest.mark.parametrize("arg,match", [
+    ("smok", r"'smok' not understood.*'smoke'"),   # a typo names itself and what is understood
+    ("steps=x", r"steps='x': expected a int"),
+    ("seed=1", r"unknown key 'seed'"),
+    ("smoke=maybe", r"expected true or false"),
+])
+def test_parse_arg_rejects_by_name(arg, match):
+    with pytest.raises(ValueError, match=match):
+        common.parse_arg(arg, words={"mode": TRAINING_MODES}, mode="gagar", smoke=False, steps=3)
+
+
+# ------------------------------------------------------------------------------------ base
+def test_base_is_the_run_config_defaults():
+    cfg = RunConfig.from_config_dict(common.base())
+    # decay_steps is derived from loop.total_steps when a config leaves it out (base does)
+    assert _diff(cfg.to_dict(), RunConfig().to_dict()) == {
+        "learner.decay_steps": (RunConfig().loop.total_steps, RunConfig().learner.decay_steps)
+    }
+
+
+def test_base_leaves_derived_fields_derived():
+    c = common.base()
+    c.rollout.temperature = 0.3
+    c.mode = "binary"
+    cfg = RunConfig.from_config_dict(c)
+    assert cfg.learner.temperature == 0.3 and cfg.learner.advantages.mode == "none"
+
+
+def test_base_optional_fields_are_typed_placeholders():
+    c = common.base()
+    assert c.learner.dual_clip is None
+    c.learner.dual_clip = 3.0
+    with pytest.raises(TypeError):
+        c.learner.dual_clip = "three"
+    assert RunConfig.from_config_dict(c).learner.dual_clip == 3.0
+
+
+# ------------------------------------------------------------------------ the experiments
+def test_main_job_choices_on_top_of_the_defaults():
+    """`make train` = RunConfig() plus exactly these choices (configs/toy_gagar.py)."""
+    choices = _diff(RunConfig.from_config_dict(toy_gagar.get_config()).to_dict(),
+                    RunConfig().to_dict())
+    assert {k: v[0] for k, v in choices.items()} == {
+        "task.num_train": 512,
+        "model.hidden_size": 128,
+        "model.head_dim": 32,
+        "model.intermediate_size": 256,
+        "rollout.max_prompt_len": 48,
+        "rollout.max_new_tokens": 32,
+        "sampling.allow_partial": True,
+        "grading.max_concurrency": 2,
+        "learner.learning_rate": 3e-4,
+        "learner.warmup_steps": 3,
+        "learner.decay_steps": 60,  # derived: loop.total_steps
+        "sft.steps": 300,
+        "sft.lr": 3e-3,
+        "loop.total_steps": 60,
+        "loop.checkpoint_every": 10,
+        "loop.eval_rollouts": 4,
+    }
+
+
+@pytest.mark.parametrize("module,arg", [
+    (toy_gagar, mode) for mode in TRAINING_MODES] + [
+    (toy_gagar, "smoke"), (toy_gagar, "discount_only,imbalanced"),
+    (toy_agent, None), (toy_agent, "binary,smoke"),
+    (swe_agent, None), (swe_agent, "smoke"),
+    (tpu_pod, None), (tpu_pod, "smoke"), (tpu_pod, "smoke,sglang"),
+])
+def test_every_experiment_builds_and_validates(module, arg):
+    cd = module.get_config(arg)
+    cfg = RunConfig.from_config_dict(cd)
+    words = (arg or "").split(",")
+    assert cfg.mode == next((w for w in words if w in TRAINING_MODES), "gagar")
+    assert ("_smoke" in cd.name) == ("smoke" in words) and cfg.name == cd.name
+
+
+def test_mode_words_give_the_redistribution():
+    got = {m: RunConfig.from_config_dict(toy_gagar.get_config(m)).redistribution
+           for m in TRAINING_MODES}
+    assert got == {"gagar": "sum_preserving", "binary": "none",
+                   "discount_only": "discount_only", "gagar_token": "sum_preserving"}
+
+
+def test_tpu_pod_sglang_needs_smoke():
+    with pytest.raises(ValueError, match="'sglang' is a variant of 'smoke'"):
+        tpu_pod.get_config("sglang")
+
+
+@pytest.mark.parametrize("arg", [None, "rw_sft,smoke", "sft_penalize_negative"])
+def test_feedback_config_builds(arg):
+    cfg = FeedbackRunConfig.from_config_dict(feedback_toy.get_config(arg).to_dict())
+    assert cfg.objective.mode == (arg or "span_kto").split(",")[0]
+
+
+def test_config_files_load_each_other_by_import():
+    """No config file loads another by path (configs/ is a package)."""
+    for name in sorted(os.listdir(os.path.join(ROOT, "configs"))):
+        if name.endswith(".py"):
+            with open(os.path.join(ROOT, "configs", name), encoding="utf-8") as f:
+                assert "spec_from_file_location" not in f.read(), name
