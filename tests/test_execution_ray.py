@@ -10,6 +10,7 @@ deadline plus a margin, the same verdicts (and update batch) as the ``local`` ba
 import dataclasses
 import os
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -442,7 +443,7 @@ def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_or
     d.task.data_path = fixture_pool(tmp_path / "pool.jsonl")
     d.task.tokenizer_path = make_tiny_tokenizer(tmp_path / "tok")
     d.execution.update(
-        backend="ray", ray_address=c.address, max_inflight=4, resources={"verifier": 1}
+        backend="ray", ray_address=c.address, max_inflight=4, resources=(("verifier", 1),)
     )
     cfg = RunConfig.from_config_dict(d)
     family = build_family(cfg)
@@ -473,3 +474,10 @@ def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_or
     # per demonstration: one run_tests call and one verification; then one more and the check
     assert m["execution/calls"] >= 6 and m["execution/infra_errors"] == 0, m
     assert check.status == local_check.status == "passed", (check.log, local_check.log)
+
+
+def test_a_call_that_cannot_be_shipped_is_an_infra_error_not_a_hang(backend):
+    lock = threading.Lock()  # locks do not pickle
+    r = backend.call(len, [lock], deadline_s=30)
+    assert r.status == "infra_error" and "cannot submit" in r.error, r
+    assert backend.call(len, [1, 2], deadline_s=30).value == 2  # the dispatcher lives on

@@ -271,10 +271,11 @@ class ExecutionConfig:
 
     ``ray_address``: ``"auto"`` (the cluster this machine belongs to), ``"local"`` (a
     one-machine cluster started by the trainer) or an address. Each call reserves ``num_cpus``
-    cores, ``memory`` bytes and ``resources`` (e.g. ``{"verifier": 1}``: only nodes that
-    advertise it take verification); at most ``max_inflight`` calls are in flight, a call whose
-    node died is retried ``max_retries`` times, and the LLM grader's requests share one global
-    rate limit of ``llm_requests_per_s`` (0 = none). Deployment only: not in the fingerprint.
+    cores, ``memory`` bytes and ``resources`` (a mapping or (name, amount) pairs, e.g.
+    ``(("verifier", 1),)``: only nodes that advertise it take verification); at most
+    ``max_inflight`` calls are in flight, a call whose node died is retried ``max_retries``
+    times, and the LLM grader's requests share one global rate limit of ``llm_requests_per_s``
+    (0 = none). Deployment only: not in the fingerprint.
     """
 
     backend: str = "local"  # local | ray

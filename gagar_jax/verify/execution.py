@@ -1014,20 +1014,39 @@ class RayBackend(Backend):
                 if self._closed:
                     return
                 while self._queue and len(self._inflight) < self.max_inflight:
-                    c = self._queue.popleft()
-                    self._start(c)
+                    self._try_start(self._queue.popleft())
                 refs = list(self._inflight)
             if not refs:
                 continue
-            ready, _ = ray.wait(refs, num_returns=1, timeout=0.05)
-            if ready:  # collect every other finished one too
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            try:
+                ready, _ = ray.wait(refs, num_returns=1, timeout=0.05)
+                if ready:  # collect every other finished one too
+                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            except Exception:  # noqa: BLE001 - a transient GCS hiccup: look again
+                time.sleep(0.5)
+                continue
             for ref in ready:
                 with self._cond:
                     c = self._inflight.pop(ref, None)
                 if c is not None:
                     self._finish(c, ref)
             self._check_deadlines()
+
+    def _try_start(self, c: _Call) -> None:
+        """``_start``, a call that cannot be submitted (arguments that do not pickle) ending
+        as ``infra_error`` instead of the dispatcher (lock held)."""
+        try:
+            self._start(c)
+        except Exception as e:  # noqa: BLE001 - the dispatcher must never die
+            self._inflight.pop(c.ref, None)
+            self._resolve(
+                c,
+                CallResult(
+                    "infra_error",
+                    error=f"cannot submit the call: {type(e).__name__}: {str(e)[:1000]}",
+                    attempts=c.attempts,
+                ),
+            )
 
     def _start(self, c: _Call) -> None:
         """Submits one attempt (lock held)."""
@@ -1065,7 +1084,7 @@ class RayBackend(Backend):
             with self._stats.lock:
                 self._stats.retries += 1
             with self._cond:
-                self._start(c)
+                self._try_start(c)
             return
         what = "retries exhausted" if retryable else "the call raised"
         self._resolve(
