@@ -159,27 +159,36 @@ def main() -> int:
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             make_tiny_model(model_dir, seed=0)
     pool = write_pool(os.path.join(out, "tasks.jsonl"))
-    server = None
-    url = args.sglang_url
-    if not url:
-        server = SGLangServer(model_dir, log_path=os.path.join(out, "sglang.log"))
-        server.start(timeout_s=600)
-        url = server.url
-        print(f"e2e: SGLang server {url} up in {server.start_seconds:.0f} s", flush=True)
-    log = os.path.join(out, "trainer.log")
     cluster = None
     extra = []
-    if args.execution == "ray":
+    if args.execution == "ray":  # first: the SGLang server's start loads the machine
         from ray.cluster_utils import Cluster
 
         cluster = Cluster(initialize_head=True, head_node_args=dict(
             num_cpus=0, object_store_memory=100 << 20, include_dashboard=False))
-        cluster.add_node(num_cpus=2, object_store_memory=100 << 20,
-                         env_vars={"PYTHONPATH": ROOT})
-        cluster.wait_for_nodes()
+        try:
+            cluster.add_node(num_cpus=2, object_store_memory=100 << 20,
+                             env_vars={"PYTHONPATH": ROOT})
+            cluster.wait_for_nodes()
+        except BaseException:
+            cluster.shutdown()
+            raise
         extra = ["--config.execution.backend=ray",
                  f"--config.execution.ray_address={cluster.address}"]
         print(f"e2e: Ray cluster {cluster.address} up", flush=True)
+    server = None
+    url = args.sglang_url
+    if not url:
+        server = SGLangServer(model_dir, log_path=os.path.join(out, "sglang.log"))
+        try:
+            server.start(timeout_s=600)
+        except BaseException:
+            if cluster is not None:
+                cluster.shutdown()
+            raise
+        url = server.url
+        print(f"e2e: SGLang server {url} up in {server.start_seconds:.0f} s", flush=True)
+    log = os.path.join(out, "trainer.log")
     try:
         cmd = trainer_cmd(run_dir, model_dir, pool, url, extra)
         marker = os.path.join(run_dir, "checkpoints", "1")
