@@ -446,12 +446,6 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                               f"grader_cache.p{hosts.index}.jsonl")
     grading_pool = engines.build_grading_pool(cfg, cache_path=cache_path, grader=grader,
                                               check_runner=family.check_runner())
-    # where verification, run_tests, grading and its checks run (config.execution)
-    backend = execution.make_backend(**dataclasses.asdict(cfg.execution),
-                                     grader_slots=cfg.grading.max_concurrency)
-    prev_backend = execution.use(backend)
-    if execution.attach_grading(grading_pool, backend):
-        writer.log("grading runs on the Ray cluster")
     # Cited-token masks travel with every graded run, so every mode reports the share of
     # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
     update_fn = jit_update(model_config, cfg.learner, mesh, with_evidence=cfg.grading.enabled)
@@ -463,7 +457,13 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
 
     summary: dict[str, Any] = {}
     sigterm = SigtermFlag()
+    # where verification, run_tests, grading and its checks run (config.execution)
+    backend = execution.make_backend(**dataclasses.asdict(cfg.execution),
+                                     grader_slots=cfg.grading.max_concurrency)
+    prev_backend = execution.use(backend)
     try:
+        if execution.attach_grading(grading_pool, backend):
+            writer.log("grading runs on the Ray cluster")
         # ---- SFT warm start, then the train state from the warmed model -------------------
         if not ls.sft_done:
             if cfg.sft.steps > 0:
