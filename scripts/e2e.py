@@ -18,7 +18,7 @@ r"""End to end on CPU: a real SGLang server in the loop of a multi-turn code-age
 ``--execution=ray`` runs the same config with ``execution.backend=ray`` on a simulated Ray
 cluster started here (``ray.cluster_utils.Cluster``: a head without CPUs and one worker node),
 so every verification and ``run_tests`` call of the run is a Ray task; the check then also
-requires Ray calls on every step.
+requires calls on the cluster and no infrastructure error.
 """
 
 import argparse
@@ -45,8 +45,10 @@ def check(rows: list[dict], log: str, execution: str = "local") -> list[str]:
 
     train = [r for r in rows if r.get("phase") == "train"]
     problems = []
-    if execution == "ray" and not all(r.get("execution/calls", 0) > 0 for r in train):
-        problems.append("execution=ray: a train step without calls on the Ray cluster "
+    # (the tiny model seldom calls run_tests or submits: most calls are the warm start's
+    # demonstrations, counted in the first step's row, and the verification of submissions)
+    if execution == "ray" and not sum(r.get("execution/calls", 0) for r in train) > 0:
+        problems.append("execution=ray: no call ran on the Ray cluster "
                         f"{[r.get('execution/calls') for r in train]}")
     if any(r.get("execution/infra_errors", 0) > 0 for r in train):
         problems.append("execution: infrastructure errors "
