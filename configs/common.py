@@ -27,6 +27,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from gagar_jax.feedback.run import FeedbackRunConfig
 from gagar_jax.rl.config import RunConfig
 
 # Fields the run config derives (from the mode, the rollout temperature and the step count)
@@ -74,8 +75,9 @@ def parse_arg(
         if "=" in item:
             key, value = (s.strip() for s in item.split("=", 1))
             if key not in spec:
-                raise ValueError(f"config argument {item!r}: unknown key {key!r}; "
-                                 f"expected one of {sorted(spec)}")
+                raise ValueError(
+                    f"config argument {item!r}: unknown key {key!r}; expected one of {sorted(spec)}"
+                )
             out[key] = _cast(key, value, spec[key])
             continue
         owners = [k for k, vals in words.items() if item in vals]
@@ -86,8 +88,10 @@ def parse_arg(
         else:
             understood = [w for vals in words.values() for w in vals]
             understood += [k for k, v in spec.items() if isinstance(v, bool)]
-            raise ValueError(f"config argument {item!r} not understood; expected one of "
-                             f"{tuple(understood)} or key=value with a key of {sorted(spec)}")
+            raise ValueError(
+                f"config argument {item!r} not understood; expected one of "
+                f"{tuple(understood)} or key=value with a key of {sorted(spec)}"
+            )
     return ml_collections.ConfigDict(out)
 
 
@@ -101,8 +105,9 @@ def _cast(key: str, value: str, default: Any) -> Any:
     try:
         return type(default)(value)
     except ValueError as e:
-        raise ValueError(f"config argument {key}={value!r}: expected a "
-                         f"{type(default).__name__}") from e
+        raise ValueError(
+            f"config argument {key}={value!r}: expected a {type(default).__name__}"
+        ) from e
 
 
 def base() -> ml_collections.ConfigDict:
@@ -116,6 +121,15 @@ def base() -> ml_collections.ConfigDict:
             section = section[key]
         section.pop(path[-1])
     _placeholders(d, RunConfig())
+    return ml_collections.ConfigDict(d)
+
+
+def feedback_base() -> ml_collections.ConfigDict:
+    """``FeedbackRunConfig()`` as a ``ConfigDict``, for the feedback experiments: every field
+    with its default, ``learner.decay_steps`` left out (it follows ``loop.steps``)."""
+    d = FeedbackRunConfig().to_dict()
+    d["learner"].pop("decay_steps")
+    _placeholders(d, FeedbackRunConfig())
     return ml_collections.ConfigDict(d)
 
 

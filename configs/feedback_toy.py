@@ -8,9 +8,11 @@ The argument is a comma-separated list: a mode (``sft`` | ``rw_sft`` | ``span_kt
 ``sft_drop_negative`` | ``sft_penalize_negative``; default ``span_kto``) and/or ``smoke`` (a
 seconds-long run for CI). Every mode shares ``base.dir``: one warm-started policy and one dataset
 of simulated-user feedback on its samples, built by the first run that needs it.
-"""
 
-import ml_collections
+Every field not set here is :class:`gagar_jax.feedback.run.FeedbackRunConfig`'s default
+(``configs/common.py``: the policy is the library's ``TransformerConfig``, the optimiser its
+``UpdateConfig``) and can still be overridden on the command line.
+"""
 
 from configs import common
 from gagar_jax.feedback.step import MODES as FEEDBACK_MODES
@@ -18,78 +20,15 @@ from gagar_jax.feedback.step import MODES as FEEDBACK_MODES
 
 def get_config(arg=None):
     arg = common.parse_arg(arg, words={"mode": FEEDBACK_MODES}, mode="span_kto", smoke=False)
-    mode, smoke = arg.mode, arg.smoke
-    c = ml_collections.ConfigDict()
-    c.name = f"feedback_toy_{mode}" + ("_smoke" if smoke else "")
-    c.seed = 0
-    c.mesh_shape = (1, -1, 1)
-    c.task = dict(difficulty=1, seed=0, num_train=96, num_eval=48)
-    c.model = dict(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-    )
-    c.base = dict(
-        dir="runs/feedback_base",
-        sft_steps=150,
-        sft_lr=3e-3,
-        sft_batch_size=32,
-        sft_warmup_steps=10,
-        samples_per_task=4,
-        temperature=1.0,
-        max_prompt_len=48,
-        max_new_tokens=32,
-    )
-    c.data = dict(jsonl="", max_spans=16, uncovered="neutral")
-    # Who gives the feedback: "rule" (gagar_jax.envs.simulated_user) or "llm" (a chat model at
-    # sglang_url, gagar_jax.envs.llm_user; re-asked once, then the rule-based user, counted).
-    c.feedback = dict(
-        user="rule",
-        sglang_url="",
-        max_attempts=2,
-        max_tokens=512,
-        temperature=0.0,
-        request_timeout_s=120.0,
-        prompt_version="v1",
-    )
-    c.objective = dict(
-        mode=mode,
-        w_pos=1.5,
-        w_neu=1.0,
-        w_neg=0.1,
-        penalty=1.0,
-        beta=0.1,
-        lambda_w=1.0,
-        lambda_l=1.0,
-        alpha=0.9,
-        neutral_coef=1.0,
-        reference_point="ema",
-        reward_norm="sum",
-        ref_logprobs="inside",
-    )
-    c.optim = dict(
-        lr=3e-4,
-        warmup_steps=0,
-        schedule="constant",
-        weight_decay=0.0,
-        grad_clip=1.0,
-        b1=0.9,
-        b2=0.99,
-    )
-    c.loop = dict(
-        steps=60,
-        batch_size=32,
-        log_every=5,
-        eval_every=20,
-        checkpoint_every=20,
-        keep_checkpoints=2,
-        eval_samples=2,
-        eval_temperature=0.7,
-    )
-    if smoke:
+    c = common.feedback_base()
+    c.name = f"feedback_toy_{arg.mode}" + ("_smoke" if arg.smoke else "")
+    c.objective.mode = arg.mode
+    # 96 training tasks x 4 samples: the feedback dataset; 48 held-out tasks for evaluation
+    c.task.update(num_train=96, num_eval=48)
+    # one base policy and feedback dataset shared by every mode and seed of the study
+    c.base.update(dir="runs/feedback_base", sft_steps=150)
+    c.learner.learning_rate = 3e-4  # 60 steps from a warm-started policy
+    if arg.smoke:
         c.task.update(num_train=8, num_eval=4)
         c.model.update(
             hidden_size=32,

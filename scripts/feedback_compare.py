@@ -80,7 +80,7 @@ def main(argv):
         "# Feedback objectives on the toy family",
         "",
         f"Modes x seeds {seeds}, {cfg.loop.steps} steps each, batch {cfg.loop.batch_size}, "
-        f"lr {cfg.optim.lr}; one shared base policy and feedback dataset "
+        f"lr {cfg.learner.learning_rate}; one shared base policy and feedback dataset "
         f"({next(iter(summaries.values()))['records']} records). Held-out: "
         f"{cfg.task.num_eval} tasks x {cfg.loop.eval_samples} samples at T="
         f"{cfg.loop.eval_temperature}. Mean +- sd over seeds of the final evaluation.",

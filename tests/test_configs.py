@@ -40,12 +40,15 @@ def test_parse_arg_words_flags_and_values():
     assert (defaults.mode, defaults.smoke) == ("gagar", False)
 
 
-@pytest.mark.parametrize("arg,match", [
-    ("smok", r"'smok' not understood.*'smoke'"),   # a typo names itself and what is understood
-    ("steps=x", r"steps='x': expected a int"),
-    ("seed=1", r"unknown key 'seed'"),
-    ("smoke=maybe", r"expected true or false"),
-])
+@pytest.mark.parametrize(
+    "arg,match",
+    [
+        ("smok", r"'smok' not understood.*'smoke'"),  # a typo names itself and what is understood
+        ("steps=x", r"steps='x': expected a int"),
+        ("seed=1", r"unknown key 'seed'"),
+        ("smoke=maybe", r"expected true or false"),
+    ],
+)
 def test_parse_arg_rejects_by_name(arg, match):
     with pytest.raises(ValueError, match=match):
         common.parse_arg(arg, words={"mode": TRAINING_MODES}, mode="gagar", smoke=False, steps=3)
@@ -80,8 +83,9 @@ def test_base_optional_fields_are_typed_placeholders():
 # ------------------------------------------------------------------------ the experiments
 def test_main_job_choices_on_top_of_the_defaults():
     """`make train` = RunConfig() plus exactly these choices (configs/toy_gagar.py)."""
-    choices = _diff(RunConfig.from_config_dict(toy_gagar.get_config()).to_dict(),
-                    RunConfig().to_dict())
+    choices = _diff(
+        RunConfig.from_config_dict(toy_gagar.get_config()).to_dict(), RunConfig().to_dict()
+    )
     assert {k: v[0] for k, v in choices.items()} == {
         "task.num_train": 512,
         "model.hidden_size": 128,
@@ -102,13 +106,21 @@ def test_main_job_choices_on_top_of_the_defaults():
     }
 
 
-@pytest.mark.parametrize("module,arg", [
-    (toy_gagar, mode) for mode in TRAINING_MODES] + [
-    (toy_gagar, "smoke"), (toy_gagar, "discount_only,imbalanced"),
-    (toy_agent, None), (toy_agent, "binary,smoke"),
-    (swe_agent, None), (swe_agent, "smoke"),
-    (tpu_pod, None), (tpu_pod, "smoke"), (tpu_pod, "smoke,sglang"),
-])
+@pytest.mark.parametrize(
+    "module,arg",
+    [(toy_gagar, mode) for mode in TRAINING_MODES]
+    + [
+        (toy_gagar, "smoke"),
+        (toy_gagar, "discount_only,imbalanced"),
+        (toy_agent, None),
+        (toy_agent, "binary,smoke"),
+        (swe_agent, None),
+        (swe_agent, "smoke"),
+        (tpu_pod, None),
+        (tpu_pod, "smoke"),
+        (tpu_pod, "smoke,sglang"),
+    ],
+)
 def test_every_experiment_builds_and_validates(module, arg):
     cd = module.get_config(arg)
     cfg = RunConfig.from_config_dict(cd)
@@ -118,10 +130,16 @@ def test_every_experiment_builds_and_validates(module, arg):
 
 
 def test_mode_words_give_the_redistribution():
-    got = {m: RunConfig.from_config_dict(toy_gagar.get_config(m)).redistribution
-           for m in TRAINING_MODES}
-    assert got == {"gagar": "sum_preserving", "binary": "none",
-                   "discount_only": "discount_only", "gagar_token": "sum_preserving"}
+    got = {
+        m: RunConfig.from_config_dict(toy_gagar.get_config(m)).redistribution
+        for m in TRAINING_MODES
+    }
+    assert got == {
+        "gagar": "sum_preserving",
+        "binary": "none",
+        "discount_only": "discount_only",
+        "gagar_token": "sum_preserving",
+    }
 
 
 def test_tpu_pod_sglang_needs_smoke():
@@ -141,3 +159,29 @@ def test_config_files_load_each_other_by_import():
         if name.endswith(".py"):
             with open(os.path.join(ROOT, "configs", name), encoding="utf-8") as f:
                 assert "spec_from_file_location" not in f.read(), name
+
+
+def test_feedback_config_sections_are_the_library_types():
+    from gagar_jax.models import TransformerConfig
+    from gagar_jax.update import UpdateConfig
+
+    cfg = FeedbackRunConfig.from_config_dict(feedback_toy.get_config("sft"))
+    assert isinstance(cfg.model, TransformerConfig) and isinstance(cfg.learner, UpdateConfig)
+    # decay_steps follows the loop unless set; rope_theta is a field like any other
+    assert cfg.learner.decay_steps == cfg.loop.steps and cfg.model.rope_theta == 10000.0
+    c = feedback_toy.get_config("sft")
+    c.learner.decay_steps = 7
+    c.model.rope_theta = 5e5
+    cfg = FeedbackRunConfig.from_config_dict(c)
+    assert (cfg.learner.decay_steps, cfg.model.rope_theta) == (7, 5e5)
+    assert FeedbackRunConfig.from_config_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("section,key", [("learner", "lr"), ("model", "hiddn_size")])
+def test_feedback_config_unknown_library_field_is_named(section, key):
+    from gagar_jax.feedback.run import FeedbackConfigError
+
+    d = feedback_toy.get_config().to_dict()
+    d[section][key] = 1
+    with pytest.raises(FeedbackConfigError, match=rf"config\.{section}: unknown keys \['{key}'\]"):
+        FeedbackRunConfig.from_config_dict(d)

@@ -103,3 +103,17 @@ def test_entry_point_smoke_and_resume(tmp_path):
     assert "resumed" in second.stdout + second.stderr
     rows2 = writers.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     assert [r["step"] for r in rows2 if r["phase"] == "train"] == [0, 1, 2]
+
+
+def test_base_params_round_trip_through_orbax(tmp_path):
+    import numpy as np
+
+    from gagar_jax.feedback.run import load_params, save_params
+
+    params = {"layer": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)},
+              "b": np.ones((3,), np.float32)}
+    save_params(str(tmp_path / "base_params"), params)
+    like = {"layer": {"w": np.zeros((2, 3), np.float32)}, "b": np.zeros((3,), np.float32)}
+    got = load_params(str(tmp_path / "base_params"), like)
+    np.testing.assert_array_equal(got["layer"]["w"], params["layer"]["w"])
+    np.testing.assert_array_equal(got["b"], params["b"])

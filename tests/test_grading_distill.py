@@ -102,3 +102,20 @@ def test_gated_grader_uses_the_teacher_until_the_student_is_accepted(tmp_path, t
     gated.grade(toy_groups[6])  # the second graded group triggers the re-check
     assert gated.using_student and len(gated.reports) == 2
     assert gated.grade(toy_groups[7]).grader_id == "distilled"
+
+
+@pytest.mark.e2e
+def test_sft_distilled_lm_grader_is_refused_undertrained_and_accepted_trained(tmp_path, toy_groups):
+    """The small-model path: a tiny decoder fine-tuned with ``update.sft.run_sft`` on the
+    teacher's verdicts. Untrained it writes no tier (every group falls back) and the gate refuses
+    it; after 300 SFT steps it matches the teacher on held-out groups and the gate accepts the
+    checkpoint it saved. About two minutes on 2 shared cores."""
+    teacher = HeuristicGrader()
+    pairs = [(ws, teacher.grade(ws)) for ws in toy_groups[:12]]
+    held_out = distill.teacher_set(teacher, toy_groups[12:18])
+    untrained = distill.gate(distill.LMGrader(), held_out)
+    assert not untrained.accepted and untrained.fallback_rate == 1.0
+    trained = distill.LMGrader.train(pairs, steps=300)
+    trained.save(tmp_path / "lm.npz")
+    report = distill.gate(distill.LMGrader.load(tmp_path / "lm.npz"), held_out)
+    assert report.accepted, report.reasons

@@ -22,11 +22,21 @@ DEPENDS_ON = {
     "update": {"models", "losses", "advantages"},
     "rollout": {"models"},
     "verify": set(),
-    "grading": {"rollout", "verify"},
+    "grading": {"rollout", "verify", "advantages", "update"},
     "envs": {"verify", "rollout", "grading"},
     "data": {"verify"},
-    "rl": {"advantages", "losses", "models", "update", "rollout", "verify", "grading", "envs",
-           "data", "analysis"},
+    "rl": {
+        "advantages",
+        "losses",
+        "models",
+        "update",
+        "rollout",
+        "verify",
+        "grading",
+        "envs",
+        "data",
+        "analysis",
+    },
     "feedback": {"update", "losses", "data", "envs"},
     # Not in the table: plots and comparisons of finished runs, and the update library's old name.
     "analysis": set(),
@@ -117,8 +127,9 @@ def package_imports():
 
 
 def test_every_package_is_in_the_table():
-    packages = {d for d in os.listdir(PACKAGE)
-                if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py"))}
+    packages = {
+        d for d in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py"))
+    }
     assert packages == set(DEPENDS_ON)
 
 
@@ -126,10 +137,12 @@ def test_every_package_is_in_the_table():
 def test_imports_follow_the_table(package):
     allowed = closure(package)
     edges = package_imports()
-    wrong = {dep: where for (pkg, dep), where in edges.items()
-             if pkg == package and dep not in allowed and (pkg, dep) not in KNOWN_EXCEPTIONS}
-    assert not wrong, (f"{package}/ imports {sorted(wrong)} (allowed: {sorted(allowed)}): "
-                       f"{wrong}")
+    wrong = {
+        dep: where
+        for (pkg, dep), where in edges.items()
+        if pkg == package and dep not in allowed and (pkg, dep) not in KNOWN_EXCEPTIONS
+    }
+    assert not wrong, f"{package}/ imports {sorted(wrong)} (allowed: {sorted(allowed)}): {wrong}"
 
 
 def test_known_exceptions_still_exist():
@@ -197,7 +210,8 @@ def test_nothing_imports_the_train_alias():
                 path = os.path.join(dirpath, fname)
                 if fname.endswith(".py") and fname != os.path.basename(__file__):
                     with open(path, encoding="utf-8") as f:
-                        if re.search(r"gagar_jax\.train\b(?!_)|from gagar_jax import train\b",
-                                     f.read()):
+                        if re.search(
+                            r"gagar_jax\.train\b(?!_)|from gagar_jax import train\b", f.read()
+                        ):
                             users.append(path)
     assert not users, users

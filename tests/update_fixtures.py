@@ -11,8 +11,15 @@ def tiny_config(**overrides) -> TransformerConfig:
     """The tests' tiny decoder: vocabulary 97, hidden 32, 2 layers, 4 query and 2 KV heads of 8,
     MLP 64, RoPE base 1e4; ``overrides`` replace fields (``initializer_range=0.3``: peaked
     logits)."""
-    fields = dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                  intermediate_size=64, rope_theta=10000.0)
+    fields = dict(
+        vocab_size=97,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        rope_theta=10000.0,
+    )
     fields.update(overrides)
     return TransformerConfig(**fields)
 

@@ -6,7 +6,8 @@
    warm-started by SFT on demonstrations of every passing kind (``gagar_jax.update.sft``), its
    samples on the training tasks, and the rule-based simulated user's feedback on each
    (``gagar_jax.envs.simulated_user``), written as ``feedback.jsonl`` (``gagar_jax.data.feedback``
-   records) next to ``base_params.npz``. Built once; later runs load it, so all modes train on
+   records) next to ``base_params/`` (an orbax checkpoint of the policy's parameters).
+   Built once; later runs load it, so all modes train on
    the same feedback data from the same starting point. ``data.jsonl`` replaces the simulated
    data with a file of real feedback.
 2. **Train**: ``loop.steps`` optimizer steps of ``objective.mode``
@@ -34,6 +35,26 @@ import jax
 import numpy as np
 
 from gagar_jax.feedback.step import FeedbackObjective
+from gagar_jax.models import TransformerConfig
+from gagar_jax.update import UpdateConfig, make_mesh
+
+# The policy of a feedback run that does not say otherwise: the toy family's small decoder.
+# vocab_size is a placeholder: the family's tokenizer decides it (FeedbackRunConfig.model_config).
+DEFAULT_MODEL = TransformerConfig(
+    vocab_size=1,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    rope_theta=10000.0,
+    qkv_bias=False,
+    tie_embeddings=True,
+)
+# The optimiser of a feedback run that does not say otherwise (``decay_steps`` follows
+# ``loop.steps`` unless a config sets it).
+DEFAULT_LEARNER = UpdateConfig(learning_rate=1e-4, b2=0.99)
 
 
 class FeedbackConfigError(ValueError):
@@ -69,16 +90,6 @@ class TaskSection:
             )
         if self.num_train < 1 or self.num_eval < 0:
             raise FeedbackConfigError("config.task.num_train must be >= 1 and num_eval >= 0")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSection:
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    intermediate_size: int = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,17 +162,6 @@ class FeedbackSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimSection:
-    lr: float = 1e-4
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.99
-
-
-@dataclasses.dataclass(frozen=True)
 class LoopSection:
     steps: int = 60
     batch_size: int = 32
@@ -192,27 +192,36 @@ class FeedbackRunConfig:
     seed: int = 0
     mesh_shape: tuple[int, int, int] = (1, -1, 1)
     task: TaskSection = TaskSection()
-    model: ModelSection = ModelSection()
+    # the policy (gagar_jax.models.TransformerConfig; vocab_size from the tokenizer)
+    model: TransformerConfig = DEFAULT_MODEL
     base: BaseSection = BaseSection()
     data: DataSection = DataSection()
     feedback: FeedbackSection = FeedbackSection()
     objective: FeedbackObjective = FeedbackObjective()
-    optim: OptimSection = OptimSection()
+    # the optimiser (gagar_jax.update.UpdateConfig)
+    learner: UpdateConfig = DEFAULT_LEARNER
     loop: LoopSection = LoopSection()
 
     @classmethod
     def from_config_dict(cls, c: Mapping[str, Any]) -> FeedbackRunConfig:
-        c = dict(c)
+        """Builds and validates from a ``ConfigDict`` (or nested dict); unknown keys are an
+        error naming them. ``model`` fields left out take :data:`DEFAULT_MODEL`'s values,
+        ``learner`` fields :data:`DEFAULT_LEARNER`'s, with ``learner.decay_steps`` =
+        ``loop.steps`` unless given."""
+        c = dict(c.to_dict() if hasattr(c, "to_dict") else c)
         sections = {
             "task": TaskSection,
-            "model": ModelSection,
             "base": BaseSection,
             "data": DataSection,
             "feedback": FeedbackSection,
             "objective": FeedbackObjective,
-            "optim": OptimSection,
             "loop": LoopSection,
         }
+        library = {
+            "model": lambda m: dataclasses.replace(DEFAULT_MODEL, **m),
+            "learner": lambda u: dataclasses.replace(DEFAULT_LEARNER, **u),
+        }
+        library_types = {"model": TransformerConfig, "learner": UpdateConfig}
         top = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(c) - top)
         if unknown:
@@ -224,18 +233,45 @@ class FeedbackRunConfig:
                     kw[k] = _section(sections[k], k, dict(v))
                 except ValueError as e:
                     raise FeedbackConfigError(str(e)) from e
+            elif k in library:
+                fields = {f.name for f in dataclasses.fields(library_types[k])} - {"vocab_size"}
+                v = dict(v)
+                unknown = sorted(set(v) - fields)
+                if unknown:
+                    raise FeedbackConfigError(
+                        f"config.{k}: unknown keys {unknown}; expected some of {sorted(fields)}"
+                    )
+                v = {n: tuple(x) if isinstance(x, list) else x for n, x in v.items()}
+                if k == "learner":
+                    loop = kw.get("loop") or _section(LoopSection, "loop", dict(c.get("loop", {})))
+                    v.setdefault("decay_steps", max(loop.steps, 1))
+                    if isinstance(v.get("advantages"), Mapping):  # unused here; kept valid
+                        a = {n: tuple(x) if isinstance(x, list) else x
+                             for n, x in v["advantages"].items()}
+                        v["advantages"] = dataclasses.replace(DEFAULT_LEARNER.advantages, **a)
+                try:
+                    kw[k] = library[k](v)
+                except (TypeError, ValueError) as e:
+                    raise FeedbackConfigError(f"config.{k}: {e}") from e
             elif k == "mesh_shape":
                 kw[k] = tuple(int(x) for x in v)
             else:
                 kw[k] = v
+        if "learner" not in kw:
+            steps = kw.get("loop", LoopSection()).steps
+            kw["learner"] = dataclasses.replace(DEFAULT_LEARNER, decay_steps=max(steps, 1))
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The ``ConfigDict`` layout (``from_config_dict`` of it gives this config back)."""
+        d = dataclasses.asdict(self)
+        d["model"].pop("vocab_size")
+        return d
 
     def base_fingerprint(self) -> str:
         """What the shared base depends on (not the mode, objective, optimiser or loop)."""
         d = {k: dataclasses.asdict(getattr(self, k)) for k in ("task", "model", "base")}
+        d["model"].pop("vocab_size")
         d["base"].pop("dir")
         if self.feedback.user != "rule":  # the rule-based default keeps earlier fingerprints
             d["feedback"] = {
@@ -245,37 +281,13 @@ class FeedbackRunConfig:
             }
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
-    def model_config(self, vocab_size: int):
-        from gagar_jax.models import TransformerConfig
+    def model_config(self, vocab_size: int) -> TransformerConfig:
+        """``model`` with the tokenizer's ``vocab_size``."""
+        return dataclasses.replace(self.model, vocab_size=int(vocab_size))
 
-        m = self.model
-        return TransformerConfig(
-            vocab_size=vocab_size,
-            hidden_size=m.hidden_size,
-            num_layers=m.num_layers,
-            num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim,
-            intermediate_size=m.intermediate_size,
-            rope_theta=10000.0,
-            qkv_bias=False,
-            tie_embeddings=True,
-        )
-
-    def update_config(self):
-        from gagar_jax.update.state import UpdateConfig
-
-        o = self.optim
-        return UpdateConfig(
-            learning_rate=o.lr,
-            warmup_steps=o.warmup_steps,
-            decay_steps=max(self.loop.steps, 1),
-            schedule=o.schedule,
-            weight_decay=o.weight_decay,
-            b1=o.b1,
-            b2=o.b2,
-            max_grad_norm=o.grad_clip,
-        )
+    def update_config(self) -> UpdateConfig:
+        """The update library's config of this run (``learner``)."""
+        return self.learner
 
     @property
     def seq_len(self) -> int:
@@ -295,22 +307,21 @@ class _Fingerprinted:
 # Params I/O, tasks, sampling
 # ------------------------------------------------------------------------------------------
 def save_params(path: str, params: dict) -> None:
-    flat = {
-        "/".join(str(getattr(k, "key", k)) for k in p): np.asarray(v)
-        for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
-    }
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, **flat)
-    os.replace(tmp, path)
+    """Writes the base policy's parameters as an orbax checkpoint at ``path`` (the RL loop's
+    checkpoint library; orbax writes to a temporary directory and renames it when complete)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(path), jax.device_get(params), force=True)
 
 
 def load_params(path: str, like: dict) -> dict:
-    with np.load(path) as z:
-        flat = dict(z)
-    leaves = []
-    for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]:
-        leaves.append(flat["/".join(str(getattr(k, "key", k)) for k in p)])
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+    """Reads :func:`save_params`' checkpoint into the structure, shapes and dtypes of ``like``."""
+    import orbax.checkpoint as ocp
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), like)
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(os.path.abspath(path), abstract)
 
 
 def _pool(cfg: FeedbackRunConfig):
@@ -411,7 +422,7 @@ def prepare_base(
 
     os.makedirs(base_dir, exist_ok=True)
     meta_path = os.path.join(base_dir, "base.json")
-    params_path = os.path.join(base_dir, "base_params.npz")
+    params_path = os.path.join(base_dir, "base_params")
     jsonl = os.path.join(base_dir, "feedback.jsonl")
     pool = _pool(cfg)
     mc = cfg.model_config(pool.tokenizer.vocab_size)
@@ -520,15 +531,6 @@ def batch_indices(step: int, batch_size: int, num_records: int, seed: int) -> np
     return np.asarray(idx)
 
 
-def _mesh(shape):
-    from gagar_jax.update.state import make_mesh
-
-    n = len(jax.devices())
-    known = int(np.prod([s for s in shape if s != -1]))
-    shape = tuple(n // known if s == -1 else s for s in shape)
-    return make_mesh(shape)
-
-
 def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[str, Any]:
     """Runs (or resumes) one feedback-training run in ``workdir``; returns its summary."""
     from gagar_jax.data.feedback import (
@@ -563,7 +565,7 @@ def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[s
     mc = base["model_config"]
     uc = cfg.update_config()
     obj = cfg.objective
-    mesh = _mesh(cfg.mesh_shape)
+    mesh = make_mesh(cfg.mesh_shape)
     fp = _Fingerprinted(objective=obj, update=uc, data=os.path.abspath(jsonl))
     ck = Checkpointer(
         os.path.join(workdir, "checkpoints"),

@@ -190,8 +190,16 @@ class SandboxCheckRunner:
 
         # on the execution back-end (the trainer's process, or a node of the Ray cluster)
         call = execution.current().call(
-            run_check_in_tree, files, argv, self.limits, self.config, self.env, self.ro_paths,
-            deadline_s=self.limits.wall_s + execution.CALL_MARGIN_S, kind="check")
+            run_check_in_tree,
+            files,
+            argv,
+            self.limits,
+            self.config,
+            self.env,
+            self.ro_paths,
+            deadline_s=self.limits.wall_s + execution.CALL_MARGIN_S,
+            kind="check",
+        )
         if not call.ok:
             return CheckResult("error", f"$ {command}\n{call.status}: {call.error}")
         res = call.value
@@ -239,8 +247,20 @@ def repo_candidate(
         test_log=verification.test_log,
         trajectory=tuple(trajectory),
         summary=summary,
-        monitor_flags=tuple(verification.flags),
+        monitor_flags=tuple(verification.flags) + log_flags(verification.test_log),
     )
+
+
+def log_flags(test_log: str) -> tuple:
+    """Monitor flags of what the candidate's code printed (the part of a verifier log after its
+    header): text addressed to the grader, imitations of the verifier's header lines."""
+    from gagar_jax.grading.untrusted import split_test_log
+    from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
+
+    try:
+        return tuple(monitor_log(split_test_log(test_log or "")[1], source="test output"))
+    except MonitorRefusal:
+        return ()  # the log is clipped by the verifier: a refusal here is not the candidate's
 
 
 def repo_workspace(

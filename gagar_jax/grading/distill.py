@@ -292,72 +292,10 @@ class FeatureGrader:
             logits = x @ self.W
             p = np.exp(logits - logits.max())
             p /= p.sum()
-            tier = int(np.argmax(p)) + 1
+            cheat = float(1 / (1 + np.exp(-(x @ self.w_cheat)))) > 0.5
             expected = float(p @ np.arange(1, schema.NUM_TIERS + 1))
-            monitor = next((f for f in c.monitor_flags if f.confirmed), None)
-            cheat = monitor is not None or float(1 / (1 + np.exp(-(x @ self.w_cheat)))) > 0.5
-            if cheat:
-                tier = schema.NUM_TIERS
-            rows[c.candidate_id] = (tier, expected, cheat, monitor)
-        keys = sorted({(t, round(e / self.rank_quantum)) for t, e, _, _ in rows.values()})
-        rank_of = {k: i + 1 for i, k in enumerate(keys)}
-        judgements = []
-        for c in workspace.passing:
-            tier, expected, cheat, monitor = rows[c.candidate_id]
-            score = min(1.0, max(0.5, 1.0 - (expected - 1.0) / 4.0))
-            evidence = []
-            hunk = _first_location(c)
-            if tier >= 2 and hunk is not None:
-                evidence.append(
-                    Evidence(
-                        "minimality",
-                        "patch",
-                        c.candidate_id,
-                        file=hunk[0],
-                        line=hunk[1],
-                        note="distilled grader: tier evidence",
-                    )
-                )
-            if cheat:
-                if monitor is not None and len(monitor.evidence.strip()) >= schema.MIN_QUOTE_CHARS:
-                    evidence.append(
-                        Evidence(
-                            "cheat",
-                            "execution",
-                            c.candidate_id,
-                            quote=monitor.evidence.strip()[:120],
-                            note=f"monitor rule {monitor.rule}",
-                        )
-                    )
-                elif hunk is not None:
-                    evidence.append(
-                        Evidence(
-                            "cheat",
-                            "patch",
-                            c.candidate_id,
-                            file=hunk[0],
-                            line=hunk[1],
-                            note="distilled grader: cheat",
-                        )
-                    )
-            judgements.append(
-                Judgement(
-                    c.candidate_id,
-                    tier,
-                    rank_of[(tier, round(expected / self.rank_quantum))],
-                    {d: score for d in DIMENSIONS},
-                    cheat,
-                    "distilled cheat head" if cheat else "",
-                    tuple(evidence),
-                )
-            )
-        return Verdict(
-            workspace.group_id,
-            tuple(judgements),
-            self.grader_id,
-            self.version,
-            latency_s=time.monotonic() - t0,
-        )
+            rows[c.candidate_id] = (int(np.argmax(p)) + 1, expected, cheat)
+        return _verdict(workspace, rows, self.grader_id, self.version, self.rank_quantum, t0)
 
 
 def _first_location(c: schema.Candidate) -> tuple[str, int | None] | None:
@@ -468,3 +406,259 @@ class GatedGrader:
                 self.recheck()
             g = self.student if self.using_student else self.teacher
         return g.grade(workspace)
+
+
+# ------------------------------------------------------------------------------------------------
+# A distilled language-model grader, fine-tuned through the update library's SFT path
+# ------------------------------------------------------------------------------------------------
+
+LM_PAD, LM_EOS, LM_OFFSET = 0, 1, 2  # token ids: padding, end of response, then characters
+LM_SEQ_LEN = 32
+_LM_CHARS = "".join(chr(c) for c in range(32, 127))
+
+
+def lm_encode(text: str) -> list[int]:
+    """Character-level ids of printable ASCII ``text`` (anything else is an error)."""
+    bad = sorted({ch for ch in text if ch not in _LM_CHARS})
+    if bad:
+        raise ValueError(f"lm_encode: characters {bad!r} outside printable ASCII")
+    return [LM_OFFSET + _LM_CHARS.index(ch) for ch in text]
+
+
+def lm_decode(ids: Sequence[int]) -> str:
+    return "".join(
+        _LM_CHARS[i - LM_OFFSET] if LM_OFFSET <= i < LM_OFFSET + len(_LM_CHARS) else "\ufffd"
+        for i in ids
+    )
+
+
+def lm_prompt(x: np.ndarray) -> str:
+    """A candidate's ``FEATURES`` as a short bucketed string the small model reads, e.g.
+    ``s2f0t0w0d0m0u0q99999>``: size ratio (log, 0..9), extra files, tests touched and weakened,
+    debris lines, confirmed and unconfirmed monitor flags (each 0..3), the five quality values
+    (0..9)."""
+    f = dict(zip(FEATURES, x))
+
+    def small(k: str) -> int:
+        return int(min(3, max(0, round(f[k]))))
+
+    q = "".join(str(int(round(9 * min(1.0, max(0.0, f[f"quality/{d}"]))))) for d in DIMENSIONS)
+    size = int(min(9, max(0, round(2 * f["log_size_ratio"]))))
+    return (
+        f"s{size}f{small('extra_files')}t{small('tests_touched')}w{small('tests_weakened')}"
+        f"d{small('debris')}m{small('monitor_confirmed')}u{small('monitor_unconfirmed')}q{q}>"
+    )
+
+
+def lm_demonstrations(pairs: Sequence[tuple[GroupWorkspace, Verdict]]):
+    """``(prompt ids, response ids)`` per judged candidate: the response is the tier digit and
+    ``c`` (cheat) or ``n``, then end of response."""
+    demos = []
+    for ws, v in pairs:
+        feats = candidate_features(ws)
+        for j in v.judgements:
+            answer = f"{j.tier}{'c' if j.cheat else 'n'}"
+            demos.append(
+                (lm_encode(lm_prompt(feats[j.candidate_id])), lm_encode(answer) + [LM_EOS])
+            )
+    return demos
+
+
+def lm_config():
+    from gagar_jax.models import TransformerConfig
+
+    return TransformerConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        rope_theta=10000.0,
+        max_position_embeddings=LM_SEQ_LEN,
+    )
+
+
+class LMGrader:
+    """A tiny decoder (``lm_config``) that reads each passing candidate's ``lm_prompt`` and
+    writes its tier and cheat mark (greedy, over the whole vocabulary: an undertrained model
+    writes something else and the group is rejected as ``malformed_output``, never guessed).
+    Ranks: by tier, then by the expected tier under the model's distribution over the three tier
+    digits. Trained with ``gagar_jax.update.sft.run_sft``; checkpoints are ``.npz`` files of the
+    parameters."""
+
+    grader_id = "distilled_lm"
+
+    def __init__(
+        self, model=None, *, seed: int = 0, steps_trained: int = 0, rank_quantum: float = 0.05
+    ):
+        from gagar_jax.models import create_model
+
+        self.model = model if model is not None else create_model(lm_config(), seed)
+        self.steps_trained = steps_trained
+        self.rank_quantum = rank_quantum
+        self.version = f"lm{steps_trained}"
+        self._lock = threading.Lock()
+
+    @classmethod
+    def train(
+        cls,
+        pairs: Sequence[tuple[GroupWorkspace, Verdict]],
+        *,
+        steps: int,
+        batch_size: int = 32,
+        lr: float = 3e-3,
+        seed: int = 0,
+    ) -> LMGrader:
+        """SFT of a fresh model on the teacher's judgements (``lm_demonstrations``)."""
+        from gagar_jax.update.sft import run_sft
+
+        g = cls(seed=seed)
+        if steps > 0:
+            run_sft(
+                g.model,
+                lm_demonstrations(pairs),
+                steps=steps,
+                batch_size=batch_size,
+                lr=lr,
+                warmup_steps=min(10, steps),
+                seq_len=LM_SEQ_LEN,
+                pad_id=LM_PAD,
+                seed=seed,
+                log_every=max(steps, 1),
+            )
+        g.steps_trained = steps
+        g.version = f"lm{steps}"
+        return g
+
+    def save(self, path: str | os.PathLike) -> None:
+        import jax
+        from flax import nnx
+
+        leaves = jax.tree_util.tree_flatten_with_path(nnx.state(self.model, nnx.Param))[0]
+        arrays = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+        np.savez(path, __steps__=self.steps_trained, **arrays)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> LMGrader:
+        import jax
+        from flax import nnx
+
+        g = cls()
+        z = np.load(path)
+        state = nnx.state(g.model, nnx.Param)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        names = [jax.tree_util.keystr(k) for k, _ in leaves]
+        missing = [n for n in names if n not in z]
+        if missing:
+            raise ValueError(f"LMGrader.load: {path} lacks parameters {missing[:3]}")
+        new = jax.tree_util.tree_unflatten(treedef, [z[n] for n in names])
+        nnx.update(g.model, new)
+        g.steps_trained = int(z["__steps__"])
+        g.version = f"lm{g.steps_trained}"
+        return g
+
+    def _next(self, seqs: list[list[int]]) -> np.ndarray:
+        """Logits of the next token after each sequence, ``[B, vocab]``."""
+        B = len(seqs)
+        tokens = np.full((B, LM_SEQ_LEN), LM_PAD, np.int32)
+        mask = np.zeros((B, LM_SEQ_LEN), bool)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = s
+            mask[i, : len(s)] = True
+        positions = np.tile(np.arange(LM_SEQ_LEN, dtype=np.int32), (B, 1))
+        with self._lock:
+            logits = np.asarray(self.model(tokens, positions, attention_mask=mask))
+        return logits[np.arange(B), [len(s) - 1 for s in seqs]]
+
+    def grade(self, workspace: GroupWorkspace, cancel: threading.Event | None = None) -> Verdict:
+        t0 = time.monotonic()
+        feats = candidate_features(workspace)
+        ids = [c.candidate_id for c in workspace.passing]
+        if not ids:
+            return Verdict(workspace.group_id, (), self.grader_id, self.version)
+        prompts = [lm_encode(lm_prompt(feats[c])) for c in ids]
+        first = self._next(prompts)
+        tier_tok = np.argmax(first, -1)
+        digits = [LM_OFFSET + _LM_CHARS.index(d) for d in "123"]
+        second = self._next([p + [int(t)] for p, t in zip(prompts, tier_tok)])
+        mark_tok = np.argmax(second, -1)
+        rows = {}
+        for c, lg, t, m in zip(ids, first, tier_tok, mark_tok):
+            text = lm_decode([int(t), int(m)])
+            if text[0] not in "123" or text[1] not in "cn":
+                raise schema.VerdictRejected(
+                    schema.RejectReason.MALFORMED,
+                    f"distilled model wrote {text!r} for candidate {c!r}, not a tier and c/n",
+                )
+            p = np.exp(lg[digits] - lg[digits].max())
+            p /= p.sum()
+            rows[c] = (int(text[0]), float(p @ np.arange(1, 4)), text[1] == "c")
+        return _verdict(workspace, rows, self.grader_id, self.version, self.rank_quantum, t0)
+
+
+def _verdict(workspace, rows, grader_id, version, quantum, t0) -> Verdict:
+    """A verdict from ``candidate id -> (tier, expected tier, cheat)`` (see ``FeatureGrader``)."""
+    judgements = []
+    keys = {}
+    for c in workspace.passing:
+        tier, expected, cheat = rows[c.candidate_id]
+        monitor = next((f for f in c.monitor_flags if f.confirmed), None)
+        cheat = cheat or monitor is not None
+        tier = schema.NUM_TIERS if cheat else tier
+        keys[c.candidate_id] = (tier, round(expected / quantum))
+        rows[c.candidate_id] = (tier, expected, cheat)
+    rank_of = {k: i + 1 for i, k in enumerate(sorted(set(keys.values())))}
+    for c in workspace.passing:
+        tier, expected, cheat = rows[c.candidate_id]
+        monitor = next((f for f in c.monitor_flags if f.confirmed), None)
+        score = min(1.0, max(0.5, 1.0 - (expected - 1.0) / 4.0))
+        evidence = []
+        hunk = _first_location(c)
+        if tier >= 2 and hunk is not None:
+            evidence.append(
+                Evidence(
+                    "minimality",
+                    "patch",
+                    c.candidate_id,
+                    file=hunk[0],
+                    line=hunk[1],
+                    note=f"{grader_id}: tier evidence",
+                )
+            )
+        if cheat:
+            if monitor is not None and len(monitor.evidence.strip()) >= schema.MIN_QUOTE_CHARS:
+                evidence.append(
+                    Evidence(
+                        "cheat",
+                        "execution",
+                        c.candidate_id,
+                        quote=monitor.evidence.strip()[:120],
+                        note=f"monitor rule {monitor.rule}",
+                    )
+                )
+            elif hunk is not None:
+                evidence.append(
+                    Evidence(
+                        "cheat",
+                        "patch",
+                        c.candidate_id,
+                        file=hunk[0],
+                        line=hunk[1],
+                        note=f"{grader_id}: cheat",
+                    )
+                )
+        judgements.append(
+            Judgement(
+                c.candidate_id,
+                tier,
+                rank_of[keys[c.candidate_id]],
+                {d: score for d in DIMENSIONS},
+                cheat,
+                f"{grader_id}: cheat" if cheat else "",
+                tuple(evidence),
+            )
+        )
+    return Verdict(
+        workspace.group_id, tuple(judgements), grader_id, version, latency_s=time.monotonic() - t0
+    )

@@ -354,8 +354,9 @@ class GradingPool:
     # -- internals ---------------------------------------------------------------------------
 
     def _grade_on_backend(self, ws: GroupWorkspace) -> Any:
-        r = self.backend.call(_grade_call, self.grader, ws, deadline_s=self.deadline_s,
-                              kind="grade")
+        r = self.backend.call(
+            _grade_call, self.grader, ws, deadline_s=self.deadline_s, kind="grade"
+        )
         if r.ok:
             return r.value
         with self._cond:

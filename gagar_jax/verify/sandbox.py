@@ -19,6 +19,7 @@ mechanism first, following the measurements in ``shared/SANDBOX.md``::
   [unshare -m; mount --bind PRIVATE VIEW]      (bwrap, only for a bind source under a 0700 dir)
   bwrap --unshare-all --disable-userns --as-pid-1 --seccomp FD --die-with-parent --new-session
         <minimal ro view> --tmpfs /tmp, /dev read-only with a capped /dev/shm ...
+        [--size DISK --tmpfs /workdir; the tree bound read-only and copied in] (private_workdir)
       | unshare -Urnpfm --mount-proc --kill-child                      (fallback)
   sh -c 'printf S >&0; exec 0</dev/null; exec "$@"' CMD...  (start marker into a root-owned pipe)
 
@@ -26,46 +27,14 @@ Mechanisms, in the measured order: ``bwrap+cgroup``, ``bwrap``, ``unshare``, ``r
 and rlimits only: no network or filesystem isolation, reported in ``isolation``), and ``none``,
 which is refused unless ``SandboxConfig(allow_unisolated=True)``.
 
-Verdicts of the containment probes (``tests/test_verify_sandbox.py`` and, for the escapes of
-issue 11, ``tests/test_verify_sandbox_escapes.py``; asserted per mechanism):
-
-=====================  ===============================  ===========================================
-probe                  bwrap+cgroup / bwrap             unshare / rlimits
-=====================  ===============================  ===========================================
-fork bomb              timeout; nproc/pids cap; no      same (zombies are reaped by init; a slot
-                       process survives                 with leftovers is skipped)
-memory hog             resource_killed (cgroup OOM) /   failed (MemoryError from RLIMIT_AS)
-                       failed (MemoryError, no cgroup)
-CPU spin               resource_killed (hard-limit      resource_killed (rlimits: SIGXCPU;
-                       SIGKILL: the code is PID 1)      unshare: signal unknown)
-setsid escapee         passed; escapee killed; no hang  same
-200 MiB output flood   resource_killed (file_size);     same
-                       8 KiB read back
-disk fill (many files  resource_killed ("disk": the     same (accounting and kill by the caller)
-below file_bytes)      workdir total is accounted
-                       every 0.1 s and at the end)
-/dev/shm, /dev fill    failed: /dev/shm is a tmpfs of   NOT contained: the host's /dev/shm
-                       shm_bytes, /dev is read-only,    (world-writable) is reachable
-                       nested user namespaces refused
-loopback connect       blocked (own network namespace)  unshare: blocked; rlimits: NOT blocked
-                                                        ("network" absent from ``isolation``)
-write outside workdir  invisible / read-only            /usr, /etc denied; a world-writable dir is
-                                                        reachable ("filesystem" absent)
-root-only file read    Permission denied                Permission denied (uid drop)
-kill -9 -1             cannot reach the caller          same
-ptrace / pidfd_getfd / EPERM (seccomp); the code is     no other process of the code's uid holds
-process_vm / /proc/1/  PID 1, no reaper of its uid      the marker or its exit status (unshare:
-mem / marker reopen    exists; marker is a root pipe    --mount-proc hides its parent; rlimits:
-                                                        the chain execs)
-=====================  ===============================  ===========================================
-
-What each still does not contain: ``rlimits`` has no network, filesystem or PID isolation (the
-code sees every host process and world-writable path, incl. /dev/shm); ``unshare`` has no
-filesystem isolation and no seccomp filter; ``bwrap`` without a known syscall table (neither
-x86_64 nor aarch64) runs unfiltered (the code is still PID 1 with no reaper to attack); the
-disk quota is accounting, not a hard file-system bound: a run may overshoot ``disk_bytes`` by
-what it writes in 0.1 s before it is killed. Memory of a tmpfs (/tmp, /dev/shm) counts against
-the memory cgroup only under ``bwrap+cgroup``.
+What each mechanism contains and what it does not (the containment probes asserted per
+mechanism in ``tests/test_verify_sandbox*.py`` and ``tests/attacks/``) is set out in the threat
+model, ``docs/threat_model.md``. In short: ``rlimits`` has no network, filesystem or PID
+isolation; ``unshare`` has no filesystem isolation and no seccomp filter; ``bwrap`` without a
+known syscall table runs unfiltered. With ``private_workdir`` (bwrap only) the work tree is a
+tmpfs of ``disk_bytes``, a hard quota; otherwise the quota is accounting (a walk every 0.1 s
+that files unlinked while open escape). Memory of a tmpfs counts against the memory cgroup only
+under ``bwrap+cgroup``.
 
 Design notes (each a trap measured on these machines):
 - Each concurrent run holds a *slot* (an ``flock``-ed file, machine-wide) with its own uid
