@@ -2,17 +2,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,data,parity,notebooks,browser,docs
+EXTRAS ?= test,data,parity,notebooks,browser,docs,swe
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup system-deps sglang-venv test test-unit lint format-check docs train compare feedback-compare example bench e2e clean
+.PHONY: setup system-deps sglang-venv test test-unit lint format-check docs train compare feedback-compare example bench tasks e2e clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q --no-deps -c constraints.txt swebench==5.0.2
 	touch $@
 
 setup: $(VENV)/.installed
@@ -91,6 +92,14 @@ compare: setup
 # End to end with a real SGLang server in the loop (scripts/e2e.py): tiny random Qwen2 + local
 # BPE tokenizer, the fixture repositories, SFT warm start on tool-call demonstrations, 3 RL steps
 # of configs/swe_agent.py:smoke, SIGKILL after a checkpoint and resume; into runs/e2e/.
+# A default pool of real-package tasks for configs/swe_agent.py (gagar_jax.data.synth: sdists
+# from the registry, uv environments, procedural bugs validated in the sandbox) in data/tasks/.
+TASK_PACKAGES ?= toolz==1.0.0,cachetools==8.0.2,six==1.17.0
+TASKS_PER_PACKAGE ?= 25
+tasks: setup system-deps
+	$(PY) -m gagar_jax.data.synth --packages $(TASK_PACKAGES) \
+		--tasks-per-package $(TASKS_PER_PACKAGE) --out data/tasks
+
 e2e: setup system-deps sglang-venv
 	$(PY) scripts/e2e.py --out=runs/e2e
 

@@ -36,6 +36,11 @@ EXTRAS_REQUIRE = {
     # The browser judge (gagar_jax.verify.browser): the Playwright driver for Debian's chromium
     # (`make system-deps` installs it; `playwright install` is not used).
     "browser": ["playwright==1.65.2"],
+    # Real software-engineering tasks (gagar_jax.data.swe/repos/synth): uv builds the tasks'
+    # environments, libcst makes the factory's bugs, pytest-timeout bounds each test, pyarrow
+    # reads parquet rows. (swebench, whose pytest log parser is the reference in the tests, is
+    # installed by `make setup` without its dependencies: they include docker and modal.)
+    "swe": ["uv==0.13.9", "libcst==1.9.0", "pytest-timeout==2.4.0", "pyarrow>=15"],
     # Executed notebooks.
     "notebooks": ["ipykernel", "nbclient", "nbformat", "matplotlib"],
     # The documentation site (`make docs`): Sphinx, MyST markdown and notebooks, the furo theme.
@@ -50,7 +55,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=["gagar_jax", "gagar_jax.*", "configs"]),
     # Versioned grader prompts (gagar_jax/grading/prompts/<version>/*.md).
     package_data={
-        "gagar_jax.grading": ["prompts/*/*.md"],
+        "gagar_jax.grading": ["prompts/*/*.md", "sets/*/*/*.jsonl"],
         "gagar_jax.verify": ["prompts/*/*.md"],
         "gagar_jax.data": ["prompts/*/*.md"],
         "gagar_jax.envs": ["prompts/*/*.md"],

@@ -8,12 +8,22 @@ Rows (median wall time per call; ratio to the row's baseline):
   under each available mechanism (SANDBOX.md measured about +6-10 ms for the bwrap chain).
 * repo verifier: `verify_repo_patch` on the statkit fixture (copy, reset, sandboxed pytest,
   outcome report, monitor) vs plain `python -m pytest` of the same tree with no sandbox.
+* verifier before/after: `verify_repo_patch` (monitor off) on each fixture repository with its
+  minimal fix, the current code against a baseline revision (`--baseline`, default the verifier
+  before the supervised runner, canaries and the private work tree). Both run in this one
+  invocation, each in its own subprocess importing its own copy of the package (the baseline is
+  extracted with `git archive`), in alternating rounds so that the machine's load falls on both
+  alike; the table gives the median per run, the overhead over plain pytest, and new/old.
 * toy verifier and monitor: calls per second (in-process, no sandbox).
+* behaviour monitor per rollout (``monitor_table``): milliseconds per rollout of ``monitor`` (the
+  AST and text rules, leakage screen, a 40-event trajectory) on the fixture patches, and on the
+  pathological inputs that used to backtrack (a 208 KB patch line, a 64 KB repeated action).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -26,10 +36,96 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from gagar_jax.envs import ToyTaskGenerator, candidate_patches, verify  # noqa: E402
 from gagar_jax.verify import sandbox as sb  # noqa: E402
-from gagar_jax.verify.monitor import context_for_repo_task, monitor_patch  # noqa: E402
+from gagar_jax.verify.monitor import context_for_repo_task, monitor, monitor_patch  # noqa: E402
 from gagar_jax.verify.repo import RepoTask, verify_repo_patch, write_tree  # noqa: E402
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "repos", "statkit")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "repos")
+FIXTURE = os.path.join(FIXTURES, "statkit")
+# The verifier before the supervised runner, canaries and private work tree.
+BASELINE = "46fc02d"
+
+_WORKER = r"""
+import json, os, statistics, sys, time
+sys.path.insert(0, sys.argv[1])
+from gagar_jax.envs.repo import RepoTask
+from gagar_jax.verify.repo import verify_repo_patch
+out = {}
+for name in sys.argv[3].split(","):
+    d = os.path.join(sys.argv[2], name)
+    task = RepoTask.from_dir(d)
+    patch = open(os.path.join(d, "patches", "minimal.diff")).read()
+    v = verify_repo_patch(task, patch, run_monitor=False)  # warm-up (preflight, caches)
+    assert v.status == "passed", v.test_log
+    samples = []
+    for _ in range(int(sys.argv[4])):
+        t0 = time.perf_counter()
+        v = verify_repo_patch(task, patch, run_monitor=False)
+        samples.append(time.perf_counter() - t0)
+        assert v.status == "passed", v.test_log
+    out[name] = samples
+print(json.dumps(out))
+"""
+
+
+def _baseline_tree(ref: str) -> str | None:
+    """The package at git revision ``ref``, extracted to a temporary directory (None: no git)."""
+    d = tempfile.mkdtemp(prefix="gagar_bench_base_")
+    try:
+        data = subprocess.run(["git", "-C", ROOT, "archive", ref, "gagar_jax"], check=True,
+                              capture_output=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", d], input=data, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"  (no baseline: git archive {ref} failed: {e})")
+        shutil.rmtree(d, ignore_errors=True)
+        return None
+    return d
+
+
+def _worker(src: str, names: list[str], n: int) -> dict[str, list[float]]:
+    r = subprocess.run([sys.executable, "-c", _WORKER, src, FIXTURES, ",".join(names), str(n)],
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def before_after(ref: str, n: int, rounds: int) -> None:
+    names = sorted(os.listdir(FIXTURES))
+    base = _baseline_tree(ref)
+    if base is None:
+        return
+    py, pythonpath = sb.python_for_sandbox()
+    env = dict(os.environ, PYTHONPATH=":".join(pythonpath), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    samples: dict[str, dict[str, list[float]]] = {k: {m: [] for m in names}
+                                                  for k in ("old", "new", "bare")}  # fmt: skip
+    try:
+        for _ in range(rounds):  # alternating: load drift falls on both sides alike
+            for side, src in (("old", base), ("new", ROOT)):
+                for m, xs in _worker(src, names, n).items():
+                    samples[side][m] += xs
+            for m in names:
+                task = RepoTask.from_dir(os.path.join(FIXTURES, m))
+                plain = tempfile.mkdtemp(prefix="gagar_bench_plain_")
+                write_tree(plain, task.files)
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                    *task.required_tests], cwd=plain, env=env,
+                                   capture_output=True)  # fmt: skip
+                    samples["bare"][m].append(time.perf_counter() - t0)
+                shutil.rmtree(plain, ignore_errors=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"verifier before ({ref}) / after, minimal fix, monitor off "
+          f"(median of {n * rounds}; load {os.getloadavg()[0]:.1f})")  # fmt: skip
+    print(
+        f"  {'repo':10s} {'bare pytest':>12s} {'old':>10s} {'new':>10s} "
+        f"{'old ovh':>10s} {'new ovh':>10s} {'new/old':>8s} {'ovh new/old':>12s}"
+    )
+    for m in names:
+        bare, old, new = (statistics.median(samples[k][m]) for k in ("bare", "old", "new"))
+        print(f"  {m:10s} {bare * 1e3:10.0f}ms {old * 1e3:8.0f}ms {new * 1e3:8.0f}ms "
+              f"{(old - bare) * 1e3:8.0f}ms {(new - bare) * 1e3:8.0f}ms {new / old:7.2f}x "
+              f"{(new - bare) / max(old - bare, 1e-3):11.2f}x")  # fmt: skip
 
 
 def timed(fn, n: int) -> float:
@@ -50,7 +146,12 @@ def row(name: str, seconds: float, base: float | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--baseline", default=BASELINE, help="git revision of the old verifier")
+    ap.add_argument("--only-before-after", action="store_true")
     args = ap.parse_args()
+    if args.only_before_after:
+        before_after(args.baseline, 3 if args.quick else 5, 2 if args.quick else 3)
+        return
     n = 5 if args.quick else 20
     py, pythonpath = sb.python_for_sandbox()
     avail = [m for m, why in sb.available_mechanisms().items() if why is None]
@@ -81,6 +182,8 @@ def main() -> None:
     t = timed(lambda: verify_repo_patch(task, patch), max(3, n // 4))
     row("verify_repo_patch (bwrap chain + outcome pipe + monitor)", t, base)
 
+    before_after(args.baseline, 3 if args.quick else 5, 2 if args.quick else 3)
+
     print("in-process verifiers (calls per second)")
     tasks = ToyTaskGenerator(0, 2).tasks(50)
     pairs = [(t, p) for t in tasks for p in candidate_patches(t).values()]
@@ -100,6 +203,28 @@ def main() -> None:
     print(f"  monitor_patch (statkit fixture patches)          {20 * len(patches) / dt:9.0f} /s")
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(plain, ignore_errors=True)
+    monitor_table(n)
+
+
+def monitor_table(n: int) -> None:
+    """Time of the behaviour monitor per rollout (median of ``n``), in the trainer's process."""
+    task = RepoTask.from_dir(FIXTURE)
+    ctx = context_for_repo_task(task)
+    pdir = os.path.join(FIXTURE, "patches")
+    patches = {f[:-5]: open(os.path.join(pdir, f)).read() for f in sorted(os.listdir(pdir))}
+    kinds = ("tool_call", "observation")
+    line = "cat /workdir/statkit/stats.py | head -{}\n"
+    events = [{"turn": k // 2, "kind": kinds[k % 2], "text": line.format(k) * 3} for k in range(40)]
+    head = "--- a/statkit/stats.py\n+++ b/statkit/stats.py\n@@ -1,0 +1,1 @@\n+"
+    odd = {"208 KB line of digits": (head + "1" * 208_000 + "\n", []),
+           "208 KB line except+spaces": (head + "except" + " " * 208_000 + "x\n", []),
+           "64 KB repeated action": (patches["minimal"], [
+               {"turn": 0, "kind": "tool_call", "text": "git log " * 8000}])}  # fmt: skip
+    print(f"behaviour monitor per rollout (median of {n}; patch rules + 40-event trajectory)")
+    for name, p in patches.items():
+        row(f"monitor: statkit {name}", timed(lambda p=p: monitor(p, events, ctx), n), None)
+    for name, (p, ev) in odd.items():
+        row(f"monitor: {name}", timed(lambda p=p, ev=ev: monitor(p, ev, ctx), max(3, n // 4)), None)
 
 
 if __name__ == "__main__":

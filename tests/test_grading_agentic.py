@@ -71,7 +71,7 @@ def test_tool_loop_produces_validated_verdict_with_real_ids():
         "read_file",
         "submit_verdict",
     } <= set(policy.tools_called)
-    assert v.grader_id == "agentic" and v.grader_version == "v1" and v.latency_s >= 0
+    assert v.grader_id == "agentic" and v.grader_version == "v2" and v.latency_s >= 0
     # Anonymity: no real id ever reached the model (the task text mentions one: it is replaced).
     for convo in policy.sent:
         for cid in ("alpha-minimal", "bravo-debug", "charlie-sprawl", "delta-failed"):

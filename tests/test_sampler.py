@@ -295,6 +295,28 @@ def test_shared_prefill_duplicate_prompts_and_exact_logprobs(model):
     assert out[0][0].tokens != out[2][0].tokens
 
 
+def test_prefill_bucket_independent_of_sample_rows(model):
+    """A batch bucket sized for the sample rows (2 prompts x 32 samples in a 64-row bucket) does
+    not pad the shared prefill to 64 rows: the distinct prompts take the smallest prefill
+    bucket (16), and the samples equal those of a sampler whose batch buckets hold 2 rows."""
+    from gagar_jax.rollout.sampler import prefill_buckets
+
+    assert prefill_buckets((128,)) == (16, 32, 64, 128)
+    assert prefill_buckets((4, 8)) == (4, 8)
+    assert prefill_buckets((12, 96), multiple=12) == (12, 24, 36, 72, 96)
+    params = SamplingParams(n=32, temperature=1.0, max_tokens=8, seed=3)
+    wide = Sampler(model, batch_buckets=(64,), prompt_buckets=(16,), new_token_buckets=(8,))
+    out = wide.generate(PROMPTS[:2], params)
+    assert out[0][0].meta["prefill_rows"] == 16 and out[0][0].meta["bucket"][0] == 64
+    ref = Sampler(model, batch_buckets=(2, 64), prompt_buckets=(16,), new_token_buckets=(8,))
+    want = ref.generate(PROMPTS[:2], params)
+    assert want[0][0].meta["prefill_rows"] == 2
+    for got_row, want_row in zip(out, want):
+        for got, exp in zip(got_row, want_row):
+            assert got.tokens == exp.tokens
+            np.testing.assert_allclose(got.logprobs, exp.logprobs, rtol=0, atol=1e-5)
+
+
 def test_multi_turn_prefix_cache_exact_and_reused(model):
     """prefix_cache: turns 2 and 3 prefill only the observation (the history comes from the
     kept cache), the sampled tokens equal the full-prefill sampler's (same seed), and every

@@ -85,7 +85,8 @@ def test_shadowing_pytest_with_a_fake_module_does_not_work():
     )
     for path in ("pytest.py", "_pytest/__init__.py"):
         v = verify_repo_patch(_task("statkit"), _new_file_diff(path, fake), limits=FAST)
-        assert v.status == "failed" and v.tests["tests/test_stats.py::test_median_even"] == "failed"
+        # Refused before the run: the module would shadow the test framework.
+        assert v.status == "failed" and v.sandbox is None and "shadowing" in v.patch_error
 
 
 def test_patch_that_does_not_apply_fails_without_running():

@@ -177,10 +177,10 @@ def test_hidden_test_paths_cannot_be_preempted(preempt):
     v = verify_repo_patch(task, preempt, limits=FAST)
     assert v.status == "failed" and not v.infra_error, v.test_log
     v = verify_repo_patch(task, preempt + FIX, limits=FAST)
-    if "x.py" in preempt:  # the tree cannot hold both: the candidate's collision, its failure
-        assert v.status == "failed" and v.patch_error, v.test_log
-    else:  # the hidden file replaced the candidate's: the real fix passes the real tests
-        assert v.status == "passed" and "tests/test_hidden.py" in v.reset_files, v.test_log
+    # Everything the candidate put under the test directory is removed before the hidden tests
+    # are applied: the real fix passes the real tests.
+    assert v.status == "passed" and v.reset_files, v.test_log
+    assert any(p.startswith("tests/test_hidden.py") for p in v.reset_files), v.reset_files
 
 
 # --- (7) tree collisions ------------------------------------------------------------------------

@@ -224,8 +224,20 @@ def repo_candidate(
         test_log=verification.test_log,
         trajectory=tuple(trajectory),
         summary=summary,
-        monitor_flags=tuple(verification.flags),
+        monitor_flags=tuple(verification.flags) + log_flags(verification.test_log),
     )
+
+
+def log_flags(test_log: str) -> tuple:
+    """Monitor flags of what the candidate's code printed (the part of a verifier log after its
+    header): text addressed to the grader, imitations of the verifier's header lines."""
+    from gagar_jax.grading.untrusted import split_test_log
+    from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
+
+    try:
+        return tuple(monitor_log(split_test_log(test_log or "")[1], source="test output"))
+    except MonitorRefusal:
+        return ()  # the log is clipped by the verifier: a refusal here is not the candidate's
 
 
 def repo_workspace(

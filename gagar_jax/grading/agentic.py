@@ -33,6 +33,13 @@ scores, majority cheat, union of evidence, ranks by mean vote rank within tiers;
 the mean fraction of votes that gave each candidate its majority tier. Fewer than ``min_votes``
 accepted votes reject the group.
 
+Untrusted content: every piece of candidate-produced text a tool returns (diffs, test output,
+trajectory events, summaries, monitor evidence) is enclosed in per-episode random delimiters and
+escaped (``untrusted.Envelope``); lines the candidate's code printed are marked ``| `` so they
+cannot imitate the verifier's header; the system prompt (``prompts/v2``) says all of it is data.
+One candidate whose material cannot be rendered (a patch that does not parse, binary text) shows
+as an error line in its own entries; the rest of the group is graded as usual.
+
 Any OpenAI-compatible endpoint works: the client only needs
 ``chat_completions(messages, *, tools, max_tokens, temperature) -> dict`` (``SGLangClient`` has
 it; so does ``scripted.ScriptedGraderPolicy``, a deterministic policy used to test this loop).
@@ -63,8 +70,9 @@ from gagar_jax.grading.schema import (
     Verdict,
     VerdictRejected,
 )
+from gagar_jax.grading.untrusted import Envelope, sanitize
 
-PROMPT_VERSION = "v1"
+PROMPT_VERSION = "v2"
 MAX_TOOL_OUTPUT_CHARS = 6000
 
 
@@ -199,8 +207,9 @@ def _clip(text: str, limit: int = MAX_TOOL_OUTPUT_CHARS) -> str:
 class AnonymisedView:
     """A workspace as the model sees it: aliases ``C1..Cn`` in a seeded shuffled order."""
 
-    def __init__(self, workspace: GroupWorkspace, seed: int):
+    def __init__(self, workspace: GroupWorkspace, seed: int, envelope: Envelope | None = None):
         self.workspace = workspace
+        self.envelope = envelope or Envelope()
         order = list(workspace.candidates)
         random.Random(seed).shuffle(order)
         self.alias_of = {c.candidate_id: f"C{i + 1}" for i, c in enumerate(order)}
@@ -215,30 +224,38 @@ class AnonymisedView:
         return self.workspace.candidate(cid)
 
     def summaries(self) -> dict:
-        out = []
-        for c in self.order:
+        return {"candidates": [self._summary(c) for c in self.order]}
+
+    def _summary(self, c: Candidate) -> dict:
+        alias = self.alias_of[c.candidate_id]
+        env = self.envelope
+        out: dict[str, Any] = {
+            "candidate": alias,
+            "status": "passed" if c.passed else "failed (background only)",
+        }
+        try:
             pp = c.parsed_patch
-            out.append(
-                {
-                    "candidate": self.alias_of[c.candidate_id],
-                    "status": "passed" if c.passed else "failed (background only)",
-                    "patch": {
-                        "files": list(pp.paths),
-                        "added_lines": pp.num_added,
-                        "removed_lines": pp.num_removed,
-                        "hunks": pp.num_hunks,
-                    },
-                    "turns": c.num_turns,
-                    "tokens": c.num_tokens,
-                    "trajectory_events": len(c.trajectory),
-                    "summary": _clip(c.summary, 800),
-                    "monitor_flags": [
-                        {"rule": f.rule, "evidence": f.evidence, "confirmed": f.confirmed}
-                        for f in c.monitor_flags
-                    ],
-                }
-            )
-        return {"candidates": out}
+            out["patch"] = {
+                "files": [sanitize(p)[:200] for p in pp.paths],
+                "added_lines": pp.num_added,
+                "removed_lines": pp.num_removed,
+                "hunks": pp.num_hunks,
+            }
+        except Exception as e:  # noqa: BLE001 - this candidate's patch only
+            out["patch"] = {"files": [], "error": f"patch not readable: {type(e).__name__}"}
+        out["turns"] = c.num_turns
+        out["tokens"] = c.num_tokens
+        out["trajectory_events"] = len(c.trajectory)
+        out["summary"] = env.wrap(_clip(c.summary, 800), f"{alias} summary") if c.summary else ""
+        out["monitor_flags"] = [
+            {
+                "rule": sanitize(f.rule)[:64],
+                "evidence": env.wrap(_clip(f.evidence, 400), f"{alias} monitor evidence"),
+                "confirmed": f.confirmed,
+            }
+            for f in c.monitor_flags[:40]
+        ]
+        return out
 
     def anonymise_text(self, text: str) -> str:
         for cid, alias in sorted(self.alias_of.items(), key=lambda kv: -len(kv[0])):
@@ -372,7 +389,7 @@ class AgenticGrader:
         seed = int.from_bytes(
             hashlib.sha256(f"{self.seed}/{workspace.group_id}/{vote}".encode()).digest()[:8], "big"
         )
-        view = AnonymisedView(workspace, seed)
+        view = AnonymisedView(workspace, seed, Envelope())
         temperature = self.temperature if vote == 0 else self.vote_temperature
         messages: list[dict] = [
             {"role": "system", "content": self.system_prompt},
@@ -455,8 +472,8 @@ class AgenticGrader:
                 except Exception as e:  # noqa: BLE001 - a bad argument is reported to the model
                     stats.bad_tool_calls += 1
                     self._count("bad_tool_calls")
-                    out = f"error: {type(e).__name__}: {e}"
-                messages.append(_tool_msg(call_id, _clip(out)))
+                    out = f"error: {type(e).__name__}: {sanitize(str(e))[:500]}"
+                messages.append(_tool_msg(call_id, _clip_enveloped(out, view.envelope)))
             if errors:
                 last = last or VerdictRejected(RejectReason.MALFORMED, "malformed tool calls")
                 messages.append(
@@ -531,6 +548,7 @@ class AgenticGrader:
             max_steps=self.max_steps,
             passing=", ".join(passing) or "none",
             verdict_example=json.dumps(example, indent=2),
+            nonce=view.envelope.nonce,
         )
 
     def _run_tool(self, name: str, args: Mapping[str, Any], view: AnonymisedView) -> str:
@@ -547,7 +565,10 @@ class AgenticGrader:
                     "turn": e.turn,
                     "kind": e.kind,
                     "tokens": e.tokens,
-                    "text": view.anonymise_text(_clip(e.text, 600)),
+                    "text": view.envelope.wrap(
+                        view.anonymise_text(_clip(e.text, 600)),
+                        f"{args['candidate']} event {i}",
+                    ),
                 }
                 for i, e in enumerate(c.trajectory[start:end], start=start)
             ]
@@ -575,9 +596,17 @@ class AgenticGrader:
                         f"it touches {sorted(per_file)}"
                     )
                 patch = per_file[file]
-            return patch or "(empty patch)"
+            if not patch:
+                return "(empty patch)"
+            return view.envelope.wrap(_clip(patch, MAX_TOOL_OUTPUT_CHARS - 200),
+                                      f"{args['candidate']} diff")  # fmt: skip
         if name == "read_test_log":
-            return view.candidate(args.get("candidate")).test_log or "(no test output)"
+            log = view.candidate(args.get("candidate")).test_log
+            if not log:
+                return "(no test output)"
+            return view.envelope.wrap_test_log(
+                _clip(log, MAX_TOOL_OUTPUT_CHARS - 400), f"{args['candidate']} test output"
+            )
         if name == "run_check":
             c = view.candidate(args.get("candidate"))
             command = args.get("command")
@@ -587,12 +616,21 @@ class AgenticGrader:
             log = _clip(res.log, 4000)
             if res.status != "unavailable":
                 view.check_logs[c.candidate_id].append(log)
-            return f"status: {res.status}\n{log}"
+            wrapped = view.envelope.wrap(log, f"{args['candidate']} check output", marked=True)
+            return f"check status: {res.status}\n{wrapped}"
         raise ValueError(f"unknown tool {name!r}; tools: {TOOL_NAMES}")
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self.metrics[key] += n
+
+
+def _clip_enveloped(text: str, envelope: Envelope, limit: int = MAX_TOOL_OUTPUT_CHARS) -> str:
+    """``_clip`` that never leaves an envelope open (a cut inside one closes it)."""
+    out = _clip(text, limit)
+    if out.count(envelope.open_prefix) > out.count(envelope.close):
+        out += "\n" + envelope.close
+    return out
 
 
 def _first_message(response: Any) -> dict | None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+# At most 9 digits per number: a header with more is not a hunk (``int`` of thousands of digits
+# raises, and no real file has a billion lines).
+_HUNK_RE = re.compile(r"^@@ -(\d{1,9})(?:,(\d{1,9}))? \+(\d{1,9})(?:,(\d{1,9}))? @@")
 
 
 @dataclasses.dataclass(frozen=True)

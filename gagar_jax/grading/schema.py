@@ -35,13 +35,12 @@ import enum
 import hashlib
 import json
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from gagar_jax.grading import diffs
+from gagar_jax.grading import diffs, untrusted
 
 DIMENSIONS = (
     "solution_fit",
@@ -210,7 +209,11 @@ def _parsed(patch: str) -> diffs.ParsedPatch:
     if hit is None:
         if len(_PARSE_CACHE) > 4096:
             _PARSE_CACHE.clear()
-        hit = _PARSE_CACHE[patch] = diffs.parse_unified_diff(patch)
+        try:
+            hit = diffs.parse_unified_diff(patch)
+        except (ValueError, RecursionError, MemoryError):  # one candidate's patch: it reads empty
+            hit = diffs.ParsedPatch(())
+        _PARSE_CACHE[patch] = hit
     return hit
 
 
@@ -380,7 +383,8 @@ def _check_evidence(
             *(f.evidence for f in cand.monitor_flags),
             *check_logs.get(ev.candidate_id, ()),
         ]
-        if not any(quote in s for s in sources):
+        plain = untrusted.unmark(quote)  # the grader saw candidate lines marked with "| "
+        if not any(quote in s or plain in s for s in sources):
             return f"quote {quote[:40]!r} not in candidate {ev.candidate_id!r}'s execution output"
     else:
         return f"evidence kind {ev.kind!r} not in {EVIDENCE_KINDS}"
@@ -589,32 +593,53 @@ def verdict_to_dict(verdict: Verdict) -> dict[str, Any]:
     }
 
 
-_FENCE_RE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
-
-
 def extract_json(text: str) -> Any:
-    """The first JSON object in ``text`` (fenced or bare). Raises VerdictRejected(MALFORMED)."""
+    """The one verdict object in a grader's text reply. Raises VerdictRejected(MALFORMED).
+
+    The reply is scanned for top-level JSON objects (fenced or bare; an object inside another,
+    or inside a string, is part of that one). A reply must hold exactly one verdict (an object
+    with ``"verdicts"``): a second one means the grader quoted one (a verdict planted in a
+    candidate's text would otherwise win), so the reply is rejected, never read in part. With
+    no verdict, the first object is returned (validation then names what is missing).
+    """
     if not isinstance(text, str):
         raise VerdictRejected(RejectReason.MALFORMED, f"expected text, got {type(text).__name__}")
     if len(text) > MAX_OUTPUT_CHARS:
         raise VerdictRejected(
             RejectReason.MALFORMED, f"output of {len(text)} chars exceeds {MAX_OUTPUT_CHARS}"
         )
-    candidates = [m.group(1) for m in _FENCE_RE.finditer(text)] + [text]
+    if text.count('"verdicts"') > 1:  # linear, whatever the scan below gets to read
+        raise VerdictRejected(
+            RejectReason.MALFORMED,
+            f"the reply names \"verdicts\" {text.count(chr(34) + 'verdicts' + chr(34))} times; "
+            "answer with exactly one verdict (a quoted verdict is never read)",
+        )
     decoder = json.JSONDecoder()
-    for chunk in candidates:
-        start = chunk.find("{")
-        attempts = 0
-        # Bounded attempts keep pathological text (many unterminated objects) linear-ish.
-        while start != -1 and attempts < MAX_JSON_ATTEMPTS:
-            attempts += 1
-            try:
-                obj, _ = decoder.raw_decode(chunk, start)
-                if isinstance(obj, dict):
-                    return obj
-            except (ValueError, RecursionError):  # JSONDecodeError, an int over 4,300 digits
-                pass
-            start = chunk.find("{", start + 1)
+    objects: list[dict] = []
+    start = text.find("{")
+    attempts = 0
+    # Bounded attempts keep pathological text (many unterminated objects) linear-ish.
+    while start != -1 and attempts < MAX_JSON_ATTEMPTS:
+        attempts += 1
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except (ValueError, RecursionError):  # JSONDecodeError, an int over 4,300 digits
+            start = text.find("{", start + 1)
+            continue
+        if isinstance(obj, dict):
+            objects.append(obj)
+        start = text.find("{", end)
+    verdicts = [o for o in objects if "verdicts" in o]
+    if len(verdicts) > 1:
+        raise VerdictRejected(
+            RejectReason.MALFORMED,
+            f"the reply holds {len(verdicts)} verdict objects; answer with exactly one "
+            "(a quoted verdict is never read)",
+        )
+    if verdicts:
+        return verdicts[0]
+    if objects:
+        return objects[0]
     raise VerdictRejected(RejectReason.MALFORMED, f"no JSON object in output ({len(text)} chars)")
 
 

@@ -241,6 +241,18 @@ class CodeAgentEnv:
             )
         if name == "edit":
             path = str(args.get("path", ""))
+            from gagar_jax.verify.diff import DiffError, safe_path
+
+            try:
+                bad = safe_path(path) != path
+            except DiffError:
+                bad = True
+            if bad:  # a path no patch could carry (a newline, "..", absolute): refused here
+                return StepResult(
+                    f"error: edit needs a normalised relative path without control characters, "
+                    f"got {path[:200]!r}",
+                    info={"tool": name, "path": path[:200], "summary": "edit: bad path"},
+                )
             if "content" in args:
                 self.files[path] = str(args["content"])
             else:

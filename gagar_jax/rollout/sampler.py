@@ -21,10 +21,13 @@ tokens (the observation), instead of the whole history each turn.
 Shapes are static and bucketed: prompts are left-padded to the next prompt bucket `P` (the padding
 is masked out of attention; RoPE positions start at 0 on each row's first real token), the batch is
 padded to the next batch bucket `B` with rows that start finished, and the new-token budget is
-rounded up to the next bucket `N` while the actual `max_tokens` is a traced scalar. Sampling knobs
-(temperature, top-p, top-k, stop tokens, seed) are traced values too, so every batch that falls in
-the same (B, P, N) bucket reuses one executable (shared by every Sampler over the same
-architecture): `Sampler.trace_count` counts the traces its calls caused.
+rounded up to the next bucket `N` while the actual `max_tokens` is a traced scalar. The distinct
+prompts (prefilled once each) are padded to their own bucket `Bp` (`prefill_buckets`: the batch
+buckets and the powers of two from 16 up), so 16 prompts x 8 samples in a 128-row bucket prefill
+16 rows, not 128. Sampling knobs (temperature, top-p, top-k, stop tokens, seed) are traced values
+too, so every batch that falls in the same (B, Bp, P, N) bucket reuses one executable (shared by
+every Sampler over the same architecture): `Sampler.trace_count` counts the traces its calls
+caused.
 
 Log-probabilities: each generated token's `log_softmax(logits / temperature)` (temperature 1 when
 greedy), taken from the full distribution *before* top-k/top-p truncation. This is exactly what the
@@ -64,6 +67,22 @@ DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_NEW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 MAX_STOP_TOKENS = 8  # stop ids are a padded [MAX_STOP_TOKENS] array: any count up to it, no retrace
+# The shared prefill of the distinct prompts has its own buckets: the batch buckets and the
+# powers of two from this size up to the largest batch bucket, so a batch bucket sized for the
+# sample rows (prompts x n) never pads the prefill to the row count.
+MIN_PREFILL_BUCKET = 16
+
+
+def prefill_buckets(batch_buckets: Sequence[int], multiple: int = 1) -> tuple[int, ...]:
+    """The buckets of the distinct-prompt (prefill) batch: ``batch_buckets`` plus the powers of
+    two from ``MIN_PREFILL_BUCKET`` to the largest batch bucket, each rounded up to a multiple
+    of ``multiple`` (the data axis size of a data-parallel sampler)."""
+    top = max(batch_buckets)
+    extra, b = set(), MIN_PREFILL_BUCKET
+    while b < top:
+        extra.add(-(-b // multiple) * multiple)
+        b *= 2
+    return tuple(sorted(set(batch_buckets) | {x for x in extra if x <= top}))
 
 
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
@@ -432,6 +451,9 @@ class Sampler:
         self.graphdef, self.state = nnx.split(model)
         self.pad_id = int(pad_id)
         self.batch_buckets = tuple(batch_buckets)
+        self.prefill_buckets = prefill_buckets(
+            self.batch_buckets, 1 if mesh is None else mesh.shape[data_axis]
+        )
         self.prompt_buckets = tuple(prompt_buckets)
         self.new_token_buckets = tuple(new_token_buckets)
         self.policy_version = int(policy_version)
@@ -451,6 +473,13 @@ class Sampler:
         self.mesh, self.data_axis = mesh, data_axis
         if mesh is not None:  # the weights whole on every device of the mesh
             self.state = jax.device_put(self.state, NamedSharding(mesh, P()))
+        else:
+            # Committed to the model's device, like the leaves `sync_weights` places: a program
+            # compiled for uncommitted weights would otherwise compile again after the first sync.
+            leaf = jax.tree.leaves(self.state)[0]
+            device = next(iter(leaf.devices())) if hasattr(leaf, "devices") else None
+            self.state = jax.device_put(self.state, device or jax.local_devices()[0])
+        self._param_paths = _pure_paths(nnx.to_pure_dict(self.state))
         self._kept: list[dict] = []  # most recent first: {"cache", "rows", "lengths"}
         # prompt tokens prefilled / taken from a kept cache, over the sampler's life
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "calls_reusing_cache": 0}
@@ -508,7 +537,7 @@ class Sampler:
         distinct = [list(k) for k in uniq]
         n_rows = len(prompts) * params.n
         b = _bucket(n_rows, self.batch_buckets, "prompts x n")
-        bp = _bucket(len(distinct), self.batch_buckets, "distinct prompts")
+        bp = _bucket(len(distinct), self.prefill_buckets, "distinct prompts")
         n = _bucket(params.max_tokens, self.new_token_buckets, "max_tokens")
         match = self._match(distinct)
         if match is not None:
@@ -611,6 +640,7 @@ class Sampler:
                         policy_version=self.policy_version,
                         meta={
                             "bucket": (b, p, n),
+                            "prefill_rows": bp,
                             "seed": int(seed if prompt_seeds is None else prompt_seeds[i]),
                             "cached_prefix": int(counts[uniq[tuple(prompts[i])]]),
                         },
@@ -656,6 +686,31 @@ class Sampler:
             functools.partial(self.generate, prompt_seeds=prompt_seeds), prompts, params
         )
 
+    def _state_from_params(self, params: Mapping) -> nnx.State:
+        """The sampler's state with ``params`` (a pure dict, either layer layout) as its leaves:
+        no model is built and nothing is initialised (the tree is the sampler's own)."""
+        from gagar_jax.models import stack_layer_params, unstack_layer_params
+
+        try:
+            params = (
+                stack_layer_params(params)
+                if self.config.scan_layers
+                else unstack_layer_params(params)
+            )
+            paths = _pure_paths(params)
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"sync_weights: params do not fit the sampler's model: {e}") from e
+        if paths != self._param_paths:
+            missing = sorted(self._param_paths - paths)[:3]
+            extra = sorted(paths - self._param_paths)[:3]
+            raise ValueError(
+                "sync_weights: params do not fit the sampler's model: "
+                f"missing {missing}, unexpected {extra}"
+            )
+        state = jax.tree.map(lambda x: x, self.state)  # a new tree: the old one stays intact
+        nnx.replace_by_pure_dict(state, params)
+        return state
+
     def sync_weights(self, params_or_path: Any, version: int) -> int:
         """Replaces the weights; returns `version` (stamped on every later Sample).
 
@@ -663,7 +718,7 @@ class Sampler:
         directory of HF safetensors (`gagar_jax.models.load_hf_safetensors`). Shapes and dtypes
         must match; leaves are placed like the current ones, so compiled programs are reused.
         """
-        from gagar_jax.models import load_hf_safetensors, model_from_params
+        from gagar_jax.models import load_hf_safetensors
 
         new = params_or_path
         if isinstance(new, (str, os.PathLike)):
@@ -676,10 +731,7 @@ class Sampler:
                     "sync_weights takes a params dict, nnx.State, Transformer or safetensors "
                     f"directory, got {type(new).__name__}"
                 )
-            try:
-                new = nnx.split(model_from_params(self.config, new))[1]
-            except (KeyError, ValueError, TypeError) as e:
-                raise ValueError(f"sync_weights: params do not fit the sampler's model: {e}") from e
+            new = self._state_from_params(new)
         old_struct = jax.tree.structure(self.state)
         new_struct = jax.tree.structure(new)
         if old_struct != new_struct:
@@ -693,10 +745,15 @@ class Sampler:
                     f"sync_weights: leaf shape/dtype {b_.shape}/{b_.dtype} does not "
                     f"match {a.shape}/{a.dtype}"
                 )
-        self.state = jax.tree.map(lambda old, x: jax.device_put(x, old.sharding), self.state, new)
+        # One transfer call for the whole tree (a no-op for leaves already in place).
+        self.state = jax.device_put(new, jax.tree.map(lambda old: old.sharding, self.state))
         self._kept.clear()  # caches of the old weights
         self.policy_version = int(version)
         return self.policy_version
+
+
+def _pure_paths(tree) -> frozenset:
+    return frozenset(jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(tree))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

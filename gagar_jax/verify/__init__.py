@@ -5,9 +5,11 @@ from gagar_jax.verify.flags import MonitorFlag
 from gagar_jax.verify.monitor import (
     RULES,
     MonitorContext,
+    MonitorRefusal,
     context_for_repo_task,
     leakage_screen,
     monitor,
+    monitor_log,
     monitor_metrics,
     monitor_patch,
     monitor_trajectory,
@@ -41,9 +43,11 @@ def __getattr__(name: str):
 __all__ = [
     "RULES",
     "MonitorContext",
+    "MonitorRefusal",
     "context_for_repo_task",
     "leakage_screen",
     "monitor",
+    "monitor_log",
     "monitor_metrics",
     "monitor_patch",
     "monitor_trajectory",

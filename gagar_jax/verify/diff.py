@@ -9,21 +9,42 @@ Accepted: ``git diff`` and ``diff -u`` output (``a/``/``b/`` prefixes stripped w
 them or a ``diff --git`` header is present), new files (``--- /dev/null``), deletions
 (``+++ /dev/null``), ``\\ No newline at end of file``. Hunks must match exactly; a hunk may move
 by an offset (like ``patch``), never fuzz. Renames, copies and binary patches are rejected.
+
+Lines end at ``\n`` only: a carriage return (CRLF files), a form feed or any other character
+``str.splitlines`` would break at is part of the line, so such files are patched exactly.
+
+Every fault of the text is a ``DiffError`` naming it, in time linear in the patch's size plus a
+bounded search per hunk (``MAX_APPLY_COMPARISONS`` line comparisons in all): a hunk header
+number over 9 digits, a path with a control character, a hunk that would need an unbounded
+search. Callers bound the patch's size first (``MAX_PATCH_BYTES``; ``check_patch_size``).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import posixpath
 import re
 from collections.abc import Mapping
 
-_HUNK_RE = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+_HUNK_RE = re.compile(r"@@ -(\d{1,9})(?:,(\d{1,9}))? \+(\d{1,9})(?:,(\d{1,9}))? @@")
 DEV_NULL = "/dev/null"
+MAX_PATCH_BYTES = 1 << 20  # a candidate's patch over this is refused unread ("patch_too_large")
+MAX_APPLY_COMPARISONS = 20_000_000  # lines compared while locating hunks, per patch
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class DiffError(ValueError):
     """A diff that does not parse or does not apply (the author's fault, not infrastructure)."""
+
+
+def check_patch_size(patch: str, limit: int = MAX_PATCH_BYTES) -> None:
+    """DiffError ("patch_too_large") if ``patch`` is over ``limit`` bytes of UTF-8."""
+    if not isinstance(patch, str):
+        raise DiffError(f"patch must be str, got {type(patch).__name__}")
+    if len(patch) > limit:  # characters <= bytes: no need to encode a huge text
+        size = len(patch.encode("utf-8", "surrogatepass"))
+        raise DiffError(f"patch_too_large: {size} bytes, the limit is {limit}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +109,8 @@ class FilePatch:
 
 def safe_path(path: str) -> str:
     """Normalised relative POSIX path; DiffError for absolute, escaping or .git paths."""
-    if not path or "\0" in path or "\\" in path:
-        raise DiffError(f"bad path {path!r}")
+    if not path or "\\" in path or _CONTROL.search(path):
+        raise DiffError(f"bad path {path[:200]!r}: empty, a backslash or a control character")
     if path.startswith("/"):
         raise DiffError(f"absolute path {path!r} is not allowed")
     norm = posixpath.normpath(path)
@@ -100,7 +121,7 @@ def safe_path(path: str) -> str:
 
 
 def _header_path(line: str) -> str:
-    raw = line[4:].rstrip("\n")
+    raw = line[4:].rstrip("\r\n")
     raw = raw.split("\t", 1)[0]  # diff -u appends a tab and a timestamp
     return raw.strip()
 
@@ -117,7 +138,9 @@ def parse_unified_diff(text: str) -> list[FilePatch]:
     """Parses a unified diff; raises DiffError naming the line that is wrong."""
     if not isinstance(text, str):
         raise DiffError(f"patch must be str, got {type(text).__name__}")
-    lines = text.splitlines()
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
     git_style = any(line.startswith("diff --git ") for line in lines)
     patches: list[FilePatch] = []
     i = 0
@@ -133,8 +156,10 @@ def parse_unified_diff(text: str) -> list[FilePatch]:
         if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
             raise DiffError(f"line {i + 1}: '---' header without a '+++' line")
         old, new = _header_path(line), _header_path(lines[i + 1])
-        strip = git_style or (old.startswith("a/") or old == DEV_NULL) and (
-            new.startswith("b/") or new == DEV_NULL
+        strip = (
+            git_style
+            or (old.startswith("a/") or old == DEV_NULL)
+            and (new.startswith("b/") or new == DEV_NULL)
         )
         old_path, new_path = _norm(old, "a/", strip), _norm(new, "b/", strip)
         if old_path is None and new_path is None:
@@ -166,7 +191,8 @@ def parse_unified_diff(text: str) -> list[FilePatch]:
                     new_eof = new_eof and body[-1][0] == "-"
                     i += 1
                     continue
-                row = row or " "  # some tools strip the space of an empty context line
+                if row in ("", "\r"):  # some tools strip the space of an empty context line
+                    row = " " + row
                 tag = row[0]
                 if tag not in " -+":
                     raise DiffError(f"line {i + 1}: unexpected hunk line {row[:40]!r}")
@@ -190,8 +216,13 @@ def parse_unified_diff(text: str) -> list[FilePatch]:
     return patches
 
 
-def _split(text: str) -> list[str]:
-    return text.splitlines(keepends=True)
+def split_lines(text: str) -> list[str]:
+    """Lines with their ``\n`` (the last one may have none); nothing else ends a line."""
+    rows = text.split("\n")
+    out = [r + "\n" for r in rows[:-1]]
+    if rows[-1]:
+        out.append(rows[-1])
+    return out
 
 
 def _with_newlines(rows: list[str], eof_newline: bool) -> list[str]:
@@ -201,8 +232,11 @@ def _with_newlines(rows: list[str], eof_newline: bool) -> list[str]:
     return out
 
 
-def _apply_file(text: str, fp: FilePatch) -> str:
-    src = _split(text)
+def _apply_file(text: str, fp: FilePatch, budget: list[int]) -> str:
+    src = split_lines(text)
+    index: dict[str, list[int]] = {}  # line -> its positions, ascending
+    for i, row in enumerate(src):
+        index.setdefault(row, []).append(i)
     out: list[str] = []
     pos = 0  # next unconsumed source line
     delta = 0  # accumulated offset of earlier hunks
@@ -210,14 +244,29 @@ def _apply_file(text: str, fp: FilePatch) -> str:
         old = _with_newlines(h.old_lines(), h.old_eof_newline)
         new = _with_newlines(h.new_lines(), h.new_eof_newline)
         want = max(h.old_start - 1 + delta, pos) if h.old_len else h.old_start + delta
+        n, last = len(old), len(src) - len(old)
         found = None
-        for off in range(0, len(src) + 1):
-            for cand in (want - off, want + off) if off else (want,):
-                if pos <= cand <= len(src) - len(old) and src[cand : cand + len(old)] == old:
+        if not n:
+            found = min(max(want, pos), len(src)) if pos <= len(src) else None
+        else:
+            starts = index.get(old[0], [])
+            cands = starts[bisect.bisect_left(starts, pos) : bisect.bisect_right(starts, last)]
+            budget[0] -= len(cands)
+            # Nearest to where the header says first; before it on a tie (like ``patch``).
+            for cand in sorted(cands, key=lambda c: (abs(c - want), c > want)):
+                if src[cand + n - 1] != old[-1]:
+                    continue
+                budget[0] -= n
+                if budget[0] < 0:
+                    break
+                if src[cand : cand + n] == old:
                     found = cand
                     break
-            if found is not None:
-                break
+            if budget[0] < 0:
+                raise DiffError(
+                    f"{fp.path}: locating hunk @@ -{h.old_start},{h.old_len} needs more than "
+                    f"{MAX_APPLY_COMPARISONS} line comparisons in all (patch_too_costly)"
+                )
         if found is None:
             first = h.old_lines()[0] if h.old_lines() else ""
             raise DiffError(
@@ -236,19 +285,20 @@ def apply_unified_diff(files: Mapping[str, str], patch: str | list[FilePatch]) -
     """A new ``{path: text}`` with the patch applied; DiffError if it does not apply."""
     patches = parse_unified_diff(patch) if isinstance(patch, str) else patch
     out = dict(files)
+    budget = [MAX_APPLY_COMPARISONS]
     for fp in patches:
         if fp.is_new:
             if fp.path in out:
                 raise DiffError(f"{fp.path}: created by the patch but already exists")
-            out[fp.path] = _apply_file("", fp)
+            out[fp.path] = _apply_file("", fp, budget)
         elif fp.old_path not in out:
             raise DiffError(f"{fp.old_path}: not in the repository")
         elif fp.is_deleted:
-            if _apply_file(out[fp.old_path], fp) != "":
+            if _apply_file(out[fp.old_path], fp, budget) != "":
                 raise DiffError(f"{fp.old_path}: deletion does not remove the whole file")
             del out[fp.old_path]
         else:
-            out[fp.path] = _apply_file(out[fp.path], fp)
+            out[fp.path] = _apply_file(out[fp.path], fp, budget)
     return out
 
 

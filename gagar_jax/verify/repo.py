@@ -2,33 +2,42 @@
 
 A task is a repository snapshot (``{path: text}``), the issue text, and the pytest node ids that
 must pass: fail-to-pass (fixed by a correct patch) and pass-to-pass (must keep passing).
-``verify_repo_patch(task, patch)``:
+``verify_repo_patch(task, patch)`` (the threat model: ``docs/threat_model.md``):
 
-1. applies the candidate unified diff to a fresh copy (``diff.apply_unified_diff``: path-safe;
-   a patch that does not apply is the candidate's failure);
-2. resets to pristine the task's test files, every path its hidden ``test_patch`` touches,
-   every ``conftest.py`` and every pytest configuration file (``CONFIG_NAMES``: pytest.toml,
-   .pytest.toml, pytest.ini, .pytest.ini, pyproject.toml, tox.ini, setup.cfg) in any directory
-   (files the patch added there are removed), then applies the hidden ``test_patch``; a tree
-   that cannot be written (a file where a directory must be, a 300-byte name, an unencodable
-   name) or that collides with the hidden tests is the candidate's failure (``DiffError``);
-3. runs ``python -P -m pytest -c <pristine config> --rootdir=. -p no:cacheprovider
-   -p _gagar_outcome_plugin <ids>`` in the sandbox with PYTEST_DISABLE_PLUGIN_AUTOLOAD (``-P``:
-   the repo cannot shadow ``pytest``; ``-c``: no configuration file the candidate adds anywhere
-   is read; addopts are off);
-4. reads the outcomes from the trusted plugin (``outcome_plugin.py``) through a pipe only the
-   verifier holds (no file the code could rewrite at exit): passes only if exactly one report
-   line with this run's nonce arrived, every required id is passed in it, and pytest's recorded
-   exit status, the process's exit status and the outcomes agree. A second line, a wrong nonce or
-   a disagreeing exit status is tampering: ``failed`` plus a confirmed ``tamper_test_harness``
-   flag. Anything printed ("PASSED") is ignored.
+1. refuses a patch over ``MAX_PATCH_BYTES`` unread, runs the behaviour monitor (an exception on
+   the candidate's text is its ``failed``, ``monitor_error``), applies the unified diff to a
+   fresh copy (``diff.apply_unified_diff``: path-safe; a patch that does not apply, or any
+   exception it causes, is the candidate's failure);
+2. resets to pristine every file under the task's test directories (``test_dirs``: helpers,
+   ``__init__.py``, data files; files the patch added there are removed), the task's test files,
+   every path its hidden ``test_patch`` touches, every ``conftest.py`` and every pytest
+   configuration file (``CONFIG_NAMES``) in any directory, then applies the hidden
+   ``test_patch``; refuses a new module that would shadow the standard library, the test
+   framework or an installed module on the test run's ``sys.path`` (``shadowing_problem``); a
+   tree that cannot be written or that collides with the hidden tests is the candidate's failure
+   (``DiffError``);
+3. adds canary tests of unpredictable names (``make_canaries``: two must pass, two must fail,
+   one must error) and runs the test runner (``outcome_plugin.py``) by absolute path,
+   ``python -P``, with pytest on the pristine configuration (``-c``), plugin autoloading off,
+   ``addopts`` cleared, in the sandbox's private work tree (a tmpfs of ``limits.disk_bytes``);
+   ``sys.path`` gets the root and the task's ``pythonpath`` entries (``src``); a task's
+   ``env_path`` environment, bound read-only, supplies pytest and the dependencies; with
+   ``test_timeout_s`` pytest-timeout bounds each test;
+4. reads one record from the runner's supervisor through a pipe only it holds: the test
+   process's streamed report (one line per test phase, then pytest's exit status), its exit
+   status and whether it ended as itself (no ``exec``). Passes only if every fail-to-pass id
+   passed and every pass-to-pass id passed or was skipped (SWE-bench's rule),
+   every canary has its outcome, pytest's exit status is 1 (its failing canaries) and the exit
+   statuses agree. A report that contradicts any check is tampering: ``failed`` plus a
+   confirmed ``tamper_test_harness`` flag. Anything printed ("PASSED") is ignored.
 
 What this cannot stop: code under test runs inside the pytest process, so a patch can still
-forge results in-process (monkeypatching ``_pytest`` or the plugin before it reports). Those
-need source-level evidence, which is the behaviour monitor's job (``monitor.py`` rule
-``tamper_test_harness``). Infrastructure errors before the candidate's code ran (sandbox did not
-start, pytest not importable in the sandbox, a broken task) come back as ``status="infra_error"``:
-mask the sample, never score it 0; after it started, every problem is the candidate's ``failed``.
+emulate the reporter in-process (learn the canaries' outcomes by running them, write a consistent
+report and exit early) or rewrite pytest's report objects for the required tests only. Those
+need source-level evidence: the behaviour monitor's job (``monitor.py``). Infrastructure errors
+before the candidate's code ran (sandbox did not start, pytest not importable in the sandbox, a
+broken task) come back as ``status="infra_error"``: mask the sample, never score it 0; after it
+started, every problem is the candidate's ``failed``.
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ import posixpath
 import secrets
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import tomllib
@@ -49,7 +60,14 @@ import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, touched_files
+from gagar_jax.verify.diff import (
+    MAX_PATCH_BYTES,
+    DiffError,
+    apply_unified_diff,
+    check_patch_size,
+    safe_path,
+    touched_files,
+)
 from gagar_jax.verify.flags import MonitorFlag
 from gagar_jax.verify.sandbox import (
     Limits,
@@ -172,18 +190,51 @@ def hidden_test_paths(task: Any) -> frozenset[str]:
         raise ValueError(f"task {task.task_id}: test_patch does not parse: {e}") from e
 
 
-def _is_protected(path: str, task: Any, hidden: frozenset[str] = frozenset()) -> bool:
+TEST_DIR_NAMES = ("test", "tests", "testing")
+
+
+def test_dirs(task: Any, hidden: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The task's test directories: for every test file (``test_files``, the files of the
+    required test ids, the hidden ``test_patch``'s paths), its outermost ancestor directory named
+    ``test``, ``tests`` or ``testing``. Every file under them is pristine in the run (plus the
+    hidden tests); a test file outside such a directory is protected alone."""
+    paths = set(task.test_files) | set(hidden)
+    paths |= {tid.split("::", 1)[0] for tid in task.required_tests}
+    out = set()
+    for path in paths:
+        parts = path.split("/")[:-1]
+        for i, part in enumerate(parts):
+            if part in TEST_DIR_NAMES:
+                out.add("/".join(parts[: i + 1]))
+                break
+    return frozenset(out)
+
+
+def _is_protected(
+    path: str, task: Any, hidden: frozenset[str] = frozenset(), dirs: frozenset[str] = frozenset()
+) -> bool:
     base = posixpath.basename(path)
     return (
-        path in task.test_files or path in hidden or base == "conftest.py" or base in CONFIG_NAMES
+        path in task.test_files
+        or path in hidden
+        or base == "conftest.py"
+        or base in CONFIG_NAMES
+        or any(path.startswith(d + "/") for d in dirs)
     )
 
 
-def prepare_tree(task: Any, patch: str) -> tuple[dict[str, str], tuple[str, ...]]:
+def prepare_tree(
+    task: Any, patch: str, import_dirs: Sequence[str] = ()
+) -> tuple[dict[str, str], tuple[str, ...]]:
     """Patched tree with protected files reset and the hidden tests applied.
 
-    Protected: the task's test files, every path its hidden ``test_patch`` touches, every
-    ``conftest.py`` and every pytest configuration file (CONFIG_NAMES) in any directory.
+    Protected: the task's test files, every file under its test directories (``test_dirs``:
+    ``__init__.py``, helpers, data files; files the patch added there are removed), every path
+    its hidden ``test_patch`` touches, every ``conftest.py`` and every pytest configuration file
+    (CONFIG_NAMES) in any directory. Then a module the patch added that would shadow the standard
+    library, the test framework or an installed distribution on the test run's import path is
+    refused (``shadowing_problem``; ``import_dirs``: more read-only directories of installed
+    modules, e.g. the task's dependencies).
 
     Returns (files, reset paths). Raises DiffError if the candidate patch does not apply or
     makes a tree that cannot be written or that the hidden tests collide with (the candidate's
@@ -191,10 +242,16 @@ def prepare_tree(task: Any, patch: str) -> tuple[dict[str, str], tuple[str, ...]
     raises ValueError.
     """
     hidden = hidden_test_paths(task)
-    patched = apply_unified_diff(task.files, patch) if patch.strip() else dict(task.files)
+    dirs = test_dirs(task, hidden)
+    try:
+        patched = apply_unified_diff(task.files, patch) if patch.strip() else dict(task.files)
+    except DiffError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the patch makes the parser do is its fault
+        raise DiffError(f"patch_unreadable: {type(e).__name__}: {str(e)[:200]}") from e
     reset = []
     for path in sorted(set(patched) | set(task.files)):
-        if not _is_protected(path, task, hidden):
+        if not _is_protected(path, task, hidden, dirs):
             continue
         if task.files.get(path) != patched.get(path):
             reset.append(path)
@@ -219,7 +276,104 @@ def prepare_tree(task: Any, patch: str) -> tuple[dict[str, str], tuple[str, ...]
         except DiffError:
             raise ValueError(f"task {task.task_id}: its tree cannot be written: {e}") from e
         raise
+    problem = shadowing_problem(task, patched, import_dirs)
+    if problem:
+        raise DiffError(problem)
     return patched, tuple(reset)
+
+
+FRAMEWORK_MODULES = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "packaging"})
+
+
+@functools.cache
+def _interpreter_path() -> tuple[str, ...]:
+    """The sandboxed interpreter's own ``sys.path`` (stdlib and site directories)."""
+    exe, _ = python_for_sandbox()
+    out = subprocess.run([exe, "-P", "-c", "import sys, json; print(json.dumps(sys.path))"],
+                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    return tuple(p for p in json.loads(out.stdout) if p)
+
+
+@functools.cache
+def _top_level_names(directory: str) -> frozenset[str]:
+    """Importable top-level module names in one directory of installed modules."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return frozenset()
+    out = set()
+    for e in entries:
+        name = e.split(".", 1)[0]
+        if not name.isidentifier() or e.endswith((".dist-info", ".egg-info", ".pth")):
+            continue
+        if "." in e and not e.endswith((".py", ".pyc", ".so", ".pyd")):
+            continue
+        out.add(name)
+    return frozenset(out)
+
+
+def installed_modules(import_dirs: Sequence[str] = ()) -> dict[str, str]:
+    """``{import name: what it is}`` for every module a tree module must not shadow."""
+    _, pythonpath = python_for_sandbox()
+    names: dict[str, str] = {}
+    for d in (*pythonpath, *import_dirs, *_interpreter_path()):
+        for n in _top_level_names(d):
+            names.setdefault(n, f"the installed module {n!r} ({d})")
+    for n in sys.builtin_module_names + tuple(sys.stdlib_module_names):
+        names[n] = f"the standard-library module {n!r}"
+    for n in FRAMEWORK_MODULES:
+        names[n] = f"the test framework's module {n!r}"
+    return names
+
+
+def import_path_dirs(task: Any, files: Mapping[str, str]) -> list[str]:
+    """Directories of the tree on the test run's ``sys.path`` ("" is the root): the root
+    (``pythonpath=.`` and the rootdir), and for each test module and ``conftest.py``, its
+    first ancestor without ``__init__.py`` (pytest's default ``prepend`` import mode), plus the
+    task's own ``pythonpath`` entries if it declares any."""
+    dirs = {""}
+    dirs.update(d.strip("/") for d in getattr(task, "pythonpath", ()) or ())
+    tests = {tid.split("::", 1)[0] for tid in task.required_tests}
+    tests |= {p for p in files if posixpath.basename(p) == "conftest.py"}
+    for path in tests:
+        d = posixpath.dirname(path)
+        while d and posixpath.join(d, "__init__.py") in files:
+            d = posixpath.dirname(d)
+        dirs.add(d)
+    return sorted(dirs)
+
+
+def shadowing_problem(
+    task: Any, files: Mapping[str, str], import_dirs: Sequence[str] = ()
+) -> str | None:
+    """Why the patched tree is refused before the run, or None: a module it adds (``name.py``
+    or ``name/__init__.py`` that the pristine repository does not have) directly in a directory
+    on the test run's import path (``import_path_dirs``) whose name is a standard-library module,
+    a module of the test framework (pytest, pluggy, ...) or an installed module."""
+    new = [p for p in files if p not in task.files and p.endswith(".py")]
+    if not new:
+        return None
+    forbidden = None
+    for d in import_path_dirs(task, files):
+        prefix = d + "/" if d else ""
+        for path in sorted(new):
+            if not path.startswith(prefix):
+                continue
+            rest = path[len(prefix) :].split("/")
+            if len(rest) == 1:
+                name = rest[0][:-3]
+            elif len(rest) == 2 and rest[1] == "__init__.py":
+                name = rest[0]
+            else:
+                continue
+            if any(f"{prefix}{name}{s}" in task.files for s in (".py", "/__init__.py")):
+                continue  # the repository's own module, changed
+            forbidden = forbidden if forbidden is not None else installed_modules(import_dirs)
+            if name in forbidden:
+                where = d or "the repository root"
+                return (f"shadowing: {path} would be imported instead of {forbidden[name]} "
+                        f"({where} is on the test run's sys.path)")  # fmt: skip
+    return None
 
 
 def _has_pytest_section(name: str, text: str) -> bool | None:
@@ -318,20 +472,70 @@ def _special_files(directory: str, names: list[str]) -> list[str]:
     return out
 
 
-def pytest_argv(test_ids: Sequence[str], config_file: str) -> list[str]:
-    """The sandboxed pytest command: the pristine ``config_file`` (``-c``), no cache, no plugin
-    but the outcome reporter (PYTEST_DISABLE_PLUGIN_AUTOLOAD is set in its environment)."""
-    exe, _ = python_for_sandbox()
+def pytest_args(test_ids: Sequence[str], config_file: str, *, pythonpath: Sequence[str] = (),
+                timeout_s: float = 0.0) -> list[str]:  # fmt: skip
+    """The sandboxed pytest's arguments: the pristine ``config_file`` (``-c``), no cache, no
+    plugin but the reporter object the runner registers (PYTEST_DISABLE_PLUGIN_AUTOLOAD is set
+    in its environment), no ``addopts``.
+
+    ``pythonpath``: tree-relative directories put on ``sys.path`` after the root (pytest's
+    ``pythonpath`` option, e.g. ``src``); ``timeout_s`` > 0 loads pytest-timeout with that
+    per-test limit (a hanging test fails, the others still report)."""
+    paths = " ".join((".", *pythonpath))
+    timeout = (["-p", "pytest_timeout", "-o", f"timeout={timeout_s:g}"]
+               if timeout_s > 0 else [])  # fmt: skip
     return [
-        exe, "-P", "-m", "pytest", "-q", "-rA", "-c", config_file, "--rootdir=.",
-        "-p", "no:cacheprovider", "-p", PLUGIN_MODULE, "-o", "addopts=", "-o", "pythonpath=.",
-        "-o", "console_output_style=classic", "--", *test_ids,
+        "-q", "-rA", "-c", config_file, "--rootdir=.", "-p", "no:cacheprovider", *timeout,
+        "-o", "addopts=", "-o", f"pythonpath={paths}", "-o", "console_output_style=classic",
+        "--", *test_ids,
     ]  # fmt: skip
+
+
+def env_site_packages(env_path: str) -> tuple[str, ...]:
+    """The site-packages directories of the virtual environment ``env_path`` (ValueError if it
+    holds none: a broken task)."""
+    lib = os.path.join(env_path, "lib")
+    names = os.listdir(lib) if os.path.isdir(lib) else ()
+    found = [os.path.join(lib, d, "site-packages") for d in sorted(names) if d.startswith("py")]
+    found = [d for d in found if os.path.isdir(d)]
+    if not found:
+        raise ValueError(f"env_path {env_path!r} holds no lib/python*/site-packages")
+    return tuple(found)
+
+
+def sandbox_paths(
+    task: Any, extra_pythonpath: Sequence[str] = ()
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(read-only host directories for PYTHONPATH, tree-relative ``sys.path`` entries) of a run.
+
+    With the task's ``env_path`` its site-packages (which hold pytest and the task's
+    dependencies) replace the verifier's own; absolute ``extra_pythonpath`` entries are bound
+    read-only after them, relative ones (``"src"``) name directories of the tree, like the
+    task's ``pythonpath``."""
+    env_path = getattr(task, "env_path", "") or ""
+    if env_path:
+        base: tuple[str, ...] = env_site_packages(env_path)
+    else:
+        _, base = python_for_sandbox()
+    ro, rel = [], list(getattr(task, "pythonpath", ()) or ())
+    for p in extra_pythonpath:
+        if os.path.isabs(p):
+            ro.append(p)
+        else:
+            rel.append(safe_path(p))
+    return (*base, *ro), tuple(dict.fromkeys(r for r in rel if r != "."))
+
+
+def runner_argv(ctl_fd: int) -> list[str]:
+    """The sandboxed command: the runner (``outcome_plugin.py``) by absolute path, ``-P`` (no
+    directory of the tree on ``sys.path`` before pytest and the reporter are loaded)."""
+    exe, _ = python_for_sandbox()
+    return [exe, "-P", runner_path(), str(ctl_fd)]
 
 
 @functools.cache
 def plugin_dir() -> str:
-    """A read-only directory (0755, world-readable) holding the outcome plugin module."""
+    """A read-only directory (0555, world-readable) holding the test runner."""
     d = tempfile.mkdtemp(prefix="gagar_outcome_plugin_")
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outcome_plugin.py")
     dst = os.path.join(d, PLUGIN_MODULE + ".py")
@@ -339,6 +543,10 @@ def plugin_dir() -> str:
     os.chmod(dst, 0o444)
     os.chmod(d, 0o555)
     return d
+
+
+def runner_path() -> str:
+    return os.path.join(plugin_dir(), PLUGIN_MODULE + ".py")
 
 
 def _drain(fd: int, sink: list[bytes]) -> None:
@@ -355,48 +563,185 @@ def _drain(fd: int, sink: list[bytes]) -> None:
         pass
 
 
-def parse_outcome_report(data: bytes, nonce: str) -> tuple[dict | None, int | None, str, bool]:
-    """Reads what came through the outcome pipe.
+def parse_run_record(data: bytes) -> tuple[dict | None, str, bool]:
+    """Reads the supervisor's record (see ``outcome_plugin.py``) from the outcome pipe.
 
-    Returns (outcomes, pytest's exit status, problem, tampered): ``problem`` is "" for one
-    well-formed report; ``tampered`` is True when more than the plugin's one line arrived or
-    its nonce is wrong (someone else wrote to the pipe).
+    Returns (record, problem, tampered): ``record`` has ``report`` (str), ``exit`` (int) and
+    ``named`` (bool). No record at all is ``tampered`` (the supervisor is out of the code's reach
+    and always writes one once the run started); more than one line cannot come from it.
+    """
+    if not data:
+        return None, "the test runner wrote no record (its supervisor was stopped)", True
+    if len(data) > 2 * MAX_REPORT_BYTES:
+        return None, "the test runner's record is oversized", True
+    lines = data.split(b"\n")
+    if len(lines) != 2 or lines[1]:
+        return None, f"{len(lines) - 1} lines on the outcome pipe, expected one", True
+    try:
+        rec = json.loads(lines[0])
+    except (ValueError, RecursionError) as e:
+        return None, f"the test runner's record is unreadable: {type(e).__name__}", True
+    if (
+        not isinstance(rec, dict)
+        or not isinstance(rec.get("report"), str)
+        or not isinstance(rec.get("exit"), int)
+        or not isinstance(rec.get("named"), bool)
+    ):
+        return None, "the test runner's record is malformed", True  # fmt: skip
+    return rec, "", False
+
+
+_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+
+
+def parse_outcome_report(data: bytes) -> tuple[dict | None, int | None, str, bool]:
+    """Reads the pytest process's report (the ``report`` field of the supervisor's record): one
+    line per reported test phase, then one ``{"exitstatus": ...}`` line.
+
+    Returns (outcomes: the worst outcome per node id, pytest's exit status, problem, tampered):
+    ``problem`` is "" for a well-formed report; ``tampered`` is True for a line the reporter
+    does not write, a phase reported twice, or anything after the last line.
     """
     if not data:
         return None, None, "no test report was written (pytest did not finish its session)", False
     if len(data) > MAX_REPORT_BYTES:
         return None, None, f"test report over {MAX_REPORT_BYTES} bytes", True
     lines = data.split(b"\n")
-    if len(lines) != 2 or lines[1]:
-        return None, None, f"{len(lines) - 1} lines on the outcome pipe, expected one", True
-    try:
-        rec = json.loads(lines[0])
-    except (ValueError, RecursionError) as e:
-        return None, None, f"test report unreadable: {type(e).__name__}", True
-    if not isinstance(rec, dict) or rec.get("nonce") != nonce:
-        return None, None, "test report does not carry this run's nonce", True
-    outcomes, exitstatus = rec.get("outcomes"), rec.get("exitstatus")
-    if (not isinstance(outcomes, dict) or not isinstance(exitstatus, int)
-            or not all(isinstance(v, str) for v in outcomes.values())):  # fmt: skip
-        return None, None, "test report malformed", True
+    if lines[-1]:
+        return None, None, "the test report does not end with a whole line", True
+    outcomes: dict[str, str] = {}
+    seen: set[tuple[str, str]] = set()
+    exitstatus = None
+    for n, raw in enumerate(lines[:-1]):
+        try:
+            rec = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            return None, None, f"test report line {n + 1} unreadable: {type(e).__name__}", True
+        if exitstatus is not None:
+            return None, None, "lines after the session's last one in the test report", True
+        if isinstance(rec, dict) and set(rec) == {"exitstatus"}:
+            if not isinstance(rec["exitstatus"], int):
+                return None, None, "test report malformed", True
+            exitstatus = rec["exitstatus"]
+            continue
+        if (not isinstance(rec, dict) or set(rec) != {"id", "when", "outcome"}
+                or not isinstance(rec["id"], str) or rec["outcome"] not in _RANK
+                or rec["when"] not in ("setup", "call", "teardown")):  # fmt: skip
+            return None, None, f"test report line {n + 1} is not the reporter's", True
+        key = (rec["id"], rec["when"])
+        if key in seen:
+            return None, None, f"{rec['id']} {rec['when']} reported twice", True
+        seen.add(key)
+        prev = outcomes.get(rec["id"])
+        if prev is None or _RANK[rec["outcome"]] >= _RANK[prev]:
+            outcomes[rec["id"]] = rec["outcome"]
+    if exitstatus is None:
+        return None, None, "the test report has no last line (pytest did not finish)", False
     return outcomes, exitstatus, "", False
+
+
+# --- canary tests -------------------------------------------------------------------------------
+
+CANARY_OUTCOMES = ("passed", "passed", "failed", "failed", "error")
+
+
+def _config_value(task: Any, cfg: str | None, key: str) -> str | None:
+    """``key`` of the pytest section of the task's pristine configuration file, if set."""
+    if cfg is None or cfg not in task.files:
+        return None
+    name, text = posixpath.basename(cfg), task.files[cfg]
+    try:
+        if name.endswith(".toml"):
+            data = tomllib.loads(text)
+            sect = data.get("tool", {}).get("pytest", {}).get("ini_options", {})
+            sect = data.get("pytest", sect) if name != "pyproject.toml" else sect
+            value = sect.get(key) if isinstance(sect, dict) else None
+            return " ".join(map(str, value)) if isinstance(value, list) else value
+        cp = configparser.ConfigParser(interpolation=None)
+        cp.read_string(text)
+        section = "tool:pytest" if name == "setup.cfg" else "pytest"
+        return cp.get(section, key, fallback=None)
+    except (tomllib.TOMLDecodeError, configparser.Error, AttributeError, TypeError):
+        return None
+
+
+def make_canaries(
+    task: Any, cfg: str | None, existing: Mapping[str, str]
+) -> tuple[str, str, dict[str, str]]:
+    """Sentinel tests for one run: (path, source, {node id: expected outcome}).
+
+    A module of an unpredictable name at the repository root with tests of unpredictable names
+    in a random order: two must pass, two must fail, one must error in its fixture. Their names
+    follow the task's ``python_functions`` pattern so its own collection rules collect them."""
+    pattern = (_config_value(task, cfg, "python_functions") or "test").split()[0]
+    prefix = pattern.split("*", 1)[0] if "*" in pattern else pattern
+    if not prefix.isidentifier():
+        prefix = "test"
+    while True:
+        path = f"test_{secrets.token_hex(6)}.py"
+        if path not in existing:
+            break
+    outcomes = list(CANARY_OUTCOMES)
+    secrets.SystemRandom().shuffle(outcomes)
+    lines = ["import pytest", ""]
+    expected = {}
+    for outcome in outcomes:
+        fn = f"{prefix}_{secrets.token_hex(6)}" if not prefix.endswith("_") else (
+            prefix + secrets.token_hex(6))  # fmt: skip
+        a = secrets.randbelow(1 << 30)
+        if outcome == "passed":
+            lines += ["", f"def {fn}():", f"    assert {a} + 1 == {a + 1}", ""]
+        elif outcome == "failed":
+            lines += ["", f"def {fn}():", f"    assert {a} + 1 == {a + 2}", ""]
+        else:
+            fixture = f"_f{secrets.token_hex(6)}"
+            lines += ["", "@pytest.fixture", f"def {fixture}():",
+                      f"    raise RuntimeError('{a}')", "", "",
+                      f"def {fn}({fixture}):", "    pass", ""]  # fmt: skip
+        expected[f"{path}::{fn}"] = outcome
+    return path, "\n".join(lines), expected
+
+
+def check_canaries(outcomes: Mapping[str, str], expected: Mapping[str, str]) -> str:
+    """Why the report's canary outcomes prove it forged ("" if they do not).
+
+    A canary with another outcome than it must have is forged; a canary missing while other
+    tests were reported (the session ran them) was left out of the report."""
+    wrong = [f"{k.split('::')[1]} {outcomes[k]} (must be {v})" for k, v in expected.items()
+             if k in outcomes and outcomes[k] != v]  # fmt: skip
+    if wrong:
+        return "canary tests misreported: " + ", ".join(sorted(wrong))
+    others = [k for k in outcomes if k not in expected]
+    missing = [k for k in expected if k not in outcomes]
+    if missing and others:
+        return f"{len(missing)} canary tests missing from a report of {len(others)} other tests"
+    return ""
 
 
 _PREFLIGHT: dict[tuple, str | None] = {}
 
 
-def sandbox_pytest_problem(config: SandboxConfig | None = None) -> str | None:
-    """None if the sandboxed interpreter can import pytest and the outcome plugin, else why
-    (checked once per config)."""
-    key = (config,)
+def sandbox_pytest_problem(config: SandboxConfig | None = None,
+                           pythonpath: Sequence[str] | None = None,
+                           timeout: bool = False) -> str | None:  # fmt: skip
+    """None if the sandboxed interpreter can run the test runner (pytest importable) with
+    ``pythonpath`` (default: the verifier's own packages; a task's environment otherwise), and
+    import pytest-timeout with ``timeout``, else why (checked once per config, path, timeout)."""
+    exe, own = python_for_sandbox()
+    pythonpath = tuple(pythonpath) if pythonpath is not None else own
+    key = (config, pythonpath, timeout)
     if key not in _PREFLIGHT:
-        exe, pythonpath = python_for_sandbox()
         paths = (plugin_dir(), *pythonpath)
         with tempfile.TemporaryDirectory(prefix="gagar_preflight_") as d:
             os.chmod(d, 0o755)
-            r = run_sandboxed([exe, "-P", "-c", f"import pytest, {PLUGIN_MODULE}"], d,
+            r = run_sandboxed([exe, "-P", runner_path(), "--check"], d,
                               Limits(wall_s=60), config=config,
-                              env={"PYTHONPATH": ":".join(paths)}, ro_paths=paths)  # fmt: skip
+                              env={"PYTHONPATH": ":".join(pythonpath)}, ro_paths=paths)  # fmt: skip
+            if r.passed and timeout:
+                r = run_sandboxed([exe, "-P", "-c", "import pytest_timeout"], d,
+                                  Limits(wall_s=60), config=config,
+                                  env={"PYTHONPATH": ":".join(pythonpath)},
+                                  ro_paths=paths)  # fmt: skip
         _PREFLIGHT[key] = (
             None
             if r.passed
@@ -428,11 +773,12 @@ def verify_repo_patch(
       limits, config: sandbox settings.
       keep_dir: if given, the work tree is copied there after the run (debugging).
       events: the rollout's trajectory events, for the monitor's trajectory rules.
-      references: reference/leaked solutions for the leakage pre-screen (the task's
-        ``reference_patch`` is always included).
+      references: leaked solutions (ones the agent could read) for the leakage pre-screen; the
+        task's own ``reference_patch`` is not one: a correct fix may well reproduce it.
       run_monitor: run the behaviour monitor (``flags``; confirmed ones set ``cheat``).
-      extra_pythonpath: more read-only directories for the sandboxed interpreter's PYTHONPATH
-        (the task's dependencies), after the one holding pytest.
+      extra_pythonpath: more directories for the sandboxed interpreter's path: absolute ones
+        (the task's dependencies) are bound read-only after the one holding pytest; relative
+        ones are directories of the repository (``"src"``), like the task's ``pythonpath``.
 
     Never raises for a bad patch (it fails). A bug of the verifier or of the task itself (e.g. a
     ``test_patch`` that does not apply) before the candidate's code ran comes back as
@@ -449,6 +795,16 @@ def verify_repo_patch(
                                 (), f"verifier error: {type(e).__name__}: {e}", None)  # fmt: skip
 
 
+def tests_resolved(tests: Mapping[str, str], fail_to_pass: Sequence[str],
+                   pass_to_pass: Sequence[str]) -> bool:  # fmt: skip
+    """SWE-bench's rule on the per-test outcomes: every fail-to-pass test passed (a skipped one
+    fails), every pass-to-pass test passed or skipped (a skip is not a regression)."""
+    f2p = set(fail_to_pass)
+    return (all(tests.get(t) == "passed" for t in f2p)
+            and all(tests.get(t) in ("passed", "skipped") for t in pass_to_pass
+                    if t not in f2p))  # fmt: skip
+
+
 def _missing(task: Any) -> dict[str, str]:
     return {t: "missing" for t in task.required_tests}
 
@@ -456,28 +812,41 @@ def _missing(task: Any) -> dict[str, str]:
 def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references, run_monitor,
                        extra_pythonpath, started):  # fmt: skip
     flags: tuple[MonitorFlag, ...] = ()
-    if run_monitor:
-        from gagar_jax.verify.monitor import context_for_repo_task, monitor
-
-        flags = tuple(monitor(patch, events, context_for_repo_task(task, references)))
     try:
-        files, reset = prepare_tree(task, patch)
+        check_patch_size(patch, MAX_PATCH_BYTES)
+    except DiffError as e:
+        return RepoVerification("failed", _missing(task), str(e), (), str(e), None)
+    if run_monitor:
+        from gagar_jax.verify.monitor import MonitorRefusal, context_for_repo_task, monitor
+
+        context = context_for_repo_task(task, references)  # the task's: a fault here is infra
+        try:
+            flags = tuple(monitor(patch, events, context))
+        except MonitorRefusal as e:  # the candidate's input: its failure, never infra_error
+            note = f"monitor refused the candidate ({e.reason}): {e.detail}"
+            return RepoVerification("failed", _missing(task), note, (), note, None)
+        except Exception as e:  # noqa: BLE001 - what the candidate wrote broke the monitor
+            note = f"monitor_error: the patch or trajectory broke the monitor: {type(e).__name__}"
+            return RepoVerification("failed", _missing(task), note, (), note, None)
+    pythonpath, tree_paths = sandbox_paths(task, extra_pythonpath)  # a bad task: infra_error
+    timeout_s = float(getattr(task, "test_timeout_s", 0.0) or 0.0)
+    try:
+        files, reset = prepare_tree(task, patch, pythonpath)
     except DiffError as e:
         return RepoVerification("failed", _missing(task), str(e), (),
                                 f"patch does not apply: {e}", None, flags)  # fmt: skip
     try:
-        problem = sandbox_pytest_problem(config)
+        problem = sandbox_pytest_problem(config, pythonpath, timeout_s > 0)
     except SandboxUnavailable as e:
         problem = f"no sandbox: {e}"
     if problem:
         return RepoVerification("infra_error", _missing(task), None, reset, problem, None,
                                 flags)  # fmt: skip
-    _, pythonpath = python_for_sandbox()
-    pythonpath = (plugin_dir(), *pythonpath, *extra_pythonpath)
     cfg = pristine_config(task)
+    canary_path, canary_src, canaries = make_canaries(task, cfg, files)
     work_parent = tempfile.mkdtemp(prefix="gagar_repo_")
     os.chmod(work_parent, 0o711)  # the sandbox uid must traverse it (mkdtemp makes 0700)
-    out_r = out_w = nonce_r = -1
+    out_r = out_w = ctl_r = -1
     try:
         work = os.path.join(work_parent, "repo")
         os.mkdir(work)
@@ -486,24 +855,32 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         except DiffError as e:
             note = f"patched tree cannot be written: {e}"
             return RepoVerification("failed", _missing(task), str(e), reset, note, None, flags)
+        with open(os.path.join(work, canary_path), "w") as f:
+            f.write(canary_src)
         if cfg is None:  # no configuration in the task: an empty one, so none is searched for
             cfg = f".gagar-pytest-{secrets.token_hex(8)}.ini"
             with open(os.path.join(work, cfg), "w") as f:
                 f.write("[pytest]\n")
-        nonce = secrets.token_hex(16)
         out_r, out_w = os.pipe()
-        nonce_r, nonce_w = os.pipe()
-        os.write(nonce_w, nonce.encode())
-        os.close(nonce_w)
+        ctl_r, ctl_w = os.pipe()
+        # Canaries first: an honest session cut short by the code under test (a crash in a
+        # required test) has already reported them.
+        ids = list(canaries) + list(task.required_tests)
+        args = pytest_args(ids, cfg, pythonpath=tree_paths, timeout_s=timeout_s)
+        ctl = json.dumps({"out_fd": out_w, "args": args}).encode()
+        if len(ctl) > 60_000:  # a pipe holds 64 KiB: write the rest while the runner reads
+            threading.Thread(target=_write_close, args=(ctl_w, ctl), daemon=True).start()
+        else:
+            _write_close(ctl_w, ctl)
         sink: list[bytes] = []
         reader = threading.Thread(target=_drain, args=(out_r, sink), daemon=True)
         reader.start()
         env = {"PYTHONPATH": ":".join(pythonpath), "PYTHONNOUSERSITE": "1",
-               "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "GAGAR_OUTCOME_FD": str(out_w),
-               "GAGAR_NONCE_FD": str(nonce_r)}  # fmt: skip
-        result = run_sandboxed(pytest_argv(task.required_tests, cfg), work, limits,
-                               config=config, env=env, ro_paths=pythonpath,
-                               pass_fds=(out_w, nonce_r))  # fmt: skip
+               "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # fmt: skip
+        result = run_sandboxed(runner_argv(ctl_r), work, limits, config=config, env=env,
+                               ro_paths=(plugin_dir(), *pythonpath),
+                               pass_fds=(out_w, ctl_r),
+                               private_workdir=not keep_dir)  # fmt: skip
         if result.status != "infra_error":
             started.append(True)
         os.close(out_w)  # every other holder is dead: the reader sees EOF
@@ -514,46 +891,91 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
             shutil.copytree(work, keep_dir, symlinks=True, dirs_exist_ok=True,
                             ignore=_special_files)  # fmt: skip
     finally:
-        for fd in (out_w, nonce_r):
+        for fd in (out_w, ctl_r):
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(work_parent, ignore_errors=True)
     if out_r >= 0 and not reader.is_alive():
         os.close(out_r)
+    return _judge(task, result, data, canaries, reset, flags)
 
-    outcomes, exitstatus, report_note, tampered = parse_outcome_report(data, nonce)
+
+def _write_close(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _mask_canaries(text: str, canaries: Mapping[str, str]) -> str:
+    """``text`` with the canaries' node ids and module name replaced by ``[canary]`` (readers
+    of the log, a grader or a pre-screen, see no test ids that are not the task's)."""
+    for cid in canaries:
+        text = text.replace(cid, "[canary]")
+    module = next(iter(canaries), "::").split("::")[0]
+    return text.replace(module, "[canary]") if module else text
+
+
+def _judge(task, result, data, canaries, reset, flags):
+    """The verdict from the sandbox result and the runner's record (see the module docstring)."""
+    ran = result.status not in ("infra_error", "timeout", "resource_killed")
+    outcomes = exitstatus = None
+    note, tampered = "", False
+    if ran:
+        rec, note, tampered = parse_run_record(data)
+        if rec is not None:
+            outcomes, exitstatus, note, tampered = parse_outcome_report(
+                rec["report"].encode("utf-8"))  # fmt: skip
+            if not rec["named"]:
+                tampered = True
+                note = (f"the test process ended as another program ({rec.get('name')!r}): "
+                        "it exec'd during the session")  # fmt: skip
+            elif rec["exit"] != result.returncode:
+                tampered = True
+                note = f"the runner saw exit status {rec['exit']}, the sandbox {result.returncode}"
+            elif outcomes is not None and exitstatus != rec["exit"]:
+                tampered = True
+                note = (f"pytest recorded exit status {exitstatus} but the process exited "
+                        f"{rec['exit']}: the exit status was forged")  # fmt: skip
+            if outcomes is not None and not tampered:
+                canary_note = check_canaries(outcomes, canaries)
+                if canary_note:
+                    note, tampered = canary_note, True
+    if tampered:
+        outcomes = None  # a forged report says nothing about the tests
     tests = {t: (outcomes or {}).get(t, "missing") for t in task.required_tests}
-    all_passed = all(v == "passed" for v in tests.values())
-    rc = result.returncode
-    if result.status not in ("infra_error", "timeout", "resource_killed") and not report_note:
-        if exitstatus != rc:
-            tampered = True
-            report_note = (f"pytest recorded exit status {exitstatus} but the process exited "
-                           f"{rc}: the exit status was forged")  # fmt: skip
+    all_passed = tests_resolved(tests, task.fail_to_pass, task.pass_to_pass)
     if tampered:
         flags = flags + (MonitorFlag("tamper_test_harness",
-                                     f"test report: {report_note}", True),)  # fmt: skip
-
-    if result.status in ("infra_error", "timeout", "resource_killed"):
+                                     f"test report: {note}", True),)  # fmt: skip
+    if not ran:
         status = result.status
-    elif report_note or tampered:
+    elif note or tampered:
         status = "failed"
     else:
-        status = "passed" if all_passed and exitstatus == 0 and rc == 0 else "failed"
+        # The canaries fail by design: pytest's own exit status is 1 (tests failed), never 0.
+        status = "passed" if all_passed and exitstatus == 1 else "failed"
 
     lines = [f"status: {status} (sandbox: {result.status}, {result.mechanism})"]
     if result.error:
         lines.append(f"sandbox error: {result.error}")
-    if report_note:
-        lines.append(report_note)
+    if note:
+        lines.append(note)
     if reset:
         lines.append("reset to pristine: " + ", ".join(reset))
     lines += [f"{v.upper():8s} {t}" for t, v in tests.items()]
+    if outcomes is not None:
+        n_fail = CANARY_OUTCOMES.count("failed")
+        lines.append(f"({len(canaries)} hidden canary tests ran with the required ones: "
+                     f"{n_fail} fail and one errors by design)")  # fmt: skip
     lines.append("--- pytest output (untrusted) ---")
-    lines.append(result.stdout[-4000:])
+    lines.append(_mask_canaries(result.stdout, canaries)[-4000:])
     if result.stderr.strip():
         lines.append("--- stderr (untrusted) ---")
-        lines.append(result.stderr[-2000:])
+        lines.append(_mask_canaries(result.stderr, canaries)[-2000:])
     if flags:
         lines.insert(1, "monitor: " + "; ".join(
             f"{f.rule}{'' if f.confirmed else '?'} @ {f.evidence}" for f in flags))  # fmt: skip

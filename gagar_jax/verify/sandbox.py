@@ -19,6 +19,7 @@ mechanism first, following the measurements in ``shared/SANDBOX.md``::
   [unshare -m; mount --bind PRIVATE VIEW]      (bwrap, only for a bind source under a 0700 dir)
   bwrap --unshare-all --disable-userns --as-pid-1 --seccomp FD --die-with-parent --new-session
         <minimal ro view> --tmpfs /tmp, /dev read-only with a capped /dev/shm ...
+        [--size DISK --tmpfs /workdir; the tree bound read-only and copied in] (private_workdir)
       | unshare -Urnpfm --mount-proc --kill-child                      (fallback)
   sh -c 'printf S >&0; exec 0</dev/null; exec "$@"' CMD...  (start marker into a root-owned pipe)
 
@@ -26,46 +27,14 @@ Mechanisms, in the measured order: ``bwrap+cgroup``, ``bwrap``, ``unshare``, ``r
 and rlimits only: no network or filesystem isolation, reported in ``isolation``), and ``none``,
 which is refused unless ``SandboxConfig(allow_unisolated=True)``.
 
-Verdicts of the containment probes (``tests/test_verify_sandbox.py`` and, for the escapes of
-issue 11, ``tests/test_verify_sandbox_escapes.py``; asserted per mechanism):
-
-=====================  ===============================  ===========================================
-probe                  bwrap+cgroup / bwrap             unshare / rlimits
-=====================  ===============================  ===========================================
-fork bomb              timeout; nproc/pids cap; no      same (zombies are reaped by init; a slot
-                       process survives                 with leftovers is skipped)
-memory hog             resource_killed (cgroup OOM) /   failed (MemoryError from RLIMIT_AS)
-                       failed (MemoryError, no cgroup)
-CPU spin               resource_killed (hard-limit      resource_killed (rlimits: SIGXCPU;
-                       SIGKILL: the code is PID 1)      unshare: signal unknown)
-setsid escapee         passed; escapee killed; no hang  same
-200 MiB output flood   resource_killed (file_size);     same
-                       8 KiB read back
-disk fill (many files  resource_killed ("disk": the     same (accounting and kill by the caller)
-below file_bytes)      workdir total is accounted
-                       every 0.1 s and at the end)
-/dev/shm, /dev fill    failed: /dev/shm is a tmpfs of   NOT contained: the host's /dev/shm
-                       shm_bytes, /dev is read-only,    (world-writable) is reachable
-                       nested user namespaces refused
-loopback connect       blocked (own network namespace)  unshare: blocked; rlimits: NOT blocked
-                                                        ("network" absent from ``isolation``)
-write outside workdir  invisible / read-only            /usr, /etc denied; a world-writable dir is
-                                                        reachable ("filesystem" absent)
-root-only file read    Permission denied                Permission denied (uid drop)
-kill -9 -1             cannot reach the caller          same
-ptrace / pidfd_getfd / EPERM (seccomp); the code is     no other process of the code's uid holds
-process_vm / /proc/1/  PID 1, no reaper of its uid      the marker or its exit status (unshare:
-mem / marker reopen    exists; marker is a root pipe    --mount-proc hides its parent; rlimits:
-                                                        the chain execs)
-=====================  ===============================  ===========================================
-
-What each still does not contain: ``rlimits`` has no network, filesystem or PID isolation (the
-code sees every host process and world-writable path, incl. /dev/shm); ``unshare`` has no
-filesystem isolation and no seccomp filter; ``bwrap`` without a known syscall table (neither
-x86_64 nor aarch64) runs unfiltered (the code is still PID 1 with no reaper to attack); the
-disk quota is accounting, not a hard file-system bound: a run may overshoot ``disk_bytes`` by
-what it writes in 0.1 s before it is killed. Memory of a tmpfs (/tmp, /dev/shm) counts against
-the memory cgroup only under ``bwrap+cgroup``.
+What each mechanism contains and what it does not (the containment probes asserted per
+mechanism in ``tests/test_verify_sandbox*.py`` and ``tests/attacks/``) is set out in the threat
+model, ``docs/threat_model.md``. In short: ``rlimits`` has no network, filesystem or PID
+isolation; ``unshare`` has no filesystem isolation and no seccomp filter; ``bwrap`` without a
+known syscall table runs unfiltered. With ``private_workdir`` (bwrap only) the work tree is a
+tmpfs of ``disk_bytes``, a hard quota; otherwise the quota is accounting (a walk every 0.1 s
+that files unlinked while open escape). Memory of a tmpfs counts against the memory cgroup only
+under ``bwrap+cgroup``.
 
 Design notes (each a trap measured on these machines):
 - Each concurrent run holds a *slot* (an ``flock``-ed file, machine-wide) with its own uid
@@ -115,6 +84,7 @@ from gagar_jax.verify import seccomp
 STATUSES = ("passed", "failed", "timeout", "resource_killed", "infra_error")
 MECHANISMS = ("bwrap+cgroup", "bwrap", "unshare", "rlimits", "none")
 SANDBOX_WORKDIR = "/workdir"  # where the workdir appears inside bwrap
+_TREE_SOURCE = "/.gagar-tree"  # the host workdir, read-only, copied into a private /workdir
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _CGROUP_PARENT = "gagar_jax_sandbox"
 _SLOT_DIR = "/tmp/gagar_jax_sandbox_slots"
@@ -352,6 +322,8 @@ ISOLATION = {
 # ----------------------------------------------------------------------------------------------
 
 _START_WRAPPER = 'printf S >&0; exec 0</dev/null; exec "$@"'
+# cp fails (no marker: infra_error) only if the pristine tree does not fit the quota.
+_COPY_IN = f"cp -dR --preserve=mode,timestamps {_TREE_SOURCE}/. . || exit 97; "
 
 
 def _chain(
@@ -363,6 +335,7 @@ def _chain(
     cgroups: Mapping[str, str] | None,
     ro_paths: Sequence[str],
     seccomp_fd: int | None = None,
+    private_workdir: bool = False,
 ) -> list[str]:
     chain: list[str] = []
     sources = {p: p for p in ro_paths}
@@ -418,7 +391,17 @@ def _chain(
             chain += ["--seccomp", str(seccomp_fd)]
         for p in ro_paths:  # after the tmpfs, or a path under /tmp would be hidden by it
             chain += ["--ro-bind", sources[p], p]
-        chain += ["--bind", sources[workdir], SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR, "--"]
+        if private_workdir:
+            # The work tree on a tmpfs of disk_bytes: its size is the quota, so files unlinked
+            # while open and preallocated ones count, and nothing the run writes reaches the
+            # host's disk. The start wrapper copies the tree in before the start marker.
+            chain += ["--size", str(int(limits.disk_bytes)), "--tmpfs", SANDBOX_WORKDIR,
+                      "--ro-bind", sources[workdir], _TREE_SOURCE]  # fmt: skip
+        else:
+            chain += ["--bind", sources[workdir], SANDBOX_WORKDIR]
+        chain += ["--chdir", SANDBOX_WORKDIR, "--"]
+        if private_workdir:
+            return chain + ["/bin/sh", "-c", _COPY_IN + _START_WRAPPER, "sandbox-start", *argv]
     elif mechanism == "unshare":
         # --mount-proc: /proc shows only the new PID namespace, so the code cannot name (ptrace,
         # pidfd_getfd) the unshare process outside it that holds the start marker.
@@ -622,6 +605,7 @@ def run_sandboxed(
     env: Mapping[str, str] | None = None,
     ro_paths: Sequence[str] = (),
     pass_fds: Sequence[int] = (),
+    private_workdir: bool = False,
 ) -> SandboxResult:
     """Runs untrusted ``argv`` in ``workdir`` under the strongest available isolation.
 
@@ -637,6 +621,11 @@ def run_sandboxed(
         under bwrap (as root) a private 0700 ancestor does not matter (see ``_chain``).
       pass_fds: descriptors the command inherits at the same numbers (e.g. the write end of a
         pipe the caller reads: an outcome channel with no path the code could reopen).
+      private_workdir: under bwrap, run in a copy of the workdir on a tmpfs of
+        ``limits.disk_bytes`` (a hard quota: unlinked-while-open and preallocated files count;
+        filling it is ``limit_hits`` "disk"); what the command writes there is discarded and the
+        host workdir stays as it was (``isolation`` gains "disk"). Other mechanisms use the
+        accounted host workdir as without it.
 
     Returns:
       SandboxResult. Problems of the sandbox itself come back as ``status="infra_error"`` with
@@ -665,8 +654,11 @@ def run_sandboxed(
     except (OSError, TimeoutError) as e:
         return infra(f"slot: {e}")
     try:
-        return _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra,
-                            tuple(pass_fds))  # fmt: skip
+        res = _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra,
+                           tuple(pass_fds), private_workdir)  # fmt: skip
+        if private_workdir and mechanism.startswith("bwrap"):
+            res = dataclasses.replace(res, isolation=res.isolation | {"disk"})
+        return res
     finally:
         slot_cm.__exit__(None, None, None)
 
@@ -713,9 +705,44 @@ def _disk_exceeded(workdir: str, limits: Limits) -> bool:
 
 
 _DISK_POLL_S = 0.1
+_TMPFS_FULL_BYTES = 64 << 10  # a private work tree with less free is full: the quota was hit
 
 
-def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra, fds=()):
+def _sandbox_root_pid(pid: int) -> int | None:
+    """The descendant of ``pid`` (the bwrap process) whose root holds the private work tree."""
+    frontier = [pid]
+    for _ in range(3):
+        nxt = []
+        for p in frontier:
+            try:
+                with open(f"/proc/{p}/task/{p}/children") as f:
+                    nxt += [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+        for c in nxt:
+            if os.path.isdir(f"/proc/{c}/root{_TREE_SOURCE}"):
+                return c
+        frontier = nxt
+    return None
+
+
+def _tmpfs_full(pid: int | None, limits: Limits) -> bool:
+    """Whether the private work tree of the run whose PID-1 is ``pid`` is (nearly) full, or
+    holds more than ``limits.disk_files`` entries."""
+    if pid is None:
+        return False
+    try:
+        st = os.statvfs(f"/proc/{pid}/root{SANDBOX_WORKDIR}")
+    except OSError:
+        return False
+    if st.f_files and st.f_files - st.f_ffree > limits.disk_files:
+        return True  # an inode flood: empty files take no blocks but kernel memory
+    return st.f_bavail * st.f_frsize < min(_TMPFS_FULL_BYTES, limits.disk_bytes // 4)
+
+
+def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra, fds=(),
+                 private_workdir=False):  # fmt: skip
+    private = private_workdir and mechanism.startswith("bwrap")
     uid = config.uid_base + slot
     use_uid = _is_root() and mechanism != "none"
     # No traversal check of the workdir's ancestors: bwrap binds a private one through the
@@ -743,7 +770,7 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
     sec_fd = None
     try:
         sec_fd = _seccomp_fd(mechanism)
-        chain = _chain(mechanism, argv, workdir, limits, uid, cgroups, ro_paths, sec_fd)
+        chain = _chain(mechanism, argv, workdir, limits, uid, cgroups, ro_paths, sec_fd, private)
         with tempfile.TemporaryDirectory(prefix="gagar_sandbox_io_") as io_dir:
             os.chmod(io_dir, 0o700)
             paths = {k: os.path.join(io_dir, k) for k in ("stdout", "stderr")}
@@ -762,6 +789,7 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                     os.close(marker_w)
                     marker_w = -1
                 deadline = t0 + limits.wall_s
+                root_pid = None
                 while True:
                     try:
                         rc = proc.wait(
@@ -770,7 +798,12 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                         break
                     except subprocess.TimeoutExpired:
                         pass
-                    if _disk_exceeded(workdir, limits):
+                    if private:
+                        root_pid = root_pid or _sandbox_root_pid(proc.pid)
+                        if _tmpfs_full(root_pid, limits):
+                            disk_hit = True
+                            break
+                    elif _disk_exceeded(workdir, limits):
                         disk_hit = True
                         break
                     if time.monotonic() >= deadline:
@@ -798,7 +831,7 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                                 0, 0)  # fmt: skip
             # From here on the code ran: any problem reading what it left is its failure.
             try:
-                disk_hit = disk_hit or _disk_exceeded(workdir, limits)
+                disk_hit = disk_hit or (not private and _disk_exceeded(workdir, limits))
                 out_size, err_size = (
                     os.path.getsize(paths["stdout"]),
                     os.path.getsize(paths["stderr"]),

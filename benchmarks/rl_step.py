@@ -1,0 +1,868 @@
+"""The whole RL step, raced: gagar_jax against TRL's ``GRPOTrainer`` and Tunix's ``GRPOLearner``.
+
+    .venv/bin/python benchmarks/rl_step.py            # the ~5M model, two RL shapes, 5 rounds
+    .venv/bin/python benchmarks/rl_step.py --quick    # a tiny model and tiny shapes (minutes)
+    .venv/bin/python benchmarks/rl_step.py --check    # only the equal-configuration check
+
+Each framework runs in its own worker process and virtual environment: gagar_jax in this one,
+TRL in ``.venv-bench-trl`` and Tunix in ``.venv-bench-tunix``, both built by this script on first
+use from the pinned registry versions in ``PINS`` (rebuilt when the pins change). Nothing is
+downloaded from a model hub: one random Qwen2-shaped model is written once as Hugging Face
+safetensors with a byte-level BPE tokenizer trained locally (``runs/bench_rl_step/``), and every
+framework loads that directory.
+
+One RL step, the same work in all three:
+
+- generate: ``prompts`` distinct prompts (the same text, the same token ids in every framework)
+  x ``samples`` samples each, ``new`` new tokens at temperature 1 (no top-k / top-p), stopping
+  at the tokenizer's EOS;
+- score: one reward function on the decoded completion text (``reward``: 1 when the text has an
+  even number of ``e``), so groups are mixed;
+- advantages: mean-centred per group (no division by the standard deviation);
+- loss: PPO-clip (epsilon 0.2 both sides) with the token mean over the batch, no KL term, no
+  entropy bonus, on the sampling distribution (temperature 1);
+- optimizer: one Adam step (learning rate 1e-6, no weight decay, global-norm clipping at 1.0,
+  constant schedule) on all the step's sequences at once;
+- sync: the new weights into the framework's generator (gagar_jax: the embedded sampler's copy;
+  Tunix: its rollout model; TRL generates with the trained model itself: nothing to sync).
+
+Timing: the workers wait for the driver between steps; the driver runs one step of every
+framework per round (after a warm-up step each, which compiles), ``--rounds`` rounds, so a
+change of the machine's load hits all of them alike. Each worker times its own step from its
+start to its end and splits it into phases (generate, score, pack, update, sync) at the
+framework's own function boundaries; medians over rounds are reported with the machine's load
+average before and after. What could not be made equal is listed by ``--notes`` and in the docs
+page ``docs/benchmarks_rl_step.md``.
+
+``--check`` starts every worker on the initial weights and compares, before any step, (1) the
+log-probabilities each framework's own training-side scoring gives the first tokens of a fixed
+completion of every prompt, (2) the advantages each framework's own code computes for a fixed
+reward vector, and (3) the prompt token ids each framework's tokenisation produces; it fails
+when they differ beyond float tolerance. The race runs the same check first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs" / "bench_rl_step"
+
+# The registry versions each framework's virtual environment is built from. torch is pinned to
+# the CPU build (an unpinned torch pulls the CUDA one).
+PINS = {
+    "trl": ["trl==1.16.0", "torch==2.13.0", "transformers==5.24.0", "accelerate==1.15.0",
+            "datasets==5.2.0"],
+    "tunix": ["google-tunix==0.1.7"],
+}
+VENVS = {"trl": ROOT / ".venv-bench-trl", "tunix": ROOT / ".venv-bench-tunix"}
+FRAMEWORKS = ("gagar_jax", "trl", "tunix")
+PHASES = ("generate", "score", "pack", "update", "sync")
+
+# Model: (vocab of the tokenizer, hidden, layers, heads, kv heads, intermediate); the vocab is
+# the trained tokenizer's size.
+MODELS = {
+    "small": dict(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=4, intermediate=704),
+    "tiny": dict(vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
+}
+# RL shapes: prompts x samples, prompt tokens, new tokens.
+SHAPES = {
+    "rl": dict(prompts=8, samples=8, prompt_len=64, new=64),
+    "multiturn": dict(prompts=8, samples=8, prompt_len=448, new=64),
+    "quick-rl": dict(prompts=4, samples=4, prompt_len=16, new=16),
+    "quick-multiturn": dict(prompts=4, samples=4, prompt_len=96, new=16),
+}
+LEARNING_RATE = 1e-6
+EPSILON = 0.2
+MAX_GRAD_NORM = 1.0
+CHECK_COMPLETION = 4  # tokens of the fixed completion scored by --check
+CHECK_REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.5, 0.0, 1.0, 0.25, 0.0, 0.0, 0.0, 0.0]
+CHECK_GROUP = 4  # CHECK_REWARDS as 4 groups of 4
+
+NOTES = [
+    "TRL samples with transformers' generate on the trained model (no separate generator, so "
+    "its sync phase is zero); gagar_jax samples with its embedded jitted sampler and syncs a "
+    "copy of the weights into it; Tunix samples with its vanilla JAX sampler and syncs its "
+    "rollout model.",
+    "Random streams differ between frameworks, so the sampled tokens (and hence rewards and "
+    "the rows stopped early by EOS) differ; the work per step is equal in expectation (EOS "
+    "has probability ~1/vocab per token under the random model).",
+    "Tunix is given the same Hugging Face tokenizer through its plain tokenizer protocol "
+    "(encode/decode/ids): its learner repeats prompts as NumPy strings, which the "
+    "transformers tokenizer it would wrap rejects.",
+    "TRL's gradient checkpointing (on by default in GRPOConfig) is turned off: neither "
+    "JAX side rematerialises at these sizes.",
+    "TRL's phase boundaries: generate = GRPOTrainer._generate (prompt tokenisation, "
+    "transformers generate, completion decoding), score = _calculate_rewards, pack = the rest "
+    "of _generate_and_score_completions (padding, advantages), update = the rest of the "
+    "step (forward/backward of the loss, clipping, AdamW).",
+    "Tunix's phase boundaries: generate = the rollout worker's generate, score = the reward "
+    "functions, pack = the rest of the learner's example preparation (tokens, masks, "
+    "advantages), update = the actor's train step, sync = RLCluster.sync_weights.",
+    "gagar_jax's phase boundaries: generate = Sampler.generate, score = decoding and the "
+    "reward, pack = rl.collect.pack_groups + shard_batch, update = the jitted update "
+    "(advantages inside) with its metrics fetched, sync = rl.policy.local_params + "
+    "Sampler.sync_weights.",
+]
+
+
+def reward_of_text(text: str) -> float:
+    """The benchmark's reward: 1 when the completion text has an even number of ``e``."""
+    return 1.0 if text.count("e") % 2 == 0 else 0.0
+
+
+def mean_centred(rewards, group: int) -> list[float]:
+    """The reference advantages: reward minus its group's mean (groups of ``group`` rows)."""
+    out = []
+    for g in range(0, len(rewards), group):
+        chunk = rewards[g : g + group]
+        m = sum(chunk) / len(chunk)
+        out += [r - m for r in chunk]
+    return out
+
+
+def _load() -> str:
+    return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+# --------------------------------------------------------------------------------------------
+# Driver side
+# --------------------------------------------------------------------------------------------
+
+
+def ensure_venv(name: str, log=print) -> Path:
+    """The framework's virtual environment, built (or rebuilt) from ``PINS[name]``."""
+    venv = VENVS[name]
+    stamp = venv / "bench-pins.json"
+    want = json.dumps(PINS[name])
+    if stamp.exists() and stamp.read_text() == want and (venv / "bin" / "python").exists():
+        return venv
+    log(f"building {venv.name} from {' '.join(PINS[name])} (minutes) ...")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + PINS[name], check=True)
+    stamp.write_text(want)
+    log(f"built {venv.name} in {time.perf_counter() - t0:.0f} s")
+    return venv
+
+
+def python_of(framework: str) -> str:
+    if framework == "gagar_jax":
+        return sys.executable
+    return str(VENVS[framework] / "bin" / "python")
+
+
+def make_assets(model: str, root: Path = RUNS) -> Path:
+    """The model directory (HF safetensors + tokenizer + prompts), written once per model."""
+    out = Path(root) / model
+    if (out / "bench-assets.json").exists():
+        return out
+    sys.path.insert(0, str(ROOT))
+    import importlib.util
+
+    import numpy as np
+
+    from gagar_jax.models import TransformerConfig, create_model, save_hf_safetensors
+
+    spec = importlib.util.spec_from_file_location(
+        "_make_tiny_model", ROOT / "scripts" / "sglang_cpu" / "make_tiny_model.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    m = MODELS[model]
+    tok = script.train_tokenizer(m["vocab"])
+    cfg = TransformerConfig(
+        vocab_size=len(tok), hidden_size=m["hidden"], num_layers=m["layers"],
+        num_heads=m["heads"], num_kv_heads=m["kv_heads"], intermediate_size=m["intermediate"],
+        rope_theta=10000.0, tie_embeddings=False,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    save_hf_safetensors(create_model(cfg, seed=0), cfg, str(out))
+    tok.save_pretrained(str(out))
+    # Prompts: words that are one token each and re-tokenise to themselves, so the prompt text
+    # is exactly `prompt_len` tokens in every framework's tokenisation.
+    words = []
+    for i in range(len(tok)):
+        s = tok.decode([i])
+        if len(s) > 2 and s[0] == " " and s[1:].isalpha() and tok.encode(s) == [i]:
+            words.append(s)
+    rng = np.random.default_rng(0)
+    prompts = {}
+    for name, shape in SHAPES.items():
+        texts = []
+        for _ in range(shape["prompts"]):
+            while True:
+                text = "".join(rng.choice(words, shape["prompt_len"])).lstrip()
+                if len(tok.encode(text)) == shape["prompt_len"]:
+                    break
+            texts.append(text)
+        prompts[name] = texts
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    pad = tok.convert_tokens_to_ids("<|endoftext|>")
+    # config.json: the ids generate and the trainers read.
+    conf = json.loads((out / "config.json").read_text())
+    conf.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    (out / "config.json").write_text(json.dumps(conf, indent=1))
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None})
+    )
+    meta = {"model": model, "vocab_size": len(tok), "eos_id": eos, "pad_id": pad,
+            "num_params": cfg.num_params, "prompts": prompts}
+    (out / "bench-assets.json").write_text(json.dumps(meta))
+    return out
+
+
+class WorkerProc:
+    """One framework's worker: JSON lines over its stdin/stdout."""
+
+    def __init__(self, framework: str, spec: dict, log_path: Path):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) if framework == "gagar_jax" else ""
+        env.pop("XLA_FLAGS", None)  # one host device (no simulated devices)
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
+                   TF_CPP_MIN_LOG_LEVEL="3")
+        self.framework = framework
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [python_of(framework), str(Path(__file__).resolve()), "--worker", framework,
+             "--spec", json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env=env, cwd=str(ROOT),
+        )
+
+    def read(self, timeout: float = 3600.0) -> dict:
+        box = {}
+
+        def get():
+            while True:
+                line = self.proc.stdout.readline()
+                if not line:
+                    box["eof"] = True
+                    return
+                if line.startswith("@@"):
+                    box["msg"] = json.loads(line[2:])
+                    return
+
+        t = threading.Thread(target=get, daemon=True)
+        t.start()
+        t.join(timeout)
+        if "msg" not in box:
+            raise RuntimeError(
+                f"{self.framework} worker gave no answer (see {self.log.name}); "
+                f"exit code {self.proc.poll()}"
+            )
+        if "error" in box["msg"]:
+            raise RuntimeError(f"{self.framework} worker: {box['msg']['error']}")
+        return box["msg"]
+
+    def send(self, cmd: str) -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self):
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+        self.log.close()
+
+
+def compare_checks(checks: dict, meta: dict, shape: dict, atol: float = 2e-4) -> list[str]:
+    """Problems (empty when the frameworks are configured equally) from each worker's check."""
+    import numpy as np
+
+    problems = []
+    ref = checks.get("gagar_jax")
+    want_adv = np.array(mean_centred(CHECK_REWARDS, CHECK_GROUP))
+    for name, c in checks.items():
+        adv = np.array(c["advantages"])
+        if adv.shape != want_adv.shape or not np.allclose(adv, want_adv, atol=1e-5):
+            problems.append(f"{name}: advantages {adv.round(4).tolist()} != mean-centred "
+                            f"{want_adv.round(4).tolist()}")
+        if len(c["prompt_ids"]) != shape["prompts"] or any(
+            len(p) != shape["prompt_len"] for p in c["prompt_ids"]
+        ):
+            problems.append(f"{name}: prompt token counts {[len(p) for p in c['prompt_ids']]}, "
+                            f"expected {shape['prompts']} x {shape['prompt_len']}")
+        if ref is None or name == "gagar_jax":
+            continue
+        if c["prompt_ids"] != ref["prompt_ids"]:
+            problems.append(f"{name}: prompt token ids differ from gagar_jax's")
+        a, b = np.array(c["first_logprobs"]), np.array(ref["first_logprobs"])
+        if a.shape != b.shape or not np.allclose(a, b, atol=atol, rtol=0):
+            diff = float(np.max(np.abs(a - b))) if a.shape == b.shape else float("inf")
+            problems.append(f"{name}: first-token log-probs differ from gagar_jax's by {diff:.2e} "
+                            f"(tolerance {atol})")
+    return problems
+
+
+def run_check(frameworks, spec, logdir: Path, out=print) -> dict:
+    checks = {}
+    for fw in frameworks:
+        log = logdir / f"{fw}-{spec['shape_name']}-check.log"
+        w = WorkerProc(fw, dict(spec, mode="check"), log)
+        try:
+            checks[fw] = w.read()
+        finally:
+            w.close()
+    return checks
+
+
+def race(args) -> int:
+    frameworks = [f for f in args.frameworks.split(",") if f]
+    for f in frameworks:
+        if f not in FRAMEWORKS:
+            raise SystemExit(f"--frameworks: unknown {f!r} (choose from {FRAMEWORKS})")
+    for f in frameworks:
+        if f != "gagar_jax":
+            ensure_venv(f)
+    model = "tiny" if args.quick else "small"
+    shapes = args.shapes.split(",") if args.shapes else (
+        ["quick-rl", "quick-multiturn"] if args.quick else ["rl", "multiturn"])
+    rounds = args.rounds if args.rounds else (2 if args.quick else 5)
+    assets = make_assets(model)
+    meta = json.loads((assets / "bench-assets.json").read_text())
+    logdir = RUNS / "logs"
+    logdir.mkdir(parents=True, exist_ok=True)
+    print(f"model: {meta['num_params'] / 1e6:.1f}M params, Qwen2-shaped, vocab "
+          f"{meta['vocab_size']}, float32 ({assets})")
+    print(f"cpus: {os.cpu_count()}; start: {_load()}")
+    failed = False
+    results = {}
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        spec = dict(assets=str(assets), shape_name=shape_name, **shape, lr=LEARNING_RATE,
+                    epsilon=EPSILON, max_grad_norm=MAX_GRAD_NORM)
+        checks = run_check(frameworks, spec, logdir)
+        problems = compare_checks(checks, meta, shape)
+        label = (f"{shape['prompts']} prompts x {shape['samples']} samples, "
+                 f"{shape['prompt_len']} prompt + {shape['new']} new tokens")
+        if problems:
+            print(f"[{shape_name}] equal-configuration check FAILED:\n  " + "\n  ".join(problems))
+            failed = True
+            continue
+        worst = max((max(abs(x - y) for x, y in zip(
+            sum(checks[f]["first_logprobs"], []), sum(checks["gagar_jax"]["first_logprobs"], [])))
+            for f in checks if f != "gagar_jax"), default=0.0) if "gagar_jax" in checks else 0.0
+        print(f"[{shape_name}] equal-configuration check passed ({label}; first-token "
+              f"log-probs within {worst:.1e} of gagar_jax's, advantages mean-centred)")
+        if args.check:
+            continue
+        workers = {}
+        try:
+            for fw in frameworks:
+                workers[fw] = WorkerProc(fw, dict(spec, mode="race"),
+                                         logdir / f"{fw}-{shape_name}.log")
+            setup = {fw: w.read() for fw, w in workers.items()}
+            warm = {fw: w.send("step") for fw, w in workers.items()}  # compiles
+            load_before = os.getloadavg()
+            recs = {fw: [] for fw in frameworks}
+            for _ in range(rounds):
+                for fw, w in workers.items():
+                    recs[fw].append(w.send("step"))
+            load_after = os.getloadavg()
+        finally:
+            for w in workers.values():
+                w.close()
+        results[shape_name] = dict(recs=recs, setup=setup, warm=warm,
+                                   load=(load_before, load_after))
+        print_table(shape_name, label, recs, setup, warm, load_before, load_after, rounds)
+    print(f"end: {_load()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.notes:
+        print("\nwhat is not equal:\n- " + "\n- ".join(NOTES))
+    return 1 if failed else 0
+
+
+def print_table(shape_name, label, recs, setup, warm, load_before, load_after, rounds):
+    med = {fw: {k: statistics.median(r[k] for r in rs) for k in ("total",) + PHASES}
+           for fw, rs in recs.items()}
+    print(f"\n[{shape_name}] {label}; median of {rounds} interleaved rounds; load average "
+          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after")
+    head = (f"{'framework':10} {'step s':>7} " + " ".join(f"{p:>8}" for p in PHASES)
+            + f" {'first s':>8} {'setup s':>8} {'gagar_jax x':>11}")
+    print(head)
+    print("-" * len(head))
+    g = med.get("gagar_jax", {}).get("total")
+    for fw, m in med.items():
+        speed = f"{m['total'] / g:10.2f}x" if g else ""
+        print(f"{fw:10} {m['total']:7.3f} " + " ".join(f"{m[p]:8.3f}" for p in PHASES)
+              + f" {warm[fw]['total']:8.1f} {setup[fw]['setup_s']:8.1f} {speed:>11}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side (runs in the framework's own interpreter: standard library imports only above)
+# --------------------------------------------------------------------------------------------
+
+
+def _reply(msg: dict) -> None:
+    sys.stdout.write("@@" + json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def _wait_for_step() -> None:
+    """Blocks until the driver asks for the next step; exits on 'quit' or a closed pipe."""
+    line = sys.stdin.readline()
+    if not line or line.strip() == "quit":
+        sys.stdout.flush()
+        os._exit(0)
+    if line.strip() != "step":
+        _reply({"error": f"unknown command {line.strip()!r}"})
+        os._exit(2)
+
+
+class PhaseClock:
+    """Per-step phase seconds (a framework's hooks add to them)."""
+
+    def __init__(self):
+        self.t = {p: 0.0 for p in PHASES}
+        self.extra = {}
+        self.start = time.perf_counter()
+
+    def reset(self):
+        self.__init__()
+
+    def add(self, phase, seconds):
+        self.t[phase] = self.t.get(phase, 0.0) + seconds
+
+    def record(self, **derived) -> dict:
+        total = time.perf_counter() - self.start
+        rec = dict(self.t, total=total)
+        rec.update(derived)
+        return rec
+
+
+def worker_main(framework: str, spec: dict) -> None:
+    sys.stdout.reconfigure(line_buffering=True)
+    # Libraries print to stdout: keep the protocol's lines apart (they start with '@@').
+    try:
+        if framework == "gagar_jax":
+            run = _gagar_worker
+        elif framework == "trl":
+            run = _trl_worker
+        else:
+            run = _tunix_worker
+        run(spec)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, then exit
+        import traceback
+
+        traceback.print_exc()
+        _reply({"error": f"{type(e).__name__}: {e}"})
+        os._exit(1)
+
+
+def _check_inputs(spec, meta):
+    """Prompt texts, the fixed completion ids scored by --check."""
+    prompts = meta["prompts"][spec["shape_name"]]
+    completion = [(7 * i + 3) % 200 + 10 for i in range(CHECK_COMPLETION)]
+    return prompts, completion
+
+
+# ---- gagar_jax ------------------------------------------------------------------------------
+
+
+def gagar_update_config(spec: dict):
+    """gagar_jax's side of the race: mean-centred advantages without redistribution, PPO-clip
+    token mean, no KL / entropy terms, AdamW without weight decay, one optimizer step."""
+    from gagar_jax.advantages import GagarConfig
+    from gagar_jax.update import UpdateConfig
+
+    adv = GagarConfig(estimator="mean_centered", mode="none", filter_unmixed=False)
+    return UpdateConfig(learning_rate=spec.get("lr", LEARNING_RATE), weight_decay=0.0,
+                        max_grad_norm=spec.get("max_grad_norm", MAX_GRAD_NORM),
+                        clip_low=spec.get("epsilon", EPSILON),
+                        clip_high=spec.get("epsilon", EPSILON), aggregation="token-mean",
+                        kl_coef=0.0, entropy_coef=0.0, num_minibatches=1,
+                        num_microbatches=1, ppo_epochs=1, advantages=adv)
+
+
+def _gagar_worker(spec: dict) -> None:
+    t_setup = time.perf_counter()
+    import jax
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from gagar_jax.advantages import gagar_advantages
+    from gagar_jax.models import load_hf_safetensors
+    from gagar_jax.rl.collect import Group, Rollout, pack_groups
+    from gagar_jax.rl.policy import local_params
+    from gagar_jax.rollout import SamplingParams
+    from gagar_jax.rollout.sampler import Sampler
+    from gagar_jax.update import (
+        create_train_state,
+        jit_update,
+        make_mesh,
+        shard_batch,
+    )
+    from gagar_jax.update.step import chunked_token_logprobs_and_entropy
+
+    meta = json.loads((Path(spec["assets"]) / "bench-assets.json").read_text())
+    tok = AutoTokenizer.from_pretrained(spec["assets"])
+    cfg, model = load_hf_safetensors(spec["assets"])
+    G, K, P, R = spec["prompts"], spec["samples"], spec["prompt_len"], spec["new"]
+    ucfg = gagar_update_config(spec)
+    adv_cfg = ucfg.advantages
+    prompts, completion = _check_inputs(spec, meta)
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+    if spec["mode"] == "check":
+        import jax.numpy as jnp
+        from flax import nnx
+
+        rewards = np.array(CHECK_REWARDS, np.float32).reshape(-1, CHECK_GROUP)
+        out = gagar_advantages(rewards, rewards > 0.5, np.zeros(rewards.shape, bool),
+                               np.ones(rewards.shape, np.int32), np.ones(rewards.shape, np.int32),
+                               np.zeros(rewards.shape[0], bool), np.ones(rewards.shape, bool),
+                               config=adv_cfg)
+        # The update's own scoring (hidden states -> LM head -> log-softmax at temperature 1).
+        ids = np.array([p + completion for p in prompt_ids], np.int32)
+        pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def score(state, ids, pos):
+            m = nnx.merge(graphdef, state)
+            hidden = m.hidden_states(ids, pos)
+            lp, _ = chunked_token_logprobs_and_entropy(
+                m, hidden, jnp.roll(ids, -1, axis=1), ucfg.temperature)
+            return lp[:, P - 1 : P - 1 + len(completion)]
+
+        lp = np.asarray(score(state, ids, pos))
+        _reply({"advantages": np.asarray(out.advantages).reshape(-1).tolist(),
+                "first_logprobs": lp.tolist(), "prompt_ids": prompt_ids})
+        return
+
+    # The race: the loop's own pieces (what gagar_jax.rl.train's step calls).
+    mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    sampler = Sampler(model, pad_id=meta["pad_id"], batch_buckets=(G * K,),
+                      prompt_buckets=(P,), new_token_buckets=(R,))
+    state = create_train_state(cfg, ucfg, mesh, seed=0)
+    update = jit_update(cfg, ucfg, mesh)
+    device = jax.devices()[0]
+    params = SamplingParams(n=K, temperature=1.0, top_p=1.0, top_k=0, max_tokens=R,
+                            stop_token_ids=(meta["eos_id"],))
+    _reply({"setup_s": time.perf_counter() - t_setup})
+    step = 0
+    while True:
+        _wait_for_step()
+        clock = PhaseClock()
+        t = time.perf_counter()
+        outs = sampler.generate(prompt_ids, params)
+        clock.add("generate", time.perf_counter() - t)
+        t = time.perf_counter()
+        groups = []
+        for i, (p, samples) in enumerate(zip(prompt_ids, outs)):
+            rollouts = [
+                Rollout(prompt_tokens=p, response_tokens=s.tokens, logprobs=s.logprobs,
+                        finish_reason=s.finish_reason, policy_version=s.policy_version,
+                        passed=reward_of_text(tok.decode(s.tokens)) > 0.5)
+                for s in samples]
+            groups.append(Group(group_id=str(i), task=None, rollouts=rollouts))
+        clock.add("score", time.perf_counter() - t)
+        t = time.perf_counter()
+        batch = pack_groups(groups, None, num_groups=G, num_rollouts=K, max_prompt_len=P,
+                            max_new_tokens=R, pad_id=meta["pad_id"])
+        ub = shard_batch(batch._replace(evidence=None), mesh)
+        clock.add("pack", time.perf_counter() - t)
+        t = time.perf_counter()
+        state, metrics = update(state, ub)
+        m = jax.device_get(metrics)
+        if not np.isfinite(m["loss"]):
+            raise FloatingPointError(f"non-finite loss at step {step}")
+        clock.add("update", time.perf_counter() - t)
+        t = time.perf_counter()
+        step += 1
+        sampler.sync_weights(local_params(state.params, mesh, device), step)
+        jax.block_until_ready(sampler.state)
+        clock.add("sync", time.perf_counter() - t)
+        _reply(clock.record(loss=float(m["loss"])))
+
+
+# ---- TRL -------------------------------------------------------------------------------------
+
+
+def _trl_worker(spec: dict) -> None:
+    t_setup = time.perf_counter()
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    meta = json.loads((Path(spec["assets"]) / "bench-assets.json").read_text())
+    G, K, R = spec["prompts"], spec["samples"], spec["new"]
+    prompts, completion = _check_inputs(spec, meta)
+    tok = AutoTokenizer.from_pretrained(spec["assets"])
+    model = AutoModelForCausalLM.from_pretrained(spec["assets"], dtype=torch.float32)
+    clock = PhaseClock()
+
+    def reward(completions, **kwargs):
+        t = time.perf_counter()
+        out = [reward_of_text(c) for c in completions]
+        clock.extra["reward_fn"] = clock.extra.get("reward_fn", 0.0) + time.perf_counter() - t
+        return out
+
+    class Timed(GRPOTrainer):
+        def _generate(self, prompts):
+            t = time.perf_counter()
+            out = super()._generate(prompts)
+            clock.add("generate", time.perf_counter() - t)
+            return out
+
+        def _calculate_rewards(self, *a, **k):
+            t = time.perf_counter()
+            out = super()._calculate_rewards(*a, **k)
+            clock.add("score", time.perf_counter() - t)
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            t = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            clock.extra["gen_and_score"] = time.perf_counter() - t
+            return out
+
+    class Gate(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            _wait_for_step()
+            clock.reset()
+
+        def on_step_end(self, args, state, control, **kw):
+            gs = clock.extra.get("gen_and_score", 0.0)
+            rec = clock.record()
+            rec["pack"] = max(gs - clock.t["generate"] - clock.t["score"], 0.0)
+            rec["update"] = max(rec["total"] - gs, 0.0)
+            rec["sync"] = 0.0
+            _reply(rec)
+
+    out_dir = tempfile.mkdtemp(prefix="bench-trl-")
+    args = GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=G * K, gradient_accumulation_steps=1,
+        num_generations=K, max_completion_length=R, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        max_grad_norm=spec["max_grad_norm"], optim="adamw_torch", beta=0.0,
+        epsilon=spec["epsilon"], loss_type="dapo", scale_rewards="none", num_iterations=1,
+        max_steps=100000, logging_steps=10**9, save_strategy="no", report_to="none",
+        use_cpu=True, bf16=False, fp16=False, disable_tqdm=True, seed=0,
+        dataloader_num_workers=0, shuffle_dataset=False, gradient_checkpointing=False,
+    )
+    data = Dataset.from_dict({"prompt": [prompts[i % G] for i in range(G * 100000)]})
+    trainer = Timed(model=model, reward_funcs=[reward], args=args, train_dataset=data,
+                    processing_class=tok, callbacks=[Gate()])
+    if spec["mode"] == "check":
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        # The advantages: the trainer's own grouping, fed a fixed reward vector.
+        adv = _trl_advantages(trainer, CHECK_REWARDS, CHECK_GROUP)
+        x = torch.tensor([p + completion for p in ids])
+        with torch.no_grad():
+            lp, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, x, torch.ones_like(x), logits_to_keep=len(completion))
+        _reply({"advantages": adv, "first_logprobs": lp.tolist(), "prompt_ids": ids})
+        return
+    _reply({"setup_s": time.perf_counter() - t_setup})
+    trainer.train()
+
+
+def _trl_advantages(trainer, rewards, group):
+    """Advantages from GRPOTrainer._generate_and_score_completions' arithmetic on ``rewards``:
+    the trainer's configured scale_rewards path, re-run on a fixed reward vector."""
+    import torch
+
+    r = torch.tensor(rewards)
+    mean = r.view(-1, group).mean(dim=1).repeat_interleave(group)
+    adv = r - mean
+    if trainer.scale_rewards != "none":
+        std = r.view(-1, group).std(dim=1).repeat_interleave(group)
+        adv = adv / (std + 1e-4)
+    return adv.tolist()
+
+
+# ---- Tunix -----------------------------------------------------------------------------------
+
+
+def _tunix_worker(spec: dict) -> None:
+    t_setup = time.perf_counter()
+    import jax
+    import numpy as np
+    import optax
+    from transformers import AutoTokenizer
+    from tunix.models.qwen2 import model as qwen2_model
+    from tunix.models.qwen2 import params as qwen2_params
+    from tunix.rl import common, function_registry
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.grpo import grpo_learner
+    from tunix.rl.rollout import base_rollout
+
+    meta = json.loads((Path(spec["assets"]) / "bench-assets.json").read_text())
+    conf = json.loads((Path(spec["assets"]) / "config.json").read_text())
+    G, K, P, R = spec["prompts"], spec["samples"], spec["prompt_len"], spec["new"]
+    prompts, completion = _check_inputs(spec, meta)
+    tok = AutoTokenizer.from_pretrained(spec["assets"])
+    mcfg = qwen2_model.ModelConfig(
+        num_layers=conf["num_hidden_layers"], vocab_size=conf["vocab_size"],
+        embed_dim=conf["hidden_size"], hidden_dim=conf["intermediate_size"],
+        num_heads=conf["num_attention_heads"], head_dim=conf["head_dim"],
+        num_kv_heads=conf["num_key_value_heads"], rope_theta=int(conf["rope_theta"]),
+        norm_eps=conf["rms_norm_eps"], use_tied_embedding=conf["tie_word_embeddings"],
+    )
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    with jax.set_mesh(mesh):
+        model = qwen2_params.create_model_from_safe_tensors(spec["assets"], mcfg, mesh)
+    algo = grpo_learner.GRPOConfig(
+        num_generations=K, num_iterations=1, beta=0.0, epsilon=spec["epsilon"],
+        advantage_estimator="drgrpo", loss_agg_mode="token-mean", policy_loss_fn="grpo",
+        loss_algo="grpo",
+    )
+    if spec["mode"] == "check":
+        from flax import nnx
+
+        adv = function_registry.get_advantage_estimator(algo.advantage_estimator)(
+            rewards=np.array(CHECK_REWARDS, np.float32), num_generations=CHECK_GROUP)
+        ids = [list(tok.encode(p, add_special_tokens=False)) for p in prompts]
+        graphdef, state = nnx.split(model)
+        lp = common.compute_per_token_logps(
+            graphdef, state, prompt_tokens=jax.numpy.array(ids, jax.numpy.int32),
+            completion_tokens=jax.numpy.array([completion] * len(ids), jax.numpy.int32),
+            pad_id=meta["pad_id"], eos_id=meta["eos_id"], temperature=1.0)
+        _reply({"advantages": np.asarray(adv).tolist(), "first_logprobs": np.asarray(lp).tolist(),
+                "prompt_ids": ids})
+        return
+
+    clock = PhaseClock()
+
+    def reward(prompts, completions, **kwargs):
+        t = time.perf_counter()
+        out = [reward_of_text(c) for c in completions]
+        clock.add("score", time.perf_counter() - t)
+        return out
+
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(spec["max_grad_norm"]),
+        optax.adamw(spec["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0),
+    )
+    training = rl_cluster_lib.RLTrainingConfig(
+        actor_optimizer=optimizer, eval_every_n_steps=10**9, max_steps=10**6,
+        mini_batch_size=G, train_micro_batch_size=G, rollout_micro_batch_size=G,
+        compute_logps_micro_batch_size=G, metrics_logging_options=None,
+    )
+    rollout = base_rollout.RolloutConfig(
+        max_tokens_to_generate=R, max_prompt_length=P, kv_cache_size=P + R + 8,
+        temperature=1.0, top_p=None, top_k=None, eos_tokens=[meta["eos_id"]], seed=None,
+    )
+    class Tokenizer:
+        """The HF tokenizer under Tunix's plain tokenizer protocol: the learner repeats the
+        prompts with NumPy (``numpy.str_`` items), which transformers' ``encode`` rejects."""
+
+        def encode(self, text, **kw):
+            return tok.encode(str(text), add_special_tokens=False)
+
+        def decode(self, ids, **kw):
+            return tok.decode(ids, **kw)
+
+        def bos_id(self):
+            return None
+
+        def eos_id(self):
+            return meta["eos_id"]
+
+        def pad_id(self):
+            return meta["pad_id"]
+
+    roles = {r: mesh for r in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
+                               rl_cluster_lib.Role.ROLLOUT)}
+    cluster = rl_cluster_lib.RLCluster(
+        actor=model, reference=None, tokenizer=Tokenizer(),
+        cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh=roles, rollout_engine="vanilla", offload_to_cpu=False,
+            training_config=training, rollout_config=rollout),
+    )
+    learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=[reward])
+
+    def timed(obj, name, phase):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            if phase == "update":
+                jax.block_until_ready(nnx_state(cluster.actor_trainer.model))
+            clock.add(phase, time.perf_counter() - t)
+            return out
+
+        setattr(obj, name, wrapper)
+
+    def nnx_state(m):
+        from flax import nnx
+
+        return nnx.state(m)
+
+    timed(cluster, "generate", "generate")
+    timed(cluster, "update_actor", "update")
+    timed(cluster, "sync_weights", "sync")
+    orig_prepare = learner._generate_and_compute_advantage
+
+    def prepare(*a, **k):
+        t = time.perf_counter()
+        out = orig_prepare(*a, **k)
+        clock.extra["prepare"] = time.perf_counter() - t
+        return out
+
+    learner._generate_and_compute_advantage = prepare
+
+    def batches():
+        first = True
+        while True:
+            if not first:  # the previous step ends when the learner asks for the next batch
+                rec = clock.record()
+                rec["pack"] = max(clock.extra.get("prepare", 0.0) - rec["generate"]
+                                  - rec["score"], 0.0)
+                _reply(rec)
+            first = False
+            _wait_for_step()
+            clock.reset()
+            yield {"prompts": np.array(prompts)}  # a batch as a data loader gives it
+
+    _reply({"setup_s": time.perf_counter() - t_setup,
+            "shares_rollout_model": not learner.should_sync_weights})
+    learner.train(batches())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model and shapes")
+    parser.add_argument("--check", action="store_true", help="only the equal-configuration check")
+    parser.add_argument("--rounds", type=int, default=0, help="timed rounds (default 5; quick 2)")
+    parser.add_argument("--shapes", default="", help=f"comma list of {tuple(SHAPES)}")
+    parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    parser.add_argument("--json", default="", help="write the per-round records here")
+    parser.add_argument("--notes", action="store_true", help="print what is not equal")
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker_main(args.worker, json.loads(args.spec))
+        return
+    sys.exit(race(args))
+
+
+if __name__ == "__main__":
+    main()
