@@ -2,7 +2,7 @@
 
 Graders work on the generic ``Candidate``/``GroupWorkspace``; each family adapts to them here.
 
-Toy code-repair family (``gagar_jax.envs``, issue 5): a rollout's line-edit patch (``N : stmt``,
+Toy code-repair family (``gagar_jax.envs``): a rollout's line-edit patch (``N : stmt``,
 ``ins N : stmt``, ``del N``) is rendered as a unified diff of ``program.toy`` (the raw program,
 one statement per line, so diff line numbers are the prompt's line numbers); the verifier's test
 log, monitor flags and five quality features pass through (the heuristic grader blends the
