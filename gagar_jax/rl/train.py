@@ -83,6 +83,7 @@ from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.rl.resume import LoopState, TaskStream
 from gagar_jax.update import UpdateBatch, jit_update, make_mesh, sft
 from gagar_jax.update.checkpoint import ConfigMismatchError
+from gagar_jax.verify import execution
 
 
 class ResumeMismatchError(RuntimeError):
@@ -582,7 +583,14 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
 
     summary: dict[str, Any] = {}
     sigterm = SigtermFlag()
+    # where verification, run_tests, grading and its checks run (config.execution)
+    backend = execution.make_backend(
+        **dataclasses.asdict(cfg.execution), grader_slots=cfg.grading.max_concurrency
+    )
+    prev_backend = execution.use(backend)
     try:
+        if execution.attach_grading(grading_pool, backend):
+            writer.log("grading runs on the Ray cluster")
         # ---- SFT warm start, then the train state from the warmed model -------------------
         if not ls.sft_done:
             if cfg.sft.steps > 0:
@@ -632,6 +640,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             else:
                 state, m = asynchronous.async_step(step, state, ls, ctx, aq,
                                                    steps_left=total - step)
+            m = {**m, **backend.metrics()}  # execution/*: calls in flight, waits, retries, ...
             if step % cfg.loop.log_every == 0 or step == total - 1:
                 writer.write(step, m)
                 writer.progress(step, m)
@@ -663,6 +672,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         sigterm.uninstall()
         ckpt.close()
         grading_pool.close()
+        execution.use(prev_backend)
+        backend.close()
         writer.close()
     if primary:
         rows = writers.read_jsonl(metrics_path)
