@@ -161,9 +161,9 @@ def python_of(framework: str) -> str:
     return str(VENVS[framework] / "bin" / "python")
 
 
-def make_assets(model: str) -> Path:
+def make_assets(model: str, root: Path = RUNS) -> Path:
     """The model directory (HF safetensors + tokenizer + prompts), written once per model."""
-    out = RUNS / model
+    out = Path(root) / model
     if (out / "bench-assets.json").exists():
         return out
     sys.path.insert(0, str(ROOT))
@@ -313,7 +313,8 @@ def compare_checks(checks: dict, meta: dict, shape: dict, atol: float = 2e-4) ->
 def run_check(frameworks, spec, logdir: Path, out=print) -> dict:
     checks = {}
     for fw in frameworks:
-        w = WorkerProc(fw, dict(spec, mode="check"), logdir / f"{fw}-{spec['shape_name']}-check.log")
+        log = logdir / f"{fw}-{spec['shape_name']}-check.log"
+        w = WorkerProc(fw, dict(spec, mode="check"), log)
         try:
             checks[fw] = w.read()
         finally:
@@ -337,8 +338,8 @@ def race(args) -> int:
     meta = json.loads((assets / "bench-assets.json").read_text())
     logdir = RUNS / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
-    print(f"model: {meta['num_params'] / 1e6:.1f}M params, Qwen2-shaped, vocab {meta['vocab_size']}, "
-          f"float32 ({assets})")
+    print(f"model: {meta['num_params'] / 1e6:.1f}M params, Qwen2-shaped, vocab "
+          f"{meta['vocab_size']}, float32 ({assets})")
     print(f"cpus: {os.cpu_count()}; start: {_load()}")
     failed = False
     results = {}
@@ -370,7 +371,7 @@ def race(args) -> int:
             warm = {fw: w.send("step") for fw, w in workers.items()}  # compiles
             load_before = os.getloadavg()
             recs = {fw: [] for fw in frameworks}
-            for r in range(rounds):
+            for _ in range(rounds):
                 for fw, w in workers.items():
                     recs[fw].append(w.send("step"))
             load_after = os.getloadavg()
@@ -477,20 +478,34 @@ def _check_inputs(spec, meta):
 # ---- gagar_jax ------------------------------------------------------------------------------
 
 
+def gagar_update_config(spec: dict):
+    """gagar_jax's side of the race: mean-centred advantages without redistribution, PPO-clip
+    token mean, no KL / entropy terms, AdamW without weight decay, one optimizer step."""
+    from gagar_jax.advantages import GagarConfig
+    from gagar_jax.update import UpdateConfig
+
+    adv = GagarConfig(estimator="mean_centered", mode="none", filter_unmixed=False)
+    return UpdateConfig(learning_rate=spec.get("lr", LEARNING_RATE), weight_decay=0.0,
+                        max_grad_norm=spec.get("max_grad_norm", MAX_GRAD_NORM),
+                        clip_low=spec.get("epsilon", EPSILON),
+                        clip_high=spec.get("epsilon", EPSILON), aggregation="token-mean",
+                        kl_coef=0.0, entropy_coef=0.0, num_minibatches=1,
+                        num_microbatches=1, ppo_epochs=1, advantages=adv)
+
+
 def _gagar_worker(spec: dict) -> None:
     t_setup = time.perf_counter()
     import jax
     import numpy as np
     from transformers import AutoTokenizer
 
-    from gagar_jax.advantages import GagarConfig, gagar_advantages
+    from gagar_jax.advantages import gagar_advantages
     from gagar_jax.models import load_hf_safetensors
     from gagar_jax.rl.collect import Group, Rollout, pack_groups
     from gagar_jax.rl.policy import local_params
     from gagar_jax.rollout import SamplingParams
     from gagar_jax.rollout.sampler import Sampler
     from gagar_jax.update import (
-        UpdateConfig,
         create_train_state,
         jit_update,
         make_mesh,
@@ -502,11 +517,8 @@ def _gagar_worker(spec: dict) -> None:
     tok = AutoTokenizer.from_pretrained(spec["assets"])
     cfg, model = load_hf_safetensors(spec["assets"])
     G, K, P, R = spec["prompts"], spec["samples"], spec["prompt_len"], spec["new"]
-    adv_cfg = GagarConfig(estimator="mean_centered", mode="none", filter_unmixed=False)
-    ucfg = UpdateConfig(learning_rate=spec["lr"], weight_decay=0.0,
-                        max_grad_norm=spec["max_grad_norm"], clip_low=spec["epsilon"],
-                        clip_high=spec["epsilon"], aggregation="token-mean", kl_coef=0.0,
-                        entropy_coef=0.0, advantages=adv_cfg)
+    ucfg = gagar_update_config(spec)
+    adv_cfg = ucfg.advantages
     prompts, completion = _check_inputs(spec, meta)
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
@@ -597,7 +609,7 @@ def _trl_worker(spec: dict) -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     meta = json.loads((Path(spec["assets"]) / "bench-assets.json").read_text())
-    G, K, P, R = spec["prompts"], spec["samples"], spec["prompt_len"], spec["new"]
+    G, K, R = spec["prompts"], spec["samples"], spec["new"]
     prompts, completion = _check_inputs(spec, meta)
     tok = AutoTokenizer.from_pretrained(spec["assets"])
     model = AutoModelForCausalLM.from_pretrained(spec["assets"], dtype=torch.float32)

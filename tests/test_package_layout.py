@@ -22,7 +22,7 @@ DEPENDS_ON = {
     "update": {"models", "losses", "advantages"},
     "rollout": {"models"},
     "verify": set(),
-    "grading": {"rollout", "verify"},
+    "grading": {"rollout", "verify", "advantages", "update"},
     "envs": {"verify", "rollout", "grading"},
     "data": {"verify"},
     "rl": {

@@ -473,6 +473,13 @@ class Sampler:
         self.mesh, self.data_axis = mesh, data_axis
         if mesh is not None:  # the weights whole on every device of the mesh
             self.state = jax.device_put(self.state, NamedSharding(mesh, P()))
+        else:
+            # Committed to the model's device, like the leaves `sync_weights` places: a program
+            # compiled for uncommitted weights would otherwise compile again after the first sync.
+            leaf = jax.tree.leaves(self.state)[0]
+            device = next(iter(leaf.devices())) if hasattr(leaf, "devices") else None
+            self.state = jax.device_put(self.state, device or jax.local_devices()[0])
+        self._param_paths = _pure_paths(nnx.to_pure_dict(self.state))
         self._kept: list[dict] = []  # most recent first: {"cache", "rows", "lengths"}
         # prompt tokens prefilled / taken from a kept cache, over the sampler's life
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "calls_reusing_cache": 0}
@@ -679,6 +686,31 @@ class Sampler:
             functools.partial(self.generate, prompt_seeds=prompt_seeds), prompts, params
         )
 
+    def _state_from_params(self, params: Mapping) -> nnx.State:
+        """The sampler's state with ``params`` (a pure dict, either layer layout) as its leaves:
+        no model is built and nothing is initialised (the tree is the sampler's own)."""
+        from gagar_jax.models import stack_layer_params, unstack_layer_params
+
+        try:
+            params = (
+                stack_layer_params(params)
+                if self.config.scan_layers
+                else unstack_layer_params(params)
+            )
+            paths = _pure_paths(params)
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"sync_weights: params do not fit the sampler's model: {e}") from e
+        if paths != self._param_paths:
+            missing = sorted(self._param_paths - paths)[:3]
+            extra = sorted(paths - self._param_paths)[:3]
+            raise ValueError(
+                "sync_weights: params do not fit the sampler's model: "
+                f"missing {missing}, unexpected {extra}"
+            )
+        state = jax.tree.map(lambda x: x, self.state)  # a new tree: the old one stays intact
+        nnx.replace_by_pure_dict(state, params)
+        return state
+
     def sync_weights(self, params_or_path: Any, version: int) -> int:
         """Replaces the weights; returns `version` (stamped on every later Sample).
 
@@ -686,7 +718,7 @@ class Sampler:
         directory of HF safetensors (`gagar_jax.models.load_hf_safetensors`). Shapes and dtypes
         must match; leaves are placed like the current ones, so compiled programs are reused.
         """
-        from gagar_jax.models import load_hf_safetensors, model_from_params
+        from gagar_jax.models import load_hf_safetensors
 
         new = params_or_path
         if isinstance(new, (str, os.PathLike)):
@@ -699,10 +731,7 @@ class Sampler:
                     "sync_weights takes a params dict, nnx.State, Transformer or safetensors "
                     f"directory, got {type(new).__name__}"
                 )
-            try:
-                new = nnx.split(model_from_params(self.config, new))[1]
-            except (KeyError, ValueError, TypeError) as e:
-                raise ValueError(f"sync_weights: params do not fit the sampler's model: {e}") from e
+            new = self._state_from_params(new)
         old_struct = jax.tree.structure(self.state)
         new_struct = jax.tree.structure(new)
         if old_struct != new_struct:
@@ -716,10 +745,15 @@ class Sampler:
                     f"sync_weights: leaf shape/dtype {b_.shape}/{b_.dtype} does not "
                     f"match {a.shape}/{a.dtype}"
                 )
-        self.state = jax.tree.map(lambda old, x: jax.device_put(x, old.sharding), self.state, new)
+        # One transfer call for the whole tree (a no-op for leaves already in place).
+        self.state = jax.device_put(new, jax.tree.map(lambda old: old.sharding, self.state))
         self._kept.clear()  # caches of the old weights
         self.policy_version = int(version)
         return self.policy_version
+
+
+def _pure_paths(tree) -> frozenset:
+    return frozenset(jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(tree))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

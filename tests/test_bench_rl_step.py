@@ -1,0 +1,138 @@
+"""The whole-step race (benchmarks/rl_step.py) compares equal work: the three frameworks are
+configured alike (same first-token log-probabilities from the same weights, same mean-centred
+advantages on a fixed reward vector, same prompt token ids), and the check that says so fails
+when any of them drifts.
+
+The fast tests run gagar_jax's side in this process against a ``transformers`` forward of the
+same safetensors and the NumPy reference; the ``e2e`` test builds the TRL and Tunix virtual
+environments (first run: minutes) and runs the benchmark's own ``--check`` on every framework.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_rl_step", ROOT / "benchmarks" / "rl_step.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+def _good_checks(shape):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 50, (shape["prompts"], shape["prompt_len"])).tolist()
+    lp = rng.normal(-7, 1, (shape["prompts"], bench.CHECK_COMPLETION)).tolist()
+    adv = bench.mean_centred(bench.CHECK_REWARDS, bench.CHECK_GROUP)
+    return {
+        fw: {"prompt_ids": ids, "first_logprobs": lp, "advantages": adv} for fw in bench.FRAMEWORKS
+    }
+
+
+def test_mean_centred_reference():
+    adv = bench.mean_centred([1.0, 0.0, 0.0, 1.0, 0.5, 0.5], 2)
+    np.testing.assert_allclose(adv, [0.5, -0.5, -0.5, 0.5, 0.0, 0.0])
+
+
+def test_compare_checks_accepts_equal_and_flags_every_drift():
+    shape = bench.SHAPES["quick-rl"]
+    good = _good_checks(shape)
+    assert bench.compare_checks(good, {}, shape) == []
+    # Advantages divided by the group's std (GRPO's default, TRL's scale_rewards="group",
+    # Tunix's "grpo" estimator) is another algorithm: flagged.
+    r = np.array(bench.CHECK_REWARDS).reshape(-1, bench.CHECK_GROUP)
+    scaled = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)
+    bad = json.loads(json.dumps(good))
+    bad["tunix"]["advantages"] = scaled.reshape(-1).tolist()
+    assert any("tunix: advantages" in p for p in bench.compare_checks(bad, {}, shape))
+    # Log-probs off by more than float tolerance (another model, another temperature).
+    bad = json.loads(json.dumps(good))
+    bad["trl"]["first_logprobs"][1][0] += 1e-3
+    assert any("trl: first-token log-probs" in p for p in bench.compare_checks(bad, {}, shape))
+    bad["trl"]["first_logprobs"][1][0] -= 1e-3 - 5e-5  # within tolerance again
+    assert bench.compare_checks(bad, {}, shape) == []
+    # Another tokenisation (a BOS token, a different split) changes the work.
+    bad = json.loads(json.dumps(good))
+    bad["tunix"]["prompt_ids"][0] = [1] + bad["tunix"]["prompt_ids"][0][:-1]
+    assert any("tunix: prompt token ids" in p for p in bench.compare_checks(bad, {}, shape))
+    bad = json.loads(json.dumps(good))
+    bad["gagar_jax"]["prompt_ids"][2] = bad["gagar_jax"]["prompt_ids"][2][:-1]
+    assert any("prompt token counts" in p for p in bench.compare_checks(bad, {}, shape))
+
+
+def test_trl_advantage_path_is_mean_centred_only_without_scaling():
+    pytest.importorskip("torch")
+
+    class Trainer:
+        scale_rewards = "none"
+
+    adv = bench._trl_advantages(Trainer(), bench.CHECK_REWARDS, bench.CHECK_GROUP)
+    np.testing.assert_allclose(
+        adv, bench.mean_centred(bench.CHECK_REWARDS, bench.CHECK_GROUP), atol=1e-6
+    )
+    Trainer.scale_rewards = "group"
+    scaled = bench._trl_advantages(Trainer(), bench.CHECK_REWARDS, bench.CHECK_GROUP)
+    assert not np.allclose(scaled, adv, atol=1e-3)
+
+
+def test_gagar_side_matches_transformers_and_reference(tmp_path, monkeypatch):
+    """gagar_jax's check (the update's own scoring, the configured advantage pipeline, the
+    tokenisation) on the benchmark's tiny assets: first-token log-probs equal a ``transformers``
+    forward of the same safetensors, advantages equal the mean-centred reference, prompts are
+    exactly ``prompt_len`` tokens."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    assets = bench.make_assets("tiny", root=tmp_path)
+    shape = bench.SHAPES["quick-rl"]
+    spec = dict(assets=str(assets), shape_name="quick-rl", mode="check", **shape)
+    got = []
+    monkeypatch.setattr(bench, "_reply", got.append)
+    bench._gagar_worker(spec)
+    (check,) = got
+    np.testing.assert_allclose(
+        check["advantages"], bench.mean_centred(bench.CHECK_REWARDS, bench.CHECK_GROUP), atol=1e-6
+    )
+    assert [len(p) for p in check["prompt_ids"]] == [shape["prompt_len"]] * shape["prompts"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(assets), dtype=torch.float32)
+    completion = bench._check_inputs(spec, json.loads((assets / "bench-assets.json").read_text()))[
+        1
+    ]
+    ids = torch.tensor([p + completion for p in check["prompt_ids"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(input_ids=ids).logits.float(), -1)
+    p = shape["prompt_len"]
+    ref = logp[:, p - 1 : p - 1 + len(completion)].gather(-1, ids[:, p:, None])[..., 0].numpy()
+    np.testing.assert_allclose(check["first_logprobs"], ref, atol=1e-4, rtol=0)
+    # The reward: 1 for an even count of "e".
+    assert bench.reward_of_text("eel") == 1.0 and bench.reward_of_text("e") == 0.0
+
+
+@pytest.mark.e2e
+def test_three_frameworks_configured_equally():
+    """The benchmark's own check on TRL, Tunix and gagar_jax (builds the TRL / Tunix venvs
+    from the pinned versions on first use)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "rl_step.py"), "--quick", "--check"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        timeout=7200,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("equal-configuration check passed") == 2, out.stdout
