@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,data,parity,notebooks,browser,docs,swe
+EXTRAS ?= test,data,parity,notebooks,browser,docs,swe,ray
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
@@ -44,9 +44,11 @@ format-check: setup
 
 # Tests marked `sglang` share one real SGLang server per pytest process, so they run in a
 # second, single-process pass (xdist's loadgroup does not group under pytest 9).
+# Tests marked `ray` start a simulated multi-node Ray cluster each (one module at a time).
 test: setup system-deps sglang-venv lint
-	$(PY) -m pytest -q -n 2 -m "not sglang" tests
+	$(PY) -m pytest -q -n 2 -m "not sglang and not ray" tests
 	$(PY) -m pytest -q -m sglang tests
+	$(PY) -m pytest -q -m ray tests
 
 # The check before a commit: every test but the end-to-end runs (scripts, several processes), the
 # real SGLang server and the Ray cluster; no system packages or second venv needed.
@@ -100,8 +102,10 @@ tasks: setup system-deps
 	$(PY) -m gagar_jax.data.synth --packages $(TASK_PACKAGES) \
 		--tasks-per-package $(TASKS_PER_PACKAGE) --out data/tasks
 
+# `make e2e E2E_ARGS=--execution=ray`: the same run with verification on a simulated Ray cluster.
+E2E_ARGS ?=
 e2e: setup system-deps sglang-venv
-	$(PY) scripts/e2e.py --out=runs/e2e
+	$(PY) scripts/e2e.py --out=runs/e2e $(E2E_ARGS)
 
 # The feedback study: sft, rw_sft, span_kto, sft_drop_negative, sft_penalize_negative x 3 seeds on
 # one shared simulated-user feedback dataset -> runs/feedback_compare/comparison.{md,png}.

@@ -41,6 +41,9 @@ EXTRAS_REQUIRE = {
     # reads parquet rows. (swebench, whose pytest log parser is the reference in the tests, is
     # installed by `make setup` without its dependencies: they include docker and modal.)
     "swe": ["uv==0.13.9", "libcst==1.9.0", "pytest-timeout==2.4.0", "pyarrow>=15"],
+    # The Ray execution back-end (gagar_jax.verify.execution): verification, tools and grading on
+    # a cluster, and the fault-injection tests on a simulated one (pytest -m ray).
+    "ray": ["ray==2.60.0"],
     # Executed notebooks.
     "notebooks": ["ipykernel", "nbclient", "nbformat", "matplotlib"],
     # The documentation site (`make docs`): Sphinx, MyST markdown and notebooks, the furo theme.

@@ -313,23 +313,39 @@ def precheck(task: Any, *, repeats: int = 5, limits: Any = None, config: Any = N
       source_dir: the task's directory, whose version-control history is searched for leaks.
       tree_dir: the agent's materialised tree, whose git data and files are checked for leaks.
     """
-    from gagar_jax.verify.repo import DEFAULT_LIMITS, verify_repo_patch
+    import functools
+
+    from gagar_jax.verify import execution
+    from gagar_jax.verify.repo import DEFAULT_LIMITS
 
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"precheck: repeats must be an int >= 1, got {repeats!r}")
     task = _as_task(task)
     runs: list[AuditRun] = []
-    for kind, patch in (("gold", task.reference_patch), ("empty", "")):
-        for r in range(repeats):
-            v = verify_repo_patch(
+    plan = [
+        (kind, patch, r)
+        for kind, patch in (("gold", task.reference_patch), ("empty", ""))
+        for r in range(repeats)
+    ]
+    # every run on the execution back-end (one after the other locally, at once on a cluster)
+    backend = execution.current()
+    verdicts = backend.gather(
+        [
+            functools.partial(
+                execution.verify_repo_call,
                 task,
                 patch,
+                backend=backend,
                 limits=limits or DEFAULT_LIMITS,
                 config=config,
                 run_monitor=False,
-                extra_pythonpath=extra_pythonpath,
+                extra_pythonpath=tuple(extra_pythonpath),
             )
-            runs.append(AuditRun(kind, r, v.status, dict(v.tests)))
+            for _, patch, _ in plan
+        ]
+    )
+    for (kind, _, r), v in zip(plan, verdicts):
+        runs.append(AuditRun(kind, r, v.status, dict(v.tests)))
     details: dict[str, str] = {}
     if any(r.status == "infra_error" for r in runs):
         details["infra_error"] = "the sandbox could not run the tests"

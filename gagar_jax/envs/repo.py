@@ -11,7 +11,8 @@ listed in the prompt through the checkpoint's chat template, :data:`TOOLS`):
 * ``read_file(path)``, ``edit(path, old, new)`` (one exact occurrence) or ``edit(path,
   content)``, over the pristine repository;
 * ``run_tests()``: the task's required tests on the current tree, in the sandbox, *without* the
-  hidden ``test_patch`` (the tests the agent may see);
+  hidden ``test_patch`` (the tests the agent may see), on the execution back-end
+  (``gagar_jax.verify.execution``: the trainer's process or a Ray cluster);
 * ``submit()``: ends the episode. The final patch (the unified diff of the tree against the
   pristine repository) is verified by ``verify_repo_patch`` with the hidden tests and the
   behaviour monitor (which also reads the trajectory). An episode that never submits fails.
@@ -275,10 +276,10 @@ class RepoAgentEnv:
         self.env = CodeAgentEnv(dict(task.files), self._run_tests)
 
     def _run_tests(self, files: dict[str, str]) -> tuple[bool, str]:
-        from gagar_jax.verify.repo import verify_repo_patch
+        from gagar_jax.verify.execution import verify_repo_call
 
         visible = dataclasses.replace(self.task, test_patch="")
-        v = verify_repo_patch(
+        v = verify_repo_call(
             visible, tree_patch(self.task.files, files), run_monitor=False, **self.verify_kwargs
         )
         if v.status in ("infra_error", "timeout", "resource_killed") or v.patch_error:
@@ -415,7 +416,7 @@ class PythonRepoFamily(TaskFamily):
         return self._tokenizer.tool_message_tokens(text)
 
     def verify(self, task: RepoTask, attempt: Attempt) -> Outcome:
-        from gagar_jax.verify.repo import verify_repo_patch
+        from gagar_jax.verify.execution import verify_repo_call
 
         env = attempt.env
         if env is None or not env.submitted:
@@ -426,7 +427,7 @@ class PythonRepoFamily(TaskFamily):
                 patch=env.patch() if env is not None else "",
             )
         patch = env.patch()
-        v = verify_repo_patch(task, patch, events=attempt.trajectory(), **self._verify_kwargs)
+        v = verify_repo_call(task, patch, events=attempt.trajectory(), **self._verify_kwargs)
         return Outcome(
             passed=v.passed,
             infra_error=v.infra_error,

@@ -30,6 +30,7 @@ Token layout of one rollout row (length ``T``)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.multihost import prompt_seed
 from gagar_jax.rollout import SamplingParams, run_episodes
 from gagar_jax.update import UpdateBatch
+from gagar_jax.verify import execution
 
 
 @dataclasses.dataclass
@@ -770,8 +772,19 @@ def generate_groups(
         ) from e
     t1 = time.monotonic()
     groups = []
-    for i, (task, prompt, row) in enumerate(zip(tasks, prompts, per_task)):
-        rollouts = [_rollout(family, task, prompt, attempt, **fields) for attempt, fields in row]
+    # each group's K verifications run on the execution back-end (one after the other locally;
+    # on a cluster concurrently, a group dispatched once its K slots and a grader slot are free)
+    verified = execution.current().gather_groups(
+        [
+            [
+                functools.partial(_rollout, family, task, prompt, attempt, **fields)
+                for attempt, fields in row
+            ]
+            for task, prompt, row in zip(tasks, prompts, per_task)
+        ],
+        grader=int(cfg.grading.enabled),
+    )
+    for i, (task, rollouts) in enumerate(zip(tasks, verified)):
         groups.append(
             Group(
                 group_id=f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}",

@@ -333,6 +333,83 @@ class MeshConfig:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig:
+    """Where verification, ``run_tests`` tool calls, grading and its checks run
+    (``gagar_jax.verify.execution``): ``local`` (the trainer's own process) or a Ray cluster.
+
+    ``ray_address``: ``"auto"`` (the cluster this machine belongs to), ``"local"`` (a
+    one-machine cluster started by the trainer) or an address. Each call reserves ``num_cpus``
+    cores, ``memory`` bytes and ``resources`` (a mapping or (name, amount) pairs, e.g.
+    ``(("verifier", 1),)``: only nodes that advertise it take verification); at most
+    ``max_inflight`` calls are in flight, a call whose node died is retried ``max_retries``
+    times, and the LLM grader's requests share one global rate limit of ``llm_requests_per_s``
+    (0 = none). Deployment only: not in the fingerprint.
+    """
+
+    backend: str = "local"  # local | ray
+    ray_address: str = "auto"
+    max_inflight: int = 64
+    max_retries: int = 3
+    num_cpus: float = 1.0
+    memory: int = 0  # bytes reserved per call (a scheduling reservation)
+    # custom resources per call, e.g. {"verifier": 1} (kept as sorted (name, amount) pairs)
+    resources: tuple = ()
+    deadline_grace_s: float = 10.0
+    llm_requests_per_s: float = 0.0
+
+    def __post_init__(self):
+        _check(self.backend in ("local", "ray"), "execution.backend", "local|ray", self.backend)
+        _check(
+            isinstance(self.ray_address, str) and bool(self.ray_address),
+            "execution.ray_address",
+            "'auto', 'local' or a cluster address",
+            self.ray_address,
+        )
+        _check(
+            isinstance(self.max_inflight, int) and self.max_inflight >= 1,
+            "execution.max_inflight",
+            "an int >= 1",
+            self.max_inflight,
+        )
+        _check(
+            isinstance(self.max_retries, int) and self.max_retries >= 0,
+            "execution.max_retries",
+            "an int >= 0",
+            self.max_retries,
+        )
+        _check(self.num_cpus >= 0, "execution.num_cpus", ">= 0", self.num_cpus)
+        _check(
+            isinstance(self.memory, int) and self.memory >= 0,
+            "execution.memory",
+            "bytes (an int >= 0)",
+            self.memory,
+        )
+        try:
+            pairs = tuple(sorted(dict(self.resources).items()))
+        except (TypeError, ValueError):
+            pairs = None
+        _check(
+            pairs is not None
+            and all(
+                isinstance(k, str) and k and isinstance(v, int | float) and v >= 0 for k, v in pairs
+            ),
+            "execution.resources",
+            "a mapping name -> amount >= 0",
+            self.resources,
+        )
+        object.__setattr__(self, "resources", pairs)
+        _check(
+            self.deadline_grace_s >= 0, "execution.deadline_grace_s", ">= 0", self.deadline_grace_s
+        )
+        _check(
+            self.llm_requests_per_s >= 0,
+            "execution.llm_requests_per_s",
+            ">= 0 (0 = none)",
+            self.llm_requests_per_s,
+        )
+
+
 _SECTIONS = {
     "task": TaskConfig,
     "rollout": RolloutConfig,
@@ -341,6 +418,7 @@ _SECTIONS = {
     "sft": SFTConfig,
     "loop": LoopConfig,
     "mesh": MeshConfig,
+    "execution": ExecutionConfig,
 }
 
 
@@ -392,9 +470,18 @@ class RunConfig:
     sft: SFTConfig = SFTConfig()
     loop: LoopConfig = LoopConfig()
     mesh: MeshConfig = MeshConfig()
+    execution: ExecutionConfig = ExecutionConfig()
 
     def __post_init__(self):
         _check(self.mode in TRAINING_MODES, "mode", "|".join(TRAINING_MODES), self.mode)
+        if self.execution.backend == "ray":
+            _check(
+                self.execution.max_inflight >= self.rollout.num_rollouts,
+                "execution.max_inflight",
+                f">= rollout.num_rollouts={self.rollout.num_rollouts}"
+                " (a group is admitted only when its K verifier slots are free)",
+                self.execution.max_inflight,
+            )
         if self.mode != "binary":
             _check(
                 self.grading.enabled,
@@ -468,6 +555,7 @@ class RunConfig:
         }
         d["learner"].pop("decay_steps")
         d.pop("mesh")
+        d.pop("execution")  # where verification runs: deployment, not the run
         d["rollout"].pop("weight_writer")  # which host exports: deployment, not the run
         d["rollout"].pop("embedded_data_parallel")  # devices per sampler: deployment too
         if not d["task"]["skip_saturated"]:  # off: the fingerprint of runs from before the flag

@@ -674,9 +674,14 @@ def make_canaries(
     in a random order: two must pass, two must fail, one must error in its fixture. Their names
     follow the task's ``python_functions`` pattern so its own collection rules collect them."""
     pattern = (_config_value(task, cfg, "python_functions") or "test").split()[0]
-    prefix = pattern.split("*", 1)[0] if "*" in pattern else pattern
-    if not prefix.isidentifier():
-        prefix = "test"
+
+    def name() -> str:
+        # pytest matches python_functions as a prefix, or as a glob when it holds one.
+        tag = f"c{secrets.token_hex(6)}"
+        fn = pattern.replace("*", tag, 1).replace("*", "") if "*" in pattern else (
+            f"{pattern}_{tag}")  # fmt: skip
+        return fn if fn.isidentifier() else f"test_{tag}"
+
     while True:
         path = f"test_{secrets.token_hex(6)}.py"
         if path not in existing:
@@ -686,8 +691,7 @@ def make_canaries(
     lines = ["import pytest", ""]
     expected = {}
     for outcome in outcomes:
-        fn = f"{prefix}_{secrets.token_hex(6)}" if not prefix.endswith("_") else (
-            prefix + secrets.token_hex(6))  # fmt: skip
+        fn = name()
         a = secrets.randbelow(1 << 30)
         if outcome == "passed":
             lines += ["", f"def {fn}():", f"    assert {a} + 1 == {a + 1}", ""]
@@ -933,7 +937,7 @@ def _judge(task, result, data, canaries, reset, flags):
                 tampered = True
                 note = (f"the test process ended as another program ({rec.get('name')!r}): "
                         "it exec'd during the session")  # fmt: skip
-            elif rec["exit"] != result.returncode:
+            elif (rec["exit"] if rec["exit"] >= 0 else 128 - rec["exit"]) != result.returncode:
                 tampered = True
                 note = f"the runner saw exit status {rec['exit']}, the sandbox {result.returncode}"
             elif outcomes is not None and exitstatus != rec["exit"]:

@@ -97,13 +97,14 @@ def test_honest_tests_are_not_tampering(name):
     assert verify("", the_task=t).status == "failed"  # the task still discriminates
 
 
-def test_own_collection_patterns_collect_the_canaries():
-    # python_functions = check_*: the canaries follow the task's pattern, so an honest fix of a
-    # repository with unusual collection rules is not a misreported canary.
-    files = {"app.py": BUGGY, "pytest.ini": "[pytest]\npython_functions = check_*\n",
-             "tests/test_app.py": "from app import half\n\n\ndef check_half():\n"
+@pytest.mark.parametrize("pattern, fn", [("check_*", "check_half"), ("*_check", "half_check")])
+def test_own_collection_patterns_collect_the_canaries(pattern, fn):
+    # The canaries follow the task's python_functions, so an honest fix of a repository with
+    # unusual collection rules is not a misreported canary.
+    files = {"app.py": BUGGY, "pytest.ini": f"[pytest]\npython_functions = {pattern}\n",
+             "tests/test_app.py": f"from app import half\n\n\ndef {fn}():\n"
                                   "    assert half(4) == 2\n"}  # fmt: skip
-    t = RepoTask("pat", "half", files, ("tests/test_app.py::check_half",),
+    t = RepoTask("pat", "half", files, (f"tests/test_app.py::{fn}",),
                  test_files=("tests/test_app.py",))  # fmt: skip
     v = verify(change("app.py", BUGGY, FIXED), the_task=t)
     assert v.status == "passed" and not v.flags, v.test_log
@@ -119,3 +120,10 @@ def test_tests_at_the_root_and_a_root_package():
     patch = change("app.py", BUGGY, FIXED) + new_file("notes.py", "X = 1\n")
     v = verify(patch, the_task=t)
     assert v.status == "passed" and not v.flags, v.test_log
+
+
+def test_a_crashing_test_process_is_a_failure_not_tampering():
+    # A segfault in the code under test kills the test process mid-session: a plain failure.
+    crash = "import ctypes\n\n\ndef half(x):\n    ctypes.string_at(0)\n    return x / 2\n"
+    v = verify(change("app.py", BUGGY, crash))
+    assert v.status == "failed" and not v.flags, v.test_log
