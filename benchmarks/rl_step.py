@@ -381,12 +381,62 @@ def race(args) -> int:
         results[shape_name] = dict(recs=recs, setup=setup, warm=warm,
                                    load=(load_before, load_after))
         print_table(shape_name, label, recs, setup, warm, load_before, load_after, rounds)
+        peak = gemm_peak()
+        results[shape_name]["gemm_peak"] = peak
+        med = {fw: {ph: statistics.median(r[ph] for r in rs) for ph in PHASES}
+               for fw, rs in recs.items()}
+        print_roofline(model_flops(assets, shape), med, peak)
     print(f"end: {_load()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.notes:
         print("\nwhat is not equal:\n- " + "\n- ".join(NOTES))
     return 1 if failed else 0
+
+
+def gemm_peak(n: int = 1024, reps: int = 10) -> float:
+    """The machine's f32 GEMM peak as JAX reaches it: the fastest of ``reps`` jitted
+    ``n x n`` matmuls, FLOP/s."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def model_flops(assets: Path, shape: dict) -> dict:
+    """Model FLOPs of one step's phases (the same work in every framework): generate = 2 x
+    matmul params per token (prefill of each sample row + its new tokens, plus attention
+    scores/values), update = 6 x matmul params per token + attention (forward and backward)."""
+    c = json.loads((Path(assets) / "config.json").read_text())
+    h, d = c["hidden_size"], c["head_dim"]
+    nh, nkv, f, v, L = (c["num_attention_heads"], c["num_key_value_heads"],
+                        c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"])
+    per_layer = h * d * (nh + 2 * nkv) + nh * d * h + 3 * h * f
+    matmul = L * per_layer + v * h
+    rows = shape["prompts"] * shape["samples"]
+    t = shape["prompt_len"] + shape["new"]
+    attn = 4.0 * L * nh * d * t * t / 2  # causal: half the score/value matmuls, per row
+    generate = rows * (2.0 * matmul * t + attn)
+    update = rows * (6.0 * matmul * t + 3 * attn)
+    return {"generate": generate, "update": update}
+
+
+def print_roofline(flops: dict, med: dict, peak: float) -> None:
+    """Achieved model FLOP/s of the compute phases, as a fraction of the measured GEMM peak."""
+    print(f"roofline (model FLOPs / phase time / JAX f32 GEMM peak {peak / 1e9:.1f} GFLOP/s): "
+          + "; ".join(
+              f"{fw} " + ", ".join(
+                  f"{ph} {flops[ph] / m[ph] / 1e9:.1f} GFLOP/s ({flops[ph] / m[ph] / peak:.0%})"
+                  for ph in ("generate", "update") if m[ph] > 0)
+              for fw, m in med.items()), flush=True)
 
 
 def print_table(shape_name, label, recs, setup, warm, load_before, load_after, rounds):
