@@ -711,11 +711,12 @@ def _trl_worker(spec: dict) -> None:
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=spec["max_grad_norm"], optim="adamw_torch", beta=0.0,
         epsilon=spec["epsilon"], loss_type="dapo", scale_rewards="none", num_iterations=1,
-        max_steps=100000, logging_steps=10**9, save_strategy="no", report_to="none",
+        max_steps=2000, logging_steps=10**9, save_strategy="no", report_to="none",
         use_cpu=True, bf16=False, fp16=False, disable_tqdm=True, seed=0,
         dataloader_num_workers=0, shuffle_dataset=False, gradient_checkpointing=False,
     )
-    data = Dataset.from_dict({"prompt": [prompts[i % G] for i in range(G * 100000)]})
+    # Enough rows for the steps a race takes (the trainer cycles through them once).
+    data = Dataset.from_dict({"prompt": [prompts[i % G] for i in range(G * 2000)]})
     trainer = Timed(model=model, reward_funcs=[reward], args=args, train_dataset=data,
                     processing_class=tok, callbacks=[Gate()])
     if spec["mode"] == "check":
