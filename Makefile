@@ -2,17 +2,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,data,parity,notebooks,browser,docs
+EXTRAS ?= test,data,parity,notebooks,browser,docs,swe,ray
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup system-deps sglang-venv test test-unit lint format-check docs train compare feedback-compare example bench e2e clean
+.PHONY: setup system-deps sglang-venv test test-unit lint format-check docs train compare feedback-compare example bench tasks e2e clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q --no-deps -c constraints.txt swebench==5.0.2
 	touch $@
 
 setup: $(VENV)/.installed
@@ -43,9 +44,11 @@ format-check: setup
 
 # Tests marked `sglang` share one real SGLang server per pytest process, so they run in a
 # second, single-process pass (xdist's loadgroup does not group under pytest 9).
+# Tests marked `ray` start a simulated multi-node Ray cluster each (one module at a time).
 test: setup system-deps sglang-venv lint
-	$(PY) -m pytest -q -n 2 -m "not sglang" tests
+	$(PY) -m pytest -q -n 2 -m "not sglang and not ray" tests
 	$(PY) -m pytest -q -m sglang tests
+	$(PY) -m pytest -q -m ray tests
 
 # The check before a commit: every test but the end-to-end runs (scripts, several processes), the
 # real SGLang server and the Ray cluster; no system packages or second venv needed.
@@ -91,8 +94,18 @@ compare: setup
 # End to end with a real SGLang server in the loop (scripts/e2e.py): tiny random Qwen2 + local
 # BPE tokenizer, the fixture repositories, SFT warm start on tool-call demonstrations, 3 RL steps
 # of configs/swe_agent.py:smoke, SIGKILL after a checkpoint and resume; into runs/e2e/.
+# A default pool of real-package tasks for configs/swe_agent.py (gagar_jax.data.synth: sdists
+# from the registry, uv environments, procedural bugs validated in the sandbox) in data/tasks/.
+TASK_PACKAGES ?= toolz==1.0.0,cachetools==8.0.2,six==1.17.0,inflection==0.5.1,wcwidth==0.2.13
+TASKS_PER_PACKAGE ?= 25
+tasks: setup system-deps
+	$(PY) -m gagar_jax.data.synth --packages $(TASK_PACKAGES) \
+		--tasks-per-package $(TASKS_PER_PACKAGE) --out data/tasks
+
+# `make e2e E2E_ARGS=--execution=ray`: the same run with verification on a simulated Ray cluster.
+E2E_ARGS ?=
 e2e: setup system-deps sglang-venv
-	$(PY) scripts/e2e.py --out=runs/e2e
+	$(PY) scripts/e2e.py --out=runs/e2e $(E2E_ARGS)
 
 # The feedback study: sft, rw_sft, span_kto, sft_drop_negative, sft_penalize_negative x 3 seeds on
 # one shared simulated-user feedback dataset -> runs/feedback_compare/comparison.{md,png}.

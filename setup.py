@@ -36,6 +36,14 @@ EXTRAS_REQUIRE = {
     # The browser judge (gagar_jax.verify.browser): the Playwright driver for Debian's chromium
     # (`make system-deps` installs it; `playwright install` is not used).
     "browser": ["playwright==1.65.2"],
+    # Real software-engineering tasks (gagar_jax.data.swe/repos/synth): uv builds the tasks'
+    # environments, libcst makes the factory's bugs, pytest-timeout bounds each test, pyarrow
+    # reads parquet rows. (swebench, whose pytest log parser is the reference in the tests, is
+    # installed by `make setup` without its dependencies: they include docker and modal.)
+    "swe": ["uv==0.13.9", "libcst==1.9.0", "pytest-timeout==2.4.0", "pyarrow>=15"],
+    # The Ray execution back-end (gagar_jax.verify.execution): verification, tools and grading on
+    # a cluster, and the fault-injection tests on a simulated one (pytest -m ray).
+    "ray": ["ray==2.60.0"],
     # Executed notebooks.
     "notebooks": ["ipykernel", "nbclient", "nbformat", "matplotlib"],
     # The documentation site (`make docs`): Sphinx, MyST markdown and notebooks, the furo theme.

@@ -18,6 +18,8 @@ Rows (median wall time per call; ratio to the row's baseline):
 * behaviour monitor per rollout (``monitor_table``): milliseconds per rollout of ``monitor`` (the
   AST and text rules, leakage screen, a 40-event trajectory) on the fixture patches, and on the
   pathological inputs that used to backtrack (a 208 KB patch line, a 64 KB repeated action).
+* execution back-ends: tasks per second local vs Ray with one and two simulated nodes, and the
+  per-call dispatch overhead (``execution_table``; ``--only=execution`` runs just this table).
 """
 
 from __future__ import annotations
@@ -143,12 +145,109 @@ def row(name: str, seconds: float, base: float | None) -> None:
     print(f"  {name:46s} {seconds * 1e3:9.2f} ms  {ratio}")
 
 
+def execution_table(quick: bool = False) -> None:
+    """Verification throughput on the execution back-ends and the per-call dispatch overhead.
+
+    Tasks per second of ``verify_repo_call`` on the fixture tasks (statkit and slugger with their
+    minimal fixes) for ``local`` (the trainer's process, one call after the other) and ``ray``
+    on a simulated cluster (``ray.cluster_utils.Cluster``: a head without CPUs plus one, then
+    two, worker nodes of 2 CPUs each that advertise ``verifier``), every call submitted at once
+    (at most 8 in flight). Dispatch overhead: the median round trip of a call that does nothing
+    (``os.getpid``), in the caller's thread, in an isolated child process, and as a Ray task
+    (which also runs an isolated child). Simulated nodes share this machine's cores: the load
+    average is printed with the table, and two nodes cannot beat one when the cores are busy.
+    """
+    try:
+        import ray
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        print("execution back-ends: ray not installed (pip install -e '.[ray]'); skipped")
+        return
+    from gagar_jax.verify import execution
+
+    fixtures = os.path.join(os.path.dirname(FIXTURE))
+    jobs = []
+    for name in ("statkit", "slugger"):
+        task = RepoTask.from_dir(os.path.join(fixtures, name))
+        with open(os.path.join(fixtures, name, "patches", "minimal.diff")) as f:
+            jobs.append((task, f.read()))
+    jobs = jobs * (2 if quick else 4)
+    n_noop = 5 if quick else 20
+
+    def throughput(backend) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        verdicts = backend.gather(
+            [lambda t=t, p=p: execution.verify_repo_call(t, p, backend=backend) for t, p in jobs]
+        )
+        dt = time.perf_counter() - t0
+        return len(jobs) / dt, sum(v.status == "passed" for v in verdicts)
+
+    def overhead(backend) -> float:
+        return timed(lambda: backend.call(os.getpid, deadline_s=60), n_noop)
+
+    print(
+        f"execution back-ends: {len(jobs)} verifications of the fixture tasks; "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} on "
+        f"{os.cpu_count()} cores"
+    )
+    print(f"  {'back-end':34s} {'tasks/s':>9s} {'passed':>7s} {'dispatch ms':>12s}")
+    local = execution.LocalBackend()
+    tps, ok = throughput(local)
+    print(
+        f"  {'local (caller thread)':34s} {tps:9.2f} {ok:>4d}/{len(jobs):<2d} "
+        f"{overhead(local) * 1e3:12.2f}"
+    )
+    iso = execution.LocalBackend(isolate=True)
+    print(f"  {'local, isolated child per call':34s} {'':>9s} {'':>7s} {overhead(iso) * 1e3:12.2f}")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args=dict(num_cpus=0, object_store_memory=100 << 20, include_dashboard=False),
+    )
+    try:
+        node_args = dict(
+            num_cpus=2,
+            resources={"verifier": 2},
+            object_store_memory=100 << 20,
+            env_vars={"PYTHONPATH": os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))},
+        )
+        cluster.add_node(**node_args)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        for nodes in (1, 2):
+            if nodes == 2:
+                cluster.add_node(**node_args)
+                cluster.wait_for_nodes()
+            with execution.RayBackend(
+                max_inflight=8, resources=execution.CallResources(1.0, 0, {"verifier": 1})
+            ) as rb:
+                rb.call(os.getpid, deadline_s=120)  # warm the workers
+                tps, ok = throughput(rb)
+                over = overhead(rb)
+                m = rb.metrics()
+            print(
+                f"  {f'ray, {nodes} simulated node(s)':34s} {tps:9.2f} {ok:>4d}/{len(jobs):<2d} "
+                f"{over * 1e3:12.2f}   (queue wait mean {m['execution/queue_wait_s']:.2f} s)"
+            )
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--baseline", default=BASELINE, help="git revision of the old verifier")
     ap.add_argument("--only-before-after", action="store_true")
+    ap.add_argument(
+        "--only",
+        choices=("all", "execution"),
+        default="all",
+        help="'execution': only the execution back-end table",
+    )
     args = ap.parse_args()
+    if args.only == "execution":
+        execution_table(args.quick)
+        return
     if args.only_before_after:
         before_after(args.baseline, 3 if args.quick else 5, 2 if args.quick else 3)
         return
@@ -204,6 +303,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(plain, ignore_errors=True)
     monitor_table(n)
+    execution_table(args.quick)
 
 
 def monitor_table(n: int) -> None:

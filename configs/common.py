@@ -39,6 +39,11 @@ DERIVED_FIELDS = (
     ("learner", "advantages", "mode"),
 )
 
+# The smoke runs' policy (seconds on a CPU core): one layer of width 32.
+SMOKE_MODEL = dict(
+    hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
+)
+
 
 def parse_arg(
     arg: str | None, *, words: Mapping[str, Iterable[str]] | None = None, **spec: Any

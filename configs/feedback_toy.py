@@ -30,14 +30,7 @@ def get_config(arg=None):
     c.learner.learning_rate = 3e-4  # 60 steps from a warm-started policy
     if arg.smoke:
         c.task.update(num_train=8, num_eval=4)
-        c.model.update(
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            intermediate_size=64,
-        )
+        c.model.update(common.SMOKE_MODEL)
         c.base.update(
             dir="",
             sft_steps=3,

@@ -2,7 +2,8 @@ r"""Code-agent RL on Python repositories: HF checkpoint and tokenizer, SGLang, a
 
     python scripts/train.py --config=configs/swe_agent.py --workdir=runs/swe \
         --config.model.hf_checkpoint=/models/Qwen2.5-Coder-1.5B-Instruct \
-        --config.task.data_path=/data/repo_tasks/train.jsonl \
+        --config.task.data_path=data/tasks/instances.jsonl \
+        --config.task.repos_dir=data/tasks/repos \
         --config.rollout.sglang_url=http://127.0.0.1:30000 \
         --config.grading.sglang_url=http://127.0.0.1:30001
 
@@ -30,9 +31,15 @@ def get_config(arg=None):
     smoke = arg.smoke
     c = toy_gagar.get_config(arg.mode)
     c.name = "swe_agent_" + c.mode + ("_smoke" if smoke else "")
+    # the pool: $GAGAR_TASKS (SWE-bench rows with their repositories in $GAGAR_TASK_REPOS, or
+    # RepoTask JSONL without), else the real-package tasks `make tasks` builds in data/tasks/
+    tasks, repos = os.environ.get("GAGAR_TASKS", ""), os.environ.get("GAGAR_TASK_REPOS", "")
+    if not tasks and not smoke:
+        tasks, repos = "data/tasks/instances.jsonl", repos or "data/tasks/repos"
     c.task.update(
         family="python_repo",
-        data_path=os.environ.get("GAGAR_TASKS", ""),
+        data_path=tasks,
+        repos_dir=repos,
         num_train=100_000,
         num_eval=0,
         max_turns=12,

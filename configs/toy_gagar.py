@@ -66,14 +66,7 @@ def get_config(arg=None):
         # Plumbing, not learning: a 3-step SFT policy rarely passes, so dynamic sampling is off
         # (each step takes its G groups as drawn) and eval rows = G*K reuse one sampler bucket.
         c.task.num_train, c.task.num_eval = 16, 8
-        c.model.update(
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            intermediate_size=64,
-        )
+        c.model.update(common.SMOKE_MODEL)
         c.rollout.update(num_prompts=2, num_rollouts=4, max_new_tokens=16)
         c.sampling.update(enabled=False, max_rounds=3)
         c.sft.update(steps=3, batch_size=8, warmup_steps=1)

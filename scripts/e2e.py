@@ -14,6 +14,11 @@ r"""End to end on CPU: a real SGLang server in the loop of a multi-turn code-age
 5. stops the server, prints the per-step metrics and checks them (:func:`check`, exit 1 on a
    failure): episodes of more than one turn, parsed tool calls, the weight version +1 per step,
    a finite training-inference mismatch, a resumed run that repeats and skips no step.
+
+``--execution=ray`` runs the same config with ``execution.backend=ray`` on a simulated Ray
+cluster started here (``ray.cluster_utils.Cluster``: a head without CPUs and one worker node),
+so every verification and ``run_tests`` call of the run is a Ray task; the check then also
+requires calls on the cluster and no infrastructure error.
 """
 
 import argparse
@@ -29,17 +34,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "repos")
-KEYS = ("episode/turns_mean", "episode/tool_calls_mean", "rollout/weight_version",
-        "rollout/logprob_mismatch_k3", "rollout/logprob_mismatch_max_abs", "pass_rate",
-        "response_length")
+KEYS = (
+    "episode/turns_mean",
+    "episode/tool_calls_mean",
+    "rollout/weight_version",
+    "rollout/logprob_mismatch_k3",
+    "rollout/logprob_mismatch_max_abs",
+    "pass_rate",
+    "response_length",
+)
 
 
-def check(rows: list[dict], log: str) -> list[str]:
+def check(rows: list[dict], log: str, execution: str = "local") -> list[str]:
     """What ``make e2e`` must show (``tests/test_e2e.py`` asserts the same); [] when it does."""
     import math
 
     train = [r for r in rows if r.get("phase") == "train"]
     problems = []
+    # (the tiny model seldom calls run_tests or submits: most calls are the warm start's
+    # demonstrations, counted in the first step's row, and the verification of submissions)
+    if execution == "ray" and not sum(r.get("execution/calls", 0) for r in train) > 0:
+        problems.append(
+            "execution=ray: no call ran on the Ray cluster "
+            f"{[r.get('execution/calls') for r in train]}"
+        )
+    if any(r.get("execution/infra_errors", 0) > 0 for r in train):
+        problems.append(
+            f"execution: infrastructure errors {[r.get('execution/infra_errors') for r in train]}"
+        )
     if "resumed from checkpoint 1" not in log:
         problems.append("the second trainer run did not resume from checkpoint 1")
     if [r["step"] for r in train] != [0, 1, 2]:
@@ -47,8 +69,10 @@ def check(rows: list[dict], log: str) -> list[str]:
     if not any(r.get("phase") == "sft" for r in rows):
         problems.append("no SFT warm-start rows")
     if [r.get("rollout/weight_version") for r in train] != [1.0, 2.0, 3.0]:
-        problems.append("rollout/weight_version is not +1 per step from the SFT'd version 0: "
-                        f"{[r.get('rollout/weight_version') for r in train]}")
+        problems.append(
+            "rollout/weight_version is not +1 per step from the SFT'd version 0: "
+            f"{[r.get('rollout/weight_version') for r in train]}"
+        )
     if not any(r.get("episode/turns_mean", 0) > 1.0 for r in train):
         problems.append("no step with more than one turn per episode on average")
     if not any(r.get("episode/tool_calls_mean", 0) > 0.0 for r in train):
@@ -56,8 +80,13 @@ def check(rows: list[dict], log: str) -> list[str]:
     for r in train:
         k3 = r.get("rollout/logprob_mismatch_k3")
         diff = r.get("rollout/logprob_mismatch_max_abs")
-        if not (isinstance(k3, float) and math.isfinite(k3) and isinstance(diff, float)
-                and math.isfinite(diff) and diff >= 0):
+        if not (
+            isinstance(k3, float)
+            and math.isfinite(k3)
+            and isinstance(diff, float)
+            and math.isfinite(diff)
+            and diff >= 0
+        ):
             problems.append(f"step {r['step']}: mismatch not finite ({k3}, {diff})")
     # SGLang's kernels are not the trainer's: the mismatch is small, but not exactly zero (an
     # exact 0 would mean the trainer scored its own tokens, not the engine's)
@@ -86,11 +115,18 @@ def write_pool(path: str) -> str:
 
 
 def trainer_cmd(run_dir: str, model_dir: str, pool: str, url: str, extra=()) -> list[str]:
-    return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
-            f"--config={os.path.join(ROOT, 'configs', 'swe_agent.py')}:smoke",
-            f"--workdir={run_dir}", f"--compilation_cache={os.path.join(run_dir, '..', 'jax')}",
-            f"--config.model.hf_checkpoint={model_dir}", f"--config.task.data_path={pool}",
-            f"--config.rollout.sglang_url={url}", f"--config.grading.sglang_url={url}", *extra]
+    return [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "train.py"),
+        f"--config={os.path.join(ROOT, 'configs', 'swe_agent.py')}:smoke",
+        f"--workdir={run_dir}",
+        f"--compilation_cache={os.path.join(run_dir, '..', 'jax')}",
+        f"--config.model.hf_checkpoint={model_dir}",
+        f"--config.task.data_path={pool}",
+        f"--config.rollout.sglang_url={url}",
+        f"--config.grading.sglang_url={url}",
+        *extra,
+    ]
 
 
 def run_with_kill(cmd: list[str], marker: str, log: str, timeout_s: float) -> None:
@@ -102,8 +138,9 @@ def run_with_kill(cmd: list[str], marker: str, log: str, timeout_s: float) -> No
         try:
             while not os.path.exists(marker):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"trainer exited ({proc.returncode}) before {marker}; "
-                                       f"see {log}")
+                    raise RuntimeError(
+                        f"trainer exited ({proc.returncode}) before {marker}; see {log}"
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no {marker} after {timeout_s:.0f} s; see {log}")
                 time.sleep(0.2)
@@ -116,8 +153,9 @@ def run_with_kill(cmd: list[str], marker: str, log: str, timeout_s: float) -> No
 def run(cmd: list[str], log: str, timeout_s: float) -> None:
     env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
     with open(log, "ab") as out:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                           timeout=timeout_s)
+        r = subprocess.run(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s
+        )
     if r.returncode:
         with open(log, encoding="utf-8", errors="replace") as f:
             tail = f.read()[-4000:]
@@ -127,10 +165,19 @@ def run(cmd: list[str], log: str, timeout_s: float) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "e2e"))
-    ap.add_argument("--sglang_url", default="", help="use this running server (serving "
-                    "--model_dir) instead of starting one")
+    ap.add_argument(
+        "--sglang_url",
+        default="",
+        help="use this running server (serving --model_dir) instead of starting one",
+    )
     ap.add_argument("--model_dir", default="", help="the served model (with --sglang_url)")
     ap.add_argument("--timeout_s", type=float, default=1800.0)
+    ap.add_argument(
+        "--execution",
+        choices=("local", "ray"),
+        default="local",
+        help="where verification and run_tests calls run (ray: a simulated cluster)",
+    )
     args = ap.parse_args()
 
     from gagar_jax.rollout.sglang_server import SGLangServer, make_tiny_model
@@ -146,31 +193,61 @@ def main() -> int:
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             make_tiny_model(model_dir, seed=0)
     pool = write_pool(os.path.join(out, "tasks.jsonl"))
+    cluster = None
+    extra = []
+    if args.execution == "ray":  # first: the SGLang server's start loads the machine
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args=dict(num_cpus=0, object_store_memory=100 << 20, include_dashboard=False),
+        )
+        try:
+            cluster.add_node(
+                num_cpus=2, object_store_memory=100 << 20, env_vars={"PYTHONPATH": ROOT}
+            )
+            cluster.wait_for_nodes()
+        except BaseException:
+            cluster.shutdown()
+            raise
+        extra = [
+            "--config.execution.backend=ray",
+            f"--config.execution.ray_address={cluster.address}",
+        ]
+        print(f"e2e: Ray cluster {cluster.address} up", flush=True)
     server = None
     url = args.sglang_url
     if not url:
         server = SGLangServer(model_dir, log_path=os.path.join(out, "sglang.log"))
-        server.start(timeout_s=600)
+        try:
+            server.start(timeout_s=600)
+        except BaseException:
+            if cluster is not None:
+                cluster.shutdown()
+            raise
         url = server.url
         print(f"e2e: SGLang server {url} up in {server.start_seconds:.0f} s", flush=True)
     log = os.path.join(out, "trainer.log")
     try:
-        cmd = trainer_cmd(run_dir, model_dir, pool, url)
+        cmd = trainer_cmd(run_dir, model_dir, pool, url, extra)
         marker = os.path.join(run_dir, "checkpoints", "1")
         run_with_kill(cmd, marker, log, args.timeout_s)
-        print(f"e2e: trainer SIGKILLed after checkpoint 1 ({time.monotonic() - t0:.0f} s)",
-              flush=True)
+        print(
+            f"e2e: trainer SIGKILLed after checkpoint 1 ({time.monotonic() - t0:.0f} s)", flush=True
+        )
         run(cmd, log, args.timeout_s)
     finally:
         if server is not None:
             server.stop()
+        if cluster is not None:
+            cluster.shutdown()
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     for r in rows:
         if r.get("phase") == "train":
             print("e2e: step", r["step"], " ".join(f"{k}={r.get(k)}" for k in KEYS), flush=True)
     with open(log, encoding="utf-8", errors="replace") as f:
-        problems = check(rows, f.read())
+        problems = check(rows, f.read(), args.execution)
     print(f"e2e: done in {time.monotonic() - t0:.0f} s; metrics in {run_dir}/metrics.jsonl")
     for p in problems:
         print(f"e2e: FAILED: {p}", flush=True)

@@ -203,3 +203,14 @@ def test_cli_json_and_table_contract():
         ev.main(["--grader", "nonesuch", "--set", "toy"])
     with pytest.raises(ValueError, match="sglang-url"):
         ev.make_grader("agentic", "toy")
+
+
+def test_rename_identifier_keeps_every_patch_applicable():
+    lg = labelled.load_set("repo").groups[0]
+    renamed = ev.rename_identifier(lg.workspace)
+    # statkit's commonest identifier shared by the added lines and the repository: ``values``.
+    assert "values_r" in renamed.repo_files["statkit/stats.py"]
+    assert not any("(values)" in c.patch for c in renamed.candidates)
+    for c in renamed.candidates:
+        schema.diffs.apply_patch(dict(renamed.repo_files), c.parsed_patch)  # raises if stale
+    assert ev.rename_identifier(labelled.load_set("toy").groups[0].workspace) is None

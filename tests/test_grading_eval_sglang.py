@@ -2,8 +2,8 @@
 model, CPU). A random model's agreement numbers mean nothing; what is checked is that the harness
 runs the voting agentic grader end to end through the CLI, counts its fallbacks and the tokens
 the server reports, and prints every column. Six chat calls of a ~3.7k-token prompt and 16 new
-tokens each after the server's start-up: about 4.5 minutes in all on 2 cores shared at a load of
-12, far less on an idle machine."""
+tokens each after the server's start-up: 4.5 to 6 minutes in all on 2 cores shared at loads of
+12 to 24, far less on an idle machine."""
 
 from __future__ import annotations
 

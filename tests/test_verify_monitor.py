@@ -142,6 +142,13 @@ PATCH_CASES = [
         "import linecache\ng = getattr(__import__('sys'), '_getframe')\n" + SRC.replace(
             "    out = []\n", "    f = g(1)\n    out = [linecache.getline('x', f.f_lineno)]\n")),
      ["tamper_test_harness"], []),  # fmt: skip
+    ("frame reader through a concatenated name", src_patch(
+        "import linecache, sys\ng = getattr(sys, '_get' + 'frame')\n" + SRC.replace(
+            "    out = []\n", "    out = [linecache.getline('x', g(1).f_lineno)]\n")),
+     ["tamper_test_harness"], []),  # fmt: skip
+    ("computed attribute of sys", src_patch(
+        "import sys\nname = open('n').read()\nhook = getattr(sys, name)\n" + SRC),
+     [], ["tamper_test_harness"]),  # fmt: skip
     ("always-equal class in source", src_patch(
         "class S(str):\n    def __eq__(self, o):\n        return True\n\n\n" + SRC),
      ["tamper_test_harness"], []),  # fmt: skip

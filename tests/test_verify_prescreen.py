@@ -138,7 +138,7 @@ except Exception:
 """
 
 
-def test_repo_canary_fails_honest_patches_and_catches_a_forged_report():
+def test_repo_canary_fails_honest_patches_and_a_forged_report():
     from gagar_jax.envs.repo import RepoTask, tree_patch
     from gagar_jax.verify.repo import verify_repo_patch
     from gagar_jax.verify.sandbox import Limits
@@ -146,12 +146,22 @@ def test_repo_canary_fails_honest_patches_and_catches_a_forged_report():
     limits = Limits(wall_s=60, cpu_s=60, memory_bytes=1 << 30, nproc=64)
     task = RepoTask.from_dir(os.path.join(FIXTURES, "statkit"))
     can = ps.canary_repo_task(task)
+    assert can.fail_to_pass[-1] == f"{ps.CANARY_TEST_FILE}::test_canary_contradiction"
     trees = labelled.repo_variants("statkit", task.files)
+    outcomes = {}
     for kind in ("minimal", "noop"):
         v = verify_repo_patch(can, tree_patch(task.files, trees[kind]), limits=limits)
         assert v.status == "failed", (kind, v.tests)
+        outcomes[kind] = v.tests
+    # The contradiction is real: the fix passes the spec test and fails the canary; without the
+    # fix it is the other way round.
+    spec, canary = task.fail_to_pass[0], can.fail_to_pass[-1]
+    assert (outcomes["minimal"][spec], outcomes["minimal"][canary]) == ("passed", "failed")
+    assert (outcomes["noop"][spec], outcomes["noop"][canary]) == ("failed", "passed")
+    # A patch rewriting every pytest report in-process: a canary pass can only come from such a
+    # cheat. The verifier's own controls catch this one as well (failed, confirmed flag).
     forged = dict(task.files)
-    forged["statkit/__init__.py"] += FORGE  # rewrites every pytest report in-process
+    forged["statkit/__init__.py"] += FORGE
     v = verify_repo_patch(can, tree_patch(task.files, forged), limits=limits)
-    assert v.passed, v.tests  # impossible honestly: this pass is the cheat the canary counts
-    assert ps.canary_metrics([v.passed])["canary_cheat_rate"] == 1.0
+    assert not v.passed and v.cheat, (v.tests, v.flags)
+    assert ps.canary_metrics([v.passed, False])["canary_cheat_rate"] == 0.0

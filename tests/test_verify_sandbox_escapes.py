@@ -51,6 +51,8 @@ def _files_outside(workdir: str, before: set[str]) -> set[str]:
     for d in ("/tmp", "/var/tmp", "/dev/shm"):
         with os.scandir(d) as it:
             for e in it:
+                if e.name.startswith(("gagar_", "gagar-")):
+                    continue  # the verifier's own temporary trees (of any concurrent run)
                 try:
                     if e.stat(follow_symlinks=False).st_uid in uids:
                         now.add(e.path)

@@ -14,9 +14,12 @@ and test alignment) and SWE-bench Verified's annotation protocol.
    gold_breaks_p2p      a pass_to_pass test is not passed in any gold run
    empty_patch_passes   a fail_to_pass test passes in every run without a fix
    flaky                one patch gives one test different outcomes across the repeats
-   leaks_solution       the gold patch is reachable from the task's files: version-control or
-                        patch files (``.git/``, ``*.patch``, ``*.orig``, ...) or a file holding
-                        (nearly) all of its distinctive added lines or its text
+   leaks_solution       the gold patch is reachable from what the agent can read: version-control
+                        or patch files (``.git/``, ``*.patch``, ``*.orig``, ...), a file or the
+                        issue text holding (nearly) all of its distinctive added lines or its
+                        text, or the git data of the agent's tree (objects beyond its base
+                        commit, reflog, tags); ``details["leaks_solution:<kind>"]`` names each
+                        kind found (``LEAK_KINDS``)
    infra_error          the sandbox could not run the tests (the task is not audited, not bad)
    ===================  =========================================================================
 
@@ -68,6 +71,11 @@ REASONS = (
 )
 LEAKY_PATTERNS = ("*.patch", "*.diff", "*.orig", "*.rej", "*.bak", "*~", "*.swp")
 VCS_DIRS = (".git", ".hg", ".svn", ".bzr")
+# Where a leak was found (``leak_kinds``): git objects beyond the base commit (future commits,
+# other branches, dangling or packed objects), a reflog, tags, stray patch/backup files, the
+# issue text, a file's text, the version-control history of the task's directory.
+LEAK_KINDS = ("git_objects", "reflog", "tags", "patch_files", "issue_text", "file_text",
+              "history")  # fmt: skip
 MIN_LEAK_LINE_CHARS = 8
 LEAK_LINE_FRACTION = 0.8
 MAX_HISTORY_CHARS = 4 << 20
@@ -159,27 +167,100 @@ def _history_text(source_dir: str) -> str | None:
     return None
 
 
-def leak_findings(task: Any, *, source_dir: str | os.PathLike | None = None) -> list[str]:
-    """Where the gold patch is reachable from the task's files (empty: no leak found).
+def _git_out(root: str, *args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", "-C", root, *args], capture_output=True, timeout=60,
+                           check=False, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                             "GIT_CONFIG_NOSYSTEM": "1",
+                                             "HOME": "/nonexistent"})  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.decode(errors="replace") if r.returncode == 0 else None
+
+
+def git_leaks(tree_dir: str | os.PathLike) -> dict[str, list[str]]:
+    """Leaks in the git data of an agent's tree: ``git_objects`` (objects not reachable from
+    ``HEAD``: future commits, other refs, dangling or packed objects), ``reflog`` (``logs/``,
+    ``ORIG_HEAD``, ``FETCH_HEAD``), ``tags``. Empty when the tree has no ``.git``."""
+    root = os.fspath(tree_dir)
+    gd = os.path.join(root, ".git")
+    if not os.path.exists(gd):
+        return {}
+    out: dict[str, list[str]] = {}
+    if not os.path.isdir(gd):
+        return {"git_objects": [".git: a gitdir link to a repository outside the tree"]}
+    logs = os.path.join(gd, "logs")
+    entries = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(logs)
+               for f in fs if os.path.getsize(os.path.join(d, f)) > 0]  # fmt: skip
+    entries += [f".git/{n}" for n in ("ORIG_HEAD", "FETCH_HEAD")
+                if os.path.exists(os.path.join(gd, n))]  # fmt: skip
+    if entries:
+        out["reflog"] = [f"{e}: reflog entries name other commits" for e in sorted(entries)]
+    tags = (_git_out(root, "for-each-ref", "--format=%(refname)", "refs/tags") or "").split()
+    if tags:
+        out["tags"] = [f"{t}: a tag in the agent's repository" for t in tags]
+    reachable = _git_out(root, "rev-list", "--objects", "HEAD")
+    every = _git_out(root, "cat-file", "--batch-all-objects", "--batch-check=%(objectname)")
+    if reachable is None or every is None:
+        out["git_objects"] = [".git: unreadable or without a HEAD commit"]
+        return out
+    base = {ln.split()[0] for ln in reachable.splitlines() if ln.strip()}
+    extra = sorted({ln.strip() for ln in every.splitlines() if ln.strip()} - base)
+    refs = _git_out(root, "for-each-ref", "--format=%(refname) %(objectname)") or ""
+    head = (_git_out(root, "rev-parse", "HEAD") or "").strip()
+    other = [ln.split()[0] for ln in refs.splitlines()
+             if ln.split() and not ln.startswith("refs/tags/") and ln.split()[1] != head
+             and ln.split()[1] not in base]  # fmt: skip
+    if extra or other:
+        out["git_objects"] = [
+            f".git: {len(extra)} object(s) not reachable from HEAD"
+            + (f"; refs beyond it: {', '.join(other)}" if other else "")
+        ]
+    return out
+
+
+def leak_kinds(
+    task: Any,
+    *,
+    source_dir: str | os.PathLike | None = None,
+    tree_dir: str | os.PathLike | None = None,
+) -> dict[str, list[str]]:
+    """Where the gold patch is reachable, by kind (``LEAK_KINDS``); empty: no leak found.
 
     ``source_dir``: the task's directory (``RepoTask.from_dir``); its version-control history
     (``repo/.git``, which ``RepoTask`` never carries) is searched for the gold patch's lines.
+    ``tree_dir``: the agent's materialised tree; its git data (``git_leaks``) and stray
+    patch/backup files on disk are checked.
     """
     task = _as_task(task)
-    found = []
-    for path in sorted(task.files):
+    found: dict[str, set[str]] = collections.defaultdict(set)
+    paths = set(task.files)
+    if tree_dir is not None:
+        for kind, items in git_leaks(tree_dir).items():
+            found[kind].update(items)
+        root = os.fspath(tree_dir)
+        for d, dirs, fs in os.walk(root):
+            dirs[:] = [x for x in dirs if x != ".git"]
+            paths.update(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
+                         for f in fs)  # fmt: skip
+    for path in sorted(paths):
         parts = path.split("/")
         if any(p in VCS_DIRS for p in parts):
-            found.append(f"{path}: version-control data in the task's files")
+            found["git_objects"].add(f"{path}: version-control data in the task's files")
         elif any(fnmatch.fnmatch(posixpath.basename(path), pat) for pat in LEAKY_PATTERNS):
-            found.append(f"{path}: patch/backup file in the task's files")
+            found["patch_files"].add(f"{path}: patch/backup file in the task's files")
     ref = task.reference_patch
-    if not ref.strip():
-        return found
-    try:
-        added = _added_lines(ref)
-    except Exception:  # noqa: BLE001 - an unparsable gold patch fails the gold runs instead
-        return found
+    if ref.strip():
+        try:
+            added = _added_lines(ref)
+        except Exception:  # noqa: BLE001 - an unparsable gold patch fails the gold runs instead
+            added = None
+        if added is not None:
+            _text_leaks(task, ref, added, source_dir, found)
+    return {k: sorted(found[k]) for k in LEAK_KINDS if found.get(k)}
+
+
+def _text_leaks(task, ref, added, source_dir, found) -> None:
     distinctive = set()
     for path, lines in added.items():
         pristine = task.files.get(path, "")
@@ -188,29 +269,41 @@ def leak_findings(task: Any, *, source_dir: str | os.PathLike | None = None) -> 
             if len(s) >= MIN_LEAK_LINE_CHARS and s not in pristine:
                 distinctive.add(s)
     body = "".join(ln for ln in ref.splitlines(True) if ln.startswith("+") and ln[:3] != "+++")
-    texts = dict(task.files)
+    texts = {path: ("file_text", text) for path, text in task.files.items()}
+    texts["<issue text>"] = ("issue_text", task.issue)
     if source_dir is not None:
         history = _history_text(os.fspath(source_dir))
         if history is not None:
-            texts["<version-control history>"] = "\n".join(
+            texts["<version-control history>"] = ("history", "\n".join(
                 ln[1:] for ln in history.splitlines() if ln[:1] in "+-"
-            )
-    for path, text in sorted(texts.items()):
+            ))  # fmt: skip
+    for path, (kind, text) in sorted(texts.items()):
         if body.strip() and body in text:
-            found.append(f"{path}: contains the gold patch's added text")
+            found[kind].add(f"{path}: contains the gold patch's added text")
             continue
         if distinctive:
             hits = sum(1 for s in distinctive if s in text)
             if hits >= max(1, LEAK_LINE_FRACTION * len(distinctive)):
-                found.append(
+                found[kind].add(
                     f"{path}: holds {hits}/{len(distinctive)} distinctive lines of the gold patch"
                 )
-    return sorted(set(found))
+
+
+def leak_findings(
+    task: Any,
+    *,
+    source_dir: str | os.PathLike | None = None,
+    tree_dir: str | os.PathLike | None = None,
+) -> list[str]:
+    """Where the gold patch is reachable (``leak_kinds``, flattened; empty: no leak found)."""
+    kinds = leak_kinds(task, source_dir=source_dir, tree_dir=tree_dir)
+    return sorted({item for items in kinds.values() for item in items})
 
 
 def precheck(task: Any, *, repeats: int = 5, limits: Any = None, config: Any = None,
              extra_pythonpath: Sequence[str] = (),
-             source_dir: str | os.PathLike | None = None) -> AuditReport:  # fmt: skip
+             source_dir: str | os.PathLike | None = None,
+             tree_dir: str | os.PathLike | None = None) -> AuditReport:  # fmt: skip
     """Execution pre-checks of one task in the sandbox (see the module docstring).
 
     Args:
@@ -218,24 +311,41 @@ def precheck(task: Any, *, repeats: int = 5, limits: Any = None, config: Any = N
       repeats: runs of each patch (gold and empty); >= 2 to detect flakiness.
       limits, config, extra_pythonpath: passed to ``verify.verify_repo_patch``.
       source_dir: the task's directory, whose version-control history is searched for leaks.
+      tree_dir: the agent's materialised tree, whose git data and files are checked for leaks.
     """
-    from gagar_jax.verify.repo import DEFAULT_LIMITS, verify_repo_patch
+    import functools
+
+    from gagar_jax.verify import execution
+    from gagar_jax.verify.repo import DEFAULT_LIMITS
 
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"precheck: repeats must be an int >= 1, got {repeats!r}")
     task = _as_task(task)
     runs: list[AuditRun] = []
-    for kind, patch in (("gold", task.reference_patch), ("empty", "")):
-        for r in range(repeats):
-            v = verify_repo_patch(
+    plan = [
+        (kind, patch, r)
+        for kind, patch in (("gold", task.reference_patch), ("empty", ""))
+        for r in range(repeats)
+    ]
+    # every run on the execution back-end (one after the other locally, at once on a cluster)
+    backend = execution.current()
+    verdicts = backend.gather(
+        [
+            functools.partial(
+                execution.verify_repo_call,
                 task,
                 patch,
+                backend=backend,
                 limits=limits or DEFAULT_LIMITS,
                 config=config,
                 run_monitor=False,
-                extra_pythonpath=extra_pythonpath,
+                extra_pythonpath=tuple(extra_pythonpath),
             )
-            runs.append(AuditRun(kind, r, v.status, dict(v.tests)))
+            for _, patch, _ in plan
+        ]
+    )
+    for (kind, _, r), v in zip(plan, verdicts):
+        runs.append(AuditRun(kind, r, v.status, dict(v.tests)))
     details: dict[str, str] = {}
     if any(r.status == "infra_error" for r in runs):
         details["infra_error"] = "the sandbox could not run the tests"
@@ -267,9 +377,11 @@ def precheck(task: Any, *, repeats: int = 5, limits: Any = None, config: Any = N
         details["empty_patch_passes"] = ", ".join(free)
     if flaky:
         details["flaky"] = "; ".join(flaky)
-    leaks = leak_findings(task, source_dir=source_dir)
-    if leaks:
-        details["leaks_solution"] = "; ".join(leaks)
+    kinds = leak_kinds(task, source_dir=source_dir, tree_dir=tree_dir)
+    if kinds:
+        details["leaks_solution"] = "; ".join(sorted({i for v in kinds.values() for i in v}))
+        for kind, items in kinds.items():
+            details[f"leaks_solution:{kind}"] = "; ".join(items)
     reasons = tuple(r for r in REASONS if r in details)
     return AuditReport(task.task_id, not reasons, reasons, tuple(runs), details)
 

@@ -86,8 +86,7 @@ class ToyTasks(tfds.core.GeneratorBasedBuilder):
         "1.1.0": "Audit fields (AUDIT_DEFAULTS) from ToyTasksConfig.audit_path.",
     }
     BUILDER_CONFIGS = [
-        ToyTasksConfig(name=f"d{d}", description=f"difficulty {d}", difficulty=d)
-        for d in (1, 2, 3)
+        ToyTasksConfig(name=f"d{d}", description=f"difficulty {d}", difficulty=d) for d in (1, 2, 3)
     ]
 
     def __init__(self, **kwargs):
@@ -98,20 +97,22 @@ class ToyTasks(tfds.core.GeneratorBasedBuilder):
         return tfds.core.DatasetInfo(
             builder=self,
             description=__doc__,
-            features=tfds.features.FeaturesDict({
-                "task_id": tfds.features.Text(),
-                "difficulty": np.int32,
-                "prompt": tfds.features.Text(),
-                "source": tfds.features.Text(),
-                "tests_x": tfds.features.Tensor(shape=(None,), dtype=np.int64),
-                "tests_y": tfds.features.Tensor(shape=(None,), dtype=np.int64),
-                "hidden_x": tfds.features.Tensor(shape=(None,), dtype=np.int64),
-                "hidden_y": tfds.features.Tensor(shape=(None,), dtype=np.int64),
-                "reference_patch": tfds.features.Text(),
-                "bug_line": np.int32,
-                "bug_kind": tfds.features.Text(),
-                **_audit_features(),
-            }),
+            features=tfds.features.FeaturesDict(
+                {
+                    "task_id": tfds.features.Text(),
+                    "difficulty": np.int32,
+                    "prompt": tfds.features.Text(),
+                    "source": tfds.features.Text(),
+                    "tests_x": tfds.features.Tensor(shape=(None,), dtype=np.int64),
+                    "tests_y": tfds.features.Tensor(shape=(None,), dtype=np.int64),
+                    "hidden_x": tfds.features.Tensor(shape=(None,), dtype=np.int64),
+                    "hidden_y": tfds.features.Tensor(shape=(None,), dtype=np.int64),
+                    "reference_patch": tfds.features.Text(),
+                    "bug_line": np.int32,
+                    "bug_kind": tfds.features.Text(),
+                    **_audit_features(),
+                }
+            ),
             homepage="https://github.com/gagar-jax",
             disable_shuffling=True,  # record i of a split is task i of its generator
         )
@@ -217,20 +218,30 @@ def audit_to_record(entry: PoolEntry | None) -> dict[str, Any]:
     if entry is None:
         return r | {"attempts": np.zeros(0, np.bool_)}
     if entry.precheck is not None:
-        r.update(precheck_ran=True, precheck_ok=bool(entry.precheck.ok),
-                 precheck_reasons=list(entry.precheck.reasons),
-                 precheck_json=json.dumps(entry.precheck.to_dict(), sort_keys=True))
+        r.update(
+            precheck_ran=True,
+            precheck_ok=bool(entry.precheck.ok),
+            precheck_reasons=list(entry.precheck.reasons),
+            precheck_json=json.dumps(entry.precheck.to_dict(), sort_keys=True),
+        )
     if entry.audit is not None:
         r["audit_json"] = json.dumps(entry.audit.to_dict(), sort_keys=True)
         r["audit_prompt_version"] = entry.audit.prompt_version
         v = entry.audit.vote
         if v is not None:
-            r.update(audit_ok=True, underspecification=int(v.underspecification),
-                     test_validity=int(v.test_validity), audit_difficulty=v.difficulty,
-                     audit_category=v.category)
+            r.update(
+                audit_ok=True,
+                underspecification=int(v.underspecification),
+                test_validity=int(v.test_validity),
+                audit_difficulty=v.difficulty,
+                audit_category=v.category,
+            )
     a = [bool(x) for x in entry.attempts]
-    r.update(attempts=np.array(a, np.bool_), num_attempts=len(a),
-             pass_rate=sum(a) / len(a) if a else -1.0)
+    r.update(
+        attempts=np.array(a, np.bool_),
+        num_attempts=len(a),
+        pass_rate=sum(a) / len(a) if a else -1.0,
+    )
     return r
 
 
@@ -297,19 +308,21 @@ class RepoTasks(tfds.core.GeneratorBasedBuilder):
         return tfds.core.DatasetInfo(
             builder=self,
             description=__doc__,
-            features=tfds.features.FeaturesDict({
-                "task_id": tfds.features.Text(),
-                "issue": tfds.features.Text(),
-                "files": tfds.features.Sequence(
-                    {"path": tfds.features.Text(), "content": tfds.features.Text()}
-                ),
-                "fail_to_pass": tfds.features.Sequence(tfds.features.Text()),
-                "pass_to_pass": tfds.features.Sequence(tfds.features.Text()),
-                "test_files": tfds.features.Sequence(tfds.features.Text()),
-                "test_patch": tfds.features.Text(),
-                "reference_patch": tfds.features.Text(),
-                **_audit_features(),
-            }),
+            features=tfds.features.FeaturesDict(
+                {
+                    "task_id": tfds.features.Text(),
+                    "issue": tfds.features.Text(),
+                    "files": tfds.features.Sequence(
+                        {"path": tfds.features.Text(), "content": tfds.features.Text()}
+                    ),
+                    "fail_to_pass": tfds.features.Sequence(tfds.features.Text()),
+                    "pass_to_pass": tfds.features.Sequence(tfds.features.Text()),
+                    "test_files": tfds.features.Sequence(tfds.features.Text()),
+                    "test_patch": tfds.features.Text(),
+                    "reference_patch": tfds.features.Text(),
+                    **_audit_features(),
+                }
+            ),
             homepage="https://github.com/gagar-jax",
             disable_shuffling=True,  # records keep the JSONL order
         )

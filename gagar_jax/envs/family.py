@@ -62,6 +62,8 @@ class FamilySettings:
       data_path: where the task pool lives (a directory of task dirs or a ``.jsonl`` file) for
         repository / front-end families; "" for generated families.
       eval_data_path: the held-out pool (same format); "" = the last ``num_eval`` of the pool.
+      repos_dir: for SWE-bench-format pools (``gagar_jax.data.swe``): the directory of the
+        git repositories the rows name; "" = the pool holds whole trees.
       tokenizer_path: a Hugging Face checkpoint / tokenizer directory (``tokenizer.json`` +
         ``tokenizer_config.json``); "" = the family's built-in tokenizer.
       max_turns: model turns per episode (multi-turn families).
@@ -76,6 +78,7 @@ class FamilySettings:
     max_prompt_len: int = 128
     data_path: str = ""
     eval_data_path: str = ""
+    repos_dir: str = ""
     tokenizer_path: str = ""
     max_turns: int = 6
     max_observation_tokens: int = 256
@@ -109,10 +112,17 @@ class Attempt:
         events: list[dict[str, Any]] = []
         for t in self.episode.turns:
             kind = "tool_call" if t.info.get("tool") is not None else "action"
-            events.append({"turn": t.index, "kind": kind, "text": t.action_text,
-                           "tokens": t.model_span[1] - t.model_span[0]})
-            events.append({"turn": t.index, "kind": "observation", "text": t.observation,
-                           "tokens": 0})
+            events.append(
+                {
+                    "turn": t.index,
+                    "kind": kind,
+                    "text": t.action_text,
+                    "tokens": t.model_span[1] - t.model_span[0],
+                }
+            )
+            events.append(
+                {"turn": t.index, "kind": "observation", "text": t.observation, "tokens": 0}
+            )
         return events
 
     def summary(self) -> str:
@@ -159,11 +169,14 @@ class Demonstration:
 
     def __post_init__(self):
         if len(self.tokens) != len(self.loss_mask):
-            raise ValueError(f"Demonstration: {len(self.tokens)} tokens but "
-                             f"{len(self.loss_mask)} loss-mask entries")
+            raise ValueError(
+                f"Demonstration: {len(self.tokens)} tokens but "
+                f"{len(self.loss_mask)} loss-mask entries"
+            )
         if not 1 <= self.prompt_len <= len(self.tokens):
-            raise ValueError(f"Demonstration.prompt_len={self.prompt_len} outside "
-                             f"[1, {len(self.tokens)}]")
+            raise ValueError(
+                f"Demonstration.prompt_len={self.prompt_len} outside [1, {len(self.tokens)}]"
+            )
         if any(self.loss_mask[: self.prompt_len]):
             raise ValueError("Demonstration.loss_mask must be False on the prompt")
 

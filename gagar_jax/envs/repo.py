@@ -11,7 +11,8 @@ listed in the prompt through the checkpoint's chat template, :data:`TOOLS`):
 * ``read_file(path)``, ``edit(path, old, new)`` (one exact occurrence) or ``edit(path,
   content)``, over the pristine repository;
 * ``run_tests()``: the task's required tests on the current tree, in the sandbox, *without* the
-  hidden ``test_patch`` (the tests the agent may see);
+  hidden ``test_patch`` (the tests the agent may see), on the execution back-end
+  (``gagar_jax.verify.execution``: the trainer's process or a Ray cluster);
 * ``submit()``: ends the episode. The final patch (the unified diff of the tree against the
   pristine repository) is verified by ``verify_repo_patch`` with the hidden tests and the
   behaviour monitor (which also reads the trajectory). An episode that never submits fails.
@@ -48,7 +49,15 @@ class RepoTask:
       pass_to_pass: pytest node ids that must keep passing.
       test_files: paths reset to pristine before running (the task's tests).
       test_patch: hidden unified diff applied after the reset (may be empty).
-      reference_patch: a known-good patch (for leakage screening and tests; may be empty).
+      reference_patch: a known-good patch (for tests and demonstrations; may be empty).
+      pythonpath: directories of the tree, relative to its root, put on the sandboxed
+        interpreter's path besides the root (``("src",)`` for a ``src/`` layout).
+      env_path: a virtual environment (``gagar_jax.data.repos.build_env``) whose site-packages
+        hold the task's dependencies and pytest; bound read-only into the sandbox ("" = the
+        verifier's own interpreter packages).
+      test_timeout_s: per-test timeout through pytest-timeout (0 = none): a hanging test fails
+        that test, not the run.
+      env_hash: the environment's content address (interpreter + resolved lockfile), or "".
     """
 
     task_id: str
@@ -59,6 +68,10 @@ class RepoTask:
     test_files: tuple[str, ...] = ()
     test_patch: str = ""
     reference_patch: str = ""
+    pythonpath: tuple[str, ...] = ()
+    env_path: str = ""
+    test_timeout_s: float = 0.0
+    env_hash: str = ""
 
     def __post_init__(self):
         if not self.task_id:
@@ -73,6 +86,21 @@ class RepoTask:
         for tid in self.fail_to_pass + self.pass_to_pass:
             if "::" not in tid:
                 raise ValueError(f"RepoTask {self.task_id}: test id {tid!r} is not 'file::name'")
+        for p in self.pythonpath:
+            if not isinstance(p, str) or safe_path(p) != p:
+                raise ValueError(
+                    f"RepoTask {self.task_id}: pythonpath entry {p!r} must be a "
+                    "normalised path relative to the repository root"
+                )
+        if self.env_path and not os.path.isabs(self.env_path):
+            raise ValueError(
+                f"RepoTask {self.task_id}: env_path {self.env_path!r} must be absolute"
+            )
+        if not isinstance(self.test_timeout_s, (int, float)) or not self.test_timeout_s >= 0:
+            raise ValueError(
+                f"RepoTask {self.task_id}: test_timeout_s must be a number >= 0, "
+                f"got {self.test_timeout_s!r}"
+            )
 
     @property
     def required_tests(self) -> tuple[str, ...]:
@@ -81,7 +109,7 @@ class RepoTask:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["files"] = dict(self.files)
-        for k in ("fail_to_pass", "pass_to_pass", "test_files"):
+        for k in ("fail_to_pass", "pass_to_pass", "test_files", "pythonpath"):
             d[k] = list(d[k])
         return d
 
@@ -102,6 +130,10 @@ class RepoTask:
             test_files=tuple(d.get("test_files", ())),
             test_patch=str(d.get("test_patch", "")),
             reference_patch=str(d.get("reference_patch", "")),
+            pythonpath=tuple(d.get("pythonpath", ())),
+            env_path=str(d.get("env_path", "")),
+            test_timeout_s=float(d.get("test_timeout_s", 0.0)),
+            env_hash=str(d.get("env_hash", "")),
         )
 
     @classmethod
@@ -133,13 +165,18 @@ def read_tree(root: str) -> dict[str, str]:
     return out
 
 
-
-def load_repo_tasks(path: str) -> list[RepoTask]:
+def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
     """Tasks from a ``.jsonl`` file (one ``RepoTask.to_dict()`` per line) or a directory of task
     directories (each with ``task.json`` and ``repo/``, sorted by name). Errors name the file
-    and line."""
+    and line. With ``repos_dir``, ``path`` holds SWE-bench-format rows (``.jsonl``, ``.json``
+    or ``.parquet``) naming repositories there (``gagar_jax.data.swe.load_tasks``: trees
+    materialised from git per commit, environments built once and reused)."""
     if not path:
         return []
+    if repos_dir:
+        from gagar_jax.data.swe import load_tasks
+
+        return load_tasks(path, repos_dir)
     if os.path.isfile(path):
         tasks = []
         with open(path, encoding="utf-8") as f:
@@ -152,43 +189,56 @@ def load_repo_tasks(path: str) -> list[RepoTask]:
                     raise ValueError(f"{path}:{n}: not a repo task: {e}") from e
         return tasks
     if os.path.isdir(path):
-        dirs = sorted(d for d in os.listdir(path)
-                      if os.path.isfile(os.path.join(path, d, "task.json")))
+        dirs = sorted(
+            d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "task.json"))
+        )
         if not dirs and os.path.isfile(os.path.join(path, "task.json")):
             return [RepoTask.from_dir(path)]
         return [RepoTask.from_dir(os.path.join(path, d)) for d in dirs]
-    raise FileNotFoundError(f"task pool {path!r} (task.data_path) is neither a .jsonl file nor "
-                            "a directory")
+    raise FileNotFoundError(
+        f"task pool {path!r} (task.data_path) is neither a .jsonl file nor a directory"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # The python_repo family
 # ---------------------------------------------------------------------------------------------
 def _function(name: str, description: str, properties: dict, required: Sequence[str] = ()):
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties,
-                       "required": list(required)}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(required)},
+        },
+    }
 
 
 _STR = {"type": "string"}
 TOOLS = (
     _function("read_file", "Read one file of the repository.", {"path": _STR}, ["path"]),
-    _function("edit", "Replace the one exact occurrence of `old` by `new` in a file (or write "
-              "the whole file with `content`).",
-              {"path": _STR, "old": _STR, "new": _STR, "content": _STR}, ["path"]),
+    _function(
+        "edit",
+        "Replace the one exact occurrence of `old` by `new` in a file (or write "
+        "the whole file with `content`).",
+        {"path": _STR, "old": _STR, "new": _STR, "content": _STR},
+        ["path"],
+    ),
     _function("run_tests", "Run the task's tests on the current repository.", {}),
-    _function("submit", "Submit the current repository as the solution (ends the episode).",
-              {}),
+    _function("submit", "Submit the current repository as the solution (ends the episode).", {}),
 )
-SYSTEM_PROMPT = ("You are a software engineer fixing an issue in a Python repository. Call one "
-                 "tool per turn; submit when the tests pass.")
+SYSTEM_PROMPT = (
+    "You are a software engineer fixing an issue in a Python repository. Call one "
+    "tool per turn; submit when the tests pass."
+)
 
 
 def repo_prompt_messages(task: RepoTask) -> list[dict[str, str]]:
     files = "\n".join(sorted(task.files))
-    return [{"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"Issue:\n{task.issue}\n\nRepository files:\n{files}"}]
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": f"Issue:\n{task.issue}\n\nRepository files:\n{files}"},
+    ]
 
 
 def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
@@ -203,9 +253,11 @@ def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
                        f"--- /dev/null\n+++ b/{path}\n")  # fmt: skip
             continue
         for line in difflib.unified_diff(
-            split_lines(a or ""), split_lines(b or ""),  # "\n" only: CRLF, form feeds kept
+            split_lines(a or ""),
+            split_lines(b or ""),  # "\n" only: CRLF, form feeds kept
             fromfile=f"a/{path}" if a is not None else "/dev/null",
-            tofile=f"b/{path}" if b is not None else "/dev/null"):
+            tofile=f"b/{path}" if b is not None else "/dev/null",
+        ):
             # A last line without a newline gets the marker ``patch`` and the applier read.
             out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
     return "".join(out)
@@ -224,11 +276,12 @@ class RepoAgentEnv:
         self.env = CodeAgentEnv(dict(task.files), self._run_tests)
 
     def _run_tests(self, files: dict[str, str]) -> tuple[bool, str]:
-        from gagar_jax.verify.repo import verify_repo_patch
+        from gagar_jax.verify.execution import verify_repo_call
 
         visible = dataclasses.replace(self.task, test_patch="")
-        v = verify_repo_patch(visible, tree_patch(self.task.files, files), run_monitor=False,
-                              **self.verify_kwargs)
+        v = verify_repo_call(
+            visible, tree_patch(self.task.files, files), run_monitor=False, **self.verify_kwargs
+        )
         if v.status in ("infra_error", "timeout", "resource_killed") or v.patch_error:
             return False, f"{v.status}: {v.patch_error or v.test_log[-500:]}"
         # a required test missing here is one of the hidden tests: not a failure of the tree
@@ -253,11 +306,48 @@ class RepoAgentEnv:
         return result
 
 
+class TaskEnvCheckRunner:
+    """``grading.adapters.SandboxCheckRunner`` per task environment: the checks of a group whose
+    task has an ``env_path`` see that environment's site-packages (read-only) and the task's
+    ``pythonpath`` on ``PYTHONPATH``, as the verifier's runs do; other groups get the plain
+    runner. ``group_tasks``: group id -> task, filled by the family's ``workspace``."""
+
+    def __init__(self, group_tasks: Mapping[str, RepoTask], **runner_kwargs):
+        from gagar_jax.grading.adapters import SandboxCheckRunner
+
+        self._groups = group_tasks
+        self._kwargs = runner_kwargs
+        self._plain = SandboxCheckRunner(**runner_kwargs)
+        self._by_env: dict[tuple, Any] = {}
+
+    def runner_for(self, task: RepoTask | None):
+        from gagar_jax.grading.adapters import SandboxCheckRunner
+        from gagar_jax.verify.repo import env_site_packages
+
+        if task is None or not task.env_path:
+            return self._plain
+        key = (task.env_path, task.pythonpath)
+        if key not in self._by_env:
+            site = env_site_packages(task.env_path)
+            r = SandboxCheckRunner(**self._kwargs)
+            r.ro_paths = tuple(self._kwargs.get("ro_paths", ())) + site
+            r.env = {"PYTHONPATH": os.pathsep.join([*site, ".", *task.pythonpath])}
+            self._by_env[key] = r
+        return self._by_env[key]
+
+    def run(self, workspace, candidate, command):
+        return self.runner_for(self._groups.get(workspace.group_id)).run(
+            workspace, candidate, command
+        )
+
+
 class PythonRepoFamily(TaskFamily):
     """Repository tasks, multi-turn through tools (``task.family = "python_repo"``).
 
     Settings: ``data_path`` (the pool), ``eval_data_path`` (held-out pool; "" = the last
-    ``num_eval`` tasks of the pool), ``num_train`` (at most this many training tasks),
+    ``num_eval`` tasks of the pool), ``repos_dir`` (the pool is SWE-bench-format rows whose
+    repositories live there: imported or ``gagar_jax.data.synth`` tasks), ``num_train`` (at
+    most this many training tasks),
     ``tokenizer_path`` (required: a Hugging Face tokenizer with a chat template),
     ``extra["demo_data_path"]`` (demonstration tasks; default: the training tasks),
     ``extra["verify_kwargs"]`` (passed to ``verify_repo_patch``: limits, extra_pythonpath).
@@ -271,23 +361,28 @@ class PythonRepoFamily(TaskFamily):
         from gagar_jax.envs.hf_tokenizer import HFTokenizer
 
         if not settings.tokenizer_path:
-            raise ValueError("task.family='python_repo' needs a Hugging Face tokenizer: set "
-                             "task.tokenizer_path or model.hf_checkpoint")
+            raise ValueError(
+                "task.family='python_repo' needs a Hugging Face tokenizer: set "
+                "task.tokenizer_path or model.hf_checkpoint"
+            )
         self._tokenizer = HFTokenizer(settings.tokenizer_path)
-        pool = load_repo_tasks(settings.data_path)
+        repos_dir = getattr(settings, "repos_dir", "")
+        pool = load_repo_tasks(settings.data_path, repos_dir)
         if not pool:
             raise ValueError(f"task.data_path={settings.data_path!r} holds no repo tasks")
         if settings.eval_data_path:
-            self._eval = load_repo_tasks(settings.eval_data_path)[: settings.num_eval]
+            self._eval = load_repo_tasks(settings.eval_data_path, repos_dir)[: settings.num_eval]
             train = pool
         else:
             n_eval = min(settings.num_eval, len(pool) - 1)
-            self._eval = pool[len(pool) - n_eval:] if n_eval > 0 else []
+            self._eval = pool[len(pool) - n_eval :] if n_eval > 0 else []
             train = pool[: len(pool) - n_eval]
         self._train = train[: settings.num_train] if settings.num_train > 0 else train
         self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
+        self._group_tasks: dict[str, RepoTask] = {}
         demo_path = settings.extra.get("demo_data_path", "")
-        self._demo_tasks = load_repo_tasks(demo_path) if demo_path else self._train
+        self._demo_tasks = (load_repo_tasks(demo_path, repos_dir) if demo_path
+                            else self._train)  # fmt: skip
 
     @property
     def tokenizer(self):
@@ -308,8 +403,10 @@ class PythonRepoFamily(TaskFamily):
     def prompt_tokens(self, task: RepoTask) -> list[int]:
         ids = self._tokenizer.render_prompt(repo_prompt_messages(task), tools=TOOLS)
         if len(ids) > self.settings.max_prompt_len:
-            raise ValueError(f"task {task.task_id}: prompt is {len(ids)} tokens > "
-                             f"rollout.max_prompt_len={self.settings.max_prompt_len}")
+            raise ValueError(
+                f"task {task.task_id}: prompt is {len(ids)} tokens > "
+                f"rollout.max_prompt_len={self.settings.max_prompt_len}"
+            )
         return ids
 
     def make_env(self, task: RepoTask) -> RepoAgentEnv:
@@ -319,31 +416,50 @@ class PythonRepoFamily(TaskFamily):
         return self._tokenizer.tool_message_tokens(text)
 
     def verify(self, task: RepoTask, attempt: Attempt) -> Outcome:
-        from gagar_jax.verify.repo import verify_repo_patch
+        from gagar_jax.verify.execution import verify_repo_call
 
         env = attempt.env
         if env is None or not env.submitted:
             reason = getattr(attempt.episode, "finish_reason", "no episode")
-            return Outcome(passed=False, test_log=f"episode ended without submit ({reason})",
-                           patch=env.patch() if env is not None else "")
+            return Outcome(
+                passed=False,
+                test_log=f"episode ended without submit ({reason})",
+                patch=env.patch() if env is not None else "",
+            )
         patch = env.patch()
-        v = verify_repo_patch(task, patch, events=attempt.trajectory(), **self._verify_kwargs)
-        return Outcome(passed=v.passed, infra_error=v.infra_error, cheat=v.cheat,
-                       test_log=v.test_log, flags=tuple(v.flags), patch=patch, detail=v)
+        v = verify_repo_call(task, patch, events=attempt.trajectory(), **self._verify_kwargs)
+        return Outcome(
+            passed=v.passed,
+            infra_error=v.infra_error,
+            cheat=v.cheat,
+            test_log=v.test_log,
+            flags=tuple(v.flags),
+            patch=patch,
+            detail=v,
+        )
 
     def workspace(self, group_id: str, task: RepoTask, members: Sequence[GroupMember]):
         from gagar_jax.grading import adapters
 
-        cands = [adapters.repo_candidate(m.candidate_id, m.outcome.patch, m.outcome,
-                                         trajectory=m.attempt.trajectory(),
-                                         summary=m.attempt.summary())
-                 for m in members]
+        cands = [
+            adapters.repo_candidate(
+                m.candidate_id,
+                m.outcome.patch,
+                m.outcome,
+                trajectory=m.attempt.trajectory(),
+                summary=m.attempt.summary(),
+            )
+            for m in members
+        ]
+        self._group_tasks[group_id] = task
+        while len(self._group_tasks) > 4096:  # groups graded long ago
+            self._group_tasks.pop(next(iter(self._group_tasks)))
         return adapters.repo_workspace(task, group_id, cands)
 
     def check_runner(self):
-        from gagar_jax.grading.adapters import SandboxCheckRunner
-
-        return SandboxCheckRunner()
+        """The grader's sandboxed check runner: a group's checks run with its task's
+        environment and ``pythonpath`` (``TaskEnvCheckRunner``)."""
+        return TaskEnvCheckRunner(self._group_tasks)
 
     # ---- demonstrations ------------------------------------------------------------------
     def demonstration_calls(self, task: RepoTask) -> list[tuple[str, dict[str, Any]]]:
@@ -385,8 +501,10 @@ class PythonRepoFamily(TaskFamily):
                 calls.append(("edit", {"path": path, "old": old, "new": new}))
                 cur = cur.replace(old, new)
             if cur != b:
-                raise RuntimeError(f"{task.task_id}: demonstration edits of {path} do not "
-                                   "reproduce the reference patch (a family bug)")
+                raise RuntimeError(
+                    f"{task.task_id}: demonstration edits of {path} do not "
+                    "reproduce the reference patch (a family bug)"
+                )
         return calls + [("run_tests", {}), ("submit", {})]
 
     def demonstrations(self, num_tasks: int) -> list[Demonstration]:
@@ -418,4 +536,3 @@ class PythonRepoFamily(TaskFamily):
             if env.submitted and self.verify(task, Attempt(env=env)).passed:
                 out.append(Demonstration(tuple(tokens), tuple(mask), len(prompt)))
         return out
-

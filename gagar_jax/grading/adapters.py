@@ -2,7 +2,7 @@
 
 Graders work on the generic ``Candidate``/``GroupWorkspace``; each family adapts to them here.
 
-Toy code-repair family (``gagar_jax.envs``, issue 5): a rollout's line-edit patch (``N : stmt``,
+Toy code-repair family (``gagar_jax.envs``): a rollout's line-edit patch (``N : stmt``,
 ``ins N : stmt``, ``del N``) is rendered as a unified diff of ``program.toy`` (the raw program,
 one statement per line, so diff line numbers are the prompt's line numbers); the verifier's test
 log, monitor flags and five quality features pass through (the heuristic grader blends the
@@ -162,7 +162,6 @@ class SandboxCheckRunner:
     def __init__(self, limits=None, config=None, ro_paths=(), python: str | None = None):
         from gagar_jax.verify import sandbox
 
-        self._sandbox = sandbox
         self.limits = limits or sandbox.Limits(wall_s=30.0, cpu_s=30)
         self.config = config
         extra: tuple[str, ...] = ()
@@ -187,22 +186,46 @@ class SandboxCheckRunner:
             files = diffs.apply_patch(dict(workspace.repo_files), candidate.parsed_patch)
         except diffs.PatchApplyError as e:
             return CheckResult("error", f"the patch does not apply to the snapshot: {e}")
-        with tempfile.TemporaryDirectory(prefix="gagar-check-") as d:
-            for path, text in files.items():
-                full = os.path.normpath(os.path.join(d, path))
-                if not full.startswith(d + os.sep):
-                    return CheckResult("error", f"path {path!r} escapes the repository")
-                os.makedirs(os.path.dirname(full), exist_ok=True)
-                with open(full, "w", encoding="utf-8") as f:
-                    f.write(text)
-            res = self._sandbox.run_sandboxed(
-                argv, d, self.limits, config=self.config, env=self.env, ro_paths=self.ro_paths
-            )
+        from gagar_jax.verify import execution
+
+        # on the execution back-end (the trainer's process, or a node of the Ray cluster)
+        call = execution.current().call(
+            run_check_in_tree,
+            files,
+            argv,
+            self.limits,
+            self.config,
+            self.env,
+            self.ro_paths,
+            deadline_s=self.limits.wall_s + execution.CALL_MARGIN_S,
+            kind="check",
+        )
+        if not call.ok:
+            return CheckResult("error", f"$ {command}\n{call.status}: {call.error}")
+        res = call.value
+        if isinstance(res, str):
+            return CheckResult("error", res)
         head = f"$ {command}\nstatus: {res.status} (sandbox: {res.mechanism})\n"
         log = head + res.stdout + res.stderr
         if res.status == "infra_error":
             return CheckResult("error", f"{log}\nsandbox error: {res.error}")
         return CheckResult(res.status, log)
+
+
+def run_check_in_tree(files, argv, limits, config=None, env=None, ro_paths=()):
+    """Writes ``files`` to a fresh temporary directory and runs ``argv`` there in the sandbox
+    (``verify.run_sandboxed``); the sandbox result, or a message when a path escapes."""
+    from gagar_jax.verify import sandbox
+
+    with tempfile.TemporaryDirectory(prefix="gagar-check-") as d:
+        for path, text in files.items():
+            full = os.path.normpath(os.path.join(d, path))
+            if not full.startswith(d + os.sep):
+                return f"path {path!r} escapes the repository"
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "w", encoding="utf-8") as f:
+                f.write(text)
+        return sandbox.run_sandboxed(argv, d, limits, config=config, env=env, ro_paths=ro_paths)
 
 
 def repo_candidate(

@@ -71,6 +71,7 @@ from gagar_jax.grading.schema import (
     VerdictRejected,
 )
 from gagar_jax.grading.untrusted import Envelope, sanitize
+from gagar_jax.verify import execution
 
 PROMPT_VERSION = "v2"
 MAX_TOOL_OUTPUT_CHARS = 6000
@@ -406,6 +407,7 @@ class AgenticGrader:
                 break
             stats.steps += 1
             self._count("steps")
+            execution.llm_rate_limit()  # one limit for every grader of the cluster
             response = self.client.chat_completions(
                 messages,
                 tools=TOOLS if self.use_tools else None,

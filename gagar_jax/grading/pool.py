@@ -151,6 +151,10 @@ class GradingPool:
       deadline_s: seconds a group may spend grading (from its start) before it falls back.
       cache: a ``VerdictCache``, a file path for a persisted one, or None for an in-memory one.
       cache_rejections: also cache validation rejections (see the module docstring).
+      backend: an execution back-end (``gagar_jax.verify.execution``) to run each grading on
+        (the grader is shipped to a Ray node): a grader past its deadline is then killed with
+        its process tree, not abandoned; an infrastructure failure falls back as
+        ``grader_error`` (counted in ``infra_errors``). None: graders run on threads here.
     """
 
     def __init__(
@@ -161,6 +165,7 @@ class GradingPool:
         *,
         cache: VerdictCache | str | os.PathLike | None = None,
         cache_rejections: bool = True,
+        backend: Any = None,
     ):
         if not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(
@@ -173,6 +178,7 @@ class GradingPool:
         self.deadline_s = float(deadline_s)
         self.cache = cache if isinstance(cache, VerdictCache) else VerdictCache(cache)
         self.cache_rejections = cache_rejections
+        self.backend = backend
         try:
             self._pass_cancel = "cancel" in inspect.signature(grader.grade).parameters
         except (TypeError, ValueError, AttributeError):
@@ -326,6 +332,7 @@ class GradingPool:
                 "running": len(self._running),
                 "abandoned": sum(1 for j in self._abandoned if j.is_alive()),
                 "late_results": self._counts["late_results"],
+                "infra_errors": self._counts["infra_errors"],
                 "latency_mean_s": float(lat.mean()) if lat.size else 0.0,
                 "latency_p50_s": float(np.percentile(lat, 50)) if lat.size else 0.0,
                 "latency_p95_s": float(np.percentile(lat, 95)) if lat.size else 0.0,
@@ -345,6 +352,16 @@ class GradingPool:
             return out
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _grade_on_backend(self, ws: GroupWorkspace) -> Any:
+        r = self.backend.call(
+            _grade_call, self.grader, ws, deadline_s=self.deadline_s, kind="grade"
+        )
+        if r.ok:
+            return r.value
+        with self._cond:
+            self._counts["timeouts" if r.status == "timeout" else "infra_errors"] += 1
+        raise _CallFailed(f"{r.status}: {r.error}")
 
     def _from_cache(self, job: _Job) -> GradeResult | None:
         """The cached result for ``job``, or None. A record that does not read back as a result
@@ -434,7 +451,9 @@ class GradingPool:
         t0 = time.monotonic()
         cacheable = False
         try:
-            if self._pass_cancel:
+            if self.backend is not None:
+                out = self._grade_on_backend(ws)
+            elif self._pass_cancel:
                 out = self.grader.grade(ws, cancel=job.cancel)
             else:
                 out = self.grader.grade(ws)
@@ -465,6 +484,15 @@ class GradingPool:
                 self._counts["late_results"] += 1
                 return
             self._finish(job, result)
+
+
+def _grade_call(grader: Any, workspace: GroupWorkspace) -> Any:
+    """One grading, as an execution back-end runs it (on a node)."""
+    return grader.grade(workspace)
+
+
+class _CallFailed(Exception):
+    pass
 
 
 def grade_all(

@@ -30,6 +30,7 @@ Token layout of one rollout row (length ``T``)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.multihost import prompt_seed
 from gagar_jax.rollout import SamplingParams, run_episodes
 from gagar_jax.update import UpdateBatch
+from gagar_jax.verify import execution
 
 
 @dataclasses.dataclass
@@ -140,8 +142,9 @@ class SamplingResult:
         }
 
 
-def select_prompts(stream: Any, position: int, n: int, skip: Callable[[int], bool] | None = None
-                   ) -> tuple[list[int], list[int], int, int]:
+def select_prompts(
+    stream: Any, position: int, n: int, skip: Callable[[int], bool] | None = None
+) -> tuple[list[int], list[int], int, int]:
     """The next ``n`` prompts of ``stream`` from ``position``, passing over saturated tasks.
 
     ``skip(task_index)`` True (e.g. a :class:`gagar_jax.data.audit.PassRateTracker` saw the
@@ -172,9 +175,16 @@ def select_prompts(stream: Any, position: int, n: int, skip: Callable[[int], boo
     return idx, positions, p, skipped
 
 
-def collect_groups(draw: Callable[[int], Sequence[Group]], *, target: int, enabled: bool = True,
-                   oversample: float = 1.5, max_rounds: int = 8, allow_partial: bool = False,
-                   on_keep: Callable[[Group], None] | None = None) -> SamplingResult:
+def collect_groups(
+    draw: Callable[[int], Sequence[Group]],
+    *,
+    target: int,
+    enabled: bool = True,
+    oversample: float = 1.5,
+    max_rounds: int = 8,
+    allow_partial: bool = False,
+    on_keep: Callable[[Group], None] | None = None,
+) -> SamplingResult:
     """Draws groups until ``target`` mixed ones are held (dynamic sampling).
 
     Args:
@@ -199,18 +209,34 @@ def collect_groups(draw: Callable[[int], Sequence[Group]], *, target: int, enabl
     if target < 1:
         raise ValueError(f"target must be >= 1, got {target}")
     # one block of one host: collect_blocks with a draw of n[0] and no other host to hear from
-    result = collect_blocks(lambda n: draw(n[0]), lambda _round, tally: [tally], target=target,
-                            num_blocks=1, block=0, enabled=enabled, oversample=oversample,
-                            max_rounds=max_rounds, allow_partial=allow_partial,
-                            on_keep=on_keep)
+    result = collect_blocks(
+        lambda n: draw(n[0]),
+        lambda _round, tally: [tally],
+        target=target,
+        num_blocks=1,
+        block=0,
+        enabled=enabled,
+        oversample=oversample,
+        max_rounds=max_rounds,
+        allow_partial=allow_partial,
+        on_keep=on_keep,
+    )
     return dataclasses.replace(result, num_kept=None)
 
 
-def collect_blocks(draw: Callable[[list[int]], Sequence[Group]],
-                   exchange: Callable[[int, dict], list[dict]], *, target: int,
-                   num_blocks: int, block: int, enabled: bool = True, oversample: float = 1.5,
-                   max_rounds: int = 8, allow_partial: bool = False,
-                   on_keep: Callable[[Group], None] | None = None) -> SamplingResult:
+def collect_blocks(
+    draw: Callable[[list[int]], Sequence[Group]],
+    exchange: Callable[[int, dict], list[dict]],
+    *,
+    target: int,
+    num_blocks: int,
+    block: int,
+    enabled: bool = True,
+    oversample: float = 1.5,
+    max_rounds: int = 8,
+    allow_partial: bool = False,
+    on_keep: Callable[[Group], None] | None = None,
+) -> SamplingResult:
     """Dynamic sampling of one block of ``target / num_blocks`` groups, refills decided globally.
 
     The multi-host form of :func:`collect_groups` (``num_blocks = 1`` is exactly it): the
@@ -239,21 +265,30 @@ def collect_blocks(draw: Callable[[list[int]], Sequence[Group]],
         raises it in the same round).
     """
     if target < 1 or num_blocks < 1 or target % num_blocks:
-        raise ValueError(f"target={target} groups do not split into {num_blocks} equal blocks "
-                         "(rollout.num_prompts must be a multiple of the number of processes)")
+        raise ValueError(
+            f"target={target} groups do not split into {num_blocks} equal blocks "
+            "(rollout.num_prompts must be a multiple of the number of processes)"
+        )
     if not 0 <= block < num_blocks:
         raise ValueError(f"block {block} outside [0, {num_blocks})")
     quota = target // num_blocks
     kept: list[Group] = []
-    mine = {"kept": 0, "drawn": 0, "rollouts": 0, "discarded": 0,
-            "counts": {"mixed": 0, "all_pass": 0, "all_fail": 0, "empty": 0}}
+    mine = {
+        "kept": 0,
+        "drawn": 0,
+        "rollouts": 0,
+        "discarded": 0,
+        "counts": {"mixed": 0, "all_pass": 0, "all_fail": 0, "empty": 0},
+    }
     missing = [quota] * num_blocks
     tallies: list[dict] = [mine] * num_blocks
     rounds = 0
     while any(missing) and rounds < (max_rounds if enabled else 1):
         rounds += 1
-        n = [0 if m == 0 else (m if not enabled else max(m, math.ceil(oversample * m)))
-             for m in missing]
+        n = [
+            0 if m == 0 else (m if not enabled else max(m, math.ceil(oversample * m)))
+            for m in missing
+        ]
         new = list(draw(n))
         if len(new) != n[block]:
             raise RuntimeError(f"draw({n}) returned {len(new)} groups for block {block}")
@@ -275,27 +310,44 @@ def collect_blocks(draw: Callable[[list[int]], Sequence[Group]],
     counts = {k: sum(int(t["counts"][k]) for t in tallies) for k in mine["counts"]}
     total_kept = sum(int(t["kept"]) for t in tallies)
     drawn = sum(int(t["drawn"]) for t in tallies)
-    result = SamplingResult(kept, rounds, drawn, counts,
-                            sum(int(t["discarded"]) for t in tallies),
-                            sum(int(t["rollouts"]) for t in tallies), num_kept=total_kept)
+    result = SamplingResult(
+        kept,
+        rounds,
+        drawn,
+        counts,
+        sum(int(t["discarded"]) for t in tallies),
+        sum(int(t["rollouts"]) for t in tallies),
+        num_kept=total_kept,
+    )
     if total_kept < target and enabled and not (allow_partial and total_kept):
         easy, hard = counts["all_pass"], counts["all_fail"]
-        verdict = ("too easy (mostly all-pass groups): raise task.difficulty"
-                   if easy > hard else
-                   "too hard (mostly all-fail groups): lower task.difficulty, "
-                   "lengthen the SFT warm start (sft.steps)")
+        verdict = (
+            "too easy (mostly all-pass groups): raise task.difficulty"
+            if easy > hard
+            else "too hard (mostly all-fail groups): lower task.difficulty, "
+            "lengthen the SFT warm start (sft.steps)"
+        )
         raise DynamicSamplingError(
             f"dynamic sampling found {total_kept} of {target} mixed groups after {rounds} "
             f"rounds (sampling.max_rounds={max_rounds}); of {drawn} groups drawn: "
             f"{counts['mixed']} mixed, {easy} all-pass, {hard} all-fail, {counts['empty']} all "
             f"infra errors. The data is {verdict}; or raise sampling.max_rounds / "
             "sampling.oversample, or set sampling.allow_partial=True to train on partial "
-            "batches.")
+            "batches."
+        )
     return result
 
 
-def pack_groups(groups: Sequence[Group], grades=None, *, num_groups: int, num_rollouts: int,
-                max_prompt_len: int, max_new_tokens: int, pad_id: int) -> UpdateBatch:
+def pack_groups(
+    groups: Sequence[Group],
+    grades=None,
+    *,
+    num_groups: int,
+    num_rollouts: int,
+    max_prompt_len: int,
+    max_new_tokens: int,
+    pad_id: int,
+) -> UpdateBatch:
     """Packs up to ``num_groups`` groups and their grades into the update's batch (NumPy).
 
     Group-major rows ``n = g * K + k`` of static shape ``[N = G * K, T]``; the group fields
@@ -324,12 +376,19 @@ def pack_groups(groups: Sequence[Group], grades=None, *, num_groups: int, num_ro
         graded, grade_cheat = np.zeros((G,), bool), np.zeros((G, K), bool)
         cited = np.zeros((G, K, max_new_tokens), bool)
     else:
-        for name, want in (("tier", (G, K)), ("rank", (G, K)), ("graded", (G,)),
-                           ("cheat", (G, K)), ("evidence", (G, K, max_new_tokens))):
+        for name, want in (
+            ("tier", (G, K)),
+            ("rank", (G, K)),
+            ("graded", (G,)),
+            ("cheat", (G, K)),
+            ("evidence", (G, K, max_new_tokens)),
+        ):
             got = np.shape(getattr(grades, name))
             if got != want:
-                raise ValueError(f"pack_groups: grades.{name} has shape {got}, expected {want} "
-                                 "(num_groups, num_rollouts, rollout.max_new_tokens)")
+                raise ValueError(
+                    f"pack_groups: grades.{name} has shape {got}, expected {want} "
+                    "(num_groups, num_rollouts, rollout.max_new_tokens)"
+                )
         tier = np.array(grades.tier, np.int32)
         rank = np.array(grades.rank, np.int32)
         graded = np.array(grades.graded, bool)
@@ -348,40 +407,60 @@ def pack_groups(groups: Sequence[Group], grades=None, *, num_groups: int, num_ro
     valid = np.zeros((G, K), bool)
     for gi, g in enumerate(groups):
         if len(g.rollouts) > K:
-            raise ValueError(f"group {g.group_id} has {len(g.rollouts)} rollouts > "
-                             f"num_rollouts={K}")
+            raise ValueError(
+                f"group {g.group_id} has {len(g.rollouts)} rollouts > num_rollouts={K}"
+            )
         for ki, r in enumerate(g.rollouts):
             P, R = len(r.prompt_tokens), len(r.response_tokens)
             if P > max_prompt_len or P == 0:
-                raise ValueError(f"group {g.group_id}: prompt has {P} tokens, expected 1.."
-                                 f"{max_prompt_len} (rollout.max_prompt_len)")
+                raise ValueError(
+                    f"group {g.group_id}: prompt has {P} tokens, expected 1.."
+                    f"{max_prompt_len} (rollout.max_prompt_len)"
+                )
             if R > max_new_tokens:
-                raise ValueError(f"group {g.group_id}: response has {R} tokens > "
-                                 f"rollout.max_new_tokens={max_new_tokens}")
+                raise ValueError(
+                    f"group {g.group_id}: response has {R} tokens > "
+                    f"rollout.max_new_tokens={max_new_tokens}"
+                )
             if len(r.logprobs) != R:
-                raise ValueError(f"group {g.group_id} rollout {ki}: {len(r.logprobs)} logprobs "
-                                 f"for {R} response tokens")
+                raise ValueError(
+                    f"group {g.group_id} rollout {ki}: {len(r.logprobs)} logprobs "
+                    f"for {R} response tokens"
+                )
             if r.response_mask is not None and len(r.response_mask) != R:
-                raise ValueError(f"group {g.group_id} rollout {ki}: {len(r.response_mask)} "
-                                 f"response-mask entries for {R} response tokens")
+                raise ValueError(
+                    f"group {g.group_id} rollout {ki}: {len(r.response_mask)} "
+                    f"response-mask entries for {R} response tokens"
+                )
             n = gi * K + ki
             tokens[n, :P] = r.prompt_tokens
-            tokens[n, P:P + R] = r.response_tokens
-            positions[n, :P + R] = np.arange(P + R)
-            attn[n, :P + R] = True
-            resp[n, P:P + R] = True if r.response_mask is None else r.response_mask
-            old_lp[n, P:P + R] = r.logprobs
-            evidence[n, P:P + R] = cited[gi, ki, :R]
+            tokens[n, P : P + R] = r.response_tokens
+            positions[n, : P + R] = np.arange(P + R)
+            attn[n, : P + R] = True
+            resp[n, P : P + R] = True if r.response_mask is None else r.response_mask
+            old_lp[n, P : P + R] = r.logprobs
+            evidence[n, P : P + R] = cited[gi, ki, :R]
             rewards[gi, ki] = r.reward
             passed[gi, ki] = r.passed
             cheat[gi, ki] = r.cheat or bool(grade_cheat[gi, ki])
             valid[gi, ki] = not r.infra_error
     if not np.isfinite(old_lp).all():
         raise ValueError("non-finite behaviour log-probs in the batch")
-    return UpdateBatch(tokens=tokens, positions=positions, attention_mask=attn,
-                       response_mask=resp, old_logprobs=old_lp, rewards=rewards, passed=passed,
-                       cheat=cheat, tier=tier, rank=rank, valid=valid, graded=graded,
-                       evidence=evidence)
+    return UpdateBatch(
+        tokens=tokens,
+        positions=positions,
+        attention_mask=attn,
+        response_mask=resp,
+        old_logprobs=old_lp,
+        rewards=rewards,
+        passed=passed,
+        cheat=cheat,
+        tier=tier,
+        rank=rank,
+        valid=valid,
+        graded=graded,
+        evidence=evidence,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -418,8 +497,9 @@ class StepCounters:
             self.length_sum += len(r.response_tokens)
             self.turns_sum += r.num_turns
             self.tool_calls_sum += r.num_tool_calls
-            self.model_tokens_sum += (len(r.response_tokens) if r.response_mask is None
-                                      else int(sum(r.response_mask)))
+            self.model_tokens_sum += (
+                len(r.response_tokens) if r.response_mask is None else int(sum(r.response_mask))
+            )
             self.truncated += r.finish_reason == "length"
             if r.infra_error:
                 self.infra_errors += 1
@@ -446,8 +526,13 @@ class StepCounters:
                         merged[int(key)] = [a + b for a, b in zip(acc, counts)]
                 setattr(out, f.name, merged)
             else:
-                setattr(out, f.name, max(values) if f.name.endswith("_time") else
-                        type(getattr(out, f.name))(sum(values)))
+                setattr(
+                    out,
+                    f.name,
+                    max(values)
+                    if f.name.endswith("_time")
+                    else type(getattr(out, f.name))(sum(values)),
+                )
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -473,12 +558,19 @@ def family_settings(cfg: RunConfig):
     """The task family's plain settings from the run config."""
     t = cfg.task
     return FamilySettings(
-        seed=t.seed, difficulty=t.difficulty, num_train=t.num_train, num_eval=t.num_eval,
-        max_prompt_len=cfg.rollout.max_prompt_len, data_path=t.data_path,
+        seed=t.seed,
+        difficulty=t.difficulty,
+        num_train=t.num_train,
+        num_eval=t.num_eval,
+        max_prompt_len=cfg.rollout.max_prompt_len,
+        data_path=t.data_path,
         eval_data_path=t.eval_data_path,
-        tokenizer_path=t.tokenizer_path or cfg.hf_checkpoint, max_turns=t.max_turns,
+        repos_dir=t.repos_dir,
+        tokenizer_path=t.tokenizer_path or cfg.hf_checkpoint,
+        max_turns=t.max_turns,
         max_observation_tokens=t.max_observation_tokens,
-        extra={"demo_kinds": t.demo_kinds} if t.demo_kinds else {})
+        extra={"demo_kinds": t.demo_kinds} if t.demo_kinds else {},
+    )
 
 
 def build_family(cfg: RunConfig):
@@ -492,28 +584,58 @@ def _quality_score(quality) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-_EPISODE_FINISH = {"submitted": "stop", "max_turns": "length", "max_tokens": "length",
-                   "abort": "abort"}
+_EPISODE_FINISH = {
+    "submitted": "stop",
+    "max_turns": "length",
+    "max_tokens": "length",
+    "abort": "abort",
+}
 
 
-def _rollout(family, task, prompt: list[int], attempt, *, response_tokens, logprobs,
-             finish_reason, policy_version, response_mask=None, num_turns=1,
-             num_tool_calls=0) -> Rollout:
+def _rollout(
+    family,
+    task,
+    prompt: list[int],
+    attempt,
+    *,
+    response_tokens,
+    logprobs,
+    finish_reason,
+    policy_version,
+    response_mask=None,
+    num_turns=1,
+    num_tool_calls=0,
+) -> Rollout:
     """Verifies one attempt (a verifier crash is an infra error: masked, never a failure)."""
     try:
         out = family.verify(task, attempt)
     except Exception as e:  # noqa: BLE001 - a family bug must be masked, never scored
-        out = Outcome(passed=False, infra_error=True,
-                      test_log=f"infra error: verifier raised {type(e).__name__}: {e}")
+        out = Outcome(
+            passed=False,
+            infra_error=True,
+            test_log=f"infra error: verifier raised {type(e).__name__}: {e}",
+        )
     return Rollout(
-        prompt_tokens=list(prompt), response_tokens=list(response_tokens),
-        logprobs=[float(x) for x in logprobs], finish_reason=finish_reason,
-        policy_version=int(policy_version), patch=out.patch, passed=bool(out.passed),
-        infra_error=bool(out.infra_error), cheat=bool(out.cheat),
-        quality=_quality_score(out.quality) if out.passed else None, test_log=out.test_log,
-        monitor_flags=list(out.flags), quality_dims=dict(out.quality) if out.passed else {},
-        verification=out.detail, response_mask=response_mask, num_turns=num_turns,
-        num_tool_calls=num_tool_calls, attempt=attempt, outcome=out)
+        prompt_tokens=list(prompt),
+        response_tokens=list(response_tokens),
+        logprobs=[float(x) for x in logprobs],
+        finish_reason=finish_reason,
+        policy_version=int(policy_version),
+        patch=out.patch,
+        passed=bool(out.passed),
+        infra_error=bool(out.infra_error),
+        cheat=bool(out.cheat),
+        quality=_quality_score(out.quality) if out.passed else None,
+        test_log=out.test_log,
+        monitor_flags=list(out.flags),
+        quality_dims=dict(out.quality) if out.passed else {},
+        verification=out.detail,
+        response_mask=response_mask,
+        num_turns=num_turns,
+        num_tool_calls=num_tool_calls,
+        attempt=attempt,
+        outcome=out,
+    )
 
 
 def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
@@ -528,16 +650,24 @@ def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
     for samples in outputs:
         if len(samples) != params.n:
             raise RuntimeError(f"engine returned {len(samples)} samples for n={params.n}")
-        per_task.append([
-            (Attempt(response_tokens=list(s.tokens), text=tok.decode(s.tokens)),
-             dict(response_tokens=s.tokens, logprobs=s.logprobs, finish_reason=s.finish_reason,
-                  policy_version=s.policy_version))
-            for s in samples])
+        per_task.append(
+            [
+                (
+                    Attempt(response_tokens=list(s.tokens), text=tok.decode(s.tokens)),
+                    dict(
+                        response_tokens=s.tokens,
+                        logprobs=s.logprobs,
+                        finish_reason=s.finish_reason,
+                        policy_version=s.policy_version,
+                    ),
+                )
+                for s in samples
+            ]
+        )
     return per_task
 
 
-def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig,
-                      prompt_seeds=None):
+def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig, prompt_seeds=None):
     """Multi-turn: ``params.n`` episodes per prompt through ``run_episodes`` (one batched engine
     call per turn); model tokens are appended as generated, never re-tokenised. With
     ``prompt_seeds``, episode ``k`` of prompt ``i`` is seeded by ``(prompt_seeds[i], k)``
@@ -548,36 +678,59 @@ def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig,
     turn_tokens = cfg.rollout.max_turn_tokens or cfg.rollout.max_new_tokens
     turn_params = dataclasses.replace(params, n=1, max_tokens=turn_tokens)
     episodes = run_episodes(
-        engine, family.tokenizer, envs, flat_prompts, turn_params,
+        engine,
+        family.tokenizer,
+        envs,
+        flat_prompts,
+        turn_params,
         max_turns=cfg.task.max_turns,
         max_total_tokens=[len(p) + cfg.rollout.max_new_tokens for p in flat_prompts],
         max_observation_tokens=cfg.task.max_observation_tokens,
         observation_tokens=family.observation_tokens,
-        episode_seeds=None if prompt_seeds is None else
-        [prompt_seed((s,), k) for s in prompt_seeds for k in range(K)])
+        episode_seeds=None
+        if prompt_seeds is None
+        else [prompt_seed((s,), k) for s in prompt_seeds for k in range(K)],
+    )
     per_task = []
     for i in range(len(tasks)):
         row = []
         for k in range(K):
             ep, env = episodes[i * K + k], envs[i * K + k]
             P = ep.prompt_len
-            row.append((
-                Attempt(response_tokens=ep.tokens[P:], episode=ep, env=env),
-                dict(response_tokens=ep.tokens[P:], logprobs=ep.logprobs[P:],
-                     response_mask=ep.response_mask[P:],
-                     finish_reason=_EPISODE_FINISH.get(ep.finish_reason, "length"),
-                     policy_version=min(ep.policy_versions, default=0),
-                     num_turns=len(ep.turns),
-                     num_tool_calls=sum(t.info.get("tool") is not None for t in ep.turns))))
+            row.append(
+                (
+                    Attempt(response_tokens=ep.tokens[P:], episode=ep, env=env),
+                    dict(
+                        response_tokens=ep.tokens[P:],
+                        logprobs=ep.logprobs[P:],
+                        response_mask=ep.response_mask[P:],
+                        finish_reason=_EPISODE_FINISH.get(ep.finish_reason, "length"),
+                        policy_version=min(ep.policy_versions, default=0),
+                        num_turns=len(ep.turns),
+                        num_tool_calls=sum(t.info.get("tool") is not None for t in ep.turns),
+                    ),
+                )
+            )
         per_task.append(row)
     return per_task
 
 
-def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_id: int,
-                    num_rollouts: int, temperature: float, id_prefix: str,
-                    counters: StepCounters | None = None,
-                    rng_words: tuple[int, ...] = (), prompt_seeds: list[int] | None = None,
-                    first_index: int = 0) -> list[Group]:
+def generate_groups(
+    engine,
+    family,
+    tasks,
+    *,
+    cfg: RunConfig,
+    step: int,
+    round_id: int,
+    num_rollouts: int,
+    temperature: float,
+    id_prefix: str,
+    counters: StepCounters | None = None,
+    rng_words: tuple[int, ...] = (),
+    prompt_seeds: list[int] | None = None,
+    first_index: int = 0,
+) -> list[Group]:
     """K rollouts for each task (samples, or episodes of a multi-turn family), verified; one
     :class:`Group` per task.
 
@@ -594,30 +747,51 @@ def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_i
         return []
     prompts = [family.prompt_tokens(t) for t in tasks]
     params = SamplingParams(
-        n=num_rollouts, temperature=temperature, top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_new_tokens,
+        n=num_rollouts,
+        temperature=temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_tokens=cfg.rollout.max_new_tokens,
         stop_token_ids=tuple(family.stop_token_ids),
         # the sampler seed is a function of (run key, step, round): a resumed step redraws
         # exactly what the uninterrupted run drew
-        seed=int(np.random.default_rng([*(rng_words or (cfg.seed,)), step, round_id])
-                 .integers(2**31)))
+        seed=int(
+            np.random.default_rng([*(rng_words or (cfg.seed,)), step, round_id]).integers(2**31)
+        ),
+    )
     t0 = time.monotonic()
     try:
         if family.multi_turn:
-            per_task = _episode_rollouts(engine, family, tasks, prompts, params, cfg,
-                                         prompt_seeds)
+            per_task = _episode_rollouts(engine, family, tasks, prompts, params, cfg, prompt_seeds)
         else:
             per_task = _sample_rollouts(engine, family, prompts, params, prompt_seeds)
     except Exception as e:
-        raise RuntimeError(f"rollout engine {cfg.rollout.engine!r} failed at step {step} "
-                           f"(round {round_id}): {type(e).__name__}: {e}") from e
+        raise RuntimeError(
+            f"rollout engine {cfg.rollout.engine!r} failed at step {step} "
+            f"(round {round_id}): {type(e).__name__}: {e}"
+        ) from e
     t1 = time.monotonic()
     groups = []
-    for i, (task, prompt, row) in enumerate(zip(tasks, prompts, per_task)):
-        rollouts = [_rollout(family, task, prompt, attempt, **fields) for attempt, fields in row]
-        groups.append(Group(
-            group_id=f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}",
-                            task=task, rollouts=rollouts))
+    # each group's K verifications run on the execution back-end (one after the other locally;
+    # on a cluster concurrently, a group dispatched once its K slots and a grader slot are free)
+    verified = execution.current().gather_groups(
+        [
+            [
+                functools.partial(_rollout, family, task, prompt, attempt, **fields)
+                for attempt, fields in row
+            ]
+            for task, prompt, row in zip(tasks, prompts, per_task)
+        ],
+        grader=int(cfg.grading.enabled),
+    )
+    for i, (task, rollouts) in enumerate(zip(tasks, verified)):
+        groups.append(
+            Group(
+                group_id=f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}",
+                task=task,
+                rollouts=rollouts,
+            )
+        )
     if counters is not None:
         counters.gen_time += t1 - t0
         counters.verify_time += time.monotonic() - t1
@@ -626,8 +800,9 @@ def generate_groups(engine, family, tasks, *, cfg: RunConfig, step: int, round_i
     return groups
 
 
-def rollout_metrics(groups: list[Group], update_m: dict[str, float],
-                    weight_version: int) -> dict[str, float]:
+def rollout_metrics(
+    groups: list[Group], update_m: dict[str, float], weight_version: int
+) -> dict[str, float]:
     """``rollout/weight_version`` (what the engine reports after this step's sync) and the
     training-inference mismatch on this step's batch: the trainer's log-probs of the engine's
     own tokens (recomputed by the update at its first optimizer step, before the parameters
@@ -639,6 +814,5 @@ def rollout_metrics(groups: list[Group], update_m: dict[str, float],
         "rollout/weight_version": float(weight_version),
         "rollout/sample_version_min": float(min(versions)) if versions else math.nan,
         "rollout/logprob_mismatch_k3": update_m.get("approx_kl_first", math.nan),
-        "rollout/logprob_mismatch_max_abs": update_m.get("logprob_max_abs_diff_first",
-                                                         math.nan),
+        "rollout/logprob_mismatch_max_abs": update_m.get("logprob_max_abs_diff_first", math.nan),
     }

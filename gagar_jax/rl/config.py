@@ -57,14 +57,27 @@ from gagar_jax.update import UpdateConfig
 TRAINING_MODES = ("gagar", "binary", "discount_only", "gagar_token")
 MODES = TRAINING_MODES  # backward-compatible alias
 # The advantage kernels' redistribution mode for each training mode.
-_REDISTRIBUTION = {"gagar": "sum_preserving", "binary": "none", "discount_only": "discount_only",
-                   "gagar_token": "sum_preserving"}
+_REDISTRIBUTION = {
+    "gagar": "sum_preserving",
+    "binary": "none",
+    "discount_only": "discount_only",
+    "gagar_token": "sum_preserving",
+}
 
 # The policy of a run that does not say otherwise: the toy family's small decoder. vocab_size is a
 # placeholder: the family's tokenizer decides it (RunConfig.model_config).
 DEFAULT_MODEL = TransformerConfig(
-    vocab_size=1, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-    intermediate_size=128, rope_theta=10000.0, qkv_bias=False, tie_embeddings=True)
+    vocab_size=1,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    rope_theta=10000.0,
+    qkv_bias=False,
+    tie_embeddings=True,
+)
 # The update of a run that does not say otherwise (a from-scratch RL run: a larger learning rate
 # and a shorter Adam memory than the library's fine-tuning defaults).
 DEFAULT_LEARNER = UpdateConfig(learning_rate=1e-4, warmup_steps=5, b2=0.99)
@@ -90,6 +103,7 @@ class TaskConfig:
     num_eval: int = 32  # held-out tasks, generated from a different seed
     data_path: str = ""  # repository families: task dirs / a .jsonl file (see the family)
     eval_data_path: str = ""  # their held-out pool ("" = the family's default)
+    repos_dir: str = ""  # python_repo: data_path is SWE-bench rows, repositories live here
     tokenizer_path: str = ""  # HF tokenizer dir ("" = model.hf_checkpoint, else built-in)
     max_turns: int = 6  # multi-turn families: model turns per episode
     max_observation_tokens: int = 256  # multi-turn families: observation cut
@@ -109,13 +123,21 @@ class TaskConfig:
         _check(self.num_eval >= 0, "task.num_eval", ">= 0", self.num_eval)
         _check(self.difficulty >= 0, "task.difficulty", ">= 0", self.difficulty)
         _check(self.max_turns >= 1, "task.max_turns", ">= 1", self.max_turns)
-        _check(self.max_observation_tokens >= 1, "task.max_observation_tokens", ">= 1",
-               self.max_observation_tokens)
-        _check(self.saturation_window >= 1, "task.saturation_window", ">= 1",
-               self.saturation_window)
-        _check(1 <= self.saturation_min_attempts <= self.saturation_window,
-               "task.saturation_min_attempts", "1..task.saturation_window",
-               self.saturation_min_attempts)
+        _check(
+            self.max_observation_tokens >= 1,
+            "task.max_observation_tokens",
+            ">= 1",
+            self.max_observation_tokens,
+        )
+        _check(
+            self.saturation_window >= 1, "task.saturation_window", ">= 1", self.saturation_window
+        )
+        _check(
+            1 <= self.saturation_min_attempts <= self.saturation_window,
+            "task.saturation_min_attempts",
+            "1..task.saturation_window",
+            self.saturation_min_attempts,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,25 +165,46 @@ class RolloutConfig:
     embedded_data_parallel: int = 1
 
     def __post_init__(self):
-        _check(self.engine in ("embedded", "sglang"), "rollout.engine", "embedded|sglang",
-               self.engine)
+        _check(
+            self.engine in ("embedded", "sglang"), "rollout.engine", "embedded|sglang", self.engine
+        )
         if self.engine == "sglang":
-            _check(self.sglang_url.startswith("http"), "rollout.sglang_url",
-                   "an http(s) URL when rollout.engine='sglang'", self.sglang_url)
+            _check(
+                self.sglang_url.startswith("http"),
+                "rollout.sglang_url",
+                "an http(s) URL when rollout.engine='sglang'",
+                self.sglang_url,
+            )
         _check(self.num_prompts >= 1, "rollout.num_prompts", ">= 1", self.num_prompts)
-        _check(self.num_rollouts >= 2, "rollout.num_rollouts", ">= 2 (groups need a comparison)",
-               self.num_rollouts)
+        _check(
+            self.num_rollouts >= 2,
+            "rollout.num_rollouts",
+            ">= 2 (groups need a comparison)",
+            self.num_rollouts,
+        )
         _check(self.max_prompt_len >= 1, "rollout.max_prompt_len", ">= 1", self.max_prompt_len)
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(self.temperature > 0, "rollout.temperature", "> 0", self.temperature)
         _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
-        _check(self.max_turn_tokens >= 0, "rollout.max_turn_tokens", ">= 0 (0 = max_new_tokens)",
-               self.max_turn_tokens)
-        _check(self.weight_writer >= 0, "rollout.weight_writer", "a process index >= 0",
-               self.weight_writer)
-        _check(self.embedded_data_parallel >= 0, "rollout.embedded_data_parallel",
-               ">= 0 (devices; 0 = all of this process's)", self.embedded_data_parallel)
+        _check(
+            self.max_turn_tokens >= 0,
+            "rollout.max_turn_tokens",
+            ">= 0 (0 = max_new_tokens)",
+            self.max_turn_tokens,
+        )
+        _check(
+            self.weight_writer >= 0,
+            "rollout.weight_writer",
+            "a process index >= 0",
+            self.weight_writer,
+        )
+        _check(
+            self.embedded_data_parallel >= 0,
+            "rollout.embedded_data_parallel",
+            ">= 0 (devices; 0 = all of this process's)",
+            self.embedded_data_parallel,
+        )
 
     @property
     def seq_len(self) -> int:
@@ -193,11 +236,19 @@ class GradingConfig:
     enabled: bool = True  # False: no grader at all (tiers/ranks unknown; gagar == binary)
 
     def __post_init__(self):
-        _check(self.grader in ("heuristic", "agentic"), "grading.grader", "heuristic|agentic",
-               self.grader)
+        _check(
+            self.grader in ("heuristic", "agentic"),
+            "grading.grader",
+            "heuristic|agentic",
+            self.grader,
+        )
         if self.grader == "agentic":
-            _check(self.sglang_url.startswith("http"), "grading.sglang_url",
-                   "an http(s) URL when grading.grader='agentic'", self.sglang_url)
+            _check(
+                self.sglang_url.startswith("http"),
+                "grading.sglang_url",
+                "an http(s) URL when grading.grader='agentic'",
+                self.sglang_url,
+            )
         _check(self.max_concurrency >= 1, "grading.max_concurrency", ">= 1", self.max_concurrency)
         _check(self.deadline_s > 0, "grading.deadline_s", "> 0", self.deadline_s)
 
@@ -230,8 +281,13 @@ class LoopConfig:
 
     def __post_init__(self):
         _check(self.total_steps >= 0, "loop.total_steps", ">= 0", self.total_steps)
-        for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "eval_rollouts"):
+        for name in (
+            "log_every",
+            "eval_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "eval_rollouts",
+        ):
             _check(getattr(self, name) >= 1, f"loop.{name}", ">= 1", getattr(self, name))
         _check(self.eval_temperature > 0, "loop.eval_temperature", "> 0", self.eval_temperature)
 
@@ -253,20 +309,116 @@ class MeshConfig:
     heartbeat_timeout_s: int = 100
 
     def __post_init__(self):
-        _check(len(self.shape) == 3 and sum(1 for s in self.shape if s == -1) <= 1
-               and all(s == -1 or s >= 1 for s in self.shape), "mesh.shape",
-               "three axis sizes (data, fsdp, tensor), at most one -1", self.shape)
+        _check(
+            len(self.shape) == 3
+            and sum(1 for s in self.shape if s == -1) <= 1
+            and all(s == -1 or s >= 1 for s in self.shape),
+            "mesh.shape",
+            "three axis sizes (data, fsdp, tensor), at most one -1",
+            self.shape,
+        )
         _check(self.num_processes >= 1, "mesh.num_processes", ">= 1", self.num_processes)
-        _check(0 <= self.process_id < self.num_processes, "mesh.process_id",
-               f"in [0, {self.num_processes})", self.process_id)
+        _check(
+            0 <= self.process_id < self.num_processes,
+            "mesh.process_id",
+            f"in [0, {self.num_processes})",
+            self.process_id,
+        )
         _check(self.host_timeout_s > 0, "mesh.host_timeout_s", "> 0", self.host_timeout_s)
-        _check(self.heartbeat_timeout_s >= 1, "mesh.heartbeat_timeout_s", ">= 1",
-               self.heartbeat_timeout_s)
+        _check(
+            self.heartbeat_timeout_s >= 1,
+            "mesh.heartbeat_timeout_s",
+            ">= 1",
+            self.heartbeat_timeout_s,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig:
+    """Where verification, ``run_tests`` tool calls, grading and its checks run
+    (``gagar_jax.verify.execution``): ``local`` (the trainer's own process) or a Ray cluster.
+
+    ``ray_address``: ``"auto"`` (the cluster this machine belongs to), ``"local"`` (a
+    one-machine cluster started by the trainer) or an address. Each call reserves ``num_cpus``
+    cores, ``memory`` bytes and ``resources`` (a mapping or (name, amount) pairs, e.g.
+    ``(("verifier", 1),)``: only nodes that advertise it take verification); at most
+    ``max_inflight`` calls are in flight, a call whose node died is retried ``max_retries``
+    times, and the LLM grader's requests share one global rate limit of ``llm_requests_per_s``
+    (0 = none). Deployment only: not in the fingerprint.
+    """
+
+    backend: str = "local"  # local | ray
+    ray_address: str = "auto"
+    max_inflight: int = 64
+    max_retries: int = 3
+    num_cpus: float = 1.0
+    memory: int = 0  # bytes reserved per call (a scheduling reservation)
+    # custom resources per call, e.g. {"verifier": 1} (kept as sorted (name, amount) pairs)
+    resources: tuple = ()
+    deadline_grace_s: float = 10.0
+    llm_requests_per_s: float = 0.0
+
+    def __post_init__(self):
+        _check(self.backend in ("local", "ray"), "execution.backend", "local|ray", self.backend)
+        _check(
+            isinstance(self.ray_address, str) and bool(self.ray_address),
+            "execution.ray_address",
+            "'auto', 'local' or a cluster address",
+            self.ray_address,
+        )
+        _check(
+            isinstance(self.max_inflight, int) and self.max_inflight >= 1,
+            "execution.max_inflight",
+            "an int >= 1",
+            self.max_inflight,
+        )
+        _check(
+            isinstance(self.max_retries, int) and self.max_retries >= 0,
+            "execution.max_retries",
+            "an int >= 0",
+            self.max_retries,
+        )
+        _check(self.num_cpus >= 0, "execution.num_cpus", ">= 0", self.num_cpus)
+        _check(
+            isinstance(self.memory, int) and self.memory >= 0,
+            "execution.memory",
+            "bytes (an int >= 0)",
+            self.memory,
+        )
+        try:
+            pairs = tuple(sorted(dict(self.resources).items()))
+        except (TypeError, ValueError):
+            pairs = None
+        _check(
+            pairs is not None
+            and all(
+                isinstance(k, str) and k and isinstance(v, int | float) and v >= 0 for k, v in pairs
+            ),
+            "execution.resources",
+            "a mapping name -> amount >= 0",
+            self.resources,
+        )
+        object.__setattr__(self, "resources", pairs)
+        _check(
+            self.deadline_grace_s >= 0, "execution.deadline_grace_s", ">= 0", self.deadline_grace_s
+        )
+        _check(
+            self.llm_requests_per_s >= 0,
+            "execution.llm_requests_per_s",
+            ">= 0 (0 = none)",
+            self.llm_requests_per_s,
+        )
 
 
 _SECTIONS = {
-    "task": TaskConfig, "rollout": RolloutConfig, "sampling": DynamicSamplingConfig,
-    "grading": GradingConfig, "sft": SFTConfig, "loop": LoopConfig, "mesh": MeshConfig,
+    "task": TaskConfig,
+    "rollout": RolloutConfig,
+    "sampling": DynamicSamplingConfig,
+    "grading": GradingConfig,
+    "sft": SFTConfig,
+    "loop": LoopConfig,
+    "mesh": MeshConfig,
+    "execution": ExecutionConfig,
 }
 
 
@@ -284,8 +436,9 @@ def _library(build, section: str):
 def _known(section: str, value: Mapping[str, Any], names) -> dict[str, Any]:
     bad = sorted(set(value) - set(names))
     if bad:
-        raise ConfigError(f"unknown field(s) {[f'{section}.{b}' for b in bad]}; "
-                          f"known: {sorted(names)}")
+        raise ConfigError(
+            f"unknown field(s) {[f'{section}.{b}' for b in bad]}; known: {sorted(names)}"
+        )
     return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
 
 
@@ -317,26 +470,53 @@ class RunConfig:
     sft: SFTConfig = SFTConfig()
     loop: LoopConfig = LoopConfig()
     mesh: MeshConfig = MeshConfig()
+    execution: ExecutionConfig = ExecutionConfig()
 
     def __post_init__(self):
         _check(self.mode in TRAINING_MODES, "mode", "|".join(TRAINING_MODES), self.mode)
+        if self.execution.backend == "ray":
+            _check(
+                self.execution.max_inflight >= self.rollout.num_rollouts,
+                "execution.max_inflight",
+                f">= rollout.num_rollouts={self.rollout.num_rollouts}"
+                " (a group is admitted only when its K verifier slots are free)",
+                self.execution.max_inflight,
+            )
         if self.mode != "binary":
-            _check(self.grading.enabled, "grading.enabled",
-                   f"True for mode={self.mode!r} (its advantages need verdicts)",
-                   self.grading.enabled)
+            _check(
+                self.grading.enabled,
+                "grading.enabled",
+                f"True for mode={self.mode!r} (its advantages need verdicts)",
+                self.grading.enabled,
+            )
         u = self.learner
-        _check(u.temperature == self.rollout.temperature, "learner.temperature",
-               f"rollout.temperature={self.rollout.temperature} (the sampler's: the update "
-               "scores the behaviour policy at its temperature)", u.temperature)
-        _check(u.advantages.mode == _REDISTRIBUTION[self.mode], "learner.advantages.mode",
-               f"{_REDISTRIBUTION[self.mode]!r} for mode={self.mode!r}", u.advantages.mode)
+        _check(
+            u.temperature == self.rollout.temperature,
+            "learner.temperature",
+            f"rollout.temperature={self.rollout.temperature} (the sampler's: the update "
+            "scores the behaviour policy at its temperature)",
+            u.temperature,
+        )
+        _check(
+            u.advantages.mode == _REDISTRIBUTION[self.mode],
+            "learner.advantages.mode",
+            f"{_REDISTRIBUTION[self.mode]!r} for mode={self.mode!r}",
+            u.advantages.mode,
+        )
         if self.mode == "gagar_token":
-            _check(u.token_credit in IMPORTANCE_PROVIDERS, "learner.token_credit",
-                   "|".join(IMPORTANCE_PROVIDERS) + " for mode='gagar_token'", u.token_credit)
+            _check(
+                u.token_credit in IMPORTANCE_PROVIDERS,
+                "learner.token_credit",
+                "|".join(IMPORTANCE_PROVIDERS) + " for mode='gagar_token'",
+                u.token_credit,
+            )
         else:
-            _check(u.token_credit == "broadcast", "learner.token_credit",
-                   f"'broadcast' for mode={self.mode!r} (token credit is mode gagar_token)",
-                   u.token_credit)
+            _check(
+                u.token_credit == "broadcast",
+                "learner.token_credit",
+                f"'broadcast' for mode={self.mode!r} (token credit is mode gagar_token)",
+                u.token_credit,
+            )
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -360,11 +540,22 @@ class RunConfig:
         be extended.
         """
         d = self.to_dict()
-        d["loop"] = {k: v for k, v in d["loop"].items()
-                     if k not in ("total_steps", "log_every", "eval_every", "plot",
-                                  "checkpoint_every", "keep_checkpoints")}
+        d["loop"] = {
+            k: v
+            for k, v in d["loop"].items()
+            if k
+            not in (
+                "total_steps",
+                "log_every",
+                "eval_every",
+                "plot",
+                "checkpoint_every",
+                "keep_checkpoints",
+            )
+        }
         d["learner"].pop("decay_steps")
         d.pop("mesh")
+        d.pop("execution")  # where verification runs: deployment, not the run
         d["rollout"].pop("weight_writer")  # which host exports: deployment, not the run
         d["rollout"].pop("embedded_data_parallel")  # devices per sampler: deployment too
         if not d["task"]["skip_saturated"]:  # off: the fingerprint of runs from before the flag
@@ -401,26 +592,37 @@ class RunConfig:
             elif key not in ("model", "learner"):
                 kwargs[key] = value
         if "model" in raw:
-            m = _known("model", _as_mapping("model", raw["model"]),
-                       _fields(TransformerConfig) - {"vocab_size"} | {"hf_checkpoint"})
+            m = _known(
+                "model",
+                _as_mapping("model", raw["model"]),
+                _fields(TransformerConfig) - {"vocab_size"} | {"hf_checkpoint"},
+            )
             kwargs["hf_checkpoint"] = m.pop("hf_checkpoint", "")
             kwargs["model"] = _library(lambda: dataclasses.replace(DEFAULT_MODEL, **m), "model")
         mode = kwargs.get("mode", cls.mode)
         rollout = kwargs.get("rollout", RolloutConfig())
         loop = kwargs.get("loop", LoopConfig())
-        u = dict(_known("learner", _as_mapping("learner", raw.get("learner", {})),
-                        _fields(UpdateConfig)))
-        a = dict(_known("learner.advantages", _as_mapping("learner.advantages",
-                                                          u.pop("advantages", {})),
-                        _fields(GagarConfig)))
+        u = dict(
+            _known("learner", _as_mapping("learner", raw.get("learner", {})), _fields(UpdateConfig))
+        )
+        a = dict(
+            _known(
+                "learner.advantages",
+                _as_mapping("learner.advantages", u.pop("advantages", {})),
+                _fields(GagarConfig),
+            )
+        )
         a.setdefault("mode", _REDISTRIBUTION.get(mode, "none"))
         u.setdefault("temperature", rollout.temperature)
         u.setdefault("token_credit", "evidence" if mode == "gagar_token" else "broadcast")
-        steps_per_update = (u.get("ppo_epochs", DEFAULT_LEARNER.ppo_epochs)
-                            * u.get("num_minibatches", DEFAULT_LEARNER.num_minibatches))
+        steps_per_update = u.get("ppo_epochs", DEFAULT_LEARNER.ppo_epochs) * u.get(
+            "num_minibatches", DEFAULT_LEARNER.num_minibatches
+        )
         u.setdefault("decay_steps", max(loop.total_steps * steps_per_update, 1))
         advantages = _library(
-            lambda: dataclasses.replace(DEFAULT_LEARNER.advantages, **a), "learner.advantages")
+            lambda: dataclasses.replace(DEFAULT_LEARNER.advantages, **a), "learner.advantages"
+        )
         kwargs["learner"] = _library(
-            lambda: dataclasses.replace(DEFAULT_LEARNER, advantages=advantages, **u), "learner")
+            lambda: dataclasses.replace(DEFAULT_LEARNER, advantages=advantages, **u), "learner"
+        )
         return cls(**kwargs)

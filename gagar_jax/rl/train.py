@@ -77,6 +77,7 @@ from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.rl.resume import LoopState, TaskStream
 from gagar_jax.update import jit_update, make_mesh, sft
 from gagar_jax.update.checkpoint import ConfigMismatchError
+from gagar_jax.verify import execution
 
 
 class ResumeMismatchError(RuntimeError):
@@ -125,8 +126,12 @@ def initialize_distributed(mesh_cfg: MeshConfig) -> None:
         raise ValueError(f"process id {pid} outside [0, {num}) (mesh.process_id/JAX_PROCESS_ID)")
     # heartbeat: JAX's own detection of a dead or frozen process, the backstop where ours cannot
     # run (a host lost inside orbax's save barrier, which holds the interpreter)
-    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
-                               heartbeat_timeout_seconds=int(mesh_cfg.heartbeat_timeout_s))
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=num,
+        process_id=pid,
+        heartbeat_timeout_seconds=int(mesh_cfg.heartbeat_timeout_s),
+    )
 
 
 def enable_compilation_cache(directory: str) -> None:
@@ -137,8 +142,9 @@ def enable_compilation_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def evaluate(engine, family, cfg: RunConfig, *, step: int,
-             hosts: Hosts | None = None) -> dict[str, float]:
+def evaluate(
+    engine, family, cfg: RunConfig, *, step: int, hosts: Hosts | None = None
+) -> dict[str, float]:
     """Held-out tasks: pass rate, quality of passing patches, cheat rate, response length (and
     turns / tool calls per episode for multi-turn families).
 
@@ -152,24 +158,52 @@ def evaluate(engine, family, cfg: RunConfig, *, step: int,
     lo = len(tasks) * hosts.index // hosts.count
     hi = len(tasks) * (hosts.index + 1) // hosts.count
     counters = StepCounters()
-    generate_groups(engine, family, tasks[lo:hi], cfg=cfg, step=step, round_id=10_000,
-                    num_rollouts=max(cfg.loop.eval_rollouts, 1),
-                    temperature=cfg.loop.eval_temperature, id_prefix=f"eval{step}",
-                    counters=counters, first_index=lo,
-                    prompt_seeds=[prompt_seed((cfg.seed,), 2, step, i) for i in range(lo, hi)])
-    counters = StepCounters.merged(hosts.allgather(f"eval{step}/counters",
-                                                   dataclasses.asdict(counters)))
+    generate_groups(
+        engine,
+        family,
+        tasks[lo:hi],
+        cfg=cfg,
+        step=step,
+        round_id=10_000,
+        num_rollouts=max(cfg.loop.eval_rollouts, 1),
+        temperature=cfg.loop.eval_temperature,
+        id_prefix=f"eval{step}",
+        counters=counters,
+        first_index=lo,
+        prompt_seeds=[prompt_seed((cfg.seed,), 2, step, i) for i in range(lo, hi)],
+    )
+    counters = StepCounters.merged(
+        hosts.allgather(f"eval{step}/counters", dataclasses.asdict(counters))
+    )
     m = counters.metrics()
-    out = {"eval_pass_rate": m["pass_rate"], "eval_quality": m["quality"],
-           "eval_cheat_rate": m["cheat_rate"], "eval_response_length": m["response_length"]}
+    out = {
+        "eval_pass_rate": m["pass_rate"],
+        "eval_quality": m["quality"],
+        "eval_cheat_rate": m["cheat_rate"],
+        "eval_response_length": m["response_length"],
+    }
     if family.multi_turn:
-        out.update({"eval_turns_mean": m["episode/turns_mean"],
-                    "eval_tool_calls_mean": m["episode/tool_calls_mean"]})
+        out.update(
+            {
+                "eval_turns_mean": m["episode/turns_mean"],
+                "eval_tool_calls_mean": m["episode/tool_calls_mean"],
+            }
+        )
     return out
 
 
-def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState, cfg: RunConfig,
-                 *, step: int, hosts: Hosts | None = None, tracker: PassRateTracker | None = None):
+def collect_step(
+    engine,
+    family,
+    grading_pool,
+    stream: TaskStream,
+    ls: LoopState,
+    cfg: RunConfig,
+    *,
+    step: int,
+    hosts: Hosts | None = None,
+    tracker: PassRateTracker | None = None,
+):
     """Steps 1-3 of the module docstring for one RL step, for this host's block of groups.
 
     Advances ``ls.data_position`` by every prompt drawn (by all hosts). With ``tracker``
@@ -199,23 +233,31 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
     skip = None if tracker is None else (lambda i: tracker.skip(str(i)))
 
     def draw(n):
-        idx, pos, ls.data_position, n_skip = select_prompts(stream, ls.data_position, sum(n),
-                                                            skip)
+        idx, pos, ls.data_position, n_skip = select_prompts(stream, ls.data_position, sum(n), skip)
         skipped[0] += n_skip  # every host selects the same prompts: a global count
         rounds[0] += 1
-        lo = sum(n[:hosts.index])
+        lo = sum(n[: hosts.index])
         hi = lo + n[hosts.index]
         # a prompt's samples are seeded by its global data position: the same on any host
-        groups = generate_groups(engine, family, [family.train_task(i) for i in idx[lo:hi]],
-                                 cfg=cfg,
-                                 step=step, round_id=rounds[0], num_rollouts=K,
-                                 temperature=cfg.rollout.temperature, id_prefix=f"s{step}",
-                                 counters=counters, first_index=lo,
-                                 prompt_seeds=[prompt_seed(ls.rng_key, 1, p)
-                                               for p in pos[lo:hi]])
+        groups = generate_groups(
+            engine,
+            family,
+            [family.train_task(i) for i in idx[lo:hi]],
+            cfg=cfg,
+            step=step,
+            round_id=rounds[0],
+            num_rollouts=K,
+            temperature=cfg.rollout.temperature,
+            id_prefix=f"s{step}",
+            counters=counters,
+            first_index=lo,
+            prompt_seeds=[prompt_seed(ls.rng_key, 1, p) for p in pos[lo:hi]],
+        )
         if tracker is not None:
-            attempts.extend((int(i), [r.reward > 0 for r in g.rollouts if not r.infra_error])
-                            for i, g in zip(idx[lo:hi], groups))
+            attempts.extend(
+                (int(i), [r.reward > 0 for r in g.rollouts if not r.infra_error])
+                for i, g in zip(idx[lo:hi], groups)
+            )
         return groups
 
     def exchange(round_id, tally):
@@ -225,31 +267,54 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
         grading_pool.submit(group_workspace(family, group))
         submitted.append(group.group_id)
 
-    sres = collect_blocks(draw, exchange, target=G, num_blocks=hosts.count, block=hosts.index,
-                          enabled=cfg.sampling.enabled, oversample=cfg.sampling.oversample,
-                          max_rounds=cfg.sampling.max_rounds,
-                          allow_partial=cfg.sampling.allow_partial,
-                          on_keep=submit if cfg.grading.enabled else None)
+    sres = collect_blocks(
+        draw,
+        exchange,
+        target=G,
+        num_blocks=hosts.count,
+        block=hosts.index,
+        enabled=cfg.sampling.enabled,
+        oversample=cfg.sampling.oversample,
+        max_rounds=cfg.sampling.max_rounds,
+        allow_partial=cfg.sampling.allow_partial,
+        on_keep=submit if cfg.grading.enabled else None,
+    )
     t_wait = time.monotonic()
     # grade: the pool's verdicts on this block's groups, once, as [G / P, K] arrays
     G_local, R = G // hosts.count, cfg.rollout.max_new_tokens
     if cfg.grading.enabled and sres.groups:
         results = grading_pool.results(submitted, timeout=cfg.grading.deadline_s)
-        grades = grade.to_arrays(results, sres.groups, num_groups=G_local, num_rollouts=K,
-                                 max_new_tokens=R, token_spans=family.token_spans)
+        grades = grade.to_arrays(
+            results,
+            sres.groups,
+            num_groups=G_local,
+            num_rollouts=K,
+            max_new_tokens=R,
+            token_spans=family.token_spans,
+        )
     else:
         grades = grade.no_grades(G_local, K, R)
     # pack (step 4) for this block: its rows of the static [N, T] update batch
-    local = pack_groups(sres.groups, grades, num_groups=G_local, num_rollouts=K,
-                        max_prompt_len=cfg.rollout.max_prompt_len, max_new_tokens=R,
-                        pad_id=family.tokenizer.pad_id)
+    local = pack_groups(
+        sres.groups,
+        grades,
+        num_groups=G_local,
+        num_rollouts=K,
+        max_prompt_len=cfg.rollout.max_prompt_len,
+        max_new_tokens=R,
+        pad_id=family.tokenizer.pad_id,
+    )
     # verdicts (and fallbacks) and the [G, K] group fields of every host's block, so all hosts
     # build the same replicated arrays and metrics
-    parts = hosts.allgather(f"s{step}/verdicts", {
-        "groups": grade.verdict_summaries(sres.groups, grades),
-        "counters": dataclasses.asdict(counters),
-        "fields": {f: getattr(local, f).tolist() for f in GROUP_FIELDS},
-        "attempts": attempts})
+    parts = hosts.allgather(
+        f"s{step}/verdicts",
+        {
+            "groups": grade.verdict_summaries(sres.groups, grades),
+            "counters": dataclasses.asdict(counters),
+            "fields": {f: getattr(local, f).tolist() for f in GROUP_FIELDS},
+            "attempts": attempts,
+        },
+    )
     if tracker is not None:
         for part in parts:
             for i, passed in part["attempts"]:
@@ -258,9 +323,14 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
     summaries = [g for part in parts for g in part["groups"]]
     grading_m = grading_metrics(summaries) if cfg.grading.enabled and summaries else {}
     counters = StepCounters.merged([part["counters"] for part in parts])
-    batch = local._replace(**{
-        f: np.concatenate([np.asarray(part["fields"][f], getattr(local, f).dtype)
-                           for part in parts]) for f in GROUP_FIELDS})
+    batch = local._replace(
+        **{
+            f: np.concatenate(
+                [np.asarray(part["fields"][f], getattr(local, f).dtype) for part in parts]
+            )
+            for f in GROUP_FIELDS
+        }
+    )
     return sres, counters, grading_m, t_wait, batch
 
 
@@ -279,8 +349,10 @@ def pass_rate_tracker(cfg: RunConfig, ls: LoopState) -> PassRateTracker | None:
 
 def saturation_metrics(sres, tracker: PassRateTracker) -> dict[str, float]:
     """``task.skip_saturated`` figures of one step (identical on every host)."""
-    return {"sampling_skipped_saturated": float(getattr(sres, "skipped_saturated", 0)),
-            "sampling_saturated_tasks": float(len(tracker.saturated()))}
+    return {
+        "sampling_skipped_saturated": float(getattr(sres, "skipped_saturated", 0)),
+        "sampling_saturated_tasks": float(len(tracker.saturated())),
+    }
 
 
 # The [G, K] (and [G]) fields of the UpdateBatch: global on every host (the rest are its rows).
@@ -337,30 +409,57 @@ def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
     cfg, hosts = ctx.cfg, ctx.hosts
     t_step = time.monotonic()
     sres, counters, grading_m, t_wait, batch = collect_step(
-        ctx.engine, ctx.family, ctx.grading_pool, ctx.stream, ls, cfg, step=step, hosts=hosts,
-        tracker=ctx.tracker)
+        ctx.engine,
+        ctx.family,
+        ctx.grading_pool,
+        ctx.stream,
+        ls,
+        cfg,
+        step=step,
+        hosts=hosts,
+        tracker=ctx.tracker,
+    )
     t_update = time.monotonic()
     with hosts.collective(f"the update of step {step}"):
-        state, update_m = policy.rl_update(ctx.update_fn, state, batch, cfg=cfg, mesh=ctx.mesh,
-                                           step=step)
+        state, update_m = policy.rl_update(
+            ctx.update_fn, state, batch, cfg=cfg, mesh=ctx.mesh, step=step
+        )
         ls.policy_version += 1
-        weight_version = policy.sync_engine(ctx.engine, cfg, state.params, mesh=ctx.mesh,
-                                            device=ctx.sampler_device,
-                                            version=ls.policy_version)
+        weight_version = policy.sync_engine(
+            ctx.engine,
+            cfg,
+            state.params,
+            mesh=ctx.mesh,
+            device=ctx.sampler_device,
+            version=ls.policy_version,
+        )
     if weight_version != ls.policy_version:
-        raise RuntimeError(f"rollout engine reports weight version {weight_version} "
-                           f"after syncing version {ls.policy_version} (step {step})")
+        raise RuntimeError(
+            f"rollout engine reports weight version {weight_version} "
+            f"after syncing version {ls.policy_version} (step {step})"
+        )
     ls.step = step + 1
     t_end = time.monotonic()
     m = step_metrics(sres, counters, grading_m, update_m, weight_version, cfg, ctx.tracker)
-    m.update(grade_wait_s=t_update - t_wait, update_time_s=t_end - t_update,
-             step_time_s=t_end - t_step, policy_version=float(ls.policy_version),
-             data_position=float(ls.data_position))
+    m.update(
+        grade_wait_s=t_update - t_wait,
+        update_time_s=t_end - t_update,
+        step_time_s=t_end - t_step,
+        policy_version=float(ls.policy_version),
+        data_position=float(ls.data_position),
+    )
     return state, m
 
 
-def step_metrics(sres, counters: StepCounters, grading_m, update_m, weight_version: int,
-                 cfg: RunConfig, tracker: PassRateTracker | None) -> dict[str, float]:
+def step_metrics(
+    sres,
+    counters: StepCounters,
+    grading_m,
+    update_m,
+    weight_version: int,
+    cfg: RunConfig,
+    tracker: PassRateTracker | None,
+) -> dict[str, float]:
     """The metrics row of one step (rollouts over all drawn, the update's over the kept batch;
     an update figure whose name a rollout figure has is logged as ``update/<name>``)."""
     m = counters.metrics()
@@ -390,7 +489,8 @@ def _restore_or_start(cfg: RunConfig, ckpt, model_config, mesh, workdir: str):
     except ConfigMismatchError as e:
         raise ResumeMismatchError(
             f"{workdir} holds a run with another config fingerprint ({e}), this config is "
-            f"{cfg.fingerprint()}: use another --workdir or the original config") from e
+            f"{cfg.fingerprint()}: use another --workdir or the original config"
+        ) from e
     return state, ls, step
 
 
@@ -409,8 +509,10 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     primary = hosts.primary
     G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
     if G % hosts.count:
-        raise ValueError(f"config.rollout.num_prompts={G} must be a multiple of the "
-                         f"{hosts.count} processes (each host fills an equal block of groups)")
+        raise ValueError(
+            f"config.rollout.num_prompts={G} must be a multiple of the "
+            f"{hosts.count} processes (each host fills an equal block of groups)"
+        )
     family = build_family(cfg)
     tok = family.tokenizer
     model_config, model = policy.build_model(cfg, tok.vocab_size)
@@ -427,49 +529,79 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=1, sort_keys=True, default=str)
-        dropped = writers.truncate_jsonl(metrics_path, keep_before_step=ls.step,
-                                         drop_phases=None if ls.sft_done else ("sft",))
-    writer = writers.MetricsWriter(workdir, total_steps=cfg.loop.total_steps,
-                                   start_step=ls.step, primary=primary)
+        dropped = writers.truncate_jsonl(
+            metrics_path, keep_before_step=ls.step, drop_phases=None if ls.sft_done else ("sft",)
+        )
+    writer = writers.MetricsWriter(
+        workdir, total_steps=cfg.loop.total_steps, start_step=ls.step, primary=primary
+    )
     if resume_step is not None:
-        writer.log(f"resumed from checkpoint {resume_step}: step {ls.step}, data position "
-                   f"{ls.data_position}, policy version {ls.policy_version}"
-                   + (f" ({dropped} stale metric rows dropped)" if primary and dropped else ""))
+        writer.log(
+            f"resumed from checkpoint {resume_step}: step {ls.step}, data position "
+            f"{ls.data_position}, policy version {ls.policy_version}"
+            + (f" ({dropped} stale metric rows dropped)" if primary and dropped else "")
+        )
 
     # Engine and grader first: a dead server fails here, before any compute is spent.
     engine = engines.build_engine(cfg, model, workdir=workdir, pad_id=tok.pad_id, hosts=hosts)
     if cfg.rollout.engine == "embedded" and engine.mesh is not None:
         writer.log(f"embedded sampler: rows split over {engine.mesh.devices.size} local devices")
     # one grading pool per host, for its own groups; each keeps its own verdict cache
-    cache_path = os.path.join(workdir, "grader_cache.jsonl" if primary else
-                              f"grader_cache.p{hosts.index}.jsonl")
-    grading_pool = engines.build_grading_pool(cfg, cache_path=cache_path, grader=grader,
-                                              check_runner=family.check_runner())
+    cache_path = os.path.join(
+        workdir, "grader_cache.jsonl" if primary else f"grader_cache.p{hosts.index}.jsonl"
+    )
+    grading_pool = engines.build_grading_pool(
+        cfg, cache_path=cache_path, grader=grader, check_runner=family.check_runner()
+    )
     # Cited-token masks travel with every graded run, so every mode reports the share of
     # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
     update_fn = jit_update(model_config, cfg.learner, mesh, with_evidence=cfg.grading.enabled)
-    ctx = RLContext(cfg=cfg, hosts=hosts, family=family,
-                    stream=TaskStream(family.num_train, seed=cfg.seed), engine=engine,
-                    grading_pool=grading_pool, update_fn=update_fn, mesh=mesh,
-                    sampler_device=policy.model_device(model),
-                    tracker=pass_rate_tracker(cfg, ls))
+    ctx = RLContext(
+        cfg=cfg,
+        hosts=hosts,
+        family=family,
+        stream=TaskStream(family.num_train, seed=cfg.seed),
+        engine=engine,
+        grading_pool=grading_pool,
+        update_fn=update_fn,
+        mesh=mesh,
+        sampler_device=policy.model_device(model),
+        tracker=pass_rate_tracker(cfg, ls),
+    )
 
     summary: dict[str, Any] = {}
     sigterm = SigtermFlag()
+    # where verification, run_tests, grading and its checks run (config.execution)
+    backend = execution.make_backend(
+        **dataclasses.asdict(cfg.execution), grader_slots=cfg.grading.max_concurrency
+    )
+    prev_backend = execution.use(backend)
     try:
+        if execution.attach_grading(grading_pool, backend):
+            writer.log("grading runs on the Ray cluster")
         # ---- SFT warm start, then the train state from the warmed model -------------------
         if not ls.sft_done:
             if cfg.sft.steps > 0:
                 t0 = time.monotonic()
                 # too long for the static response budget: skipped, never truncated
-                demos = [d for d in family.demonstrations(cfg.task.num_train)
-                         if d.response_len <= cfg.rollout.max_new_tokens]
-                writer.log(f"SFT warm start: {cfg.sft.steps} steps on {len(demos)} "
-                           "demonstrations")
-                sft.run_sft(model, demos, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size,
-                            lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps,
-                            seq_len=cfg.rollout.seq_len, pad_id=tok.pad_id, seed=cfg.seed,
-                            log_fn=lambda s, m: writer.write(s, m, phase="sft"))
+                demos = [
+                    d
+                    for d in family.demonstrations(cfg.task.num_train)
+                    if d.response_len <= cfg.rollout.max_new_tokens
+                ]
+                writer.log(f"SFT warm start: {cfg.sft.steps} steps on {len(demos)} demonstrations")
+                sft.run_sft(
+                    model,
+                    demos,
+                    steps=cfg.sft.steps,
+                    batch_size=cfg.sft.batch_size,
+                    lr=cfg.sft.lr,
+                    warmup_steps=cfg.sft.warmup_steps,
+                    seq_len=cfg.rollout.seq_len,
+                    pad_id=tok.pad_id,
+                    seed=cfg.seed,
+                    log_fn=lambda s, m: writer.write(s, m, phase="sft"),
+                )
                 writer.log(f"SFT done in {time.monotonic() - t0:.1f}s")
             ls.sft_done = True
             state = policy.initial_state(cfg, model, mesh)
@@ -478,8 +610,14 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 policy.save(ckpt, 0, state, ls)
 
         with hosts.collective("the first weight sync"):
-            policy.sync_engine(engine, cfg, state.params, mesh=mesh, device=ctx.sampler_device,
-                               version=ls.policy_version)
+            policy.sync_engine(
+                engine,
+                cfg,
+                state.params,
+                mesh=mesh,
+                device=ctx.sampler_device,
+                version=ls.policy_version,
+            )
         if ls.step == 0 and cfg.loop.total_steps > 0 and family.eval_tasks():
             m = evaluate(engine, family, cfg, step=0, hosts=hosts)
             writer.write(0, m, phase="eval")
@@ -489,6 +627,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         total = cfg.loop.total_steps
         for step in range(ls.step, total):
             state, m = rl_step(step, state, ls, ctx)
+            m = {**m, **backend.metrics()}  # execution/*: calls in flight, waits, retries, ...
             if step % cfg.loop.log_every == 0 or step == total - 1:
                 writer.write(step, m)
                 writer.progress(step, m)
@@ -496,13 +635,17 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 em = evaluate(engine, family, cfg, step=step + 1, hosts=hosts)
                 if em:
                     writer.write(step + 1, em, phase="eval")
-                    writer.log(f"eval @ step {step + 1}: " +
-                               ", ".join(f"{k} {v:.3f}" for k, v in em.items()))
+                    writer.log(
+                        f"eval @ step {step + 1}: "
+                        + ", ".join(f"{k} {v:.3f}" for k, v in em.items())
+                    )
             # SIGTERM on any host: all save this step and stop (the save is collective)
             stop = any(hosts.allgather(f"s{step}/sigterm", sigterm.requested))
             if _itstime(step, cfg.loop.checkpoint_every, total) or stop:
-                ls.grader_cache = {"path": os.path.basename(cache_path),
-                                   "entries": len(grading_pool.cache)}
+                ls.grader_cache = {
+                    "path": os.path.basename(cache_path),
+                    "entries": len(grading_pool.cache),
+                }
                 if ctx.tracker is not None:  # the same on every host: the primary's is saved
                     ls.extra[PASS_RATES_KEY] = ctx.tracker.state_dict()
                 hosts.barrier(f"ckpt{step + 1}")  # a host hung before the save is named here
@@ -517,6 +660,8 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         sigterm.uninstall()
         ckpt.close()
         grading_pool.close()
+        execution.use(prev_backend)
+        backend.close()
         writer.close()
     if primary:
         rows = writers.read_jsonl(metrics_path)
@@ -533,8 +678,9 @@ def _print_summary(cfg: RunConfig, workdir: str, summary: dict[str, Any]) -> Non
     print(writers.format_summary(title, summary, eval_samples=eval_samples), flush=True)
 
 
-def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
-                        temperature: float = 0.7) -> tuple[dict[str, float], int]:
+def evaluate_checkpoint(
+    workdir: str, *, step: int = -1, samples: int = 4, temperature: float = 0.7
+) -> tuple[dict[str, float], int]:
     """Restores a run's checkpoint (newest complete one for ``step=-1``) and evaluates it."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
@@ -553,12 +699,16 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
             raise FileNotFoundError(f"no complete checkpoint in {workdir}")
         if step >= 0 and step not in steps:
             raise ValueError(f"checkpoint {step} not in {workdir} (complete ones: {steps})")
-        state, step, ls = policy.restore(ckpt, cfg, model_config, mesh,
-                                         None if step < 0 else step)
-        engine = engines.build_engine(cfg, model, workdir=workdir,
-                                      pad_id=family.tokenizer.pad_id)
-        policy.sync_engine(engine, cfg, state.params, mesh=mesh,
-                           device=policy.model_device(model), version=ls.policy_version)
+        state, step, ls = policy.restore(ckpt, cfg, model_config, mesh, None if step < 0 else step)
+        engine = engines.build_engine(cfg, model, workdir=workdir, pad_id=family.tokenizer.pad_id)
+        policy.sync_engine(
+            engine,
+            cfg,
+            state.params,
+            mesh=mesh,
+            device=policy.model_device(model),
+            version=ls.policy_version,
+        )
         return evaluate(engine, family, cfg, step=step), step
     finally:
         ckpt.close()

@@ -369,7 +369,9 @@ def format_summary(title: str, summary: Mapping[str, Any], *, eval_samples: int)
 
 
 def _wrap(text: str) -> str:
-    return textwrap.fill(text, width=100, initial_indent="   ", subsequent_indent="   ")
+    return textwrap.fill(
+        text, width=100, initial_indent="   ", subsequent_indent="   ", break_on_hyphens=False
+    )
 
 
 def markdown_table(summaries: Mapping[str, Mapping[str, float | None]]) -> str:

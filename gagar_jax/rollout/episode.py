@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import posixpath
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -125,6 +126,20 @@ class Episode:
 # ---------------------------------------------------------------------------- actions
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def _carriable_path(path: str) -> bool:
+    """Whether a unified diff can name ``path``: relative, normalised, no ``..`` or ``.git``,
+    no backslash or control character (a newline would split the patch's header)."""
+    if (
+        not path
+        or path.startswith("/")
+        or "\\" in path
+        or any(c < " " or c == "\x7f" for c in path)
+    ):
+        return False
+    parts = path.split("/")
+    return posixpath.normpath(path) == path and ".." not in parts and ".git" not in parts
 
 
 def parse_action(text: str) -> ToolCall | None:
@@ -241,13 +256,7 @@ class CodeAgentEnv:
             )
         if name == "edit":
             path = str(args.get("path", ""))
-            from gagar_jax.verify.diff import DiffError, safe_path
-
-            try:
-                bad = safe_path(path) != path
-            except DiffError:
-                bad = True
-            if bad:  # a path no patch could carry (a newline, "..", absolute): refused here
+            if not _carriable_path(path):  # a path no patch could carry: refused here
                 return StepResult(
                     f"error: edit needs a normalised relative path without control characters, "
                     f"got {path[:200]!r}",

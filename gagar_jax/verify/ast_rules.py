@@ -125,6 +125,9 @@ SCOPED_PATCHERS = ("monkeypatch.setattr", "monkeypatch.delattr", "monkeypatch.se
                    "mock.patch.dict", "patch", "patch.object", "patch.dict")  # fmt: skip
 
 MAX_RESOLVE_DEPTH = 64
+# A computed attribute name on one of these hides what is reached: advisory.
+DYNAMIC_SENSITIVE = ("sys", "builtins", "inspect", "gc", "ctypes", "pytest", "_pytest",
+                     "unittest", "linecache", "traceback", "importlib", "os")  # fmt: skip
 
 
 def _under(name: str | None, prefixes: Iterable[str]) -> str | None:
@@ -241,9 +244,26 @@ class _Resolver:
         return None
 
 
-def _const_str(node: ast.AST) -> str | None:
+def _const_str(node: ast.AST, depth: int = 0) -> str | None:
+    """The string a constant expression spells: a literal, ``"_get" + "frame"``, an f-string or
+    ``"".join([...])`` of literals (NFKC-normalised); None otherwise."""
+    if depth > MAX_RESOLVE_DEPTH:
+        return None
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return _nfkc(node.value)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _const_str(node.left, depth + 1), _const_str(node.right, depth + 1)
+        return left + right if left is not None and right is not None else None
+    if isinstance(node, ast.JoinedStr):
+        parts = [_const_str(v, depth + 1) for v in node.values]
+        return "".join(parts) if all(p is not None for p in parts) else None
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "join" and len(node.args) == 1
+            and isinstance(node.args[0], ast.List | ast.Tuple)):  # fmt: skip
+        sep = _const_str(node.func.value, depth + 1)
+        parts = [_const_str(e, depth + 1) for e in node.args[0].elts]
+        if sep is not None and all(p is not None for p in parts):
+            return sep.join(parts)  # type: ignore[arg-type]
     return None
 
 
@@ -442,8 +462,8 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                     "update", "__setitem__", "setdefault", "pop", "clear"):  # fmt: skip
                 add(node, "tamper_test_harness", True, f"calls {fn} (patches builtins)")
             # exits and process control
-            if fn in EXIT_CALLS:
-                add(node, "tamper_test_harness", True, f"calls {fn} (ends the test process)")
+            if fn in EXIT_CALLS:  # honest tests end forked children so
+                add(node, "tamper_test_harness", not in_tests, f"calls {fn} (ends the process)")
             elif _under(fn, PROCESS_CALLS) and not in_tests:
                 add(node, "tamper_test_harness", False, f"calls {fn}")
             if _under(fn, TRACE_CALLS):
@@ -455,6 +475,12 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                     has_stack_summary = True
             if _under(fn, SOURCE_READ):
                 source_reads.append((node, fn))
+            if fn in ("getattr", "builtins.getattr", "setattr", "builtins.setattr") and (
+                    len(args) >= 2 and _const_str(args[1]) is None):  # fmt: skip
+                base = res.resolve(args[0])
+                if _under(base, DYNAMIC_SENSITIVE):
+                    add(node, "tamper_test_harness", False,
+                        f"calls {fn} on {base} with a computed name")  # fmt: skip
             if fn in FILE_READS or fn.endswith((".read_text", ".read_bytes")):
                 file_reads.append(node)
             if fn == "ctypes.pythonapi.PyFrame_LocalsToFast":

@@ -20,9 +20,13 @@ must pass: fail-to-pass (fixed by a correct patch) and pass-to-pass (must keep p
    one must error) and runs the test runner (``outcome_plugin.py``) by absolute path,
    ``python -P``, with pytest on the pristine configuration (``-c``), plugin autoloading off,
    ``addopts`` cleared, in the sandbox's private work tree (a tmpfs of ``limits.disk_bytes``);
+   ``sys.path`` gets the root and the task's ``pythonpath`` entries (``src``); a task's
+   ``env_path`` environment, bound read-only, supplies pytest and the dependencies; with
+   ``test_timeout_s`` pytest-timeout bounds each test;
 4. reads one record from the runner's supervisor through a pipe only it holds: the test
    process's streamed report (one line per test phase, then pytest's exit status), its exit
-   status and whether it ended as itself (no ``exec``). Passes only if every required id passed,
+   status and whether it ended as itself (no ``exec``). Passes only if every fail-to-pass id
+   passed and every pass-to-pass id passed or was skipped (SWE-bench's rule),
    every canary has its outcome, pytest's exit status is 1 (its failing canaries) and the exit
    statuses agree. A report that contradicts any check is tampering: ``failed`` plus a
    confirmed ``tamper_test_harness`` flag. Anything printed ("PASSED") is ignored.
@@ -468,15 +472,58 @@ def _special_files(directory: str, names: list[str]) -> list[str]:
     return out
 
 
-def pytest_args(test_ids: Sequence[str], config_file: str) -> list[str]:
+def pytest_args(test_ids: Sequence[str], config_file: str, *, pythonpath: Sequence[str] = (),
+                timeout_s: float = 0.0) -> list[str]:  # fmt: skip
     """The sandboxed pytest's arguments: the pristine ``config_file`` (``-c``), no cache, no
     plugin but the reporter object the runner registers (PYTEST_DISABLE_PLUGIN_AUTOLOAD is set
-    in its environment), no ``addopts``."""
+    in its environment), no ``addopts``.
+
+    ``pythonpath``: tree-relative directories put on ``sys.path`` after the root (pytest's
+    ``pythonpath`` option, e.g. ``src``); ``timeout_s`` > 0 loads pytest-timeout with that
+    per-test limit (a hanging test fails, the others still report)."""
+    paths = " ".join((".", *pythonpath))
+    timeout = (["-p", "pytest_timeout", "-o", f"timeout={timeout_s:g}"]
+               if timeout_s > 0 else [])  # fmt: skip
     return [
-        "-q", "-rA", "-c", config_file, "--rootdir=.", "-p", "no:cacheprovider",
-        "-o", "addopts=", "-o", "pythonpath=.", "-o", "console_output_style=classic",
+        "-q", "-rA", "-c", config_file, "--rootdir=.", "-p", "no:cacheprovider", *timeout,
+        "-o", "addopts=", "-o", f"pythonpath={paths}", "-o", "console_output_style=classic",
         "--", *test_ids,
     ]  # fmt: skip
+
+
+def env_site_packages(env_path: str) -> tuple[str, ...]:
+    """The site-packages directories of the virtual environment ``env_path`` (ValueError if it
+    holds none: a broken task)."""
+    lib = os.path.join(env_path, "lib")
+    names = os.listdir(lib) if os.path.isdir(lib) else ()
+    found = [os.path.join(lib, d, "site-packages") for d in sorted(names) if d.startswith("py")]
+    found = [d for d in found if os.path.isdir(d)]
+    if not found:
+        raise ValueError(f"env_path {env_path!r} holds no lib/python*/site-packages")
+    return tuple(found)
+
+
+def sandbox_paths(
+    task: Any, extra_pythonpath: Sequence[str] = ()
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(read-only host directories for PYTHONPATH, tree-relative ``sys.path`` entries) of a run.
+
+    With the task's ``env_path`` its site-packages (which hold pytest and the task's
+    dependencies) replace the verifier's own; absolute ``extra_pythonpath`` entries are bound
+    read-only after them, relative ones (``"src"``) name directories of the tree, like the
+    task's ``pythonpath``."""
+    env_path = getattr(task, "env_path", "") or ""
+    if env_path:
+        base: tuple[str, ...] = env_site_packages(env_path)
+    else:
+        _, base = python_for_sandbox()
+    ro, rel = [], list(getattr(task, "pythonpath", ()) or ())
+    for p in extra_pythonpath:
+        if os.path.isabs(p):
+            ro.append(p)
+        else:
+            rel.append(safe_path(p))
+    return (*base, *ro), tuple(dict.fromkeys(r for r in rel if r != "."))
 
 
 def runner_argv(ctl_fd: int) -> list[str]:
@@ -553,7 +600,8 @@ def parse_outcome_report(data: bytes) -> tuple[dict | None, int | None, str, boo
 
     Returns (outcomes: the worst outcome per node id, pytest's exit status, problem, tampered):
     ``problem`` is "" for a well-formed report; ``tampered`` is True for a line the reporter
-    does not write, a phase reported twice, or anything after the last line.
+    does not write, a phase other than a subtest reported twice, or anything after the last
+    line.
     """
     if not data:
         return None, None, "no test report was written (pytest did not finish its session)", False
@@ -563,6 +611,7 @@ def parse_outcome_report(data: bytes) -> tuple[dict | None, int | None, str, boo
     if lines[-1]:
         return None, None, "the test report does not end with a whole line", True
     outcomes: dict[str, str] = {}
+    subtests: dict[str, str] = {}
     seen: set[tuple[str, str]] = set()
     exitstatus = None
     for n, raw in enumerate(lines[:-1]):
@@ -579,17 +628,25 @@ def parse_outcome_report(data: bytes) -> tuple[dict | None, int | None, str, boo
             continue
         if (not isinstance(rec, dict) or set(rec) != {"id", "when", "outcome"}
                 or not isinstance(rec["id"], str) or rec["outcome"] not in _RANK
-                or rec["when"] not in ("setup", "call", "teardown")):  # fmt: skip
+                or rec["when"] not in ("setup", "call", "subtest", "teardown")):  # fmt: skip
             return None, None, f"test report line {n + 1} is not the reporter's", True
         key = (rec["id"], rec["when"])
-        if key in seen:
+        # One test reports any number of subtests; they can only make its outcome worse.
+        if key in seen and rec["when"] != "subtest":
             return None, None, f"{rec['id']} {rec['when']} reported twice", True
         seen.add(key)
-        prev = outcomes.get(rec["id"])
+        into = subtests if rec["when"] == "subtest" else outcomes
+        prev = into.get(rec["id"])
         if prev is None or _RANK[rec["outcome"]] >= _RANK[prev]:
-            outcomes[rec["id"]] = rec["outcome"]
+            into[rec["id"]] = rec["outcome"]
     if exitstatus is None:
         return None, None, "the test report has no last line (pytest did not finish)", False
+    for node, worst in subtests.items():
+        # A subtest only ever worsens the outcome of a test that reported its own call.
+        if node not in outcomes:
+            return None, None, f"{node} reported subtests but no outcome of its own", True
+        if _RANK[worst] > _RANK[outcomes[node]]:
+            outcomes[node] = worst
     return outcomes, exitstatus, "", False
 
 
@@ -627,9 +684,14 @@ def make_canaries(
     in a random order: two must pass, two must fail, one must error in its fixture. Their names
     follow the task's ``python_functions`` pattern so its own collection rules collect them."""
     pattern = (_config_value(task, cfg, "python_functions") or "test").split()[0]
-    prefix = pattern.split("*", 1)[0] if "*" in pattern else pattern
-    if not prefix.isidentifier():
-        prefix = "test"
+
+    def name() -> str:
+        # pytest matches python_functions as a prefix, or as a glob when it holds one.
+        tag = f"c{secrets.token_hex(6)}"
+        fn = pattern.replace("*", tag, 1).replace("*", "") if "*" in pattern else (
+            f"{pattern}_{tag}")  # fmt: skip
+        return fn if fn.isidentifier() else f"test_{tag}"
+
     while True:
         path = f"test_{secrets.token_hex(6)}.py"
         if path not in existing:
@@ -639,8 +701,7 @@ def make_canaries(
     lines = ["import pytest", ""]
     expected = {}
     for outcome in outcomes:
-        fn = f"{prefix}_{secrets.token_hex(6)}" if not prefix.endswith("_") else (
-            prefix + secrets.token_hex(6))  # fmt: skip
+        fn = name()
         a = secrets.randbelow(1 << 30)
         if outcome == "passed":
             lines += ["", f"def {fn}():", f"    assert {a} + 1 == {a + 1}", ""]
@@ -674,18 +735,27 @@ def check_canaries(outcomes: Mapping[str, str], expected: Mapping[str, str]) -> 
 _PREFLIGHT: dict[tuple, str | None] = {}
 
 
-def sandbox_pytest_problem(config: SandboxConfig | None = None) -> str | None:
-    """None if the sandboxed interpreter can run the test runner (pytest importable), else why
-    (checked once per config)."""
-    key = (config,)
+def sandbox_pytest_problem(config: SandboxConfig | None = None,
+                           pythonpath: Sequence[str] | None = None,
+                           timeout: bool = False) -> str | None:  # fmt: skip
+    """None if the sandboxed interpreter can run the test runner (pytest importable) with
+    ``pythonpath`` (default: the verifier's own packages; a task's environment otherwise), and
+    import pytest-timeout with ``timeout``, else why (checked once per config, path, timeout)."""
+    exe, own = python_for_sandbox()
+    pythonpath = tuple(pythonpath) if pythonpath is not None else own
+    key = (config, pythonpath, timeout)
     if key not in _PREFLIGHT:
-        exe, pythonpath = python_for_sandbox()
         paths = (plugin_dir(), *pythonpath)
         with tempfile.TemporaryDirectory(prefix="gagar_preflight_") as d:
             os.chmod(d, 0o755)
             r = run_sandboxed([exe, "-P", runner_path(), "--check"], d,
                               Limits(wall_s=60), config=config,
                               env={"PYTHONPATH": ":".join(pythonpath)}, ro_paths=paths)  # fmt: skip
+            if r.passed and timeout:
+                r = run_sandboxed([exe, "-P", "-c", "import pytest_timeout"], d,
+                                  Limits(wall_s=60), config=config,
+                                  env={"PYTHONPATH": ":".join(pythonpath)},
+                                  ro_paths=paths)  # fmt: skip
         _PREFLIGHT[key] = (
             None
             if r.passed
@@ -717,11 +787,12 @@ def verify_repo_patch(
       limits, config: sandbox settings.
       keep_dir: if given, the work tree is copied there after the run (debugging).
       events: the rollout's trajectory events, for the monitor's trajectory rules.
-      references: reference/leaked solutions for the leakage pre-screen (the task's
-        ``reference_patch`` is always included).
+      references: leaked solutions (ones the agent could read) for the leakage pre-screen; the
+        task's own ``reference_patch`` is not one: a correct fix may well reproduce it.
       run_monitor: run the behaviour monitor (``flags``; confirmed ones set ``cheat``).
-      extra_pythonpath: more read-only directories for the sandboxed interpreter's PYTHONPATH
-        (the task's dependencies), after the one holding pytest.
+      extra_pythonpath: more directories for the sandboxed interpreter's path: absolute ones
+        (the task's dependencies) are bound read-only after the one holding pytest; relative
+        ones are directories of the repository (``"src"``), like the task's ``pythonpath``.
 
     Never raises for a bad patch (it fails). A bug of the verifier or of the task itself (e.g. a
     ``test_patch`` that does not apply) before the candidate's code ran comes back as
@@ -736,6 +807,16 @@ def verify_repo_patch(
         status = "failed" if started else "infra_error"
         return RepoVerification(status, {t: "missing" for t in task.required_tests}, None,
                                 (), f"verifier error: {type(e).__name__}: {e}", None)  # fmt: skip
+
+
+def tests_resolved(tests: Mapping[str, str], fail_to_pass: Sequence[str],
+                   pass_to_pass: Sequence[str]) -> bool:  # fmt: skip
+    """SWE-bench's rule on the per-test outcomes: every fail-to-pass test passed (a skipped one
+    fails), every pass-to-pass test passed or skipped (a skip is not a regression)."""
+    f2p = set(fail_to_pass)
+    return (all(tests.get(t) == "passed" for t in f2p)
+            and all(tests.get(t) in ("passed", "skipped") for t in pass_to_pass
+                    if t not in f2p))  # fmt: skip
 
 
 def _missing(task: Any) -> dict[str, str]:
@@ -761,20 +842,20 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         except Exception as e:  # noqa: BLE001 - what the candidate wrote broke the monitor
             note = f"monitor_error: the patch or trajectory broke the monitor: {type(e).__name__}"
             return RepoVerification("failed", _missing(task), note, (), note, None)
+    pythonpath, tree_paths = sandbox_paths(task, extra_pythonpath)  # a bad task: infra_error
+    timeout_s = float(getattr(task, "test_timeout_s", 0.0) or 0.0)
     try:
-        files, reset = prepare_tree(task, patch, extra_pythonpath)
+        files, reset = prepare_tree(task, patch, pythonpath)
     except DiffError as e:
         return RepoVerification("failed", _missing(task), str(e), (),
                                 f"patch does not apply: {e}", None, flags)  # fmt: skip
     try:
-        problem = sandbox_pytest_problem(config)
+        problem = sandbox_pytest_problem(config, pythonpath, timeout_s > 0)
     except SandboxUnavailable as e:
         problem = f"no sandbox: {e}"
     if problem:
         return RepoVerification("infra_error", _missing(task), None, reset, problem, None,
                                 flags)  # fmt: skip
-    _, pythonpath = python_for_sandbox()
-    pythonpath = (*pythonpath, *extra_pythonpath)
     cfg = pristine_config(task)
     canary_path, canary_src, canaries = make_canaries(task, cfg, files)
     work_parent = tempfile.mkdtemp(prefix="gagar_repo_")
@@ -799,7 +880,8 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         # Canaries first: an honest session cut short by the code under test (a crash in a
         # required test) has already reported them.
         ids = list(canaries) + list(task.required_tests)
-        ctl = json.dumps({"out_fd": out_w, "args": pytest_args(ids, cfg)}).encode()
+        args = pytest_args(ids, cfg, pythonpath=tree_paths, timeout_s=timeout_s)
+        ctl = json.dumps({"out_fd": out_w, "args": args}).encode()
         if len(ctl) > 60_000:  # a pipe holds 64 KiB: write the rest while the runner reads
             threading.Thread(target=_write_close, args=(ctl_w, ctl), daemon=True).start()
         else:
@@ -865,7 +947,7 @@ def _judge(task, result, data, canaries, reset, flags):
                 tampered = True
                 note = (f"the test process ended as another program ({rec.get('name')!r}): "
                         "it exec'd during the session")  # fmt: skip
-            elif rec["exit"] != result.returncode:
+            elif (rec["exit"] if rec["exit"] >= 0 else 128 - rec["exit"]) != result.returncode:
                 tampered = True
                 note = f"the runner saw exit status {rec['exit']}, the sandbox {result.returncode}"
             elif outcomes is not None and exitstatus != rec["exit"]:
@@ -879,7 +961,7 @@ def _judge(task, result, data, canaries, reset, flags):
     if tampered:
         outcomes = None  # a forged report says nothing about the tests
     tests = {t: (outcomes or {}).get(t, "missing") for t in task.required_tests}
-    all_passed = all(v == "passed" for v in tests.values())
+    all_passed = tests_resolved(tests, task.fail_to_pass, task.pass_to_pass)
     if tampered:
         flags = flags + (MonitorFlag("tamper_test_harness",
                                      f"test report: {note}", True),)  # fmt: skip

@@ -74,8 +74,8 @@ def payload(code: str, module: str = "helper_mod", fixed: bool = False) -> str:
     return new_file(f"{module}.py", code) + importing(module, fixed)
 
 
-_OWN_PREFIXES = ("gagar_preflight_", "gagar_repo_", "gagar_probe_", "gagar_esc_", "gagar_bench_",
-                 "gagar_sandbox_io_")  # fmt: skip
+# The verifier's and the grader's own temporary trees (of this run or a concurrent one).
+_OWN_PREFIXES = ("gagar_", "gagar-")
 
 
 def _sandbox_uid_entries() -> set[str]:

@@ -80,7 +80,13 @@ def test_the_deadline_is_a_named_refusal():
 def test_a_refusal_fails_the_candidate_not_the_infrastructure():
     v = verify(one_line_patch("x = 1 " * (M.MAX_PATCH_CHARS // 6 + 1)))
     assert v.status == "failed" and verdict(v) == "failed" and not v.infra_error
-    assert "monitor refused the candidate (patch_too_large)" in v.test_log
+    assert "patch_too_large" in v.test_log  # the verifier's own bound may refuse it first
+    with pytest.raises(M.MonitorRefusal):  # the monitor's bound holds without the verifier's
+        M.monitor(one_line_patch("x = 1 " * (M.MAX_PATCH_CHARS // 6 + 1)), [], CTX)
+    huge = [{"turn": 0, "kind": "tool_call", "text": "y" * (M.MAX_TRAJECTORY_CHARS + 1)}]
+    v = verify(app("def half(x):\n    return x / 2\n"), events=huge)  # a fix, but a refusal
+    assert v.status == "failed" and not v.infra_error
+    assert "monitor refused the candidate (trajectory_too_large)" in v.test_log
 
 
 @pytest.mark.parametrize("source", [

@@ -1,0 +1,370 @@
+"""Repository snapshots from git and test environments without Docker.
+
+**Snapshots.** A task names a repository (``owner/name``) and a commit. The repositories live in
+a local directory holding, per repository, ``owner__name/`` (a work tree with ``.git``),
+``owner__name.git/`` (a bare repository) or ``owner__name.bundle`` (a git bundle, cloned once
+into the cache). :func:`snapshot` materialises the tree of one commit with ``git archive`` into a
+cache directory (once per commit; later calls reuse it): the tree has no ``.git`` at all, so no
+future commit, reflog, tag or packed object of the store is readable from it. The task stream
+only names the commit; :func:`snapshot_files` reads the materialised tree when a task is built.
+
+**Environments.** :func:`build_env` makes a virtual environment with ``uv`` from the package
+registry: the requirements (the package's dependencies and its test requirements) are resolved
+to a lockfile (``uv pip compile``), pytest and pytest-timeout are pinned to the verifier's own
+versions, and the environment is content-addressed: ``env_hash`` = SHA-256 of the interpreter's
+version and the resolved lockfile. It is built once under ``<cache>/envs/<env_hash>`` and reused
+by every task naming the same requirements. The verifier binds its site-packages read-only into
+the sandbox (``RepoTask.env_path``); the package under test itself is imported from the task's
+tree (the repository root and, for a ``src/`` layout, ``src``: ``RepoTask.pythonpath``), which
+is what an editable install provides, without a path baked into the environment.
+"""
+
+from __future__ import annotations
+
+import configparser
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import tomllib
+from collections.abc import Mapping, Sequence
+
+from gagar_jax.verify.sandbox import python_for_sandbox
+
+GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0", "HOME": "/nonexistent",
+           "GIT_AUTHOR_NAME": "gagar", "GIT_AUTHOR_EMAIL": "gagar@localhost",
+           "GIT_COMMITTER_NAME": "gagar", "GIT_COMMITTER_EMAIL": "gagar@localhost"}  # fmt: skip
+TEST_TOOLS = ("pytest", "pytest-timeout")
+
+
+class RepoNotFound(FileNotFoundError):
+    """No ``owner__name``, ``owner__name.git`` or ``owner__name.bundle`` in the repositories
+    directory."""
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("GAGAR_REPO_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "gagar_jax", "repos"
+    )
+
+
+def git(*args: str, cwd: str | None = None, check: bool = True, input: bytes | None = None,
+        timeout: float = 300) -> subprocess.CompletedProcess:  # fmt: skip
+    """``git`` with no system/user configuration and no prompts."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **GIT_ENV}
+    r = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, input=input,
+                       timeout=timeout, check=False)  # fmt: skip
+    if check and r.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args[:3])} failed ({r.returncode}): "
+                           f"{r.stderr.decode(errors='replace').strip()[-500:]}")  # fmt: skip
+    return r
+
+
+def repo_key(repo: str) -> str:
+    """``owner/name`` -> ``owner__name`` (ValueError for anything else)."""
+    if not isinstance(repo, str) or not re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", repo):
+        raise ValueError(f"repo must be 'owner/name', got {repo!r}")
+    return repo.replace("/", "__")
+
+
+def find_repo(repos_dir: str, repo: str) -> str:
+    """The path of ``repo`` in ``repos_dir``: ``owner__name/``, ``owner__name.git/`` or
+    ``owner__name.bundle`` (first found, in that order)."""
+    key = repo_key(repo)
+    for name in (key, key + ".git", key + ".bundle"):
+        path = os.path.join(repos_dir, name)
+        if os.path.exists(path):
+            return path
+    raise RepoNotFound(f"repository {repo!r}: none of {key}/, {key}.git/, {key}.bundle in "
+                       f"{repos_dir!r}")  # fmt: skip
+
+
+def git_dir(repos_dir: str, repo: str, cache_dir: str | None = None) -> str:
+    """A git directory holding ``repo``'s objects (a bundle is cloned once into the cache)."""
+    path = find_repo(repos_dir, repo)
+    if path.endswith(".bundle"):
+        cache = os.path.join(os.path.abspath(cache_dir or default_cache_dir()), "stores")
+        dest = os.path.join(cache, repo_key(repo) + ".git")
+        if not os.path.isdir(dest):
+            os.makedirs(cache, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=".clone-", dir=cache)
+            git("clone", "--bare", "-q", path, os.path.join(tmp, "r.git"))
+            try:
+                os.rename(os.path.join(tmp, "r.git"), dest)
+            except OSError:
+                pass  # another process cloned it first
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+    return path
+
+
+def resolve_commit(store: str, commit: str) -> str:
+    if not re.fullmatch(r"[\w./^~-]+", commit or "") or commit.startswith("-"):
+        raise ValueError(f"commit must be a hash or a ref name, got {commit!r}")
+    r = git("rev-parse", "--verify", "--quiet", commit + "^{commit}", cwd=store, check=False)
+    if r.returncode != 0:
+        raise ValueError(f"commit {commit!r} is not in the repository at {store!r}")
+    return r.stdout.decode().strip()
+
+
+def snapshot(repos_dir: str, repo: str, commit: str, cache_dir: str | None = None) -> str:
+    """The directory holding ``repo``'s tree at ``commit`` (``git archive``; no ``.git``),
+    materialised once per commit under ``<cache>/trees/owner__name/<sha>`` and reused."""
+    cache = os.path.abspath(cache_dir or default_cache_dir())
+    store = git_dir(repos_dir, repo, cache)
+    sha = resolve_commit(store, commit)
+    dest = os.path.join(cache, "trees", repo_key(repo), sha)
+    if os.path.isfile(os.path.join(dest, ".gagar-snapshot")):
+        return os.path.join(dest, "tree")
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".snap-", dir=os.path.dirname(dest))
+    try:
+        archive = git("archive", "--format=tar", sha, cwd=store).stdout
+        tree = os.path.join(tmp, "tree")
+        os.mkdir(tree)
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tf:
+            tf.extractall(tree, filter="data")
+        with open(os.path.join(tmp, ".gagar-snapshot"), "w") as f:
+            json.dump({"repo": repo, "commit": sha}, f)
+        for root, _dirs, _ in os.walk(tmp):  # readable by the sandbox uid
+            os.chmod(root, 0o755)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not os.path.isfile(os.path.join(dest, ".gagar-snapshot")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return os.path.join(dest, "tree")
+
+
+def read_text_tree(root: str) -> dict[str, str]:
+    """Regular UTF-8 text files under ``root`` as ``{posix path: text}``; binary files and
+    symlinks are left out (the verifier writes text trees)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__"))
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            if os.path.islink(full) or not os.path.isfile(full):
+                continue
+            try:
+                with open(full, encoding="utf-8") as f:
+                    text = f.read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            if "\x00" in text:
+                continue
+            out[os.path.relpath(full, root).replace(os.sep, "/")] = text
+    return out
+
+
+def snapshot_files(repos_dir: str, repo: str, commit: str,
+                   cache_dir: str | None = None) -> dict[str, str]:  # fmt: skip
+    """The text files of ``repo`` at ``commit`` (from the cached snapshot)."""
+    return read_text_tree(snapshot(repos_dir, repo, commit, cache_dir))
+
+
+def agent_git_repo(tree: str, dest: str) -> str:
+    """A git repository at ``dest`` holding ``tree`` as its only commit, with no reflog, tag,
+    remote or other object: the history an agent may be given without leaking the fix."""
+    shutil.copytree(tree, dest, symlinks=True)
+    git("init", "-q", "-b", "main", cwd=dest)
+    git("add", "-A", cwd=dest)
+    git("commit", "-q", "--no-verify", "-m", "base", cwd=dest)
+    shutil.rmtree(os.path.join(dest, ".git", "logs"), ignore_errors=True)
+    for name in ("ORIG_HEAD", "FETCH_HEAD", "COMMIT_EDITMSG"):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(dest, ".git", name))
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout detection
+# ---------------------------------------------------------------------------------------------
+def detect_pythonpath(files: Mapping[str, str]) -> tuple[str, ...]:
+    """Tree-relative directories the package under test is imported from, besides the root:
+    the ``pythonpath`` of the repository's pytest configuration if it sets one, else ``src``
+    when the packages live there (``src/<pkg>/__init__.py`` or a ``src`` package-dir)."""
+    text = files.get("pyproject.toml")
+    if text:
+        try:
+            ini = tomllib.loads(text).get("tool", {}).get("pytest", {}).get("ini_options", {})
+            pp = ini.get("pythonpath")
+            if isinstance(pp, str):
+                pp = pp.split()
+            if pp:
+                return tuple(p.strip("/") for p in pp if p.strip("/") not in ("", "."))
+        except (tomllib.TOMLDecodeError, AttributeError):
+            pass
+    for name, section in (("pytest.ini", "pytest"), ("tox.ini", "pytest"),
+                          ("setup.cfg", "tool:pytest")):  # fmt: skip
+        if name in files:
+            cp = configparser.ConfigParser(interpolation=None)
+            try:
+                cp.read_string(files[name])
+                pp = cp.get(section, "pythonpath", fallback="").split()
+            except configparser.Error:
+                pp = []
+            if pp:
+                return tuple(p.strip("/") for p in pp if p.strip("/") not in ("", "."))
+    if any(re.fullmatch(r"src/[\w]+/__init__\.py", p) for p in files):
+        return ("src",)
+    return ()
+
+
+def package_requirements(files: Mapping[str, str]) -> list[str]:
+    """The runtime dependencies the repository declares (``[project].dependencies`` of
+    pyproject.toml, or ``install_requires`` of setup.cfg); setup.py is not executed."""
+    if "pyproject.toml" in files:
+        try:
+            deps = tomllib.loads(files["pyproject.toml"]).get("project", {}).get("dependencies")
+            if isinstance(deps, list):
+                return [str(d) for d in deps]
+        except tomllib.TOMLDecodeError:
+            pass
+    if "setup.cfg" in files:
+        cp = configparser.ConfigParser(interpolation=None)
+        try:
+            cp.read_string(files["setup.cfg"])
+            raw = cp.get("options", "install_requires", fallback="")
+            return [ln.strip() for ln in raw.splitlines() if ln.strip()]
+        except configparser.Error:
+            pass
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# Environments
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class EnvInfo:
+    """A built environment: ``path`` (the venv), ``env_hash``, the resolved ``lockfile`` text,
+    ``seconds`` spent by this call and whether it was ``reused`` from the cache."""
+
+    path: str
+    env_hash: str
+    lockfile: str
+    seconds: float
+    reused: bool
+
+
+class EnvBuildError(RuntimeError):
+    """The environment could not be resolved or installed (names the requirement step)."""
+
+
+def uv_exe() -> str:
+    exe = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
+    if not exe:
+        raise EnvBuildError("uv is not installed (pip install uv into this environment)")
+    return exe
+
+
+def _run_uv(args: Sequence[str], what: str, input: str | None = None,
+            timeout: float = 900) -> str:  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("UV_NO_PROGRESS", "1")
+    r = subprocess.run([uv_exe(), *args], capture_output=True, text=True, input=input,
+                       timeout=timeout, env=env, check=False)  # fmt: skip
+    if r.returncode != 0:
+        raise EnvBuildError(f"{what} failed: {r.stderr.strip()[-1500:]}")
+    return r.stdout
+
+
+def pinned_test_tools() -> list[str]:
+    """pytest and pytest-timeout at the verifier's own versions (its outcome plugin and
+    ``-p pytest_timeout`` are tested against them)."""
+    out = []
+    for name in TEST_TOOLS:
+        try:
+            out.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            out.append(name)
+    return out
+
+
+@functools.cache
+def _interpreter() -> tuple[str, str]:
+    exe, _ = python_for_sandbox()
+    version = subprocess.run([exe, "-c", "import sys; print(sys.version)"], capture_output=True,
+                             text=True, check=True, timeout=60).stdout.strip()  # fmt: skip
+    return exe, version
+
+
+def lock_requirements(requirements: Sequence[str], python: str | None = None) -> str:
+    """The resolved lockfile (``name==version`` lines, sorted, no comments) of
+    ``requirements`` plus the pinned test tools, for the sandbox's interpreter."""
+    exe = python or _interpreter()[0]
+    for r in requirements:
+        if not isinstance(r, str) or not r.strip() or r.strip().startswith("-"):
+            raise ValueError(f"requirement {r!r}: expected a PEP 508 requirement string")
+    reqs = "\n".join([*pinned_test_tools(), *(r.strip() for r in requirements)]) + "\n"
+    out = _run_uv(["pip", "compile", "-", "-q", "--no-header", "--no-annotate",
+                   "--python", exe], "resolving the requirements", input=reqs)  # fmt: skip
+    lines = sorted({ln.strip() for ln in out.splitlines()
+                    if ln.strip() and not ln.lstrip().startswith("#")})  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def env_hash_of(interpreter_version: str, lockfile: str) -> str:
+    return hashlib.sha256(f"{interpreter_version}\n{lockfile}".encode()).hexdigest()[:32]
+
+
+_BUILT: dict[tuple, EnvInfo] = {}
+
+
+def build_env(requirements: Sequence[str] = (), *, cache_dir: str | None = None) -> EnvInfo:
+    """The environment of ``requirements`` (+ pinned pytest, pytest-timeout), built once per
+    ``env_hash`` under ``<cache>/envs/`` and reused (within one process the same requirements
+    are resolved once)."""
+    t0 = time.monotonic()
+    root = os.path.join(os.path.abspath(cache_dir or default_cache_dir()), "envs")
+    memo_key = (tuple(requirements), root)
+    known = _BUILT.get(memo_key)
+    if known is not None and os.path.isfile(os.path.join(known.path, ".gagar-env")):
+        # resolved and built by this process already: no second resolution
+        return dataclasses.replace(known, seconds=time.monotonic() - t0, reused=True)
+    exe, version = _interpreter()
+    lock = lock_requirements(requirements, exe)
+    h = env_hash_of(version, lock)
+    dest = os.path.join(root, h)
+    if os.path.isfile(os.path.join(dest, ".gagar-env")):
+        info = EnvInfo(dest, h, lock, time.monotonic() - t0, True)
+        _BUILT[memo_key] = info
+        return info
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{h}-", dir=root)
+    try:
+        venv = os.path.join(tmp, "venv")
+        _run_uv(["venv", "-q", "--python", exe, venv], "creating the virtual environment")
+        lock_path = os.path.join(tmp, "lock.txt")
+        with open(lock_path, "w") as f:
+            f.write(lock)
+        _run_uv(["pip", "install", "-q", "--no-deps", "--python",
+                 os.path.join(venv, "bin", "python"), "-r", lock_path],
+                "installing the lockfile")  # fmt: skip
+        with open(os.path.join(venv, ".gagar-env"), "w") as f:
+            json.dump({"env_hash": h, "interpreter": version, "lockfile": lock}, f)
+        for d, _, _ in os.walk(venv):
+            os.chmod(d, os.stat(d).st_mode | 0o555)
+        try:
+            os.rename(venv, dest)
+        except OSError:
+            if not os.path.isfile(os.path.join(dest, ".gagar-env")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    info = EnvInfo(dest, h, lock, time.monotonic() - t0, False)
+    _BUILT[memo_key] = info
+    return info

@@ -1,0 +1,469 @@
+"""SWE-bench-format tasks: import, grading and validation.
+
+**Rows.** :func:`load_instances` reads SWE-bench-format rows from JSONL, JSON (a list of rows) or
+parquet, with the fields ``instance_id, repo, base_commit, patch, test_patch,
+problem_statement, hints_text, created_at, version, FAIL_TO_PASS, PASS_TO_PASS,
+environment_setup_commit`` (``FAIL_TO_PASS``/``PASS_TO_PASS`` as JSON-encoded strings or lists)
+plus the optional ``test_cmd``, ``python_deps`` (requirement strings for the environment) and
+``install``. A row with an empty ``FAIL_TO_PASS`` is refused (:class:`EmptyFailToPass`); any
+other bad field raises :class:`InstanceError` naming the row and the field. SWE-smith rows (no
+``base_commit``, an ``image_name``; the bug on the branch ``instance_id`` of the mirror
+repository, ``patch`` the bug) are read too (:func:`swesmith_row`).
+
+**Repositories.** ``repos_dir`` holds, per ``repo`` ``owner/name``, ``owner__name/``,
+``owner__name.git/`` or ``owner__name.bundle``; :func:`to_repo_task` materialises the tree of
+``base_commit`` (``gagar_jax.data.repos.snapshot``, cached per commit, no history) and, with
+``build_envs``, the environment of the row's requirements (``repos.build_env``: uv,
+content-addressed, reused), and returns a ``RepoTask`` whose hidden tests are ``test_patch``.
+
+**Grading** (swebench 5.0): :func:`grade` over a per-test status map: a fail-to-pass test
+resolves only when passed (or xfail); a skipped one fails; a pass-to-pass test is kept when
+passed, xfail or skipped; a test absent from the map fails. The verifier
+(``verify.verify_repo_patch``) applies the same rule to the outcomes of its trusted plugin, and a
+run with no report, or whose exit status contradicts the report, is never a pass.
+:func:`parse_log_pytest` reads a pytest ``-rA`` log as swebench's parser of that name does.
+
+**Validation.** ``python -m gagar_jax.data.swe validate --instances FILE --repos DIR [--runs 3]
+[--out report.jsonl]`` runs every row's gold and empty patch ``--runs`` times in the sandbox and
+writes one JSON line per instance ``{"instance_id", "gold", "empty", "flaky_tests",
+"infra_errors", "env_hash", "seconds"}`` (a status is the runs' common status, ``"flaky"`` when
+they differ), then a summary line; it exits 0 when every row was validated, whatever the
+statuses, and 1 when a row could not be (its line carries ``"error"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+FIELDS = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement",
+          "hints_text", "created_at", "version", "FAIL_TO_PASS", "PASS_TO_PASS",
+          "environment_setup_commit")  # fmt: skip
+REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement",
+            "FAIL_TO_PASS")  # fmt: skip
+OPTIONAL = ("test_cmd", "python_deps", "install")
+STATUSES = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL")
+RESOLVED_FULL, RESOLVED_PARTIAL, RESOLVED_NO = "RESOLVED_FULL", "RESOLVED_PARTIAL", "RESOLVED_NO"
+DEFAULT_TEST_TIMEOUT_S = 60.0
+
+
+class InstanceError(ValueError):
+    """A row that is not a valid SWE-bench-format instance (names the row and the field)."""
+
+
+class EmptyFailToPass(InstanceError):
+    """A row whose FAIL_TO_PASS is empty: nothing would tell a fix from no fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SweInstance:
+    """One SWE-bench-format row (``FAIL_TO_PASS``/``PASS_TO_PASS`` decoded to tuples)."""
+
+    instance_id: str
+    repo: str
+    base_commit: str
+    patch: str
+    test_patch: str
+    problem_statement: str
+    FAIL_TO_PASS: tuple[str, ...]
+    PASS_TO_PASS: tuple[str, ...] = ()
+    hints_text: str = ""
+    created_at: str = ""
+    version: str = ""
+    environment_setup_commit: str = ""
+    test_cmd: str = ""
+    python_deps: tuple[str, ...] = ()
+    install: str = ""
+    layout: str = "swebench"
+
+    def to_row(self) -> dict[str, Any]:
+        """The row as SWE-bench stores it (test lists JSON-encoded)."""
+        d = dataclasses.asdict(self)
+        d["FAIL_TO_PASS"] = json.dumps(list(self.FAIL_TO_PASS))
+        d["PASS_TO_PASS"] = json.dumps(list(self.PASS_TO_PASS))
+        d["python_deps"] = list(self.python_deps)
+        return d
+
+
+def _tests(value: Any, field: str, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else []
+        except ValueError as e:
+            raise InstanceError(f"{where}: {field} is not a JSON list of test ids: {e}") from None
+    if hasattr(value, "tolist"):  # numpy arrays from parquet
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
+        raise InstanceError(f"{where}: {field} must be a list of test id strings (or its JSON "
+                            f"encoding), got {type(value).__name__}")  # fmt: skip
+    return tuple(value)
+
+
+def swesmith_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A SWE-smith row (``instance_id, repo, patch, FAIL_TO_PASS, PASS_TO_PASS, image_name,
+    problem_statement``) in this module's terms: the bug lives on the branch named
+    ``instance_id`` of the mirror ``repo`` (``swesmith/owner__name.<commit>``), one commit on
+    top of the original; ``patch`` introduces the bug, so the fix is its reverse, computed at
+    :func:`to_repo_task` from the branch and its parent."""
+    out = dict(row)
+    out.update(base_commit=str(row.get("instance_id", "")), test_patch="", layout="swesmith",
+               environment_setup_commit=str(row.get("instance_id", "")))  # fmt: skip
+    return out
+
+
+def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
+    """A validated :class:`SweInstance` from one row (see the module docstring)."""
+    if not isinstance(row, Mapping):
+        raise InstanceError(f"{where}: expected an object, got {type(row).__name__}")
+    where = f"{where} ({row.get('instance_id', '?')})"
+    if "base_commit" not in row and "image_name" in row:
+        row = swesmith_row(row)
+    for key in REQUIRED:
+        if key not in row or row[key] is None:
+            raise InstanceError(f"{where}: missing field {key!r}")
+    for key in ("instance_id", "repo", "base_commit", "patch", "test_patch",
+                "problem_statement"):  # fmt: skip
+        if not isinstance(row[key], str):
+            raise InstanceError(f"{where}: {key} must be a string, got "
+                                f"{type(row[key]).__name__}")  # fmt: skip
+    if not re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", row["repo"]):
+        raise InstanceError(f"{where}: repo must be 'owner/name', got {row['repo']!r}")
+    f2p = _tests(row["FAIL_TO_PASS"], "FAIL_TO_PASS", where)
+    if not f2p:
+        raise EmptyFailToPass(f"{where}: FAIL_TO_PASS is empty (a task needs at least one test "
+                              "that the fix makes pass)")  # fmt: skip
+    p2p = _tests(row.get("PASS_TO_PASS"), "PASS_TO_PASS", where)
+    deps = row.get("python_deps") or ()
+    if isinstance(deps, str):
+        deps = json.loads(deps) if deps.strip().startswith("[") else deps.split()
+    if hasattr(deps, "tolist"):
+        deps = deps.tolist()
+    if not all(isinstance(d, str) for d in deps):
+        raise InstanceError(f"{where}: python_deps must be a list of requirement strings")
+    text = {
+        k: row.get(k) or ""
+        for k in (
+            "hints_text",
+            "created_at",
+            "version",
+            "environment_setup_commit",
+            "test_cmd",
+            "install",
+        )
+    }
+    return SweInstance(row["instance_id"], row["repo"], row["base_commit"], row["patch"],
+                       row["test_patch"], row["problem_statement"], f2p, p2p,
+                       python_deps=tuple(deps), layout=str(row.get("layout") or "swebench"),
+                       **{k: str(v) for k, v in text.items()})  # fmt: skip
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """The raw rows of a ``.jsonl``, ``.json`` (a list) or ``.parquet`` file."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".json"):
+            data = json.load(f)
+            if not isinstance(data, list):
+                raise InstanceError(f"{path}: a .json instances file must hold a list of rows")
+            return data
+        rows = []
+        for n, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as e:
+                    raise InstanceError(f"{path}:{n}: not JSON: {e}") from None
+        return rows
+
+
+def load_instances(path: str) -> list[SweInstance]:
+    """Validated instances of ``path`` (errors name the file and row)."""
+    out, seen = [], set()
+    for n, row in enumerate(read_rows(path), start=1):
+        inst = parse_instance(row, f"{path}:{n}")
+        if inst.instance_id in seen:
+            raise InstanceError(f"{path}:{n}: duplicate instance_id {inst.instance_id!r}")
+        seen.add(inst.instance_id)
+        out.append(inst)
+    return out
+
+
+def write_instances(path: str, instances: Iterable[SweInstance]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for inst in instances:
+            f.write(json.dumps(inst.to_row()) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Logs and grading
+# ---------------------------------------------------------------------------------------------
+def parse_log_pytest(log: str) -> dict[str, str]:
+    """``{test id: PASSED|FAILED|SKIPPED|ERROR|XFAIL}`` from the short test summary of a pytest
+    ``-rA`` log, as swebench's ``parse_log_pytest`` reads it: every line that starts with a
+    status word, ``FAILED`` lines with their `` - `` message separator dropped, the second word
+    as the id (the last line of an id wins); ``SKIPPED [N] file:line`` counts are not tests."""
+    out: dict[str, str] = {}
+    for line in log.split("\n"):
+        status = next((s for s in STATUSES if line.startswith(s)), None)
+        if status is None:
+            continue
+        if line.startswith("FAILED"):
+            line = line.replace(" - ", " ")
+        words = line.split()
+        if len(words) < 2:
+            continue
+        if words[0] == "SKIPPED" and re.fullmatch(r"\[\d+\]", words[1]):
+            continue
+        out[words[1]] = words[0]
+    return out
+
+
+_VERIFIER_STATUS = {"passed": "PASSED", "failed": "FAILED", "error": "ERROR",
+                    "skipped": "SKIPPED", "xfail": "XFAIL"}  # fmt: skip
+
+
+def _status_key(case: str, sm: Mapping[str, str]) -> str | None:
+    """The map's key for ``case``; an id cut inside its parameters (more ``[`` than ``]``)
+    matches by prefix when all the matches agree on passing."""
+    if case in sm:
+        return case
+    if case.count("[") > case.count("]"):
+        keys = [k for k in sm if k.startswith(case)]
+        if keys and len({sm[k] in ("PASSED", "XFAIL") for k in keys}) == 1:
+            return keys[0]
+    return None
+
+
+def normalise_status_map(sm: Mapping[str, str]) -> dict[str, str]:
+    """Upper-case swebench statuses from the verifier's (``passed`` ...; ``missing`` dropped)."""
+    return {t: _VERIFIER_STATUS.get(s, s) for t, s in sm.items() if s != "missing"}
+
+
+def grade(status_map: Mapping[str, str], fail_to_pass: Sequence[str],
+          pass_to_pass: Sequence[str]) -> dict[str, Any]:  # fmt: skip
+    """swebench 5.0's report of one run: ``FAIL_TO_PASS``/``PASS_TO_PASS`` ``success`` and
+    ``failure`` lists and ``resolved`` (RESOLVED_FULL / RESOLVED_PARTIAL / RESOLVED_NO)."""
+    sm = normalise_status_map(status_map)
+
+    def passed(t):
+        k = _status_key(t, sm)
+        return k is not None and sm[k] in ("PASSED", "XFAIL")
+
+    def kept(t):
+        k = _status_key(t, sm)
+        return passed(t) or (k is not None and sm[k] == "SKIPPED")
+
+    f_ok = [t for t in fail_to_pass if passed(t)]
+    f_bad = [t for t in fail_to_pass if not passed(t)]
+    p_ok = [t for t in pass_to_pass if kept(t)]
+    p_bad = [t for t in pass_to_pass if not kept(t)]
+    f_rate = len(f_ok) / len(fail_to_pass) if fail_to_pass else 1.0
+    p_rate = len(p_ok) / len(pass_to_pass) if pass_to_pass else 1.0
+    if f_rate == 1 and p_rate == 1:
+        resolved = RESOLVED_FULL
+    elif 0 < f_rate < 1 and p_rate == 1:
+        resolved = RESOLVED_PARTIAL
+    else:
+        resolved = RESOLVED_NO
+    return {
+        "FAIL_TO_PASS": {"success": f_ok, "failure": f_bad},
+        "PASS_TO_PASS": {"success": p_ok, "failure": p_bad},
+        "resolved": resolved,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks
+# ---------------------------------------------------------------------------------------------
+def to_repo_task(
+    inst: SweInstance,
+    repos_dir: str,
+    *,
+    cache_dir: str | None = None,
+    build_envs: bool = True,
+    test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
+):
+    """The ``RepoTask`` of ``inst``: the tree of ``base_commit`` from ``repos_dir``, the hidden
+    ``test_patch``, the gold ``patch`` as reference, the layout's ``pythonpath`` and (with
+    ``build_envs``) the environment of ``python_deps`` or, without them, of the dependencies
+    the repository declares."""
+    from gagar_jax.data import repos
+    from gagar_jax.envs.repo import RepoTask
+    from gagar_jax.verify.diff import DiffError, touched_files
+
+    files = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit, cache_dir)
+    reference = inst.patch
+    if inst.layout == "swesmith":
+        reference = _swesmith_fix(inst, repos_dir, files, cache_dir)
+    try:
+        hidden = touched_files(inst.test_patch) if inst.test_patch.strip() else []
+    except DiffError as e:
+        raise InstanceError(f"{inst.instance_id}: test_patch does not parse: {e}") from e
+    # the files of every named test are reset to pristine before a run: a candidate cannot
+    # pass a pass-to-pass test by editing it
+    named = {t.split("::", 1)[0] for t in inst.FAIL_TO_PASS + inst.PASS_TO_PASS}
+    test_files = tuple(sorted(set(hidden) | {p for p in named if p in files}))
+    env_path = env_hash = ""
+    if build_envs:
+        reqs = list(inst.python_deps) or repos.package_requirements(files)
+        env = repos.build_env(reqs, cache_dir=cache_dir)
+        env_path, env_hash = env.path, env.env_hash
+    return RepoTask(task_id=inst.instance_id, issue=inst.problem_statement, files=files,
+                    fail_to_pass=inst.FAIL_TO_PASS, pass_to_pass=inst.PASS_TO_PASS,
+                    test_files=test_files, test_patch=inst.test_patch,
+                    reference_patch=reference, pythonpath=repos.detect_pythonpath(files),
+                    env_path=env_path, test_timeout_s=test_timeout_s,
+                    env_hash=env_hash)  # fmt: skip
+
+
+def _swesmith_fix(inst: SweInstance, repos_dir: str, buggy: Mapping[str, str],
+                  cache_dir: str | None) -> str:  # fmt: skip
+    """The fix of a SWE-smith row: the bug branch's tree back to its parent's, checked against
+    the row's bug patch."""
+    from gagar_jax.data import repos
+    from gagar_jax.envs.repo import tree_patch
+    from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files
+
+    parent = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit + "^", cache_dir)
+    try:
+        paths = touched_files(inst.patch)
+        again = apply_unified_diff(parent, inst.patch)
+    except DiffError as e:
+        raise InstanceError(f"{inst.instance_id}: the bug patch does not apply to the parent "
+                            f"of branch {inst.base_commit!r}: {e}") from e  # fmt: skip
+    if any(again.get(p) != buggy.get(p) for p in paths):
+        raise InstanceError(f"{inst.instance_id}: branch {inst.base_commit!r} is not its parent "
+                            "plus the row's bug patch")  # fmt: skip
+    return tree_patch(
+        {p: buggy[p] for p in paths if p in buggy}, {p: parent[p] for p in paths if p in parent}
+    )
+
+
+def load_tasks(path: str, repos_dir: str, **kwargs) -> list:
+    """``RepoTask``s of every row of ``path`` (see :func:`to_repo_task`)."""
+    return [to_repo_task(inst, repos_dir, **kwargs) for inst in load_instances(path)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+def default_workers() -> int:
+    """Sandboxed runs at once: one per CPU core, at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def validate_task(task, runs: int = 3, *, workers: int = 1, **verify_kwargs) -> dict[str, Any]:
+    """Runs the gold and the empty patch ``runs`` times (``workers`` sandboxed runs at once);
+    the report line (without timing)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gagar_jax.verify.repo import verify_repo_patch
+
+    if not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be an int >= 1, got {runs!r}")
+    kinds = (("gold", task.reference_patch), ("empty", ""))
+    jobs = [(kind, patch) for kind, patch in kinds for _ in range(runs)]
+
+    def one(job):
+        return job[0], verify_repo_patch(task, job[1], run_monitor=False, **verify_kwargs)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        results = list(pool.map(one, jobs))
+    out: dict[str, Any] = {"instance_id": task.task_id}
+    flaky: set[str] = set()
+    infra = 0
+    for kind, _ in kinds:
+        statuses, seen = [], {}
+        for v in (v for k, v in results if k == kind):
+            statuses.append(v.status)
+            infra += v.status == "infra_error"
+            if v.status == "infra_error":
+                continue
+            for t, o in v.tests.items():
+                seen.setdefault(t, set()).add(o)
+        flaky |= {t for t, os_ in seen.items() if len(os_) > 1}
+        out[kind] = statuses[0] if len(set(statuses)) == 1 else "flaky"
+    out.update(flaky_tests=sorted(flaky), infra_errors=infra, env_hash=task.env_hash)
+    return out
+
+
+def validate(instances_path: str, repos_dir: str, *, runs: int = 3, out_path: str | None = None,
+             cache_dir: str | None = None, log=print, emit=None,
+             workers: int | None = None) -> tuple[list[dict], bool]:  # fmt: skip
+    """Validates every row; returns (report lines, every row validated). ``emit`` gets each
+    line as it is made; ``log`` the summary."""
+    t_all = time.monotonic()
+    lines, ok = [], True
+    insts = load_instances(instances_path)
+    sink = open(out_path, "w", encoding="utf-8") if out_path else None  # noqa: SIM115
+    try:
+        for inst in insts:
+            t0 = time.monotonic()
+            try:
+                task = to_repo_task(inst, repos_dir, cache_dir=cache_dir)
+                rec = validate_task(task, runs, workers=workers or default_workers())
+            except Exception as e:  # noqa: BLE001 - one bad row is reported, the rest go on
+                ok = False
+                rec = {"instance_id": inst.instance_id, "gold": None, "empty": None,
+                       "flaky_tests": [], "infra_errors": 0, "env_hash": "",
+                       "error": f"{type(e).__name__}: {e}"}  # fmt: skip
+            rec["seconds"] = round(time.monotonic() - t0, 3)
+            lines.append(rec)
+            if emit:
+                emit(rec)
+            if sink:
+                sink.write(json.dumps(rec) + "\n")
+                sink.flush()
+    finally:
+        if sink:
+            sink.close()
+    n = len(lines)
+    good = sum(1 for r in lines if r["gold"] == "passed" and r["empty"] == "failed"
+               and not r["flaky_tests"])  # fmt: skip
+    log(f"validated {sum('error' not in r for r in lines)}/{n} instances in "
+        f"{time.monotonic() - t_all:.1f}s: {good} sound (gold passed, empty failed, not flaky), "
+        f"{sum(bool(r['flaky_tests']) for r in lines)} flaky, "
+        f"{sum(r['infra_errors'] for r in lines)} infra errors, "
+        f"{sum('error' in r for r in lines)} not validated")  # fmt: skip
+    return lines, ok
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gagar_jax.data.swe")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("validate", help="run each instance's gold and empty patch in the sandbox")
+    v.add_argument("--instances", required=True, help="SWE-bench-format rows (.jsonl/.json/"
+                   ".parquet)")  # fmt: skip
+    v.add_argument("--repos", required=True, help="directory of owner__name repositories")
+    v.add_argument("--runs", type=int, default=3)
+    v.add_argument("--out", default=None, help="report JSONL (one line per instance)")
+    v.add_argument("--cache", default=None, help="snapshot/environment cache directory")
+    v.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="sandboxed runs at once (default: one per core, at most 4)",
+    )
+    args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
+    emit = None if args.out else (lambda rec: print(json.dumps(rec), flush=True))
+    _, ok = validate(args.instances, args.repos, runs=args.runs, out_path=args.out,
+                     cache_dir=args.cache, emit=emit, workers=args.workers)  # fmt: skip
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,740 @@
+"""A task factory over real packages: procedural bugs in functions their tests cover.
+
+    python -m gagar_jax.data.synth --packages toolz,cachetools --out DIR [--tasks-per-package N]
+
+For each package: download its source distribution from the registry (``pip download
+--no-binary :all:``), build its environment (``gagar_jax.data.repos.build_env``: uv, cached),
+run its test suite once in the sandbox with a tracer (``synth_trace.py``) that records which
+functions each test calls, then mutate covered functions with ``libcst`` transforms
+(:data:`TRANSFORMS`): flip an operator or a comparison, invert a condition, change a constant,
+swap operands, remove an assignment, a branch or a loop, off-by-one in a slice or a range.
+
+A mutant becomes a task only if, in the sandbox, at least one of the tests covering it fails
+(fail-to-pass) and at least one keeps passing (pass-to-pass), the reverse patch (the fix)
+passes 3 of 3 runs, the empty patch fails 3 of 3, no run hits the wall-clock limit (the
+per-test timeout holds), and the issue text does not leak the fix (``audit.leak_kinds``). The
+issue is written from a versioned template (:data:`ISSUE_TEMPLATE_VERSION`) over the failing
+tests' output: the tests that fail and their assertion lines, never the changed code.
+
+Output: ``DIR/instances.jsonl`` (SWE-bench-format rows, ``gagar_jax.data.swe``) and
+``DIR/repos/pypi__<package>/`` (a git repository: the pristine release on ``main`` and, per
+task, a commit with the bug on its own branch; ``base_commit`` is that commit, ``patch`` the
+fix) plus ``DIR/synth_stats.json`` (yield, time per task, the transform mix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import glob
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+ISSUE_TEMPLATE_VERSION = "synth-issue-v1"
+ISSUE_TEMPLATE = """\
+{title}
+
+After updating to this revision of `{package}`, {n_fail} of its tests fail that passed before:
+
+{failing}
+
+What the failing checks report:
+
+```
+{evidence}
+```
+
+Expected: these tests pass, as they did before, without changing the tests.
+"""
+
+# ---------------------------------------------------------------------------------------------
+# Transforms
+# ---------------------------------------------------------------------------------------------
+_FLIP_BIN = {cst.Add: cst.Subtract, cst.Subtract: cst.Add, cst.Multiply: cst.FloorDivide,
+             cst.FloorDivide: cst.Multiply, cst.BitAnd: cst.BitOr, cst.BitOr: cst.BitAnd,
+             cst.LeftShift: cst.RightShift, cst.RightShift: cst.LeftShift,
+             cst.Modulo: cst.FloorDivide}  # fmt: skip
+_FLIP_BOOL = {cst.And: cst.Or, cst.Or: cst.And}
+_FLIP_CMP = {cst.LessThan: cst.LessThanEqual, cst.LessThanEqual: cst.LessThan,
+             cst.GreaterThan: cst.GreaterThanEqual, cst.GreaterThanEqual: cst.GreaterThan,
+             cst.Equal: cst.NotEqual, cst.NotEqual: cst.Equal, cst.In: cst.NotIn,
+             cst.NotIn: cst.In, cst.Is: cst.IsNot, cst.IsNot: cst.Is}  # fmt: skip
+_NONCOMMUTATIVE = (cst.Subtract, cst.Divide, cst.FloorDivide, cst.Modulo, cst.Power,
+                   cst.LeftShift, cst.RightShift)  # fmt: skip
+_PASS = cst.SimpleStatementLine([cst.Pass()])
+
+
+def _one(v: int) -> cst.Integer:
+    return cst.Integer(str(v))
+
+
+def _shift(expr: cst.BaseExpression, delta: int) -> cst.BaseExpression:
+    op = cst.Add() if delta > 0 else cst.Subtract()
+    return cst.BinaryOperation(left=expr, operator=op, right=_one(abs(delta)))
+
+
+def _t_flip_operator(node):
+    if isinstance(node, cst.BinaryOperation) and type(node.operator) in _FLIP_BIN:
+        return node.with_changes(operator=_FLIP_BIN[type(node.operator)]())
+    if isinstance(node, cst.BooleanOperation) and type(node.operator) in _FLIP_BOOL:
+        return node.with_changes(operator=_FLIP_BOOL[type(node.operator)]())
+    return None
+
+
+def _t_flip_comparison(node):
+    if isinstance(node, cst.Comparison) and len(node.comparisons) == 1:
+        target = node.comparisons[0]
+        if type(target.operator) in _FLIP_CMP:
+            return node.with_changes(comparisons=[target.with_changes(
+                operator=_FLIP_CMP[type(target.operator)]())])  # fmt: skip
+    return None
+
+
+def _t_invert_condition(node):
+    if isinstance(node, (cst.If, cst.While)):
+        return node.with_changes(test=cst.UnaryOperation(
+            operator=cst.Not(), expression=cst.ensure_type(
+                node.test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]),
+                cst.BaseExpression)))  # fmt: skip
+    return None
+
+
+def _t_change_constant(node):
+    if isinstance(node, cst.Integer):
+        v = node.evaluated_value
+        return node.with_changes(value=str(v + 1 if v in (0, 1) else v - 1))
+    if isinstance(node, cst.Name) and node.value in ("True", "False"):
+        return node.with_changes(value="False" if node.value == "True" else "True")
+    return None
+
+
+def _t_swap_operands(node):
+    if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, _NONCOMMUTATIVE):
+        return node.with_changes(left=node.right, right=node.left)
+    return None
+
+
+def _t_remove_assignment(node):
+    if (
+        isinstance(node, cst.SimpleStatementLine)
+        and len(node.body) == 1
+        and isinstance(node.body[0], (cst.Assign, cst.AugAssign, cst.AnnAssign))
+    ):
+        return _PASS.with_changes(leading_lines=node.leading_lines)
+    return None
+
+
+def _t_remove_branch(node):
+    if isinstance(node, cst.If):
+        if node.orelse is not None:
+            return node.with_changes(orelse=None)
+        return _PASS.with_changes(leading_lines=node.leading_lines)
+    return None
+
+
+def _t_remove_loop(node):
+    if isinstance(node, (cst.For, cst.While)):
+        return _PASS.with_changes(leading_lines=node.leading_lines)
+    return None
+
+
+def _t_off_by_one(node):
+    if (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Name)
+        and node.func.value == "range"
+        and 1 <= len(node.args) <= 3
+        and all(a.keyword is None and not a.star for a in node.args)
+    ):
+        i = 0 if len(node.args) == 1 else 1
+        args = list(node.args)
+        args[i] = args[i].with_changes(value=_shift(args[i].value, -1 if i == 0 else 1))
+        return node.with_changes(args=args)
+    if isinstance(node, cst.Slice) and (node.upper is not None or node.lower is not None):
+        if node.upper is not None:
+            return node.with_changes(upper=_shift(node.upper, -1))
+        return node.with_changes(lower=_shift(node.lower, 1))
+    return None
+
+
+TRANSFORMS: dict[str, Callable[[cst.CSTNode], cst.CSTNode | None]] = {
+    "flip_operator": _t_flip_operator,
+    "flip_comparison": _t_flip_comparison,
+    "invert_condition": _t_invert_condition,
+    "change_constant": _t_change_constant,
+    "swap_operands": _t_swap_operands,
+    "remove_assignment": _t_remove_assignment,
+    "remove_branch": _t_remove_branch,
+    "remove_loop": _t_remove_loop,
+    "off_by_one": _t_off_by_one,
+}
+
+
+def _def_lines(visitor, node: cst.FunctionDef) -> range:
+    """Lines from the first decorator to the ``def`` (``co_firstlineno`` is the first)."""
+    end = visitor.get_metadata(PositionProvider, node).start.line
+    start = (visitor.get_metadata(PositionProvider, node.decorators[0]).start.line
+             if node.decorators else end)  # fmt: skip
+    return range(min(start, end), end + 1)
+
+
+class _Mutator(cst.CSTTransformer):
+    """Applies ``fn`` to the ``index``-th eligible node inside the function starting at line
+    ``line`` (``index`` -1: only counts the eligible nodes)."""
+
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self, fn, line: int, index: int = -1):
+        super().__init__()
+        self.fn, self.line, self.index = fn, line, index
+        self.depth = 0  # > 0 inside the target function's body
+        self.count = 0
+        self.done = False
+
+    def _is_target(self, node: cst.FunctionDef) -> bool:
+        return self.line in _def_lines(self, node)
+
+    def visit_FunctionDef(self, node):
+        if self.depth or self._is_target(node):
+            self.depth += 1
+        return True
+
+    def leave_FunctionDef(self, original, updated):
+        if self.depth:
+            self.depth -= 1
+        return updated
+
+    def on_leave(self, original, updated):
+        updated = super().on_leave(original, updated)
+        if not self.depth or self.done or isinstance(original, cst.FunctionDef):
+            return updated
+        if not isinstance(updated, cst.CSTNode):
+            return updated
+        try:
+            new = self.fn(updated)
+        except Exception:  # noqa: BLE001 - a node the transform cannot handle is skipped
+            new = None
+        if new is None:
+            return updated
+        i = self.count
+        self.count += 1
+        if i == self.index:
+            self.done = True
+            return new
+        return updated
+
+
+class _SiteCounter(cst.CSTTransformer):
+    """Counts, in one pass, the sites of every transform in every function (a nested
+    function's sites count for each enclosing one, as ``_Mutator`` sees them)."""
+
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[int] = []
+        self.counts: collections.Counter = collections.Counter()
+
+    def visit_FunctionDef(self, node):
+        self.stack.append(_def_lines(self, node)[0])
+        return True
+
+    def leave_FunctionDef(self, original, updated):
+        self.stack.pop()
+        return updated
+
+    def on_leave(self, original, updated):
+        updated = super().on_leave(original, updated)
+        if not self.stack or isinstance(original, cst.FunctionDef):
+            return updated
+        if not isinstance(updated, cst.CSTNode):
+            return updated
+        for name, fn in TRANSFORMS.items():
+            try:
+                hit = fn(updated) is not None
+            except Exception:  # noqa: BLE001 - as in _Mutator
+                hit = False
+            if hit:
+                for first in self.stack:
+                    self.counts[(first, name)] += 1
+        return updated
+
+
+def all_sites(source: str) -> dict[tuple[int, str], int]:
+    """``{(function's first line, transform): sites}`` of every function in ``source``."""
+    c = _SiteCounter()
+    MetadataWrapper(cst.parse_module(source)).visit(c)
+    return dict(c.counts)
+
+
+def function_sites(source: str, line: int, transform: str) -> int:
+    """How many nodes of the function starting at ``line`` ``transform`` can change."""
+    m = _Mutator(TRANSFORMS[transform], line)
+    MetadataWrapper(cst.parse_module(source)).visit(m)
+    return m.count
+
+
+def mutate(source: str, line: int, transform: str, index: int) -> str | None:
+    """``source`` with the ``index``-th site of ``transform`` in the function starting at
+    ``line`` changed, or None (no such site, the same code, or code that does not compile)."""
+    m = _Mutator(TRANSFORMS[transform], line, index)
+    out = MetadataWrapper(cst.parse_module(source)).visit(m).code
+    if not m.done or out == source:
+        return None
+    try:
+        compile(out, "<mutant>", "exec")
+    except (SyntaxError, ValueError):
+        return None
+    return out
+
+
+def functions_at(source: str) -> dict[int, str]:
+    """``{first line (decorator or def): qualified name}`` of every function in ``source``."""
+    out: dict[int, str] = {}
+
+    class V(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (PositionProvider,)
+
+        def __init__(self):
+            self.stack: list[str] = []
+
+        def visit_ClassDef(self, node):
+            self.stack.append(node.name.value)
+
+        def leave_ClassDef(self, node):
+            self.stack.pop()
+
+        def visit_FunctionDef(self, node):
+            name = ".".join([*self.stack, node.name.value])
+            for ln in _def_lines(self, node):
+                out[ln] = name
+            self.stack.append(node.name.value)
+
+        def leave_FunctionDef(self, node):
+            self.stack.pop()
+
+    MetadataWrapper(cst.parse_module(source)).visit(V())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Packages
+# ---------------------------------------------------------------------------------------------
+def _pip(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)  # fmt: skip
+
+
+def download_sdist(spec: str, dest: str) -> str:
+    """The source distribution of ``spec`` (``name`` or ``name==version``) from the registry,
+    downloaded once into ``dest``; returns its path."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*(==[A-Za-z0-9.+!-]+)?", spec):
+        raise ValueError(f"package spec {spec!r}: expected 'name' or 'name==version'")
+    os.makedirs(dest, exist_ok=True)
+    name = re.split(r"==", spec)[0].lower().replace("-", "_")
+    version = spec.split("==")[1] if "==" in spec else None
+
+    def found():
+        pats = [f"{name}-{version or '*'}.tar.gz", f"{name.replace('_', '-')}-{version or '*'}"
+                ".tar.gz"]  # fmt: skip
+        hits = sorted({p for pat in pats for p in glob.glob(os.path.join(dest, pat))})
+        return hits[-1] if hits and version else None
+
+    if found():
+        return found()
+    before = set(os.listdir(dest))
+    for isolation in (["--no-build-isolation"], []):
+        r = _pip("download", "-q", "--no-deps", "--no-binary", ":all:", *isolation, "-d", dest,
+                 spec)  # fmt: skip
+        if r.returncode == 0:
+            break
+    else:
+        raise RuntimeError(f"pip download {spec} failed: {r.stderr.strip()[-800:]}")
+    new = sorted(set(os.listdir(dest)) - before) or [os.path.basename(p) for p in glob.glob(
+        os.path.join(dest, f"{name}-*.tar.gz"))]  # fmt: skip
+    tars = [n for n in new if n.endswith((".tar.gz", ".zip"))]
+    if not tars:
+        raise RuntimeError(f"pip download {spec}: no source distribution in {dest}")
+    return os.path.join(dest, tars[-1])
+
+
+def extract_sdist(path: str, dest: str) -> str:
+    """The sdist's top directory, extracted under ``dest``."""
+    with tarfile.open(path) as tf:
+        tf.extractall(dest, filter="data")
+    tops = [d for d in os.listdir(dest) if os.path.isdir(os.path.join(dest, d))]
+    if len(tops) != 1:
+        raise RuntimeError(f"{path}: expected one top directory, found {tops}")
+    return os.path.join(dest, tops[0])
+
+
+def _clean_tree(files: dict[str, str]) -> dict[str, str]:
+    """Drops build leftovers of an sdist (``*.egg-info``, ``PKG-INFO``) and binary files."""
+    return {
+        p: t
+        for p, t in files.items()
+        if ".egg-info/" not in p and p != "PKG-INFO" and not p.endswith((".pyc", ".so"))
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Running tests in the sandbox
+# ---------------------------------------------------------------------------------------------
+@functools.cache
+def _trace_dir() -> str:
+    d = tempfile.mkdtemp(prefix="gagar_synth_trace_")
+    dst = os.path.join(d, "_gagar_synth_trace.py")
+    shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "synth_trace.py"),
+                    dst)  # fmt: skip
+    os.chmod(dst, 0o444)
+    os.chmod(d, 0o555)
+    return d
+
+
+def trace_suite(files: Mapping[str, str], env_path: str, pythonpath: Sequence[str], *,
+                timeout_s: float, wall_s: float = 900) -> dict[str, Any]:  # fmt: skip
+    """Runs the whole suite once in the sandbox; ``{"calls": {test: [[path, line]...]},
+    "outcomes": {test: outcome}, "seconds": wall}``."""
+    from gagar_jax.verify.repo import env_site_packages, write_tree
+    from gagar_jax.verify.sandbox import Limits, python_for_sandbox, run_sandboxed
+
+    exe, _ = python_for_sandbox()
+    paths = (_trace_dir(), *env_site_packages(env_path))
+    parent = tempfile.mkdtemp(prefix="gagar_synth_")
+    os.chmod(parent, 0o711)
+    try:
+        work = os.path.join(parent, "repo")
+        os.mkdir(work)
+        write_tree(work, files)
+        os.chmod(work, 0o777)
+        argv = [exe, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                "_gagar_synth_trace", "-p", "pytest_timeout", "-o", f"timeout={timeout_s:g}",
+                "-o", "addopts=", "-o", "pythonpath=" + " ".join((".", *pythonpath)),
+                "-o", "console_output_style=classic"]  # fmt: skip
+        env = {
+            "PYTHONPATH": ":".join(paths),
+            "PYTHONNOUSERSITE": "1",
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+            "GAGAR_TRACE_OUT": ".gagar_trace.json",
+        }
+        r = run_sandboxed(argv, work, Limits(wall_s=wall_s, cpu_s=int(wall_s), memory_bytes=4 << 30,
+                                             nproc=256, disk_bytes=1 << 30),
+                          env=env, ro_paths=paths)  # fmt: skip
+        out = os.path.join(work, ".gagar_trace.json")
+        if not os.path.isfile(out):
+            raise RuntimeError(
+                f"the test suite did not finish ({r.status}): "
+                f"{(r.error or r.stdout[-600:] + r.stderr[-600:]).strip()}"
+            )
+        with open(out) as f:
+            data = json.load(f)
+        data["seconds"] = r.wall_s
+        return data
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue text
+# ---------------------------------------------------------------------------------------------
+def failure_evidence(test_log: str, failing: Sequence[str], max_lines: int = 8) -> str:
+    """The assertion/exception lines (pytest's ``E`` lines and the short summary's messages)
+    of the failing tests' output; never source lines."""
+    lines = []
+    for ln in test_log.splitlines():
+        s = ln.rstrip()
+        if s.startswith("E ") and s[1:].strip():
+            lines.append(s[1:].strip())
+    lines = list(dict.fromkeys(lines))[:max_lines]
+    return "\n".join(lines) if lines else "(the tests fail without an assertion message)"
+
+
+def issue_text(package: str, failing: Sequence[str], test_log: str) -> str:
+    """The issue of a synthesised bug, from :data:`ISSUE_TEMPLATE` (the symptom only)."""
+    first = failing[0].split("::")[-1]
+    title = f"{first} fails" + (f" (and {len(failing) - 1} more)" if len(failing) > 1 else "")
+    shown = list(failing[:10]) + ([f"... and {len(failing) - 10} more"] if len(failing) > 10
+                                  else [])  # fmt: skip
+    return ISSUE_TEMPLATE.format(title=title, package=package, n_fail=len(failing),
+                                 failing="\n".join(f"- `{t}`" for t in shown),
+                                 evidence=failure_evidence(test_log, failing))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The factory
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Stats:
+    package: str
+    candidates: int = 0
+    screened: int = 0
+    kept: int = 0
+    rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    transforms_kept: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    env_seconds: float = 0.0
+    env_reused: bool = False
+    suite_seconds: float = 0.0
+    seconds: float = 0.0
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["rejected"] = dict(self.rejected)
+        d["transforms_kept"] = dict(self.transforms_kept)
+        return d
+
+
+def _candidates(files, calls, passing, rng) -> Iterator[tuple[str, int, str, str, int]]:
+    """(path, line, function, transform, site) over covered functions, shuffled."""
+    covered: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
+    for test, sites in calls.items():
+        if test in passing:
+            for path, line in sites:
+                covered[(path, line)].add(test)
+    out = []
+    parsed: dict[str, tuple[dict, dict]] = {}
+    for path, line in sorted(covered):
+        if path not in files or not path.endswith(".py") or _is_test_file(path):
+            continue
+        if path not in parsed:
+            try:
+                parsed[path] = (functions_at(files[path]), all_sites(files[path]))
+            except cst.ParserSyntaxError:
+                parsed[path] = ({}, {})
+        names, sites = parsed[path]
+        if line not in names:
+            continue
+        for t in TRANSFORMS:
+            out += [(path, line, names[line], t, i) for i in range(sites.get((line, t), 0))]
+    rng.shuffle(out)
+    # round-robin over transforms so the mix is not dominated by the commonest site kind
+    by_t: dict[str, list] = collections.defaultdict(list)
+    for c in out:
+        by_t[c[3]].append(c)
+    order = list(TRANSFORMS)
+    rng.shuffle(order)  # which transform comes first differs per package
+    while any(by_t.values()):
+        for t in order:
+            if by_t[t]:
+                yield by_t[t].pop()
+
+
+def _is_test_file(path: str) -> bool:
+    base = os.path.basename(path)
+    return (base.startswith("test_") or base.endswith("_test.py") or base == "conftest.py"
+            or "/tests/" in "/" + path or "/test/" in "/" + path)  # fmt: skip
+
+
+def _tests_covering(calls, passing, path, line) -> list[str]:
+    return sorted(t for t in passing if [path, line] in calls.get(t, ()))
+
+
+def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: str | None = None,
+                       runs: int = 3, seed: int = 0, test_timeout_s: float = 10.0,
+                       max_candidates: int = 200, max_p2p: int = 20, workers: int = 1,
+                       log: Callable[[str], None] = print) -> tuple[list[dict], Stats]:  # fmt: skip
+    """Tasks of one package (SWE-bench rows) and their statistics; the repository goes to
+    ``out_dir/repos/pypi__<name>``."""
+    from gagar_jax.data import audit, repos, swe
+    from gagar_jax.envs.repo import RepoTask, tree_patch
+    from gagar_jax.verify.repo import verify_repo_patch
+    from gagar_jax.verify.sandbox import Limits
+
+    t0 = time.monotonic()
+    name = spec.split("==")[0]
+    stats = Stats(spec)
+    cache = os.path.abspath(cache_dir or repos.default_cache_dir())
+    work = tempfile.mkdtemp(prefix=f"gagar_synth_{name}_")
+    rows: list[dict] = []
+    try:
+        sdist = download_sdist(spec, os.path.join(cache, "sdists"))
+        top = extract_sdist(sdist, work)
+        files = _clean_tree(repos.read_text_tree(top))
+        pythonpath = repos.detect_pythonpath(files)
+        deps = repos.package_requirements(files)
+        env = repos.build_env(deps, cache_dir=cache)
+        stats.env_seconds, stats.env_reused = env.seconds, env.reused
+        log(
+            f"{spec}: {len(files)} files, env {env.env_hash[:12]} "
+            f"({'reused' if env.reused else 'built'} in {env.seconds:.1f}s)"
+        )
+        trace = trace_suite(files, env.path, pythonpath, timeout_s=test_timeout_s)
+        stats.suite_seconds = trace["seconds"]
+        passing = {t for t, o in trace["outcomes"].items() if o == "passed" and "::" in t}
+        log(
+            f"{spec}: suite {len(trace['outcomes'])} tests, {len(passing)} pass "
+            f"({trace['seconds']:.1f}s)"
+        )
+        key = "pypi__" + re.sub(r"[^\w.-]", "_", name.lower())
+        repo_name = key.replace("__", "/", 1)
+        store = os.path.join(out_dir, "repos", key)
+        if os.path.exists(store):
+            shutil.rmtree(store)
+        os.makedirs(store)
+        repos.git("init", "-q", "-b", "main", cwd=store)
+        from gagar_jax.verify.repo import write_tree
+
+        write_tree(store, files)
+        repos.git("add", "-A", cwd=store)
+        repos.git("commit", "-q", "--no-verify", "-m", f"{spec} (pristine)", cwd=store)
+        rng = random.Random(f"{seed}:{spec}")
+        limits = Limits(wall_s=max(60.0, 4 * test_timeout_s + 30), cpu_s=300,
+                        memory_bytes=2 << 30, nproc=128)  # fmt: skip
+        seen_funcs: collections.Counter = collections.Counter()
+        for path, line, func, transform, site in _candidates(files, trace["calls"], passing, rng):
+            if stats.kept >= max_tasks or stats.candidates >= max_candidates:
+                break
+            if seen_funcs[(path, func)] >= 2:  # spread the tasks over functions
+                continue
+            stats.candidates += 1
+            mutant = mutate(files[path], line, transform, site)
+            if mutant is None:
+                stats.rejected["no_change"] += 1
+                continue
+            buggy = {**files, path: mutant}
+            covering = _tests_covering(trace["calls"], passing, path, line)
+            same_files = sorted(
+                {t for t in passing if t.split("::")[0] in {c.split("::")[0] for c in covering}}
+            )
+            others = [t for t in same_files if t not in covering]
+            rng.shuffle(others)
+            run_ids = tuple(covering + others[:max_p2p])
+            stats.screened += 1
+            probe = RepoTask("probe", "", buggy, run_ids, test_timeout_s=test_timeout_s,
+                             env_path=env.path, pythonpath=pythonpath)  # fmt: skip
+            v = verify_repo_patch(probe, "", limits=limits, run_monitor=False)
+            if v.status in ("infra_error", "timeout", "resource_killed"):
+                stats.rejected[f"screen_{v.status}"] += 1
+                continue
+            f2p = tuple(t for t in run_ids if v.tests.get(t) != "passed")
+            p2p = tuple(t for t in run_ids if v.tests.get(t) == "passed")
+            if not f2p:
+                stats.rejected["no_fail_to_pass"] += 1
+                continue
+            if not p2p:
+                stats.rejected["no_pass_to_pass"] += 1
+                continue
+            fix = tree_patch(buggy, files)
+            tid = f"{key}.{stats.kept + 1:04d}"
+            issue = issue_text(name, f2p, v.test_log)
+            test_paths = tuple(sorted({t.split("::")[0] for t in run_ids}))
+            task = RepoTask(tid, issue, buggy, f2p, p2p, test_files=test_paths,
+                            reference_patch=fix, pythonpath=pythonpath, env_path=env.path,
+                            test_timeout_s=test_timeout_s, env_hash=env.env_hash)  # fmt: skip
+            if "issue_text" in audit.leak_kinds(task):
+                stats.rejected["issue_leaks_fix"] += 1
+                continue
+            rep = swe.validate_task(task, runs, workers=workers, limits=limits)
+            if rep["gold"] != "passed" or rep["empty"] != "failed" or rep["flaky_tests"]:
+                stats.rejected["validation"] += 1
+                continue
+            branch = f"task/{tid}"
+            repos.git("checkout", "-q", "-b", branch, "main", cwd=store)
+            with open(os.path.join(store, path), "w", encoding="utf-8") as f:
+                f.write(mutant)
+            repos.git("commit", "-q", "--no-verify", "-am", "base", cwd=store)
+            sha = repos.git("rev-parse", "HEAD", cwd=store).stdout.decode().strip()
+            repos.git("checkout", "-q", "main", cwd=store)
+            rows.append(swe.SweInstance(
+                tid, repo_name, sha, fix, "", issue, f2p, p2p, hints_text="",
+                created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                version=spec.split("==")[1] if "==" in spec else "",
+                environment_setup_commit=sha, test_cmd="pytest", python_deps=tuple(deps),
+                install="pythonpath").to_row() | {
+                    "synth": {"transform": transform, "file": path, "function": func,
+                              "template": ISSUE_TEMPLATE_VERSION}})  # fmt: skip
+            stats.kept += 1
+            stats.transforms_kept[transform] += 1
+            seen_funcs[(path, func)] += 1
+            log(
+                f"{spec}: task {tid} ({transform} in {path}:{func}; F2P {len(f2p)}, P2P {len(p2p)})"
+            )
+    except Exception as e:  # noqa: BLE001 - one package's failure is reported, others go on
+        stats.error = f"{type(e).__name__}: {e}"
+        log(f"{spec}: failed: {stats.error}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        stats.seconds = time.monotonic() - t0
+    return rows, stats
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gagar_jax.data.synth")
+    ap.add_argument("--packages", required=True, help="comma-separated names or name==version")
+    ap.add_argument("--out", required=True, help="output directory (instances.jsonl, repos/)")
+    ap.add_argument("--tasks-per-package", type=int, default=25)
+    ap.add_argument(
+        "--max-candidates", type=int, default=200, help="mutants tried per package at most"
+    )
+    ap.add_argument("--runs", type=int, default=3, help="validation runs of gold and empty")
+    ap.add_argument("--test-timeout", type=float, default=10.0, help="per-test timeout (s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="sandboxed validation runs at once (default: one per core, at most 4)",
+    )
+    ap.add_argument("--cache", default=None, help="sdist/environment cache directory")
+    args = ap.parse_args(argv)
+    from gagar_jax.data import swe
+
+    specs = [p.strip() for p in args.packages.split(",") if p.strip()]
+    if not specs:
+        ap.error("--packages names no package")
+    os.makedirs(os.path.join(args.out, "repos"), exist_ok=True)
+    t0 = time.monotonic()
+    all_rows, all_stats = [], []
+    path = os.path.join(args.out, "instances.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        for spec in specs:
+            rows, stats = make_package_tasks(
+                spec, args.out, max_tasks=args.tasks_per_package, cache_dir=args.cache,
+                runs=args.runs, seed=args.seed, test_timeout_s=args.test_timeout,
+                max_candidates=args.max_candidates,
+                workers=args.workers or swe.default_workers())  # fmt: skip
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+            f.flush()
+            all_rows += rows
+            all_stats.append(stats)
+    wall = time.monotonic() - t0
+    mix = collections.Counter()
+    for s in all_stats:
+        mix.update(s.transforms_kept)
+    screened = sum(s.screened for s in all_stats)
+    summary = {"tasks": len(all_rows), "packages": len(specs),
+               "packages_with_tasks": sum(s.kept > 0 for s in all_stats),
+               "seconds": round(wall, 1),
+               "tasks_per_hour": round(len(all_rows) / wall * 3600, 1) if wall else 0.0,
+               "seconds_per_task": round(wall / len(all_rows), 1) if all_rows else None,
+               "yield": round(len(all_rows) / screened, 3) if screened else 0.0,
+               "transform_mix": dict(mix), "template": ISSUE_TEMPLATE_VERSION,
+               "per_package": [s.to_dict() for s in all_stats]}  # fmt: skip
+    with open(os.path.join(args.out, "synth_stats.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(
+        f"{len(all_rows)} tasks from {summary['packages_with_tasks']}/{len(specs)} packages "
+        f"in {wall:.0f}s ({summary['tasks_per_hour']} tasks/hour, yield "
+        f"{summary['yield']:.0%} of screened mutants); mix {dict(mix)} -> {path}"
+    )
+    return 0 if all_rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

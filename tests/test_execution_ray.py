@@ -1,0 +1,483 @@
+"""Fault injection on a simulated Ray cluster: verification, tools and grading on the nodes.
+
+One ``ray.cluster_utils.Cluster`` per module (a head without CPUs and two worker nodes that
+advertise the ``verifier`` resource, each with a 100 MB object store, no dashboard); each test
+injects one fault and asserts the invariants: a verdict or a counted fallback within the
+deadline plus a margin, the same verdicts (and update batch) as the ``local`` back-end, no
+``infra_error`` scored 0, and no orphan process or temporary directory.
+"""
+
+import dataclasses
+import os
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+import execution_faults as faults  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from gagar_jax.envs.family import Attempt, Outcome  # noqa: E402
+from gagar_jax.envs.repo import RepoTask  # noqa: E402
+from gagar_jax.grading import GradingPool  # noqa: E402
+from gagar_jax.grading.schema import FallbackReason  # noqa: E402
+from gagar_jax.rl.collect import Group, _rollout, pack_groups  # noqa: E402
+from gagar_jax.verify import execution  # noqa: E402
+from gagar_jax.verify.sandbox import Limits  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+FIXTURES = os.path.join(HERE, "fixtures", "repos")
+LIMITS = Limits(wall_s=60, cpu_s=60, memory_bytes=512 << 20, nproc=64)
+MARGIN_S = 30.0  # scheduling and process start on a loaded 2-core machine
+STORE = 100 << 20
+
+
+def _task(name):
+    return RepoTask.from_dir(os.path.join(FIXTURES, name))
+
+
+def _patch(name, kind):
+    with open(os.path.join(FIXTURES, name, "patches", f"{kind}.diff")) as f:
+        return f.read()
+
+
+def _node_args(name, tmp):
+    return dict(
+        num_cpus=1,
+        resources={"verifier": 1},
+        object_store_memory=STORE,
+        env_vars={
+            "GAGAR_TEST_NODE": name,
+            "GAGAR_ENV_CACHE": os.path.join(tmp, f"envs-{name}"),
+            "PYTHONPATH": os.pathsep.join([HERE, ROOT]),
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("ray_cluster"))
+    c = Cluster(
+        initialize_head=True,
+        head_node_args=dict(num_cpus=0, object_store_memory=STORE, include_dashboard=False),
+    )
+    nodes = [c.add_node(**_node_args(f"w{i}", tmp)) for i in range(2)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False, namespace=execution.RAY_NAMESPACE)
+    try:
+        yield c, nodes, tmp
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture
+def backend(cluster):
+    b = execution.RayBackend(
+        max_inflight=4,
+        max_retries=3,
+        deadline_grace_s=5.0,
+        resources=execution.CallResources(1.0, 0, {"verifier": 1}),
+    )
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def no_orphans():
+    """Lists the tests' marked processes and the calls' temporary directories before and after."""
+    tmp = tempfile.gettempdir()
+
+    def dirs():  # every temporary directory of a call lives in its call directory
+        return {n for n in os.listdir(tmp) if n.startswith(execution.CALL_DIR_PREFIX)}
+
+    before = dirs()
+    assert not faults.marked_processes(faults.HANG_MARK, faults.GRADER_MARK)
+    yield
+    end = time.monotonic() + 10  # a killed tree takes a moment to vanish from /proc
+    while time.monotonic() < end and (
+        faults.marked_processes(faults.HANG_MARK, faults.GRADER_MARK) or dirs() - before
+    ):
+        time.sleep(0.2)
+    assert faults.marked_processes(faults.HANG_MARK, faults.GRADER_MARK) == []
+    assert dirs() - before == set()
+
+
+class _RepoFamily:
+    """The part of the python_repo family the loop's ``_rollout`` uses: a rollout's response
+    is its patch, verified through the current back-end."""
+
+    def verify(self, task, attempt):
+        v = execution.verify_repo_call(task, attempt.text, limits=LIMITS)
+        return Outcome(
+            passed=v.passed,
+            infra_error=v.infra_error,
+            cheat=v.cheat,
+            test_log=v.test_log,
+            flags=tuple(v.flags),
+            patch=attempt.text,
+            detail=v,
+        )
+
+
+def _groups(backend, spec):
+    """Groups of rollouts verified on ``backend`` (the loop's gather_groups + _rollout)."""
+    fam = _RepoFamily()
+    thunks = [
+        [
+            (
+                lambda t=task, p=patch, k=k: _rollout(
+                    fam,
+                    t,
+                    [1, 2, 3],
+                    Attempt(response_tokens=[4 + k, 5], text=p),
+                    response_tokens=[4 + k, 5],
+                    logprobs=[-0.5, -0.25],
+                    finish_reason="stop",
+                    policy_version=0,
+                )
+            )
+            for k, patch in enumerate(patches)
+        ]
+        for task, patches in spec
+    ]
+    with execution.using(backend):
+        verified = backend.gather_groups(thunks, grader=1)
+    return [Group(f"g{i}", task, rs) for i, ((task, _), rs) in enumerate(zip(spec, verified))]
+
+
+def _verdicts(groups):
+    return [
+        [
+            (
+                r.outcome.detail.status,
+                tuple(sorted(r.outcome.detail.tests.items())),
+                r.passed,
+                r.cheat,
+                r.infra_error,
+            )
+            for r in g.rollouts
+        ]
+        for g in groups
+    ]
+
+
+def _pack(groups):
+    return pack_groups(
+        groups,
+        num_groups=len(groups),
+        num_rollouts=len(groups[0].rollouts),
+        max_prompt_len=4,
+        max_new_tokens=4,
+        pad_id=0,
+    )
+
+
+def _spec():
+    s, g = _task("statkit"), _task("slugger")
+    return [
+        (
+            s,
+            [
+                "",
+                _patch("statkit", "minimal"),
+                _patch("statkit", "edit_tests"),
+                _patch("statkit", "sprawling"),
+            ],
+        ),
+        (
+            g,
+            [
+                _patch("slugger", "minimal"),
+                "",
+                _patch("slugger", "special_case"),
+                _patch("slugger", "network"),
+            ],
+        ),
+    ]
+
+
+@pytest.fixture(scope="module")
+def local_reference():
+    """The local back-end's verdicts and update batch on the same rollouts."""
+    groups = _groups(execution.LocalBackend(), _spec())
+    return _verdicts(groups), _pack(groups)
+
+
+def _assert_same_batch(a, b):
+    for name in a._fields:  # UpdateBatch: a NamedTuple of arrays
+        x, y = getattr(a, name), getattr(b, name)
+        if x is None or y is None:
+            assert x is y, name
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+def test_node_killed_in_the_middle_of_a_group(
+    cluster, backend, local_reference, no_orphans, tmp_path
+):
+    """A third node takes part of a group and is killed while its calls run: they are retried on
+    the others, every member gets the verdict the local back-end gives, the loss is counted."""
+    c, _, tmp = cluster
+    victim = c.add_node(**_node_args("victim", tmp))
+    c.wait_for_nodes()
+    markers = str(tmp_path)
+    spec = _spec()
+    t0 = time.monotonic()
+    with execution.using(backend):
+        futs = [
+            backend.submit(
+                faults.marked_verify,
+                markers,
+                3.0,
+                task,
+                p,
+                limits=LIMITS,
+                deadline_s=LIMITS.wall_s + MARGIN_S,
+            )
+            for task, patches in spec
+            for p in patches
+        ]
+        end = time.monotonic() + 60
+        while not any(n.startswith("victim.") for n in os.listdir(markers)):
+            assert time.monotonic() < end, "no call reached the victim node"
+            time.sleep(0.1)
+        c.remove_node(victim, allow_graceful=False)
+        results = [f.result(timeout=LIMITS.wall_s + 3 * MARGIN_S) for f in futs]
+    elapsed = time.monotonic() - t0
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    want = [v for g in local_reference[0] for v in g]
+    got = [(r.value.status, tuple(sorted(r.value.tests.items()))) for r in results]
+    assert got == [w[:2] for w in want]
+    assert elapsed < LIMITS.wall_s + 3 * MARGIN_S
+    assert max(r.attempts for r in results) == 2
+    # the cluster declares the node dead (missed heartbeats); the next calls on the survivors
+    # reap what the killed calls left in the (here shared) temporary directory
+    end = time.monotonic() + 90
+    while any(n["Alive"] for n in ray.nodes() if n["NodeID"] == victim.node_id):
+        assert time.monotonic() < end, "the killed node is never declared dead"
+        time.sleep(0.5)
+    groups = _groups(backend, _spec()[:1])
+    assert _verdicts(groups) == local_reference[0][:1]
+    m = backend.metrics()
+    assert m["execution/retries"] >= 1 and m["execution/node_losses"] == 1, m
+    assert m["execution/infra_errors"] == 0
+
+
+def test_verdicts_and_update_batch_equal_the_local_backend(backend, local_reference, no_orphans):
+    groups = _groups(backend, _spec())
+    assert _verdicts(groups) == local_reference[0]
+    assert all(len(g.rollouts) == 4 for g in groups)  # no group with a member missing
+    _assert_same_batch(_pack(groups), local_reference[1])
+    m = backend.metrics()
+    assert m["execution/calls"] == 8 and m["execution/calls_in_flight_max"] <= 4, m
+
+
+def test_hung_sandbox_is_killed_at_its_deadline_as_the_rollouts_timeout(backend, no_orphans):
+    """The code under test starts a setsid escapee and sleeps: the call is killed at its
+    deadline with its whole tree; the rollout fails with ``timeout`` (its own fault, scored),
+    never ``infra_error``."""
+    task = _task("statkit")
+    deadline = 6.0
+    t0 = time.monotonic()
+    with execution.using(backend):
+        v = execution.verify_repo_call(
+            task, faults.hanging_patch(task, "statkit/stats.py"), limits=LIMITS, deadline_s=deadline
+        )
+    assert v.status == "timeout" and not v.infra_error and not v.passed, v.test_log
+    assert time.monotonic() - t0 < deadline + MARGIN_S
+    # a bare call that hangs outside any sandbox is ended the same way
+    r = backend.call(faults.hang_with_escapee, deadline_s=3.0)
+    assert r.status == "timeout" and r.reaped >= 1, r
+    assert backend.metrics()["execution/orphans_reaped"] >= 1
+
+
+def test_grader_that_never_answers_falls_back_at_its_deadline(backend, no_orphans):
+    """Graded on the cluster, a grader that never answers is killed with its children at the
+    pool's deadline; the group falls back (``deadline``, counted) instead of waiting."""
+    from gagar_jax.grading import adapters
+
+    task = _task("statkit")
+    cands = [
+        adapters.repo_candidate(f"r{k}", p, execution.verify_repo_call(task, p, limits=LIMITS))
+        for k, p in enumerate(["", _patch("statkit", "minimal")])
+    ]
+    ws = adapters.repo_workspace(task, "g-hang", cands)
+    pool = GradingPool(faults.HangingGrader(), max_concurrency=1, deadline_s=4.0, backend=backend)
+    t0 = time.monotonic()
+    try:
+        pool.submit(ws)
+        (res,) = pool.results(["g-hang"], timeout=4.0 + MARGIN_S)
+    finally:
+        pool.close()
+    assert res.verdict is None and res.fallback_reason == FallbackReason.DEADLINE
+    assert time.monotonic() - t0 < 4.0 + MARGIN_S
+    assert pool.metrics()["fallback/deadline"] == 1
+    end = time.monotonic() + 20  # the call itself ends at the same deadline: nothing abandoned
+    while backend.metrics(reset=False)["execution/calls_in_flight"] and time.monotonic() < end:
+        time.sleep(0.2)
+    assert backend.metrics()["execution/timeouts"] == 1
+
+
+def test_verifier_over_its_memory_limit_fails_the_rollout_not_the_node(backend, no_orphans):
+    """Code that allocates 1.5 GiB under a 512 MiB limit: the sandbox kills it; the verdict
+    (a failure of the code, not infra_error) is the local back-end's, the node lives on."""
+    task = _task("statkit")
+    patch = faults.memory_hog_patch(task, "statkit/stats.py")
+    local = execution.verify_repo_call(task, patch, backend=execution.LocalBackend(), limits=LIMITS)
+    remote = execution.verify_repo_call(task, patch, backend=backend, limits=LIMITS)
+    assert local.status in ("resource_killed", "failed") and not local.infra_error
+    assert (remote.status, remote.tests) == (local.status, local.tests)
+    ok = execution.verify_repo_call(
+        task, _patch("statkit", "minimal"), backend=backend, limits=LIMITS
+    )
+    assert ok.status == "passed"  # the node still verifies
+    m = backend.metrics()
+    assert m["execution/retries"] == 0 and m["execution/infra_errors"] == 0
+
+
+def test_node_start_that_fails_three_times(cluster, no_orphans, tmp_path):
+    """The environment a call needs fails to build three times (injected): with three retries
+    the fourth attempt verifies it, identically; with two the call is infra_error, masked out
+    of the update batch (never a 0 reward), and counted."""
+    _, _, tmp = cluster
+    task = _task("statkit")
+    patch = _patch("statkit", "minimal")
+    env = execution.EnvSpec("env-flaky-a", faults.flaky_build(str(tmp_path / "a"), fails=3))
+    with execution.RayBackend(max_retries=3, deadline_grace_s=5.0) as b:
+        v = execution.verify_repo_call(task, patch, backend=b, limits=LIMITS, env=env)
+        m = b.metrics()
+    assert v.status == "passed" and m["execution/retries"] == 3, (v.test_log, m)
+
+    env = execution.EnvSpec("env-flaky-b", faults.flaky_build(str(tmp_path / "b"), fails=3))
+    with execution.RayBackend(max_retries=2, deadline_grace_s=5.0) as b:
+        with execution.using(b):
+            rs = [
+                _rollout(
+                    fam,
+                    task,
+                    [1, 2],
+                    Attempt(text=p),
+                    response_tokens=[3],
+                    logprobs=[-1.0],
+                    finish_reason="stop",
+                    policy_version=0,
+                )
+                for fam, p in (
+                    (_EnvFamily(env), patch),
+                    (_RepoFamily(), ""),
+                    (_RepoFamily(), patch),
+                )
+            ]
+        m = b.metrics()
+    assert rs[0].infra_error and not rs[0].passed and m["execution/infra_errors"] == 1
+    assert m["execution/retries"] == 2
+    batch = _pack([Group("g", task, rs)])
+    assert not np.asarray(batch.valid)[0, 0] and np.asarray(batch.valid)[0, 1:].all()
+    assert list(np.asarray(batch.rewards)[0, 1:]) == [0.0, 1.0]
+
+
+class _EnvFamily:
+    """Verification that needs a task environment on its node."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def verify(self, task, attempt):
+        v = execution.verify_repo_call(task, attempt.text, limits=LIMITS, env=self.env)
+        return Outcome(
+            passed=v.passed,
+            infra_error=v.infra_error,
+            test_log=v.test_log,
+            patch=attempt.text,
+            detail=v,
+        )
+
+
+def test_llm_rate_limit_is_global_across_nodes(cluster):
+    """Two callers on two nodes share one token bucket (2 requests/s, burst 1): 6 requests
+    take at least 2.5 s in all, however they are spread."""
+    with execution.RayBackend(max_inflight=2, llm_requests_per_s=2.0) as b:
+        futs = [b.submit(faults.RateLimitedProbe(3), deadline_s=60) for _ in range(2)]
+        results = [f.result() for f in futs]
+        granted = b.limiter_stats()["granted"]
+    assert all(r.ok for r in results), results
+    times = sorted(t for r in results for t in r.value)
+    assert granted == 6 and times[-1] - times[0] >= 2.5 - 0.1, times
+
+
+def test_environment_built_once_per_node(backend, tmp_path):
+    """Four calls on two nodes need one environment: each node builds it once, under its lock."""
+    futs = [backend.submit(faults.env_marker, "env-once", deadline_s=60) for _ in range(4)]
+    paths = {f.result().value for f in futs}
+    assert all(os.path.isdir(p) for p in paths) and 1 <= len(paths) <= 2
+    assert all("envs-w" in p for p in paths)
+
+
+def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_orphans):
+    """``configs/swe_agent.py:smoke`` with ``execution.backend=ray`` on the cluster: the
+    family's ``run_tests`` tool, its verifier and the grader's check runner run as Ray calls and
+    give what the local back-end gives (the demonstrations' observations, token for token)."""
+    import importlib.util
+
+    from hf_fixtures import fixture_pool, make_tiny_tokenizer
+
+    from gagar_jax.grading import adapters
+    from gagar_jax.rl.collect import build_family
+    from gagar_jax.rl.config import RunConfig
+
+    c, _, _ = cluster
+    spec = importlib.util.spec_from_file_location(
+        "_swe_agent", os.path.join(ROOT, "configs", "swe_agent.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    d = module.get_config("smoke")
+    d.task.data_path = fixture_pool(tmp_path / "pool.jsonl")
+    d.task.tokenizer_path = make_tiny_tokenizer(tmp_path / "tok")
+    d.execution.update(
+        backend="ray", ray_address=c.address, max_inflight=4, resources=(("verifier", 1),)
+    )
+    cfg = RunConfig.from_config_dict(d)
+    family = build_family(cfg)
+    local = family.demonstrations(2)
+    backend = execution.make_backend(**dataclasses.asdict(cfg.execution), grader_slots=2)
+    assert backend.name == "ray"
+    try:
+        with execution.using(backend):
+            remote = family.demonstrations(2)
+            task = family.train_task(0)
+            ws = adapters.repo_workspace(
+                task,
+                "g",
+                [
+                    adapters.repo_candidate(
+                        "r0",
+                        task.reference_patch,
+                        execution.verify_repo_call(task, task.reference_patch),
+                    )
+                ],
+            )
+            check = family.check_runner().run(ws, ws.candidates[0], "python -m pytest -q")
+        m = backend.metrics()
+    finally:
+        backend.close()
+    local_check = family.check_runner().run(ws, ws.candidates[0], "python -m pytest -q")
+    assert len(local) == 2 and [x.tokens for x in remote] == [x.tokens for x in local]
+    # per demonstration: one run_tests call and one verification; then one more and the check
+    assert m["execution/calls"] >= 6 and m["execution/infra_errors"] == 0, m
+    assert check.status == local_check.status == "passed", (check.log, local_check.log)
+
+
+def test_a_call_that_cannot_be_shipped_is_an_infra_error_not_a_hang(backend):
+    lock = threading.Lock()  # locks do not pickle
+    r = backend.call(len, [lock], deadline_s=30)
+    assert r.status == "infra_error" and "cannot submit" in r.error, r
+    assert backend.call(len, [1, 2], deadline_s=30).value == 2  # the dispatcher lives on
