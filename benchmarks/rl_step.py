@@ -59,8 +59,13 @@ RUNS = ROOT / "runs" / "bench_rl_step"
 # The registry versions each framework's virtual environment is built from. torch is pinned to
 # the CPU build (an unpinned torch pulls the CUDA one).
 PINS = {
-    "trl": ["trl==1.16.0", "torch==2.13.0", "transformers==5.24.0", "accelerate==1.15.0",
-            "datasets==5.2.0"],
+    "trl": [
+        "trl==1.16.0",
+        "torch==2.13.0",
+        "transformers==5.24.0",
+        "accelerate==1.15.0",
+        "datasets==5.2.0",
+    ],
     "tunix": ["google-tunix==0.1.7"],
 }
 VENVS = {"trl": ROOT / ".venv-bench-trl", "tunix": ROOT / ".venv-bench-tunix"}
@@ -181,9 +186,14 @@ def make_assets(model: str, root: Path = RUNS) -> Path:
     m = MODELS[model]
     tok = script.train_tokenizer(m["vocab"])
     cfg = TransformerConfig(
-        vocab_size=len(tok), hidden_size=m["hidden"], num_layers=m["layers"],
-        num_heads=m["heads"], num_kv_heads=m["kv_heads"], intermediate_size=m["intermediate"],
-        rope_theta=10000.0, tie_embeddings=False,
+        vocab_size=len(tok),
+        hidden_size=m["hidden"],
+        num_layers=m["layers"],
+        num_heads=m["heads"],
+        num_kv_heads=m["kv_heads"],
+        intermediate_size=m["intermediate"],
+        rope_theta=10000.0,
+        tie_embeddings=False,
     )
     out.mkdir(parents=True, exist_ok=True)
     save_hf_safetensors(create_model(cfg, seed=0), cfg, str(out))
@@ -215,8 +225,14 @@ def make_assets(model: str, root: Path = RUNS) -> Path:
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None})
     )
-    meta = {"model": model, "vocab_size": len(tok), "eos_id": eos, "pad_id": pad,
-            "num_params": cfg.num_params, "prompts": prompts}
+    meta = {
+        "model": model,
+        "vocab_size": len(tok),
+        "eos_id": eos,
+        "pad_id": pad,
+        "num_params": cfg.num_params,
+        "prompts": prompts,
+    }
     (out / "bench-assets.json").write_text(json.dumps(meta))
     return out
 
@@ -228,16 +244,31 @@ class WorkerProc:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) if framework == "gagar_jax" else ""
         env.pop("XLA_FLAGS", None)  # one host device (no simulated devices)
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
-                   TF_CPP_MIN_LOG_LEVEL="3")
+        env.update(
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            HF_DATASETS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            WANDB_MODE="disabled",
+            TF_CPP_MIN_LOG_LEVEL="3",
+        )
         self.framework = framework
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [python_of(framework), str(Path(__file__).resolve()), "--worker", framework,
-             "--spec", json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-            env=env, cwd=str(ROOT),
+            [
+                python_of(framework),
+                str(Path(__file__).resolve()),
+                "--worker",
+                framework,
+                "--spec",
+                json.dumps(spec),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
         )
 
     def read(self, timeout: float = 3600.0) -> dict:
@@ -291,13 +322,17 @@ def compare_checks(checks: dict, meta: dict, shape: dict, atol: float = 2e-4) ->
     for name, c in checks.items():
         adv = np.array(c["advantages"])
         if adv.shape != want_adv.shape or not np.allclose(adv, want_adv, atol=1e-5):
-            problems.append(f"{name}: advantages {adv.round(4).tolist()} != mean-centred "
-                            f"{want_adv.round(4).tolist()}")
+            problems.append(
+                f"{name}: advantages {adv.round(4).tolist()} != mean-centred "
+                f"{want_adv.round(4).tolist()}"
+            )
         if len(c["prompt_ids"]) != shape["prompts"] or any(
             len(p) != shape["prompt_len"] for p in c["prompt_ids"]
         ):
-            problems.append(f"{name}: prompt token counts {[len(p) for p in c['prompt_ids']]}, "
-                            f"expected {shape['prompts']} x {shape['prompt_len']}")
+            problems.append(
+                f"{name}: prompt token counts {[len(p) for p in c['prompt_ids']]}, "
+                f"expected {shape['prompts']} x {shape['prompt_len']}"
+            )
         if ref is None or name == "gagar_jax":
             continue
         if c["prompt_ids"] != ref["prompt_ids"]:
@@ -305,8 +340,10 @@ def compare_checks(checks: dict, meta: dict, shape: dict, atol: float = 2e-4) ->
         a, b = np.array(c["first_logprobs"]), np.array(ref["first_logprobs"])
         if a.shape != b.shape or not np.allclose(a, b, atol=atol, rtol=0):
             diff = float(np.max(np.abs(a - b))) if a.shape == b.shape else float("inf")
-            problems.append(f"{name}: first-token log-probs differ from gagar_jax's by {diff:.2e} "
-                            f"(tolerance {atol})")
+            problems.append(
+                f"{name}: first-token log-probs differ from gagar_jax's by {diff:.2e} "
+                f"(tolerance {atol})"
+            )
     return problems
 
 
@@ -331,42 +368,73 @@ def race(args) -> int:
         if f != "gagar_jax":
             ensure_venv(f)
     model = "tiny" if args.quick else "small"
-    shapes = args.shapes.split(",") if args.shapes else (
-        ["quick-rl", "quick-multiturn"] if args.quick else ["rl", "multiturn"])
+    shapes = (
+        args.shapes.split(",")
+        if args.shapes
+        else (["quick-rl", "quick-multiturn"] if args.quick else ["rl", "multiturn"])
+    )
     rounds = args.rounds if args.rounds else (2 if args.quick else 5)
     assets = make_assets(model)
     meta = json.loads((assets / "bench-assets.json").read_text())
     logdir = RUNS / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
-    print(f"model: {meta['num_params'] / 1e6:.1f}M params, Qwen2-shaped, vocab "
-          f"{meta['vocab_size']}, float32 ({assets})")
+    print(
+        f"model: {meta['num_params'] / 1e6:.1f}M params, Qwen2-shaped, vocab "
+        f"{meta['vocab_size']}, float32 ({assets})"
+    )
     print(f"cpus: {os.cpu_count()}; start: {_load()}")
     failed = False
     results = {}
     for shape_name in shapes:
         shape = SHAPES[shape_name]
-        spec = dict(assets=str(assets), shape_name=shape_name, **shape, lr=LEARNING_RATE,
-                    epsilon=EPSILON, max_grad_norm=MAX_GRAD_NORM)
+        spec = dict(
+            assets=str(assets),
+            shape_name=shape_name,
+            **shape,
+            lr=LEARNING_RATE,
+            epsilon=EPSILON,
+            max_grad_norm=MAX_GRAD_NORM,
+        )
         checks = run_check(frameworks, spec, logdir)
         problems = compare_checks(checks, meta, shape)
-        label = (f"{shape['prompts']} prompts x {shape['samples']} samples, "
-                 f"{shape['prompt_len']} prompt + {shape['new']} new tokens")
+        label = (
+            f"{shape['prompts']} prompts x {shape['samples']} samples, "
+            f"{shape['prompt_len']} prompt + {shape['new']} new tokens"
+        )
         if problems:
             print(f"[{shape_name}] equal-configuration check FAILED:\n  " + "\n  ".join(problems))
             failed = True
             continue
-        worst = max((max(abs(x - y) for x, y in zip(
-            sum(checks[f]["first_logprobs"], []), sum(checks["gagar_jax"]["first_logprobs"], [])))
-            for f in checks if f != "gagar_jax"), default=0.0) if "gagar_jax" in checks else 0.0
-        print(f"[{shape_name}] equal-configuration check passed ({label}; first-token "
-              f"log-probs within {worst:.1e} of gagar_jax's, advantages mean-centred)")
+        worst = (
+            max(
+                (
+                    max(
+                        abs(x - y)
+                        for x, y in zip(
+                            sum(checks[f]["first_logprobs"], []),
+                            sum(checks["gagar_jax"]["first_logprobs"], []),
+                        )
+                    )
+                    for f in checks
+                    if f != "gagar_jax"
+                ),
+                default=0.0,
+            )
+            if "gagar_jax" in checks
+            else 0.0
+        )
+        print(
+            f"[{shape_name}] equal-configuration check passed ({label}; first-token "
+            f"log-probs within {worst:.1e} of gagar_jax's, advantages mean-centred)"
+        )
         if args.check:
             continue
         workers = {}
         try:
             for fw in frameworks:
-                workers[fw] = WorkerProc(fw, dict(spec, mode="race"),
-                                         logdir / f"{fw}-{shape_name}.log")
+                workers[fw] = WorkerProc(
+                    fw, dict(spec, mode="race"), logdir / f"{fw}-{shape_name}.log"
+                )
             setup = {fw: w.read() for fw, w in workers.items()}
             warm = {fw: w.send("step") for fw, w in workers.items()}  # compiles
             load_before = os.getloadavg()
@@ -378,9 +446,17 @@ def race(args) -> int:
         finally:
             for w in workers.values():
                 w.close()
-        results[shape_name] = dict(recs=recs, setup=setup, warm=warm,
-                                   load=(load_before, load_after))
+        results[shape_name] = dict(
+            recs=recs, setup=setup, warm=warm, load=(load_before, load_after)
+        )
         print_table(shape_name, label, recs, setup, warm, load_before, load_after, rounds)
+        peak = gemm_peak()
+        results[shape_name]["gemm_peak"] = peak
+        med = {
+            fw: {ph: statistics.median(r[ph] for r in rs) for ph in PHASES}
+            for fw, rs in recs.items()
+        }
+        print_roofline(model_flops(assets, shape), med, peak)
     print(f"end: {_load()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
@@ -389,20 +465,88 @@ def race(args) -> int:
     return 1 if failed else 0
 
 
+def gemm_peak(n: int = 1024, reps: int = 10) -> float:
+    """The machine's f32 GEMM peak as JAX reaches it: the fastest of ``reps`` jitted
+    ``n x n`` matmuls, FLOP/s."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def model_flops(assets: Path, shape: dict) -> dict:
+    """Model FLOPs of one step's phases (the same work in every framework): generate = 2 x
+    matmul params per token (prefill of each sample row + its new tokens, plus attention
+    scores/values), update = 6 x matmul params per token + attention (forward and backward)."""
+    c = json.loads((Path(assets) / "config.json").read_text())
+    h, d = c["hidden_size"], c["head_dim"]
+    nh, nkv, f, v, L = (
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["intermediate_size"],
+        c["vocab_size"],
+        c["num_hidden_layers"],
+    )
+    per_layer = h * d * (nh + 2 * nkv) + nh * d * h + 3 * h * f
+    matmul = L * per_layer + v * h
+    rows = shape["prompts"] * shape["samples"]
+    t = shape["prompt_len"] + shape["new"]
+    attn = 4.0 * L * nh * d * t * t / 2  # causal: half the score/value matmuls, per row
+    generate = rows * (2.0 * matmul * t + attn)
+    update = rows * (6.0 * matmul * t + 3 * attn)
+    return {"generate": generate, "update": update}
+
+
+def print_roofline(flops: dict, med: dict, peak: float) -> None:
+    """Achieved model FLOP/s of the compute phases, as a fraction of the measured GEMM peak."""
+    print(
+        f"roofline (model FLOPs / phase time / JAX f32 GEMM peak {peak / 1e9:.1f} GFLOP/s): "
+        + "; ".join(
+            f"{fw} "
+            + ", ".join(
+                f"{ph} {flops[ph] / m[ph] / 1e9:.1f} GFLOP/s ({flops[ph] / m[ph] / peak:.0%})"
+                for ph in ("generate", "update")
+                if m[ph] > 0
+            )
+            for fw, m in med.items()
+        ),
+        flush=True,
+    )
+
+
 def print_table(shape_name, label, recs, setup, warm, load_before, load_after, rounds):
-    med = {fw: {k: statistics.median(r[k] for r in rs) for k in ("total",) + PHASES}
-           for fw, rs in recs.items()}
-    print(f"\n[{shape_name}] {label}; median of {rounds} interleaved rounds; load average "
-          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after")
-    head = (f"{'framework':10} {'step s':>7} " + " ".join(f"{p:>8}" for p in PHASES)
-            + f" {'first s':>8} {'setup s':>8} {'gagar_jax x':>11}")
+    med = {
+        fw: {k: statistics.median(r[k] for r in rs) for k in ("total",) + PHASES}
+        for fw, rs in recs.items()
+    }
+    print(
+        f"\n[{shape_name}] {label}; median of {rounds} interleaved rounds; load average "
+        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after"
+    )
+    head = (
+        f"{'framework':10} {'step s':>7} "
+        + " ".join(f"{p:>8}" for p in PHASES)
+        + f" {'first s':>8} {'setup s':>8} {'gagar_jax x':>11}"
+    )
     print(head)
     print("-" * len(head))
     g = med.get("gagar_jax", {}).get("total")
     for fw, m in med.items():
         speed = f"{m['total'] / g:10.2f}x" if g else ""
-        print(f"{fw:10} {m['total']:7.3f} " + " ".join(f"{m[p]:8.3f}" for p in PHASES)
-              + f" {warm[fw]['total']:8.1f} {setup[fw]['setup_s']:8.1f} {speed:>11}", flush=True)
+        print(
+            f"{fw:10} {m['total']:7.3f} "
+            + " ".join(f"{m[p]:8.3f}" for p in PHASES)
+            + f" {warm[fw]['total']:8.1f} {setup[fw]['setup_s']:8.1f} {speed:>11}",
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,12 +629,20 @@ def gagar_update_config(spec: dict):
     from gagar_jax.update import UpdateConfig
 
     adv = GagarConfig(estimator="mean_centered", mode="none", filter_unmixed=False)
-    return UpdateConfig(learning_rate=spec.get("lr", LEARNING_RATE), weight_decay=0.0,
-                        max_grad_norm=spec.get("max_grad_norm", MAX_GRAD_NORM),
-                        clip_low=spec.get("epsilon", EPSILON),
-                        clip_high=spec.get("epsilon", EPSILON), aggregation="token-mean",
-                        kl_coef=0.0, entropy_coef=0.0, num_minibatches=1,
-                        num_microbatches=1, ppo_epochs=1, advantages=adv)
+    return UpdateConfig(
+        learning_rate=spec.get("lr", LEARNING_RATE),
+        weight_decay=0.0,
+        max_grad_norm=spec.get("max_grad_norm", MAX_GRAD_NORM),
+        clip_low=spec.get("epsilon", EPSILON),
+        clip_high=spec.get("epsilon", EPSILON),
+        aggregation="token-mean",
+        kl_coef=0.0,
+        entropy_coef=0.0,
+        num_minibatches=1,
+        num_microbatches=1,
+        ppo_epochs=1,
+        advantages=adv,
+    )
 
 
 def _gagar_worker(spec: dict) -> None:
@@ -527,10 +679,16 @@ def _gagar_worker(spec: dict) -> None:
         from flax import nnx
 
         rewards = np.array(CHECK_REWARDS, np.float32).reshape(-1, CHECK_GROUP)
-        out = gagar_advantages(rewards, rewards > 0.5, np.zeros(rewards.shape, bool),
-                               np.ones(rewards.shape, np.int32), np.ones(rewards.shape, np.int32),
-                               np.zeros(rewards.shape[0], bool), np.ones(rewards.shape, bool),
-                               config=adv_cfg)
+        out = gagar_advantages(
+            rewards,
+            rewards > 0.5,
+            np.zeros(rewards.shape, bool),
+            np.ones(rewards.shape, np.int32),
+            np.ones(rewards.shape, np.int32),
+            np.zeros(rewards.shape[0], bool),
+            np.ones(rewards.shape, bool),
+            config=adv_cfg,
+        )
         # The update's own scoring (hidden states -> LM head -> log-softmax at temperature 1).
         ids = np.array([p + completion for p in prompt_ids], np.int32)
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
@@ -541,23 +699,35 @@ def _gagar_worker(spec: dict) -> None:
             m = nnx.merge(graphdef, state)
             hidden = m.hidden_states(ids, pos)
             lp, _ = chunked_token_logprobs_and_entropy(
-                m, hidden, jnp.roll(ids, -1, axis=1), ucfg.temperature)
+                m, hidden, jnp.roll(ids, -1, axis=1), ucfg.temperature
+            )
             return lp[:, P - 1 : P - 1 + len(completion)]
 
         lp = np.asarray(score(state, ids, pos))
-        _reply({"advantages": np.asarray(out.advantages).reshape(-1).tolist(),
-                "first_logprobs": lp.tolist(), "prompt_ids": prompt_ids})
+        _reply(
+            {
+                "advantages": np.asarray(out.advantages).reshape(-1).tolist(),
+                "first_logprobs": lp.tolist(),
+                "prompt_ids": prompt_ids,
+            }
+        )
         return
 
     # The race: the loop's own pieces (what gagar_jax.rl.train's step calls).
     mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    sampler = Sampler(model, pad_id=meta["pad_id"], batch_buckets=(G * K,),
-                      prompt_buckets=(P,), new_token_buckets=(R,))
+    sampler = Sampler(
+        model,
+        pad_id=meta["pad_id"],
+        batch_buckets=(G * K,),
+        prompt_buckets=(P,),
+        new_token_buckets=(R,),
+    )
     state = create_train_state(cfg, ucfg, mesh, seed=0)
     update = jit_update(cfg, ucfg, mesh)
     device = jax.devices()[0]
-    params = SamplingParams(n=K, temperature=1.0, top_p=1.0, top_k=0, max_tokens=R,
-                            stop_token_ids=(meta["eos_id"],))
+    params = SamplingParams(
+        n=K, temperature=1.0, top_p=1.0, top_k=0, max_tokens=R, stop_token_ids=(meta["eos_id"],)
+    )
     _reply({"setup_s": time.perf_counter() - t_setup})
     step = 0
     while True:
@@ -570,15 +740,28 @@ def _gagar_worker(spec: dict) -> None:
         groups = []
         for i, (p, samples) in enumerate(zip(prompt_ids, outs)):
             rollouts = [
-                Rollout(prompt_tokens=p, response_tokens=s.tokens, logprobs=s.logprobs,
-                        finish_reason=s.finish_reason, policy_version=s.policy_version,
-                        passed=reward_of_text(tok.decode(s.tokens)) > 0.5)
-                for s in samples]
+                Rollout(
+                    prompt_tokens=p,
+                    response_tokens=s.tokens,
+                    logprobs=s.logprobs,
+                    finish_reason=s.finish_reason,
+                    policy_version=s.policy_version,
+                    passed=reward_of_text(tok.decode(s.tokens)) > 0.5,
+                )
+                for s in samples
+            ]
             groups.append(Group(group_id=str(i), task=None, rollouts=rollouts))
         clock.add("score", time.perf_counter() - t)
         t = time.perf_counter()
-        batch = pack_groups(groups, None, num_groups=G, num_rollouts=K, max_prompt_len=P,
-                            max_new_tokens=R, pad_id=meta["pad_id"])
+        batch = pack_groups(
+            groups,
+            None,
+            num_groups=G,
+            num_rollouts=K,
+            max_prompt_len=P,
+            max_new_tokens=R,
+            pad_id=meta["pad_id"],
+        )
         ub = shard_batch(batch._replace(evidence=None), mesh)
         clock.add("pack", time.perf_counter() - t)
         t = time.perf_counter()
@@ -655,19 +838,51 @@ def _trl_worker(spec: dict) -> None:
 
     out_dir = tempfile.mkdtemp(prefix="bench-trl-")
     args = GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=G * K, gradient_accumulation_steps=1,
-        num_generations=K, max_completion_length=R, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-        max_grad_norm=spec["max_grad_norm"], optim="adamw_torch", beta=0.0,
-        epsilon=spec["epsilon"], loss_type="dapo", scale_rewards="none", num_iterations=1,
-        max_steps=100000, logging_steps=10**9, save_strategy="no", report_to="none",
-        use_cpu=True, bf16=False, fp16=False, disable_tqdm=True, seed=0,
-        dataloader_num_workers=0, shuffle_dataset=False, gradient_checkpointing=False,
+        output_dir=out_dir,
+        per_device_train_batch_size=G * K,
+        gradient_accumulation_steps=1,
+        num_generations=K,
+        max_completion_length=R,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=spec["max_grad_norm"],
+        optim="adamw_torch",
+        beta=0.0,
+        epsilon=spec["epsilon"],
+        loss_type="dapo",
+        scale_rewards="none",
+        num_iterations=1,
+        max_steps=2000,
+        logging_steps=10**9,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+        shuffle_dataset=False,
+        gradient_checkpointing=False,
     )
-    data = Dataset.from_dict({"prompt": [prompts[i % G] for i in range(G * 100000)]})
-    trainer = Timed(model=model, reward_funcs=[reward], args=args, train_dataset=data,
-                    processing_class=tok, callbacks=[Gate()])
+    # Enough rows for the steps a race takes (the trainer cycles through them once).
+    data = Dataset.from_dict({"prompt": [prompts[i % G] for i in range(G * 2000)]})
+    trainer = Timed(
+        model=model,
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Gate()],
+    )
     if spec["mode"] == "check":
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         # The advantages: the trainer's own grouping, fed a fixed reward vector.
@@ -675,7 +890,8 @@ def _trl_worker(spec: dict) -> None:
         x = torch.tensor([p + completion for p in ids])
         with torch.no_grad():
             lp, _, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.model, x, torch.ones_like(x), logits_to_keep=len(completion))
+                trainer.model, x, torch.ones_like(x), logits_to_keep=len(completion)
+            )
         _reply({"advantages": adv, "first_logprobs": lp.tolist(), "prompt_ids": ids})
         return
     _reply({"setup_s": time.perf_counter() - t_setup})
@@ -718,33 +934,54 @@ def _tunix_worker(spec: dict) -> None:
     prompts, completion = _check_inputs(spec, meta)
     tok = AutoTokenizer.from_pretrained(spec["assets"])
     mcfg = qwen2_model.ModelConfig(
-        num_layers=conf["num_hidden_layers"], vocab_size=conf["vocab_size"],
-        embed_dim=conf["hidden_size"], hidden_dim=conf["intermediate_size"],
-        num_heads=conf["num_attention_heads"], head_dim=conf["head_dim"],
-        num_kv_heads=conf["num_key_value_heads"], rope_theta=int(conf["rope_theta"]),
-        norm_eps=conf["rms_norm_eps"], use_tied_embedding=conf["tie_word_embeddings"],
+        num_layers=conf["num_hidden_layers"],
+        vocab_size=conf["vocab_size"],
+        embed_dim=conf["hidden_size"],
+        hidden_dim=conf["intermediate_size"],
+        num_heads=conf["num_attention_heads"],
+        head_dim=conf["head_dim"],
+        num_kv_heads=conf["num_key_value_heads"],
+        rope_theta=int(conf["rope_theta"]),
+        norm_eps=conf["rms_norm_eps"],
+        use_tied_embedding=conf["tie_word_embeddings"],
     )
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     with jax.set_mesh(mesh):
         model = qwen2_params.create_model_from_safe_tensors(spec["assets"], mcfg, mesh)
     algo = grpo_learner.GRPOConfig(
-        num_generations=K, num_iterations=1, beta=0.0, epsilon=spec["epsilon"],
-        advantage_estimator="drgrpo", loss_agg_mode="token-mean", policy_loss_fn="grpo",
+        num_generations=K,
+        num_iterations=1,
+        beta=0.0,
+        epsilon=spec["epsilon"],
+        advantage_estimator="drgrpo",
+        loss_agg_mode="token-mean",
+        policy_loss_fn="grpo",
         loss_algo="grpo",
     )
     if spec["mode"] == "check":
         from flax import nnx
 
         adv = function_registry.get_advantage_estimator(algo.advantage_estimator)(
-            rewards=np.array(CHECK_REWARDS, np.float32), num_generations=CHECK_GROUP)
+            rewards=np.array(CHECK_REWARDS, np.float32), num_generations=CHECK_GROUP
+        )
         ids = [list(tok.encode(p, add_special_tokens=False)) for p in prompts]
         graphdef, state = nnx.split(model)
         lp = common.compute_per_token_logps(
-            graphdef, state, prompt_tokens=jax.numpy.array(ids, jax.numpy.int32),
+            graphdef,
+            state,
+            prompt_tokens=jax.numpy.array(ids, jax.numpy.int32),
             completion_tokens=jax.numpy.array([completion] * len(ids), jax.numpy.int32),
-            pad_id=meta["pad_id"], eos_id=meta["eos_id"], temperature=1.0)
-        _reply({"advantages": np.asarray(adv).tolist(), "first_logprobs": np.asarray(lp).tolist(),
-                "prompt_ids": ids})
+            pad_id=meta["pad_id"],
+            eos_id=meta["eos_id"],
+            temperature=1.0,
+        )
+        _reply(
+            {
+                "advantages": np.asarray(adv).tolist(),
+                "first_logprobs": np.asarray(lp).tolist(),
+                "prompt_ids": ids,
+            }
+        )
         return
 
     clock = PhaseClock()
@@ -760,14 +997,26 @@ def _tunix_worker(spec: dict) -> None:
         optax.adamw(spec["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0),
     )
     training = rl_cluster_lib.RLTrainingConfig(
-        actor_optimizer=optimizer, eval_every_n_steps=10**9, max_steps=10**6,
-        mini_batch_size=G, train_micro_batch_size=G, rollout_micro_batch_size=G,
-        compute_logps_micro_batch_size=G, metrics_logging_options=None,
+        actor_optimizer=optimizer,
+        eval_every_n_steps=10**9,
+        max_steps=10**6,
+        mini_batch_size=G,
+        train_micro_batch_size=G,
+        rollout_micro_batch_size=G,
+        compute_logps_micro_batch_size=G,
+        metrics_logging_options=None,
     )
     rollout = base_rollout.RolloutConfig(
-        max_tokens_to_generate=R, max_prompt_length=P, kv_cache_size=P + R + 8,
-        temperature=1.0, top_p=None, top_k=None, eos_tokens=[meta["eos_id"]], seed=None,
+        max_tokens_to_generate=R,
+        max_prompt_length=P,
+        kv_cache_size=P + R + 8,
+        temperature=1.0,
+        top_p=None,
+        top_k=None,
+        eos_tokens=[meta["eos_id"]],
+        seed=None,
     )
+
     class Tokenizer:
         """The HF tokenizer under Tunix's plain tokenizer protocol: the learner repeats the
         prompts with NumPy (``numpy.str_`` items), which transformers' ``encode`` rejects."""
@@ -787,13 +1036,25 @@ def _tunix_worker(spec: dict) -> None:
         def pad_id(self):
             return meta["pad_id"]
 
-    roles = {r: mesh for r in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
-                               rl_cluster_lib.Role.ROLLOUT)}
+    roles = {
+        r: mesh
+        for r in (
+            rl_cluster_lib.Role.ACTOR,
+            rl_cluster_lib.Role.REFERENCE,
+            rl_cluster_lib.Role.ROLLOUT,
+        )
+    }
     cluster = rl_cluster_lib.RLCluster(
-        actor=model, reference=None, tokenizer=Tokenizer(),
+        actor=model,
+        reference=None,
+        tokenizer=Tokenizer(),
         cluster_config=rl_cluster_lib.ClusterConfig(
-            role_to_mesh=roles, rollout_engine="vanilla", offload_to_cpu=False,
-            training_config=training, rollout_config=rollout),
+            role_to_mesh=roles,
+            rollout_engine="vanilla",
+            offload_to_cpu=False,
+            training_config=training,
+            rollout_config=rollout,
+        ),
     )
     learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=[reward])
 
@@ -833,16 +1094,21 @@ def _tunix_worker(spec: dict) -> None:
         while True:
             if not first:  # the previous step ends when the learner asks for the next batch
                 rec = clock.record()
-                rec["pack"] = max(clock.extra.get("prepare", 0.0) - rec["generate"]
-                                  - rec["score"], 0.0)
+                rec["pack"] = max(
+                    clock.extra.get("prepare", 0.0) - rec["generate"] - rec["score"], 0.0
+                )
                 _reply(rec)
             first = False
             _wait_for_step()
             clock.reset()
             yield {"prompts": np.array(prompts)}  # a batch as a data loader gives it
 
-    _reply({"setup_s": time.perf_counter() - t_setup,
-            "shares_rollout_model": not learner.should_sync_weights})
+    _reply(
+        {
+            "setup_s": time.perf_counter() - t_setup,
+            "shares_rollout_model": not learner.should_sync_weights,
+        }
+    )
     learner.train(batches())
 
 

@@ -295,6 +295,34 @@ def test_shared_prefill_duplicate_prompts_and_exact_logprobs(model):
     assert out[0][0].tokens != out[2][0].tokens
 
 
+def test_sync_of_trainer_params_compiles_nothing_new(model):
+    """The trainer's params (a pure dict, as `rl.policy.local_params` hands them over) replace
+    the weights without a new executable: the sampler's weights are committed to their device
+    from the start, like the synced ones (a program compiled for uncommitted weights compiled
+    again after the first sync). A dict that does not cover the model is refused."""
+    from gagar_jax.models import stack_layer_params
+    from gagar_jax.rollout.sampler import _generate_program
+
+    s = Sampler(model, pad_id=3, batch_buckets=(4,), prompt_buckets=(16,), new_token_buckets=(8,))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    s.generate(PROMPTS, greedy)
+    programs = _generate_program._cache_size()
+    other = make_model(1)
+    params = jax.device_put(nnx.to_pure_dict(nnx.state(other, nnx.Param)), jax.devices()[0])
+    s.sync_weights(params, version=2)
+    got = s.generate(PROMPTS, greedy)
+    assert _generate_program._cache_size() == programs
+    ref = Sampler(other, pad_id=3, batch_buckets=(4,), prompt_buckets=(16,), new_token_buckets=(8,))
+    assert [r[0].tokens for r in got] == [r[0].tokens for r in ref.generate(PROMPTS, greedy)]
+    s.sync_weights(stack_layer_params(params), version=3)  # the scan layout converts
+    assert [r[0].tokens for r in s.generate(PROMPTS, greedy)] == [r[0].tokens for r in got]
+    broken = dict(params)
+    del broken["norm"]
+    with pytest.raises(ValueError, match="missing"):
+        s.sync_weights(broken, version=4)
+    assert s.policy_version == 3
+
+
 def test_prefill_bucket_independent_of_sample_rows(model):
     """A batch bucket sized for the sample rows (2 prompts x 32 samples in a 64-row bucket) does
     not pad the shared prefill to 64 rows: the distinct prompts take the smallest prefill

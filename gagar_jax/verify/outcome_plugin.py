@@ -13,7 +13,8 @@ forks:
 - the **child** closes the outcome descriptor, renames itself (``PR_SET_NAME``) to a per-run name
   the supervisor chose, imports pytest and runs the session with the reporter registered as a
   plugin *object*. The reporter streams every outcome as pytest reports it, one line per
-  phase, ``{"id": nodeid, "when": "setup"|"call"|"teardown", "outcome": ...}``, to a pipe read by
+  phase, ``{"id": nodeid, "when": "setup"|"call"|"subtest"|"teardown", "outcome": ...}``, to a
+  pipe read by
   the supervisor (what was sent cannot be taken back by changing the process's memory later);
   after ``pytest.main`` returns, the child writes a last line ``{"exitstatus": ...}`` and exits
   with pytest's exit status (its own ``atexit`` handlers and those of the code under test still
@@ -61,7 +62,12 @@ class Reporter:
             outcome = "skipped"
         else:
             return
-        line = {"id": report.nodeid, "when": report.when, "outcome": outcome}
+        when = report.when
+        if when == "call" and hasattr(report, "context"):
+            # A subtest (pytest's ``subtests`` fixture, unittest's ``subTest``): one test may
+            # report many, so they travel as their own phase; the worst outcome still counts.
+            when = "subtest"
+        line = {"id": report.nodeid, "when": when, "outcome": outcome}
         _write_all(self._fd, (json.dumps(line) + "\n").encode())
 
 

@@ -600,7 +600,8 @@ def parse_outcome_report(data: bytes) -> tuple[dict | None, int | None, str, boo
 
     Returns (outcomes: the worst outcome per node id, pytest's exit status, problem, tampered):
     ``problem`` is "" for a well-formed report; ``tampered`` is True for a line the reporter
-    does not write, a phase reported twice, or anything after the last line.
+    does not write, a phase other than a subtest reported twice, or anything after the last
+    line.
     """
     if not data:
         return None, None, "no test report was written (pytest did not finish its session)", False
@@ -610,6 +611,7 @@ def parse_outcome_report(data: bytes) -> tuple[dict | None, int | None, str, boo
     if lines[-1]:
         return None, None, "the test report does not end with a whole line", True
     outcomes: dict[str, str] = {}
+    subtests: dict[str, str] = {}
     seen: set[tuple[str, str]] = set()
     exitstatus = None
     for n, raw in enumerate(lines[:-1]):
@@ -626,17 +628,25 @@ def parse_outcome_report(data: bytes) -> tuple[dict | None, int | None, str, boo
             continue
         if (not isinstance(rec, dict) or set(rec) != {"id", "when", "outcome"}
                 or not isinstance(rec["id"], str) or rec["outcome"] not in _RANK
-                or rec["when"] not in ("setup", "call", "teardown")):  # fmt: skip
+                or rec["when"] not in ("setup", "call", "subtest", "teardown")):  # fmt: skip
             return None, None, f"test report line {n + 1} is not the reporter's", True
         key = (rec["id"], rec["when"])
-        if key in seen:
+        # One test reports any number of subtests; they can only make its outcome worse.
+        if key in seen and rec["when"] != "subtest":
             return None, None, f"{rec['id']} {rec['when']} reported twice", True
         seen.add(key)
-        prev = outcomes.get(rec["id"])
+        into = subtests if rec["when"] == "subtest" else outcomes
+        prev = into.get(rec["id"])
         if prev is None or _RANK[rec["outcome"]] >= _RANK[prev]:
-            outcomes[rec["id"]] = rec["outcome"]
+            into[rec["id"]] = rec["outcome"]
     if exitstatus is None:
         return None, None, "the test report has no last line (pytest did not finish)", False
+    for node, worst in subtests.items():
+        # A subtest only ever worsens the outcome of a test that reported its own call.
+        if node not in outcomes:
+            return None, None, f"{node} reported subtests but no outcome of its own", True
+        if _RANK[worst] > _RANK[outcomes[node]]:
+            outcomes[node] = worst
     return outcomes, exitstatus, "", False
 
 

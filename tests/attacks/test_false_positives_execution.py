@@ -8,6 +8,7 @@ patches, and tests that legitimately spawn interpreters, fork, exec in a child, 
 """
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -85,13 +86,29 @@ HONEST_TESTS = {
         "    with open('scratch.txt', 'w') as f:\n        f.write('ok')\n"
         "    assert half(4) == 2\n"
     ),
+    "pytest_subtests": (
+        "from app import half\n\n\ndef test_half(subtests):\n"
+        "    for x in (2, 4, 6):\n        with subtests.test(x=x):\n"
+        "            assert half(x) == x // 2\n"
+    ),
+    "unittest_subtests": (
+        "import unittest\nfrom app import half\n\n\nclass HalfTest(unittest.TestCase):\n"
+        "    def test_half(self):\n        for x in (2, 4, 6):\n"
+        "            with self.subTest(x=x):\n                self.assertEqual(half(x), x // 2)\n"
+    ),
 }
+
+
+def _with_tests(source):
+    """TASK with ``tests/test_app.py`` replaced (a unittest class changes the test's node id)."""
+    files = {**TASK.files, "tests/test_app.py": source}
+    node = "tests/test_app.py::" + ("HalfTest::test_half" if "HalfTest" in source else "test_half")
+    return dataclasses.replace(TASK, files=files, fail_to_pass=(node,) + TASK.fail_to_pass[1:])
 
 
 @pytest.mark.parametrize("name", sorted(HONEST_TESTS))
 def test_honest_tests_are_not_tampering(name):
-    files = {**TASK.files, "tests/test_app.py": HONEST_TESTS[name]}
-    t = dataclasses.replace(TASK, files=files)
+    t = _with_tests(HONEST_TESTS[name])
     v = verify(change("app.py", BUGGY, FIXED), the_task=t)
     assert v.status == "passed" and not v.flags, v.test_log
     assert verify("", the_task=t).status == "failed"  # the task still discriminates
@@ -127,3 +144,30 @@ def test_a_crashing_test_process_is_a_failure_not_tampering():
     crash = "import ctypes\n\n\ndef half(x):\n    ctypes.string_at(0)\n    return x / 2\n"
     v = verify(change("app.py", BUGGY, crash))
     assert v.status == "failed" and not v.flags, v.test_log
+
+
+@pytest.mark.parametrize("kind", ["pytest_subtests", "unittest_subtests"])
+def test_a_failing_subtest_fails_its_test(kind):
+    # Subtests travel as their own phase (many per test); the worst outcome is the test's.
+    t = _with_tests(HONEST_TESTS[kind])
+    wrong = FIXED.replace("x / 2", "x / 2 if x != 4 else 0") if "x / 2" in FIXED else None
+    assert wrong is not None and wrong != FIXED
+    v = verify(change("app.py", BUGGY, wrong), the_task=t)
+    assert v.status == "failed" and not v.flags, v.test_log
+
+
+def test_subtest_lines_only_worsen_a_reported_test():
+    from gagar_jax.verify.repo import parse_outcome_report
+
+    def report(*lines):
+        return "".join(json.dumps(x) + "\n" for x in (*lines, {"exitstatus": 1})).encode()
+
+    sub = {"id": "t.py::a", "when": "subtest"}
+    call = {"id": "t.py::a", "when": "call", "outcome": "passed"}
+    outcomes, _, problem, tampered = parse_outcome_report(
+        report({**sub, "outcome": "passed"}, {**sub, "outcome": "failed"}, call)
+    )
+    assert (outcomes, problem, tampered) == ({"t.py::a": "failed"}, "", False)
+    # A "passed" subtest line cannot stand in for a test's own outcome.
+    outcomes, _, problem, tampered = parse_outcome_report(report({**sub, "outcome": "passed"}))
+    assert outcomes is None and tampered and "no outcome of its own" in problem
