@@ -36,6 +36,7 @@ sglang-venv: $(SGLANG_VENV)/.installed
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # The formatter's verdict on the whole tree (ruff format; `# fmt: skip` only where a table reads
 # better aligned, with the reason beside it).

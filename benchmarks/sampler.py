@@ -146,8 +146,10 @@ def main():
 
     mesh = None
     if dp > 1 and len(jax.local_devices()) < dp:  # e.g. one accelerator: no such column
-        print(f"--data-parallel {dp}: only {len(jax.local_devices())} "
-              f"{jax.devices()[0].platform} device(s) here, so no data-parallel column")
+        print(
+            f"--data-parallel {dp}: only {len(jax.local_devices())} "
+            f"{jax.devices()[0].platform} device(s) here, so no data-parallel column"
+        )
     elif dp > 1:
         mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:dp]), ("data",))
 
@@ -429,8 +431,10 @@ def _sglang_table(model, cfg, batches, args, rl, rng, mesh=None):
                 jax_tps = [n_tok / statistics.median(t) for t in jt]
                 sgl_tps = n_tok / statistics.median(st)
                 print(
-                    f"{name:>24} | " + "".join(f"{t:>14.0f} | " for t in jax_tps)
-                    + f"{sgl_tps:>12.0f} | " + " | ".join(f"{t / sgl_tps:>14.2f}" for t in jax_tps),
+                    f"{name:>24} | "
+                    + "".join(f"{t:>14.0f} | " for t in jax_tps)
+                    + f"{sgl_tps:>12.0f} | "
+                    + " | ".join(f"{t / sgl_tps:>14.2f}" for t in jax_tps),
                     flush=True,
                 )
         finally:

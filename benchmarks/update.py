@@ -42,8 +42,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # One host device for the benchmark (the test suite's 8 simulated devices would split threads).
 os.environ["XLA_FLAGS"] = " ".join(
-    f for f in os.environ.get("XLA_FLAGS", "").split()
-    if not f.startswith("--xla_force_host_platform_device_count"))
+    f
+    for f in os.environ.get("XLA_FLAGS", "").split()
+    if not f.startswith("--xla_force_host_platform_device_count")
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -61,15 +63,36 @@ from gagar_jax.update import (  # noqa: E402
 
 CONFIGS = {
     # name: (model config, batch sequences, sequence length)
-    "small": (TransformerConfig(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8,
-                                num_kv_heads=4, intermediate_size=704, rope_theta=10000.0),
-              8, 256),
-    "100m": (TransformerConfig(vocab_size=32000, hidden_size=768, num_layers=10, num_heads=12,
-                               num_kv_heads=4, intermediate_size=2048, rope_theta=10000.0),
-             4, 256),
+    "small": (
+        TransformerConfig(
+            vocab_size=4096,
+            hidden_size=256,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=704,
+            rope_theta=10000.0,
+        ),
+        8,
+        256,
+    ),
+    "100m": (
+        TransformerConfig(
+            vocab_size=32000,
+            hidden_size=768,
+            num_layers=10,
+            num_heads=12,
+            num_kv_heads=4,
+            intermediate_size=2048,
+            rope_theta=10000.0,
+        ),
+        4,
+        256,
+    ),
 }
-UPDATE = UpdateConfig(learning_rate=1e-5, weight_decay=0.01, max_grad_norm=1.0,
-                      num_minibatches=1, num_microbatches=1)
+UPDATE = UpdateConfig(
+    learning_rate=1e-5, weight_decay=0.01, max_grad_norm=1.0, num_minibatches=1, num_microbatches=1
+)
 
 
 def _load() -> str:
@@ -92,16 +115,23 @@ def make_batch(c: TransformerConfig, batch: int, length: int, seed=0) -> UpdateB
     g = batch // k
     tokens = rng.integers(1, c.vocab_size, (batch, length)).astype(np.int32)
     response = np.zeros((batch, length), bool)
-    response[:, length // 4:] = True
+    response[:, length // 4 :] = True
     passed = np.zeros((g, k), bool)
     passed[:, 0] = True
     return UpdateBatch(
-        tokens=tokens, positions=np.tile(np.arange(length, dtype=np.int32), (batch, 1)),
-        attention_mask=np.ones((batch, length), bool), response_mask=response,
+        tokens=tokens,
+        positions=np.tile(np.arange(length, dtype=np.int32), (batch, 1)),
+        attention_mask=np.ones((batch, length), bool),
+        response_mask=response,
         old_logprobs=np.where(response, -8.0, 0.0).astype(np.float32),
-        rewards=passed.astype(np.float32), passed=passed, cheat=np.zeros((g, k), bool),
-        tier=np.ones((g, k), np.int32), rank=np.ones((g, k), np.int32),
-        valid=np.ones((g, k), bool), graded=np.ones((g,), bool))
+        rewards=passed.astype(np.float32),
+        passed=passed,
+        cheat=np.zeros((g, k), bool),
+        tier=np.ones((g, k), np.int32),
+        rank=np.ones((g, k), np.int32),
+        valid=np.ones((g, k), bool),
+        graded=np.ones((g,), bool),
+    )
 
 
 def best_time(fn, reps: int) -> float:
@@ -123,6 +153,7 @@ def jax_peak(n=1024, reps=15) -> float:
 
 def torch_peak(n=1024, reps=15) -> float:
     import torch
+
     a = torch.ones((n, n))
     return 2 * n**3 / best_time(lambda: torch.mm(a, a), reps)
 
@@ -182,10 +213,14 @@ def logits_memory_table(chunk: int, vocabs, batch=8, length=256):
     of one whole ``[tokens, vocab]`` float32 buffer. Compiled only (nothing runs)."""
     base, _, _ = CONFIGS["small"]
     tokens = batch * length
-    print(f"\nlogits memory: temp MB of the compiled update, {tokens} tokens, hidden "
-          f"{base.hidden_size}, 2 scanned layers (compile only)")
-    header = (f"{'vocab':>7} {'[T, V] f32 MB':>13} {'whole MB':>9} {f'chunk {chunk} MB':>12} "
-              f"{'saved MB':>9}")
+    print(
+        f"\nlogits memory: temp MB of the compiled update, {tokens} tokens, hidden "
+        f"{base.hidden_size}, 2 scanned layers (compile only)"
+    )
+    header = (
+        f"{'vocab':>7} {'[T, V] f32 MB':>13} {'whole MB':>9} {f'chunk {chunk} MB':>12} "
+        f"{'saved MB':>9}"
+    )
     print(header)
     print("-" * len(header))
     for v in vocabs:
@@ -193,10 +228,14 @@ def logits_memory_table(chunk: int, vocabs, batch=8, length=256):
         mem = []
         for size in (0, chunk):
             compiled, _ = _compile_abstract(
-                c, batch, length, dataclasses.replace(UPDATE, logits_chunk_size=size))
+                c, batch, length, dataclasses.replace(UPDATE, logits_chunk_size=size)
+            )
             mem.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
-        print(f"{v:7d} {tokens * v * 4 / 2**20:13.1f} {mem[0]:9.1f} {mem[1]:12.1f} "
-              f"{mem[0] - mem[1]:9.1f}", flush=True)
+        print(
+            f"{v:7d} {tokens * v * 4 / 2**20:13.1f} {mem[0]:9.1f} {mem[1]:12.1f} "
+            f"{mem[0] - mem[1]:9.1f}",
+            flush=True,
+        )
 
 
 def bench_torch(c, batch, length):
@@ -205,11 +244,22 @@ def bench_torch(c, batch, length):
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads, rope_theta=c.rope_theta,
-        tie_word_embeddings=c.tie_embeddings), ).float().train()
+    model = (
+        transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(
+                vocab_size=c.vocab_size,
+                hidden_size=c.hidden_size,
+                intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.num_layers,
+                num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads,
+                rope_theta=c.rope_theta,
+                tie_word_embeddings=c.tie_embeddings,
+            ),
+        )
+        .float()
+        .train()
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=UPDATE.learning_rate, weight_decay=0.01)
     b = make_batch(c, batch, length)
     tokens = torch.from_numpy(b.tokens.astype(np.int64))
@@ -238,8 +288,11 @@ def main():
     parser.add_argument("--chunk", type=int, default=64, help="logits_chunk_size of jax-scan")
     parser.add_argument("--depths", default="2,4,8", help="layers for the compile table ('' off)")
     parser.add_argument("--no-torch", action="store_true")
-    parser.add_argument("--logits-vocabs", default="4096,32000,151936",
-                        help="vocabularies of the logits-memory table ('' off)")
+    parser.add_argument(
+        "--logits-vocabs",
+        default="4096,32000,151936",
+        help="vocabularies of the logits-memory table ('' off)",
+    )
     args = parser.parse_args()
 
     backend = jax.default_backend()
@@ -249,15 +302,20 @@ def main():
     if have_torch:
         try:
             import torch
+
             torch.set_num_threads(os.cpu_count())
             peak_t = torch_peak()
         except ImportError:
             have_torch = False
     print(f"backend={backend} devices={jax.devices()[0].device_kind!r} cpus={os.cpu_count()}")
-    print(f"measured matmul peak: jax {peak_j / 1e9:.1f} GFLOP/s"
-          + (f", torch {peak_t / 1e9:.1f} GFLOP/s" if have_torch else ""))
-    header = (f"{'config':8} {'params':>8} {'tokens':>7} {'impl':8} {'step s':>8} {'tok/s':>9} "
-              f"{'GFLOP/s':>8} {'MFU':>6} {'compile s':>9} {'temp MB':>8} {'vs torch':>8}")
+    print(
+        f"measured matmul peak: jax {peak_j / 1e9:.1f} GFLOP/s"
+        + (f", torch {peak_t / 1e9:.1f} GFLOP/s" if have_torch else "")
+    )
+    header = (
+        f"{'config':8} {'params':>8} {'tokens':>7} {'impl':8} {'step s':>8} {'tok/s':>9} "
+        f"{'GFLOP/s':>8} {'MFU':>6} {'compile s':>9} {'temp MB':>8} {'vs torch':>8}"
+    )
     print(header)
     print("-" * len(header))
     scan_update = dataclasses.replace(UPDATE, logits_chunk_size=args.chunk)
@@ -269,7 +327,8 @@ def main():
         fns, info = {}, {}
         fns["jax"], *info["jax"] = bench_jax(c, batch, length)
         fns["jax-scan"], *info["jax-scan"] = bench_jax(
-            dataclasses.replace(c, scan_layers=True), batch, length, scan_update)
+            dataclasses.replace(c, scan_layers=True), batch, length, scan_update
+        )
         if have_torch:
             fns["torch"], info["torch"] = bench_torch(c, batch, length), (None, None)
         med = interleaved(fns, args.steps)
@@ -279,9 +338,12 @@ def main():
             ratio = f"{t / t_torch:7.2f}x" if t_torch is not None else ""
             comp_s = f"{comp:9.1f}" if comp is not None else f"{'':9}"
             mem_s = f"{mem:8.1f}" if mem is not None else f"{'':8}"
-            print(f"{name:8} {c.num_params / 1e6:7.1f}M {tokens:7d} {impl:8} {t:8.3f} "
-                  f"{tokens / t:9.0f} {flops / t / 1e9:8.1f} {flops / t / peak:6.1%} {comp_s} "
-                  f"{mem_s} {ratio:>8}", flush=True)
+            print(
+                f"{name:8} {c.num_params / 1e6:7.1f}M {tokens:7d} {impl:8} {t:8.3f} "
+                f"{tokens / t:9.0f} {flops / t / 1e9:8.1f} {flops / t / peak:6.1%} {comp_s} "
+                f"{mem_s} {ratio:>8}",
+                flush=True,
+            )
     if args.depths and configs:
         depths = [int(d) for d in args.depths.split(",")]
         print("\ncompile seconds of the update step per depth (same widths as the config)")
@@ -289,9 +351,15 @@ def main():
         for name in configs:
             c, batch, length = CONFIGS[name]
             for layout, scan in (("unrolled", False), ("scan", True)):
-                secs = [compile_seconds(dataclasses.replace(c, num_layers=d, scan_layers=scan),
-                                        batch, length, scan_update if scan else UPDATE)
-                        for d in depths]
+                secs = [
+                    compile_seconds(
+                        dataclasses.replace(c, num_layers=d, scan_layers=scan),
+                        batch,
+                        length,
+                        scan_update if scan else UPDATE,
+                    )
+                    for d in depths
+                ]
                 print(f"{name:8} {layout:9} " + " ".join(f"{x:7.1f}" for x in secs), flush=True)
     if args.logits_vocabs:
         logits_memory_table(args.chunk, [int(v) for v in args.logits_vocabs.split(",")])

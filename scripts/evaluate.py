@@ -26,9 +26,9 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from gagar_jax.rl import train
 
-    metrics, step = train.evaluate_checkpoint(FLAGS.workdir, step=FLAGS.step,
-                                             samples=FLAGS.samples,
-                                             temperature=FLAGS.temperature)
+    metrics, step = train.evaluate_checkpoint(
+        FLAGS.workdir, step=FLAGS.step, samples=FLAGS.samples, temperature=FLAGS.temperature
+    )
     out = os.path.join(FLAGS.workdir, f"eval_{step}.json")
     with open(out, "w", encoding="utf-8") as f:
         json.dump({"step": step, **metrics}, f, indent=1)

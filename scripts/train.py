@@ -25,12 +25,16 @@ from ml_collections import config_flags
 # `python -m` from the root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:arg]).",
-                                lock_config=True)
+config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file (configs/*.py[:arg]).", lock_config=True
+)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
-flags.DEFINE_string("compilation_cache", "runs/.jax_cache",
-                    "JAX persistent compilation cache directory ('' disables): reruns and the "
-                    "three modes of `make compare` reuse compiled programs.")
+flags.DEFINE_string(
+    "compilation_cache",
+    "runs/.jax_cache",
+    "JAX persistent compilation cache directory ('' disables): reruns and the "
+    "three modes of `make compare` reuse compiled programs.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 

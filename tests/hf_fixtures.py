@@ -28,23 +28,37 @@ def make_tiny_tokenizer(out_dir, vocab_size: int = 1024) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     script = _tiny_model_script()
-    corpus = [p.read_text(errors="replace") for p in sorted(FIXTURE_REPOS.rglob("*"))
-              if p.is_file()]
+    corpus = [
+        p.read_text(errors="replace") for p in sorted(FIXTURE_REPOS.rglob("*")) if p.is_file()
+    ]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    corpus += [(stdlib / f).read_text(errors="replace") for f in ("textwrap.py", "json/encoder.py")
-               if (stdlib / f).exists()]
+    corpus += [
+        (stdlib / f).read_text(errors="replace")
+        for f in ("textwrap.py", "json/encoder.py")
+        if (stdlib / f).exists()
+    ]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=script.SPECIAL,
-                                  show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=script.SPECIAL,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
     os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-                   "chat_template": script.CHAT_TEMPLATE}, f)
+        json.dump(
+            {
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "chat_template": script.CHAT_TEMPLATE,
+            },
+            f,
+        )
     return str(out_dir)
 
 

@@ -78,8 +78,12 @@ def test_repo_tasks_from_jsonl_and_verify(tmp_path):
     [
         ("{not json", "train.jsonl:2"),
         (json.dumps({"task_id": "x", "issue": "", "files": {"a.py": ""}}), "fail_to_pass"),
-        (json.dumps({"task_id": "x", "issue": "", "files": {"a.py": ""},
-                     "fail_to_pass": ["t.py"]}), "not 'file::name'"),  # fmt: skip
+        (
+            json.dumps(
+                {"task_id": "x", "issue": "", "files": {"a.py": ""}, "fail_to_pass": ["t.py"]}
+            ),
+            "not 'file::name'",
+        ),  # fmt: skip
     ],
 )
 def test_repo_tasks_bad_lines_fail_the_build(tmp_path, line, msg):
@@ -90,14 +94,16 @@ def test_repo_tasks_bad_lines_fail_the_build(tmp_path, line, msg):
     builder = B.RepoTasks(data_dir=str(tmp_path / "data"))
     with pytest.raises(Exception, match=msg):
         builder.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(manual_dir=manual))
+            download_config=tfds.download.DownloadConfig(manual_dir=manual)
+        )
 
 
 def test_repo_tasks_without_jsonl(tmp_path):
     builder = B.RepoTasks(data_dir=str(tmp_path / "data"))
     with pytest.raises(Exception, match="train.jsonl"):
         builder.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(manual_dir=tmp_path))
+            download_config=tfds.download.DownloadConfig(manual_dir=tmp_path)
+        )
 
 
 def test_repo_tasks_audit_fields_round_trip(tmp_path):
@@ -106,11 +112,14 @@ def test_repo_tasks_audit_fields_round_trip(tmp_path):
 
     statkit = RepoTask.from_dir(os.path.join(FIXTURES, "statkit"))
     slugger = RepoTask.from_dir(os.path.join(FIXTURES, "slugger"))
-    report = A.AuditReport(statkit.task_id, False, ("flaky", "leaks_solution"),
-                           (A.AuditRun("gold", 0, "passed", {"t::a": "passed"}),),
-                           {"flaky": "t::a"})
-    vote = A.AuditVote(2, 1, "15m-1h", "bug_fix",
-                       (A.AuditEvidence("issue", quote="the mean"),))
+    report = A.AuditReport(
+        statkit.task_id,
+        False,
+        ("flaky", "leaks_solution"),
+        (A.AuditRun("gold", 0, "passed", {"t::a": "passed"}),),
+        {"flaky": "t::a"},
+    )
+    vote = A.AuditVote(2, 1, "15m-1h", "bug_fix", (A.AuditEvidence("issue", quote="the mean"),))
     audit = A.TaskAudit(statkit.task_id, vote, (vote, vote), 1, "max_severity", "v1", ("x",))
     entry = A.PoolEntry(statkit, report, audit, (True, False, True, True))
     manual = tmp_path / "manual"
@@ -122,25 +131,44 @@ def test_repo_tasks_audit_fields_round_trip(tmp_path):
     _write_jsonl(manual / "test.jsonl", [slugger])
     fell_back = A.TaskAudit(slugger.task_id, None, (), 3, "majority", "v1", ("schema",))
     with open(manual / "audit.jsonl", "w") as f:
-        f.write(json.dumps({"task_id": slugger.task_id, "audit": fell_back.to_dict(),
-                            "attempts": [False, False]}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "task_id": slugger.task_id,
+                    "audit": fell_back.to_dict(),
+                    "attempts": [False, False],
+                }
+            )
+            + "\n"
+        )
     builder = B.RepoTasks(data_dir=str(tmp_path / "data"))
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual))
     ds = tfds.data_source("repo_tasks", data_dir=str(tmp_path / "data"))
     r0, r1 = ds["train"][0], ds["train"][1]
     assert B.repo_task_from_record(r0) == statkit
     assert B.audit_from_record(r0) == {
-        "precheck_ran": True, "precheck_ok": False,
-        "precheck_reasons": ["flaky", "leaks_solution"], "audit_ok": True,
-        "underspecification": 2, "test_validity": 1, "audit_difficulty": "15m-1h",
-        "audit_category": "bug_fix", "audit_prompt_version": "v1", "pass_rate": 0.75,
-        "num_attempts": 4, "attempts": [True, False, True, True],
+        "precheck_ran": True,
+        "precheck_ok": False,
+        "precheck_reasons": ["flaky", "leaks_solution"],
+        "audit_ok": True,
+        "underspecification": 2,
+        "test_validity": 1,
+        "audit_difficulty": "15m-1h",
+        "audit_category": "bug_fix",
+        "audit_prompt_version": "v1",
+        "pass_rate": 0.75,
+        "num_attempts": 4,
+        "attempts": [True, False, True, True],
         "precheck_json": json.dumps(report.to_dict(), sort_keys=True),
         "audit_json": json.dumps(audit.to_dict(), sort_keys=True),
     }
     back = B.pool_entry_from_record(r0)
     assert (back.task, back.precheck, back.audit, back.attempts) == (
-        statkit, report, audit, entry.attempts)
+        statkit,
+        report,
+        audit,
+        entry.attempts,
+    )
     # no audit results: exactly the documented defaults
     assert B.audit_from_record(r1) == B.AUDIT_DEFAULTS
     assert B.pool_entry_from_record(r1) == A.PoolEntry(other)
@@ -151,7 +179,10 @@ def test_repo_tasks_audit_fields_round_trip(tmp_path):
     pool = [B.pool_entry_from_record(r) for r in ds["train"]]
     kept, rep = A.filter_tasks(pool, {"require_precheck": True})
     assert kept == [] and rep["reasons"] == {
-        "precheck:flaky": 1, "precheck:leaks_solution": 1, "precheck:missing": 1}
+        "precheck:flaky": 1,
+        "precheck:leaks_solution": 1,
+        "precheck:missing": 1,
+    }
     kept, _ = A.filter_tasks(pool, {"max_underspecification": 1})
     assert [e.task_id for e in kept] == [other.task_id]
 
@@ -163,7 +194,8 @@ def test_repo_tasks_bad_audit_line_fails_the_build(tmp_path):
     (manual / "audit.jsonl").write_text('{"attempts": [true]}\n')
     with pytest.raises(ValueError, match="audit.jsonl:1.*task_id"):
         B.RepoTasks(data_dir=str(tmp_path / "data")).download_and_prepare(
-            download_config=tfds.download.DownloadConfig(manual_dir=manual))
+            download_config=tfds.download.DownloadConfig(manual_dir=manual)
+        )
 
 
 def test_toy_tasks_audit_fields_from_audit_path(tmp_path):

@@ -20,22 +20,41 @@ from sglang_fixtures import SGLANG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Minutes of CPU (SFT and updates at 2k tokens, SGLang rollouts): not in `make test`'s budget.
-pytestmark = [*SGLANG, pytest.mark.e2e, pytest.mark.skipif(
-    os.environ.get("GAGAR_E2E") != "1",
-    reason="make e2e as a test takes many minutes on 2 cores: run with GAGAR_E2E=1")]
+pytestmark = [
+    *SGLANG,
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        os.environ.get("GAGAR_E2E") != "1",
+        reason="make e2e as a test takes many minutes on 2 cores: run with GAGAR_E2E=1",
+    ),
+]
 
 
 def test_make_e2e_metrics(sglang_server, tiny_sglang_model, tmp_path):
     out = tmp_path / "e2e"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "e2e.py"), f"--out={out}",
-           f"--sglang_url={sglang_server.url}", f"--model_dir={tiny_sglang_model}"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "e2e.py"),
+        f"--out={out}",
+        f"--sglang_url={sglang_server.url}",
+        f"--model_dir={tiny_sglang_model}",
+    ]
     try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000,
-                           env={**os.environ, "XLA_FLAGS": ""})
+        r = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=3000,
+            env={**os.environ, "XLA_FLAGS": ""},
+        )
     finally:  # the launch weights back, as the other sglang tests expect them
-        httpx.post(f"{sglang_server.url}/update_weights_from_disk", timeout=120,
-                   json={"model_path": str(tiny_sglang_model), "weight_version": "default"},
-                   trust_env=False)
+        httpx.post(
+            f"{sglang_server.url}/update_weights_from_disk",
+            timeout=120,
+            json={"model_path": str(tiny_sglang_model), "weight_version": "default"},
+            trust_env=False,
+        )
     log_path = out / "trainer.log"
     log = log_path.read_text(errors="replace") if log_path.exists() else ""
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + log[-3000:]

@@ -95,16 +95,18 @@ def test_toy_demonstrations_are_prompt_patch_eos(toy):
     for d in demos:
         task = tasks[d.tokens[: d.prompt_len]]
         assert d.tokens[-1] == TOKENIZER.eos_id
-        assert not any(d.loss_mask[: d.prompt_len]) and all(d.loss_mask[d.prompt_len:])
-        v = verify(task, TOKENIZER.decode(d.tokens[d.prompt_len:]))
+        assert not any(d.loss_mask[: d.prompt_len]) and all(d.loss_mask[d.prompt_len :])
+        v = verify(task, TOKENIZER.decode(d.tokens[d.prompt_len :]))
         assert v.passed and not v.cheat
 
 
 def test_toy_workspace_holds_every_candidate(toy):
     task = toy.train_task(1)
     patches = candidate_patches(task)
-    members = [GroupMember(f"g/{i}", Attempt(text=p), toy.verify(task, Attempt(text=p)))
-               for i, p in enumerate([patches["minimal"], patches["noop"]])]
+    members = [
+        GroupMember(f"g/{i}", Attempt(text=p), toy.verify(task, Attempt(text=p)))
+        for i, p in enumerate([patches["minimal"], patches["noop"]])
+    ]
     ws = toy.workspace("g", task, members)
     assert isinstance(ws, GroupWorkspace)
     assert [c.candidate_id for c in ws.candidates] == ["g/0", "g/1"]
@@ -168,7 +170,7 @@ def test_agent_demonstrations_replayed_through_run_episodes_align(agent):
     demos = agent.demonstrations(1)
     demo = demos[0]
     turns, cur = [], []
-    for t, m in zip(demo.tokens[demo.prompt_len:], demo.loss_mask[demo.prompt_len:]):
+    for t, m in zip(demo.tokens[demo.prompt_len :], demo.loss_mask[demo.prompt_len :]):
         if m:
             cur.append(t)
             if t == tok.eos_id:
@@ -179,15 +181,21 @@ def test_agent_demonstrations_replayed_through_run_episodes_align(agent):
     prompt = agent.prompt_tokens(task)
     engine = ReplayEngine([turns])
     engine.contexts = {0: list(prompt)}
-    (ep,) = run_episodes(engine, tok, [agent.make_env(task)], [prompt],
-                         SamplingParams(max_tokens=32, stop_token_ids=(tok.eos_id,)),
-                         max_turns=6, max_total_tokens=len(prompt) + 200,
-                         observation_tokens=agent.observation_tokens)
+    (ep,) = run_episodes(
+        engine,
+        tok,
+        [agent.make_env(task)],
+        [prompt],
+        SamplingParams(max_tokens=32, stop_token_ids=(tok.eos_id,)),
+        max_turns=6,
+        max_total_tokens=len(prompt) + 200,
+        observation_tokens=agent.observation_tokens,
+    )
     assert ep.finish_reason == "submitted" and len(ep.turns) == 4
     assert tuple(ep.tokens) == demo.tokens
     assert tuple(bool(m) for m in ep.response_mask) == demo.loss_mask
     assert all(lp == (-0.5 if m else 0.0) for lp, m in zip(ep.logprobs, ep.response_mask))
-    a = Attempt(response_tokens=ep.tokens[len(prompt):], episode=ep, env=None)
+    a = Attempt(response_tokens=ep.tokens[len(prompt) :], episode=ep, env=None)
     kinds = [e["kind"] for e in a.trajectory()]
     assert kinds == ["tool_call", "observation"] * 4
 
@@ -198,8 +206,10 @@ def repo(tmp_path_factory):
     d = tmp_path_factory.mktemp("repo_family")
     tok_dir = make_tiny_tokenizer(d / "tok")
     pool = fixture_pool(d / "pool.jsonl")
-    return make_family("python_repo", FamilySettings(
-        data_path=pool, tokenizer_path=tok_dir, num_eval=0, max_prompt_len=1024))
+    return make_family(
+        "python_repo",
+        FamilySettings(data_path=pool, tokenizer_path=tok_dir, num_eval=0, max_prompt_len=1024),
+    )
 
 
 def test_repo_family_needs_a_tokenizer_and_a_pool(tmp_path):
@@ -235,8 +245,11 @@ def test_repo_episode_verified_with_hidden_tests_in_the_sandbox(repo):
     it, the final verification runs it."""
     from gagar_jax.envs.hf_tokenizer import tool_call_text
 
-    task = next(t for t in (repo.train_task(i) for i in range(repo.num_train))
-                if t.task_id.startswith("slugger"))
+    task = next(
+        t
+        for t in (repo.train_task(i) for i in range(repo.num_train))
+        if t.task_id.startswith("slugger")
+    )
     env = repo.make_env(task)
     for name, args in repo.demonstration_calls(task)[:-2]:
         env.step(tool_call_text(name, args))
@@ -256,11 +269,18 @@ def test_repo_agent_that_edits_the_tests_is_not_rewarded(repo):
     """An agent that rewrites the test file: the verifier resets it, the monitor flags it."""
     from gagar_jax.envs.hf_tokenizer import tool_call_text
 
-    task = next(t for t in (repo.train_task(i) for i in range(repo.num_train))
-                if t.task_id.startswith("statkit"))
+    task = next(
+        t
+        for t in (repo.train_task(i) for i in range(repo.num_train))
+        if t.task_id.startswith("statkit")
+    )
     env = repo.make_env(task)
-    env.step(tool_call_text("edit", {"path": "tests/test_stats.py",
-                                     "content": "def test_median_even():\n    pass\n"}))
+    env.step(
+        tool_call_text(
+            "edit",
+            {"path": "tests/test_stats.py", "content": "def test_median_even():\n    pass\n"},
+        )
+    )
     env.step(tool_call_text("submit", {}))
     out = repo.verify(task, Attempt(env=env))
     assert not (out.passed and not out.cheat)
@@ -272,21 +292,26 @@ def test_repo_demonstrations_and_workspace(repo):
     assert len(demos) == 2
     tok = repo.tokenizer
     for d in demos:
-        model_text = tok.decode([t for t, m in zip(d.tokens, d.loss_mask) if m],
-                                skip_special_tokens=False)
+        model_text = tok.decode(
+            [t for t, m in zip(d.tokens, d.loss_mask) if m], skip_special_tokens=False
+        )
         assert model_text.count("<tool_call>") == model_text.count("<|im_end|>") >= 4
-        obs_text = tok.decode([t for t, m in zip(d.tokens[d.prompt_len:],
-                                                 d.loss_mask[d.prompt_len:]) if not m],
-                              skip_special_tokens=False)
+        obs_text = tok.decode(
+            [t for t, m in zip(d.tokens[d.prompt_len :], d.loss_mask[d.prompt_len :]) if not m],
+            skip_special_tokens=False,
+        )
         assert "<|im_start|>tool" in obs_text and "<tool_call>" not in obs_text
-        calls = [json.loads(b.split("</tool_call>")[0])["name"]
-                 for b in model_text.split("<tool_call>")[1:]]
+        calls = [
+            json.loads(b.split("</tool_call>")[0])["name"]
+            for b in model_text.split("<tool_call>")[1:]
+        ]
         assert calls[0] == "read_file" and calls[-2:] == ["run_tests", "submit"]
     task = repo.train_task(0)
     ok = Outcome(passed=True, test_log="PASSED x", patch="")
     bad = Outcome(passed=False, test_log="FAILED x", patch="")
-    ws = repo.workspace("g", task, [GroupMember("g/0", Attempt(), ok),
-                                    GroupMember("g/1", Attempt(), bad)])
+    ws = repo.workspace(
+        "g", task, [GroupMember("g/0", Attempt(), ok), GroupMember("g/1", Attempt(), bad)]
+    )
     assert ws.repo_files == dict(task.files) and ws.task_text == task.issue
     assert [c.passed for c in ws.candidates] == [True, False]
 
@@ -297,8 +322,9 @@ def test_toy_on_a_hugging_face_tokenizer_speaks_its_ids(tmp_path):
     through its chat template, responses decoded with it and verified as toy patches, so the
     ids the served model samples are the ids the family reads; toy_agent refuses one."""
     tok_dir = make_tiny_tokenizer(tmp_path / "tok")
-    fam = make_family("toy", FamilySettings(tokenizer_path=tok_dir, num_train=4, num_eval=2,
-                                            max_prompt_len=256))
+    fam = make_family(
+        "toy", FamilySettings(tokenizer_path=tok_dir, num_train=4, num_eval=2, max_prompt_len=256)
+    )
     assert fam.tokenizer.vocab_size == 1024 and fam.tokenizer is not TOKENIZER
     task = fam.train_task(0)
     ids = fam.prompt_tokens(task)
@@ -307,8 +333,7 @@ def test_toy_on_a_hugging_face_tokenizer_speaks_its_ids(tmp_path):
     assert text.endswith("<|im_start|>assistant\n")
     patch = candidate_patches(task)["minimal"]
     response = fam.tokenizer.encode(patch) + [fam.tokenizer.eos_id]
-    out = fam.verify(task, Attempt(response_tokens=response,
-                                   text=fam.tokenizer.decode(response)))
+    out = fam.verify(task, Attempt(response_tokens=response, text=fam.tokenizer.decode(response)))
     assert out.passed and out.patch == patch
     assert not fam.verify(task, Attempt(response_tokens=[5, 6], text="del 1")).passed
     assert fam.token_spans(task, Attempt(response_tokens=response)) is None

@@ -110,8 +110,10 @@ def test_base_params_round_trip_through_orbax(tmp_path):
 
     from gagar_jax.feedback.run import load_params, save_params
 
-    params = {"layer": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)},
-              "b": np.ones((3,), np.float32)}
+    params = {
+        "layer": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)},
+        "b": np.ones((3,), np.float32),
+    }
     save_params(str(tmp_path / "base_params"), params)
     like = {"layer": {"w": np.zeros((2, 3), np.float32)}, "b": np.zeros((3,), np.float32)}
     got = load_params(str(tmp_path / "base_params"), like)

@@ -2,7 +2,6 @@
 `task.demo_kinds`, so the warm-started policy writes T2 patches and discount-only's credit
 imbalance persists through RL (README "The discount-only question")."""
 
-
 import pytest
 
 from configs import toy_gagar

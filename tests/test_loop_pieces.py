@@ -28,8 +28,10 @@ def test_toy_config_builds_and_validates(arg):
     cfg = RunConfig.from_config_dict(load_config_module("toy_gagar").get_config(arg))
     mode = (arg or "gagar").split(",")[0] if arg not in (None, "smoke") else "gagar"
     assert cfg.mode == mode
-    assert cfg.redistribution == {"gagar": "sum_preserving", "binary": "none",
-                                  "discount_only": "discount_only"}[mode]
+    assert (
+        cfg.redistribution
+        == {"gagar": "sum_preserving", "binary": "none", "discount_only": "discount_only"}[mode]
+    )
     if arg and "smoke" in arg:
         assert cfg.loop.total_steps <= 5
 
@@ -40,7 +42,10 @@ def test_scale_configs_validate(name):
     cfg = RunConfig.from_config_dict(module.get_config(None))
     # repository tasks, rolled out and graded by SGLang servers, from an SFT'd checkpoint
     assert (cfg.task.family, cfg.rollout.engine, cfg.grading.grader) == (
-        "python_repo", "sglang", "agentic")
+        "python_repo",
+        "sglang",
+        "agentic",
+    )
     assert cfg.sft.steps == 0 and cfg.hf_checkpoint
     cfg_smoke = RunConfig.from_config_dict(module.get_config("smoke"))
     assert cfg_smoke.loop.total_steps < cfg.loop.total_steps
@@ -68,14 +73,17 @@ def test_unknown_field_is_named():
         RunConfig.from_config_dict(cd)
 
 
-@pytest.mark.parametrize("section,field,value,match", [
-    ("learner", "learning_rate", -1.0, r"learner\.learning_rate must be >= 0"),
-    ("rollout", "num_rollouts", 1, r"rollout\.num_rollouts"),
-    ("rollout", "engine", "vllm", r"rollout\.engine"),
-    ("model", "num_kv_heads", 3, r"config\.model: .*num_kv_heads"),
-    ("mesh", "shape", (-1, -1, 1), r"mesh\.shape"),
-    ("sampling", "oversample", 0.5, r"sampling\.oversample"),
-])
+@pytest.mark.parametrize(
+    "section,field,value,match",
+    [
+        ("learner", "learning_rate", -1.0, r"learner\.learning_rate must be >= 0"),
+        ("rollout", "num_rollouts", 1, r"rollout\.num_rollouts"),
+        ("rollout", "engine", "vllm", r"rollout\.engine"),
+        ("model", "num_kv_heads", 3, r"config\.model: .*num_kv_heads"),
+        ("mesh", "shape", (-1, -1, 1), r"mesh\.shape"),
+        ("sampling", "oversample", 0.5, r"sampling\.oversample"),
+    ],
+)
 def test_bad_value_names_field(section, field, value, match):
     cd = load_config_module("toy_gagar").get_config("smoke").to_dict()
     cd[section][field] = value
@@ -145,10 +153,15 @@ def test_config_sections_are_the_library_types():
 def make_group(gid, passes, K=4, prompt_len=3, resp_len=2, infra=()):
     rollouts = []
     for k in range(K):
-        rollouts.append(collect.Rollout(
-            prompt_tokens=list(range(1, prompt_len + 1)),
-            response_tokens=[7] * resp_len, logprobs=[-0.5] * resp_len,
-            passed=k < passes, infra_error=k in infra))
+        rollouts.append(
+            collect.Rollout(
+                prompt_tokens=list(range(1, prompt_len + 1)),
+                response_tokens=[7] * resp_len,
+                logprobs=[-0.5] * resp_len,
+                passed=k < passes,
+                infra_error=k in infra,
+            )
+        )
     return collect.Group(group_id=str(gid), task=None, rollouts=rollouts)
 
 
@@ -181,8 +194,13 @@ def test_group_outcomes():
 def test_refill_until_target_and_oversample():
     draw = ScriptedDraw([0, 2, 4, 1])  # every other group is mixed
     kept_order = []
-    res = collect.collect_groups(draw, target=4, oversample=1.5, max_rounds=5,
-                                  on_keep=lambda g: kept_order.append(g.group_id))
+    res = collect.collect_groups(
+        draw,
+        target=4,
+        oversample=1.5,
+        max_rounds=5,
+        on_keep=lambda g: kept_order.append(g.group_id),
+    )
     assert len(res.groups) == 4 and all(g.is_mixed for g in res.groups)
     # round 1 draws ceil(1.5*4)=6 (3 mixed), round 2 draws ceil(1.5*1)=2 (1 mixed)
     assert draw.calls == [6, 2] and res.rounds == 2 and res.drawn == 8
@@ -212,8 +230,9 @@ def test_cap_with_nothing_mixed_raises_even_if_partial_allowed():
 
 
 def test_partial_batches_when_allowed():
-    res = collect.collect_groups(ScriptedDraw([0, 0, 0, 2]), target=8, oversample=1.0,
-                                  max_rounds=2, allow_partial=True)
+    res = collect.collect_groups(
+        ScriptedDraw([0, 0, 0, 2]), target=8, oversample=1.0, max_rounds=2, allow_partial=True
+    )
     assert 0 < len(res.groups) < 8 and res.rounds == 2
 
 
@@ -228,8 +247,9 @@ def test_pack_layout():
     g = make_group("a", 2, K=3, prompt_len=3, resp_len=2, infra=(2,))
     grades = grade.no_grades(2, 3, 3)
     grades.tier[0], grades.rank[0], grades.graded[0] = [1, 2, 1], [1, 2, 1], True
-    b = collect.pack_groups([g], grades, num_groups=2, num_rollouts=3, max_prompt_len=4,
-                            max_new_tokens=3, pad_id=0)
+    b = collect.pack_groups(
+        [g], grades, num_groups=2, num_rollouts=3, max_prompt_len=4, max_new_tokens=3, pad_id=0
+    )
     assert b.tokens.shape == (2 * 3, 7)  # group-major rows n = g * K + k
     np.testing.assert_array_equal(b.tokens[0], [1, 2, 3, 7, 7, 0, 0])
     np.testing.assert_array_equal(b.response_mask[0], [0, 0, 0, 1, 1, 0, 0])
@@ -245,24 +265,35 @@ def test_pack_layout():
 
 def test_pack_rejects_grades_of_another_shape():
     with pytest.raises(ValueError, match=r"grades\.evidence has shape"):
-        collect.pack_groups([make_group("a", 2)], grade.no_grades(1, 4, 5), num_groups=1,
-                            num_rollouts=4, max_prompt_len=3, max_new_tokens=2, pad_id=0)
+        collect.pack_groups(
+            [make_group("a", 2)],
+            grade.no_grades(1, 4, 5),
+            num_groups=1,
+            num_rollouts=4,
+            max_prompt_len=3,
+            max_new_tokens=2,
+            pad_id=0,
+        )
 
 
 def test_cheat_gets_zero_reward():
     g = make_group("c", 2, K=2)
     g.rollouts[0].cheat = True
-    b = collect.pack_groups([g], num_groups=1, num_rollouts=2, max_prompt_len=3,
-                             max_new_tokens=2, pad_id=0)
+    b = collect.pack_groups(
+        [g], num_groups=1, num_rollouts=2, max_prompt_len=3, max_new_tokens=2, pad_id=0
+    )
     np.testing.assert_array_equal(b.rewards[0], [0, 1])
     np.testing.assert_array_equal(b.cheat[0], [1, 0])
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(max_prompt_len=2), "rollout.max_prompt_len"),
-    (dict(max_new_tokens=1), "rollout.max_new_tokens"),
-    (dict(num_groups=0), "num_groups=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_prompt_len=2), "rollout.max_prompt_len"),
+        (dict(max_new_tokens=1), "rollout.max_new_tokens"),
+        (dict(num_groups=0), "num_groups=0"),
+    ],
+)
 def test_pack_rejects_what_does_not_fit(kwargs, match):
     base = dict(num_groups=1, num_rollouts=4, max_prompt_len=3, max_new_tokens=2, pad_id=0)
     base.update(kwargs)
@@ -281,10 +312,12 @@ def test_refills_keep_batch_shapes_static_one_trace():
 
     chex.clear_trace_counter()
     for script, partial in [([2], False), ([0, 4, 2], False), ([0, 0, 0, 0, 0, 2], True)]:
-        res = collect.collect_groups(ScriptedDraw(script), target=4, max_rounds=6,
-                                      oversample=1.0, allow_partial=partial)
-        batch = collect.pack_groups(res.groups, num_groups=4, num_rollouts=4, max_prompt_len=5,
-                                     max_new_tokens=3, pad_id=0)
+        res = collect.collect_groups(
+            ScriptedDraw(script), target=4, max_rounds=6, oversample=1.0, allow_partial=partial
+        )
+        batch = collect.pack_groups(
+            res.groups, num_groups=4, num_rollouts=4, max_prompt_len=5, max_new_tokens=3, pad_id=0
+        )
         fake_update(batch)
 
 
@@ -294,7 +327,7 @@ def test_task_stream_epochs_are_permutations_and_resume_exactly():
     idx, pos = s.take(0, 21)
     assert pos == 21
     for e in range(3):
-        assert sorted(idx[7 * e:7 * e + 7]) == list(range(7))
+        assert sorted(idx[7 * e : 7 * e + 7]) == list(range(7))
     assert idx[:7] != idx[7:14]  # reshuffled per epoch (fixed seed: deterministic)
     # a "resumed" stream from position 10 continues exactly
     s2 = resume.TaskStream(7, seed=3)
@@ -309,15 +342,35 @@ def test_loop_state_is_an_item_of_the_checkpoint_step(tmp_path):
     from gagar_jax.models import TransformerConfig
     from gagar_jax.update import Checkpointer, TrainState, UpdateConfig
 
-    state = TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.arange(4.0)},
-                       opt_state=(), rng=jax.random.key_data(jax.random.key(0)))
-    ckpt = Checkpointer(str(tmp_path), model_config=TransformerConfig(4, 8, 1, 2, 1, 8),
-                        update_config=UpdateConfig(), keep=2, fingerprint="ab")
-    st = resume.LoopState(step=5, data_position=40, rng_key=[0, 7], policy_version=5,
-                          sft_done=True, grader_cache={"k": {"tier": [1, 2]}})
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params={"w": jnp.arange(4.0)},
+        opt_state=(),
+        rng=jax.random.key_data(jax.random.key(0)),
+    )
+    ckpt = Checkpointer(
+        str(tmp_path),
+        model_config=TransformerConfig(4, 8, 1, 2, 1, 8),
+        update_config=UpdateConfig(),
+        keep=2,
+        fingerprint="ab",
+    )
+    st = resume.LoopState(
+        step=5,
+        data_position=40,
+        rng_key=[0, 7],
+        policy_version=5,
+        sft_done=True,
+        grader_cache={"k": {"tier": [1, 2]}},
+    )
     for step, ls in ((5, st), (10, resume.LoopState(step=10))):
-        ckpt.save(step, state, data_position=ls.data_position,
-                  extra={resume.LOOP_STATE_KEY: dataclasses.asdict(ls)}, wait=True)
+        ckpt.save(
+            step,
+            state,
+            data_position=ls.data_position,
+            extra={resume.LOOP_STATE_KEY: dataclasses.asdict(ls)},
+            wait=True,
+        )
     assert resume.read_loop_state(str(tmp_path), 5) == st
     # checkpoint 15 not finished (killed while writing): orbax does not list it -> resume from 10
     (tmp_path / "15.orbax-checkpoint-tmp-1").mkdir()
@@ -386,9 +439,18 @@ def test_torn_last_line_is_skipped(tmp_path):
 def test_plot_and_summary_and_table(tmp_path):
     w = writers.MetricsWriter(str(tmp_path), total_steps=10, tensorboard=False)
     for s in range(10):
-        w.write(s, {"pass_rate": s / 10, "quality": 0.5, "t1_share": 0.2 + s / 100,
-                    "response_length": 20 - s, "entropy": 1.0, "pg_loss_mean": 0.0,
-                    "credit_ratio": 1.0})
+        w.write(
+            s,
+            {
+                "pass_rate": s / 10,
+                "quality": 0.5,
+                "t1_share": 0.2 + s / 100,
+                "response_length": 20 - s,
+                "entropy": 1.0,
+                "pg_loss_mean": 0.0,
+                "credit_ratio": 1.0,
+            },
+        )
     w.write(9, {"eval_pass_rate": 0.6}, phase="eval")
     w.close()
     png = writers.plot_run(str(tmp_path))
@@ -405,15 +467,26 @@ def test_compare_runs_writes_plot_table_and_ablation_notes(tmp_path):
     def fake_run(name, quality, entropy, credit):
         w = writers.MetricsWriter(str(tmp_path / name), total_steps=6, tensorboard=False)
         for s in range(6):
-            w.write(s, {"pass_rate": 0.3, "quality": quality[0] + s * quality[1],
-                        "t1_share": 0.5, "response_length": 10.0, "entropy": entropy,
-                        "pg_loss_mean": 0.01, "credit_ratio": credit})
+            w.write(
+                s,
+                {
+                    "pass_rate": 0.3,
+                    "quality": quality[0] + s * quality[1],
+                    "t1_share": 0.5,
+                    "response_length": 10.0,
+                    "entropy": entropy,
+                    "pg_loss_mean": 0.01,
+                    "credit_ratio": credit,
+                },
+            )
         w.close()
         return str(tmp_path / name)
 
-    runs = {"gagar": fake_run("gagar", (0.5, 0.05), 1.0, 1.0),
-            "binary": fake_run("binary", (0.5, 0.0), 1.0, 1.0),
-            "discount_only": fake_run("discount_only", (0.5, 0.02), 1.5, 0.8)}
+    runs = {
+        "gagar": fake_run("gagar", (0.5, 0.05), 1.0, 1.0),
+        "binary": fake_run("binary", (0.5, 0.0), 1.0, 1.0),
+        "discount_only": fake_run("discount_only", (0.5, 0.02), 1.5, 0.8),
+    }
     md = writers.compare_runs(runs, str(tmp_path / "cmp"), window=2)
     assert os.path.getsize(tmp_path / "cmp" / "comparison.png") > 10_000
     assert (tmp_path / "cmp" / "comparison.md").read_text() == md
@@ -477,14 +550,16 @@ def _tracker(history, window=4, min_attempts=2):
 
 def test_select_prompts_skips_saturated_tasks_within_the_window():
     T, F = True, False
-    tr = _tracker({
-        2: [T, T],  # all pass, enough attempts: skipped
-        5: [F, F, F],  # all fail: skipped
-        6: [T, F, F, F, F],  # the last 4 (the window) all fail: skipped
-        1: [F, F, F, T],  # mixed within the window: kept
-        3: [T, F],  # mixed: kept
-        4: [T],  # too few attempts (min_attempts=2): kept
-    })
+    tr = _tracker(
+        {
+            2: [T, T],  # all pass, enough attempts: skipped
+            5: [F, F, F],  # all fail: skipped
+            6: [T, F, F, F, F],  # the last 4 (the window) all fail: skipped
+            1: [F, F, F, T],  # mixed within the window: kept
+            3: [T, F],  # mixed: kept
+            4: [T],  # too few attempts (min_attempts=2): kept
+        }
+    )
     assert [t for t in map(str, range(8)) if tr.skip(t)] == ["2", "5", "6"]
     stream = resume.TaskStream(8, seed=1)
     skip = lambda i: tr.skip(str(i))  # noqa: E731
@@ -495,7 +570,11 @@ def test_select_prompts_skips_saturated_tasks_within_the_window():
     assert [stream.index(p) for p in pos] == idx and pos == sorted(pos)
     # flag off (skip=None): exactly the stream, positions contiguous, nothing skipped
     assert collect.select_prompts(stream, 3, 10) == (
-        stream.take(3, 10)[0], list(range(3, 13)), 13, 0)
+        stream.take(3, 10)[0],
+        list(range(3, 13)),
+        13,
+        0,
+    )
     # every task saturated: selection still ends (takes after a full pool of skips)
     idx, _, new_pos, skipped = collect.select_prompts(stream, 0, 3, lambda i: True)
     assert len(idx) == 3 and skipped == 8 * 3 and new_pos == 3 + 8 * 3
@@ -544,15 +623,18 @@ def _skip_saturated_steps(monkeypatch, *, skip, num_hosts, steps=3):
 
     monkeypatch.setattr(train, "generate_groups", fake_generate)
     cd = load_config_module("toy_gagar").get_config("binary,smoke").to_dict()
-    cd["rollout"].update(num_prompts=2 * num_hosts, num_rollouts=4, max_prompt_len=8,
-                         max_new_tokens=8)
-    cd["task"].update(num_train=8, skip_saturated=skip, saturation_window=4,
-                      saturation_min_attempts=4)
+    cd["rollout"].update(
+        num_prompts=2 * num_hosts, num_rollouts=4, max_prompt_len=8, max_new_tokens=8
+    )
+    cd["task"].update(
+        num_train=8, skip_saturated=skip, saturation_window=4, saturation_min_attempts=4
+    )
     cd["grading"]["enabled"] = False
     cd["sampling"].update(enabled=True, allow_partial=True, max_rounds=4)
     cfg = RunConfig.from_config_dict(cd)
-    family = types.SimpleNamespace(train_task=lambda i: i,
-                                   tokenizer=types.SimpleNamespace(pad_id=0))
+    family = types.SimpleNamespace(
+        train_task=lambda i: i, tokenizer=types.SimpleNamespace(pad_id=0)
+    )
     board, barrier, out = {}, threading.Barrier(num_hosts), {}
 
     def host(h):
@@ -562,8 +644,17 @@ def _skip_saturated_steps(monkeypatch, *, skip, num_hosts, steps=3):
         tracker = PassRateTracker(4, 4) if skip else None
         ms = []
         for step in range(steps):
-            sres, *_ = train.collect_step(None, family, None, resume.TaskStream(8, seed=0), ls,
-                                         cfg, step=step, hosts=hosts, tracker=tracker)
+            sres, *_ = train.collect_step(
+                None,
+                family,
+                None,
+                resume.TaskStream(8, seed=0),
+                ls,
+                cfg,
+                step=step,
+                hosts=hosts,
+                tracker=tracker,
+            )
             ms.append(train.saturation_metrics(sres, tracker) if tracker else {})
         out[h] = (ms, tracker.state_dict() if tracker else None, ls.data_position)
 
@@ -573,8 +664,7 @@ def _skip_saturated_steps(monkeypatch, *, skip, num_hosts, steps=3):
     for t in threads:
         t.join(60)
     assert len(out) == num_hosts
-    tasks = {s: [t for h in range(num_hosts) for t in drawn.get((h, s), [])]
-             for s in range(steps)}
+    tasks = {s: [t for h in range(num_hosts) for t in drawn.get((h, s), [])] for s in range(steps)}
     return tasks, out
 
 

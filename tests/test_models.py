@@ -229,8 +229,13 @@ def test_causal_blocks_cover_the_sequence(t, block):
 
 
 @settings(max_examples=10, deadline=None)
-@given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 5), st.integers(0, 2**16),
-       st.sampled_from(["float32", "bfloat16"]))
+@given(
+    st.integers(1, 2),
+    st.integers(1, 3),
+    st.integers(1, 5),
+    st.integers(0, 2**16),
+    st.sampled_from(["float32", "bfloat16"]),
+)
 @example(1, 1, 3, 0, "float32")  # I=3 > O=2: the backward transposes dy
 @example(1, 2, 3, 0, "float32")  # I=3 <= O=10: the residual is x^T
 def test_linear_equals_the_matmul_in_value_and_gradient(in_dims, out_dims, t, seed, dtype):
@@ -254,8 +259,9 @@ def test_linear_equals_the_matmul_in_value_and_gradient(in_dims, out_dims, t, se
     tol = 1e-5 if dtype == "float32" else 2e-2
     assert got[1][0].dtype == x.dtype and got[1][1].dtype == w.dtype
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   atol=tol, rtol=tol)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol, rtol=tol
+        )
 
 
 def _np_attention(qh, kh, vh, mask):
@@ -290,8 +296,13 @@ def _attention_inputs(seed, b, kv, g, d, t, pads, dtype=jnp.float32):
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.integers(1, 24), st.integers(0, 9), st.integers(1, 2), st.integers(0, 2**16),
-       st.lists(st.integers(0, 24), min_size=1, max_size=3))
+@given(
+    st.integers(1, 24),
+    st.integers(0, 9),
+    st.integers(1, 2),
+    st.integers(0, 2**16),
+    st.lists(st.integers(0, 24), min_size=1, max_size=3),
+)
 def test_blocked_attention_matches_numpy_and_autodiff(t, block, g, seed, pads):
     """The blocked attention and its FlashAttention-style backward (recomputed probabilities,
     ``ds = p (dp - rowsum(dout out))``) equal a float64 NumPy forward and the autodiff gradient
@@ -300,25 +311,29 @@ def test_blocked_attention_matches_numpy_and_autodiff(t, block, g, seed, pads):
     pads = [min(p, t) for p in pads]
     qh, kh, vh, mask, weight = _attention_inputs(seed, len(pads), 2, g, 8, t, pads)
     blocks = tuple(_causal_blocks(t, block))
-    out = np.asarray(jax.jit(_blocked_causal_attention, static_argnums=4)(qh, kh, vh, mask,
-                                                                          blocks))
+    out = np.asarray(jax.jit(_blocked_causal_attention, static_argnums=4)(qh, kh, vh, mask, blocks))
     live = np.broadcast_to(np.asarray(mask).any(-1)[:, None, :, None, None], out.shape)
     assert np.isfinite(out).all()
-    np.testing.assert_allclose(out[live], _np_attention(qh, kh, vh, mask)[live],
-                               atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(
+        out[live], _np_attention(qh, kh, vh, mask)[live], atol=2e-5, rtol=2e-5
+    )
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v) * weight)
 
-    got = jax.jit(jax.grad(
-        loss(lambda q, k, v: _blocked_causal_attention(q, k, v, mask, blocks)), argnums=(0, 1, 2)
-    ))(qh, kh, vh)
-    want = jax.jit(jax.grad(
-        loss(lambda q, k, v: _autodiff_attention(q, k, v, mask)), argnums=(0, 1, 2)
-    ))(qh, kh, vh)
+    got = jax.jit(
+        jax.grad(
+            loss(lambda q, k, v: _blocked_causal_attention(q, k, v, mask, blocks)),
+            argnums=(0, 1, 2),
+        )
+    )(qh, kh, vh)
+    want = jax.jit(
+        jax.grad(loss(lambda q, k, v: _autodiff_attention(q, k, v, mask)), argnums=(0, 1, 2))
+    )(qh, kh, vh)
     for name, a, b in zip("qkv", got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5, rtol=5e-5,
-                                   err_msg=f"d{name}")
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), atol=5e-5, rtol=5e-5, err_msg=f"d{name}"
+        )
 
 
 def test_blocked_attention_bfloat16_tracks_float32():
@@ -329,8 +344,9 @@ def test_blocked_attention_bfloat16_tracks_float32():
     bf = [x.astype(jnp.bfloat16) for x in (qh, kh, vh)]
 
     def loss(q, k, v):
-        return jnp.sum(_blocked_causal_attention(q, k, v, mask, blocks).astype(jnp.float32)
-                       * weight)
+        return jnp.sum(
+            _blocked_causal_attention(q, k, v, mask, blocks).astype(jnp.float32) * weight
+        )
 
     got = jax.grad(loss, argnums=(0, 1, 2))(*bf)
     want = jax.grad(loss, argnums=(0, 1, 2))(*[x.astype(jnp.float32) for x in bf])

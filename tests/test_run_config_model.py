@@ -26,8 +26,15 @@ def _toy_config(arg="smoke"):
 def test_model_and_update_options_are_overridable_and_reach_the_run_config():
     c = _toy_config()
     # what `--config.model.scan_layers=True ...` sets: every key must already exist
-    c.model.update(scan_layers=True, remat=True, remat_policy="dots", qk_norm=True,
-                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    c.model.update(
+        scan_layers=True,
+        remat=True,
+        remat_policy="dots",
+        qk_norm=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
     c.learner.update(logits_chunk_size=8, router_aux_loss_coef=0.01)
     cfg = RunConfig.from_config_dict(c)
     m = cfg.model_config(vocab_size=100)
@@ -37,8 +44,16 @@ def test_model_and_update_options_are_overridable_and_reach_the_run_config():
     # the defaults the config lists are the library's: listing them changes no run
     base = RunConfig.from_config_dict(_toy_config())
     library = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
-    for f in ("scan_layers", "remat_policy", "qk_norm", "num_experts", "num_experts_per_tok",
-              "moe_intermediate_size", "norm_topk_prob", "causal_block_size"):
+    for f in (
+        "scan_layers",
+        "remat_policy",
+        "qk_norm",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "causal_block_size",
+    ):
         assert getattr(base.model, f) == library[f], f
     updates = {f.name: f.default for f in dataclasses.fields(UpdateConfig)}
     for f in ("logits_chunk_size", "router_aux_loss_coef"):
@@ -55,8 +70,7 @@ def test_hf_checkpoint_runs_with_the_configs_execution_options(tmp_path):
     mask = jnp.ones((2, 7), bool)
     want = np.asarray(plain(tokens, positions, attention_mask=mask))
 
-    c.model.update(hf_checkpoint=str(tmp_path), scan_layers=True, remat=True,
-                   causal_block_size=3)
+    c.model.update(hf_checkpoint=str(tmp_path), scan_layers=True, remat=True, causal_block_size=3)
     c.model.num_layers = 5  # architecture comes from config.json, not from the run config
     cfg = RunConfig.from_config_dict(c)
     model_config, model = build_model(cfg, vocab_size=64)

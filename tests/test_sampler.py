@@ -571,8 +571,10 @@ def test_data_parallel_sampler_samples_what_one_device_samples(model, temperatur
         assert [s.tokens for s in flat_b] == [s.tokens for s in flat_a]
         assert [s.finish_reason for s in flat_b] == [s.finish_reason for s in flat_a]
         np.testing.assert_allclose(
-            [x for s in flat_b for x in s.logprobs], [x for s in flat_a for x in s.logprobs],
-            rtol=0, atol=1e-5,
+            [x for s in flat_b for x in s.logprobs],
+            [x for s in flat_a for x in s.logprobs],
+            rtol=0,
+            atol=1e-5,
         )
         for prompt, row in zip(call_prompts, b):
             for smp in row:

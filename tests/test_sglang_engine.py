@@ -23,8 +23,9 @@ PROMPTS = [[20 + i, 21 + i, 22 + i] for i in range(6)]
 
 
 def reported_version(url):
-    return str(httpx.get(f"{url}/model_info", timeout=30, trust_env=False).json()
-               .get("weight_version"))
+    return str(
+        httpx.get(f"{url}/model_info", timeout=30, trust_env=False).json().get("weight_version")
+    )
 
 
 @pytest.fixture
@@ -32,13 +33,17 @@ def restore_launch_weights(sglang_server, tiny_sglang_model):
     yield
     if not sglang_server.healthy():
         sglang_server.start(timeout_s=300)
-    httpx.post(f"{sglang_server.url}/update_weights_from_disk", timeout=120, trust_env=False,
-               json={"model_path": str(tiny_sglang_model), "weight_version": "default"})
+    httpx.post(
+        f"{sglang_server.url}/update_weights_from_disk",
+        timeout=120,
+        trust_env=False,
+        json={"model_path": str(tiny_sglang_model), "weight_version": "default"},
+    )
 
 
-def test_sync_is_atomic_versioned_and_rolls_back(sglang_server, tiny_sglang_model,
-                                                 sglang_workdir, tmp_path,
-                                                 restore_launch_weights):
+def test_sync_is_atomic_versioned_and_rolls_back(
+    sglang_server, tiny_sglang_model, sglang_workdir, tmp_path, restore_launch_weights
+):
     other = randomize_weights(tiny_sglang_model, sglang_workdir / "engine-v1", seed=21)
     exports = []
 
@@ -72,14 +77,24 @@ def test_sync_is_atomic_versioned_and_rolls_back(sglang_server, tiny_sglang_mode
 
 
 def test_server_sigkilled_during_update_serves_one_version_and_loses_no_sample(
-        sglang_server, tiny_sglang_model, sglang_workdir, tmp_path, restore_launch_weights):
+    sglang_server, tiny_sglang_model, sglang_workdir, tmp_path, restore_launch_weights
+):
     old = randomize_weights(tiny_sglang_model, sglang_workdir / "engine-old", seed=31)
     new = randomize_weights(tiny_sglang_model, sglang_workdir / "engine-new", seed=32)
-    client = SGLangClient(sglang_server.url, max_concurrency=4, max_retries=10_000,
-                          max_retry_time_s=400.0, backoff_base_s=0.25, backoff_max_s=2.0,
-                          ignore_eos=True, vocab_size=1024, seed=0)
-    engine = SGLangEngine(client, export_fn=None, sync_dir=str(tmp_path / "sync"),
-                          drain_timeout_s=2.0)
+    client = SGLangClient(
+        sglang_server.url,
+        max_concurrency=4,
+        max_retries=10_000,
+        max_retry_time_s=400.0,
+        backoff_base_s=0.25,
+        backoff_max_s=2.0,
+        ignore_eos=True,
+        vocab_size=1024,
+        seed=0,
+    )
+    engine = SGLangEngine(
+        client, export_fn=None, sync_dir=str(tmp_path / "sync"), drain_timeout_s=2.0
+    )
     assert engine.sync_weights(str(old), 1) == 1
     params = SamplingParams(n=3, temperature=1.0, max_tokens=48, seed=5)
     box = {}

@@ -611,8 +611,13 @@ def test_two_hosts_with_data_parallel_samplers_equal_the_plain_run(two_process_r
     two-host run of one device each (pass rates within one rollout, the rest within float
     tolerance)."""
     workdir = str(tmp_path / "run")
-    procs = mh.launch(workdir, *COMPARE_ARGS, "--config.rollout.embedded_data_parallel=2",
-                      num_processes=2, devices_per_host=2)
+    procs = mh.launch(
+        workdir,
+        *COMPARE_ARGS,
+        "--config.rollout.embedded_data_parallel=2",
+        num_processes=2,
+        devices_per_host=2,
+    )
     logs = mh.wait_all(procs, timeout=900)
     for i, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"

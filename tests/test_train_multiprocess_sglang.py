@@ -180,8 +180,9 @@ def test_e2e_config_as_two_processes_on_one_server(
     version."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("e2e_script", os.path.join(mh.ROOT, "scripts",
-                                                                             "e2e.py"))
+    spec = importlib.util.spec_from_file_location(
+        "e2e_script", os.path.join(mh.ROOT, "scripts", "e2e.py")
+    )
     e2e = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(e2e)
     pool = e2e.write_pool(str(tmp_path / "tasks.jsonl"))
@@ -205,7 +206,23 @@ def test_e2e_config_as_two_processes_on_one_server(
     assert SGLangClient(sglang_server.url).reported_versions() == [3]
     served = sglang_server.log_path.read_bytes()[log_start:].decode(errors="replace")
     assert served.count("POST /update_weights_from_disk") == 4, served[-3000:]
-    print("e2e config, 2 processes:", json.dumps([
-        {k: r.get(k) for k in ("step", "episode/turns_mean", "episode/tool_calls_mean",
-                               "rollout/weight_version", "rollout/logprob_mismatch_max_abs",
-                               "pass_rate", "step_time_s")} for r in train]))
+    print(
+        "e2e config, 2 processes:",
+        json.dumps(
+            [
+                {
+                    k: r.get(k)
+                    for k in (
+                        "step",
+                        "episode/turns_mean",
+                        "episode/tool_calls_mean",
+                        "rollout/weight_version",
+                        "rollout/logprob_mismatch_max_abs",
+                        "pass_rate",
+                        "step_time_s",
+                    )
+                }
+                for r in train
+            ]
+        ),
+    )

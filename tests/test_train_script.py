@@ -31,6 +31,8 @@ def compilation_cache():
     from gagar_jax.rl import train
 
     train.enable_compilation_cache(JAX_CACHE)
+
+
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 CONFIG = os.path.join(ROOT, "configs", "toy_gagar.py")
 
@@ -65,8 +67,7 @@ def test_smoke_each_mode(mode, tmp_path, capsys):
         for key in ("pass_rate", "response_length", "entropy", "pg_loss_mean", "step_time_s"):
             assert r[key] is not None, (key, r)
         assert 0 < r["response_length"] <= cfg.rollout.max_new_tokens
-    evals = [r for r in writers.read_jsonl(str(tmp_path / "metrics.jsonl"))
-             if r["phase"] == "eval"]
+    evals = [r for r in writers.read_jsonl(str(tmp_path / "metrics.jsonl")) if r["phase"] == "eval"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == cfg.loop.total_steps
     assert any(r["phase"] == "sft" for r in writers.read_jsonl(str(tmp_path / "metrics.jsonl")))
     assert f"finished: {cfg.loop.total_steps} steps" in out and "ETA" in out
@@ -79,9 +80,16 @@ def test_smoke_each_mode(mode, tmp_path, capsys):
 
 
 def _run_script(workdir, *extra, timeout=600):
-    cmd = [sys.executable, SCRIPT, f"--config={CONFIG}:gagar,smoke", f"--workdir={workdir}",
-           f"--compilation_cache={JAX_CACHE}", "--config.loop.total_steps=5",
-           "--config.loop.checkpoint_every=1", *extra]
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        f"--config={CONFIG}:gagar,smoke",
+        f"--workdir={workdir}",
+        f"--compilation_cache={JAX_CACHE}",
+        "--config.loop.total_steps=5",
+        "--config.loop.checkpoint_every=1",
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -93,9 +101,15 @@ def test_script_sigkill_mid_run_resumes_exactly(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
     run = tmp_path / "run"
-    cmd = [sys.executable, SCRIPT, f"--config={CONFIG}:gagar,smoke", f"--workdir={run}",
-           f"--compilation_cache={JAX_CACHE}", "--config.loop.total_steps=5",
-           "--config.loop.checkpoint_every=1"]
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        f"--config={CONFIG}:gagar,smoke",
+        f"--workdir={run}",
+        f"--compilation_cache={JAX_CACHE}",
+        "--config.loop.total_steps=5",
+        "--config.loop.checkpoint_every=1",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = run / "checkpoints" / "2"
     deadline = time.monotonic() + 600
@@ -130,11 +144,18 @@ def test_sigterm_saves_at_the_step_boundary_and_resumes(tmp_path):
     that step's checkpoint (none is due on the interval), exits with 128 + SIGTERM; the rerun
     resumes there, repeating no step and skipping none."""
     run = tmp_path / "run"
-    cmd = [sys.executable, SCRIPT, f"--config={CONFIG}:gagar,smoke", f"--workdir={run}",
-           f"--compilation_cache={JAX_CACHE}", "--config.loop.total_steps=5",
-           "--config.loop.checkpoint_every=100"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        f"--config={CONFIG}:gagar,smoke",
+        f"--workdir={run}",
+        f"--compilation_cache={JAX_CACHE}",
+        "--config.loop.total_steps=5",
+        "--config.loop.checkpoint_every=100",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.monotonic() + 600
     try:
         while not (run / "metrics.jsonl").exists() or not train_rows(run):
@@ -188,8 +209,9 @@ def test_failing_grader_falls_back_and_training_continues(kind, tmp_path):
     from gagar_jax.grading import testing as grading_testing
     from gagar_jax.rl import train
 
-    grader = (grading_testing.CrashingGrader() if kind == "crash"
-              else grading_testing.HangingGrader())
+    grader = (
+        grading_testing.CrashingGrader() if kind == "crash" else grading_testing.HangingGrader()
+    )
     cfg = smoke_config("gagar", **{"grading.deadline_s": 1.0, "loop.total_steps": 2})
     t0 = time.monotonic()
     try:
@@ -213,8 +235,15 @@ def test_dead_agentic_grader_server_falls_back(tmp_path):
     from gagar_jax.rl import train
 
     url = f"http://127.0.0.1:{_free_port()}"
-    cfg = smoke_config("gagar", **{"grading.grader": "agentic", "grading.sglang_url": url,
-                                   "grading.deadline_s": 2.0, "loop.total_steps": 1})
+    cfg = smoke_config(
+        "gagar",
+        **{
+            "grading.grader": "agentic",
+            "grading.sglang_url": url,
+            "grading.deadline_s": 2.0,
+            "loop.total_steps": 1,
+        },
+    )
     t0 = time.monotonic()
     train.train_and_evaluate(cfg, str(tmp_path))
     (row,) = train_rows(tmp_path)
@@ -228,8 +257,10 @@ def test_refused_resume_leaves_the_run_untouched(tmp_path):
 
     train.train_and_evaluate(smoke_config("gagar", **{"loop.total_steps": 1}), str(tmp_path))
     before = (tmp_path / "config.json").read_text()
-    for other in (smoke_config("binary", **{"loop.total_steps": 1}),
-                  smoke_config("gagar", **{"learner.learning_rate": 0.5, "loop.total_steps": 1})):
+    for other in (
+        smoke_config("binary", **{"loop.total_steps": 1}),
+        smoke_config("gagar", **{"learner.learning_rate": 0.5, "loop.total_steps": 1}),
+    ):
         with pytest.raises(train.ResumeMismatchError, match="fingerprint"):
             train.train_and_evaluate(other, str(tmp_path))
     assert (tmp_path / "config.json").read_text() == before
@@ -239,9 +270,15 @@ AGENT_CONFIG = os.path.join(ROOT, "configs", "toy_agent.py")
 
 
 def _run_agent(workdir, steps=3):
-    cmd = [sys.executable, SCRIPT, f"--config={AGENT_CONFIG}:gagar,smoke", f"--workdir={workdir}",
-           f"--compilation_cache={JAX_CACHE}", f"--config.loop.total_steps={steps}",
-           "--config.loop.checkpoint_every=1"]
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        f"--config={AGENT_CONFIG}:gagar,smoke",
+        f"--workdir={workdir}",
+        f"--compilation_cache={JAX_CACHE}",
+        f"--config.loop.total_steps={steps}",
+        "--config.loop.checkpoint_every=1",
+    ]
     return cmd
 
 
@@ -251,8 +288,9 @@ def test_toy_agent_multi_turn_sigkill_resumes_exactly(tmp_path):
     and reproduces the uninterrupted run's figures."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     ref = tmp_path / "ref"
-    r = subprocess.run(_run_agent(ref), capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env=env)
+    r = subprocess.run(
+        _run_agent(ref), capture_output=True, text=True, timeout=600, cwd=ROOT, env=env
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ref_rows = train_rows(ref)
     assert [x["step"] for x in ref_rows] == [0, 1, 2]
@@ -263,8 +301,9 @@ def test_toy_agent_multi_turn_sigkill_resumes_exactly(tmp_path):
         assert abs(x["rollout/logprob_mismatch_k3"]) < 1e-5  # embedded sampler: same program
 
     run = tmp_path / "run"
-    proc = subprocess.Popen(_run_agent(run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _run_agent(run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     marker = run / "checkpoints" / "1"
     deadline = time.monotonic() + 600
     try:
@@ -275,15 +314,22 @@ def test_toy_agent_multi_turn_sigkill_resumes_exactly(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    r = subprocess.run(_run_agent(run), capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env=env)
+    r = subprocess.run(
+        _run_agent(run), capture_output=True, text=True, timeout=600, cwd=ROOT, env=env
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from checkpoint" in r.stdout + r.stderr
     rows = train_rows(run)
     assert [x["step"] for x in rows] == [0, 1, 2]
     for a, b in zip(rows, ref_rows):
-        for key in ("data_position", "policy_version", "pass_rate", "response_length",
-                    "episode/turns_mean", "episode/tool_calls_mean"):
+        for key in (
+            "data_position",
+            "policy_version",
+            "pass_rate",
+            "response_length",
+            "episode/turns_mean",
+            "episode/tool_calls_mean",
+        ):
             assert a[key] == b[key], (key, a["step"], a[key], b[key])
         assert a["pg_loss_mean"] == pytest.approx(b["pg_loss_mean"], abs=1e-6)
 
@@ -309,8 +355,9 @@ def test_smoke_with_a_data_parallel_sampler(tmp_path, monkeypatch):
     monkeypatch.setattr(engines, "build_engine", spy)
     runs = {}
     for devices in (1, 4):
-        cfg = smoke_config("gagar", **{"rollout.embedded_data_parallel": devices,
-                                       "loop.total_steps": 3})
+        cfg = smoke_config(
+            "gagar", **{"rollout.embedded_data_parallel": devices, "loop.total_steps": 3}
+        )
         train.train_and_evaluate(cfg, str(tmp_path / f"dp{devices}"))
         runs[devices] = train_rows(tmp_path / f"dp{devices}")
     assert built[0].mesh is None and built[1].mesh.shape["data"] == 4

@@ -6,7 +6,6 @@ packs them; at the first optimizer step (the parameters that drew them) the impo
 scores at temperature 1 (the bug this guards against).
 """
 
-
 import jax
 import numpy as np
 import pytest
@@ -38,8 +37,9 @@ def sampled_batch(model, temperature: float) -> UpdateBatch:
     sampler = Sampler(model, batch_buckets=(8,), prompt_buckets=(8,), new_token_buckets=(16,))
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(1, MODEL.vocab_size, P)) for _ in range(G)]
-    out = sampler.generate(prompts, SamplingParams(n=K, temperature=temperature, max_tokens=R,
-                                                   seed=3))
+    out = sampler.generate(
+        prompts, SamplingParams(n=K, temperature=temperature, max_tokens=R, seed=3)
+    )
     n, t = G * K, P + R
     tokens = np.zeros((n, t), np.int32)
     positions = np.zeros((n, t), np.int32)
@@ -49,18 +49,27 @@ def sampled_batch(model, temperature: float) -> UpdateBatch:
     for g, samples in enumerate(out):
         for k, s in enumerate(samples):
             i, L = g * K + k, len(s.tokens)
-            tokens[i, :P], tokens[i, P:P + L] = prompts[g], s.tokens
-            positions[i, :P + L] = np.arange(P + L)
-            attn[i, :P + L] = True
-            resp[i, P:P + L] = True
-            old[i, P:P + L] = s.logprobs
+            tokens[i, :P], tokens[i, P : P + L] = prompts[g], s.tokens
+            positions[i, : P + L] = np.arange(P + L)
+            attn[i, : P + L] = True
+            resp[i, P : P + L] = True
+            old[i, P : P + L] = s.logprobs
     passed = np.zeros((G, K), bool)
     passed[:, 0] = True  # mixed groups: nonzero advantages, so the loss has a gradient
-    return UpdateBatch(tokens=tokens, positions=positions, attention_mask=attn,
-                       response_mask=resp, old_logprobs=old, rewards=passed.astype(np.float32),
-                       passed=passed, cheat=np.zeros((G, K), bool),
-                       tier=np.ones((G, K), np.int32), rank=np.ones((G, K), np.int32),
-                       valid=np.ones((G, K), bool), graded=np.ones((G,), bool))
+    return UpdateBatch(
+        tokens=tokens,
+        positions=positions,
+        attention_mask=attn,
+        response_mask=resp,
+        old_logprobs=old,
+        rewards=passed.astype(np.float32),
+        passed=passed,
+        cheat=np.zeros((G, K), bool),
+        tier=np.ones((G, K), np.int32),
+        rank=np.ones((G, K), np.int32),
+        valid=np.ones((G, K), bool),
+        graded=np.ones((G,), bool),
+    )
 
 
 def first_step_metrics(model, batch, temperature):
@@ -95,5 +104,6 @@ def test_temperature_is_validated_and_taken_from_the_rollout_config():
     cfg = RunConfig.from_config_dict({"rollout": {"temperature": 0.7}})
     assert cfg.learner.temperature == 0.7  # the update's own config, as the loop passes it
     with pytest.raises(ConfigError, match="learner.temperature"):  # never two temperatures
-        RunConfig.from_config_dict({"rollout": {"temperature": 0.7},
-                                    "learner": {"temperature": 1.0}})
+        RunConfig.from_config_dict(
+            {"rollout": {"temperature": 0.7}, "learner": {"temperature": 1.0}}
+        )

@@ -67,8 +67,11 @@ def test_hunk_with_offset_applies():
         ("--- a/a.py\n+++ b/a.py\n@@ bad @@\n", "malformed"),
         ("just some text\n", "no file headers"),
         ("--- /dev/null\n+++ b/a.py\n@@ -0,0 +1 @@\n+x\n", "already exists"),
-        ("--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"
-         "--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 3\n", "twice"),
+        (
+            "--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"
+            "--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 3\n",
+            "twice",
+        ),
     ],
 )
 def test_bad_patches_are_rejected_with_reason(patch, msg):

@@ -78,7 +78,7 @@ def test_shadowing_pytest_with_a_fake_module_does_not_work():
         "import sys\n"
         "path = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--junitxml=')][0]\n"
         "open(path, 'w').write('<testsuites><testsuite>' + ''.join(\n"
-        "    '<testcase file=\"tests/test_stats.py\" classname=\"tests.test_stats\" '\n"
+        '    \'<testcase file="tests/test_stats.py" classname="tests.test_stats" \'\n'
         "    'name=\"%s\"/>'\n"
         "    % n for n in ['test_median_even', 'test_mean', 'test_mean_empty',\n"
         "                  'test_median_odd', 'test_spread']) + '</testsuite></testsuites>')\n"

@@ -57,8 +57,10 @@ class HFTokenizer:
         path = os.fspath(path)
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
-            raise FileNotFoundError(f"{tok_file} not found: a Hugging Face tokenizer directory "
-                                    "needs tokenizer.json and tokenizer_config.json")
+            raise FileNotFoundError(
+                f"{tok_file} not found: a Hugging Face tokenizer directory "
+                "needs tokenizer.json and tokenizer_config.json"
+            )
         self.path = path
         self._tok = Tokenizer.from_file(tok_file)
         cfg_file = os.path.join(path, "tokenizer_config.json")
@@ -115,29 +117,47 @@ class HFTokenizer:
             raise jinja2.exceptions.TemplateError(message)
 
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                              separators=separators, sort_keys=sort_keys)
+            return json.dumps(
+                x,
+                ensure_ascii=ensure_ascii,
+                indent=indent,
+                separators=separators,
+                sort_keys=sort_keys,
+            )
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            tools: Sequence[Mapping[str, Any]] | None = None,
-                            add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
         """The template's text for ``messages`` (and the ``tools`` it lists)."""
         return self._template.render(
-            messages=list(messages), tools=list(tools) if tools else None,
-            add_generation_prompt=add_generation_prompt, eos_token=self.eos_token,
-            bos_token="" if self.bos_id is None else self._tok.id_to_token(self.bos_id))
+            messages=list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            eos_token=self.eos_token,
+            bos_token="" if self.bos_id is None else self._tok.id_to_token(self.bos_id),
+        )
 
-    def render_prompt(self, messages: Sequence[Mapping[str, Any]], *,
-                      tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    def render_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """Prompt ids: ``messages`` through the template, ending with the assistant header."""
-        return self.encode(self.apply_chat_template(messages, tools=tools,
-                                                    add_generation_prompt=True))
+        return self.encode(
+            self.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        )
 
     @functools.cached_property
     def _tool_suffix(self) -> tuple[str, str]:
@@ -148,14 +168,19 @@ class HFTokenizer:
         prev = self.apply_chat_template(base)
         cut = prev.rfind(self.eos_token)
         if cut < 0:
-            raise ValueError(f"{self.path}: the chat template does not end an assistant turn "
-                             f"with eos_token {self.eos_token!r}")
+            raise ValueError(
+                f"{self.path}: the chat template does not end an assistant turn "
+                f"with eos_token {self.eos_token!r}"
+            )
         cut += len(self.eos_token)
-        full = self.apply_chat_template(base + [{"role": "tool", "content": marker}],
-                                        add_generation_prompt=True)
+        full = self.apply_chat_template(
+            base + [{"role": "tool", "content": marker}], add_generation_prompt=True
+        )
         if not full.startswith(prev[:cut]) or marker not in full:
-            raise ValueError(f"{self.path}: cannot render a tool message after an assistant "
-                             "turn with this chat template")
+            raise ValueError(
+                f"{self.path}: cannot render a tool message after an assistant "
+                "turn with this chat template"
+            )
         before, after = full[cut:].split(marker, 1)
         return before, after
 

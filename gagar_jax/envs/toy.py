@@ -260,9 +260,7 @@ class ToyTaskGenerator:
         if self.difficulty == 3:
             guard = next(i for i, line in enumerate(correct) if line.startswith("if"))
             guard_stmt = good_prog.stmts[guard]
-            taken = {
-                L._CMP[guard_stmt[1]](x, L.const_value(guard_stmt[3])) for x, _ in tests
-            }
+            taken = {L._CMP[guard_stmt[1]](x, L.const_value(guard_stmt[3])) for x, _ in tests}
             if len(taken) < 2:
                 return None  # the visible tests exercise both sides of the guard
         hidden_tests = tuple((x, L.run_program(good_prog, x)) for x in hidden)

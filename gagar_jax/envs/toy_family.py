@@ -51,8 +51,19 @@ SFT_SEED_OFFSET = 2_000_003
 # Demonstration kinds used for the SFT warm start: every passing, non-cheating kind.
 DEMO_KINDS = ("minimal", "inconsistent", "sprawling", "out_of_scope", "side_effect")
 PROGRAM_FILE = "program.toy"
-TOOL_WORDS = ("read_file", "edit", "run_tests", "submit", "tools", "passed", "failed", "got",
-              "edited", "error", "submitted")
+TOOL_WORDS = (
+    "read_file",
+    "edit",
+    "run_tests",
+    "submit",
+    "tools",
+    "passed",
+    "failed",
+    "got",
+    "edited",
+    "error",
+    "submitted",
+)
 
 
 def parse_demo_kinds(spec) -> tuple[str, ...]:
@@ -65,8 +76,10 @@ def parse_demo_kinds(spec) -> tuple[str, ...]:
         return DEMO_KINDS
     unknown = sorted(set(words) - set(DEMO_KINDS))
     if unknown:
-        raise ValueError(f"task.demo_kinds: {unknown} not demonstration kinds; expected a "
-                         f"comma-separated subset of {', '.join(DEMO_KINDS)}")
+        raise ValueError(
+            f"task.demo_kinds: {unknown} not demonstration kinds; expected a "
+            f"comma-separated subset of {', '.join(DEMO_KINDS)}"
+        )
     return tuple(k for k in DEMO_KINDS if k in words)
 
 
@@ -81,9 +94,16 @@ def quality_score(quality) -> float | None:
 
 
 def _outcome(v: toy.Verification, patch: str, *, log_prefix: str = "") -> Outcome:
-    return Outcome(passed=bool(v.passed), infra_error=bool(v.infra_error), cheat=bool(v.cheat),
-                   test_log=log_prefix + v.test_log, flags=tuple(v.cheat_flags),
-                   quality=quality_dims(v.quality) if v.passed else {}, patch=patch, detail=v)
+    return Outcome(
+        passed=bool(v.passed),
+        infra_error=bool(v.infra_error),
+        cheat=bool(v.cheat),
+        test_log=log_prefix + v.test_log,
+        flags=tuple(v.cheat_flags),
+        quality=quality_dims(v.quality) if v.passed else {},
+        patch=patch,
+        detail=v,
+    )
 
 
 class ToyFamily(TaskFamily):
@@ -138,9 +158,11 @@ class ToyFamily(TaskFamily):
         else:
             ids = self.tokenizer.encode(self.prompt_text(task))
         if len(ids) > self.settings.max_prompt_len:
-            raise ValueError(f"task {task.task_id}: prompt is {len(ids)} tokens > "
-                             f"rollout.max_prompt_len={self.settings.max_prompt_len}; raise it "
-                             "or lower task.difficulty")
+            raise ValueError(
+                f"task {task.task_id}: prompt is {len(ids)} tokens > "
+                f"rollout.max_prompt_len={self.settings.max_prompt_len}; raise it "
+                "or lower task.difficulty"
+            )
         return ids
 
     def verify(self, task: toy.ToyTask, attempt: Attempt) -> Outcome:
@@ -157,9 +179,16 @@ class ToyFamily(TaskFamily):
             v = m.outcome.detail
             if v is None:  # an outcome without the toy verification (e.g. a verifier crash)
                 v = toy.Verification(False, True, m.outcome.test_log, [], {})
-            cands.append(adapters.toy_candidate(task, m.candidate_id, m.outcome.patch, v,
-                                                trajectory=m.attempt.trajectory(),
-                                                summary=m.attempt.summary()))
+            cands.append(
+                adapters.toy_candidate(
+                    task,
+                    m.candidate_id,
+                    m.outcome.patch,
+                    v,
+                    trajectory=m.attempt.trajectory(),
+                    summary=m.attempt.summary(),
+                )
+            )
         return adapters.toy_workspace(task, group_id, cands)
 
     def token_spans(self, task: toy.ToyTask, attempt: Attempt):
@@ -198,9 +227,13 @@ class ToyFamily(TaskFamily):
             prompt = self.prompt_tokens(task)
             for patch in self.demonstration_patches(task):
                 response = self.tokenizer.encode(patch) + [eos]
-                out.append(Demonstration(tuple(prompt) + tuple(response),
-                                         (False,) * len(prompt) + (True,) * len(response),
-                                         len(prompt)))
+                out.append(
+                    Demonstration(
+                        tuple(prompt) + tuple(response),
+                        (False,) * len(prompt) + (True,) * len(response),
+                        len(prompt),
+                    )
+                )
         return out
 
 
@@ -248,8 +281,9 @@ class ToyAgentEnv:
         self.patch = ""
         self.submitted = False
         self._pending: str | None = None
-        self.env = CodeAgentEnv({PROGRAM_FILE: toy.numbered(task.lines)}, self._run_tests,
-                                parse=self._parse)
+        self.env = CodeAgentEnv(
+            {PROGRAM_FILE: toy.numbered(task.lines)}, self._run_tests, parse=self._parse
+        )
 
     def _run_tests(self, files: dict[str, str]) -> tuple[bool, str]:
         text = files.get(PROGRAM_FILE, "")
@@ -271,8 +305,9 @@ class ToyAgentEnv:
             except toy.PatchError:
                 return None  # an invalid action: CodeAgentEnv answers with an error
             self._pending = rest
-            return ToolCall("edit", {"path": PROGRAM_FILE, "content": toy.numbered(
-                new.split("\n"))})
+            return ToolCall(
+                "edit", {"path": PROGRAM_FILE, "content": toy.numbered(new.split("\n"))}
+            )
         return None
 
     def step(self, action_text: str):
@@ -305,7 +340,8 @@ class ToyAgentFamily(ToyFamily):
                 "task.family='toy_agent' speaks its own vocabulary (the toy tokens and tool "
                 f"words): task.tokenizer_path / model.hf_checkpoint must be empty, got "
                 f"{settings.tokenizer_path!r} (the single-turn 'toy' family runs on a Hugging "
-                "Face checkpoint)")
+                "Face checkpoint)"
+            )
         super().__init__(settings)
 
     @property
@@ -327,10 +363,15 @@ class ToyAgentFamily(ToyFamily):
         if env is None or not env.submitted:
             reason = getattr(attempt.episode, "finish_reason", "no episode")
             v = toy.verify(task, "")
-            return Outcome(passed=False, test_log=f"episode ended without submit ({reason})",
-                           flags=tuple(v.cheat_flags), patch=getattr(env, "patch", ""),
-                           detail=toy.Verification(False, False, "not submitted", [],
-                                                   toy._zero_quality(), "not submitted"))
+            return Outcome(
+                passed=False,
+                test_log=f"episode ended without submit ({reason})",
+                flags=tuple(v.cheat_flags),
+                patch=getattr(env, "patch", ""),
+                detail=toy.Verification(
+                    False, False, "not submitted", [], toy._zero_quality(), "not submitted"
+                ),
+            )
         return _outcome(toy.verify(task, env.patch), env.patch)
 
     def demonstration_turns(self, task: toy.ToyTask, patch: str) -> list[str]:
@@ -361,8 +402,9 @@ class ToyAgentFamily(ToyFamily):
                     tokens += obs
                     mask += [False] * len(obs)
                 if not (env.submitted and toy.verify(task, env.patch).passed):
-                    raise RuntimeError(f"toy_agent demonstration of {task.task_id} did not "
-                                       "submit a passing patch (a family bug)")
+                    raise RuntimeError(
+                        f"toy_agent demonstration of {task.task_id} did not "
+                        "submit a passing patch (a family bug)"
+                    )
                 out.append(Demonstration(tuple(tokens), tuple(mask), len(prompt)))
         return out
-

@@ -246,8 +246,10 @@ class FeedbackRunConfig:
                     loop = kw.get("loop") or _section(LoopSection, "loop", dict(c.get("loop", {})))
                     v.setdefault("decay_steps", max(loop.steps, 1))
                     if isinstance(v.get("advantages"), Mapping):  # unused here; kept valid
-                        a = {n: tuple(x) if isinstance(x, list) else x
-                             for n, x in v["advantages"].items()}
+                        a = {
+                            n: tuple(x) if isinstance(x, list) else x
+                            for n, x in v["advantages"].items()
+                        }
                         v["advantages"] = dataclasses.replace(DEFAULT_LEARNER.advantages, **a)
                 try:
                     kw[k] = library[k](v)

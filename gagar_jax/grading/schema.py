@@ -611,7 +611,7 @@ def extract_json(text: str) -> Any:
     if text.count('"verdicts"') > 1:  # linear, whatever the scan below gets to read
         raise VerdictRejected(
             RejectReason.MALFORMED,
-            f"the reply names \"verdicts\" {text.count(chr(34) + 'verdicts' + chr(34))} times; "
+            f'the reply names "verdicts" {text.count(chr(34) + "verdicts" + chr(34))} times; '
             "answer with exactly one verdict (a quoted verdict is never read)",
         )
     decoder = json.JSONDecoder()

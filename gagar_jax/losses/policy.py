@@ -53,9 +53,14 @@ def token_logprobs_and_entropy(logits: jax.Array, targets: jax.Array):
     return logprobs, entropy
 
 
-def aggregate(values: jax.Array, mask: jax.Array, mode: str = "token-mean", *,
-              num_tokens: jax.Array | float | None = None,
-              num_seqs: jax.Array | float | None = None) -> jax.Array:
+def aggregate(
+    values: jax.Array,
+    mask: jax.Array,
+    mode: str = "token-mean",
+    *,
+    num_tokens: jax.Array | float | None = None,
+    num_seqs: jax.Array | float | None = None,
+) -> jax.Array:
     """Reduces per-token ``values`` to a scalar.
 
     - ``token-mean``: ``sum(values * mask) / num_tokens`` (every token weighs the same).
@@ -116,8 +121,14 @@ def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, kind: str = "k3") 
     raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {kind!r}")
 
 
-def delivered_credit(advantages: jax.Array, ratio: jax.Array, *, clip_low: float = 0.2,
-                     clip_high: float = 0.28, dual_clip: float | None = None) -> jax.Array:
+def delivered_credit(
+    advantages: jax.Array,
+    ratio: jax.Array,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+) -> jax.Array:
     """Per-token credit the clipped surrogate of :func:`policy_loss` actually delivers.
 
     The negative gradient of ``l`` with respect to ``log pi(y_t)`` is ``A_t r_t`` where the
@@ -148,17 +159,23 @@ def delivered_credit(advantages: jax.Array, ratio: jax.Array, *, clip_low: float
 class OffPolicyWeights(NamedTuple):
     """Off-policy correction of one micro-batch: per-token weights, kept tokens, diagnostics."""
 
-    weights: jax.Array        # [B, T] float32 truncated IS weight on each token (1: none)
-    keep: jax.Array           # [B, T] bool, token not rejected by ``rollout_rs``
-    log_ratio: jax.Array      # [B, T] float32 log pi_prox - log mu on response tokens (else 0)
-    clipped: jax.Array        # [B, T] bool, the raw weight exceeded the threshold
+    weights: jax.Array  # [B, T] float32 truncated IS weight on each token (1: none)
+    keep: jax.Array  # [B, T] bool, token not rejected by ``rollout_rs``
+    log_ratio: jax.Array  # [B, T] float32 log pi_prox - log mu on response tokens (else 0)
+    clipped: jax.Array  # [B, T] bool, the raw weight exceeded the threshold
 
 
-def off_policy_weights(proximal_logprobs: jax.Array, behaviour_logprobs: jax.Array,
-                       mask: jax.Array, *, rollout_is: str = "none",
-                       rollout_is_threshold: float = 2.0, rollout_rs: str = "none",
-                       rollout_rs_threshold: float = 2.0,
-                       rollout_rs_threshold_lower: float = 0.5) -> OffPolicyWeights:
+def off_policy_weights(
+    proximal_logprobs: jax.Array,
+    behaviour_logprobs: jax.Array,
+    mask: jax.Array,
+    *,
+    rollout_is: str = "none",
+    rollout_is_threshold: float = 2.0,
+    rollout_rs: str = "none",
+    rollout_rs_threshold: float = 2.0,
+    rollout_rs_threshold_lower: float = 0.5,
+) -> OffPolicyWeights:
     """Truncated importance weights and rejection masks on the behaviour/trainer mismatch.
 
     With ``d_t = log pi_prox(y_t) - log mu(y_t)`` (the trainer's own log-prob at the start of
@@ -197,23 +214,34 @@ def off_policy_weights(proximal_logprobs: jax.Array, behaviour_logprobs: jax.Arr
     if not rollout_is_threshold >= 1.0:
         raise ValueError(f"rollout_is_threshold must be >= 1, got {rollout_is_threshold}")
     if rollout_rs == "token_k3" and not rollout_rs_threshold >= 0.0:
-        raise ValueError(f"rollout_rs_threshold (a k3 bound) must be >= 0, got "
-                         f"{rollout_rs_threshold}")
+        raise ValueError(
+            f"rollout_rs_threshold (a k3 bound) must be >= 0, got {rollout_rs_threshold}"
+        )
     if rollout_rs == "geometric" and not (
-            rollout_rs_threshold_lower <= 1.0 <= rollout_rs_threshold):
-        raise ValueError("rollout_rs bounds must satisfy rollout_rs_threshold_lower <= 1 <= "
-                         f"rollout_rs_threshold, got [{rollout_rs_threshold_lower}, "
-                         f"{rollout_rs_threshold}]")
+        rollout_rs_threshold_lower <= 1.0 <= rollout_rs_threshold
+    ):
+        raise ValueError(
+            "rollout_rs bounds must satisfy rollout_rs_threshold_lower <= 1 <= "
+            f"rollout_rs_threshold, got [{rollout_rs_threshold_lower}, "
+            f"{rollout_rs_threshold}]"
+        )
     sg = jax.lax.stop_gradient
     maskf = mask.astype(jnp.float32)
     # Clamp before exp(): past e^20 every weight is truncated anyway and exp would overflow.
-    d = jnp.clip(sg(proximal_logprobs.astype(jnp.float32) - behaviour_logprobs.astype(
-        jnp.float32)), -20.0, 20.0) * maskf
+    d = (
+        jnp.clip(
+            sg(proximal_logprobs.astype(jnp.float32) - behaviour_logprobs.astype(jnp.float32)),
+            -20.0,
+            20.0,
+        )
+        * maskf
+    )
     if rollout_is == "token":
         raw = jnp.exp(d)
     elif rollout_is == "sequence":
-        raw = jnp.broadcast_to(jnp.exp(jnp.clip(jnp.sum(d, -1, keepdims=True), -20.0, 20.0)),
-                               d.shape)
+        raw = jnp.broadcast_to(
+            jnp.exp(jnp.clip(jnp.sum(d, -1, keepdims=True), -20.0, 20.0)), d.shape
+        )
     else:
         raw = jnp.ones_like(d)
     weights = jnp.minimum(raw, rollout_is_threshold)
@@ -224,22 +252,26 @@ def off_policy_weights(proximal_logprobs: jax.Array, behaviour_logprobs: jax.Arr
         n = jnp.maximum(jnp.sum(maskf, -1, keepdims=True), 1.0)
         geo = jnp.exp(jnp.sum(d, -1, keepdims=True) / n)
         keep = keep & (geo >= rollout_rs_threshold_lower) & (geo <= rollout_rs_threshold)
-    return OffPolicyWeights(weights=weights, keep=keep, log_ratio=d,
-                            clipped=(raw > rollout_is_threshold) & mask.astype(bool))
+    return OffPolicyWeights(
+        weights=weights,
+        keep=keep,
+        log_ratio=d,
+        clipped=(raw > rollout_is_threshold) & mask.astype(bool),
+    )
 
 
 class PolicyLossTerms(NamedTuple):
-    loss: jax.Array            # [] total loss (pg + kl_coef * kl - entropy_coef * entropy)
-    pg_loss: jax.Array         # [] aggregated clipped policy-gradient loss
-    entropy: jax.Array         # [] token-mean entropy
-    kl: jax.Array              # [] aggregated KL to the reference (0 when no reference)
-    approx_kl: jax.Array       # [] token-mean k3 estimate of KL(pi_old || pi)
-    clip_frac_low: jax.Array   # [] fraction of tokens clipped below (A < 0, ratio < 1 - eps_low)
+    loss: jax.Array  # [] total loss (pg + kl_coef * kl - entropy_coef * entropy)
+    pg_loss: jax.Array  # [] aggregated clipped policy-gradient loss
+    entropy: jax.Array  # [] token-mean entropy
+    kl: jax.Array  # [] aggregated KL to the reference (0 when no reference)
+    approx_kl: jax.Array  # [] token-mean k3 estimate of KL(pi_old || pi)
+    clip_frac_low: jax.Array  # [] fraction of tokens clipped below (A < 0, ratio < 1 - eps_low)
     clip_frac_high: jax.Array  # [] fraction of tokens clipped above (A > 0, ratio > 1 + eps_high)
     dual_clip_frac: jax.Array  # [] fraction of tokens hit by the dual clip
-    ratio_mean: jax.Array      # [] token-mean importance ratio
+    ratio_mean: jax.Array  # [] token-mean importance ratio
     # Off-policy correction (all token means over the same normaliser; see off_policy_weights)
-    mismatch_kl: jax.Array     # [] k3 estimate of KL(mu || pi_prox), behaviour vs trainer
+    mismatch_kl: jax.Array  # [] k3 estimate of KL(mu || pi_prox), behaviour vs trainer
     is_frac_clipped: jax.Array  # [] fraction of tokens whose IS weight was truncated
     is_weight_mean: jax.Array  # [] mean IS weight (is_ess = mean^2 / mean of squares)
     is_weight_sq_mean: jax.Array  # [] mean squared IS weight
@@ -249,16 +281,31 @@ class PolicyLossTerms(NamedTuple):
     credit_delivered: jax.Array  # [] token mean of w A r [clip active] over A > 0 tokens
 
 
-def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
-                mask: jax.Array, entropy: jax.Array | None = None,
-                ref_logprobs: jax.Array | None = None, *,
-                clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = None,
-                aggregation: str = "token-mean", kl_coef: float = 0.0, kl_estimator: str = "k3",
-                entropy_coef: float = 0.0, num_tokens=None, num_seqs=None,
-                proximal_logprobs: jax.Array | None = None, rollout_is: str = "none",
-                rollout_is_threshold: float = 2.0, rollout_rs: str = "none",
-                rollout_rs_threshold: float = 2.0, rollout_rs_threshold_lower: float = 0.5,
-                decoupled: bool = False) -> PolicyLossTerms:
+def policy_loss(
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    entropy: jax.Array | None = None,
+    ref_logprobs: jax.Array | None = None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    num_tokens=None,
+    num_seqs=None,
+    proximal_logprobs: jax.Array | None = None,
+    rollout_is: str = "none",
+    rollout_is_threshold: float = 2.0,
+    rollout_rs: str = "none",
+    rollout_rs_threshold: float = 2.0,
+    rollout_rs_threshold_lower: float = 0.5,
+    decoupled: bool = False,
+) -> PolicyLossTerms:
     """Clipped surrogate policy-gradient loss with clip-higher, optional dual clip and an
     off-policy correction.
 
@@ -310,13 +357,16 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
       :class:`PolicyLossTerms` of scalars.
     """
     chex.assert_rank([logprobs, old_logprobs, mask], 2)
-    if (rollout_is != "none" or rollout_rs != "none" or decoupled) and (
-            proximal_logprobs is None):
-        raise ValueError("rollout_is / rollout_rs / decoupled need proximal_logprobs (the "
-                         "trainer's log-probs before the update)")
+    if (rollout_is != "none" or rollout_rs != "none" or decoupled) and (proximal_logprobs is None):
+        raise ValueError(
+            "rollout_is / rollout_rs / decoupled need proximal_logprobs (the "
+            "trainer's log-probs before the update)"
+        )
     if rollout_is != "none" and not decoupled:
-        raise ValueError(f"rollout_is={rollout_is!r} needs decoupled=True: with the clip "
-                         "around the behaviour policy the ratio already carries pi / mu")
+        raise ValueError(
+            f"rollout_is={rollout_is!r} needs decoupled=True: with the clip "
+            "around the behaviour policy the ratio already carries pi / mu"
+        )
     chex.assert_equal_shape([logprobs, old_logprobs, mask])
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -333,12 +383,16 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
     if proximal_logprobs is not None:
         chex.assert_equal_shape([proximal_logprobs, logprobs])
         proximal_logprobs = jax.lax.stop_gradient(proximal_logprobs.astype(jnp.float32))
-        opw = off_policy_weights(proximal_logprobs, old_logprobs, response,
-                                 rollout_is=rollout_is,
-                                 rollout_is_threshold=rollout_is_threshold,
-                                 rollout_rs=rollout_rs,
-                                 rollout_rs_threshold=rollout_rs_threshold,
-                                 rollout_rs_threshold_lower=rollout_rs_threshold_lower)
+        opw = off_policy_weights(
+            proximal_logprobs,
+            old_logprobs,
+            response,
+            rollout_is=rollout_is,
+            rollout_is_threshold=rollout_is_threshold,
+            rollout_rs=rollout_rs,
+            rollout_rs_threshold=rollout_rs_threshold,
+            rollout_rs_threshold_lower=rollout_rs_threshold_lower,
+        )
         anchor = proximal_logprobs if decoupled else old_logprobs
         # the normalisers count every response token, rejected ones included
         respf0 = response.astype(jnp.float32)
@@ -373,8 +427,13 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
     pg_loss = aggregate(per_token, maskf, aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
     loss = pg_loss
     if ref_logprobs is not None:
-        kl = aggregate(kl_estimate(logprobs, jax.lax.stop_gradient(ref_logprobs), kl_estimator),
-                       maskf, aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
+        kl = aggregate(
+            kl_estimate(logprobs, jax.lax.stop_gradient(ref_logprobs), kl_estimator),
+            maskf,
+            aggregation,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
         loss = loss + kl_coef * kl
     else:
         kl = jnp.zeros((), jnp.float32)
@@ -409,8 +468,12 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
         w, mism = jnp.ones_like(ratio_sg), jnp.zeros_like(ratio_sg)
         clipped_is = jnp.zeros_like(ratio_sg)
     positive = jnp.where(adv_b > 0, adv_b, 0.0)
-    delivered = delivered_credit(positive, ratio_sg, clip_low=clip_low, clip_high=clip_high,
-                                 dual_clip=dual_clip) * w
+    delivered = (
+        delivered_credit(
+            positive, ratio_sg, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+        )
+        * w
+    )
     return PolicyLossTerms(
         loss=loss,
         pg_loss=pg_loss,

@@ -582,7 +582,7 @@ def _linear(x, w, in_dims: int = 1):
 
 def _matmul_2d(x, w, in_dims):
     """(x @ w in x's and w's shapes, x as [tokens, I])."""
-    x2 = x.reshape(-1, math.prod(x.shape[x.ndim - in_dims:]))
+    x2 = x.reshape(-1, math.prod(x.shape[x.ndim - in_dims :]))
     y = x2 @ w.reshape(x2.shape[1], -1)
     return y.reshape(x.shape[: x.ndim - in_dims] + w.shape[in_dims:]), x2
 
@@ -639,7 +639,9 @@ def _blocked_attention_fwd(qh, kh, vh, mask, blocks):
         e = jnp.exp(scores - m)
         total = jnp.sum(e, axis=-1, keepdims=True)
         out = jnp.einsum(
-            "bkms,bksd->bkmd", e.astype(dt).reshape(b, kv, -1, hi), vh[:, :, :hi],
+            "bkms,bksd->bkmd",
+            e.astype(dt).reshape(b, kv, -1, hi),
+            vh[:, :, :hi],
             preferred_element_type=jnp.float32,
         ).reshape(b, kv, hi - lo, g, d)
         outs.append((out / total).astype(dt))
@@ -689,12 +691,17 @@ def _blocked_causal_attention_bwd(blocks, residuals, d_out):
         ds = jnp.where(block_mask, p * (dp - row_dot[:, :, lo:hi]), 0.0) * (d**-0.5)
         p = p.astype(dt).reshape(b, kv, -1, hi)
         ds = ds.astype(dt).reshape(b, kv, -1, hi)
-        dv = dv.at[:, :, :hi].add(jnp.einsum("bkms,bkmd->bksd", p, do_b.astype(dt),
-                                             preferred_element_type=jnp.float32))
-        dk = dk.at[:, :, :hi].add(jnp.einsum("bkms,bkmd->bksd", ds, qb,
-                                             preferred_element_type=jnp.float32))
-        dq.append(jnp.einsum("bkms,bksd->bkmd", ds, kh[:, :, :hi],
-                             preferred_element_type=jnp.float32).reshape(b, kv, hi - lo, g, d))
+        dv = dv.at[:, :, :hi].add(
+            jnp.einsum("bkms,bkmd->bksd", p, do_b.astype(dt), preferred_element_type=jnp.float32)
+        )
+        dk = dk.at[:, :, :hi].add(
+            jnp.einsum("bkms,bkmd->bksd", ds, qb, preferred_element_type=jnp.float32)
+        )
+        dq.append(
+            jnp.einsum(
+                "bkms,bksd->bkmd", ds, kh[:, :, :hi], preferred_element_type=jnp.float32
+            ).reshape(b, kv, hi - lo, g, d)
+        )
     dq = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=2)
     return dq.astype(dt), dk.astype(kh.dtype), dv.astype(vh.dtype), None
 
@@ -718,9 +725,9 @@ def _linear_qkv(x, wq, wk, wv):
     e, n, d = wq.shape
     kv = wk.shape[1]
     g = n // kv
-    w = jnp.concatenate(
-        [wq.reshape(e, kv, g, d), wk[:, :, None], wv[:, :, None]], axis=2
-    ).astype(dt)
+    w = jnp.concatenate([wq.reshape(e, kv, g, d), wk[:, :, None], wv[:, :, None]], axis=2).astype(
+        dt
+    )
     qkv = _linear(x, w)  # [B, T, KV, G + 2, D]
     b, t = x.shape[:2]
     return qkv[..., :g, :].reshape(b, t, n, d), qkv[..., g, :], qkv[..., g + 1, :]

@@ -30,8 +30,12 @@ def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int, hosts=None
     this process's devices, see :func:`sampler_mesh`), or an SGLang engine (health-checked;
     ``hosts``: see :func:`build_sglang_engine`)."""
     if cfg.rollout.engine == "embedded":
-        return Sampler(model, pad_id=pad_id, seed=cfg.seed,
-                       mesh=sampler_mesh(cfg.rollout.embedded_data_parallel))
+        return Sampler(
+            model,
+            pad_id=pad_id,
+            seed=cfg.seed,
+            mesh=sampler_mesh(cfg.rollout.embedded_data_parallel),
+        )
     return build_sglang_engine(cfg, model.config, workdir=workdir, hosts=hosts)
 
 
@@ -67,16 +71,23 @@ def build_sglang_engine(cfg: RunConfig, model_config, *, workdir: str, hosts=Non
     """
     count, index = (1, 0) if hosts is None else (hosts.count, hosts.index)
     if not 0 <= cfg.rollout.weight_writer < count:
-        raise ValueError(f"rollout.weight_writer={cfg.rollout.weight_writer} is not a process "
-                         f"index of this run ({count} process(es))")
+        raise ValueError(
+            f"rollout.weight_writer={cfg.rollout.weight_writer} is not a process "
+            f"index of this run ({count} process(es))"
+        )
     writer = index == cfg.rollout.weight_writer
     url = cfg.rollout.sglang_url
-    client = SGLangClient(url, request_timeout_s=cfg.rollout.request_timeout_s,
-                          max_retry_time_s=cfg.rollout.request_timeout_s)
+    client = SGLangClient(
+        url,
+        request_timeout_s=cfg.rollout.request_timeout_s,
+        max_retry_time_s=cfg.rollout.request_timeout_s,
+    )
     if not client.health():
-        raise RuntimeError(f"SGLang rollout server at {url} (rollout.sglang_url) does "
-                           "not answer GET /health: start it (scripts/launch_sglang.sh) or "
-                           "use rollout.engine='embedded'")
+        raise RuntimeError(
+            f"SGLang rollout server at {url} (rollout.sglang_url) does "
+            "not answer GET /health: start it (scripts/launch_sglang.sh) or "
+            "use rollout.engine='embedded'"
+        )
 
     def export(params, directory):
         # ``params``: the sharded train-state parameters (policy.sync_engine). Streamed
@@ -88,9 +99,14 @@ def build_sglang_engine(cfg: RunConfig, model_config, *, workdir: str, hosts=Non
             params = nnx.to_pure_dict(params)
         save_hf_safetensors_streaming(params, model_config, directory, writer=writer)
 
-    return SGLangEngine(client, export_fn=export, sync_dir=os.path.join(workdir, "sync"),
-                        writer=writer, exchange=None if count == 1 else hosts.allgather,
-                        version_timeout_s=cfg.mesh.host_timeout_s)
+    return SGLangEngine(
+        client,
+        export_fn=export,
+        sync_dir=os.path.join(workdir, "sync"),
+        writer=writer,
+        exchange=None if count == 1 else hosts.allgather,
+        version_timeout_s=cfg.mesh.host_timeout_s,
+    )
 
 
 def build_grading_pool(

@@ -116,8 +116,9 @@ def _evidence_masks(g: Group, res: Any, verdict: Any, token_spans) -> list[Any]:
     )
 
 
-def batch_grading_metrics(batch, kept: np.ndarray, grader_cheat: np.ndarray,
-                          fallback: tuple[str, ...]) -> dict[str, float]:
+def batch_grading_metrics(
+    batch, kept: np.ndarray, grader_cheat: np.ndarray, fallback: tuple[str, ...]
+) -> dict[str, float]:
     """Grading metrics from the packed update batch (every host's group fields).
 
     The one T1 share: over the test-passing valid rollouts of graded kept groups (a cheat

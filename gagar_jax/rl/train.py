@@ -132,8 +132,12 @@ def initialize_distributed(mesh_cfg: MeshConfig) -> None:
         raise ValueError(f"process id {pid} outside [0, {num}) (mesh.process_id/JAX_PROCESS_ID)")
     # heartbeat: JAX's own detection of a dead or frozen process, the backstop where ours cannot
     # run (a host lost inside orbax's save barrier, which holds the interpreter)
-    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
-                               heartbeat_timeout_seconds=int(mesh_cfg.heartbeat_timeout_s))
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=num,
+        process_id=pid,
+        heartbeat_timeout_seconds=int(mesh_cfg.heartbeat_timeout_s),
+    )
 
 
 def enable_compilation_cache(directory: str) -> None:
@@ -144,8 +148,9 @@ def enable_compilation_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def evaluate(engine, family, cfg: RunConfig, *, step: int,
-             hosts: Hosts | None = None) -> dict[str, float]:
+def evaluate(
+    engine, family, cfg: RunConfig, *, step: int, hosts: Hosts | None = None
+) -> dict[str, float]:
     """Held-out tasks: pass rate, quality of passing patches, cheat rate, response length (and
     turns / tool calls per episode for multi-turn families).
 
@@ -159,19 +164,37 @@ def evaluate(engine, family, cfg: RunConfig, *, step: int,
     lo = len(tasks) * hosts.index // hosts.count
     hi = len(tasks) * (hosts.index + 1) // hosts.count
     counters = StepCounters()
-    generate_groups(engine, family, tasks[lo:hi], cfg=cfg, step=step, round_id=10_000,
-                    num_rollouts=max(cfg.loop.eval_rollouts, 1),
-                    temperature=cfg.loop.eval_temperature, id_prefix=f"eval{step}",
-                    counters=counters, first_index=lo,
-                    prompt_seeds=[prompt_seed((cfg.seed,), 2, step, i) for i in range(lo, hi)])
-    counters = StepCounters.merged(hosts.allgather(f"eval{step}/counters",
-                                                   dataclasses.asdict(counters)))
+    generate_groups(
+        engine,
+        family,
+        tasks[lo:hi],
+        cfg=cfg,
+        step=step,
+        round_id=10_000,
+        num_rollouts=max(cfg.loop.eval_rollouts, 1),
+        temperature=cfg.loop.eval_temperature,
+        id_prefix=f"eval{step}",
+        counters=counters,
+        first_index=lo,
+        prompt_seeds=[prompt_seed((cfg.seed,), 2, step, i) for i in range(lo, hi)],
+    )
+    counters = StepCounters.merged(
+        hosts.allgather(f"eval{step}/counters", dataclasses.asdict(counters))
+    )
     m = counters.metrics()
-    out = {"eval_pass_rate": m["pass_rate"], "eval_quality": m["quality"],
-           "eval_cheat_rate": m["cheat_rate"], "eval_response_length": m["response_length"]}
+    out = {
+        "eval_pass_rate": m["pass_rate"],
+        "eval_quality": m["quality"],
+        "eval_cheat_rate": m["cheat_rate"],
+        "eval_response_length": m["response_length"],
+    }
     if family.multi_turn:
-        out.update({"eval_turns_mean": m["episode/turns_mean"],
-                    "eval_tool_calls_mean": m["episode/tool_calls_mean"]})
+        out.update(
+            {
+                "eval_turns_mean": m["episode/turns_mean"],
+                "eval_tool_calls_mean": m["episode/tool_calls_mean"],
+            }
+        )
     return out
 
 
@@ -190,8 +213,10 @@ def pass_rate_tracker(cfg: RunConfig, ls: LoopState) -> PassRateTracker | None:
 
 def saturation_metrics(sres, tracker: PassRateTracker) -> dict[str, float]:
     """``task.skip_saturated`` figures of one step (identical on every host)."""
-    return {"sampling_skipped_saturated": float(getattr(sres, "skipped_saturated", 0)),
-            "sampling_saturated_tasks": float(len(tracker.saturated()))}
+    return {
+        "sampling_skipped_saturated": float(getattr(sres, "skipped_saturated", 0)),
+        "sampling_saturated_tasks": float(len(tracker.saturated())),
+    }
 
 
 # The [G, K] (and [G]) fields of the UpdateBatch: global on every host (the rest are its rows).
@@ -278,9 +303,18 @@ class Updated(NamedTuple):
     metrics: dict[str, float]  # the update's metrics (host floats)
 
 
-def collect_phase(engine, family, grading_pool, stream: TaskStream, ls: LoopState,
-                  cfg: RunConfig, *, step: int, hosts: Hosts,
-                  tracker: PassRateTracker | None = None) -> Collected:
+def collect_phase(
+    engine,
+    family,
+    grading_pool,
+    stream: TaskStream,
+    ls: LoopState,
+    cfg: RunConfig,
+    *,
+    step: int,
+    hosts: Hosts,
+    tracker: PassRateTracker | None = None,
+) -> Collected:
     """Collect: dynamic sampling of this host's block of groups (K rollouts per prompt,
     verified), each kept group submitted to the grading pool the moment it is kept.
 
@@ -297,26 +331,33 @@ def collect_phase(engine, family, grading_pool, stream: TaskStream, ls: LoopStat
     skip = None if tracker is None else (lambda i: tracker.skip(str(i)))
 
     def draw(n):
-        idx, pos, ls.data_position, n_skip = select_prompts(stream, ls.data_position, sum(n),
-                                                            skip)
+        idx, pos, ls.data_position, n_skip = select_prompts(stream, ls.data_position, sum(n), skip)
         skipped[0] += n_skip  # every host selects the same prompts: a global count
         rounds[0] += 1
-        lo = sum(n[:hosts.index])
+        lo = sum(n[: hosts.index])
         hi = lo + n[hosts.index]
         # a prompt's samples are seeded by its global data position: the same on any host
-        groups = generate_groups(engine, family, [family.train_task(i) for i in idx[lo:hi]],
-                                 cfg=cfg,
-                                 step=step, round_id=rounds[0], num_rollouts=K,
-                                 temperature=cfg.rollout.temperature, id_prefix=f"s{step}",
-                                 counters=counters, first_index=lo,
-                                 prompt_seeds=[prompt_seed(ls.rng_key, 1, p)
-                                               for p in pos[lo:hi]])
+        groups = generate_groups(
+            engine,
+            family,
+            [family.train_task(i) for i in idx[lo:hi]],
+            cfg=cfg,
+            step=step,
+            round_id=rounds[0],
+            num_rollouts=K,
+            temperature=cfg.rollout.temperature,
+            id_prefix=f"s{step}",
+            counters=counters,
+            first_index=lo,
+            prompt_seeds=[prompt_seed(ls.rng_key, 1, p) for p in pos[lo:hi]],
+        )
         for i, g in zip(idx[lo:hi], groups):
             g.task_index = int(i)
         if tracker is not None:
-            attempts.extend((int(i), tuple(r.reward > 0 for r in g.rollouts
-                                           if not r.infra_error))
-                            for i, g in zip(idx[lo:hi], groups))
+            attempts.extend(
+                (int(i), tuple(r.reward > 0 for r in g.rollouts if not r.infra_error))
+                for i, g in zip(idx[lo:hi], groups)
+            )
         return groups
 
     def exchange(round_id, tally):
@@ -326,18 +367,37 @@ def collect_phase(engine, family, grading_pool, stream: TaskStream, ls: LoopStat
         grading_pool.submit(group_workspace(family, group))
         submitted.append(group.group_id)
 
-    sres = collect_blocks(draw, exchange, target=G, num_blocks=hosts.count, block=hosts.index,
-                          enabled=cfg.sampling.enabled, oversample=cfg.sampling.oversample,
-                          max_rounds=cfg.sampling.max_rounds,
-                          allow_partial=cfg.sampling.allow_partial,
-                          on_keep=submit if cfg.grading.enabled else None)
+    sres = collect_blocks(
+        draw,
+        exchange,
+        target=G,
+        num_blocks=hosts.count,
+        block=hosts.index,
+        enabled=cfg.sampling.enabled,
+        oversample=cfg.sampling.oversample,
+        max_rounds=cfg.sampling.max_rounds,
+        allow_partial=cfg.sampling.allow_partial,
+        on_keep=submit if cfg.grading.enabled else None,
+    )
     sres.skipped_saturated = skipped[0]
-    return Collected(sampling=sres, counters=counters, submitted=tuple(submitted),
-                     attempts=tuple(attempts), wait_start=time.monotonic())
+    return Collected(
+        sampling=sres,
+        counters=counters,
+        submitted=tuple(submitted),
+        attempts=tuple(attempts),
+        wait_start=time.monotonic(),
+    )
 
 
-def grade_phase(grading_pool, family, collected: Collected, cfg: RunConfig, *,
-                num_groups: int, timeout: float | None = None) -> grade.Grades:
+def grade_phase(
+    grading_pool,
+    family,
+    collected: Collected,
+    cfg: RunConfig,
+    *,
+    num_groups: int,
+    timeout: float | None = None,
+) -> grade.Grades:
     """Grade: the pool's verdicts on the collected groups, once, as ``[G_local, K]`` arrays
     (a wait of at most ``timeout`` seconds, default ``grading.deadline_s``; a missing verdict
     is the pool's counted fallback)."""
@@ -346,64 +406,97 @@ def grade_phase(grading_pool, family, collected: Collected, cfg: RunConfig, *,
     if cfg.grading.enabled and groups:
         results = grading_pool.results(
             list(collected.submitted),
-            timeout=cfg.grading.deadline_s if timeout is None else timeout)
-        return grade.to_arrays(results, groups, num_groups=num_groups, num_rollouts=K,
-                               max_new_tokens=R, token_spans=family.token_spans)
+            timeout=cfg.grading.deadline_s if timeout is None else timeout,
+        )
+        return grade.to_arrays(
+            results,
+            groups,
+            num_groups=num_groups,
+            num_rollouts=K,
+            max_new_tokens=R,
+            token_spans=family.token_spans,
+        )
     return grade.no_grades(num_groups, K, R)
 
 
-def pack_phase(groups, grades: grade.Grades, cfg: RunConfig, *, num_groups: int,
-               pad_id: int) -> Packed:
+def pack_phase(
+    groups, grades: grade.Grades, cfg: RunConfig, *, num_groups: int, pad_id: int
+) -> Packed:
     """Pack: the groups and their grades into the static group-major update batch."""
-    batch = pack_groups(groups, grades, num_groups=num_groups,
-                        num_rollouts=cfg.rollout.num_rollouts,
-                        max_prompt_len=cfg.rollout.max_prompt_len,
-                        max_new_tokens=cfg.rollout.max_new_tokens, pad_id=pad_id)
+    batch = pack_groups(
+        groups,
+        grades,
+        num_groups=num_groups,
+        num_rollouts=cfg.rollout.num_rollouts,
+        max_prompt_len=cfg.rollout.max_prompt_len,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        pad_id=pad_id,
+    )
     kept = np.zeros((num_groups,), bool)
-    kept[:len(groups)] = True
+    kept[: len(groups)] = True
     fallback = [""] * num_groups
     for gi in range(len(groups)):
         if not grades.graded[gi]:
             reason = grades.reasons[gi] if gi < len(grades.reasons) else None
             fallback[gi] = str(getattr(reason, "value", reason) or "unknown")
-    return Packed(batch=batch, kept=kept, grader_cheat=np.asarray(grades.cheat, bool),
-                  fallback=tuple(fallback))
+    return Packed(
+        batch=batch,
+        kept=kept,
+        grader_cheat=np.asarray(grades.cheat, bool),
+        fallback=tuple(fallback),
+    )
 
 
-def exchange_phase(packed: Packed, collected: Collected, hosts: Hosts, *,
-                   step: int) -> Exchanged:
+def exchange_phase(packed: Packed, collected: Collected, hosts: Hosts, *, step: int) -> Exchanged:
     """Exchange: every host's ``[G_local, K]`` group fields, grading facts and tallies, so all
     hosts build the same replicated group arrays and metrics. The identity on one host (no
     serialisation)."""
     if hosts.count == 1:
-        return Exchanged(batch=packed.batch, kept=packed.kept,
-                         grader_cheat=packed.grader_cheat, fallback=packed.fallback,
-                         counters=collected.counters, attempts=collected.attempts)
+        return Exchanged(
+            batch=packed.batch,
+            kept=packed.kept,
+            grader_cheat=packed.grader_cheat,
+            fallback=packed.fallback,
+            counters=collected.counters,
+            attempts=collected.attempts,
+        )
     local = packed.batch
-    parts = hosts.allgather(f"s{step}/verdicts", {
-        "fields": {f: getattr(local, f).tolist() for f in GROUP_FIELDS},
-        "kept": packed.kept.tolist(), "grader_cheat": packed.grader_cheat.tolist(),
-        "fallback": list(packed.fallback),
-        "counters": dataclasses.asdict(collected.counters),
-        "attempts": [[i, list(p)] for i, p in collected.attempts]})
-    batch = local._replace(**{
-        f: np.concatenate([np.asarray(part["fields"][f], getattr(local, f).dtype)
-                           for part in parts]) for f in GROUP_FIELDS})
+    parts = hosts.allgather(
+        f"s{step}/verdicts",
+        {
+            "fields": {f: getattr(local, f).tolist() for f in GROUP_FIELDS},
+            "kept": packed.kept.tolist(),
+            "grader_cheat": packed.grader_cheat.tolist(),
+            "fallback": list(packed.fallback),
+            "counters": dataclasses.asdict(collected.counters),
+            "attempts": [[i, list(p)] for i, p in collected.attempts],
+        },
+    )
+    batch = local._replace(
+        **{
+            f: np.concatenate(
+                [np.asarray(part["fields"][f], getattr(local, f).dtype) for part in parts]
+            )
+            for f in GROUP_FIELDS
+        }
+    )
     return Exchanged(
         batch=batch,
         kept=np.concatenate([np.asarray(p["kept"], bool) for p in parts]),
-        grader_cheat=np.concatenate([np.asarray(p["grader_cheat"], bool).reshape(
-            len(p["kept"]), -1) for p in parts]),
+        grader_cheat=np.concatenate(
+            [np.asarray(p["grader_cheat"], bool).reshape(len(p["kept"]), -1) for p in parts]
+        ),
         fallback=tuple(r for p in parts for r in p["fallback"]),
         counters=StepCounters.merged([p["counters"] for p in parts]),
-        attempts=tuple((int(i), tuple(bool(x) for x in passed))
-                       for p in parts for i, passed in p["attempts"]))
+        attempts=tuple(
+            (int(i), tuple(bool(x) for x in passed)) for p in parts for i, passed in p["attempts"]
+        ),
+    )
 
 
 def update_phase(ctx: RLContext, state, batch: UpdateBatch, *, step: int) -> Updated:
     """Update: the jitted update on the exchanged batch (advantages computed inside)."""
-    state, m = policy.rl_update(ctx.update_fn, state, batch, cfg=ctx.cfg, mesh=ctx.mesh,
-                                step=step)
+    state, m = policy.rl_update(ctx.update_fn, state, batch, cfg=ctx.cfg, mesh=ctx.mesh, step=step)
     return Updated(state=state, metrics=m)
 
 
@@ -411,16 +504,34 @@ def sync_phase(ctx: RLContext, state, ls: LoopState, *, step: int) -> int:
     """Sync: the new parameters to the rollout engine as ``policy_version + 1``; returns the
     version the engine reports (it must be that one)."""
     ls.policy_version += 1
-    version = policy.sync_engine(ctx.engine, ctx.cfg, state.params, mesh=ctx.mesh,
-                                 device=ctx.sampler_device, version=ls.policy_version)
+    version = policy.sync_engine(
+        ctx.engine,
+        ctx.cfg,
+        state.params,
+        mesh=ctx.mesh,
+        device=ctx.sampler_device,
+        version=ls.policy_version,
+    )
     if version != ls.policy_version:
-        raise RuntimeError(f"rollout engine reports weight version {version} "
-                           f"after syncing version {ls.policy_version} (step {step})")
+        raise RuntimeError(
+            f"rollout engine reports weight version {version} "
+            f"after syncing version {ls.policy_version} (step {step})"
+        )
     return version
 
 
-def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState, cfg: RunConfig,
-                 *, step: int, hosts: Hosts | None = None, tracker: PassRateTracker | None = None):
+def collect_step(
+    engine,
+    family,
+    grading_pool,
+    stream: TaskStream,
+    ls: LoopState,
+    cfg: RunConfig,
+    *,
+    step: int,
+    hosts: Hosts | None = None,
+    tracker: PassRateTracker | None = None,
+):
     """Collect -> grade -> pack -> exchange for one RL step (what :func:`rl_step` runs before
     the update), for this host's block of groups.
 
@@ -433,17 +544,22 @@ def collect_step(engine, family, grading_pool, stream: TaskStream, ls: LoopState
     """
     hosts = hosts or Hosts(cfg.mesh.host_timeout_s)
     G_local = cfg.rollout.num_prompts // hosts.count
-    collected = collect_phase(engine, family, grading_pool, stream, ls, cfg, step=step,
-                              hosts=hosts, tracker=tracker)
+    collected = collect_phase(
+        engine, family, grading_pool, stream, ls, cfg, step=step, hosts=hosts, tracker=tracker
+    )
     grades = grade_phase(grading_pool, family, collected, cfg, num_groups=G_local)
-    packed = pack_phase(collected.sampling.groups, grades, cfg, num_groups=G_local,
-                        pad_id=family.tokenizer.pad_id)
+    packed = pack_phase(
+        collected.sampling.groups, grades, cfg, num_groups=G_local, pad_id=family.tokenizer.pad_id
+    )
     ex = exchange_phase(packed, collected, hosts, step=step)
     if tracker is not None:
         for i, passed in ex.attempts:
             tracker.record(str(i), list(passed))
-    grading_m = (grade.batch_grading_metrics(ex.batch, ex.kept, ex.grader_cheat, ex.fallback)
-                 if cfg.grading.enabled and ex.kept.any() else {})
+    grading_m = (
+        grade.batch_grading_metrics(ex.batch, ex.kept, ex.grader_cheat, ex.fallback)
+        if cfg.grading.enabled and ex.kept.any()
+        else {}
+    )
     return collected.sampling, ex.counters, grading_m, collected.wait_start, ex.batch
 
 
@@ -461,11 +577,25 @@ def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
     cfg, hosts = ctx.cfg, ctx.hosts
     t_step = time.monotonic()
     G_local = cfg.rollout.num_prompts // hosts.count
-    collected = collect_phase(ctx.engine, ctx.family, ctx.grading_pool, ctx.stream, ls, cfg,
-                              step=step, hosts=hosts, tracker=ctx.tracker)
+    collected = collect_phase(
+        ctx.engine,
+        ctx.family,
+        ctx.grading_pool,
+        ctx.stream,
+        ls,
+        cfg,
+        step=step,
+        hosts=hosts,
+        tracker=ctx.tracker,
+    )
     grades = grade_phase(ctx.grading_pool, ctx.family, collected, cfg, num_groups=G_local)
-    packed = pack_phase(collected.sampling.groups, grades, cfg, num_groups=G_local,
-                        pad_id=ctx.family.tokenizer.pad_id)
+    packed = pack_phase(
+        collected.sampling.groups,
+        grades,
+        cfg,
+        num_groups=G_local,
+        pad_id=ctx.family.tokenizer.pad_id,
+    )
     ex = exchange_phase(packed, collected, hosts, step=step)
     if ctx.tracker is not None:
         for i, passed in ex.attempts:
@@ -476,18 +606,39 @@ def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
         weight_version = sync_phase(ctx, updated.state, ls, step=step)
     ls.step = step + 1
     t_end = time.monotonic()
-    grading_m = (grade.batch_grading_metrics(ex.batch, ex.kept, ex.grader_cheat, ex.fallback)
-                 if cfg.grading.enabled and ex.kept.any() else {})
-    m = step_metrics(collected.sampling, ex.counters, grading_m, updated.metrics,
-                     weight_version, cfg, ctx.tracker)
-    m.update(grade_wait_s=t_update - collected.wait_start, update_time_s=t_end - t_update,
-             step_time_s=t_end - t_step, policy_version=float(ls.policy_version),
-             data_position=float(ls.data_position))
+    grading_m = (
+        grade.batch_grading_metrics(ex.batch, ex.kept, ex.grader_cheat, ex.fallback)
+        if cfg.grading.enabled and ex.kept.any()
+        else {}
+    )
+    m = step_metrics(
+        collected.sampling,
+        ex.counters,
+        grading_m,
+        updated.metrics,
+        weight_version,
+        cfg,
+        ctx.tracker,
+    )
+    m.update(
+        grade_wait_s=t_update - collected.wait_start,
+        update_time_s=t_end - t_update,
+        step_time_s=t_end - t_step,
+        policy_version=float(ls.policy_version),
+        data_position=float(ls.data_position),
+    )
     return updated.state, m
 
 
-def step_metrics(sres, counters: StepCounters, grading_m, update_m, weight_version: int,
-                 cfg: RunConfig, tracker: PassRateTracker | None) -> dict[str, float]:
+def step_metrics(
+    sres,
+    counters: StepCounters,
+    grading_m,
+    update_m,
+    weight_version: int,
+    cfg: RunConfig,
+    tracker: PassRateTracker | None,
+) -> dict[str, float]:
     """The metrics row of one step (rollouts over all drawn, the update's over the kept batch;
     an update figure whose name a rollout figure has is logged as ``update/<name>``)."""
     m = counters.metrics()
@@ -517,7 +668,8 @@ def _restore_or_start(cfg: RunConfig, ckpt, model_config, mesh, workdir: str):
     except ConfigMismatchError as e:
         raise ResumeMismatchError(
             f"{workdir} holds a run with another config fingerprint ({e}), this config is "
-            f"{cfg.fingerprint()}: use another --workdir or the original config") from e
+            f"{cfg.fingerprint()}: use another --workdir or the original config"
+        ) from e
     return state, ls, step
 
 
@@ -536,8 +688,10 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     primary = hosts.primary
     G, K = cfg.rollout.num_prompts, cfg.rollout.num_rollouts
     if G % hosts.count:
-        raise ValueError(f"config.rollout.num_prompts={G} must be a multiple of the "
-                         f"{hosts.count} processes (each host fills an equal block of groups)")
+        raise ValueError(
+            f"config.rollout.num_prompts={G} must be a multiple of the "
+            f"{hosts.count} processes (each host fills an equal block of groups)"
+        )
     family = build_family(cfg)
     tok = family.tokenizer
     model_config, model = policy.build_model(cfg, tok.vocab_size)
@@ -554,32 +708,45 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=1, sort_keys=True, default=str)
-        dropped = writers.truncate_jsonl(metrics_path, keep_before_step=ls.step,
-                                         drop_phases=None if ls.sft_done else ("sft",))
-    writer = writers.MetricsWriter(workdir, total_steps=cfg.loop.total_steps,
-                                   start_step=ls.step, primary=primary)
+        dropped = writers.truncate_jsonl(
+            metrics_path, keep_before_step=ls.step, drop_phases=None if ls.sft_done else ("sft",)
+        )
+    writer = writers.MetricsWriter(
+        workdir, total_steps=cfg.loop.total_steps, start_step=ls.step, primary=primary
+    )
     if resume_step is not None:
-        writer.log(f"resumed from checkpoint {resume_step}: step {ls.step}, data position "
-                   f"{ls.data_position}, policy version {ls.policy_version}"
-                   + (f" ({dropped} stale metric rows dropped)" if primary and dropped else ""))
+        writer.log(
+            f"resumed from checkpoint {resume_step}: step {ls.step}, data position "
+            f"{ls.data_position}, policy version {ls.policy_version}"
+            + (f" ({dropped} stale metric rows dropped)" if primary and dropped else "")
+        )
 
     # Engine and grader first: a dead server fails here, before any compute is spent.
     engine = engines.build_engine(cfg, model, workdir=workdir, pad_id=tok.pad_id, hosts=hosts)
     if cfg.rollout.engine == "embedded" and engine.mesh is not None:
         writer.log(f"embedded sampler: rows split over {engine.mesh.devices.size} local devices")
     # one grading pool per host, for its own groups; each keeps its own verdict cache
-    cache_path = os.path.join(workdir, "grader_cache.jsonl" if primary else
-                              f"grader_cache.p{hosts.index}.jsonl")
-    grading_pool = engines.build_grading_pool(cfg, cache_path=cache_path, grader=grader,
-                                              check_runner=family.check_runner())
+    cache_path = os.path.join(
+        workdir, "grader_cache.jsonl" if primary else f"grader_cache.p{hosts.index}.jsonl"
+    )
+    grading_pool = engines.build_grading_pool(
+        cfg, cache_path=cache_path, grader=grader, check_runner=family.check_runner()
+    )
     # Cited-token masks travel with every graded run, so every mode reports the share of
     # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
     update_fn = jit_update(model_config, cfg.learner, mesh, with_evidence=cfg.grading.enabled)
-    ctx = RLContext(cfg=cfg, hosts=hosts, family=family,
-                    stream=TaskStream(family.num_train, seed=cfg.seed), engine=engine,
-                    grading_pool=grading_pool, update_fn=update_fn, mesh=mesh,
-                    sampler_device=policy.model_device(model),
-                    tracker=pass_rate_tracker(cfg, ls))
+    ctx = RLContext(
+        cfg=cfg,
+        hosts=hosts,
+        family=family,
+        stream=TaskStream(family.num_train, seed=cfg.seed),
+        engine=engine,
+        grading_pool=grading_pool,
+        update_fn=update_fn,
+        mesh=mesh,
+        sampler_device=policy.model_device(model),
+        tracker=pass_rate_tracker(cfg, ls),
+    )
 
     summary: dict[str, Any] = {}
     sigterm = SigtermFlag()
@@ -596,14 +763,24 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             if cfg.sft.steps > 0:
                 t0 = time.monotonic()
                 # too long for the static response budget: skipped, never truncated
-                demos = [d for d in family.demonstrations(cfg.task.num_train)
-                         if d.response_len <= cfg.rollout.max_new_tokens]
-                writer.log(f"SFT warm start: {cfg.sft.steps} steps on {len(demos)} "
-                           "demonstrations")
-                sft.run_sft(model, demos, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size,
-                            lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps,
-                            seq_len=cfg.rollout.seq_len, pad_id=tok.pad_id, seed=cfg.seed,
-                            log_fn=lambda s, m: writer.write(s, m, phase="sft"))
+                demos = [
+                    d
+                    for d in family.demonstrations(cfg.task.num_train)
+                    if d.response_len <= cfg.rollout.max_new_tokens
+                ]
+                writer.log(f"SFT warm start: {cfg.sft.steps} steps on {len(demos)} demonstrations")
+                sft.run_sft(
+                    model,
+                    demos,
+                    steps=cfg.sft.steps,
+                    batch_size=cfg.sft.batch_size,
+                    lr=cfg.sft.lr,
+                    warmup_steps=cfg.sft.warmup_steps,
+                    seq_len=cfg.rollout.seq_len,
+                    pad_id=tok.pad_id,
+                    seed=cfg.seed,
+                    log_fn=lambda s, m: writer.write(s, m, phase="sft"),
+                )
                 writer.log(f"SFT done in {time.monotonic() - t0:.1f}s")
             ls.sft_done = True
             state = policy.initial_state(cfg, model, mesh)
@@ -612,8 +789,14 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 policy.save(ckpt, 0, state, ls)
 
         with hosts.collective("the first weight sync"):
-            policy.sync_engine(engine, cfg, state.params, mesh=mesh, device=ctx.sampler_device,
-                               version=ls.policy_version)
+            policy.sync_engine(
+                engine,
+                cfg,
+                state.params,
+                mesh=mesh,
+                device=ctx.sampler_device,
+                version=ls.policy_version,
+            )
         if ls.step == 0 and cfg.loop.total_steps > 0 and family.eval_tasks():
             m = evaluate(engine, family, cfg, step=0, hosts=hosts)
             writer.write(0, m, phase="eval")
@@ -623,23 +806,25 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         total = cfg.loop.total_steps
         aq = None
         if cfg.rollout.max_staleness > 0:  # the asynchronous loop (rl.asynchronous)
-            aq = asynchronous.AsyncQueue(cfg.rollout.max_staleness,
-                                         cfg.grading.max_inflight_groups,
-                                         G // hosts.count)
+            aq = asynchronous.AsyncQueue(
+                cfg.rollout.max_staleness, cfg.grading.max_inflight_groups, G // hosts.count
+            )
             saved = ls.extra.get(asynchronous.ASYNC_KEY, {}).get("per_host")
             if saved is not None:
                 if len(saved) != hosts.count:
                     raise ResumeMismatchError(
                         f"{workdir}: the checkpoint holds the queued batches of {len(saved)} "
                         f"hosts, this run has {hosts.count} (rollout.max_staleness > 0 "
-                        "resumes on the same number of processes)")
+                        "resumes on the same number of processes)"
+                    )
                 aq.load(saved[hosts.index], family=family, pool=grading_pool, cfg=cfg)
         for step in range(ls.step, total):
             if aq is None:
                 state, m = rl_step(step, state, ls, ctx)
             else:
-                state, m = asynchronous.async_step(step, state, ls, ctx, aq,
-                                                   steps_left=total - step)
+                state, m = asynchronous.async_step(
+                    step, state, ls, ctx, aq, steps_left=total - step
+                )
             m = {**m, **backend.metrics()}  # execution/*: calls in flight, waits, retries, ...
             if step % cfg.loop.log_every == 0 or step == total - 1:
                 writer.write(step, m)
@@ -648,18 +833,23 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                 em = evaluate(engine, family, cfg, step=step + 1, hosts=hosts)
                 if em:
                     writer.write(step + 1, em, phase="eval")
-                    writer.log(f"eval @ step {step + 1}: " +
-                               ", ".join(f"{k} {v:.3f}" for k, v in em.items()))
+                    writer.log(
+                        f"eval @ step {step + 1}: "
+                        + ", ".join(f"{k} {v:.3f}" for k, v in em.items())
+                    )
             # SIGTERM on any host: all save this step and stop (the save is collective)
             stop = any(hosts.allgather(f"s{step}/sigterm", sigterm.requested))
             if _itstime(step, cfg.loop.checkpoint_every, total) or stop:
-                ls.grader_cache = {"path": os.path.basename(cache_path),
-                                   "entries": len(grading_pool.cache)}
+                ls.grader_cache = {
+                    "path": os.path.basename(cache_path),
+                    "entries": len(grading_pool.cache),
+                }
                 if ctx.tracker is not None:  # the same on every host: the primary's is saved
                     ls.extra[PASS_RATES_KEY] = ctx.tracker.state_dict()
                 if aq is not None:  # every host's queued batches, in the same checkpoint
-                    ls.extra[asynchronous.ASYNC_KEY] = {"per_host": hosts.allgather(
-                        f"s{step}/async_state", aq.state_dict())}
+                    ls.extra[asynchronous.ASYNC_KEY] = {
+                        "per_host": hosts.allgather(f"s{step}/async_state", aq.state_dict())
+                    }
                 hosts.barrier(f"ckpt{step + 1}")  # a host hung before the save is named here
                 with hosts.collective(f"the checkpoint of step {step + 1}"):
                     policy.save(ckpt, step + 1, state, ls)  # all hosts take part; orbax writes once
@@ -690,8 +880,9 @@ def _print_summary(cfg: RunConfig, workdir: str, summary: dict[str, Any]) -> Non
     print(writers.format_summary(title, summary, eval_samples=eval_samples), flush=True)
 
 
-def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
-                        temperature: float = 0.7) -> tuple[dict[str, float], int]:
+def evaluate_checkpoint(
+    workdir: str, *, step: int = -1, samples: int = 4, temperature: float = 0.7
+) -> tuple[dict[str, float], int]:
     """Restores a run's checkpoint (newest complete one for ``step=-1``) and evaluates it."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
@@ -710,12 +901,16 @@ def evaluate_checkpoint(workdir: str, *, step: int = -1, samples: int = 4,
             raise FileNotFoundError(f"no complete checkpoint in {workdir}")
         if step >= 0 and step not in steps:
             raise ValueError(f"checkpoint {step} not in {workdir} (complete ones: {steps})")
-        state, step, ls = policy.restore(ckpt, cfg, model_config, mesh,
-                                         None if step < 0 else step)
-        engine = engines.build_engine(cfg, model, workdir=workdir,
-                                      pad_id=family.tokenizer.pad_id)
-        policy.sync_engine(engine, cfg, state.params, mesh=mesh,
-                           device=policy.model_device(model), version=ls.policy_version)
+        state, step, ls = policy.restore(ckpt, cfg, model_config, mesh, None if step < 0 else step)
+        engine = engines.build_engine(cfg, model, workdir=workdir, pad_id=family.tokenizer.pad_id)
+        policy.sync_engine(
+            engine,
+            cfg,
+            state.params,
+            mesh=mesh,
+            device=policy.model_device(model),
+            version=ls.policy_version,
+        )
         return evaluate(engine, family, cfg, step=step), step
     finally:
         ckpt.close()

@@ -39,9 +39,14 @@ PLOT_PANELS: tuple[tuple[str, str], ...] = (
 )
 # Figures shown on the console line, in order: (key, short label, format).
 CONSOLE_KEYS: tuple[tuple[str, str, str], ...] = (
-    ("pass_rate", "pass", ".2f"), ("quality", "qual", ".2f"), ("t1_share", "T1", ".2f"),
-    ("rank1_share", "R1", ".2f"), ("response_length", "len", ".1f"), ("entropy", "ent", ".3f"),
-    ("pg_loss_mean", "pg", "+.4f"), ("credit_ratio", "credit", ".2f"),
+    ("pass_rate", "pass", ".2f"),
+    ("quality", "qual", ".2f"),
+    ("t1_share", "T1", ".2f"),
+    ("rank1_share", "R1", ".2f"),
+    ("response_length", "len", ".1f"),
+    ("entropy", "ent", ".3f"),
+    ("pg_loss_mean", "pg", "+.4f"),
+    ("credit_ratio", "credit", ".2f"),
     ("sampling_rounds", "rounds", ".0f"),
 )
 
@@ -74,8 +79,16 @@ class MetricsWriter:
       stream: where console lines go.
     """
 
-    def __init__(self, workdir: str, *, total_steps: int, start_step: int = 0,
-                 primary: bool = True, tensorboard: bool = True, stream=None):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        primary: bool = True,
+        tensorboard: bool = True,
+        stream=None,
+    ):
         self.workdir = workdir
         self.total_steps = total_steps
         self.start_step = start_step
@@ -122,8 +135,10 @@ class MetricsWriter:
         elapsed = time.monotonic() - self._t0
         timed = max(done - self.start_step, 1)
         eta = elapsed / timed * max(self.total_steps - done, 0)
-        parts = [f"[{bar:<{width}}] step {done}/{self.total_steps}",
-                 f"{format_duration(elapsed)} elapsed, ETA {format_duration(eta)}"]
+        parts = [
+            f"[{bar:<{width}}] step {done}/{self.total_steps}",
+            f"{format_duration(elapsed)} elapsed, ETA {format_duration(eta)}",
+        ]
         for key, label, fmt in CONSOLE_KEYS:
             value = _finite_float(metrics.get(key))
             if value is not None:
@@ -163,8 +178,9 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def truncate_jsonl(path: str, *, keep_before_step: int,
-                   drop_phases: Sequence[str] | None = None) -> int:
+def truncate_jsonl(
+    path: str, *, keep_before_step: int, drop_phases: Sequence[str] | None = None
+) -> int:
     """Drops rows a resumed run will write again; returns how many were dropped.
 
     Train rows with ``step >= keep_before_step`` go (those steps are redone; an eval row at
@@ -197,8 +213,9 @@ def truncate_jsonl(path: str, *, keep_before_step: int,
     return len(rows) - len(kept)
 
 
-def series(rows: Iterable[Mapping[str, Any]], key: str, *, phase: str | None = None
-           ) -> tuple[list[int], list[float]]:
+def series(
+    rows: Iterable[Mapping[str, Any]], key: str, *, phase: str | None = None
+) -> tuple[list[int], list[float]]:
     """(steps, values) of one metric, skipping rows where it is missing or null."""
     xs, ys = [], []
     for r in rows:
@@ -217,8 +234,13 @@ def run_series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], 
     return series(rows, key, phase="eval" if key.startswith("eval_") else "train")
 
 
-def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], out_path: str, *,
-              title: str = "", smooth: int = 1) -> str:
+def plot_runs(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]],
+    out_path: str,
+    *,
+    title: str = "",
+    smooth: int = 1,
+) -> str:
     """One figure with a panel per :data:`PLOT_PANELS` entry and a line per run.
 
     Args:
@@ -251,7 +273,7 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], out_path: str, *,
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(PLOT_PANELS):]:
+    for ax in list(axes.flat)[len(PLOT_PANELS) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     if len(runs) > 1 and handles:
@@ -269,14 +291,15 @@ def plot_run(workdir: str, *, out_path: str | None = None, smooth: int = 1) -> s
     """The per-run training-dynamics plot, ``workdir/training_dynamics.png`` by default."""
     rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     out_path = out_path or os.path.join(workdir, "training_dynamics.png")
-    return plot_runs({os.path.basename(os.path.normpath(workdir)): rows}, out_path,
-                     title=workdir, smooth=smooth)
+    return plot_runs(
+        {os.path.basename(os.path.normpath(workdir)): rows}, out_path, title=workdir, smooth=smooth
+    )
 
 
 def _moving_average(ys: Sequence[float], window: int) -> list[float]:
     out = []
     for i in range(len(ys)):
-        chunk = ys[max(0, i - window + 1): i + 1]
+        chunk = ys[max(0, i - window + 1) : i + 1]
         out.append(sum(chunk) / len(chunk))
     return out
 
@@ -342,29 +365,44 @@ def format_summary(title: str, summary: Mapping[str, Any], *, eval_samples: int)
         a, b, d = held
         se = binomial_diff_se(a, b, eval_samples)
         beyond = abs(d) > 2 * se
-        verdict = (("raised" if d > 0 else "lowered") + " beyond the noise of one evaluation"
-                   if beyond else "within the noise of one evaluation")
-        lines.append(f"   held-out pass rate {a:.3f} -> {b:.3f} ({d:+.3f}; 2 SE of the change "
-                     f"at {eval_samples} samples: {2 * se:.3f}): {verdict}")
+        verdict = (
+            ("raised" if d > 0 else "lowered") + " beyond the noise of one evaluation"
+            if beyond
+            else "within the noise of one evaluation"
+        )
+        lines.append(
+            f"   held-out pass rate {a:.3f} -> {b:.3f} ({d:+.3f}; 2 SE of the change "
+            f"at {eval_samples} samples: {2 * se:.3f}): {verdict}"
+        )
     gains = []
-    for key, name in (("quality", "quality of passing solutions"),
-                      ("t1_share", "share of passing solutions in the best tier (T1)")):
+    for key, name in (
+        ("quality", "quality of passing solutions"),
+        ("t1_share", "share of passing solutions in the best tier (T1)"),
+    ):
         c = change(key)
         if c is not None:
             lines.append(f"   {name} {c[0]:.3f} -> {c[1]:.3f} ({c[2]:+.3f})")
             if c[2] > 0:
                 gains.append(name)
     if held is not None and not beyond and gains:
-        lines.append(_wrap(
-            "RL changed which passing patch the policy writes (" + " and ".join(gains)
-            + " rose), not how often it passes on held-out tasks: the grader's quality signal "
-            "acts among passing solutions, and one evaluation cannot resolve a pass-rate change "
-            "smaller than the figure above. docs/results/toy_ablation.md compares the modes and "
-            "warm starts over seeds."))
+        lines.append(
+            _wrap(
+                "RL changed which passing patch the policy writes ("
+                + " and ".join(gains)
+                + " rose), not how often it passes on held-out tasks: the grader's quality "
+                "signal acts among passing solutions, and one evaluation cannot resolve a "
+                "pass-rate change smaller than the figure above. docs/results/toy_ablation.md "
+                "compares the modes and warm starts over seeds."
+            )
+        )
     elif held is not None and beyond and held[2] > 0:
-        lines.append(_wrap("RL raised the held-out pass rate beyond one evaluation's noise; "
-                           "compare seeds before reading it as a gain "
-                           "(docs/results/toy_ablation.md)."))
+        lines.append(
+            _wrap(
+                "RL raised the held-out pass rate beyond one evaluation's noise; "
+                "compare seeds before reading it as a gain "
+                "(docs/results/toy_ablation.md)."
+            )
+        )
     return "\n".join(lines)
 
 
@@ -389,8 +427,9 @@ def markdown_table(summaries: Mapping[str, Mapping[str, float | None]]) -> str:
     return "\n".join(lines)
 
 
-def compare_runs(workdirs: Mapping[str, str], out_dir: str, *, window: int = 5,
-                 smooth: int = 3) -> str:
+def compare_runs(
+    workdirs: Mapping[str, str], out_dir: str, *, window: int = 5, smooth: int = 3
+) -> str:
     """Plot + markdown comparison of several runs; returns the markdown.
 
     Writes ``out_dir/comparison.png`` and ``out_dir/comparison.md``. The markdown holds the
@@ -408,12 +447,21 @@ def compare_runs(workdirs: Mapping[str, str], out_dir: str, *, window: int = 5,
             raise FileNotFoundError(f"run {label!r}: no metrics file at {path}")
         runs[label] = read_jsonl(path)
     os.makedirs(out_dir, exist_ok=True)
-    png = plot_runs(runs, os.path.join(out_dir, "comparison.png"),
-                    title="Gagar ablation (toy): " + ", ".join(runs), smooth=smooth)
+    png = plot_runs(
+        runs,
+        os.path.join(out_dir, "comparison.png"),
+        title="Gagar ablation (toy): " + ", ".join(runs),
+        smooth=smooth,
+    )
     summaries = {label: summarize(rows, window=window) for label, rows in runs.items()}
-    lines = [f"# Run comparison\n\nFirst -> last: means over the first and last {window} logged "
-             "train steps (eval: first and last evaluation).\n", markdown_table(summaries), "",
-             f"![comparison]({os.path.basename(png)})", ""]
+    lines = [
+        f"# Run comparison\n\nFirst -> last: means over the first and last {window} logged "
+        "train steps (eval: first and last evaluation).\n",
+        markdown_table(summaries),
+        "",
+        f"![comparison]({os.path.basename(png)})",
+        "",
+    ]
     notes = _ablation_notes(summaries)
     if notes:
         lines += ["## Paper's comparisons at this scale (last-window means)", ""] + notes + [""]
@@ -429,18 +477,27 @@ def _ablation_notes(s: Mapping[str, Mapping[str, float | None]]) -> list[str]:
 
     notes = []
     if "gagar" in s and "binary" in s:
-        for key, better in (("quality", "higher"), ("t1_share", "higher"),
-                            ("response_length", "shorter"), ("eval_pass_rate", "higher")):
+        for key, better in (
+            ("quality", "higher"),
+            ("t1_share", "higher"),
+            ("response_length", "shorter"),
+            ("eval_pass_rate", "higher"),
+        ):
             a, b = last("gagar", key), last("binary", key)
             if a is None or b is None:
                 continue
             expected = (a > b) if better == "higher" else (a < b)
             seen = "reproduced" if expected else "NOT reproduced"
-            notes.append(f"- {key}: gagar {a:.4g} vs binary {b:.4g} (diff {a - b:+.4g}); paper "
-                         f"expects gagar {better}: {seen}")
+            notes.append(
+                f"- {key}: gagar {a:.4g} vs binary {b:.4g} (diff {a - b:+.4g}); paper "
+                f"expects gagar {better}: {seen}"
+            )
     if "discount_only" in s:
-        for key, ref in (("pg_loss_mean", "gagar"), ("entropy", "gagar"),
-                         ("credit_ratio", "gagar")):
+        for key, ref in (
+            ("pg_loss_mean", "gagar"),
+            ("entropy", "gagar"),
+            ("credit_ratio", "gagar"),
+        ):
             a, b = last("discount_only", key), last(ref, key)
             if a is None or b is None:
                 continue

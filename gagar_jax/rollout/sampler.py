@@ -311,8 +311,21 @@ def _generate_program(
     logits = logits[row_src, -1, :]
     prompt_len = prompt_len[row_src]
     cache = cache.take_rows(row_src)
-    def decode_loop(state, logits, cache, live, prompt_len, row_seeds, row_ids, temperature,
-                    top_p, top_k, stop_ids, max_new):
+
+    def decode_loop(
+        state,
+        logits,
+        cache,
+        live,
+        prompt_len,
+        row_seeds,
+        row_ids,
+        temperature,
+        top_p,
+        top_k,
+        stop_ids,
+        max_new,
+    ):
         model = nnx.merge(graphdef, state)
         row_keys = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(
             row_seeds, row_ids
@@ -359,15 +372,39 @@ def _generate_program(
         kept = _compact(cache)._replace(index=cache.index[None]) if keep_cache else None
         return toks, lps, lengths, stopped, kept
 
-    args = (state, logits, cache, live, prompt_len, row_seeds, row_ids, temperature, top_p,
-            top_k, stop_ids, max_new)
+    args = (
+        state,
+        logits,
+        cache,
+        live,
+        prompt_len,
+        row_seeds,
+        row_ids,
+        temperature,
+        top_p,
+        top_k,
+        stop_ids,
+        max_new,
+    )
     if mesh is None:
         toks, lps, lengths, stopped, kept = decode_loop(*args)
     else:
         rows, whole = P(data_axis), P()
         cache_spec = _cache_spec(cache, data_axis)
-        in_specs = (jax.tree.map(lambda _: whole, state), rows, cache_spec, rows, rows, rows,
-                    rows, whole, whole, whole, whole, whole)
+        in_specs = (
+            jax.tree.map(lambda _: whole, state),
+            rows,
+            cache_spec,
+            rows,
+            rows,
+            rows,
+            rows,
+            whole,
+            whole,
+            whole,
+            whole,
+            whole,
+        )
         kept_spec = cache_spec._replace(index=rows) if keep_cache else None
         toks, lps, lengths, stopped, kept = jax.shard_map(
             decode_loop,
@@ -383,10 +420,14 @@ def _generate_program(
 
 def _cache_spec(cache, data_axis: str):
     """`PartitionSpec`s of a `Cache` with its rows split over ``data_axis``."""
+
     def rows(x):
         return P(*([None] * (x.ndim + Cache.BATCH_AXIS)), data_axis)
+
     return Cache(
-        k=jax.tree.map(rows, cache.k), v=jax.tree.map(rows, cache.v), mask=P(data_axis),
+        k=jax.tree.map(rows, cache.k),
+        v=jax.tree.map(rows, cache.v),
+        mask=P(data_axis),
         index=P(),
     )
 
@@ -463,8 +504,10 @@ class Sampler:
         if int(prefix_cache) < 0:
             raise ValueError(f"Sampler.prefix_cache must be >= 0, got {prefix_cache}")
         self.prefix_cache = int(prefix_cache)
-        if not isinstance(decode_segments, int) or isinstance(decode_segments, bool) or (
-            decode_segments < 1
+        if (
+            not isinstance(decode_segments, int)
+            or isinstance(decode_segments, bool)
+            or (decode_segments < 1)
         ):
             raise ValueError(
                 f"Sampler.decode_segments must be an int >= 1, got {decode_segments!r}"

@@ -343,8 +343,16 @@ def make_tiny_model(
     Runs `scripts/sglang_cpu/make_tiny_model.py` with the SGLang venv's interpreter (it needs torch,
     transformers and tokenizers, which the JAX venv does not have). Returns `out_dir`.
     """
-    args = ["--out", str(out_dir), "--seed", str(seed), "--vocab-size", str(vocab_size),
-            "--arch", arch]
+    args = [
+        "--out",
+        str(out_dir),
+        "--seed",
+        str(seed),
+        "--vocab-size",
+        str(vocab_size),
+        "--arch",
+        arch,
+    ]
     return _run_model_script(args, venv, timeout_s, out_dir)
 
 

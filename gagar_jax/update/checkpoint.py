@@ -67,8 +67,8 @@ def array_checksums(state: Any) -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class ResumeInfo:
-    step: int               # checkpoint step (the loop's step counter when saved)
-    data_position: Any      # JSON value saved with the checkpoint
+    step: int  # checkpoint step (the loop's step counter when saved)
+    data_position: Any  # JSON value saved with the checkpoint
     fingerprint: str
     extra: dict
 
@@ -76,8 +76,9 @@ class ResumeInfo:
 def abstract_train_state(model_config: TransformerConfig, config: UpdateConfig, mesh):
     """``TrainState`` of ``jax.ShapeDtypeStruct`` carrying the target shardings on ``mesh``."""
     abstract, shardings = state_shardings(model_config, config, mesh)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract, shardings)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
 
 
 class Checkpointer:
@@ -93,9 +94,16 @@ class Checkpointer:
         to host; writing continues in the background).
     """
 
-    def __init__(self, directory: str, *, model_config: TransformerConfig,
-                 update_config: UpdateConfig, keep: int = 3, async_save: bool = True,
-                 fingerprint: str | None = None):
+    def __init__(
+        self,
+        directory: str,
+        *,
+        model_config: TransformerConfig,
+        update_config: UpdateConfig,
+        keep: int = 3,
+        async_save: bool = True,
+        fingerprint: str | None = None,
+    ):
         if keep < 1:
             raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
         self.directory = os.path.abspath(directory)
@@ -104,17 +112,35 @@ class Checkpointer:
         self.fingerprint = fingerprint or config_fingerprint(model_config, update_config)
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                 enable_async_checkpointing=async_save))
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+            ),
+        )
 
     # -- saving ----------------------------------------------------------------------------
-    def save(self, step: int, state: TrainState, *, data_position: Any = None,
-             extra: dict | None = None, wait: bool = False) -> None:
+    def save(
+        self,
+        step: int,
+        state: TrainState,
+        *,
+        data_position: Any = None,
+        extra: dict | None = None,
+        wait: bool = False,
+    ) -> None:
         """Saves ``state`` and resume metadata as checkpoint ``step`` (async unless ``wait``)."""
-        meta = {"data_position": data_position, "fingerprint": self.fingerprint,
-                "extra": extra or {}, "checksums": array_checksums(state)}
-        self.manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        meta = {
+            "data_position": data_position,
+            "fingerprint": self.fingerprint,
+            "extra": extra or {},
+            "checksums": array_checksums(state),
+        }
+        self.manager.save(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
         if wait:
             self.manager.wait_until_finished()
 
@@ -132,8 +158,13 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def restore(self, abstract_state: TrainState, step: int | None = None, *,
-                allow_config_change: bool = False) -> tuple[TrainState, ResumeInfo]:
+    def restore(
+        self,
+        abstract_state: TrainState,
+        step: int | None = None,
+        *,
+        allow_config_change: bool = False,
+    ) -> tuple[TrainState, ResumeInfo]:
         """Restores ``step`` (default: the latest) into ``abstract_state``'s shardings.
 
         Args:
@@ -159,32 +190,39 @@ class Checkpointer:
                 log.error("checkpoint %s step %d is corrupt (%s); falling back to the previous "
                           "complete checkpoint", self.directory, s, e)  # fmt: skip
         raise CheckpointCorruptError(
-            f"no intact checkpoint in {self.directory}: " + "; ".join(problems))
+            f"no intact checkpoint in {self.directory}: " + "; ".join(problems)
+        )
 
-    def _restore_step(self, abstract_state: TrainState, step: int,
-                      allow_config_change: bool) -> tuple[TrainState, ResumeInfo]:
+    def _restore_step(
+        self, abstract_state: TrainState, step: int, allow_config_change: bool
+    ) -> tuple[TrainState, ResumeInfo]:
         if step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint step {step} in {self.directory}")
         try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore()))["meta"]
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+                "meta"
+            ]
             if not isinstance(meta, dict) or "fingerprint" not in meta:
                 raise ValueError(f"metadata is {type(meta).__name__} without a fingerprint")
         except Exception as e:  # noqa: BLE001 - unreadable metadata: this checkpoint is corrupt
             raise CheckpointCorruptError(
-                f"step {step}: metadata unreadable: {type(e).__name__}: {e}"[:500]) from e
+                f"step {step}: metadata unreadable: {type(e).__name__}: {e}"[:500]
+            ) from e
         if meta["fingerprint"] != self.fingerprint and not allow_config_change:
             raise ConfigMismatchError(
                 f"checkpoint {self.directory} step {step} was written with config fingerprint "
                 f"{meta['fingerprint']}, but the current model/update config has "
                 f"{self.fingerprint}; refusing to restore a mismatched state (pass "
-                "allow_config_change=True to override)")
+                "allow_config_change=True to override)"
+            )
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state)))["state"]
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            )["state"]
         except Exception as e:  # noqa: BLE001 - data orbax cannot decode: corrupt
             raise CheckpointCorruptError(
-                f"step {step}: state unreadable: {type(e).__name__}: {e}"[:500]) from e
+                f"step {step}: state unreadable: {type(e).__name__}: {e}"[:500]
+            ) from e
         kind = type(abstract_state)  # TrainState, or another NamedTuple state (feedback)
         state = restored if isinstance(restored, kind) else kind(*restored)
         saved = meta.get("checksums")
@@ -193,6 +231,11 @@ class Checkpointer:
             bad = sorted(k for k in saved if got.get(k) != saved[k])
             if bad:
                 raise CheckpointCorruptError(
-                    f"step {step}: checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}")
-        return state, ResumeInfo(step=step, data_position=meta["data_position"],
-                                 fingerprint=meta["fingerprint"], extra=meta.get("extra", {}))
+                    f"step {step}: checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"
+                )
+        return state, ResumeInfo(
+            step=step,
+            data_position=meta["data_position"],
+            fingerprint=meta["fingerprint"],
+            extra=meta.get("extra", {}),
+        )

@@ -59,11 +59,16 @@ def pack_demonstrations(demos: Sequence, *, seq_len: int, pad_id: int) -> SFTBat
     return SFTBatch(tokens, positions, attn, loss)
 
 
-def make_optimizer(lr: float, warmup_steps: int, total_steps: int,
-                   grad_clip: float = 1.0) -> optax.GradientTransformation:
+def make_optimizer(
+    lr: float, warmup_steps: int, total_steps: int, grad_clip: float = 1.0
+) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=lr, warmup_steps=max(warmup_steps, 1),
-        decay_steps=max(total_steps, warmup_steps + 1), end_value=lr * 0.1)
+        init_value=0.0,
+        peak_value=lr,
+        warmup_steps=max(warmup_steps, 1),
+        decay_steps=max(total_steps, warmup_steps + 1),
+        end_value=lr * 0.1,
+    )
     return optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(schedule))
 
 
@@ -92,13 +97,27 @@ def sft_step(graphdef, params, opt_state, rest, batch: SFTBatch, *, tx):
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"sft_loss": loss, "sft_token_accuracy": acc,
-                               "sft_grad_norm": optax.tree.norm(grads)}
+    return (
+        params,
+        opt_state,
+        {"sft_loss": loss, "sft_token_accuracy": acc, "sft_grad_norm": optax.tree.norm(grads)},
+    )
 
 
-def run_sft(model, demos: Sequence, *, steps: int, batch_size: int,
-            lr: float, warmup_steps: int, seq_len: int, pad_id: int, seed: int,
-            log_fn=None, log_every: int = 10):
+def run_sft(
+    model,
+    demos: Sequence,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    warmup_steps: int,
+    seq_len: int,
+    pad_id: int,
+    seed: int,
+    log_fn=None,
+    log_every: int = 10,
+):
     """Trains ``model`` (flax NNX, updated in place) on ``demos`` for ``steps`` steps.
 
     Batches are drawn without replacement per epoch with a seeded permutation. Returns the list

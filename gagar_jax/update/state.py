@@ -106,16 +106,27 @@ class UpdateConfig:
             raise ValueError(f"update.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(
-                f"update.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+                f"update.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}"
+            )
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
-                f"update.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+                f"update.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
+            )
         for name in ("num_minibatches", "num_microbatches", "ppo_epochs", "decay_steps"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"update.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("learning_rate", "max_grad_norm", "clip_low", "clip_high", "kl_coef",
-                     "entropy_coef", "weight_decay", "warmup_steps", "router_aux_loss_coef",
-                     "logits_chunk_size"):
+        for name in (
+            "learning_rate",
+            "max_grad_norm",
+            "clip_low",
+            "clip_high",
+            "kl_coef",
+            "entropy_coef",
+            "weight_decay",
+            "warmup_steps",
+            "router_aux_loss_coef",
+            "logits_chunk_size",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"update.{name} must be >= 0, got {getattr(self, name)}")
         if not self.temperature > 0:  # also rejects NaN
@@ -125,30 +136,41 @@ class UpdateConfig:
         if self.token_credit != "broadcast" and self.token_credit not in IMPORTANCE_PROVIDERS:
             raise ValueError(
                 f"update.token_credit must be 'broadcast' or one of "
-                f"{tuple(IMPORTANCE_PROVIDERS)}, got {self.token_credit!r}")
+                f"{tuple(IMPORTANCE_PROVIDERS)}, got {self.token_credit!r}"
+            )
         if not 0.0 <= self.token_gamma <= 1.0:
             raise ValueError(f"update.token_gamma must be in [0, 1], got {self.token_gamma}")
         if self.rollout_is not in ROLLOUT_IS:
-            raise ValueError(f"update.rollout_is must be one of {ROLLOUT_IS}, got "
-                             f"{self.rollout_is!r}")
+            raise ValueError(
+                f"update.rollout_is must be one of {ROLLOUT_IS}, got {self.rollout_is!r}"
+            )
         if self.rollout_rs not in ROLLOUT_RS:
-            raise ValueError(f"update.rollout_rs must be one of {ROLLOUT_RS}, got "
-                             f"{self.rollout_rs!r}")
+            raise ValueError(
+                f"update.rollout_rs must be one of {ROLLOUT_RS}, got {self.rollout_rs!r}"
+            )
         if self.rollout_is != "none" and not self.decoupled:
-            raise ValueError(f"update.rollout_is={self.rollout_is!r} needs update.decoupled="
-                             "True (with the clip around the behaviour policy the ratio "
-                             "already carries pi / mu)")
+            raise ValueError(
+                f"update.rollout_is={self.rollout_is!r} needs update.decoupled="
+                "True (with the clip around the behaviour policy the ratio "
+                "already carries pi / mu)"
+            )
         if not self.rollout_is_threshold >= 1.0:
-            raise ValueError(f"update.rollout_is_threshold must be >= 1, got "
-                             f"{self.rollout_is_threshold}")
+            raise ValueError(
+                f"update.rollout_is_threshold must be >= 1, got {self.rollout_is_threshold}"
+            )
         if self.rollout_rs == "token_k3" and not self.rollout_rs_threshold >= 0.0:
-            raise ValueError("update.rollout_rs_threshold (a k3 bound for token_k3) must be "
-                             f">= 0, got {self.rollout_rs_threshold}")
+            raise ValueError(
+                "update.rollout_rs_threshold (a k3 bound for token_k3) must be "
+                f">= 0, got {self.rollout_rs_threshold}"
+            )
         if self.rollout_rs == "geometric" and not (
-                self.rollout_rs_threshold_lower <= 1.0 <= self.rollout_rs_threshold):
-            raise ValueError("update.rollout_rs_threshold_lower <= 1 <= "
-                             "update.rollout_rs_threshold expected, got "
-                             f"[{self.rollout_rs_threshold_lower}, {self.rollout_rs_threshold}]")
+            self.rollout_rs_threshold_lower <= 1.0 <= self.rollout_rs_threshold
+        ):
+            raise ValueError(
+                "update.rollout_rs_threshold_lower <= 1 <= "
+                "update.rollout_rs_threshold expected, got "
+                f"[{self.rollout_rs_threshold_lower}, {self.rollout_rs_threshold}]"
+            )
         if not 0.0 <= self.end_lr_ratio <= 1.0:
             raise ValueError(f"update.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
 
@@ -162,8 +184,9 @@ class UpdateConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(items) - names)
         if unknown:
-            raise ValueError(f"update config: unknown keys {unknown}; expected some of "
-                             f"{sorted(names)}")
+            raise ValueError(
+                f"update config: unknown keys {unknown}; expected some of {sorted(names)}"
+            )
         if "advantages" in items and not isinstance(items["advantages"], GagarConfig):
             items["advantages"] = GagarConfig.from_mapping(items["advantages"])
         return cls(**items)
@@ -176,10 +199,10 @@ class UpdateConfig:
 class TrainState(NamedTuple):
     """The whole training state (a pytree)."""
 
-    step: jax.Array       # [] int32, number of completed updates
-    params: dict          # pure nested dict of parameter arrays (see nnx.to_pure_dict)
-    opt_state: Any        # optax state
-    rng: jax.Array        # [2] uint32 raw PRNG key (raw for checkpoint portability)
+    step: jax.Array  # [] int32, number of completed updates
+    params: dict  # pure nested dict of parameter arrays (see nnx.to_pure_dict)
+    opt_state: Any  # optax state
+    rng: jax.Array  # [2] uint32 raw PRNG key (raw for checkpoint portability)
 
 
 def learning_rate_schedule(config: UpdateConfig) -> optax.Schedule:
@@ -203,8 +226,13 @@ def make_optimizer(config: UpdateConfig) -> optax.GradientTransformation:
     """``clip_by_global_norm`` then AdamW with the configured schedule."""
     return optax.chain(
         optax.clip_by_global_norm(config.max_grad_norm),
-        optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
-                    weight_decay=config.weight_decay),
+        optax.adamw(
+            learning_rate_schedule(config),
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+        ),
     )
 
 
@@ -216,8 +244,9 @@ def mesh_shape(shape: tuple[int, int, int], num_devices: int) -> tuple[int, int,
             raise ValueError(f"mesh.shape={shape}: {num_devices} devices not divisible by {known}")
         shape = tuple(num_devices // known if s == -1 else s for s in shape)
     if int(np.prod(shape)) != num_devices:
-        raise ValueError(f"mesh.shape={shape} needs {int(np.prod(shape))} devices, "
-                         f"{num_devices} available")
+        raise ValueError(
+            f"mesh.shape={shape} needs {int(np.prod(shape))} devices, {num_devices} available"
+        )
     return shape
 
 
@@ -233,8 +262,9 @@ def make_mesh(shape: tuple[int, int, int], devices=None) -> Mesh:
     if len(shape) == 3 and -1 in shape:
         shape = mesh_shape(shape, len(devices))
     if len(shape) != 3 or int(np.prod(shape)) != len(devices):
-        raise ValueError(f"mesh shape {shape} (data, fsdp, tensor) must multiply to the "
-                         f"{len(devices)} devices")
+        raise ValueError(
+            f"mesh shape {shape} (data, fsdp, tensor) must multiply to the {len(devices)} devices"
+        )
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
@@ -244,8 +274,7 @@ def abstract_model(model_config: TransformerConfig) -> Transformer:
 
 def _opt_state_shardings(abstract_opt_state, params_shardings, mesh):
     """Optimizer-state leaves mirroring a parameter (Adam moments) take its sharding."""
-    by_path = {path: s for path, s in
-               jax.tree_util.tree_flatten_with_path(params_shardings)[0]}
+    by_path = {path: s for path, s in jax.tree_util.tree_flatten_with_path(params_shardings)[0]}
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def one(path, leaf):
@@ -264,52 +293,73 @@ def state_shardings(model_config: TransformerConfig, config: UpdateConfig, mesh:
     p_sh = param_shardings(nnx.state(abstract_model(model_config), nnx.Param), mesh)
 
     def init(key):
-        params = nnx.to_pure_dict(nnx.state(
-            Transformer(model_config, rngs=nnx.Rngs(params=key)), nnx.Param))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=tx.init(params), rng=key)
+        params = nnx.to_pure_dict(
+            nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=key)), nnx.Param)
+        )
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=key
+        )
 
     abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
     replicated = NamedSharding(mesh, PartitionSpec())
-    shardings = TrainState(step=replicated, params=p_sh,
-                           opt_state=_opt_state_shardings(abstract.opt_state, p_sh, mesh),
-                           rng=replicated)
+    shardings = TrainState(
+        step=replicated,
+        params=p_sh,
+        opt_state=_opt_state_shardings(abstract.opt_state, p_sh, mesh),
+        rng=replicated,
+    )
     return abstract, shardings
 
 
-def create_train_state(model_config: TransformerConfig, config: UpdateConfig, mesh: Mesh,
-                       seed: int = 0, params: dict | None = None) -> TrainState:
+def create_train_state(
+    model_config: TransformerConfig,
+    config: UpdateConfig,
+    mesh: Mesh,
+    seed: int = 0,
+    params: dict | None = None,
+) -> TrainState:
     """A freshly initialised (or ``params``-initialised) state, created already sharded."""
     tx = make_optimizer(config)
     _, shardings = state_shardings(model_config, config, mesh)
     key = jax.random.PRNGKey(seed)
 
     if params is None:
+
         def init(key):
             init_key, rng = jax.random.split(key)
-            p = nnx.to_pure_dict(nnx.state(
-                Transformer(model_config, rngs=nnx.Rngs(params=init_key)), nnx.Param))
-            return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
-                              rng=rng)
+            p = nnx.to_pure_dict(
+                nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=init_key)), nnx.Param)
+            )
+            return TrainState(
+                step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p), rng=rng
+            )
 
         return jax.jit(init, out_shardings=shardings)(key)
 
     params = jax.device_put(params, shardings.params)
 
     def from_params(p, key):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
-                          rng=jax.random.split(key)[1])
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=p,
+            opt_state=tx.init(p),
+            rng=jax.random.split(key)[1],
+        )
 
     return jax.jit(from_params, out_shardings=shardings)(params, key)
 
 
-def config_fingerprint(model_config: TransformerConfig, config: UpdateConfig,
-                       mesh_shape=None) -> str:
+def config_fingerprint(
+    model_config: TransformerConfig, config: UpdateConfig, mesh_shape=None
+) -> str:
     """A short stable hash of what a checkpoint's state depends on (model + optimiser shape).
 
     The mesh shape is left out on purpose: a checkpoint restores onto any mesh.
     """
     del mesh_shape
-    payload = json.dumps({"model": dataclasses.asdict(model_config),
-                          "update": dataclasses.asdict(config)}, sort_keys=True, default=str)
+    payload = json.dumps(
+        {"model": dataclasses.asdict(model_config), "update": dataclasses.asdict(config)},
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -68,28 +68,34 @@ from gagar_jax.update.state import (
 class UpdateBatch(NamedTuple):
     """One update's worth of graded rollouts (``N = G * K`` sequences of ``T`` tokens)."""
 
-    tokens: jax.Array          # [N, T] int32 prompt + response tokens
-    positions: jax.Array       # [N, T] int32 RoPE positions
+    tokens: jax.Array  # [N, T] int32 prompt + response tokens
+    positions: jax.Array  # [N, T] int32 RoPE positions
     attention_mask: jax.Array  # [N, T] bool, False on padding
-    response_mask: jax.Array   # [N, T] bool, True on model tokens to train on
-    old_logprobs: jax.Array    # [N, T] float32 behaviour log-probs of each token
-    rewards: jax.Array         # [G, K] float32
-    passed: jax.Array          # [G, K] bool
-    cheat: jax.Array           # [G, K] bool
-    tier: jax.Array            # [G, K] int32
-    rank: jax.Array            # [G, K] int32
-    valid: jax.Array           # [G, K] bool
-    graded: jax.Array          # [G] bool
+    response_mask: jax.Array  # [N, T] bool, True on model tokens to train on
+    old_logprobs: jax.Array  # [N, T] float32 behaviour log-probs of each token
+    rewards: jax.Array  # [G, K] float32
+    passed: jax.Array  # [G, K] bool
+    cheat: jax.Array  # [G, K] bool
+    tier: jax.Array  # [G, K] int32
+    rank: jax.Array  # [G, K] int32
+    valid: jax.Array  # [G, K] bool
+    graded: jax.Array  # [G] bool
     ref_logprobs: jax.Array | None = None  # [N, T] float32 reference log-probs (KL term)
     evidence: jax.Array | None = None  # [N, T] bool, tokens a verdict cites (token credit)
 
 
-_TOKEN_FIELDS = ("tokens", "positions", "attention_mask", "response_mask", "old_logprobs",
-                 "ref_logprobs", "evidence")
+_TOKEN_FIELDS = (
+    "tokens",
+    "positions",
+    "attention_mask",
+    "response_mask",
+    "old_logprobs",
+    "ref_logprobs",
+    "evidence",
+)
 
 
-def batch_shardings(mesh: Mesh, with_ref: bool = False, with_evidence: bool = False
-                    ) -> UpdateBatch:
+def batch_shardings(mesh: Mesh, with_ref: bool = False, with_evidence: bool = False) -> UpdateBatch:
     """The shardings of an :class:`UpdateBatch` on ``mesh``, field by field.
 
     Token fields (``[N, T]``: tokens, positions, masks, log-probs, evidence) split their rows
@@ -111,8 +117,10 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
     n, t = np.shape(batch.tokens)
     g, k = np.shape(batch.rewards)
     if n != g * k:
-        raise ValueError(f"batch.tokens has {n} rows but rewards is [G={g}, K={k}]: "
-                         f"need N = G * K = {g * k} (group-major rows)")
+        raise ValueError(
+            f"batch.tokens has {n} rows but rewards is [G={g}, K={k}]: "
+            f"need N = G * K = {g * k} (group-major rows)"
+        )
     for f in _TOKEN_FIELDS:
         x = getattr(batch, f)
         if x is not None and np.shape(x) != (n, t):
@@ -131,7 +139,8 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
     if n % (chunks * shards):
         raise ValueError(
             f"batch of N={n} sequences must divide into num_minibatches * num_microbatches = "
-            f"{chunks} chunks times data*fsdp = {shards} shards")
+            f"{chunks} chunks times data*fsdp = {shards} shards"
+        )
 
 
 def _split(x, minibatches: int, microbatches: int, mesh: Mesh | None):
@@ -176,8 +185,9 @@ def chunked_token_logprobs_and_entropy(
     dt = jnp.dtype(model.config.dtype)
     weight = model.head_weight()  # [V, E]
     if chunk <= 0 or chunk >= t:
-        logits = jnp.einsum("bte,ve->btv", hidden.astype(dt), weight.astype(dt),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "bte,ve->btv", hidden.astype(dt), weight.astype(dt), preferred_element_type=jnp.float32
+        )
         return token_logprobs_and_entropy(logits / temperature, targets)
     n = -(-t // chunk)
     pad = n * chunk - t
@@ -186,8 +196,9 @@ def chunked_token_logprobs_and_entropy(
 
     @jax.checkpoint
     def one(w, hc, yc):
-        logits = jnp.einsum("bte,ve->btv", hc.astype(dt), w.astype(dt),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "bte,ve->btv", hc.astype(dt), w.astype(dt), preferred_element_type=jnp.float32
+        )
         return token_logprobs_and_entropy(logits / temperature, yc)
 
     lp, ent = jax.lax.map(
@@ -198,20 +209,39 @@ def chunked_token_logprobs_and_entropy(
     return lp, ent
 
 
-def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: UpdateConfig,
-                mesh: Mesh | None = None):
+def update_step(
+    state: TrainState,
+    batch: UpdateBatch,
+    *,
+    graphdef,
+    config: UpdateConfig,
+    mesh: Mesh | None = None,
+):
     """The pure update (jit it with :func:`jit_update`). Returns ``(state, metrics)``."""
     tx = make_optimizer(config)
     schedule = learning_rate_schedule(config)
-    adv_out = gagar_advantages(batch.rewards, batch.passed, batch.cheat, batch.tier, batch.rank,
-                               batch.graded, batch.valid, config=config.advantages)
+    adv_out = gagar_advantages(
+        batch.rewards,
+        batch.passed,
+        batch.cheat,
+        batch.tier,
+        batch.rank,
+        batch.graded,
+        batch.valid,
+        config=config.advantages,
+    )
     seq_adv = adv_out.advantages.reshape(-1)  # [N]
     seq_valid = batch.valid.reshape(-1)
 
     resp = batch.response_mask & seq_valid[:, None]
-    fields = dict(tokens=batch.tokens, positions=batch.positions,
-                  attention_mask=batch.attention_mask, response_mask=resp,
-                  old_logprobs=batch.old_logprobs, advantages=seq_adv)
+    fields = dict(
+        tokens=batch.tokens,
+        positions=batch.positions,
+        attention_mask=batch.attention_mask,
+        response_mask=resp,
+        old_logprobs=batch.old_logprobs,
+        advantages=seq_adv,
+    )
     if batch.ref_logprobs is not None:
         fields["ref_logprobs"] = batch.ref_logprobs
     if batch.evidence is not None:
@@ -226,14 +256,16 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
 
     def loss_fn(params, mb, num_tokens, num_seqs):
         model = nnx.merge(graphdef, params)
-        hidden, router = model.hidden_states(mb["tokens"], mb["positions"],
-                                             attention_mask=mb["attention_mask"], return_aux=True)
+        hidden, router = model.hidden_states(
+            mb["tokens"], mb["positions"], attention_mask=mb["attention_mask"], return_aux=True
+        )
         # Targets shifted left by one; the logits are consumed whole (no sliced [b, T-1, V]
         # copy) and only the [b, T] results drop their last column. The behaviour policy
         # sampled from softmax(logits / T): score the same distribution.
         next_tokens = jnp.roll(mb["tokens"], -1, axis=1)
         logprobs, entropy = chunked_token_logprobs_and_entropy(
-            model, hidden, next_tokens, config.temperature, config.logits_chunk_size)
+            model, hidden, next_tokens, config.temperature, config.logits_chunk_size
+        )
         logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
         ref = mb.get("ref_logprobs")
         mask = mb["response_mask"][:, 1:]
@@ -241,20 +273,42 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         advantages = mb["advantages"]  # [b]: broadcast inside the fused loss
         if config.token_credit != "broadcast":
             importance = importance_provider(config.token_credit)(
-                ImportanceInputs(mask=mask, entropy=entropy, evidence=evidence))
+                ImportanceInputs(mask=mask, entropy=entropy, evidence=evidence)
+            )
             advantages = redistribute_tokens_unchecked(
-                mb["advantages"], importance, mask, gamma=config.token_gamma)  # [b, T - 1]
+                mb["advantages"], importance, mask, gamma=config.token_gamma
+            )  # [b, T - 1]
         terms = policy_loss(
-            logprobs, mb["old_logprobs"][:, 1:], advantages, mask,
-            entropy, None if ref is None else ref[:, 1:],
-            clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
-            aggregation=config.aggregation, kl_coef=config.kl_coef,
-            kl_estimator=config.kl_estimator, entropy_coef=config.entropy_coef,
-            num_tokens=num_tokens, num_seqs=num_seqs, **_off_policy_args(mb, config))
+            logprobs,
+            mb["old_logprobs"][:, 1:],
+            advantages,
+            mask,
+            entropy,
+            None if ref is None else ref[:, 1:],
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            dual_clip=config.dual_clip,
+            aggregation=config.aggregation,
+            kl_coef=config.kl_coef,
+            kl_estimator=config.kl_estimator,
+            entropy_coef=config.entropy_coef,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            **_off_policy_args(mb, config),
+        )
         extra = {}
         if token_keys:
-            extra = _token_metrics(advantages, mb["advantages"], mask, evidence, logprobs,
-                                   mb["old_logprobs"][:, 1:], config, num_tokens, num_seqs)
+            extra = _token_metrics(
+                advantages,
+                mb["advantages"],
+                mask,
+                evidence,
+                logprobs,
+                mb["old_logprobs"][:, 1:],
+                config,
+                num_tokens,
+                num_seqs,
+            )
         # MoE router metrics, averaged over micro-batches (the accumulation sums them).
         extra.update({k: v / a for k, v in router.items()})
         loss = terms.loss
@@ -279,26 +333,39 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
         def micro(acc, mb):
             (_, (terms, extra, max_diff)), grads = grad_fn(params, mb, num_tokens, num_seqs)
             acc_gt, acc_diff = acc
-            return (jax.tree.map(jnp.add, acc_gt, (grads, terms, extra)),
-                    jnp.maximum(acc_diff, max_diff)), None
+            return (
+                jax.tree.map(jnp.add, acc_gt, (grads, terms, extra)),
+                jnp.maximum(acc_diff, max_diff),
+            ), None
 
         zero = jnp.zeros((), jnp.float32)
-        zeros = ((jax.tree.map(jnp.zeros_like, params),
-                  PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields))),
-                  {k: zero for k in token_keys + (ROUTER_METRICS if moe else ())}), zero)
+        zeros = (
+            (
+                jax.tree.map(jnp.zeros_like, params),
+                PolicyLossTerms(*([zero] * len(PolicyLossTerms._fields))),
+                {k: zero for k in token_keys + (ROUTER_METRICS if moe else ())},
+            ),
+            zero,
+        )
         ((grads, terms, extra), max_diff), _ = jax.lax.scan(micro, zeros, mb_all)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        out = dict(terms._asdict(), **extra, grad_norm=grad_norm,
-                   learning_rate=schedule(opt_step), tokens=num_tokens,
-                   logprob_max_abs_diff=max_diff)
+        out = dict(
+            terms._asdict(),
+            **extra,
+            grad_norm=grad_norm,
+            learning_rate=schedule(opt_step),
+            tokens=num_tokens,
+            logprob_max_abs_diff=max_diff,
+        )
         return (params, opt_state, opt_step + 1), out
 
     steps_per_update = config.optimizer_steps_per_update
     opt_step0 = state.step * steps_per_update
     (params, opt_state, _), per_step = jax.lax.scan(
-        minibatch, (state.params, state.opt_state, opt_step0), jnp.arange(steps_per_update))
+        minibatch, (state.params, state.opt_state, opt_step0), jnp.arange(steps_per_update)
+    )
 
     metrics = {k: jnp.mean(v) for k, v in per_step.items() if k != "learning_rate"}
     if token_keys:
@@ -319,8 +386,7 @@ def update_step(state: TrainState, batch: UpdateBatch, *, graphdef, config: Upda
     metrics["response_length"] = metrics["tokens"] / jnp.maximum(n_resp_seqs, 1.0)
     metrics.update(adv_out.metrics)
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                           rng=state.rng)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
     return new_state, metrics
 
 
@@ -330,11 +396,16 @@ def _proximal_logprobs(params, data, graphdef, config: UpdateConfig) -> jax.Arra
 
     def one(mb):
         model = nnx.merge(graphdef, params)
-        hidden = model.hidden_states(mb["tokens"], mb["positions"],
-                                     attention_mask=mb["attention_mask"])
+        hidden = model.hidden_states(
+            mb["tokens"], mb["positions"], attention_mask=mb["attention_mask"]
+        )
         lp, _ = chunked_token_logprobs_and_entropy(
-            model, hidden, jnp.roll(mb["tokens"], -1, axis=1), config.temperature,
-            config.logits_chunk_size)
+            model,
+            hidden,
+            jnp.roll(mb["tokens"], -1, axis=1),
+            config.temperature,
+            config.logits_chunk_size,
+        )
         return jax.lax.stop_gradient(lp)
 
     inputs = {k: data[k] for k in ("tokens", "positions", "attention_mask")}
@@ -345,11 +416,15 @@ def _off_policy_args(mb, config: UpdateConfig) -> dict:
     """``policy_loss``'s correction arguments (none when no correction is configured)."""
     if not config.off_policy:
         return {}
-    return dict(proximal_logprobs=mb["proximal_logprobs"][:, :-1],
-                rollout_is=config.rollout_is, rollout_is_threshold=config.rollout_is_threshold,
-                rollout_rs=config.rollout_rs, rollout_rs_threshold=config.rollout_rs_threshold,
-                rollout_rs_threshold_lower=config.rollout_rs_threshold_lower,
-                decoupled=config.decoupled)
+    return dict(
+        proximal_logprobs=mb["proximal_logprobs"][:, :-1],
+        rollout_is=config.rollout_is,
+        rollout_is_threshold=config.rollout_is_threshold,
+        rollout_rs=config.rollout_rs,
+        rollout_rs_threshold=config.rollout_rs_threshold,
+        rollout_rs_threshold_lower=config.rollout_rs_threshold_lower,
+        decoupled=config.decoupled,
+    )
 
 
 def _off_policy_metrics(per_step: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -358,23 +433,39 @@ def _off_policy_metrics(per_step: dict[str, jax.Array]) -> dict[str, jax.Array]:
     the positive credit S+), from the accumulated token means."""
     ess = per_step["is_weight_mean"] ** 2 / jnp.maximum(per_step["is_weight_sq_mean"], 1e-30)
     pos = jnp.sum(per_step["credit_positive"])
-    return {"is_ess": jnp.mean(jnp.where(per_step["is_weight_sq_mean"] > 0, ess, 1.0)),
-            "credit/delivered_ratio": jnp.where(
-                pos > 0, jnp.sum(per_step["credit_delivered"]) / jnp.where(pos > 0, pos, 1.0),
-                1.0)}
+    return {
+        "is_ess": jnp.mean(jnp.where(per_step["is_weight_sq_mean"] > 0, ess, 1.0)),
+        "credit/delivered_ratio": jnp.where(
+            pos > 0, jnp.sum(per_step["credit_delivered"]) / jnp.where(pos > 0, pos, 1.0), 1.0
+        ),
+    }
 
 
 def _token_metric_keys(config: UpdateConfig, has_evidence: bool) -> tuple[str, ...]:
     """Static names of the token-credit sums the loss accumulates (none for the broadcast)."""
     if config.token_credit == "broadcast" and not has_evidence:
         return ()
-    keys = ("token_credit/conservation_error", "token_credit/conservation_error_clipped",
-            "token_credit/delivered_abs", "token_credit/gini", "token_credit/positive")
+    keys = (
+        "token_credit/conservation_error",
+        "token_credit/conservation_error_clipped",
+        "token_credit/delivered_abs",
+        "token_credit/gini",
+        "token_credit/positive",
+    )
     return keys + (("token_credit/positive_on_evidence",) if has_evidence else ())
 
 
-def _token_metrics(tok_adv, seq_adv, mask, evidence, logprobs, old_logprobs,
-                   config: UpdateConfig, num_tokens, num_seqs) -> dict[str, jax.Array]:
+def _token_metrics(
+    tok_adv,
+    seq_adv,
+    mask,
+    evidence,
+    logprobs,
+    old_logprobs,
+    config: UpdateConfig,
+    num_tokens,
+    num_seqs,
+) -> dict[str, jax.Array]:
     """Token-credit sums of one micro-batch, normalised like the loss (they add up exactly).
 
     ``conservation_error``: ``sum_seq |sum_t A_t - n A|`` (the kernel's; 0 up to rounding);
@@ -390,8 +481,7 @@ def _token_metrics(tok_adv, seq_adv, mask, evidence, logprobs, old_logprobs,
     tok_adv = sg(tok_adv.astype(jnp.float32))
     seq_adv = sg(seq_adv.astype(jnp.float32))
     ratio = jnp.exp(jnp.clip(sg(logprobs - old_logprobs), -20.0, 20.0))
-    clip = dict(clip_low=config.clip_low, clip_high=config.clip_high,
-                dual_clip=config.dual_clip)
+    clip = dict(clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip)
     maskf = mask.astype(jnp.float32)
     delivered = delivered_credit(tok_adv, ratio, **clip) * maskf
     broadcast = delivered_credit(jnp.broadcast_to(seq_adv[:, None], mask.shape), ratio, **clip)
@@ -400,7 +490,8 @@ def _token_metrics(tok_adv, seq_adv, mask, evidence, logprobs, old_logprobs,
     out = {
         "token_credit/conservation_error": per_tok(tc.error_sum),
         "token_credit/conservation_error_clipped": per_tok(
-            jnp.abs(jnp.sum(delivered - broadcast * maskf, axis=-1))),
+            jnp.abs(jnp.sum(delivered - broadcast * maskf, axis=-1))
+        ),
         "token_credit/delivered_abs": per_tok(jnp.abs(delivered)),
         "token_credit/gini": jnp.sum(tc.gini) / jnp.maximum(num_seqs, 1.0),
         "token_credit/positive": per_tok(tc.positive),
@@ -415,17 +506,27 @@ def _token_metric_ratios(per_step: dict[str, jax.Array]) -> dict[str, jax.Array]
     out = {}
     delivered = jnp.maximum(jnp.sum(per_step["token_credit/delivered_abs"]), 1e-30)
     out["token_credit/conservation_error_clipped_rel"] = (
-        jnp.sum(per_step["token_credit/conservation_error_clipped"]) / delivered)
+        jnp.sum(per_step["token_credit/conservation_error_clipped"]) / delivered
+    )
     if "token_credit/positive_on_evidence" in per_step:
         pos = jnp.sum(per_step["token_credit/positive"])
         out["token_credit/evidence_share"] = jnp.where(
-            pos > 0, jnp.sum(per_step["token_credit/positive_on_evidence"])
-            / jnp.where(pos > 0, pos, 1.0), 0.0)
+            pos > 0,
+            jnp.sum(per_step["token_credit/positive_on_evidence"]) / jnp.where(pos > 0, pos, 1.0),
+            0.0,
+        )
     return out
 
 
-def jit_update(model_config: TransformerConfig, config: UpdateConfig, mesh: Mesh, *,
-               with_ref: bool = False, with_evidence: bool = False, wrap=None):
+def jit_update(
+    model_config: TransformerConfig,
+    config: UpdateConfig,
+    mesh: Mesh,
+    *,
+    with_ref: bool = False,
+    with_evidence: bool = False,
+    wrap=None,
+):
     """``update(state, batch) -> (state, metrics)`` jitted with explicit shardings.
 
     The state is donated. Returns the jitted function; it compiles once per batch shape.
@@ -440,8 +541,12 @@ def jit_update(model_config: TransformerConfig, config: UpdateConfig, mesh: Mesh
 
     if wrap is not None:
         fn = wrap(fn)
-    return jax.jit(fn, in_shardings=(st_sh, batch_shardings(mesh, with_ref, with_evidence)),
-                   out_shardings=(st_sh, rep), donate_argnums=(0,))
+    return jax.jit(
+        fn,
+        in_shardings=(st_sh, batch_shardings(mesh, with_ref, with_evidence)),
+        out_shardings=(st_sh, rep),
+        donate_argnums=(0,),
+    )
 
 
 def shard_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
