@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup system-deps sglang-venv test test-unit lint format-check docs train compare feedback-compare example bench tasks e2e clean
+.PHONY: setup system-deps sglang-venv test test-e2e test-unit bench-check lint format-check docs train compare feedback-compare example bench tasks e2e clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,18 +43,28 @@ lint: setup
 format-check: setup
 	$(VENV)/bin/ruff format --check .
 
-# Tests marked `sglang` share one real SGLang server per pytest process, so they run in a
-# second, single-process pass (xdist's loadgroup does not group under pytest 9).
-# Tests marked `ray` start a simulated multi-node Ray cluster each (one module at a time).
+# `make test`: every test but the end-to-end runs. Tests marked `sglang` share one real SGLang
+# server per pytest process, so they run in a single-process pass of their own (xdist's loadgroup
+# does not group under pytest 9); tests marked `ray` start a simulated multi-node Ray cluster each.
 test: setup system-deps sglang-venv lint
-	$(PY) -m pytest -q -n 2 -m "not sglang and not ray" tests
-	$(PY) -m pytest -q -m sglang tests
-	$(PY) -m pytest -q -m ray tests
+	$(PY) -m pytest -q -n 2 -m "not e2e and not sglang and not ray and not bench" tests
+	$(PY) -m pytest -q -m "sglang and not e2e" tests
+	$(PY) -m pytest -q -m "ray and not e2e" tests
 
-# The check before a commit: every test but the end-to-end runs (scripts, several processes), the
-# real SGLang server and the Ray cluster; no system packages or second venv needed.
+# The end-to-end runs (scripts, several processes, SIGKILL and resume, the task factory): minutes
+# each, so CI runs them as a step of their own after `make test`.
+test-e2e: setup system-deps sglang-venv
+	$(PY) -m pytest -q -n 2 -m "e2e and not sglang and not bench" tests
+	$(PY) -m pytest -q -m "e2e and sglang" tests
+
+# The quick check before a commit: no end-to-end runs, no SGLang server, no Ray cluster, no
+# system packages or second venv needed.
 test-unit: setup
-	$(PY) -m pytest -q -n 2 -m "not e2e and not sglang and not ray" tests
+	$(PY) -m pytest -q -n 2 -m "not e2e and not sglang and not ray and not bench" tests
+
+# The race's equal-work check on all three frameworks (builds the TRL and Tunix venvs: minutes).
+bench-check: setup
+	$(PY) -m pytest -q -m bench tests/test_bench_rl_step.py
 
 # The documentation site: warnings are errors, and so is a public symbol (a name in a package's
 # __all__) without an API entry or a docstring (docs/_ext/coverage_check.py).

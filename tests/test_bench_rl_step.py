@@ -4,7 +4,7 @@ advantages on a fixed reward vector, same prompt token ids), and the check that 
 when any of them drifts.
 
 The fast tests run gagar_jax's side in this process against a ``transformers`` forward of the
-same safetensors and the NumPy reference; the ``e2e`` test builds the TRL and Tunix virtual
+same safetensors and the NumPy reference; the ``bench`` test builds the TRL and Tunix virtual
 environments (first run: minutes) and runs the benchmark's own ``--check`` on every framework.
 """
 
@@ -121,7 +121,7 @@ def test_gagar_side_matches_transformers_and_reference(tmp_path, monkeypatch):
     assert bench.reward_of_text("eel") == 1.0 and bench.reward_of_text("e") == 0.0
 
 
-@pytest.mark.e2e
+@pytest.mark.bench
 def test_three_frameworks_configured_equally():
     """The benchmark's own check on TRL, Tunix and gagar_jax (builds the TRL / Tunix venvs
     from the pinned versions on first use)."""
