@@ -57,8 +57,6 @@ KNOWN_EXCEPTIONS = {
     ("envs", "data"): "envs/llm_user.py",
     # the feedback trainer writes its metrics with the RL loop's MetricsWriter
     ("feedback", "rl"): "feedback/run.py",
-    # the episode's edit tool refuses the paths the verifier's diff module refuses
-    ("rollout", "verify"): "rollout/episode.py",
 }
 
 
