@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= test,data,parity,notebooks,browser,docs,swe,ray
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+# Local Ray clusters (tests, make e2e) bind to 127.0.0.1, not to the machine's network interface.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
 SGLANG_VENV ?= .venv-sglang
 

@@ -31,6 +31,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The local Ray cluster binds to the loopback address, not the machine's network interface.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 sys.path.insert(0, ROOT)
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "repos")

@@ -6,6 +6,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Simulated Ray clusters bind to the loopback address, never to the machine's network interface
+# (read by ray when it is imported: with it off, ray uses 127.0.0.1 for every node).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import sys  # noqa: E402
 
