@@ -55,8 +55,10 @@ test: setup system-deps sglang-venv lint
 
 # The end-to-end runs (scripts, several processes, SIGKILL and resume, the task factory): minutes
 # each, so CI runs them as a step of their own after `make test`.
+# The task factory's run times its sandboxed validations, so it runs alone, after the others.
 test-e2e: setup system-deps sglang-venv
-	$(PY) -m pytest -q -n 2 -m "e2e and not sglang and not bench" tests
+	$(PY) -m pytest -q -n 2 -m "e2e and not sglang and not bench" --ignore=tests/test_data_synth.py tests
+	$(PY) -m pytest -q -m e2e tests/test_data_synth.py
 	$(PY) -m pytest -q -m "e2e and sglang" tests
 
 # The quick check before a commit: no end-to-end runs, no SGLang server, no Ray cluster, no
