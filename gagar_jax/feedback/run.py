@@ -36,22 +36,13 @@ import numpy as np
 
 from gagar_jax.feedback.step import FeedbackObjective
 from gagar_jax.models import TransformerConfig
+from gagar_jax.rl.config import DEFAULT_MODEL
 from gagar_jax.update import UpdateConfig, make_mesh
 
-# The policy of a feedback run that does not say otherwise: the toy family's small decoder.
-# vocab_size is a placeholder: the family's tokenizer decides it (FeedbackRunConfig.model_config).
-DEFAULT_MODEL = TransformerConfig(
-    vocab_size=1,
-    hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    rope_theta=10000.0,
-    qkv_bias=False,
-    tie_embeddings=True,
-)
+# The policy of a feedback run that does not say otherwise is the RL loop's default: the toy
+# family's small decoder (vocab_size is decided by the family's tokenizer,
+# FeedbackRunConfig.model_config).
+
 # The optimiser of a feedback run that does not say otherwise (``decay_steps`` follows
 # ``loop.steps`` unless a config sets it).
 DEFAULT_LEARNER = UpdateConfig(learning_rate=1e-4, b2=0.99)
