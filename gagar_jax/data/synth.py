@@ -506,6 +506,8 @@ class Stats:
     candidates: int = 0
     screened: int = 0
     kept: int = 0
+    p2p_dropped: int = 0  # candidates whose order-dependent pass-to-pass tests were dropped
+    order_dependent: int = 0  # passing tests of the suite that fail in reverse order
     rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     transforms_kept: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     env_seconds: float = 0.0
@@ -587,31 +589,47 @@ def _run_ids(covering: Sequence[str], passing, rng, max_p2p: int,
     return tuple(covering + others[:max_p2p])
 
 
-def _validate_early(task, screen, runs: int, verify, gate) -> dict[str, Any]:
-    """swe's validation line of ``task`` (gold ``runs`` times, empty ``runs`` times), the
-    screening run counting as the first empty run, stopping at the first run that rules the
-    task out (gold not passed, empty not failed, a test whose outcome changed): the line then
-    carries the statuses seen so far. Runs alternate gold, empty, gold ... so that a broken
-    fix is seen after one run."""
+def _validate_early(task, screen, runs: int, verify, gate) -> tuple[dict[str, Any], Any]:
+    """swe's validation line of ``task`` (gold ``runs`` times, empty ``runs`` times), stopping
+    at the first run that rules the task out (gold not passed, empty not failed, a test whose
+    outcome changed): the line then carries the statuses seen so far. ``screen`` (the
+    screening run of the same tests on the buggy tree, or None) counts as the first empty run.
+    Runs alternate gold, empty, gold ... so that a broken fix is seen after one run. Returns
+    (the line, the first gold run)."""
     from gagar_jax.data import swe
 
-    results = [("empty", screen)]
-    for i in range(2 * runs - 1):
-        kind = "gold" if i % 2 == 0 else "empty"
+    results = [("empty", screen)] if screen is not None else []
+    first_gold = None
+    kinds = ["gold", "empty"] * runs
+    if screen is not None:
+        kinds.pop()  # the screening run was the first empty one
+    for kind in kinds:
         with gate:
             v = verify(task, task.reference_patch if kind == "gold" else "")
+        first_gold = first_gold or (v if kind == "gold" else None)
         results.append((kind, v))
         rep = swe.summarise_runs(task, results)
         want = "passed" if kind == "gold" else "failed"
         if v.status != want or rep["flaky_tests"]:
-            return rep
-    return swe.summarise_runs(task, results)
+            return rep, first_gold
+    return swe.summarise_runs(task, results), first_gold
+
+
+def _order_dependent(gold, f2p: Sequence[str], p2p: Sequence[str]) -> set[str]:
+    """Pass-to-pass tests that failed under the fix while every fail-to-pass test passed: they
+    passed in the screening run, whose test order differs (fail-to-pass tests run first in
+    the task), so they depend on the order of the tests (e.g. on state another test sets)."""
+    if gold is None or gold.status in ("infra_error", "timeout", "resource_killed"):
+        return set()
+    if not all(gold.tests.get(t) == "passed" for t in f2p):
+        return set()
+    return {t for t in p2p if gold.tests.get(t) not in ("passed", "skipped")}
 
 
 def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: str | None = None,
                        runs: int = 3, seed: int = 0, test_timeout_s: float = 10.0,
                        max_candidates: int = 200, max_p2p: int = 20, workers: int = 1,
-                       max_run_s: float = 20.0, run_gate=None,
+                       max_run_s: float = 10.0, run_gate=None,
                        log: Callable[[str], None] = print) -> tuple[list[dict], Stats]:  # fmt: skip
     """Tasks of one package (SWE-bench rows) and their statistics; the repository goes to
     ``out_dir/repos/pypi__<name>``.
@@ -655,6 +673,22 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             f"{spec}: suite {len(trace['outcomes'])} tests, {len(passing)} pass "
             f"({trace['seconds']:.1f}s)"
         )
+        # A task runs its fail-to-pass tests first: a test that passes only after another one
+        # (state a test sets on its class or module) would fail under the fix. Running the
+        # passing tests once in reverse order finds them; they are left out.
+        order = [t for t in trace["outcomes"] if t in passing][::-1]
+        rev = RepoTask("order-check", "", files, tuple(order), test_timeout_s=test_timeout_s,
+                       env_path=env.path, pythonpath=pythonpath)  # fmt: skip
+        with gate:
+            rv = verify_repo_patch(rev, "", limits=Limits(wall_s=900, cpu_s=900,
+                                   memory_bytes=4 << 30, nproc=256), run_monitor=False)  # fmt: skip
+        if rv.status in ("passed", "failed"):
+            stats.order_dependent = sum(rv.tests.get(t) != "passed" for t in passing)
+            passing = {t for t in passing if rv.tests.get(t) == "passed"}
+            log(f"{spec}: {stats.order_dependent} tests fail in reverse order (left out)")
+        else:
+            raise RuntimeError(f"the reverse-order run of the suite ended {rv.status}: "
+                               f"{rv.test_log[-600:]}")  # fmt: skip
         key = "pypi__" + re.sub(r"[^\w.-]", "_", name.lower())
         repo_name = key.replace("__", "/", 1)
         store = os.path.join(out_dir, "repos", key)
@@ -675,8 +709,11 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
         cands = _candidates(files, trace["calls"], passing, rng)
         index = coverage_index(trace["calls"], passing)
 
-        def verify(task, patch):
-            return verify_repo_patch(task, patch, limits=limits, run_monitor=False)
+        # a screening run longer than max_run_s is rejected anyway: its limit ends it soon after
+        screen_limits = dataclasses.replace(limits, wall_s=min(limits.wall_s, max_run_s + 5))
+
+        def verify(task, patch, lim=limits):
+            return verify_repo_patch(task, patch, limits=lim, run_monitor=False)
 
         def take():
             """The next candidate worth trying, or None when the package is done; waits while
@@ -716,8 +753,10 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
                              env_path=env.path, pythonpath=pythonpath,
                              env_hash=env.env_hash)  # fmt: skip
             with gate:
-                v = verify(probe, "")
-            if v.status in ("infra_error", "timeout", "resource_killed"):
+                v = verify(probe, "", screen_limits)
+            if v.status == "timeout":
+                return reject(cand, "slow_run")
+            if v.status in ("infra_error", "resource_killed"):
                 return reject(cand, f"screen_{v.status}")
             if v.sandbox is not None and v.sandbox.wall_s > max_run_s:
                 return reject(cand, "slow_run")
@@ -735,7 +774,15 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
                             test_timeout_s=test_timeout_s, env_hash=env.env_hash)  # fmt: skip
             if "issue_text" in audit.leak_kinds(task):
                 return reject(cand, "issue_leaks_fix")
-            rep = _validate_early(task, v, runs, verify, gate)
+            rep, gold = _validate_early(task, v, runs, verify, gate)
+            odd = _order_dependent(gold, f2p, p2p) if rep["gold"] != "passed" else set()
+            if odd and len(odd) < len(p2p):
+                # drop them and validate again from scratch (the screening run had them)
+                with lock:
+                    stats.p2p_dropped += 1
+                p2p = tuple(t for t in p2p if t not in odd)
+                task = dataclasses.replace(task, pass_to_pass=p2p)
+                rep, _ = _validate_early(task, None, runs, verify, gate)
             if rep["gold"] != "passed":
                 return reject(cand, "validation_gold")
             if rep["empty"] != "failed" or rep["flaky_tests"]:
@@ -823,7 +870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--max-run-seconds",
         type=float,
-        default=20.0,
+        default=10.0,
         help="a mutant whose screening run takes longer is rejected (slow_run)",
     )
     ap.add_argument("--cache", default=None, help="sdist/environment cache directory")
