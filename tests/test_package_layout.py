@@ -48,8 +48,6 @@ DEPENDS_ON = {
 KNOWN_EXCEPTIONS = {
     # the grading workspace and token spans of the toy family live in grading/
     ("grading", "envs"): "grading/adapters.py, grading/evidence_tokens.py",
-    # __getattr__ shims for RepoTask, which moved to envs/
-    ("verify", "envs"): "verify/__init__.py, verify/repo.py",
     # task pools and feedback records built from the families' tasks
     ("data", "envs"): "data/tfds_builders.py, data/feedback.py, data/audit.py",
     # the LLM simulated user parses feedback records

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, parse_unified_diff, safe_path
-from gagar_jax.verify.repo import RepoTask
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "repos")
 

@@ -14,7 +14,7 @@ Any repository: ``SandboxCheckRunner`` materialises the candidate's patched repo
 temporary directory and runs the command there under ``gagar_jax.verify.run_sandboxed`` (the
 measured isolation chain), returning its status and output as the check log.
 
-Python-repository tasks (``verify.RepoTask``): ``repo_group`` verifies each candidate's unified
+Python-repository tasks (``envs.repo.RepoTask``): ``repo_group`` verifies each candidate's unified
 diff with ``verify.verify_repo_patch`` (sandboxed pytest, JUnit verdict, behaviour monitor) and
 builds the workspace from the pristine files and the issue text.
 
@@ -266,7 +266,7 @@ def log_flags(test_log: str) -> tuple:
 def repo_workspace(
     task: Any, group_id: str, candidates: Sequence[schema.Candidate]
 ) -> schema.GroupWorkspace:
-    """The workspace of a ``verify.RepoTask``: issue text and pristine files (scope inferred)."""
+    """The workspace of a ``envs.repo.RepoTask``: issue text and pristine files (scope inferred)."""
     return schema.GroupWorkspace(
         group_id=group_id,
         task_text=task.issue,

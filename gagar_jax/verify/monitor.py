@@ -149,21 +149,6 @@ def repo_modules(files: Mapping[str, str]) -> tuple[frozenset[str], frozenset[st
     return frozenset(own), frozenset(imported)
 
 
-def context_for_repo_task(task: Any, references: Mapping[str, str] | None = None,
-                          repo_root: str = "/workdir") -> MonitorContext:  # fmt: skip
-    """MonitorContext of a ``verify.repo.RepoTask``: its tests (hidden ones included)."""
-    from gagar_jax.verify.repo import prepare_tree
-
-    files, _ = prepare_tree(task, "")
-    tests = {p: t for p, t in files.items() if p in task.test_files or is_test_path(p)}
-    # Only solutions the agent could have read: the task's own reference fix is what a correct
-    # candidate is expected to reproduce, never evidence of a leak.
-    refs = dict(references or {})
-    own, imported = repo_modules(files)
-    return MonitorContext(tuple(task.test_files), tests, repo_root, HIDDEN_PATTERNS, refs, files,
-                          own, imported)  # fmt: skip
-
-
 def is_test_path(path: str, test_files: Sequence[str] = ()) -> bool:
     """Whether ``path`` is test code: a task test file, test_*.py, *_test.py, conftest, tests/."""
     if path in test_files:
