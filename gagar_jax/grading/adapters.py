@@ -31,8 +31,9 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from gagar_jax.grading import diffs, schema
+from gagar_jax.grading import schema
 from gagar_jax.grading.agentic import CheckResult
+from gagar_jax.verify import diff
 
 TOY_PROGRAM = "program.toy"
 TOY_TESTS = "tests.toy"
@@ -129,14 +130,14 @@ class ToyCheckRunner:
             return CheckResult("error", f"no integer inputs in {command!r}; try 'f(25) f(-3)'")
 
         def program_of(c: schema.Candidate):
-            files = diffs.apply_patch(dict(workspace.repo_files), c.parsed_patch)
+            files = diff.apply_unified_diff(workspace.repo_files, c.parsed_patch)
             return L.parse_program(files[TOY_PROGRAM].splitlines())
 
         try:
             mine = program_of(candidate)
             original = L.parse_program(workspace.repo_files[TOY_PROGRAM].splitlines())
             others = [program_of(c) for c in workspace.passing if c is not candidate]
-        except (L.ToyError, diffs.PatchApplyError, KeyError) as e:
+        except (L.ToyError, diff.DiffError, KeyError) as e:
             return CheckResult("error", f"cannot build the programs: {e}")
         lines = []
         for x in xs:
@@ -183,8 +184,8 @@ class SandboxCheckRunner:
         if argv[0] in ("python", "python3"):
             argv[0] = self.python
         try:
-            files = diffs.apply_patch(dict(workspace.repo_files), candidate.parsed_patch)
-        except diffs.PatchApplyError as e:
+            files = diff.apply_unified_diff(workspace.repo_files, candidate.parsed_patch)
+        except diff.DiffError as e:
             return CheckResult("error", f"the patch does not apply to the snapshot: {e}")
         from gagar_jax.verify import execution
 

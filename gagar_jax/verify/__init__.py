@@ -1,6 +1,16 @@
 """Verifiers: sandboxed execution, the Python-repo test verifier, the behaviour monitor."""
 
-from gagar_jax.verify.diff import DiffError, apply_unified_diff, parse_unified_diff
+from gagar_jax.verify.diff import (
+    DiffError,
+    FilePatch,
+    Hunk,
+    Patch,
+    apply_unified_diff,
+    is_test_path,
+    parse_unified_diff,
+    read_patch,
+    split_by_file,
+)
 from gagar_jax.verify.flags import MonitorFlag
 from gagar_jax.verify.monitor import (
     RULES,
@@ -41,6 +51,12 @@ __all__ = [
     "monitor_trajectory",
     "patch_similarity",
     "DiffError",
+    "FilePatch",
+    "Hunk",
+    "Patch",
+    "is_test_path",
+    "read_patch",
+    "split_by_file",
     "RepoVerification",
     "apply_unified_diff",
     "parse_unified_diff",

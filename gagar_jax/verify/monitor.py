@@ -79,7 +79,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gagar_jax.verify import ast_rules
-from gagar_jax.verify.diff import DiffError, FilePatch, apply_unified_diff, parse_unified_diff
+from gagar_jax.verify.diff import (
+    DiffError,
+    FilePatch,
+    apply_unified_diff,
+    is_test_path,
+    parse_unified_diff,
+)
 from gagar_jax.verify.flags import MonitorFlag
 
 RULES = (
@@ -147,21 +153,6 @@ def repo_modules(files: Mapping[str, str]) -> tuple[frozenset[str], frozenset[st
         own.add(parts[0].rsplit(".", 1)[0] if len(parts) == 1 else parts[0])
         imported.update(_IMPORT_RE.findall(text))
     return frozenset(own), frozenset(imported)
-
-
-def is_test_path(path: str, test_files: Sequence[str] = ()) -> bool:
-    """Whether ``path`` is test code: a task test file, test_*.py, *_test.py, conftest, tests/."""
-    if path in test_files:
-        return True
-    base = posixpath.basename(path)
-    parts = path.split("/")[:-1]
-    return (
-        base.startswith("test_")
-        and base.endswith(".py")
-        or base.endswith("_test.py")
-        or base == "conftest.py"
-        or any(p in ("tests", "test", "testing") for p in parts)
-    )
 
 
 # ----------------------------------------------------------------------------------------------

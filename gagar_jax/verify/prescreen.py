@@ -38,7 +38,7 @@ import tokenize
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gagar_jax.verify.monitor import is_test_path
+from gagar_jax.verify.diff import is_test_path
 
 NGRAM = 4
 SIMILARITY_THRESHOLD = 0.8

@@ -65,6 +65,7 @@ from gagar_jax.verify.diff import (
     DiffError,
     apply_unified_diff,
     check_patch_size,
+    is_test_path,
     safe_path,
     touched_files,
 )
@@ -73,7 +74,6 @@ from gagar_jax.verify.monitor import (
     HIDDEN_PATTERNS,
     MonitorContext,
     MonitorRefusal,
-    is_test_path,
     monitor,
     repo_modules,
 )
