@@ -607,10 +607,16 @@ def _admit_and_mark(b, slots):
 
 
 class _FailingGrader:
+    """A grader that fails (after ``delay_s``): each group falls back, counted."""
+
     grader_id = "failing"
     version = "1"
 
+    def __init__(self, delay_s=0.0):
+        self.delay_s = delay_s
+
     def grade(self, workspace):
+        time.sleep(self.delay_s)
         raise RuntimeError("this grader always fails")
 
 
@@ -622,3 +628,78 @@ def _workspace(group_id):
     tests = {t: "failed" for t in task.required_tests}
     v = RepoVerification("failed", tests, None, (), "FAILED: test log of the candidate", None)
     return adapters.repo_workspace(task, group_id, [adapters.repo_candidate("r0", "", v)])
+
+
+def test_the_loops_collection_frees_every_grader_slot_it_takes(cluster, monkeypatch):
+    """``train.collect_phase`` with grading and dynamic sampling: round one keeps two mixed
+    groups (they hold their grader slots while the slow pool grades them) and drops two (freed
+    when dropped); round two waits at admission until the pool has finished one of them. Once
+    the step's verdicts are in, no slot is held."""
+    import importlib
+    import types
+
+    from gagar_jax.rl import collect, resume, train
+    from gagar_jax.rl.config import RunConfig
+
+    script = iter([2, 0, 1, 4, 3, 2])  # passes per drawn group, of 4: mixed, all-fail, ...
+
+    def scripted_generate(engine, family, tasks, *, step, round_id, hold_grader=False, **kw):
+        ids = [f"s{step}-r{round_id}-{i}" for i in range(len(tasks))]
+        execution.current().gather_groups(
+            [_quick_group(b, [], "v", k=4) for _ in tasks],
+            grader=int(hold_grader),
+            keys=ids if hold_grader else None,
+        )
+        return [_scripted_group(collect, gid, next(script)) for gid in ids]
+
+    monkeypatch.setattr(train, "generate_groups", scripted_generate)
+    cd = importlib.import_module("configs.toy_gagar").get_config("binary,smoke").to_dict()
+    cd["rollout"].update(num_prompts=4, num_rollouts=4, max_prompt_len=8, max_new_tokens=8)
+    cd["grading"].update(enabled=True, max_inflight_groups=2)
+    cd["sampling"].update(enabled=True, oversample=1.0, allow_partial=True, max_rounds=4)
+    cfg = RunConfig.from_config_dict(cd)
+    family = types.SimpleNamespace(
+        train_task=lambda i: i,
+        tokenizer=types.SimpleNamespace(pad_id=0),
+        workspace=lambda gid, task, members: _workspace(gid),
+    )
+    small = execution.CallResources(0.25, 0, {"verifier": 0.25})
+    pool = GradingPool(_FailingGrader(delay_s=1.0), max_concurrency=1, deadline_s=30.0)
+    with execution.RayBackend(
+        max_inflight=4, grader_slots=cfg.grading.max_inflight_groups, resources=small
+    ) as b:
+        pool.add_finish_callback(b.release_grader)
+        try:
+            with execution.using(b):
+                got = train.collect_phase(
+                    None,
+                    family,
+                    pool,
+                    resume.TaskStream(8, seed=0),
+                    resume.LoopState(rng_key=[0, 1]),
+                    cfg,
+                    step=0,
+                    hosts=train.Hosts(60.0),
+                )
+            assert got.sampling.rounds == 2 and len(got.submitted) == 4
+            assert b.grader_slots_held() <= 4  # the two dropped groups hold nothing
+            results = pool.results(list(got.submitted), timeout=60)
+        finally:
+            pool.close()
+        assert all(r.fallback_reason == FallbackReason.GRADER_ERROR for r in results)
+        assert b.grader_slots_held() == 0
+        m = b.metrics()
+    assert m["execution/admission_waits"] >= 1 and m["execution/admission_wait_s"] > 0, m
+
+
+def _scripted_group(collect, gid, passes, K=4):
+    rollouts = [
+        collect.Rollout(
+            prompt_tokens=[1, 2, 3],
+            response_tokens=[7, 7],
+            logprobs=[-0.5, -0.5],
+            passed=k < passes,
+        )
+        for k in range(K)
+    ]
+    return collect.Group(group_id=gid, task=None, rollouts=rollouts)

@@ -17,6 +17,11 @@ by every task naming the same requirements. The verifier binds its site-packages
 the sandbox (``RepoTask.env_path``); the package under test itself is imported from the task's
 tree (the repository root and, for a ``src/`` layout, ``src``: ``RepoTask.pythonpath``), which
 is what an editable install provides, without a path baked into the environment.
+
+**On the nodes of a cluster.** :class:`LockfileEnv` rebuilds an environment from the lockfile
+recorded in the trainer's copy (``<env_path>/.gagar-env``; :func:`node_env_builder`), with no
+resolution, on a machine that lacks it: ``verify.execution`` builds it once per node under a
+lock (``ensure_env``) and verifies there against that copy.
 """
 
 from __future__ import annotations
