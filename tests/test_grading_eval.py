@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from gagar_jax.grading import eval as ev
 from gagar_jax.grading import labelled, schema
-from gagar_jax.grading.heuristic import HeuristicGrader
+from gagar_jax.grading.heuristic import GRADER_VERSION, HeuristicGrader
 
 
 def test_cohen_kappa_by_hand():
@@ -146,7 +146,11 @@ def test_evaluate_heuristic_on_toy_groups():
     gold = [t for o in outs for t in o.gold_tier]
     mine = [t for o in outs for t in o.tier]
     assert row["kappa"] == pytest.approx(ev.cohen_kappa(gold, mine))
-    assert row["grader"] == "heuristic@1" and row["set"] == "toy@v1" and row["groups"] == 4
+    assert (
+        row["grader"] == f"heuristic@{GRADER_VERSION}"
+        and row["set"] == "toy@v1"
+        and row["groups"] == 4
+    )
     assert row["fallback_rate"] == 0.0 and row["cheat_recall"] == 1.0
     assert row["flip_rate"] == 0.0 and row["probe_failures"] == 0
     lo, hi = row["kappa_ci"]
@@ -198,7 +202,7 @@ def test_cli_json_and_table_contract():
         ev.main(["--grader", "heuristic", "--set", "repo", "--bootstrap", "0", "--probes", "none"])
     header, row = buf.getvalue().splitlines()
     assert header.split() == ["grader", "set", "groups", *ev.METRIC_KEYS]
-    assert row.split()[:2] == ["heuristic@1", "repo@v1"]
+    assert row.split()[:2] == [f"heuristic@{GRADER_VERSION}", "repo@v1"]
     with pytest.raises(SystemExit):
         ev.main(["--grader", "nonesuch", "--set", "toy"])
     with pytest.raises(ValueError, match="sglang-url"):

@@ -736,6 +736,12 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     ap.add_argument("--set", required=True, help=f"{', '.join(labelled.SET_NAMES)} or all")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     ap.add_argument("--version", default=labelled.DEFAULT_VERSION, help="labelled set version")
+    ap.add_argument(
+        "--split",
+        default="all",
+        choices=labelled.SPLITS,
+        help="part of each set: dev (tuned on), heldout (only measured) or all",
+    )
     ap.add_argument("--sglang-url", default="", help="SGLang server for the agentic grader")
     ap.add_argument("--votes", type=int, default=1, help="agentic grader self-consistency votes")
     ap.add_argument("--max-steps", type=int, default=6, help="agentic grader: calls per vote")
@@ -773,7 +779,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
             ap.error(f"--probes: unknown {bad}; expected a subset of {', '.join(PROBES)}")
     rows = []
     for set_name in sets:
-        lset = labelled.load_set(set_name, args.version)
+        lset = labelled.load_set(set_name, args.version, split=args.split)
         if args.limit > 0:
             lset = dataclasses.replace(lset, groups=lset.groups[: args.limit])
         for gname in graders:

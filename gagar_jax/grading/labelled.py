@@ -185,8 +185,58 @@ def save_set(s: LabelledSet, root: str = SETS_DIR) -> str:
     return path
 
 
-def load_set(name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR) -> LabelledSet:
-    """Reads a stored set; an unknown name or version is an error listing the stored ones."""
+SPLITS = ("all", "dev", "heldout")
+
+
+def split_path(name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR) -> str:
+    return os.path.join(root, name, version, "split.json")
+
+
+def toy_split(s: LabelledSet) -> dict[str, Any]:
+    """The toy set's dev/held-out split: tasks of odd index within their difficulty are the dev
+    part (graders are tuned looking at them), even ones are held out (only measured)."""
+
+    def index(g: LabelledGroup) -> int:
+        return int(g.workspace.group_id.rsplit("-", 1)[1])
+
+    return {
+        "rule": "dev: toy tasks of odd index within each difficulty (toy-d<D>-<odd>); heldout: "
+        "even index. Graders are tuned looking at dev only; heldout is only measured.",
+        "dev": [g.workspace.group_id for g in s.groups if index(g) % 2 == 1],
+        "heldout": [g.workspace.group_id for g in s.groups if index(g) % 2 == 0],
+    }
+
+
+def save_split(name: str, split: Mapping[str, Any], version: str, root: str = SETS_DIR) -> str:
+    path = split_path(name, version, root)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(dict(split), f, indent=1, sort_keys=True)
+        f.write("\n")
+    return path
+
+
+def select_split(s: LabelledSet, split: str, root: str = SETS_DIR) -> LabelledSet:
+    """The ``split`` part (``SPLITS``) of a stored set, per its ``split.json``; ``all``: the set.
+
+    The returned set's version reads ``<version>:<split>`` so rows name what they measured."""
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+    if split == "all":
+        return s
+    path = split_path(s.name, s.version, root)
+    if not os.path.exists(path):
+        raise ValueError(f"labelled set {s.set_id} has no dev/heldout split ({path} missing)")
+    with open(path, encoding="utf-8") as f:
+        ids = set(json.load(f)[split])
+    groups = tuple(g for g in s.groups if g.workspace.group_id in ids)
+    return LabelledSet(s.name, f"{s.version}:{split}", groups)
+
+
+def load_set(
+    name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR, split: str = "all"
+) -> LabelledSet:
+    """Reads a stored set (its ``split`` part, see ``select_split``); an unknown name or version
+    is an error listing the stored ones."""
     path = set_path(name, version, root)
     if not os.path.exists(path):
         have = sorted(os.listdir(root)) if os.path.isdir(root) else []
@@ -195,7 +245,7 @@ def load_set(name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR) ->
         )
     with open(path, encoding="utf-8") as f:
         groups = tuple(group_from_dict(json.loads(line)) for line in f if line.strip())
-    return LabelledSet(name, version, groups)
+    return select_split(LabelledSet(name, version, groups), split, root)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -387,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in SET_NAMES if args.set == "all" else (args.set,):
         s = build_toy_set() if name == "toy" else build_repo_set(args.fixtures)
         print(f"{s.set_id}: {len(s.groups)} groups -> {save_set(s, args.root)}")
+        if name == "toy":
+            print(f"  split -> {save_split(name, toy_split(s), s.version, args.root)}")
     return 0
 
 
