@@ -560,6 +560,33 @@ class TokenCounter:
         return out
 
 
+def prescreened(lset: labelled.LabelledSet) -> labelled.LabelledSet:
+    """``lset`` as the grader sees it behind the deterministic pre-screens
+    (``verify.prescreen.prescreen_group``): every pre-screen finding that is not already a
+    confirmed monitor flag joins the candidate's monitor flags, confirmed, as
+    ``prescreen/<rule>``. The set id gets ``+prescreen``."""
+    from gagar_jax.verify.prescreen import prescreen_group
+
+    groups = []
+    for lg in lset.groups:
+        ws = lg.workspace
+        screen = prescreen_group(ws)
+        cands = []
+        for c in ws.candidates:
+            extra = tuple(
+                schema.MonitorFlagView(f"prescreen/{f.rule}", f.evidence, True)
+                for f in screen.get(c.candidate_id, ())
+                if not f.rule.startswith("monitor/")
+            )
+            cands.append(
+                dataclasses.replace(c, monitor_flags=tuple(c.monitor_flags) + extra) if extra else c
+            )
+        groups.append(
+            dataclasses.replace(lg, workspace=dataclasses.replace(ws, candidates=tuple(cands)))
+        )
+    return labelled.LabelledSet(lset.name, f"{lset.version}+prescreen", tuple(groups))
+
+
 def grader_key(grader: Any) -> str:
     return f"{getattr(grader, 'grader_id', type(grader).__name__)}@{getattr(grader, 'version', '')}"
 
@@ -749,6 +776,11 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     ap.add_argument("--limit", type=int, default=0, help="grade only the first N groups of a set")
     ap.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples (0: none)")
     ap.add_argument("--probes", default="all", help="comma-separated probes, 'all' or 'none'")
+    ap.add_argument(
+        "--prescreen",
+        action="store_true",
+        help="grade behind the deterministic pre-screens (their findings as confirmed flags)",
+    )
     args = ap.parse_args(argv)
     if args.grader == "all":
         graders = [g for g in GRADER_NAMES if g != "agentic" or args.sglang_url]
@@ -782,6 +814,8 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         lset = labelled.load_set(set_name, args.version, split=args.split)
         if args.limit > 0:
             lset = dataclasses.replace(lset, groups=lset.groups[: args.limit])
+        if args.prescreen:
+            lset = prescreened(lset)
         for gname in graders:
             grader = make_grader(
                 gname,

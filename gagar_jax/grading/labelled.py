@@ -51,7 +51,7 @@ from typing import Any
 from gagar_jax.grading import schema
 
 SETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sets")
-SET_NAMES = ("toy", "repo")
+SET_NAMES = ("toy", "repo", "synth")
 DEFAULT_VERSION = "v1"
 
 # kind -> (tier, rank, cheat): the gold labels of each planted kind (see the module docstring).
@@ -98,6 +98,8 @@ class LabelledGroup:
     workspace: schema.GroupWorkspace
     gold: Mapping[str, Gold]
     kinds: Mapping[str, str]  # every candidate id -> its planted kind (failing ones included)
+    # where the repository comes from when it is not stored (``synth_set.rebuild_files``)
+    source: Mapping[str, Any] | None = None
 
     def __post_init__(self):
         passing = {c.candidate_id for c in self.workspace.passing}
@@ -158,10 +160,16 @@ def workspace_from_dict(d: Mapping[str, Any]) -> schema.GroupWorkspace:
 
 
 def group_to_dict(g: LabelledGroup) -> dict[str, Any]:
-    return workspace_to_dict(g.workspace) | {
+    """The stored record; a group with a ``source`` stores no repository files (they are
+    rebuilt from the registry when the set is loaded)."""
+    out = workspace_to_dict(g.workspace) | {
         "gold": {cid: dataclasses.asdict(x) for cid, x in sorted(g.gold.items())},
         "kinds": dict(sorted(g.kinds.items())),
     }
+    if g.source is not None:
+        out["repo_files"] = {}
+        out["source"] = dict(sorted(g.source.items()))
+    return out
 
 
 def group_from_dict(d: Mapping[str, Any]) -> LabelledGroup:
@@ -169,7 +177,12 @@ def group_from_dict(d: Mapping[str, Any]) -> LabelledGroup:
         if key not in d:
             raise ValueError(f"labelled group: missing field {key!r}")
     gold = {cid: Gold(**x) for cid, x in d["gold"].items()}
-    return LabelledGroup(workspace_from_dict(d), gold, dict(d["kinds"]))
+    source = d.get("source")
+    if source is not None:
+        from gagar_jax.grading import synth_set
+
+        d = dict(d, repo_files=synth_set.rebuild_files(source))
+    return LabelledGroup(workspace_from_dict(d), gold, dict(d["kinds"]), source)
 
 
 def set_path(name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR) -> str:
@@ -433,9 +446,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--set", default="all", choices=["all", *SET_NAMES])
     ap.add_argument("--fixtures", default=None, help="fixture repositories (repo set)")
     ap.add_argument("--root", default=SETS_DIR, help="where the sets are written")
+    ap.add_argument("--cache", default=None, help="synth set: sdist and environment cache")
     args = ap.parse_args(argv)
     for name in SET_NAMES if args.set == "all" else (args.set,):
-        s = build_toy_set() if name == "toy" else build_repo_set(args.fixtures)
+        if name == "synth":
+            from gagar_jax.grading import synth_set
+
+            s = synth_set.build_set(cache_dir=args.cache)
+        else:
+            s = build_toy_set() if name == "toy" else build_repo_set(args.fixtures)
         print(f"{s.set_id}: {len(s.groups)} groups -> {save_set(s, args.root)}")
         if name == "toy":
             print(f"  split -> {save_split(name, toy_split(s), s.version, args.root)}")
