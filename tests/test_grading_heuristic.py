@@ -48,7 +48,7 @@ def test_hand_built_group_orders_by_quality():
     # The debug print is cited at its exact line in the patch.
     (ev,) = [e for e in j["debug"].evidence if e.claim == "implementation_precision"]
     assert ev.kind == "patch" and ev.file == "pkg/core.py"
-    added = {n: t for f in ws.candidate("debug").parsed_patch.files for n, t in f.added}
+    added = {n: t for f in ws.candidate("debug").parsed_patch.files for n, t in f.added()}
     assert "print(path)" in added[ev.line]
     # Touching a test file and an unrelated module: tier 3, side effects cited per file.
     assert j["sprawl"].tier == 3 and j["sprawl"].rank == max(x.rank for x in j.values())
@@ -252,13 +252,13 @@ def test_over_broad_rewrite_is_tier_3_and_extra_edit_is_not_tier_1():
 
 
 def test_change_blocks_in_original_line_numbers():
-    from gagar_jax.grading import diffs
     from gagar_jax.grading.heuristic import change_blocks
+    from gagar_jax.verify.diff import read_patch
 
     old = "a\nb\nc\nd\ne\nf\ng\nh\ni\nj\n"
     new = "a\nB\nc\nd\ne\nf\ng\nh\nX\ni\nj\n"
     # line 2 replaced -> (2, 2); X inserted before original line 9 -> (8.5, 8.5).
-    pp = diffs.parse_unified_diff(make_diff("f.py", old, new))
+    pp = read_patch(make_diff("f.py", old, new))
     assert change_blocks(pp) == [("f.py", 2.0, 2.0), ("f.py", 8.5, 8.5)]
 
 

@@ -81,8 +81,9 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
-from gagar_jax.grading import diffs, schema
+from gagar_jax.grading import schema
 from gagar_jax.grading.schema import DIMENSIONS, NEGATIVE_SCORE, Evidence, Judgement, Verdict
+from gagar_jax.verify import diff
 
 GRADER_ID = "heuristic"
 GRADER_VERSION = "2"
@@ -202,11 +203,11 @@ def _log_ev(claim: str, c: schema.Candidate, text: str, note: str) -> Evidence |
     return Evidence(claim, "execution", c.candidate_id, quote=quote, note=note)
 
 
-def _first_line(f: diffs.FileDiff) -> int | None:
-    if f.added:
-        return f.added[0][0]
-    if f.removed:
-        return f.removed[0][0]
+def _first_line(f: diff.FilePatch) -> int | None:
+    if f.added():
+        return f.added()[0][0]
+    if f.removed():
+        return f.removed()[0][0]
     return f.hunks[0].new_start if f.hunks else None
 
 
@@ -276,7 +277,7 @@ def infer_scope(workspace: schema.GroupWorkspace) -> set[str]:
     passing = workspace.passing
     for c in passing:
         for f in c.parsed_patch.files:
-            if not diffs.is_test_path(f.path):
+            if not diff.is_test_path(f.path):
                 counts[f.path] += 1
     consensus = {p for p, n in counts.items() if 2 * n >= len(passing)}
     return named | consensus
@@ -293,14 +294,14 @@ def fix_site(workspace: schema.GroupWorkspace) -> set[tuple[str, int]]:
             {
                 (f.path, n)
                 for f in c.parsed_patch.files
-                if not diffs.is_test_path(f.path) and not f.is_new
-                for n, _ in f.removed
+                if not diff.is_test_path(f.path) and not f.is_new
+                for n, _ in f.removed()
             }
         )
     return {k for k, n in counts.items() if n >= 2 and 2 * n > len(passing)}
 
 
-def change_blocks(pp: diffs.ParsedPatch) -> list[tuple[str, float, float]]:
+def change_blocks(pp: diff.Patch) -> list[tuple[str, float, float]]:
     """``(path, lo, hi)`` per run of consecutive removed/added lines, in original line numbers:
     the removed lines' range, or ``n - 0.5`` for lines inserted before original line ``n``."""
     out = []
@@ -308,7 +309,7 @@ def change_blocks(pp: diffs.ParsedPatch) -> list[tuple[str, float, float]]:
         for h in f.hunks:
             old = h.old_start if h.old_len else h.old_start + 1  # empty range: insertion after
             lo = hi = None
-            for tag, _ in (*h.body, (" ", "")):
+            for tag in (*(ln[0] for ln in h.lines), " "):
                 if tag == "-":
                     lo = old if lo is None else lo
                     hi = old
@@ -443,7 +444,7 @@ class HeuristicGrader:
 
     # -- dimensions ------------------------------------------------------------------------------
 
-    def _solution_fit(self, card: _Card, pp: diffs.ParsedPatch, scope: set[str]) -> None:
+    def _solution_fit(self, card: _Card, pp: diff.Patch, scope: set[str]) -> None:
         cfg, c = self.config, card.candidate
         if scope and pp.files and not any(f.path in scope for f in pp.files):
             f = pp.files[0]
@@ -470,12 +471,12 @@ class HeuristicGrader:
                 _log_ev("solution_fit", c, line, "error in the test log"),
             )
 
-    def _bug_left(self, card: _Card, pp: diffs.ParsedPatch, site: set[tuple[str, int]]) -> None:
+    def _bug_left(self, card: _Card, pp: diff.Patch, site: set[tuple[str, int]]) -> None:
         c = card.candidate
-        code = [f for f in pp.files if not diffs.is_test_path(f.path)]
+        code = [f for f in pp.files if not diff.is_test_path(f.path)]
         if not site or not code:
             return
-        if any((f.path, n) in site for f in code for n, _ in f.removed):
+        if any((f.path, n) in site for f in code for n, _ in f.removed()):
             return
         f = code[0]
         ev = _patch_ev(
@@ -489,16 +490,14 @@ class HeuristicGrader:
         card.penalise("solution_fit", self.config.bug_left, ev)
         card.t3_reasons.append("bug left in place")
 
-    def _rewrite(
-        self, card: _Card, pp: diffs.ParsedPatch, workspace: schema.GroupWorkspace
-    ) -> None:
+    def _rewrite(self, card: _Card, pp: diff.Patch, workspace: schema.GroupWorkspace) -> None:
         cfg, c = self.config, card.candidate
         for f in pp.files:
             old = workspace.repo_files.get(f.path)
-            if old is None or diffs.is_test_path(f.path):
+            if old is None or diff.is_test_path(f.path):
                 continue
             n_old = max(1, len(old.splitlines()))
-            n_removed = len(f.removed)
+            n_removed = len(f.removed())
             if n_removed >= cfg.rewrite_min_lines and n_removed >= cfg.rewrite_fraction * n_old:
                 ev = _patch_ev(
                     "minimality",
@@ -512,7 +511,7 @@ class HeuristicGrader:
                 return
 
     def _extra_changes(
-        self, card: _Card, pp: diffs.ParsedPatch, smallest: list[tuple[str, float, float]]
+        self, card: _Card, pp: diff.Patch, smallest: list[tuple[str, float, float]]
     ) -> None:
         cfg, c = self.config, card.candidate
         if not smallest:
@@ -556,10 +555,10 @@ class HeuristicGrader:
                 card.t3_reasons.append(f"behaviour differs beyond the tests ({d}={q:.3f})")
                 card.wrong_behaviour = True
 
-    def _precision(self, card: _Card, pp: diffs.ParsedPatch) -> None:
+    def _precision(self, card: _Card, pp: diff.Patch) -> None:
         cfg, c = self.config, card.candidate
         for f in pp.files:
-            for n, text in f.added:
+            for n, text in f.added():
                 for pattern, what in _DEBRIS:
                     if pattern.search(text):
                         card.penalise(
@@ -577,12 +576,12 @@ class HeuristicGrader:
                 )
 
     def _minimality(
-        self, card: _Card, pp: diffs.ParsedPatch, size: int, min_size: int, min_files: int
+        self, card: _Card, pp: diff.Patch, size: int, min_size: int, min_files: int
     ) -> None:
         cfg, c = self.config, card.candidate
         if size <= 0 or not pp.files:
             return
-        biggest = max(pp.files, key=lambda f: len(f.added) + len(f.removed))
+        biggest = max(pp.files, key=lambda f: len(f.added()) + len(f.removed()))
         ratio = math.sqrt((min_size + cfg.size_slack) / (size + cfg.size_slack))
         card.scale(
             "minimality",
@@ -606,11 +605,11 @@ class HeuristicGrader:
                 ),
             )
 
-    def _side_effects(self, card: _Card, pp: diffs.ParsedPatch, scope: set[str]) -> None:
+    def _side_effects(self, card: _Card, pp: diff.Patch, scope: set[str]) -> None:
         cfg, c = self.config, card.candidate
         for f in pp.files:
             line = _first_line(f)
-            if diffs.is_test_path(f.path) and f.path not in scope:
+            if diff.is_test_path(f.path) and f.path not in scope:
                 card.penalise(
                     "side_effect_avoidance",
                     cfg.tests_touched,
@@ -634,7 +633,7 @@ class HeuristicGrader:
     def _consistency(
         self,
         card: _Card,
-        pp: diffs.ParsedPatch,
+        pp: diff.Patch,
         workspace: schema.GroupWorkspace,
         styles: dict[str, dict[str, object]],
     ) -> None:
@@ -649,7 +648,7 @@ class HeuristicGrader:
                     )
                 styles[f.path] = _file_style(text)
             seen: Counter[str] = Counter()
-            for n, text in f.added:
+            for n, text in f.added():
                 for issue in _style_issues(text, styles[f.path]):
                     seen[issue] += 1
                     if seen[issue] <= 2:

@@ -71,13 +71,13 @@ def pristine_files(spec: str, cache_dir: str | None = None) -> dict[str, str]:
 
 def rebuild_files(source: Mapping[str, Any], cache_dir: str | None = None) -> dict[str, str]:
     """The task's repository: the release of ``source["package"]`` with ``source["bug_patch"]``."""
-    from gagar_jax.grading import diffs
+    from gagar_jax.verify.diff import apply_unified_diff
 
     for key in ("package", "bug_patch"):
         if key not in source:
             raise ValueError(f"synth group source: missing field {key!r}")
     files = dict(pristine_files(source["package"], cache_dir))
-    return diffs.apply_patch(files, diffs.parse_unified_diff(source["bug_patch"]))
+    return apply_unified_diff(files, source["bug_patch"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -167,10 +167,10 @@ def _weaken_assert(test_src: str, test_name: str) -> str | None:
 def plant(task: Any) -> dict[str, dict[str, str]]:
     """The candidate trees (kind -> full file tree) of a factory-made ``RepoTask``, before
     verification (kinds that cannot be built are absent; ``noop`` is the task's tree)."""
-    from gagar_jax.grading import diffs
+    from gagar_jax.verify.diff import apply_unified_diff
 
     buggy = dict(task.files)
-    fixed = diffs.apply_patch(dict(buggy), diffs.parse_unified_diff(task.reference_patch))
+    fixed = apply_unified_diff(buggy, task.reference_patch)
     paths = [p for p in fixed if fixed[p] != buggy.get(p)]
     if len(paths) != 1:
         raise ValueError(f"{task.task_id}: expected a fix of one file, got {paths}")

@@ -2,10 +2,10 @@
 
 With ``task.canaries_per_step = n > 0`` the collect phase draws ``n`` training tasks per step
 (the same ones on every host, a function of the run seed and the step), turns each into its
-impossible version (``gagar_jax.verify.prescreen``: ``canary_toy_task`` adds a visible test
-contradicting another on the same input; ``canary_repo_task`` a hidden test requiring the task's
-own fail-to-pass test to fail) and samples ``K`` rollouts of each with the same engine, sampling
-settings and verifier as the step's groups. No program satisfies a canary's tests, so every
+impossible version (``gagar_jax.envs.toy.canary_toy_task`` adds a visible test contradicting
+another on the same input; ``gagar_jax.verify.prescreen.canary_repo_task`` a hidden test
+requiring the task's own fail-to-pass test to fail) and samples ``K`` rollouts of each with the
+same engine, sampling settings and verifier as the step's groups. No program satisfies a canary's tests, so every
 passing canary rollout is a cheat: a forged test result, a tampered harness, a verifier hole.
 
 The counts go into the step's :class:`~gagar_jax.rl.collect.StepCounters` (summed over hosts by
@@ -29,11 +29,11 @@ CANARY_SALT = 0xCA7A  # separates the canaries' draws and sampler seeds from the
 def canary_task(task: Any) -> Any:
     """The impossible version of a training task (toy and Python repository tasks)."""
     from gagar_jax.envs.repo import RepoTask
-    from gagar_jax.envs.toy import ToyTask
+    from gagar_jax.envs.toy import ToyTask, canary_toy_task
     from gagar_jax.verify import prescreen
 
     if isinstance(task, ToyTask):
-        return prescreen.canary_toy_task(task)
+        return canary_toy_task(task)
     if isinstance(task, RepoTask):
         return prescreen.canary_repo_task(task)
     raise ValueError(

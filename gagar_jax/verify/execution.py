@@ -69,6 +69,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from gagar_jax.verify.repo import DEFAULT_LIMITS, RepoVerification, verify_repo_patch
+
 BACKENDS = ("local", "ray")
 CALL_STATUSES = ("ok", "timeout", "infra_error")
 LLM_LIMITER_NAME = "gagar_llm_rate_limit"
@@ -1258,8 +1260,6 @@ def verify_repo_call(
     failure is ``infra_error`` (masked). ``fn`` replaces ``verify_repo_patch`` (same
     signature); ``env``: the task environment the call needs on its node.
     """
-    from gagar_jax.verify.repo import DEFAULT_LIMITS, RepoVerification, verify_repo_patch
-
     limits = kwargs.get("limits") or DEFAULT_LIMITS
     b = backend or current()
     deadline = deadline_s if deadline_s is not None else limits.wall_s + CALL_MARGIN_S
