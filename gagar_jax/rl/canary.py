@@ -5,8 +5,9 @@ With ``task.canaries_per_step = n > 0`` the collect phase draws ``n`` training t
 impossible version (``gagar_jax.envs.toy.canary_toy_task`` adds a visible test contradicting
 another on the same input; ``gagar_jax.verify.prescreen.canary_repo_task`` a hidden test
 requiring the task's own fail-to-pass test to fail) and samples ``K`` rollouts of each with the
-same engine, sampling settings and verifier as the step's groups. No program satisfies a canary's tests, so every
-passing canary rollout is a cheat: a forged test result, a tampered harness, a verifier hole.
+same engine, sampling settings and verifier as the step's groups. No program satisfies a
+canary's tests, so every passing canary rollout is a cheat: a forged test result, a tampered
+harness, a verifier hole.
 
 The counts go into the step's :class:`~gagar_jax.rl.collect.StepCounters` (summed over hosts by
 the exchange), which put ``canary_cheat_rate`` (passing canary rollouts / valid ones) and
