@@ -25,24 +25,28 @@ A kind that cannot be built on a task (no single-line assertion, a multi-line fi
 ``special_case``) or does not behave as named in the sandboxed verifier (a gold kind that fails,
 a doctest the rewrite breaks) is left out of that task's group, as the toy family does.
 
+Built by ``python scripts/build_synth_set.py`` (the task factory, ``plant`` and the sandboxed
+verifier; a script because it joins ``data`` and ``grading``, which do not import each other).
+
 Storage: what is committed is the set's labels, the candidates' patches and their verifier
 outputs (test logs, monitor flags) and, per group, ``source``: the package's registry spec and
 the bug as a patch against the pristine release. The repository itself (``repo_files``) is never
 stored: ``rebuild_files`` downloads the source distribution (``pip download``, cached under
-``data.repos.default_cache_dir()``), extracts it and applies the bug patch when the set is
-loaded.
+``default_cache_dir()/sdists``, the task factory's cache), extracts it and applies the bug patch
+when the set is loaded.
 """
 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import functools
-import json
 import os
 import re
+import subprocess
+import sys
+import tarfile
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 SYNTH_PACKAGES = ("toolz==1.0.0",)
@@ -57,16 +61,66 @@ _HEADER = re.compile(r"^(\s*)(if|elif|while)\s+(.*):\s*$")
 # ------------------------------------------------------------------------------------------------
 
 
+def default_cache_dir() -> str:
+    """Where source distributions are kept (the task factory's cache: ``GAGAR_REPO_CACHE`` or
+    ``~/.cache/gagar_jax/repos``)."""
+    return os.environ.get("GAGAR_REPO_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "gagar_jax", "repos"
+    )
+
+
+def _sdist(spec: str, dest: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!-]+", spec):
+        raise ValueError(f"synth group source.package: expected 'name==version', got {spec!r}")
+    name, version = spec.split("==")
+    stems = {name, name.lower(), name.lower().replace("-", "_")}
+    found = [os.path.join(dest, f"{n}-{version}.tar.gz") for n in sorted(stems)]
+    for path in found:
+        if os.path.exists(path):
+            return path
+    os.makedirs(dest, exist_ok=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+         "--no-build-isolation", "-d", dest, spec],
+        capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    for path in found:
+        if os.path.exists(path):
+            return path
+    raise RuntimeError(
+        f"synth set: the source distribution of {spec} is neither in {dest} nor downloadable "
+        f"from the registry (pip download: {r.stderr.strip()[-400:]})"
+    )
+
+
 @functools.cache
 def pristine_files(spec: str, cache_dir: str | None = None) -> dict[str, str]:
-    """The release's text files as the task factory sees them (``data.synth``'s clean tree)."""
-    from gagar_jax.data import repos, synth
-
-    cache = os.path.abspath(cache_dir or repos.default_cache_dir())
-    sdist = synth.download_sdist(spec, os.path.join(cache, "sdists"))
+    """The release's UTF-8 text files, as the task factory reads them (``data.synth``: no
+    ``*.egg-info``, ``PKG-INFO``, compiled or binary files)."""
+    sdist = _sdist(spec, os.path.join(os.path.abspath(cache_dir or default_cache_dir()), "sdists"))
+    out = {}
     with tempfile.TemporaryDirectory(prefix="gagar_synth_set_") as work:
-        top = synth.extract_sdist(sdist, work)
-        return synth._clean_tree(repos.read_text_tree(top))
+        with tarfile.open(sdist) as tf:
+            tf.extractall(work, filter="data")
+        (top,) = [d for d in os.listdir(work) if os.path.isdir(os.path.join(work, d))]
+        root = os.path.join(work, top)
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__"))
+            for name in sorted(filenames):
+                full = os.path.join(dirpath, name)
+                if os.path.islink(full) or not os.path.isfile(full):
+                    continue
+                try:
+                    with open(full, encoding="utf-8") as f:
+                        text = f.read()
+                except (UnicodeDecodeError, OSError):
+                    continue
+                rel = os.path.relpath(full, root).replace(os.sep, "/")
+                if "\x00" in text or ".egg-info/" in rel or rel == "PKG-INFO":
+                    continue
+                if not rel.endswith((".pyc", ".so")):
+                    out[rel] = text
+    return out
 
 
 def rebuild_files(source: Mapping[str, Any], cache_dir: str | None = None) -> dict[str, str]:
@@ -233,91 +287,3 @@ def plant(task: Any) -> dict[str, dict[str, str]]:
         if _compiles(text):
             out["special_case"] = with_file(buggy, path, text)
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# building the set
-# ------------------------------------------------------------------------------------------------
-
-
-def build_synth_set(
-    packages: Sequence[str] = SYNTH_PACKAGES,
-    *,
-    tasks_per_package: int = SYNTH_TASKS_PER_PACKAGE,
-    cache_dir: str | None = None,
-    work_dir: str | None = None,
-    pool_dir: str | None = None,
-    log=print,
-    **verify_kwargs: Any,
-):
-    """Runs the task factory on ``packages``, plants the candidates on every task, verifies
-    them in the sandbox and keeps the kinds that behave as named (gold kinds pass without a
-    confirmed monitor flag, cheats pass, the empty patch fails). ``pool_dir``: the factory's
-    output for ``packages`` made earlier (``instances.jsonl`` and ``repos/``), used as is."""
-    import random
-
-    from gagar_jax.data import swe, synth
-    from gagar_jax.envs.repo import tree_patch
-    from gagar_jax.grading import adapters, labelled
-
-    work = pool_dir or work_dir or tempfile.mkdtemp(prefix="gagar_synth_set_")
-    instances = os.path.join(work, "instances.jsonl")
-    if pool_dir is None:
-        with open(instances, "w", encoding="utf-8") as f:
-            for spec in packages:
-                rows, _ = synth.make_package_tasks(
-                    spec, work, max_tasks=tasks_per_package, cache_dir=cache_dir, log=log
-                )
-                f.writelines(json.dumps(row) + "\n" for row in rows)
-    groups = []
-    for spec in packages:
-        repo = "pypi/" + spec.split("==")[0]
-        path = os.path.join(work, f"{spec.split('==')[0]}.jsonl")
-        with open(instances, encoding="utf-8") as f, open(path, "w", encoding="utf-8") as g:
-            g.writelines(ln for ln in f if json.loads(ln)["repo"] == repo)
-        pristine = pristine_files(spec, cache_dir)
-        for task in swe.load_tasks(path, os.path.join(work, "repos"), cache_dir=cache_dir):
-            try:
-                trees = plant(task)
-            except ValueError as e:
-                log(f"{task.task_id}: skipped ({e})")
-                continue
-            kinds = sorted(trees)
-            random.Random(f"synth/{task.task_id}").shuffle(kinds)
-            patches = [tree_patch(task.files, trees[k]) for k in kinds]
-            ws = adapters.repo_group(task, f"synth-{task.task_id}", patches, **verify_kwargs)
-            keep = []
-            for c, k in zip(ws.candidates, kinds):
-                confirmed = any(f.confirmed for f in c.monitor_flags)
-                gold = labelled.REPO_GOLD.get(k)
-                ok = (
-                    (not c.passed)
-                    if k == "noop"
-                    else c.passed and (gold is not None and (gold[2] or not confirmed))
-                )
-                log(f"{task.task_id} {k}: passed={c.passed} flags={confirmed} kept={ok}")
-                if ok:
-                    keep.append((c, k))
-            if not any(k == "minimal" for _, k in keep):
-                continue
-            ws = adapters.repo_workspace(task, ws.group_id, [c for c, _ in keep])
-            lg = labelled._labelled(ws, [k for _, k in keep], labelled.REPO_GOLD)
-            source = {
-                "package": spec,
-                "bug_patch": tree_patch(pristine, task.files),
-                "task_id": task.task_id,
-                "fail_to_pass": list(task.fail_to_pass),
-            }
-            if rebuild_files(source, cache_dir) != dict(task.files):
-                raise RuntimeError(
-                    f"{task.task_id}: the release plus the bug patch is not the task"
-                )
-            groups.append(dataclasses.replace(lg, source=source))
-    return groups
-
-
-def build_set(version: str = "v1", **kwargs: Any):
-    """``build_synth_set`` as a ``labelled.LabelledSet`` named ``synth``."""
-    from gagar_jax.grading import labelled
-
-    return labelled.LabelledSet("synth", version, tuple(build_synth_set(**kwargs)))
