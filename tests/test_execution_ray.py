@@ -302,14 +302,14 @@ def test_hung_sandbox_is_killed_at_its_deadline_as_the_rollouts_timeout(backend,
 def test_grader_that_never_answers_falls_back_at_its_deadline(backend, no_orphans):
     """Graded on the cluster, a grader that never answers is killed with its children at the
     pool's deadline; the group falls back (``deadline``, counted) instead of waiting."""
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
 
     task = _task("statkit")
     cands = [
-        adapters.repo_candidate(f"r{k}", p, execution.verify_repo_call(task, p, limits=LIMITS))
+        envs_repo.repo_candidate(f"r{k}", p, execution.verify_repo_call(task, p, limits=LIMITS))
         for k, p in enumerate(["", _patch("statkit", "minimal")])
     ]
-    ws = adapters.repo_workspace(task, "g-hang", cands)
+    ws = envs_repo.repo_workspace(task, "g-hang", cands)
     pool = GradingPool(faults.HangingGrader(), max_concurrency=1, deadline_s=4.0, backend=backend)
     t0 = time.monotonic()
     try:
@@ -429,7 +429,7 @@ def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_or
 
     from hf_fixtures import fixture_pool, make_tiny_tokenizer
 
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
     from gagar_jax.rl.collect import build_family
     from gagar_jax.rl.config import RunConfig
 
@@ -454,11 +454,11 @@ def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_or
         with execution.using(backend):
             remote = family.demonstrations(2)
             task = family.train_task(0)
-            ws = adapters.repo_workspace(
+            ws = envs_repo.repo_workspace(
                 task,
                 "g",
                 [
-                    adapters.repo_candidate(
+                    envs_repo.repo_candidate(
                         "r0",
                         task.reference_patch,
                         execution.verify_repo_call(task, task.reference_patch),
