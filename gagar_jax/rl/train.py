@@ -323,8 +323,18 @@ def collect_phase(
     skipped = [0]
     attempts: list[tuple[int, tuple[bool, ...]]] = []
     skip = None if tracker is None else (lambda i: tracker.skip(str(i)))
+    # groups drawn with a grader slot held (execution back-end admission): a kept group's slot
+    # is freed when the pool finishes it; the others' when they are dropped
+    hold = bool(cfg.grading.enabled)
+    holding: list[str] = []
+
+    def release_dropped():
+        done = set(submitted)
+        execution.current().release_grader([g for g in holding if g not in done])
+        holding.clear()
 
     def draw(n):
+        release_dropped()  # the last round's groups that were not kept
         idx, pos, ls.data_position, n_skip = select_prompts(stream, ls.data_position, sum(n), skip)
         skipped[0] += n_skip  # every host selects the same prompts: a global count
         rounds[0] += 1
@@ -344,7 +354,10 @@ def collect_phase(
             counters=counters,
             first_index=lo,
             prompt_seeds=[prompt_seed(ls.rng_key, 1, p) for p in pos[lo:hi]],
+            hold_grader=hold,
         )
+        if hold:
+            holding.extend(g.group_id for g in groups)
         for i, g in zip(idx[lo:hi], groups):
             g.task_index = int(i)
         if tracker is not None:
@@ -361,18 +374,21 @@ def collect_phase(
         grading_pool.submit(group_workspace(family, group))
         submitted.append(group.group_id)
 
-    sres = collect_blocks(
-        draw,
-        exchange,
-        target=G,
-        num_blocks=hosts.count,
-        block=hosts.index,
-        enabled=cfg.sampling.enabled,
-        oversample=cfg.sampling.oversample,
-        max_rounds=cfg.sampling.max_rounds,
-        allow_partial=cfg.sampling.allow_partial,
-        on_keep=submit if cfg.grading.enabled else None,
-    )
+    try:
+        sres = collect_blocks(
+            draw,
+            exchange,
+            target=G,
+            num_blocks=hosts.count,
+            block=hosts.index,
+            enabled=cfg.sampling.enabled,
+            oversample=cfg.sampling.oversample,
+            max_rounds=cfg.sampling.max_rounds,
+            allow_partial=cfg.sampling.allow_partial,
+            on_keep=submit if cfg.grading.enabled else None,
+        )
+    finally:
+        release_dropped()
     sres.skipped_saturated = skipped[0]
     return Collected(
         sampling=sres,
@@ -745,10 +761,13 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     summary: dict[str, Any] = {}
     sigterm = SigtermFlag()
     # where verification, run_tests, grading and its checks run (config.execution)
+    # (a group holds a grader slot from its admission until the pool has graded it: at most
+    # grading.max_inflight_groups groups wait for or are in grading, beyond the current round)
     backend = execution.make_backend(
-        **dataclasses.asdict(cfg.execution), grader_slots=cfg.grading.max_concurrency
+        **dataclasses.asdict(cfg.execution), grader_slots=cfg.grading.max_inflight_groups
     )
     prev_backend = execution.use(backend)
+    grading_pool.add_finish_callback(backend.release_grader)
     try:
         if execution.attach_grading(grading_pool, backend):
             writer.log("grading runs on the Ray cluster")
