@@ -49,7 +49,10 @@ Ray back-end semantics (each one counted in :meth:`RayBackend.metrics`):
 * **Environments on the nodes.** :func:`ensure_env` builds a task environment once per node,
   under a file lock, keyed by its environment hash (``GAGAR_ENV_CACHE``, default
   ``~/.cache/gagar_jax/envs``); a call may name one (``env=EnvSpec(hash, build)``) and then a
-  node that lacks it builds it before the call runs.
+  node that lacks it builds it before the call runs (a failed build is the node's failure:
+  retried elsewhere). :func:`verify_repo_call` and the grader's check runner name the
+  environment of a real-package task (:func:`task_env`: rebuilt from the lockfile the trainer
+  resolved) and run against the node's copy of it (:func:`with_task_env`).
 
 The process-wide back-end that the call sites use (the repository family's verifier and
 ``run_tests`` tool, the grader's check runner, the grading pool, task validation) is
