@@ -66,6 +66,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import itertools
 import os
 import pickle
 import shutil
@@ -964,6 +965,7 @@ class RayBackend(Backend):
         self._reserved = 0
         self._grading = 0  # grading calls in flight (a metric)
         self._held: dict[str, tuple[int, Any]] = {}  # group key -> (grader slots, batch)
+        self._anon = itertools.count()  # keys of holds that end with their block
         self._closed = False
         self._known_dead: set[str] = set()
         self._count_node_losses()  # nodes dead before this back-end started are not its losses
@@ -1077,7 +1079,8 @@ class RayBackend(Backend):
                     )
                 self._cond.wait(left if left is not None else 0.5)
             self._reserved += slots
-            hold = f"\0{id(self)}:{time.monotonic_ns()}" if key is None else str(key)
+            hold = f"\0{next(self._anon)}" if key is None else str(key)
+            grader = grader if self.grader_slots else 0  # no budget: nothing to hold
             if grader:
                 n, _ = self._held.get(hold, (0, None))
                 self._held[hold] = (n + grader, batch)
