@@ -45,6 +45,7 @@ import time
 import tomllib
 from collections.abc import Mapping, Sequence
 
+from gagar_jax.verify import execution as _execution
 from gagar_jax.verify.sandbox import python_for_sandbox
 
 GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0", "HOME": "/nonexistent",
@@ -439,3 +440,15 @@ def node_env_builder(env_path: str, env_hash: str) -> LockfileEnv:
         )
     _NODE_ENVS[env_hash] = LockfileEnv(env_hash, lock, version)
     return _NODE_ENVS[env_hash]
+
+
+def _task_env_spec(task) -> _execution.EnvSpec | None:
+    """The cluster back-end's view of ``task``'s environment: its hash and the
+    :class:`LockfileEnv` a node builds it from (registered with the execution layer)."""
+    h = getattr(task, "env_hash", "") or ""
+    if not h:
+        return None
+    return _execution.EnvSpec(h, node_env_builder(getattr(task, "env_path", "") or "", h))
+
+
+_execution.register_env_resolver(_task_env_spec)

@@ -226,21 +226,15 @@ GROUP_FIELDS = ("rewards", "passed", "cheat", "tier", "rank", "graded", "valid")
 # ------------------------------------------------------------------------------------------
 # The loop
 # ------------------------------------------------------------------------------------------
-def _update_metric_aliases(m: dict[str, float]) -> dict[str, float]:
-    """Canonical names for the plot panels from the update's metric names."""
-    aliases = {
-        "entropy": ("entropy", "policy_entropy"),
-        "pg_loss_mean": ("pg_loss_mean", "pg_loss", "policy_loss"),
-        "credit_ratio": ("credit_ratio", "credit/ratio", "credit_balance_ratio"),
-    }
+# The plot panels' names for two of the update's metrics (the update's own names stay too).
+_PANEL_NAMES = {"pg_loss_mean": "pg_loss", "credit_ratio": "credit/ratio"}
+
+
+def _with_panel_names(m: dict[str, float]) -> dict[str, float]:
     out = dict(m)
-    for canon, names in aliases.items():
-        if canon in out:
-            continue
-        for n in names:
-            if n in m:
-                out[canon] = m[n]
-                break
+    for panel, name in _PANEL_NAMES.items():
+        if name in m:
+            out.setdefault(panel, m[name])
     return out
 
 
@@ -662,7 +656,7 @@ def step_metrics(
     m.update(grading_m)
     if tracker is not None:
         m.update(saturation_metrics(sres, tracker))
-    for k, v in _update_metric_aliases(update_m).items():
+    for k, v in _with_panel_names(update_m).items():
         m[f"update/{k}" if k in m else k] = v
     m.update(rollout_metrics(sres.groups, update_m, weight_version))
     return m

@@ -79,6 +79,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from gagar_jax.verify.repo import DEFAULT_LIMITS, RepoVerification, verify_repo_patch
+
 BACKENDS = ("local", "ray")
 CALL_STATUSES = ("ok", "timeout", "infra_error")
 LLM_LIMITER_NAME = "gagar_llm_rate_limit"
@@ -474,17 +476,37 @@ def with_task_env(env: EnvSpec, fn: Callable, task: Any, *args: Any, **kwargs: A
     return fn(dataclasses.replace(task, env_path=path), *args, **kwargs)
 
 
+_ENV_RESOLVERS: list[Callable[[Any], EnvSpec | None]] = []
+
+
+def register_env_resolver(fn: Callable[[Any], EnvSpec | None]) -> None:
+    """Add ``fn(task) -> EnvSpec | None`` to the resolvers :func:`task_env` asks, in order.
+
+    The package that builds task environments registers its own when it is imported
+    (``gagar_jax.data.repos`` does), so this module needs no knowledge of how an environment is
+    built. Registering the same function twice has no effect."""
+    if fn not in _ENV_RESOLVERS:
+        _ENV_RESOLVERS.append(fn)
+
+
 def task_env(task: Any) -> EnvSpec | None:
-    """The :class:`EnvSpec` of ``task``'s environment (``env_hash`` and the lockfile recorded
-    in its ``env_path``), for building it on nodes that lack it; None for a task without one.
-    Raises ``gagar_jax.data.repos.EnvBuildError`` when the task's environment record cannot be
-    read."""
+    """The :class:`EnvSpec` of ``task``'s environment (``env_hash`` and how a node builds it),
+    from the first registered resolver that knows it; None for a task without one.
+
+    Raises ``LookupError`` when the task names an environment no resolver knows, and whatever
+    the resolver raises when the task's environment record cannot be read (for
+    ``gagar_jax.data.repos``: ``EnvBuildError``)."""
     h = getattr(task, "env_hash", "") or ""
     if not h:
         return None
-    from gagar_jax.data.repos import node_env_builder
-
-    return EnvSpec(h, node_env_builder(getattr(task, "env_path", "") or "", h))
+    for fn in _ENV_RESOLVERS:
+        spec = fn(task)
+        if spec is not None:
+            return spec
+    raise LookupError(
+        f"task.env_hash={h!r}: no environment resolver is registered "
+        "(import gagar_jax.data.repos, which registers the one for uv environments)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1403,8 +1425,6 @@ def verify_repo_call(
     node's own copy of it: the node builds it from the recorded lockfile once, under a lock
     (:func:`ensure_env`), and every later call there reuses it.
     """
-    from gagar_jax.verify.repo import DEFAULT_LIMITS, RepoVerification, verify_repo_patch
-
     limits = kwargs.get("limits") or DEFAULT_LIMITS
     b = backend or current()
     deadline = deadline_s if deadline_s is not None else limits.wall_s + CALL_MARGIN_S
