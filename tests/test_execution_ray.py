@@ -703,3 +703,27 @@ def _scripted_group(collect, gid, passes, K=4):
         for k in range(K)
     ]
     return collect.Group(group_id=gid, task=None, rollouts=rollouts)
+
+
+def test_grader_checks_of_a_package_task_see_the_nodes_environment(cluster, package_task):
+    """The agentic grader's check runner, for a real-package task, runs its command on a node
+    against that node's copy of the task's environment (built there from the lockfile), with
+    the outcome the trainer's own run gives."""
+    from gagar_jax.envs.repo import TaskEnvCheckRunner
+    from gagar_jax.grading import adapters
+    from gagar_jax.verify.repo import RepoVerification
+
+    task, gold = package_task
+    v = RepoVerification("passed", {}, None, (), "PASSED tests/test_add.py::test_add", None)
+    ws = adapters.repo_workspace(task, "g-check", [adapters.repo_candidate("r0", gold, v)])
+    runner = TaskEnvCheckRunner({"g-check": task}, limits=LIMITS)
+    cmd = 'python -c "import cachetools, srcpkg; print(srcpkg.add(2, 3), cachetools.__file__)"'
+    local = runner.run(ws, ws.candidates[0], cmd)
+    with execution.RayBackend(max_inflight=2, resources=execution.CallResources(1.0)) as b:
+        with execution.using(b):
+            remote = runner.run(ws, ws.candidates[0], cmd)
+        m = b.metrics()
+    assert local.status == remote.status == "passed", (local.log, remote.log)
+    assert "5 " + task.env_path in local.log, local.log  # the trainer's environment
+    assert "5 " in remote.log and "/envs-w" in remote.log, remote.log  # the node's
+    assert m["execution/calls"] == 1 and m["execution/infra_errors"] == 0, m

@@ -329,8 +329,14 @@ class TaskEnvCheckRunner:
         if key not in self._by_env:
             site = env_site_packages(task.env_path)
             r = SandboxCheckRunner(**self._kwargs)
-            r.ro_paths = tuple(self._kwargs.get("ro_paths", ())) + site
+            base = tuple(self._kwargs.get("ro_paths", ()))
+            r.ro_paths = base + site
             r.env = {"PYTHONPATH": os.pathsep.join([*site, ".", *task.pythonpath])}
+            if task.env_hash:  # on a cluster: the node's own copy of the environment
+                from gagar_jax.verify.execution import task_env
+
+                spec = task_env(task)
+                r.node_call = (spec, run_check_in_node_env, (spec, task.pythonpath, base))
             self._by_env[key] = r
         return self._by_env[key]
 
@@ -338,6 +344,20 @@ class TaskEnvCheckRunner:
         return self.runner_for(self._groups.get(workspace.group_id)).run(
             workspace, candidate, command
         )
+
+
+def run_check_in_node_env(files, argv, limits, config, spec, pythonpath, ro_paths):
+    """``grading.adapters.run_check_in_tree`` with the task environment ``spec`` of this node
+    (built once here: ``verify.execution.ensure_env``): its site-packages read-only and on
+    ``PYTHONPATH`` with the tree's ``pythonpath``, as ``TaskEnvCheckRunner`` gives them on the
+    trainer."""
+    from gagar_jax.grading.adapters import run_check_in_tree
+    from gagar_jax.verify.execution import ensure_env
+    from gagar_jax.verify.repo import env_site_packages
+
+    site = env_site_packages(ensure_env(spec.env_hash, spec.build))
+    env = {"PYTHONPATH": os.pathsep.join([*site, ".", *pythonpath])}
+    return run_check_in_tree(files, argv, limits, config, env, tuple(ro_paths) + site)
 
 
 class PythonRepoFamily(TaskFamily):
