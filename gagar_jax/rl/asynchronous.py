@@ -611,7 +611,10 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
     m.update(
         {
             "async/staleness": float(version_at_update - oldest_version),
-            "async/version_spread": float(max(versions) - min(versions)) if versions else 0.0,
+            # newest minus oldest token version in the batch (a partial rollout spans a sync)
+            "async/version_spread": float(max(token_versions) - min(token_versions))
+            if token_versions
+            else 0.0,
             "async/dispatch_version": float(oldest.version),
             "async/dispatch_index": float(oldest.index),
             "async/queued_batches": float(len(aq.queue)),
