@@ -232,3 +232,41 @@ def test_offpolicy_token_mask_on_the_loss_matches_numpy(seed):
     # rewards and the group fields are those of the unmasked batch
     for f in ("rewards", "passed", "valid", "tokens", "old_logprobs"):
         assert (getattr(b_new, f) == getattr(b_all, f)).all()
+
+
+def test_queued_multi_turn_batch_round_trips_through_its_checkpoint_form(setup):
+    """A finished multi-turn batch saved as JSON comes back with the same episodes, verdicts of
+    the verifier and grading workspaces (so the verdict cache answers it)."""
+    from gagar_jax.grading.pool import VerdictCache
+
+    cfg, family, _, engine = setup
+    tasks, kw = _args(cfg, family)
+    groups = collect.generate_groups(engine, family, tasks, id_prefix="q", **kw)
+    for i, g in enumerate(groups):
+        g.task_index = i
+    counters = collect.StepCounters()
+    for g in groups:
+        counters.add(g)
+    sres = collect.SamplingResult(groups, 1, len(groups), {"mixed": 2}, 0, 2 * K)
+    collected = train.Collected(
+        sampling=sres,
+        counters=counters,
+        submitted=tuple(g.group_id for g in groups),
+        attempts=(),
+        wait_start=0.0,
+    )
+    b = asynchronous.InflightBatch(5, 1, 10, collected=collected, completed_version=1)
+    item = json.loads(json.dumps(asynchronous.batch_state(b)))
+
+    class Submitted(list):  # records what the restored batch resubmits for grading
+        submit = list.append
+
+    pool = Submitted()
+    back = asynchronous.restore_batch(item, family, pool, cfg)
+    assert (back.index, back.version, back.position, back.completed_version) == (5, 1, 10, 1)
+    assert _fields(back.collected.sampling.groups) == _fields(groups)
+    for g, og in zip(back.collected.sampling.groups, groups):
+        for r, o in zip(g.rollouts, og.rollouts):
+            assert r.attempt.episode.trajectory() == o.attempt.episode.trajectory()
+    want = [VerdictCache.key(train.group_workspace(family, g), None) for g in groups]
+    assert [VerdictCache.key(w, None) for w in pool] == want

@@ -6,18 +6,26 @@ every RL step
 
 1. **dispatches** (admission control): while fewer than ``S + 1`` batches wait and the grading
    pool has room for another batch (``grading.max_inflight_groups`` groups submitted and not
-   yet trained), a new batch is collected with the engine's current weights; each sample is
-   tagged with the policy version it was dispatched with (``Rollout.policy_version``; every
-   token of an embedded-sampler sample or episode is generated within that dispatch, so a
-   token's version is its sample's);
+   yet trained), a new batch is collected with the engine's current weights; every token is
+   tagged with the policy version that produced it (``Rollout.versions()``: a sample's tokens
+   share its engine call's version, an episode's turns each have their own);
 2. **trains the oldest batch** (oldest first, nothing discarded or requeued): the loop waits
    for its verdicts until the grading deadline counted from its submission, then grade ->
    pack -> exchange -> update -> sync as the synchronous step does;
 3. reports the staleness of that batch at its update: the trainer's version minus the oldest
-   version in it. A batch dispatched at version ``v`` has at most ``S`` batches ahead of it, so
-   it is trained at a version ``<= v + S``, generation, verification, grading and queue time
-   included. A group whose verdict has not arrived when the bound forces its update takes the
-   grading fallback (``deadline``; counted as ``async/staleness_fallbacks``), never dropped.
+   token version in it. A batch dispatched at version ``v`` has at most ``S`` batches ahead of
+   it, so it is trained at a version ``<= v + S``, generation, verification, grading and queue
+   time included. A group whose verdict has not arrived when the bound forces its update takes
+   the grading fallback (``deadline``; counted as ``async/staleness_fallbacks``), never
+   dropped.
+
+Partial rollouts (``rollout.partial_rollout``, multi-turn families): one slot of the bound is
+kept for a batch that spans a weight sync. After the oldest batch leaves the queue and before
+its update, :func:`start_phase` draws the next batch's prompts and runs the first turn of its
+episodes (a :class:`StartedBatch`); the next step resumes them under the new weights
+(:func:`~gagar_jax.rl.train.collect_phase` with ``first_round``), so their tokens carry two
+versions. ``rollout.mask_offpolicy_tokens`` takes the tokens older than the batch's newest
+version out of the loss (:func:`offpolicy_token_mask`).
 
 ``S = 0`` is not run by this module: the loop then calls the synchronous
 :func:`~gagar_jax.rl.train.rl_step` (one dispatch, wait, update per step), bit for bit.
@@ -29,14 +37,16 @@ FIFO training keeps both near the sampling noise; a scheme that let fast groups 
 ones would show here first.
 
 Checkpoints: the batches still queued at a checkpoint are saved in the loop state of the same
-atomic checkpoint (:func:`batch_state`): dispatch index and version, data position and, for
-single-turn families, every kept group's trajectories. A resumed run rebuilds them (verified
-again from their tokens, resubmitted to the grading pool, whose verdict cache keyed by the
-trajectory's content answers every group graded before the interruption) and trains them
-first: no group is lost, duplicated or graded twice and the data position is exact. A
-multi-turn batch (its episodes end in environment states) is saved as its data position and
-dispatched again from there under the restored weights; with dynamic sampling the redrawn
-prompts may then differ from the lost ones.
+atomic checkpoint (:func:`batch_state`): dispatch index and version, data position and every
+kept group's trajectories (tokens, behaviour log-probs, per-token versions; a multi-turn
+episode with its turn spans), and the started batch with its interrupted episodes
+(:func:`started_state`). A resumed run rebuilds them: each episode's environment is a fresh one
+replayed through the recorded model turns, each rollout is verified again, each kept group is
+resubmitted to the grading pool, whose verdict cache keyed by the trajectory's content answers
+every group graded before the interruption. It trains them first and resumes the interrupted
+episodes: no group is lost, duplicated or graded twice and the data position is exact.
+Checkpoints that hold a batch as its data position only (written before episodes were saved)
+dispatch it again from there.
 """
 
 from __future__ import annotations
