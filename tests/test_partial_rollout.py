@@ -131,7 +131,8 @@ def test_partial_rollout_config_errors():
         _cfg(partial_rollout=True)
     cfg = _cfg(partial_rollout=True, max_staleness=1)
     assert cfg.rollout.partial_rollout
-    assert _cfg().fingerprint() == _cfg(mask_offpolicy_tokens=False).fingerprint()
+    with pytest.raises(ConfigError, match="rollout.partial_rollout"):
+        _cfg(partial_rollout=True, max_staleness=0, mask_offpolicy_tokens=True)
 
 
 def test_admission_with_partial_rollouts():
