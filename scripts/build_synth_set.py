@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gagar_jax.data import swe, synth
-from gagar_jax.envs.repo import tree_patch
-from gagar_jax.grading import adapters, labelled, synth_set
+from gagar_jax.envs.repo import repo_group, repo_workspace, tree_patch
+from gagar_jax.grading import labelled, synth_set
 
 
 def build_synth_set(
@@ -67,7 +67,7 @@ def build_synth_set(
             kinds = sorted(trees)
             random.Random(f"synth/{task.task_id}").shuffle(kinds)
             patches = [tree_patch(task.files, trees[k]) for k in kinds]
-            ws = adapters.repo_group(task, f"synth-{task.task_id}", patches, **verify_kwargs)
+            ws = repo_group(task, f"synth-{task.task_id}", patches, **verify_kwargs)
             keep = []
             for c, k in zip(ws.candidates, kinds):
                 confirmed = any(f.confirmed for f in c.monitor_flags)
@@ -82,7 +82,7 @@ def build_synth_set(
                     keep.append((c, k))
             if not any(k == "minimal" for _, k in keep):
                 continue
-            ws = adapters.repo_workspace(task, ws.group_id, [c for c, _ in keep])
+            ws = repo_workspace(task, ws.group_id, [c for c, _ in keep])
             lg = labelled._labelled(ws, [k for _, k in keep], labelled.REPO_GOLD)
             source = {
                 "package": spec,

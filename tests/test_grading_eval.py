@@ -219,3 +219,28 @@ def test_rename_identifier_keeps_every_patch_applicable():
     for c in renamed.candidates:
         apply_unified_diff(renamed.repo_files, c.parsed_patch)  # raises if stale
     assert ev.rename_identifier(labelled.load_set("toy").groups[0].workspace) is None
+
+
+def test_cli_split_and_prescreen_rows():
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        ev.main(
+            ["--grader", "heuristic", "--set", "toy", "--split", "heldout", "--prescreen",
+             "--json", "--bootstrap", "0", "--probes", "none", "--limit", "3"]
+        )  # fmt: skip
+    (row,) = [json.loads(line) for line in buf.getvalue().splitlines()]
+    assert row["set"] == "toy@v1:heldout+prescreen" and row["groups"] == 3
+
+
+def test_prescreened_set_carries_the_screen_findings_as_confirmed_flags():
+    s = labelled.load_set("repo")
+    screened = ev.prescreened(s)
+    for lg, ps_lg in zip(s.groups, screened.groups):
+        for c, pc in zip(lg.workspace.candidates, ps_lg.workspace.candidates):
+            added = [f for f in pc.monitor_flags if f.rule.startswith("prescreen/")]
+            assert pc.monitor_flags[: len(c.monitor_flags)] == c.monitor_flags
+            if lg.gold.get(c.candidate_id) and lg.gold[c.candidate_id].kind == "test_weakening":
+                assert [f.rule for f in added] == ["prescreen/tests_weakened"]
+                assert all(f.confirmed for f in added)
+            elif c.passed and not lg.gold[c.candidate_id].cheat:
+                assert added == []

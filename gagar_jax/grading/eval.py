@@ -691,6 +691,7 @@ def make_grader(
     votes: int = 1,
     max_steps: int = 6,
     max_tokens: int = 1024,
+    vote_temperature: float = 0.7,
 ) -> Any:
     """A grader by CLI name (``GRADER_NAMES``); ``agentic`` needs ``sglang_url``."""
     from gagar_jax.grading.agentic import AgenticGrader
@@ -718,6 +719,7 @@ def make_grader(
             counter,
             check_runner=check_runner_for(set_name),
             votes=votes,
+            vote_temperature=vote_temperature,
             time_budget_s=120.0,
             max_steps=max_steps,
             max_tokens=max_tokens,
@@ -824,6 +826,12 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         help="agentic grader: probes to run ('' = as --probes)",
     )
     ap.add_argument("--votes", type=int, default=1, help="agentic grader self-consistency votes")
+    ap.add_argument(
+        "--vote-temperature",
+        type=float,
+        default=0.7,
+        help="agentic grader: sampling temperature of the votes after the first (0: greedy)",
+    )
     ap.add_argument("--max-steps", type=int, default=6, help="agentic grader: calls per vote")
     ap.add_argument("--max-tokens", type=int, default=1024, help="agentic grader: per call")
     ap.add_argument("--limit", type=int, default=0, help="grade only the first N groups of a set")
@@ -889,6 +897,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
                     votes=args.votes,
                     max_steps=args.max_steps,
                     max_tokens=args.max_tokens,
+                    vote_temperature=args.vote_temperature,
                 )
                 gset, gprobes = lset, probes
                 if gname == "agentic":
