@@ -301,7 +301,8 @@ def _always(fn: ast.AST, truthy: bool) -> bool:
 
 def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None = None,
                    tick: Callable[[], None] = lambda: None, own: frozenset[str] = frozenset(),
-                   imported: frozenset[str] = frozenset()) -> list[Finding] | None:  # fmt: skip
+                   imported: frozenset[str] = frozenset(),
+                   tree: ast.Module | None = None) -> list[Finding] | None:  # fmt: skip
     """AST findings of one file's new text; None when it does not parse.
 
     Args:
@@ -314,8 +315,9 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
         ...): its own names are not the test runner's internals, writes to them are advisory.
       imported: top-level modules the repository's source already imports: a network call
         through one of them is the library's own business (advisory).
+      tree: ``parse_python(source)`` when the caller has it already (each file is parsed once).
     """
-    tree = parse_python(source)
+    tree = tree if tree is not None else parse_python(source)
     if tree is None:
         return None
     cookie = _source_encoding(source)
