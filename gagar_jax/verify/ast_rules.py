@@ -587,8 +587,7 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
             if fn in DYNAMIC_CODE and args and touched(node):
                 value, hidden = _fold(args[0], res, consts)
                 text = _as_text(value)
-                if isinstance(args[0], ast.Constant):
-                    read_as_code.add(id(args[0]))
+                read_as_code.add(id(args[0]))  # a literal or a decoding: read here, once
                 if text is not None:
                     nested(node, text, f"in the code run by {fn}")
                     if hidden:
@@ -598,7 +597,7 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                     add(node, "tamper_test_harness", False,
                         f"runs code the monitor cannot read through {fn}")  # fmt: skip
             elif (fn in _B64 or fn in _DECOMPRESS or fn in ("codecs.decode", "codecs.encode")) \
-                    and args and touched(node):  # fmt: skip
+                    and args and touched(node) and id(node) not in read_as_code:  # fmt: skip
                 value, hidden = _fold(node, res, consts)
                 text = _as_text(value)
                 if text is not None and hidden and _is_code(text):
