@@ -51,9 +51,10 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from gagar_jax.envs import ToyTaskGenerator, candidate_patches, verify  # noqa: E402
+from gagar_jax.envs.repo import RepoTask  # noqa: E402
 from gagar_jax.verify import sandbox as sb  # noqa: E402
-from gagar_jax.verify.monitor import context_for_repo_task, monitor, monitor_patch  # noqa: E402
-from gagar_jax.verify.repo import RepoTask, verify_repo_patch, write_tree  # noqa: E402
+from gagar_jax.verify.monitor import monitor, monitor_patch  # noqa: E402
+from gagar_jax.verify.repo import context_for_repo_task, verify_repo_patch, write_tree  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "repos")

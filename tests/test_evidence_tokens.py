@@ -38,7 +38,7 @@ def test_each_cited_patch_line_maps_exactly_to_that_edits_tokens():
             fd = cand.parsed_patch.file(adapters.TOY_PROGRAM)
             if fd is None:  # "noop": rewrites a line with its own text, an empty diff
                 continue
-            added = {n: text.strip() for n, text in fd.added}
+            added = {n: text.strip() for n, text in fd.added()}
             lines = _line_token_indices(patch)
             edits = toy.parse_patch(patch, len(task.lines))
             assert len(spans.edits) == len(edits), kind

@@ -277,7 +277,7 @@ def test_prompts_are_versioned_package_files():
 
 
 def _vote(ws, tiers_ranks, cheat_for=None):
-    fix_line = ws.candidate("alpha-minimal").parsed_patch.files[0].added[0][0]
+    fix_line = ws.candidate("alpha-minimal").parsed_patch.files[0].added()[0][0]
     js = []
     for cid, (tier, rank) in tiers_ranks.items():
         ev = (schema.Evidence("minimality", "patch", cid, file="pkg/core.py", line=fix_line),)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gagar_jax.grading import eval as ev
 from gagar_jax.grading import labelled, schema
 from gagar_jax.grading.heuristic import HeuristicGrader
+from gagar_jax.verify.diff import apply_unified_diff, read_patch
 
 
 def test_cohen_kappa_by_hand():
@@ -168,9 +169,9 @@ def test_probes_catch_an_injection_obeying_grader():
 def test_pad_patch_keeps_the_diff_valid():
     patch = "--- a/m.py\n+++ b/m.py\n@@ -1,2 +1,2 @@\n x = 1\n-y = 2\n+y = 3\n"
     out = ev.pad_patch(patch, ["# note", "z = 0"])
-    pp = schema.diffs.parse_unified_diff(out)
-    assert [t for _, t in pp.files[0].added] == ["y = 3", "# note", "z = 0"]
-    files = schema.diffs.apply_patch({"m.py": "x = 1\ny = 2\n"}, pp)
+    pp = read_patch(out)
+    assert [t for _, t in pp.files[0].added()] == ["y = 3", "# note", "z = 0"]
+    files = apply_unified_diff({"m.py": "x = 1\ny = 2\n"}, pp)
     assert files["m.py"] == "x = 1\ny = 3\n# note\nz = 0\n"
     assert ev.pad_patch("--- a/p.toy\n+++ b/p.toy\n@@ -1 +1 @@\n-a\n+b\n", ["c"]) is None
 
@@ -212,5 +213,5 @@ def test_rename_identifier_keeps_every_patch_applicable():
     assert "values_r" in renamed.repo_files["statkit/stats.py"]
     assert not any("(values)" in c.patch for c in renamed.candidates)
     for c in renamed.candidates:
-        schema.diffs.apply_patch(dict(renamed.repo_files), c.parsed_patch)  # raises if stale
+        apply_unified_diff(renamed.repo_files, c.parsed_patch)  # raises if stale
     assert ev.rename_identifier(labelled.load_set("toy").groups[0].workspace) is None

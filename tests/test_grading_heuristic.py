@@ -48,7 +48,7 @@ def test_hand_built_group_orders_by_quality():
     # The debug print is cited at its exact line in the patch.
     (ev,) = [e for e in j["debug"].evidence if e.claim == "implementation_precision"]
     assert ev.kind == "patch" and ev.file == "pkg/core.py"
-    added = {n: t for f in ws.candidate("debug").parsed_patch.files for n, t in f.added}
+    added = {n: t for f in ws.candidate("debug").parsed_patch.files for n, t in f.added()}
     assert "print(path)" in added[ev.line]
     # Touching a test file and an unrelated module: tier 3, side effects cited per file.
     assert j["sprawl"].tier == 3 and j["sprawl"].rank == max(x.rank for x in j.values())

@@ -7,6 +7,7 @@ from gagar_jax.grading import adapters, schema
 from gagar_jax.grading.agentic import AgenticGrader
 from gagar_jax.grading.heuristic import HeuristicGrader
 from gagar_jax.grading.scripted import ScriptedGraderPolicy
+from gagar_jax.verify.diff import apply_unified_diff
 
 
 def _groups(n=6):
@@ -44,8 +45,8 @@ def test_toy_patch_renders_as_unified_diff_of_program():
     minimal = by_kind["minimal"]
     (fd,) = minimal.parsed_patch.files
     assert fd.path == adapters.TOY_PROGRAM
-    assert [n for n, _ in fd.added] == [task.bug_line]
-    patched = schema.diffs.apply_patch(dict(ws.repo_files), minimal.parsed_patch)
+    assert [n for n, _ in fd.added()] == [task.bug_line]
+    patched = apply_unified_diff(ws.repo_files, minimal.parsed_patch)
     assert (
         patched[adapters.TOY_PROGRAM].splitlines()
         == toy.apply_patch(task, task.reference_patch).splitlines()

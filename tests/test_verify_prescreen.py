@@ -109,7 +109,7 @@ def test_toy_canary_is_impossible():
     from gagar_jax.envs import toy
 
     for task in toy.ToyTaskGenerator(seed=3, difficulty=2).tasks(4):
-        can = ps.canary_toy_task(task)
+        can = toy.canary_toy_task(task)
         assert len(can.tests) == len(task.tests) + 1 and can.task_id.endswith("--canary")
         for kind, patch in toy.candidate_patches(task).items():
             assert not toy.verify(can, patch).passed, kind

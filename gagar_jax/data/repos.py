@@ -17,6 +17,11 @@ by every task naming the same requirements. The verifier binds its site-packages
 the sandbox (``RepoTask.env_path``); the package under test itself is imported from the task's
 tree (the repository root and, for a ``src/`` layout, ``src``: ``RepoTask.pythonpath``), which
 is what an editable install provides, without a path baked into the environment.
+
+**On the nodes of a cluster.** :class:`LockfileEnv` rebuilds an environment from the lockfile
+recorded in the trainer's copy (``<env_path>/.gagar-env``; :func:`node_env_builder`), with no
+resolution, on a machine that lacks it: ``verify.execution`` builds it once per node under a
+lock (``ensure_env``) and verifies there against that copy.
 """
 
 from __future__ import annotations
@@ -347,17 +352,7 @@ def build_env(requirements: Sequence[str] = (), *, cache_dir: str | None = None)
     tmp = tempfile.mkdtemp(prefix=f".{h}-", dir=root)
     try:
         venv = os.path.join(tmp, "venv")
-        _run_uv(["venv", "-q", "--python", exe, venv], "creating the virtual environment")
-        lock_path = os.path.join(tmp, "lock.txt")
-        with open(lock_path, "w") as f:
-            f.write(lock)
-        _run_uv(["pip", "install", "-q", "--no-deps", "--python",
-                 os.path.join(venv, "bin", "python"), "-r", lock_path],
-                "installing the lockfile")  # fmt: skip
-        with open(os.path.join(venv, ".gagar-env"), "w") as f:
-            json.dump({"env_hash": h, "interpreter": version, "lockfile": lock}, f)
-        for d, _, _ in os.walk(venv):
-            os.chmod(d, os.stat(d).st_mode | 0o555)
+        _install_env(venv, exe, version, lock, h)
         try:
             os.rename(venv, dest)
         except OSError:
@@ -368,3 +363,79 @@ def build_env(requirements: Sequence[str] = (), *, cache_dir: str | None = None)
     info = EnvInfo(dest, h, lock, time.monotonic() - t0, False)
     _BUILT[memo_key] = info
     return info
+
+
+def _install_env(venv: str, exe: str, version: str, lock: str, env_hash: str) -> None:
+    """Creates the virtual environment ``venv`` (absent or empty) for interpreter ``exe`` and
+    installs the resolved ``lock`` into it (no resolution: exactly those versions)."""
+    _run_uv(["venv", "-q", "--allow-existing", "--python", exe, venv],
+            "creating the virtual environment")  # fmt: skip
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(lock)
+    try:
+        _run_uv(["pip", "install", "-q", "--no-deps", "--python",
+                 os.path.join(venv, "bin", "python"), "-r", f.name],
+                "installing the lockfile")  # fmt: skip
+    finally:
+        os.unlink(f.name)
+    with open(os.path.join(venv, ".gagar-env"), "w") as f:
+        json.dump({"env_hash": env_hash, "interpreter": version, "lockfile": lock}, f)
+    for d, _, _ in os.walk(venv):  # readable by the sandbox uid
+        os.chmod(d, os.stat(d).st_mode | 0o555)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environments on the nodes of a cluster
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LockfileEnv:
+    """Builds the environment ``env_hash`` from its resolved lockfile on a machine that lacks
+    it (a node of the execution cluster): no resolution, the exact versions the trainer
+    resolved, so the environment is the one the hash names. A picklable ``build(path)`` for
+    ``verify.execution.ensure_env``; it fills ``path`` with the virtual environment.
+
+    A node whose sandbox interpreter is not the one the hash was computed for cannot build it
+    (``EnvBuildError``): its environment would not be the one the hash names.
+    """
+
+    env_hash: str
+    lockfile: str
+    interpreter: str
+
+    def __call__(self, path: str) -> None:
+        exe, version = _interpreter()
+        if version != self.interpreter:
+            raise EnvBuildError(
+                f"environment {self.env_hash} is for Python {self.interpreter.split()[0]}; "
+                f"this node's sandbox interpreter is {version.split()[0]}"
+            )
+        if env_hash_of(version, self.lockfile) != self.env_hash:
+            raise EnvBuildError(f"environment {self.env_hash}: the lockfile does not hash to it")
+        _install_env(path, exe, version, self.lockfile, self.env_hash)
+
+
+_NODE_ENVS: dict[str, LockfileEnv] = {}
+
+
+def node_env_builder(env_path: str, env_hash: str) -> LockfileEnv:
+    """The :class:`LockfileEnv` of the environment built at ``env_path`` (read from its
+    ``.gagar-env`` record, once per process). ``EnvBuildError`` if the record is missing or
+    names another hash."""
+    known = _NODE_ENVS.get(env_hash)
+    if known is not None:
+        return known
+    record = os.path.join(env_path, ".gagar-env")
+    try:
+        with open(record) as f:
+            meta = json.load(f)
+        lock, version = meta["lockfile"], meta["interpreter"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise EnvBuildError(
+            f"environment {env_hash}: no readable record at {record!r} ({type(e).__name__}: {e})"
+        ) from e
+    if meta.get("env_hash") != env_hash:
+        raise EnvBuildError(
+            f"environment record {record!r} is for {meta.get('env_hash')!r}, not {env_hash!r}"
+        )
+    _NODE_ENVS[env_hash] = LockfileEnv(env_hash, lock, version)
+    return _NODE_ENVS[env_hash]

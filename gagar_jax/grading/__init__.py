@@ -17,15 +17,6 @@ from gagar_jax.grading.agentic import (
     load_prompt,
     merge_votes,
 )
-from gagar_jax.grading.diffs import (
-    FileDiff,
-    Hunk,
-    ParsedPatch,
-    PatchApplyError,
-    apply_patch,
-    is_test_path,
-    parse_unified_diff,
-)
 from gagar_jax.grading.heuristic import HeuristicConfig, HeuristicGrader, infer_scope
 from gagar_jax.grading.pool import GradingPool, VerdictCache, accept_output, grade_all
 from gagar_jax.grading.schema import (
@@ -62,10 +53,8 @@ __all__ = [
     "HeuristicConfig",
     "HeuristicGrader",
     "NoCheckRunner",
-    "PatchApplyError",
     "VerdictCache",
     "accept_output",
-    "apply_patch",
     "grade_all",
     "infer_scope",
     "load_prompt",
@@ -77,20 +66,15 @@ __all__ = [
     "Candidate",
     "Evidence",
     "FallbackReason",
-    "FileDiff",
     "GradeResult",
     "GroupWorkspace",
-    "Hunk",
     "Judgement",
     "MonitorFlagView",
-    "ParsedPatch",
     "RejectReason",
     "TrajectoryEvent",
     "Verdict",
     "VerdictRejected",
     "extract_json",
-    "is_test_path",
-    "parse_unified_diff",
     "parse_verdict",
     "tier_histogram",
     "to_arrays",

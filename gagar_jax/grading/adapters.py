@@ -14,7 +14,7 @@ Any repository: ``SandboxCheckRunner`` materialises the candidate's patched repo
 temporary directory and runs the command there under ``gagar_jax.verify.run_sandboxed`` (the
 measured isolation chain), returning its status and output as the check log.
 
-Python-repository tasks (``verify.RepoTask``): ``repo_group`` verifies each candidate's unified
+Python-repository tasks (``envs.repo.RepoTask``): ``repo_group`` verifies each candidate's unified
 diff with ``verify.verify_repo_patch`` (sandboxed pytest, JUnit verdict, behaviour monitor) and
 builds the workspace from the pristine files and the issue text.
 
@@ -31,8 +31,9 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from gagar_jax.grading import diffs, schema
+from gagar_jax.grading import schema
 from gagar_jax.grading.agentic import CheckResult
+from gagar_jax.verify import diff
 
 TOY_PROGRAM = "program.toy"
 TOY_TESTS = "tests.toy"
@@ -129,14 +130,14 @@ class ToyCheckRunner:
             return CheckResult("error", f"no integer inputs in {command!r}; try 'f(25) f(-3)'")
 
         def program_of(c: schema.Candidate):
-            files = diffs.apply_patch(dict(workspace.repo_files), c.parsed_patch)
+            files = diff.apply_unified_diff(workspace.repo_files, c.parsed_patch)
             return L.parse_program(files[TOY_PROGRAM].splitlines())
 
         try:
             mine = program_of(candidate)
             original = L.parse_program(workspace.repo_files[TOY_PROGRAM].splitlines())
             others = [program_of(c) for c in workspace.passing if c is not candidate]
-        except (L.ToyError, diffs.PatchApplyError, KeyError) as e:
+        except (L.ToyError, diff.DiffError, KeyError) as e:
             return CheckResult("error", f"cannot build the programs: {e}")
         lines = []
         for x in xs:
@@ -183,8 +184,8 @@ class SandboxCheckRunner:
         if argv[0] in ("python", "python3"):
             argv[0] = self.python
         try:
-            files = diffs.apply_patch(dict(workspace.repo_files), candidate.parsed_patch)
-        except diffs.PatchApplyError as e:
+            files = diff.apply_unified_diff(workspace.repo_files, candidate.parsed_patch)
+        except diff.DiffError as e:
             return CheckResult("error", f"the patch does not apply to the snapshot: {e}")
         from gagar_jax.verify import execution
 
@@ -266,7 +267,7 @@ def log_flags(test_log: str) -> tuple:
 def repo_workspace(
     task: Any, group_id: str, candidates: Sequence[schema.Candidate]
 ) -> schema.GroupWorkspace:
-    """The workspace of a ``verify.RepoTask``: issue text and pristine files (scope inferred)."""
+    """The workspace of a ``envs.repo.RepoTask``: issue text and pristine files (scope inferred)."""
     return schema.GroupWorkspace(
         group_id=group_id,
         task_text=task.issue,

@@ -60,7 +60,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from gagar_jax.grading import diffs, schema
+from gagar_jax.grading import schema
 from gagar_jax.grading.schema import (
     DIMENSIONS,
     Candidate,
@@ -71,7 +71,7 @@ from gagar_jax.grading.schema import (
     VerdictRejected,
 )
 from gagar_jax.grading.untrusted import Envelope, sanitize
-from gagar_jax.verify import execution
+from gagar_jax.verify import diff, execution
 
 PROMPT_VERSION = "v2"
 MAX_TOOL_OUTPUT_CHARS = 6000
@@ -591,7 +591,7 @@ class AgenticGrader:
             patch = c.patch
             file = args.get("file")
             if file:
-                per_file = diffs.split_by_file(patch)
+                per_file = diff.split_by_file(patch)
                 if file not in per_file:
                     raise ValueError(
                         f"candidate {args['candidate']} does not touch {file!r}; "

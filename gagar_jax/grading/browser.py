@@ -32,9 +32,10 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gagar_jax.grading import diffs, schema
+from gagar_jax.grading import schema
 from gagar_jax.grading.schema import DIMENSIONS, Evidence, GroupWorkspace, Judgement, Verdict
 from gagar_jax.grading.untrusted import sanitize
+from gagar_jax.verify import diff
 
 
 class BrowserGradingError(RuntimeError):
@@ -99,7 +100,7 @@ class BrowserGrader:
         for cand in workspace.passing:
             if cancel is not None and cancel.is_set():
                 raise BrowserGradingError("cancelled by the pool")
-            files = diffs.apply_patch(dict(workspace.repo_files), cand.parsed_patch)
+            files = diff.apply_unified_diff(workspace.repo_files, cand.parsed_patch)
             with tempfile.TemporaryDirectory(prefix="gagar-frontend-") as d:
                 write_artifact(d, files)
                 v = self.judge.judge(d, rubric)

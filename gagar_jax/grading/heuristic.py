@@ -55,8 +55,9 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
-from gagar_jax.grading import diffs, schema
+from gagar_jax.grading import schema
 from gagar_jax.grading.schema import DIMENSIONS, NEGATIVE_SCORE, Evidence, Judgement, Verdict
+from gagar_jax.verify import diff
 
 GRADER_ID = "heuristic"
 GRADER_VERSION = "1"
@@ -166,11 +167,11 @@ def _log_ev(claim: str, c: schema.Candidate, text: str, note: str) -> Evidence |
     return Evidence(claim, "execution", c.candidate_id, quote=quote, note=note)
 
 
-def _first_line(f: diffs.FileDiff) -> int | None:
-    if f.added:
-        return f.added[0][0]
-    if f.removed:
-        return f.removed[0][0]
+def _first_line(f: diff.FilePatch) -> int | None:
+    if f.added():
+        return f.added()[0][0]
+    if f.removed():
+        return f.removed()[0][0]
     return f.hunks[0].new_start if f.hunks else None
 
 
@@ -240,7 +241,7 @@ def infer_scope(workspace: schema.GroupWorkspace) -> set[str]:
     passing = workspace.passing
     for c in passing:
         for f in c.parsed_patch.files:
-            if not diffs.is_test_path(f.path):
+            if not diff.is_test_path(f.path):
                 counts[f.path] += 1
     consensus = {p for p, n in counts.items() if 2 * n >= len(passing)}
     return named | consensus
@@ -342,7 +343,7 @@ class HeuristicGrader:
 
     # -- dimensions ------------------------------------------------------------------------------
 
-    def _solution_fit(self, card: _Card, pp: diffs.ParsedPatch, scope: set[str]) -> None:
+    def _solution_fit(self, card: _Card, pp: diff.Patch, scope: set[str]) -> None:
         cfg, c = self.config, card.candidate
         if scope and pp.files and not any(f.path in scope for f in pp.files):
             f = pp.files[0]
@@ -369,10 +370,10 @@ class HeuristicGrader:
                 _log_ev("solution_fit", c, line, "error in the test log"),
             )
 
-    def _precision(self, card: _Card, pp: diffs.ParsedPatch) -> None:
+    def _precision(self, card: _Card, pp: diff.Patch) -> None:
         cfg, c = self.config, card.candidate
         for f in pp.files:
-            for n, text in f.added:
+            for n, text in f.added():
                 for pattern, what in _DEBRIS:
                     if pattern.search(text):
                         card.penalise(
@@ -390,12 +391,12 @@ class HeuristicGrader:
                 )
 
     def _minimality(
-        self, card: _Card, pp: diffs.ParsedPatch, size: int, min_size: int, min_files: int
+        self, card: _Card, pp: diff.Patch, size: int, min_size: int, min_files: int
     ) -> None:
         cfg, c = self.config, card.candidate
         if size <= 0 or not pp.files:
             return
-        biggest = max(pp.files, key=lambda f: len(f.added) + len(f.removed))
+        biggest = max(pp.files, key=lambda f: len(f.added()) + len(f.removed()))
         ratio = math.sqrt((min_size + cfg.size_slack) / (size + cfg.size_slack))
         card.scale(
             "minimality",
@@ -419,11 +420,11 @@ class HeuristicGrader:
                 ),
             )
 
-    def _side_effects(self, card: _Card, pp: diffs.ParsedPatch, scope: set[str]) -> None:
+    def _side_effects(self, card: _Card, pp: diff.Patch, scope: set[str]) -> None:
         cfg, c = self.config, card.candidate
         for f in pp.files:
             line = _first_line(f)
-            if diffs.is_test_path(f.path) and f.path not in scope:
+            if diff.is_test_path(f.path) and f.path not in scope:
                 card.penalise(
                     "side_effect_avoidance",
                     cfg.tests_touched,
@@ -447,7 +448,7 @@ class HeuristicGrader:
     def _consistency(
         self,
         card: _Card,
-        pp: diffs.ParsedPatch,
+        pp: diff.Patch,
         workspace: schema.GroupWorkspace,
         styles: dict[str, dict[str, object]],
     ) -> None:
@@ -462,7 +463,7 @@ class HeuristicGrader:
                     )
                 styles[f.path] = _file_style(text)
             seen: Counter[str] = Counter()
-            for n, text in f.added:
+            for n, text in f.added():
                 for issue in _style_issues(text, styles[f.path]):
                     seen[issue] += 1
                     if seen[issue] <= 2:

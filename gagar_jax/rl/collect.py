@@ -731,6 +731,7 @@ def generate_groups(
     rng_words: tuple[int, ...] = (),
     prompt_seeds: list[int] | None = None,
     first_index: int = 0,
+    hold_grader: bool = False,
 ) -> list[Group]:
     """K rollouts for each task (samples, or episodes of a multi-turn family), verified; one
     :class:`Group` per task.
@@ -739,6 +740,9 @@ def generate_groups(
     ``prompt_seeds``), so they do not depend on which other prompts share the call or host;
     otherwise one seed from ``(rng_words, step, round_id)`` seeds the call. ``first_index``:
     the index of ``tasks[0]`` within its round (group ids stay global on every host).
+    ``hold_grader``: each group reserves a grader slot of the execution back-end when it is
+    admitted and keeps it, under its group id, until the caller releases it
+    (``execution.current().release_grader``: once graded, or dropped).
 
     Raises:
       RuntimeError: the engine failed (dead server after its retries); the message names the
@@ -773,8 +777,13 @@ def generate_groups(
         ) from e
     t1 = time.monotonic()
     groups = []
+    ids = [
+        f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}"
+        for i, task in enumerate(tasks)
+    ]
     # each group's K verifications run on the execution back-end (one after the other locally;
-    # on a cluster concurrently, a group dispatched once its K slots and a grader slot are free)
+    # on a cluster concurrently, a group dispatched once its K slots and a grader slot are
+    # reserved)
     verified = execution.current().gather_groups(
         [
             [
@@ -783,16 +792,11 @@ def generate_groups(
             ]
             for task, prompt, row in zip(tasks, prompts, per_task)
         ],
-        grader=int(cfg.grading.enabled),
+        grader=int(hold_grader),
+        keys=ids if hold_grader else None,
     )
-    for i, (task, rollouts) in enumerate(zip(tasks, verified)):
-        groups.append(
-            Group(
-                group_id=f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}",
-                task=task,
-                rollouts=rollouts,
-            )
-        )
+    for gid, task, rollouts in zip(ids, tasks, verified):
+        groups.append(Group(group_id=gid, task=task, rollouts=rollouts))
     if counters is not None:
         counters.gen_time += t1 - t0
         counters.verify_time += time.monotonic() - t1

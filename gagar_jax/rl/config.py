@@ -35,7 +35,7 @@ Modes (``config.mode``), the paper's ablation:
   conserving every sequence's credit (``gagar_jax.advantages.redistribute_tokens``).
 
 These are *training* modes (``TRAINING_MODES``); the advantage kernels' redistribution modes
-are ``gagar_jax.advantages.REDISTRIBUTION_MODES``. ``MODES`` is kept as an alias.
+are ``gagar_jax.advantages.REDISTRIBUTION_MODES``.
 
 One fingerprint: :meth:`RunConfig.fingerprint` is what the checkpoint stores and a resume
 compares (the ``Checkpointer`` is given it).
@@ -55,7 +55,6 @@ from gagar_jax.models import TransformerConfig
 from gagar_jax.update import UpdateConfig
 
 TRAINING_MODES = ("gagar", "binary", "discount_only", "gagar_token")
-MODES = TRAINING_MODES  # backward-compatible alias
 # The advantage kernels' redistribution mode for each training mode.
 _REDISTRIBUTION = {
     "gagar": "sum_preserving",
@@ -138,18 +137,6 @@ class TaskConfig:
             "1..task.saturation_window",
             self.saturation_min_attempts,
         )
-
-
-_OFF_POLICY_DEFAULTS = {
-    "rollout_is": "none",
-    "rollout_is_threshold": 2.0,
-    "rollout_rs": "none",
-    "rollout_rs_threshold": 2.0,
-    "rollout_rs_threshold_lower": 0.5,
-    "decoupled": False,
-}
-_ASYNC_ROLLOUT_DEFAULTS = {"max_staleness": 0}
-_ASYNC_GRADING_DEFAULTS = {"max_inflight_groups": 16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -589,19 +576,9 @@ class RunConfig:
         d.pop("execution")  # where verification runs: deployment, not the run
         d["rollout"].pop("weight_writer")  # which host exports: deployment, not the run
         d["rollout"].pop("embedded_data_parallel")  # devices per sampler: deployment too
-        if not d["task"]["skip_saturated"]:  # off: the fingerprint of runs from before the flag
+        if not d["task"]["skip_saturated"]:  # the saturation knobs are unused while it is off
             for k in ("skip_saturated", "saturation_window", "saturation_min_attempts"):
                 d["task"].pop(k)
-        # fields added after runs existed: at their defaults (the synchronous on-policy loop)
-        # they stay out, so those runs keep their fingerprint
-        for section, defaults in (
-            ("learner", _OFF_POLICY_DEFAULTS),
-            ("rollout", _ASYNC_ROLLOUT_DEFAULTS),
-            ("grading", _ASYNC_GRADING_DEFAULTS),
-        ):
-            for k, v in defaults.items():
-                if d[section].get(k) == v:
-                    d[section].pop(k)
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -79,7 +79,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from gagar_jax.verify import ast_rules
-from gagar_jax.verify.diff import DiffError, FilePatch, apply_unified_diff, parse_unified_diff
+from gagar_jax.verify.diff import (
+    DiffError,
+    FilePatch,
+    apply_unified_diff,
+    is_test_path,
+    parse_unified_diff,
+)
 from gagar_jax.verify.flags import MonitorFlag
 
 RULES = (
@@ -163,36 +169,6 @@ def repo_modules(files: Mapping[str, str]) -> tuple[frozenset[str], frozenset[st
         own.add(parts[0].rsplit(".", 1)[0] if len(parts) == 1 else parts[0])
         imported.update(_IMPORT_RE.findall(text))
     return frozenset(own), frozenset(imported)
-
-
-def context_for_repo_task(task: Any, references: Mapping[str, str] | None = None,
-                          repo_root: str = "/workdir") -> MonitorContext:  # fmt: skip
-    """MonitorContext of a ``verify.repo.RepoTask``: its tests (hidden ones included)."""
-    from gagar_jax.verify.repo import prepare_tree
-
-    files, _ = prepare_tree(task, "")
-    tests = {p: t for p, t in files.items() if p in task.test_files or is_test_path(p)}
-    # Only solutions the agent could have read: the task's own reference fix is what a correct
-    # candidate is expected to reproduce, never evidence of a leak.
-    refs = dict(references or {})
-    own, imported = repo_modules(files)
-    return MonitorContext(tuple(task.test_files), tests, repo_root, HIDDEN_PATTERNS, refs, files,
-                          own, imported)  # fmt: skip
-
-
-def is_test_path(path: str, test_files: Sequence[str] = ()) -> bool:
-    """Whether ``path`` is test code: a task test file, test_*.py, *_test.py, conftest, tests/."""
-    if path in test_files:
-        return True
-    base = posixpath.basename(path)
-    parts = path.split("/")[:-1]
-    return (
-        base.startswith("test_")
-        and base.endswith(".py")
-        or base.endswith("_test.py")
-        or base == "conftest.py"
-        or any(p in ("tests", "test", "testing") for p in parts)
-    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -65,10 +65,18 @@ from gagar_jax.verify.diff import (
     DiffError,
     apply_unified_diff,
     check_patch_size,
+    is_test_path,
     safe_path,
     touched_files,
 )
 from gagar_jax.verify.flags import MonitorFlag
+from gagar_jax.verify.monitor import (
+    HIDDEN_PATTERNS,
+    MonitorContext,
+    MonitorRefusal,
+    monitor,
+    repo_modules,
+)
 from gagar_jax.verify.sandbox import (
     Limits,
     SandboxConfig,
@@ -90,19 +98,23 @@ MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 3000  # well below PATH_MAX (4096) once the workdir prefix is added
 DEFAULT_LIMITS = Limits(wall_s=120, cpu_s=120, memory_bytes=2 << 30, nproc=128)
 
-# ``RepoTask`` and ``read_tree`` live in ``gagar_jax.envs.repo`` (next to the python_repo task
-# family). The verifier reads a task only through the attributes ``task_id``, ``files``,
-# ``test_files``, ``test_patch``, ``reference_patch`` and ``required_tests``; the old import path
-# ``gagar_jax.verify.repo.RepoTask`` still resolves (lazily, see ``__getattr__`` below).
-_MOVED = ("RepoTask", "read_tree")
+# A task is read only through the attributes ``task_id``, ``files``, ``test_files``,
+# ``test_patch``, ``reference_patch`` and ``required_tests`` (``gagar_jax.envs.repo.RepoTask``).
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        from gagar_jax.envs import repo as _envs_repo
-
-        return getattr(_envs_repo, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def context_for_repo_task(
+    task: Any, references: Mapping[str, str] | None = None, repo_root: str = "/workdir"
+) -> MonitorContext:
+    """MonitorContext of a repository task: its tests (hidden ones included)."""
+    files, _ = prepare_tree(task, "")
+    tests = {p: t for p, t in files.items() if p in task.test_files or is_test_path(p)}
+    # Only solutions the agent could have read: the task's own reference fix is what a correct
+    # candidate is expected to reproduce, never evidence of a leak.
+    refs = dict(references or {})
+    own, imported = repo_modules(files)
+    return MonitorContext(
+        tuple(task.test_files), tests, repo_root, HIDDEN_PATTERNS, refs, files, own, imported
+    )
 
 
 def check_tree(files: Mapping[str, str]) -> None:
@@ -836,8 +848,6 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
     except DiffError as e:
         return RepoVerification("failed", _missing(task), str(e), (), str(e), None)
     if run_monitor:
-        from gagar_jax.verify.monitor import MonitorRefusal, context_for_repo_task, monitor
-
         context = context_for_repo_task(task, references)  # the task's: a fault here is infra
         try:
             flags = tuple(monitor(patch, events, context))
