@@ -166,7 +166,7 @@ def _cpu() -> float:
 
 # Host-side phases of verify_repo_patch: (module, function, label). Wrapped while the table runs.
 _PHASES = (
-    ("gagar_jax.verify.monitor", "monitor", "behaviour monitor (AST + text rules)"),
+    ("gagar_jax.verify.repo", "monitor", "behaviour monitor (AST + text rules)"),
     ("gagar_jax.verify.repo", "prepare_tree", "apply + pristine reset + shadowing scan"),
     ("gagar_jax.verify.repo", "shadowing_problem", "  of which: shadowing scan"),
     ("gagar_jax.verify.repo", "sandbox_pytest_problem", "preflight (cached)"),

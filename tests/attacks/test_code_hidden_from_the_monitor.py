@@ -19,7 +19,8 @@ import pytest
 from _monitor_kit import app, confirmed, verdict
 from _runtime_kit import EQ, RETURNS_R, TASK2, verify2
 
-from gagar_jax.verify.monitor import context_for_repo_task, monitor
+from gagar_jax.verify.monitor import monitor
+from gagar_jax.verify.repo import context_for_repo_task
 
 B64 = base64.b64encode(EQ.encode()).decode()
 ROT = codecs.encode(EQ, "rot13")

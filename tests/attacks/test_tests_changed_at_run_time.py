@@ -18,7 +18,8 @@ import pytest
 from _monitor_kit import BUGGY, FAST, app, change, confirmed, new_file, verdict
 from _runtime_kit import PARTIAL, verify2
 
-from gagar_jax.verify.repo import RepoTask, verify_repo_patch
+from gagar_jax.envs.repo import RepoTask
+from gagar_jax.verify.repo import verify_repo_patch
 
 PASSING_HIDDEN = "def test_half_hidden():\\n    pass\\n"
 # Rewrites every test file pytest has not imported yet (the hidden one) to a passing copy.
