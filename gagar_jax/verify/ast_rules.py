@@ -62,6 +62,7 @@ import bisect
 import bz2
 import codecs
 import dataclasses
+import functools
 import io
 import lzma
 import tokenize
@@ -169,9 +170,15 @@ DYNAMIC_SENSITIVE = ("sys", "builtins", "inspect", "gc", "ctypes", "pytest", "_p
 
 
 def _under(name: str | None, prefixes: Iterable[str]) -> str | None:
-    """The first of ``prefixes`` that ``name`` is or lies under (dotted), else None."""
+    """The first of ``prefixes`` that ``name`` is or lies under (dotted), else None (cached:
+    the same few names meet the same tables at every node)."""
     if not name:
         return None
+    return _under_cached(name, tuple(prefixes))
+
+
+@functools.lru_cache(maxsize=8192)
+def _under_cached(name: str, prefixes: tuple[str, ...]) -> str | None:
     for p in prefixes:
         if name == p or name.startswith(p + ".") or name.startswith(p + "["):
             return p
