@@ -334,10 +334,10 @@ def test_python_repo_family_trains_on_an_swe_pool(tmp_path, monkeypatch):
     out = fam.verify(task, Attempt(env=env))
     assert out.passed and not out.cheat and not out.infra_error, out.test_log
     # the grader's checks of this task's group see the same tree layout and environment
+    from gagar_jax.envs import repo as envs_repo
     from gagar_jax.envs.repo import TaskEnvCheckRunner
-    from gagar_jax.grading import adapters
 
-    ws = adapters.repo_workspace(task, "g0", [adapters.repo_candidate("r0", out.patch, out)])
+    ws = envs_repo.repo_workspace(task, "g0", [envs_repo.repo_candidate("r0", out.patch, out)])
     runner = TaskEnvCheckRunner({"g0": task})
     res = runner.run(ws, ws.candidates[0], "python -c 'import cachetools, srcpkg; "
                      "assert srcpkg.add(2, 3) == 5'")  # fmt: skip

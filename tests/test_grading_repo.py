@@ -6,6 +6,7 @@ import pathlib
 
 import pytest
 
+from gagar_jax.envs import repo as envs_repo
 from gagar_jax.grading import adapters, schema
 from gagar_jax.grading.agentic import AgenticGrader
 from gagar_jax.grading.heuristic import HeuristicGrader
@@ -20,7 +21,7 @@ KINDS = ("sprawling", "minimal", "edit_tests_with_fix", "edit_tests")
 def statkit():
     task = repo.RepoTask.from_dir(ROOT)
     patches = [(ROOT / "patches" / f"{k}.diff").read_text() for k in KINDS]
-    ws = adapters.repo_group(task, "statkit", patches)
+    ws = envs_repo.repo_group(task, "statkit", patches)
     return ws, dict(zip(KINDS, ws.candidates))
 
 

@@ -649,9 +649,9 @@ def _fill_split_errors(lset: labelled.LabelledSet, outcomes: list[GroupOutcome])
 
 
 def check_runner_for(set_name: str):
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs.toy_grading import ToyCheckRunner
 
-    return adapters.ToyCheckRunner() if set_name == "toy" else None
+    return ToyCheckRunner() if set_name == "toy" else None
 
 
 def make_grader(

@@ -221,8 +221,7 @@ def build_toy_set(
     """Toy tasks with every patch kind; candidates in a fixed shuffled order (not kind order)."""
     import random
 
-    from gagar_jax.envs import toy
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import toy, toy_grading
 
     groups = []
     for difficulty in (1, 2, 3):
@@ -231,7 +230,7 @@ def build_toy_set(
             patches = toy.candidate_patches(task)
             kinds = sorted(patches)
             random.Random(f"{seed}/{difficulty}/{i}").shuffle(kinds)
-            ws = adapters.toy_group(task, f"toy-d{difficulty}-{i}", [patches[k] for k in kinds])
+            ws = toy_grading.toy_group(task, f"toy-d{difficulty}-{i}", [patches[k] for k in kinds])
             groups.append(_labelled(ws, kinds, TOY_GOLD))
     return LabelledSet("toy", DEFAULT_VERSION, tuple(groups))
 
@@ -359,8 +358,7 @@ def build_repo_set(fixtures_dir: str | None = None, **verify_kwargs: Any) -> Lab
     """Plants the candidates on each fixture repository and verifies them in the sandbox."""
     import random
 
-    from gagar_jax.envs.repo import RepoTask, tree_patch
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs.repo import RepoTask, repo_group, tree_patch
 
     root = fixtures_dir or default_fixtures_dir()
     groups = []
@@ -370,7 +368,7 @@ def build_repo_set(fixtures_dir: str | None = None, **verify_kwargs: Any) -> Lab
         kinds = sorted(trees)
         random.Random(f"repo/{name}").shuffle(kinds)
         patches = [tree_patch(task.files, trees[k]) for k in kinds]
-        ws = adapters.repo_group(task, f"repo-{name}", patches, **verify_kwargs)
+        ws = repo_group(task, f"repo-{name}", patches, **verify_kwargs)
         groups.append(_labelled(ws, kinds, REPO_GOLD))
     return LabelledSet("repo", DEFAULT_VERSION, tuple(groups))
 

@@ -166,6 +166,14 @@ class RolloutConfig:
     # of a trained group may lag the trainer, generation, verification, grading and queue
     # time included (0: the synchronous loop, collect -> grade -> update -> sync each step)
     max_staleness: int = 0
+    # max_staleness > 0, multi-turn families: at each weight sync the next batch's episodes
+    # have run their first turn with the old weights and resume with the new ones (every token
+    # tagged with the version that produced it); False: a batch is generated whole with the
+    # weights of its dispatch
+    partial_rollout: bool = False
+    # only the tokens of a batch's newest policy version enter the loss (older tokens of a
+    # partial rollout are masked; rewards and group credit unchanged)
+    mask_offpolicy_tokens: bool = False
 
     def __post_init__(self):
         _check(
@@ -213,6 +221,13 @@ class RolloutConfig:
             "rollout.max_staleness",
             ">= 0 policy versions (0 = synchronous)",
             self.max_staleness,
+        )
+        _check(
+            not self.partial_rollout or self.max_staleness >= 1,
+            "rollout.partial_rollout",
+            "False unless rollout.max_staleness >= 1 (the synchronous loop has no weight sync "
+            "during generation)",
+            self.partial_rollout,
         )
 
     @property

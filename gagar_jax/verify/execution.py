@@ -49,7 +49,10 @@ Ray back-end semantics (each one counted in :meth:`RayBackend.metrics`):
 * **Environments on the nodes.** :func:`ensure_env` builds a task environment once per node,
   under a file lock, keyed by its environment hash (``GAGAR_ENV_CACHE``, default
   ``~/.cache/gagar_jax/envs``); a call may name one (``env=EnvSpec(hash, build)``) and then a
-  node that lacks it builds it before the call runs.
+  node that lacks it builds it before the call runs (a failed build is the node's failure:
+  retried elsewhere). :func:`verify_repo_call` and the grader's check runner name the
+  environment of a real-package task (:func:`task_env`: rebuilt from the lockfile the trainer
+  resolved) and run against the node's copy of it (:func:`with_task_env`).
 
 The process-wide back-end that the call sites use (the repository family's verifier and
 ``run_tests`` tool, the grader's check runner, the grading pool, task validation) is
@@ -63,6 +66,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import itertools
 import os
 import pickle
 import shutil
@@ -472,17 +476,37 @@ def with_task_env(env: EnvSpec, fn: Callable, task: Any, *args: Any, **kwargs: A
     return fn(dataclasses.replace(task, env_path=path), *args, **kwargs)
 
 
+_ENV_RESOLVERS: list[Callable[[Any], EnvSpec | None]] = []
+
+
+def register_env_resolver(fn: Callable[[Any], EnvSpec | None]) -> None:
+    """Add ``fn(task) -> EnvSpec | None`` to the resolvers :func:`task_env` asks, in order.
+
+    The package that builds task environments registers its own when it is imported
+    (``gagar_jax.data.repos`` does), so this module needs no knowledge of how an environment is
+    built. Registering the same function twice has no effect."""
+    if fn not in _ENV_RESOLVERS:
+        _ENV_RESOLVERS.append(fn)
+
+
 def task_env(task: Any) -> EnvSpec | None:
-    """The :class:`EnvSpec` of ``task``'s environment (``env_hash`` and the lockfile recorded
-    in its ``env_path``), for building it on nodes that lack it; None for a task without one.
-    Raises ``gagar_jax.data.repos.EnvBuildError`` when the task's environment record cannot be
-    read."""
+    """The :class:`EnvSpec` of ``task``'s environment (``env_hash`` and how a node builds it),
+    from the first registered resolver that knows it; None for a task without one.
+
+    Raises ``LookupError`` when the task names an environment no resolver knows, and whatever
+    the resolver raises when the task's environment record cannot be read (for
+    ``gagar_jax.data.repos``: ``EnvBuildError``)."""
     h = getattr(task, "env_hash", "") or ""
     if not h:
         return None
-    from gagar_jax.data.repos import node_env_builder
-
-    return EnvSpec(h, node_env_builder(getattr(task, "env_path", "") or "", h))
+    for fn in _ENV_RESOLVERS:
+        spec = fn(task)
+        if spec is not None:
+            return spec
+    raise LookupError(
+        f"task.env_hash={h!r}: no environment resolver is registered "
+        "(import gagar_jax.data.repos, which registers the one for uv environments)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -963,6 +987,7 @@ class RayBackend(Backend):
         self._reserved = 0
         self._grading = 0  # grading calls in flight (a metric)
         self._held: dict[str, tuple[int, Any]] = {}  # group key -> (grader slots, batch)
+        self._anon = itertools.count()  # keys of holds that end with their block
         self._closed = False
         self._known_dead: set[str] = set()
         self._count_node_losses()  # nodes dead before this back-end started are not its losses
@@ -1076,7 +1101,8 @@ class RayBackend(Backend):
                     )
                 self._cond.wait(left if left is not None else 0.5)
             self._reserved += slots
-            hold = f"\0{id(self)}:{time.monotonic_ns()}" if key is None else str(key)
+            hold = f"\0{next(self._anon)}" if key is None else str(key)
+            grader = grader if self.grader_slots else 0  # no budget: nothing to hold
             if grader:
                 n, _ = self._held.get(hold, (0, None))
                 self._held[hold] = (n + grader, batch)
