@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shlex
 import tempfile
+from typing import Any
 
 from gagar_jax.grading import schema
 from gagar_jax.grading.agentic import CheckResult
