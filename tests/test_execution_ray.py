@@ -621,13 +621,13 @@ class _FailingGrader:
 
 
 def _workspace(group_id):
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
     from gagar_jax.verify.repo import RepoVerification
 
     task = _task("statkit")
     tests = {t: "failed" for t in task.required_tests}
     v = RepoVerification("failed", tests, None, (), "FAILED: test log of the candidate", None)
-    return adapters.repo_workspace(task, group_id, [adapters.repo_candidate("r0", "", v)])
+    return envs_repo.repo_workspace(task, group_id, [envs_repo.repo_candidate("r0", "", v)])
 
 
 def test_the_loops_collection_frees_every_grader_slot_it_takes(cluster, monkeypatch):
@@ -709,14 +709,13 @@ def test_grader_checks_of_a_package_task_see_the_nodes_environment(cluster, pack
     """The agentic grader's check runner, for a real-package task, runs its command on a node
     against that node's copy of the task's environment (built there from the lockfile), with
     the outcome the trainer's own run gives."""
-    from gagar_jax.envs.repo import TaskEnvCheckRunner
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
     from gagar_jax.verify.repo import RepoVerification
 
     task, gold = package_task
     v = RepoVerification("passed", {}, None, (), "PASSED tests/test_add.py::test_add", None)
-    ws = adapters.repo_workspace(task, "g-check", [adapters.repo_candidate("r0", gold, v)])
-    runner = TaskEnvCheckRunner({"g-check": task}, limits=LIMITS)
+    ws = envs_repo.repo_workspace(task, "g-check", [envs_repo.repo_candidate("r0", gold, v)])
+    runner = envs_repo.TaskEnvCheckRunner({"g-check": task}, limits=LIMITS)
     cmd = 'python -c "import cachetools, srcpkg; print(srcpkg.add(2, 3), cachetools.__file__)"'
     local = runner.run(ws, ws.candidates[0], cmd)
     with execution.RayBackend(max_inflight=2, resources=execution.CallResources(1.0)) as b:

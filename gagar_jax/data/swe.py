@@ -28,7 +28,9 @@ run with no report, or whose exit status contradicts the report, is never a pass
 writes one JSON line per instance ``{"instance_id", "gold", "empty", "flaky_tests",
 "infra_errors", "env_hash", "seconds"}`` (a status is the runs' common status, ``"flaky"`` when
 they differ), then a summary line; it exits 0 when every row was validated, whatever the
-statuses, and 1 when a row could not be (its line carries ``"error"``).
+statuses, and 1 when a row could not be (its line carries ``"error"``). The runs of all rows
+share one pool of ``--workers`` sandboxed runs (default: one per core), so the next rows are
+prepared while earlier ones run and no core idles behind one slow run.
 """
 
 from __future__ import annotations

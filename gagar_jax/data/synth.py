@@ -16,6 +16,12 @@ per-test timeout holds), and the issue text does not leak the fix (``audit.leak_
 issue is written from a versioned template (:data:`ISSUE_TEMPLATE_VERSION`) over the failing
 tests' output: the tests that fail and their assertion lines, never the changed code.
 
+Speed: a candidate runs only the tests covering it (sampled when many do) and a few other tests
+of the same files; its screening run counts as the first empty run and validation stops at the
+first run that rules it out; mutants whose run is slow are rejected; packages and candidates are
+worked on in parallel, their sandboxed runs bounded by ``--workers`` in all. Tests that fail when
+the suite runs in reverse order (order-dependent) are never used.
+
 Output: ``DIR/instances.jsonl`` (SWE-bench-format rows, ``gagar_jax.data.swe``) and
 ``DIR/repos/pypi__<package>/`` (a git repository: the pristine release on ``main`` and, per
 task, a commit with the bug on its own branch; ``base_commit`` is that commit, ``patch`` the

@@ -36,11 +36,11 @@ from typing import Any
 from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
 from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
 from gagar_jax.grading import schema
-from gagar_jax.grading.adapters import SandboxCheckRunner
+from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
 from gagar_jax.grading.untrusted import split_test_log
 from gagar_jax.rollout.episode import CodeAgentEnv
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, split_lines
-from gagar_jax.verify.execution import verify_repo_call
+from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
 from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
 
@@ -333,8 +333,6 @@ class TaskEnvCheckRunner:
             r.ro_paths = base + site
             r.env = {"PYTHONPATH": os.pathsep.join([*site, ".", *task.pythonpath])}
             if task.env_hash:  # on a cluster: the node's own copy of the environment
-                from gagar_jax.verify.execution import task_env
-
                 spec = task_env(task)
                 r.node_call = (spec, run_check_in_node_env, (spec, task.pythonpath, base))
             self._by_env[key] = r
@@ -351,10 +349,6 @@ def run_check_in_node_env(files, argv, limits, config, spec, pythonpath, ro_path
     (built once here: ``verify.execution.ensure_env``): its site-packages read-only and on
     ``PYTHONPATH`` with the tree's ``pythonpath``, as ``TaskEnvCheckRunner`` gives them on the
     trainer."""
-    from gagar_jax.grading.adapters import run_check_in_tree
-    from gagar_jax.verify.execution import ensure_env
-    from gagar_jax.verify.repo import env_site_packages
-
     site = env_site_packages(ensure_env(spec.env_hash, spec.build))
     env = {"PYTHONPATH": os.pathsep.join([*site, ".", *pythonpath])}
     return run_check_in_tree(files, argv, limits, config, env, tuple(ro_paths) + site)
