@@ -49,7 +49,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-SYNTH_PACKAGES = ("toolz==1.0.0",)
+SYNTH_PACKAGES = ("toolz==1.0.0", "cachetools==8.0.2")
 SYNTH_TASKS_PER_PACKAGE = 6
 KINDS = ("minimal", "debris", "out_of_scope", "rewrite", "test_weakening", "special_case")
 _UNDER_PYTEST = '__import__("sys").modules.get("pytest")'
