@@ -59,7 +59,10 @@ import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from gagar_jax.verify import execution
+from gagar_jax.verify.browser_llm import OutputRejected, first_json_object
 from gagar_jax.verify.diff import parse_unified_diff
+from gagar_jax.verify.repo import DEFAULT_LIMITS
 
 REASONS = (
     "gold_fails_f2p",
@@ -314,9 +317,6 @@ def precheck(task: Any, *, repeats: int = 5, limits: Any = None, config: Any = N
       tree_dir: the agent's materialised tree, whose git data and files are checked for leaks.
     """
     import functools
-
-    from gagar_jax.verify import execution
-    from gagar_jax.verify.repo import DEFAULT_LIMITS
 
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"precheck: repeats must be an int >= 1, got {repeats!r}")
@@ -789,8 +789,6 @@ class TaskAuditor:
             )  # fmt: skip
             if not calls:
                 try:
-                    from gagar_jax.verify.browser_llm import OutputRejected, first_json_object
-
                     obj = first_json_object(content)
                 except OutputRejected as e:
                     last = AuditRejected(str(e))

@@ -43,6 +43,10 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from gagar_jax.data import repos
+from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files
+from gagar_jax.verify.repo import verify_repo_patch
+
 FIELDS = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement",
           "hints_text", "created_at", "version", "FAIL_TO_PASS", "PASS_TO_PASS",
           "environment_setup_commit")  # fmt: skip
@@ -299,9 +303,7 @@ def to_repo_task(
     ``test_patch``, the gold ``patch`` as reference, the layout's ``pythonpath`` and (with
     ``build_envs``) the environment of ``python_deps`` or, without them, of the dependencies
     the repository declares."""
-    from gagar_jax.data import repos
     from gagar_jax.envs.repo import RepoTask
-    from gagar_jax.verify.diff import DiffError, touched_files
 
     files = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit, cache_dir)
     reference = inst.patch
@@ -332,9 +334,7 @@ def _swesmith_fix(inst: SweInstance, repos_dir: str, buggy: Mapping[str, str],
                   cache_dir: str | None) -> str:  # fmt: skip
     """The fix of a SWE-smith row: the bug branch's tree back to its parent's, checked against
     the row's bug patch."""
-    from gagar_jax.data import repos
     from gagar_jax.envs.repo import tree_patch
-    from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files
 
     parent = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit + "^", cache_dir)
     try:
@@ -368,8 +368,6 @@ def validate_task(task, runs: int = 3, *, workers: int = 1, **verify_kwargs) -> 
     """Runs the gold and the empty patch ``runs`` times (``workers`` sandboxed runs at once);
     the report line (without timing)."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from gagar_jax.verify.repo import verify_repo_patch
 
     if not isinstance(runs, int) or runs < 1:
         raise ValueError(f"runs must be an int >= 1, got {runs!r}")

@@ -45,6 +45,11 @@ from typing import Any
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from gagar_jax.data import audit, repos, swe
+from gagar_jax.envs.repo import RepoTask, tree_patch
+from gagar_jax.verify.repo import env_site_packages, verify_repo_patch, write_tree
+from gagar_jax.verify.sandbox import Limits, python_for_sandbox, run_sandboxed
+
 ISSUE_TEMPLATE_VERSION = "synth-issue-v1"
 ISSUE_TEMPLATE = """\
 {title}
@@ -410,8 +415,6 @@ def trace_suite(files: Mapping[str, str], env_path: str, pythonpath: Sequence[st
                 timeout_s: float, wall_s: float = 900) -> dict[str, Any]:  # fmt: skip
     """Runs the whole suite once in the sandbox; ``{"calls": {test: [[path, line]...]},
     "outcomes": {test: outcome}, "seconds": wall}``."""
-    from gagar_jax.verify.repo import env_site_packages, write_tree
-    from gagar_jax.verify.sandbox import Limits, python_for_sandbox, run_sandboxed
 
     exe, _ = python_for_sandbox()
     paths = (_trace_dir(), *env_site_packages(env_path))
@@ -550,10 +553,6 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
                        log: Callable[[str], None] = print) -> tuple[list[dict], Stats]:  # fmt: skip
     """Tasks of one package (SWE-bench rows) and their statistics; the repository goes to
     ``out_dir/repos/pypi__<name>``."""
-    from gagar_jax.data import audit, repos, swe
-    from gagar_jax.envs.repo import RepoTask, tree_patch
-    from gagar_jax.verify.repo import verify_repo_patch
-    from gagar_jax.verify.sandbox import Limits
 
     t0 = time.monotonic()
     name = spec.split("==")[0]
@@ -587,7 +586,6 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             shutil.rmtree(store)
         os.makedirs(store)
         repos.git("init", "-q", "-b", "main", cwd=store)
-        from gagar_jax.verify.repo import write_tree
 
         write_tree(store, files)
         repos.git("add", "-A", cwd=store)
@@ -692,7 +690,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--cache", default=None, help="sdist/environment cache directory")
     args = ap.parse_args(argv)
-    from gagar_jax.data import swe
 
     specs = [p.strip() for p in args.packages.split(",") if p.strip()]
     if not specs:

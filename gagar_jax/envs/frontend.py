@@ -31,6 +31,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gagar_jax.envs.family import Attempt, GroupMember, Outcome, TaskFamily
+from gagar_jax.envs.hf_tokenizer import HFTokenizer
+from gagar_jax.envs.repo import TOOLS, tree_patch
+from gagar_jax.grading import schema
+from gagar_jax.grading.browser import BrowserGrader, write_artifact
+from gagar_jax.rollout.episode import CodeAgentEnv
+from gagar_jax.verify.browser import BrowserJudge
+from gagar_jax.verify.browser_rubric import validate_rubric
 
 TEMPLATES = ("counter", "todo", "toggle")
 SYSTEM_PROMPT = ("You are a front-end engineer. Make the page in the repository work as the task "
@@ -49,7 +56,6 @@ class FrontendTask:
     solution: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        from gagar_jax.verify.browser_rubric import validate_rubric
 
         if not self.task_id:
             raise ValueError("FrontendTask.task_id must be non-empty")
@@ -196,13 +202,10 @@ class FrontendJudgeRunner:
     def judge(self):
         with self._lock:
             if self._judge is None:
-                from gagar_jax.verify.browser import BrowserJudge
-
                 self._judge = BrowserJudge(**{"keep_browser": True, **self.judge_kwargs})
             return self._judge
 
     def run(self, files: Mapping[str, str], rubric: Any):
-        from gagar_jax.grading.browser import write_artifact
 
         with tempfile.TemporaryDirectory(prefix="gagar-frontend-") as d:
             try:
@@ -223,7 +226,6 @@ class FrontendAgentEnv:
     """One episode: ``CodeAgentEnv`` over the starting files; the browser judge runs the tests."""
 
     def __init__(self, task: FrontendTask, runner: FrontendJudgeRunner):
-        from gagar_jax.rollout.episode import CodeAgentEnv
 
         self.task = task
         self.runner = runner
@@ -239,7 +241,6 @@ class FrontendAgentEnv:
         return self.env.files
 
     def patch(self) -> str:
-        from gagar_jax.envs.repo import tree_patch
 
         return tree_patch(self.task.files, self.env.files)
 
@@ -277,8 +278,6 @@ class FrontendFamily(TaskFamily):
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from gagar_jax.envs.hf_tokenizer import HFTokenizer
-
             if not self.settings.tokenizer_path:
                 raise ValueError("task.family='frontend' needs a Hugging Face tokenizer: set "
                                  "task.tokenizer_path or model.hf_checkpoint")  # fmt: skip
@@ -305,7 +304,6 @@ class FrontendFamily(TaskFamily):
         ]
 
     def prompt_tokens(self, task: FrontendTask) -> list[int]:
-        from gagar_jax.envs.repo import TOOLS
 
         ids = self.tokenizer.render_prompt(self.prompt_messages(task), tools=TOOLS)
         if len(ids) > self.settings.max_prompt_len:
@@ -320,7 +318,6 @@ class FrontendFamily(TaskFamily):
         return self.tokenizer.tool_message_tokens(text)
 
     def verify_files(self, task: FrontendTask, files: Mapping[str, str]) -> Outcome:
-        from gagar_jax.envs.repo import tree_patch
 
         patch = tree_patch(task.files, files)
         try:
@@ -343,7 +340,6 @@ class FrontendFamily(TaskFamily):
         return self.verify_files(task, env.files)
 
     def workspace(self, group_id: str, task: FrontendTask, members: Sequence[GroupMember]):
-        from gagar_jax.grading import schema
 
         cands = [
             schema.Candidate(
@@ -364,7 +360,6 @@ class FrontendFamily(TaskFamily):
     def grader(self, **kwargs: Any):
         """A ``BrowserGrader`` sharing the family's judge; the rubric is read from the task text
         of the workspace (``workspace`` appends it after ``RUBRIC:``)."""
-        from gagar_jax.grading.browser import BrowserGrader
 
         def rubric_for(ws) -> Any:
             return json.loads(ws.task_text.rsplit("RUBRIC:\n", 1)[1])
@@ -377,6 +372,5 @@ class FrontendFamily(TaskFamily):
 
 def write_task_dir(task: FrontendTask, root: str | os.PathLike) -> None:
     """Writes a task's starting page under ``root`` (for looking at it in a browser)."""
-    from gagar_jax.grading.browser import write_artifact
 
     write_artifact(os.fspath(root), task.files)

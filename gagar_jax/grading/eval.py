@@ -68,8 +68,14 @@ from typing import Any
 
 import numpy as np
 
+from gagar_jax.advantages import discount_factors, mean_centered, redistribute
 from gagar_jax.grading import labelled, schema
+from gagar_jax.grading.agentic import AgenticGrader
+from gagar_jax.grading.heuristic import HeuristicGrader
+from gagar_jax.grading.panel import default_panel
 from gagar_jax.grading.pool import grade_all
+from gagar_jax.grading.scripted import ScriptedGraderPolicy
+from gagar_jax.rollout.sglang_client import SGLangClient
 
 METRIC_KEYS = (
     "kappa",
@@ -215,8 +221,6 @@ def split_errors(
     on the grader's side.
     """
     import jax.numpy as jnp
-
-    from gagar_jax.advantages import discount_factors, mean_centered, redistribute
 
     passed = np.asarray(passed, bool) & np.asarray(valid, bool)
     adv = mean_centered(jnp.asarray(passed, jnp.float32), jnp.asarray(valid))
@@ -664,9 +668,6 @@ def make_grader(
     max_tokens: int = 1024,
 ) -> Any:
     """A grader by CLI name (``GRADER_NAMES``); ``agentic`` needs ``sglang_url``."""
-    from gagar_jax.grading.agentic import AgenticGrader
-    from gagar_jax.grading.heuristic import HeuristicGrader
-    from gagar_jax.grading.scripted import ScriptedGraderPolicy
 
     if name == "heuristic":
         return HeuristicGrader()
@@ -675,14 +676,11 @@ def make_grader(
         g.grader_id = "scripted"
         return g
     if name in ("panel", "panel_mean_rank", "panel_escalate"):
-        from gagar_jax.grading.panel import default_panel
-
         agg = "mean_rank" if name == "panel_mean_rank" else "majority"
         return default_panel(set_name, aggregation=agg, escalate=name == "panel_escalate")
     if name == "agentic":
         if not sglang_url:
             raise ValueError("--grader agentic needs --sglang-url http://host:port")
-        from gagar_jax.rollout.sglang_client import SGLangClient
 
         counter = TokenCounter(SGLangClient(sglang_url, max_retries=1, request_timeout_s=120.0))
         g = AgenticGrader(

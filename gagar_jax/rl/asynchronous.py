@@ -48,7 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from gagar_jax.rl import grade
+from gagar_jax.envs.family import Attempt
+from gagar_jax.rl import grade, train
+from gagar_jax.rl.collect import Group, SamplingResult, StepCounters, _rollout
 
 ASYNC_KEY = "async"  # LoopState.extra: dispatch counter and the queued batches
 
@@ -195,9 +197,6 @@ def restore_batch(item: dict[str, Any], family, pool, cfg) -> InflightBatch:
     """The :class:`InflightBatch` of :func:`batch_state`: each rollout verified again from its
     tokens (the verifier is a function of the task and the response) and each group
     resubmitted for grading when grading is on."""
-    from gagar_jax.envs.family import Attempt
-    from gagar_jax.rl import train
-    from gagar_jax.rl.collect import Group, SamplingResult, StepCounters, _rollout
 
     tok = family.tokenizer
     groups = []
@@ -241,7 +240,6 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
 
     ``steps_left`` (this one included): no batch is dispatched that no remaining step would
     train, so a run ends with an empty queue."""
-    from gagar_jax.rl import train  # the phases live with the synchronous step
 
     cfg, hosts = ctx.cfg, ctx.hosts
     t_step = time.monotonic()
