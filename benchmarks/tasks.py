@@ -53,13 +53,16 @@ def bare_pytest_seconds(task) -> float:
     exe, _ = python_for_sandbox()
     with tempfile.TemporaryDirectory(prefix="bare_pytest_") as d:
         write_tree(d, files)
-        env = {**os.environ, "PYTHONPATH": ":".join(env_site_packages(task.env_path)),
-               "PYTEST_ADDOPTS": ""}  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONPATH": ":".join(env_site_packages(task.env_path)),
+            "PYTEST_ADDOPTS": "",
+        }
         t0 = time.monotonic()
         subprocess.run([exe, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                         "-o", "pythonpath=" + " ".join((".", *task.pythonpath)), "--",
                         *task.required_tests], cwd=d, env=env, capture_output=True,
-                       check=False)  # fmt: skip
+                       check=False)  # fmt: skip  # argv pairs
         return time.monotonic() - t0
 
 
@@ -76,29 +79,51 @@ def main() -> int:
     res: dict = {"packages": args.packages, "load_start": load()}
 
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "gagar_jax.data.synth", "--packages", args.packages,
-                        "--out", pool, "--tasks-per-package", str(args.tasks_per_package),
-                        "--max-candidates", str(args.max_candidates), "--cache", cache],
-                       cwd=ROOT, capture_output=True, text=True, check=False)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gagar_jax.data.synth",
+            "--packages",
+            args.packages,
+            "--out",
+            pool,
+            "--tasks-per-package",
+            str(args.tasks_per_package),
+            "--max-candidates",
+            str(args.max_candidates),
+            "--cache",
+            cache,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     res["factory_seconds"] = round(time.monotonic() - t0, 1)
     res["factory_load_end"] = load()
     print(r.stdout[-3000:], r.stderr[-2000:], sep="\n")
     with open(os.path.join(pool, "synth_stats.json")) as f:
         stats = json.load(f)
-    res["factory"] = {k: stats[k] for k in ("tasks", "tasks_per_hour", "seconds_per_task",
-                                            "yield", "transform_mix")}  # fmt: skip
-    res["env_build_seconds"] = {p["package"]: round(p["env_seconds"], 1)
-                                for p in stats["per_package"]}  # fmt: skip
-    res["suite_seconds"] = {p["package"]: round(p["suite_seconds"], 1)
-                            for p in stats["per_package"]}  # fmt: skip
+    res["factory"] = {
+        k: stats[k]
+        for k in ("tasks", "tasks_per_hour", "seconds_per_task", "yield", "transform_mix")
+    }
+    res["env_build_seconds"] = {
+        p["package"]: round(p["env_seconds"], 1) for p in stats["per_package"]
+    }
+    res["suite_seconds"] = {
+        p["package"]: round(p["suite_seconds"], 1) for p in stats["per_package"]
+    }
 
     insts = swe.load_instances(os.path.join(pool, "instances.jsonl"))
     tasks = [swe.to_repo_task(i, os.path.join(pool, "repos"), cache_dir=cache) for i in insts]
     reuse = []
     for t in tasks:
         t1 = time.monotonic()
-        e = repos.build_env(list(next(i for i in insts if i.instance_id == t.task_id)
-                                 .python_deps), cache_dir=cache)  # fmt: skip
+        e = repos.build_env(
+            list(next(i for i in insts if i.instance_id == t.task_id).python_deps), cache_dir=cache
+        )
         reuse.append((time.monotonic() - t1, e.reused))
     res["env_reuse_seconds_median"] = round(statistics.median(s for s, _ in reuse), 2)
     res["env_reused_all"] = all(u for _, u in reuse)
@@ -124,11 +149,28 @@ def main() -> int:
     res["verify_load_end"] = load()
 
     t1 = time.monotonic()
-    v = subprocess.run([sys.executable, "-m", "gagar_jax.data.swe", "validate", "--instances",
-                        os.path.join(pool, "instances.jsonl"), "--repos",
-                        os.path.join(pool, "repos"), "--runs", "3", "--out",
-                        os.path.join(out, "validate.jsonl"), "--cache", cache],
-                       cwd=ROOT, capture_output=True, text=True, check=False)  # fmt: skip
+    v = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gagar_jax.data.swe",
+            "validate",
+            "--instances",
+            os.path.join(pool, "instances.jsonl"),
+            "--repos",
+            os.path.join(pool, "repos"),
+            "--runs",
+            "3",
+            "--out",
+            os.path.join(out, "validate.jsonl"),
+            "--cache",
+            cache,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     res["validate_seconds"] = round(time.monotonic() - t1, 1)
     res["validate_rc"] = v.returncode
     res["validate_summary"] = v.stdout.strip().splitlines()[-1] if v.stdout.strip() else ""
@@ -138,19 +180,21 @@ def main() -> int:
         json.dump(res, f, indent=1)
 
     f = res["factory"]
-    print(f"\n| figure | value |\n|---|---|\n"
-          f"| packages | {args.packages} |\n"
-          f"| tasks made | {f['tasks']} in {res['factory_seconds']} s |\n"
-          f"| yield (kept / screened mutants) | {f['yield']:.0%} |\n"
-          f"| tasks per hour | {f['tasks_per_hour']} |\n"
-          f"| transform mix | {f['transform_mix']} |\n"
-          f"| env build (s, cold cache) | {res['env_build_seconds']} |\n"
-          f"| env reuse (s, median) | {res['env_reuse_seconds_median']} |\n"
-          f"| one verification, median (s) | {res.get('verify_s_median')} |\n"
-          f"| bare pytest, same tests, median (s) | {res.get('bare_pytest_s_median')} |\n"
-          f"| validate --runs 3, per task (s) | {res['validate_seconds_per_task']} |\n"
-          f"| load average (1/5/15 min) start -> end | {res['load_start']} -> "
-          f"{res['load_end']} |")  # fmt: skip
+    print(
+        f"\n| figure | value |\n|---|---|\n"
+        f"| packages | {args.packages} |\n"
+        f"| tasks made | {f['tasks']} in {res['factory_seconds']} s |\n"
+        f"| yield (kept / screened mutants) | {f['yield']:.0%} |\n"
+        f"| tasks per hour | {f['tasks_per_hour']} |\n"
+        f"| transform mix | {f['transform_mix']} |\n"
+        f"| env build (s, cold cache) | {res['env_build_seconds']} |\n"
+        f"| env reuse (s, median) | {res['env_reuse_seconds_median']} |\n"
+        f"| one verification, median (s) | {res.get('verify_s_median')} |\n"
+        f"| bare pytest, same tests, median (s) | {res.get('bare_pytest_s_median')} |\n"
+        f"| validate --runs 3, per task (s) | {res['validate_seconds_per_task']} |\n"
+        f"| load average (1/5/15 min) start -> end | {res['load_start']} -> "
+        f"{res['load_end']} |"
+    )
     return 0
 
 

@@ -117,9 +117,11 @@ def test_no_site_outside_the_function_and_bad_index():
 
 
 def test_issue_names_the_symptom_never_the_code():
-    log = ("    def test_x():\n>       assert f(2, 3) == 5\nE       assert -1 == 5\n"
-           "E        +  where -1 = f(2, 3)\nsrc/m.py:3: AssertionError\n"
-           "    y = a - b\n")  # fmt: skip
+    log = (
+        "    def test_x():\n>       assert f(2, 3) == 5\nE       assert -1 == 5\n"
+        "E        +  where -1 = f(2, 3)\nsrc/m.py:3: AssertionError\n"
+        "    y = a - b\n"
+    )
     text = synth.issue_text("pkg", ["tests/test_m.py::test_x"], log)
     assert "assert -1 == 5" in text and "`tests/test_m.py::test_x`" in text
     assert "y = a - b" not in text and "a + b" not in text
@@ -134,7 +136,7 @@ def test_factory_run_on_two_real_packages_validates(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gagar_jax.data.synth", "--packages",
                         "cachetools==8.0.2,toolz==1.0.0", "--out", out, "--tasks-per-package",
                         "2", "--max-candidates", "40", "--cache", cache],
-                       capture_output=True, text=True, timeout=3000)  # fmt: skip
+                       capture_output=True, text=True, timeout=3000)  # fmt: skip  # argv pairs
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(x) for x in open(os.path.join(out, "instances.jsonl"))]
     assert len({row["repo"] for row in rows}) == 2 and len(rows) >= 3
@@ -148,7 +150,7 @@ def test_factory_run_on_two_real_packages_validates(tmp_path):
                         os.path.join(out, "instances.jsonl"), "--repos",
                         os.path.join(out, "repos"), "--runs", "2", "--out", report,
                         "--cache", cache],
-                       capture_output=True, text=True, timeout=3000)  # fmt: skip
+                       capture_output=True, text=True, timeout=3000)  # fmt: skip  # argv pairs
     assert v.returncode == 0, v.stdout + v.stderr
     lines = [json.loads(x) for x in open(report)]
     assert [x["instance_id"] for x in lines] == [row["instance_id"] for row in rows]

@@ -70,17 +70,39 @@ Expected: these tests pass, as they did before, without changing the tests.
 # ---------------------------------------------------------------------------------------------
 # Transforms
 # ---------------------------------------------------------------------------------------------
-_FLIP_BIN = {cst.Add: cst.Subtract, cst.Subtract: cst.Add, cst.Multiply: cst.FloorDivide,
-             cst.FloorDivide: cst.Multiply, cst.BitAnd: cst.BitOr, cst.BitOr: cst.BitAnd,
-             cst.LeftShift: cst.RightShift, cst.RightShift: cst.LeftShift,
-             cst.Modulo: cst.FloorDivide}  # fmt: skip
+_FLIP_BIN = {
+    cst.Add: cst.Subtract,
+    cst.Subtract: cst.Add,
+    cst.Multiply: cst.FloorDivide,
+    cst.FloorDivide: cst.Multiply,
+    cst.BitAnd: cst.BitOr,
+    cst.BitOr: cst.BitAnd,
+    cst.LeftShift: cst.RightShift,
+    cst.RightShift: cst.LeftShift,
+    cst.Modulo: cst.FloorDivide,
+}
 _FLIP_BOOL = {cst.And: cst.Or, cst.Or: cst.And}
-_FLIP_CMP = {cst.LessThan: cst.LessThanEqual, cst.LessThanEqual: cst.LessThan,
-             cst.GreaterThan: cst.GreaterThanEqual, cst.GreaterThanEqual: cst.GreaterThan,
-             cst.Equal: cst.NotEqual, cst.NotEqual: cst.Equal, cst.In: cst.NotIn,
-             cst.NotIn: cst.In, cst.Is: cst.IsNot, cst.IsNot: cst.Is}  # fmt: skip
-_NONCOMMUTATIVE = (cst.Subtract, cst.Divide, cst.FloorDivide, cst.Modulo, cst.Power,
-                   cst.LeftShift, cst.RightShift)  # fmt: skip
+_FLIP_CMP = {
+    cst.LessThan: cst.LessThanEqual,
+    cst.LessThanEqual: cst.LessThan,
+    cst.GreaterThan: cst.GreaterThanEqual,
+    cst.GreaterThanEqual: cst.GreaterThan,
+    cst.Equal: cst.NotEqual,
+    cst.NotEqual: cst.Equal,
+    cst.In: cst.NotIn,
+    cst.NotIn: cst.In,
+    cst.Is: cst.IsNot,
+    cst.IsNot: cst.Is,
+}
+_NONCOMMUTATIVE = (
+    cst.Subtract,
+    cst.Divide,
+    cst.FloorDivide,
+    cst.Modulo,
+    cst.Power,
+    cst.LeftShift,
+    cst.RightShift,
+)
 _PASS = cst.SimpleStatementLine([cst.Pass()])
 
 
@@ -105,17 +127,23 @@ def _t_flip_comparison(node):
     if isinstance(node, cst.Comparison) and len(node.comparisons) == 1:
         target = node.comparisons[0]
         if type(target.operator) in _FLIP_CMP:
-            return node.with_changes(comparisons=[target.with_changes(
-                operator=_FLIP_CMP[type(target.operator)]())])  # fmt: skip
+            return node.with_changes(
+                comparisons=[target.with_changes(operator=_FLIP_CMP[type(target.operator)]())]
+            )
     return None
 
 
 def _t_invert_condition(node):
     if isinstance(node, (cst.If, cst.While)):
-        return node.with_changes(test=cst.UnaryOperation(
-            operator=cst.Not(), expression=cst.ensure_type(
-                node.test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]),
-                cst.BaseExpression)))  # fmt: skip
+        return node.with_changes(
+            test=cst.UnaryOperation(
+                operator=cst.Not(),
+                expression=cst.ensure_type(
+                    node.test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]),
+                    cst.BaseExpression,
+                ),
+            )
+        )
     return None
 
 
@@ -193,8 +221,11 @@ TRANSFORMS: dict[str, Callable[[cst.CSTNode], cst.CSTNode | None]] = {
 def _def_lines(visitor, node: cst.FunctionDef) -> range:
     """Lines from the first decorator to the ``def`` (``co_firstlineno`` is the first)."""
     end = visitor.get_metadata(PositionProvider, node).start.line
-    start = (visitor.get_metadata(PositionProvider, node.decorators[0]).start.line
-             if node.decorators else end)  # fmt: skip
+    start = (
+        visitor.get_metadata(PositionProvider, node.decorators[0]).start.line
+        if node.decorators
+        else end
+    )
     return range(min(start, end), end + 1)
 
 
@@ -341,8 +372,13 @@ def functions_at(source: str) -> dict[int, str]:
 # Packages
 # ---------------------------------------------------------------------------------------------
 def _pip(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "pip", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def download_sdist(spec: str, dest: str) -> str:
@@ -355,8 +391,10 @@ def download_sdist(spec: str, dest: str) -> str:
     version = spec.split("==")[1] if "==" in spec else None
 
     def found():
-        pats = [f"{name}-{version or '*'}.tar.gz", f"{name.replace('_', '-')}-{version or '*'}"
-                ".tar.gz"]  # fmt: skip
+        pats = [
+            f"{name}-{version or '*'}.tar.gz",
+            f"{name.replace('_', '-')}-{version or '*'}.tar.gz",
+        ]
         hits = sorted({p for pat in pats for p in glob.glob(os.path.join(dest, pat))})
         return hits[-1] if hits and version else None
 
@@ -364,14 +402,16 @@ def download_sdist(spec: str, dest: str) -> str:
         return found()
     before = set(os.listdir(dest))
     for isolation in (["--no-build-isolation"], []):
-        r = _pip("download", "-q", "--no-deps", "--no-binary", ":all:", *isolation, "-d", dest,
-                 spec)  # fmt: skip
+        r = _pip(
+            "download", "-q", "--no-deps", "--no-binary", ":all:", *isolation, "-d", dest, spec
+        )
         if r.returncode == 0:
             break
     else:
         raise RuntimeError(f"pip download {spec} failed: {r.stderr.strip()[-800:]}")
-    new = sorted(set(os.listdir(dest)) - before) or [os.path.basename(p) for p in glob.glob(
-        os.path.join(dest, f"{name}-*.tar.gz"))]  # fmt: skip
+    new = sorted(set(os.listdir(dest)) - before) or [
+        os.path.basename(p) for p in glob.glob(os.path.join(dest, f"{name}-*.tar.gz"))
+    ]
     tars = [n for n in new if n.endswith((".tar.gz", ".zip"))]
     if not tars:
         raise RuntimeError(f"pip download {spec}: no source distribution in {dest}")
@@ -404,15 +444,20 @@ def _clean_tree(files: dict[str, str]) -> dict[str, str]:
 def _trace_dir() -> str:
     d = tempfile.mkdtemp(prefix="gagar_synth_trace_")
     dst = os.path.join(d, "_gagar_synth_trace.py")
-    shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "synth_trace.py"),
-                    dst)  # fmt: skip
+    shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "synth_trace.py"), dst)
     os.chmod(dst, 0o444)
     os.chmod(d, 0o555)
     return d
 
 
-def trace_suite(files: Mapping[str, str], env_path: str, pythonpath: Sequence[str], *,
-                timeout_s: float, wall_s: float = 900) -> dict[str, Any]:  # fmt: skip
+def trace_suite(
+    files: Mapping[str, str],
+    env_path: str,
+    pythonpath: Sequence[str],
+    *,
+    timeout_s: float,
+    wall_s: float = 900,
+) -> dict[str, Any]:
     """Runs the whole suite once in the sandbox; ``{"calls": {test: [[path, line]...]},
     "outcomes": {test: outcome}, "seconds": wall}``."""
 
@@ -428,16 +473,26 @@ def trace_suite(files: Mapping[str, str], env_path: str, pythonpath: Sequence[st
         argv = [exe, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                 "_gagar_synth_trace", "-p", "pytest_timeout", "-o", f"timeout={timeout_s:g}",
                 "-o", "addopts=", "-o", "pythonpath=" + " ".join((".", *pythonpath)),
-                "-o", "console_output_style=classic"]  # fmt: skip
+                "-o", "console_output_style=classic"]  # fmt: skip  # argv pairs
         env = {
             "PYTHONPATH": ":".join(paths),
             "PYTHONNOUSERSITE": "1",
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
             "GAGAR_TRACE_OUT": ".gagar_trace.json",
         }
-        r = run_sandboxed(argv, work, Limits(wall_s=wall_s, cpu_s=int(wall_s), memory_bytes=4 << 30,
-                                             nproc=256, disk_bytes=1 << 30),
-                          env=env, ro_paths=paths)  # fmt: skip
+        r = run_sandboxed(
+            argv,
+            work,
+            Limits(
+                wall_s=wall_s,
+                cpu_s=int(wall_s),
+                memory_bytes=4 << 30,
+                nproc=256,
+                disk_bytes=1 << 30,
+            ),
+            env=env,
+            ro_paths=paths,
+        )
         out = os.path.join(work, ".gagar_trace.json")
         if not os.path.isfile(out):
             raise RuntimeError(
@@ -471,11 +526,16 @@ def issue_text(package: str, failing: Sequence[str], test_log: str) -> str:
     """The issue of a synthesised bug, from :data:`ISSUE_TEMPLATE` (the symptom only)."""
     first = failing[0].split("::")[-1]
     title = f"{first} fails" + (f" (and {len(failing) - 1} more)" if len(failing) > 1 else "")
-    shown = list(failing[:10]) + ([f"... and {len(failing) - 10} more"] if len(failing) > 10
-                                  else [])  # fmt: skip
-    return ISSUE_TEMPLATE.format(title=title, package=package, n_fail=len(failing),
-                                 failing="\n".join(f"- `{t}`" for t in shown),
-                                 evidence=failure_evidence(test_log, failing))  # fmt: skip
+    shown = list(failing[:10]) + (
+        [f"... and {len(failing) - 10} more"] if len(failing) > 10 else []
+    )
+    return ISSUE_TEMPLATE.format(
+        title=title,
+        package=package,
+        n_fail=len(failing),
+        failing="\n".join(f"- `{t}`" for t in shown),
+        evidence=failure_evidence(test_log, failing),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,18 +599,33 @@ def _candidates(files, calls, passing, rng) -> Iterator[tuple[str, int, str, str
 
 def _is_test_file(path: str) -> bool:
     base = os.path.basename(path)
-    return (base.startswith("test_") or base.endswith("_test.py") or base == "conftest.py"
-            or "/tests/" in "/" + path or "/test/" in "/" + path)  # fmt: skip
+    return (
+        base.startswith("test_")
+        or base.endswith("_test.py")
+        or base == "conftest.py"
+        or "/tests/" in "/" + path
+        or "/test/" in "/" + path
+    )
 
 
 def _tests_covering(calls, passing, path, line) -> list[str]:
     return sorted(t for t in passing if [path, line] in calls.get(t, ()))
 
 
-def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: str | None = None,
-                       runs: int = 3, seed: int = 0, test_timeout_s: float = 10.0,
-                       max_candidates: int = 200, max_p2p: int = 20, workers: int = 1,
-                       log: Callable[[str], None] = print) -> tuple[list[dict], Stats]:  # fmt: skip
+def make_package_tasks(
+    spec: str,
+    out_dir: str,
+    *,
+    max_tasks: int,
+    cache_dir: str | None = None,
+    runs: int = 3,
+    seed: int = 0,
+    test_timeout_s: float = 10.0,
+    max_candidates: int = 200,
+    max_p2p: int = 20,
+    workers: int = 1,
+    log: Callable[[str], None] = print,
+) -> tuple[list[dict], Stats]:
     """Tasks of one package (SWE-bench rows) and their statistics; the repository goes to
     ``out_dir/repos/pypi__<name>``."""
 
@@ -591,8 +666,9 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
         repos.git("add", "-A", cwd=store)
         repos.git("commit", "-q", "--no-verify", "-m", f"{spec} (pristine)", cwd=store)
         rng = random.Random(f"{seed}:{spec}")
-        limits = Limits(wall_s=max(60.0, 4 * test_timeout_s + 30), cpu_s=300,
-                        memory_bytes=2 << 30, nproc=128)  # fmt: skip
+        limits = Limits(
+            wall_s=max(60.0, 4 * test_timeout_s + 30), cpu_s=300, memory_bytes=2 << 30, nproc=128
+        )
         seen_funcs: collections.Counter = collections.Counter()
         for path, line, func, transform, site in _candidates(files, trace["calls"], passing, rng):
             if stats.kept >= max_tasks or stats.candidates >= max_candidates:
@@ -613,8 +689,15 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             rng.shuffle(others)
             run_ids = tuple(covering + others[:max_p2p])
             stats.screened += 1
-            probe = RepoTask("probe", "", buggy, run_ids, test_timeout_s=test_timeout_s,
-                             env_path=env.path, pythonpath=pythonpath)  # fmt: skip
+            probe = RepoTask(
+                "probe",
+                "",
+                buggy,
+                run_ids,
+                test_timeout_s=test_timeout_s,
+                env_path=env.path,
+                pythonpath=pythonpath,
+            )
             v = verify_repo_patch(probe, "", limits=limits, run_monitor=False)
             if v.status in ("infra_error", "timeout", "resource_killed"):
                 stats.rejected[f"screen_{v.status}"] += 1
@@ -631,9 +714,19 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             tid = f"{key}.{stats.kept + 1:04d}"
             issue = issue_text(name, f2p, v.test_log)
             test_paths = tuple(sorted({t.split("::")[0] for t in run_ids}))
-            task = RepoTask(tid, issue, buggy, f2p, p2p, test_files=test_paths,
-                            reference_patch=fix, pythonpath=pythonpath, env_path=env.path,
-                            test_timeout_s=test_timeout_s, env_hash=env.env_hash)  # fmt: skip
+            task = RepoTask(
+                tid,
+                issue,
+                buggy,
+                f2p,
+                p2p,
+                test_files=test_paths,
+                reference_patch=fix,
+                pythonpath=pythonpath,
+                env_path=env.path,
+                test_timeout_s=test_timeout_s,
+                env_hash=env.env_hash,
+            )
             if "issue_text" in audit.leak_kinds(task):
                 stats.rejected["issue_leaks_fix"] += 1
                 continue
@@ -648,14 +741,33 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             repos.git("commit", "-q", "--no-verify", "-am", "base", cwd=store)
             sha = repos.git("rev-parse", "HEAD", cwd=store).stdout.decode().strip()
             repos.git("checkout", "-q", "main", cwd=store)
-            rows.append(swe.SweInstance(
-                tid, repo_name, sha, fix, "", issue, f2p, p2p, hints_text="",
-                created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                version=spec.split("==")[1] if "==" in spec else "",
-                environment_setup_commit=sha, test_cmd="pytest", python_deps=tuple(deps),
-                install="pythonpath").to_row() | {
-                    "synth": {"transform": transform, "file": path, "function": func,
-                              "template": ISSUE_TEMPLATE_VERSION}})  # fmt: skip
+            rows.append(
+                swe.SweInstance(
+                    tid,
+                    repo_name,
+                    sha,
+                    fix,
+                    "",
+                    issue,
+                    f2p,
+                    p2p,
+                    hints_text="",
+                    created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    version=spec.split("==")[1] if "==" in spec else "",
+                    environment_setup_commit=sha,
+                    test_cmd="pytest",
+                    python_deps=tuple(deps),
+                    install="pythonpath",
+                ).to_row()
+                | {
+                    "synth": {
+                        "transform": transform,
+                        "file": path,
+                        "function": func,
+                        "template": ISSUE_TEMPLATE_VERSION,
+                    }
+                }
+            )
             stats.kept += 1
             stats.transforms_kept[transform] += 1
             seen_funcs[(path, func)] += 1
@@ -701,10 +813,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(path, "w", encoding="utf-8") as f:
         for spec in specs:
             rows, stats = make_package_tasks(
-                spec, args.out, max_tasks=args.tasks_per_package, cache_dir=args.cache,
-                runs=args.runs, seed=args.seed, test_timeout_s=args.test_timeout,
+                spec,
+                args.out,
+                max_tasks=args.tasks_per_package,
+                cache_dir=args.cache,
+                runs=args.runs,
+                seed=args.seed,
+                test_timeout_s=args.test_timeout,
                 max_candidates=args.max_candidates,
-                workers=args.workers or swe.default_workers())  # fmt: skip
+                workers=args.workers or swe.default_workers(),
+            )
             for r in rows:
                 f.write(json.dumps(r) + "\n")
             f.flush()
@@ -715,14 +833,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in all_stats:
         mix.update(s.transforms_kept)
     screened = sum(s.screened for s in all_stats)
-    summary = {"tasks": len(all_rows), "packages": len(specs),
-               "packages_with_tasks": sum(s.kept > 0 for s in all_stats),
-               "seconds": round(wall, 1),
-               "tasks_per_hour": round(len(all_rows) / wall * 3600, 1) if wall else 0.0,
-               "seconds_per_task": round(wall / len(all_rows), 1) if all_rows else None,
-               "yield": round(len(all_rows) / screened, 3) if screened else 0.0,
-               "transform_mix": dict(mix), "template": ISSUE_TEMPLATE_VERSION,
-               "per_package": [s.to_dict() for s in all_stats]}  # fmt: skip
+    summary = {
+        "tasks": len(all_rows),
+        "packages": len(specs),
+        "packages_with_tasks": sum(s.kept > 0 for s in all_stats),
+        "seconds": round(wall, 1),
+        "tasks_per_hour": round(len(all_rows) / wall * 3600, 1) if wall else 0.0,
+        "seconds_per_task": round(wall / len(all_rows), 1) if all_rows else None,
+        "yield": round(len(all_rows) / screened, 3) if screened else 0.0,
+        "transform_mix": dict(mix),
+        "template": ISSUE_TEMPLATE_VERSION,
+        "per_package": [s.to_dict() for s in all_stats],
+    }
     with open(os.path.join(args.out, "synth_stats.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(

@@ -257,8 +257,9 @@ def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
         if a == b:
             continue
         if not (a or b):  # an empty file created or deleted: headers only, no hunk
-            out.append(f"--- a/{path}\n+++ /dev/null\n" if b is None else
-                       f"--- /dev/null\n+++ b/{path}\n")  # fmt: skip
+            out.append(
+                f"--- a/{path}\n+++ /dev/null\n" if b is None else f"--- /dev/null\n+++ b/{path}\n"
+            )
             continue
         for line in difflib.unified_diff(
             split_lines(a or ""),
@@ -378,8 +379,7 @@ class PythonRepoFamily(TaskFamily):
         self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
         self._group_tasks: dict[str, RepoTask] = {}
         demo_path = settings.extra.get("demo_data_path", "")
-        self._demo_tasks = (load_repo_tasks(demo_path, repos_dir) if demo_path
-                            else self._train)  # fmt: skip
+        self._demo_tasks = load_repo_tasks(demo_path, repos_dir) if demo_path else self._train
 
     @property
     def tokenizer(self):

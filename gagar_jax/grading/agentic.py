@@ -600,8 +600,9 @@ class AgenticGrader:
                 patch = per_file[file]
             if not patch:
                 return "(empty patch)"
-            return view.envelope.wrap(_clip(patch, MAX_TOOL_OUTPUT_CHARS - 200),
-                                      f"{args['candidate']} diff")  # fmt: skip
+            return view.envelope.wrap(
+                _clip(patch, MAX_TOOL_OUTPUT_CHARS - 200), f"{args['candidate']} diff"
+            )
         if name == "read_test_log":
             log = view.candidate(args.get("candidate")).test_log
             if not log:

@@ -74,8 +74,9 @@ class BrowserGrader:
     ):
         t1, t2 = tier_thresholds
         if not 0.0 <= t2 <= t1 <= 1.0:
-            raise ValueError(f"BrowserGrader.tier_thresholds must be 0 <= t2 <= t1 <= 1, got "
-                             f"{tier_thresholds}")  # fmt: skip
+            raise ValueError(
+                f"BrowserGrader.tier_thresholds must be 0 <= t2 <= t1 <= 1, got {tier_thresholds}"
+            )
         self.judge = judge
         self.rubric_for = rubric_for
         self.tier_thresholds = (float(t1), float(t2))
@@ -119,7 +120,7 @@ class BrowserGrader:
             judgements.append(
                 Judgement(
                     cand.candidate_id, tier, rank_of[round(rate, 9)], scores, evidence=evidence
-                )  # fmt: skip
+                )
             )
         return schema.validate(
             Verdict(workspace.group_id, tuple(judgements), self.grader_id, self.version),
@@ -129,13 +130,15 @@ class BrowserGrader:
     @staticmethod
     def _evidence(cand: schema.Candidate, v: Any) -> Evidence:
         failing = [i for i in v.items if i.passed is False]
-        note = "; ".join(f"{i.id} (frame {i.frame}, {i.selector}): {i.evidence}"
-                         for i in failing)[:500] or (v.fault or "")  # fmt: skip
+        note = "; ".join(f"{i.id} (frame {i.frame}, {i.selector}): {i.evidence}" for i in failing)[
+            :500
+        ] or (v.fault or "")
         for i in failing:
             quote = f"FAIL {i.id}: {i.evidence}"
             if quote in cand.test_log:
-                return Evidence("solution_fit", "execution", cand.candidate_id, quote=quote,
-                                note=note)  # fmt: skip
+                return Evidence(
+                    "solution_fit", "execution", cand.candidate_id, quote=quote, note=note
+                )
         paths = cand.parsed_patch.paths
         if not paths:
             raise schema.VerdictRejected(

@@ -142,8 +142,12 @@ def _supervise(pid, report_r, out_fd, name):
         seen = ""
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
-    record = {"report": b"".join(chunks).decode("utf-8", "replace"), "exit": code,
-              "named": seen == name, "name": seen}  # fmt: skip
+    record = {
+        "report": b"".join(chunks).decode("utf-8", "replace"),
+        "exit": code,
+        "named": seen == name,
+        "name": seen,
+    }
     _write_all(out_fd, (json.dumps(record) + "\n").encode())
     os.close(out_fd)
     os._exit(code if code >= 0 else 128 - code)
