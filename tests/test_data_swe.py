@@ -184,6 +184,10 @@ def test_src_layout_with_third_party_test_dependency_verifies_right(tmp_path):
     task = swe.to_repo_task(inst, repos_dir, cache_dir=cache)
     assert task.pythonpath == ("src",) and task.env_hash and os.path.isdir(task.env_path)
     assert "cachetools==5.5.0" in open(os.path.join(task.env_path, ".gagar-env")).read()
+    # compiled to bytecode: the read-only environment never recompiles pytest in a run
+    assert json.load(open(os.path.join(task.env_path, ".gagar-env")))["format"] == 2
+    site = os.path.join(task.env_path, "lib")
+    assert any(n.endswith(".pyc") for _, _, names in os.walk(site) for n in names)
     gold = verify_repo_patch(task, inst.patch)
     assert gold.status == "passed", gold.test_log
     # the task's own reference fix is never a leak

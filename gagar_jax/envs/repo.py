@@ -36,11 +36,11 @@ from typing import Any
 from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
 from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
 from gagar_jax.grading import schema
-from gagar_jax.grading.adapters import SandboxCheckRunner
+from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
 from gagar_jax.grading.untrusted import split_test_log
 from gagar_jax.rollout.episode import CodeAgentEnv
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, split_lines
-from gagar_jax.verify.execution import verify_repo_call
+from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
 from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
 
@@ -330,8 +330,12 @@ class TaskEnvCheckRunner:
         if key not in self._by_env:
             site = env_site_packages(task.env_path)
             r = SandboxCheckRunner(**self._kwargs)
-            r.ro_paths = tuple(self._kwargs.get("ro_paths", ())) + site
+            base = tuple(self._kwargs.get("ro_paths", ()))
+            r.ro_paths = base + site
             r.env = {"PYTHONPATH": os.pathsep.join([*site, ".", *task.pythonpath])}
+            if task.env_hash:  # on a cluster: the node's own copy of the environment
+                spec = task_env(task)
+                r.node_call = (spec, run_check_in_node_env, (spec, task.pythonpath, base))
             self._by_env[key] = r
         return self._by_env[key]
 
@@ -339,6 +343,16 @@ class TaskEnvCheckRunner:
         return self.runner_for(self._groups.get(workspace.group_id)).run(
             workspace, candidate, command
         )
+
+
+def run_check_in_node_env(files, argv, limits, config, spec, pythonpath, ro_paths):
+    """``grading.adapters.run_check_in_tree`` with the task environment ``spec`` of this node
+    (built once here: ``verify.execution.ensure_env``): its site-packages read-only and on
+    ``PYTHONPATH`` with the tree's ``pythonpath``, as ``TaskEnvCheckRunner`` gives them on the
+    trainer."""
+    site = env_site_packages(ensure_env(spec.env_hash, spec.build))
+    env = {"PYTHONPATH": os.pathsep.join([*site, ".", *pythonpath])}
+    return run_check_in_tree(files, argv, limits, config, env, tuple(ro_paths) + site)
 
 
 class PythonRepoFamily(TaskFamily):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shlex
 import tempfile
+from typing import Any
 
 from gagar_jax.grading import schema
 from gagar_jax.grading.agentic import CheckResult
@@ -40,6 +41,9 @@ class SandboxCheckRunner:
         self.python = python
         self.ro_paths = tuple(ro_paths) + tuple(extra)
         self.env = {"PYTHONPATH": os.pathsep.join(extra)} if extra else None
+        # (a task environment, call) on a cluster back-end: the call runs there instead, with
+        # the node's copy of the environment (``envs.repo.TaskEnvCheckRunner`` sets it)
+        self.node_call: tuple[Any, Any, tuple] | None = None
 
     def run(
         self, workspace: schema.GroupWorkspace, candidate: schema.Candidate, command: str
@@ -57,16 +61,20 @@ class SandboxCheckRunner:
         except diff.DiffError as e:
             return CheckResult("error", f"the patch does not apply to the snapshot: {e}")
         # on the execution back-end (the trainer's process, or a node of the Ray cluster)
-        call = execution.current().call(
-            run_check_in_tree,
+        backend = execution.current()
+        fn, args, node_env = run_check_in_tree, (self.env, self.ro_paths), None
+        if self.node_call is not None and backend.name != "local":
+            node_env, fn, args = self.node_call
+        call = backend.call(
+            fn,
             files,
             argv,
             self.limits,
             self.config,
-            self.env,
-            self.ro_paths,
+            *args,
             deadline_s=self.limits.wall_s + execution.CALL_MARGIN_S,
             kind="check",
+            env=node_env,
         )
         if not call.ok:
             return CheckResult("error", f"$ {command}\n{call.status}: {call.error}")
