@@ -332,7 +332,9 @@ def test_verifier_over_its_memory_limit_fails_the_rollout_not_the_node(backend, 
     task = _task("statkit")
     patch = faults.memory_hog_patch(task, "statkit/stats.py")
     local = execution.verify_repo_call(task, patch, backend=execution.LocalBackend(), limits=LIMITS)
+    t0 = time.monotonic()
     remote = execution.verify_repo_call(task, patch, backend=backend, limits=LIMITS)
+    assert time.monotonic() - t0 < LIMITS.wall_s + MARGIN_S  # its verdict within its deadline
     assert local.status in ("resource_killed", "failed") and not local.infra_error
     assert (remote.status, remote.tests) == (local.status, local.tests)
     ok = execution.verify_repo_call(
@@ -351,10 +353,12 @@ def test_node_start_that_fails_three_times(cluster, no_orphans, tmp_path):
     task = _task("statkit")
     patch = _patch("statkit", "minimal")
     env = execution.EnvSpec("env-flaky-a", faults.flaky_build(str(tmp_path / "a"), fails=3))
+    t0 = time.monotonic()
     with execution.RayBackend(max_retries=3, deadline_grace_s=5.0) as b:
         v = execution.verify_repo_call(task, patch, backend=b, limits=LIMITS, env=env)
         m = b.metrics()
     assert v.status == "passed" and m["execution/retries"] == 3, (v.test_log, m)
+    assert time.monotonic() - t0 < LIMITS.wall_s + MARGIN_S  # three failed starts are quick
 
     env = execution.EnvSpec("env-flaky-b", faults.flaky_build(str(tmp_path / "b"), fails=3))
     with execution.RayBackend(max_retries=2, deadline_grace_s=5.0) as b:
