@@ -37,12 +37,12 @@ from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, 
 from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
 from gagar_jax.grading import schema
 from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
-from gagar_jax.grading.untrusted import split_test_log
 from gagar_jax.rollout.episode import CodeAgentEnv
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, split_lines
 from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
 from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
+from gagar_jax.verify.untrusted import split_test_log
 
 
 @dataclasses.dataclass(frozen=True)

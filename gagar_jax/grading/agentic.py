@@ -76,8 +76,8 @@ from gagar_jax.grading.schema import (
     Verdict,
     VerdictRejected,
 )
-from gagar_jax.grading.untrusted import Envelope, sanitize
 from gagar_jax.verify import diff, execution
+from gagar_jax.verify.untrusted import Envelope, sanitize
 
 PROMPT_VERSION = "v2"
 MAX_TOOL_OUTPUT_CHARS = 6000

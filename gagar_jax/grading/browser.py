@@ -8,7 +8,7 @@ T3; defaults 1.0 / 0.75), ranks by pass rate (dense, best first) and scores ``so
 the pass rate (the other four dimensions are not measured by a browser and stay 1.0).
 
 No LLM reads the page here: the judge's optional LLM stages (``verify.browser_llm``) enclose
-everything the page produced in per-call delimiters (``grading.untrusted.Envelope``) and read one
+everything the page produced in per-call delimiters (``verify.untrusted.Envelope``) and read one
 answer object per reply. The evidence notes below quote page text with control characters
 escaped (``untrusted.sanitize``).
 
@@ -34,8 +34,8 @@ from typing import Any
 
 from gagar_jax.grading import schema
 from gagar_jax.grading.schema import DIMENSIONS, Evidence, GroupWorkspace, Judgement, Verdict
-from gagar_jax.grading.untrusted import sanitize
 from gagar_jax.verify import diff
+from gagar_jax.verify.untrusted import sanitize
 
 
 class BrowserGradingError(RuntimeError):
