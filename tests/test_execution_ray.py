@@ -505,9 +505,10 @@ def package_task(tmp_path_factory):
 
 def test_package_task_environment_is_built_once_per_node(cluster, package_task, no_orphans):
     """Four verifications at once, two on each node (half a verifier each): each node builds
-    the task's environment from its lockfile once (the second call there waits on the lock),
-    later calls reuse it, and the verdicts are the local back-end's (the gold patch passes only
-    with the registry package of the environment)."""
+    the task's environment from its lockfile, and materialises the repository's snapshot, once
+    (the second call there waits on the lock); later calls reuse both, and the verdicts are the
+    local back-end's (the gold patch passes only with the registry package of the
+    environment)."""
     _, _, tmp = cluster
     task, gold = package_task
     patches = [gold, "", gold, ""]
@@ -535,9 +536,12 @@ def test_package_task_environment_is_built_once_per_node(cluster, package_task, 
     (_, m1), (_, m2) = rounds
     assert m1["execution/calls"] == 4 and m1["execution/calls_in_flight_max"] == 4, m1
     assert m1["execution/env_builds"] == 2 and m2["execution/env_builds"] == 0, (m1, m2)
+    tree = execution.tree_hash(task.files)
     for node in ("w0", "w1"):  # one copy per node, in that node's cache
         names = os.listdir(os.path.join(tmp, f"envs-{node}"))
         assert f"{task.env_hash}.ready" in names, (node, names)
+        # the repository's snapshot too: calls carry its hash, not the repository
+        assert f"{tree}.ready" in names, (node, names)
         assert not [n for n in names if ".build-" in n], names  # no half-built leftovers
     assert time.monotonic() - t0 < 2 * (LIMITS.wall_s + MARGIN_S)
 
