@@ -302,14 +302,14 @@ def test_hung_sandbox_is_killed_at_its_deadline_as_the_rollouts_timeout(backend,
 def test_grader_that_never_answers_falls_back_at_its_deadline(backend, no_orphans):
     """Graded on the cluster, a grader that never answers is killed with its children at the
     pool's deadline; the group falls back (``deadline``, counted) instead of waiting."""
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
 
     task = _task("statkit")
     cands = [
-        adapters.repo_candidate(f"r{k}", p, execution.verify_repo_call(task, p, limits=LIMITS))
+        envs_repo.repo_candidate(f"r{k}", p, execution.verify_repo_call(task, p, limits=LIMITS))
         for k, p in enumerate(["", _patch("statkit", "minimal")])
     ]
-    ws = adapters.repo_workspace(task, "g-hang", cands)
+    ws = envs_repo.repo_workspace(task, "g-hang", cands)
     pool = GradingPool(faults.HangingGrader(), max_concurrency=1, deadline_s=4.0, backend=backend)
     t0 = time.monotonic()
     try:
@@ -429,7 +429,7 @@ def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_or
 
     from hf_fixtures import fixture_pool, make_tiny_tokenizer
 
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
     from gagar_jax.rl.collect import build_family
     from gagar_jax.rl.config import RunConfig
 
@@ -454,11 +454,11 @@ def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_or
         with execution.using(backend):
             remote = family.demonstrations(2)
             task = family.train_task(0)
-            ws = adapters.repo_workspace(
+            ws = envs_repo.repo_workspace(
                 task,
                 "g",
                 [
-                    adapters.repo_candidate(
+                    envs_repo.repo_candidate(
                         "r0",
                         task.reference_patch,
                         execution.verify_repo_call(task, task.reference_patch),
@@ -621,13 +621,13 @@ class _FailingGrader:
 
 
 def _workspace(group_id):
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
     from gagar_jax.verify.repo import RepoVerification
 
     task = _task("statkit")
     tests = {t: "failed" for t in task.required_tests}
     v = RepoVerification("failed", tests, None, (), "FAILED: test log of the candidate", None)
-    return adapters.repo_workspace(task, group_id, [adapters.repo_candidate("r0", "", v)])
+    return envs_repo.repo_workspace(task, group_id, [envs_repo.repo_candidate("r0", "", v)])
 
 
 def test_the_loops_collection_frees_every_grader_slot_it_takes(cluster, monkeypatch):
@@ -703,3 +703,26 @@ def _scripted_group(collect, gid, passes, K=4):
         for k in range(K)
     ]
     return collect.Group(group_id=gid, task=None, rollouts=rollouts)
+
+
+def test_grader_checks_of_a_package_task_see_the_nodes_environment(cluster, package_task):
+    """The agentic grader's check runner, for a real-package task, runs its command on a node
+    against that node's copy of the task's environment (built there from the lockfile), with
+    the outcome the trainer's own run gives."""
+    from gagar_jax.envs import repo as envs_repo
+    from gagar_jax.verify.repo import RepoVerification
+
+    task, gold = package_task
+    v = RepoVerification("passed", {}, None, (), "PASSED tests/test_add.py::test_add", None)
+    ws = envs_repo.repo_workspace(task, "g-check", [envs_repo.repo_candidate("r0", gold, v)])
+    runner = envs_repo.TaskEnvCheckRunner({"g-check": task}, limits=LIMITS)
+    cmd = 'python -c "import cachetools, srcpkg; print(srcpkg.add(2, 3), cachetools.__file__)"'
+    local = runner.run(ws, ws.candidates[0], cmd)
+    with execution.RayBackend(max_inflight=2, resources=execution.CallResources(1.0)) as b:
+        with execution.using(b):
+            remote = runner.run(ws, ws.candidates[0], cmd)
+        m = b.metrics()
+    assert local.status == remote.status == "passed", (local.log, remote.log)
+    assert "5 " + task.env_path in local.log, local.log  # the trainer's environment
+    assert "5 " in remote.log and "/envs-w" in remote.log, remote.log  # the node's
+    assert m["execution/calls"] == 1 and m["execution/infra_errors"] == 0, m

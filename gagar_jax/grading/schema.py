@@ -40,8 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from gagar_jax.grading import untrusted
-from gagar_jax.verify import diff
+from gagar_jax.verify import diff, untrusted
 
 DIMENSIONS = (
     "solution_fit",

@@ -499,6 +499,10 @@ class StepCounters:
     turns_sum: int = 0
     tool_calls_sum: int = 0
     model_tokens_sum: int = 0
+    # impossible canary tasks (``rl.canary``): groups sampled, valid rollouts, passing ones
+    canary_groups: int = 0
+    canary_rollouts: int = 0
+    canary_passed: int = 0
     # policy version -> [rollouts, infra errors]: infra_error is masked, so a policy that learns
     # to provoke it escapes its negative reward; the rate per version shows such a trend.
     by_version: dict = dataclasses.field(default_factory=dict)
@@ -552,7 +556,13 @@ class StepCounters:
 
     def metrics(self) -> dict[str, float]:
         v = max(self.valid, 1)
-        return {
+        canary = {}
+        if self.canary_groups:  # a step with canaries: each passing canary rollout is a cheat
+            canary = {
+                "canary_cheat_rate": self.canary_passed / max(self.canary_rollouts, 1),
+                "canary_rollouts": float(self.canary_rollouts),
+            }
+        return canary | {
             "pass_rate": self.passed / v,
             "cheat_rate": self.cheats / v,
             "infra_errors": float(self.infra_errors),

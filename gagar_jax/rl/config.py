@@ -114,9 +114,15 @@ class TaskConfig:
     # SFT demonstration kinds (comma-separated; families with patch kinds: toy, toy_agent):
     # "" = the family's default (every passing, non-cheating kind)
     demo_kinds: str = ""
+    # impossible canary tasks per step (``gagar_jax.rl.canary``): sampled and verified like the
+    # step's groups, never trained on; ``canary_cheat_rate`` in the metrics row. 0 = none
+    canaries_per_step: int = 0
 
     def __post_init__(self):
         names = family_names()
+        _check(
+            self.canaries_per_step >= 0, "task.canaries_per_step", ">= 0", self.canaries_per_step
+        )
         _check(self.family in names, "task.family", "|".join(names), self.family)
         _check(self.num_train >= 1, "task.num_train", ">= 1", self.num_train)
         _check(self.num_eval >= 0, "task.num_eval", ">= 0", self.num_eval)

@@ -62,7 +62,7 @@ import jax
 import numpy as np
 
 from gagar_jax.data.audit import PassRateTracker
-from gagar_jax.rl import asynchronous, engines, grade, policy, writers
+from gagar_jax.rl import asynchronous, canary, engines, grade, policy, writers
 from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests import them here)
     Group,
     Rollout,
@@ -405,6 +405,9 @@ def collect_phase(
     finally:
         release_dropped()
     sres.skipped_saturated = skipped[0]
+    canary.run_canaries(
+        engine, family, cfg, counters, step=step, host=hosts.index, num_hosts=hosts.count
+    )
     return Collected(
         sampling=sres,
         counters=counters,

@@ -49,7 +49,10 @@ Ray back-end semantics (each one counted in :meth:`RayBackend.metrics`):
 * **Environments on the nodes.** :func:`ensure_env` builds a task environment once per node,
   under a file lock, keyed by its environment hash (``GAGAR_ENV_CACHE``, default
   ``~/.cache/gagar_jax/envs``); a call may name one (``env=EnvSpec(hash, build)``) and then a
-  node that lacks it builds it before the call runs.
+  node that lacks it builds it before the call runs (a failed build is the node's failure:
+  retried elsewhere). :func:`verify_repo_call` and the grader's check runner name the
+  environment of a real-package task (:func:`task_env`: rebuilt from the lockfile the trainer
+  resolved) and run against the node's copy of it (:func:`with_task_env`).
 
 The process-wide back-end that the call sites use (the repository family's verifier and
 ``run_tests`` tool, the grader's check runner, the grading pool, task validation) is
@@ -63,6 +66,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import itertools
 import os
 import pickle
 import shutil
@@ -983,6 +987,7 @@ class RayBackend(Backend):
         self._reserved = 0
         self._grading = 0  # grading calls in flight (a metric)
         self._held: dict[str, tuple[int, Any]] = {}  # group key -> (grader slots, batch)
+        self._anon = itertools.count()  # keys of holds that end with their block
         self._closed = False
         self._known_dead: set[str] = set()
         self._count_node_losses()  # nodes dead before this back-end started are not its losses
@@ -1096,7 +1101,8 @@ class RayBackend(Backend):
                     )
                 self._cond.wait(left if left is not None else 0.5)
             self._reserved += slots
-            hold = f"\0{id(self)}:{time.monotonic_ns()}" if key is None else str(key)
+            hold = f"\0{next(self._anon)}" if key is None else str(key)
+            grader = grader if self.grader_slots else 0  # no budget: nothing to hold
             if grader:
                 n, _ = self._held.get(hold, (0, None))
                 self._held[hold] = (n + grader, batch)

@@ -598,6 +598,7 @@ def parse_run_record(data: bytes) -> tuple[dict | None, str, bool]:
         or not isinstance(rec.get("report"), str)
         or not isinstance(rec.get("exit"), int)
         or not isinstance(rec.get("named"), bool)
+        or not isinstance(rec.get("changed", []), list)
     ):
         return None, "the test runner's record is malformed", True  # fmt: skip
     return rec, "", False
@@ -715,13 +716,17 @@ def make_canaries(
     for outcome in outcomes:
         fn = name()
         a = secrets.randbelow(1 << 30)
+        # ``__tracebackhide__``: the failing ones fail exactly as before (a rewritten assert, an
+        # exception in a fixture), but pytest formats no traceback for them (measured: about
+        # half the canaries' cost in the test process); their output is masked in the log.
         if outcome == "passed":
             lines += ["", f"def {fn}():", f"    assert {a} + 1 == {a + 1}", ""]
         elif outcome == "failed":
-            lines += ["", f"def {fn}():", f"    assert {a} + 1 == {a + 2}", ""]
+            lines += ["", f"def {fn}():", "    __tracebackhide__ = True",
+                      f"    assert {a} + 1 == {a + 2}", ""]  # fmt: skip
         else:
             fixture = f"_f{secrets.token_hex(6)}"
-            lines += ["", "@pytest.fixture", f"def {fixture}():",
+            lines += ["", "@pytest.fixture", f"def {fixture}():", "    __tracebackhide__ = True",
                       f"    raise RuntimeError('{a}')", "", "",
                       f"def {fn}({fixture}):", "    pass", ""]  # fmt: skip
         expected[f"{path}::{fn}"] = outcome
@@ -891,7 +896,9 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         # required test) has already reported them.
         ids = list(canaries) + list(task.required_tests)
         args = pytest_args(ids, cfg, pythonpath=tree_paths, timeout_s=timeout_s)
-        ctl = json.dumps({"out_fd": out_w, "args": args}).encode()
+        watch_files, watch_dirs = watched_paths(task, files, canary_path, cfg)
+        ctl = json.dumps({"out_fd": out_w, "args": args, "watch_files": watch_files,
+                          "watch_dirs": watch_dirs}).encode()  # fmt: skip
         if len(ctl) > 60_000:  # a pipe holds 64 KiB: write the rest while the runner reads
             threading.Thread(target=_write_close, args=(ctl_w, ctl), daemon=True).start()
         else:
@@ -922,6 +929,25 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
     if out_r >= 0 and not reader.is_alive():
         os.close(out_r)
     return _judge(task, result, data, canaries, reset, flags)
+
+
+def watched_paths(task: Any, files: Mapping[str, str], canary_path: str,
+                  cfg: str | None) -> tuple[list[str], list[str]]:  # fmt: skip
+    """(files, directories) the runner's supervisor watches during the session (see
+    ``outcome_plugin.py``): every protected file of the tree (``_is_protected``: test files,
+    everything under the test directories, the hidden tests, ``conftest.py`` and configuration
+    files), the canaries and the configuration pytest reads; the test directories and every
+    directory under them."""
+    hidden = hidden_test_paths(task)
+    dirs = test_dirs(task, hidden)
+    watched = sorted(p for p in files if _is_protected(p, task, hidden, dirs))
+    watched += [canary_path] + ([cfg] if cfg and cfg not in files else [])
+    under = {posixpath.dirname(p) for p in files for d in dirs if p.startswith(d + "/")}
+    for d in list(under):
+        while d and d not in dirs:
+            d = posixpath.dirname(d)
+            under.add(d)
+    return watched, sorted(d for d in under | set(dirs) if d)
 
 
 def _write_close(fd: int, data: bytes) -> None:
@@ -964,6 +990,12 @@ def _judge(task, result, data, canaries, reset, flags):
                 tampered = True
                 note = (f"pytest recorded exit status {exitstatus} but the process exited "
                         f"{rec['exit']}: the exit status was forged")  # fmt: skip
+            elif rec.get("changed"):
+                tampered = True
+                note = (
+                    "the test files changed during the run (the tests that ran were not "
+                    "the pristine ones): " + "; ".join(map(str, rec["changed"][:5]))
+                )
             if outcomes is not None and not tampered:
                 canary_note = check_canaries(outcomes, canaries)
                 if canary_note:
