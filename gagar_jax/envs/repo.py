@@ -37,12 +37,12 @@ from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, 
 from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
 from gagar_jax.grading import schema
 from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
-from gagar_jax.grading.untrusted import split_test_log
 from gagar_jax.rollout.episode import CodeAgentEnv
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, split_lines
 from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
 from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
+from gagar_jax.verify.untrusted import split_test_log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,8 +257,9 @@ def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
         if a == b:
             continue
         if not (a or b):  # an empty file created or deleted: headers only, no hunk
-            out.append(f"--- a/{path}\n+++ /dev/null\n" if b is None else
-                       f"--- /dev/null\n+++ b/{path}\n")  # fmt: skip
+            out.append(
+                f"--- a/{path}\n+++ /dev/null\n" if b is None else f"--- /dev/null\n+++ b/{path}\n"
+            )
             continue
         for line in difflib.unified_diff(
             split_lines(a or ""),
@@ -392,8 +393,7 @@ class PythonRepoFamily(TaskFamily):
         self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
         self._group_tasks: dict[str, RepoTask] = {}
         demo_path = settings.extra.get("demo_data_path", "")
-        self._demo_tasks = (load_repo_tasks(demo_path, repos_dir) if demo_path
-                            else self._train)  # fmt: skip
+        self._demo_tasks = load_repo_tasks(demo_path, repos_dir) if demo_path else self._train
 
     @property
     def tokenizer(self):
