@@ -61,8 +61,15 @@ def check(rows: list[dict], log: str, execution: str = "local") -> list[str]:
             f"{[r.get('execution/calls') for r in train]}"
         )
     # the per-step counters of the execution back-end, on every logged step
-    wanted = ("calls_in_flight", "queue_wait_s", "retries", "node_losses", "orphans_reaped",
-              "admission_waits", "grader_slots_held")  # fmt: skip
+    wanted = (
+        "calls_in_flight",
+        "queue_wait_s",
+        "retries",
+        "node_losses",
+        "orphans_reaped",
+        "admission_waits",
+        "grader_slots_held",
+    )
     absent = sorted({k for r in train for k in wanted if f"execution/{k}" not in r})
     if absent:
         problems.append(f"execution: metrics missing from the train rows: {absent}")

@@ -302,14 +302,14 @@ def test_hung_sandbox_is_killed_at_its_deadline_as_the_rollouts_timeout(backend,
 def test_grader_that_never_answers_falls_back_at_its_deadline(backend, no_orphans):
     """Graded on the cluster, a grader that never answers is killed with its children at the
     pool's deadline; the group falls back (``deadline``, counted) instead of waiting."""
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
 
     task = _task("statkit")
     cands = [
-        adapters.repo_candidate(f"r{k}", p, execution.verify_repo_call(task, p, limits=LIMITS))
+        envs_repo.repo_candidate(f"r{k}", p, execution.verify_repo_call(task, p, limits=LIMITS))
         for k, p in enumerate(["", _patch("statkit", "minimal")])
     ]
-    ws = adapters.repo_workspace(task, "g-hang", cands)
+    ws = envs_repo.repo_workspace(task, "g-hang", cands)
     pool = GradingPool(faults.HangingGrader(), max_concurrency=1, deadline_s=4.0, backend=backend)
     t0 = time.monotonic()
     try:
@@ -332,7 +332,9 @@ def test_verifier_over_its_memory_limit_fails_the_rollout_not_the_node(backend, 
     task = _task("statkit")
     patch = faults.memory_hog_patch(task, "statkit/stats.py")
     local = execution.verify_repo_call(task, patch, backend=execution.LocalBackend(), limits=LIMITS)
+    t0 = time.monotonic()
     remote = execution.verify_repo_call(task, patch, backend=backend, limits=LIMITS)
+    assert time.monotonic() - t0 < LIMITS.wall_s + MARGIN_S  # its verdict within its deadline
     assert local.status in ("resource_killed", "failed") and not local.infra_error
     assert (remote.status, remote.tests) == (local.status, local.tests)
     ok = execution.verify_repo_call(
@@ -351,10 +353,12 @@ def test_node_start_that_fails_three_times(cluster, no_orphans, tmp_path):
     task = _task("statkit")
     patch = _patch("statkit", "minimal")
     env = execution.EnvSpec("env-flaky-a", faults.flaky_build(str(tmp_path / "a"), fails=3))
+    t0 = time.monotonic()
     with execution.RayBackend(max_retries=3, deadline_grace_s=5.0) as b:
         v = execution.verify_repo_call(task, patch, backend=b, limits=LIMITS, env=env)
         m = b.metrics()
     assert v.status == "passed" and m["execution/retries"] == 3, (v.test_log, m)
+    assert time.monotonic() - t0 < LIMITS.wall_s + MARGIN_S  # three failed starts are quick
 
     env = execution.EnvSpec("env-flaky-b", faults.flaky_build(str(tmp_path / "b"), fails=3))
     with execution.RayBackend(max_retries=2, deadline_grace_s=5.0) as b:
@@ -429,7 +433,7 @@ def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_or
 
     from hf_fixtures import fixture_pool, make_tiny_tokenizer
 
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
     from gagar_jax.rl.collect import build_family
     from gagar_jax.rl.config import RunConfig
 
@@ -454,11 +458,11 @@ def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_or
         with execution.using(backend):
             remote = family.demonstrations(2)
             task = family.train_task(0)
-            ws = adapters.repo_workspace(
+            ws = envs_repo.repo_workspace(
                 task,
                 "g",
                 [
-                    adapters.repo_candidate(
+                    envs_repo.repo_candidate(
                         "r0",
                         task.reference_patch,
                         execution.verify_repo_call(task, task.reference_patch),
@@ -501,9 +505,10 @@ def package_task(tmp_path_factory):
 
 def test_package_task_environment_is_built_once_per_node(cluster, package_task, no_orphans):
     """Four verifications at once, two on each node (half a verifier each): each node builds
-    the task's environment from its lockfile once (the second call there waits on the lock),
-    later calls reuse it, and the verdicts are the local back-end's (the gold patch passes only
-    with the registry package of the environment)."""
+    the task's environment from its lockfile, and materialises the repository's snapshot, once
+    (the second call there waits on the lock); later calls reuse both, and the verdicts are the
+    local back-end's (the gold patch passes only with the registry package of the
+    environment)."""
     _, _, tmp = cluster
     task, gold = package_task
     patches = [gold, "", gold, ""]
@@ -531,9 +536,12 @@ def test_package_task_environment_is_built_once_per_node(cluster, package_task, 
     (_, m1), (_, m2) = rounds
     assert m1["execution/calls"] == 4 and m1["execution/calls_in_flight_max"] == 4, m1
     assert m1["execution/env_builds"] == 2 and m2["execution/env_builds"] == 0, (m1, m2)
+    tree = execution.tree_hash(task.files)
     for node in ("w0", "w1"):  # one copy per node, in that node's cache
         names = os.listdir(os.path.join(tmp, f"envs-{node}"))
         assert f"{task.env_hash}.ready" in names, (node, names)
+        # the repository's snapshot too: calls carry its hash, not the repository
+        assert f"{tree}.ready" in names, (node, names)
         assert not [n for n in names if ".build-" in n], names  # no half-built leftovers
     assert time.monotonic() - t0 < 2 * (LIMITS.wall_s + MARGIN_S)
 
@@ -621,13 +629,13 @@ class _FailingGrader:
 
 
 def _workspace(group_id):
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
     from gagar_jax.verify.repo import RepoVerification
 
     task = _task("statkit")
     tests = {t: "failed" for t in task.required_tests}
     v = RepoVerification("failed", tests, None, (), "FAILED: test log of the candidate", None)
-    return adapters.repo_workspace(task, group_id, [adapters.repo_candidate("r0", "", v)])
+    return envs_repo.repo_workspace(task, group_id, [envs_repo.repo_candidate("r0", "", v)])
 
 
 def test_the_loops_collection_frees_every_grader_slot_it_takes(cluster, monkeypatch):
@@ -703,3 +711,26 @@ def _scripted_group(collect, gid, passes, K=4):
         for k in range(K)
     ]
     return collect.Group(group_id=gid, task=None, rollouts=rollouts)
+
+
+def test_grader_checks_of_a_package_task_see_the_nodes_environment(cluster, package_task):
+    """The agentic grader's check runner, for a real-package task, runs its command on a node
+    against that node's copy of the task's environment (built there from the lockfile), with
+    the outcome the trainer's own run gives."""
+    from gagar_jax.envs import repo as envs_repo
+    from gagar_jax.verify.repo import RepoVerification
+
+    task, gold = package_task
+    v = RepoVerification("passed", {}, None, (), "PASSED tests/test_add.py::test_add", None)
+    ws = envs_repo.repo_workspace(task, "g-check", [envs_repo.repo_candidate("r0", gold, v)])
+    runner = envs_repo.TaskEnvCheckRunner({"g-check": task}, limits=LIMITS)
+    cmd = 'python -c "import cachetools, srcpkg; print(srcpkg.add(2, 3), cachetools.__file__)"'
+    local = runner.run(ws, ws.candidates[0], cmd)
+    with execution.RayBackend(max_inflight=2, resources=execution.CallResources(1.0)) as b:
+        with execution.using(b):
+            remote = runner.run(ws, ws.candidates[0], cmd)
+        m = b.metrics()
+    assert local.status == remote.status == "passed", (local.log, remote.log)
+    assert "5 " + task.env_path in local.log, local.log  # the trainer's environment
+    assert "5 " in remote.log and "/envs-w" in remote.log, remote.log  # the node's
+    assert m["execution/calls"] == 1 and m["execution/infra_errors"] == 0, m

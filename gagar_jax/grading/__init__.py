@@ -2,10 +2,11 @@
 
 See ``schema`` for the verdict contract, ``heuristic`` for the embedded default grader,
 ``agentic`` for the LLM tool-loop grader (``scripted`` holds a deterministic policy for it),
-``pool`` for overlapping grading with generation, ``adapters`` for task families and sandboxed
-checks, and ``testing`` for graders with known (slow, crashing, hanging, garbage) behaviour.
-Grader quality: ``labelled`` (versioned labelled group sets), ``eval`` (the measuring harness and
-its CLI), ``panel`` (heterogeneous panels) and ``distill`` (distilled graders and their gate).
+``pool`` for overlapping grading with generation, ``adapters`` for sandboxed checks (each task
+family builds its own workspaces, in ``gagar_jax.envs``), and ``testing`` for graders with known
+(slow, crashing, hanging, garbage) behaviour. Grader quality: ``labelled`` (versioned labelled
+group sets), ``eval`` (the measuring harness and its CLI), ``panel`` (heterogeneous panels) and
+``distill`` (distilled graders and their gate).
 """
 
 from gagar_jax.grading.agentic import (

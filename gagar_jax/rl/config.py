@@ -114,9 +114,15 @@ class TaskConfig:
     # SFT demonstration kinds (comma-separated; families with patch kinds: toy, toy_agent):
     # "" = the family's default (every passing, non-cheating kind)
     demo_kinds: str = ""
+    # impossible canary tasks per step (``gagar_jax.rl.canary``): sampled and verified like the
+    # step's groups, never trained on; ``canary_cheat_rate`` in the metrics row. 0 = none
+    canaries_per_step: int = 0
 
     def __post_init__(self):
         names = family_names()
+        _check(
+            self.canaries_per_step >= 0, "task.canaries_per_step", ">= 0", self.canaries_per_step
+        )
         _check(self.family in names, "task.family", "|".join(names), self.family)
         _check(self.num_train >= 1, "task.num_train", ">= 1", self.num_train)
         _check(self.num_eval >= 0, "task.num_eval", ">= 0", self.num_eval)
@@ -166,6 +172,14 @@ class RolloutConfig:
     # of a trained group may lag the trainer, generation, verification, grading and queue
     # time included (0: the synchronous loop, collect -> grade -> update -> sync each step)
     max_staleness: int = 0
+    # max_staleness > 0, multi-turn families: at each weight sync the next batch's episodes
+    # have run their first turn with the old weights and resume with the new ones (every token
+    # tagged with the version that produced it); False: a batch is generated whole with the
+    # weights of its dispatch
+    partial_rollout: bool = False
+    # only the tokens of a batch's newest policy version enter the loss (older tokens of a
+    # partial rollout are masked; rewards and group credit unchanged)
+    mask_offpolicy_tokens: bool = False
 
     def __post_init__(self):
         _check(
@@ -213,6 +227,13 @@ class RolloutConfig:
             "rollout.max_staleness",
             ">= 0 policy versions (0 = synchronous)",
             self.max_staleness,
+        )
+        _check(
+            not self.partial_rollout or self.max_staleness >= 1,
+            "rollout.partial_rollout",
+            "False unless rollout.max_staleness >= 1 (the synchronous loop has no weight sync "
+            "during generation)",
+            self.partial_rollout,
         )
 
     @property

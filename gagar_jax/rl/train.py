@@ -62,7 +62,7 @@ import jax
 import numpy as np
 
 from gagar_jax.data.audit import PassRateTracker
-from gagar_jax.rl import asynchronous, engines, grade, policy, writers
+from gagar_jax.rl import asynchronous, canary, engines, grade, policy, writers
 from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests import them here)
     Group,
     Rollout,
@@ -308,9 +308,14 @@ def collect_phase(
     step: int,
     hosts: Hosts,
     tracker: PassRateTracker | None = None,
+    first_round: Any = None,
 ) -> Collected:
     """Collect: dynamic sampling of this host's block of groups (K rollouts per prompt,
     verified), each kept group submitted to the grading pool the moment it is kept.
+
+    ``first_round`` (:class:`~gagar_jax.rl.asynchronous.StartedBatch`): the first round's
+    prompts were drawn and their episodes begun before the last weight sync (a partial rollout):
+    they are resumed here under the engine's current weights instead of drawn again.
 
     Advances ``ls.data_position`` by every prompt drawn (by all hosts). With ``tracker``
     (``task.skip_saturated``), prompt selection passes over tasks the tracker finds saturated
@@ -335,9 +340,18 @@ def collect_phase(
 
     def draw(n):
         release_dropped()  # the last round's groups that were not kept
-        idx, pos, ls.data_position, n_skip = select_prompts(stream, ls.data_position, sum(n), skip)
-        skipped[0] += n_skip  # every host selects the same prompts: a global count
         rounds[0] += 1
+        started = None
+        if rounds[0] == 1 and first_round is not None:  # drawn and begun before the sync
+            if list(n) != list(first_round.n):
+                raise RuntimeError(f"first round draws {n}, the started batch {first_round.n}")
+            idx, pos, n_skip = first_round.idx, first_round.pos, first_round.skipped
+            started = first_round.episodes
+        else:
+            idx, pos, ls.data_position, n_skip = select_prompts(
+                stream, ls.data_position, sum(n), skip
+            )
+        skipped[0] += n_skip  # every host selects the same prompts: a global count
         lo = sum(n[: hosts.index])
         hi = lo + n[hosts.index]
         # a prompt's samples are seeded by its global data position: the same on any host
@@ -354,6 +368,7 @@ def collect_phase(
             counters=counters,
             first_index=lo,
             prompt_seeds=[prompt_seed(ls.rng_key, 1, p) for p in pos[lo:hi]],
+            started=started,
             hold_grader=hold,
         )
         if hold:
@@ -390,6 +405,9 @@ def collect_phase(
     finally:
         release_dropped()
     sres.skipped_saturated = skipped[0]
+    canary.run_canaries(
+        engine, family, cfg, counters, step=step, host=hosts.index, num_hosts=hosts.count
+    )
     return Collected(
         sampling=sres,
         counters=counters,
@@ -819,8 +837,16 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         total = cfg.loop.total_steps
         aq = None
         if cfg.rollout.max_staleness > 0:  # the asynchronous loop (rl.asynchronous)
+            if cfg.rollout.partial_rollout and not family.multi_turn:
+                raise ValueError(
+                    f"rollout.partial_rollout=True needs a multi-turn task family (episodes are "
+                    f"interrupted between turns); task.family={cfg.task.family!r} is single-turn"
+                )
             aq = asynchronous.AsyncQueue(
-                cfg.rollout.max_staleness, cfg.grading.max_inflight_groups, G // hosts.count
+                cfg.rollout.max_staleness,
+                cfg.grading.max_inflight_groups,
+                G // hosts.count,
+                partial_rollout=cfg.rollout.partial_rollout,
             )
             saved = ls.extra.get(asynchronous.ASYNC_KEY, {}).get("per_host")
             if saved is not None:
@@ -830,7 +856,9 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                         f"hosts, this run has {hosts.count} (rollout.max_staleness > 0 "
                         "resumes on the same number of processes)"
                     )
-                aq.load(saved[hosts.index], family=family, pool=grading_pool, cfg=cfg)
+                aq.load(
+                    saved[hosts.index], family=family, pool=grading_pool, cfg=cfg, host=hosts.index
+                )
         for step in range(ls.step, total):
             if aq is None:
                 state, m = rl_step(step, state, ls, ctx)
