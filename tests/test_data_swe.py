@@ -411,3 +411,76 @@ def test_a_relative_cache_dir_gives_absolute_paths(tmp_path, monkeypatch):
     assert os.path.isabs(tree) and os.path.isdir(tree)
     env = repos.build_env(["cachetools==5.5.0"], cache_dir="rel_cache")
     assert os.path.isabs(env.path)
+
+
+# ---- other layouts: recorded rows of tests/fixtures/swe_layouts ------------------------------
+
+
+def _verdicts(task):
+    return (verify_repo_patch(task, task.reference_patch, run_monitor=False).status,
+            verify_repo_patch(task, "", run_monitor=False).status)  # fmt: skip
+
+
+def test_r2egym_row_reads_verifies_and_round_trips(tmp_path):
+    from tests.swe_fixtures import LAYOUTS, calc_repo
+
+    repos_dir = str(tmp_path / "repos")
+    base, _ = calc_repo(repos_dir, "r2e-gym__calc")
+    (inst,) = swe.load_instances(os.path.join(LAYOUTS, "r2egym_rows.jsonl"))
+    assert (inst.layout, inst.repo, inst.base_commit) == ("r2egym", "r2e-gym/calc", base)
+    assert inst.instance_id == "calc__b71c0e5a9d3f"
+    assert inst.problem_statement.startswith("add() returns the difference")  # [ISSUE] dropped
+    # expected to pass after the fix: failing in the old commit's log -> F2P, passing -> P2P
+    assert inst.FAIL_TO_PASS == ("r2e_tests/test_1.py::test_add",
+                                 "r2e_tests/test_1.py::test_add_negative")  # fmt: skip
+    assert inst.PASS_TO_PASS == ("r2e_tests/test_1.py::test_mul",)
+    # the fix touches code only; the commit's test change and the hidden tests are test_patch
+    from gagar_jax.verify.diff import touched_files
+
+    assert touched_files(inst.patch) == ["calc.py"]
+    assert sorted(touched_files(inst.test_patch)) == ["r2e_tests/test_1.py", "tests/test_calc.py"]
+    assert swe.parse_instance(inst.to_row()) == inst  # round trip
+    task = swe.to_repo_task(inst, repos_dir, cache_dir=str(tmp_path / "c"), build_envs=False)
+    assert "r2e_tests/test_1.py" not in task.files  # hidden until the run
+    assert _verdicts(task) == ("passed", "failed")
+    with pytest.raises(swe.InstanceError, match="expected_output_json key 'test_add' is not"):
+        swe.parse_instance(dict(json.loads(open(os.path.join(LAYOUTS, "r2egym_rows.jsonl"))
+                                           .readline()), expected_output_json='{"test_add": '
+                                '"PASSED"}'))  # fmt: skip
+
+
+def test_swesmith_recorded_row_reads_verifies_and_round_trips(tmp_path):
+    from tests.swe_fixtures import LAYOUTS, calc_repo
+
+    row = json.loads(open(os.path.join(LAYOUTS, "swesmith_rows.jsonl")).readline())
+    repos_dir = str(tmp_path / "repos")
+    _, tip = calc_repo(repos_dir, "swesmith__acme__calc.5e1f2a3b", bug_branch=row["instance_id"])
+    (inst,) = swe.load_instances(os.path.join(LAYOUTS, "swesmith_rows.jsonl"))
+    assert inst.layout == "swesmith" and inst.base_commit == row["instance_id"]
+    assert swe.parse_instance(inst.to_row()) == inst
+    task = swe.to_repo_task(inst, repos_dir, cache_dir=str(tmp_path / "c"), build_envs=False)
+    assert "a - b" in task.files["calc.py"] and "+    return a + b" in task.reference_patch
+    assert repos.resolve_commit(repos.git_dir(repos_dir, inst.repo), inst.base_commit) == tip
+    assert _verdicts(task) == ("passed", "failed")
+
+
+def test_harbor_task_directory_reads_verifies_and_round_trips(tmp_path):
+    from tests.swe_fixtures import LAYOUTS, calc_repo
+
+    harbor = os.path.join(LAYOUTS, "harbor")
+    repos_dir = str(tmp_path / "repos")
+    base, _ = calc_repo(repos_dir, "acme__calc")
+    (inst,) = swe.load_instances(harbor)  # a directory of task directories
+    assert (inst.layout, inst.instance_id, inst.base_commit) == ("harbor", "acme__calc-1", base)
+    assert inst.problem_statement.startswith("# Task\n\nadd() returns")  # instruction.md
+    row = swe.harbor_row(os.path.join(harbor, "acme__calc-1"))
+    assert row["harbor"]["timeout_sec"] == 300.0 and row["harbor"]["metadata"]["category"]
+    assert swe.load_instances(os.path.join(harbor, "acme__calc-1")) == [inst]  # one task dir
+    assert swe.parse_instance(inst.to_row()) == inst
+    task = swe.to_repo_task(inst, repos_dir, cache_dir=str(tmp_path / "c"), build_envs=False)
+    assert _verdicts(task) == ("passed", "failed")
+    empty = tmp_path / "not_harbor"
+    (empty / "t").mkdir(parents=True)
+    (empty / "t" / "task.toml").write_text('version = "1.0"\n')
+    with pytest.raises(swe.InstanceError, match="no tests/config.json"):
+        swe.load_instances(str(empty))
