@@ -73,10 +73,12 @@ def get_config(arg=None):
         c.model.dtype = "float32"
         # a low temperature: the briefly warm-started tiny model then emits the tool calls it
         # was shown (at 1.0 after 40 SFT steps none parsed); the update scores at the same T
+        # 1280 + 768 tokens: the tiny model's 2048 positions; the factory-made task's prompt
+        # (its issue and the release's file list) needs more than the fixtures' 700
         c.rollout.update(
             num_prompts=2,
             num_rollouts=2,
-            max_prompt_len=768,
+            max_prompt_len=1280,
             max_new_tokens=768,
             max_turn_tokens=256,
             temperature=0.3,

@@ -484,3 +484,26 @@ def test_harbor_task_directory_reads_verifies_and_round_trips(tmp_path):
     (empty / "t" / "task.toml").write_text('version = "1.0"\n')
     with pytest.raises(swe.InstanceError, match="no tests/config.json"):
         swe.load_instances(str(empty))
+
+
+def test_a_jsonl_pool_mixes_repo_task_lines_and_swe_rows(tmp_path):
+    from gagar_jax.envs.repo import load_repo_tasks
+
+    repos_dir = str(tmp_path / "repos")
+    row = src_layout_row(repos_dir)
+    plain = RepoTask("plain-1", "fix f", {"m.py": "def f():\n    return 1\n",
+                                          "test_m.py": "from m import f\n\n\ndef test_f():\n"
+                                          "    assert f() == 2\n"},
+                     ("test_m.py::test_f",))  # fmt: skip
+    pool = str(tmp_path / "pool.jsonl")
+    with open(pool, "w") as f:
+        f.write(json.dumps(plain.to_dict()) + "\n" + json.dumps(row) + "\n")
+    a, b = load_repo_tasks(pool, repos_dir)
+    assert a == plain and b.task_id == row["instance_id"] and b.env_path and b.env_hash
+    assert b.files == repos.snapshot_files(repos_dir, "acme/srcpkg", row["base_commit"])
+    with pytest.raises(ValueError, match=r"pool.jsonl:2: a SWE-bench-format row .* needs "):
+        load_repo_tasks(pool)
+    with open(pool, "a") as f:
+        f.write(json.dumps(plain.to_dict()) + "\n")
+    with pytest.raises(ValueError, match="pool.jsonl:3: duplicate task id 'plain-1'"):
+        load_repo_tasks(pool, repos_dir)

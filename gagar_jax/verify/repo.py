@@ -156,6 +156,8 @@ class RepoVerification:
       test_log: a short human/grader-readable log (outcomes, then the pytest output tail).
       sandbox: the sandbox result (None if nothing ran).
       flags: behaviour-monitor flags of the patch (and trajectory, if given); see ``cheat``.
+      pythonpath: the host directories the sandboxed run had on its ``PYTHONPATH`` (the task
+        environment's site-packages, or the verifier's own); empty when nothing ran.
     """
 
     status: str
@@ -165,6 +167,7 @@ class RepoVerification:
     test_log: str
     sandbox: SandboxResult | None
     flags: tuple[MonitorFlag, ...] = ()
+    pythonpath: tuple[str, ...] = ()
 
     @property
     def cheat(self) -> bool:
@@ -940,7 +943,8 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         shutil.rmtree(work_parent, ignore_errors=True)
     if out_r >= 0 and not reader.is_alive():
         os.close(out_r)
-    return _judge(task, result, data, canaries, reset, flags)
+    verdict = _judge(task, result, data, canaries, reset, flags)
+    return dataclasses.replace(verdict, pythonpath=tuple(pythonpath))
 
 
 def _write_close(fd: int, data: bytes) -> None:
