@@ -7,10 +7,11 @@ r"""Code-agent RL on Python repositories: HF checkpoint and tokenizer, SGLang, a
         --config.rollout.sglang_url=http://127.0.0.1:30000 \
         --config.grading.sglang_url=http://127.0.0.1:30001
 
-``:smoke`` is what ``make e2e`` runs (scripts/e2e.py passes the tiny model, the fixture task pool
-and the server URL on the command line): the tiny random Qwen2 with its locally trained BPE
-tokenizer, the two fixture repositories, 2 x 2 episodes per step, a short SFT warm start on the
-tool-call demonstrations of the reference patches, 3 RL steps.
+``:smoke`` is what ``make e2e`` runs (scripts/e2e.py passes the tiny model, the task pool, its
+repositories and the server URL on the command line): the tiny random Qwen2 with its locally
+trained BPE tokenizer, the two fixture repositories and one factory-made task of a real package
+(its repository rebuilt from the registry, its own ``uv`` environment), 2 x 2 episodes per step,
+a short SFT warm start on the tool-call demonstrations of the reference patches, 3 RL steps.
 
 Each rollout is a multi-turn episode (``task.family = "python_repo"``): Qwen/Hermes
 ``<tool_call>`` JSON calls to ``read_file``, ``edit``, ``run_tests``, ``submit``; observations as
