@@ -70,7 +70,9 @@ def get_config(arg=None):
     c.sft.steps = 0  # start from an SFT'd checkpoint, as the paper does
     c.loop.update(total_steps=200, eval_every=20, checkpoint_every=10, eval_rollouts=1)
     if smoke:
-        c.task.update(max_turns=6, max_observation_tokens=256)
+        # the tiny model seldom submits: every episode's final tree is verified, so each task's
+        # rollouts (the factory-made one's too) run its tests in its environment
+        c.task.update(max_turns=6, max_observation_tokens=256, autosubmit=True)
         c.model.dtype = "float32"
         # a low temperature: the briefly warm-started tiny model then emits the tool calls it
         # was shown (at 1.0 after 40 SFT steps none parsed); the update scores at the same T

@@ -135,10 +135,10 @@ def check_factory(audit: list[dict], expect: dict[str, dict]) -> list[str]:
     problems = []
     runs = [r for r in audit if r.get("task_id") in expect and r.get("phase") == "rollout"]
     # a call the back-end ended before the sandbox reported has no path: it says nothing here
-    ran = [r for r in runs if r["sandbox_pythonpath"]]
+    ran = [r for r in runs if r["sandbox_pythonpath"] and r["kind"] == "verify"]
     if not ran:
-        problems.append(f"no rollout of the factory tasks {sorted(expect)} ran its tests "
-                        f"({len(runs)} calls without a sandboxed run)")  # fmt: skip
+        problems.append(f"no rollout of the factory tasks {sorted(expect)} was verified in "
+                        f"the sandbox ({len(runs)} other calls)")  # fmt: skip
     for r in runs:
         e = expect[r["task_id"]]
         where = f"{r['kind']} of {r['task_id']} ({r['status']})"

@@ -507,3 +507,47 @@ def test_a_jsonl_pool_mixes_repo_task_lines_and_swe_rows(tmp_path):
         f.write(json.dumps(plain.to_dict()) + "\n")
     with pytest.raises(ValueError, match="pool.jsonl:3: duplicate task id 'plain-1'"):
         load_repo_tasks(pool, repos_dir)
+
+
+def test_autosubmit_verifies_an_unsubmitted_episode_and_the_audit_log_names_its_env(
+    tmp_path, monkeypatch
+):
+    """task.autosubmit: an episode that never called submit is verified on its final tree; the
+    verification log ($GAGAR_VERIFY_LOG) names the environment the sandboxed run used."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from hf_fixtures import make_tiny_tokenizer
+
+    from gagar_jax.envs.family import Attempt, FamilySettings, make_family
+    from gagar_jax.envs.hf_tokenizer import tool_call_text
+    from gagar_jax.envs.repo import VERIFY_LOG_ENV, tree_digest
+    from gagar_jax.verify.repo import env_site_packages
+
+    monkeypatch.setenv("GAGAR_REPO_CACHE", str(tmp_path / "cache"))
+    log = tmp_path / "verify_log.jsonl"
+    monkeypatch.setenv(VERIFY_LOG_ENV, str(log))
+    repos_dir = str(tmp_path / "repos")
+    path = str(tmp_path / "instances.jsonl")
+    swe.write_instances(path, [swe.parse_instance(src_layout_row(repos_dir))])
+    tok = make_tiny_tokenizer(tmp_path / "tok")
+    fams = {auto: make_family("python_repo", FamilySettings(
+        data_path=path, repos_dir=repos_dir, tokenizer_path=tok, num_eval=0,
+        max_prompt_len=2048, extra={"autosubmit": True} if auto else {}))
+        for auto in (False, True)}  # fmt: skip
+    task = fams[True].train_task(0)
+    outcomes = {}
+    for auto, fam in fams.items():
+        env = fam.make_env(task)
+        for name, args in fam.demonstration_calls(task):
+            if name != "submit":  # the fix is in the tree, but the episode never submits
+                env.step(tool_call_text(name, args))
+        assert not env.submitted
+        outcomes[auto] = fam.verify(task, Attempt(env=env))
+    assert not outcomes[False].passed and outcomes[False].test_log.startswith("episode ended")
+    assert outcomes[True].passed, outcomes[True].test_log
+    assert "final tree verified (task.autosubmit)" in outcomes[True].test_log
+    records = [json.loads(line) for line in open(log)]
+    (v,) = [r for r in records if r["kind"] == "verify"]
+    assert v["autosubmit"] and v["phase"] == "rollout" and v["status"] == "passed"
+    assert v["sandbox_pythonpath"] == list(env_site_packages(task.env_path))
+    assert v["env_hash"] == task.env_hash and v["tree"] == tree_digest(task.files)
+    assert {r["kind"] for r in records} == {"verify", "run_tests"}  # run_tests ran as well

@@ -39,6 +39,7 @@ def test_factory_checks_pass_on_sound_records_and_name_each_fault():
     own = list(python_for_sandbox()[1])
     faults = {
         "no rollout of the factory tasks": [_run(phase="demonstration"), GRADE],
+        "was verified in the sandbox": [_run(kind="run_tests"), GRADE],
         "infrastructure error": [_run(status="infra_error"), GRADE],
         "not its environment": [_run(sandbox_pythonpath=own), GRADE],
         "not the tree materialised": [_run(tree="t2"), GRADE],

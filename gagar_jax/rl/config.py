@@ -115,6 +115,9 @@ class TaskConfig:
     # SFT demonstration kinds (comma-separated; families with patch kinds: toy, toy_agent):
     # "" = the family's default (every passing, non-cheating kind)
     demo_kinds: str = ""
+    # python_repo: an episode that ends without ``submit`` (turn or token limit) is verified on
+    # its final tree as if it had submitted (SWE-agent's autosubmission); False: it fails unrun
+    autosubmit: bool = False
 
     def __post_init__(self):
         names = family_names()
