@@ -73,8 +73,8 @@ LAYOUTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "
 FIXED_DATE = "2024-01-01T00:00:00+00:00"
 CALC_GOOD = {
     "calc.py": "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n",
-    "tests/test_calc.py": "from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5"
-    "\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n",
+    "tests/test_calc.py": "from calc import add, mul\n\n\ndef test_add():\n"
+    "    assert add(2, 3) == 5\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n",
 }
 CALC_BAD = {**CALC_GOOD, "calc.py": CALC_GOOD["calc.py"].replace("a + b", "a - b")}
 

@@ -163,6 +163,10 @@ def test_src_layout_with_third_party_test_dependency_verifies_right(tmp_path):
     task = swe.to_repo_task(inst, repos_dir, cache_dir=cache)
     assert task.pythonpath == ("src",) and task.env_hash and os.path.isdir(task.env_path)
     assert "cachetools==5.5.0" in open(os.path.join(task.env_path, ".gagar-env")).read()
+    # compiled to bytecode: the read-only environment never recompiles pytest in a run
+    assert json.load(open(os.path.join(task.env_path, ".gagar-env")))["format"] == 2
+    site = os.path.join(task.env_path, "lib")
+    assert any(n.endswith(".pyc") for _, _, names in os.walk(site) for n in names)
     gold = verify_repo_patch(task, inst.patch)
     assert gold.status == "passed", gold.test_log
     # the task's own reference fix is never a leak
@@ -334,10 +338,10 @@ def test_python_repo_family_trains_on_an_swe_pool(tmp_path, monkeypatch):
     out = fam.verify(task, Attempt(env=env))
     assert out.passed and not out.cheat and not out.infra_error, out.test_log
     # the grader's checks of this task's group see the same tree layout and environment
+    from gagar_jax.envs import repo as envs_repo
     from gagar_jax.envs.repo import TaskEnvCheckRunner
-    from gagar_jax.grading import adapters
 
-    ws = adapters.repo_workspace(task, "g0", [adapters.repo_candidate("r0", out.patch, out)])
+    ws = envs_repo.repo_workspace(task, "g0", [envs_repo.repo_candidate("r0", out.patch, out)])
     runner = TaskEnvCheckRunner({"g0": task})
     res = runner.run(ws, ws.candidates[0], "python -c 'import cachetools, srcpkg; "
                      "assert srcpkg.add(2, 3) == 5'")  # fmt: skip

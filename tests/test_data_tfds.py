@@ -11,7 +11,8 @@ tfds = pytest.importorskip("tensorflow_datasets")
 
 from gagar_jax.data import tfds_builders as B  # noqa: E402
 from gagar_jax.envs import ToyTaskGenerator, verify  # noqa: E402
-from gagar_jax.verify.repo import RepoTask, verify_repo_patch  # noqa: E402
+from gagar_jax.envs.repo import RepoTask  # noqa: E402
+from gagar_jax.verify.repo import verify_repo_patch  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "repos")
 

@@ -6,10 +6,10 @@ import os
 
 import pytest
 
+from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify.monitor import (
     RULES,
     MonitorContext,
-    context_for_repo_task,
     leakage_screen,
     literals_in_tests,
     monitor,
@@ -18,7 +18,7 @@ from gagar_jax.verify.monitor import (
     monitor_trajectory,
     patch_similarity,
 )
-from gagar_jax.verify.repo import RepoTask
+from gagar_jax.verify.repo import context_for_repo_task
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "repos")
 

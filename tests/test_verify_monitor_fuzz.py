@@ -10,8 +10,9 @@ import importlib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify.flags import MonitorFlag
-from gagar_jax.verify.repo import RepoTask, verify_repo_patch
+from gagar_jax.verify.repo import context_for_repo_task, verify_repo_patch
 from gagar_jax.verify.sandbox import Limits
 
 M = importlib.import_module("gagar_jax.verify.monitor")  # the package exports the function
@@ -20,7 +21,7 @@ SRC = "def half(x):\n    return x // 2 + 1\n"
 TESTS = "from app import half\n\n\ndef test_half():\n    assert half(4) == 2\n"
 TASK = RepoTask("half", "half", {"app.py": SRC, "tests/test_app.py": TESTS},
                 ("tests/test_app.py::test_half",), test_files=("tests/test_app.py",))  # fmt: skip
-CTX = M.context_for_repo_task(TASK)
+CTX = context_for_repo_task(TASK)
 
 PIECES = [
     "import sys", "sys._getframe(1)", "getattr(sys, '_getframe')", "__import__('_pytest')",

@@ -6,8 +6,9 @@ import os
 
 import pytest
 
+from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify import repo as repo_mod
-from gagar_jax.verify.repo import RepoTask, parse_junit, prepare_tree, verify_repo_patch
+from gagar_jax.verify.repo import parse_junit, prepare_tree, verify_repo_patch
 from gagar_jax.verify.sandbox import Limits
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "repos")

@@ -13,8 +13,9 @@ import tempfile
 
 import pytest
 
+from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify import repo as repo_mod
-from gagar_jax.verify.repo import RepoTask, pristine_config, verify_repo_patch
+from gagar_jax.verify.repo import pristine_config, verify_repo_patch
 from gagar_jax.verify.sandbox import Limits
 
 FAST = Limits(wall_s=60, cpu_s=60, memory_bytes=1 << 30, nproc=64)

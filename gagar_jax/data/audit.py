@@ -307,7 +307,7 @@ def precheck(task: Any, *, repeats: int = 5, limits: Any = None, config: Any = N
     """Execution pre-checks of one task in the sandbox (see the module docstring).
 
     Args:
-      task: a ``verify.RepoTask`` or its JSON dict.
+      task: a ``envs.repo.RepoTask`` or its JSON dict.
       repeats: runs of each patch (gold and empty); >= 2 to detect flakiness.
       limits, config, extra_pythonpath: passed to ``verify.verify_repo_patch``.
       source_dir: the task's directory, whose version-control history is searched for leaks.

@@ -28,7 +28,9 @@ run with no report, or whose exit status contradicts the report, is never a pass
 writes one JSON line per instance ``{"instance_id", "gold", "empty", "flaky_tests",
 "infra_errors", "env_hash", "seconds"}`` (a status is the runs' common status, ``"flaky"`` when
 they differ), then a summary line; it exits 0 when every row was validated, whatever the
-statuses, and 1 when a row could not be (its line carries ``"error"``).
+statuses, and 1 when a row could not be (its line carries ``"error"``). The runs of all rows
+share one pool of ``--workers`` sandboxed runs (default: one per core), so the next rows are
+prepared while earlier ones run and no core idles behind one slow run.
 """
 
 from __future__ import annotations
@@ -537,27 +539,21 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def validate_task(task, runs: int = 3, *, workers: int = 1, **verify_kwargs) -> dict[str, Any]:
-    """Runs the gold and the empty patch ``runs`` times (``workers`` sandboxed runs at once);
-    the report line (without timing)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def _verify_job(task, patch: str, verify_kwargs: Mapping[str, Any]):
     from gagar_jax.verify.repo import verify_repo_patch
 
-    if not isinstance(runs, int) or runs < 1:
-        raise ValueError(f"runs must be an int >= 1, got {runs!r}")
-    kinds = (("gold", task.reference_patch), ("empty", ""))
-    jobs = [(kind, patch) for kind, patch in kinds for _ in range(runs)]
+    return verify_repo_patch(task, patch, run_monitor=False, **verify_kwargs)
 
-    def one(job):
-        return job[0], verify_repo_patch(task, job[1], run_monitor=False, **verify_kwargs)
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = list(pool.map(one, jobs))
+def summarise_runs(task, results: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """The report line (without timing) of ``results``: ``(kind, RepoVerification)`` pairs,
+    kind ``"gold"`` or ``"empty"``. A kind's status is its runs' common status, ``"flaky"``
+    when they differ; a test is flaky when its outcome differs between runs of one kind
+    (infrastructure errors aside)."""
     out: dict[str, Any] = {"instance_id": task.task_id}
     flaky: set[str] = set()
     infra = 0
-    for kind, _ in kinds:
+    for kind in ("gold", "empty"):
         statuses, seen = [], {}
         for v in (v for k, v in results if k == kind):
             statuses.append(v.status)
@@ -567,38 +563,91 @@ def validate_task(task, runs: int = 3, *, workers: int = 1, **verify_kwargs) -> 
             for t, o in v.tests.items():
                 seen.setdefault(t, set()).add(o)
         flaky |= {t for t, os_ in seen.items() if len(os_) > 1}
-        out[kind] = statuses[0] if len(set(statuses)) == 1 else "flaky"
+        out[kind] = (statuses[0] if len(set(statuses)) == 1 else "flaky") if statuses else None
     out.update(flaky_tests=sorted(flaky), infra_errors=infra, env_hash=task.env_hash)
     return out
+
+
+def _jobs(task, runs: int) -> list[tuple[str, str]]:
+    if not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be an int >= 1, got {runs!r}")
+    # gold and empty interleaved: a row's runs of each kind spread over the pool's workers
+    return [job for _ in range(runs) for job in (("gold", task.reference_patch), ("empty", ""))]
+
+
+def validate_task(task, runs: int = 3, *, workers: int = 1, **verify_kwargs) -> dict[str, Any]:
+    """Runs the gold and the empty patch ``runs`` times (``workers`` sandboxed runs at once);
+    the report line (without timing)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = _jobs(task, runs)
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        results = list(pool.map(lambda j: (j[0], _verify_job(task, j[1], verify_kwargs)), jobs))
+    return summarise_runs(task, results)
 
 
 def validate(instances_path: str, repos_dir: str, *, runs: int = 3, out_path: str | None = None,
              cache_dir: str | None = None, log=print, emit=None,
              workers: int | None = None) -> tuple[list[dict], bool]:  # fmt: skip
     """Validates every row; returns (report lines, every row validated). ``emit`` gets each
-    line as it is made; ``log`` the summary."""
+    line as it is made (in the rows' order); ``log`` the summary.
+
+    All sandboxed runs of all rows go through one pool of ``workers`` threads (default
+    :func:`default_workers`): while the runs of earlier rows execute, the next rows' trees
+    and environments are prepared, and a slow run of one row overlaps with the runs of others.
+    A line's ``seconds`` is the time from its row's preparation to its last run's end (the
+    runs of several rows overlap, so the lines' seconds add up to more than the wall time)."""
+    import collections
+    from concurrent.futures import ThreadPoolExecutor
+
     t_all = time.monotonic()
     lines, ok = [], True
     insts = load_instances(instances_path)
+    workers = max(1, workers or default_workers())
+    if not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be an int >= 1, got {runs!r}")
     sink = open(out_path, "w", encoding="utf-8") if out_path else None  # noqa: SIM115
-    try:
-        for inst in insts:
-            t0 = time.monotonic()
+    # rows whose runs are queued or running; a bound keeps the prepared trees in memory few
+    pending: collections.deque = collections.deque()
+    max_pending = 2 * workers + 1
+
+    def finish(entry) -> None:
+        nonlocal ok
+        inst, t0, task, futures, error = entry
+        if error is None:
             try:
-                task = to_repo_task(inst, repos_dir, cache_dir=cache_dir)
-                rec = validate_task(task, runs, workers=workers or default_workers())
-            except Exception as e:  # noqa: BLE001 - one bad row is reported, the rest go on
-                ok = False
-                rec = {"instance_id": inst.instance_id, "gold": None, "empty": None,
-                       "flaky_tests": [], "infra_errors": 0, "env_hash": "",
-                       "error": f"{type(e).__name__}: {e}"}  # fmt: skip
-            rec["seconds"] = round(time.monotonic() - t0, 3)
-            lines.append(rec)
-            if emit:
-                emit(rec)
-            if sink:
-                sink.write(json.dumps(rec) + "\n")
-                sink.flush()
+                results = [(kind, f.result()) for kind, f in futures]
+                rec = summarise_runs(task, results)
+            except Exception as e:  # noqa: BLE001 - reported on the row's line
+                error = e
+        if error is not None:
+            ok = False
+            rec = {"instance_id": inst.instance_id, "gold": None, "empty": None,
+                   "flaky_tests": [], "infra_errors": 0, "env_hash": "",
+                   "error": f"{type(error).__name__}: {error}"}  # fmt: skip
+        rec["seconds"] = round(time.monotonic() - t0, 3)
+        lines.append(rec)
+        if emit:
+            emit(rec)
+        if sink:
+            sink.write(json.dumps(rec) + "\n")
+            sink.flush()
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for inst in insts:
+                while len(pending) >= max_pending:
+                    finish(pending.popleft())
+                t0 = time.monotonic()
+                try:
+                    task = to_repo_task(inst, repos_dir, cache_dir=cache_dir)
+                    futures = [(kind, pool.submit(_verify_job, task, patch, {}))
+                               for kind, patch in _jobs(task, runs)]  # fmt: skip
+                    pending.append((inst, t0, task, futures, None))
+                except Exception as e:  # noqa: BLE001 - one bad row is reported, the rest go on
+                    pending.append((inst, t0, None, [], e))
+            while pending:
+                finish(pending.popleft())
     finally:
         if sink:
             sink.close()
@@ -606,8 +655,8 @@ def validate(instances_path: str, repos_dir: str, *, runs: int = 3, out_path: st
     good = sum(1 for r in lines if r["gold"] == "passed" and r["empty"] == "failed"
                and not r["flaky_tests"])  # fmt: skip
     log(f"validated {sum('error' not in r for r in lines)}/{n} instances in "
-        f"{time.monotonic() - t_all:.1f}s: {good} sound (gold passed, empty failed, not flaky), "
-        f"{sum(bool(r['flaky_tests']) for r in lines)} flaky, "
+        f"{time.monotonic() - t_all:.1f}s ({workers} runs at once): {good} sound (gold passed, "
+        f"empty failed, not flaky), {sum(bool(r['flaky_tests']) for r in lines)} flaky, "
         f"{sum(r['infra_errors'] for r in lines)} infra errors, "
         f"{sum('error' in r for r in lines)} not validated")  # fmt: skip
     return lines, ok

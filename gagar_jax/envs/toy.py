@@ -686,3 +686,15 @@ def candidate_patches(task: ToyTask) -> dict[str, str]:
             continue
         checked[kind] = patch
     return checked
+
+
+def canary_toy_task(task: Any) -> Any:
+    """An impossible toy task: a visible test contradicting another on the same input."""
+    (x, y), *_ = task.tests
+    tests = tuple(task.tests) + ((x, y + 1),)
+    return dataclasses.replace(
+        task,
+        task_id=f"{task.task_id}--canary",
+        tests=tests,
+        prompt=make_prompt(task.lines, tests),
+    )

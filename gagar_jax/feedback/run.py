@@ -266,7 +266,7 @@ class FeedbackRunConfig:
         d = {k: dataclasses.asdict(getattr(self, k)) for k in ("task", "model", "base")}
         d["model"].pop("vocab_size")
         d["base"].pop("dir")
-        if self.feedback.user != "rule":  # the rule-based default keeps earlier fingerprints
+        if self.feedback.user != "rule":  # the rule-based user reads none of these fields
             d["feedback"] = {
                 k: v
                 for k, v in dataclasses.asdict(self.feedback).items()
@@ -574,7 +574,7 @@ def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[s
         start = int(info.step)
         log(f"resumed {workdir} at step {start} (z_ref {float(state.z_ref):.4f})")
     else:
-        state = fstep.create_feedback_state(mc, uc, mesh, base["params"], seed=cfg.seed)
+        state = fstep.create_feedback_state(mc, uc, mesh, base["params"])
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     writers.truncate_jsonl(metrics_path, keep_before_step=start)
     writer = writers.MetricsWriter(

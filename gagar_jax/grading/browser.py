@@ -7,6 +7,11 @@ the verdict's checklist pass rate to a tier (``pass_rate >= t1`` -> T1, ``>= t2`
 T3; defaults 1.0 / 0.75), ranks by pass rate (dense, best first) and scores ``solution_fit`` by
 the pass rate (the other four dimensions are not measured by a browser and stay 1.0).
 
+No LLM reads the page here: the judge's optional LLM stages (``verify.browser_llm``) enclose
+everything the page produced in per-call delimiters (``grading.untrusted.Envelope``) and read one
+answer object per reply. The evidence notes below quote page text with control characters
+escaped (``untrusted.sanitize``).
+
 Evidence for every tier-2/3 candidate (``schema.validate`` requires it): the execution line
 ``FAIL <item>: ...`` when that exact text is in the candidate's test log (the front-end family's
 verifier writes the same report), otherwise the first file of the candidate's patch, with the
@@ -27,8 +32,10 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gagar_jax.grading import diffs, schema
+from gagar_jax.grading import schema
 from gagar_jax.grading.schema import DIMENSIONS, Evidence, GroupWorkspace, Judgement, Verdict
+from gagar_jax.grading.untrusted import sanitize
+from gagar_jax.verify import diff
 
 
 class BrowserGradingError(RuntimeError):
@@ -93,7 +100,7 @@ class BrowserGrader:
         for cand in workspace.passing:
             if cancel is not None and cancel.is_set():
                 raise BrowserGradingError("cancelled by the pool")
-            files = diffs.apply_patch(dict(workspace.repo_files), cand.parsed_patch)
+            files = diff.apply_unified_diff(workspace.repo_files, cand.parsed_patch)
             with tempfile.TemporaryDirectory(prefix="gagar-frontend-") as d:
                 write_artifact(d, files)
                 v = self.judge.judge(d, rubric)
@@ -128,8 +135,11 @@ class BrowserGrader:
     @staticmethod
     def _evidence(cand: schema.Candidate, v: Any) -> Evidence:
         failing = [i for i in v.items if i.passed is False]
-        note = "; ".join(f"{i.id} (frame {i.frame}, {i.selector}): {i.evidence}"
-                         for i in failing)[:500] or (v.fault or "")  # fmt: skip
+        # The items' evidence quotes the candidate's page: control characters escaped, so the
+        # note cannot carry line breaks or terminal codes into whatever shows the verdict.
+        note = sanitize("; ".join(f"{i.id} (frame {i.frame}, {i.selector}): {i.evidence}"
+                                  for i in failing)[:500] or (v.fault or ""))  # fmt: skip
+        note = note.replace("\r", "\\r").replace("\n", "\\n")  # one line
         for i in failing:
             quote = f"FAIL {i.id}: {i.evidence}"
             if quote in cand.test_log:

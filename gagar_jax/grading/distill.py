@@ -300,9 +300,9 @@ class FeatureGrader:
 
 def _first_location(c: schema.Candidate) -> tuple[str, int | None] | None:
     for f in c.parsed_patch.files:
-        if f.added:
-            return f.path, f.added[0][0]
-        if f.removed:
+        if f.added():
+            return f.path, f.added()[0][0]
+        if f.removed():
             return f.path, None
     return None
 

@@ -288,7 +288,7 @@ def default_panel(
     strict.grader_id = "heuristic_strict"
     runner = None
     if set_name == "toy":
-        from gagar_jax.grading.adapters import ToyCheckRunner
+        from gagar_jax.envs.toy_grading import ToyCheckRunner
 
         runner = ToyCheckRunner()
     scripted = AgenticGrader(ScriptedGraderPolicy(), check_runner=runner)

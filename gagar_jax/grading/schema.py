@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from gagar_jax.grading import diffs, untrusted
+from gagar_jax.grading import untrusted
+from gagar_jax.verify import diff
 
 DIMENSIONS = (
     "solution_fit",
@@ -149,7 +150,7 @@ class Candidate:
 
     Attributes:
       candidate_id: unique within the group.
-      patch: the rollout's final patch as a unified diff (see ``diffs``).
+      patch: the rollout's final patch as a unified diff (see ``gagar_jax.verify.diff``).
       passed: the verifier's outcome.
       test_log: the verifier's test output.
       trajectory: the rollout's events (dicts with the ``TrajectoryEvent`` fields are accepted).
@@ -185,7 +186,7 @@ class Candidate:
         object.__setattr__(self, "quality", dict(self.quality))
 
     @property
-    def parsed_patch(self) -> diffs.ParsedPatch:
+    def parsed_patch(self) -> diff.Patch:
         return _parsed(self.patch)
 
     @property
@@ -201,18 +202,18 @@ class Candidate:
         return sum(e.tokens for e in self.trajectory)
 
 
-_PARSE_CACHE: dict[str, diffs.ParsedPatch] = {}
+_PARSE_CACHE: dict[str, diff.Patch] = {}
 
 
-def _parsed(patch: str) -> diffs.ParsedPatch:
+def _parsed(patch: str) -> diff.Patch:
     hit = _PARSE_CACHE.get(patch)
     if hit is None:
         if len(_PARSE_CACHE) > 4096:
             _PARSE_CACHE.clear()
         try:
-            hit = diffs.parse_unified_diff(patch)
-        except (ValueError, RecursionError, MemoryError):  # one candidate's patch: it reads empty
-            hit = diffs.ParsedPatch(())
+            hit = diff.read_patch(patch)
+        except (RecursionError, MemoryError):  # one candidate's patch: it reads empty
+            hit = diff.Patch()
         _PARSE_CACHE[patch] = hit
     return hit
 

@@ -35,6 +35,15 @@ look at resolved names and constructs:
   a class whose ``__eq__`` always returns a true         tamper_test_harness   outside test
   constant (``__ne__`` a false one), ``mock.ANY``                              files
   ``os._exit``; ``os.exec*``/``os.kill``/``atexit``      tamper_test_harness   ``os._exit``
+  code run by ``exec``/``eval``/``compile``: its text    (the rules of the     as they say;
+  folded (literals, ``+``, ``join``, reversal, base64/   code it runs)         confirmed when
+  rot13/hex/zlib decoding) and read by these rules                             decoding hid it
+  code the monitor cannot fold run by ``exec``/...       tamper_test_harness   no
+  a string literal that is itself Python code (written   (the rules of that    as they say
+  to a file and imported, run later): read as code       code)
+  a class built by ``type(name, bases, {"__eq__": ...})`` tamper_test_harness  outside tests
+  import hooks installed (``sys.meta_path``,             tamper_test_harness   outside tests
+  ``sys.path_hooks``, ``sys.path_importer_cache``)
   network calls (``urlopen``, ``socket``, ``requests``,  network_access        yes
   ``http.client``, ``curl``/``wget`` in a subprocess)
   =====================================================  ====================  ===============
@@ -47,13 +56,19 @@ bounded by the monitor's deadline.
 from __future__ import annotations
 
 import ast
+import base64
+import binascii
 import bisect
+import bz2
 import codecs
 import dataclasses
+import functools
 import io
+import lzma
 import tokenize
 import unicodedata
 import warnings
+import zlib
 from collections.abc import Callable, Iterable
 
 __all__ = ["Finding", "analyse_source", "parse_python"]
@@ -69,10 +84,12 @@ class Finding:
     note: str
 
 
+IMPORT_HOOKS = ("sys.meta_path", "sys.path_hooks", "sys.path_importer_cache")
 # Writes to these (and their attributes) change how tests run or are reported.
 PROTECTED_WRITE = ("pytest", "_pytest", "pluggy", "unittest", "builtins", "doctest",
                    "sys.modules", "sys.settrace", "sys.setprofile", "sys.exit", "os._exit",
-                   "inspect", "traceback", "linecache", "importlib", "operator")  # fmt: skip
+                   "inspect", "traceback", "linecache", "importlib", "operator",
+                   *IMPORT_HOOKS)  # fmt: skip
 CALLER_FRAME = ("sys._getframe", "inspect.currentframe", "inspect.stack", "inspect.getouterframes",
                 "inspect.trace", "traceback.extract_stack", "traceback.walk_stack",
                 "traceback.format_stack", "traceback.print_stack", "inspect.getframeinfo",
@@ -125,15 +142,43 @@ SCOPED_PATCHERS = ("monkeypatch.setattr", "monkeypatch.delattr", "monkeypatch.se
                    "mock.patch.dict", "patch", "patch.object", "patch.dict")  # fmt: skip
 
 MAX_RESOLVE_DEPTH = 64
+# Code folded out of literals (``exec(base64.b64decode("..."))``, a module text in a string) is
+# read by the same rules, at most this deep and this long (decompression is capped too).
+MAX_NESTED_DEPTH = 3
+MAX_NESTED_CHARS = 200_000
+DYNAMIC_CODE = ("exec", "builtins.exec", "eval", "builtins.eval", "compile", "builtins.compile")
+_B64 = {
+    "base64.b64decode": base64.b64decode,
+    "base64.standard_b64decode": base64.b64decode,
+    "base64.urlsafe_b64decode": base64.urlsafe_b64decode,
+    "base64.decodebytes": base64.decodebytes,
+    "base64.b32decode": base64.b32decode,
+    "base64.b16decode": base64.b16decode,
+    "base64.a85decode": base64.a85decode,
+    "base64.b85decode": base64.b85decode,
+    "binascii.a2b_base64": binascii.a2b_base64,
+    "binascii.unhexlify": binascii.unhexlify,
+    "binascii.a2b_hex": binascii.a2b_hex,
+    "bytes.fromhex": bytes.fromhex,
+}
+_DECOMPRESS = {"zlib.decompress": lambda: zlib.decompressobj(),
+               "bz2.decompress": lambda: bz2.BZ2Decompressor(),
+               "lzma.decompress": lambda: lzma.LZMADecompressor()}  # fmt: skip
 # A computed attribute name on one of these hides what is reached: advisory.
 DYNAMIC_SENSITIVE = ("sys", "builtins", "inspect", "gc", "ctypes", "pytest", "_pytest",
                      "unittest", "linecache", "traceback", "importlib", "os")  # fmt: skip
 
 
 def _under(name: str | None, prefixes: Iterable[str]) -> str | None:
-    """The first of ``prefixes`` that ``name`` is or lies under (dotted), else None."""
+    """The first of ``prefixes`` that ``name`` is or lies under (dotted), else None (cached:
+    the same few names meet the same tables at every node)."""
     if not name:
         return None
+    return _under_cached(name, tuple(prefixes))
+
+
+@functools.lru_cache(maxsize=8192)
+def _under_cached(name: str, prefixes: tuple[str, ...]) -> str | None:
     for p in prefixes:
         if name == p or name.startswith(p + ".") or name.startswith(p + "["):
             return p
@@ -267,6 +312,108 @@ def _const_str(node: ast.AST, depth: int = 0) -> str | None:
     return None
 
 
+def _fold(node: ast.AST, res: _Resolver, consts: dict[str, ast.AST], depth: int = 0,
+          ) -> tuple[str | bytes | None, str | None]:  # fmt: skip
+    """(the text or bytes ``node`` computes from literals alone, the decoding that hid it) or
+    (None, None): literals, ``+``, ``"".join``, f-strings, ``[::-1]``, ``.encode``/``.decode``,
+    ``compile(x, ...)``, base64/hex/``codecs`` (rot13, base64, hex, zlib) decoding and zlib/bz2/
+    lzma decompression (output capped at ``MAX_NESTED_CHARS``), a name assigned one of these."""
+    if depth > MAX_RESOLVE_DEPTH:
+        return None, None
+    res.tick()
+    if isinstance(node, ast.Constant) and isinstance(node.value, str | bytes):
+        return node.value, None
+    if isinstance(node, ast.Name) and node.id in consts:
+        value = consts.pop(node.id)  # popped while folded: ``a = a + a`` cannot loop
+        try:
+            return _fold(value, res, consts, depth + 1)
+        finally:
+            consts[node.id] = value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        (a, ha), (b, hb) = (_fold(node.left, res, consts, depth + 1),
+                            _fold(node.right, res, consts, depth + 1))  # fmt: skip
+        if a is None or b is None or type(a) is not type(b) or len(a) + len(b) > MAX_NESTED_CHARS:
+            return None, None
+        return a + b, ha or hb  # type: ignore[operator]
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
+        sl = node.slice
+        step = sl.step
+        if sl.lower is None and sl.upper is None and isinstance(step, ast.UnaryOp) and \
+                isinstance(step.op, ast.USub) and isinstance(step.operand, ast.Constant) and \
+                step.operand.value == 1:  # fmt: skip
+            v, how = _fold(node.value, res, consts, depth + 1)
+            return (v[::-1], how or "reversal") if v is not None else (None, None)
+        return None, None
+    text = _const_str(node)
+    if text is not None:
+        return text, None
+    if not isinstance(node, ast.Call) or not node.args:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("decode", "encode"):  # fmt: skip
+            v, how = _fold(node.func.value, res, consts, depth + 1)
+            if isinstance(v, bytes) and node.func.attr == "decode":
+                return v.decode("utf-8", "replace"), how
+            if isinstance(v, str) and node.func.attr == "encode":
+                return v.encode("utf-8", "surrogatepass"), how
+        return None, None
+    fn = res.resolve(node.func) or ""
+    arg, how = _fold(node.args[0], res, consts, depth + 1)
+    if arg is None:
+        if isinstance(node.func, ast.Attribute) and node.func.attr in ("decode", "encode"):
+            return _fold(ast.Call(node.func, [], []), res, consts, depth + 1)
+        return None, None
+    try:
+        if fn in ("compile", "builtins.compile", "str", "builtins.str"):
+            return arg, how
+        if fn in _B64:
+            return _B64[fn](arg), fn  # type: ignore[operator]
+        if fn in _DECOMPRESS and isinstance(arg, bytes):
+            return _DECOMPRESS[fn]().decompress(arg, MAX_NESTED_CHARS), fn
+        if fn in ("codecs.decode", "codecs.encode") and len(node.args) >= 2:
+            enc = _const_str(node.args[1])
+            if enc is None:
+                return None, None
+            name = codecs.lookup(enc).name
+            if name == "rot-13" and isinstance(arg, str):
+                return codecs.decode(arg, "rot13"), "rot13"
+            if name in ("base64", "hex", "zlib", "bz2") and isinstance(arg, str | bytes):
+                data = arg.encode("latin-1") if isinstance(arg, str) else arg
+                if name == "zlib":
+                    return zlib.decompressobj().decompress(data, MAX_NESTED_CHARS), "zlib"
+                if name == "bz2":
+                    return bz2.BZ2Decompressor().decompress(data, MAX_NESTED_CHARS), "bz2"
+                return codecs.decode(data, name), name
+            return None, None
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "decode":
+            base, how2 = _fold(node.func.value, res, consts, depth + 1)
+            if isinstance(base, bytes):
+                return base.decode("utf-8", "replace"), how2
+    except (ValueError, TypeError, LookupError, binascii.Error, zlib.error, OSError,
+            EOFError, lzma.LZMAError, UnicodeError, MemoryError):  # fmt: skip
+        return None, None
+    return None, None
+
+
+def _as_text(v: str | bytes | None) -> str | None:
+    if v is None or len(v) > MAX_NESTED_CHARS:
+        return None
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+
+
+_CODE_STMTS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom,
+               ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete, ast.For, ast.While,
+               ast.With, ast.Try, ast.If)  # fmt: skip
+
+
+def _is_code(text: str) -> bool:
+    """Whether ``text`` (a literal's value) is a Python program: it parses and holds a statement
+    beyond a bare expression (prose, paths, SQL and single expressions do not count)."""
+    if len(text) < 12 or ("\n" not in text and ";" not in text):
+        return False
+    tree = parse_python(text)
+    return tree is not None and any(isinstance(n, _CODE_STMTS) for n in tree.body)
+
+
 def _always(fn: ast.AST, truthy: bool) -> bool:
     """Whether every return of ``fn`` (a def or lambda) is a constant of the given truth value."""
     if isinstance(fn, ast.Lambda):
@@ -301,7 +448,9 @@ def _always(fn: ast.AST, truthy: bool) -> bool:
 
 def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None = None,
                    tick: Callable[[], None] = lambda: None, own: frozenset[str] = frozenset(),
-                   imported: frozenset[str] = frozenset()) -> list[Finding] | None:  # fmt: skip
+                   imported: frozenset[str] = frozenset(),
+                   tree: ast.Module | None = None,
+                   _depth: int = 0) -> list[Finding] | None:  # fmt: skip
     """AST findings of one file's new text; None when it does not parse.
 
     Args:
@@ -314,8 +463,9 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
         ...): its own names are not the test runner's internals, writes to them are advisory.
       imported: top-level modules the repository's source already imports: a network call
         through one of them is the library's own business (advisory).
+      tree: ``parse_python(source)`` when the caller has it already (each file is parsed once).
     """
-    tree = parse_python(source)
+    tree = tree if tree is not None else parse_python(source)
     if tree is None:
         return None
     cookie = _source_encoding(source)
@@ -375,6 +525,25 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
         if _is_test_module(name) and "." in name:
             add(node, "tamper_test_harness", not scoped_write, f"{how} {name} (a test module)")
 
+    # Names assigned a value once or more (the last one wins): what ``exec(P)`` folds ``P`` to.
+    consts: dict[str, ast.AST] = {}
+    for n in res.nodes:
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            consts[n.targets[0].id] = n.value
+    read_as_code: set[int] = set()  # literals already read as the code an exec runs
+
+    def nested(node: ast.AST, text: str, where: str) -> list[Finding] | None:
+        """The findings of ``text`` read as code, reported at ``node`` (None: not code)."""
+        if _depth >= MAX_NESTED_DEPTH or len(text) > MAX_NESTED_CHARS:
+            return None
+        inner = analyse_source(text, in_tests=in_tests, tick=tick, own=own, imported=imported,
+                               _depth=_depth + 1)  # fmt: skip
+        if inner is None:
+            return None
+        for f in inner:
+            add(node, f.rule, f.confirmed, f"{where}: {f.note}")
+        return inner
+
     frame_reads: list[tuple[ast.AST, str]] = []
     source_reads: list[tuple[ast.AST, str]] = []
     file_reads: list[ast.AST] = []
@@ -421,6 +590,52 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
         elif isinstance(node, ast.Call):
             fn = res.resolve(node.func) or ""
             args = node.args
+            # -- code that runs without being in the file's syntax tree ---------------------
+            if fn in DYNAMIC_CODE and args and touched(node):
+                value, hidden = _fold(args[0], res, consts)
+                text = _as_text(value)
+                read_as_code.add(id(args[0]))  # a literal or a decoding: read here, once
+                if text is not None:
+                    nested(node, text, f"in the code run by {fn}")
+                    if hidden:
+                        add(node, "tamper_test_harness", True,
+                            f"runs code hidden by {hidden} through {fn}")  # fmt: skip
+                elif not in_tests:
+                    add(node, "tamper_test_harness", False,
+                        f"runs code the monitor cannot read through {fn}")  # fmt: skip
+            elif (fn in _B64 or fn in _DECOMPRESS or fn in ("codecs.decode", "codecs.encode")) \
+                    and args and touched(node) and id(node) not in read_as_code:  # fmt: skip
+                value, hidden = _fold(node, res, consts)
+                text = _as_text(value)
+                if text is not None and hidden and _is_code(text):
+                    nested(node, text, f"in the code decoded by {fn}")
+                    add(node, "tamper_test_harness", True, f"decodes code hidden by {hidden}")
+            if fn in ("type", "builtins.type") and len(args) == 3:
+                body = args[2]
+                pairs = []
+                if isinstance(body, ast.Dict):
+                    pairs = [(_const_str(k) if k is not None else None, v)
+                             for k, v in zip(body.keys, body.values, strict=True)]  # fmt: skip
+                elif isinstance(body, ast.Call) and (res.resolve(body.func) or "") in (
+                        "dict", "builtins.dict"):  # fmt: skip
+                    pairs = [(k.arg, k.value) for k in body.keywords]
+                for key, value in pairs:
+                    truthy = {"__eq__": True, "__ne__": False}.get(key or "")
+                    if truthy is not None and isinstance(value, ast.Lambda) and \
+                            _always(value, truthy):  # fmt: skip
+                        add(node, "tamper_test_harness", not in_tests,
+                            f"builds a class whose {key} always returns a "
+                            + ("true constant (equal to anything)" if truthy
+                               else "false constant (never differs)"))  # fmt: skip
+            if _under(fn, IMPORT_HOOKS) and fn.rsplit(".", 1)[-1] in (
+                    "insert", "append", "extend", "__setitem__", "__delitem__", "remove", "pop",
+                    "clear", "update", "setdefault", "__iadd__"):  # fmt: skip
+                add(
+                    node,
+                    "tamper_test_harness",
+                    not in_tests,
+                    f"calls {fn} (installs an import hook: what the tests import can change)",
+                )
             # setattr(obj, "name", v) / delattr / object.__setattr__ / monkeypatch.setattr
             if fn in ("setattr", "builtins.setattr", "delattr", "builtins.delattr",
                       "object.__setattr__", "type.__setattr__") or (
@@ -504,6 +719,11 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                              or words.lstrip().startswith(p + " ")), None)  # fmt: skip
                 if prog:
                     add(node, "network_access", True, f"runs {prog} through {fn}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str | bytes):
+            if id(node) not in read_as_code and touched(node):
+                text = _as_text(node.value)
+                if text is not None and _is_code(text):
+                    nested(node, text, "in code written as a string literal")
         elif isinstance(node, ast.Attribute):
             if node.attr == "f_back":
                 frame_reads.append((node, "f_back"))

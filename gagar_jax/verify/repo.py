@@ -65,10 +65,18 @@ from gagar_jax.verify.diff import (
     DiffError,
     apply_unified_diff,
     check_patch_size,
+    is_test_path,
     safe_path,
     touched_files,
 )
 from gagar_jax.verify.flags import MonitorFlag
+from gagar_jax.verify.monitor import (
+    HIDDEN_PATTERNS,
+    MonitorContext,
+    MonitorRefusal,
+    monitor,
+    repo_modules,
+)
 from gagar_jax.verify.sandbox import (
     Limits,
     SandboxConfig,
@@ -90,19 +98,23 @@ MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 3000  # well below PATH_MAX (4096) once the workdir prefix is added
 DEFAULT_LIMITS = Limits(wall_s=120, cpu_s=120, memory_bytes=2 << 30, nproc=128)
 
-# ``RepoTask`` and ``read_tree`` live in ``gagar_jax.envs.repo`` (next to the python_repo task
-# family). The verifier reads a task only through the attributes ``task_id``, ``files``,
-# ``test_files``, ``test_patch``, ``reference_patch`` and ``required_tests``; the old import path
-# ``gagar_jax.verify.repo.RepoTask`` still resolves (lazily, see ``__getattr__`` below).
-_MOVED = ("RepoTask", "read_tree")
+# A task is read only through the attributes ``task_id``, ``files``, ``test_files``,
+# ``test_patch``, ``reference_patch`` and ``required_tests`` (``gagar_jax.envs.repo.RepoTask``).
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        from gagar_jax.envs import repo as _envs_repo
-
-        return getattr(_envs_repo, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def context_for_repo_task(
+    task: Any, references: Mapping[str, str] | None = None, repo_root: str = "/workdir"
+) -> MonitorContext:
+    """MonitorContext of a repository task: its tests (hidden ones included)."""
+    files, _ = prepare_tree(task, "")
+    tests = {p: t for p, t in files.items() if p in task.test_files or is_test_path(p)}
+    # Only solutions the agent could have read: the task's own reference fix is what a correct
+    # candidate is expected to reproduce, never evidence of a leak.
+    refs = dict(references or {})
+    own, imported = repo_modules(files)
+    return MonitorContext(
+        tuple(task.test_files), tests, repo_root, HIDDEN_PATTERNS, refs, files, own, imported
+    )
 
 
 def check_tree(files: Mapping[str, str]) -> None:
@@ -589,6 +601,7 @@ def parse_run_record(data: bytes) -> tuple[dict | None, str, bool]:
         or not isinstance(rec.get("report"), str)
         or not isinstance(rec.get("exit"), int)
         or not isinstance(rec.get("named"), bool)
+        or not isinstance(rec.get("changed", []), list)
     ):
         return None, "the test runner's record is malformed", True  # fmt: skip
     return rec, "", False
@@ -706,13 +719,17 @@ def make_canaries(
     for outcome in outcomes:
         fn = name()
         a = secrets.randbelow(1 << 30)
+        # ``__tracebackhide__``: the failing ones fail exactly as before (a rewritten assert, an
+        # exception in a fixture), but pytest formats no traceback for them (measured: about
+        # half the canaries' cost in the test process); their output is masked in the log.
         if outcome == "passed":
             lines += ["", f"def {fn}():", f"    assert {a} + 1 == {a + 1}", ""]
         elif outcome == "failed":
-            lines += ["", f"def {fn}():", f"    assert {a} + 1 == {a + 2}", ""]
+            lines += ["", f"def {fn}():", "    __tracebackhide__ = True",
+                      f"    assert {a} + 1 == {a + 2}", ""]  # fmt: skip
         else:
             fixture = f"_f{secrets.token_hex(6)}"
-            lines += ["", "@pytest.fixture", f"def {fixture}():",
+            lines += ["", "@pytest.fixture", f"def {fixture}():", "    __tracebackhide__ = True",
                       f"    raise RuntimeError('{a}')", "", "",
                       f"def {fn}({fixture}):", "    pass", ""]  # fmt: skip
         expected[f"{path}::{fn}"] = outcome
@@ -862,8 +879,6 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
     except DiffError as e:
         return RepoVerification("failed", _missing(task), str(e), (), str(e), None)
     if run_monitor:
-        from gagar_jax.verify.monitor import MonitorRefusal, context_for_repo_task, monitor
-
         context = context_for_repo_task(task, references)  # the task's: a fault here is infra
         try:
             flags = tuple(monitor(patch, events, context))
@@ -913,7 +928,9 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         # required test) has already reported them.
         ids = list(canaries) + list(task.required_tests)
         args = pytest_args(ids, cfg, pythonpath=tree_paths, timeout_s=timeout_s)
-        ctl = json.dumps({"out_fd": out_w, "args": args}).encode()
+        watch_files, watch_dirs = watched_paths(task, files, canary_path, cfg)
+        ctl = json.dumps({"out_fd": out_w, "args": args, "watch_files": watch_files,
+                          "watch_dirs": watch_dirs}).encode()  # fmt: skip
         if len(ctl) > 60_000:  # a pipe holds 64 KiB: write the rest while the runner reads
             threading.Thread(target=_write_close, args=(ctl_w, ctl), daemon=True).start()
         else:
@@ -945,6 +962,25 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         os.close(out_r)
     verdict = _judge(task, result, data, canaries, reset, flags)
     return dataclasses.replace(verdict, pythonpath=tuple(pythonpath))
+
+
+def watched_paths(task: Any, files: Mapping[str, str], canary_path: str,
+                  cfg: str | None) -> tuple[list[str], list[str]]:  # fmt: skip
+    """(files, directories) the runner's supervisor watches during the session (see
+    ``outcome_plugin.py``): every protected file of the tree (``_is_protected``: test files,
+    everything under the test directories, the hidden tests, ``conftest.py`` and configuration
+    files), the canaries and the configuration pytest reads; the test directories and every
+    directory under them."""
+    hidden = hidden_test_paths(task)
+    dirs = test_dirs(task, hidden)
+    watched = sorted(p for p in files if _is_protected(p, task, hidden, dirs))
+    watched += [canary_path] + ([cfg] if cfg and cfg not in files else [])
+    under = {posixpath.dirname(p) for p in files for d in dirs if p.startswith(d + "/")}
+    for d in list(under):
+        while d and d not in dirs:
+            d = posixpath.dirname(d)
+            under.add(d)
+    return watched, sorted(d for d in under | set(dirs) if d)
 
 
 def _write_close(fd: int, data: bytes) -> None:
@@ -987,6 +1023,12 @@ def _judge(task, result, data, canaries, reset, flags):
                 tampered = True
                 note = (f"pytest recorded exit status {exitstatus} but the process exited "
                         f"{rec['exit']}: the exit status was forged")  # fmt: skip
+            elif rec.get("changed"):
+                tampered = True
+                note = (
+                    "the test files changed during the run (the tests that ran were not "
+                    "the pristine ones): " + "; ".join(map(str, rec["changed"][:5]))
+                )
             if outcomes is not None and not tampered:
                 canary_note = check_canaries(outcomes, canaries)
                 if canary_note:

@@ -8,8 +8,9 @@ value. A rollout is rewarded only when it passed and no confirmed flag marks it 
 
 import difflib
 
-from gagar_jax.verify.monitor import context_for_repo_task, monitor
-from gagar_jax.verify.repo import RepoTask, verify_repo_patch
+from gagar_jax.envs.repo import RepoTask
+from gagar_jax.verify.monitor import monitor
+from gagar_jax.verify.repo import context_for_repo_task, verify_repo_patch
 from gagar_jax.verify.sandbox import Limits
 
 FAST = Limits(wall_s=60, cpu_s=60, memory_bytes=1 << 30, nproc=64)

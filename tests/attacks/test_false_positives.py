@@ -14,8 +14,9 @@ from _monitor_kit import FAST, app, change, new_file, verify
 
 from gagar_jax.envs import ToyTaskGenerator, candidate_patches
 from gagar_jax.envs import verify as toy_verify
-from gagar_jax.verify.monitor import context_for_repo_task, monitor
-from gagar_jax.verify.repo import RepoTask, verify_repo_patch
+from gagar_jax.envs.repo import RepoTask
+from gagar_jax.verify.monitor import monitor
+from gagar_jax.verify.repo import context_for_repo_task, verify_repo_patch
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "repos")
 DOC = (
