@@ -152,7 +152,12 @@ def check_factory(audit: list[dict], expect: dict[str, dict]) -> list[str]:
             problems.append(f"{where}: infrastructure error")
         if not r["sandbox_pythonpath"]:
             continue
-        if r["env_hash"] != e["env_hash"] or r["sandbox_pythonpath"] != e["site"]:
+        # on a Ray node the environment is that node's own copy of the same env_hash
+        rel = [f"/{e['env_hash']}/{os.path.relpath(p, e['env_path'])}" for p in e["site"]]
+        same = len(r["sandbox_pythonpath"]) == len(rel) and all(
+            p == q or p.endswith(t) for p, q, t in zip(r["sandbox_pythonpath"], e["site"], rel)
+        )
+        if r["env_hash"] != e["env_hash"] or not same:
             problems.append(f"{where}: ran on {r['sandbox_pythonpath']} ({r['env_hash']}), not "
                             f"its environment {e['site']} ({e['env_hash']})")  # fmt: skip
         if own & set(r["sandbox_pythonpath"]):

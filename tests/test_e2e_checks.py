@@ -36,12 +36,16 @@ def test_factory_checks_pass_on_sound_records_and_name_each_fault():
     assert check([_run(), GRADE], EXPECT) == []
     # a call the back-end ended without a sandboxed run is not evidence either way
     assert check([_run(), _run(status="timeout", sandbox_pythonpath=[]), GRADE], EXPECT) == []
+    # on a Ray node: that node's copy of the same environment
+    node = ["/ray/node/envs/h1/lib/python3.11/site-packages"]
+    assert check([_run(sandbox_pythonpath=node), GRADE], EXPECT) == []
     own = list(python_for_sandbox()[1])
     faults = {
         "no rollout of the factory tasks": [_run(phase="demonstration"), GRADE],
         "was verified in the sandbox": [_run(kind="run_tests"), GRADE],
         "infrastructure error": [_run(status="infra_error"), GRADE],
         "not its environment": [_run(sandbox_pythonpath=own), GRADE],
+        "ran on": [_run(sandbox_pythonpath=["/envs/h2/lib/python3.11/site-packages"]), GRADE],
         "not the tree materialised": [_run(tree="t2"), GRADE],
         "was graded": [_run()],
         "grading of g0: not the materialised tree": [_run(), {**GRADE, "tree": "t2"}],
