@@ -251,7 +251,8 @@ def _cgroups_usable() -> bool:
 
 PROBE_TIMEOUT_S = 10.0
 _PROBED: dict[tuple[str, SandboxConfig], str | None] = {}  # definitive verdicts only
-_PROBE_LOCK = threading.Lock()
+_PROBE_LOCKS: dict[tuple[str, SandboxConfig], threading.Lock] = {}
+_PROBE_GUARD = threading.Lock()
 
 
 class SandboxBusy(TimeoutError):
@@ -291,14 +292,19 @@ def _probe(mechanism: str, config: SandboxConfig) -> str | None:
     not finish in :data:`PROBE_TIMEOUT_S` on a loaded machine is tried again with six times
     the time; if that does not finish either, :class:`SandboxBusy` is raised: a busy moment must
     neither be remembered as "this mechanism does not work" nor silently pick a weaker one."""
-    need = {"bwrap": "bwrap", "unshare": "unshare"}.get(mechanism)
-    for tool in ("prlimit", "setpriv" if _is_root() else None, need):
-        if tool and not _which(tool):
-            return f"{tool} not found"
     key = (mechanism, config)
-    with _PROBE_LOCK:
+    if key in _PROBED:  # the common case: no lock
+        return _PROBED[key]
+    with _PROBE_GUARD:
+        lock = _PROBE_LOCKS.setdefault(key, threading.Lock())
+    with lock:  # one probe per key at a time; other keys are not held up
         if key in _PROBED:
             return _PROBED[key]
+        need = {"bwrap": "bwrap", "unshare": "unshare"}.get(mechanism)
+        for tool in ("prlimit", "setpriv" if _is_root() else None, need):
+            if tool and not _which(tool):
+                _PROBED[key] = f"{tool} not found"
+                return _PROBED[key]
         for timeout in (PROBE_TIMEOUT_S, 6 * PROBE_TIMEOUT_S):
             reason, definitive = _probe_once(mechanism, config, timeout)
             if definitive:
