@@ -57,9 +57,11 @@ from gagar_jax.verify.repo import (  # noqa: E402
 from gagar_jax.verify.sandbox import python_for_sandbox  # noqa: E402
 
 # the Makefile's TASK_PACKAGES (make tasks)
-DEFAULT_PACKAGES = ("toolz==1.0.0,cachetools==8.0.2,six==1.17.0,inflection==0.5.1,"
-                    "wcwidth==0.2.13,semver==3.1.2,boltons==26.2.0,idna==3.20,pathspec==1.1.1,"
-                    "more-itertools==11.2.1")  # fmt: skip
+DEFAULT_PACKAGES = (
+    "toolz==1.0.0,cachetools==8.0.2,six==1.17.0,inflection==0.5.1,"
+    "wcwidth==0.2.13,semver==3.1.2,boltons==26.2.0,idna==3.20,pathspec==1.1.1,"
+    "more-itertools==11.2.1"
+)
 
 
 def load() -> str:
@@ -67,8 +69,10 @@ def load() -> str:
 
 
 def cpu_seconds() -> float:
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
-        resource.RUSAGE_CHILDREN)  # fmt: skip
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
@@ -90,8 +94,11 @@ class Step:
             "load_end": load(),
         }
         s = self.res["steps"][self.name]
-        print(f"[{self.name}] {s['seconds']} s wall, {s['cpu_seconds']} CPU-s, load "
-              f"{s['load_start']} -> {s['load_end']}", flush=True)  # fmt: skip
+        print(
+            f"[{self.name}] {s['seconds']} s wall, {s['cpu_seconds']} CPU-s, load "
+            f"{s['load_start']} -> {s['load_end']}",
+            flush=True,
+        )
 
 
 def bare_pytest_seconds(task) -> float:
@@ -100,13 +107,16 @@ def bare_pytest_seconds(task) -> float:
     exe, _ = python_for_sandbox()
     with tempfile.TemporaryDirectory(prefix="bare_pytest_") as d:
         write_tree(d, files)
-        env = {**os.environ, "PYTHONPATH": ":".join(env_site_packages(task.env_path)),
-               "PYTEST_ADDOPTS": ""}  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONPATH": ":".join(env_site_packages(task.env_path)),
+            "PYTEST_ADDOPTS": "",
+        }
         t0 = time.monotonic()
         subprocess.run([exe, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                         "-o", "pythonpath=" + " ".join((".", *task.pythonpath)), "--",
                         *task.required_tests], cwd=d, env=env, capture_output=True,
-                       check=False)  # fmt: skip
+                       check=False)  # fmt: skip  # argv pairs
         return time.monotonic() - t0
 
 
@@ -115,27 +125,41 @@ def env_figures(specs: list[str], cache: str, res: dict) -> None:
     reqs = []
     with tempfile.TemporaryDirectory(prefix="bench_sdists_") as d:
         for spec in specs:
-            top = synth.extract_sdist(synth.download_sdist(spec, os.path.join(cache, "sdists")),
-                                      tempfile.mkdtemp(dir=d))  # fmt: skip
+            top = synth.extract_sdist(
+                synth.download_sdist(spec, os.path.join(cache, "sdists")), tempfile.mkdtemp(dir=d)
+            )
             deps = repos.package_requirements(synth._clean_tree(repos.read_text_tree(top)))
             if deps not in reqs:
                 reqs.append(deps)
     out = []
     for deps in reqs:
         cold = repos.build_env(deps, cache_dir=cache)
-        code = ("import json, sys; from gagar_jax.data import repos; "
-                "e = repos.build_env(json.loads(sys.argv[1]), cache_dir=sys.argv[2]); "
-                "print(json.dumps([e.seconds, e.reused, e.env_hash]))")  # fmt: skip
-        r = subprocess.run([sys.executable, "-c", code, json.dumps(deps), cache], cwd=ROOT,
-                           capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+        code = (
+            "import json, sys; from gagar_jax.data import repos; "
+            "e = repos.build_env(json.loads(sys.argv[1]), cache_dir=sys.argv[2]); "
+            "print(json.dumps([e.seconds, e.reused, e.env_hash]))"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(deps), cache],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONPATH": ROOT},
+        )
         new_s, new_reused, new_hash = json.loads(r.stdout.strip().splitlines()[-1])
         memo = repos.build_env(deps, cache_dir=cache)
-        out.append({"requirements": deps, "env_hash": cold.env_hash,
-                    "cold_build_s": round(cold.seconds, 2), "cold_was_reused": cold.reused,
-                    "new_process_reuse_s": round(new_s, 3),
-                    "new_process_reused": new_reused and new_hash == cold.env_hash,
-                    "in_process_reuse_s": round(memo.seconds, 4)})  # fmt: skip
+        out.append(
+            {
+                "requirements": deps,
+                "env_hash": cold.env_hash,
+                "cold_build_s": round(cold.seconds, 2),
+                "cold_was_reused": cold.reused,
+                "new_process_reuse_s": round(new_s, 3),
+                "new_process_reused": new_reused and new_hash == cold.env_hash,
+                "in_process_reuse_s": round(memo.seconds, 4),
+            }
+        )
     res["envs"] = out
 
 
@@ -144,10 +168,15 @@ def main() -> int:
     ap.add_argument("--packages", default=DEFAULT_PACKAGES)
     ap.add_argument("--tasks-per-package", type=int, default=25)
     ap.add_argument("--max-candidates", type=int, default=200)
-    ap.add_argument("--validate-tasks", type=int, default=100,
-                    help="rows of the pool validated with --runs 3 (the first ones)")  # fmt: skip
-    ap.add_argument("--compare", type=int, default=10,
-                    help="tasks timed in the sandbox and with bare pytest")  # fmt: skip
+    ap.add_argument(
+        "--validate-tasks",
+        type=int,
+        default=100,
+        help="rows of the pool validated with --runs 3 (the first ones)",
+    )
+    ap.add_argument(
+        "--compare", type=int, default=10, help="tasks timed in the sandbox and with bare pytest"
+    )
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--out", default="runs/bench_tasks")
     args = ap.parse_args()
@@ -163,17 +192,38 @@ def main() -> int:
         env_figures(specs, cache, res)
 
     with Step("factory", res):
-        cmd = [sys.executable, "-m", "gagar_jax.data.synth", "--packages", ",".join(specs),
-               "--out", pool, "--tasks-per-package", str(args.tasks_per_package),
-               "--max-candidates", str(args.max_candidates), "--cache", cache]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "gagar_jax.data.synth",
+            "--packages",
+            ",".join(specs),
+            "--out",
+            pool,
+            "--tasks-per-package",
+            str(args.tasks_per_package),
+            "--max-candidates",
+            str(args.max_candidates),
+            "--cache",
+            cache,
+        ]
         if args.workers:
             cmd += ["--workers", str(args.workers)]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
         print(r.stdout[-2000:], r.stderr[-2000:], sep="\n")
     with open(os.path.join(pool, "synth_stats.json")) as f:
         stats = json.load(f)
-    keys = ("tasks", "packages_with_tasks", "seconds", "tasks_per_hour", "seconds_per_task",
-            "yield", "transform_mix", "cpu_seconds", "workers")  # fmt: skip
+    keys = (
+        "tasks",
+        "packages_with_tasks",
+        "seconds",
+        "tasks_per_hour",
+        "seconds_per_task",
+        "yield",
+        "transform_mix",
+        "cpu_seconds",
+        "workers",
+    )
     res["factory"] = {k: stats.get(k) for k in keys}
     res["factory"]["rejected"] = {}
     for p in stats["per_package"]:
@@ -190,9 +240,15 @@ def main() -> int:
             t1 = time.monotonic()
             v = verify_repo_patch(t, t.reference_patch, run_monitor=False)
             ver = time.monotonic() - t1
-            rows.append({"task": t.task_id, "tests": len(t.required_tests),
-                         "verify_s": round(ver, 2), "bare_pytest_s": round(
-                             bare_pytest_seconds(t), 2), "status": v.status})  # fmt: skip
+            rows.append(
+                {
+                    "task": t.task_id,
+                    "tests": len(t.required_tests),
+                    "verify_s": round(ver, 2),
+                    "bare_pytest_s": round(bare_pytest_seconds(t), 2),
+                    "status": v.status,
+                }
+            )
         res["per_task"] = rows
         if rows:
             res["verify_s_median"] = statistics.median(x["verify_s"] for x in rows)
@@ -204,43 +260,48 @@ def main() -> int:
     with Step("validate", res):
         cmd = [sys.executable, "-m", "gagar_jax.data.swe", "validate", "--instances", subset,
                "--repos", os.path.join(pool, "repos"), "--runs", "3", "--out",
-               os.path.join(out, "validate.jsonl"), "--cache", cache]  # fmt: skip
+               os.path.join(out, "validate.jsonl"), "--cache", cache]  # fmt: skip  # argv pairs
         if args.workers:
             cmd += ["--workers", str(args.workers)]
         v = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     vs = res["steps"]["validate"]
-    res["validate"] = {"tasks": n_val, "rc": v.returncode, "seconds": vs["seconds"],
-                       "seconds_per_task": round(vs["seconds"] / max(n_val, 1), 2),
-                       "cpu_seconds_per_task": round(vs["cpu_seconds"] / max(n_val, 1), 2),
-                       "projected_100_tasks_s": round(vs["seconds"] / max(n_val, 1) * 100),
-                       "summary": v.stdout.strip().splitlines()[-1] if v.stdout.strip()
-                       else v.stderr[-500:]}  # fmt: skip
+    res["validate"] = {
+        "tasks": n_val,
+        "rc": v.returncode,
+        "seconds": vs["seconds"],
+        "seconds_per_task": round(vs["seconds"] / max(n_val, 1), 2),
+        "cpu_seconds_per_task": round(vs["cpu_seconds"] / max(n_val, 1), 2),
+        "projected_100_tasks_s": round(vs["seconds"] / max(n_val, 1) * 100),
+        "summary": v.stdout.strip().splitlines()[-1] if v.stdout.strip() else v.stderr[-500:],
+    }
     res["load_end"] = load()
     with open(os.path.join(out, "tasks_bench.json"), "w") as f:
         json.dump(res, f, indent=1)
 
     fa, va, fs = res["factory"], res["validate"], res["steps"]["factory"]
     envs = res["envs"]
-    print(f"\n| figure | value |\n|---|---|\n"
-          f"| packages | {len(specs)} ({fa['packages_with_tasks']} gave tasks), "
-          f"{os.cpu_count()} cores |\n"
-          f"| factory | {fa['tasks']} tasks in {fa['seconds']} s: {fa['tasks_per_hour']} "
-          f"tasks/hour, {fa['seconds_per_task']} s per task, {fa['cpu_seconds']} CPU-s "
-          f"(load {fs['load_start']} -> {fs['load_end']}) |\n"
-          f"| yield (kept / screened mutants) | {fa['yield']:.0%}; rejected "
-          f"{fa['rejected']} |\n"
-          f"| transform mix | {fa['transform_mix']} |\n"
-          f"| env build, cold (s) | {[e['cold_build_s'] for e in envs]} |\n"
-          f"| env reuse, new process / same process (s) | "
-          f"{[(e['new_process_reuse_s'], e['in_process_reuse_s']) for e in envs]} |\n"
-          f"| one sandboxed verification, median (s) | {res.get('verify_s_median')} |\n"
-          f"| bare pytest, same tests, median (s) | {res.get('bare_pytest_s_median')} |\n"
-          f"| validate --runs 3 | {va['tasks']} tasks in {va['seconds']} s: "
-          f"{va['seconds_per_task']} s and {va['cpu_seconds_per_task']} CPU-s per task; "
-          f"100 tasks -> {va['projected_100_tasks_s']} s (load {vs['load_start']} -> "
-          f"{vs['load_end']}) |\n"
-          f"| load average (1/5/15 min) start -> end | {res['load_start']} -> "
-          f"{res['load_end']} |")  # fmt: skip
+    print(
+        f"\n| figure | value |\n|---|---|\n"
+        f"| packages | {len(specs)} ({fa['packages_with_tasks']} gave tasks), "
+        f"{os.cpu_count()} cores |\n"
+        f"| factory | {fa['tasks']} tasks in {fa['seconds']} s: {fa['tasks_per_hour']} "
+        f"tasks/hour, {fa['seconds_per_task']} s per task, {fa['cpu_seconds']} CPU-s "
+        f"(load {fs['load_start']} -> {fs['load_end']}) |\n"
+        f"| yield (kept / screened mutants) | {fa['yield']:.0%}; rejected "
+        f"{fa['rejected']} |\n"
+        f"| transform mix | {fa['transform_mix']} |\n"
+        f"| env build, cold (s) | {[e['cold_build_s'] for e in envs]} |\n"
+        f"| env reuse, new process / same process (s) | "
+        f"{[(e['new_process_reuse_s'], e['in_process_reuse_s']) for e in envs]} |\n"
+        f"| one sandboxed verification, median (s) | {res.get('verify_s_median')} |\n"
+        f"| bare pytest, same tests, median (s) | {res.get('bare_pytest_s_median')} |\n"
+        f"| validate --runs 3 | {va['tasks']} tasks in {va['seconds']} s: "
+        f"{va['seconds_per_task']} s and {va['cpu_seconds_per_task']} CPU-s per task; "
+        f"100 tasks -> {va['projected_100_tasks_s']} s (load {vs['load_start']} -> "
+        f"{vs['load_end']}) |\n"
+        f"| load average (1/5/15 min) start -> end | {res['load_start']} -> "
+        f"{res['load_end']} |"
+    )
     return 0 if fa["tasks"] and v.returncode == 0 else 1
 
 

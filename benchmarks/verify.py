@@ -96,8 +96,9 @@ def _baseline_tree(ref: str) -> str | None:
     """The package at git revision ``ref``, extracted to a temporary directory (None: no git)."""
     d = tempfile.mkdtemp(prefix="gagar_bench_base_")
     try:
-        data = subprocess.run(["git", "-C", ROOT, "archive", ref, "gagar_jax"], check=True,
-                              capture_output=True).stdout  # fmt: skip
+        data = subprocess.run(
+            ["git", "-C", ROOT, "archive", ref, "gagar_jax"], check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", d], input=data, check=True)
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"  (no baseline: git archive {ref} failed: {e})")
@@ -107,8 +108,12 @@ def _baseline_tree(ref: str) -> str | None:
 
 
 def _worker(src: str, names: list[str], n: int) -> dict[str, list[list[float]]]:
-    r = subprocess.run([sys.executable, "-c", _WORKER, src, FIXTURES, ",".join(names), str(n)],
-                       capture_output=True, text=True, check=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", _WORKER, src, FIXTURES, ",".join(names), str(n)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -119,8 +124,9 @@ def before_after(ref: str, n: int, rounds: int) -> None:
         return
     py, pythonpath = sb.python_for_sandbox()
     env = dict(os.environ, PYTHONPATH=":".join(pythonpath), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    samples: dict[str, dict[str, list[float]]] = {k: {m: [] for m in names}
-                                                  for k in ("old", "new", "bare")}  # fmt: skip
+    samples: dict[str, dict[str, list[float]]] = {
+        k: {m: [] for m in names} for k in ("old", "new", "bare")
+    }
     cpu: dict[str, dict[str, list[float]]] = {k: {m: [] for m in names} for k in ("old", "new")}
     try:
         for _ in range(rounds):  # alternating: load drift falls on both sides alike
@@ -136,27 +142,31 @@ def before_after(ref: str, n: int, rounds: int) -> None:
                     t0 = time.perf_counter()
                     subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                     *task.required_tests], cwd=plain, env=env,
-                                   capture_output=True)  # fmt: skip
+                                   capture_output=True)  # fmt: skip  # argv pairs
                     samples["bare"][m].append(time.perf_counter() - t0)
                 shutil.rmtree(plain, ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"verifier before ({ref}) / after, minimal fix, monitor off "
-          f"(median of {n * rounds}; load {os.getloadavg()[0]:.1f})")  # fmt: skip
+    print(
+        f"verifier before ({ref}) / after, minimal fix, monitor off "
+        f"(median of {n * rounds}; load {os.getloadavg()[0]:.1f})"
+    )
     print(
         f"  {'repo':10s} {'bare pytest':>12s} {'old':>10s} {'new':>10s} "
         f"{'old ovh':>10s} {'new ovh':>10s} {'new/old':>8s} {'ovh new/old':>12s}"
     )
     for m in names:
         bare, old, new = (statistics.median(samples[k][m]) for k in ("bare", "old", "new"))
-        print(f"  {m:10s} {bare * 1e3:10.0f}ms {old * 1e3:8.0f}ms {new * 1e3:8.0f}ms "
-              f"{(old - bare) * 1e3:8.0f}ms {(new - bare) * 1e3:8.0f}ms {new / old:7.2f}x "
-              f"{(new - bare) / max(old - bare, 1e-3):11.2f}x")  # fmt: skip
+        print(
+            f"  {m:10s} {bare * 1e3:10.0f}ms {old * 1e3:8.0f}ms {new * 1e3:8.0f}ms "
+            f"{(old - bare) * 1e3:8.0f}ms {(new - bare) * 1e3:8.0f}ms {new / old:7.2f}x "
+            f"{(new - bare) / max(old - bare, 1e-3):11.2f}x"
+        )
     print("  CPU seconds per run (this process + children; not inflated by load)")
     for m in names:
         old, new = (statistics.median(cpu[k][m]) for k in ("old", "new"))
         print(f"  {m:10s} old {old * 1e3:6.0f}ms cpu   new {new * 1e3:6.0f}ms cpu   "
-              f"new/old {new / max(old, 1e-6):5.2f}x")  # fmt: skip
+              f"new/old {new / max(old, 1e-6):5.2f}x")  # fmt: skip  # argv pairs
 
 
 def _cpu() -> float:
@@ -183,8 +193,10 @@ def phase_table(n: int) -> None:
     """Per-phase times of ``verify_repo_patch`` (module docstring), median of ``n`` per fixture."""
     from gagar_jax.verify import repo as vrepo
 
-    print(f"verify chain per phase (median of {n}; load {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} cores)")  # fmt: skip
+    print(
+        f"verify chain per phase (median of {n}; load {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores)"
+    )
     for name in sorted(os.listdir(FIXTURES)):
         d = os.path.join(FIXTURES, name)
         task = RepoTask.from_dir(d)
@@ -218,8 +230,10 @@ def phase_table(n: int) -> None:
         finally:
             for mod, fn_name, fn in saved:
                 setattr(mod, fn_name, fn)
-        print(f"  {name}: verify_repo_patch {statistics.median(total) * 1e3:.0f} ms wall, "
-              f"{statistics.median(cpu) * 1e3:.0f} ms CPU")  # fmt: skip
+        print(
+            f"  {name}: verify_repo_patch {statistics.median(total) * 1e3:.0f} ms wall, "
+            f"{statistics.median(cpu) * 1e3:.0f} ms CPU"
+        )
         for _, _, label in _PHASES:
             xs = times.get(label)
             if xs:
@@ -235,21 +249,25 @@ def phase_table(n: int) -> None:
         write_tree(work, task.files)
         env = {"PYTHONPATH": ":".join(paths), "PYTHONNOUSERSITE": "1"}
         ro = (vrepo.plugin_dir(), *paths)
-        layers = (("sandbox start (/bin/true)", ["/bin/true"]),
-                  ("+ interpreter start (python -P)", [py, "-P", "-c", "pass"]),
-                  ("+ runner and pytest import (preflight)", [py, "-P", vrepo.runner_path(),
-                                                               "--check"]))  # fmt: skip
+        layers = (
+            ("sandbox start (/bin/true)", ["/bin/true"]),
+            ("+ interpreter start (python -P)", [py, "-P", "-c", "pass"]),
+            ("+ runner and pytest import (preflight)", [py, "-P", vrepo.runner_path(), "--check"]),
+        )
         try:
             for label, argv in layers:
 
                 def run(a=argv, w=work, e=env, r=ro):
-                    return sb.run_sandboxed(a, w, vrepo.DEFAULT_LIMITS, env=e, ro_paths=r,
-                                            private_workdir=True)  # fmt: skip
+                    return sb.run_sandboxed(
+                        a, w, vrepo.DEFAULT_LIMITS, env=e, ro_paths=r, private_workdir=True
+                    )
 
                 c0 = _cpu()
                 t = timed(run, n)
-                print(f"    in the sandbox: {label:38s} {t * 1e3:9.2f} ms wall "
-                      f"{(_cpu() - c0) / (n + 1) * 1e3:7.1f} ms CPU")  # fmt: skip
+                print(
+                    f"    in the sandbox: {label:38s} {t * 1e3:9.2f} ms wall "
+                    f"{(_cpu() - c0) / (n + 1) * 1e3:7.1f} ms CPU"
+                )
         finally:
             shutil.rmtree(work_parent, ignore_errors=True)
     print(
@@ -411,7 +429,7 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=":".join(pythonpath), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     base = timed(lambda: subprocess.run(
         [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *task.required_tests], cwd=plain,
-        env=env, capture_output=True), max(3, n // 4))  # fmt: skip
+        env=env, capture_output=True), max(3, n // 4))  # fmt: skip  # argv pairs
     row("pytest, no sandbox, no verification", base, None)
     t = timed(lambda: verify_repo_patch(task, patch), max(3, n // 4))
     row("verify_repo_patch (bwrap chain + outcome pipe + monitor)", t, base)
@@ -428,8 +446,10 @@ def main() -> None:
     dt = time.perf_counter() - t0
     print(f"  toy verify (difficulty 2, all patch kinds)       {len(pairs) / dt:9.0f} /s")
     ctx = context_for_repo_task(task)
-    patches = [open(os.path.join(FIXTURE, "patches", f)).read()
-               for f in sorted(os.listdir(os.path.join(FIXTURE, "patches")))]  # fmt: skip
+    patches = [
+        open(os.path.join(FIXTURE, "patches", f)).read()
+        for f in sorted(os.listdir(os.path.join(FIXTURE, "patches")))
+    ]
     t0 = time.perf_counter()
     for _ in range(20):
         for p in patches:
@@ -452,12 +472,18 @@ def monitor_table(n: int) -> None:
     line = "cat /workdir/statkit/stats.py | head -{}\n"
     events = [{"turn": k // 2, "kind": kinds[k % 2], "text": line.format(k) * 3} for k in range(40)]
     head = "--- a/statkit/stats.py\n+++ b/statkit/stats.py\n@@ -1,0 +1,1 @@\n+"
-    odd = {"208 KB line of digits": (head + "1" * 208_000 + "\n", []),
-           "208 KB line except+spaces": (head + "except" + " " * 208_000 + "x\n", []),
-           "64 KB repeated action": (patches["minimal"], [
-               {"turn": 0, "kind": "tool_call", "text": "git log " * 8000}])}  # fmt: skip
-    print(f"behaviour monitor per rollout (median of {n}; patch rules + 40-event trajectory; "
-          f"load {os.getloadavg()[0]:.1f})")  # fmt: skip
+    odd = {
+        "208 KB line of digits": (head + "1" * 208_000 + "\n", []),
+        "208 KB line except+spaces": (head + "except" + " " * 208_000 + "x\n", []),
+        "64 KB repeated action": (
+            patches["minimal"],
+            [{"turn": 0, "kind": "tool_call", "text": "git log " * 8000}],
+        ),
+    }
+    print(
+        f"behaviour monitor per rollout (median of {n}; patch rules + 40-event trajectory; "
+        f"load {os.getloadavg()[0]:.1f})"
+    )
     for name, p in patches.items():
         row(f"monitor: statkit {name}", timed(lambda p=p: monitor(p, events, ctx), n), None)
     for name, (p, ev) in odd.items():

@@ -70,8 +70,15 @@ def check(rows: list[dict], log: str, execution: str = "local") -> list[str]:
             f"{[r.get('execution/calls') for r in train]}"
         )
     # the per-step counters of the execution back-end, on every logged step
-    wanted = ("calls_in_flight", "queue_wait_s", "retries", "node_losses", "orphans_reaped",
-              "admission_waits", "grader_slots_held")  # fmt: skip
+    wanted = (
+        "calls_in_flight",
+        "queue_wait_s",
+        "retries",
+        "node_losses",
+        "orphans_reaped",
+        "admission_waits",
+        "grader_slots_held",
+    )
     absent = sorted({k for r in train for k in wanted if f"execution/{k}" not in r})
     if absent:
         problems.append(f"execution: metrics missing from the train rows: {absent}")
@@ -126,9 +133,12 @@ def factory_expectations(instances: str, repos_dir: str) -> dict[str, dict]:
     out = {}
     for inst in swe.load_instances(instances):
         task = swe.to_repo_task(inst, repos_dir)
-        out[task.task_id] = {"env_hash": task.env_hash, "env_path": task.env_path,
-                             "site": list(env_site_packages(task.env_path)),
-                             "tree": tree_digest(task.files)}  # fmt: skip
+        out[task.task_id] = {
+            "env_hash": task.env_hash,
+            "env_path": task.env_path,
+            "site": list(env_site_packages(task.env_path)),
+            "tree": tree_digest(task.files),
+        }
     return out
 
 
@@ -143,8 +153,10 @@ def check_factory(audit: list[dict], expect: dict[str, dict]) -> list[str]:
     # a call the back-end ended before the sandbox reported has no path: it says nothing here
     ran = [r for r in runs if r["sandbox_pythonpath"] and r["kind"] == "verify"]
     if not ran:
-        problems.append(f"no rollout of the factory tasks {sorted(expect)} was verified in "
-                        f"the sandbox ({len(runs)} other calls)")  # fmt: skip
+        problems.append(
+            f"no rollout of the factory tasks {sorted(expect)} was verified in "
+            f"the sandbox ({len(runs)} other calls)"
+        )
     for r in runs:
         e = expect[r["task_id"]]
         where = f"{r['kind']} of {r['task_id']} ({r['status']})"
@@ -158,8 +170,10 @@ def check_factory(audit: list[dict], expect: dict[str, dict]) -> list[str]:
             p == q or p.endswith(t) for p, q, t in zip(r["sandbox_pythonpath"], e["site"], rel)
         )
         if r["env_hash"] != e["env_hash"] or not same:
-            problems.append(f"{where}: ran on {r['sandbox_pythonpath']} ({r['env_hash']}), not "
-                            f"its environment {e['site']} ({e['env_hash']})")  # fmt: skip
+            problems.append(
+                f"{where}: ran on {r['sandbox_pythonpath']} ({r['env_hash']}), not "
+                f"its environment {e['site']} ({e['env_hash']})"
+            )
         if own & set(r["sandbox_pythonpath"]):
             problems.append(f"{where}: the verifier's own packages were on the path")
         if r["tree"] != e["tree"]:
@@ -172,8 +186,10 @@ def check_factory(audit: list[dict], expect: dict[str, dict]) -> list[str]:
         if r["tree"] != e["tree"]:
             problems.append(f"grading of {r['group_id']}: not the materialised tree")
         if not all(p in r["check_pythonpath"].split(os.pathsep) for p in e["site"]):
-            problems.append(f"grading of {r['group_id']}: checks without its environment "
-                            f"({r['check_pythonpath']!r})")  # fmt: skip
+            problems.append(
+                f"grading of {r['group_id']}: checks without its environment "
+                f"({r['check_pythonpath']!r})"
+            )
     return problems
 
 
@@ -196,8 +212,9 @@ def write_pool(path: str, factory_rows: str = "") -> str:
     return path
 
 
-def trainer_cmd(run_dir: str, model_dir: str, pool: str, url: str, extra=(),
-                repos_dir: str = "") -> list[str]:  # fmt: skip
+def trainer_cmd(
+    run_dir: str, model_dir: str, pool: str, url: str, extra=(), repos_dir: str = ""
+) -> list[str]:
     return [
         sys.executable,
         os.path.join(ROOT, "scripts", "train.py"),
@@ -284,8 +301,10 @@ def main() -> int:
     factory_rows = synth.rebuild_repos(FACTORY_ROWS, factory_dir, log=lambda m: print("e2e:", m))
     repos_dir = os.path.join(factory_dir, "repos")
     expect = factory_expectations(factory_rows, repos_dir)  # builds (or reuses) the envs
-    print(f"e2e: factory tasks {sorted(expect)} ready in {time.monotonic() - t_factory:.0f} s",
-          flush=True)  # fmt: skip
+    print(
+        f"e2e: factory tasks {sorted(expect)} ready in {time.monotonic() - t_factory:.0f} s",
+        flush=True,
+    )
     pool = write_pool(os.path.join(out, "tasks.jsonl"), factory_rows)
     audit_path = os.path.join(out, "verify_log.jsonl")
     if os.path.exists(audit_path):
@@ -349,9 +368,11 @@ def main() -> int:
     with open(audit_path, encoding="utf-8") as f:
         audit = [json.loads(line) for line in f if line.strip()]
     mine = [r for r in audit if r.get("task_id") in expect]
-    print(f"e2e: factory task records: {len(mine)} "
-          f"({sorted({(r['kind'], r.get('phase', ''), r.get('status', '')) for r in mine})})",
-          flush=True)  # fmt: skip
+    print(
+        f"e2e: factory task records: {len(mine)} "
+        f"({sorted({(r['kind'], r.get('phase', ''), r.get('status', '')) for r in mine})})",
+        flush=True,
+    )
     problems += check_factory(audit, expect)
     print(f"e2e: done in {time.monotonic() - t0:.0f} s; metrics in {run_dir}/metrics.jsonl")
     for p in problems:

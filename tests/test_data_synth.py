@@ -117,9 +117,11 @@ def test_no_site_outside_the_function_and_bad_index():
 
 
 def test_issue_names_the_symptom_never_the_code():
-    log = ("    def test_x():\n>       assert f(2, 3) == 5\nE       assert -1 == 5\n"
-           "E        +  where -1 = f(2, 3)\nsrc/m.py:3: AssertionError\n"
-           "    y = a - b\n")  # fmt: skip
+    log = (
+        "    def test_x():\n>       assert f(2, 3) == 5\nE       assert -1 == 5\n"
+        "E        +  where -1 = f(2, 3)\nsrc/m.py:3: AssertionError\n"
+        "    y = a - b\n"
+    )
     text = synth.issue_text("pkg", ["tests/test_m.py::test_x"], log)
     assert "assert -1 == 5" in text and "`tests/test_m.py::test_x`" in text
     assert "y = a - b" not in text and "a + b" not in text
@@ -127,17 +129,19 @@ def test_issue_names_the_symptom_never_the_code():
 
 def test_issue_evidence_only_from_the_failing_tests_sections():
     # a -rA log with the verifier's canary sections around the real failure
-    log = ("=================================== FAILURES ===================================\n"
-           "________________________________ test_c1a2b3c4 _________________________________\n"
-           "E       assert (915143967 + 1) == 915143969\n"
-           "_____________________________ ERROR at setup of test_c9 _____________________________\n"
-           "E       RuntimeError: 664051692\n"
-           "__________________________ Outer.test_merge_sorted __________________________\n"
-           "E       assert [1, 2, 3] == [1, 2, 3, 4]\n"
-           "________________________________ test_other _________________________________\n"
-           "E       assert 0 == 1\n"
-           "=========================== short test summary info ============================\n"
-           "FAILED [canary] - assert (338031356 + 1) == 3...\n")  # fmt: skip
+    log = (
+        "=================================== FAILURES ===================================\n"
+        "________________________________ test_c1a2b3c4 _________________________________\n"
+        "E       assert (915143967 + 1) == 915143969\n"
+        "_____________________________ ERROR at setup of test_c9 _____________________________\n"
+        "E       RuntimeError: 664051692\n"
+        "__________________________ Outer.test_merge_sorted __________________________\n"
+        "E       assert [1, 2, 3] == [1, 2, 3, 4]\n"
+        "________________________________ test_other _________________________________\n"
+        "E       assert 0 == 1\n"
+        "=========================== short test summary info ============================\n"
+        "FAILED [canary] - assert (338031356 + 1) == 3...\n"
+    )
     ev = synth.failure_evidence(log, ["pkg/tests/test_m.py::Outer::test_merge_sorted"])
     assert ev == "assert [1, 2, 3] == [1, 2, 3, 4]"
     assert "915143967" not in synth.issue_text("pkg", ["t.py::test_x"], log)
@@ -159,8 +163,8 @@ def test_run_ids_sample_the_covering_tests_and_add_same_file_tests():
 ORDER_FILES = {
     "m.py": "def f():\n    return 2\n",
     "tests/test_m.py": "from m import f\n\n\ndef test_f():\n    assert f() == 1\n\n\n"
-                       "def test_g():\n    assert True\n",
-}  # fmt: skip
+    "def test_g():\n    assert True\n",
+}
 ORDER_FIX = "--- a/m.py\n+++ b/m.py\n@@ -1,2 +1,2 @@\n def f():\n-    return 2\n+    return 1\n"
 
 
@@ -177,8 +181,14 @@ def test_validation_stops_at_the_first_run_that_rules_a_candidate_out():
         return verify_repo_patch(task, patch, run_monitor=False)
 
     gate = threading.Lock()
-    good = RepoTask("t", "", ORDER_FILES, ("tests/test_m.py::test_f",),
-                    ("tests/test_m.py::test_g",), reference_patch=ORDER_FIX)  # fmt: skip
+    good = RepoTask(
+        "t",
+        "",
+        ORDER_FILES,
+        ("tests/test_m.py::test_f",),
+        ("tests/test_m.py::test_g",),
+        reference_patch=ORDER_FIX,
+    )
     screen = verify(good, "")
     assert screen.status == "failed"
     rep, gold = synth._validate_early(good, screen, 2, verify, gate)
@@ -186,13 +196,21 @@ def test_validation_stops_at_the_first_run_that_rules_a_candidate_out():
     assert rep["gold"] == "passed" and rep["empty"] == "failed" and not rep["flaky_tests"]
     assert calls == ["", ORDER_FIX, "", ORDER_FIX] and gold.status == "passed"
     calls.clear()
-    broken = RepoTask("t", "", ORDER_FILES, ("tests/test_m.py::test_f",),
-                      ("tests/test_m.py::test_g",), reference_patch="")  # fmt: skip
+    broken = RepoTask(
+        "t",
+        "",
+        ORDER_FILES,
+        ("tests/test_m.py::test_f",),
+        ("tests/test_m.py::test_g",),
+        reference_patch="",
+    )
     rep, gold = synth._validate_early(broken, screen, 3, verify, gate)
     assert rep["gold"] == "failed" and calls == [""]  # one gold run, then no more
     # every fail-to-pass test failed: nothing is blamed on the order of the tests
-    assert synth._order_dependent(gold, ("tests/test_m.py::test_f",),
-                                  ("tests/test_m.py::test_g",)) == set()  # fmt: skip
+    assert (
+        synth._order_dependent(gold, ("tests/test_m.py::test_f",), ("tests/test_m.py::test_g",))
+        == set()
+    )
 
 
 @pytest.mark.e2e
@@ -204,7 +222,7 @@ def test_factory_run_on_two_real_packages_validates(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gagar_jax.data.synth", "--packages",
                         "cachetools==8.0.2,toolz==1.0.0", "--out", out, "--tasks-per-package",
                         "2", "--max-candidates", "40", "--cache", cache],
-                       capture_output=True, text=True, timeout=3000)  # fmt: skip
+                       capture_output=True, text=True, timeout=3000)  # fmt: skip  # argv pairs
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(x) for x in open(os.path.join(out, "instances.jsonl"))]
     assert len({row["repo"] for row in rows}) == 2 and len(rows) >= 3
@@ -218,7 +236,7 @@ def test_factory_run_on_two_real_packages_validates(tmp_path):
                         os.path.join(out, "instances.jsonl"), "--repos",
                         os.path.join(out, "repos"), "--runs", "2", "--out", report,
                         "--cache", cache],
-                       capture_output=True, text=True, timeout=3000)  # fmt: skip
+                       capture_output=True, text=True, timeout=3000)  # fmt: skip  # argv pairs
     assert v.returncode == 0, v.stdout + v.stderr
     lines = [json.loads(x) for x in open(report)]
     assert [x["instance_id"] for x in lines] == [row["instance_id"] for row in rows]
@@ -238,11 +256,13 @@ def _tiny_sdist(cache):
     import io
     import tarfile
 
-    files = {"tinypkg-1.0/tinypkg.py": "def add(a, b):\n    return a + b\n",
-             "tinypkg-1.0/tests/test_tiny.py": "from tinypkg import add\n\n\n"
-             "def test_add():\n    assert add(2, 3) == 5\n\n\ndef test_zero():\n"
-             "    assert add(0, 0) == 0\n",
-             "tinypkg-1.0/PKG-INFO": "Name: tinypkg\nVersion: 1.0\n"}  # fmt: skip
+    files = {
+        "tinypkg-1.0/tinypkg.py": "def add(a, b):\n    return a + b\n",
+        "tinypkg-1.0/tests/test_tiny.py": "from tinypkg import add\n\n\n"
+        "def test_add():\n    assert add(2, 3) == 5\n\n\ndef test_zero():\n"
+        "    assert add(0, 0) == 0\n",
+        "tinypkg-1.0/PKG-INFO": "Name: tinypkg\nVersion: 1.0\n",
+    }
     os.makedirs(os.path.join(cache, "sdists"))
     with tarfile.open(os.path.join(cache, "sdists", "tinypkg-1.0.tar.gz"), "w:gz") as tf:
         for name, text in files.items():
@@ -258,19 +278,30 @@ def test_rebuild_repos_gives_the_factory_rows_their_repositories_back(tmp_path):
 
     cache = str(tmp_path / "cache")
     _tiny_sdist(cache)
-    fix = ("--- a/tinypkg.py\n+++ b/tinypkg.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n"
-           "-    return a - b\n+    return a + b\n")  # fmt: skip
-    row = swe.SweInstance("pypi__tinypkg.0001", "pypi/tinypkg", "stale", fix, "", "add fails",
-                          ("tests/test_tiny.py::test_add",), ("tests/test_tiny.py::test_zero",),
-                          version="1.0").to_row()  # fmt: skip
+    fix = (
+        "--- a/tinypkg.py\n+++ b/tinypkg.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n"
+        "-    return a - b\n+    return a + b\n"
+    )
+    row = swe.SweInstance(
+        "pypi__tinypkg.0001",
+        "pypi/tinypkg",
+        "stale",
+        fix,
+        "",
+        "add fails",
+        ("tests/test_tiny.py::test_add",),
+        ("tests/test_tiny.py::test_zero",),
+        version="1.0",
+    ).to_row()
     src = str(tmp_path / "rows.jsonl")
     with open(src, "w") as f:
         f.write(json.dumps(row) + "\n")
     path = synth.rebuild_repos(src, str(tmp_path / "out"), cache_dir=cache, log=lambda s: None)
     (inst,) = swe.load_instances(path)
     assert inst.base_commit != "stale" and inst.environment_setup_commit == inst.base_commit
-    task = swe.to_repo_task(inst, str(tmp_path / "out" / "repos"), cache_dir=cache,
-                            build_envs=False)  # fmt: skip
+    task = swe.to_repo_task(
+        inst, str(tmp_path / "out" / "repos"), cache_dir=cache, build_envs=False
+    )
     assert "a - b" in task.files["tinypkg.py"] and "PKG-INFO" not in task.files
     assert verify_repo_patch(task, task.reference_patch, run_monitor=False).status == "passed"
     assert verify_repo_patch(task, "", run_monitor=False).status == "failed"

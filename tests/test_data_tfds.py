@@ -84,7 +84,7 @@ def test_repo_tasks_from_jsonl_and_verify(tmp_path):
                 {"task_id": "x", "issue": "", "files": {"a.py": ""}, "fail_to_pass": ["t.py"]}
             ),
             "not 'file::name'",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_repo_tasks_bad_lines_fail_the_build(tmp_path, line, msg):

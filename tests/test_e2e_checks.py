@@ -18,15 +18,27 @@ EXPECT = {"pypi__x.0001": {"env_hash": "h1", "env_path": "/envs/h1", "site": [SI
 
 
 def _run(**kw):
-    r = {"kind": "verify", "phase": "rollout", "task_id": "pypi__x.0001", "status": "failed",
-         "env_hash": "h1", "env_path": "/envs/h1",
-         "sandbox_pythonpath": [SITE], "tree": "t1"}  # fmt: skip
+    r = {
+        "kind": "verify",
+        "phase": "rollout",
+        "task_id": "pypi__x.0001",
+        "status": "failed",
+        "env_hash": "h1",
+        "env_path": "/envs/h1",
+        "sandbox_pythonpath": [SITE],
+        "tree": "t1",
+    }
     return {**r, **kw}
 
 
-GRADE = {"kind": "grade", "group_id": "g0", "task_id": "pypi__x.0001", "tree": "t1",
-         "env_path": "/envs/h1",
-         "check_pythonpath": f"{SITE}:.:src"}  # fmt: skip
+GRADE = {
+    "kind": "grade",
+    "group_id": "g0",
+    "task_id": "pypi__x.0001",
+    "tree": "t1",
+    "env_path": "/envs/h1",
+    "check_pythonpath": f"{SITE}:.:src",
+}
 
 
 def test_factory_checks_pass_on_sound_records_and_name_each_fault():

@@ -227,7 +227,7 @@ def test_cli_split_and_prescreen_rows():
         ev.main(
             ["--grader", "heuristic", "--set", "toy", "--split", "heldout", "--prescreen",
              "--json", "--bootstrap", "0", "--probes", "none", "--limit", "3"]
-        )  # fmt: skip
+        )  # fmt: skip  # argv pairs
     (row,) = [json.loads(line) for line in buf.getvalue().splitlines()]
     assert row["set"] == "toy@v1:heldout+prescreen" and row["groups"] == 3
 

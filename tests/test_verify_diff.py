@@ -23,8 +23,9 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "repos")
 
 
 def _udiff(path, old, new):
-    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                        f"a/{path}", f"b/{path}"))  # fmt: skip
+    return "".join(
+        difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}")
+    )
 
 
 def test_fixture_patches_parse_and_apply():

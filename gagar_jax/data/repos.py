@@ -46,11 +46,18 @@ import tomllib
 from collections.abc import Mapping, Sequence
 
 from gagar_jax.verify import execution as _execution
+from gagar_jax.verify.repo import env_site_packages
 from gagar_jax.verify.sandbox import python_for_sandbox
 
-GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0", "HOME": "/nonexistent",
-           "GIT_AUTHOR_NAME": "gagar", "GIT_AUTHOR_EMAIL": "gagar@localhost",
-           "GIT_COMMITTER_NAME": "gagar", "GIT_COMMITTER_EMAIL": "gagar@localhost"}  # fmt: skip
+GIT_ENV = {
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_TERMINAL_PROMPT": "0",
+    "HOME": "/nonexistent",
+    "GIT_AUTHOR_NAME": "gagar",
+    "GIT_AUTHOR_EMAIL": "gagar@localhost",
+    "GIT_COMMITTER_NAME": "gagar",
+    "GIT_COMMITTER_EMAIL": "gagar@localhost",
+}
 TEST_TOOLS = ("pytest", "pytest-timeout")
 
 
@@ -65,15 +72,29 @@ def default_cache_dir() -> str:
     )
 
 
-def git(*args: str, cwd: str | None = None, check: bool = True, input: bytes | None = None,
-        timeout: float = 300) -> subprocess.CompletedProcess:  # fmt: skip
+def git(
+    *args: str,
+    cwd: str | None = None,
+    check: bool = True,
+    input: bytes | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
     """``git`` with no system/user configuration and no prompts."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **GIT_ENV}
-    r = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, input=input,
-                       timeout=timeout, check=False)  # fmt: skip
+    r = subprocess.run(
+        ["git", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        input=input,
+        timeout=timeout,
+        check=False,
+    )
     if check and r.returncode != 0:
-        raise RuntimeError(f"git {' '.join(args[:3])} failed ({r.returncode}): "
-                           f"{r.stderr.decode(errors='replace').strip()[-500:]}")  # fmt: skip
+        raise RuntimeError(
+            f"git {' '.join(args[:3])} failed ({r.returncode}): "
+            f"{r.stderr.decode(errors='replace').strip()[-500:]}"
+        )
     return r
 
 
@@ -92,8 +113,9 @@ def find_repo(repos_dir: str, repo: str) -> str:
         path = os.path.join(repos_dir, name)
         if os.path.exists(path):
             return path
-    raise RepoNotFound(f"repository {repo!r}: none of {key}/, {key}.git/, {key}.bundle in "
-                       f"{repos_dir!r}")  # fmt: skip
+    raise RepoNotFound(
+        f"repository {repo!r}: none of {key}/, {key}.git/, {key}.bundle in {repos_dir!r}"
+    )
 
 
 def git_dir(repos_dir: str, repo: str, cache_dir: str | None = None) -> str:
@@ -176,8 +198,9 @@ def read_text_tree(root: str) -> dict[str, str]:
     return out
 
 
-def snapshot_files(repos_dir: str, repo: str, commit: str,
-                   cache_dir: str | None = None) -> dict[str, str]:  # fmt: skip
+def snapshot_files(
+    repos_dir: str, repo: str, commit: str, cache_dir: str | None = None
+) -> dict[str, str]:
     """The text files of ``repo`` at ``commit`` (from the cached snapshot)."""
     return read_text_tree(snapshot(repos_dir, repo, commit, cache_dir))
 
@@ -214,8 +237,11 @@ def detect_pythonpath(files: Mapping[str, str]) -> tuple[str, ...]:
                 return tuple(p.strip("/") for p in pp if p.strip("/") not in ("", "."))
         except (tomllib.TOMLDecodeError, AttributeError):
             pass
-    for name, section in (("pytest.ini", "pytest"), ("tox.ini", "pytest"),
-                          ("setup.cfg", "tool:pytest")):  # fmt: skip
+    for name, section in (
+        ("pytest.ini", "pytest"),
+        ("tox.ini", "pytest"),
+        ("setup.cfg", "tool:pytest"),
+    ):
         if name in files:
             cp = configparser.ConfigParser(interpolation=None)
             try:
@@ -277,12 +303,18 @@ def uv_exe() -> str:
     return exe
 
 
-def _run_uv(args: Sequence[str], what: str, input: str | None = None,
-            timeout: float = 900) -> str:  # fmt: skip
+def _run_uv(args: Sequence[str], what: str, input: str | None = None, timeout: float = 900) -> str:
     env = dict(os.environ)
     env.setdefault("UV_NO_PROGRESS", "1")
-    r = subprocess.run([uv_exe(), *args], capture_output=True, text=True, input=input,
-                       timeout=timeout, env=env, check=False)  # fmt: skip
+    r = subprocess.run(
+        [uv_exe(), *args],
+        capture_output=True,
+        text=True,
+        input=input,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
     if r.returncode != 0:
         raise EnvBuildError(f"{what} failed: {r.stderr.strip()[-1500:]}")
     return r.stdout
@@ -303,8 +335,13 @@ def pinned_test_tools() -> list[str]:
 @functools.cache
 def _interpreter() -> tuple[str, str]:
     exe, _ = python_for_sandbox()
-    version = subprocess.run([exe, "-c", "import sys; print(sys.version)"], capture_output=True,
-                             text=True, check=True, timeout=60).stdout.strip()  # fmt: skip
+    version = subprocess.run(
+        [exe, "-c", "import sys; print(sys.version)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
     return exe, version
 
 
@@ -316,10 +353,14 @@ def lock_requirements(requirements: Sequence[str], python: str | None = None) ->
         if not isinstance(r, str) or not r.strip() or r.strip().startswith("-"):
             raise ValueError(f"requirement {r!r}: expected a PEP 508 requirement string")
     reqs = "\n".join([*pinned_test_tools(), *(r.strip() for r in requirements)]) + "\n"
-    out = _run_uv(["pip", "compile", "-", "-q", "--no-header", "--no-annotate",
-                   "--python", exe], "resolving the requirements", input=reqs)  # fmt: skip
-    lines = sorted({ln.strip() for ln in out.splitlines()
-                    if ln.strip() and not ln.lstrip().startswith("#")})  # fmt: skip
+    out = _run_uv(
+        ["pip", "compile", "-", "-q", "--no-header", "--no-annotate", "--python", exe],
+        "resolving the requirements",
+        input=reqs,
+    )
+    lines = sorted(
+        {ln.strip() for ln in out.splitlines() if ln.strip() and not ln.lstrip().startswith("#")}
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -338,12 +379,11 @@ def compile_bytecode(venv: str, exe: str | None = None) -> None:
     ``.pyc``: without this every run compiles pytest and the dependencies from source again
     (measured: importing pytest and pytest-timeout in the sandbox costs 0.27 s of CPU without
     bytecode, 0.12 s with it)."""
-    from gagar_jax.verify.repo import env_site_packages
 
     exe = exe or _interpreter()[0]
     for sp in env_site_packages(venv):
         subprocess.run([exe, "-m", "compileall", "-q", "-j", "0", sp], capture_output=True,
-                       timeout=900, check=False)  # fmt: skip
+                       timeout=900, check=False)  # fmt: skip  # argv pairs
 
 
 def _mark_compiled(venv: str) -> None:
@@ -439,19 +479,21 @@ def _install_env(venv: str, exe: str, version: str, lock: str, env_hash: str) ->
     """Creates the virtual environment ``venv`` (absent or empty) for interpreter ``exe`` and
     installs the resolved ``lock`` into it (no resolution: exactly those versions)."""
     _run_uv(["venv", "-q", "--allow-existing", "--python", exe, venv],
-            "creating the virtual environment")  # fmt: skip
+            "creating the virtual environment")  # fmt: skip  # argv pairs
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(lock)
     try:
         _run_uv(["pip", "install", "-q", "--no-deps", "--python",
                  os.path.join(venv, "bin", "python"), "-r", f.name],
-                "installing the lockfile")  # fmt: skip
+                "installing the lockfile")  # fmt: skip  # argv pairs
     finally:
         os.unlink(f.name)
     compile_bytecode(venv, exe)
     with open(os.path.join(venv, ".gagar-env"), "w") as f:
-        json.dump({"env_hash": env_hash, "interpreter": version, "lockfile": lock,
-                   "format": ENV_FORMAT}, f)  # fmt: skip
+        json.dump(
+            {"env_hash": env_hash, "interpreter": version, "lockfile": lock, "format": ENV_FORMAT},
+            f,
+        )
     for d, _, _ in os.walk(venv):  # readable by the sandbox uid
         os.chmod(d, os.stat(d).st_mode | 0o555)
 

@@ -45,11 +45,33 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-FIELDS = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement",
-          "hints_text", "created_at", "version", "FAIL_TO_PASS", "PASS_TO_PASS",
-          "environment_setup_commit")  # fmt: skip
-REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement",
-            "FAIL_TO_PASS")  # fmt: skip
+from gagar_jax.data import repos
+from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files
+from gagar_jax.verify.repo import verify_repo_patch
+
+FIELDS = (
+    "instance_id",
+    "repo",
+    "base_commit",
+    "patch",
+    "test_patch",
+    "problem_statement",
+    "hints_text",
+    "created_at",
+    "version",
+    "FAIL_TO_PASS",
+    "PASS_TO_PASS",
+    "environment_setup_commit",
+)
+REQUIRED = (
+    "instance_id",
+    "repo",
+    "base_commit",
+    "patch",
+    "test_patch",
+    "problem_statement",
+    "FAIL_TO_PASS",
+)
 OPTIONAL = ("test_cmd", "python_deps", "install")
 STATUSES = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL")
 RESOLVED_FULL, RESOLVED_PARTIAL, RESOLVED_NO = "RESOLVED_FULL", "RESOLVED_PARTIAL", "RESOLVED_NO"
@@ -105,8 +127,10 @@ def _tests(value: Any, field: str, where: str) -> tuple[str, ...]:
     if hasattr(value, "tolist"):  # numpy arrays from parquet
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
-        raise InstanceError(f"{where}: {field} must be a list of test id strings (or its JSON "
-                            f"encoding), got {type(value).__name__}")  # fmt: skip
+        raise InstanceError(
+            f"{where}: {field} must be a list of test id strings (or its JSON "
+            f"encoding), got {type(value).__name__}"
+        )
     return tuple(value)
 
 
@@ -117,8 +141,12 @@ def swesmith_row(row: Mapping[str, Any]) -> dict[str, Any]:
     top of the original; ``patch`` introduces the bug, so the fix is its reverse, computed at
     :func:`to_repo_task` from the branch and its parent."""
     out = dict(row)
-    out.update(base_commit=str(row.get("instance_id", "")), test_patch="", layout="swesmith",
-               environment_setup_commit=str(row.get("instance_id", "")))  # fmt: skip
+    out.update(
+        base_commit=str(row.get("instance_id", "")),
+        test_patch="",
+        layout="swesmith",
+        environment_setup_commit=str(row.get("instance_id", "")),
+    )
     return out
 
 
@@ -172,8 +200,9 @@ def r2egym_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
         raise InstanceError(f"{where}: repo_name must be a repository name, got {name!r}")
     commit = _json_field(row, "parsed_commit_content", where)
     if not isinstance(commit, Mapping) or not isinstance(commit.get("file_diffs"), list):
-        raise InstanceError(f"{where}: parsed_commit_content must be an object with a "
-                            "file_diffs list")  # fmt: skip
+        raise InstanceError(
+            f"{where}: parsed_commit_content must be an object with a file_diffs list"
+        )
     old_sha = commit.get("old_commit_hash")
     if not isinstance(old_sha, str) or not old_sha:
         raise InstanceError(f"{where}: parsed_commit_content.old_commit_hash is missing")
@@ -184,8 +213,9 @@ def r2egym_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
             path = fd["header"]["file"]["path"]
             old, new = fd.get("old_file_content") or "", fd.get("new_file_content") or ""
         except (KeyError, TypeError):
-            raise InstanceError(f"{where}: parsed_commit_content.file_diffs[{i}] has no "
-                                "header.file.path") from None  # fmt: skip
+            raise InstanceError(
+                f"{where}: parsed_commit_content.file_diffs[{i}] has no header.file.path"
+            ) from None
         if fd.get("is_binary_file"):
             continue
         kind = "tests" if _is_r2e_test_file(path) else "code"
@@ -193,13 +223,18 @@ def r2egym_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
             before[kind][path] = old
         if new:
             after[kind][path] = new
-    execution = _json_field(row, "execution_result_content", where) if row.get(
-        "execution_result_content") else {}  # fmt: skip
+    execution = (
+        _json_field(row, "execution_result_content", where)
+        if row.get("execution_result_content")
+        else {}
+    )
     names = execution.get("test_file_names") or []
     codes = execution.get("test_file_codes") or []
     if len(names) != len(codes):
-        raise InstanceError(f"{where}: execution_result_content has {len(names)} "
-                            f"test_file_names but {len(codes)} test_file_codes")  # fmt: skip
+        raise InstanceError(
+            f"{where}: execution_result_content has {len(names)} "
+            f"test_file_names but {len(codes)} test_file_codes"
+        )
     for n, code in zip(names, codes, strict=True):
         after["tests"][n if "/" in n else f"{R2E_TESTS_DIR}/{n}"] = code
     expected = _json_field(row, "expected_output_json", where)
@@ -212,8 +247,9 @@ def r2egym_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
         if status not in ("PASSED", "XFAIL"):
             continue  # a test that fails after the fix requires nothing
         if "::" not in test:
-            raise InstanceError(f"{where}: expected_output_json key {test!r} is not a pytest "
-                                "node id 'file::name'")  # fmt: skip
+            raise InstanceError(
+                f"{where}: expected_output_json key {test!r} is not a pytest node id 'file::name'"
+            )
         (p2p if old_status.get(test) in ("PASSED", "XFAIL") else f2p).append(test)
     statement = str(row.get("problem_statement") or "")
     m = re.search(r"\[ISSUE\](.*?)(\[/ISSUE\]|$)", statement, re.S)
@@ -225,14 +261,19 @@ def r2egym_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
     new_sha = str(commit.get("new_commit_hash") or row.get("commit_hash") or "")
     return {
         "instance_id": str(row.get("instance_id") or f"{name}__{new_sha[:12] or old_sha[:12]}"),
-        "repo": repo, "base_commit": old_sha,
+        "repo": repo,
+        "base_commit": old_sha,
         "patch": tree_patch(before["code"], after["code"]),
         "test_patch": tree_patch(before["tests"], after["tests"]),
-        "problem_statement": statement, "hints_text": "",
-        "created_at": str(commit.get("commit_date") or ""), "version": "",
-        "FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p, "environment_setup_commit": old_sha,
+        "problem_statement": statement,
+        "hints_text": "",
+        "created_at": str(commit.get("commit_date") or ""),
+        "version": "",
+        "FAIL_TO_PASS": f2p,
+        "PASS_TO_PASS": p2p,
+        "environment_setup_commit": old_sha,
         "layout": "r2egym",
-    }  # fmt: skip
+    }
 
 
 def harbor_row(task_dir: str) -> dict[str, Any]:
@@ -259,8 +300,10 @@ def harbor_row(task_dir: str) -> dict[str, Any]:
         with open(config_path, encoding="utf-8") as f:
             record = json.load(f)
     except FileNotFoundError:
-        raise InstanceError(f"{where}: no tests/config.json: a Harbor task without a SWE-bench "
-                            "record cannot be read as a repository task") from None  # fmt: skip
+        raise InstanceError(
+            f"{where}: no tests/config.json: a Harbor task without a SWE-bench "
+            "record cannot be read as a repository task"
+        ) from None
     except ValueError as e:
         raise InstanceError(f"{config_path}: not JSON: {e}") from None
     if not isinstance(record, Mapping):
@@ -273,8 +316,10 @@ def harbor_row(task_dir: str) -> dict[str, Any]:
         pass
     out.setdefault("instance_id", os.path.basename(os.path.normpath(task_dir)))
     verifier = meta.get("verifier") if isinstance(meta.get("verifier"), Mapping) else {}
-    out["harbor"] = {"timeout_sec": verifier.get("timeout_sec"),
-                     "metadata": dict(meta.get("metadata") or {})}  # fmt: skip
+    out["harbor"] = {
+        "timeout_sec": verifier.get("timeout_sec"),
+        "metadata": dict(meta.get("metadata") or {}),
+    }
     out["layout"] = "harbor"
     return out
 
@@ -302,17 +347,17 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
     for key in REQUIRED:
         if key not in row or row[key] is None:
             raise InstanceError(f"{where}: missing field {key!r}")
-    for key in ("instance_id", "repo", "base_commit", "patch", "test_patch",
-                "problem_statement"):  # fmt: skip
+    for key in ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement"):
         if not isinstance(row[key], str):
-            raise InstanceError(f"{where}: {key} must be a string, got "
-                                f"{type(row[key]).__name__}")  # fmt: skip
+            raise InstanceError(f"{where}: {key} must be a string, got {type(row[key]).__name__}")
     if not re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", row["repo"]):
         raise InstanceError(f"{where}: repo must be 'owner/name', got {row['repo']!r}")
     f2p = _tests(row["FAIL_TO_PASS"], "FAIL_TO_PASS", where)
     if not f2p:
-        raise EmptyFailToPass(f"{where}: FAIL_TO_PASS is empty (a task needs at least one test "
-                              "that the fix makes pass)")  # fmt: skip
+        raise EmptyFailToPass(
+            f"{where}: FAIL_TO_PASS is empty (a task needs at least one test "
+            "that the fix makes pass)"
+        )
     p2p = _tests(row.get("PASS_TO_PASS"), "PASS_TO_PASS", where)
     deps = row.get("python_deps") or ()
     if isinstance(deps, str):
@@ -332,10 +377,19 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
             "install",
         )
     }
-    return SweInstance(row["instance_id"], row["repo"], row["base_commit"], row["patch"],
-                       row["test_patch"], row["problem_statement"], f2p, p2p,
-                       python_deps=tuple(deps), layout=str(row.get("layout") or "swebench"),
-                       **{k: str(v) for k, v in text.items()})  # fmt: skip
+    return SweInstance(
+        row["instance_id"],
+        row["repo"],
+        row["base_commit"],
+        row["patch"],
+        row["test_patch"],
+        row["problem_statement"],
+        f2p,
+        p2p,
+        python_deps=tuple(deps),
+        layout=str(row.get("layout") or "swebench"),
+        **{k: str(v) for k, v in text.items()},
+    )
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
@@ -405,8 +459,13 @@ def parse_log_pytest(log: str) -> dict[str, str]:
     return out
 
 
-_VERIFIER_STATUS = {"passed": "PASSED", "failed": "FAILED", "error": "ERROR",
-                    "skipped": "SKIPPED", "xfail": "XFAIL"}  # fmt: skip
+_VERIFIER_STATUS = {
+    "passed": "PASSED",
+    "failed": "FAILED",
+    "error": "ERROR",
+    "skipped": "SKIPPED",
+    "xfail": "XFAIL",
+}
 
 
 def _status_key(case: str, sm: Mapping[str, str]) -> str | None:
@@ -426,8 +485,9 @@ def normalise_status_map(sm: Mapping[str, str]) -> dict[str, str]:
     return {t: _VERIFIER_STATUS.get(s, s) for t, s in sm.items() if s != "missing"}
 
 
-def grade(status_map: Mapping[str, str], fail_to_pass: Sequence[str],
-          pass_to_pass: Sequence[str]) -> dict[str, Any]:  # fmt: skip
+def grade(
+    status_map: Mapping[str, str], fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]
+) -> dict[str, Any]:
     """swebench 5.0's report of one run: ``FAIL_TO_PASS``/``PASS_TO_PASS`` ``success`` and
     ``failure`` lists and ``resolved`` (RESOLVED_FULL / RESOLVED_PARTIAL / RESOLVED_NO)."""
     sm = normalise_status_map(status_map)
@@ -474,9 +534,7 @@ def to_repo_task(
     ``test_patch``, the gold ``patch`` as reference, the layout's ``pythonpath`` and (with
     ``build_envs``) the environment of ``python_deps`` or, without them, of the dependencies
     the repository declares."""
-    from gagar_jax.data import repos
     from gagar_jax.envs.repo import RepoTask
-    from gagar_jax.verify.diff import DiffError, touched_files
 
     files = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit, cache_dir)
     reference = inst.patch
@@ -495,32 +553,43 @@ def to_repo_task(
         reqs = list(inst.python_deps) or repos.package_requirements(files)
         env = repos.build_env(reqs, cache_dir=cache_dir)
         env_path, env_hash = env.path, env.env_hash
-    return RepoTask(task_id=inst.instance_id, issue=inst.problem_statement, files=files,
-                    fail_to_pass=inst.FAIL_TO_PASS, pass_to_pass=inst.PASS_TO_PASS,
-                    test_files=test_files, test_patch=inst.test_patch,
-                    reference_patch=reference, pythonpath=repos.detect_pythonpath(files),
-                    env_path=env_path, test_timeout_s=test_timeout_s,
-                    env_hash=env_hash)  # fmt: skip
+    return RepoTask(
+        task_id=inst.instance_id,
+        issue=inst.problem_statement,
+        files=files,
+        fail_to_pass=inst.FAIL_TO_PASS,
+        pass_to_pass=inst.PASS_TO_PASS,
+        test_files=test_files,
+        test_patch=inst.test_patch,
+        reference_patch=reference,
+        pythonpath=repos.detect_pythonpath(files),
+        env_path=env_path,
+        test_timeout_s=test_timeout_s,
+        env_hash=env_hash,
+    )
 
 
-def _swesmith_fix(inst: SweInstance, repos_dir: str, buggy: Mapping[str, str],
-                  cache_dir: str | None) -> str:  # fmt: skip
+def _swesmith_fix(
+    inst: SweInstance, repos_dir: str, buggy: Mapping[str, str], cache_dir: str | None
+) -> str:
     """The fix of a SWE-smith row: the bug branch's tree back to its parent's, checked against
     the row's bug patch."""
-    from gagar_jax.data import repos
     from gagar_jax.envs.repo import tree_patch
-    from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files
 
     parent = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit + "^", cache_dir)
     try:
         paths = touched_files(inst.patch)
         again = apply_unified_diff(parent, inst.patch)
     except DiffError as e:
-        raise InstanceError(f"{inst.instance_id}: the bug patch does not apply to the parent "
-                            f"of branch {inst.base_commit!r}: {e}") from e  # fmt: skip
+        raise InstanceError(
+            f"{inst.instance_id}: the bug patch does not apply to the parent "
+            f"of branch {inst.base_commit!r}: {e}"
+        ) from e
     if any(again.get(p) != buggy.get(p) for p in paths):
-        raise InstanceError(f"{inst.instance_id}: branch {inst.base_commit!r} is not its parent "
-                            "plus the row's bug patch")  # fmt: skip
+        raise InstanceError(
+            f"{inst.instance_id}: branch {inst.base_commit!r} is not its parent "
+            "plus the row's bug patch"
+        )
     return tree_patch(
         {p: buggy[p] for p in paths if p in buggy}, {p: parent[p] for p in paths if p in parent}
     )
@@ -540,7 +609,6 @@ def default_workers() -> int:
 
 
 def _verify_job(task, patch: str, verify_kwargs: Mapping[str, Any]):
-    from gagar_jax.verify.repo import verify_repo_patch
 
     return verify_repo_patch(task, patch, run_monitor=False, **verify_kwargs)
 
@@ -586,9 +654,17 @@ def validate_task(task, runs: int = 3, *, workers: int = 1, **verify_kwargs) -> 
     return summarise_runs(task, results)
 
 
-def validate(instances_path: str, repos_dir: str, *, runs: int = 3, out_path: str | None = None,
-             cache_dir: str | None = None, log=print, emit=None,
-             workers: int | None = None) -> tuple[list[dict], bool]:  # fmt: skip
+def validate(
+    instances_path: str,
+    repos_dir: str,
+    *,
+    runs: int = 3,
+    out_path: str | None = None,
+    cache_dir: str | None = None,
+    log=print,
+    emit=None,
+    workers: int | None = None,
+) -> tuple[list[dict], bool]:
     """Validates every row; returns (report lines, every row validated). ``emit`` gets each
     line as it is made (in the rows' order); ``log`` the summary.
 
@@ -622,9 +698,15 @@ def validate(instances_path: str, repos_dir: str, *, runs: int = 3, out_path: st
                 error = e
         if error is not None:
             ok = False
-            rec = {"instance_id": inst.instance_id, "gold": None, "empty": None,
-                   "flaky_tests": [], "infra_errors": 0, "env_hash": "",
-                   "error": f"{type(error).__name__}: {error}"}  # fmt: skip
+            rec = {
+                "instance_id": inst.instance_id,
+                "gold": None,
+                "empty": None,
+                "flaky_tests": [],
+                "infra_errors": 0,
+                "env_hash": "",
+                "error": f"{type(error).__name__}: {error}",
+            }
         rec["seconds"] = round(time.monotonic() - t0, 3)
         lines.append(rec)
         if emit:
@@ -641,8 +723,10 @@ def validate(instances_path: str, repos_dir: str, *, runs: int = 3, out_path: st
                 t0 = time.monotonic()
                 try:
                     task = to_repo_task(inst, repos_dir, cache_dir=cache_dir)
-                    futures = [(kind, pool.submit(_verify_job, task, patch, {}))
-                               for kind, patch in _jobs(task, runs)]  # fmt: skip
+                    futures = [
+                        (kind, pool.submit(_verify_job, task, patch, {}))
+                        for kind, patch in _jobs(task, runs)
+                    ]
                     pending.append((inst, t0, task, futures, None))
                 except Exception as e:  # noqa: BLE001 - one bad row is reported, the rest go on
                     pending.append((inst, t0, None, [], e))
@@ -652,13 +736,18 @@ def validate(instances_path: str, repos_dir: str, *, runs: int = 3, out_path: st
         if sink:
             sink.close()
     n = len(lines)
-    good = sum(1 for r in lines if r["gold"] == "passed" and r["empty"] == "failed"
-               and not r["flaky_tests"])  # fmt: skip
-    log(f"validated {sum('error' not in r for r in lines)}/{n} instances in "
+    good = sum(
+        1
+        for r in lines
+        if r["gold"] == "passed" and r["empty"] == "failed" and not r["flaky_tests"]
+    )
+    log(
+        f"validated {sum('error' not in r for r in lines)}/{n} instances in "
         f"{time.monotonic() - t_all:.1f}s ({workers} runs at once): {good} sound (gold passed, "
         f"empty failed, not flaky), {sum(bool(r['flaky_tests']) for r in lines)} flaky, "
         f"{sum(r['infra_errors'] for r in lines)} infra errors, "
-        f"{sum('error' in r for r in lines)} not validated")  # fmt: skip
+        f"{sum('error' in r for r in lines)} not validated"
+    )
     return lines, ok
 
 
@@ -666,8 +755,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gagar_jax.data.swe")
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="run each instance's gold and empty patch in the sandbox")
-    v.add_argument("--instances", required=True, help="SWE-bench-format rows (.jsonl/.json/"
-                   ".parquet)")  # fmt: skip
+    v.add_argument(
+        "--instances", required=True, help="SWE-bench-format rows (.jsonl/.json/.parquet)"
+    )
     v.add_argument("--repos", required=True, help="directory of owner__name repositories")
     v.add_argument("--runs", type=int, default=3)
     v.add_argument("--out", default=None, help="report JSONL (one line per instance)")
@@ -682,8 +772,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.runs < 1:
         ap.error("--runs must be >= 1")
     emit = None if args.out else (lambda rec: print(json.dumps(rec), flush=True))
-    _, ok = validate(args.instances, args.repos, runs=args.runs, out_path=args.out,
-                     cache_dir=args.cache, emit=emit, workers=args.workers)  # fmt: skip
+    _, ok = validate(
+        args.instances,
+        args.repos,
+        runs=args.runs,
+        out_path=args.out,
+        cache_dir=args.cache,
+        emit=emit,
+        workers=args.workers,
+    )
     return 0 if ok else 1
 
 

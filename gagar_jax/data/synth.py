@@ -51,6 +51,11 @@ from typing import Any
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from gagar_jax.data import audit, repos, swe
+from gagar_jax.envs.repo import RepoTask, tree_patch
+from gagar_jax.verify.repo import env_site_packages, verify_repo_patch, write_tree
+from gagar_jax.verify.sandbox import Limits, python_for_sandbox, run_sandboxed
+
 ISSUE_TEMPLATE_VERSION = "synth-issue-v1"
 ISSUE_TEMPLATE = """\
 {title}
@@ -71,17 +76,39 @@ Expected: these tests pass, as they did before, without changing the tests.
 # ---------------------------------------------------------------------------------------------
 # Transforms
 # ---------------------------------------------------------------------------------------------
-_FLIP_BIN = {cst.Add: cst.Subtract, cst.Subtract: cst.Add, cst.Multiply: cst.FloorDivide,
-             cst.FloorDivide: cst.Multiply, cst.BitAnd: cst.BitOr, cst.BitOr: cst.BitAnd,
-             cst.LeftShift: cst.RightShift, cst.RightShift: cst.LeftShift,
-             cst.Modulo: cst.FloorDivide}  # fmt: skip
+_FLIP_BIN = {
+    cst.Add: cst.Subtract,
+    cst.Subtract: cst.Add,
+    cst.Multiply: cst.FloorDivide,
+    cst.FloorDivide: cst.Multiply,
+    cst.BitAnd: cst.BitOr,
+    cst.BitOr: cst.BitAnd,
+    cst.LeftShift: cst.RightShift,
+    cst.RightShift: cst.LeftShift,
+    cst.Modulo: cst.FloorDivide,
+}
 _FLIP_BOOL = {cst.And: cst.Or, cst.Or: cst.And}
-_FLIP_CMP = {cst.LessThan: cst.LessThanEqual, cst.LessThanEqual: cst.LessThan,
-             cst.GreaterThan: cst.GreaterThanEqual, cst.GreaterThanEqual: cst.GreaterThan,
-             cst.Equal: cst.NotEqual, cst.NotEqual: cst.Equal, cst.In: cst.NotIn,
-             cst.NotIn: cst.In, cst.Is: cst.IsNot, cst.IsNot: cst.Is}  # fmt: skip
-_NONCOMMUTATIVE = (cst.Subtract, cst.Divide, cst.FloorDivide, cst.Modulo, cst.Power,
-                   cst.LeftShift, cst.RightShift)  # fmt: skip
+_FLIP_CMP = {
+    cst.LessThan: cst.LessThanEqual,
+    cst.LessThanEqual: cst.LessThan,
+    cst.GreaterThan: cst.GreaterThanEqual,
+    cst.GreaterThanEqual: cst.GreaterThan,
+    cst.Equal: cst.NotEqual,
+    cst.NotEqual: cst.Equal,
+    cst.In: cst.NotIn,
+    cst.NotIn: cst.In,
+    cst.Is: cst.IsNot,
+    cst.IsNot: cst.Is,
+}
+_NONCOMMUTATIVE = (
+    cst.Subtract,
+    cst.Divide,
+    cst.FloorDivide,
+    cst.Modulo,
+    cst.Power,
+    cst.LeftShift,
+    cst.RightShift,
+)
 _PASS = cst.SimpleStatementLine([cst.Pass()])
 
 
@@ -106,17 +133,23 @@ def _t_flip_comparison(node):
     if isinstance(node, cst.Comparison) and len(node.comparisons) == 1:
         target = node.comparisons[0]
         if type(target.operator) in _FLIP_CMP:
-            return node.with_changes(comparisons=[target.with_changes(
-                operator=_FLIP_CMP[type(target.operator)]())])  # fmt: skip
+            return node.with_changes(
+                comparisons=[target.with_changes(operator=_FLIP_CMP[type(target.operator)]())]
+            )
     return None
 
 
 def _t_invert_condition(node):
     if isinstance(node, (cst.If, cst.While)):
-        return node.with_changes(test=cst.UnaryOperation(
-            operator=cst.Not(), expression=cst.ensure_type(
-                node.test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]),
-                cst.BaseExpression)))  # fmt: skip
+        return node.with_changes(
+            test=cst.UnaryOperation(
+                operator=cst.Not(),
+                expression=cst.ensure_type(
+                    node.test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]),
+                    cst.BaseExpression,
+                ),
+            )
+        )
     return None
 
 
@@ -194,8 +227,11 @@ TRANSFORMS: dict[str, Callable[[cst.CSTNode], cst.CSTNode | None]] = {
 def _def_lines(visitor, node: cst.FunctionDef) -> range:
     """Lines from the first decorator to the ``def`` (``co_firstlineno`` is the first)."""
     end = visitor.get_metadata(PositionProvider, node).start.line
-    start = (visitor.get_metadata(PositionProvider, node.decorators[0]).start.line
-             if node.decorators else end)  # fmt: skip
+    start = (
+        visitor.get_metadata(PositionProvider, node.decorators[0]).start.line
+        if node.decorators
+        else end
+    )
     return range(min(start, end), end + 1)
 
 
@@ -342,8 +378,13 @@ def functions_at(source: str) -> dict[int, str]:
 # Packages
 # ---------------------------------------------------------------------------------------------
 def _pip(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "pip", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def download_sdist(spec: str, dest: str) -> str:
@@ -356,8 +397,10 @@ def download_sdist(spec: str, dest: str) -> str:
     version = spec.split("==")[1] if "==" in spec else None
 
     def found():
-        pats = [f"{name}-{version or '*'}.tar.gz", f"{name.replace('_', '-')}-{version or '*'}"
-                ".tar.gz"]  # fmt: skip
+        pats = [
+            f"{name}-{version or '*'}.tar.gz",
+            f"{name.replace('_', '-')}-{version or '*'}.tar.gz",
+        ]
         hits = sorted({p for pat in pats for p in glob.glob(os.path.join(dest, pat))})
         return hits[-1] if hits and version else None
 
@@ -365,14 +408,16 @@ def download_sdist(spec: str, dest: str) -> str:
         return found()
     before = set(os.listdir(dest))
     for isolation in (["--no-build-isolation"], []):
-        r = _pip("download", "-q", "--no-deps", "--no-binary", ":all:", *isolation, "-d", dest,
-                 spec)  # fmt: skip
+        r = _pip(
+            "download", "-q", "--no-deps", "--no-binary", ":all:", *isolation, "-d", dest, spec
+        )
         if r.returncode == 0:
             break
     else:
         raise RuntimeError(f"pip download {spec} failed: {r.stderr.strip()[-800:]}")
-    new = sorted(set(os.listdir(dest)) - before) or [os.path.basename(p) for p in glob.glob(
-        os.path.join(dest, f"{name}-*.tar.gz"))]  # fmt: skip
+    new = sorted(set(os.listdir(dest)) - before) or [
+        os.path.basename(p) for p in glob.glob(os.path.join(dest, f"{name}-*.tar.gz"))
+    ]
     tars = [n for n in new if n.endswith((".tar.gz", ".zip"))]
     if not tars:
         raise RuntimeError(f"pip download {spec}: no source distribution in {dest}")
@@ -405,19 +450,22 @@ def _clean_tree(files: dict[str, str]) -> dict[str, str]:
 def _trace_dir() -> str:
     d = tempfile.mkdtemp(prefix="gagar_synth_trace_")
     dst = os.path.join(d, "_gagar_synth_trace.py")
-    shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "synth_trace.py"),
-                    dst)  # fmt: skip
+    shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "synth_trace.py"), dst)
     os.chmod(dst, 0o444)
     os.chmod(d, 0o555)
     return d
 
 
-def trace_suite(files: Mapping[str, str], env_path: str, pythonpath: Sequence[str], *,
-                timeout_s: float, wall_s: float = 900) -> dict[str, Any]:  # fmt: skip
+def trace_suite(
+    files: Mapping[str, str],
+    env_path: str,
+    pythonpath: Sequence[str],
+    *,
+    timeout_s: float,
+    wall_s: float = 900,
+) -> dict[str, Any]:
     """Runs the whole suite once in the sandbox; ``{"calls": {test: [[path, line]...]},
     "outcomes": {test: outcome}, "seconds": wall}``."""
-    from gagar_jax.verify.repo import env_site_packages, write_tree
-    from gagar_jax.verify.sandbox import Limits, python_for_sandbox, run_sandboxed
 
     exe, _ = python_for_sandbox()
     paths = (_trace_dir(), *env_site_packages(env_path))
@@ -434,16 +482,26 @@ def trace_suite(files: Mapping[str, str], env_path: str, pythonpath: Sequence[st
                 "-o", "console_output_style=classic",
                 # a test module that cannot be imported (a test-only dependency the environment
                 # lacks) leaves its tests out, not the whole suite
-                "--continue-on-collection-errors"]  # fmt: skip
+                "--continue-on-collection-errors"]  # fmt: skip  # argv pairs
         env = {
             "PYTHONPATH": ":".join(paths),
             "PYTHONNOUSERSITE": "1",
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
             "GAGAR_TRACE_OUT": ".gagar_trace.json",
         }
-        r = run_sandboxed(argv, work, Limits(wall_s=wall_s, cpu_s=int(wall_s), memory_bytes=4 << 30,
-                                             nproc=256, disk_bytes=1 << 30),
-                          env=env, ro_paths=paths)  # fmt: skip
+        r = run_sandboxed(
+            argv,
+            work,
+            Limits(
+                wall_s=wall_s,
+                cpu_s=int(wall_s),
+                memory_bytes=4 << 30,
+                nproc=256,
+                disk_bytes=1 << 30,
+            ),
+            env=env,
+            ro_paths=paths,
+        )
         out = os.path.join(work, ".gagar_trace.json")
         if not os.path.isfile(out):
             raise RuntimeError(
@@ -496,11 +554,16 @@ def issue_text(package: str, failing: Sequence[str], test_log: str) -> str:
     """The issue of a synthesised bug, from :data:`ISSUE_TEMPLATE` (the symptom only)."""
     first = failing[0].split("::")[-1]
     title = f"{first} fails" + (f" (and {len(failing) - 1} more)" if len(failing) > 1 else "")
-    shown = list(failing[:10]) + ([f"... and {len(failing) - 10} more"] if len(failing) > 10
-                                  else [])  # fmt: skip
-    return ISSUE_TEMPLATE.format(title=title, package=package, n_fail=len(failing),
-                                 failing="\n".join(f"- `{t}`" for t in shown),
-                                 evidence=failure_evidence(test_log, failing))  # fmt: skip
+    shown = list(failing[:10]) + (
+        [f"... and {len(failing) - 10} more"] if len(failing) > 10 else []
+    )
+    return ISSUE_TEMPLATE.format(
+        title=title,
+        package=package,
+        n_fail=len(failing),
+        failing="\n".join(f"- `{t}`" for t in shown),
+        evidence=failure_evidence(test_log, failing),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,8 +629,13 @@ def _candidates(files, calls, passing, rng) -> Iterator[tuple[str, int, str, str
 
 def _is_test_file(path: str) -> bool:
     base = os.path.basename(path)
-    return (base.startswith("test_") or base.endswith("_test.py") or base == "conftest.py"
-            or "/tests/" in "/" + path or "/test/" in "/" + path)  # fmt: skip
+    return (
+        base.startswith("test_")
+        or base.endswith("_test.py")
+        or base == "conftest.py"
+        or "/tests/" in "/" + path
+        or "/test/" in "/" + path
+    )
 
 
 def coverage_index(calls: Mapping[str, Sequence], passing) -> dict[tuple[str, int], list[str]]:
@@ -579,8 +647,9 @@ def coverage_index(calls: Mapping[str, Sequence], passing) -> dict[tuple[str, in
     return dict(out)
 
 
-def _run_ids(covering: Sequence[str], passing, rng, max_p2p: int,
-             max_covering: int = 40) -> tuple[str, ...]:  # fmt: skip
+def _run_ids(
+    covering: Sequence[str], passing, rng, max_p2p: int, max_covering: int = 40
+) -> tuple[str, ...]:
     """The tests a candidate runs: the tests that cover it (a sample of ``max_covering`` when
     more do: a function every parametrised case of a large suite calls would make slow,
     thousand-test tasks) and up to ``max_p2p`` other passing tests of the same files (the
@@ -602,7 +671,6 @@ def _validate_early(task, screen, runs: int, verify, gate) -> tuple[dict[str, An
     screening run of the same tests on the buggy tree, or None) counts as the first empty run.
     Runs alternate gold, empty, gold ... so that a broken fix is seen after one run. Returns
     (the line, the first gold run)."""
-    from gagar_jax.data import swe
 
     results = [("empty", screen)] if screen is not None else []
     first_gold = None
@@ -632,11 +700,22 @@ def _order_dependent(gold, f2p: Sequence[str], p2p: Sequence[str]) -> set[str]:
     return {t for t in p2p if gold.tests.get(t) not in ("passed", "skipped")}
 
 
-def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: str | None = None,
-                       runs: int = 3, seed: int = 0, test_timeout_s: float = 10.0,
-                       max_candidates: int = 200, max_p2p: int = 20, workers: int = 1,
-                       max_run_s: float = 10.0, run_gate=None,
-                       log: Callable[[str], None] = print) -> tuple[list[dict], Stats]:  # fmt: skip
+def make_package_tasks(
+    spec: str,
+    out_dir: str,
+    *,
+    max_tasks: int,
+    cache_dir: str | None = None,
+    runs: int = 3,
+    seed: int = 0,
+    test_timeout_s: float = 10.0,
+    max_candidates: int = 200,
+    max_p2p: int = 20,
+    workers: int = 1,
+    max_run_s: float = 10.0,
+    run_gate=None,
+    log: Callable[[str], None] = print,
+) -> tuple[list[dict], Stats]:
     """Tasks of one package (SWE-bench rows) and their statistics; the repository goes to
     ``out_dir/repos/pypi__<name>``.
 
@@ -646,11 +725,6 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
     whose screening run takes longer than ``max_run_s`` is rejected (``slow_run``): every
     rollout of such a task would pay for it."""
     import threading
-
-    from gagar_jax.data import audit, repos, swe
-    from gagar_jax.envs.repo import RepoTask, tree_patch
-    from gagar_jax.verify.repo import verify_repo_patch, write_tree
-    from gagar_jax.verify.sandbox import Limits
 
     t0 = time.monotonic()
     name = spec.split("==")[0]
@@ -683,18 +757,30 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
         # (state a test sets on its class or module) would fail under the fix. Running the
         # passing tests once in reverse order finds them; they are left out.
         order = [t for t in trace["outcomes"] if t in passing][::-1]
-        rev = RepoTask("order-check", "", files, tuple(order), test_timeout_s=test_timeout_s,
-                       env_path=env.path, pythonpath=pythonpath)  # fmt: skip
+        rev = RepoTask(
+            "order-check",
+            "",
+            files,
+            tuple(order),
+            test_timeout_s=test_timeout_s,
+            env_path=env.path,
+            pythonpath=pythonpath,
+        )
         with gate:
-            rv = verify_repo_patch(rev, "", limits=Limits(wall_s=900, cpu_s=900,
-                                   memory_bytes=4 << 30, nproc=256), run_monitor=False)  # fmt: skip
+            rv = verify_repo_patch(
+                rev,
+                "",
+                limits=Limits(wall_s=900, cpu_s=900, memory_bytes=4 << 30, nproc=256),
+                run_monitor=False,
+            )
         if rv.status in ("passed", "failed"):
             stats.order_dependent = sum(rv.tests.get(t) != "passed" for t in passing)
             passing = {t for t in passing if rv.tests.get(t) == "passed"}
             log(f"{spec}: {stats.order_dependent} tests fail in reverse order (left out)")
         else:
-            raise RuntimeError(f"the reverse-order run of the suite ended {rv.status}: "
-                               f"{rv.test_log[-600:]}")  # fmt: skip
+            raise RuntimeError(
+                f"the reverse-order run of the suite ended {rv.status}: {rv.test_log[-600:]}"
+            )
         key = "pypi__" + re.sub(r"[^\w.-]", "_", name.lower())
         repo_name = key.replace("__", "/", 1)
         store = os.path.join(out_dir, "repos", key)
@@ -706,8 +792,9 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
         repos.git("add", "-A", cwd=store)
         repos.git("commit", "-q", "--no-verify", "-m", f"{spec} (pristine)", cwd=store)
         rng = random.Random(f"{seed}:{spec}")
-        limits = Limits(wall_s=max(60.0, 4 * test_timeout_s + 30), cpu_s=300,
-                        memory_bytes=2 << 30, nproc=128)  # fmt: skip
+        limits = Limits(
+            wall_s=max(60.0, 4 * test_timeout_s + 30), cpu_s=300, memory_bytes=2 << 30, nproc=128
+        )
         lock = threading.Condition()
         errors: list[BaseException] = []
         seen_funcs: collections.Counter = collections.Counter()
@@ -755,9 +842,16 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             run_ids = _run_ids(covering, passing, crng, max_p2p)
             with lock:
                 stats.screened += 1
-            probe = RepoTask("probe", "", buggy, run_ids, test_timeout_s=test_timeout_s,
-                             env_path=env.path, pythonpath=pythonpath,
-                             env_hash=env.env_hash)  # fmt: skip
+            probe = RepoTask(
+                "probe",
+                "",
+                buggy,
+                run_ids,
+                test_timeout_s=test_timeout_s,
+                env_path=env.path,
+                pythonpath=pythonpath,
+                env_hash=env.env_hash,
+            )
             with gate:
                 v = verify(probe, "", screen_limits)
             if v.status == "timeout":
@@ -775,9 +869,19 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             fix = tree_patch(buggy, files)
             issue = issue_text(name, f2p, v.test_log)
             test_paths = tuple(sorted({t.split("::")[0] for t in run_ids}))
-            task = RepoTask(f"{key}.candidate", issue, buggy, f2p, p2p, test_files=test_paths,
-                            reference_patch=fix, pythonpath=pythonpath, env_path=env.path,
-                            test_timeout_s=test_timeout_s, env_hash=env.env_hash)  # fmt: skip
+            task = RepoTask(
+                f"{key}.candidate",
+                issue,
+                buggy,
+                f2p,
+                p2p,
+                test_files=test_paths,
+                reference_patch=fix,
+                pythonpath=pythonpath,
+                env_path=env.path,
+                test_timeout_s=test_timeout_s,
+                env_hash=env.env_hash,
+            )
             if "issue_text" in audit.leak_kinds(task):
                 return reject(cand, "issue_leaks_fix")
             rep, gold = _validate_early(task, v, runs, verify, gate)
@@ -792,8 +896,9 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             if rep["gold"] != "passed":
                 return reject(cand, "validation_gold")
             if rep["empty"] != "failed" or rep["flaky_tests"]:
-                return reject(cand, "validation_empty" if not rep["flaky_tests"]
-                              else "validation_flaky")  # fmt: skip
+                return reject(
+                    cand, "validation_empty" if not rep["flaky_tests"] else "validation_flaky"
+                )
             with lock:
                 tid = f"{key}.{stats.kept + 1:04d}"
                 branch = f"task/{tid}"
@@ -803,18 +908,38 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
                 repos.git("commit", "-q", "--no-verify", "-am", "base", cwd=store)
                 sha = repos.git("rev-parse", "HEAD", cwd=store).stdout.decode().strip()
                 repos.git("checkout", "-q", "main", cwd=store)
-                rows.append(swe.SweInstance(
-                    tid, repo_name, sha, fix, "", issue, f2p, p2p, hints_text="",
-                    created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    version=spec.split("==")[1] if "==" in spec else "",
-                    environment_setup_commit=sha, test_cmd="pytest", python_deps=tuple(deps),
-                    install="pythonpath").to_row() | {
-                        "synth": {"transform": transform, "file": path, "function": func,
-                                  "template": ISSUE_TEMPLATE_VERSION}})  # fmt: skip
+                rows.append(
+                    swe.SweInstance(
+                        tid,
+                        repo_name,
+                        sha,
+                        fix,
+                        "",
+                        issue,
+                        f2p,
+                        p2p,
+                        hints_text="",
+                        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        version=spec.split("==")[1] if "==" in spec else "",
+                        environment_setup_commit=sha,
+                        test_cmd="pytest",
+                        python_deps=tuple(deps),
+                        install="pythonpath",
+                    ).to_row()
+                    | {
+                        "synth": {
+                            "transform": transform,
+                            "file": path,
+                            "function": func,
+                            "template": ISSUE_TEMPLATE_VERSION,
+                        }
+                    }
+                )
                 stats.kept += 1
                 stats.transforms_kept[transform] += 1
-            log(f"{spec}: task {tid} ({transform} in {path}:{func}; F2P {len(f2p)}, "
-                f"P2P {len(p2p)})")  # fmt: skip
+            log(
+                f"{spec}: task {tid} ({transform} in {path}:{func}; F2P {len(f2p)}, P2P {len(p2p)})"
+            )
 
         def worker() -> None:
             while True:
@@ -850,8 +975,10 @@ def _cpu_seconds() -> float:
     """CPU seconds of this process and its finished children (the sandboxed runs)."""
     import resource
 
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
-        resource.RUSAGE_CHILDREN)  # fmt: skip
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
@@ -860,14 +987,28 @@ def _reversed(fp):
     from gagar_jax.verify.diff import FilePatch, Hunk
 
     flip = {"+": "-", "-": "+", " ": " "}
-    hunks = tuple(Hunk(h.new_start, h.new_len, h.old_start, h.old_len,
-                       tuple(flip[ln[0]] + ln[1:] for ln in h.lines),
-                       h.new_eof_newline, h.old_eof_newline) for h in fp.hunks)  # fmt: skip
+    hunks = tuple(
+        Hunk(
+            h.new_start,
+            h.new_len,
+            h.old_start,
+            h.old_len,
+            tuple(flip[ln[0]] + ln[1:] for ln in h.lines),
+            h.new_eof_newline,
+            h.old_eof_newline,
+        )
+        for h in fp.hunks
+    )
     return FilePatch(fp.new_path, fp.old_path, hunks)
 
 
-def rebuild_repos(instances: str, out_dir: str, *, cache_dir: str | None = None,
-                  log: Callable[[str], None] = print) -> str:  # fmt: skip
+def rebuild_repos(
+    instances: str,
+    out_dir: str,
+    *,
+    cache_dir: str | None = None,
+    log: Callable[[str], None] = print,
+) -> str:
     """The repositories of factory rows, rebuilt from the registry: an instances file can be
     shared without its ``repos/``.
 
@@ -888,8 +1029,10 @@ def rebuild_repos(instances: str, out_dir: str, *, cache_dir: str | None = None,
     for n, row in enumerate(rows, start=1):
         repo, version = row.get("repo", ""), row.get("version", "")
         if not (isinstance(repo, str) and repo.startswith("pypi/") and version):
-            raise ValueError(f"{instances}:{n}: repo {repo!r}, version {version!r}: expected a "
-                             "factory row ('pypi/<name>' and the release's version)")  # fmt: skip
+            raise ValueError(
+                f"{instances}:{n}: repo {repo!r}, version {version!r}: expected a "
+                "factory row ('pypi/<name>' and the release's version)"
+            )
         by_pkg[(repo, version)].append(row)
     cache = os.path.abspath(cache_dir or repos.default_cache_dir())
     os.makedirs(os.path.join(out_dir, "repos"), exist_ok=True)
@@ -961,8 +1104,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from gagar_jax.data import swe
-
     specs = [p.strip() for p in args.packages.split(",") if p.strip()]
     if not specs:
         ap.error("--packages names no package")
@@ -976,10 +1117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def one(spec):
         return make_package_tasks(
-            spec, args.out, max_tasks=args.tasks_per_package, cache_dir=args.cache,
-            runs=args.runs, seed=args.seed, test_timeout_s=args.test_timeout,
-            max_candidates=args.max_candidates, workers=workers,
-            max_run_s=args.max_run_seconds, run_gate=gate)  # fmt: skip
+            spec,
+            args.out,
+            max_tasks=args.tasks_per_package,
+            cache_dir=args.cache,
+            runs=args.runs,
+            seed=args.seed,
+            test_timeout_s=args.test_timeout,
+            max_candidates=args.max_candidates,
+            workers=workers,
+            max_run_s=args.max_run_seconds,
+            run_gate=gate,
+        )
 
     with open(path, "w", encoding="utf-8") as f, ThreadPoolExecutor(workers) as pool:
         for rows, stats in pool.map(one, specs):  # in the packages' order
@@ -993,17 +1142,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in all_stats:
         mix.update(s.transforms_kept)
     screened = sum(s.screened for s in all_stats)
-    summary = {"tasks": len(all_rows), "packages": len(specs),
-               "packages_with_tasks": sum(s.kept > 0 for s in all_stats),
-               "seconds": round(wall, 1),
-               "tasks_per_hour": round(len(all_rows) / wall * 3600, 1) if wall else 0.0,
-               "seconds_per_task": round(wall / len(all_rows), 1) if all_rows else None,
-               "yield": round(len(all_rows) / screened, 3) if screened else 0.0,
-               "transform_mix": dict(mix), "template": ISSUE_TEMPLATE_VERSION,
-               "workers": workers, "cpu_seconds": round(_cpu_seconds(), 1),
-               "load_start": [round(x, 2) for x in load_start],
-               "load_end": [round(x, 2) for x in os.getloadavg()],
-               "per_package": [s.to_dict() for s in all_stats]}  # fmt: skip
+    summary = {
+        "tasks": len(all_rows),
+        "packages": len(specs),
+        "packages_with_tasks": sum(s.kept > 0 for s in all_stats),
+        "seconds": round(wall, 1),
+        "tasks_per_hour": round(len(all_rows) / wall * 3600, 1) if wall else 0.0,
+        "seconds_per_task": round(wall / len(all_rows), 1) if all_rows else None,
+        "yield": round(len(all_rows) / screened, 3) if screened else 0.0,
+        "transform_mix": dict(mix),
+        "template": ISSUE_TEMPLATE_VERSION,
+        "workers": workers,
+        "cpu_seconds": round(_cpu_seconds(), 1),
+        "load_start": [round(x, 2) for x in load_start],
+        "load_end": [round(x, 2) for x in os.getloadavg()],
+        "per_package": [s.to_dict() for s in all_stats],
+    }
     with open(os.path.join(args.out, "synth_stats.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(

@@ -312,6 +312,5 @@ def make_family(name: str, settings: FamilySettings | None = None) -> TaskFamily
 
 
 def _load_builtin() -> None:
-    # The built-in families register themselves on import (kept lazy: the python_repo family
-    # needs the sandbox module, the loop only the family it runs).
+    # Imported on first use, not at the top: every family module imports this one.
     from gagar_jax.envs import families  # noqa: F401

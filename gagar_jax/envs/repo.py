@@ -38,12 +38,12 @@ from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, 
 from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
 from gagar_jax.grading import schema
 from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
-from gagar_jax.grading.untrusted import split_test_log
 from gagar_jax.rollout.episode import CodeAgentEnv
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, split_lines
 from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
 from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
+from gagar_jax.verify.untrusted import split_test_log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,9 +200,11 @@ def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
                     raise ValueError(f"{path}:{n}: not JSON: {e}") from e
                 if isinstance(obj, dict) and "instance_id" in obj:
                     if not repos_dir:
-                        raise ValueError(f"{path}:{n}: a SWE-bench-format row "
-                                         f"({obj['instance_id']!r}) needs task.repos_dir, the "
-                                         "directory of its repository")  # fmt: skip
+                        raise ValueError(
+                            f"{path}:{n}: a SWE-bench-format row "
+                            f"({obj['instance_id']!r}) needs task.repos_dir, the "
+                            "directory of its repository"
+                        )
                     from gagar_jax.data import swe
 
                     task = swe.to_repo_task(swe.parse_instance(obj, f"{path}:{n}"), repos_dir)
@@ -297,8 +299,9 @@ def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
         if a == b:
             continue
         if not (a or b):  # an empty file created or deleted: headers only, no hunk
-            out.append(f"--- a/{path}\n+++ /dev/null\n" if b is None else
-                       f"--- /dev/null\n+++ b/{path}\n")  # fmt: skip
+            out.append(
+                f"--- a/{path}\n+++ /dev/null\n" if b is None else f"--- /dev/null\n+++ b/{path}\n"
+            )
             continue
         for line in difflib.unified_diff(
             split_lines(a or ""),
@@ -327,11 +330,18 @@ class RepoAgentEnv:
         v = verify_repo_call(
             visible, tree_patch(self.task.files, files), run_monitor=False, **self.verify_kwargs
         )
-        _audit({"kind": "run_tests", "phase": self.phase, "task_id": self.task.task_id,
+        _audit(
+            {
+                "kind": "run_tests",
+                "phase": self.phase,
+                "task_id": self.task.task_id,
                 "status": v.status,
-                "env_hash": self.task.env_hash, "env_path": self.task.env_path,
+                "env_hash": self.task.env_hash,
+                "env_path": self.task.env_path,
                 "sandbox_pythonpath": list(getattr(v, "pythonpath", ())),
-                "tree": tree_digest(self.task.files)})  # fmt: skip
+                "tree": tree_digest(self.task.files),
+            }
+        )
         if v.status in ("infra_error", "timeout", "resource_killed") or v.patch_error:
             return False, f"{v.status}: {v.patch_error or v.test_log[-500:]}"
         # a required test missing here is one of the hidden tests: not a failure of the tree
@@ -438,8 +448,7 @@ class PythonRepoFamily(TaskFamily):
         self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
         self._group_tasks: dict[str, RepoTask] = {}
         demo_path = settings.extra.get("demo_data_path", "")
-        self._demo_tasks = (load_repo_tasks(demo_path, repos_dir) if demo_path
-                            else self._train)  # fmt: skip
+        self._demo_tasks = load_repo_tasks(demo_path, repos_dir) if demo_path else self._train
 
     @property
     def tokenizer(self):
@@ -474,8 +483,9 @@ class PythonRepoFamily(TaskFamily):
 
     def verify(self, task: RepoTask, attempt: Attempt) -> Outcome:
         env = attempt.env
-        autosubmit = env is not None and not env.submitted and self.settings.extra.get(
-            "autosubmit", False)  # fmt: skip
+        autosubmit = (
+            env is not None and not env.submitted and self.settings.extra.get("autosubmit", False)
+        )
         if env is None or not (env.submitted or autosubmit):
             reason = getattr(attempt.episode, "finish_reason", "no episode")
             return Outcome(
@@ -489,11 +499,19 @@ class PythonRepoFamily(TaskFamily):
             reason = getattr(attempt.episode, "finish_reason", "no episode")
             note = f"episode ended without submit ({reason}); its final tree verified "
             v = dataclasses.replace(v, test_log=note + "(task.autosubmit)\n" + v.test_log)
-        _audit({"kind": "verify", "phase": getattr(env, "phase", "rollout"),
-                "autosubmit": bool(autosubmit), "task_id": task.task_id, "status": v.status,
-                "env_hash": task.env_hash, "env_path": task.env_path,
+        _audit(
+            {
+                "kind": "verify",
+                "phase": getattr(env, "phase", "rollout"),
+                "autosubmit": bool(autosubmit),
+                "task_id": task.task_id,
+                "status": v.status,
+                "env_hash": task.env_hash,
+                "env_path": task.env_path,
                 "sandbox_pythonpath": list(getattr(v, "pythonpath", ())),
-                "tree": tree_digest(task.files)})  # fmt: skip
+                "tree": tree_digest(task.files),
+            }
+        )
         return Outcome(
             passed=v.passed,
             infra_error=v.infra_error,
@@ -519,10 +537,20 @@ class PythonRepoFamily(TaskFamily):
         while len(self._group_tasks) > 4096:  # groups graded long ago
             self._group_tasks.pop(next(iter(self._group_tasks)))
         ws = repo_workspace(task, group_id, cands)
-        _audit({"kind": "grade", "group_id": group_id, "task_id": task.task_id,
-                "tree": tree_digest(ws.repo_files), "env_path": task.env_path,
-                "check_pythonpath": TaskEnvCheckRunner({}).runner_for(task).env.get(
-                    "PYTHONPATH", "") if task.env_path else ""})  # fmt: skip
+        _audit(
+            {
+                "kind": "grade",
+                "group_id": group_id,
+                "task_id": task.task_id,
+                "tree": tree_digest(ws.repo_files),
+                "env_path": task.env_path,
+                "check_pythonpath": TaskEnvCheckRunner({})
+                .runner_for(task)
+                .env.get("PYTHONPATH", "")
+                if task.env_path
+                else "",
+            }
+        )
         return ws
 
     def check_runner(self):

@@ -76,8 +76,8 @@ from gagar_jax.grading.schema import (
     Verdict,
     VerdictRejected,
 )
-from gagar_jax.grading.untrusted import Envelope, sanitize
 from gagar_jax.verify import diff, execution
+from gagar_jax.verify.untrusted import Envelope, sanitize
 
 PROMPT_VERSION = "v2"
 MAX_TOOL_OUTPUT_CHARS = 6000
@@ -627,8 +627,9 @@ class AgenticGrader:
                 patch = per_file[file]
             if not patch:
                 return "(empty patch)"
-            return view.envelope.wrap(_clip(patch, MAX_TOOL_OUTPUT_CHARS - 200),
-                                      f"{args['candidate']} diff")  # fmt: skip
+            return view.envelope.wrap(
+                _clip(patch, MAX_TOOL_OUTPUT_CHARS - 200), f"{args['candidate']} diff"
+            )
         if name == "read_test_log":
             log = view.candidate(args.get("candidate")).test_log
             if not log:

@@ -70,8 +70,16 @@ from typing import Any
 
 import numpy as np
 
+from gagar_jax.advantages import discount_factors, mean_centered, redistribute
 from gagar_jax.grading import labelled, schema
+from gagar_jax.grading.agentic import AgenticGrader
+from gagar_jax.grading.heuristic import HeuristicGrader
+from gagar_jax.grading.panel import default_panel
 from gagar_jax.grading.pool import grade_all
+from gagar_jax.grading.scripted import ScriptedGraderPolicy
+from gagar_jax.rollout import sglang_server
+from gagar_jax.rollout.sglang_client import SGLangClient
+from gagar_jax.verify.prescreen import prescreen_group
 
 METRIC_KEYS = (
     "kappa",
@@ -217,8 +225,6 @@ def split_errors(
     on the grader's side.
     """
     import jax.numpy as jnp
-
-    from gagar_jax.advantages import discount_factors, mean_centered, redistribute
 
     passed = np.asarray(passed, bool) & np.asarray(valid, bool)
     adv = mean_centered(jnp.asarray(passed, jnp.float32), jnp.asarray(valid))
@@ -567,7 +573,6 @@ def prescreened(lset: labelled.LabelledSet) -> labelled.LabelledSet:
     (``verify.prescreen.prescreen_group``): every pre-screen finding that is not already a
     confirmed monitor flag joins the candidate's monitor flags, confirmed, as
     ``prescreen/<rule>``. The set id gets ``+prescreen``."""
-    from gagar_jax.verify.prescreen import prescreen_group
 
     groups = []
     for lg in lset.groups:
@@ -694,9 +699,6 @@ def make_grader(
     vote_temperature: float = 0.7,
 ) -> Any:
     """A grader by CLI name (``GRADER_NAMES``); ``agentic`` needs ``sglang_url``."""
-    from gagar_jax.grading.agentic import AgenticGrader
-    from gagar_jax.grading.heuristic import HeuristicGrader
-    from gagar_jax.grading.scripted import ScriptedGraderPolicy
 
     if name == "heuristic":
         return HeuristicGrader()
@@ -705,14 +707,11 @@ def make_grader(
         g.grader_id = "scripted"
         return g
     if name in ("panel", "panel_mean_rank", "panel_escalate"):
-        from gagar_jax.grading.panel import default_panel
-
         agg = "mean_rank" if name == "panel_mean_rank" else "majority"
         return default_panel(set_name, aggregation=agg, escalate=name == "panel_escalate")
     if name == "agentic":
         if not sglang_url:
             raise ValueError("--grader agentic needs --sglang-url http://host:port")
-        from gagar_jax.rollout.sglang_client import SGLangClient
 
         counter = TokenCounter(SGLangClient(sglang_url, max_retries=1, request_timeout_s=120.0))
         g = AgenticGrader(
@@ -737,8 +736,6 @@ def tiny_sglang_server(context_length: int = 8192, timeout_s: float = 600.0):
     tokenizer (``rollout.sglang_server.make_tiny_model``); yields its URL, stops it on exit.
     Needs the SGLang venv (``make sglang-venv``)."""
     import tempfile
-
-    from gagar_jax.rollout import sglang_server
 
     if not sglang_server.sglang_python().exists():
         raise RuntimeError(

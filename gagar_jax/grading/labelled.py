@@ -48,7 +48,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gagar_jax.grading import schema
+from gagar_jax.grading import schema, synth_set
 
 SETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sets")
 SET_NAMES = ("toy", "repo", "synth")
@@ -179,8 +179,6 @@ def group_from_dict(d: Mapping[str, Any]) -> LabelledGroup:
     gold = {cid: Gold(**x) for cid, x in d["gold"].items()}
     source = d.get("source")
     if source is not None:
-        from gagar_jax.grading import synth_set
-
         d = dict(d, repo_files=synth_set.rebuild_files(source))
     return LabelledGroup(workspace_from_dict(d), gold, dict(d["kinds"]), source)
 

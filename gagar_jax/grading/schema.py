@@ -40,8 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from gagar_jax.grading import untrusted
-from gagar_jax.verify import diff
+from gagar_jax.verify import diff, untrusted
 
 DIMENSIONS = (
     "solution_fit",
@@ -439,8 +438,16 @@ def _check_types(verdict: Verdict) -> None:
 # float (OverflowError), an int over the 4,300-digit str limit (ValueError), deep nesting
 # (RecursionError), a wrong type met by an operation (TypeError, ...). Each becomes a named
 # rejection (``malformed_output``); every check is linear in the input, so time is bounded.
-_PYTHON_ERRORS = (ValueError, TypeError, OverflowError, RecursionError, KeyError, IndexError,
-                  AttributeError, UnicodeError)  # fmt: skip
+_PYTHON_ERRORS = (
+    ValueError,
+    TypeError,
+    OverflowError,
+    RecursionError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    UnicodeError,
+)
 
 
 def _malformed(e: BaseException, where: str) -> VerdictRejected:
@@ -681,9 +688,15 @@ def parse_verdict(
     numbers, deep nesting and wrong types included (``malformed_output``).
     """
     try:
-        return _parse_verdict(output, workspace, grader_id=grader_id,
-                              grader_version=grader_version, latency_s=latency_s,
-                              check_logs=check_logs, id_map=id_map)  # fmt: skip
+        return _parse_verdict(
+            output,
+            workspace,
+            grader_id=grader_id,
+            grader_version=grader_version,
+            latency_s=latency_s,
+            check_logs=check_logs,
+            id_map=id_map,
+        )
     except VerdictRejected:
         raise
     except _PYTHON_ERRORS as e:
@@ -847,8 +860,9 @@ def verdict_from_dict(obj: Mapping[str, Any], workspace: GroupWorkspace) -> Verd
     ids = [obj.get("grader_id", ""), obj.get("grader_version", "")]
     if not all(isinstance(x, str) for x in ids):
         raise VerdictRejected(RejectReason.MALFORMED, "grader_id/grader_version must be text")
-    return parse_verdict(obj, workspace, grader_id=ids[0], grader_version=ids[1],
-                         latency_s=float(latency))  # fmt: skip
+    return parse_verdict(
+        obj, workspace, grader_id=ids[0], grader_version=ids[1], latency_s=float(latency)
+    )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -49,7 +49,9 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-SYNTH_PACKAGES = ("toolz==1.0.0",)
+from gagar_jax.verify.diff import apply_unified_diff
+
+SYNTH_PACKAGES = ("toolz==1.0.0", "cachetools==8.0.2")
 SYNTH_TASKS_PER_PACKAGE = 6
 KINDS = ("minimal", "debris", "out_of_scope", "rewrite", "test_weakening", "special_case")
 _UNDER_PYTEST = '__import__("sys").modules.get("pytest")'
@@ -83,7 +85,7 @@ def _sdist(spec: str, dest: str) -> str:
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
          "--no-build-isolation", "-d", dest, spec],
         capture_output=True, text=True, timeout=900, check=False,
-    )  # fmt: skip
+    )  # fmt: skip  # argv pairs
     for path in found:
         if os.path.exists(path):
             return path
@@ -125,7 +127,6 @@ def pristine_files(spec: str, cache_dir: str | None = None) -> dict[str, str]:
 
 def rebuild_files(source: Mapping[str, Any], cache_dir: str | None = None) -> dict[str, str]:
     """The task's repository: the release of ``source["package"]`` with ``source["bug_patch"]``."""
-    from gagar_jax.verify.diff import apply_unified_diff
 
     for key in ("package", "bug_patch"):
         if key not in source:
@@ -205,13 +206,19 @@ def _weaken_assert(test_src: str, test_name: str) -> str | None:
     )
     if start is None:
         return None
+    depth = len(_indent(lines[start]))
     for i in range(start + 1, len(lines)):
         ln = lines[i]
-        if ln.strip() and not ln.startswith((" ", "\t")):
+        if ln.strip() and len(_indent(ln)) <= depth:
             return None  # left the function
         m = re.match(r"^(\s*)assert (.+?)\s*$", ln)
+        u = re.match(r"^(\s*)(self\.assert\w+\(.*\))\s*$", ln)
+        new = None
         if m and not m.group(2).endswith(("(", "[", "{", ",", "\\")):
             new = f"{m.group(1)}assert ({m.group(2)}) or True\n"
+        elif u:  # a unittest assertion: short-circuited, never evaluated
+            new = f"{u.group(1)}self.assertTrue(True or {u.group(2)})\n"
+        if new is not None:
             out = "".join(lines[:i] + [new] + lines[i + 1 :])
             if _compiles(out):
                 return out
@@ -221,7 +228,6 @@ def _weaken_assert(test_src: str, test_name: str) -> str | None:
 def plant(task: Any) -> dict[str, dict[str, str]]:
     """The candidate trees (kind -> full file tree) of a factory-made ``RepoTask``, before
     verification (kinds that cannot be built are absent; ``noop`` is the task's tree)."""
-    from gagar_jax.verify.diff import apply_unified_diff
 
     buggy = dict(task.files)
     fixed = apply_unified_diff(buggy, task.reference_patch)

@@ -59,7 +59,11 @@ from typing import Any
 
 import numpy as np
 
-from gagar_jax.rl import grade
+from gagar_jax.envs.family import Attempt
+from gagar_jax.rl import collect, grade, train
+from gagar_jax.rl.collect import Group, SamplingResult, StartedEpisodes, StepCounters, _rollout
+from gagar_jax.rl.multihost import prompt_seed
+from gagar_jax.rollout import finish_episodes, restore_episodes
 
 ASYNC_KEY = "async"  # LoopState.extra: dispatch counter and the queued batches
 
@@ -240,7 +244,6 @@ def _episode_state(ep) -> dict[str, Any]:
 def _replay_episodes(family, tasks, saved: list[dict], cfg, next_turn: int, budgets, seeds):
     """Fresh environments of ``tasks`` (one per saved episode, in order) and the
     ``EpisodeBatch`` of the saved episodes, the environments replayed to their state."""
-    from gagar_jax.rollout import restore_episodes
 
     envs = [family.make_env(t) for t in tasks]
     batch = restore_episodes(
@@ -272,7 +275,6 @@ def started_state(sb: StartedBatch) -> dict[str, Any]:
 def restore_started(item: dict[str, Any], family, cfg, host: int = 0) -> StartedBatch:
     """The :class:`StartedBatch` of :func:`started_state` (this host's block of prompts, each
     episode's environment replayed to where the episode stopped)."""
-    from gagar_jax.rl.collect import StartedEpisodes
 
     n, idx = list(item["n"]), list(item["idx"])
     lo = sum(n[:host])  # this host's block of the drawn prompts
@@ -336,10 +338,6 @@ def restore_batch(item: dict[str, Any], family, pool, cfg) -> InflightBatch:
     """The :class:`InflightBatch` of :func:`batch_state`: each rollout verified again from its
     tokens (the verifier is a function of the task and the response) and each group
     resubmitted for grading when grading is on."""
-    from gagar_jax.envs.family import Attempt
-    from gagar_jax.rl import train
-    from gagar_jax.rl.collect import Group, SamplingResult, StepCounters, _rollout
-    from gagar_jax.rollout import finish_episodes
 
     tok = family.tokenizer
     groups = []
@@ -400,8 +398,6 @@ def start_phase(ctx, ls, aq: AsyncQueue) -> StartedBatch:
     """Partial rollouts: draws the next dispatch's first round of prompts (as
     :func:`~gagar_jax.rl.collect.collect_blocks` would) and runs the first turn of its episodes
     with the engine's current weights; the next step resumes them after the weight sync."""
-    from gagar_jax.rl import collect
-    from gagar_jax.rl.multihost import prompt_seed
 
     cfg, hosts = ctx.cfg, ctx.hosts
     quota = cfg.rollout.num_prompts // hosts.count
@@ -472,7 +468,6 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
 
     ``steps_left`` (this one included): no batch is dispatched that no remaining step would
     train, so a run ends with an empty queue."""
-    from gagar_jax.rl import train  # the phases live with the synchronous step
 
     cfg, hosts = ctx.cfg, ctx.hosts
     t_step = time.monotonic()

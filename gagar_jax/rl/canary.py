@@ -22,16 +22,16 @@ from typing import Any
 
 import numpy as np
 
+from gagar_jax.envs.repo import RepoTask
+from gagar_jax.envs.toy import ToyTask, canary_toy_task
 from gagar_jax.rl.collect import StepCounters, generate_groups
+from gagar_jax.verify import prescreen
 
 CANARY_SALT = 0xCA7A  # separates the canaries' draws and sampler seeds from the step's own
 
 
 def canary_task(task: Any) -> Any:
     """The impossible version of a training task (toy and Python repository tasks)."""
-    from gagar_jax.envs.repo import RepoTask
-    from gagar_jax.envs.toy import ToyTask, canary_toy_task
-    from gagar_jax.verify import prescreen
 
     if isinstance(task, ToyTask):
         return canary_toy_task(task)

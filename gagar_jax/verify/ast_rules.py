@@ -86,60 +86,201 @@ class Finding:
 
 IMPORT_HOOKS = ("sys.meta_path", "sys.path_hooks", "sys.path_importer_cache")
 # Writes to these (and their attributes) change how tests run or are reported.
-PROTECTED_WRITE = ("pytest", "_pytest", "pluggy", "unittest", "builtins", "doctest",
-                   "sys.modules", "sys.settrace", "sys.setprofile", "sys.exit", "os._exit",
-                   "inspect", "traceback", "linecache", "importlib", "operator",
-                   *IMPORT_HOOKS)  # fmt: skip
-CALLER_FRAME = ("sys._getframe", "inspect.currentframe", "inspect.stack", "inspect.getouterframes",
-                "inspect.trace", "traceback.extract_stack", "traceback.walk_stack",
-                "traceback.format_stack", "traceback.print_stack", "inspect.getframeinfo",
-                "sys._current_frames")  # fmt: skip
-SOURCE_READ = ("linecache", "inspect.getsource", "inspect.getsourcelines", "inspect.findsource",
-               "inspect.getblock", "tokenize.open", "inspect.getsourcefile",
-               "inspect.getfile")  # fmt: skip
+PROTECTED_WRITE = (
+    "pytest",
+    "_pytest",
+    "pluggy",
+    "unittest",
+    "builtins",
+    "doctest",
+    "sys.modules",
+    "sys.settrace",
+    "sys.setprofile",
+    "sys.exit",
+    "os._exit",
+    "inspect",
+    "traceback",
+    "linecache",
+    "importlib",
+    "operator",
+    *IMPORT_HOOKS,
+)
+CALLER_FRAME = (
+    "sys._getframe",
+    "inspect.currentframe",
+    "inspect.stack",
+    "inspect.getouterframes",
+    "inspect.trace",
+    "traceback.extract_stack",
+    "traceback.walk_stack",
+    "traceback.format_stack",
+    "traceback.print_stack",
+    "inspect.getframeinfo",
+    "sys._current_frames",
+)
+SOURCE_READ = (
+    "linecache",
+    "inspect.getsource",
+    "inspect.getsourcelines",
+    "inspect.findsource",
+    "inspect.getblock",
+    "tokenize.open",
+    "inspect.getsourcefile",
+    "inspect.getfile",
+)
 # What, read next to the caller's frame, recovers what the test expects: its locals, its
 # constants, its source (``co_filename`` counts only with an ``open``/``read_text`` in the file).
 FRAME_READ_ATTRS = frozenset({"f_locals", "co_consts", "co_filename", "code_context"})
 FILE_READS = ("open", "io.open", "builtins.open", "codecs.open", "tokenize.open")
 FRAME_WRITE_ATTRS = frozenset({"__code__", "f_lineno", "f_trace", "f_trace_lines"})
-TRACE_CALLS = ("sys.setprofile", "sys.settrace", "threading.setprofile", "threading.settrace",
-               "threading.setprofile_all_threads", "threading.settrace_all_threads",
-               "sys.monitoring", "gc.get_referrers", "gc.get_objects", "gc.get_referents",
-               "ctypes", "_ctypes")  # fmt: skip
-PROCESS_CALLS = ("os.execv", "os.execve", "os.execl", "os.execle", "os.execlp", "os.execlpe",
-                 "os.execvp", "os.execvpe", "os.kill", "os.killpg", "os.abort", "signal.signal",
-                 "signal.alarm", "signal.setitimer", "atexit.register", "os.fork",
-                 "os.forkpty", "sys.exit", "os.posix_spawn", "os.posix_spawnp")  # fmt: skip
+TRACE_CALLS = (
+    "sys.setprofile",
+    "sys.settrace",
+    "threading.setprofile",
+    "threading.settrace",
+    "threading.setprofile_all_threads",
+    "threading.settrace_all_threads",
+    "sys.monitoring",
+    "gc.get_referrers",
+    "gc.get_objects",
+    "gc.get_referents",
+    "ctypes",
+    "_ctypes",
+)
+PROCESS_CALLS = (
+    "os.execv",
+    "os.execve",
+    "os.execl",
+    "os.execle",
+    "os.execlp",
+    "os.execlpe",
+    "os.execvp",
+    "os.execvpe",
+    "os.kill",
+    "os.killpg",
+    "os.abort",
+    "signal.signal",
+    "signal.alarm",
+    "signal.setitimer",
+    "atexit.register",
+    "os.fork",
+    "os.forkpty",
+    "sys.exit",
+    "os.posix_spawn",
+    "os.posix_spawnp",
+)
 EXIT_CALLS = ("os._exit", "posix._exit", "nt._exit")
-PYTEST_INTERNALS = ("_pytest", "pytest.TestReport", "pytest.CallInfo", "pytest.hookimpl",
-                    "pytest.hookspec", "pytest.Item", "pytest.Session", "pytest.exit",
-                    "pytest.skip", "pytest.xfail", "pytest.fail", "pytest.main",
-                    "pytest.register_assert_rewrite", "pluggy", "unittest.mock.ANY",
-                    "mock.ANY", "unittest.TestResult", "unittest.result",
-                    "unittest.TextTestResult", "unittest.TextTestRunner")  # fmt: skip
-HOOK_PREFIXES = ("pytest_runtest_", "pytest_report", "pytest_collect", "pytest_pyfunc_call",
-                 "pytest_sessionfinish", "pytest_sessionstart", "pytest_terminal_summary",
-                 "pytest_configure", "pytest_unconfigure", "pytest_make", "pytest_itemcollected",
-                 "pytest_deselected", "pytest_assertrepr", "pytest_assertion",
-                 "pytest_exception_interact", "pytest_keyboard_interrupt",
-                 "pytest_internalerror", "pytest_load_initial_conftests",
-                 "pytest_cmdline", "pytest_plugin_registered",
-                 "pytest_addhooks", "pytest_warning_recorded")  # fmt: skip
-NETWORK_CALLS = ("urllib.request.urlopen", "urllib.request.urlretrieve", "urllib.request.Request",
-                 "urllib.urlopen", "urllib2.urlopen", "socket.socket", "socket.create_connection",
-                 "socket.getaddrinfo", "socket.gethostbyname", "http.client.HTTPConnection",
-                 "http.client.HTTPSConnection", "requests", "httpx", "urllib3", "aiohttp",
-                 "ftplib", "smtplib", "telnetlib", "xmlrpc.client", "websocket",
-                 "websockets")  # fmt: skip
-SHELL_CALLS = ("subprocess", "os.system", "os.popen", "os.spawnl", "os.spawnlp", "os.spawnv",
-               "os.spawnvp", "pty.spawn", "asyncio.create_subprocess_shell",
-               "asyncio.create_subprocess_exec")  # fmt: skip
-NET_PROGRAMS = ("curl", "wget", "nc", "ncat", "telnet", "ssh", "scp", "ftp", "git clone",
-                "git fetch", "git pull", "pip install", "pip download")  # fmt: skip
-SCOPED_PATCHERS = ("monkeypatch.setattr", "monkeypatch.delattr", "monkeypatch.setitem",
-                   "monkeypatch.delitem", "unittest.mock.patch", "mock.patch",
-                   "unittest.mock.patch.object", "mock.patch.object", "unittest.mock.patch.dict",
-                   "mock.patch.dict", "patch", "patch.object", "patch.dict")  # fmt: skip
+PYTEST_INTERNALS = (
+    "_pytest",
+    "pytest.TestReport",
+    "pytest.CallInfo",
+    "pytest.hookimpl",
+    "pytest.hookspec",
+    "pytest.Item",
+    "pytest.Session",
+    "pytest.exit",
+    "pytest.skip",
+    "pytest.xfail",
+    "pytest.fail",
+    "pytest.main",
+    "pytest.register_assert_rewrite",
+    "pluggy",
+    "unittest.mock.ANY",
+    "mock.ANY",
+    "unittest.TestResult",
+    "unittest.result",
+    "unittest.TextTestResult",
+    "unittest.TextTestRunner",
+)
+HOOK_PREFIXES = (
+    "pytest_runtest_",
+    "pytest_report",
+    "pytest_collect",
+    "pytest_pyfunc_call",
+    "pytest_sessionfinish",
+    "pytest_sessionstart",
+    "pytest_terminal_summary",
+    "pytest_configure",
+    "pytest_unconfigure",
+    "pytest_make",
+    "pytest_itemcollected",
+    "pytest_deselected",
+    "pytest_assertrepr",
+    "pytest_assertion",
+    "pytest_exception_interact",
+    "pytest_keyboard_interrupt",
+    "pytest_internalerror",
+    "pytest_load_initial_conftests",
+    "pytest_cmdline",
+    "pytest_plugin_registered",
+    "pytest_addhooks",
+    "pytest_warning_recorded",
+)
+NETWORK_CALLS = (
+    "urllib.request.urlopen",
+    "urllib.request.urlretrieve",
+    "urllib.request.Request",
+    "urllib.urlopen",
+    "urllib2.urlopen",
+    "socket.socket",
+    "socket.create_connection",
+    "socket.getaddrinfo",
+    "socket.gethostbyname",
+    "http.client.HTTPConnection",
+    "http.client.HTTPSConnection",
+    "requests",
+    "httpx",
+    "urllib3",
+    "aiohttp",
+    "ftplib",
+    "smtplib",
+    "telnetlib",
+    "xmlrpc.client",
+    "websocket",
+    "websockets",
+)
+SHELL_CALLS = (
+    "subprocess",
+    "os.system",
+    "os.popen",
+    "os.spawnl",
+    "os.spawnlp",
+    "os.spawnv",
+    "os.spawnvp",
+    "pty.spawn",
+    "asyncio.create_subprocess_shell",
+    "asyncio.create_subprocess_exec",
+)
+NET_PROGRAMS = (
+    "curl",
+    "wget",
+    "nc",
+    "ncat",
+    "telnet",
+    "ssh",
+    "scp",
+    "ftp",
+    "git clone",
+    "git fetch",
+    "git pull",
+    "pip install",
+    "pip download",
+)
+SCOPED_PATCHERS = (
+    "monkeypatch.setattr",
+    "monkeypatch.delattr",
+    "monkeypatch.setitem",
+    "monkeypatch.delitem",
+    "unittest.mock.patch",
+    "mock.patch",
+    "unittest.mock.patch.object",
+    "mock.patch.object",
+    "unittest.mock.patch.dict",
+    "mock.patch.dict",
+    "patch",
+    "patch.object",
+    "patch.dict",
+)
 
 MAX_RESOLVE_DEPTH = 64
 # Code folded out of literals (``exec(base64.b64decode("..."))``, a module text in a string) is
@@ -161,12 +302,26 @@ _B64 = {
     "binascii.a2b_hex": binascii.a2b_hex,
     "bytes.fromhex": bytes.fromhex,
 }
-_DECOMPRESS = {"zlib.decompress": lambda: zlib.decompressobj(),
-               "bz2.decompress": lambda: bz2.BZ2Decompressor(),
-               "lzma.decompress": lambda: lzma.LZMADecompressor()}  # fmt: skip
+_DECOMPRESS = {
+    "zlib.decompress": lambda: zlib.decompressobj(),
+    "bz2.decompress": lambda: bz2.BZ2Decompressor(),
+    "lzma.decompress": lambda: lzma.LZMADecompressor(),
+}
 # A computed attribute name on one of these hides what is reached: advisory.
-DYNAMIC_SENSITIVE = ("sys", "builtins", "inspect", "gc", "ctypes", "pytest", "_pytest",
-                     "unittest", "linecache", "traceback", "importlib", "os")  # fmt: skip
+DYNAMIC_SENSITIVE = (
+    "sys",
+    "builtins",
+    "inspect",
+    "gc",
+    "ctypes",
+    "pytest",
+    "_pytest",
+    "unittest",
+    "linecache",
+    "traceback",
+    "importlib",
+    "os",
+)
 
 
 def _under(name: str | None, prefixes: Iterable[str]) -> str | None:
@@ -274,8 +429,16 @@ class _Resolver:
                 key = _const_str(args[1])
                 base = self.resolve(args[0], depth + 1)
                 return f"{base}.{key}" if base and key else None
-            if fn in ("__import__", "builtins.__import__", "importlib.import_module",
-                      "importlib.__import__") and args:  # fmt: skip
+            if (
+                fn
+                in (
+                    "__import__",
+                    "builtins.__import__",
+                    "importlib.import_module",
+                    "importlib.__import__",
+                )
+                and args
+            ):
                 return _const_str(args[0])
             if fn in ("vars", "builtins.vars") and args:
                 return self.resolve(args[0], depth + 1)
@@ -302,9 +465,13 @@ def _const_str(node: ast.AST, depth: int = 0) -> str | None:
     if isinstance(node, ast.JoinedStr):
         parts = [_const_str(v, depth + 1) for v in node.values]
         return "".join(parts) if all(p is not None for p in parts) else None
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "join" and len(node.args) == 1
-            and isinstance(node.args[0], ast.List | ast.Tuple)):  # fmt: skip
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "join"
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.List | ast.Tuple)
+    ):
         sep = _const_str(node.func.value, depth + 1)
         parts = [_const_str(e, depth + 1) for e in node.args[0].elts]
         if sep is not None and all(p is not None for p in parts):
@@ -312,8 +479,12 @@ def _const_str(node: ast.AST, depth: int = 0) -> str | None:
     return None
 
 
-def _fold(node: ast.AST, res: _Resolver, consts: dict[str, ast.AST], depth: int = 0,
-          ) -> tuple[str | bytes | None, str | None]:  # fmt: skip
+def _fold(
+    node: ast.AST,
+    res: _Resolver,
+    consts: dict[str, ast.AST],
+    depth: int = 0,
+) -> tuple[str | bytes | None, str | None]:
     """(the text or bytes ``node`` computes from literals alone, the decoding that hid it) or
     (None, None): literals, ``+``, ``"".join``, f-strings, ``[::-1]``, ``.encode``/``.decode``,
     ``compile(x, ...)``, base64/hex/``codecs`` (rot13, base64, hex, zlib) decoding and zlib/bz2/
@@ -330,17 +501,24 @@ def _fold(node: ast.AST, res: _Resolver, consts: dict[str, ast.AST], depth: int 
         finally:
             consts[node.id] = value
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        (a, ha), (b, hb) = (_fold(node.left, res, consts, depth + 1),
-                            _fold(node.right, res, consts, depth + 1))  # fmt: skip
+        (a, ha), (b, hb) = (
+            _fold(node.left, res, consts, depth + 1),
+            _fold(node.right, res, consts, depth + 1),
+        )
         if a is None or b is None or type(a) is not type(b) or len(a) + len(b) > MAX_NESTED_CHARS:
             return None, None
         return a + b, ha or hb  # type: ignore[operator]
     if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
         sl = node.slice
         step = sl.step
-        if sl.lower is None and sl.upper is None and isinstance(step, ast.UnaryOp) and \
-                isinstance(step.op, ast.USub) and isinstance(step.operand, ast.Constant) and \
-                step.operand.value == 1:  # fmt: skip
+        if (
+            sl.lower is None
+            and sl.upper is None
+            and isinstance(step, ast.UnaryOp)
+            and isinstance(step.op, ast.USub)
+            and isinstance(step.operand, ast.Constant)
+            and step.operand.value == 1
+        ):
             v, how = _fold(node.value, res, consts, depth + 1)
             return (v[::-1], how or "reversal") if v is not None else (None, None)
         return None, None
@@ -348,8 +526,11 @@ def _fold(node: ast.AST, res: _Resolver, consts: dict[str, ast.AST], depth: int 
     if text is not None:
         return text, None
     if not isinstance(node, ast.Call) or not node.args:
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                node.func.attr in ("decode", "encode"):  # fmt: skip
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("decode", "encode")
+        ):
             v, how = _fold(node.func.value, res, consts, depth + 1)
             if isinstance(v, bytes) and node.func.attr == "decode":
                 return v.decode("utf-8", "replace"), how
@@ -388,8 +569,18 @@ def _fold(node: ast.AST, res: _Resolver, consts: dict[str, ast.AST], depth: int 
             base, how2 = _fold(node.func.value, res, consts, depth + 1)
             if isinstance(base, bytes):
                 return base.decode("utf-8", "replace"), how2
-    except (ValueError, TypeError, LookupError, binascii.Error, zlib.error, OSError,
-            EOFError, lzma.LZMAError, UnicodeError, MemoryError):  # fmt: skip
+    except (
+        ValueError,
+        TypeError,
+        LookupError,
+        binascii.Error,
+        zlib.error,
+        OSError,
+        EOFError,
+        lzma.LZMAError,
+        UnicodeError,
+        MemoryError,
+    ):
         return None, None
     return None, None
 
@@ -400,9 +591,22 @@ def _as_text(v: str | bytes | None) -> str | None:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
-_CODE_STMTS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom,
-               ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete, ast.For, ast.While,
-               ast.With, ast.Try, ast.If)  # fmt: skip
+_CODE_STMTS = (
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.Import,
+    ast.ImportFrom,
+    ast.Assign,
+    ast.AugAssign,
+    ast.AnnAssign,
+    ast.Delete,
+    ast.For,
+    ast.While,
+    ast.With,
+    ast.Try,
+    ast.If,
+)
 
 
 def _is_code(text: str) -> bool:
@@ -446,11 +650,17 @@ def _always(fn: ast.AST, truthy: bool) -> bool:
     return True
 
 
-def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None = None,
-                   tick: Callable[[], None] = lambda: None, own: frozenset[str] = frozenset(),
-                   imported: frozenset[str] = frozenset(),
-                   tree: ast.Module | None = None,
-                   _depth: int = 0) -> list[Finding] | None:  # fmt: skip
+def analyse_source(
+    source: str,
+    *,
+    in_tests: bool,
+    changed: Iterable[int] | None = None,
+    tick: Callable[[], None] = lambda: None,
+    own: frozenset[str] = frozenset(),
+    imported: frozenset[str] = frozenset(),
+    tree: ast.Module | None = None,
+    _depth: int = 0,
+) -> list[Finding] | None:
     """AST findings of one file's new text; None when it does not parse.
 
     Args:
@@ -502,8 +712,14 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
             and call.func.value.id == "monkeypatch"
         )
 
-    def written(name: str | None, node: ast.AST, how: str, *, scoped_write: bool = False,
-                value: ast.AST | None = None) -> None:  # fmt: skip
+    def written(
+        name: str | None,
+        node: ast.AST,
+        how: str,
+        *,
+        scoped_write: bool = False,
+        value: ast.AST | None = None,
+    ) -> None:
         if not name:
             return
         leaf = name.rsplit(".", 1)[-1]
@@ -519,8 +735,12 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
             return
         hit = _under(name, PROTECTED_WRITE)
         if hit:
-            add(node, "tamper_test_harness", not scoped_write and not is_own(name),
-                f"{how} {name} (the test runner's or interpreter's own objects)")  # fmt: skip
+            add(
+                node,
+                "tamper_test_harness",
+                not scoped_write and not is_own(name),
+                f"{how} {name} (the test runner's or interpreter's own objects)",
+            )
             return
         if _is_test_module(name) and "." in name:
             add(node, "tamper_test_harness", not scoped_write, f"{how} {name} (a test module)")
@@ -536,8 +756,9 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
         """The findings of ``text`` read as code, reported at ``node`` (None: not code)."""
         if _depth >= MAX_NESTED_DEPTH or len(text) > MAX_NESTED_CHARS:
             return None
-        inner = analyse_source(text, in_tests=in_tests, tick=tick, own=own, imported=imported,
-                               _depth=_depth + 1)  # fmt: skip
+        inner = analyse_source(
+            text, in_tests=in_tests, tick=tick, own=own, imported=imported, _depth=_depth + 1
+        )
         if inner is None:
             return None
         for f in inner:
@@ -579,14 +800,21 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                         if base == "sys.modules":
                             key = _const_str(t.slice)
                             if isinstance(t.slice, ast.Name) and t.slice.id == "__name__":
-                                add(node, "tamper_test_harness", False,
-                                    f"{how} sys.modules[__name__]")  # fmt: skip
+                                add(
+                                    node,
+                                    "tamper_test_harness",
+                                    False,
+                                    f"{how} sys.modules[__name__]",
+                                )
                             else:
-                                add(node, "tamper_test_harness", True,
-                                    f"{how} sys.modules[{key or '...'}]")  # fmt: skip
+                                add(
+                                    node,
+                                    "tamper_test_harness",
+                                    True,
+                                    f"{how} sys.modules[{key or '...'}]",
+                                )
                             continue
-                    written(res.resolve(t), node, how,
-                            value=getattr(node, "value", None))  # fmt: skip
+                    written(res.resolve(t), node, how, value=getattr(node, "value", None))
         elif isinstance(node, ast.Call):
             fn = res.resolve(node.func) or ""
             args = node.args
@@ -598,13 +826,25 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                 if text is not None:
                     nested(node, text, f"in the code run by {fn}")
                     if hidden:
-                        add(node, "tamper_test_harness", True,
-                            f"runs code hidden by {hidden} through {fn}")  # fmt: skip
+                        add(
+                            node,
+                            "tamper_test_harness",
+                            True,
+                            f"runs code hidden by {hidden} through {fn}",
+                        )
                 elif not in_tests:
-                    add(node, "tamper_test_harness", False,
-                        f"runs code the monitor cannot read through {fn}")  # fmt: skip
-            elif (fn in _B64 or fn in _DECOMPRESS or fn in ("codecs.decode", "codecs.encode")) \
-                    and args and touched(node) and id(node) not in read_as_code:  # fmt: skip
+                    add(
+                        node,
+                        "tamper_test_harness",
+                        False,
+                        f"runs code the monitor cannot read through {fn}",
+                    )
+            elif (
+                (fn in _B64 or fn in _DECOMPRESS or fn in ("codecs.decode", "codecs.encode"))
+                and args
+                and touched(node)
+                and id(node) not in read_as_code
+            ):
                 value, hidden = _fold(node, res, consts)
                 text = _as_text(value)
                 if text is not None and hidden and _is_code(text):
@@ -614,22 +854,46 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                 body = args[2]
                 pairs = []
                 if isinstance(body, ast.Dict):
-                    pairs = [(_const_str(k) if k is not None else None, v)
-                             for k, v in zip(body.keys, body.values, strict=True)]  # fmt: skip
+                    pairs = [
+                        (_const_str(k) if k is not None else None, v)
+                        for k, v in zip(body.keys, body.values, strict=True)
+                    ]
                 elif isinstance(body, ast.Call) and (res.resolve(body.func) or "") in (
-                        "dict", "builtins.dict"):  # fmt: skip
+                    "dict",
+                    "builtins.dict",
+                ):
                     pairs = [(k.arg, k.value) for k in body.keywords]
                 for key, value in pairs:
                     truthy = {"__eq__": True, "__ne__": False}.get(key or "")
-                    if truthy is not None and isinstance(value, ast.Lambda) and \
-                            _always(value, truthy):  # fmt: skip
-                        add(node, "tamper_test_harness", not in_tests,
+                    if (
+                        truthy is not None
+                        and isinstance(value, ast.Lambda)
+                        and _always(value, truthy)
+                    ):
+                        add(
+                            node,
+                            "tamper_test_harness",
+                            not in_tests,
                             f"builds a class whose {key} always returns a "
-                            + ("true constant (equal to anything)" if truthy
-                               else "false constant (never differs)"))  # fmt: skip
+                            + (
+                                "true constant (equal to anything)"
+                                if truthy
+                                else "false constant (never differs)"
+                            ),
+                        )
             if _under(fn, IMPORT_HOOKS) and fn.rsplit(".", 1)[-1] in (
-                    "insert", "append", "extend", "__setitem__", "__delitem__", "remove", "pop",
-                    "clear", "update", "setdefault", "__iadd__"):  # fmt: skip
+                "insert",
+                "append",
+                "extend",
+                "__setitem__",
+                "__delitem__",
+                "remove",
+                "pop",
+                "clear",
+                "update",
+                "setdefault",
+                "__iadd__",
+            ):
                 add(
                     node,
                     "tamper_test_harness",
@@ -637,18 +901,29 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                     f"calls {fn} (installs an import hook: what the tests import can change)",
                 )
             # setattr(obj, "name", v) / delattr / object.__setattr__ / monkeypatch.setattr
-            if fn in ("setattr", "builtins.setattr", "delattr", "builtins.delattr",
-                      "object.__setattr__", "type.__setattr__") or (
-                    (fn.endswith(".__setattr__") or fn.endswith(".setattr")
-                     or fn.endswith(".delattr")) and len(args) >= 2):  # fmt: skip
+            if fn in (
+                "setattr",
+                "builtins.setattr",
+                "delattr",
+                "builtins.delattr",
+                "object.__setattr__",
+                "type.__setattr__",
+            ) or (
+                (fn.endswith(".__setattr__") or fn.endswith(".setattr") or fn.endswith(".delattr"))
+                and len(args) >= 2
+            ):
                 if len(args) >= 2:
                     base, key = res.resolve(args[0]), _const_str(args[1])
                     if base is None and isinstance(args[0], ast.Constant):
                         base = _const_str(args[0])  # monkeypatch.setattr("pkg.mod.name", v)
                         key = None
                     name = f"{base}.{key}" if base and key else base
-                    if key is None and isinstance(args[1], ast.AST) and base and \
-                            not isinstance(args[0], ast.Constant):  # fmt: skip
+                    if (
+                        key is None
+                        and isinstance(args[1], ast.AST)
+                        and base
+                        and not isinstance(args[0], ast.Constant)
+                    ):
                         name = f"{base}.?"
                     value = args[2] if len(args) >= 3 else None
                     written(name, node, "sets", scoped_write=scoped(node), value=value)
@@ -670,11 +945,22 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                 elif target:
                     written(target, node, "patches", scoped_write=True)
             elif fn.startswith("sys.modules.") and fn.rsplit(".", 1)[-1] in (
-                    "update", "setdefault", "__setitem__", "pop", "popitem", "clear",
-                    "__delitem__"):  # fmt: skip
+                "update",
+                "setdefault",
+                "__setitem__",
+                "pop",
+                "popitem",
+                "clear",
+                "__delitem__",
+            ):
                 add(node, "tamper_test_harness", True, f"calls {fn} (replaces imported modules)")
             elif fn.startswith("builtins.") and fn.rsplit(".", 1)[-1] in (
-                    "update", "__setitem__", "setdefault", "pop", "clear"):  # fmt: skip
+                "update",
+                "__setitem__",
+                "setdefault",
+                "pop",
+                "clear",
+            ):
                 add(node, "tamper_test_harness", True, f"calls {fn} (patches builtins)")
             # exits and process control
             if fn in EXIT_CALLS:  # honest tests end forked children so
@@ -685,17 +971,27 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                 add(node, "tamper_test_harness", False, f"calls {fn} (traces/inspects the process)")
             if _under(fn, CALLER_FRAME):
                 frame_reads.append((node, fn))
-                if fn in ("traceback.extract_stack", "traceback.walk_stack", "inspect.stack",
-                          "inspect.getouterframes", "inspect.getframeinfo"):  # fmt: skip
+                if fn in (
+                    "traceback.extract_stack",
+                    "traceback.walk_stack",
+                    "inspect.stack",
+                    "inspect.getouterframes",
+                    "inspect.getframeinfo",
+                ):
                     has_stack_summary = True
             if _under(fn, SOURCE_READ):
                 source_reads.append((node, fn))
             if fn in ("getattr", "builtins.getattr", "setattr", "builtins.setattr") and (
-                    len(args) >= 2 and _const_str(args[1]) is None):  # fmt: skip
+                len(args) >= 2 and _const_str(args[1]) is None
+            ):
                 base = res.resolve(args[0])
                 if _under(base, DYNAMIC_SENSITIVE):
-                    add(node, "tamper_test_harness", False,
-                        f"calls {fn} on {base} with a computed name")  # fmt: skip
+                    add(
+                        node,
+                        "tamper_test_harness",
+                        False,
+                        f"calls {fn} on {base} with a computed name",
+                    )
             if fn in FILE_READS or fn.endswith((".read_text", ".read_bytes")):
                 file_reads.append(node)
             if fn == "ctypes.pythonapi.PyFrame_LocalsToFast":
@@ -704,9 +1000,12 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
             if _under(fn, NETWORK_CALLS) and not fn.endswith((".exceptions", ".codes")):
                 root = fn.split(".", 1)[0]
                 library = root in imported or root in own
-                add(node, "network_access", not library,
-                    f"calls {fn}" + (" (a module the repository already uses)" if library
-                                     else ""))  # fmt: skip
+                add(
+                    node,
+                    "network_access",
+                    not library,
+                    f"calls {fn}" + (" (a module the repository already uses)" if library else ""),
+                )
             elif _under(fn, SHELL_CALLS):
                 text = " ".join(
                     _nfkc(n.value)
@@ -715,8 +1014,14 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                     if isinstance(n, ast.Constant) and isinstance(n.value, str)
                 )
                 words = f" {text} "
-                prog = next((p for p in NET_PROGRAMS if f" {p} " in words
-                             or words.lstrip().startswith(p + " ")), None)  # fmt: skip
+                prog = next(
+                    (
+                        p
+                        for p in NET_PROGRAMS
+                        if f" {p} " in words or words.lstrip().startswith(p + " ")
+                    ),
+                    None,
+                )
                 if prog:
                     add(node, "network_access", True, f"runs {prog} through {fn}")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str | bytes):
@@ -733,17 +1038,25 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                 source_reads.append((node, "line"))
         # -- references ---------------------------------------------------------------------
         if isinstance(node, ast.Name | ast.Attribute) and isinstance(
-                getattr(node, "ctx", None), ast.Load):  # fmt: skip
+            getattr(node, "ctx", None), ast.Load
+        ):
             name = res.resolve(node)
             hit = _under(name, PYTEST_INTERNALS)
             if hit and not in_tests and not _enclosed_in_attribute(node, res):
-                add(node, "tamper_test_harness", not is_own(name),
-                    f"uses {name} (test-runner internals)")  # fmt: skip
+                add(
+                    node,
+                    "tamper_test_harness",
+                    not is_own(name),
+                    f"uses {name} (test-runner internals)",
+                )
             elif hit == "_pytest" and in_tests and not _enclosed_in_attribute(node, res):
                 add(node, "tamper_test_harness", False, f"uses {name} (test-runner internals)")
         if isinstance(node, ast.Import | ast.ImportFrom):
-            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                    else [_nfkc(node.module or "")])  # fmt: skip
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [_nfkc(node.module or "")]
+            )
             for m in mods:
                 m = _nfkc(m)
                 parts = m.split(".")
@@ -755,11 +1068,19 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                         or any(p.startswith("test_") for p in parts)
                     )
                 ):
-                    add(node, "tamper_test_harness", True,
-                        f"non-test code imports {m} (code from a test directory)")  # fmt: skip
+                    add(
+                        node,
+                        "tamper_test_harness",
+                        True,
+                        f"non-test code imports {m} (code from a test directory)",
+                    )
                 if _under(m, ("_pytest", "pluggy")) and not in_tests:
-                    add(node, "tamper_test_harness", not is_own(m),
-                        f"imports {m} (test-runner internals)")  # fmt: skip
+                    add(
+                        node,
+                        "tamper_test_harness",
+                        not is_own(m),
+                        f"imports {m} (test-runner internals)",
+                    )
                 elif _under(m, ("_pytest",)):
                     add(node, "tamper_test_harness", False, f"imports {m}")
         # -- definitions --------------------------------------------------------------------
@@ -777,20 +1098,35 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
                     fn, name = item.value, (names[0] if names else "")
                 if fn is None:
                     continue
-                truthy = {"__eq__": True, "__contains__": True, "__instancecheck__": True,
-                          "__subclasscheck__": True, "__ne__": False}.get(name)  # fmt: skip
+                truthy = {
+                    "__eq__": True,
+                    "__contains__": True,
+                    "__instancecheck__": True,
+                    "__subclasscheck__": True,
+                    "__ne__": False,
+                }.get(name)
                 if truthy is not None and _always(fn, truthy):
                     # "contains everything" sentinels exist in honest code: advisory
-                    add(item, "tamper_test_harness",
+                    add(
+                        item,
+                        "tamper_test_harness",
                         not in_tests and name in ("__eq__", "__ne__"),
                         f"class {node.name}.{name} always returns a "
-                        + ("true constant (equal to anything)" if truthy
-                           else "false constant (never differs)"))  # fmt: skip
+                        + (
+                            "true constant (equal to anything)"
+                            if truthy
+                            else "false constant (never differs)"
+                        ),
+                    )
         elif isinstance(node, ast.Assign):
             for t in node.targets:
                 if isinstance(t, ast.Name) and t.id in ("pytest_plugins", "__builtins__"):
-                    add(node, "tamper_test_harness", not in_tests or t.id == "__builtins__",
-                        f"assigns {t.id}")  # fmt: skip
+                    add(
+                        node,
+                        "tamper_test_harness",
+                        not in_tests or t.id == "__builtins__",
+                        f"assigns {t.id}",
+                    )
     if cookie is not None and cookie not in PLAIN_ENCODINGS:
         hiding = cookie in HIDING_ENCODINGS or cookie.startswith(("utf_16", "utf_32"))
         if lines is None or (lines and lines[0] <= 2):
@@ -828,8 +1164,20 @@ def analyse_source(source: str, *, in_tests: bool, changed: Iterable[int] | None
 
 
 PLAIN_ENCODINGS = frozenset({"utf_8", "ascii", "latin_1", "iso8859_1", "cp1252", "iso8859_15"})
-HIDING_ENCODINGS = frozenset({"utf_7", "unicode_escape", "raw_unicode_escape", "punycode", "idna",
-                              "rot_13", "cp037", "cp500", "cp1026", "cp875"})  # fmt: skip
+HIDING_ENCODINGS = frozenset(
+    {
+        "utf_7",
+        "unicode_escape",
+        "raw_unicode_escape",
+        "punycode",
+        "idna",
+        "rot_13",
+        "cp037",
+        "cp500",
+        "cp1026",
+        "cp875",
+    }
+)
 
 
 def _source_encoding(source: str) -> str | None:

@@ -28,7 +28,7 @@ Fallback: the rule results stand.
 
 Untrusted content: everything the page under test produced (its title and snapshot, the frames'
 text, its source, page text quoted in the rule checks' evidence) is enclosed in per-call random
-delimiters and escaped (``grading.untrusted.Envelope``), and the system prompts say it is data,
+delimiters and escaped (``verify.untrusted.Envelope``), and the system prompts say it is data,
 never instructions. The answer parser (``answer_object``) reads exactly one answer object: a
 reply that holds a second ``"items"`` object (a quoted one, e.g. an answer planted in the page)
 is rejected and re-asked, never read in part.
@@ -50,6 +50,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from gagar_jax.verify.browser_rubric import ChecklistEntry, RubricError, Target, parse_item
+from gagar_jax.verify.untrusted import Envelope
 
 PROMPT_VERSION = "v2"
 MAX_OUTPUT_CHARS = 100_000
@@ -95,8 +96,10 @@ def answer_object(text: Any, key: str = "items") -> dict:
         start = text.find("{", end)
     answers = [o for o in objects if key in o]
     if len(answers) > 1:
-        raise OutputRejected(f"the reply holds {len(answers)} objects with {key!r}; answer with "
-                             "exactly one (a quoted answer is never read)")  # fmt: skip
+        raise OutputRejected(
+            f"the reply holds {len(answers)} objects with {key!r}; answer with "
+            "exactly one (a quoted answer is never read)"
+        )
     if answers or objects:
         return (answers or objects)[0]
     raise OutputRejected("no JSON object in the answer")
@@ -135,10 +138,6 @@ def _inline(envelope: Any, text: str, source: str) -> str:
 
 
 def _envelope() -> Any:
-    # Imported here: ``gagar_jax.grading`` is a large package the browser verifier does not
-    # otherwise need; only the LLM stages pay for it, once.
-    from gagar_jax.grading.untrusted import Envelope
-
     return Envelope()
 
 

@@ -189,11 +189,17 @@ class _Watch:
 
 
 def _what(mask):
-    for bit, word in ((IN_DELETE_SELF, "deleted"), (IN_MOVE_SELF, "moved"),
-                      (IN_MODIFY, "modified"), (IN_CLOSE_WRITE, "written"),
-                      (IN_ATTRIB, "metadata changed"), (IN_CREATE, "created"),
-                      (IN_DELETE, "deleted"), (IN_MOVED_TO, "moved in"),
-                      (IN_MOVED_FROM, "moved out")):  # fmt: skip
+    for bit, word in (
+        (IN_DELETE_SELF, "deleted"),
+        (IN_MOVE_SELF, "moved"),
+        (IN_MODIFY, "modified"),
+        (IN_CLOSE_WRITE, "written"),
+        (IN_ATTRIB, "metadata changed"),
+        (IN_CREATE, "created"),
+        (IN_DELETE, "deleted"),
+        (IN_MOVED_TO, "moved in"),
+        (IN_MOVED_FROM, "moved out"),
+    ):
         if mask & bit:
             return word
     return f"changed ({mask:#x})"
@@ -246,8 +252,12 @@ def _supervise(pid, report_r, out_fd, name, watch=None):
         seen = ""
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
-    record = {"report": b"".join(chunks).decode("utf-8", "replace"), "exit": code,
-              "named": seen == name, "name": seen}  # fmt: skip
+    record = {
+        "report": b"".join(chunks).decode("utf-8", "replace"),
+        "exit": code,
+        "named": seen == name,
+        "name": seen,
+    }
     if watch is not None:
         record["changed"] = watch.changes()
         record["unwatched"] = watch.unwatched

@@ -129,8 +129,19 @@ class Limits:
     output_bytes: int = 64 << 10
 
     def __post_init__(self):
-        for name in ("wall_s", "cpu_s", "memory_bytes", "file_bytes", "tmp_bytes", "shm_bytes",
-                     "disk_bytes", "disk_files", "nproc", "nofile", "output_bytes"):  # fmt: skip
+        for name in (
+            "wall_s",
+            "cpu_s",
+            "memory_bytes",
+            "file_bytes",
+            "tmp_bytes",
+            "shm_bytes",
+            "disk_bytes",
+            "disk_files",
+            "nproc",
+            "nofile",
+            "output_bytes",
+        ):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"Limits.{name} must be > 0, got {value!r}")
@@ -268,9 +279,15 @@ def _probe_once(mechanism: str, config: SandboxConfig, timeout: float) -> tuple[
         sec_fd = _seccomp_fd(mechanism)
         argv = _chain(mechanism, ["/bin/true"], d, Limits(wall_s=timeout), uid, None, (), sec_fd)
         try:
-            p = subprocess.run(argv, cwd=d, stdin=subprocess.DEVNULL, capture_output=True,
-                               timeout=timeout, env=_base_env(d, mechanism),
-                               pass_fds=() if sec_fd is None else (sec_fd,))  # fmt: skip
+            p = subprocess.run(
+                argv,
+                cwd=d,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=timeout,
+                env=_base_env(d, mechanism),
+                pass_fds=() if sec_fd is None else (sec_fd,),
+            )
         except subprocess.TimeoutExpired as e:
             return f"{type(e).__name__}: {e}", False
         except OSError as e:
@@ -392,7 +409,7 @@ def _chain(
             sources[p] = view
         script_text = " && ".join(script) + ' && exec "$@"'
         chain += [_which("unshare") or "unshare", "-m", "--propagation", "private", "--",
-                  "/bin/sh", "-c", script_text, "sandbox-binds"]  # fmt: skip
+                  "/bin/sh", "-c", script_text, "sandbox-binds"]  # fmt: skip  # argv pairs
     if cgroups:
         joins = " && ".join(
             f"echo $$ > {shlex.quote(d + '/cgroup.procs')}" for d in cgroups.values()
@@ -410,8 +427,14 @@ def _chain(
         "--",
     ]
     if _is_root() and mechanism != "none":
-        chain += [_which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}",
-                  "--clear-groups", "--no-new-privs", "--"]  # fmt: skip
+        chain += [
+            _which("setpriv") or "setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            "--no-new-privs",
+            "--",
+        ]
     if mechanism.startswith("bwrap"):
         # --disable-userns: a nested user namespace could mount an unbounded tmpfs of its own.
         # --as-pid-1: no bwrap reaper inside the PID namespace. That reaper runs as the code's
@@ -419,13 +442,26 @@ def _chain(
         # memory through /proc/1/mem (an open(), which seccomp cannot tell apart) and make a
         # failing run exit 0. Now PID 1 is the start wrapper, which execs the command itself.
         chain += [_which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
-                  "--as-pid-1", "--die-with-parent", "--new-session"]  # fmt: skip
+                  "--as-pid-1", "--die-with-parent", "--new-session"]  # fmt: skip  # argv pairs
         for p in _SYSTEM_RO:
             chain += ["--ro-bind-try", p, p]
         # /dev is a host-sized tmpfs: made read-only, with a size-capped /dev/shm inside it.
-        chain += ["--dev", "/dev", "--size", str(int(limits.shm_bytes)), "--tmpfs", "/dev/shm",
-                  "--remount-ro", "/dev", "--proc", "/proc",
-                  "--size", str(int(limits.tmp_bytes)), "--tmpfs", "/tmp"]  # fmt: skip
+        chain += [
+            "--dev",
+            "/dev",
+            "--size",
+            str(int(limits.shm_bytes)),
+            "--tmpfs",
+            "/dev/shm",
+            "--remount-ro",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--size",
+            str(int(limits.tmp_bytes)),
+            "--tmpfs",
+            "/tmp",
+        ]
         if seccomp_fd is not None:
             chain += ["--seccomp", str(seccomp_fd)]
         for p in ro_paths:  # after the tmpfs, or a path under /tmp would be hidden by it
@@ -435,7 +471,7 @@ def _chain(
             # while open and preallocated ones count, and nothing the run writes reaches the
             # host's disk. The start wrapper copies the tree in before the start marker.
             chain += ["--size", str(int(limits.disk_bytes)), "--tmpfs", SANDBOX_WORKDIR,
-                      "--ro-bind", sources[workdir], _TREE_SOURCE]  # fmt: skip
+                      "--ro-bind", sources[workdir], _TREE_SOURCE]  # fmt: skip  # argv pairs
         else:
             chain += ["--bind", sources[workdir], SANDBOX_WORKDIR]
         chain += ["--chdir", SANDBOX_WORKDIR, "--"]
@@ -479,8 +515,9 @@ def _slot(config: SandboxConfig) -> Iterator[int]:
             with _local_lock:
                 if i in _local_slots:
                     continue
-                fd = os.open(f"{_SLOT_DIR}/slot-{config.uid_base + i}.lock", os.O_RDWR | os.O_CREAT,
-                             0o600)  # fmt: skip
+                fd = os.open(
+                    f"{_SLOT_DIR}/slot-{config.uid_base + i}.lock", os.O_RDWR | os.O_CREAT, 0o600
+                )
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -683,14 +720,37 @@ def run_sandboxed(
     try:
         mechanism = select_mechanism(config)
     except TimeoutError as e:  # a probe found no free slot, or could not finish: busy, not known
-        return SandboxResult("infra_error", None, None, "", "", False, False, 0.0,
-                             config.mechanism if config.mechanism != "auto" else "none",
-                             frozenset(), (), f"probing the sandbox: {e}")  # fmt: skip
+        return SandboxResult(
+            "infra_error",
+            None,
+            None,
+            "",
+            "",
+            False,
+            False,
+            0.0,
+            config.mechanism if config.mechanism != "auto" else "none",
+            frozenset(),
+            (),
+            f"probing the sandbox: {e}",
+        )
 
     def infra(msg: str, t0: float = time.monotonic()) -> SandboxResult:
         wall = time.monotonic() - t0
-        return SandboxResult("infra_error", None, None, "", "", False, False, wall, mechanism,
-                             ISOLATION[mechanism], (), msg)  # fmt: skip
+        return SandboxResult(
+            "infra_error",
+            None,
+            None,
+            "",
+            "",
+            False,
+            False,
+            wall,
+            mechanism,
+            ISOLATION[mechanism],
+            (),
+            msg,
+        )
 
     try:
         slot_cm = _slot(config)
@@ -698,8 +758,19 @@ def run_sandboxed(
     except (OSError, TimeoutError) as e:
         return infra(f"slot: {e}")
     try:
-        res = _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra,
-                           tuple(pass_fds), private_workdir)  # fmt: skip
+        res = _run_in_slot(
+            argv,
+            workdir,
+            limits,
+            config,
+            env,
+            ro_paths,
+            mechanism,
+            slot,
+            infra,
+            tuple(pass_fds),
+            private_workdir,
+        )
         if private_workdir and mechanism.startswith("bwrap"):
             res = dataclasses.replace(res, isolation=res.isolation | {"disk"})
         return res
@@ -817,8 +888,19 @@ class _ExitWaiter:
             self._fd = -1
 
 
-def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra, fds=(),
-                 private_workdir=False):  # fmt: skip
+def _run_in_slot(
+    argv,
+    workdir,
+    limits,
+    config,
+    env,
+    ro_paths,
+    mechanism,
+    slot,
+    infra,
+    fds=(),
+    private_workdir=False,
+):
     private = private_workdir and mechanism.startswith("bwrap")
     uid = config.uid_base + slot
     use_uid = _is_root() and mechanism != "none"
@@ -856,10 +938,16 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
             with open(paths["stdout"], "wb") as out, open(paths["stderr"], "wb") as err:
                 try:
                     proc = subprocess.Popen(
-                        chain, cwd=workdir, stdin=marker_w, stdout=out, stderr=err,
-                        env=_base_env(workdir, mechanism, env), start_new_session=True,
-                        close_fds=True, pass_fds=fds + (() if sec_fd is None else (sec_fd,)),
-                    )  # fmt: skip
+                        chain,
+                        cwd=workdir,
+                        stdin=marker_w,
+                        stdout=out,
+                        stderr=err,
+                        env=_base_env(workdir, mechanism, env),
+                        start_new_session=True,
+                        close_fds=True,
+                        pass_fds=fds + (() if sec_fd is None else (sec_fd,)),
+                    )
                 except OSError as e:
                     return infra(f"could not start {chain[0]}: {e}", t0)
                 finally:
@@ -901,9 +989,24 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                 started = False
             if not started:
                 stderr, _ = _read_capped(paths["stderr"], limits.output_bytes)
-                return _verdict(rc, False, timed_out, False, "", stderr, False, False, wall,
-                                mechanism, cgroups, oom_before, pids_max_before, limits,
-                                0, 0)  # fmt: skip
+                return _verdict(
+                    rc,
+                    False,
+                    timed_out,
+                    False,
+                    "",
+                    stderr,
+                    False,
+                    False,
+                    wall,
+                    mechanism,
+                    cgroups,
+                    oom_before,
+                    pids_max_before,
+                    limits,
+                    0,
+                    0,
+                )
             # From here on the code ran: any problem reading what it left is its failure.
             try:
                 disk_hit = disk_hit or (not private and _disk_exceeded(workdir, limits))
@@ -914,9 +1017,20 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                 stdout, out_trunc = _read_capped(paths["stdout"], limits.output_bytes)
                 stderr, err_trunc = _read_capped(paths["stderr"], limits.output_bytes)
             except (OSError, ValueError) as e:
-                return SandboxResult("failed", rc if rc >= 0 else None, None, "", "", False,
-                                     False, wall, mechanism, ISOLATION[mechanism], (),
-                                     f"reading the run's output: {e}")  # fmt: skip
+                return SandboxResult(
+                    "failed",
+                    rc if rc >= 0 else None,
+                    None,
+                    "",
+                    "",
+                    False,
+                    False,
+                    wall,
+                    mechanism,
+                    ISOLATION[mechanism],
+                    (),
+                    f"reading the run's output: {e}",
+                )
     finally:
         os.close(marker_r)
         if marker_w >= 0:
@@ -975,8 +1089,13 @@ def _verdict(
             hits.append("pids")
     if sig == signal.SIGXCPU:
         hits.append("cpu")
-    elif (sig == signal.SIGKILL and mechanism.startswith("bwrap") and not timed_out
-          and not disk_hit and "memory" not in hits):  # fmt: skip
+    elif (
+        sig == signal.SIGKILL
+        and mechanism.startswith("bwrap")
+        and not timed_out
+        and not disk_hit
+        and "memory" not in hits
+    ):
         # The code is its PID namespace's init: SIGXCPU (default action) does not reach it,
         # and nothing inside can SIGKILL it; the kernel's RLIMIT_CPU hard limit can.
         hits.append("cpu")
@@ -1014,8 +1133,20 @@ def _verdict(
     else:
         status, error = "failed", None
     returncode = rc if rc >= 0 else 128 + sig
-    return SandboxResult(status, returncode, sig, stdout, stderr, out_trunc, err_trunc, wall,
-                         mechanism, ISOLATION[mechanism], tuple(hits), error)  # fmt: skip
+    return SandboxResult(
+        status,
+        returncode,
+        sig,
+        stdout,
+        stderr,
+        out_trunc,
+        err_trunc,
+        wall,
+        mechanism,
+        ISOLATION[mechanism],
+        tuple(hits),
+        error,
+    )
 
 
 def _open_to_others(path: str, own_only: bool = False) -> bool:
@@ -1054,8 +1185,12 @@ def python_for_sandbox() -> tuple[str, tuple[str, ...]]:
     Raises:
       SandboxUnavailable: no interpreter is readable by an unprivileged uid.
     """
-    candidates = [os.environ.get("GAGAR_SANDBOX_PYTHON"), os.path.realpath(sys.executable),
-                  "/usr/bin/python3", "/usr/local/bin/python3"]  # fmt: skip
+    candidates = [
+        os.environ.get("GAGAR_SANDBOX_PYTHON"),
+        os.path.realpath(sys.executable),
+        "/usr/bin/python3",
+        "/usr/local/bin/python3",
+    ]
     for exe in filter(None, candidates):
         exe = os.path.realpath(exe)
         if not _open_to_others(exe):
@@ -1063,8 +1198,11 @@ def python_for_sandbox() -> tuple[str, tuple[str, ...]]:
         try:
             version = subprocess.run(
                 [exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                capture_output=True, text=True, timeout=30, check=True,
-            ).stdout.strip()  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             continue
         paths: tuple[str, ...] = ()

@@ -13,12 +13,19 @@ from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify.repo import verify_repo_patch
 
 HIDDEN_NEG = "from app import half\n\n\ndef test_half_hidden():\n    assert half(-4) == -2\n"
-TASK2 = RepoTask("half2", "half(x) must return x / 2", dict(TASK.files), TASK.required_tests,
-                 test_files=TASK.test_files,
-                 test_patch=new_file("tests/test_hidden.py", HIDDEN_NEG))  # fmt: skip
+TASK2 = RepoTask(
+    "half2",
+    "half(x) must return x / 2",
+    dict(TASK.files),
+    TASK.required_tests,
+    test_files=TASK.test_files,
+    test_patch=new_file("tests/test_hidden.py", HIDDEN_NEG),
+)
 PARTIAL = "def half(x):\n    return abs(x) / 2\n"
-EQ = ("class R(float):\n    def __eq__(s, o):\n        return True\n\n"
-      "    def __ne__(s, o):\n        return False\n")  # fmt: skip
+EQ = (
+    "class R(float):\n    def __eq__(s, o):\n        return True\n\n"
+    "    def __ne__(s, o):\n        return False\n"
+)
 RETURNS_R = "\n\ndef half(x):\n    return R(0)\n"
 
 

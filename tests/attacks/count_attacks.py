@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def main() -> None:
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", HERE],
                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(HERE)),
-                         check=False).stdout  # fmt: skip
+                         check=False).stdout  # fmt: skip  # argv pairs
     counts: collections.Counter[str] = collections.Counter()
     for line in out.splitlines():
         if "::" in line:
