@@ -7,10 +7,11 @@ r"""Code-agent RL on Python repositories: HF checkpoint and tokenizer, SGLang, a
         --config.rollout.sglang_url=http://127.0.0.1:30000 \
         --config.grading.sglang_url=http://127.0.0.1:30001
 
-``:smoke`` is what ``make e2e`` runs (scripts/e2e.py passes the tiny model, the fixture task pool
-and the server URL on the command line): the tiny random Qwen2 with its locally trained BPE
-tokenizer, the two fixture repositories, 2 x 2 episodes per step, a short SFT warm start on the
-tool-call demonstrations of the reference patches, 3 RL steps.
+``:smoke`` is what ``make e2e`` runs (scripts/e2e.py passes the tiny model, the task pool, its
+repositories and the server URL on the command line): the tiny random Qwen2 with its locally
+trained BPE tokenizer, the two fixture repositories and one factory-made task of a real package
+(its repository rebuilt from the registry, its own ``uv`` environment), 2 x 2 episodes per step,
+a short SFT warm start on the tool-call demonstrations of the reference patches, 3 RL steps.
 
 Each rollout is a multi-turn episode (``task.family = "python_repo"``): Qwen/Hermes
 ``<tool_call>`` JSON calls to ``read_file``, ``edit``, ``run_tests``, ``submit``; observations as
@@ -69,14 +70,18 @@ def get_config(arg=None):
     c.sft.steps = 0  # start from an SFT'd checkpoint, as the paper does
     c.loop.update(total_steps=200, eval_every=20, checkpoint_every=10, eval_rollouts=1)
     if smoke:
-        c.task.update(max_turns=6, max_observation_tokens=256)
+        # the tiny model seldom submits: every episode's final tree is verified, so each task's
+        # rollouts (the factory-made one's too) run its tests in its environment
+        c.task.update(max_turns=6, max_observation_tokens=256, autosubmit=True)
         c.model.dtype = "float32"
         # a low temperature: the briefly warm-started tiny model then emits the tool calls it
         # was shown (at 1.0 after 40 SFT steps none parsed); the update scores at the same T
+        # 1280 + 768 tokens: the tiny model's 2048 positions; the factory-made task's prompt
+        # (its issue and the release's file list) needs more than the fixtures' 700
         c.rollout.update(
             num_prompts=2,
             num_rollouts=2,
-            max_prompt_len=768,
+            max_prompt_len=1280,
             max_new_tokens=768,
             max_turn_tokens=256,
             temperature=0.3,

@@ -5,7 +5,11 @@ r"""End to end on CPU: a real SGLang server in the loop of a multi-turn code-age
 1. builds a tiny random Qwen2 with a locally trained BPE tokenizer and chat template
    (``scripts/sglang_cpu/make_tiny_model.py`` in ``.venv-sglang``; nothing from a model hub);
 2. writes the task pool: the fixture repositories of ``tests/fixtures/repos`` as JSONL, each with
-   its minimal patch as the reference patch (the SFT demonstrations are built from it);
+   its minimal patch as the reference patch (the SFT demonstrations are built from it), and the
+   task factory's rows of a real package (``tests/fixtures/factory/instances.jsonl``, made by
+   ``gagar_jax.data.synth``), whose git repository is rebuilt here from the release's source
+   distribution on the registry (``synth.rebuild_repos``) and whose environment is built with
+   ``uv`` (cached);
 3. starts a real SGLang server from ``.venv-sglang`` on a free loopback port (or uses
    ``--sglang_url``, a server already serving ``--model_dir``);
 4. runs ``configs/swe_agent.py:smoke`` (SFT warm start on the tool-call demonstrations, then 3 RL
@@ -13,7 +17,11 @@ r"""End to end on CPU: a real SGLang server in the loop of a multi-turn code-age
    SIGKILLs the trainer after its checkpoint of step 1 and runs it again (it resumes);
 5. stops the server, prints the per-step metrics and checks them (:func:`check`, exit 1 on a
    failure): episodes of more than one turn, parsed tool calls, the weight version +1 per step,
-   a finite training-inference mismatch, a resumed run that repeats and skips no step.
+   a finite training-inference mismatch, a resumed run that repeats and skips no step, and
+   for the factory-made task (from the run's ``$GAGAR_VERIFY_LOG`` records): its rollouts'
+   tests ran in the sandbox on its own ``uv`` environment's site-packages, not the verifier's
+   interpreter packages, on the tree materialised from the rebuilt repository, and the grader's
+   workspace of its groups held that same tree with the checks on that environment.
 
 ``--execution=ray`` runs the same config with ``execution.backend=ray`` on a simulated Ray
 cluster started here (``ray.cluster_utils.Cluster``: a head without CPUs and one worker node),
@@ -36,6 +44,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 sys.path.insert(0, ROOT)
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "repos")
+FACTORY_ROWS = os.path.join(ROOT, "tests", "fixtures", "factory", "instances.jsonl")
 KEYS = (
     "episode/turns_mean",
     "episode/tool_calls_mean",
@@ -114,7 +123,78 @@ def check(rows: list[dict], log: str, execution: str = "local") -> list[str]:
     return problems
 
 
-def write_pool(path: str) -> str:
+def factory_expectations(instances: str, repos_dir: str) -> dict[str, dict]:
+    """Per factory task: its environment (hash, site-packages) and its materialised tree's
+    digest, as the trainer's loader makes them (the environment is cached: no rebuild)."""
+    from gagar_jax.data import swe
+    from gagar_jax.envs.repo import tree_digest
+    from gagar_jax.verify.repo import env_site_packages
+
+    out = {}
+    for inst in swe.load_instances(instances):
+        task = swe.to_repo_task(inst, repos_dir)
+        out[task.task_id] = {
+            "env_hash": task.env_hash,
+            "env_path": task.env_path,
+            "site": list(env_site_packages(task.env_path)),
+            "tree": tree_digest(task.files),
+        }
+    return out
+
+
+def check_factory(audit: list[dict], expect: dict[str, dict]) -> list[str]:
+    """The factory tasks' rollouts ran their tests on their own environment and the tree
+    materialised from git; their groups were graded on that tree and environment."""
+    from gagar_jax.verify.sandbox import python_for_sandbox
+
+    own = set(python_for_sandbox()[1])
+    problems = []
+    runs = [r for r in audit if r.get("task_id") in expect and r.get("phase") == "rollout"]
+    # a call the back-end ended before the sandbox reported has no path: it says nothing here
+    ran = [r for r in runs if r["sandbox_pythonpath"] and r["kind"] == "verify"]
+    if not ran:
+        problems.append(
+            f"no rollout of the factory tasks {sorted(expect)} was verified in "
+            f"the sandbox ({len(runs)} other calls)"
+        )
+    for r in runs:
+        e = expect[r["task_id"]]
+        where = f"{r['kind']} of {r['task_id']} ({r['status']})"
+        if r["status"] == "infra_error":
+            problems.append(f"{where}: infrastructure error")
+        if not r["sandbox_pythonpath"]:
+            continue
+        # on a Ray node the environment is that node's own copy of the same env_hash
+        rel = [f"/{e['env_hash']}/{os.path.relpath(p, e['env_path'])}" for p in e["site"]]
+        same = len(r["sandbox_pythonpath"]) == len(rel) and all(
+            p == q or p.endswith(t) for p, q, t in zip(r["sandbox_pythonpath"], e["site"], rel)
+        )
+        if r["env_hash"] != e["env_hash"] or not same:
+            problems.append(
+                f"{where}: ran on {r['sandbox_pythonpath']} ({r['env_hash']}), not "
+                f"its environment {e['site']} ({e['env_hash']})"
+            )
+        if own & set(r["sandbox_pythonpath"]):
+            problems.append(f"{where}: the verifier's own packages were on the path")
+        if r["tree"] != e["tree"]:
+            problems.append(f"{where}: not the tree materialised from its base commit")
+    graded = [r for r in audit if r.get("kind") == "grade" and r.get("task_id") in expect]
+    if not graded:
+        problems.append(f"no group of the factory tasks {sorted(expect)} was graded")
+    for r in graded:
+        e = expect[r["task_id"]]
+        if r["tree"] != e["tree"]:
+            problems.append(f"grading of {r['group_id']}: not the materialised tree")
+        if not all(p in r["check_pythonpath"].split(os.pathsep) for p in e["site"]):
+            problems.append(
+                f"grading of {r['group_id']}: checks without its environment "
+                f"({r['check_pythonpath']!r})"
+            )
+    return problems
+
+
+def write_pool(path: str, factory_rows: str = "") -> str:
+    """The fixture tasks (RepoTask lines) and, if given, the factory's SWE-bench rows."""
     from gagar_jax.envs.repo import RepoTask
 
     with open(path, "w", encoding="utf-8") as f:
@@ -126,10 +206,15 @@ def write_pool(path: str) -> str:
             with open(os.path.join(task_dir, "patches", "minimal.diff"), encoding="utf-8") as p:
                 d["reference_patch"] = p.read()
             f.write(json.dumps(d) + "\n")
+        if factory_rows:
+            with open(factory_rows, encoding="utf-8") as rows:
+                f.writelines(line for line in rows if line.strip())
     return path
 
 
-def trainer_cmd(run_dir: str, model_dir: str, pool: str, url: str, extra=()) -> list[str]:
+def trainer_cmd(
+    run_dir: str, model_dir: str, pool: str, url: str, extra=(), repos_dir: str = ""
+) -> list[str]:
     return [
         sys.executable,
         os.path.join(ROOT, "scripts", "train.py"),
@@ -138,6 +223,7 @@ def trainer_cmd(run_dir: str, model_dir: str, pool: str, url: str, extra=()) -> 
         f"--compilation_cache={os.path.join(run_dir, '..', 'jax')}",
         f"--config.model.hf_checkpoint={model_dir}",
         f"--config.task.data_path={pool}",
+        f"--config.task.repos_dir={repos_dir}",
         f"--config.rollout.sglang_url={url}",
         f"--config.grading.sglang_url={url}",
         *extra,
@@ -207,7 +293,23 @@ def main() -> int:
         model_dir = os.path.join(out, "model")
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             make_tiny_model(model_dir, seed=0)
-    pool = write_pool(os.path.join(out, "tasks.jsonl"))
+    from gagar_jax.data import synth
+    from gagar_jax.envs.repo import VERIFY_LOG_ENV
+
+    t_factory = time.monotonic()
+    factory_dir = os.path.join(out, "factory")
+    factory_rows = synth.rebuild_repos(FACTORY_ROWS, factory_dir, log=lambda m: print("e2e:", m))
+    repos_dir = os.path.join(factory_dir, "repos")
+    expect = factory_expectations(factory_rows, repos_dir)  # builds (or reuses) the envs
+    print(
+        f"e2e: factory tasks {sorted(expect)} ready in {time.monotonic() - t_factory:.0f} s",
+        flush=True,
+    )
+    pool = write_pool(os.path.join(out, "tasks.jsonl"), factory_rows)
+    audit_path = os.path.join(out, "verify_log.jsonl")
+    if os.path.exists(audit_path):
+        os.remove(audit_path)
+    os.environ[VERIFY_LOG_ENV] = audit_path
     cluster = None
     extra = []
     if args.execution == "ray":  # first: the SGLang server's start loads the machine
@@ -244,7 +346,7 @@ def main() -> int:
         print(f"e2e: SGLang server {url} up in {server.start_seconds:.0f} s", flush=True)
     log = os.path.join(out, "trainer.log")
     try:
-        cmd = trainer_cmd(run_dir, model_dir, pool, url, extra)
+        cmd = trainer_cmd(run_dir, model_dir, pool, url, extra, repos_dir)
         marker = os.path.join(run_dir, "checkpoints", "1")
         run_with_kill(cmd, marker, log, args.timeout_s)
         print(
@@ -263,6 +365,15 @@ def main() -> int:
             print("e2e: step", r["step"], " ".join(f"{k}={r.get(k)}" for k in KEYS), flush=True)
     with open(log, encoding="utf-8", errors="replace") as f:
         problems = check(rows, f.read(), args.execution)
+    with open(audit_path, encoding="utf-8") as f:
+        audit = [json.loads(line) for line in f if line.strip()]
+    mine = [r for r in audit if r.get("task_id") in expect]
+    print(
+        f"e2e: factory task records: {len(mine)} "
+        f"({sorted({(r['kind'], r.get('phase', ''), r.get('status', '')) for r in mine})})",
+        flush=True,
+    )
+    problems += check_factory(audit, expect)
     print(f"e2e: done in {time.monotonic() - t0:.0f} s; metrics in {run_dir}/metrics.jsonl")
     for p in problems:
         print(f"e2e: FAILED: {p}", flush=True)

@@ -84,3 +84,53 @@ def src_layout_row(repos_dir, **kw):
         python_deps=["cachetools==5.5.0"],
         **kw,
     )
+
+
+# ---- recorded rows of other layouts (tests/fixtures/swe_layouts) ------------------------------
+
+LAYOUTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "swe_layouts")
+FIXED_DATE = "2024-01-01T00:00:00+00:00"
+CALC_GOOD = {
+    "calc.py": "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n",
+    "tests/test_calc.py": "from calc import add, mul\n\n\ndef test_add():\n"
+    "    assert add(2, 3) == 5\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n",
+}
+CALC_BAD = {**CALC_GOOD, "calc.py": CALC_GOOD["calc.py"].replace("a + b", "a - b")}
+
+
+def commit_fixed(root, msg):
+    """``commit_all`` with a fixed author, committer and date: the same files give the same
+    commit id on every machine (the recorded rows name these ids)."""
+    import subprocess
+
+    from gagar_jax.data.repos import GIT_ENV
+
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        **GIT_ENV,
+        "GIT_AUTHOR_DATE": FIXED_DATE,
+        "GIT_COMMITTER_DATE": FIXED_DATE,
+    }
+    for args in (["add", "-A"], ["commit", "-q", "--no-verify", "-m", msg]):
+        subprocess.run(["git", *args], cwd=root, env=env, check=True, capture_output=True)
+    return git("rev-parse", "HEAD", cwd=root).stdout.decode().strip()
+
+
+def calc_repo(repos_dir, key, *, bug_branch=None):
+    """``repos_dir/key``: the calc repository. Without ``bug_branch`` its one commit holds the
+    bug (an R2E-Gym or SWE-bench base commit); with it, ``main`` holds the good code and the
+    branch ``bug_branch`` one commit with the bug (SWE-smith's layout). Returns the commit ids
+    (base, bug-branch tip or None)."""
+    root = os.path.join(repos_dir, key)
+    os.makedirs(root)
+    git("init", "-q", "-b", "main", cwd=root)
+    if bug_branch is None:
+        write(root, CALC_BAD)
+        return commit_fixed(root, "calc"), None
+    write(root, CALC_GOOD)
+    base = commit_fixed(root, "calc")
+    git("checkout", "-q", "-b", bug_branch, cwd=root)
+    write(root, CALC_BAD)
+    tip = commit_fixed(root, "bug")
+    git("checkout", "-q", "main", cwd=root)
+    return base, tip

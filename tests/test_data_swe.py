@@ -488,3 +488,165 @@ def test_a_relative_cache_dir_gives_absolute_paths(tmp_path, monkeypatch):
     assert os.path.isabs(tree) and os.path.isdir(tree)
     env = repos.build_env(["cachetools==5.5.0"], cache_dir="rel_cache")
     assert os.path.isabs(env.path)
+
+
+# ---- other layouts: recorded rows of tests/fixtures/swe_layouts ------------------------------
+
+
+def _verdicts(task):
+    return (
+        verify_repo_patch(task, task.reference_patch, run_monitor=False).status,
+        verify_repo_patch(task, "", run_monitor=False).status,
+    )
+
+
+def test_r2egym_row_reads_verifies_and_round_trips(tmp_path):
+    from tests.swe_fixtures import LAYOUTS, calc_repo
+
+    repos_dir = str(tmp_path / "repos")
+    base, _ = calc_repo(repos_dir, "r2e-gym__calc")
+    (inst,) = swe.load_instances(os.path.join(LAYOUTS, "r2egym_rows.jsonl"))
+    assert (inst.layout, inst.repo, inst.base_commit) == ("r2egym", "r2e-gym/calc", base)
+    assert inst.instance_id == "calc__b71c0e5a9d3f"
+    assert inst.problem_statement.startswith("add() returns the difference")  # [ISSUE] dropped
+    # expected to pass after the fix: failing in the old commit's log -> F2P, passing -> P2P
+    assert inst.FAIL_TO_PASS == (
+        "r2e_tests/test_1.py::test_add",
+        "r2e_tests/test_1.py::test_add_negative",
+    )
+    assert inst.PASS_TO_PASS == ("r2e_tests/test_1.py::test_mul",)
+    # the fix touches code only; the commit's test change and the hidden tests are test_patch
+    from gagar_jax.verify.diff import touched_files
+
+    assert touched_files(inst.patch) == ["calc.py"]
+    assert sorted(touched_files(inst.test_patch)) == ["r2e_tests/test_1.py", "tests/test_calc.py"]
+    assert swe.parse_instance(inst.to_row()) == inst  # round trip
+    task = swe.to_repo_task(inst, repos_dir, cache_dir=str(tmp_path / "c"), build_envs=False)
+    assert "r2e_tests/test_1.py" not in task.files  # hidden until the run
+    assert _verdicts(task) == ("passed", "failed")
+    with pytest.raises(swe.InstanceError, match="expected_output_json key 'test_add' is not"):
+        swe.parse_instance(
+            dict(
+                json.loads(open(os.path.join(LAYOUTS, "r2egym_rows.jsonl")).readline()),
+                expected_output_json='{"test_add": "PASSED"}',
+            )
+        )
+
+
+def test_swesmith_recorded_row_reads_verifies_and_round_trips(tmp_path):
+    from tests.swe_fixtures import LAYOUTS, calc_repo
+
+    row = json.loads(open(os.path.join(LAYOUTS, "swesmith_rows.jsonl")).readline())
+    repos_dir = str(tmp_path / "repos")
+    _, tip = calc_repo(repos_dir, "swesmith__acme__calc.5e1f2a3b", bug_branch=row["instance_id"])
+    (inst,) = swe.load_instances(os.path.join(LAYOUTS, "swesmith_rows.jsonl"))
+    assert inst.layout == "swesmith" and inst.base_commit == row["instance_id"]
+    assert swe.parse_instance(inst.to_row()) == inst
+    task = swe.to_repo_task(inst, repos_dir, cache_dir=str(tmp_path / "c"), build_envs=False)
+    assert "a - b" in task.files["calc.py"] and "+    return a + b" in task.reference_patch
+    assert repos.resolve_commit(repos.git_dir(repos_dir, inst.repo), inst.base_commit) == tip
+    assert _verdicts(task) == ("passed", "failed")
+
+
+def test_harbor_task_directory_reads_verifies_and_round_trips(tmp_path):
+    from tests.swe_fixtures import LAYOUTS, calc_repo
+
+    harbor = os.path.join(LAYOUTS, "harbor")
+    repos_dir = str(tmp_path / "repos")
+    base, _ = calc_repo(repos_dir, "acme__calc")
+    (inst,) = swe.load_instances(harbor)  # a directory of task directories
+    assert (inst.layout, inst.instance_id, inst.base_commit) == ("harbor", "acme__calc-1", base)
+    assert inst.problem_statement.startswith("# Task\n\nadd() returns")  # instruction.md
+    row = swe.harbor_row(os.path.join(harbor, "acme__calc-1"))
+    assert row["harbor"]["timeout_sec"] == 300.0 and row["harbor"]["metadata"]["category"]
+    assert swe.load_instances(os.path.join(harbor, "acme__calc-1")) == [inst]  # one task dir
+    assert swe.parse_instance(inst.to_row()) == inst
+    task = swe.to_repo_task(inst, repos_dir, cache_dir=str(tmp_path / "c"), build_envs=False)
+    assert _verdicts(task) == ("passed", "failed")
+    empty = tmp_path / "not_harbor"
+    (empty / "t").mkdir(parents=True)
+    (empty / "t" / "task.toml").write_text('version = "1.0"\n')
+    with pytest.raises(swe.InstanceError, match="no tests/config.json"):
+        swe.load_instances(str(empty))
+
+
+def test_a_jsonl_pool_mixes_repo_task_lines_and_swe_rows(tmp_path):
+    from gagar_jax.envs.repo import load_repo_tasks
+
+    repos_dir = str(tmp_path / "repos")
+    row = src_layout_row(repos_dir)
+    plain = RepoTask(
+        "plain-1",
+        "fix f",
+        {
+            "m.py": "def f():\n    return 1\n",
+            "test_m.py": "from m import f\n\n\ndef test_f():\n    assert f() == 2\n",
+        },
+        ("test_m.py::test_f",),
+    )
+    pool = str(tmp_path / "pool.jsonl")
+    with open(pool, "w") as f:
+        f.write(json.dumps(plain.to_dict()) + "\n" + json.dumps(row) + "\n")
+    a, b = load_repo_tasks(pool, repos_dir)
+    assert a == plain and b.task_id == row["instance_id"] and b.env_path and b.env_hash
+    assert b.files == repos.snapshot_files(repos_dir, "acme/srcpkg", row["base_commit"])
+    with pytest.raises(ValueError, match=r"pool.jsonl:2: a SWE-bench-format row .* needs "):
+        load_repo_tasks(pool)
+    with open(pool, "a") as f:
+        f.write(json.dumps(plain.to_dict()) + "\n")
+    with pytest.raises(ValueError, match="pool.jsonl:3: duplicate task id 'plain-1'"):
+        load_repo_tasks(pool, repos_dir)
+
+
+def test_autosubmit_verifies_an_unsubmitted_episode_and_the_audit_log_names_its_env(
+    tmp_path, monkeypatch
+):
+    """task.autosubmit: an episode that never called submit is verified on its final tree; the
+    verification log ($GAGAR_VERIFY_LOG) names the environment the sandboxed run used."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from hf_fixtures import make_tiny_tokenizer
+
+    from gagar_jax.envs.family import Attempt, FamilySettings, make_family
+    from gagar_jax.envs.hf_tokenizer import tool_call_text
+    from gagar_jax.envs.repo import VERIFY_LOG_ENV, tree_digest
+    from gagar_jax.verify.repo import env_site_packages
+
+    monkeypatch.setenv("GAGAR_REPO_CACHE", str(tmp_path / "cache"))
+    log = tmp_path / "verify_log.jsonl"
+    monkeypatch.setenv(VERIFY_LOG_ENV, str(log))
+    repos_dir = str(tmp_path / "repos")
+    path = str(tmp_path / "instances.jsonl")
+    swe.write_instances(path, [swe.parse_instance(src_layout_row(repos_dir))])
+    tok = make_tiny_tokenizer(tmp_path / "tok")
+    fams = {
+        auto: make_family(
+            "python_repo",
+            FamilySettings(
+                data_path=path,
+                repos_dir=repos_dir,
+                tokenizer_path=tok,
+                num_eval=0,
+                max_prompt_len=2048,
+                extra={"autosubmit": True} if auto else {},
+            ),
+        )
+        for auto in (False, True)
+    }
+    task = fams[True].train_task(0)
+    outcomes = {}
+    for auto, fam in fams.items():
+        env = fam.make_env(task)
+        for name, args in fam.demonstration_calls(task):
+            if name != "submit":  # the fix is in the tree, but the episode never submits
+                env.step(tool_call_text(name, args))
+        assert not env.submitted
+        outcomes[auto] = fam.verify(task, Attempt(env=env))
+    assert not outcomes[False].passed and outcomes[False].test_log.startswith("episode ended")
+    assert outcomes[True].passed, outcomes[True].test_log
+    assert "final tree verified (task.autosubmit)" in outcomes[True].test_log
+    records = [json.loads(line) for line in open(log)]
+    (v,) = [r for r in records if r["kind"] == "verify"]
+    assert v["autosubmit"] and v["phase"] == "rollout" and v["status"] == "passed"
+    assert v["sandbox_pythonpath"] == list(env_site_packages(task.env_path))
+    assert v["env_hash"] == task.env_hash and v["tree"] == tree_digest(task.files)
+    assert {r["kind"] for r in records} == {"verify", "run_tests"}  # run_tests ran as well

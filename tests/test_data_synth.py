@@ -248,3 +248,68 @@ def test_one_pass_site_counts_equal_the_mutator():
     for t in synth.TRANSFORMS:
         assert sites.get((F, t), 0) == synth.function_sites(SRC, F, t), t
         assert sites.get((18, t), 0) == synth.function_sites(SRC, 18, t), t
+
+
+def _tiny_sdist(cache):
+    """A source distribution of a tiny package of our own, where ``download_sdist`` finds it
+    (no registry needed)."""
+    import io
+    import tarfile
+
+    files = {
+        "tinypkg-1.0/tinypkg.py": "def add(a, b):\n    return a + b\n",
+        "tinypkg-1.0/tests/test_tiny.py": "from tinypkg import add\n\n\n"
+        "def test_add():\n    assert add(2, 3) == 5\n\n\ndef test_zero():\n"
+        "    assert add(0, 0) == 0\n",
+        "tinypkg-1.0/PKG-INFO": "Name: tinypkg\nVersion: 1.0\n",
+    }
+    os.makedirs(os.path.join(cache, "sdists"))
+    with tarfile.open(os.path.join(cache, "sdists", "tinypkg-1.0.tar.gz"), "w:gz") as tf:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+def test_rebuild_repos_gives_the_factory_rows_their_repositories_back(tmp_path):
+    from gagar_jax.data import swe
+    from gagar_jax.verify.repo import verify_repo_patch
+
+    cache = str(tmp_path / "cache")
+    _tiny_sdist(cache)
+    fix = (
+        "--- a/tinypkg.py\n+++ b/tinypkg.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n"
+        "-    return a - b\n+    return a + b\n"
+    )
+    row = swe.SweInstance(
+        "pypi__tinypkg.0001",
+        "pypi/tinypkg",
+        "stale",
+        fix,
+        "",
+        "add fails",
+        ("tests/test_tiny.py::test_add",),
+        ("tests/test_tiny.py::test_zero",),
+        version="1.0",
+    ).to_row()
+    src = str(tmp_path / "rows.jsonl")
+    with open(src, "w") as f:
+        f.write(json.dumps(row) + "\n")
+    path = synth.rebuild_repos(src, str(tmp_path / "out"), cache_dir=cache, log=lambda s: None)
+    (inst,) = swe.load_instances(path)
+    assert inst.base_commit != "stale" and inst.environment_setup_commit == inst.base_commit
+    task = swe.to_repo_task(
+        inst, str(tmp_path / "out" / "repos"), cache_dir=cache, build_envs=False
+    )
+    assert "a - b" in task.files["tinypkg.py"] and "PKG-INFO" not in task.files
+    assert verify_repo_patch(task, task.reference_patch, run_monitor=False).status == "passed"
+    assert verify_repo_patch(task, "", run_monitor=False).status == "failed"
+    with open(src, "w") as f:  # a fix that does not give the release back
+        f.write(json.dumps(dict(row, patch=fix.replace("a + b", "a * b"))) + "\n")
+    with pytest.raises(ValueError, match="does not (undo|give)"):
+        synth.rebuild_repos(src, str(tmp_path / "out2"), cache_dir=cache, log=lambda s: None)
+    with open(src, "w") as f:
+        f.write(json.dumps(dict(row, repo="acme/x")) + "\n")
+    with pytest.raises(ValueError, match="expected a factory row"):
+        synth.rebuild_repos(src, str(tmp_path / "out3"), cache_dir=cache, log=lambda s: None)

@@ -1,5 +1,6 @@
 """The Python-repo test verifier on small real repositories (tests/fixtures/repos)."""
 
+import dataclasses
 import difflib
 import os
 
@@ -122,6 +123,48 @@ def test_missing_pytest_in_the_sandbox_is_an_infra_error(monkeypatch):
     monkeypatch.setattr(repo_mod, "_PREFLIGHT", {})
     v = verify_repo_patch(_task("statkit"), _patch("statkit", "minimal"), limits=FAST)
     assert v.status == "infra_error" and v.infra_error and "not importable" in v.test_log
+
+
+def test_a_busy_moment_is_not_remembered_as_an_infra_error(tmp_path):
+    """Load turned a sound task's validation into infra_error: the check that pytest runs in the
+    sandbox (once per environment) could not run on a busy machine, and its failure was kept,
+    so every later verification of the process came back infra_error (an empty patch
+    included; two first calls at once also raced to set it). Reproduced for real here: every
+    sandbox slot is busy while the check runs. That call is the infrastructure's (masked);
+    once the slot is free, the verdicts are the code's."""
+    import threading
+
+    from gagar_jax.verify import sandbox
+    from gagar_jax.verify.sandbox import SandboxConfig, run_sandboxed
+
+    cfg = SandboxConfig(num_slots=1, slot_wait_s=0.5, uid_base=61950)  # a pool of its own
+    unprobed = dataclasses.replace(cfg, slot_wait_s=0.4)  # the same slots, never probed yet
+    strongest = sandbox.select_mechanism(cfg)  # probed while the slot is free
+    work = tmp_path / "holder"
+    work.mkdir()
+    os.chmod(work, 0o755)
+    holder = threading.Thread(
+        target=run_sandboxed,
+        args=(["/bin/sleep", "6"], str(work)),
+        kwargs={"limits": Limits(wall_s=60), "config": cfg},
+    )
+    holder.start()
+    try:
+        for _ in range(600):  # until the holder has the only slot
+            if sandbox._local_slots:
+                break
+            threading.Event().wait(0.05)
+        busy = verify_repo_patch(_task("statkit"), "", config=cfg, limits=FAST)
+        assert busy.status == "infra_error" and "could not run the pytest check" in busy.test_log
+        # a mechanism probe on the busy machine: this run is the infrastructure's, not a raise
+        r = run_sandboxed(["/bin/true"], str(work), config=unprobed)
+        assert r.status == "infra_error" and "probing the sandbox" in r.error
+    finally:
+        holder.join()
+    assert sandbox.select_mechanism(unprobed) == strongest  # not downgraded, not remembered
+    assert verify_repo_patch(_task("statkit"), "", config=cfg, limits=FAST).status == "failed"
+    fix = verify_repo_patch(_task("statkit"), _patch("statkit", "minimal"), config=cfg, limits=FAST)
+    assert fix.status == "passed", fix.test_log
 
 
 def test_prepare_tree_resets_protected_files_and_applies_hidden_tests():

@@ -150,6 +150,191 @@ def swesmith_row(row: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+R2E_TESTS_DIR = "r2e_tests"  # where R2E-Gym's hidden tests live in the repository
+
+
+def _json_field(row: Mapping[str, Any], key: str, where: str) -> Any:
+    value = row.get(key)
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as e:
+            raise InstanceError(f"{where}: {key} is not valid JSON: {e}") from None
+    if value is None:
+        raise InstanceError(f"{where}: missing field {key!r}")
+    return value
+
+
+def _is_r2e_test_file(path: str) -> bool:
+    parts = path.split("/")
+    base = parts[-1]
+    dirs = ("test", "tests", "Test", "Tests", R2E_TESTS_DIR)
+    return (
+        base.startswith("test_") or base.endswith("_test.py") or any(p in dirs for p in parts[:-1])
+    )
+
+
+def r2egym_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
+    """An R2E-Gym row in this module's terms.
+
+    R2E-Gym's fields: ``repo_name`` (``aiohttp``), ``docker_image``, ``commit_hash`` (the fix
+    commit), ``parsed_commit_content`` (JSON: ``old_commit_hash``, ``new_commit_hash``,
+    ``commit_message``, ``commit_date`` and ``file_diffs``, each with its ``header.file.path``
+    and the file's ``old_file_content``/``new_file_content``), ``execution_result_content``
+    (JSON: the hidden test files ``test_file_names``/``test_file_codes`` and the test runs'
+    output on both commits, ``old_commit_res_stdout``/``new_commit_res_stdout``),
+    ``expected_output_json`` (JSON: ``{test: status}`` after the fix) and
+    ``problem_statement``.
+
+    The task starts from ``old_commit_hash``; ``patch`` is the commit's change to non-test
+    files, ``test_patch`` its change to test files plus R2E-Gym's hidden tests (added under
+    ``r2e_tests/`` unless their names hold a directory). ``FAIL_TO_PASS``: tests expected to
+    pass after the fix that did not pass on the old commit (its ``-rA`` log read by
+    :func:`parse_log_pytest`); ``PASS_TO_PASS``: those that passed on both. ``repo`` is
+    ``r2e-gym/<repo_name>`` unless the row names an ``owner/name`` ``repo``.
+    """
+    from gagar_jax.envs.repo import tree_patch
+
+    name = row.get("repo_name")
+    if not isinstance(name, str) or not re.fullmatch(r"[\w-][\w.-]*", name):
+        raise InstanceError(f"{where}: repo_name must be a repository name, got {name!r}")
+    commit = _json_field(row, "parsed_commit_content", where)
+    if not isinstance(commit, Mapping) or not isinstance(commit.get("file_diffs"), list):
+        raise InstanceError(
+            f"{where}: parsed_commit_content must be an object with a file_diffs list"
+        )
+    old_sha = commit.get("old_commit_hash")
+    if not isinstance(old_sha, str) or not old_sha:
+        raise InstanceError(f"{where}: parsed_commit_content.old_commit_hash is missing")
+    before: dict[str, dict[str, str]] = {"code": {}, "tests": {}}
+    after: dict[str, dict[str, str]] = {"code": {}, "tests": {}}
+    for i, fd in enumerate(commit["file_diffs"]):
+        try:
+            path = fd["header"]["file"]["path"]
+            old, new = fd.get("old_file_content") or "", fd.get("new_file_content") or ""
+        except (KeyError, TypeError):
+            raise InstanceError(
+                f"{where}: parsed_commit_content.file_diffs[{i}] has no header.file.path"
+            ) from None
+        if fd.get("is_binary_file"):
+            continue
+        kind = "tests" if _is_r2e_test_file(path) else "code"
+        if old:
+            before[kind][path] = old
+        if new:
+            after[kind][path] = new
+    execution = (
+        _json_field(row, "execution_result_content", where)
+        if row.get("execution_result_content")
+        else {}
+    )
+    names = execution.get("test_file_names") or []
+    codes = execution.get("test_file_codes") or []
+    if len(names) != len(codes):
+        raise InstanceError(
+            f"{where}: execution_result_content has {len(names)} "
+            f"test_file_names but {len(codes)} test_file_codes"
+        )
+    for n, code in zip(names, codes, strict=True):
+        after["tests"][n if "/" in n else f"{R2E_TESTS_DIR}/{n}"] = code
+    expected = _json_field(row, "expected_output_json", where)
+    if not isinstance(expected, Mapping):
+        raise InstanceError(f"{where}: expected_output_json must be an object {{test: status}}")
+    old_status = parse_log_pytest(execution.get("old_commit_res_stdout") or "")
+    f2p, p2p = [], []
+    for test, status in expected.items():
+        test = test.split(" - ")[0]
+        if status not in ("PASSED", "XFAIL"):
+            continue  # a test that fails after the fix requires nothing
+        if "::" not in test:
+            raise InstanceError(
+                f"{where}: expected_output_json key {test!r} is not a pytest node id 'file::name'"
+            )
+        (p2p if old_status.get(test) in ("PASSED", "XFAIL") else f2p).append(test)
+    statement = str(row.get("problem_statement") or "")
+    m = re.search(r"\[ISSUE\](.*?)(\[/ISSUE\]|$)", statement, re.S)
+    if m:
+        statement = m.group(1).strip()
+    repo = row.get("repo")
+    if not (isinstance(repo, str) and "/" in repo):
+        repo = f"r2e-gym/{name}"
+    new_sha = str(commit.get("new_commit_hash") or row.get("commit_hash") or "")
+    return {
+        "instance_id": str(row.get("instance_id") or f"{name}__{new_sha[:12] or old_sha[:12]}"),
+        "repo": repo,
+        "base_commit": old_sha,
+        "patch": tree_patch(before["code"], after["code"]),
+        "test_patch": tree_patch(before["tests"], after["tests"]),
+        "problem_statement": statement,
+        "hints_text": "",
+        "created_at": str(commit.get("commit_date") or ""),
+        "version": "",
+        "FAIL_TO_PASS": f2p,
+        "PASS_TO_PASS": p2p,
+        "environment_setup_commit": old_sha,
+        "layout": "r2egym",
+    }
+
+
+def harbor_row(task_dir: str) -> dict[str, Any]:
+    """The SWE-bench row of a Harbor task directory (``task.toml``, ``instruction.md``,
+    ``environment/``, ``tests/``, ``solution/``), as Harbor's SWE-bench adapter writes it: the
+    instance's record in ``tests/config.json``, the text the agent sees in ``instruction.md``
+    (it replaces ``problem_statement``). The task's id is the record's ``instance_id`` (else the
+    directory's name); ``task.toml``'s ``[verifier] timeout_sec`` and ``[metadata]`` are kept
+    under ``harbor``. A directory without ``task.toml`` or ``tests/config.json`` raises
+    :class:`InstanceError` naming the file."""
+    import tomllib
+
+    where = task_dir
+    toml_path = os.path.join(task_dir, "task.toml")
+    try:
+        with open(toml_path, "rb") as f:
+            meta = tomllib.load(f)
+    except FileNotFoundError:
+        raise InstanceError(f"{where}: no task.toml (not a Harbor task directory)") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InstanceError(f"{toml_path}: not TOML: {e}") from None
+    config_path = os.path.join(task_dir, "tests", "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        raise InstanceError(
+            f"{where}: no tests/config.json: a Harbor task without a SWE-bench "
+            "record cannot be read as a repository task"
+        ) from None
+    except ValueError as e:
+        raise InstanceError(f"{config_path}: not JSON: {e}") from None
+    if not isinstance(record, Mapping):
+        raise InstanceError(f"{config_path}: expected an object (the SWE-bench record)")
+    out = dict(record)
+    try:
+        with open(os.path.join(task_dir, "instruction.md"), encoding="utf-8") as f:
+            out["problem_statement"] = f.read()
+    except FileNotFoundError:
+        pass
+    out.setdefault("instance_id", os.path.basename(os.path.normpath(task_dir)))
+    verifier = meta.get("verifier") if isinstance(meta.get("verifier"), Mapping) else {}
+    out["harbor"] = {
+        "timeout_sec": verifier.get("timeout_sec"),
+        "metadata": dict(meta.get("metadata") or {}),
+    }
+    out["layout"] = "harbor"
+    return out
+
+
+def harbor_rows(root: str) -> list[dict[str, Any]]:
+    """Rows of every Harbor task directory under ``root`` (``root`` itself or its
+    subdirectories holding a ``task.toml``, sorted by name)."""
+    if os.path.isfile(os.path.join(root, "task.toml")):
+        return [harbor_row(root)]
+    dirs = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "task.toml")))
+    if not dirs:
+        raise InstanceError(f"{root}: no Harbor task directory (a subdirectory with task.toml)")
+    return [harbor_row(os.path.join(root, d)) for d in dirs]
+
+
 def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
     """A validated :class:`SweInstance` from one row (see the module docstring)."""
     if not isinstance(row, Mapping):
@@ -157,6 +342,8 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
     where = f"{where} ({row.get('instance_id', '?')})"
     if "base_commit" not in row and "image_name" in row:
         row = swesmith_row(row)
+    elif "parsed_commit_content" in row and "base_commit" not in row:
+        row = r2egym_row(row, where)
     for key in REQUIRED:
         if key not in row or row[key] is None:
             raise InstanceError(f"{where}: missing field {key!r}")
@@ -206,7 +393,10 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
-    """The raw rows of a ``.jsonl``, ``.json`` (a list) or ``.parquet`` file."""
+    """The raw rows of a ``.jsonl``, ``.json`` (a list) or ``.parquet`` file, or of a
+    directory of Harbor task directories (:func:`harbor_rows`)."""
+    if os.path.isdir(path):
+        return harbor_rows(path)
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 

@@ -982,6 +982,99 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _reversed(fp):
+    """The file patch that undoes ``fp`` (old and new sides swapped)."""
+    from gagar_jax.verify.diff import FilePatch, Hunk
+
+    flip = {"+": "-", "-": "+", " ": " "}
+    hunks = tuple(
+        Hunk(
+            h.new_start,
+            h.new_len,
+            h.old_start,
+            h.old_len,
+            tuple(flip[ln[0]] + ln[1:] for ln in h.lines),
+            h.new_eof_newline,
+            h.old_eof_newline,
+        )
+        for h in fp.hunks
+    )
+    return FilePatch(fp.new_path, fp.old_path, hunks)
+
+
+def rebuild_repos(
+    instances: str,
+    out_dir: str,
+    *,
+    cache_dir: str | None = None,
+    log: Callable[[str], None] = print,
+) -> str:
+    """The repositories of factory rows, rebuilt from the registry: an instances file can be
+    shared without its ``repos/``.
+
+    For each package (``repo`` ``pypi/<name>``, ``version``) the release's source distribution
+    is downloaded (cached) and committed on ``main`` of ``out_dir/repos/pypi__<name>``; each
+    row's bug is its ``patch`` (the fix) undone on that tree, committed on ``task/<id>``, and
+    checked: the fix must give the release back. Writes the rows, ``base_commit`` and
+    ``environment_setup_commit`` set to the new commits, to ``out_dir/instances.jsonl`` and
+    returns its path. A row that is not a factory row, or whose fix does not match the
+    release, raises ValueError naming the row."""
+    from gagar_jax.data import repos
+    from gagar_jax.verify.diff import DiffError, apply_unified_diff, parse_unified_diff
+    from gagar_jax.verify.repo import write_tree
+
+    with open(instances, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    by_pkg: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
+    for n, row in enumerate(rows, start=1):
+        repo, version = row.get("repo", ""), row.get("version", "")
+        if not (isinstance(repo, str) and repo.startswith("pypi/") and version):
+            raise ValueError(
+                f"{instances}:{n}: repo {repo!r}, version {version!r}: expected a "
+                "factory row ('pypi/<name>' and the release's version)"
+            )
+        by_pkg[(repo, version)].append(row)
+    cache = os.path.abspath(cache_dir or repos.default_cache_dir())
+    os.makedirs(os.path.join(out_dir, "repos"), exist_ok=True)
+    for (repo, version), pkg_rows in by_pkg.items():
+        spec = f"{repo.split('/', 1)[1]}=={version}"
+        work = tempfile.mkdtemp(prefix="gagar_rebuild_")
+        try:
+            top = extract_sdist(download_sdist(spec, os.path.join(cache, "sdists")), work)
+            files = _clean_tree(repos.read_text_tree(top))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        store = os.path.join(out_dir, "repos", repos.repo_key(repo))
+        shutil.rmtree(store, ignore_errors=True)
+        os.makedirs(store)
+        repos.git("init", "-q", "-b", "main", cwd=store)
+        write_tree(store, files)
+        repos.git("add", "-A", cwd=store)
+        repos.git("commit", "-q", "--no-verify", "-m", f"{spec} (pristine)", cwd=store)
+        for row in pkg_rows:
+            where = f"{instances}: {row.get('instance_id')!r}"
+            try:
+                fix = parse_unified_diff(row["patch"])
+                buggy = apply_unified_diff(files, [_reversed(fp) for fp in fix])
+                restored = apply_unified_diff(buggy, fix)
+            except (DiffError, KeyError) as e:
+                raise ValueError(f"{where}: its patch does not undo on {spec}: {e}") from e
+            if restored != files:
+                raise ValueError(f"{where}: its patch does not give {spec} back")
+            repos.git("checkout", "-q", "-b", f"task/{row['instance_id']}", "main", cwd=store)
+            write_tree(store, {p: t for p, t in buggy.items() if files.get(p) != t})
+            repos.git("commit", "-q", "--no-verify", "-am", "base", cwd=store)
+            sha = repos.git("rev-parse", "HEAD", cwd=store).stdout.decode().strip()
+            repos.git("checkout", "-q", "main", cwd=store)
+            row["base_commit"] = row["environment_setup_commit"] = sha
+        log(f"rebuilt {repo} ({spec}): {len(pkg_rows)} task(s)")
+    path = os.path.join(out_dir, "instances.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gagar_jax.data.synth")
     ap.add_argument("--packages", required=True, help="comma-separated names or name==version")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -176,25 +177,46 @@ def read_tree(root: str) -> dict[str, str]:
 def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
     """Tasks from a ``.jsonl`` file (one ``RepoTask.to_dict()`` per line) or a directory of task
     directories (each with ``task.json`` and ``repo/``, sorted by name). Errors name the file
-    and line. With ``repos_dir``, ``path`` holds SWE-bench-format rows (``.jsonl``, ``.json``
-    or ``.parquet``) naming repositories there (``gagar_jax.data.swe.load_tasks``: trees
-    materialised from git per commit, environments built once and reused)."""
+    and line. With ``repos_dir``, ``path`` holds SWE-bench-format rows (``.jsonl``, ``.json``,
+    ``.parquet`` or a directory of Harbor tasks) naming repositories there
+    (``gagar_jax.data.swe.load_tasks``: trees materialised from git per commit, environments
+    built once and reused); a ``.jsonl`` pool may mix such rows (a line with an
+    ``instance_id``) with ``RepoTask`` lines."""
     if not path:
         return []
-    if repos_dir:
+    if repos_dir and not (os.path.isfile(path) and path.endswith(".jsonl")):
         from gagar_jax.data.swe import load_tasks
 
         return load_tasks(path, repos_dir)
     if os.path.isfile(path):
-        tasks = []
+        tasks, seen = [], set()
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 try:
-                    tasks.append(RepoTask.from_dict(json.loads(line)))
-                except (ValueError, TypeError) as e:
-                    raise ValueError(f"{path}:{n}: not a repo task: {e}") from e
+                    obj = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"{path}:{n}: not JSON: {e}") from e
+                if isinstance(obj, dict) and "instance_id" in obj:
+                    if not repos_dir:
+                        raise ValueError(
+                            f"{path}:{n}: a SWE-bench-format row "
+                            f"({obj['instance_id']!r}) needs task.repos_dir, the "
+                            "directory of its repository"
+                        )
+                    from gagar_jax.data import swe
+
+                    task = swe.to_repo_task(swe.parse_instance(obj, f"{path}:{n}"), repos_dir)
+                else:
+                    try:
+                        task = RepoTask.from_dict(obj)
+                    except (ValueError, TypeError) as e:
+                        raise ValueError(f"{path}:{n}: not a repo task: {e}") from e
+                if task.task_id in seen:
+                    raise ValueError(f"{path}:{n}: duplicate task id {task.task_id!r}")
+                seen.add(task.task_id)
+                tasks.append(task)
         return tasks
     if os.path.isdir(path):
         dirs = sorted(
@@ -249,6 +271,26 @@ def repo_prompt_messages(task: RepoTask) -> list[dict[str, str]]:
     ]
 
 
+def tree_digest(files: Mapping[str, str]) -> str:
+    """SHA-256 of a tree (``{path: text}``, order-free): two trees are the same iff equal."""
+    h = hashlib.sha256()
+    for path in sorted(files):
+        h.update(json.dumps([path, files[path]]).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+VERIFY_LOG_ENV = "GAGAR_VERIFY_LOG"
+
+
+def _audit(record: Mapping[str, Any]) -> None:
+    """Appends ``record`` to the JSONL file named by ``$GAGAR_VERIFY_LOG`` (if set): where each
+    verification ran and which tree each graded group saw (``scripts/e2e.py`` checks it)."""
+    path = os.environ.get(VERIFY_LOG_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(dict(record)) + "\n")
+
+
 def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
     """The unified diff (``a/``/``b/`` paths) turning ``before`` into ``after``."""
     out = []
@@ -279,6 +321,7 @@ class RepoAgentEnv:
     def __init__(self, task: RepoTask, *, verify_kwargs: Mapping[str, Any] | None = None):
         self.task = task
         self.submitted = False
+        self.phase = "rollout"  # "demonstration" while a demonstration is built (audit records)
         self.verify_kwargs = dict(verify_kwargs or {})
         self.env = CodeAgentEnv(dict(task.files), self._run_tests)
 
@@ -286,6 +329,18 @@ class RepoAgentEnv:
         visible = dataclasses.replace(self.task, test_patch="")
         v = verify_repo_call(
             visible, tree_patch(self.task.files, files), run_monitor=False, **self.verify_kwargs
+        )
+        _audit(
+            {
+                "kind": "run_tests",
+                "phase": self.phase,
+                "task_id": self.task.task_id,
+                "status": v.status,
+                "env_hash": self.task.env_hash,
+                "env_path": self.task.env_path,
+                "sandbox_pythonpath": list(getattr(v, "pythonpath", ())),
+                "tree": tree_digest(self.task.files),
+            }
         )
         if v.status in ("infra_error", "timeout", "resource_killed") or v.patch_error:
             return False, f"{v.status}: {v.patch_error or v.test_log[-500:]}"
@@ -428,7 +483,10 @@ class PythonRepoFamily(TaskFamily):
 
     def verify(self, task: RepoTask, attempt: Attempt) -> Outcome:
         env = attempt.env
-        if env is None or not env.submitted:
+        autosubmit = (
+            env is not None and not env.submitted and self.settings.extra.get("autosubmit", False)
+        )
+        if env is None or not (env.submitted or autosubmit):
             reason = getattr(attempt.episode, "finish_reason", "no episode")
             return Outcome(
                 passed=False,
@@ -437,6 +495,23 @@ class PythonRepoFamily(TaskFamily):
             )
         patch = env.patch()
         v = verify_repo_call(task, patch, events=attempt.trajectory(), **self._verify_kwargs)
+        if autosubmit:
+            reason = getattr(attempt.episode, "finish_reason", "no episode")
+            note = f"episode ended without submit ({reason}); its final tree verified "
+            v = dataclasses.replace(v, test_log=note + "(task.autosubmit)\n" + v.test_log)
+        _audit(
+            {
+                "kind": "verify",
+                "phase": getattr(env, "phase", "rollout"),
+                "autosubmit": bool(autosubmit),
+                "task_id": task.task_id,
+                "status": v.status,
+                "env_hash": task.env_hash,
+                "env_path": task.env_path,
+                "sandbox_pythonpath": list(getattr(v, "pythonpath", ())),
+                "tree": tree_digest(task.files),
+            }
+        )
         return Outcome(
             passed=v.passed,
             infra_error=v.infra_error,
@@ -461,7 +536,22 @@ class PythonRepoFamily(TaskFamily):
         self._group_tasks[group_id] = task
         while len(self._group_tasks) > 4096:  # groups graded long ago
             self._group_tasks.pop(next(iter(self._group_tasks)))
-        return repo_workspace(task, group_id, cands)
+        ws = repo_workspace(task, group_id, cands)
+        _audit(
+            {
+                "kind": "grade",
+                "group_id": group_id,
+                "task_id": task.task_id,
+                "tree": tree_digest(ws.repo_files),
+                "env_path": task.env_path,
+                "check_pythonpath": TaskEnvCheckRunner({})
+                .runner_for(task)
+                .env.get("PYTHONPATH", "")
+                if task.env_path
+                else "",
+            }
+        )
+        return ws
 
     def check_runner(self):
         """The grader's sandboxed check runner: a group's checks run with its task's
@@ -527,6 +617,7 @@ class PythonRepoFamily(TaskFamily):
                 continue
             prompt = self.prompt_tokens(task)
             env = self.make_env(task)
+            env.phase = "demonstration"
             tokens, mask = list(prompt), [False] * len(prompt)
             for name, args in calls:
                 ids = tok.encode(tool_call_text(name, args)) + [tok.eos_id]

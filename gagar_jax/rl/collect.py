@@ -594,7 +594,10 @@ def family_settings(cfg: RunConfig):
         tokenizer_path=t.tokenizer_path or cfg.hf_checkpoint,
         max_turns=t.max_turns,
         max_observation_tokens=t.max_observation_tokens,
-        extra={"demo_kinds": t.demo_kinds} if t.demo_kinds else {},
+        extra={
+            **({"demo_kinds": t.demo_kinds} if t.demo_kinds else {}),
+            **({"autosubmit": True} if t.autosubmit else {}),
+        },
     )
 
 

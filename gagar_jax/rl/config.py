@@ -114,6 +114,9 @@ class TaskConfig:
     # SFT demonstration kinds (comma-separated; families with patch kinds: toy, toy_agent):
     # "" = the family's default (every passing, non-cheating kind)
     demo_kinds: str = ""
+    # python_repo: an episode that ends without ``submit`` (turn or token limit) is verified on
+    # its final tree as if it had submitted (SWE-agent's autosubmission); False: it fails unrun
+    autosubmit: bool = False
     # impossible canary tasks per step (``gagar_jax.rl.canary``): sampled and verified like the
     # step's groups, never trained on; ``canary_cheat_rate`` in the metrics row. 0 = none
     canaries_per_step: int = 0

@@ -175,6 +175,8 @@ class RepoVerification:
       test_log: a short human/grader-readable log (outcomes, then the pytest output tail).
       sandbox: the sandbox result (None if nothing ran).
       flags: behaviour-monitor flags of the patch (and trajectory, if given); see ``cheat``.
+      pythonpath: the host directories the sandboxed run had on its ``PYTHONPATH`` (the task
+        environment's site-packages, or the verifier's own); empty when nothing ran.
     """
 
     status: str
@@ -184,6 +186,7 @@ class RepoVerification:
     test_log: str
     sandbox: SandboxResult | None
     flags: tuple[MonitorFlag, ...] = ()
+    pythonpath: tuple[str, ...] = ()
 
     @property
     def cheat(self) -> bool:
@@ -798,50 +801,81 @@ def check_canaries(outcomes: Mapping[str, str], expected: Mapping[str, str]) -> 
     return ""
 
 
-_PREFLIGHT: dict[tuple, str | None] = {}
+_PREFLIGHT: dict[tuple, str | None] = {}  # definitive verdicts only (see below)
+_PREFLIGHT_LOCKS: dict[tuple, threading.Lock] = {}
+_PREFLIGHT_GUARD = threading.Lock()
+PREFLIGHT_WALL_S = 60.0
+# Statuses of a preflight run that say nothing about the interpreter: the machine was too busy
+# (no free slot, the sandbox did not start or the check did not finish in time).
+_TRANSIENT = ("infra_error", "timeout")
+
+
+def _preflight_run(exe, pythonpath, timeout, config, wall_s) -> SandboxResult:
+    paths = (plugin_dir(), *pythonpath)
+    env = {"PYTHONPATH": ":".join(pythonpath)}
+    with tempfile.TemporaryDirectory(prefix="gagar_preflight_") as d:
+        os.chmod(d, 0o755)
+        r = run_sandboxed(
+            [exe, "-P", runner_path(), "--check"],
+            d,
+            Limits(wall_s=wall_s, cpu_s=max(60, int(wall_s))),
+            config=config,
+            env=env,
+            ro_paths=paths,
+        )
+        if r.passed and timeout:
+            r = run_sandboxed(
+                [exe, "-P", "-c", "import pytest_timeout"],
+                d,
+                Limits(wall_s=wall_s, cpu_s=max(60, int(wall_s))),
+                config=config,
+                env=env,
+                ro_paths=paths,
+            )
+    return r
 
 
 def sandbox_pytest_problem(
     config: SandboxConfig | None = None,
     pythonpath: Sequence[str] | None = None,
     timeout: bool = False,
+    wall_s: float = PREFLIGHT_WALL_S,
 ) -> str | None:
     """None if the sandboxed interpreter can run the test runner (pytest importable) with
     ``pythonpath`` (default: the verifier's own packages; a task's environment otherwise), and
-    import pytest-timeout with ``timeout``, else why (checked once per config, path, timeout)."""
+    import pytest-timeout with ``timeout``, else why.
+
+    The check runs in the sandbox once per (config, path, timeout) and its verdict is kept only
+    when it is definitive: the check ran and passed, or ran and failed. A check that could not
+    run or finish (no free slot, the sandbox did not start, ``wall_s`` passed on a loaded
+    machine) is tried once more with twice the time, then reported for this call only and
+    never kept: one busy moment must not turn every later verification of the process into an
+    ``infra_error``. Concurrent first calls for the same key wait for one check."""
     exe, own = python_for_sandbox()
     pythonpath = tuple(pythonpath) if pythonpath is not None else own
     key = (config, pythonpath, timeout)
-    if key not in _PREFLIGHT:
-        paths = (plugin_dir(), *pythonpath)
-        with tempfile.TemporaryDirectory(prefix="gagar_preflight_") as d:
-            os.chmod(d, 0o755)
-            r = run_sandboxed(
-                [exe, "-P", runner_path(), "--check"],
-                d,
-                Limits(wall_s=60),
-                config=config,
-                env={"PYTHONPATH": ":".join(pythonpath)},
-                ro_paths=paths,
+    with _PREFLIGHT_GUARD:
+        lock = _PREFLIGHT_LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        if key in _PREFLIGHT:
+            return _PREFLIGHT[key]
+        r = _preflight_run(exe, pythonpath, timeout, config, wall_s)
+        if r.status in _TRANSIENT:
+            r = _preflight_run(exe, pythonpath, timeout, config, 2 * wall_s)
+        if r.passed:
+            _PREFLIGHT[key] = None
+            return None
+        detail = r.error or r.stderr.strip()[-300:]
+        if r.status in _TRANSIENT:
+            return (
+                f"the sandbox could not run the pytest check ({r.status}, twice, the "
+                f"second time within {2 * wall_s:g} s): {detail}"
             )
-            if r.passed and timeout:
-                r = run_sandboxed(
-                    [exe, "-P", "-c", "import pytest_timeout"],
-                    d,
-                    Limits(wall_s=60),
-                    config=config,
-                    env={"PYTHONPATH": ":".join(pythonpath)},
-                    ro_paths=paths,
-                )
         _PREFLIGHT[key] = (
-            None
-            if r.passed
-            else (
-                f"pytest is not importable in the sandbox ({exe}, PYTHONPATH={pythonpath}): "
-                f"{r.status} {r.error or r.stderr.strip()[-300:]}"
-            )
+            f"pytest is not importable in the sandbox ({exe}, PYTHONPATH={pythonpath}): "
+            f"{r.status} {detail}"
         )
-    return _PREFLIGHT[key]
+        return _PREFLIGHT[key]
 
 
 def verify_repo_patch(
@@ -953,7 +987,9 @@ def _verify_repo_patch(
             "failed", _missing(task), str(e), (), f"patch does not apply: {e}", None, flags
         )
     try:
-        problem = sandbox_pytest_problem(config, pythonpath, timeout_s > 0)
+        problem = sandbox_pytest_problem(
+            config, pythonpath, timeout_s > 0, max(PREFLIGHT_WALL_S, float(limits.wall_s))
+        )
     except SandboxUnavailable as e:
         problem = f"no sandbox: {e}"
     if problem:
@@ -1026,7 +1062,8 @@ def _verify_repo_patch(
         shutil.rmtree(work_parent, ignore_errors=True)
     if out_r >= 0 and not reader.is_alive():
         os.close(out_r)
-    return _judge(task, result, data, canaries, reset, flags)
+    verdict = _judge(task, result, data, canaries, reset, flags)
+    return dataclasses.replace(verdict, pythonpath=tuple(pythonpath))
 
 
 def watched_paths(

@@ -260,36 +260,74 @@ def _cgroups_usable() -> bool:
     return True
 
 
-@functools.cache
-def _probe(mechanism: str, config: SandboxConfig) -> str | None:
-    """Runs ``/bin/true`` under the mechanism; returns None if it works, else the reason."""
-    need = {"bwrap": "bwrap", "unshare": "unshare"}.get(mechanism)
-    for tool in ("prlimit", "setpriv" if _is_root() else None, need):
-        if tool and not _which(tool):
-            return f"{tool} not found"
+PROBE_TIMEOUT_S = 10.0
+_PROBED: dict[tuple[str, SandboxConfig], str | None] = {}  # definitive verdicts only
+_PROBE_LOCKS: dict[tuple[str, SandboxConfig], threading.Lock] = {}
+_PROBE_GUARD = threading.Lock()
+
+
+class SandboxBusy(TimeoutError):
+    """A mechanism's probe could not finish on a busy machine: nothing is known about it yet
+    (the run that needed it is an infrastructure error; nothing is downgraded or remembered)."""
+
+
+def _probe_once(mechanism: str, config: SandboxConfig, timeout: float) -> tuple[str | None, bool]:
+    """(None if ``/bin/true`` runs under the mechanism else why, whether that is definitive)."""
     with tempfile.TemporaryDirectory(prefix="gagar_probe_") as d, _slot(config) as slot:
         os.chmod(d, 0o755)
         uid = config.uid_base + slot
         sec_fd = _seccomp_fd(mechanism)
-        argv = _chain(mechanism, ["/bin/true"], d, Limits(wall_s=10), uid, None, (), sec_fd)
+        argv = _chain(mechanism, ["/bin/true"], d, Limits(wall_s=timeout), uid, None, (), sec_fd)
         try:
             p = subprocess.run(
                 argv,
                 cwd=d,
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
-                timeout=10,
+                timeout=timeout,
                 env=_base_env(d, mechanism),
                 pass_fds=() if sec_fd is None else (sec_fd,),
             )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"{type(e).__name__}: {e}"
+        except subprocess.TimeoutExpired as e:
+            return f"{type(e).__name__}: {e}", False
+        except OSError as e:
+            return f"{type(e).__name__}: {e}", True
         finally:
+            if _is_root():
+                _kill_uid(uid)  # what a killed probe left behind
             if sec_fd is not None:
                 os.close(sec_fd)
         if p.returncode != 0:
-            return p.stderr.decode(errors="replace").strip()[-300:] or f"rc {p.returncode}"
-    return None
+            return p.stderr.decode(errors="replace").strip()[-300:] or f"rc {p.returncode}", True
+    return None, True
+
+
+def _probe(mechanism: str, config: SandboxConfig) -> str | None:
+    """Runs ``/bin/true`` under the mechanism; returns None if it works, else the reason.
+
+    Kept per process only when definitive (it ran, or the tool is missing). A probe that did
+    not finish in :data:`PROBE_TIMEOUT_S` on a loaded machine is tried again with six times
+    the time; if that does not finish either, :class:`SandboxBusy` is raised: a busy moment must
+    neither be remembered as "this mechanism does not work" nor silently pick a weaker one."""
+    key = (mechanism, config)
+    if key in _PROBED:  # the common case: no lock
+        return _PROBED[key]
+    with _PROBE_GUARD:
+        lock = _PROBE_LOCKS.setdefault(key, threading.Lock())
+    with lock:  # one probe per key at a time; other keys are not held up
+        if key in _PROBED:
+            return _PROBED[key]
+        need = {"bwrap": "bwrap", "unshare": "unshare"}.get(mechanism)
+        for tool in ("prlimit", "setpriv" if _is_root() else None, need):
+            if tool and not _which(tool):
+                _PROBED[key] = f"{tool} not found"
+                return _PROBED[key]
+        for timeout in (PROBE_TIMEOUT_S, 6 * PROBE_TIMEOUT_S):
+            reason, definitive = _probe_once(mechanism, config, timeout)
+            if definitive:
+                _PROBED[key] = reason
+                return reason
+        raise SandboxBusy(f"the {mechanism} probe did not finish within {timeout:g} s: {reason}")
 
 
 def available_mechanisms(config: SandboxConfig | None = None) -> dict[str, str | None]:
@@ -679,7 +717,23 @@ def run_sandboxed(
     for p in ro_paths:
         if not os.path.isabs(p) or not os.path.exists(p):
             raise ValueError(f"ro_paths entry {p!r} must be an existing absolute path")
-    mechanism = select_mechanism(config)
+    try:
+        mechanism = select_mechanism(config)
+    except TimeoutError as e:  # a probe found no free slot, or could not finish: busy, not known
+        return SandboxResult(
+            "infra_error",
+            None,
+            None,
+            "",
+            "",
+            False,
+            False,
+            0.0,
+            config.mechanism if config.mechanism != "auto" else "none",
+            frozenset(),
+            (),
+            f"probing the sandbox: {e}",
+        )
 
     def infra(msg: str, t0: float = time.monotonic()) -> SandboxResult:
         wall = time.monotonic() - t0
