@@ -297,6 +297,11 @@ class WorkerProc:
         t.start()
         t.join(timeout)
         if "msg" not in box:
+            if box.get("eof"):  # the worker closed its output: it is exiting; get its status
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
             raise RuntimeError(
                 f"{self.framework} worker gave no answer (see {self.log.name}); "
                 f"exit code {self.proc.poll()}"

@@ -141,47 +141,55 @@ def make_batch(c: TransformerConfig, batch: int, length: int, seed=0) -> UpdateB
     )
 
 
-def best_time(fn, reps: int) -> float:
+def best_time(fn, reps: int, clock=time.perf_counter) -> float:
+    """The shortest of ``reps`` calls of ``fn`` (after one warm-up) on ``clock``."""
     fn()
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return min(times)
 
 
 _GEMM = jax.jit(lambda x: x @ x)
 
 
-def jax_peak(n=1024, reps=15) -> float:
-    """The fastest of ``reps`` jitted f32 GEMMs (a peak: one slow repeat must not lower it)."""
+def jax_peak(n=1024, reps=15, clock=time.perf_counter) -> float:
+    """The fastest of ``reps`` jitted f32 GEMMs (a peak: one slow repeat must not lower it),
+    FLOP per second of ``clock`` (``time.process_time``: per CPU-second of this process)."""
     a = jnp.ones((n, n), jnp.float32)
-    return 2 * n**3 / best_time(lambda: _GEMM(a).block_until_ready(), reps)
+    return 2 * n**3 / best_time(lambda: _GEMM(a).block_until_ready(), reps, clock)
 
 
-def torch_peak(n=1024, reps=15) -> float:
+def torch_peak(n=1024, reps=15, clock=time.perf_counter) -> float:
     import torch
 
     a = torch.ones((n, n))
-    return 2 * n**3 / best_time(lambda: torch.mm(a, a), reps)
+    return 2 * n**3 / best_time(lambda: torch.mm(a, a), reps, clock)
 
 
 def interleaved(steps_by_impl: dict, steps: int, peaks: dict | None = None) -> dict:
     """Per impl, the seconds of each round's step, timed in rounds that run every impl once
     (after one warm-up each), so a load change during the run hits all sides alike. With
-    ``peaks`` ({name: peak function}), each round also measures every peak (FLOP/s) right
-    after the steps, under the same load; they come back under their names."""
+    ``peaks`` ({name: peak function of a clock}), each round also measures every peak (FLOP/s)
+    right after the steps, under the same load; they come back under their names. Each entry
+    has a twin ``"<name> cpu"`` on this process's CPU time (``time.process_time``, all its
+    threads): seconds a step kept the cores busy, and the peak per CPU-second, which a
+    machine's other load does not stretch the way it stretches wall-clock time."""
     for fn in steps_by_impl.values():
         fn()
-    times = {k: [] for k in list(steps_by_impl) + list(peaks or {})}
+    names = list(steps_by_impl) + list(peaks or {})
+    times = {k: [] for k in names + [f"{k} cpu" for k in names]}
     for _ in range(steps):
         for k, fn in steps_by_impl.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn()
+            times[f"{k} cpu"].append(time.process_time() - c)
             times[k].append(time.perf_counter() - t)
         for k, fn in (peaks or {}).items():
-            times[k].append(fn())
+            times[k].append(fn(time.perf_counter))
+            times[f"{k} cpu"].append(fn(time.process_time))
     return times
 
 
@@ -333,6 +341,7 @@ def main():
     parser.add_argument("--chunk", type=int, default=64, help="logits_chunk_size of jax-scan")
     parser.add_argument("--depths", default="2,4,8", help="layers for the compile table ('' off)")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--no-scan", action="store_true", help="no jax-scan row")
     parser.add_argument(
         "--logits-vocabs",
         default="4096,32000,151936",
@@ -365,24 +374,25 @@ def main():
     )
     header = (
         f"{'config':8} {'params':>8} {'tokens':>7} {'impl':8} {'step s':>8} {'tok/s':>9} "
-        f"{'GFLOP':>7} {'GFLOP/s':>8} {'peak':>7} {'MFU':>6} {'compile s':>9} {'temp MB':>8} "
-        f"{'vs torch':>8}"
+        f"{'GFLOP':>7} {'GFLOP/s':>8} {'peak':>7} {'MFU':>6} {'cores':>5} {'MFU cpu':>7} "
+        f"{'compile s':>9} {'temp MB':>8} {'vs torch':>8}"
     )
     print(header)
     print("-" * len(header))
     scan_update = dataclasses.replace(UPDATE, logits_chunk_size=args.chunk)
     configs = [name for name in args.configs.split(",") if name]
-    peaks = {"peak jax": lambda: jax_peak(reps=5)}
+    peaks = {"peak jax": lambda clock: jax_peak(reps=5, clock=clock)}
     if have_torch:
-        peaks["peak torch"] = lambda: torch_peak(reps=5)
+        peaks["peak torch"] = lambda clock: torch_peak(reps=5, clock=clock)
     for name in configs:
         c, batch, length = CONFIGS[name]
         tokens = batch * length
         fns, info, compiled = {}, {}, []
         fns["jax"], *info["jax"] = bench_jax(c, batch, length, compiled_out=compiled)
-        fns["jax-scan"], *info["jax-scan"] = bench_jax(
-            dataclasses.replace(c, scan_layers=True), batch, length, scan_update
-        )
+        if not args.no_scan:
+            fns["jax-scan"], *info["jax-scan"] = bench_jax(
+                dataclasses.replace(c, scan_layers=True), batch, length, scan_update
+            )
         # XLA's count of the per-layer program (the scanned one counts its loop body once);
         # the model-FLOPs formula for PyTorch, which has no such count.
         flops_xla = xla_flops(compiled[0])
@@ -395,6 +405,11 @@ def main():
             flops = model_flops(c, batch, length) if impl == "torch" else flops_xla
             peak_key = "peak torch" if impl == "torch" else "peak jax"
             mfu = statistics.median(flops / t / p for t, p in zip(times[impl], times[peak_key]))
+            # Per CPU-second: the step's FLOPs per second its threads ran, against the GEMM's.
+            mfu_cpu = statistics.median(
+                flops / t / p for t, p in zip(times[f"{impl} cpu"], times[f"{peak_key} cpu"])
+            )
+            cores = statistics.median(times[f"{impl} cpu"]) / med[impl]
             comp, mem = info[impl]
             ratio = f"{med[impl] / t_torch:7.2f}x" if t_torch is not None else ""
             comp_s = f"{comp:9.1f}" if comp is not None else f"{'':9}"
@@ -402,14 +417,16 @@ def main():
             print(
                 f"{name:8} {c.num_params / 1e6:7.1f}M {tokens:7d} {impl:8} {med[impl]:8.3f} "
                 f"{tokens / med[impl]:9.0f} {flops / 1e9:7.1f} {flops / med[impl] / 1e9:8.1f} "
-                f"{statistics.median(times[peak_key]) / 1e9:7.1f} {mfu:6.1%} {comp_s} "
+                f"{statistics.median(times[peak_key]) / 1e9:7.1f} {mfu:6.1%} {cores:5.2f} "
+                f"{mfu_cpu:7.1%} {comp_s} "
                 f"{mem_s} {ratio:>8}",
                 flush=True,
             )
         print(
             f"  {name}: XLA counts {flops_xla / 1e9:.1f} GFLOP per step, the model-FLOPs formula "
             f"{model_flops(c, batch, length) / 1e9:.1f}; peak = median of the rounds' GEMM "
-            f"peaks; {_load()}",
+            f"peaks ({statistics.median(times['peak jax cpu']) / 1e9:.1f} GFLOP per CPU-second "
+            f"for jax); cores = CPU seconds / wall seconds of a step; {_load()}",
             flush=True,
         )
     if args.profile:
