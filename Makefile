@@ -111,7 +111,7 @@ compare: setup
 # of configs/swe_agent.py:smoke, SIGKILL after a checkpoint and resume; into runs/e2e/.
 # A default pool of real-package tasks for configs/swe_agent.py (gagar_jax.data.synth: sdists
 # from the registry, uv environments, procedural bugs validated in the sandbox) in data/tasks/.
-TASK_PACKAGES ?= toolz==1.0.0,cachetools==8.0.2,six==1.17.0,inflection==0.5.1,wcwidth==0.2.13
+TASK_PACKAGES ?= toolz==1.0.0,cachetools==8.0.2,six==1.17.0,inflection==0.5.1,wcwidth==0.2.13,semver==3.1.2,boltons==26.2.0,idna==3.20,pathspec==1.1.1,more-itertools==11.2.1
 TASKS_PER_PACKAGE ?= 25
 tasks: setup system-deps
 	$(PY) -m gagar_jax.data.synth --packages $(TASK_PACKAGES) \

@@ -45,8 +45,9 @@ def baseline(cases, rounds: int) -> list[float]:
     async def run():
         out = []
         async with async_playwright() as p:
-            b = await p.chromium.launch(executable_path=B.DEFAULT_EXECUTABLE, headless=True,
-                                        args=["--no-sandbox"])  # fmt: skip
+            b = await p.chromium.launch(
+                executable_path=B.DEFAULT_EXECUTABLE, headless=True, args=["--no-sandbox"]
+            )
             for _ in range(rounds):
                 for c in cases:
                     if c["label"].get("fault"):
@@ -74,10 +75,14 @@ def main() -> None:
     args = ap.parse_args()
     cases = B.load_calibration(CAL)
     load0 = os.getloadavg()
-    print(f"# browser judge benchmark: {len(cases)} artifacts x {args.rounds} rounds, "
-          f"{'fresh browser per artifact' if args.fresh else 'one kept browser'}")  # fmt: skip
-    print(f"# cpus: {os.cpu_count()}, load average before: {load0[0]:.2f} {load0[1]:.2f} "
-          f"{load0[2]:.2f}")  # fmt: skip
+    print(
+        f"# browser judge benchmark: {len(cases)} artifacts x {args.rounds} rounds, "
+        f"{'fresh browser per artifact' if args.fresh else 'one kept browser'}"
+    )
+    print(
+        f"# cpus: {os.cpu_count()}, load average before: {load0[0]:.2f} {load0[1]:.2f} "
+        f"{load0[2]:.2f}"
+    )
     base = baseline(cases, args.rounds)
     rows = []
     judge = B.BrowserJudge(keep_browser=not args.fresh)
@@ -87,9 +92,17 @@ def main() -> None:
                 v = judge.judge(c["dir"], c["rubric"])
                 ok = v.status == "ok" and abs(v.score - c["label"]["score"]) < 1e-6
                 times = {s: v.timings.get(s, 0.0) for s in STAGES}
-                rows.append({"page": c["page"], "hostile": bool(c["label"].get("fault")),
-                             "agree": ok, "score": v.score, "fault": v.fault,
-                             "detail": v.detail[:160], **times})  # fmt: skip
+                rows.append(
+                    {
+                        "page": c["page"],
+                        "hostile": bool(c["label"].get("fault")),
+                        "agree": ok,
+                        "score": v.score,
+                        "fault": v.fault,
+                        "detail": v.detail[:160],
+                        **times,
+                    }
+                )
     finally:
         judge.close()
     load1 = os.getloadavg()
@@ -97,20 +110,31 @@ def main() -> None:
     print(f"# agreement with planted labels: {sum(r['agree'] for r in rows)}/{len(rows)}")
     for r in rows:
         if not r["agree"]:
-            print(f"#   disagrees: {r['page']} score {r['score']:.2f} fault {r['fault']} "
-                  f"({r['detail']}) after {r['total']:.1f} s")  # fmt: skip
+            print(
+                f"#   disagrees: {r['page']} score {r['score']:.2f} fault {r['fault']} "
+                f"({r['detail']}) after {r['total']:.1f} s"
+            )
     print()
     print("| set | n | " + " | ".join(f"{s} p50" for s in STAGES) + " | total p95 | total max |")
     print("|---|---|" + "---|" * (len(STAGES) + 2))
-    for name, sel in (("all", rows), ("well-behaved", [r for r in rows if not r["hostile"]]),
-                      ("hostile", [r for r in rows if r["hostile"]])):  # fmt: skip
+    for name, sel in (
+        ("all", rows),
+        ("well-behaved", [r for r in rows if not r["hostile"]]),
+        ("hostile", [r for r in rows if r["hostile"]]),
+    ):
         cells = [f"{statistics.median([r[s] for r in sel]):.2f}" for s in STAGES]
         tot = [r["total"] for r in sel]
-        print(f"| {name} | {len(sel)} | " + " | ".join(cells)
-              + f" | {pct(tot, 0.95):.2f} | {max(tot):.2f} |")  # fmt: skip
-    print(f"| baseline: goto + 1 screenshot (well-behaved) | {len(base)} | "
-          + " | ".join(["-"] * (len(STAGES) - 1)) + f" | {statistics.median(base):.2f} | "
-          f"{pct(base, 0.95):.2f} | {max(base):.2f} |")  # fmt: skip
+        print(
+            f"| {name} | {len(sel)} | "
+            + " | ".join(cells)
+            + f" | {pct(tot, 0.95):.2f} | {max(tot):.2f} |"
+        )
+    print(
+        f"| baseline: goto + 1 screenshot (well-behaved) | {len(base)} | "
+        + " | ".join(["-"] * (len(STAGES) - 1))
+        + f" | {statistics.median(base):.2f} | "
+        f"{pct(base, 0.95):.2f} | {max(base):.2f} |"
+    )
     print()
     print("| page | total s (median over rounds) |")
     print("|---|---|")

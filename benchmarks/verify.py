@@ -13,7 +13,17 @@ Rows (median wall time per call; ratio to the row's baseline):
   before the supervised runner, canaries and the private work tree). Both run in this one
   invocation, each in its own subprocess importing its own copy of the package (the baseline is
   extracted with `git archive`), in alternating rounds so that the machine's load falls on both
-  alike; the table gives the median per run, the overhead over plain pytest, and new/old.
+  alike; the table gives the median per run, the overhead over plain pytest, and new/old, in
+  wall time and in CPU seconds (this process and its children: the sandbox chain, the runner,
+  pytest), which a loaded machine does not inflate.
+* verify chain per phase (``phase_table``; ``--only=phases`` runs just this table): the median
+  time of each host-side phase of ``verify_repo_patch`` on each fixture (behaviour monitor,
+  apply + pristine reset + shadowing scan, canaries, tree write, slot/cgroup setup, the
+  sandboxed run, the verdict) measured by wrapping the module functions, and inside the sandboxed
+  run the cost of each layer measured alone (bwrap start with ``/bin/true``, interpreter start,
+  importing pytest through the runner's preflight, the whole runner session), with CPU seconds
+  (this process and its children) next to wall time: CPU time is what a loaded machine cannot
+  inflate.
 * toy verifier and monitor: calls per second (in-process, no sandbox).
 * behaviour monitor per rollout (``monitor_table``): milliseconds per rollout of ``monitor`` (the
   AST and text rules, leakage screen, a 40-event trajectory) on the fixture patches, and on the
@@ -25,8 +35,12 @@ Rows (median wall time per call; ratio to the row's baseline):
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
+import importlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -37,9 +51,10 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from gagar_jax.envs import ToyTaskGenerator, candidate_patches, verify  # noqa: E402
+from gagar_jax.envs.repo import RepoTask  # noqa: E402
 from gagar_jax.verify import sandbox as sb  # noqa: E402
-from gagar_jax.verify.monitor import context_for_repo_task, monitor, monitor_patch  # noqa: E402
-from gagar_jax.verify.repo import RepoTask, verify_repo_patch, write_tree  # noqa: E402
+from gagar_jax.verify.monitor import monitor, monitor_patch  # noqa: E402
+from gagar_jax.verify.repo import context_for_repo_task, verify_repo_patch, write_tree  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "repos")
@@ -48,10 +63,17 @@ FIXTURE = os.path.join(FIXTURES, "statkit")
 BASELINE = "46fc02d"
 
 _WORKER = r"""
-import json, os, statistics, sys, time
+import json, os, resource, statistics, sys, time
 sys.path.insert(0, sys.argv[1])
 from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify.repo import verify_repo_patch
+
+
+def cpu():
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
 out = {}
 for name in sys.argv[3].split(","):
     d = os.path.join(sys.argv[2], name)
@@ -61,9 +83,9 @@ for name in sys.argv[3].split(","):
     assert v.status == "passed", v.test_log
     samples = []
     for _ in range(int(sys.argv[4])):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu()
         v = verify_repo_patch(task, patch, run_monitor=False)
-        samples.append(time.perf_counter() - t0)
+        samples.append((time.perf_counter() - t0, cpu() - c0))
         assert v.status == "passed", v.test_log
     out[name] = samples
 print(json.dumps(out))
@@ -74,8 +96,9 @@ def _baseline_tree(ref: str) -> str | None:
     """The package at git revision ``ref``, extracted to a temporary directory (None: no git)."""
     d = tempfile.mkdtemp(prefix="gagar_bench_base_")
     try:
-        data = subprocess.run(["git", "-C", ROOT, "archive", ref, "gagar_jax"], check=True,
-                              capture_output=True).stdout  # fmt: skip
+        data = subprocess.run(
+            ["git", "-C", ROOT, "archive", ref, "gagar_jax"], check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", d], input=data, check=True)
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"  (no baseline: git archive {ref} failed: {e})")
@@ -84,9 +107,13 @@ def _baseline_tree(ref: str) -> str | None:
     return d
 
 
-def _worker(src: str, names: list[str], n: int) -> dict[str, list[float]]:
-    r = subprocess.run([sys.executable, "-c", _WORKER, src, FIXTURES, ",".join(names), str(n)],
-                       capture_output=True, text=True, check=True)  # fmt: skip
+def _worker(src: str, names: list[str], n: int) -> dict[str, list[list[float]]]:
+    r = subprocess.run(
+        [sys.executable, "-c", _WORKER, src, FIXTURES, ",".join(names), str(n)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -97,13 +124,16 @@ def before_after(ref: str, n: int, rounds: int) -> None:
         return
     py, pythonpath = sb.python_for_sandbox()
     env = dict(os.environ, PYTHONPATH=":".join(pythonpath), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    samples: dict[str, dict[str, list[float]]] = {k: {m: [] for m in names}
-                                                  for k in ("old", "new", "bare")}  # fmt: skip
+    samples: dict[str, dict[str, list[float]]] = {
+        k: {m: [] for m in names} for k in ("old", "new", "bare")
+    }
+    cpu: dict[str, dict[str, list[float]]] = {k: {m: [] for m in names} for k in ("old", "new")}
     try:
         for _ in range(rounds):  # alternating: load drift falls on both sides alike
             for side, src in (("old", base), ("new", ROOT)):
                 for m, xs in _worker(src, names, n).items():
-                    samples[side][m] += xs
+                    samples[side][m] += [w for w, _ in xs]
+                    cpu[side][m] += [c for _, c in xs]
             for m in names:
                 task = RepoTask.from_dir(os.path.join(FIXTURES, m))
                 plain = tempfile.mkdtemp(prefix="gagar_bench_plain_")
@@ -112,22 +142,138 @@ def before_after(ref: str, n: int, rounds: int) -> None:
                     t0 = time.perf_counter()
                     subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                     *task.required_tests], cwd=plain, env=env,
-                                   capture_output=True)  # fmt: skip
+                                   capture_output=True)  # fmt: skip  # argv pairs
                     samples["bare"][m].append(time.perf_counter() - t0)
                 shutil.rmtree(plain, ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"verifier before ({ref}) / after, minimal fix, monitor off "
-          f"(median of {n * rounds}; load {os.getloadavg()[0]:.1f})")  # fmt: skip
+    print(
+        f"verifier before ({ref}) / after, minimal fix, monitor off "
+        f"(median of {n * rounds}; load {os.getloadavg()[0]:.1f})"
+    )
     print(
         f"  {'repo':10s} {'bare pytest':>12s} {'old':>10s} {'new':>10s} "
         f"{'old ovh':>10s} {'new ovh':>10s} {'new/old':>8s} {'ovh new/old':>12s}"
     )
     for m in names:
         bare, old, new = (statistics.median(samples[k][m]) for k in ("bare", "old", "new"))
-        print(f"  {m:10s} {bare * 1e3:10.0f}ms {old * 1e3:8.0f}ms {new * 1e3:8.0f}ms "
-              f"{(old - bare) * 1e3:8.0f}ms {(new - bare) * 1e3:8.0f}ms {new / old:7.2f}x "
-              f"{(new - bare) / max(old - bare, 1e-3):11.2f}x")  # fmt: skip
+        print(
+            f"  {m:10s} {bare * 1e3:10.0f}ms {old * 1e3:8.0f}ms {new * 1e3:8.0f}ms "
+            f"{(old - bare) * 1e3:8.0f}ms {(new - bare) * 1e3:8.0f}ms {new / old:7.2f}x "
+            f"{(new - bare) / max(old - bare, 1e-3):11.2f}x"
+        )
+    print("  CPU seconds per run (this process + children; not inflated by load)")
+    for m in names:
+        old, new = (statistics.median(cpu[k][m]) for k in ("old", "new"))
+        print(f"  {m:10s} old {old * 1e3:6.0f}ms cpu   new {new * 1e3:6.0f}ms cpu   "
+              f"new/old {new / max(old, 1e-6):5.2f}x")  # fmt: skip  # argv pairs
+
+
+def _cpu() -> float:
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+# Host-side phases of verify_repo_patch: (module, function, label). Wrapped while the table runs.
+_PHASES = (
+    ("gagar_jax.verify.repo", "monitor", "behaviour monitor (AST + text rules)"),
+    ("gagar_jax.verify.repo", "prepare_tree", "apply + pristine reset + shadowing scan"),
+    ("gagar_jax.verify.repo", "shadowing_problem", "  of which: shadowing scan"),
+    ("gagar_jax.verify.repo", "sandbox_pytest_problem", "preflight (cached)"),
+    ("gagar_jax.verify.repo", "make_canaries", "canaries (one generated module)"),
+    ("gagar_jax.verify.repo", "write_tree", "work tree written"),
+    ("gagar_jax.verify.repo", "run_sandboxed", "sandboxed run (whole)"),
+    ("gagar_jax.verify.sandbox", "_prepare_cgroups", "  of which: slot cgroups"),
+    ("gagar_jax.verify.sandbox", "_kill_uid", "  of which: slot uid sweeps"),
+    ("gagar_jax.verify.repo", "_judge", "verdict from the record"),
+)
+
+
+def phase_table(n: int) -> None:
+    """Per-phase times of ``verify_repo_patch`` (module docstring), median of ``n`` per fixture."""
+    from gagar_jax.verify import repo as vrepo
+
+    print(
+        f"verify chain per phase (median of {n}; load {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores)"
+    )
+    for name in sorted(os.listdir(FIXTURES)):
+        d = os.path.join(FIXTURES, name)
+        task = RepoTask.from_dir(d)
+        with open(os.path.join(d, "patches", "minimal.diff")) as f:
+            patch = f.read()
+        times: dict[str, list[float]] = collections.defaultdict(list)
+        saved = []
+        for mod_name, fn_name, label in _PHASES:
+            mod = importlib.import_module(mod_name)
+            fn = getattr(mod, fn_name)
+            saved.append((mod, fn_name, fn))
+
+            def wrapped(*a, _fn=fn, _label=label, _times=times, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    _times[_label].append(time.perf_counter() - t0)
+
+            setattr(mod, fn_name, functools.wraps(fn)(wrapped))
+        try:
+            verify_repo_patch(task, patch)  # warm-up
+            times.clear()
+            total, cpu = [], []
+            for _ in range(n):
+                t0, c0 = time.perf_counter(), _cpu()
+                v = verify_repo_patch(task, patch)
+                total.append(time.perf_counter() - t0)
+                cpu.append(_cpu() - c0)
+                assert v.status == "passed", v.test_log
+        finally:
+            for mod, fn_name, fn in saved:
+                setattr(mod, fn_name, fn)
+        print(
+            f"  {name}: verify_repo_patch {statistics.median(total) * 1e3:.0f} ms wall, "
+            f"{statistics.median(cpu) * 1e3:.0f} ms CPU"
+        )
+        for _, _, label in _PHASES:
+            xs = times.get(label)
+            if xs:
+                per_run = sum(xs) / n
+                print(f"    {label:44s} {per_run * 1e3:9.2f} ms")
+        # Inside the sandboxed run: each layer alone, in a copy of the fixture's tree.
+        py, _ = sb.python_for_sandbox()
+        paths, _ = vrepo.sandbox_paths(task)
+        work_parent = tempfile.mkdtemp(prefix="gagar_bench_phase_")
+        os.chmod(work_parent, 0o711)
+        work = os.path.join(work_parent, "repo")
+        os.mkdir(work)
+        write_tree(work, task.files)
+        env = {"PYTHONPATH": ":".join(paths), "PYTHONNOUSERSITE": "1"}
+        ro = (vrepo.plugin_dir(), *paths)
+        layers = (
+            ("sandbox start (/bin/true)", ["/bin/true"]),
+            ("+ interpreter start (python -P)", [py, "-P", "-c", "pass"]),
+            ("+ runner and pytest import (preflight)", [py, "-P", vrepo.runner_path(), "--check"]),
+        )
+        try:
+            for label, argv in layers:
+
+                def run(a=argv, w=work, e=env, r=ro):
+                    return sb.run_sandboxed(
+                        a, w, vrepo.DEFAULT_LIMITS, env=e, ro_paths=r, private_workdir=True
+                    )
+
+                c0 = _cpu()
+                t = timed(run, n)
+                print(
+                    f"    in the sandbox: {label:38s} {t * 1e3:9.2f} ms wall "
+                    f"{(_cpu() - c0) / (n + 1) * 1e3:7.1f} ms CPU"
+                )
+        finally:
+            shutil.rmtree(work_parent, ignore_errors=True)
+    print(
+        "  (the rest of the sandboxed run is the pytest session: collection, the canaries "
+        "and the task's tests)"
+    )
 
 
 def timed(fn, n: int) -> float:
@@ -240,13 +386,20 @@ def main() -> None:
     ap.add_argument("--only-before-after", action="store_true")
     ap.add_argument(
         "--only",
-        choices=("all", "execution"),
+        choices=("all", "execution", "phases", "monitor"),
         default="all",
-        help="'execution': only the execution back-end table",
+        help="'execution': only the execution back-end table; 'phases': only the verify chain "
+        "per phase; 'monitor': only the monitor's time per rollout",
     )
     args = ap.parse_args()
     if args.only == "execution":
         execution_table(args.quick)
+        return
+    if args.only == "phases":
+        phase_table(3 if args.quick else 10)
+        return
+    if args.only == "monitor":
+        monitor_table(5 if args.quick else 20)
         return
     if args.only_before_after:
         before_after(args.baseline, 3 if args.quick else 5, 2 if args.quick else 3)
@@ -276,12 +429,13 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=":".join(pythonpath), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     base = timed(lambda: subprocess.run(
         [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *task.required_tests], cwd=plain,
-        env=env, capture_output=True), max(3, n // 4))  # fmt: skip
+        env=env, capture_output=True), max(3, n // 4))  # fmt: skip  # argv pairs
     row("pytest, no sandbox, no verification", base, None)
     t = timed(lambda: verify_repo_patch(task, patch), max(3, n // 4))
     row("verify_repo_patch (bwrap chain + outcome pipe + monitor)", t, base)
 
     before_after(args.baseline, 3 if args.quick else 5, 2 if args.quick else 3)
+    phase_table(3 if args.quick else 10)
 
     print("in-process verifiers (calls per second)")
     tasks = ToyTaskGenerator(0, 2).tasks(50)
@@ -292,8 +446,10 @@ def main() -> None:
     dt = time.perf_counter() - t0
     print(f"  toy verify (difficulty 2, all patch kinds)       {len(pairs) / dt:9.0f} /s")
     ctx = context_for_repo_task(task)
-    patches = [open(os.path.join(FIXTURE, "patches", f)).read()
-               for f in sorted(os.listdir(os.path.join(FIXTURE, "patches")))]  # fmt: skip
+    patches = [
+        open(os.path.join(FIXTURE, "patches", f)).read()
+        for f in sorted(os.listdir(os.path.join(FIXTURE, "patches")))
+    ]
     t0 = time.perf_counter()
     for _ in range(20):
         for p in patches:
@@ -316,11 +472,18 @@ def monitor_table(n: int) -> None:
     line = "cat /workdir/statkit/stats.py | head -{}\n"
     events = [{"turn": k // 2, "kind": kinds[k % 2], "text": line.format(k) * 3} for k in range(40)]
     head = "--- a/statkit/stats.py\n+++ b/statkit/stats.py\n@@ -1,0 +1,1 @@\n+"
-    odd = {"208 KB line of digits": (head + "1" * 208_000 + "\n", []),
-           "208 KB line except+spaces": (head + "except" + " " * 208_000 + "x\n", []),
-           "64 KB repeated action": (patches["minimal"], [
-               {"turn": 0, "kind": "tool_call", "text": "git log " * 8000}])}  # fmt: skip
-    print(f"behaviour monitor per rollout (median of {n}; patch rules + 40-event trajectory)")
+    odd = {
+        "208 KB line of digits": (head + "1" * 208_000 + "\n", []),
+        "208 KB line except+spaces": (head + "except" + " " * 208_000 + "x\n", []),
+        "64 KB repeated action": (
+            patches["minimal"],
+            [{"turn": 0, "kind": "tool_call", "text": "git log " * 8000}],
+        ),
+    }
+    print(
+        f"behaviour monitor per rollout (median of {n}; patch rules + 40-event trajectory; "
+        f"load {os.getloadavg()[0]:.1f})"
+    )
     for name, p in patches.items():
         row(f"monitor: statkit {name}", timed(lambda p=p: monitor(p, events, ctx), n), None)
     for name, (p, ev) in odd.items():

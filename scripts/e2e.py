@@ -60,6 +60,19 @@ def check(rows: list[dict], log: str, execution: str = "local") -> list[str]:
             "execution=ray: no call ran on the Ray cluster "
             f"{[r.get('execution/calls') for r in train]}"
         )
+    # the per-step counters of the execution back-end, on every logged step
+    wanted = (
+        "calls_in_flight",
+        "queue_wait_s",
+        "retries",
+        "node_losses",
+        "orphans_reaped",
+        "admission_waits",
+        "grader_slots_held",
+    )
+    absent = sorted({k for r in train for k in wanted if f"execution/{k}" not in r})
+    if absent:
+        problems.append(f"execution: metrics missing from the train rows: {absent}")
     if any(r.get("execution/infra_errors", 0) > 0 for r in train):
         problems.append(
             f"execution: infrastructure errors {[r.get('execution/infra_errors') for r in train]}"

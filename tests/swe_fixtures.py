@@ -23,8 +23,9 @@ def commit_all(root, msg):
     return git("rev-parse", "HEAD", cwd=root).stdout.decode().strip()
 
 
-def make_instance(repos_dir, repo, base, fix, new_tests, f2p, p2p, *, future=True,
-                  instance_id=None, **extra):  # fmt: skip
+def make_instance(
+    repos_dir, repo, base, fix, new_tests, f2p, p2p, *, future=True, instance_id=None, **extra
+):
     """A repository ``owner__name/`` in ``repos_dir`` whose ``base_commit`` holds ``base``;
     ``patch`` turns it into ``fix`` (changed files only); ``test_patch`` adds ``new_tests``.
     With ``future``, a later commit holding the fix and a tag are kept in the store (what a
@@ -39,13 +40,21 @@ def make_instance(repos_dir, repo, base, fix, new_tests, f2p, p2p, *, future=Tru
         commit_all(root, "the fix")
         git("tag", "v-fixed", cwd=root)
     after = {**base, **fix}
-    row = {"instance_id": instance_id or repo.replace("/", "__") + "-1", "repo": repo,
-           "base_commit": sha, "patch": tree_patch(base, after),
-           "test_patch": tree_patch(base, {**base, **new_tests}),
-           "problem_statement": "add() gives the wrong sum", "hints_text": "",
-           "created_at": "2024-01-01T00:00:00Z", "version": "1.0",
-           "FAIL_TO_PASS": json.dumps(f2p), "PASS_TO_PASS": json.dumps(p2p),
-           "environment_setup_commit": sha, **extra}  # fmt: skip
+    row = {
+        "instance_id": instance_id or repo.replace("/", "__") + "-1",
+        "repo": repo,
+        "base_commit": sha,
+        "patch": tree_patch(base, after),
+        "test_patch": tree_patch(base, {**base, **new_tests}),
+        "problem_statement": "add() gives the wrong sum",
+        "hints_text": "",
+        "created_at": "2024-01-01T00:00:00Z",
+        "version": "1.0",
+        "FAIL_TO_PASS": json.dumps(f2p),
+        "PASS_TO_PASS": json.dumps(p2p),
+        "environment_setup_commit": sha,
+        **extra,
+    }
     return row
 
 
@@ -56,12 +65,22 @@ SRC_BASE = {
 }
 SRC_FIX = {"src/srcpkg/__init__.py": SRC_BASE["src/srcpkg/__init__.py"].replace("a - b", "a + b")}
 # the hidden test needs a third-party package that only the task's environment holds
-SRC_TESTS = {"tests/test_add.py": "import cachetools\nfrom srcpkg import add\n\n\n"
-             "def test_add():\n    assert cachetools.LRUCache(2).maxsize == 2\n"
-             "    assert add(2, 3) == 5\n"}  # fmt: skip
+SRC_TESTS = {
+    "tests/test_add.py": "import cachetools\nfrom srcpkg import add\n\n\n"
+    "def test_add():\n    assert cachetools.LRUCache(2).maxsize == 2\n"
+    "    assert add(2, 3) == 5\n"
+}
 
 
 def src_layout_row(repos_dir, **kw):
-    return make_instance(repos_dir, "acme/srcpkg", SRC_BASE, SRC_FIX, SRC_TESTS,
-                         ["tests/test_add.py::test_add"], ["tests/test_neg.py::test_neg"],
-                         python_deps=["cachetools==5.5.0"], **kw)  # fmt: skip
+    return make_instance(
+        repos_dir,
+        "acme/srcpkg",
+        SRC_BASE,
+        SRC_FIX,
+        SRC_TESTS,
+        ["tests/test_add.py::test_add"],
+        ["tests/test_neg.py::test_neg"],
+        python_deps=["cachetools==5.5.0"],
+        **kw,
+    )

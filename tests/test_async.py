@@ -227,7 +227,8 @@ def test_queued_batches_saved_with_trajectories_and_restored(monkeypatch, tmp_pa
         pool.close()
 
 
-def test_multi_turn_batches_saved_as_positions_are_dispatched_again_first():
+def test_batches_saved_as_positions_only_are_dispatched_again_first():
+    """Checkpoints that hold a batch as its data position (no trajectories)."""
     back = asynchronous.AsyncQueue(1, 16, G)
     back.load({"dispatched": 7, "queued": [{"position": 40, "version": 3, "groups": None}]})
     assert back.resume_positions == [(40, 3)] and back.dispatched == 7

@@ -28,11 +28,16 @@ def test_auditor_and_planner_fail_safe_on_a_real_server(sglang_client):
     from gagar_jax.envs.repo import RepoTask
 
     task = RepoTask(
-        "t", "add(2, 3) must be 5", {"calc.py": "def add(a, b):\n    return a - b\n",
-                                     "test_calc.py": "from calc import add\n\n\ndef test_add():\n"
-                                     "    assert add(2, 3) == 5\n"},
-        ("test_calc.py::test_add",), reference_patch="",
-    )  # fmt: skip
+        "t",
+        "add(2, 3) must be 5",
+        {
+            "calc.py": "def add(a, b):\n    return a - b\n",
+            "test_calc.py": "from calc import add\n\n\ndef test_add():\n"
+            "    assert add(2, 3) == 5\n",
+        },
+        ("test_calc.py::test_add",),
+        reference_patch="",
+    )
     auditor = A.TaskAuditor(sglang_client, votes=2, max_steps=2, max_tokens=16, temperature=1.0)
     audit = auditor.audit(task)
     print("\nauditor metrics:", dict(auditor.metrics), "client:", dict(sglang_client.metrics))
@@ -47,10 +52,15 @@ def test_auditor_and_planner_fail_safe_on_a_real_server(sglang_client):
     if not os.path.exists(B.DEFAULT_EXECUTABLE):
         pytest.skip("chromium is not installed")
     planner = BrowserLLMPlanner(sglang_client, max_attempts=2, max_tokens=32, temperature=1.0)
-    rubric = {"items": [
-        {"id": "renders",
-         "expect": [{"count": {"role": "button", "name": "Add item"}, "equals": 1}]},
-        {"id": "adds", "description": 'typing "milk" and adding it lists it'}]}  # fmt: skip
+    rubric = {
+        "items": [
+            {
+                "id": "renders",
+                "expect": [{"count": {"role": "button", "name": "Add item"}, "equals": 1}],
+            },
+            {"id": "adds", "description": 'typing "milk" and adding it lists it'},
+        ]
+    }
     with B.BrowserJudge(planner=planner, load_timeout_s=5) as judge:
         v = judge.judge(os.path.join(CAL, "todo_ok"), rubric)
     print("planner metrics:", dict(planner.metrics), "rejections:", v.plan.rejections)

@@ -63,7 +63,7 @@ PLANTED = {
             ),
         ),
         ("gold_breaks_p2p",),
-    ),  # fmt: skip
+    ),
     "empty_patch_passes": (
         _task(
             "free",
@@ -71,7 +71,7 @@ PLANTED = {
             pass_to_pass=(),
         ),
         ("empty_patch_passes",),
-    ),  # fmt: skip
+    ),
     "flaky": (
         _task(
             "flaky",
@@ -79,7 +79,7 @@ PLANTED = {
             pass_to_pass=tuple(f"tests/test_calc.py::test_coin_{k}" for k in range(8)),
         ),
         ("flaky",),
-    ),  # fmt: skip
+    ),
     "leaks_patch_file": (
         _task("leak1", files={"calc.py": CALC, "tests/test_calc.py": TESTS, "fix.diff": GOLD}),
         ("leaks_solution",),
@@ -94,7 +94,7 @@ PLANTED = {
             },
         ),
         ("leaks_solution",),
-    ),  # fmt: skip
+    ),
     "leaks_backup": (
         _task("leak3", files={"calc.py": CALC, "tests/test_calc.py": TESTS, "calc.py.orig": CALC}),
         ("leaks_solution",),
@@ -113,8 +113,9 @@ def reports():
     return out
 
 
-@pytest.mark.parametrize("name", ["sound", "gold_fails_f2p", "gold_breaks_p2p",
-                                  "empty_patch_passes", "leaks_patch_file"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", ["sound", "gold_fails_f2p", "gold_breaks_p2p", "empty_patch_passes", "leaks_patch_file"]
+)
 def test_precheck_names_each_planted_reason(reports, name):
     rep = reports[name]
     assert rep.reasons == PLANTED[name][1], (rep.reasons, rep.details)
@@ -143,8 +144,11 @@ def test_leak_in_version_control_history(tmp_path):
     repo = tmp_path / "task" / "repo"
     (repo / "tests").mkdir(parents=True)
     (repo / "tests" / "test_calc.py").write_text(TESTS)
-    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True,  # noqa: E731
-                                    capture_output=True)  # fmt: skip
+    git = lambda *a: subprocess.run(
+        ["git", "-C", str(repo), *a],
+        check=True,  # noqa: E731
+        capture_output=True,
+    )
     git("init", "-q")
     git("config", "user.email", "a@b.c")
     git("config", "user.name", "a")
@@ -153,8 +157,12 @@ def test_leak_in_version_control_history(tmp_path):
     git("commit", "-qm", "working add")
     (repo / "calc.py").write_text(CALC)
     git("commit", "-qam", "break add")
-    task = dataclasses.replace(RepoTask.from_dict({**_task().to_dict(), "files": {
-        "calc.py": CALC, "tests/test_calc.py": TESTS}}), task_id="hist")  # fmt: skip
+    task = dataclasses.replace(
+        RepoTask.from_dict(
+            {**_task().to_dict(), "files": {"calc.py": CALC, "tests/test_calc.py": TESTS}}
+        ),
+        task_id="hist",
+    )
     assert A.leak_findings(task) == []
     found = A.leak_findings(task, source_dir=tmp_path / "task")
     assert found and "version-control history" in found[0]
@@ -172,8 +180,13 @@ def test_precheck_accepts_json_dict_and_round_trips(reports):
 # -- the evaluator agent ------------------------------------------------------------------
 
 
-VOTE = {"underspecification": 0, "test_validity": 0, "difficulty": "<15m", "category": "bug_fix",
-        "evidence": []}  # fmt: skip
+VOTE = {
+    "underspecification": 0,
+    "test_validity": 0,
+    "difficulty": "<15m",
+    "category": "bug_fix",
+    "evidence": [],
+}
 
 
 @pytest.mark.parametrize(
@@ -189,12 +202,14 @@ VOTE = {"underspecification": 0, "test_validity": 0, "difficulty": "<15m", "cate
         ({"evidence": [{"kind": "issue", "quote": "not in the issue"}]}, "quote of the issue"),
         ({"evidence": [{"kind": "file", "path": "nope.py"}]}, "does not exist"),
         ({"evidence": [{"kind": "file", "path": "calc.py", "line": 99}]}, "outside"),
-        ({"evidence": [{"kind": "file", "path": "calc.py", "line": 1, "quote": "return"}]},
-         "quote not at"),
+        (
+            {"evidence": [{"kind": "file", "path": "calc.py", "line": 1, "quote": "return"}]},
+            "quote not at",
+        ),
         ({"evidence": [{"kind": "patch", "quote": "a + b"}]}, "not shown"),
         ({"evidence": [{"kind": "magic"}]}, "kind"),
     ],
-)  # fmt: skip
+)
 def test_audit_schema_rejects(change, match):
     with pytest.raises(A.AuditRejected, match=match):
         A.parse_audit({**VOTE, **change}, _task(), gold_shown=False)
@@ -202,12 +217,18 @@ def test_audit_schema_rejects(change, match):
 
 def test_audit_schema_accepts_existing_evidence():
     v = A.parse_audit(
-        {**VOTE, "underspecification": 2, "evidence": [
-            {"kind": "issue", "quote": "returns a - b"},
-            {"kind": "file", "path": "calc.py", "line": 2, "quote": "a - b"},
-            {"kind": "patch", "quote": "+    return a + b"}]},
-        _task(), gold_shown=True,
-    )  # fmt: skip
+        {
+            **VOTE,
+            "underspecification": 2,
+            "evidence": [
+                {"kind": "issue", "quote": "returns a - b"},
+                {"kind": "file", "path": "calc.py", "line": 2, "quote": "a - b"},
+                {"kind": "patch", "quote": "+    return a + b"},
+            ],
+        },
+        _task(),
+        gold_shown=True,
+    )
     assert v.underspecification == 2 and len(v.evidence) == 3
 
 
@@ -217,9 +238,17 @@ votes_st = st.builds(
     st.integers(0, 3),
     st.sampled_from(A.DIFFICULTY_BUCKETS),
     st.sampled_from(A.CATEGORIES),
-    st.lists(st.builds(A.AuditEvidence, st.just("issue"), st.none(), st.none(),
-                       st.sampled_from(["calc", "add"])), max_size=2).map(tuple),
-)  # fmt: skip
+    st.lists(
+        st.builds(
+            A.AuditEvidence,
+            st.just("issue"),
+            st.none(),
+            st.none(),
+            st.sampled_from(["calc", "add"]),
+        ),
+        max_size=2,
+    ).map(tuple),
+)
 
 
 @given(st.lists(votes_st, min_size=1, max_size=5), st.randoms())
@@ -251,9 +280,12 @@ def test_majority_vs_max_severity():
 UNCLEAR = _task("unclear", issue="add is weird?")
 OFF_TARGET = _task(
     "off_target",
-    files={"calc.py": CALC, "tests/test_calc.py": "from calc import neg\n\n\ndef test_add():\n"
-           "    assert neg(-1) == 1\n"},
-)  # fmt: skip
+    files={
+        "calc.py": CALC,
+        "tests/test_calc.py": "from calc import neg\n\n\ndef test_add():\n"
+        "    assert neg(-1) == 1\n",
+    },
+)
 CAL_LABELS = {
     "sound": {"unclear": False, "invalid_tests": False, "leaked": False},
     "unclear": {"unclear": True, "invalid_tests": False, "leaked": False},
@@ -326,13 +358,21 @@ def test_filter_tasks_reports_per_threshold(reports, tmp_path):
         A.PoolEntry(OFF_TARGET, reports["gold_fails_f2p"], auditor.audit(OFF_TARGET)),
         A.PoolEntry(_task("solved"), reports["sound"], None, (True,) * 8),
     ]
-    th = {"require_precheck": True, "max_underspecification": 1, "max_test_validity": 1,
-          "skip_saturated": {"window": 8, "min_attempts": 8}}  # fmt: skip
+    th = {
+        "require_precheck": True,
+        "max_underspecification": 1,
+        "max_test_validity": 1,
+        "skip_saturated": {"window": 8, "min_attempts": 8},
+    }
     kept, rep = A.filter_tasks(entries, th)
     assert [e.task_id for e in kept] == ["sound"]
     assert rep["total"] == 4 and rep["kept"] == 1
-    assert rep["per_threshold"] == {"require_precheck": 3, "max_underspecification": 3,
-                                    "max_test_validity": 3, "skip_saturated": 3}  # fmt: skip
+    assert rep["per_threshold"] == {
+        "require_precheck": 3,
+        "max_underspecification": 3,
+        "max_test_validity": 3,
+        "skip_saturated": 3,
+    }
     assert rep["reasons"]["precheck:gold_fails_f2p"] == 1
     assert rep["reasons"]["saturated:pass_rate=1"] == 1
     # stricter thresholds keep fewer (never more)

@@ -17,10 +17,20 @@ from tests.swe_fixtures import make_instance, src_layout_row
 
 # ---- rows ------------------------------------------------------------------------------------
 
-ROW = {"instance_id": "a__b-1", "repo": "a/b", "base_commit": "abc1234", "patch": "",
-       "test_patch": "", "problem_statement": "x", "hints_text": "", "created_at": "",
-       "version": "1", "FAIL_TO_PASS": '["t.py::test_a"]', "PASS_TO_PASS": '["t.py::test_b"]',
-       "environment_setup_commit": "abc1234"}  # fmt: skip
+ROW = {
+    "instance_id": "a__b-1",
+    "repo": "a/b",
+    "base_commit": "abc1234",
+    "patch": "",
+    "test_patch": "",
+    "problem_statement": "x",
+    "hints_text": "",
+    "created_at": "",
+    "version": "1",
+    "FAIL_TO_PASS": '["t.py::test_a"]',
+    "PASS_TO_PASS": '["t.py::test_b"]',
+    "environment_setup_commit": "abc1234",
+}
 
 
 def test_rows_round_trip_jsonl_json_parquet(tmp_path):
@@ -59,15 +69,20 @@ def test_empty_fail_to_pass_is_refused_by_name():
 
 def test_grade_follows_swebench_rules():
     f2p, p2p = ["a::f"], ["a::p", "a::q"]
-    assert swe.grade({"a::f": "passed", "a::p": "passed", "a::q": "skipped"}, f2p, p2p)[
-        "resolved"] == swe.RESOLVED_FULL  # a skipped P2P test is kept  # fmt: skip
+    assert (
+        swe.grade({"a::f": "passed", "a::p": "passed", "a::q": "skipped"}, f2p, p2p)["resolved"]
+        == swe.RESOLVED_FULL
+    )  # a skipped P2P test is kept
     r = swe.grade({"a::f": "skipped", "a::p": "passed", "a::q": "passed"}, f2p, p2p)
     assert r["resolved"] == swe.RESOLVED_NO and r["FAIL_TO_PASS"]["failure"] == ["a::f"]
     assert swe.grade({"a::p": "PASSED", "a::q": "PASSED"}, f2p, p2p)["resolved"] == "RESOLVED_NO"
-    assert swe.grade({"a::f": "XFAIL", "a::p": "PASSED", "a::q": "PASSED"}, f2p, p2p)[
-        "resolved"] == swe.RESOLVED_FULL  # fmt: skip
-    two = swe.grade({"a::f": "PASSED", "a::g": "FAILED", "a::p": "PASSED"}, ["a::f", "a::g"],
-                    ["a::p"])  # fmt: skip
+    assert (
+        swe.grade({"a::f": "XFAIL", "a::p": "PASSED", "a::q": "PASSED"}, f2p, p2p)["resolved"]
+        == swe.RESOLVED_FULL
+    )
+    two = swe.grade(
+        {"a::f": "PASSED", "a::g": "FAILED", "a::p": "PASSED"}, ["a::f", "a::g"], ["a::p"]
+    )
     assert two["resolved"] == swe.RESOLVED_PARTIAL
     # an id cut inside its parameters matches by prefix when the matches agree
     assert swe.grade({"a::f[x-1]": "PASSED"}, ["a::f[x-"], [])["resolved"] == swe.RESOLVED_FULL
@@ -80,8 +95,11 @@ def _swebench_parser():
     root = os.path.dirname(spec.origin)
     # import only the log parser module: swebench's package __init__ pulls in docker
     saved = {k: v for k, v in sys.modules.items() if k.startswith("swebench")}
-    for name, sub in (("swebench", ""), ("swebench.harness", "harness"),
-                      ("swebench.harness.log_parsers", "harness/log_parsers")):  # fmt: skip
+    for name, sub in (
+        ("swebench", ""),
+        ("swebench.harness", "harness"),
+        ("swebench.harness.log_parsers", "harness/log_parsers"),
+    ):
         m = types.ModuleType(name)
         m.__path__ = [os.path.join(root, sub)]
         sys.modules[name] = m
@@ -112,16 +130,18 @@ def _recorded_log(tmp_path) -> str:
     )
     r = subprocess.run([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider",
                         "test_rec.py"], cwd=tmp_path, capture_output=True, text=True,
-                       env={**os.environ, "PYTEST_ADDOPTS": ""})  # fmt: skip
+                       env={**os.environ, "PYTEST_ADDOPTS": ""})  # fmt: skip  # argv pairs
     return r.stdout
 
 
 def test_log_parser_equals_swebench_on_recorded_logs(tmp_path):
     theirs = _swebench_parser()
-    logs = [_recorded_log(tmp_path),
-            "PASSED a.py::t\nFAILED b.py::x - boom - again\nSKIPPED [2] a.py:3: why\n"
-            "ERROR c.py::e - E\nXFAIL d.py::x\nPASSED\nPASSED [100%]\n  PASSED e.py::no\n"
-            "FAILED b.py::x\n"]  # fmt: skip
+    logs = [
+        _recorded_log(tmp_path),
+        "PASSED a.py::t\nFAILED b.py::x - boom - again\nSKIPPED [2] a.py:3: why\n"
+        "ERROR c.py::e - E\nXFAIL d.py::x\nPASSED\nPASSED [100%]\n  PASSED e.py::no\n"
+        "FAILED b.py::x\n",
+    ]
     for log in logs:
         mine = swe.parse_log_pytest(log)
         assert mine == theirs(log, None)
@@ -149,8 +169,9 @@ def test_snapshot_from_git_has_no_history_and_is_cached(tmp_path):
         if kind == "bare":
             repos.git("clone", "-q", "--bare", src, os.path.join(d, "acme__srcpkg.git"))
         else:
-            repos.git("bundle", "create", "-q", os.path.join(d, "acme__srcpkg.bundle"), "--all",
-                      cwd=src)  # fmt: skip
+            repos.git(
+                "bundle", "create", "-q", os.path.join(d, "acme__srcpkg.bundle"), "--all", cwd=src
+            )
         t = repos.snapshot(d, "acme/srcpkg", row["base_commit"], str(tmp_path / f"c_{kind}"))
         assert repos.read_text_tree(t) == files
     with pytest.raises(repos.RepoNotFound, match="acme__nope"):
@@ -163,14 +184,20 @@ def test_src_layout_with_third_party_test_dependency_verifies_right(tmp_path):
     task = swe.to_repo_task(inst, repos_dir, cache_dir=cache)
     assert task.pythonpath == ("src",) and task.env_hash and os.path.isdir(task.env_path)
     assert "cachetools==5.5.0" in open(os.path.join(task.env_path, ".gagar-env")).read()
+    # compiled to bytecode: the read-only environment never recompiles pytest in a run
+    assert json.load(open(os.path.join(task.env_path, ".gagar-env")))["format"] == 2
+    site = os.path.join(task.env_path, "lib")
+    assert any(n.endswith(".pyc") for _, _, names in os.walk(site) for n in names)
     gold = verify_repo_patch(task, inst.patch)
     assert gold.status == "passed", gold.test_log
     # the task's own reference fix is never a leak
     assert not [f for f in gold.flags if f.rule == "leaked_solution"]
     empty = verify_repo_patch(task, "")
     assert empty.status == "failed"
-    assert empty.tests == {"tests/test_add.py::test_add": "failed",
-                           "tests/test_neg.py::test_neg": "passed"}  # fmt: skip
+    assert empty.tests == {
+        "tests/test_add.py::test_add": "failed",
+        "tests/test_neg.py::test_neg": "passed",
+    }
     # without the environment the third-party import fails: the env is what made it pass
     bare = verify_repo_patch(dataclasses.replace(task, env_path=""), inst.patch, run_monitor=False)
     assert bare.status == "failed" and bare.tests["tests/test_add.py::test_add"] != "passed"
@@ -179,25 +206,34 @@ def test_src_layout_with_third_party_test_dependency_verifies_right(tmp_path):
     assert again.reused and again.env_hash == task.env_hash and again.path == task.env_path
 
 
-FILES = {"m.py": "def f():\n    return 1\n",
-         "test_m.py": "import time\n\nimport pytest\n\nfrom m import f\n\n\n"
-                      "def test_f():\n    assert f() == 2\n\n\n"
-                      "@pytest.mark.skip(reason='platform')\ndef test_skipped():\n    pass\n\n\n"
-                      "def test_ok():\n    assert True\n\n\n"
-                      "def test_hangs():\n    time.sleep(60)\n"}  # fmt: skip
+FILES = {
+    "m.py": "def f():\n    return 1\n",
+    "test_m.py": "import time\n\nimport pytest\n\nfrom m import f\n\n\n"
+    "def test_f():\n    assert f() == 2\n\n\n"
+    "@pytest.mark.skip(reason='platform')\ndef test_skipped():\n    pass\n\n\n"
+    "def test_ok():\n    assert True\n\n\n"
+    "def test_hangs():\n    time.sleep(60)\n",
+}
 FIX = "--- a/m.py\n+++ b/m.py\n@@ -1,2 +1,2 @@\n def f():\n-    return 1\n+    return 2\n"
 
 
 def test_skipped_p2p_kept_skipped_f2p_fails_and_per_test_timeout():
-    t = RepoTask("t", "f must return 2", FILES, ("test_m.py::test_f",),
-                 ("test_m.py::test_skipped", "test_m.py::test_ok"))  # fmt: skip
+    t = RepoTask(
+        "t",
+        "f must return 2",
+        FILES,
+        ("test_m.py::test_f",),
+        ("test_m.py::test_skipped", "test_m.py::test_ok"),
+    )
     assert verify_repo_patch(t, FIX, run_monitor=False).status == "passed"
-    skip_f2p = dataclasses.replace(t, fail_to_pass=("test_m.py::test_skipped",),
-                                   pass_to_pass=("test_m.py::test_ok",))  # fmt: skip
+    skip_f2p = dataclasses.replace(
+        t, fail_to_pass=("test_m.py::test_skipped",), pass_to_pass=("test_m.py::test_ok",)
+    )
     assert verify_repo_patch(skip_f2p, FIX, run_monitor=False).status == "failed"
     # a hanging test fails that test, not the run
-    hang = dataclasses.replace(t, pass_to_pass=("test_m.py::test_ok", "test_m.py::test_hangs"),
-                               test_timeout_s=2.0)  # fmt: skip
+    hang = dataclasses.replace(
+        t, pass_to_pass=("test_m.py::test_ok", "test_m.py::test_hangs"), test_timeout_s=2.0
+    )
     v = verify_repo_patch(hang, FIX, run_monitor=False)
     assert v.status == "failed" and v.tests == {
         "test_m.py::test_f": "passed",
@@ -225,25 +261,39 @@ def test_validate_cli_writes_one_line_per_instance(tmp_path):
         "m.py": "def f():\n    return 1\n",
         "test_old.py": "from m import f\n\n\ndef test_old():\n    assert f() in (1, 2)\n",
     }
-    rows = [make_instance(repos_dir, "acme/flat", base, {"m.py": "def f():\n    return 2\n"},
-                          {"test_new.py": "from m import f\n\n\ndef test_new():\n"
-                                          "    assert f() == 2\n"},
-                          ["test_new.py::test_new"], ["test_old.py::test_old"]),
-            dict(ROW, instance_id="missing-repo", repo="acme/absent")]  # fmt: skip
+    rows = [
+        make_instance(
+            repos_dir,
+            "acme/flat",
+            base,
+            {"m.py": "def f():\n    return 2\n"},
+            {"test_new.py": "from m import f\n\n\ndef test_new():\n    assert f() == 2\n"},
+            ["test_new.py::test_new"],
+            ["test_old.py::test_old"],
+        ),
+        dict(ROW, instance_id="missing-repo", repo="acme/absent"),
+    ]
     inst = str(tmp_path / "instances.jsonl")
     with open(inst, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     out = str(tmp_path / "report.jsonl")
     r = subprocess.run([sys.executable, "-m", "gagar_jax.data.swe", "validate", "--instances",
                         inst, "--repos", repos_dir, "--runs", "2", "--out", out, "--cache",
-                        cache], capture_output=True, text=True)  # fmt: skip
+                        cache], capture_output=True, text=True)  # fmt: skip  # argv pairs
     assert r.returncode == 1, r.stderr  # one row could not be validated
     assert "validated 1/2 instances" in r.stdout
     lines = [json.loads(x) for x in open(out)]
     assert [x["instance_id"] for x in lines] == ["acme__flat-1", "missing-repo"]
     good = lines[0]
-    assert set(good) == {"instance_id", "gold", "empty", "flaky_tests", "infra_errors",
-                         "env_hash", "seconds"}  # fmt: skip
+    assert set(good) == {
+        "instance_id",
+        "gold",
+        "empty",
+        "flaky_tests",
+        "infra_errors",
+        "env_hash",
+        "seconds",
+    }
     assert good["gold"] == "passed" and good["empty"] == "failed" and good["flaky_tests"] == []
     assert good["infra_errors"] == 0 and len(good["env_hash"]) == 32
     assert "RepoNotFound" in lines[1]["error"]
@@ -276,9 +326,10 @@ def test_each_planted_leak_kind_is_caught_by_name(tmp_path):
         return kinds
 
     fixed = inst.patch
-    assert plant("git_objects", lambda d: repos.git("hash-object", "-w", "--stdin", cwd=d,
-                                                    input=fixed.encode())) == {
-        "git_objects": [".git: 1 object(s) not reachable from HEAD"]}  # fmt: skip
+    assert plant(
+        "git_objects",
+        lambda d: repos.git("hash-object", "-w", "--stdin", cwd=d, input=fixed.encode()),
+    ) == {"git_objects": [".git: 1 object(s) not reachable from HEAD"]}
     assert set(plant("tags", lambda d: repos.git("tag", "v2", cwd=d))) == {"tags"}
 
     def reflog(d):
@@ -322,9 +373,16 @@ def test_python_repo_family_trains_on_an_swe_pool(tmp_path, monkeypatch):
     repos_dir = str(tmp_path / "repos")
     path = str(tmp_path / "instances.jsonl")
     swe.write_instances(path, [swe.parse_instance(src_layout_row(repos_dir))])
-    fam = make_family("python_repo", FamilySettings(
-        data_path=path, repos_dir=repos_dir, tokenizer_path=make_tiny_tokenizer(tmp_path / "tok"),
-        num_eval=0, max_prompt_len=2048))  # fmt: skip
+    fam = make_family(
+        "python_repo",
+        FamilySettings(
+            data_path=path,
+            repos_dir=repos_dir,
+            tokenizer_path=make_tiny_tokenizer(tmp_path / "tok"),
+            num_eval=0,
+            max_prompt_len=2048,
+        ),
+    )
     task = fam.train_task(0)
     assert task.task_id == "acme__srcpkg-1" and task.env_path and task.pythonpath == ("src",)
     assert "tests/test_add.py" not in task.files  # the hidden test is not in the agent's tree
@@ -334,13 +392,14 @@ def test_python_repo_family_trains_on_an_swe_pool(tmp_path, monkeypatch):
     out = fam.verify(task, Attempt(env=env))
     assert out.passed and not out.cheat and not out.infra_error, out.test_log
     # the grader's checks of this task's group see the same tree layout and environment
+    from gagar_jax.envs import repo as envs_repo
     from gagar_jax.envs.repo import TaskEnvCheckRunner
-    from gagar_jax.grading import adapters
 
-    ws = adapters.repo_workspace(task, "g0", [adapters.repo_candidate("r0", out.patch, out)])
+    ws = envs_repo.repo_workspace(task, "g0", [envs_repo.repo_candidate("r0", out.patch, out)])
     runner = TaskEnvCheckRunner({"g0": task})
-    res = runner.run(ws, ws.candidates[0], "python -c 'import cachetools, srcpkg; "
-                     "assert srcpkg.add(2, 3) == 5'")  # fmt: skip
+    res = runner.run(
+        ws, ws.candidates[0], "python -c 'import cachetools, srcpkg; assert srcpkg.add(2, 3) == 5'"
+    )
     assert res.status == "passed", res.log
     plain = TaskEnvCheckRunner({}).run(ws, ws.candidates[0], "python -c 'import cachetools'")
     assert plain.status == "failed"
@@ -352,14 +411,25 @@ def test_editing_the_named_tests_does_not_pass_a_row_without_test_patch(tmp_path
     from gagar_jax.envs.repo import tree_patch
 
     repos_dir = str(tmp_path / "repos")
-    base = {"m.py": "def f():\n    return 1\n",
-            "test_m.py": "from m import f\n\n\ndef test_f():\n    assert f() == 2\n\n\n"
-                         "def test_g():\n    assert f() > 0\n"}  # fmt: skip
-    row = make_instance(repos_dir, "acme/intree", base, {"m.py": "def f():\n    return 2\n"},
-                        {}, ["test_m.py::test_f"], ["test_m.py::test_g"], future=False)  # fmt: skip
+    base = {
+        "m.py": "def f():\n    return 1\n",
+        "test_m.py": "from m import f\n\n\ndef test_f():\n    assert f() == 2\n\n\n"
+        "def test_g():\n    assert f() > 0\n",
+    }
+    row = make_instance(
+        repos_dir,
+        "acme/intree",
+        base,
+        {"m.py": "def f():\n    return 2\n"},
+        {},
+        ["test_m.py::test_f"],
+        ["test_m.py::test_g"],
+        future=False,
+    )
     assert row["test_patch"] == ""
-    task = swe.to_repo_task(swe.parse_instance(row), repos_dir, cache_dir=str(tmp_path / "c"),
-                            build_envs=False)  # fmt: skip
+    task = swe.to_repo_task(
+        swe.parse_instance(row), repos_dir, cache_dir=str(tmp_path / "c"), build_envs=False
+    )
     assert task.test_files == ("test_m.py",)
     cheat = tree_patch(base, {**base, "test_m.py": base["test_m.py"].replace("== 2", "== 1")})
     v = verify_repo_patch(task, cheat, run_monitor=False)
@@ -377,9 +447,11 @@ def test_swesmith_layout_row_with_its_bug_branch(tmp_path):
     root = os.path.join(repos_dir, "swesmith__acme__calc.abc1234")
     os.makedirs(root)
     repos.git("init", "-q", "-b", "main", cwd=root)
-    good = {"calc.py": "def add(a, b):\n    return a + b\n",
-            "test_calc.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
-                            "\n\ndef test_zero():\n    assert add(0, 0) == 0\n"}  # fmt: skip
+    good = {
+        "calc.py": "def add(a, b):\n    return a + b\n",
+        "test_calc.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+        "\n\ndef test_zero():\n    assert add(0, 0) == 0\n",
+    }
     write(root, good)
     commit_all(root, "original")
     iid = "acme__calc.abc1234.func_pm_op_flip__x1"
@@ -388,10 +460,15 @@ def test_swesmith_layout_row_with_its_bug_branch(tmp_path):
     write(root, bad)
     commit_all(root, "bug")
     repos.git("checkout", "-q", "main", cwd=root)
-    row = {"instance_id": iid, "repo": "swesmith/acme__calc.abc1234",
-           "patch": tree_patch(good, bad), "FAIL_TO_PASS": ["test_calc.py::test_add"],
-           "PASS_TO_PASS": ["test_calc.py::test_zero"], "image_name": "swesmith.x86_64.acme",
-           "problem_statement": "add gives the wrong sum"}  # fmt: skip
+    row = {
+        "instance_id": iid,
+        "repo": "swesmith/acme__calc.abc1234",
+        "patch": tree_patch(good, bad),
+        "FAIL_TO_PASS": ["test_calc.py::test_add"],
+        "PASS_TO_PASS": ["test_calc.py::test_zero"],
+        "image_name": "swesmith.x86_64.acme",
+        "problem_statement": "add gives the wrong sum",
+    }
     inst = swe.parse_instance(row)
     assert inst.layout == "swesmith" and inst.base_commit == iid
     assert swe.parse_instance(inst.to_row()) == inst  # round trip

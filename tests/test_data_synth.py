@@ -117,12 +117,100 @@ def test_no_site_outside_the_function_and_bad_index():
 
 
 def test_issue_names_the_symptom_never_the_code():
-    log = ("    def test_x():\n>       assert f(2, 3) == 5\nE       assert -1 == 5\n"
-           "E        +  where -1 = f(2, 3)\nsrc/m.py:3: AssertionError\n"
-           "    y = a - b\n")  # fmt: skip
+    log = (
+        "    def test_x():\n>       assert f(2, 3) == 5\nE       assert -1 == 5\n"
+        "E        +  where -1 = f(2, 3)\nsrc/m.py:3: AssertionError\n"
+        "    y = a - b\n"
+    )
     text = synth.issue_text("pkg", ["tests/test_m.py::test_x"], log)
     assert "assert -1 == 5" in text and "`tests/test_m.py::test_x`" in text
     assert "y = a - b" not in text and "a + b" not in text
+
+
+def test_issue_evidence_only_from_the_failing_tests_sections():
+    # a -rA log with the verifier's canary sections around the real failure
+    log = (
+        "=================================== FAILURES ===================================\n"
+        "________________________________ test_c1a2b3c4 _________________________________\n"
+        "E       assert (915143967 + 1) == 915143969\n"
+        "_____________________________ ERROR at setup of test_c9 _____________________________\n"
+        "E       RuntimeError: 664051692\n"
+        "__________________________ Outer.test_merge_sorted __________________________\n"
+        "E       assert [1, 2, 3] == [1, 2, 3, 4]\n"
+        "________________________________ test_other _________________________________\n"
+        "E       assert 0 == 1\n"
+        "=========================== short test summary info ============================\n"
+        "FAILED [canary] - assert (338031356 + 1) == 3...\n"
+    )
+    ev = synth.failure_evidence(log, ["pkg/tests/test_m.py::Outer::test_merge_sorted"])
+    assert ev == "assert [1, 2, 3] == [1, 2, 3, 4]"
+    assert "915143967" not in synth.issue_text("pkg", ["t.py::test_x"], log)
+
+
+def test_run_ids_sample_the_covering_tests_and_add_same_file_tests():
+    import random
+
+    covering = [f"a.py::test_{i:04d}" for i in range(500)]
+    passing = set(covering) | {"a.py::test_other", "b.py::test_far"}
+    ids = synth._run_ids(covering, passing, random.Random(0), max_p2p=5, max_covering=40)
+    # 40 sampled covering tests, then 5 other tests of a.py (unsampled covering ones included)
+    assert len(ids) == 45 and len(set(ids)) == 45 and set(ids[:40]) <= set(covering)
+    assert "b.py::test_far" not in ids  # another file is never collected
+    few = synth._run_ids(covering[:3], passing, random.Random(0), max_p2p=2)
+    assert few[:3] == tuple(covering[:3]) and len(few) == 5
+
+
+ORDER_FILES = {
+    "m.py": "def f():\n    return 2\n",
+    "tests/test_m.py": "from m import f\n\n\ndef test_f():\n    assert f() == 1\n\n\n"
+    "def test_g():\n    assert True\n",
+}
+ORDER_FIX = "--- a/m.py\n+++ b/m.py\n@@ -1,2 +1,2 @@\n def f():\n-    return 2\n+    return 1\n"
+
+
+def test_validation_stops_at_the_first_run_that_rules_a_candidate_out():
+    import threading
+
+    from gagar_jax.envs.repo import RepoTask
+    from gagar_jax.verify.repo import verify_repo_patch
+
+    calls = []
+
+    def verify(task, patch):  # the real sandboxed verifier, counted
+        calls.append(patch)
+        return verify_repo_patch(task, patch, run_monitor=False)
+
+    gate = threading.Lock()
+    good = RepoTask(
+        "t",
+        "",
+        ORDER_FILES,
+        ("tests/test_m.py::test_f",),
+        ("tests/test_m.py::test_g",),
+        reference_patch=ORDER_FIX,
+    )
+    screen = verify(good, "")
+    assert screen.status == "failed"
+    rep, gold = synth._validate_early(good, screen, 2, verify, gate)
+    # the screening run was the first empty run: gold, empty, gold after it
+    assert rep["gold"] == "passed" and rep["empty"] == "failed" and not rep["flaky_tests"]
+    assert calls == ["", ORDER_FIX, "", ORDER_FIX] and gold.status == "passed"
+    calls.clear()
+    broken = RepoTask(
+        "t",
+        "",
+        ORDER_FILES,
+        ("tests/test_m.py::test_f",),
+        ("tests/test_m.py::test_g",),
+        reference_patch="",
+    )
+    rep, gold = synth._validate_early(broken, screen, 3, verify, gate)
+    assert rep["gold"] == "failed" and calls == [""]  # one gold run, then no more
+    # every fail-to-pass test failed: nothing is blamed on the order of the tests
+    assert (
+        synth._order_dependent(gold, ("tests/test_m.py::test_f",), ("tests/test_m.py::test_g",))
+        == set()
+    )
 
 
 @pytest.mark.e2e
@@ -134,7 +222,7 @@ def test_factory_run_on_two_real_packages_validates(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gagar_jax.data.synth", "--packages",
                         "cachetools==8.0.2,toolz==1.0.0", "--out", out, "--tasks-per-package",
                         "2", "--max-candidates", "40", "--cache", cache],
-                       capture_output=True, text=True, timeout=3000)  # fmt: skip
+                       capture_output=True, text=True, timeout=3000)  # fmt: skip  # argv pairs
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(x) for x in open(os.path.join(out, "instances.jsonl"))]
     assert len({row["repo"] for row in rows}) == 2 and len(rows) >= 3
@@ -148,7 +236,7 @@ def test_factory_run_on_two_real_packages_validates(tmp_path):
                         os.path.join(out, "instances.jsonl"), "--repos",
                         os.path.join(out, "repos"), "--runs", "2", "--out", report,
                         "--cache", cache],
-                       capture_output=True, text=True, timeout=3000)  # fmt: skip
+                       capture_output=True, text=True, timeout=3000)  # fmt: skip  # argv pairs
     assert v.returncode == 0, v.stdout + v.stderr
     lines = [json.loads(x) for x in open(report)]
     assert [x["instance_id"] for x in lines] == [row["instance_id"] for row in rows]

@@ -11,7 +11,8 @@ tfds = pytest.importorskip("tensorflow_datasets")
 
 from gagar_jax.data import tfds_builders as B  # noqa: E402
 from gagar_jax.envs import ToyTaskGenerator, verify  # noqa: E402
-from gagar_jax.verify.repo import RepoTask, verify_repo_patch  # noqa: E402
+from gagar_jax.envs.repo import RepoTask  # noqa: E402
+from gagar_jax.verify.repo import verify_repo_patch  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "repos")
 
@@ -83,7 +84,7 @@ def test_repo_tasks_from_jsonl_and_verify(tmp_path):
                 {"task_id": "x", "issue": "", "files": {"a.py": ""}, "fail_to_pass": ["t.py"]}
             ),
             "not 'file::name'",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_repo_tasks_bad_lines_fail_the_build(tmp_path, line, msg):

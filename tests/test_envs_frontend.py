@@ -16,14 +16,19 @@ pytest.importorskip("playwright")
 if not os.path.exists(B.DEFAULT_EXECUTABLE):
     pytest.skip("chromium is not installed (make system-deps)", allow_module_level=True)
 
-JUDGE = {"load_timeout_s": 3, "call_timeout_s": 2.5, "expect_timeout_ms": 300,
-         "action_timeout_ms": 1000}  # fmt: skip
+JUDGE = {
+    "load_timeout_s": 3,
+    "call_timeout_s": 2.5,
+    "expect_timeout_ms": 300,
+    "action_timeout_ms": 1000,
+}
 
 
 @pytest.fixture(scope="module")
 def family():
-    fam = make_family("frontend", FamilySettings(num_train=6, num_eval=3,
-                                                 extra={"judge_kwargs": JUDGE}))  # fmt: skip
+    fam = make_family(
+        "frontend", FamilySettings(num_train=6, num_eval=3, extra={"judge_kwargs": JUDGE})
+    )
     yield fam
     pids = fam.runner.judge.browser_pids
     fam.close()
@@ -114,9 +119,15 @@ def test_tier_of():
 def test_prompt_through_the_chat_template(family, tmp_path):
     from hf_fixtures import make_tiny_tokenizer
 
-    fam = make_family("frontend", FamilySettings(
-        num_train=3, num_eval=0, max_prompt_len=4096,
-        tokenizer_path=make_tiny_tokenizer(tmp_path / "tok")))  # fmt: skip
+    fam = make_family(
+        "frontend",
+        FamilySettings(
+            num_train=3,
+            num_eval=0,
+            max_prompt_len=4096,
+            tokenizer_path=make_tiny_tokenizer(tmp_path / "tok"),
+        ),
+    )
     task = fam.train_task(0)
     text = fam.tokenizer.decode(fam.prompt_tokens(task), skip_special_tokens=False)
     assert task.instruction in text and '"name": "edit"' in text

@@ -195,8 +195,9 @@ def test_monitor_flags_cheat_with_evidence_and_not_fixes():
             rules = {f.rule for f in cheat.cheat_flags}
             assert rules == {"special_casing_test_inputs", "hard_coded_outputs"}
             x0 = task.tests[0][0]
-            assert any(f"x == {x0}" in f.evidence and "patch edit" in f.evidence
-                       for f in cheat.cheat_flags)  # fmt: skip
+            assert any(
+                f"x == {x0}" in f.evidence and "patch edit" in f.evidence for f in cheat.cheat_flags
+            )
             for k, p in kinds.items():
                 if k != "cheat":
                     assert verify(task, p).cheat_flags == [], (k, p)
@@ -217,8 +218,11 @@ def test_monitor_unconfirmed_when_constant_is_not_the_tested_output():
 
 
 @settings(max_examples=300, deadline=None)
-@given(ids=st.lists(st.integers(0, TOKENIZER.vocab_size - 1), max_size=120),
-       index=st.integers(0, 50), difficulty=st.sampled_from([1, 2, 3]))  # fmt: skip
+@given(
+    ids=st.lists(st.integers(0, TOKENIZER.vocab_size - 1), max_size=120),
+    index=st.integers(0, 50),
+    difficulty=st.sampled_from([1, 2, 3]),
+)
 def test_any_token_sequence_is_a_policy_failure_never_an_infra_error(ids, index, difficulty):
     # Masking (infra_error) instead of failing would reward garbage: no decoded output may crash.
     task = ToyTaskGenerator(0, difficulty).task(index)
@@ -237,12 +241,22 @@ _WORDS = [w for w in TOKENIZER.vocab[4:] if w != "\n"]
 
 
 @settings(max_examples=300, deadline=None)
-@given(edits=st.lists(st.tuples(st.sampled_from(["", "ins ", "del "]), st.integers(0, 7),
-                                st.lists(st.sampled_from(_WORDS), max_size=12)), max_size=5),
-       index=st.integers(0, 50), difficulty=st.sampled_from([1, 2, 3]))  # fmt: skip
+@given(
+    edits=st.lists(
+        st.tuples(
+            st.sampled_from(["", "ins ", "del "]),
+            st.integers(0, 7),
+            st.lists(st.sampled_from(_WORDS), max_size=12),
+        ),
+        max_size=5,
+    ),
+    index=st.integers(0, 50),
+    difficulty=st.sampled_from([1, 2, 3]),
+)
 def test_structured_random_patches_never_crash(edits, index, difficulty):
     task = ToyTaskGenerator(0, difficulty).task(index)
-    patch = "\n".join(f"{op}{n} : {' '.join(ws)}" if op != "del " else f"del {n}"
-                      for op, n, ws in edits)  # fmt: skip
+    patch = "\n".join(
+        f"{op}{n} : {' '.join(ws)}" if op != "del " else f"del {n}" for op, n, ws in edits
+    )
     v = verify(task, patch)
     assert not v.infra_error, (patch, v.test_log)

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gagar_jax import advantages as adv
-from gagar_jax.envs import TOKENIZER, ToyTaskGenerator, candidate_patches, toy
-from gagar_jax.grading import adapters, evidence_tokens, schema
+from gagar_jax.envs import TOKENIZER, ToyTaskGenerator, candidate_patches, toy, toy_grading
+from gagar_jax.grading import evidence_tokens, schema
 from gagar_jax.grading.heuristic import HeuristicGrader
 
 EOS = TOKENIZER.eos_id
@@ -32,13 +32,13 @@ def test_each_cited_patch_line_maps_exactly_to_that_edits_tokens():
     for task in _tasks():
         for kind, patch in candidate_patches(task).items():
             tokens = TOKENIZER.encode(patch) + [EOS]
-            spans = evidence_tokens.toy_token_spans(task, tokens)
+            spans = toy_grading.toy_token_spans(task, tokens)
             v = toy.verify(task, patch)
-            cand = adapters.toy_candidate(task, "c0", patch, v)
-            fd = cand.parsed_patch.file(adapters.TOY_PROGRAM)
+            cand = toy_grading.toy_candidate(task, "c0", patch, v)
+            fd = cand.parsed_patch.file(toy_grading.TOY_PROGRAM)
             if fd is None:  # "noop": rewrites a line with its own text, an empty diff
                 continue
-            added = {n: text.strip() for n, text in fd.added}
+            added = {n: text.strip() for n, text in fd.added()}
             lines = _line_token_indices(patch)
             edits = toy.parse_patch(patch, len(task.lines))
             assert len(spans.edits) == len(edits), kind
@@ -61,7 +61,7 @@ def test_deleted_line_whole_file_execution_and_other_candidates():
     n = len(task.lines)
     patch = f"del 1\n{n} : {task.lines[-1]}"
     tokens = TOKENIZER.encode(patch) + [EOS, 0, 0]  # padding after EOS is ignored
-    spans = evidence_tokens.toy_token_spans(task, tokens)
+    spans = toy_grading.toy_token_spans(task, tokens)
     assert spans.length == len(tokens)
     lines = _line_token_indices(patch)
     patch_ev = lambda line, cid="c": schema.Evidence(
@@ -85,9 +85,9 @@ def test_trajectory_events_and_bad_patches():
     assert np.flatnonzero(evidence_tokens.evidence_token_mask([ev], "c", spans)).tolist() == [4, 5]
     # A line edited twice does not apply: no spans (and verification fails it anyway).
     twice = TOKENIZER.encode("1 : a = x\n1 : a = x + 1")
-    assert evidence_tokens.toy_token_spans(task, twice).edits == ()
+    assert toy_grading.toy_token_spans(task, twice).edits == ()
     garbage = TOKENIZER.encode("return return : :")
-    assert evidence_tokens.toy_token_spans(task, garbage).edits == ()
+    assert toy_grading.toy_token_spans(task, garbage).edits == ()
 
 
 def test_heuristic_verdict_evidence_moves_credit_off_the_cited_line():
@@ -98,12 +98,12 @@ def test_heuristic_verdict_evidence_moves_credit_off_the_cited_line():
     for gi, task in enumerate(_tasks()):
         kinds = candidate_patches(task)
         names = sorted(kinds)
-        ws = adapters.toy_group(task, f"g{gi}", [kinds[k] for k in names])
+        ws = toy_grading.toy_group(task, f"g{gi}", [kinds[k] for k in names])
         verdict = schema.validate(HeuristicGrader().grade(ws), ws)
         tokens = {
             c.candidate_id: TOKENIZER.encode(kinds[k]) + [EOS] for k, c in zip(names, ws.candidates)
         }
-        spans = {cid: evidence_tokens.toy_token_spans(task, t) for cid, t in tokens.items()}
+        spans = {cid: toy_grading.toy_token_spans(task, t) for cid, t in tokens.items()}
         masks = evidence_tokens.verdict_token_masks(verdict, spans)
         for _cid, ev_mask in masks.items():
             resp = np.ones(len(ev_mask), bool)  # every response token trains, EOS included

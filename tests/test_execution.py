@@ -12,6 +12,7 @@ import pytest
 
 from gagar_jax.rl.config import ConfigError, ExecutionConfig, RunConfig
 from gagar_jax.verify import execution
+from gagar_jax.verify.repo import env_site_packages
 
 
 def _add(a, b):
@@ -182,3 +183,38 @@ def test_execution_config_validates_and_is_not_in_the_fingerprint():
         RunConfig(execution=ExecutionConfig(backend="ray", max_inflight=4))  # K = 8 > 4
     with pytest.raises(ValueError, match="execution.backend"):
         execution.make_backend("dask")
+
+
+def test_a_nodes_copy_of_a_task_environment_is_built_from_its_lockfile_once(tmp_path):
+    """The trainer's environment (resolved and built by ``build_env``) rebuilt in another
+    cache, as a node does: from the recorded lockfile, once for four concurrent callers, with
+    the same packages; a node whose interpreter differs refuses to build it."""
+    from gagar_jax.data import repos
+
+    env = repos.build_env(["cachetools==5.5.0"], cache_dir=str(tmp_path / "trainer"))
+    builder = repos.node_env_builder(env.path, env.env_hash)
+    assert builder.lockfile == env.lockfile and "cachetools==5.5.0" in builder.lockfile
+    node_cache = str(tmp_path / "node")
+    out, built = [], []
+
+    def one():
+        path, secs = execution._ensure_env(env.env_hash, builder, node_cache)
+        out.append(path)
+        built.append(secs is not None)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(out)) == 1 and sum(built) == 1, (out, built)
+    (site,) = env_site_packages(out[0])
+    assert os.path.isdir(os.path.join(site, "cachetools"))
+    with open(os.path.join(out[0], ".gagar-env")) as f:
+        assert f'"env_hash": "{env.env_hash}"' in f.read()
+    alien = repos.LockfileEnv(env.env_hash, env.lockfile, "2.7.18 (default)")
+    with pytest.raises(repos.EnvBuildError, match="Python 2.7.18"):
+        execution.ensure_env("alien", alien, cache_dir=node_cache)
+    assert not os.path.exists(os.path.join(node_cache, "alien"))
+    with pytest.raises(repos.EnvBuildError, match="no readable record"):
+        repos.node_env_builder(str(tmp_path / "nowhere"), "f" * 32)

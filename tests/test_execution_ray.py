@@ -8,6 +8,7 @@ deadline plus a margin, the same verdicts (and update batch) as the ``local`` ba
 """
 
 import dataclasses
+import functools
 import os
 import tempfile
 import threading
@@ -111,10 +112,14 @@ def no_orphans():
 
 class _RepoFamily:
     """The part of the python_repo family the loop's ``_rollout`` uses: a rollout's response
-    is its patch, verified through the current back-end."""
+    is its patch, verified through the current back-end (by ``fn``: ``verify_repo_patch``'s
+    signature, default that function)."""
+
+    def __init__(self, fn=None):
+        self.fn = fn
 
     def verify(self, task, attempt):
-        v = execution.verify_repo_call(task, attempt.text, limits=LIMITS)
+        v = execution.verify_repo_call(task, attempt.text, limits=LIMITS, fn=self.fn)
         return Outcome(
             passed=v.passed,
             infra_error=v.infra_error,
@@ -126,9 +131,9 @@ class _RepoFamily:
         )
 
 
-def _groups(backend, spec):
+def _groups(backend, spec, fam=None):
     """Groups of rollouts verified on ``backend`` (the loop's gather_groups + _rollout)."""
-    fam = _RepoFamily()
+    fam = fam or _RepoFamily()
     thunks = [
         [
             (
@@ -229,35 +234,29 @@ def test_node_killed_in_the_middle_of_a_group(
     victim = c.add_node(**_node_args("victim", tmp))
     c.wait_for_nodes()
     markers = str(tmp_path)
-    spec = _spec()
+    # each verification first leaves a marker naming its node and waits 3 s: the window in
+    # which the victim is killed
+    fam = _RepoFamily(functools.partial(faults.marked_verify, markers, 3.0))
+    out: dict = {}
     t0 = time.monotonic()
-    with execution.using(backend):
-        futs = [
-            backend.submit(
-                faults.marked_verify,
-                markers,
-                3.0,
-                task,
-                p,
-                limits=LIMITS,
-                deadline_s=LIMITS.wall_s + MARGIN_S,
-            )
-            for task, patches in spec
-            for p in patches
-        ]
-        end = time.monotonic() + 60
-        while not any(n.startswith("victim.") for n in os.listdir(markers)):
-            assert time.monotonic() < end, "no call reached the victim node"
-            time.sleep(0.1)
-        c.remove_node(victim, allow_graceful=False)
-        results = [f.result(timeout=LIMITS.wall_s + 3 * MARGIN_S) for f in futs]
+    worker = threading.Thread(target=lambda: out.update(groups=_groups(backend, _spec(), fam)))
+    worker.start()
+    end = time.monotonic() + 60
+    while not any(n.startswith("victim.") for n in os.listdir(markers)):
+        assert time.monotonic() < end, "no call reached the victim node"
+        time.sleep(0.1)
+    c.remove_node(victim, allow_graceful=False)
+    worker.join(timeout=2 * (LIMITS.wall_s + 3 * MARGIN_S))
     elapsed = time.monotonic() - t0
-    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
-    want = [v for g in local_reference[0] for v in g]
-    got = [(r.value.status, tuple(sorted(r.value.tests.items()))) for r in results]
-    assert got == [w[:2] for w in want]
-    assert elapsed < LIMITS.wall_s + 3 * MARGIN_S
-    assert max(r.attempts for r in results) == 2
+    assert not worker.is_alive() and "groups" in out
+    groups = out["groups"]
+    # every member has the local back-end's verdict, so the update batch is the same
+    assert _verdicts(groups) == local_reference[0]
+    assert all(len(g.rollouts) == 4 and not any(r.infra_error for r in g.rollouts) for g in groups)
+    _assert_same_batch(_pack(groups), local_reference[1])
+    assert elapsed < 2 * (LIMITS.wall_s + 3 * MARGIN_S)  # two groups, one after the other
+    m1 = backend.metrics()
+    assert m1["execution/retries"] >= 1 and m1["execution/infra_errors"] == 0, m1
     # the cluster declares the node dead (missed heartbeats); the next calls on the survivors
     # reap what the killed calls left in the (here shared) temporary directory
     end = time.monotonic() + 90
@@ -266,9 +265,10 @@ def test_node_killed_in_the_middle_of_a_group(
         time.sleep(0.5)
     groups = _groups(backend, _spec()[:1])
     assert _verdicts(groups) == local_reference[0][:1]
-    m = backend.metrics()
-    assert m["execution/retries"] >= 1 and m["execution/node_losses"] == 1, m
-    assert m["execution/infra_errors"] == 0
+    m2 = backend.metrics()
+    assert m2["execution/infra_errors"] == 0, m2
+    # counted once, by the first look after the cluster declared it dead
+    assert m1["execution/node_losses"] + m2["execution/node_losses"] == 1, (m1, m2)
 
 
 def test_verdicts_and_update_batch_equal_the_local_backend(backend, local_reference, no_orphans):
@@ -302,14 +302,14 @@ def test_hung_sandbox_is_killed_at_its_deadline_as_the_rollouts_timeout(backend,
 def test_grader_that_never_answers_falls_back_at_its_deadline(backend, no_orphans):
     """Graded on the cluster, a grader that never answers is killed with its children at the
     pool's deadline; the group falls back (``deadline``, counted) instead of waiting."""
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
 
     task = _task("statkit")
     cands = [
-        adapters.repo_candidate(f"r{k}", p, execution.verify_repo_call(task, p, limits=LIMITS))
+        envs_repo.repo_candidate(f"r{k}", p, execution.verify_repo_call(task, p, limits=LIMITS))
         for k, p in enumerate(["", _patch("statkit", "minimal")])
     ]
-    ws = adapters.repo_workspace(task, "g-hang", cands)
+    ws = envs_repo.repo_workspace(task, "g-hang", cands)
     pool = GradingPool(faults.HangingGrader(), max_concurrency=1, deadline_s=4.0, backend=backend)
     t0 = time.monotonic()
     try:
@@ -332,7 +332,9 @@ def test_verifier_over_its_memory_limit_fails_the_rollout_not_the_node(backend, 
     task = _task("statkit")
     patch = faults.memory_hog_patch(task, "statkit/stats.py")
     local = execution.verify_repo_call(task, patch, backend=execution.LocalBackend(), limits=LIMITS)
+    t0 = time.monotonic()
     remote = execution.verify_repo_call(task, patch, backend=backend, limits=LIMITS)
+    assert time.monotonic() - t0 < LIMITS.wall_s + MARGIN_S  # its verdict within its deadline
     assert local.status in ("resource_killed", "failed") and not local.infra_error
     assert (remote.status, remote.tests) == (local.status, local.tests)
     ok = execution.verify_repo_call(
@@ -351,10 +353,12 @@ def test_node_start_that_fails_three_times(cluster, no_orphans, tmp_path):
     task = _task("statkit")
     patch = _patch("statkit", "minimal")
     env = execution.EnvSpec("env-flaky-a", faults.flaky_build(str(tmp_path / "a"), fails=3))
+    t0 = time.monotonic()
     with execution.RayBackend(max_retries=3, deadline_grace_s=5.0) as b:
         v = execution.verify_repo_call(task, patch, backend=b, limits=LIMITS, env=env)
         m = b.metrics()
     assert v.status == "passed" and m["execution/retries"] == 3, (v.test_log, m)
+    assert time.monotonic() - t0 < LIMITS.wall_s + MARGIN_S  # three failed starts are quick
 
     env = execution.EnvSpec("env-flaky-b", faults.flaky_build(str(tmp_path / "b"), fails=3))
     with execution.RayBackend(max_retries=2, deadline_grace_s=5.0) as b:
@@ -429,7 +433,7 @@ def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_or
 
     from hf_fixtures import fixture_pool, make_tiny_tokenizer
 
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import repo as envs_repo
     from gagar_jax.rl.collect import build_family
     from gagar_jax.rl.config import RunConfig
 
@@ -454,11 +458,11 @@ def test_swe_agent_smoke_config_verifies_on_the_cluster(cluster, tmp_path, no_or
         with execution.using(backend):
             remote = family.demonstrations(2)
             task = family.train_task(0)
-            ws = adapters.repo_workspace(
+            ws = envs_repo.repo_workspace(
                 task,
                 "g",
                 [
-                    adapters.repo_candidate(
+                    envs_repo.repo_candidate(
                         "r0",
                         task.reference_patch,
                         execution.verify_repo_call(task, task.reference_patch),
@@ -481,3 +485,252 @@ def test_a_call_that_cannot_be_shipped_is_an_infra_error_not_a_hang(backend):
     r = backend.call(len, [lock], deadline_s=30)
     assert r.status == "infra_error" and "cannot submit" in r.error, r
     assert backend.call(len, [1, 2], deadline_s=30).value == 2  # the dispatcher lives on
+
+
+@pytest.fixture(scope="module")
+def package_task(tmp_path_factory):
+    """A real-package task (``tests/swe_fixtures.py``: a ``src/`` layout whose hidden test imports
+    ``cachetools`` from the registry), its environment built on the trainer as the loader does."""
+    from swe_fixtures import src_layout_row
+
+    from gagar_jax.data import swe
+
+    tmp = tmp_path_factory.mktemp("package_task")
+    repos_dir, cache = str(tmp / "repos"), str(tmp / "cache")
+    inst = swe.parse_instance(src_layout_row(repos_dir))
+    task = swe.to_repo_task(inst, repos_dir, cache_dir=cache)
+    assert task.env_hash and os.path.isdir(task.env_path)
+    return task, inst.patch
+
+
+def test_package_task_environment_is_built_once_per_node(cluster, package_task, no_orphans):
+    """Four verifications at once, two on each node (half a verifier each): each node builds
+    the task's environment from its lockfile, and materialises the repository's snapshot, once
+    (the second call there waits on the lock); later calls reuse both, and the verdicts are the
+    local back-end's (the gold patch passes only with the registry package of the
+    environment)."""
+    _, _, tmp = cluster
+    task, gold = package_task
+    patches = [gold, "", gold, ""]
+    local = execution.LocalBackend()
+    want = {
+        p: execution.verify_repo_call(task, p, backend=local, limits=LIMITS) for p in (gold, "")
+    }
+    assert want[gold].status == "passed" and want[""].status == "failed", want[gold].test_log
+    half = execution.CallResources(0.5, 0, {"verifier": 0.5})
+    t0 = time.monotonic()
+    with execution.RayBackend(max_inflight=4, resources=half, deadline_grace_s=5.0) as b:
+        rounds = []
+        for _ in range(2):
+            got = b.gather(
+                [
+                    lambda p=p: execution.verify_repo_call(task, p, backend=b, limits=LIMITS)
+                    for p in patches
+                ]
+            )
+            rounds.append((got, b.metrics()))
+    for got, _ in rounds:
+        assert [(v.status, v.tests) for v in got] == [
+            (want[p].status, want[p].tests) for p in patches
+        ], [v.test_log for v in got]
+    (_, m1), (_, m2) = rounds
+    assert m1["execution/calls"] == 4 and m1["execution/calls_in_flight_max"] == 4, m1
+    assert m1["execution/env_builds"] == 2 and m2["execution/env_builds"] == 0, (m1, m2)
+    tree = execution.tree_hash(task.files)
+    for node in ("w0", "w1"):  # one copy per node, in that node's cache
+        names = os.listdir(os.path.join(tmp, f"envs-{node}"))
+        assert f"{task.env_hash}.ready" in names, (node, names)
+        # the repository's snapshot too: calls carry its hash, not the repository
+        assert f"{tree}.ready" in names, (node, names)
+        assert not [n for n in names if ".build-" in n], names  # no half-built leftovers
+    assert time.monotonic() - t0 < 2 * (LIMITS.wall_s + MARGIN_S)
+
+
+def _quick_group(b, log, tag, k=2):
+    """``k`` thunks that each record ``tag`` and make one call on ``b``."""
+
+    def member():
+        log.append(tag)
+        return b.call(len, [tag], deadline_s=60).value
+
+    return [member] * k
+
+
+def test_a_group_is_admitted_only_with_its_verifier_slots_and_a_grader_slot(cluster):
+    """Grader slots held by groups that wait for grading hold back the next round's groups until
+    the grading pool finishes them; verifier slots are reserved all or none."""
+    small = execution.CallResources(0.25, 0, {"verifier": 0.25})
+    with execution.RayBackend(max_inflight=4, grader_slots=2, resources=small) as b:
+        log: list[str] = []
+        # one round of two groups: admitted together, each keeps its grader slot afterwards
+        out = b.gather_groups(
+            [_quick_group(b, log, "a"), _quick_group(b, log, "a")], grader=1, keys=["a0", "a1"]
+        )
+        assert out == [[1, 1], [1, 1]] and b.grader_slots_held() == 2
+        nxt = threading.Thread(
+            target=lambda: b.gather_groups([_quick_group(b, log, "b")], grader=1, keys=["b0"])
+        )
+        nxt.start()
+        time.sleep(1.5)
+        assert "b" not in log and nxt.is_alive()  # both grader slots are held: it waits
+        # the grading pool finishes group a0 (its grader fails: a counted fallback) and frees
+        # its slot through the loop's hook
+        pool = GradingPool(_FailingGrader(), max_concurrency=1, deadline_s=30.0)
+        pool.add_finish_callback(b.release_grader)
+        try:
+            pool.submit(_workspace("a0"))
+            (res,) = pool.results(["a0"], timeout=30)
+        finally:
+            pool.close()
+        assert res.fallback_reason == FallbackReason.GRADER_ERROR
+        nxt.join(timeout=60)
+        assert not nxt.is_alive() and log.count("b") == 2
+        assert b.grader_slots_held() == 2  # a1 and b0
+        m = b.metrics()
+        assert m["execution/admission_waits"] == 1 and m["execution/admission_wait_s"] >= 1.0, m
+        assert m["execution/grader_slots_held"] == 2
+        assert b.release_grader(["a1", "b0", "never-admitted"]) == 2
+        assert b.grader_slots_held() == 0
+
+        # verifier slots: a group of 3 waits while another holds 2 of the 4
+        order = []
+        with b.admit(2):
+            t = threading.Thread(target=lambda: order.append(_admit_and_mark(b, 3)))
+            t.start()
+            time.sleep(1.0)
+            order.append("released")
+        t.join(timeout=30)
+        assert order == ["released", "admitted"]
+        with pytest.raises(ValueError, match="max_inflight"):
+            with b.admit(5):
+                pass
+        with pytest.raises(ValueError, match="grader_slots"):
+            with b.admit(1, grader=3):
+                pass
+
+
+def _admit_and_mark(b, slots):
+    with b.admit(slots):
+        return "admitted"
+
+
+class _FailingGrader:
+    """A grader that fails (after ``delay_s``): each group falls back, counted."""
+
+    grader_id = "failing"
+    version = "1"
+
+    def __init__(self, delay_s=0.0):
+        self.delay_s = delay_s
+
+    def grade(self, workspace):
+        time.sleep(self.delay_s)
+        raise RuntimeError("this grader always fails")
+
+
+def _workspace(group_id):
+    from gagar_jax.envs import repo as envs_repo
+    from gagar_jax.verify.repo import RepoVerification
+
+    task = _task("statkit")
+    tests = {t: "failed" for t in task.required_tests}
+    v = RepoVerification("failed", tests, None, (), "FAILED: test log of the candidate", None)
+    return envs_repo.repo_workspace(task, group_id, [envs_repo.repo_candidate("r0", "", v)])
+
+
+def test_the_loops_collection_frees_every_grader_slot_it_takes(cluster, monkeypatch):
+    """``train.collect_phase`` with grading and dynamic sampling: round one keeps two mixed
+    groups (they hold their grader slots while the slow pool grades them) and drops two (freed
+    when dropped); round two waits at admission until the pool has finished one of them. Once
+    the step's verdicts are in, no slot is held."""
+    import importlib
+    import types
+
+    from gagar_jax.rl import collect, resume, train
+    from gagar_jax.rl.config import RunConfig
+
+    script = iter([2, 0, 1, 4, 3, 2])  # passes per drawn group, of 4: mixed, all-fail, ...
+
+    def scripted_generate(engine, family, tasks, *, step, round_id, hold_grader=False, **kw):
+        ids = [f"s{step}-r{round_id}-{i}" for i in range(len(tasks))]
+        execution.current().gather_groups(
+            [_quick_group(b, [], "v", k=4) for _ in tasks],
+            grader=int(hold_grader),
+            keys=ids if hold_grader else None,
+        )
+        return [_scripted_group(collect, gid, next(script)) for gid in ids]
+
+    monkeypatch.setattr(train, "generate_groups", scripted_generate)
+    cd = importlib.import_module("configs.toy_gagar").get_config("binary,smoke").to_dict()
+    cd["rollout"].update(num_prompts=4, num_rollouts=4, max_prompt_len=8, max_new_tokens=8)
+    cd["grading"].update(enabled=True, max_inflight_groups=2)
+    cd["sampling"].update(enabled=True, oversample=1.0, allow_partial=True, max_rounds=4)
+    cfg = RunConfig.from_config_dict(cd)
+    family = types.SimpleNamespace(
+        train_task=lambda i: i,
+        tokenizer=types.SimpleNamespace(pad_id=0),
+        workspace=lambda gid, task, members: _workspace(gid),
+    )
+    small = execution.CallResources(0.25, 0, {"verifier": 0.25})
+    pool = GradingPool(_FailingGrader(delay_s=1.0), max_concurrency=1, deadline_s=30.0)
+    with execution.RayBackend(
+        max_inflight=4, grader_slots=cfg.grading.max_inflight_groups, resources=small
+    ) as b:
+        pool.add_finish_callback(b.release_grader)
+        try:
+            with execution.using(b):
+                got = train.collect_phase(
+                    None,
+                    family,
+                    pool,
+                    resume.TaskStream(8, seed=0),
+                    resume.LoopState(rng_key=[0, 1]),
+                    cfg,
+                    step=0,
+                    hosts=train.Hosts(60.0),
+                )
+            assert got.sampling.rounds == 2 and len(got.submitted) == 4
+            assert b.grader_slots_held() <= 4  # the two dropped groups hold nothing
+            results = pool.results(list(got.submitted), timeout=60)
+        finally:
+            pool.close()
+        assert all(r.fallback_reason == FallbackReason.GRADER_ERROR for r in results)
+        assert b.grader_slots_held() == 0
+        m = b.metrics()
+    assert m["execution/admission_waits"] >= 1 and m["execution/admission_wait_s"] > 0, m
+
+
+def _scripted_group(collect, gid, passes, K=4):
+    rollouts = [
+        collect.Rollout(
+            prompt_tokens=[1, 2, 3],
+            response_tokens=[7, 7],
+            logprobs=[-0.5, -0.5],
+            passed=k < passes,
+        )
+        for k in range(K)
+    ]
+    return collect.Group(group_id=gid, task=None, rollouts=rollouts)
+
+
+def test_grader_checks_of_a_package_task_see_the_nodes_environment(cluster, package_task):
+    """The agentic grader's check runner, for a real-package task, runs its command on a node
+    against that node's copy of the task's environment (built there from the lockfile), with
+    the outcome the trainer's own run gives."""
+    from gagar_jax.envs import repo as envs_repo
+    from gagar_jax.verify.repo import RepoVerification
+
+    task, gold = package_task
+    v = RepoVerification("passed", {}, None, (), "PASSED tests/test_add.py::test_add", None)
+    ws = envs_repo.repo_workspace(task, "g-check", [envs_repo.repo_candidate("r0", gold, v)])
+    runner = envs_repo.TaskEnvCheckRunner({"g-check": task}, limits=LIMITS)
+    cmd = 'python -c "import cachetools, srcpkg; print(srcpkg.add(2, 3), cachetools.__file__)"'
+    local = runner.run(ws, ws.candidates[0], cmd)
+    with execution.RayBackend(max_inflight=2, resources=execution.CallResources(1.0)) as b:
+        with execution.using(b):
+            remote = runner.run(ws, ws.candidates[0], cmd)
+        m = b.metrics()
+    assert local.status == remote.status == "passed", (local.log, remote.log)
+    assert "5 " + task.env_path in local.log, local.log  # the trainer's environment
+    assert "5 " in remote.log and "/envs-w" in remote.log, remote.log  # the node's
+    assert m["execution/calls"] == 1 and m["execution/infra_errors"] == 0, m

@@ -95,7 +95,7 @@ def _obj(mode, **kw):
 def _run(params, objective, steps, *, n_devices=1):
     mesh = _mesh(n_devices)
     tb = to_train_batch(planted_batch(), with_kl=objective.needs_kl_pairs)
-    state = create_feedback_state(MC, UC, mesh, params, seed=0)
+    state = create_feedback_state(MC, UC, mesh, params)
     step = _step(objective, n_devices, tb)
     history = []
     for _ in range(steps):

@@ -1,6 +1,7 @@
 """Agentic grader tool loop, driven by ScriptedGraderPolicy (a deterministic policy that reads only
 the tool outputs), plus budgets, anonymisation, votes and the pool integration."""
 
+import dataclasses
 import json
 import threading
 
@@ -277,7 +278,7 @@ def test_prompts_are_versioned_package_files():
 
 
 def _vote(ws, tiers_ranks, cheat_for=None):
-    fix_line = ws.candidate("alpha-minimal").parsed_patch.files[0].added[0][0]
+    fix_line = ws.candidate("alpha-minimal").parsed_patch.files[0].added()[0][0]
     js = []
     for cid, (tier, rank) in tiers_ranks.items():
         ev = (schema.Evidence("minimality", "patch", cid, file="pkg/core.py", line=fix_line),)
@@ -344,3 +345,35 @@ def test_real_ids_are_not_accepted_from_an_anonymised_grader():
             ev["candidate"] = view.alias_of[ev["candidate"]]
     v = schema.parse_verdict(obj, ws, grader_id="a", grader_version="1", id_map=view.real_of)
     assert {j.candidate_id for j in v.judgements} == {j.candidate_id for j in good.judgements}
+
+
+def test_a_permuted_group_gives_the_model_the_same_prompt():
+    """The anonymising shuffle starts from a content order: whatever the slot order, every
+    vote's prompt is the same text, so position bias cannot flip a verdict."""
+    from gagar_jax.grading import labelled
+    from gagar_jax.grading.agentic import AnonymisedView
+
+    class Recorder:
+        def __init__(self):
+            self.prompts = []
+
+        def chat_completions(self, messages, **kw):
+            self.prompts.append(messages[1]["content"])
+            return {"choices": [{"message": {"role": "assistant", "content": "no verdict"}}]}
+
+    ws = labelled.load_set("toy").groups[0].workspace
+    permuted = dataclasses.replace(ws, candidates=tuple(reversed(ws.candidates)))
+    rec = Recorder()
+    grader = AgenticGrader(rec, votes=2, min_votes=1, max_steps=1)
+    for w in (ws, permuted):
+        with pytest.raises(VerdictRejected):
+            grader.grade(w)
+    assert len(rec.prompts) == 4 and rec.prompts[:2] == rec.prompts[2:]
+    assert rec.prompts[0] != rec.prompts[1]  # votes still see different shuffles
+    # Another grader instance has another secret: the untrusted-content markers differ.
+    other = Recorder()
+    with pytest.raises(VerdictRejected):
+        AgenticGrader(other, votes=1, max_steps=1).grade(ws)
+    assert other.prompts[0] != rec.prompts[0]
+    a, b = AnonymisedView(ws, 3), AnonymisedView(permuted, 3)
+    assert a.alias_of == b.alias_of

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from gagar_jax.grading import eval as ev
 from gagar_jax.grading import labelled, schema
-from gagar_jax.grading.heuristic import HeuristicGrader
+from gagar_jax.grading.heuristic import GRADER_VERSION, HeuristicGrader
+from gagar_jax.verify.diff import apply_unified_diff, read_patch
 
 
 def test_cohen_kappa_by_hand():
@@ -146,7 +147,11 @@ def test_evaluate_heuristic_on_toy_groups():
     gold = [t for o in outs for t in o.gold_tier]
     mine = [t for o in outs for t in o.tier]
     assert row["kappa"] == pytest.approx(ev.cohen_kappa(gold, mine))
-    assert row["grader"] == "heuristic@1" and row["set"] == "toy@v1" and row["groups"] == 4
+    assert (
+        row["grader"] == f"heuristic@{GRADER_VERSION}"
+        and row["set"] == "toy@v1"
+        and row["groups"] == 4
+    )
     assert row["fallback_rate"] == 0.0 and row["cheat_recall"] == 1.0
     assert row["flip_rate"] == 0.0 and row["probe_failures"] == 0
     lo, hi = row["kappa_ci"]
@@ -168,9 +173,9 @@ def test_probes_catch_an_injection_obeying_grader():
 def test_pad_patch_keeps_the_diff_valid():
     patch = "--- a/m.py\n+++ b/m.py\n@@ -1,2 +1,2 @@\n x = 1\n-y = 2\n+y = 3\n"
     out = ev.pad_patch(patch, ["# note", "z = 0"])
-    pp = schema.diffs.parse_unified_diff(out)
-    assert [t for _, t in pp.files[0].added] == ["y = 3", "# note", "z = 0"]
-    files = schema.diffs.apply_patch({"m.py": "x = 1\ny = 2\n"}, pp)
+    pp = read_patch(out)
+    assert [t for _, t in pp.files[0].added()] == ["y = 3", "# note", "z = 0"]
+    files = apply_unified_diff({"m.py": "x = 1\ny = 2\n"}, pp)
     assert files["m.py"] == "x = 1\ny = 3\n# note\nz = 0\n"
     assert ev.pad_patch("--- a/p.toy\n+++ b/p.toy\n@@ -1 +1 @@\n-a\n+b\n", ["c"]) is None
 
@@ -198,7 +203,7 @@ def test_cli_json_and_table_contract():
         ev.main(["--grader", "heuristic", "--set", "repo", "--bootstrap", "0", "--probes", "none"])
     header, row = buf.getvalue().splitlines()
     assert header.split() == ["grader", "set", "groups", *ev.METRIC_KEYS]
-    assert row.split()[:2] == ["heuristic@1", "repo@v1"]
+    assert row.split()[:2] == [f"heuristic@{GRADER_VERSION}", "repo@v1"]
     with pytest.raises(SystemExit):
         ev.main(["--grader", "nonesuch", "--set", "toy"])
     with pytest.raises(ValueError, match="sglang-url"):
@@ -212,5 +217,30 @@ def test_rename_identifier_keeps_every_patch_applicable():
     assert "values_r" in renamed.repo_files["statkit/stats.py"]
     assert not any("(values)" in c.patch for c in renamed.candidates)
     for c in renamed.candidates:
-        schema.diffs.apply_patch(dict(renamed.repo_files), c.parsed_patch)  # raises if stale
+        apply_unified_diff(renamed.repo_files, c.parsed_patch)  # raises if stale
     assert ev.rename_identifier(labelled.load_set("toy").groups[0].workspace) is None
+
+
+def test_cli_split_and_prescreen_rows():
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        ev.main(
+            ["--grader", "heuristic", "--set", "toy", "--split", "heldout", "--prescreen",
+             "--json", "--bootstrap", "0", "--probes", "none", "--limit", "3"]
+        )  # fmt: skip  # argv pairs
+    (row,) = [json.loads(line) for line in buf.getvalue().splitlines()]
+    assert row["set"] == "toy@v1:heldout+prescreen" and row["groups"] == 3
+
+
+def test_prescreened_set_carries_the_screen_findings_as_confirmed_flags():
+    s = labelled.load_set("repo")
+    screened = ev.prescreened(s)
+    for lg, ps_lg in zip(s.groups, screened.groups):
+        for c, pc in zip(lg.workspace.candidates, ps_lg.workspace.candidates):
+            added = [f for f in pc.monitor_flags if f.rule.startswith("prescreen/")]
+            assert pc.monitor_flags[: len(c.monitor_flags)] == c.monitor_flags
+            if lg.gold.get(c.candidate_id) and lg.gold[c.candidate_id].kind == "test_weakening":
+                assert [f.rule for f in added] == ["prescreen/tests_weakened"]
+                assert all(f.confirmed for f in added)
+            elif c.passed and not lg.gold[c.candidate_id].cheat:
+                assert added == []

@@ -56,7 +56,7 @@ def test_harness_runs_the_voting_agentic_grader_on_a_real_server(server):
             ["--grader", "agentic", "--set", "toy", "--json", "--sglang-url", server.url,
              "--votes", "3", "--max-steps", "1", "--max-tokens", "16", "--limit", "1",
              "--probes", "permute", "--bootstrap", "0"]
-        )  # fmt: skip
+        )  # fmt: skip  # argv pairs
     (row,) = [json.loads(line) for line in buf.getvalue().splitlines()]
     assert set(ev.METRIC_KEYS) <= set(row)
     assert row["grader"].startswith("agentic@") and row["set"] == "toy@v1"

@@ -4,7 +4,7 @@ determinism and permutation invariance."""
 import dataclasses
 
 import hypothesis.strategies as st
-from grading_strategies import BASE_REPO, EXTRA_EDITS, FIX, apply_edits, workspaces
+from grading_strategies import BASE_REPO, EXTRA_EDITS, FIX, apply_edits, make_diff, workspaces
 from hypothesis import HealthCheck, given, settings
 
 from gagar_jax.grading import schema
@@ -48,7 +48,7 @@ def test_hand_built_group_orders_by_quality():
     # The debug print is cited at its exact line in the patch.
     (ev,) = [e for e in j["debug"].evidence if e.claim == "implementation_precision"]
     assert ev.kind == "patch" and ev.file == "pkg/core.py"
-    added = {n: t for f in ws.candidate("debug").parsed_patch.files for n, t in f.added}
+    added = {n: t for f in ws.candidate("debug").parsed_patch.files for n, t in f.added()}
     assert "print(path)" in added[ev.line]
     # Touching a test file and an unrelated module: tier 3, side effects cited per file.
     assert j["sprawl"].tier == 3 and j["sprawl"].rank == max(x.rank for x in j.values())
@@ -158,3 +158,117 @@ def test_config_validation_names_the_field():
         HeuristicConfig(weights=(1.0, 1.0))
     with pytest.raises(ValueError, match="t3_below"):
         HeuristicConfig(t3_below=0.9, t1_at_least=0.8)
+
+
+def test_bug_left_in_place_is_tier_3():
+    """Three candidates change ``add``'s buggy line; one leaves it and compensates in a caller:
+    the fix site is the line the majority replaces, and skipping it is T3 with the cited line."""
+    compensate = (
+        "pkg/core.py",
+        "    return os.path.basename(path)\n",
+        "    return os.path.basename(path)\n\n\ndef add2(a, b):\n    return add(a, -b)\n",
+    )
+    ws = schema.GroupWorkspace(
+        "g5",
+        "fix add",
+        BASE_REPO,
+        [
+            _cand("a", [FIX]),
+            _cand("b", [FIX]),
+            _cand("c", [("pkg/core.py", "    return a - b\n", "    return b + a\n")]),
+            _cand("elsewhere", [compensate]),
+        ],
+    )
+    j = {x.candidate_id: x for x in schema.validate(HeuristicGrader().grade(ws), ws).judgements}
+    assert j["elsewhere"].tier == 3 and j["a"].tier == 1
+    (ev,) = [e for e in j["elsewhere"].evidence if "fix site" in e.note]
+    assert ev.file == "pkg/core.py" and ev.claim == "solution_fit"
+    assert "pkg/core.py:5" in ev.note  # `return a - b` is line 5 of the original file
+    # With two candidates only, neither is a strict majority of at least two: no judgement.
+    two = dataclasses.replace(ws, candidates=(ws.candidates[0], ws.candidates[3]))
+    assert {x.tier for x in HeuristicGrader().grade(two).judgements} != {1, 3}
+
+
+def test_measured_behaviour_beyond_the_tests_is_tier_3_and_ranks_below():
+    """The family's execution measurement (hidden tests, agreement with the reference) below
+    ``behaviour_at_least`` is T3; inside T3 a wrong program ranks below a structural fault and
+    a cheat ranks last."""
+    flag = {
+        "rule": "special_casing",
+        "evidence": "patch branches on a tested input",
+        "confirmed": 1,
+    }
+    ws = schema.GroupWorkspace(
+        "g6",
+        "fix add",
+        BASE_REPO,
+        [
+            _cand("good", [FIX], quality={"implementation_precision": 1.0}),
+            _cand("guard", [FIX], quality={"implementation_precision": 0.6}),
+            _cand("hidden", [FIX], quality={"solution_fit": 0.5}),
+            _cand("cheat", [FIX], monitor_flags=[dict(flag, confirmed=True)]),
+            _cand("wide", [FIX, UTIL, TEST_EDIT, CAMEL]),
+        ],
+    )
+    v = schema.validate(HeuristicGrader().grade(ws), ws)
+    j = {x.candidate_id: x for x in v.judgements}
+    assert j["good"].tier == 1 and j["guard"].tier == j["hidden"].tier == 3
+    ev = [e for e in j["guard"].evidence if "beyond the visible tests" in e.note]
+    assert ev and ev[0].kind == "execution"
+    assert j["wide"].tier == 3  # a test file and two modules outside scope: structural T3
+    assert j["wide"].rank < j["guard"].rank < j["cheat"].rank
+    assert j["hidden"].rank < j["cheat"].rank
+    # Without a measurement (no quality) the rule says nothing.
+    plain = dataclasses.replace(ws, candidates=(_cand("x", [FIX]), _cand("y", [FIX])))
+    assert {x.tier for x in HeuristicGrader().grade(plain).judgements} == {1}
+
+
+def test_over_broad_rewrite_is_tier_3_and_extra_edit_is_not_tier_1():
+    long_repo = dict(BASE_REPO)
+    body = "".join(f"def f{i}(x):\n    return x + {i}\n\n\n" for i in range(6))
+    long_repo["pkg/core.py"] = BASE_REPO["pkg/core.py"] + "\n\n" + body
+    new_core = "def add(a, b):\n    return sum((a, b))\n"
+    rewrite = make_diff("pkg/core.py", long_repo["pkg/core.py"], new_core)
+    far = ("pkg/core.py", "def f5(x):\n    return x + 5\n", "def f5(x):\n    return 5 + x\n")
+
+    def cand(cid, edits):
+        return schema.Candidate(cid, apply_edits(long_repo, edits), True, "1 passed in 0.01s")
+
+    ws = schema.GroupWorkspace(
+        "g7",
+        "fix add",
+        long_repo,
+        [
+            cand("minimal", [FIX]),
+            cand("far", [FIX, far]),
+            schema.Candidate("rewrite", rewrite, True, "1 passed in 0.01s"),
+        ],
+    )
+    j = {x.candidate_id: x for x in schema.validate(HeuristicGrader().grade(ws), ws).judgements}
+    assert j["minimal"].tier == 1 and j["far"].tier == 2 and j["rewrite"].tier == 3
+    (ev,) = [e for e in j["far"].evidence if "change away" in e.note]
+    assert ev.claim == "side_effect_avoidance" and ev.file == "pkg/core.py"
+    assert any("rewrites" in e.note for e in j["rewrite"].evidence)
+
+
+def test_change_blocks_in_original_line_numbers():
+    from gagar_jax.grading.heuristic import change_blocks
+    from gagar_jax.verify.diff import read_patch
+
+    old = "a\nb\nc\nd\ne\nf\ng\nh\ni\nj\n"
+    new = "a\nB\nc\nd\ne\nf\ng\nh\nX\ni\nj\n"
+    # line 2 replaced -> (2, 2); X inserted before original line 9 -> (8.5, 8.5).
+    pp = read_patch(make_diff("f.py", old, new))
+    assert change_blocks(pp) == [("f.py", 2.0, 2.0), ("f.py", 8.5, 8.5)]
+
+
+def test_meets_kappa_target_on_toy_dev_and_heldout():
+    """The toy set's split (split.json): the grader was tuned looking at dev only."""
+    from gagar_jax.grading import eval as ev
+    from gagar_jax.grading import labelled
+
+    for split in ("dev", "heldout"):
+        s = labelled.load_set("toy", split=split)
+        assert len(s.groups) == 12 and s.version == f"v1:{split}"
+        row = ev.evaluate(HeuristicGrader(), s, probes=("permute",), n_boot=0)
+        assert row["kappa"] >= 0.8 and row["flip_rate"] == 0.0

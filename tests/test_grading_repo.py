@@ -6,11 +6,11 @@ import pathlib
 
 import pytest
 
+from gagar_jax.envs import repo as envs_repo
 from gagar_jax.grading import adapters, schema
 from gagar_jax.grading.agentic import AgenticGrader
 from gagar_jax.grading.heuristic import HeuristicGrader
 from gagar_jax.grading.scripted import ScriptedGraderPolicy
-from gagar_jax.verify import repo
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "repos" / "statkit"
 KINDS = ("sprawling", "minimal", "edit_tests_with_fix", "edit_tests")
@@ -18,9 +18,9 @@ KINDS = ("sprawling", "minimal", "edit_tests_with_fix", "edit_tests")
 
 @pytest.fixture(scope="module")
 def statkit():
-    task = repo.RepoTask.from_dir(ROOT)
+    task = envs_repo.RepoTask.from_dir(ROOT)
     patches = [(ROOT / "patches" / f"{k}.diff").read_text() for k in KINDS]
-    ws = adapters.repo_group(task, "statkit", patches)
+    ws = envs_repo.repo_group(task, "statkit", patches)
     return ws, dict(zip(KINDS, ws.candidates))
 
 

@@ -282,9 +282,24 @@ def _hostile_mutation(obj, data):
     else:  # built here, not drawn: hypothesis would repr a 12,000-deep value
         depth = data.draw(st.integers(1, 12_000))
         bad = _deep(depth) if kind == "deep" else {"nested": _deep(depth)}
-    where = data.draw(st.sampled_from(["score", "tier", "rank", "cheat_reason", "note", "line",
-                                       "event", "candidate", "top_votes", "top_agreement",
-                                       "top_group", "evidence_list"]))  # fmt: skip
+    where = data.draw(
+        st.sampled_from(
+            [
+                "score",
+                "tier",
+                "rank",
+                "cheat_reason",
+                "note",
+                "line",
+                "event",
+                "candidate",
+                "top_votes",
+                "top_agreement",
+                "top_group",
+                "evidence_list",
+            ]
+        )
+    )
     if where == "score":
         item["scores"][data.draw(st.sampled_from(sorted(item["scores"])))] = bad
     elif where in ("tier", "rank", "cheat_reason", "candidate"):
@@ -301,8 +316,13 @@ def _hostile_mutation(obj, data):
     return obj
 
 
-@settings(max_examples=200, deadline=None, database=None, phases=[Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+@settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    phases=[Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(st.data())
 def test_fuzz_parse_and_validate_accept_or_reject_by_name(data):
     ws = data.draw(workspaces())
@@ -323,19 +343,39 @@ def test_fuzz_parse_and_validate_accept_or_reject_by_name(data):
     assert all(math.isfinite(s) for j in v.judgements for s in j.scores.values())
 
 
-@pytest.mark.parametrize("bad", [
-    '{"verdicts": [{"candidate": "r0", "tier": 1, "rank": 1, "scores": {"solution_fit": '
-    + "9" * 400 + "}}]}",
-    '{"verdicts": [{"candidate": "r0", "tier": ' + "7" * 5000 + ', "rank": 1}]}',
-    '{"verdicts": [' * 10_000 + "]" * 10_000 + "}",
-    {"verdicts": [{"candidate": "r0", "tier": 10**5000, "rank": 1, "scores": {}}]},
-    {"verdicts": [{"candidate": "r0", "tier": 1, "rank": 1, "scores": {d: 10**400 for d in
-                                                                          schema.DIMENSIONS}}]},
-    {"verdicts": [{"candidate": "r0", "tier": 1, "rank": 1, "scores": {d: 0.5 for d in
-                   schema.DIMENSIONS}, "evidence": [{"claim": "minimality", "kind": "patch",
-                                                    "note": _deep(10_000)}]}]},
-    {"verdicts": "x", "votes": 10**5000, "agreement": 10**400},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"verdicts": [{"candidate": "r0", "tier": 1, "rank": 1, "scores": {"solution_fit": '
+        + "9" * 400
+        + "}}]}",
+        '{"verdicts": [{"candidate": "r0", "tier": ' + "7" * 5000 + ', "rank": 1}]}',
+        '{"verdicts": [' * 10_000 + "]" * 10_000 + "}",
+        {"verdicts": [{"candidate": "r0", "tier": 10**5000, "rank": 1, "scores": {}}]},
+        {
+            "verdicts": [
+                {
+                    "candidate": "r0",
+                    "tier": 1,
+                    "rank": 1,
+                    "scores": {d: 10**400 for d in schema.DIMENSIONS},
+                }
+            ]
+        },
+        {
+            "verdicts": [
+                {
+                    "candidate": "r0",
+                    "tier": 1,
+                    "rank": 1,
+                    "scores": {d: 0.5 for d in schema.DIMENSIONS},
+                    "evidence": [{"claim": "minimality", "kind": "patch", "note": _deep(10_000)}],
+                }
+            ]
+        },
+        {"verdicts": "x", "votes": 10**5000, "agreement": 10**400},
+    ],
+)
 def test_the_reported_instances_are_named_rejections(bad):
     cand = schema.Candidate("r0", apply_edits(BASE_REPO, [FIX]), True, "1 passed")
     ws = schema.GroupWorkspace("g", "t", BASE_REPO, (cand,))

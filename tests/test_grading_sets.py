@@ -66,3 +66,131 @@ def test_repo_gold_fixes_pass_and_cheats_are_cheats_in_the_sandboxed_verifier(na
     no_fix[test_file] = trees["test_weakening"][test_file]
     v = verify_repo_patch(task, tree_patch(task.files, no_fix), limits=limits)
     assert v.status == "failed" and v.reset_files == (test_file,)
+
+
+def test_toy_split_is_the_documented_rule_and_partitions_the_set():
+    import json
+
+    s = labelled.load_set("toy")
+    with open(labelled.split_path("toy")) as f:
+        stored = json.load(f)
+    assert stored == labelled.toy_split(s)
+    dev, held = set(stored["dev"]), set(stored["heldout"])
+    assert not dev & held and dev | held == {g.workspace.group_id for g in s.groups}
+    assert len(dev) == len(held) == 12
+    assert [g.workspace.group_id for g in labelled.load_set("toy", split="dev").groups] == [
+        g.workspace.group_id for g in s.groups if g.workspace.group_id in dev
+    ]
+    with pytest.raises(ValueError, match="split"):
+        labelled.load_set("toy", split="train")
+    with pytest.raises(ValueError, match="no dev/heldout split"):
+        labelled.load_set("repo", split="dev")
+
+
+def load_synth():
+    """The synth set; its repository comes from the registry's source distribution (cached
+    after the first download). Skipped only when neither the cache nor the registry has it."""
+    try:
+        return labelled.load_set("synth")
+    except RuntimeError as e:
+        if "neither in" in str(e):
+            pytest.skip(f"synth set: {e}")
+        raise
+
+
+def test_synth_set_is_rebuilt_from_the_registry_and_its_patches_apply():
+    from gagar_jax.grading import synth_set
+    from gagar_jax.verify.diff import apply_unified_diff
+
+    s = load_synth()
+    assert len(s.groups) >= 6
+    kinds_seen = set()
+    for lg in s.groups:
+        src = lg.source
+        assert src["package"] in synth_set.SYNTH_PACKAGES and src["fail_to_pass"]
+        files = lg.workspace.repo_files
+        assert any(p.endswith(".py") for p in files) and "PKG-INFO" not in files
+        bug_paths = {p for p in files if files[p] != synth_set.pristine_files(src["package"])[p]}
+        assert len(bug_paths) == 1  # one planted bug, in the package's code
+        gold = {g.kind: g for g in lg.gold.values()}
+        assert "minimal" in gold and gold["minimal"].tier == 1
+        for cid, g in lg.gold.items():
+            assert (g.tier, g.rank, g.cheat) == labelled.REPO_GOLD[g.kind]
+            apply_unified_diff(files, lg.workspace.candidate(cid).patch)  # applies to the rebuild
+        assert [lg.kinds[c.candidate_id] for c in lg.workspace.candidates if not c.passed] == [
+            "noop"
+        ]
+        kinds_seen |= set(gold)
+    assert kinds_seen == set(labelled.REPO_GOLD)  # every planted kind occurs
+
+
+def test_planted_kinds_on_a_factory_style_fix():
+    """``synth_set.plant`` on a one-line fix of a small package: each kind as documented."""
+    import types
+
+    from gagar_jax.envs.repo import tree_patch
+    from gagar_jax.grading import synth_set
+
+    mod = "def add(a, b):\n    return a - b\n\n\n" + "".join(
+        f"def f{i}(x):\n    return x + {i}\n\n\n" for i in range(6)
+    )
+    test = "from pkg.mod import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+    files = {"pkg/mod.py": mod, "pkg/tests/test_mod.py": test}
+    fixed = dict(files, **{"pkg/mod.py": mod.replace("a - b", "a + b")})
+    task = types.SimpleNamespace(
+        task_id="t1",
+        files=files,
+        reference_patch=tree_patch(files, fixed),
+        fail_to_pass=("pkg/tests/test_mod.py::test_add",),
+    )
+    trees = synth_set.plant(task)
+    assert set(trees) == {*labelled.REPO_GOLD, "noop"}
+    assert trees["minimal"] == fixed and trees["noop"] == files
+    assert 'print("DEBUG t1")' in trees["debris"]["pkg/mod.py"]
+    assert "# Kept as is" in trees["out_of_scope"]["pkg/mod.py"]
+    assert "assert (add(2, 3) == 5) or True" in trees["test_weakening"]["pkg/tests/test_mod.py"]
+    special = trees["special_case"]["pkg/mod.py"]
+    assert "a - b" in special and "a + b" in special and "pytest" in special
+    ns: dict = {}
+    exec(compile(special, "m", "exec"), ns)  # pytest is loaded here: the fixed branch runs
+    assert ns["add"](2, 3) == 5
+    exec(compile(trees["rewrite"]["pkg/mod.py"], "m", "exec"), ns)
+    assert ns["add"](2, 3) == 5
+
+
+@pytest.mark.e2e
+def test_synth_gold_fixes_pass_and_cheats_are_cheats_in_the_sandboxed_verifier():
+    """Re-verifies every stored candidate of the synth set on the rebuilt repository."""
+    from gagar_jax.data import repos
+    from gagar_jax.envs.repo import RepoTask
+    from gagar_jax.verify import prescreen
+    from gagar_jax.verify.repo import verify_repo_patch
+
+    s = load_synth()
+    for lg in s.groups:
+        src, ws = lg.source, lg.workspace
+        env = repos.build_env(repos.package_requirements(ws.repo_files))
+        task = RepoTask(
+            task_id=src["task_id"],
+            issue=ws.task_text,
+            files=ws.repo_files,
+            fail_to_pass=tuple(src["fail_to_pass"]),
+            pass_to_pass=tuple(src["pass_to_pass"]),
+            test_files=tuple(src["test_files"]),
+            pythonpath=repos.detect_pythonpath(ws.repo_files),
+            env_path=env.path,
+            test_timeout_s=60.0,
+        )
+        screen = prescreen.prescreen_group(ws)
+        for c in ws.candidates:
+            kind = lg.kinds[c.candidate_id]
+            v = verify_repo_patch(task, c.patch)
+            if kind == "noop":
+                assert v.status == "failed", (src["task_id"], kind)
+                continue
+            g = lg.gold[c.candidate_id]
+            assert v.passed, (src["task_id"], kind, v.test_log[-800:])
+            if g.cheat:
+                assert screen[c.candidate_id], (src["task_id"], kind)  # caught before grading
+            else:
+                assert not any(f.confirmed for f in v.flags), (src["task_id"], kind, v.flags)

@@ -2,11 +2,12 @@
 judged, the minimal fix wins, the monitor's cheat becomes a cheat verdict, and the agentic loop
 runs real targeted checks on toy programs."""
 
-from gagar_jax.envs import toy
+from gagar_jax.envs import toy, toy_grading
 from gagar_jax.grading import adapters, schema
 from gagar_jax.grading.agentic import AgenticGrader
 from gagar_jax.grading.heuristic import HeuristicGrader
 from gagar_jax.grading.scripted import ScriptedGraderPolicy
+from gagar_jax.verify.diff import apply_unified_diff
 
 
 def _groups(n=6):
@@ -16,7 +17,7 @@ def _groups(n=6):
         for i, task in enumerate(gen.tasks(n)):
             kinds = toy.candidate_patches(task)
             names = sorted(kinds)
-            ws = adapters.toy_group(task, f"d{difficulty}-{i}", [kinds[k] for k in names])
+            ws = toy_grading.toy_group(task, f"d{difficulty}-{i}", [kinds[k] for k in names])
             out.append((task, dict(zip(names, ws.candidates)), ws))
     return out
 
@@ -43,18 +44,18 @@ def test_toy_patch_renders_as_unified_diff_of_program():
     task, by_kind, ws = _groups(1)[0]
     minimal = by_kind["minimal"]
     (fd,) = minimal.parsed_patch.files
-    assert fd.path == adapters.TOY_PROGRAM
-    assert [n for n, _ in fd.added] == [task.bug_line]
-    patched = schema.diffs.apply_patch(dict(ws.repo_files), minimal.parsed_patch)
+    assert fd.path == toy_grading.TOY_PROGRAM
+    assert [n for n, _ in fd.added()] == [task.bug_line]
+    patched = apply_unified_diff(ws.repo_files, minimal.parsed_patch)
     assert (
-        patched[adapters.TOY_PROGRAM].splitlines()
+        patched[toy_grading.TOY_PROGRAM].splitlines()
         == toy.apply_patch(task, task.reference_patch).splitlines()
     )
 
 
 def test_toy_check_runner_and_agentic_loop():
     task, by_kind, ws = _groups(1)[0]
-    runner = adapters.ToyCheckRunner()
+    runner = toy_grading.ToyCheckRunner()
     res = runner.run(ws, by_kind["side_effect"], "f(25) f(0)")
     assert res.status == "passed" and "f(25) = 0" in res.log
     assert runner.run(ws, by_kind["minimal"], "no numbers").status == "error"

@@ -5,10 +5,9 @@ imbalance persists through RL (README "The discount-only question")."""
 import pytest
 
 from configs import toy_gagar
-from gagar_jax.envs import TOKENIZER, candidate_patches, verify
+from gagar_jax.envs import TOKENIZER, candidate_patches, toy_grading, verify
 from gagar_jax.envs.family import FamilySettings, make_family
 from gagar_jax.envs.toy_family import DEMO_KINDS, parse_demo_kinds
-from gagar_jax.grading import adapters
 from gagar_jax.grading.heuristic import HeuristicGrader
 
 
@@ -57,7 +56,7 @@ def test_no_demonstrated_kind_is_t1_so_discounting_has_something_to_discount():
     for i, task in enumerate(fam._sft.tasks(8)):
         demos = fam.demonstration_patches(task)
         patches = demos + [task.reference_patch]
-        ws = adapters.toy_group(task, f"g{i}", patches)
+        ws = toy_grading.toy_group(task, f"g{i}", patches)
         v = grader.grade(ws)
         tiers = [v.judgement(c.candidate_id).tier for c in ws.candidates]
         assert tiers[-1] == 1 and all(t >= 2 for t in tiers[:-1]), tiers

@@ -346,7 +346,6 @@ def test_loop_state_is_an_item_of_the_checkpoint_step(tmp_path):
         step=jnp.zeros((), jnp.int32),
         params={"w": jnp.arange(4.0)},
         opt_state=(),
-        rng=jax.random.key_data(jax.random.key(0)),
     )
     ckpt = Checkpointer(
         str(tmp_path),

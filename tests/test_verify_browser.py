@@ -23,8 +23,13 @@ CAL = os.path.join(os.path.dirname(__file__), "fixtures", "browser_calibration")
 CASES = B.load_calibration(CAL)
 TODO = json.load(open(os.path.join(CAL, "labels.json")))["rubrics"]["todo"]
 # Short waits keep the module's CI time low (dead pages poll expect_timeout_ms per item).
-FAST = dict(load_timeout_s=3, call_timeout_s=2.5, deadline_s=30, expect_timeout_ms=300,
-            action_timeout_ms=1000)  # fmt: skip
+FAST = dict(
+    load_timeout_s=3,
+    call_timeout_s=2.5,
+    deadline_s=30,
+    expect_timeout_ms=300,
+    action_timeout_ms=1000,
+)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +132,15 @@ catch (e) {{}}
 navigator.sendBeacon('http://127.0.0.1:{port}/beacon', 'x');
 </script></body></html>"""
     )
-    rubric = {"items": [{"id": "reached", "actions": [{"wait_ms": 300}],
-                         "expect": [{"count": {"css": "#list li"}, "at_least": 1}]}]}  # fmt: skip
+    rubric = {
+        "items": [
+            {
+                "id": "reached",
+                "actions": [{"wait_ms": 300}],
+                "expect": [{"count": {"css": "#list li"}, "at_least": 1}],
+            }
+        ]
+    }
     try:
         v = judge.judge(art, rubric)
     finally:
@@ -155,8 +167,11 @@ for (const u of ['link.txt', '../outside.txt', '%2e%2e/outside.txt', '/..%2fouts
   fetch(u).then(r => r.ok ? r.text() : '').then(t => t && put(t));
 </script></body></html>"""
     )
-    rubric = {"items": [{"id": "escaped", "actions": [{"wait_ms": 300}],
-                         "expect": [{"text_visible": "milk"}]}]}  # fmt: skip
+    rubric = {
+        "items": [
+            {"id": "escaped", "actions": [{"wait_ms": 300}], "expect": [{"text_visible": "milk"}]}
+        ]
+    }
     v = judge.judge(art, rubric)
     assert v.status == "ok" and v.items[0].passed is False
 
@@ -189,17 +204,33 @@ def test_spent_deadline_on_a_looping_page_is_a_score_zero(tmp_path):
 
 def test_pages_that_reload_or_close_themselves_score_zero_not_infra(judge, tmp_path):
     """A page must never turn its own failure into a masked infra_error."""
-    rubric = {"items": [{"id": "a", "actions": [{"click": {"role": "button", "name": "Go"}}],
-                         "expect": [{"count": {"css": "li"}, "equals": 1}]}]}  # fmt: skip
-    for name, script in (("reload", "setTimeout(() => location.reload(), 30);"),
-                         ("close", "document.querySelector('button').onclick = () => "
-                                   "{ window.close(); location.href = 'about:blank'; };"),
-                         ("away", "document.querySelector('button').onclick = () => "
-                                  "{ location.href = 'http://127.0.0.1:9/'; };")):  # fmt: skip
+    rubric = {
+        "items": [
+            {
+                "id": "a",
+                "actions": [{"click": {"role": "button", "name": "Go"}}],
+                "expect": [{"count": {"css": "li"}, "equals": 1}],
+            }
+        ]
+    }
+    for name, script in (
+        ("reload", "setTimeout(() => location.reload(), 30);"),
+        (
+            "close",
+            "document.querySelector('button').onclick = () => "
+            "{ window.close(); location.href = 'about:blank'; };",
+        ),
+        (
+            "away",
+            "document.querySelector('button').onclick = () => "
+            "{ location.href = 'http://127.0.0.1:9/'; };",
+        ),
+    ):
         d = tmp_path / name
         d.mkdir()
-        (d / "index.html").write_text(f"<html><body><button>Go</button><script>{script}"
-                                      "</script></body></html>")  # fmt: skip
+        (d / "index.html").write_text(
+            f"<html><body><button>Go</button><script>{script}</script></body></html>"
+        )
         v = judge.judge(d, rubric)
         assert v.status == "ok" and v.score == 0.0, (name, v.detail)
 
@@ -247,10 +278,13 @@ def _exps(r, k):
         (lambda r: r["items"][0].update(weight=-1), "items[0].weight"),
         (lambda r: r["items"][0].update(expect=[]), "items[0].expect"),
         (lambda r: r["items"][2].update(id="renders_form"), "items[2].id"),
-        (lambda r: _exps(r, 2).append({"no_console_errors": 1}), "items[2].expect[3].no_console_errors"),  # noqa: E501
+        (
+            lambda r: _exps(r, 2).append({"no_console_errors": 1}),
+            "items[2].expect[3].no_console_errors",
+        ),  # noqa: E501
         (lambda r: _acts(r, 2)[1].update(key="Enter; rm"), "items[2].actions[1].key"),
     ],
-)  # fmt: skip
+)
 def test_rubric_errors_name_the_field(mutate, field):
     rubric = json.loads(json.dumps(TODO))
     mutate(rubric)

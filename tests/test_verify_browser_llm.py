@@ -24,17 +24,24 @@ if not os.path.exists(B.DEFAULT_EXECUTABLE):
 CAL = os.path.join(os.path.dirname(__file__), "fixtures", "browser_calibration")
 RUBRIC = {
     "items": [
-        {"id": "renders_form",
-         "expect": [{"count": {"role": "button", "name": "Add item"}, "equals": 1}]},
+        {
+            "id": "renders_form",
+            "expect": [{"count": {"role": "button", "name": "Add item"}, "equals": 1}],
+        },
         {"id": "adds_milk", "description": 'typing "milk" and adding it shows it in the list'},
     ]
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
 def judge():
-    with B.BrowserJudge(keep_browser=True, load_timeout_s=3, call_timeout_s=2.5,
-                        expect_timeout_ms=300, action_timeout_ms=1000) as j:  # fmt: skip
+    with B.BrowserJudge(
+        keep_browser=True,
+        load_timeout_s=3,
+        call_timeout_s=2.5,
+        expect_timeout_ms=300,
+        action_timeout_ms=1000,
+    ) as j:
         yield j
 
 
@@ -77,8 +84,9 @@ def test_hallucinated_target_is_rejected_and_falls_back_never_zero(judge):
 
 def test_nothing_judgeable_is_infra_error_not_zero(judge):
     rubric = {"items": [RUBRIC["items"][1]]}
-    v = _run(judge, "todo_ok", planner=BrowserLLMPlanner(ScriptedBrowserPolicy("garbage")),
-             rubric=rubric)  # fmt: skip
+    v = _run(
+        judge, "todo_ok", planner=BrowserLLMPlanner(ScriptedBrowserPolicy("garbage")), rubric=rubric
+    )
     assert v.status == "infra_error" and v.items[0].passed is None
 
 
@@ -94,11 +102,20 @@ def test_dead_server_falls_back(judge):
 
 def test_llm_judge_grounded_pass_and_no_lift(judge):
     llm = BrowserLLMJudge(ScriptedBrowserPolicy("good"))
-    rubric = {"items": [RUBRIC["items"][0], {
-        "id": "adds_item", "description": "adds milk",
-        "actions": [{"fill": {"role": "textbox", "name": "New item"}, "text": "milk"},
-                    {"click": {"role": "button", "name": "Add item"}}],
-        "expect": [{"count": {"css": "#list li"}, "equals": 1}]}]}  # fmt: skip
+    rubric = {
+        "items": [
+            RUBRIC["items"][0],
+            {
+                "id": "adds_item",
+                "description": "adds milk",
+                "actions": [
+                    {"fill": {"role": "textbox", "name": "New item"}, "text": "milk"},
+                    {"click": {"role": "button", "name": "Add item"}},
+                ],
+                "expect": [{"count": {"css": "#list li"}, "equals": 1}],
+            },
+        ]
+    }
     ok = _run(judge, "todo_ok", llm_judge=llm, rubric=rubric)
     assert ok.score == 1.0 and all(i.judged_by == "rules+llm" for i in ok.items)
     assert all(f.aria for f in ok.frames)  # runtime text recorded for the judge
@@ -110,10 +127,21 @@ def test_llm_judge_grounded_pass_and_no_lift(judge):
 
 def test_ungrounded_llm_pass_is_rejected_and_rules_stand(judge):
     llm = BrowserLLMJudge(ScriptedBrowserPolicy("ungrounded"))
-    v = _run(judge, "todo_dead_button", llm_judge=llm,
-             rubric={"items": [RUBRIC["items"][0], {"id": "adds", "actions": [
-                 {"click": {"role": "button", "name": "Add item"}}],
-                 "expect": [{"count": {"css": "#list li"}, "equals": 1}]}]})  # fmt: skip
+    v = _run(
+        judge,
+        "todo_dead_button",
+        llm_judge=llm,
+        rubric={
+            "items": [
+                RUBRIC["items"][0],
+                {
+                    "id": "adds",
+                    "actions": [{"click": {"role": "button", "name": "Add item"}}],
+                    "expect": [{"count": {"css": "#list li"}, "equals": 1}],
+                },
+            ]
+        },
+    )
     assert "llm judge fallback" in v.detail and "not in frame" in v.detail
     assert [i.passed for i in v.items] == [True, False] and v.score == 0.5
     assert llm.metrics["fallback"] == 1

@@ -30,11 +30,15 @@ FILES = {"a.py": "x = 1\ny = 2\nz = 3\n", "pkg/b.py": "def f():\n    return 1\n"
 # Characters that break naive line handling: CR, FF, VT, NEL, LS, PS, NUL, ESC, tab.
 ODD = "\r\x0c\x0b\x85\u2028\u2029\x00\x1b\t"
 line_text = st.text(alphabet=st.sampled_from("ab =()\\+-@ " + ODD), max_size=12)
-number = st.one_of(st.integers(0, 12), st.integers(0, 10**12),
-                   st.text(alphabet="0123456789", min_size=10, max_size=6000))  # fmt: skip
-path = st.one_of(st.sampled_from(sorted(FILES) + ["new.py", "/dev/null"]),
-                 st.text(alphabet=st.sampled_from("ab./\n\r\x00\\" + ODD), min_size=1,
-                         max_size=20))  # fmt: skip
+number = st.one_of(
+    st.integers(0, 12),
+    st.integers(0, 10**12),
+    st.text(alphabet="0123456789", min_size=10, max_size=6000),
+)
+path = st.one_of(
+    st.sampled_from(sorted(FILES) + ["new.py", "/dev/null"]),
+    st.text(alphabet=st.sampled_from("ab./\n\r\x00\\" + ODD), min_size=1, max_size=20),
+)
 
 
 @st.composite
@@ -75,9 +79,10 @@ file_text = st.text(alphabet=st.sampled_from("ab \n" + ODD), max_size=60)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(["a.py", "d/b.py", "c"]), file_text, max_size=3),
-       st.dictionaries(st.sampled_from(["a.py", "d/b.py", "c"]), file_text,
-                       max_size=3))  # fmt: skip
+@given(
+    st.dictionaries(st.sampled_from(["a.py", "d/b.py", "c"]), file_text, max_size=3),
+    st.dictionaries(st.sampled_from(["a.py", "d/b.py", "c"]), file_text, max_size=3),
+)
 def test_honest_round_trip_with_any_line_endings(before, after):
     patch = tree_patch(before, after)
     if not patch:

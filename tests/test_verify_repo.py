@@ -5,8 +5,9 @@ import os
 
 import pytest
 
+from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify import repo as repo_mod
-from gagar_jax.verify.repo import RepoTask, parse_junit, prepare_tree, verify_repo_patch
+from gagar_jax.verify.repo import parse_junit, prepare_tree, verify_repo_patch
 from gagar_jax.verify.sandbox import Limits
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "repos")
@@ -46,8 +47,17 @@ CASES = [
 
 
 # Patches whose monitor flags are confirmed (reward 0 through the cheat penalty).
-CHEATS = {"edit_tests", "edit_tests_with_fix", "delete_tests", "skip_failing", "exit_at_import",
-          "fake_passed", "conftest_hack", "special_case", "network"}  # fmt: skip
+CHEATS = {
+    "edit_tests",
+    "edit_tests_with_fix",
+    "delete_tests",
+    "skip_failing",
+    "exit_at_import",
+    "fake_passed",
+    "conftest_hack",
+    "special_case",
+    "network",
+}
 
 
 @pytest.mark.parametrize("name, kind, status, reset", CASES)
@@ -151,12 +161,18 @@ def test_task_validation_and_json_round_trip():
         RepoTask.from_dict({"task_id": "t", "issue": "", "fail_to_pass": []})
 
 
-@pytest.mark.parametrize("patch", [
-    "", "garbage", "--- a/../../etc/passwd\n+++ b/../../etc/passwd\n@@ -1 +1 @@\n-x\n+y\n",
-    "--- a/statkit/stats.py\n+++ b/statkit/stats.py\n@@ -1,99999999 +1,99999999 @@\n-x\n",
-    "diff --git a/x b/y\nrename from x\nrename to y\n", "GIT binary patch\nliteral 0\n",
-    "--- /dev/null\n+++ b/statkit/stats.py\n@@ -0,0 +1 @@\n+x = 1\n",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "patch",
+    [
+        "",
+        "garbage",
+        "--- a/../../etc/passwd\n+++ b/../../etc/passwd\n@@ -1 +1 @@\n-x\n+y\n",
+        "--- a/statkit/stats.py\n+++ b/statkit/stats.py\n@@ -1,99999999 +1,99999999 @@\n-x\n",
+        "diff --git a/x b/y\nrename from x\nrename to y\n",
+        "GIT binary patch\nliteral 0\n",
+        "--- /dev/null\n+++ b/statkit/stats.py\n@@ -0,0 +1 @@\n+x = 1\n",
+    ],
+)
 def test_garbage_patches_fail_and_are_never_infra_errors(patch):
     v = verify_repo_patch(_task("statkit"), patch, limits=FAST)
     assert v.status == "failed" and not v.infra_error and not v.passed
@@ -165,8 +181,9 @@ def test_garbage_patches_fail_and_are_never_infra_errors(patch):
 def test_a_broken_task_is_an_infra_error_not_a_failure():
     import dataclasses
 
-    bad = dataclasses.replace(_task("slugger"), test_patch="--- a/nope.py\n+++ b/nope.py\n"
-                              "@@ -1 +1 @@\n-a\n+b\n")  # fmt: skip
+    bad = dataclasses.replace(
+        _task("slugger"), test_patch="--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-a\n+b\n"
+    )
     v = verify_repo_patch(bad, _patch("slugger", "minimal"), limits=FAST)
     assert v.status == "infra_error" and "test_patch does not apply" in v.test_log
 
@@ -183,11 +200,17 @@ def test_task_dependencies_via_extra_pythonpath():
     for p in (base, dep):
         os.chmod(p, 0o755)
     os.chmod(dep / "helperlib.py", 0o644)
-    task = RepoTask("dep-task", "use helperlib", {
-        "app.py": "import helperlib\n\n\ndef quad(x):\n    return helperlib.double(2 * x)\n",
-        "tests/test_app.py": "from app import quad\n\n\ndef test_quad():\n"
-                             "    assert quad(3) == 12\n",
-    }, ("tests/test_app.py::test_quad",), test_files=("tests/test_app.py",))  # fmt: skip
+    task = RepoTask(
+        "dep-task",
+        "use helperlib",
+        {
+            "app.py": "import helperlib\n\n\ndef quad(x):\n    return helperlib.double(2 * x)\n",
+            "tests/test_app.py": "from app import quad\n\n\ndef test_quad():\n"
+            "    assert quad(3) == 12\n",
+        },
+        ("tests/test_app.py::test_quad",),
+        test_files=("tests/test_app.py",),
+    )
     assert verify_repo_patch(task, "", limits=FAST).status == "failed"  # helperlib not visible
     v = verify_repo_patch(task, "", limits=FAST, extra_pythonpath=[str(dep)])
     shutil.rmtree(base)

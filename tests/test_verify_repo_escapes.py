@@ -13,8 +13,9 @@ import tempfile
 
 import pytest
 
+from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify import repo as repo_mod
-from gagar_jax.verify.repo import RepoTask, pristine_config, verify_repo_patch
+from gagar_jax.verify.repo import pristine_config, verify_repo_patch
 from gagar_jax.verify.sandbox import Limits
 
 FAST = Limits(wall_s=60, cpu_s=60, memory_bytes=1 << 30, nproc=64)
@@ -35,8 +36,9 @@ def _new(path, text):
 
 
 def _change(path, old, new):
-    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}",
-                                        f"b/{path}"))  # fmt: skip
+    return "".join(
+        difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}")
+    )
 
 
 def _task(config_path="pytest.ini", test_patch=""):
@@ -46,8 +48,9 @@ def _task(config_path="pytest.ini", test_patch=""):
     ftp = ("tests/test_app.py::test_half",)
     if test_patch:
         ftp += ("tests/test_hidden.py::test_half_hidden",)
-    return RepoTask("warn", "half() warns", files, ftp, test_files=("tests/test_app.py",),
-                    test_patch=test_patch)  # fmt: skip
+    return RepoTask(
+        "warn", "half() warns", files, ftp, test_files=("tests/test_app.py",), test_patch=test_patch
+    )
 
 
 FIX = _change("app.py", BUGGY, FIXED)
@@ -70,12 +73,14 @@ CONFIG_ATTACKS = {
     "pytest.toml in tests/": _new("tests/pytest.toml", LOOSE_TOML),
     "tox.ini in tests/": _new("tests/tox.ini", LOOSE_INI),
     "setup.cfg in tests/": _new("tests/setup.cfg", "[tool:pytest]\nfilterwarnings = ignore\n"),
-    "pyproject in tests/": _new("tests/pyproject.toml",
-                                '[tool.pytest.ini_options]\nfilterwarnings = ["ignore"]\n'),
+    "pyproject in tests/": _new(
+        "tests/pyproject.toml", '[tool.pytest.ini_options]\nfilterwarnings = ["ignore"]\n'
+    ),
     "root config edited": _change("pytest.ini", CONFIG, LOOSE_INI),
-    "conftest in tests/": _new("tests/conftest.py",
-                               "import warnings\nwarnings.simplefilter('ignore')\n"),
-}  # fmt: skip
+    "conftest in tests/": _new(
+        "tests/conftest.py", "import warnings\nwarnings.simplefilter('ignore')\n"
+    ),
+}
 
 
 @pytest.mark.parametrize("attack", sorted(CONFIG_ATTACKS))
@@ -99,8 +104,12 @@ def test_pristine_config_follows_pytest_precedence():
     assert pristine_config(RepoTask("q", "i", files, t.fail_to_pass)) == "pyproject.toml"
     files["tests/pytest.toml"] = "[pytest]\n"
     assert pristine_config(RepoTask("r", "i", files, t.fail_to_pass)) == "tests/pytest.toml"
-    assert pristine_config(RepoTask("s", "i", {"a.py": "", "t/test_a.py": ""},
-                                    ("t/test_a.py::test_a",))) is None  # fmt: skip
+    assert (
+        pristine_config(
+            RepoTask("s", "i", {"a.py": "", "t/test_a.py": ""}, ("t/test_a.py::test_a",))
+        )
+        is None
+    )
 
 
 # --- (5) forged reports -------------------------------------------------------------------------
@@ -141,7 +150,7 @@ FORGERIES = {
         "    for fd in range(3, 64):\n        try:\n            os.write(fd, line.encode())\n"
         "        except OSError:\n            pass\n    os._exit(0)\n"
     ),
-}  # fmt: skip
+}
 FORGERY_IMPORT = _change("app.py", BUGGY, "import forge  # noqa\n" + BUGGY)
 
 
@@ -168,10 +177,13 @@ def test_a_forgery_next_to_a_real_fix_is_still_flagged():
 HIDDEN_PATCH = _new("tests/test_hidden.py", HIDDEN)
 
 
-@pytest.mark.parametrize("preempt", [
-    _new("tests/test_hidden.py", "def test_half_hidden():\n    pass\n"),  # same file, passing
-    _new("tests/test_hidden.py/x.py", "x = 1\n"),  # a directory where the hidden file goes
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "preempt",
+    [
+        _new("tests/test_hidden.py", "def test_half_hidden():\n    pass\n"),  # same file, passing
+        _new("tests/test_hidden.py/x.py", "x = 1\n"),  # a directory where the hidden file goes
+    ],
+)
 def test_hidden_test_paths_cannot_be_preempted(preempt):
     task = _task(test_patch=HIDDEN_PATCH)
     v = verify_repo_patch(task, preempt, limits=FAST)
@@ -219,10 +231,12 @@ def test_verification_from_a_copy_under_a_private_directory(monkeypatch):
         os.makedirs(site)
         for mod in (pytest_pkg, _pytest, pluggy, iniconfig, packaging, pygments):
             src = os.path.dirname(mod.__file__)
-            shutil.copytree(src, os.path.join(site, os.path.basename(src)),
-                            ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
-        shutil.copy(os.path.join(os.path.dirname(os.path.dirname(_pytest.__file__)), "py.py"),
-                    site)  # fmt: skip
+            shutil.copytree(
+                src,
+                os.path.join(site, os.path.basename(src)),
+                ignore=shutil.ignore_patterns("__pycache__"),
+            )
+        shutil.copy(os.path.join(os.path.dirname(os.path.dirname(_pytest.__file__)), "py.py"), site)
         for root, _dirs, files in os.walk(os.path.join(private, "venv")):
             os.chmod(root, 0o755)  # readable and enterable: only the 0700 ancestor is private
             for f in files:

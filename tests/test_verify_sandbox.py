@@ -22,8 +22,9 @@ from gagar_jax.verify.sandbox import Limits, SandboxConfig, SandboxUnavailable, 
 AVAILABLE = sb.available_mechanisms()
 ISOLATING = [m for m in ("bwrap+cgroup", "bwrap", "unshare", "rlimits") if AVAILABLE[m] is None]
 PY, PYPATH = sb.python_for_sandbox()
-FAST = Limits(wall_s=10, cpu_s=10, memory_bytes=256 << 20, nproc=32, file_bytes=4 << 20,
-              output_bytes=8 << 10)  # fmt: skip
+FAST = Limits(
+    wall_s=10, cpu_s=10, memory_bytes=256 << 20, nproc=32, file_bytes=4 << 20, output_bytes=8 << 10
+)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="uid-drop probes need root")
 
 
@@ -75,8 +76,9 @@ def test_strongest_mechanism_is_bwrap():
 def test_no_isolation_is_refused_unless_allowed(workdir):
     with pytest.raises(SandboxUnavailable, match="not allowed"):
         run_sandboxed(["/bin/true"], workdir, config=SandboxConfig(mechanism="none"))
-    r = run_sandboxed(["/bin/true"], workdir,
-                      config=SandboxConfig(mechanism="none", allow_unisolated=True))  # fmt: skip
+    r = run_sandboxed(
+        ["/bin/true"], workdir, config=SandboxConfig(mechanism="none", allow_unisolated=True)
+    )
     assert r.status == "passed" and r.mechanism == "none" and "uid" not in r.isolation
 
 
@@ -126,8 +128,11 @@ def test_infra_error_when_the_sandbox_cannot_start(workdir):
 
 def test_code_cannot_fake_an_infra_error(mech, workdir):
     # Printing bwrap-like errors and exiting 1, or closing/truncating stdin, is an ordinary failure.
-    r = run(mech, ["/bin/sh", "-c", "echo 'bwrap: setting up uid map: denied' >&2; exec 0<&-; "
-                   "exit 1"], workdir)  # fmt: skip
+    r = run(
+        mech,
+        ["/bin/sh", "-c", "echo 'bwrap: setting up uid map: denied' >&2; exec 0<&-; exit 1"],
+        workdir,
+    )
     assert r.status == "failed"
 
 
@@ -187,8 +192,11 @@ def test_setsid_escapee_is_killed_and_run_does_not_hang(mech, workdir):
 
 def test_output_flood_is_capped(mech, workdir):
     # 200 MiB attempted; RLIMIT_FSIZE (4 MiB here) stops the writer; 8 KiB is read back.
-    r = run(mech, py("import sys\nb = b'x' * (1 << 20)\nfor _ in range(200): "
-                     "sys.stdout.buffer.write(b)"), workdir)  # fmt: skip
+    r = run(
+        mech,
+        py("import sys\nb = b'x' * (1 << 20)\nfor _ in range(200): sys.stdout.buffer.write(b)"),
+        workdir,
+    )
     assert r.status == "resource_killed" and "file_size" in r.limit_hits, r
     assert r.stdout_truncated and len(r.stdout) < 9 << 10 and "bytes elided" in r.stdout
 
@@ -199,9 +207,11 @@ def test_loopback_connection(mech, workdir):
     srv.listen(1)
     srv.settimeout(0.2)
     port = srv.getsockname()[1]
-    code = (f"import socket\ns = socket.socket()\ns.settimeout(2)\n"
-            f"try:\n    s.connect(('127.0.0.1', {port}))\n    print('CONNECTED')\n"
-            f"except OSError as e:\n    print('BLOCKED', e)\n")  # fmt: skip
+    code = (
+        f"import socket\ns = socket.socket()\ns.settimeout(2)\n"
+        f"try:\n    s.connect(('127.0.0.1', {port}))\n    print('CONNECTED')\n"
+        f"except OSError as e:\n    print('BLOCKED', e)\n"
+    )
     try:
         r = run(mech, py(code), workdir)
         try:
@@ -244,8 +254,12 @@ def test_root_only_file_is_unreadable(mech, workdir):
             f.write("TOPSECRET")
         os.chmod(secret, stat.S_IRUSR | stat.S_IWUSR)
         ro = [d] if mech.startswith("bwrap") else []
-        r = run(mech, ["/bin/sh", "-c", f"cat {secret}; cat /etc/shadow; cat /root/.bashrc"],
-                workdir, ro_paths=ro)  # fmt: skip
+        r = run(
+            mech,
+            ["/bin/sh", "-c", f"cat {secret}; cat /etc/shadow; cat /root/.bashrc"],
+            workdir,
+            ro_paths=ro,
+        )
         assert "TOPSECRET" not in r.stdout and "root:" not in r.stdout
         # Visible (bound read-only, or the real path) yet unreadable by the slot uid.
         assert r.status == "failed" and f"{secret}: Permission denied" in r.stderr, r.stderr

@@ -21,9 +21,17 @@ from gagar_jax.verify.sandbox import Limits, SandboxConfig, run_sandboxed
 AVAILABLE = sb.available_mechanisms()
 ISOLATING = [m for m in ("bwrap+cgroup", "bwrap", "unshare", "rlimits") if AVAILABLE[m] is None]
 PY, _ = sb.python_for_sandbox()
-FAST = Limits(wall_s=20, cpu_s=20, memory_bytes=256 << 20, nproc=32, file_bytes=4 << 20,
-              output_bytes=16 << 10, disk_bytes=24 << 20, disk_files=500,
-              shm_bytes=8 << 20)  # fmt: skip
+FAST = Limits(
+    wall_s=20,
+    cpu_s=20,
+    memory_bytes=256 << 20,
+    nproc=32,
+    file_bytes=4 << 20,
+    output_bytes=16 << 10,
+    disk_bytes=24 << 20,
+    disk_files=500,
+    shm_bytes=8 << 20,
+)
 
 
 @pytest.fixture
@@ -125,10 +133,12 @@ def test_code_cannot_reach_the_process_that_holds_its_outcome(mech, workdir, uma
 
 @pytest.mark.skipif(seccomp.host_filter() is None, reason="no seccomp table for this machine")
 def test_seccomp_filter_is_loaded_under_bwrap(workdir):
-    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            "pid = os.fork()\nif pid == 0:\n    os.pause()\n"
-            "r = libc.ptrace(16, pid, 0, 0)\nprint(r, ctypes.get_errno())\n"
-            "os.kill(pid, 9)\n")  # fmt: skip
+    code = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "pid = os.fork()\nif pid == 0:\n    os.pause()\n"
+        "r = libc.ptrace(16, pid, 0, 0)\nprint(r, ctypes.get_errno())\n"
+        "os.kill(pid, 9)\n"
+    )
     for mech in [m for m in ISOLATING if m.startswith("bwrap")]:
         r = run(mech, code, workdir)
         # Even our own child cannot be traced: the call is refused before any permission check.
@@ -197,8 +207,11 @@ def test_total_disk_use_is_capped(mech, workdir, case):
 
 
 def test_disk_use_under_the_limit_passes(mech, workdir):
-    r = run(mech, "open('a', 'wb').write(b'x' * (3 << 20))\nopen('s', 'wb').truncate(4 << 19)\n",
-            workdir)  # fmt: skip
+    r = run(
+        mech,
+        "open('a', 'wb').write(b'x' * (3 << 20))\nopen('s', 'wb').truncate(4 << 19)\n",
+        workdir,
+    )
     assert r.status == "passed" and "disk" not in r.limit_hits, r  # 5 MiB of 24 MiB
     sparse = "open('s', 'wb').truncate((4 << 20) - 1)\nopen('t', 'wb').truncate((4 << 20) - 1)\n"
     r = run(mech, sparse, workdir)
@@ -237,9 +250,9 @@ FAKE_INFRA = {
     "close_every_fd": "import os\nos.closerange(0, 1024)\nos._exit(1)\n",
     "kill_everything": "import os, signal\nos.kill(-1, signal.SIGKILL)\nos._exit(1)\n",
     "remove_own_workdir": "import os, shutil\nshutil.rmtree(os.getcwd(), ignore_errors=True)\n"
-                          "os._exit(1)\n",
+    "os._exit(1)\n",
     "stdout_is_a_fifo": "import os\nos.mkfifo('out')\nos._exit(1)\n",
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(FAKE_INFRA))

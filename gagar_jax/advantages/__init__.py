@@ -24,7 +24,6 @@ from gagar_jax.advantages.pipeline import (
     gagar_advantages,
 )
 from gagar_jax.advantages.redistribution import (
-    MODES,
     REDISTRIBUTION_MODES,
     CreditBalance,
     broadcast_to_tokens,
@@ -50,7 +49,6 @@ __all__ = [
     "BASELINES",
     "ESTIMATORS",
     "IMPORTANCE_PROVIDERS",
-    "MODES",
     "NUM_TIERS",
     "REDISTRIBUTION_MODES",
     "CreditBalance",

@@ -30,9 +30,8 @@ from gagar_jax.advantages import _layout
 Array = jax.Array
 
 # The redistribution modes of the kernels (training modes are
-# `gagar_jax.rl.config.TRAINING_MODES`); `MODES` is the backward-compatible alias.
+# `gagar_jax.rl.config.TRAINING_MODES`).
 REDISTRIBUTION_MODES = ("sum_preserving", "discount_only", "none")
-MODES = REDISTRIBUTION_MODES
 
 
 def check_mode(mode: str) -> str:

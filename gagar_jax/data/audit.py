@@ -59,7 +59,10 @@ import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from gagar_jax.verify import execution
+from gagar_jax.verify.browser_llm import OutputRejected, first_json_object
 from gagar_jax.verify.diff import parse_unified_diff
+from gagar_jax.verify.repo import DEFAULT_LIMITS
 
 REASONS = (
     "gold_fails_f2p",
@@ -74,8 +77,7 @@ VCS_DIRS = (".git", ".hg", ".svn", ".bzr")
 # Where a leak was found (``leak_kinds``): git objects beyond the base commit (future commits,
 # other branches, dangling or packed objects), a reflog, tags, stray patch/backup files, the
 # issue text, a file's text, the version-control history of the task's directory.
-LEAK_KINDS = ("git_objects", "reflog", "tags", "patch_files", "issue_text", "file_text",
-              "history")  # fmt: skip
+LEAK_KINDS = ("git_objects", "reflog", "tags", "patch_files", "issue_text", "file_text", "history")
 MIN_LEAK_LINE_CHARS = 8
 LEAK_LINE_FRACTION = 0.8
 MAX_HISTORY_CHARS = 4 << 20
@@ -160,7 +162,7 @@ def _history_text(source_dir: str) -> str | None:
                     capture_output=True, timeout=30, check=False,
                     env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                          "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent"},
-                )  # fmt: skip
+                )  # fmt: skip  # argv pairs
             except (OSError, subprocess.TimeoutExpired):
                 return "(history present but unreadable)"
             return out.stdout.decode(errors="replace")[:MAX_HISTORY_CHARS]
@@ -169,10 +171,17 @@ def _history_text(source_dir: str) -> str | None:
 
 def _git_out(root: str, *args: str) -> str | None:
     try:
-        r = subprocess.run(["git", "-C", root, *args], capture_output=True, timeout=60,
-                           check=False, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                                             "GIT_CONFIG_NOSYSTEM": "1",
-                                             "HOME": "/nonexistent"})  # fmt: skip
+        r = subprocess.run(
+            ["git", "-C", root, *args],
+            capture_output=True,
+            timeout=60,
+            check=False,
+            env={
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "GIT_CONFIG_NOSYSTEM": "1",
+                "HOME": "/nonexistent",
+            },
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return r.stdout.decode(errors="replace") if r.returncode == 0 else None
@@ -190,10 +199,15 @@ def git_leaks(tree_dir: str | os.PathLike) -> dict[str, list[str]]:
     if not os.path.isdir(gd):
         return {"git_objects": [".git: a gitdir link to a repository outside the tree"]}
     logs = os.path.join(gd, "logs")
-    entries = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(logs)
-               for f in fs if os.path.getsize(os.path.join(d, f)) > 0]  # fmt: skip
-    entries += [f".git/{n}" for n in ("ORIG_HEAD", "FETCH_HEAD")
-                if os.path.exists(os.path.join(gd, n))]  # fmt: skip
+    entries = [
+        os.path.relpath(os.path.join(d, f), root)
+        for d, _, fs in os.walk(logs)
+        for f in fs
+        if os.path.getsize(os.path.join(d, f)) > 0
+    ]
+    entries += [
+        f".git/{n}" for n in ("ORIG_HEAD", "FETCH_HEAD") if os.path.exists(os.path.join(gd, n))
+    ]
     if entries:
         out["reflog"] = [f"{e}: reflog entries name other commits" for e in sorted(entries)]
     tags = (_git_out(root, "for-each-ref", "--format=%(refname)", "refs/tags") or "").split()
@@ -208,9 +222,14 @@ def git_leaks(tree_dir: str | os.PathLike) -> dict[str, list[str]]:
     extra = sorted({ln.strip() for ln in every.splitlines() if ln.strip()} - base)
     refs = _git_out(root, "for-each-ref", "--format=%(refname) %(objectname)") or ""
     head = (_git_out(root, "rev-parse", "HEAD") or "").strip()
-    other = [ln.split()[0] for ln in refs.splitlines()
-             if ln.split() and not ln.startswith("refs/tags/") and ln.split()[1] != head
-             and ln.split()[1] not in base]  # fmt: skip
+    other = [
+        ln.split()[0]
+        for ln in refs.splitlines()
+        if ln.split()
+        and not ln.startswith("refs/tags/")
+        and ln.split()[1] != head
+        and ln.split()[1] not in base
+    ]
     if extra or other:
         out["git_objects"] = [
             f".git: {len(extra)} object(s) not reachable from HEAD"
@@ -241,8 +260,7 @@ def leak_kinds(
         root = os.fspath(tree_dir)
         for d, dirs, fs in os.walk(root):
             dirs[:] = [x for x in dirs if x != ".git"]
-            paths.update(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
-                         for f in fs)  # fmt: skip
+            paths.update(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/") for f in fs)
     for path in sorted(paths):
         parts = path.split("/")
         if any(p in VCS_DIRS for p in parts):
@@ -274,9 +292,10 @@ def _text_leaks(task, ref, added, source_dir, found) -> None:
     if source_dir is not None:
         history = _history_text(os.fspath(source_dir))
         if history is not None:
-            texts["<version-control history>"] = ("history", "\n".join(
-                ln[1:] for ln in history.splitlines() if ln[:1] in "+-"
-            ))  # fmt: skip
+            texts["<version-control history>"] = (
+                "history",
+                "\n".join(ln[1:] for ln in history.splitlines() if ln[:1] in "+-"),
+            )
     for path, (kind, text) in sorted(texts.items()):
         if body.strip() and body in text:
             found[kind].add(f"{path}: contains the gold patch's added text")
@@ -300,23 +319,26 @@ def leak_findings(
     return sorted({item for items in kinds.values() for item in items})
 
 
-def precheck(task: Any, *, repeats: int = 5, limits: Any = None, config: Any = None,
-             extra_pythonpath: Sequence[str] = (),
-             source_dir: str | os.PathLike | None = None,
-             tree_dir: str | os.PathLike | None = None) -> AuditReport:  # fmt: skip
+def precheck(
+    task: Any,
+    *,
+    repeats: int = 5,
+    limits: Any = None,
+    config: Any = None,
+    extra_pythonpath: Sequence[str] = (),
+    source_dir: str | os.PathLike | None = None,
+    tree_dir: str | os.PathLike | None = None,
+) -> AuditReport:
     """Execution pre-checks of one task in the sandbox (see the module docstring).
 
     Args:
-      task: a ``verify.RepoTask`` or its JSON dict.
+      task: a ``envs.repo.RepoTask`` or its JSON dict.
       repeats: runs of each patch (gold and empty); >= 2 to detect flakiness.
       limits, config, extra_pythonpath: passed to ``verify.verify_repo_patch``.
       source_dir: the task's directory, whose version-control history is searched for leaks.
       tree_dir: the agent's materialised tree, whose git data and files are checked for leaks.
     """
     import functools
-
-    from gagar_jax.verify import execution
-    from gagar_jax.verify.repo import DEFAULT_LIMITS
 
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"precheck: repeats must be an int >= 1, got {repeats!r}")
@@ -468,8 +490,7 @@ def parse_audit(
     """Validates one auditor submission against the task; raises ``AuditRejected``."""
     if not isinstance(obj, Mapping):
         raise AuditRejected(f"expected an object, got {type(obj).__name__}")
-    extra = set(obj) - {"underspecification", "test_validity", "difficulty", "category",
-                        "evidence"}  # fmt: skip
+    extra = set(obj) - {"underspecification", "test_validity", "difficulty", "category", "evidence"}
     if extra:
         raise AuditRejected(f"unknown fields {sorted(extra)}")
     under, valid = _score(obj, "underspecification"), _score(obj, "test_validity")
@@ -595,7 +616,7 @@ AUDIT_TOOLS = [
             "end_line": {"type": "integer"},
         },
         ["path"],
-    ),  # fmt: skip
+    ),
     _fn("read_tests", "The tests that decide the task: ids, test files, hidden test patch.", {}),
     _fn("read_examples", "Worked examples of audited tasks (when provided).", {}),
     _fn("show_gold_patch", "The reference solution (when provided).", {}),
@@ -623,7 +644,7 @@ AUDIT_TOOLS = [
             },
         },
         ["underspecification", "test_validity", "difficulty", "category", "evidence"],
-    ),  # fmt: skip
+    ),
 ]
 AUDIT_TOOL_NAMES = tuple(t["function"]["name"] for t in AUDIT_TOOLS)
 
@@ -696,9 +717,14 @@ class TaskAuditor:
         if vote is None:
             self.metrics["tasks_fallback"] += 1
         return TaskAudit(
-            task.task_id, vote, tuple(accepted), self.votes - len(accepted), self.aggregation,
-            self.prompt_version, tuple(reasons),
-        )  # fmt: skip
+            task.task_id,
+            vote,
+            tuple(accepted),
+            self.votes - len(accepted),
+            self.aggregation,
+            self.prompt_version,
+            tuple(reasons),
+        )
 
     def _tools(self) -> list[dict]:
         skip = set()
@@ -720,8 +746,10 @@ class TaskAuditor:
             end = min(len(lines), int(args.get("end_line", start + 199)), start + 199)
             return "\n".join(f"{n:5d}  {lines[n - 1]}" for n in range(start, end + 1)) or "(empty)"
         if name == "read_tests":
-            parts = ["fail_to_pass: " + ", ".join(task.fail_to_pass),
-                     "pass_to_pass: " + ", ".join(task.pass_to_pass)]  # fmt: skip
+            parts = [
+                "fail_to_pass: " + ", ".join(task.fail_to_pass),
+                "pass_to_pass: " + ", ".join(task.pass_to_pass),
+            ]
             for p in task.test_files:
                 if p in task.files:
                     parts.append(f"--- {p}\n{task.files[p]}")
@@ -779,18 +807,23 @@ class TaskAuditor:
                     "role": "assistant",
                     "content": str(content)[:4000],
                     **(
-                        {"tool_calls": [
-                            {"id": i, "type": "function",
-                             "function": {"name": n, "arguments": json.dumps(a)}}
-                            for i, n, a in good]}
-                        if good else {}
+                        {
+                            "tool_calls": [
+                                {
+                                    "id": i,
+                                    "type": "function",
+                                    "function": {"name": n, "arguments": json.dumps(a)},
+                                }
+                                for i, n, a in good
+                            ]
+                        }
+                        if good
+                        else {}
                     ),
                 }
-            )  # fmt: skip
+            )
             if not calls:
                 try:
-                    from gagar_jax.verify.browser_llm import OutputRejected, first_json_object
-
                     obj = first_json_object(content)
                 except OutputRejected as e:
                     last = AuditRejected(str(e))
@@ -802,8 +835,9 @@ class TaskAuditor:
             for call_id, name, args in good:
                 if name == "submit_audit":
                     try:
-                        return parse_audit(args, task, gold_shown=self.include_gold,
-                                           examples=self.examples)  # fmt: skip
+                        return parse_audit(
+                            args, task, gold_shown=self.include_gold, examples=self.examples
+                        )
                     except AuditRejected as e:
                         last = e
                         self.metrics["rejections"] += 1
@@ -837,8 +871,9 @@ class ScriptedAuditorPolicy:
 
     def chat_completions(self, messages, *, tools=None, max_tokens=1024, temperature=0.0):
         self.calls += 1
-        results = {m.get("tool_call_id"): m.get("content", "") for m in messages
-                   if m.get("role") == "tool"}  # fmt: skip
+        results = {
+            m.get("tool_call_id"): m.get("content", "") for m in messages if m.get("role") == "tool"
+        }
         names = {t["function"]["name"] for t in tools or ()}
         wanted = [("files", "list_files"), ("tests", "read_tests")]
         if "show_gold_patch" in names:
@@ -868,32 +903,66 @@ class ScriptedAuditorPolicy:
             under = 2
             evidence.append({"kind": "issue", "quote": " ".join(words[:3]), "note": "vague"})
         tests = results["tests"]
-        test_file = next((ln[4:] for ln in tests.splitlines() if ln.startswith("--- ")
-                          and not ln.startswith("--- hidden")), None)  # fmt: skip
+        test_file = next(
+            (
+                ln[4:]
+                for ln in tests.splitlines()
+                if ln.startswith("--- ") and not ln.startswith("--- hidden")
+            ),
+            None,
+        )
         calls = lambda c: re.search(rf"\b{re.escape(c)}\(", tests)  # noqa: E731
         if changed and not any(calls(c) for c in changed) and test_file:
             valid = 3
             line = 10_000 if self.first_invalid and not rejected else 1
-            evidence.append({"kind": "test", "path": test_file, "line": line,
-                             "note": "tests never call the changed code"})  # fmt: skip
+            evidence.append(
+                {
+                    "kind": "test",
+                    "path": test_file,
+                    "line": line,
+                    "note": "tests never call the changed code",
+                }
+            )
         size = sum(1 for ln in gold.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---"))
-        audit = {"underspecification": under, "test_validity": valid,
-                 "difficulty": "<15m" if size <= 4 else "15m-1h", "category": "bug_fix",
-                 "evidence": evidence}  # fmt: skip
+        audit = {
+            "underspecification": under,
+            "test_validity": valid,
+            "difficulty": "<15m" if size <= 4 else "15m-1h",
+            "category": "bug_fix",
+            "evidence": evidence,
+        }
         return _calls([(f"submit{rejected}", "submit_audit", audit)])
 
 
 def _calls(calls: list[tuple[str, str, dict]]) -> dict:
-    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": None,
-            "tool_calls": [{"id": i, "type": "function",
-                            "function": {"name": n, "arguments": json.dumps(a)}}
-                           for i, n, a in calls]}}]}  # fmt: skip
+    return {
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": i,
+                            "type": "function",
+                            "function": {"name": n, "arguments": json.dumps(a)},
+                        }
+                        for i, n, a in calls
+                    ],
+                },
+            }
+        ]
+    }
 
 
 def auditor_calibration(
-    audits: Sequence[TaskAudit], labels: Mapping[str, Mapping[str, bool]],
-    *, threshold: int = 2, prechecks: Sequence[AuditReport] = (),
-) -> dict[str, dict[str, float]]:  # fmt: skip
+    audits: Sequence[TaskAudit],
+    labels: Mapping[str, Mapping[str, bool]],
+    *,
+    threshold: int = 2,
+    prechecks: Sequence[AuditReport] = (),
+) -> dict[str, dict[str, float]]:
     """Precision/recall of the audit's flags against planted labels.
 
     ``labels[task_id]`` = ``{"unclear": bool, "invalid_tests": bool[, "leaked": bool]}``; a task
@@ -919,8 +988,11 @@ def auditor_calibration(
         out[key] = {
             "precision": tp / (tp + fp) if tp + fp else 1.0,
             "recall": tp / (tp + fn) if tp + fn else 1.0,
-            "tp": tp, "fp": fp, "fn": fn, "n": len(rows),
-        }  # fmt: skip
+            "tp": tp,
+            "fp": fp,
+            "fn": fn,
+            "n": len(rows),
+        }
     return out
 
 
@@ -974,8 +1046,13 @@ def load_pool(path: str | os.PathLike) -> list[PoolEntry]:
         return [PoolEntry.from_dict(json.loads(line)) for line in f if line.strip()]
 
 
-THRESHOLD_KEYS = ("require_precheck", "max_underspecification", "max_test_validity",
-                  "require_audit", "skip_saturated")  # fmt: skip
+THRESHOLD_KEYS = (
+    "require_precheck",
+    "max_underspecification",
+    "max_test_validity",
+    "require_audit",
+    "skip_saturated",
+)
 
 
 def _entry(x: Any) -> PoolEntry:

@@ -28,7 +28,9 @@ run with no report, or whose exit status contradicts the report, is never a pass
 writes one JSON line per instance ``{"instance_id", "gold", "empty", "flaky_tests",
 "infra_errors", "env_hash", "seconds"}`` (a status is the runs' common status, ``"flaky"`` when
 they differ), then a summary line; it exits 0 when every row was validated, whatever the
-statuses, and 1 when a row could not be (its line carries ``"error"``).
+statuses, and 1 when a row could not be (its line carries ``"error"``). The runs of all rows
+share one pool of ``--workers`` sandboxed runs (default: one per core), so the next rows are
+prepared while earlier ones run and no core idles behind one slow run.
 """
 
 from __future__ import annotations
@@ -43,11 +45,33 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-FIELDS = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement",
-          "hints_text", "created_at", "version", "FAIL_TO_PASS", "PASS_TO_PASS",
-          "environment_setup_commit")  # fmt: skip
-REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement",
-            "FAIL_TO_PASS")  # fmt: skip
+from gagar_jax.data import repos
+from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files
+from gagar_jax.verify.repo import verify_repo_patch
+
+FIELDS = (
+    "instance_id",
+    "repo",
+    "base_commit",
+    "patch",
+    "test_patch",
+    "problem_statement",
+    "hints_text",
+    "created_at",
+    "version",
+    "FAIL_TO_PASS",
+    "PASS_TO_PASS",
+    "environment_setup_commit",
+)
+REQUIRED = (
+    "instance_id",
+    "repo",
+    "base_commit",
+    "patch",
+    "test_patch",
+    "problem_statement",
+    "FAIL_TO_PASS",
+)
 OPTIONAL = ("test_cmd", "python_deps", "install")
 STATUSES = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL")
 RESOLVED_FULL, RESOLVED_PARTIAL, RESOLVED_NO = "RESOLVED_FULL", "RESOLVED_PARTIAL", "RESOLVED_NO"
@@ -103,8 +127,10 @@ def _tests(value: Any, field: str, where: str) -> tuple[str, ...]:
     if hasattr(value, "tolist"):  # numpy arrays from parquet
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
-        raise InstanceError(f"{where}: {field} must be a list of test id strings (or its JSON "
-                            f"encoding), got {type(value).__name__}")  # fmt: skip
+        raise InstanceError(
+            f"{where}: {field} must be a list of test id strings (or its JSON "
+            f"encoding), got {type(value).__name__}"
+        )
     return tuple(value)
 
 
@@ -115,8 +141,12 @@ def swesmith_row(row: Mapping[str, Any]) -> dict[str, Any]:
     top of the original; ``patch`` introduces the bug, so the fix is its reverse, computed at
     :func:`to_repo_task` from the branch and its parent."""
     out = dict(row)
-    out.update(base_commit=str(row.get("instance_id", "")), test_patch="", layout="swesmith",
-               environment_setup_commit=str(row.get("instance_id", "")))  # fmt: skip
+    out.update(
+        base_commit=str(row.get("instance_id", "")),
+        test_patch="",
+        layout="swesmith",
+        environment_setup_commit=str(row.get("instance_id", "")),
+    )
     return out
 
 
@@ -130,17 +160,17 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
     for key in REQUIRED:
         if key not in row or row[key] is None:
             raise InstanceError(f"{where}: missing field {key!r}")
-    for key in ("instance_id", "repo", "base_commit", "patch", "test_patch",
-                "problem_statement"):  # fmt: skip
+    for key in ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement"):
         if not isinstance(row[key], str):
-            raise InstanceError(f"{where}: {key} must be a string, got "
-                                f"{type(row[key]).__name__}")  # fmt: skip
+            raise InstanceError(f"{where}: {key} must be a string, got {type(row[key]).__name__}")
     if not re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", row["repo"]):
         raise InstanceError(f"{where}: repo must be 'owner/name', got {row['repo']!r}")
     f2p = _tests(row["FAIL_TO_PASS"], "FAIL_TO_PASS", where)
     if not f2p:
-        raise EmptyFailToPass(f"{where}: FAIL_TO_PASS is empty (a task needs at least one test "
-                              "that the fix makes pass)")  # fmt: skip
+        raise EmptyFailToPass(
+            f"{where}: FAIL_TO_PASS is empty (a task needs at least one test "
+            "that the fix makes pass)"
+        )
     p2p = _tests(row.get("PASS_TO_PASS"), "PASS_TO_PASS", where)
     deps = row.get("python_deps") or ()
     if isinstance(deps, str):
@@ -160,10 +190,19 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
             "install",
         )
     }
-    return SweInstance(row["instance_id"], row["repo"], row["base_commit"], row["patch"],
-                       row["test_patch"], row["problem_statement"], f2p, p2p,
-                       python_deps=tuple(deps), layout=str(row.get("layout") or "swebench"),
-                       **{k: str(v) for k, v in text.items()})  # fmt: skip
+    return SweInstance(
+        row["instance_id"],
+        row["repo"],
+        row["base_commit"],
+        row["patch"],
+        row["test_patch"],
+        row["problem_statement"],
+        f2p,
+        p2p,
+        python_deps=tuple(deps),
+        layout=str(row.get("layout") or "swebench"),
+        **{k: str(v) for k, v in text.items()},
+    )
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
@@ -230,8 +269,13 @@ def parse_log_pytest(log: str) -> dict[str, str]:
     return out
 
 
-_VERIFIER_STATUS = {"passed": "PASSED", "failed": "FAILED", "error": "ERROR",
-                    "skipped": "SKIPPED", "xfail": "XFAIL"}  # fmt: skip
+_VERIFIER_STATUS = {
+    "passed": "PASSED",
+    "failed": "FAILED",
+    "error": "ERROR",
+    "skipped": "SKIPPED",
+    "xfail": "XFAIL",
+}
 
 
 def _status_key(case: str, sm: Mapping[str, str]) -> str | None:
@@ -251,8 +295,9 @@ def normalise_status_map(sm: Mapping[str, str]) -> dict[str, str]:
     return {t: _VERIFIER_STATUS.get(s, s) for t, s in sm.items() if s != "missing"}
 
 
-def grade(status_map: Mapping[str, str], fail_to_pass: Sequence[str],
-          pass_to_pass: Sequence[str]) -> dict[str, Any]:  # fmt: skip
+def grade(
+    status_map: Mapping[str, str], fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]
+) -> dict[str, Any]:
     """swebench 5.0's report of one run: ``FAIL_TO_PASS``/``PASS_TO_PASS`` ``success`` and
     ``failure`` lists and ``resolved`` (RESOLVED_FULL / RESOLVED_PARTIAL / RESOLVED_NO)."""
     sm = normalise_status_map(status_map)
@@ -299,9 +344,7 @@ def to_repo_task(
     ``test_patch``, the gold ``patch`` as reference, the layout's ``pythonpath`` and (with
     ``build_envs``) the environment of ``python_deps`` or, without them, of the dependencies
     the repository declares."""
-    from gagar_jax.data import repos
     from gagar_jax.envs.repo import RepoTask
-    from gagar_jax.verify.diff import DiffError, touched_files
 
     files = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit, cache_dir)
     reference = inst.patch
@@ -320,32 +363,43 @@ def to_repo_task(
         reqs = list(inst.python_deps) or repos.package_requirements(files)
         env = repos.build_env(reqs, cache_dir=cache_dir)
         env_path, env_hash = env.path, env.env_hash
-    return RepoTask(task_id=inst.instance_id, issue=inst.problem_statement, files=files,
-                    fail_to_pass=inst.FAIL_TO_PASS, pass_to_pass=inst.PASS_TO_PASS,
-                    test_files=test_files, test_patch=inst.test_patch,
-                    reference_patch=reference, pythonpath=repos.detect_pythonpath(files),
-                    env_path=env_path, test_timeout_s=test_timeout_s,
-                    env_hash=env_hash)  # fmt: skip
+    return RepoTask(
+        task_id=inst.instance_id,
+        issue=inst.problem_statement,
+        files=files,
+        fail_to_pass=inst.FAIL_TO_PASS,
+        pass_to_pass=inst.PASS_TO_PASS,
+        test_files=test_files,
+        test_patch=inst.test_patch,
+        reference_patch=reference,
+        pythonpath=repos.detect_pythonpath(files),
+        env_path=env_path,
+        test_timeout_s=test_timeout_s,
+        env_hash=env_hash,
+    )
 
 
-def _swesmith_fix(inst: SweInstance, repos_dir: str, buggy: Mapping[str, str],
-                  cache_dir: str | None) -> str:  # fmt: skip
+def _swesmith_fix(
+    inst: SweInstance, repos_dir: str, buggy: Mapping[str, str], cache_dir: str | None
+) -> str:
     """The fix of a SWE-smith row: the bug branch's tree back to its parent's, checked against
     the row's bug patch."""
-    from gagar_jax.data import repos
     from gagar_jax.envs.repo import tree_patch
-    from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files
 
     parent = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit + "^", cache_dir)
     try:
         paths = touched_files(inst.patch)
         again = apply_unified_diff(parent, inst.patch)
     except DiffError as e:
-        raise InstanceError(f"{inst.instance_id}: the bug patch does not apply to the parent "
-                            f"of branch {inst.base_commit!r}: {e}") from e  # fmt: skip
+        raise InstanceError(
+            f"{inst.instance_id}: the bug patch does not apply to the parent "
+            f"of branch {inst.base_commit!r}: {e}"
+        ) from e
     if any(again.get(p) != buggy.get(p) for p in paths):
-        raise InstanceError(f"{inst.instance_id}: branch {inst.base_commit!r} is not its parent "
-                            "plus the row's bug patch")  # fmt: skip
+        raise InstanceError(
+            f"{inst.instance_id}: branch {inst.base_commit!r} is not its parent "
+            "plus the row's bug patch"
+        )
     return tree_patch(
         {p: buggy[p] for p in paths if p in buggy}, {p: parent[p] for p in paths if p in parent}
     )
@@ -364,27 +418,20 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def validate_task(task, runs: int = 3, *, workers: int = 1, **verify_kwargs) -> dict[str, Any]:
-    """Runs the gold and the empty patch ``runs`` times (``workers`` sandboxed runs at once);
-    the report line (without timing)."""
-    from concurrent.futures import ThreadPoolExecutor
+def _verify_job(task, patch: str, verify_kwargs: Mapping[str, Any]):
 
-    from gagar_jax.verify.repo import verify_repo_patch
+    return verify_repo_patch(task, patch, run_monitor=False, **verify_kwargs)
 
-    if not isinstance(runs, int) or runs < 1:
-        raise ValueError(f"runs must be an int >= 1, got {runs!r}")
-    kinds = (("gold", task.reference_patch), ("empty", ""))
-    jobs = [(kind, patch) for kind, patch in kinds for _ in range(runs)]
 
-    def one(job):
-        return job[0], verify_repo_patch(task, job[1], run_monitor=False, **verify_kwargs)
-
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = list(pool.map(one, jobs))
+def summarise_runs(task, results: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """The report line (without timing) of ``results``: ``(kind, RepoVerification)`` pairs,
+    kind ``"gold"`` or ``"empty"``. A kind's status is its runs' common status, ``"flaky"``
+    when they differ; a test is flaky when its outcome differs between runs of one kind
+    (infrastructure errors aside)."""
     out: dict[str, Any] = {"instance_id": task.task_id}
     flaky: set[str] = set()
     infra = 0
-    for kind, _ in kinds:
+    for kind in ("gold", "empty"):
         statuses, seen = [], {}
         for v in (v for k, v in results if k == kind):
             statuses.append(v.status)
@@ -394,49 +441,123 @@ def validate_task(task, runs: int = 3, *, workers: int = 1, **verify_kwargs) -> 
             for t, o in v.tests.items():
                 seen.setdefault(t, set()).add(o)
         flaky |= {t for t, os_ in seen.items() if len(os_) > 1}
-        out[kind] = statuses[0] if len(set(statuses)) == 1 else "flaky"
+        out[kind] = (statuses[0] if len(set(statuses)) == 1 else "flaky") if statuses else None
     out.update(flaky_tests=sorted(flaky), infra_errors=infra, env_hash=task.env_hash)
     return out
 
 
-def validate(instances_path: str, repos_dir: str, *, runs: int = 3, out_path: str | None = None,
-             cache_dir: str | None = None, log=print, emit=None,
-             workers: int | None = None) -> tuple[list[dict], bool]:  # fmt: skip
+def _jobs(task, runs: int) -> list[tuple[str, str]]:
+    if not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be an int >= 1, got {runs!r}")
+    # gold and empty interleaved: a row's runs of each kind spread over the pool's workers
+    return [job for _ in range(runs) for job in (("gold", task.reference_patch), ("empty", ""))]
+
+
+def validate_task(task, runs: int = 3, *, workers: int = 1, **verify_kwargs) -> dict[str, Any]:
+    """Runs the gold and the empty patch ``runs`` times (``workers`` sandboxed runs at once);
+    the report line (without timing)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = _jobs(task, runs)
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        results = list(pool.map(lambda j: (j[0], _verify_job(task, j[1], verify_kwargs)), jobs))
+    return summarise_runs(task, results)
+
+
+def validate(
+    instances_path: str,
+    repos_dir: str,
+    *,
+    runs: int = 3,
+    out_path: str | None = None,
+    cache_dir: str | None = None,
+    log=print,
+    emit=None,
+    workers: int | None = None,
+) -> tuple[list[dict], bool]:
     """Validates every row; returns (report lines, every row validated). ``emit`` gets each
-    line as it is made; ``log`` the summary."""
+    line as it is made (in the rows' order); ``log`` the summary.
+
+    All sandboxed runs of all rows go through one pool of ``workers`` threads (default
+    :func:`default_workers`): while the runs of earlier rows execute, the next rows' trees
+    and environments are prepared, and a slow run of one row overlaps with the runs of others.
+    A line's ``seconds`` is the time from its row's preparation to its last run's end (the
+    runs of several rows overlap, so the lines' seconds add up to more than the wall time)."""
+    import collections
+    from concurrent.futures import ThreadPoolExecutor
+
     t_all = time.monotonic()
     lines, ok = [], True
     insts = load_instances(instances_path)
+    workers = max(1, workers or default_workers())
+    if not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be an int >= 1, got {runs!r}")
     sink = open(out_path, "w", encoding="utf-8") if out_path else None  # noqa: SIM115
-    try:
-        for inst in insts:
-            t0 = time.monotonic()
+    # rows whose runs are queued or running; a bound keeps the prepared trees in memory few
+    pending: collections.deque = collections.deque()
+    max_pending = 2 * workers + 1
+
+    def finish(entry) -> None:
+        nonlocal ok
+        inst, t0, task, futures, error = entry
+        if error is None:
             try:
-                task = to_repo_task(inst, repos_dir, cache_dir=cache_dir)
-                rec = validate_task(task, runs, workers=workers or default_workers())
-            except Exception as e:  # noqa: BLE001 - one bad row is reported, the rest go on
-                ok = False
-                rec = {"instance_id": inst.instance_id, "gold": None, "empty": None,
-                       "flaky_tests": [], "infra_errors": 0, "env_hash": "",
-                       "error": f"{type(e).__name__}: {e}"}  # fmt: skip
-            rec["seconds"] = round(time.monotonic() - t0, 3)
-            lines.append(rec)
-            if emit:
-                emit(rec)
-            if sink:
-                sink.write(json.dumps(rec) + "\n")
-                sink.flush()
+                results = [(kind, f.result()) for kind, f in futures]
+                rec = summarise_runs(task, results)
+            except Exception as e:  # noqa: BLE001 - reported on the row's line
+                error = e
+        if error is not None:
+            ok = False
+            rec = {
+                "instance_id": inst.instance_id,
+                "gold": None,
+                "empty": None,
+                "flaky_tests": [],
+                "infra_errors": 0,
+                "env_hash": "",
+                "error": f"{type(error).__name__}: {error}",
+            }
+        rec["seconds"] = round(time.monotonic() - t0, 3)
+        lines.append(rec)
+        if emit:
+            emit(rec)
+        if sink:
+            sink.write(json.dumps(rec) + "\n")
+            sink.flush()
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for inst in insts:
+                while len(pending) >= max_pending:
+                    finish(pending.popleft())
+                t0 = time.monotonic()
+                try:
+                    task = to_repo_task(inst, repos_dir, cache_dir=cache_dir)
+                    futures = [
+                        (kind, pool.submit(_verify_job, task, patch, {}))
+                        for kind, patch in _jobs(task, runs)
+                    ]
+                    pending.append((inst, t0, task, futures, None))
+                except Exception as e:  # noqa: BLE001 - one bad row is reported, the rest go on
+                    pending.append((inst, t0, None, [], e))
+            while pending:
+                finish(pending.popleft())
     finally:
         if sink:
             sink.close()
     n = len(lines)
-    good = sum(1 for r in lines if r["gold"] == "passed" and r["empty"] == "failed"
-               and not r["flaky_tests"])  # fmt: skip
-    log(f"validated {sum('error' not in r for r in lines)}/{n} instances in "
-        f"{time.monotonic() - t_all:.1f}s: {good} sound (gold passed, empty failed, not flaky), "
-        f"{sum(bool(r['flaky_tests']) for r in lines)} flaky, "
+    good = sum(
+        1
+        for r in lines
+        if r["gold"] == "passed" and r["empty"] == "failed" and not r["flaky_tests"]
+    )
+    log(
+        f"validated {sum('error' not in r for r in lines)}/{n} instances in "
+        f"{time.monotonic() - t_all:.1f}s ({workers} runs at once): {good} sound (gold passed, "
+        f"empty failed, not flaky), {sum(bool(r['flaky_tests']) for r in lines)} flaky, "
         f"{sum(r['infra_errors'] for r in lines)} infra errors, "
-        f"{sum('error' in r for r in lines)} not validated")  # fmt: skip
+        f"{sum('error' in r for r in lines)} not validated"
+    )
     return lines, ok
 
 
@@ -444,8 +565,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gagar_jax.data.swe")
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="run each instance's gold and empty patch in the sandbox")
-    v.add_argument("--instances", required=True, help="SWE-bench-format rows (.jsonl/.json/"
-                   ".parquet)")  # fmt: skip
+    v.add_argument(
+        "--instances", required=True, help="SWE-bench-format rows (.jsonl/.json/.parquet)"
+    )
     v.add_argument("--repos", required=True, help="directory of owner__name repositories")
     v.add_argument("--runs", type=int, default=3)
     v.add_argument("--out", default=None, help="report JSONL (one line per instance)")
@@ -460,8 +582,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.runs < 1:
         ap.error("--runs must be >= 1")
     emit = None if args.out else (lambda rec: print(json.dumps(rec), flush=True))
-    _, ok = validate(args.instances, args.repos, runs=args.runs, out_path=args.out,
-                     cache_dir=args.cache, emit=emit, workers=args.workers)  # fmt: skip
+    _, ok = validate(
+        args.instances,
+        args.repos,
+        runs=args.runs,
+        out_path=args.out,
+        cache_dir=args.cache,
+        emit=emit,
+        workers=args.workers,
+    )
     return 0 if ok else 1
 
 

@@ -16,6 +16,12 @@ per-test timeout holds), and the issue text does not leak the fix (``audit.leak_
 issue is written from a versioned template (:data:`ISSUE_TEMPLATE_VERSION`) over the failing
 tests' output: the tests that fail and their assertion lines, never the changed code.
 
+Speed: a candidate runs only the tests covering it (sampled when many do) and a few other tests
+of the same files; its screening run counts as the first empty run and validation stops at the
+first run that rules it out; mutants whose run is slow are rejected; packages and candidates are
+worked on in parallel, their sandboxed runs bounded by ``--workers`` in all. Tests that fail when
+the suite runs in reverse order (order-dependent) are never used.
+
 Output: ``DIR/instances.jsonl`` (SWE-bench-format rows, ``gagar_jax.data.swe``) and
 ``DIR/repos/pypi__<package>/`` (a git repository: the pristine release on ``main`` and, per
 task, a commit with the bug on its own branch; ``base_commit`` is that commit, ``patch`` the
@@ -45,6 +51,11 @@ from typing import Any
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from gagar_jax.data import audit, repos, swe
+from gagar_jax.envs.repo import RepoTask, tree_patch
+from gagar_jax.verify.repo import env_site_packages, verify_repo_patch, write_tree
+from gagar_jax.verify.sandbox import Limits, python_for_sandbox, run_sandboxed
+
 ISSUE_TEMPLATE_VERSION = "synth-issue-v1"
 ISSUE_TEMPLATE = """\
 {title}
@@ -65,17 +76,39 @@ Expected: these tests pass, as they did before, without changing the tests.
 # ---------------------------------------------------------------------------------------------
 # Transforms
 # ---------------------------------------------------------------------------------------------
-_FLIP_BIN = {cst.Add: cst.Subtract, cst.Subtract: cst.Add, cst.Multiply: cst.FloorDivide,
-             cst.FloorDivide: cst.Multiply, cst.BitAnd: cst.BitOr, cst.BitOr: cst.BitAnd,
-             cst.LeftShift: cst.RightShift, cst.RightShift: cst.LeftShift,
-             cst.Modulo: cst.FloorDivide}  # fmt: skip
+_FLIP_BIN = {
+    cst.Add: cst.Subtract,
+    cst.Subtract: cst.Add,
+    cst.Multiply: cst.FloorDivide,
+    cst.FloorDivide: cst.Multiply,
+    cst.BitAnd: cst.BitOr,
+    cst.BitOr: cst.BitAnd,
+    cst.LeftShift: cst.RightShift,
+    cst.RightShift: cst.LeftShift,
+    cst.Modulo: cst.FloorDivide,
+}
 _FLIP_BOOL = {cst.And: cst.Or, cst.Or: cst.And}
-_FLIP_CMP = {cst.LessThan: cst.LessThanEqual, cst.LessThanEqual: cst.LessThan,
-             cst.GreaterThan: cst.GreaterThanEqual, cst.GreaterThanEqual: cst.GreaterThan,
-             cst.Equal: cst.NotEqual, cst.NotEqual: cst.Equal, cst.In: cst.NotIn,
-             cst.NotIn: cst.In, cst.Is: cst.IsNot, cst.IsNot: cst.Is}  # fmt: skip
-_NONCOMMUTATIVE = (cst.Subtract, cst.Divide, cst.FloorDivide, cst.Modulo, cst.Power,
-                   cst.LeftShift, cst.RightShift)  # fmt: skip
+_FLIP_CMP = {
+    cst.LessThan: cst.LessThanEqual,
+    cst.LessThanEqual: cst.LessThan,
+    cst.GreaterThan: cst.GreaterThanEqual,
+    cst.GreaterThanEqual: cst.GreaterThan,
+    cst.Equal: cst.NotEqual,
+    cst.NotEqual: cst.Equal,
+    cst.In: cst.NotIn,
+    cst.NotIn: cst.In,
+    cst.Is: cst.IsNot,
+    cst.IsNot: cst.Is,
+}
+_NONCOMMUTATIVE = (
+    cst.Subtract,
+    cst.Divide,
+    cst.FloorDivide,
+    cst.Modulo,
+    cst.Power,
+    cst.LeftShift,
+    cst.RightShift,
+)
 _PASS = cst.SimpleStatementLine([cst.Pass()])
 
 
@@ -100,17 +133,23 @@ def _t_flip_comparison(node):
     if isinstance(node, cst.Comparison) and len(node.comparisons) == 1:
         target = node.comparisons[0]
         if type(target.operator) in _FLIP_CMP:
-            return node.with_changes(comparisons=[target.with_changes(
-                operator=_FLIP_CMP[type(target.operator)]())])  # fmt: skip
+            return node.with_changes(
+                comparisons=[target.with_changes(operator=_FLIP_CMP[type(target.operator)]())]
+            )
     return None
 
 
 def _t_invert_condition(node):
     if isinstance(node, (cst.If, cst.While)):
-        return node.with_changes(test=cst.UnaryOperation(
-            operator=cst.Not(), expression=cst.ensure_type(
-                node.test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]),
-                cst.BaseExpression)))  # fmt: skip
+        return node.with_changes(
+            test=cst.UnaryOperation(
+                operator=cst.Not(),
+                expression=cst.ensure_type(
+                    node.test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]),
+                    cst.BaseExpression,
+                ),
+            )
+        )
     return None
 
 
@@ -188,8 +227,11 @@ TRANSFORMS: dict[str, Callable[[cst.CSTNode], cst.CSTNode | None]] = {
 def _def_lines(visitor, node: cst.FunctionDef) -> range:
     """Lines from the first decorator to the ``def`` (``co_firstlineno`` is the first)."""
     end = visitor.get_metadata(PositionProvider, node).start.line
-    start = (visitor.get_metadata(PositionProvider, node.decorators[0]).start.line
-             if node.decorators else end)  # fmt: skip
+    start = (
+        visitor.get_metadata(PositionProvider, node.decorators[0]).start.line
+        if node.decorators
+        else end
+    )
     return range(min(start, end), end + 1)
 
 
@@ -336,8 +378,13 @@ def functions_at(source: str) -> dict[int, str]:
 # Packages
 # ---------------------------------------------------------------------------------------------
 def _pip(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "pip", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def download_sdist(spec: str, dest: str) -> str:
@@ -350,8 +397,10 @@ def download_sdist(spec: str, dest: str) -> str:
     version = spec.split("==")[1] if "==" in spec else None
 
     def found():
-        pats = [f"{name}-{version or '*'}.tar.gz", f"{name.replace('_', '-')}-{version or '*'}"
-                ".tar.gz"]  # fmt: skip
+        pats = [
+            f"{name}-{version or '*'}.tar.gz",
+            f"{name.replace('_', '-')}-{version or '*'}.tar.gz",
+        ]
         hits = sorted({p for pat in pats for p in glob.glob(os.path.join(dest, pat))})
         return hits[-1] if hits and version else None
 
@@ -359,14 +408,16 @@ def download_sdist(spec: str, dest: str) -> str:
         return found()
     before = set(os.listdir(dest))
     for isolation in (["--no-build-isolation"], []):
-        r = _pip("download", "-q", "--no-deps", "--no-binary", ":all:", *isolation, "-d", dest,
-                 spec)  # fmt: skip
+        r = _pip(
+            "download", "-q", "--no-deps", "--no-binary", ":all:", *isolation, "-d", dest, spec
+        )
         if r.returncode == 0:
             break
     else:
         raise RuntimeError(f"pip download {spec} failed: {r.stderr.strip()[-800:]}")
-    new = sorted(set(os.listdir(dest)) - before) or [os.path.basename(p) for p in glob.glob(
-        os.path.join(dest, f"{name}-*.tar.gz"))]  # fmt: skip
+    new = sorted(set(os.listdir(dest)) - before) or [
+        os.path.basename(p) for p in glob.glob(os.path.join(dest, f"{name}-*.tar.gz"))
+    ]
     tars = [n for n in new if n.endswith((".tar.gz", ".zip"))]
     if not tars:
         raise RuntimeError(f"pip download {spec}: no source distribution in {dest}")
@@ -399,19 +450,22 @@ def _clean_tree(files: dict[str, str]) -> dict[str, str]:
 def _trace_dir() -> str:
     d = tempfile.mkdtemp(prefix="gagar_synth_trace_")
     dst = os.path.join(d, "_gagar_synth_trace.py")
-    shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "synth_trace.py"),
-                    dst)  # fmt: skip
+    shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "synth_trace.py"), dst)
     os.chmod(dst, 0o444)
     os.chmod(d, 0o555)
     return d
 
 
-def trace_suite(files: Mapping[str, str], env_path: str, pythonpath: Sequence[str], *,
-                timeout_s: float, wall_s: float = 900) -> dict[str, Any]:  # fmt: skip
+def trace_suite(
+    files: Mapping[str, str],
+    env_path: str,
+    pythonpath: Sequence[str],
+    *,
+    timeout_s: float,
+    wall_s: float = 900,
+) -> dict[str, Any]:
     """Runs the whole suite once in the sandbox; ``{"calls": {test: [[path, line]...]},
     "outcomes": {test: outcome}, "seconds": wall}``."""
-    from gagar_jax.verify.repo import env_site_packages, write_tree
-    from gagar_jax.verify.sandbox import Limits, python_for_sandbox, run_sandboxed
 
     exe, _ = python_for_sandbox()
     paths = (_trace_dir(), *env_site_packages(env_path))
@@ -425,16 +479,29 @@ def trace_suite(files: Mapping[str, str], env_path: str, pythonpath: Sequence[st
         argv = [exe, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                 "_gagar_synth_trace", "-p", "pytest_timeout", "-o", f"timeout={timeout_s:g}",
                 "-o", "addopts=", "-o", "pythonpath=" + " ".join((".", *pythonpath)),
-                "-o", "console_output_style=classic"]  # fmt: skip
+                "-o", "console_output_style=classic",
+                # a test module that cannot be imported (a test-only dependency the environment
+                # lacks) leaves its tests out, not the whole suite
+                "--continue-on-collection-errors"]  # fmt: skip  # argv pairs
         env = {
             "PYTHONPATH": ":".join(paths),
             "PYTHONNOUSERSITE": "1",
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
             "GAGAR_TRACE_OUT": ".gagar_trace.json",
         }
-        r = run_sandboxed(argv, work, Limits(wall_s=wall_s, cpu_s=int(wall_s), memory_bytes=4 << 30,
-                                             nproc=256, disk_bytes=1 << 30),
-                          env=env, ro_paths=paths)  # fmt: skip
+        r = run_sandboxed(
+            argv,
+            work,
+            Limits(
+                wall_s=wall_s,
+                cpu_s=int(wall_s),
+                memory_bytes=4 << 30,
+                nproc=256,
+                disk_bytes=1 << 30,
+            ),
+            env=env,
+            ro_paths=paths,
+        )
         out = os.path.join(work, ".gagar_trace.json")
         if not os.path.isfile(out):
             raise RuntimeError(
@@ -452,13 +519,32 @@ def trace_suite(files: Mapping[str, str], env_path: str, pythonpath: Sequence[st
 # ---------------------------------------------------------------------------------------------
 # Issue text
 # ---------------------------------------------------------------------------------------------
+_SECTION = re.compile(r"^_{3,} (.+?) _{3,}$")
+
+
+def _section_names(test_id: str) -> set[str]:
+    """The headers pytest gives a test's failure/error sections (``test_x``, ``Class.test_x``,
+    ``ERROR at setup of test_x`` ...)."""
+    name = ".".join(test_id.split("::")[1:]) or test_id
+    return {name, *(f"ERROR at {when} of {name}" for when in ("setup", "teardown", "call"))}
+
+
 def failure_evidence(test_log: str, failing: Sequence[str], max_lines: int = 8) -> str:
-    """The assertion/exception lines (pytest's ``E`` lines and the short summary's messages)
-    of the failing tests' output; never source lines."""
-    lines = []
+    """The assertion/exception lines (pytest's ``E`` lines) of the failing tests' output; never
+    source lines. Lines inside a failure section of another test (the verifier's hidden canary
+    tests, a test that is not fail-to-pass) are left out."""
+    wanted = set().union(*(_section_names(t) for t in failing)) if failing else set()
+    lines, keep = [], True
     for ln in test_log.splitlines():
         s = ln.rstrip()
-        if s.startswith("E ") and s[1:].strip():
+        m = _SECTION.match(s)
+        if m:
+            keep = m.group(1).strip() in wanted
+            continue
+        if s.startswith("=") or s.startswith("--- "):
+            keep = True  # the end of the failure sections (or of the verifier's log part)
+            continue
+        if keep and s.startswith("E ") and s[1:].strip():
             lines.append(s[1:].strip())
     lines = list(dict.fromkeys(lines))[:max_lines]
     return "\n".join(lines) if lines else "(the tests fail without an assertion message)"
@@ -468,11 +554,16 @@ def issue_text(package: str, failing: Sequence[str], test_log: str) -> str:
     """The issue of a synthesised bug, from :data:`ISSUE_TEMPLATE` (the symptom only)."""
     first = failing[0].split("::")[-1]
     title = f"{first} fails" + (f" (and {len(failing) - 1} more)" if len(failing) > 1 else "")
-    shown = list(failing[:10]) + ([f"... and {len(failing) - 10} more"] if len(failing) > 10
-                                  else [])  # fmt: skip
-    return ISSUE_TEMPLATE.format(title=title, package=package, n_fail=len(failing),
-                                 failing="\n".join(f"- `{t}`" for t in shown),
-                                 evidence=failure_evidence(test_log, failing))  # fmt: skip
+    shown = list(failing[:10]) + (
+        [f"... and {len(failing) - 10} more"] if len(failing) > 10 else []
+    )
+    return ISSUE_TEMPLATE.format(
+        title=title,
+        package=package,
+        n_fail=len(failing),
+        failing="\n".join(f"- `{t}`" for t in shown),
+        evidence=failure_evidence(test_log, failing),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,6 +575,8 @@ class Stats:
     candidates: int = 0
     screened: int = 0
     kept: int = 0
+    p2p_dropped: int = 0  # candidates whose order-dependent pass-to-pass tests were dropped
+    order_dependent: int = 0  # passing tests of the suite that fail in reverse order
     rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     transforms_kept: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     env_seconds: float = 0.0
@@ -536,30 +629,109 @@ def _candidates(files, calls, passing, rng) -> Iterator[tuple[str, int, str, str
 
 def _is_test_file(path: str) -> bool:
     base = os.path.basename(path)
-    return (base.startswith("test_") or base.endswith("_test.py") or base == "conftest.py"
-            or "/tests/" in "/" + path or "/test/" in "/" + path)  # fmt: skip
+    return (
+        base.startswith("test_")
+        or base.endswith("_test.py")
+        or base == "conftest.py"
+        or "/tests/" in "/" + path
+        or "/test/" in "/" + path
+    )
 
 
-def _tests_covering(calls, passing, path, line) -> list[str]:
-    return sorted(t for t in passing if [path, line] in calls.get(t, ()))
+def coverage_index(calls: Mapping[str, Sequence], passing) -> dict[tuple[str, int], list[str]]:
+    """``{(path, function's first line): [passing tests that call it]}`` (sorted)."""
+    out: dict[tuple[str, int], list[str]] = collections.defaultdict(list)
+    for test in sorted(passing):
+        for path, line in calls.get(test, ()):
+            out[(path, line)].append(test)
+    return dict(out)
 
 
-def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: str | None = None,
-                       runs: int = 3, seed: int = 0, test_timeout_s: float = 10.0,
-                       max_candidates: int = 200, max_p2p: int = 20, workers: int = 1,
-                       log: Callable[[str], None] = print) -> tuple[list[dict], Stats]:  # fmt: skip
+def _run_ids(
+    covering: Sequence[str], passing, rng, max_p2p: int, max_covering: int = 40
+) -> tuple[str, ...]:
+    """The tests a candidate runs: the tests that cover it (a sample of ``max_covering`` when
+    more do: a function every parametrised case of a large suite calls would make slow,
+    thousand-test tasks) and up to ``max_p2p`` other passing tests of the same files (the
+    pass-to-pass candidates); only these files are collected."""
+    covering = list(covering)
+    if len(covering) > max_covering:
+        covering = sorted(rng.sample(covering, max_covering))
+    files = {c.split("::")[0] for c in covering}
+    chosen = set(covering)
+    others = sorted(t for t in passing if t.split("::")[0] in files and t not in chosen)
+    rng.shuffle(others)
+    return tuple(covering + others[:max_p2p])
+
+
+def _validate_early(task, screen, runs: int, verify, gate) -> tuple[dict[str, Any], Any]:
+    """swe's validation line of ``task`` (gold ``runs`` times, empty ``runs`` times), stopping
+    at the first run that rules the task out (gold not passed, empty not failed, a test whose
+    outcome changed): the line then carries the statuses seen so far. ``screen`` (the
+    screening run of the same tests on the buggy tree, or None) counts as the first empty run.
+    Runs alternate gold, empty, gold ... so that a broken fix is seen after one run. Returns
+    (the line, the first gold run)."""
+
+    results = [("empty", screen)] if screen is not None else []
+    first_gold = None
+    kinds = ["gold", "empty"] * runs
+    if screen is not None:
+        kinds.pop()  # the screening run was the first empty one
+    for kind in kinds:
+        with gate:
+            v = verify(task, task.reference_patch if kind == "gold" else "")
+        first_gold = first_gold or (v if kind == "gold" else None)
+        results.append((kind, v))
+        rep = swe.summarise_runs(task, results)
+        want = "passed" if kind == "gold" else "failed"
+        if v.status != want or rep["flaky_tests"]:
+            return rep, first_gold
+    return swe.summarise_runs(task, results), first_gold
+
+
+def _order_dependent(gold, f2p: Sequence[str], p2p: Sequence[str]) -> set[str]:
+    """Pass-to-pass tests that failed under the fix while every fail-to-pass test passed: they
+    passed in the screening run, whose test order differs (fail-to-pass tests run first in
+    the task), so they depend on the order of the tests (e.g. on state another test sets)."""
+    if gold is None or gold.status in ("infra_error", "timeout", "resource_killed"):
+        return set()
+    if not all(gold.tests.get(t) == "passed" for t in f2p):
+        return set()
+    return {t for t in p2p if gold.tests.get(t) not in ("passed", "skipped")}
+
+
+def make_package_tasks(
+    spec: str,
+    out_dir: str,
+    *,
+    max_tasks: int,
+    cache_dir: str | None = None,
+    runs: int = 3,
+    seed: int = 0,
+    test_timeout_s: float = 10.0,
+    max_candidates: int = 200,
+    max_p2p: int = 20,
+    workers: int = 1,
+    max_run_s: float = 10.0,
+    run_gate=None,
+    log: Callable[[str], None] = print,
+) -> tuple[list[dict], Stats]:
     """Tasks of one package (SWE-bench rows) and their statistics; the repository goes to
-    ``out_dir/repos/pypi__<name>``."""
-    from gagar_jax.data import audit, repos, swe
-    from gagar_jax.envs.repo import RepoTask, tree_patch
-    from gagar_jax.verify.repo import verify_repo_patch
-    from gagar_jax.verify.sandbox import Limits
+    ``out_dir/repos/pypi__<name>``.
+
+    ``workers`` candidates are screened and validated at once (threads); ``run_gate`` (a
+    semaphore shared by packages made at the same time) bounds the sandboxed runs of all of
+    them. A candidate is validated with early rejection (:func:`_validate_early`); a mutant
+    whose screening run takes longer than ``max_run_s`` is rejected (``slow_run``): every
+    rollout of such a task would pay for it."""
+    import threading
 
     t0 = time.monotonic()
     name = spec.split("==")[0]
     stats = Stats(spec)
     cache = os.path.abspath(cache_dir or repos.default_cache_dir())
     work = tempfile.mkdtemp(prefix=f"gagar_synth_{name}_")
+    gate = run_gate if run_gate is not None else threading.BoundedSemaphore(max(1, workers))
     rows: list[dict] = []
     try:
         sdist = download_sdist(spec, os.path.join(cache, "sdists"))
@@ -573,13 +745,42 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             f"{spec}: {len(files)} files, env {env.env_hash[:12]} "
             f"({'reused' if env.reused else 'built'} in {env.seconds:.1f}s)"
         )
-        trace = trace_suite(files, env.path, pythonpath, timeout_s=test_timeout_s)
+        with gate:
+            trace = trace_suite(files, env.path, pythonpath, timeout_s=test_timeout_s)
         stats.suite_seconds = trace["seconds"]
         passing = {t for t, o in trace["outcomes"].items() if o == "passed" and "::" in t}
         log(
             f"{spec}: suite {len(trace['outcomes'])} tests, {len(passing)} pass "
             f"({trace['seconds']:.1f}s)"
         )
+        # A task runs its fail-to-pass tests first: a test that passes only after another one
+        # (state a test sets on its class or module) would fail under the fix. Running the
+        # passing tests once in reverse order finds them; they are left out.
+        order = [t for t in trace["outcomes"] if t in passing][::-1]
+        rev = RepoTask(
+            "order-check",
+            "",
+            files,
+            tuple(order),
+            test_timeout_s=test_timeout_s,
+            env_path=env.path,
+            pythonpath=pythonpath,
+        )
+        with gate:
+            rv = verify_repo_patch(
+                rev,
+                "",
+                limits=Limits(wall_s=900, cpu_s=900, memory_bytes=4 << 30, nproc=256),
+                run_monitor=False,
+            )
+        if rv.status in ("passed", "failed"):
+            stats.order_dependent = sum(rv.tests.get(t) != "passed" for t in passing)
+            passing = {t for t in passing if rv.tests.get(t) == "passed"}
+            log(f"{spec}: {stats.order_dependent} tests fail in reverse order (left out)")
+        else:
+            raise RuntimeError(
+                f"the reverse-order run of the suite ended {rv.status}: {rv.test_log[-600:]}"
+            )
         key = "pypi__" + re.sub(r"[^\w.-]", "_", name.lower())
         repo_name = key.replace("__", "/", 1)
         store = os.path.join(out_dir, "repos", key)
@@ -587,83 +788,180 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
             shutil.rmtree(store)
         os.makedirs(store)
         repos.git("init", "-q", "-b", "main", cwd=store)
-        from gagar_jax.verify.repo import write_tree
-
         write_tree(store, files)
         repos.git("add", "-A", cwd=store)
         repos.git("commit", "-q", "--no-verify", "-m", f"{spec} (pristine)", cwd=store)
         rng = random.Random(f"{seed}:{spec}")
-        limits = Limits(wall_s=max(60.0, 4 * test_timeout_s + 30), cpu_s=300,
-                        memory_bytes=2 << 30, nproc=128)  # fmt: skip
+        limits = Limits(
+            wall_s=max(60.0, 4 * test_timeout_s + 30), cpu_s=300, memory_bytes=2 << 30, nproc=128
+        )
+        lock = threading.Condition()
+        errors: list[BaseException] = []
         seen_funcs: collections.Counter = collections.Counter()
-        for path, line, func, transform, site in _candidates(files, trace["calls"], passing, rng):
-            if stats.kept >= max_tasks or stats.candidates >= max_candidates:
-                break
-            if seen_funcs[(path, func)] >= 2:  # spread the tasks over functions
-                continue
-            stats.candidates += 1
+        in_flight = [0]
+        cands = _candidates(files, trace["calls"], passing, rng)
+        index = coverage_index(trace["calls"], passing)
+
+        # a screening run longer than max_run_s is rejected anyway: its limit ends it soon after
+        screen_limits = dataclasses.replace(limits, wall_s=min(limits.wall_s, max_run_s + 5))
+
+        def verify(task, patch, lim=limits):
+            return verify_repo_patch(task, patch, limits=lim, run_monitor=False)
+
+        def take():
+            """The next candidate worth trying, or None when the package is done; waits while
+            the candidates in flight could still fill the quota."""
+            with lock:
+                while True:
+                    if errors or stats.kept >= max_tasks or stats.candidates >= max_candidates:
+                        return None
+                    if stats.kept + in_flight[0] < max_tasks:
+                        break
+                    lock.wait()
+                for cand in cands:
+                    if seen_funcs[(cand[0], cand[2])] >= 2:  # spread tasks over functions
+                        continue
+                    stats.candidates += 1
+                    in_flight[0] += 1
+                    seen_funcs[(cand[0], cand[2])] += 1  # released if it is rejected
+                    return cand, random.Random(rng.random())
+                return None
+
+        def reject(cand, reason):
+            with lock:
+                stats.rejected[reason] += 1
+                seen_funcs[(cand[0], cand[2])] -= 1
+
+        def attempt(cand, crng) -> None:
+            path, line, func, transform, site = cand
             mutant = mutate(files[path], line, transform, site)
             if mutant is None:
-                stats.rejected["no_change"] += 1
-                continue
+                return reject(cand, "no_change")
             buggy = {**files, path: mutant}
-            covering = _tests_covering(trace["calls"], passing, path, line)
-            same_files = sorted(
-                {t for t in passing if t.split("::")[0] in {c.split("::")[0] for c in covering}}
+            covering = index.get((path, line), [])
+            run_ids = _run_ids(covering, passing, crng, max_p2p)
+            with lock:
+                stats.screened += 1
+            probe = RepoTask(
+                "probe",
+                "",
+                buggy,
+                run_ids,
+                test_timeout_s=test_timeout_s,
+                env_path=env.path,
+                pythonpath=pythonpath,
+                env_hash=env.env_hash,
             )
-            others = [t for t in same_files if t not in covering]
-            rng.shuffle(others)
-            run_ids = tuple(covering + others[:max_p2p])
-            stats.screened += 1
-            probe = RepoTask("probe", "", buggy, run_ids, test_timeout_s=test_timeout_s,
-                             env_path=env.path, pythonpath=pythonpath)  # fmt: skip
-            v = verify_repo_patch(probe, "", limits=limits, run_monitor=False)
-            if v.status in ("infra_error", "timeout", "resource_killed"):
-                stats.rejected[f"screen_{v.status}"] += 1
-                continue
+            with gate:
+                v = verify(probe, "", screen_limits)
+            if v.status == "timeout":
+                return reject(cand, "slow_run")
+            if v.status in ("infra_error", "resource_killed"):
+                return reject(cand, f"screen_{v.status}")
+            if v.sandbox is not None and v.sandbox.wall_s > max_run_s:
+                return reject(cand, "slow_run")
             f2p = tuple(t for t in run_ids if v.tests.get(t) != "passed")
             p2p = tuple(t for t in run_ids if v.tests.get(t) == "passed")
             if not f2p:
-                stats.rejected["no_fail_to_pass"] += 1
-                continue
+                return reject(cand, "no_fail_to_pass")
             if not p2p:
-                stats.rejected["no_pass_to_pass"] += 1
-                continue
+                return reject(cand, "no_pass_to_pass")
             fix = tree_patch(buggy, files)
-            tid = f"{key}.{stats.kept + 1:04d}"
             issue = issue_text(name, f2p, v.test_log)
             test_paths = tuple(sorted({t.split("::")[0] for t in run_ids}))
-            task = RepoTask(tid, issue, buggy, f2p, p2p, test_files=test_paths,
-                            reference_patch=fix, pythonpath=pythonpath, env_path=env.path,
-                            test_timeout_s=test_timeout_s, env_hash=env.env_hash)  # fmt: skip
+            task = RepoTask(
+                f"{key}.candidate",
+                issue,
+                buggy,
+                f2p,
+                p2p,
+                test_files=test_paths,
+                reference_patch=fix,
+                pythonpath=pythonpath,
+                env_path=env.path,
+                test_timeout_s=test_timeout_s,
+                env_hash=env.env_hash,
+            )
             if "issue_text" in audit.leak_kinds(task):
-                stats.rejected["issue_leaks_fix"] += 1
-                continue
-            rep = swe.validate_task(task, runs, workers=workers, limits=limits)
-            if rep["gold"] != "passed" or rep["empty"] != "failed" or rep["flaky_tests"]:
-                stats.rejected["validation"] += 1
-                continue
-            branch = f"task/{tid}"
-            repos.git("checkout", "-q", "-b", branch, "main", cwd=store)
-            with open(os.path.join(store, path), "w", encoding="utf-8") as f:
-                f.write(mutant)
-            repos.git("commit", "-q", "--no-verify", "-am", "base", cwd=store)
-            sha = repos.git("rev-parse", "HEAD", cwd=store).stdout.decode().strip()
-            repos.git("checkout", "-q", "main", cwd=store)
-            rows.append(swe.SweInstance(
-                tid, repo_name, sha, fix, "", issue, f2p, p2p, hints_text="",
-                created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                version=spec.split("==")[1] if "==" in spec else "",
-                environment_setup_commit=sha, test_cmd="pytest", python_deps=tuple(deps),
-                install="pythonpath").to_row() | {
-                    "synth": {"transform": transform, "file": path, "function": func,
-                              "template": ISSUE_TEMPLATE_VERSION}})  # fmt: skip
-            stats.kept += 1
-            stats.transforms_kept[transform] += 1
-            seen_funcs[(path, func)] += 1
+                return reject(cand, "issue_leaks_fix")
+            rep, gold = _validate_early(task, v, runs, verify, gate)
+            odd = _order_dependent(gold, f2p, p2p) if rep["gold"] != "passed" else set()
+            if odd and len(odd) < len(p2p):
+                # drop them and validate again from scratch (the screening run had them)
+                with lock:
+                    stats.p2p_dropped += 1
+                p2p = tuple(t for t in p2p if t not in odd)
+                task = dataclasses.replace(task, pass_to_pass=p2p)
+                rep, _ = _validate_early(task, None, runs, verify, gate)
+            if rep["gold"] != "passed":
+                return reject(cand, "validation_gold")
+            if rep["empty"] != "failed" or rep["flaky_tests"]:
+                return reject(
+                    cand, "validation_empty" if not rep["flaky_tests"] else "validation_flaky"
+                )
+            with lock:
+                tid = f"{key}.{stats.kept + 1:04d}"
+                branch = f"task/{tid}"
+                repos.git("checkout", "-q", "-b", branch, "main", cwd=store)
+                with open(os.path.join(store, path), "w", encoding="utf-8") as f:
+                    f.write(mutant)
+                repos.git("commit", "-q", "--no-verify", "-am", "base", cwd=store)
+                sha = repos.git("rev-parse", "HEAD", cwd=store).stdout.decode().strip()
+                repos.git("checkout", "-q", "main", cwd=store)
+                rows.append(
+                    swe.SweInstance(
+                        tid,
+                        repo_name,
+                        sha,
+                        fix,
+                        "",
+                        issue,
+                        f2p,
+                        p2p,
+                        hints_text="",
+                        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        version=spec.split("==")[1] if "==" in spec else "",
+                        environment_setup_commit=sha,
+                        test_cmd="pytest",
+                        python_deps=tuple(deps),
+                        install="pythonpath",
+                    ).to_row()
+                    | {
+                        "synth": {
+                            "transform": transform,
+                            "file": path,
+                            "function": func,
+                            "template": ISSUE_TEMPLATE_VERSION,
+                        }
+                    }
+                )
+                stats.kept += 1
+                stats.transforms_kept[transform] += 1
             log(
                 f"{spec}: task {tid} ({transform} in {path}:{func}; F2P {len(f2p)}, P2P {len(p2p)})"
             )
+
+        def worker() -> None:
+            while True:
+                got = take()
+                if got is None:
+                    return
+                try:
+                    attempt(*got)
+                except BaseException as e:  # noqa: BLE001 - ends the package, reported below
+                    errors.append(e)
+                finally:
+                    with lock:
+                        in_flight[0] -= 1
+                        lock.notify_all()
+
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, workers))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
     except Exception as e:  # noqa: BLE001 - one package's failure is reported, others go on
         stats.error = f"{type(e).__name__}: {e}"
         log(f"{spec}: failed: {stats.error}")
@@ -671,6 +969,17 @@ def make_package_tasks(spec: str, out_dir: str, *, max_tasks: int, cache_dir: st
         shutil.rmtree(work, ignore_errors=True)
         stats.seconds = time.monotonic() - t0
     return rows, stats
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (the sandboxed runs)."""
+    import resource
+
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -688,26 +997,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--workers",
         type=int,
         default=None,
-        help="sandboxed validation runs at once (default: one per core, at most 4)",
+        help="sandboxed runs at once, over all packages (default: one per core, at most 4); "
+        "as many packages are made at once, each trying as many candidates at once",
+    )
+    ap.add_argument(
+        "--max-run-seconds",
+        type=float,
+        default=10.0,
+        help="a mutant whose screening run takes longer is rejected (slow_run)",
     )
     ap.add_argument("--cache", default=None, help="sdist/environment cache directory")
     args = ap.parse_args(argv)
-    from gagar_jax.data import swe
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     specs = [p.strip() for p in args.packages.split(",") if p.strip()]
     if not specs:
         ap.error("--packages names no package")
     os.makedirs(os.path.join(args.out, "repos"), exist_ok=True)
     t0 = time.monotonic()
+    load_start = os.getloadavg()
+    workers = max(1, args.workers or swe.default_workers())
+    gate = threading.BoundedSemaphore(workers)  # sandboxed runs at once, all packages together
     all_rows, all_stats = [], []
     path = os.path.join(args.out, "instances.jsonl")
-    with open(path, "w", encoding="utf-8") as f:
-        for spec in specs:
-            rows, stats = make_package_tasks(
-                spec, args.out, max_tasks=args.tasks_per_package, cache_dir=args.cache,
-                runs=args.runs, seed=args.seed, test_timeout_s=args.test_timeout,
-                max_candidates=args.max_candidates,
-                workers=args.workers or swe.default_workers())  # fmt: skip
+
+    def one(spec):
+        return make_package_tasks(
+            spec,
+            args.out,
+            max_tasks=args.tasks_per_package,
+            cache_dir=args.cache,
+            runs=args.runs,
+            seed=args.seed,
+            test_timeout_s=args.test_timeout,
+            max_candidates=args.max_candidates,
+            workers=workers,
+            max_run_s=args.max_run_seconds,
+            run_gate=gate,
+        )
+
+    with open(path, "w", encoding="utf-8") as f, ThreadPoolExecutor(workers) as pool:
+        for rows, stats in pool.map(one, specs):  # in the packages' order
             for r in rows:
                 f.write(json.dumps(r) + "\n")
             f.flush()
@@ -718,20 +1049,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in all_stats:
         mix.update(s.transforms_kept)
     screened = sum(s.screened for s in all_stats)
-    summary = {"tasks": len(all_rows), "packages": len(specs),
-               "packages_with_tasks": sum(s.kept > 0 for s in all_stats),
-               "seconds": round(wall, 1),
-               "tasks_per_hour": round(len(all_rows) / wall * 3600, 1) if wall else 0.0,
-               "seconds_per_task": round(wall / len(all_rows), 1) if all_rows else None,
-               "yield": round(len(all_rows) / screened, 3) if screened else 0.0,
-               "transform_mix": dict(mix), "template": ISSUE_TEMPLATE_VERSION,
-               "per_package": [s.to_dict() for s in all_stats]}  # fmt: skip
+    summary = {
+        "tasks": len(all_rows),
+        "packages": len(specs),
+        "packages_with_tasks": sum(s.kept > 0 for s in all_stats),
+        "seconds": round(wall, 1),
+        "tasks_per_hour": round(len(all_rows) / wall * 3600, 1) if wall else 0.0,
+        "seconds_per_task": round(wall / len(all_rows), 1) if all_rows else None,
+        "yield": round(len(all_rows) / screened, 3) if screened else 0.0,
+        "transform_mix": dict(mix),
+        "template": ISSUE_TEMPLATE_VERSION,
+        "workers": workers,
+        "cpu_seconds": round(_cpu_seconds(), 1),
+        "load_start": [round(x, 2) for x in load_start],
+        "load_end": [round(x, 2) for x in os.getloadavg()],
+        "per_package": [s.to_dict() for s in all_stats],
+    }
     with open(os.path.join(args.out, "synth_stats.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(
         f"{len(all_rows)} tasks from {summary['packages_with_tasks']}/{len(specs)} packages "
         f"in {wall:.0f}s ({summary['tasks_per_hour']} tasks/hour, yield "
-        f"{summary['yield']:.0%} of screened mutants); mix {dict(mix)} -> {path}"
+        f"{summary['yield']:.0%} of screened mutants, {summary['cpu_seconds']} CPU-s, load "
+        f"{summary['load_start'][0]} -> {summary['load_end'][0]}); mix {dict(mix)} -> {path}"
     )
     return 0 if all_rows else 1
 

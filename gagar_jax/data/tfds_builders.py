@@ -122,8 +122,9 @@ class ToyTasks(tfds.core.GeneratorBasedBuilder):
         if c.difficulty not in (1, 2, 3):
             raise ValueError(f"ToyTasksConfig.difficulty must be 1, 2 or 3, got {c.difficulty}")
         if c.num_train < 0 or c.num_test < 0:
-            raise ValueError(f"ToyTasksConfig num_train/num_test must be >= 0, got "
-                             f"{c.num_train}/{c.num_test}")  # fmt: skip
+            raise ValueError(
+                f"ToyTasksConfig num_train/num_test must be >= 0, got {c.num_train}/{c.num_test}"
+            )
         audits = _read_audits(epath(c.audit_path)) if c.audit_path else {}
         return {
             "train": self._generate_examples(c.seed, c.num_train, audits),

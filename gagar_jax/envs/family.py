@@ -32,6 +32,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from gagar_jax.grading.evidence_tokens import TokenSpans
 from gagar_jax.verify.flags import MonitorFlag
 
 
@@ -277,8 +278,6 @@ class TaskFamily(abc.ABC):
         del task
         if attempt.episode is None:
             return None
-        from gagar_jax.grading.evidence_tokens import TokenSpans
-
         n = len(attempt.response_tokens)
         offset = len(attempt.episode.tokens) - n  # model spans count the prompt
         events: list[tuple[int, ...]] = []
@@ -313,6 +312,5 @@ def make_family(name: str, settings: FamilySettings | None = None) -> TaskFamily
 
 
 def _load_builtin() -> None:
-    # The built-in families register themselves on import (kept lazy: the python_repo family
-    # needs the sandbox module, the loop only the family it runs).
+    # Imported on first use, not at the top: every family module imports this one.
     from gagar_jax.envs import families  # noqa: F401

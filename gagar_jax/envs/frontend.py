@@ -31,11 +31,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gagar_jax.envs.family import Attempt, GroupMember, Outcome, TaskFamily
+from gagar_jax.envs.hf_tokenizer import HFTokenizer
+from gagar_jax.envs.repo import TOOLS, tree_patch
+from gagar_jax.grading import schema
+from gagar_jax.grading.browser import BrowserGrader, write_artifact
+from gagar_jax.rollout.episode import CodeAgentEnv
+from gagar_jax.verify.browser import BrowserJudge
+from gagar_jax.verify.browser_rubric import validate_rubric
 
 TEMPLATES = ("counter", "todo", "toggle")
-SYSTEM_PROMPT = ("You are a front-end engineer. Make the page in the repository work as the task "
-                 "says by editing its HTML/JS. Call one tool per turn; submit when the checks "
-                 "pass.")  # fmt: skip
+SYSTEM_PROMPT = (
+    "You are a front-end engineer. Make the page in the repository work as the task "
+    "says by editing its HTML/JS. Call one tool per turn; submit when the checks "
+    "pass."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +58,6 @@ class FrontendTask:
     solution: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        from gagar_jax.verify.browser_rubric import validate_rubric
 
         if not self.task_id:
             raise ValueError("FrontendTask.task_id must be non-empty")
@@ -58,23 +66,34 @@ class FrontendTask:
             raise ValueError(f"FrontendTask {self.task_id}: entry page is not in files")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"task_id": self.task_id, "instruction": self.instruction,
-                "files": dict(self.files), "rubric": dict(self.rubric),
-                "solution": dict(self.solution)}  # fmt: skip
+        return {
+            "task_id": self.task_id,
+            "instruction": self.instruction,
+            "files": dict(self.files),
+            "rubric": dict(self.rubric),
+            "solution": dict(self.solution),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FrontendTask:
         for key in ("task_id", "instruction", "files", "rubric"):
             if key not in d:
                 raise ValueError(f"frontend task is missing field {key!r}")
-        return cls(str(d["task_id"]), str(d["instruction"]), dict(d["files"]), dict(d["rubric"]),
-                   dict(d.get("solution", {})))  # fmt: skip
+        return cls(
+            str(d["task_id"]),
+            str(d["instruction"]),
+            dict(d["files"]),
+            dict(d["rubric"]),
+            dict(d.get("solution", {})),
+        )
 
 
 def _page(title: str, body: str, script: str = "") -> str:
     s = f"<script>\n{script}\n</script>\n" if script else ""
-    return (f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{title}</title></head>\n'
-            f"<body>\n{body}\n{s}</body></html>\n")  # fmt: skip
+    return (
+        f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{title}</title></head>\n'
+        f"<body>\n{body}\n{s}</body></html>\n"
+    )
 
 
 def _click(name: str) -> dict:
@@ -93,80 +112,139 @@ def make_task(template: str, index: int, seed: int = 0) -> FrontendTask:
             f'<p id="out">Count: 0</p>\n<button id="inc">{inc}</button> '
             f'<button id="reset">{reset}</button>'
         )
-        script = (f"let n = 0; const out = document.getElementById('out');\n"
-                  f"document.getElementById('inc').onclick = () => {{ n += {step}; "
-                  "out.textContent = 'Count: ' + n; };\n"
-                  "document.getElementById('reset').onclick = () => { n = 0; "
-                  "out.textContent = 'Count: ' + n; };")  # fmt: skip
-        instruction = (f"Clicking '{inc}' must add {step} to the count shown as 'Count: N'; "
-                       f"'{reset}' sets it back to 0.")  # fmt: skip
-        rubric = {"entry": "index.html", "items": [
-            {"id": "increments", "description": f"two clicks on {inc} show Count: {2 * step}",
-             "actions": [_click(inc), _click(inc)],
-             "expect": [{"text_visible": f"Count: {2 * step}"}]},
-            {"id": "resets", "description": f"{reset} shows Count: 0",
-             "actions": [_click(reset)], "expect": [{"text_visible": "Count: 0"}]},
-            {"id": "counts_again", "description": f"one click after the reset shows Count: {step}",
-             "actions": [_click(inc)], "expect": [{"text_visible": f"Count: {step}"},
-                                                  {"no_console_errors": True}]},
-        ]}  # fmt: skip
+        script = (
+            f"let n = 0; const out = document.getElementById('out');\n"
+            f"document.getElementById('inc').onclick = () => {{ n += {step}; "
+            "out.textContent = 'Count: ' + n; };\n"
+            "document.getElementById('reset').onclick = () => { n = 0; "
+            "out.textContent = 'Count: ' + n; };"
+        )
+        instruction = (
+            f"Clicking '{inc}' must add {step} to the count shown as 'Count: N'; "
+            f"'{reset}' sets it back to 0."
+        )
+        rubric = {
+            "entry": "index.html",
+            "items": [
+                {
+                    "id": "increments",
+                    "description": f"two clicks on {inc} show Count: {2 * step}",
+                    "actions": [_click(inc), _click(inc)],
+                    "expect": [{"text_visible": f"Count: {2 * step}"}],
+                },
+                {
+                    "id": "resets",
+                    "description": f"{reset} shows Count: 0",
+                    "actions": [_click(reset)],
+                    "expect": [{"text_visible": "Count: 0"}],
+                },
+                {
+                    "id": "counts_again",
+                    "description": f"one click after the reset shows Count: {step}",
+                    "actions": [_click(inc)],
+                    "expect": [{"text_visible": f"Count: {step}"}, {"no_console_errors": True}],
+                },
+            ],
+        }
     elif template == "todo":
         add = rng.choice(["Add item", "Add", "Save item"])
         box = rng.choice(["New item", "Task", "What to do"])
         words = rng.sample(["milk", "eggs", "bread", "tea", "rice", "soap"], 2)
-        body = (f'<label for="new">{box}</label><input id="new" type="text">\n'
-                f'<button id="add">{add}</button>\n<ul id="list"></ul>')  # fmt: skip
-        script = ("const input = document.getElementById('new'), "
-                  "list = document.getElementById('list');\n"
-                  "function add() { const v = input.value.trim(); if (!v) return;\n"
-                  "  const li = document.createElement('li'); li.textContent = v; "
-                  "list.appendChild(li); input.value = ''; }\n"
-                  "document.getElementById('add').addEventListener('click', add);\n"
-                  "input.addEventListener('keydown', e => {\n"
-                  "  if (e.key === 'Enter') add(); });")  # fmt: skip
-        instruction = (f"Typing into '{box}' and clicking '{add}' (or pressing Enter) must append "
-                       "the text to the list and clear the box.")  # fmt: skip
+        body = (
+            f'<label for="new">{box}</label><input id="new" type="text">\n'
+            f'<button id="add">{add}</button>\n<ul id="list"></ul>'
+        )
+        script = (
+            "const input = document.getElementById('new'), "
+            "list = document.getElementById('list');\n"
+            "function add() { const v = input.value.trim(); if (!v) return;\n"
+            "  const li = document.createElement('li'); li.textContent = v; "
+            "list.appendChild(li); input.value = ''; }\n"
+            "document.getElementById('add').addEventListener('click', add);\n"
+            "input.addEventListener('keydown', e => {\n"
+            "  if (e.key === 'Enter') add(); });"
+        )
+        instruction = (
+            f"Typing into '{box}' and clicking '{add}' (or pressing Enter) must append "
+            "the text to the list and clear the box."
+        )
         tb = {"role": "textbox", "name": box}
-        rubric = {"entry": "index.html", "items": [
-            {"id": "adds_by_button", "description": f"{add} appends {words[0]}",
-             "actions": [{"fill": tb, "text": words[0]}, _click(add)],
-             "expect": [{"text_visible": words[0]}, {"count": {"css": "#list li"}, "equals": 1},
-                        {"value": tb, "equals": ""}]},
-            {"id": "adds_by_enter", "description": f"Enter appends {words[1]}",
-             "actions": [{"fill": tb, "text": words[1]}, {"press": tb, "key": "Enter"}],
-             "expect": [{"count": {"css": "#list li"}, "equals": 2}, {"text_visible": words[1]}]},
-        ]}  # fmt: skip
+        rubric = {
+            "entry": "index.html",
+            "items": [
+                {
+                    "id": "adds_by_button",
+                    "description": f"{add} appends {words[0]}",
+                    "actions": [{"fill": tb, "text": words[0]}, _click(add)],
+                    "expect": [
+                        {"text_visible": words[0]},
+                        {"count": {"css": "#list li"}, "equals": 1},
+                        {"value": tb, "equals": ""},
+                    ],
+                },
+                {
+                    "id": "adds_by_enter",
+                    "description": f"Enter appends {words[1]}",
+                    "actions": [{"fill": tb, "text": words[1]}, {"press": tb, "key": "Enter"}],
+                    "expect": [
+                        {"count": {"css": "#list li"}, "equals": 2},
+                        {"text_visible": words[1]},
+                    ],
+                },
+            ],
+        }
     elif template == "toggle":
         show = rng.choice(["Show details", "More", "Expand"])
         text = rng.choice(["Ships in 3 days.", "Made of oak.", "Battery lasts a week."])
-        body = (f'<h1>Product</h1>\n<button id="toggle">{show}</button>\n'
-                f'<p id="details" hidden>{text}</p>')  # fmt: skip
+        body = (
+            f'<h1>Product</h1>\n<button id="toggle">{show}</button>\n'
+            f'<p id="details" hidden>{text}</p>'
+        )
         script = (
             "const d = document.getElementById('details');\n"
             "document.getElementById('toggle').onclick = () => { d.hidden = !d.hidden; };"
         )
         instruction = f"'{show}' must show the details paragraph; clicking again hides it."
-        rubric = {"entry": "index.html", "items": [
-            {"id": "shows", "description": f"{show} shows the details",
-             "actions": [_click(show)], "expect": [{"text_visible": text}]},
-            {"id": "hides", "description": "a second click hides them",
-             "actions": [_click(show)],
-             "expect": [{"count": {"css": "#details:not([hidden])"}, "equals": 0}]},
-            {"id": "shows_again", "description": "a third click shows them again",
-             "actions": [_click(show)], "expect": [{"text_visible": text}]},
-        ]}  # fmt: skip
+        rubric = {
+            "entry": "index.html",
+            "items": [
+                {
+                    "id": "shows",
+                    "description": f"{show} shows the details",
+                    "actions": [_click(show)],
+                    "expect": [{"text_visible": text}],
+                },
+                {
+                    "id": "hides",
+                    "description": "a second click hides them",
+                    "actions": [_click(show)],
+                    "expect": [{"count": {"css": "#details:not([hidden])"}, "equals": 0}],
+                },
+                {
+                    "id": "shows_again",
+                    "description": "a third click shows them again",
+                    "actions": [_click(show)],
+                    "expect": [{"text_visible": text}],
+                },
+            ],
+        }
     else:
         raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
     title = template.capitalize()
     return FrontendTask(
-        tid, instruction, {"index.html": _page(title, body)}, rubric,
+        tid,
+        instruction,
+        {"index.html": _page(title, body)},
+        rubric,
         {"index.html": _page(title, body, script)},
-    )  # fmt: skip
+    )
 
 
 def generated_tasks(n: int, seed: int = 0, start: int = 0) -> list[FrontendTask]:
-    return [make_task(TEMPLATES[i % len(TEMPLATES)], i // len(TEMPLATES), seed)
-            for i in range(start, start + n)]  # fmt: skip
+    return [
+        make_task(TEMPLATES[i % len(TEMPLATES)], i // len(TEMPLATES), seed)
+        for i in range(start, start + n)
+    ]
 
 
 def load_frontend_tasks(path: str) -> list[FrontendTask]:
@@ -196,13 +274,10 @@ class FrontendJudgeRunner:
     def judge(self):
         with self._lock:
             if self._judge is None:
-                from gagar_jax.verify.browser import BrowserJudge
-
                 self._judge = BrowserJudge(**{"keep_browser": True, **self.judge_kwargs})
             return self._judge
 
     def run(self, files: Mapping[str, str], rubric: Any):
-        from gagar_jax.grading.browser import write_artifact
 
         with tempfile.TemporaryDirectory(prefix="gagar-frontend-") as d:
             try:
@@ -223,7 +298,6 @@ class FrontendAgentEnv:
     """One episode: ``CodeAgentEnv`` over the starting files; the browser judge runs the tests."""
 
     def __init__(self, task: FrontendTask, runner: FrontendJudgeRunner):
-        from gagar_jax.rollout.episode import CodeAgentEnv
 
         self.task = task
         self.runner = runner
@@ -239,7 +313,6 @@ class FrontendAgentEnv:
         return self.env.files
 
     def patch(self) -> str:
-        from gagar_jax.envs.repo import tree_patch
 
         return tree_patch(self.task.files, self.env.files)
 
@@ -262,7 +335,7 @@ class FrontendFamily(TaskFamily):
             pool = load_frontend_tasks(settings.data_path)
             n_eval = min(settings.num_eval, max(0, len(pool) - 1))
             self._train = pool[: len(pool) - n_eval]
-            self._eval = pool[len(pool) - n_eval:] if n_eval else []  # fmt: skip
+            self._eval = pool[len(pool) - n_eval :] if n_eval else []
             if settings.num_train > 0:
                 self._train = self._train[: settings.num_train]
         else:
@@ -277,11 +350,11 @@ class FrontendFamily(TaskFamily):
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from gagar_jax.envs.hf_tokenizer import HFTokenizer
-
             if not self.settings.tokenizer_path:
-                raise ValueError("task.family='frontend' needs a Hugging Face tokenizer: set "
-                                 "task.tokenizer_path or model.hf_checkpoint")  # fmt: skip
+                raise ValueError(
+                    "task.family='frontend' needs a Hugging Face tokenizer: set "
+                    "task.tokenizer_path or model.hf_checkpoint"
+                )
             self._tokenizer = HFTokenizer(self.settings.tokenizer_path)
         return self._tokenizer
 
@@ -305,12 +378,13 @@ class FrontendFamily(TaskFamily):
         ]
 
     def prompt_tokens(self, task: FrontendTask) -> list[int]:
-        from gagar_jax.envs.repo import TOOLS
 
         ids = self.tokenizer.render_prompt(self.prompt_messages(task), tools=TOOLS)
         if len(ids) > self.settings.max_prompt_len:
-            raise ValueError(f"task {task.task_id}: prompt is {len(ids)} tokens > "
-                             f"rollout.max_prompt_len={self.settings.max_prompt_len}")  # fmt: skip
+            raise ValueError(
+                f"task {task.task_id}: prompt is {len(ids)} tokens > "
+                f"rollout.max_prompt_len={self.settings.max_prompt_len}"
+            )
         return ids
 
     def make_env(self, task: FrontendTask) -> FrontendAgentEnv:
@@ -320,7 +394,6 @@ class FrontendFamily(TaskFamily):
         return self.tokenizer.tool_message_tokens(text)
 
     def verify_files(self, task: FrontendTask, files: Mapping[str, str]) -> Outcome:
-        from gagar_jax.envs.repo import tree_patch
 
         patch = tree_patch(task.files, files)
         try:
@@ -330,20 +403,26 @@ class FrontendFamily(TaskFamily):
         if v is None:
             return Outcome(False, test_log=report, patch=patch)
         return Outcome(
-            passed=passed, infra_error=v.status != "ok", test_log=report,
-            quality={"checklist_pass_rate": v.pass_rate}, patch=patch, detail=v,
-        )  # fmt: skip
+            passed=passed,
+            infra_error=v.status != "ok",
+            test_log=report,
+            quality={"checklist_pass_rate": v.pass_rate},
+            patch=patch,
+            detail=v,
+        )
 
     def verify(self, task: FrontendTask, attempt: Attempt) -> Outcome:
         env = attempt.env
         if env is None or not env.submitted:
             reason = getattr(attempt.episode, "finish_reason", "no episode")
-            return Outcome(passed=False, test_log=f"episode ended without submit ({reason})",
-                           patch=env.patch() if env is not None else "")  # fmt: skip
+            return Outcome(
+                passed=False,
+                test_log=f"episode ended without submit ({reason})",
+                patch=env.patch() if env is not None else "",
+            )
         return self.verify_files(task, env.files)
 
     def workspace(self, group_id: str, task: FrontendTask, members: Sequence[GroupMember]):
-        from gagar_jax.grading import schema
 
         cands = [
             schema.Candidate(
@@ -354,17 +433,20 @@ class FrontendFamily(TaskFamily):
                 trajectory=tuple(m.attempt.trajectory()),
                 summary=m.attempt.summary(),
                 monitor_flags=tuple(m.outcome.flags),
-            )  # fmt: skip
+            )
             for m in members
         ]
-        return schema.GroupWorkspace(group_id, f"{task.instruction}\n\nRUBRIC:\n"
-                                     f"{json.dumps(task.rubric)}", dict(task.files),
-                                     tuple(cands), scope_files=tuple(task.files))  # fmt: skip
+        return schema.GroupWorkspace(
+            group_id,
+            f"{task.instruction}\n\nRUBRIC:\n{json.dumps(task.rubric)}",
+            dict(task.files),
+            tuple(cands),
+            scope_files=tuple(task.files),
+        )
 
     def grader(self, **kwargs: Any):
         """A ``BrowserGrader`` sharing the family's judge; the rubric is read from the task text
         of the workspace (``workspace`` appends it after ``RUBRIC:``)."""
-        from gagar_jax.grading.browser import BrowserGrader
 
         def rubric_for(ws) -> Any:
             return json.loads(ws.task_text.rsplit("RUBRIC:\n", 1)[1])
@@ -377,6 +459,5 @@ class FrontendFamily(TaskFamily):
 
 def write_task_dir(task: FrontendTask, root: str | os.PathLike) -> None:
     """Writes a task's starting page under ``root`` (for looking at it in a browser)."""
-    from gagar_jax.grading.browser import write_artifact
 
     write_artifact(os.fspath(root), task.files)

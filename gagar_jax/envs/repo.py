@@ -34,7 +34,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
+from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
+from gagar_jax.grading import schema
+from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
+from gagar_jax.rollout.episode import CodeAgentEnv
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, split_lines
+from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
+from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
+from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
+from gagar_jax.verify.untrusted import split_test_log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,8 +257,9 @@ def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
         if a == b:
             continue
         if not (a or b):  # an empty file created or deleted: headers only, no hunk
-            out.append(f"--- a/{path}\n+++ /dev/null\n" if b is None else
-                       f"--- /dev/null\n+++ b/{path}\n")  # fmt: skip
+            out.append(
+                f"--- a/{path}\n+++ /dev/null\n" if b is None else f"--- /dev/null\n+++ b/{path}\n"
+            )
             continue
         for line in difflib.unified_diff(
             split_lines(a or ""),
@@ -268,16 +277,12 @@ class RepoAgentEnv:
     the required tests in the sandbox without the hidden test patch."""
 
     def __init__(self, task: RepoTask, *, verify_kwargs: Mapping[str, Any] | None = None):
-        from gagar_jax.rollout.episode import CodeAgentEnv
-
         self.task = task
         self.submitted = False
         self.verify_kwargs = dict(verify_kwargs or {})
         self.env = CodeAgentEnv(dict(task.files), self._run_tests)
 
     def _run_tests(self, files: dict[str, str]) -> tuple[bool, str]:
-        from gagar_jax.verify.execution import verify_repo_call
-
         visible = dataclasses.replace(self.task, test_patch="")
         v = verify_repo_call(
             visible, tree_patch(self.task.files, files), run_monitor=False, **self.verify_kwargs
@@ -313,25 +318,24 @@ class TaskEnvCheckRunner:
     runner. ``group_tasks``: group id -> task, filled by the family's ``workspace``."""
 
     def __init__(self, group_tasks: Mapping[str, RepoTask], **runner_kwargs):
-        from gagar_jax.grading.adapters import SandboxCheckRunner
-
         self._groups = group_tasks
         self._kwargs = runner_kwargs
         self._plain = SandboxCheckRunner(**runner_kwargs)
         self._by_env: dict[tuple, Any] = {}
 
     def runner_for(self, task: RepoTask | None):
-        from gagar_jax.grading.adapters import SandboxCheckRunner
-        from gagar_jax.verify.repo import env_site_packages
-
         if task is None or not task.env_path:
             return self._plain
         key = (task.env_path, task.pythonpath)
         if key not in self._by_env:
             site = env_site_packages(task.env_path)
             r = SandboxCheckRunner(**self._kwargs)
-            r.ro_paths = tuple(self._kwargs.get("ro_paths", ())) + site
+            base = tuple(self._kwargs.get("ro_paths", ()))
+            r.ro_paths = base + site
             r.env = {"PYTHONPATH": os.pathsep.join([*site, ".", *task.pythonpath])}
+            if task.env_hash:  # on a cluster: the node's own copy of the environment
+                spec = task_env(task)
+                r.node_call = (spec, run_check_in_node_env, (spec, task.pythonpath, base))
             self._by_env[key] = r
         return self._by_env[key]
 
@@ -339,6 +343,16 @@ class TaskEnvCheckRunner:
         return self.runner_for(self._groups.get(workspace.group_id)).run(
             workspace, candidate, command
         )
+
+
+def run_check_in_node_env(files, argv, limits, config, spec, pythonpath, ro_paths):
+    """``grading.adapters.run_check_in_tree`` with the task environment ``spec`` of this node
+    (built once here: ``verify.execution.ensure_env``): its site-packages read-only and on
+    ``PYTHONPATH`` with the tree's ``pythonpath``, as ``TaskEnvCheckRunner`` gives them on the
+    trainer."""
+    site = env_site_packages(ensure_env(spec.env_hash, spec.build))
+    env = {"PYTHONPATH": os.pathsep.join([*site, ".", *pythonpath])}
+    return run_check_in_tree(files, argv, limits, config, env, tuple(ro_paths) + site)
 
 
 class PythonRepoFamily(TaskFamily):
@@ -358,8 +372,6 @@ class PythonRepoFamily(TaskFamily):
 
     def __init__(self, settings):
         super().__init__(settings)
-        from gagar_jax.envs.hf_tokenizer import HFTokenizer
-
         if not settings.tokenizer_path:
             raise ValueError(
                 "task.family='python_repo' needs a Hugging Face tokenizer: set "
@@ -381,8 +393,7 @@ class PythonRepoFamily(TaskFamily):
         self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
         self._group_tasks: dict[str, RepoTask] = {}
         demo_path = settings.extra.get("demo_data_path", "")
-        self._demo_tasks = (load_repo_tasks(demo_path, repos_dir) if demo_path
-                            else self._train)  # fmt: skip
+        self._demo_tasks = load_repo_tasks(demo_path, repos_dir) if demo_path else self._train
 
     @property
     def tokenizer(self):
@@ -416,8 +427,6 @@ class PythonRepoFamily(TaskFamily):
         return self._tokenizer.tool_message_tokens(text)
 
     def verify(self, task: RepoTask, attempt: Attempt) -> Outcome:
-        from gagar_jax.verify.execution import verify_repo_call
-
         env = attempt.env
         if env is None or not env.submitted:
             reason = getattr(attempt.episode, "finish_reason", "no episode")
@@ -439,10 +448,8 @@ class PythonRepoFamily(TaskFamily):
         )
 
     def workspace(self, group_id: str, task: RepoTask, members: Sequence[GroupMember]):
-        from gagar_jax.grading import adapters
-
         cands = [
-            adapters.repo_candidate(
+            repo_candidate(
                 m.candidate_id,
                 m.outcome.patch,
                 m.outcome,
@@ -454,7 +461,7 @@ class PythonRepoFamily(TaskFamily):
         self._group_tasks[group_id] = task
         while len(self._group_tasks) > 4096:  # groups graded long ago
             self._group_tasks.pop(next(iter(self._group_tasks)))
-        return adapters.repo_workspace(task, group_id, cands)
+        return repo_workspace(task, group_id, cands)
 
     def check_runner(self):
         """The grader's sandboxed check runner: a group's checks run with its task's
@@ -511,8 +518,6 @@ class PythonRepoFamily(TaskFamily):
         """Tool-call trajectories from the reference patches of up to ``num_tasks`` tasks,
         with the observations the environment really returns; tasks whose reference patch is
         missing, does not apply or whose submitted patch fails the hidden tests are skipped."""
-        from gagar_jax.envs.hf_tokenizer import tool_call_text
-
         tok = self._tokenizer
         out = []
         for task in [t for t in self._demo_tasks if t.reference_patch.strip()][:num_tasks]:
@@ -536,3 +541,59 @@ class PythonRepoFamily(TaskFamily):
             if env.submitted and self.verify(task, Attempt(env=env)).passed:
                 out.append(Demonstration(tuple(tokens), tuple(mask), len(prompt)))
         return out
+
+
+# The family's grading workspace
+
+
+def repo_candidate(
+    candidate_id: str,
+    patch: str,
+    verification: Any,
+    *,
+    trajectory: Sequence[Any] = (),
+    summary: str = "",
+) -> schema.Candidate:
+    """A Python-repository rollout (``verify.verify_repo_patch`` result) as a grading ``Candidate``.
+
+    An infrastructure error is not a pass (and should be masked by the caller, not graded).
+    """
+    return schema.Candidate(
+        candidate_id=candidate_id,
+        patch=patch,
+        passed=bool(verification.passed),
+        test_log=verification.test_log,
+        trajectory=tuple(trajectory),
+        summary=summary,
+        monitor_flags=tuple(verification.flags) + log_flags(verification.test_log),
+    )
+
+
+def log_flags(test_log: str) -> tuple:
+    """Monitor flags of what the candidate's code printed (the part of a verifier log after its
+    header): text addressed to the grader, imitations of the verifier's header lines."""
+    try:
+        return tuple(monitor_log(split_test_log(test_log or "")[1], source="test output"))
+    except MonitorRefusal:
+        return ()  # the log is clipped by the verifier: a refusal here is not the candidate's
+
+
+def repo_workspace(
+    task: Any, group_id: str, candidates: Sequence[schema.Candidate]
+) -> schema.GroupWorkspace:
+    """The workspace of a :class:`RepoTask`: issue text and pristine files (scope inferred)."""
+    return schema.GroupWorkspace(
+        group_id=group_id,
+        task_text=task.issue,
+        repo_files=dict(task.files),
+        candidates=tuple(candidates),
+    )
+
+
+def repo_group(task: Any, group_id: str, patches: Sequence[str], **verify_kwargs: Any):
+    """Verifies each patch in the sandbox; builds the workspace (candidates ``r0``, ``r1``, ...)."""
+    cands = [
+        repo_candidate(f"r{k}", p, verify_repo_patch(task, p, **verify_kwargs))
+        for k, p in enumerate(patches)
+    ]
+    return repo_workspace(task, group_id, cands)

@@ -26,7 +26,7 @@ WORDS = (
     ":", "=", "+", "-", "*", "(", ")", "==", "!=", "<", ">", "<=", ">=",
     # variables: the input, the names programs use, and names they never use (style probes)
     "x", "a", "b", "c", "d", "e", "t", "u", "v", "w", "y", "z", "tmp",
-)  # fmt: skip
+)  # fmt: skip  # one row per vocabulary group
 
 
 class ToyTokenizer:

@@ -499,9 +499,14 @@ def _reference_program(task: ToyTask) -> L.Program:
 def _zero_quality() -> dict[str, float]:
     q = {k: 0.0 for k in QUALITY_DIMENSIONS}
     q.update(
-        edits=0.0, lines_changed=0.0, tokens_changed=0.0, out_of_scope_lines=0.0,
-        style_violations=0.0, hidden_pass_rate=0.0, agreement=0.0,
-    )  # fmt: skip
+        edits=0.0,
+        lines_changed=0.0,
+        tokens_changed=0.0,
+        out_of_scope_lines=0.0,
+        style_violations=0.0,
+        hidden_pass_rate=0.0,
+        agreement=0.0,
+    )
     return q
 
 
@@ -548,15 +553,18 @@ def _verify(task: ToyTask, patch_text: str) -> Verification:
     out_of_scope = sum((e.op, e.line) not in in_scope for e in changed)
     tokens_changed = _edit_distance(_flat_tokens(lines), _flat_tokens([t for _, t in new]))
     ref_tokens = _edit_distance(
-        _flat_tokens(lines), _flat_tokens([t for _, t in apply_edits(lines, parse_patch(
-            task.reference_patch, len(lines)))])
-    )  # fmt: skip
+        _flat_tokens(lines),
+        _flat_tokens(
+            [t for _, t in apply_edits(lines, parse_patch(task.reference_patch, len(lines)))]
+        ),
+    )
     known = {"x"} | {w for s in L.parse_program(lines).stmts for w in L.variables(s)[1]}
     violations = []
     for e in changed:
         if e.op != "delete":
-            violations += [f"`{e.source}`: {v}" for v in style_violations(
-                L.parse_statement(e.text), known)]  # fmt: skip
+            violations += [
+                f"`{e.source}`: {v}" for v in style_violations(L.parse_statement(e.text), known)
+            ]
 
     quality = {
         "solution_fit": hidden_ok / len(task.hidden_tests),
@@ -686,3 +694,15 @@ def candidate_patches(task: ToyTask) -> dict[str, str]:
             continue
         checked[kind] = patch
     return checked
+
+
+def canary_toy_task(task: Any) -> Any:
+    """An impossible toy task: a visible test contradicting another on the same input."""
+    (x, y), *_ = task.tests
+    tests = tuple(task.tests) + ((x, y + 1),)
+    return dataclasses.replace(
+        task,
+        task_id=f"{task.task_id}--canary",
+        tests=tests,
+        prompt=make_prompt(task.lines, tests),
+    )

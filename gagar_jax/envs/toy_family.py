@@ -39,10 +39,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gagar_jax.envs import toy
+from gagar_jax.envs import toy, toy_grading
 from gagar_jax.envs import toy_lang as L
 from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
+from gagar_jax.envs.hf_tokenizer import HFTokenizer
 from gagar_jax.envs.tokenizer import TOKENIZER, ToyTokenizer
+from gagar_jax.rollout.episode import CodeAgentEnv, ToolCall
 
 # Held-out and SFT-demonstration tasks come from other seeds, so neither coincides with the RL
 # training tasks (the warm start must not hand the RL prompts their answers).
@@ -122,8 +124,6 @@ class ToyFamily(TaskFamily):
         self._eval_tasks: list[toy.ToyTask] | None = None
         self._hf = None
         if s.tokenizer_path:
-            from gagar_jax.envs.hf_tokenizer import HFTokenizer
-
             self._hf = HFTokenizer(s.tokenizer_path)
         self.demo_kinds = parse_demo_kinds(s.extra.get("demo_kinds", ""))
 
@@ -170,17 +170,15 @@ class ToyFamily(TaskFamily):
 
     def workspace(self, group_id: str, task: toy.ToyTask, members: Sequence[GroupMember]):
         """Each line-edit patch rendered as a unified diff of ``program.toy`` with its test log,
-        monitor flags and quality features (``gagar_jax.grading.adapters``); infra-error
-        rollouts go in as failed candidates."""
-        from gagar_jax.grading import adapters
-
+        monitor flags and quality features (``toy_grading``); infra-error rollouts go in as
+        failed candidates."""
         cands = []
         for m in members:
             v = m.outcome.detail
             if v is None:  # an outcome without the toy verification (e.g. a verifier crash)
                 v = toy.Verification(False, True, m.outcome.test_log, [], {})
             cands.append(
-                adapters.toy_candidate(
+                toy_grading.toy_candidate(
                     task,
                     m.candidate_id,
                     m.outcome.patch,
@@ -189,21 +187,17 @@ class ToyFamily(TaskFamily):
                     summary=m.attempt.summary(),
                 )
             )
-        return adapters.toy_workspace(task, group_id, cands)
+        return toy_grading.toy_workspace(task, group_id, cands)
 
     def token_spans(self, task: toy.ToyTask, attempt: Attempt):
         """Each line edit's response tokens and the lines of ``program.toy`` it wrote
-        (``gagar_jax.grading.evidence_tokens.toy_token_spans``)."""
-        from gagar_jax.grading import evidence_tokens
-
+        (``toy_grading.toy_token_spans``)."""
         if self._hf is not None:  # the map reads the toy vocabulary's newline / EOS ids
             return None
-        return evidence_tokens.toy_token_spans(task, attempt.response_tokens, self.tokenizer)
+        return toy_grading.toy_token_spans(task, attempt.response_tokens, self.tokenizer)
 
     def check_runner(self):
-        from gagar_jax.grading.adapters import ToyCheckRunner
-
-        return ToyCheckRunner()
+        return toy_grading.ToyCheckRunner()
 
     def demonstration_patches(self, task: toy.ToyTask) -> list[str]:
         """The passing non-cheating patch kinds of ``task`` among ``self.demo_kinds``
@@ -275,8 +269,6 @@ class ToyAgentEnv:
     """
 
     def __init__(self, task: toy.ToyTask):
-        from gagar_jax.rollout.episode import CodeAgentEnv
-
         self.task = task
         self.patch = ""
         self.submitted = False
@@ -291,8 +283,6 @@ class ToyAgentEnv:
         return toy_test_log(self.task, lines)
 
     def _parse(self, text: str):
-        from gagar_jax.rollout.episode import ToolCall
-
         first, _, rest = text.strip().partition("\n")
         words = L.lex(first)
         if words == ["read_file"]:

@@ -34,10 +34,27 @@ from typing import Any
 import jax
 import numpy as np
 
+from gagar_jax.data.feedback import (
+    FeedbackRecord,
+    derive_spans,
+    pack_examples,
+    read_jsonl,
+    write_jsonl,
+)
+from gagar_jax.envs import verify
+from gagar_jax.envs.family import FamilySettings
+from gagar_jax.envs.llm_user import LLMUser
+from gagar_jax.envs.simulated_user import feedback_record, user_feedback
+from gagar_jax.envs.toy_family import ToyFamily, quality_score
+from gagar_jax.feedback import step as fstep
 from gagar_jax.feedback.step import FeedbackObjective
-from gagar_jax.models import TransformerConfig
+from gagar_jax.models import Transformer, TransformerConfig, model_from_params
+from gagar_jax.rl import writers
 from gagar_jax.rl.config import DEFAULT_MODEL
-from gagar_jax.update import UpdateConfig, make_mesh
+from gagar_jax.rollout import SamplingParams, SGLangClient
+from gagar_jax.rollout.sampler import Sampler
+from gagar_jax.update import UpdateConfig, make_mesh, sft
+from gagar_jax.update.checkpoint import Checkpointer
 
 # The policy of a feedback run that does not say otherwise is the RL loop's default: the toy
 # family's small decoder (vocab_size is decided by the family's tokenizer,
@@ -137,11 +154,8 @@ class FeedbackSection:
         """The feedback callable for ``feedback_record(user=...)``: None = the rule-based user."""
         if self.user == "rule":
             return None
-        from gagar_jax.envs.llm_user import LLMUser
 
         if client is None:
-            from gagar_jax.rollout import SGLangClient
-
             client = SGLangClient(self.sglang_url, request_timeout_s=self.request_timeout_s)
         return LLMUser(
             client,
@@ -266,7 +280,7 @@ class FeedbackRunConfig:
         d = {k: dataclasses.asdict(getattr(self, k)) for k in ("task", "model", "base")}
         d["model"].pop("vocab_size")
         d["base"].pop("dir")
-        if self.feedback.user != "rule":  # the rule-based default keeps earlier fingerprints
+        if self.feedback.user != "rule":  # the rule-based user reads none of these fields
             d["feedback"] = {
                 k: v
                 for k, v in dataclasses.asdict(self.feedback).items()
@@ -319,8 +333,6 @@ def load_params(path: str, like: dict) -> dict:
 
 def _pool(cfg: FeedbackRunConfig):
     """The ``toy`` task family (``gagar_jax.envs``): tasks, held-out set, prompts, demos."""
-    from gagar_jax.envs.family import FamilySettings
-    from gagar_jax.envs.toy_family import ToyFamily
 
     t = cfg.task
     return ToyFamily(
@@ -335,7 +347,6 @@ def _pool(cfg: FeedbackRunConfig):
 
 
 def _sample(sampler, pool, tasks, *, n: int, temperature: float, max_tokens: int, seed: int):
-    from gagar_jax.rollout import SamplingParams
 
     prompts = [pool.prompt_tokens(t) for t in tasks]
     per_call = max(1, 128 // n)  # rows per call stay within one sampler batch bucket
@@ -356,9 +367,6 @@ def _sample(sampler, pool, tasks, *, n: int, temperature: float, max_tokens: int
 
 def evaluate(sampler, pool, cfg: FeedbackRunConfig, *, seed: int) -> dict[str, float]:
     """Held-out pass rate, quality, cheat rate, negative-feedback rate and response length."""
-    from gagar_jax.envs import verify
-    from gagar_jax.envs.simulated_user import user_feedback
-    from gagar_jax.envs.toy_family import quality_score
 
     tasks = pool.eval_tasks()
     if not tasks:
@@ -406,12 +414,6 @@ def prepare_base(
     of ``feedback.sglang_url``; tests pass a scripted one).
     """
     from flax import nnx
-
-    from gagar_jax.data.feedback import write_jsonl
-    from gagar_jax.envs.simulated_user import feedback_record
-    from gagar_jax.models import Transformer
-    from gagar_jax.rollout.sampler import Sampler
-    from gagar_jax.update import sft
 
     os.makedirs(base_dir, exist_ok=True)
     meta_path = os.path.join(base_dir, "base.json")
@@ -470,7 +472,6 @@ def prepare_base(
         max_tokens=b.max_new_tokens,
         seed=cfg.task.seed + 17,
     )
-    from gagar_jax.data.feedback import FeedbackRecord
 
     user = cfg.feedback.make_user(user_client)
     records, pol_counts = [], {"positive": 0, "neutral": 0, "negative": 0}
@@ -526,17 +527,6 @@ def batch_indices(step: int, batch_size: int, num_records: int, seed: int) -> np
 
 def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[str, Any]:
     """Runs (or resumes) one feedback-training run in ``workdir``; returns its summary."""
-    from gagar_jax.data.feedback import (
-        FeedbackRecord,
-        derive_spans,
-        pack_examples,
-        read_jsonl,
-    )
-    from gagar_jax.feedback import step as fstep
-    from gagar_jax.models import model_from_params
-    from gagar_jax.rl import writers
-    from gagar_jax.rollout.sampler import Sampler
-    from gagar_jax.update.checkpoint import Checkpointer
 
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -574,7 +564,7 @@ def train_feedback(cfg: FeedbackRunConfig, workdir: str, *, log=print) -> dict[s
         start = int(info.step)
         log(f"resumed {workdir} at step {start} (z_ref {float(state.z_ref):.4f})")
     else:
-        state = fstep.create_feedback_state(mc, uc, mesh, base["params"], seed=cfg.seed)
+        state = fstep.create_feedback_state(mc, uc, mesh, base["params"])
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     writers.truncate_jsonl(metrics_path, keep_before_step=start)
     writer = writers.MetricsWriter(

@@ -124,7 +124,6 @@ class FeedbackTrainState(NamedTuple):
     step: jax.Array  # [] int32, optimizer steps done
     params: dict  # policy parameters (pure nested dict)
     opt_state: Any  # optax state
-    rng: jax.Array  # [2] uint32 raw PRNG key
     ref_params: dict  # frozen reference policy: the starting parameters, never updated
     z_ref: jax.Array  # [] float32 Span-KTO reference point
     ref_count: jax.Array  # [] float32 batches in the cumulative reference point
@@ -202,7 +201,6 @@ def feedback_shardings(model_config: TransformerConfig, update_config: UpdateCon
         step=abstract.step,
         params=abstract.params,
         opt_state=abstract.opt_state,
-        rng=abstract.rng,
         ref_params=abstract.params,
         z_ref=scalar,
         ref_count=scalar,
@@ -211,7 +209,6 @@ def feedback_shardings(model_config: TransformerConfig, update_config: UpdateCon
         step=sh.step,
         params=sh.params,
         opt_state=sh.opt_state,
-        rng=sh.rng,
         ref_params=sh.params,
         z_ref=rep,
         ref_count=rep,
@@ -233,7 +230,6 @@ def create_feedback_state(
     mesh: Mesh,
     params: dict,
     *,
-    seed: int = 0,
     z_ref: float = 0.0,
 ) -> FeedbackTrainState:
     """The starting state: ``params`` for the policy *and*, copied, for the frozen reference."""
@@ -241,18 +237,17 @@ def create_feedback_state(
     _, sh = feedback_shardings(model_config, update_config, mesh)
     params = jax.device_put(params, sh.params)
 
-    def init(p, key):
+    def init(p):
         return FeedbackTrainState(
             step=jnp.zeros((), jnp.int32),
             params=p,
             opt_state=tx.init(p),
-            rng=jax.random.split(key)[1],
             ref_params=jax.tree.map(jnp.copy, p),
             z_ref=jnp.asarray(z_ref, jnp.float32),
             ref_count=jnp.zeros((), jnp.float32),
         )
 
-    return jax.jit(init, out_shardings=sh)(params, jax.random.PRNGKey(seed))
+    return jax.jit(init, out_shardings=sh)(params)
 
 
 # ------------------------------------------------------------------------------------------
@@ -381,7 +376,6 @@ def feedback_step(
         step=state.step + 1,
         params=params,
         opt_state=opt_state,
-        rng=state.rng,
         ref_params=state.ref_params,
         z_ref=jnp.asarray(new_z, jnp.float32),
         ref_count=jnp.asarray(new_count, jnp.float32),

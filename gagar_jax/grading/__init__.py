@@ -2,10 +2,11 @@
 
 See ``schema`` for the verdict contract, ``heuristic`` for the embedded default grader,
 ``agentic`` for the LLM tool-loop grader (``scripted`` holds a deterministic policy for it),
-``pool`` for overlapping grading with generation, ``adapters`` for task families and sandboxed
-checks, and ``testing`` for graders with known (slow, crashing, hanging, garbage) behaviour.
-Grader quality: ``labelled`` (versioned labelled group sets), ``eval`` (the measuring harness and
-its CLI), ``panel`` (heterogeneous panels) and ``distill`` (distilled graders and their gate).
+``pool`` for overlapping grading with generation, ``adapters`` for sandboxed checks (each task
+family builds its own workspaces, in ``gagar_jax.envs``), and ``testing`` for graders with known
+(slow, crashing, hanging, garbage) behaviour. Grader quality: ``labelled`` (versioned labelled
+group sets), ``eval`` (the measuring harness and its CLI), ``panel`` (heterogeneous panels) and
+``distill`` (distilled graders and their gate).
 """
 
 from gagar_jax.grading.agentic import (
@@ -16,15 +17,6 @@ from gagar_jax.grading.agentic import (
     NoCheckRunner,
     load_prompt,
     merge_votes,
-)
-from gagar_jax.grading.diffs import (
-    FileDiff,
-    Hunk,
-    ParsedPatch,
-    PatchApplyError,
-    apply_patch,
-    is_test_path,
-    parse_unified_diff,
 )
 from gagar_jax.grading.heuristic import HeuristicConfig, HeuristicGrader, infer_scope
 from gagar_jax.grading.pool import GradingPool, VerdictCache, accept_output, grade_all
@@ -62,10 +54,8 @@ __all__ = [
     "HeuristicConfig",
     "HeuristicGrader",
     "NoCheckRunner",
-    "PatchApplyError",
     "VerdictCache",
     "accept_output",
-    "apply_patch",
     "grade_all",
     "infer_scope",
     "load_prompt",
@@ -77,20 +67,15 @@ __all__ = [
     "Candidate",
     "Evidence",
     "FallbackReason",
-    "FileDiff",
     "GradeResult",
     "GroupWorkspace",
-    "Hunk",
     "Judgement",
     "MonitorFlagView",
-    "ParsedPatch",
     "RejectReason",
     "TrajectoryEvent",
     "Verdict",
     "VerdictRejected",
     "extract_json",
-    "is_test_path",
-    "parse_unified_diff",
     "parse_verdict",
     "tier_histogram",
     "to_arrays",

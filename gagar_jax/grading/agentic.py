@@ -17,7 +17,11 @@ submit_verdict      the final verdict (validated; a rejection is reported back w
 ==================  ===========================================================================
 
 Candidates are anonymised (``C1``, ``C2``, ...) and shuffled per group and vote (seeded), so
-neither the rollout order nor ids leak into the judgement; the verdict is mapped back to the
+neither the rollout order nor ids leak into the judgement. The shuffle starts from a canonical
+order (by a hash of each candidate's patch, outcome and test log; ``canonical_order``), not the
+group's: the same group in any slot order gives the model the same prompt, so the grader's
+position bias cannot turn a permutation into a different verdict (with deterministic sampling
+the verdict is then permutation-invariant by construction); the verdict is mapped back to the
 real ids and validated against the real workspace (``schema.validate``), with the outputs of the
 checks the grader ran counted as execution evidence.
 
@@ -51,16 +55,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import hmac
 import importlib.resources
 import json
 import random
+import secrets
 import string
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from gagar_jax.grading import diffs, schema
+from gagar_jax.grading import schema
 from gagar_jax.grading.schema import (
     DIMENSIONS,
     Candidate,
@@ -70,8 +76,8 @@ from gagar_jax.grading.schema import (
     Verdict,
     VerdictRejected,
 )
-from gagar_jax.grading.untrusted import Envelope, sanitize
-from gagar_jax.verify import execution
+from gagar_jax.verify import diff, execution
+from gagar_jax.verify.untrusted import Envelope, sanitize
 
 PROMPT_VERSION = "v2"
 MAX_TOOL_OUTPUT_CHARS = 6000
@@ -205,13 +211,24 @@ def _clip(text: str, limit: int = MAX_TOOL_OUTPUT_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + f"\n... [{len(text) - limit} chars cut]"
 
 
+def _content_key(c: Candidate) -> tuple[str, str]:
+    blob = "\0".join((c.patch, str(bool(c.passed)), c.test_log, c.summary))
+    return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest(), c.candidate_id
+
+
+def canonical_order(candidates) -> list[Candidate]:
+    """``candidates`` sorted by content (patch, pass/fail, test log, summary), ids breaking
+    exact ties: independent of the order the group arrived in."""
+    return sorted(candidates, key=_content_key)
+
+
 class AnonymisedView:
     """A workspace as the model sees it: aliases ``C1..Cn`` in a seeded shuffled order."""
 
     def __init__(self, workspace: GroupWorkspace, seed: int, envelope: Envelope | None = None):
         self.workspace = workspace
         self.envelope = envelope or Envelope()
-        order = list(workspace.candidates)
+        order = canonical_order(workspace.candidates)
         random.Random(seed).shuffle(order)
         self.alias_of = {c.candidate_id: f"C{i + 1}" for i, c in enumerate(order)}
         self.real_of = {a: cid for cid, a in self.alias_of.items()}
@@ -327,6 +344,7 @@ class AgenticGrader:
                 f"AgenticGrader.min_votes must be in 1..votes={votes}, got {min_votes}"
             )
         self.seed = seed
+        self._nonce_key = secrets.token_bytes(16)
         self.prompt_version = prompt_version
         self.system_prompt = load_prompt("system", prompt_version)
         self.task_template = string.Template(load_prompt("task", prompt_version))
@@ -390,7 +408,16 @@ class AgenticGrader:
         seed = int.from_bytes(
             hashlib.sha256(f"{self.seed}/{workspace.group_id}/{vote}".encode()).digest()[:8], "big"
         )
-        view = AnonymisedView(workspace, seed, Envelope())
+        # The envelope's nonce: unpredictable (a per-grader secret), yet a function of the
+        # group's content and the vote, so a permuted group gets the very same prompt.
+        content = "\0".join(
+            [
+                workspace.task_text,
+                *(_content_key(c)[0] for c in canonical_order(workspace.candidates)),
+            ]
+        )
+        nonce = hmac.new(self._nonce_key, f"{content}/{vote}".encode(), "sha256").hexdigest()[:16]
+        view = AnonymisedView(workspace, seed, Envelope(nonce))
         temperature = self.temperature if vote == 0 else self.vote_temperature
         messages: list[dict] = [
             {"role": "system", "content": self.system_prompt},
@@ -591,7 +618,7 @@ class AgenticGrader:
             patch = c.patch
             file = args.get("file")
             if file:
-                per_file = diffs.split_by_file(patch)
+                per_file = diff.split_by_file(patch)
                 if file not in per_file:
                     raise ValueError(
                         f"candidate {args['candidate']} does not touch {file!r}; "
@@ -600,8 +627,9 @@ class AgenticGrader:
                 patch = per_file[file]
             if not patch:
                 return "(empty patch)"
-            return view.envelope.wrap(_clip(patch, MAX_TOOL_OUTPUT_CHARS - 200),
-                                      f"{args['candidate']} diff")  # fmt: skip
+            return view.envelope.wrap(
+                _clip(patch, MAX_TOOL_OUTPUT_CHARS - 200), f"{args['candidate']} diff"
+            )
         if name == "read_test_log":
             log = view.candidate(args.get("candidate")).test_log
             if not log:

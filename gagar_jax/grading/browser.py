@@ -7,6 +7,11 @@ the verdict's checklist pass rate to a tier (``pass_rate >= t1`` -> T1, ``>= t2`
 T3; defaults 1.0 / 0.75), ranks by pass rate (dense, best first) and scores ``solution_fit`` by
 the pass rate (the other four dimensions are not measured by a browser and stay 1.0).
 
+No LLM reads the page here: the judge's optional LLM stages (``verify.browser_llm``) enclose
+everything the page produced in per-call delimiters (``verify.untrusted.Envelope``) and read one
+answer object per reply. The evidence notes below quote page text with control characters
+escaped (``untrusted.sanitize``).
+
 Evidence for every tier-2/3 candidate (``schema.validate`` requires it): the execution line
 ``FAIL <item>: ...`` when that exact text is in the candidate's test log (the front-end family's
 verifier writes the same report), otherwise the first file of the candidate's patch, with the
@@ -27,8 +32,10 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gagar_jax.grading import diffs, schema
+from gagar_jax.grading import schema
 from gagar_jax.grading.schema import DIMENSIONS, Evidence, GroupWorkspace, Judgement, Verdict
+from gagar_jax.verify import diff
+from gagar_jax.verify.untrusted import sanitize
 
 
 class BrowserGradingError(RuntimeError):
@@ -73,8 +80,9 @@ class BrowserGrader:
     ):
         t1, t2 = tier_thresholds
         if not 0.0 <= t2 <= t1 <= 1.0:
-            raise ValueError(f"BrowserGrader.tier_thresholds must be 0 <= t2 <= t1 <= 1, got "
-                             f"{tier_thresholds}")  # fmt: skip
+            raise ValueError(
+                f"BrowserGrader.tier_thresholds must be 0 <= t2 <= t1 <= 1, got {tier_thresholds}"
+            )
         self.judge = judge
         self.rubric_for = rubric_for
         self.tier_thresholds = (float(t1), float(t2))
@@ -93,7 +101,7 @@ class BrowserGrader:
         for cand in workspace.passing:
             if cancel is not None and cancel.is_set():
                 raise BrowserGradingError("cancelled by the pool")
-            files = diffs.apply_patch(dict(workspace.repo_files), cand.parsed_patch)
+            files = diff.apply_unified_diff(workspace.repo_files, cand.parsed_patch)
             with tempfile.TemporaryDirectory(prefix="gagar-frontend-") as d:
                 write_artifact(d, files)
                 v = self.judge.judge(d, rubric)
@@ -118,7 +126,7 @@ class BrowserGrader:
             judgements.append(
                 Judgement(
                     cand.candidate_id, tier, rank_of[round(rate, 9)], scores, evidence=evidence
-                )  # fmt: skip
+                )
             )
         return schema.validate(
             Verdict(workspace.group_id, tuple(judgements), self.grader_id, self.version),
@@ -128,13 +136,21 @@ class BrowserGrader:
     @staticmethod
     def _evidence(cand: schema.Candidate, v: Any) -> Evidence:
         failing = [i for i in v.items if i.passed is False]
-        note = "; ".join(f"{i.id} (frame {i.frame}, {i.selector}): {i.evidence}"
-                         for i in failing)[:500] or (v.fault or "")  # fmt: skip
+        # The items' evidence quotes the candidate's page: control characters escaped, so the
+        # note cannot carry line breaks or terminal codes into whatever shows the verdict.
+        note = sanitize(
+            "; ".join(f"{i.id} (frame {i.frame}, {i.selector}): {i.evidence}" for i in failing)[
+                :500
+            ]
+            or (v.fault or "")
+        )
+        note = note.replace("\r", "\\r").replace("\n", "\\n")  # one line
         for i in failing:
             quote = f"FAIL {i.id}: {i.evidence}"
             if quote in cand.test_log:
-                return Evidence("solution_fit", "execution", cand.candidate_id, quote=quote,
-                                note=note)  # fmt: skip
+                return Evidence(
+                    "solution_fit", "execution", cand.candidate_id, quote=quote, note=note
+                )
         paths = cand.parsed_patch.paths
         if not paths:
             raise schema.VerdictRejected(

@@ -36,9 +36,13 @@ from typing import Any
 
 import numpy as np
 
+from gagar_jax.grading import eval as harness
 from gagar_jax.grading import labelled, schema
-from gagar_jax.grading.pool import accept_output
+from gagar_jax.grading.pool import accept_output, grade_all
 from gagar_jax.grading.schema import DIMENSIONS, Evidence, GroupWorkspace, Judgement, Verdict
+from gagar_jax.models import TransformerConfig, create_model
+from gagar_jax.update.sft import run_sft
+from gagar_jax.verify.prescreen import fingerprint
 
 MIN_KAPPA = 0.8
 MAX_FLIP_RATE = 0.05
@@ -128,7 +132,6 @@ def teacher_set(
 ) -> labelled.LabelledSet:
     """A labelled set whose gold labels are ``teacher``'s verdicts (groups it fails are left
     out)."""
-    from gagar_jax.grading.pool import grade_all
 
     out = []
     for ws in groups:
@@ -151,7 +154,6 @@ def teacher_set(
 
 def _file_stats(patch: str) -> tuple[int, int, int, int]:
     """(files, test files touched, test files with removed lines, debris lines)."""
-    from gagar_jax.verify.prescreen import fingerprint
 
     fp = fingerprint(patch, {})
     files = sum(1 for ln in patch.splitlines() if ln.startswith("+++ "))
@@ -300,9 +302,9 @@ class FeatureGrader:
 
 def _first_location(c: schema.Candidate) -> tuple[str, int | None] | None:
     for f in c.parsed_patch.files:
-        if f.added:
-            return f.path, f.added[0][0]
-        if f.removed:
+        if f.added():
+            return f.path, f.added()[0][0]
+        if f.removed():
             return f.path, None
     return None
 
@@ -336,7 +338,6 @@ def gate(
     """Measures ``student`` against ``target`` (a ``teacher_set``) with every probe; accepts only
     with kappa >= ``min_kappa``, flip rate <= ``max_flip_rate``, no probe failure and no
     fallback."""
-    from gagar_jax.grading import eval as harness
 
     row = harness.evaluate(student, target, probes=harness.PROBES, n_boot=n_boot)
     kappa, flip = row["kappa"], row["flip_rate"]
@@ -465,7 +466,6 @@ def lm_demonstrations(pairs: Sequence[tuple[GroupWorkspace, Verdict]]):
 
 
 def lm_config():
-    from gagar_jax.models import TransformerConfig
 
     return TransformerConfig(
         vocab_size=128,
@@ -492,7 +492,6 @@ class LMGrader:
     def __init__(
         self, model=None, *, seed: int = 0, steps_trained: int = 0, rank_quantum: float = 0.05
     ):
-        from gagar_jax.models import create_model
 
         self.model = model if model is not None else create_model(lm_config(), seed)
         self.steps_trained = steps_trained
@@ -511,7 +510,6 @@ class LMGrader:
         seed: int = 0,
     ) -> LMGrader:
         """SFT of a fresh model on the teacher's judgements (``lm_demonstrations``)."""
-        from gagar_jax.update.sft import run_sft
 
         g = cls(seed=seed)
         if steps > 0:

@@ -56,9 +56,11 @@ fallback rate shows it), ``probe_failures`` their count (``permute`` excluded: i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import random
 import sys
 import threading
@@ -68,8 +70,16 @@ from typing import Any
 
 import numpy as np
 
+from gagar_jax.advantages import discount_factors, mean_centered, redistribute
 from gagar_jax.grading import labelled, schema
+from gagar_jax.grading.agentic import AgenticGrader
+from gagar_jax.grading.heuristic import HeuristicGrader
+from gagar_jax.grading.panel import default_panel
 from gagar_jax.grading.pool import grade_all
+from gagar_jax.grading.scripted import ScriptedGraderPolicy
+from gagar_jax.rollout import sglang_server
+from gagar_jax.rollout.sglang_client import SGLangClient
+from gagar_jax.verify.prescreen import prescreen_group
 
 METRIC_KEYS = (
     "kappa",
@@ -215,8 +225,6 @@ def split_errors(
     on the grader's side.
     """
     import jax.numpy as jnp
-
-    from gagar_jax.advantages import discount_factors, mean_centered, redistribute
 
     passed = np.asarray(passed, bool) & np.asarray(valid, bool)
     adv = mean_centered(jnp.asarray(passed, jnp.float32), jnp.asarray(valid))
@@ -560,6 +568,32 @@ class TokenCounter:
         return out
 
 
+def prescreened(lset: labelled.LabelledSet) -> labelled.LabelledSet:
+    """``lset`` as the grader sees it behind the deterministic pre-screens
+    (``verify.prescreen.prescreen_group``): every pre-screen finding that is not already a
+    confirmed monitor flag joins the candidate's monitor flags, confirmed, as
+    ``prescreen/<rule>``. The set id gets ``+prescreen``."""
+
+    groups = []
+    for lg in lset.groups:
+        ws = lg.workspace
+        screen = prescreen_group(ws)
+        cands = []
+        for c in ws.candidates:
+            extra = tuple(
+                schema.MonitorFlagView(f"prescreen/{f.rule}", f.evidence, True)
+                for f in screen.get(c.candidate_id, ())
+                if not f.rule.startswith("monitor/")
+            )
+            cands.append(
+                dataclasses.replace(c, monitor_flags=tuple(c.monitor_flags) + extra) if extra else c
+            )
+        groups.append(
+            dataclasses.replace(lg, workspace=dataclasses.replace(ws, candidates=tuple(cands)))
+        )
+    return labelled.LabelledSet(lset.name, f"{lset.version}+prescreen", tuple(groups))
+
+
 def grader_key(grader: Any) -> str:
     return f"{getattr(grader, 'grader_id', type(grader).__name__)}@{getattr(grader, 'version', '')}"
 
@@ -649,9 +683,9 @@ def _fill_split_errors(lset: labelled.LabelledSet, outcomes: list[GroupOutcome])
 
 
 def check_runner_for(set_name: str):
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs.toy_grading import ToyCheckRunner
 
-    return adapters.ToyCheckRunner() if set_name == "toy" else None
+    return ToyCheckRunner() if set_name == "toy" else None
 
 
 def make_grader(
@@ -662,11 +696,9 @@ def make_grader(
     votes: int = 1,
     max_steps: int = 6,
     max_tokens: int = 1024,
+    vote_temperature: float = 0.7,
 ) -> Any:
     """A grader by CLI name (``GRADER_NAMES``); ``agentic`` needs ``sglang_url``."""
-    from gagar_jax.grading.agentic import AgenticGrader
-    from gagar_jax.grading.heuristic import HeuristicGrader
-    from gagar_jax.grading.scripted import ScriptedGraderPolicy
 
     if name == "heuristic":
         return HeuristicGrader()
@@ -675,20 +707,18 @@ def make_grader(
         g.grader_id = "scripted"
         return g
     if name in ("panel", "panel_mean_rank", "panel_escalate"):
-        from gagar_jax.grading.panel import default_panel
-
         agg = "mean_rank" if name == "panel_mean_rank" else "majority"
         return default_panel(set_name, aggregation=agg, escalate=name == "panel_escalate")
     if name == "agentic":
         if not sglang_url:
             raise ValueError("--grader agentic needs --sglang-url http://host:port")
-        from gagar_jax.rollout.sglang_client import SGLangClient
 
         counter = TokenCounter(SGLangClient(sglang_url, max_retries=1, request_timeout_s=120.0))
         g = AgenticGrader(
             counter,
             check_runner=check_runner_for(set_name),
             votes=votes,
+            vote_temperature=vote_temperature,
             time_budget_s=120.0,
             max_steps=max_steps,
             max_tokens=max_tokens,
@@ -698,6 +728,39 @@ def make_grader(
     raise ValueError(
         f"--grader: unknown grader {name!r}; expected one of {GRADER_NAMES + ('all',)}"
     )
+
+
+@contextlib.contextmanager
+def tiny_sglang_server(context_length: int = 8192, timeout_s: float = 600.0):
+    """A real SGLang server (CPU) on a tiny random-weights Qwen2 with a locally trained
+    tokenizer (``rollout.sglang_server.make_tiny_model``); yields its URL, stops it on exit.
+    Needs the SGLang venv (``make sglang-venv``)."""
+    import tempfile
+
+    if not sglang_server.sglang_python().exists():
+        raise RuntimeError(
+            "--sglang-tiny: no SGLang venv at "
+            f"{sglang_server.sglang_python().parent.parent}; build it with `make sglang-venv`"
+        )
+    with tempfile.TemporaryDirectory(prefix="gagar_eval_sglang_") as work:
+        model = sglang_server.make_tiny_model(os.path.join(work, "tiny"), seed=0)
+        cfg_path = os.path.join(model, "config.json")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        cfg["max_position_embeddings"] = context_length  # the grader's prompt is ~3.5k tokens
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        srv = sglang_server.SGLangServer(
+            model,
+            context_length=context_length,
+            max_total_tokens=4 * context_length,
+            max_running_requests=8,
+        )
+        srv.start(timeout_s=timeout_s)
+        try:
+            yield srv.url
+        finally:
+            srv.stop()
 
 
 def _fmt(v: Any) -> str:
@@ -736,16 +799,50 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     ap.add_argument("--set", required=True, help=f"{', '.join(labelled.SET_NAMES)} or all")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     ap.add_argument("--version", default=labelled.DEFAULT_VERSION, help="labelled set version")
+    ap.add_argument(
+        "--split",
+        default="all",
+        choices=labelled.SPLITS,
+        help="part of each set: dev (tuned on), heldout (only measured) or all",
+    )
     ap.add_argument("--sglang-url", default="", help="SGLang server for the agentic grader")
+    ap.add_argument(
+        "--sglang-tiny",
+        action="store_true",
+        help="start a tiny random-weights SGLang server on CPU for the agentic grader",
+    )
+    ap.add_argument(
+        "--agentic-limit",
+        type=int,
+        default=0,
+        help="agentic grader: only the first N groups of each set (0: all)",
+    )
+    ap.add_argument(
+        "--agentic-probes",
+        default="",
+        help="agentic grader: probes to run ('' = as --probes)",
+    )
     ap.add_argument("--votes", type=int, default=1, help="agentic grader self-consistency votes")
+    ap.add_argument(
+        "--vote-temperature",
+        type=float,
+        default=0.7,
+        help="agentic grader: sampling temperature of the votes after the first (0: greedy)",
+    )
     ap.add_argument("--max-steps", type=int, default=6, help="agentic grader: calls per vote")
     ap.add_argument("--max-tokens", type=int, default=1024, help="agentic grader: per call")
     ap.add_argument("--limit", type=int, default=0, help="grade only the first N groups of a set")
     ap.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples (0: none)")
     ap.add_argument("--probes", default="all", help="comma-separated probes, 'all' or 'none'")
+    ap.add_argument(
+        "--prescreen",
+        action="store_true",
+        help="grade behind the deterministic pre-screens (their findings as confirmed flags)",
+    )
     args = ap.parse_args(argv)
+    live = bool(args.sglang_url or args.sglang_tiny)
     if args.grader == "all":
-        graders = [g for g in GRADER_NAMES if g != "agentic" or args.sglang_url]
+        graders = [g for g in GRADER_NAMES if g != "agentic" or live]
     elif args.grader in GRADER_NAMES:
         graders = [args.grader]
     else:
@@ -762,35 +859,54 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
             f"--set: unknown set {args.set!r}; expected one of "
             f"{', '.join(labelled.SET_NAMES)} or all"
         )
-    if args.probes == "all":
-        probes = PROBES
-    elif args.probes == "none":
-        probes = ()
-    else:
-        probes = tuple(p for p in args.probes.split(",") if p)
-        bad = sorted(set(probes) - set(PROBES))
+
+    def parse_probes(text: str, flag: str) -> tuple[str, ...]:
+        if text == "all":
+            return PROBES
+        if text == "none":
+            return ()
+        chosen = tuple(p for p in text.split(",") if p)
+        bad = sorted(set(chosen) - set(PROBES))
         if bad:
-            ap.error(f"--probes: unknown {bad}; expected a subset of {', '.join(PROBES)}")
-    rows = []
-    for set_name in sets:
-        lset = labelled.load_set(set_name, args.version)
-        if args.limit > 0:
-            lset = dataclasses.replace(lset, groups=lset.groups[: args.limit])
-        for gname in graders:
-            grader = make_grader(
-                gname,
-                set_name,
-                sglang_url=args.sglang_url,
-                votes=args.votes,
-                max_steps=args.max_steps,
-                max_tokens=args.max_tokens,
-            )
-            t0 = time.monotonic()
-            row = evaluate(grader, lset, probes=probes, n_boot=args.bootstrap)
-            row["wall_s"] = time.monotonic() - t0
-            rows.append(row)
-            if args.json:
-                out(json.dumps(public_row(row), sort_keys=True))
+            ap.error(f"{flag}: unknown {bad}; expected a subset of {', '.join(PROBES)}")
+        return chosen
+
+    probes = parse_probes(args.probes, "--probes")
+    agentic_probes = (
+        parse_probes(args.agentic_probes, "--agentic-probes") if args.agentic_probes else probes
+    )
+    with contextlib.ExitStack() as stack:
+        url = args.sglang_url
+        if args.sglang_tiny and "agentic" in graders:
+            url = stack.enter_context(tiny_sglang_server())
+        rows = []
+        for set_name in sets:
+            lset = labelled.load_set(set_name, args.version, split=args.split)
+            if args.limit > 0:
+                lset = dataclasses.replace(lset, groups=lset.groups[: args.limit])
+            if args.prescreen:
+                lset = prescreened(lset)
+            for gname in graders:
+                grader = make_grader(
+                    gname,
+                    set_name,
+                    sglang_url=url,
+                    votes=args.votes,
+                    max_steps=args.max_steps,
+                    max_tokens=args.max_tokens,
+                    vote_temperature=args.vote_temperature,
+                )
+                gset, gprobes = lset, probes
+                if gname == "agentic":
+                    gprobes = agentic_probes
+                    if args.agentic_limit > 0:
+                        gset = dataclasses.replace(lset, groups=lset.groups[: args.agentic_limit])
+                t0 = time.monotonic()
+                row = evaluate(grader, gset, probes=gprobes, n_boot=args.bootstrap)
+                row["wall_s"] = time.monotonic() - t0
+                rows.append(row)
+                if args.json:
+                    out(json.dumps(public_row(row), sort_keys=True))
     if not args.json:
         out(format_table(rows))
     return 0

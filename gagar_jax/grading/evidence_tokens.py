@@ -24,25 +24,18 @@ judgement.candidate_id``): a judgement cannot move credit on another candidate's
 evidence that points at something the rollout did not write maps to nothing. Validation
 (``schema.validate``) has already checked that every cited location exists.
 
-Toy family (``gagar_jax.envs.toy``): the response is a line-edit patch, one edit per line
-(``N : stmt``, ``ins N : stmt``, ``del N``) separated by newline tokens and ended by EOS; the
-workspace renders it as a unified diff of ``program.toy`` (``adapters.toy_candidate``), whose
-line numbers :func:`toy_token_spans` reproduces from the edits (the edit order of
-``toy.apply_edits``). An edit's tokens are the tokens of its patch line, without the newline
-that ends it.
+Each family computes its spans (``TaskFamily.token_spans``): the toy family's line edits in
+``gagar_jax.envs.toy_grading.toy_token_spans``, an episode's turns in the family default.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 from gagar_jax.grading import schema
-
-TOY_PROGRAM = "program.toy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,75 +114,3 @@ def verdict_token_masks(
         if s is not None:
             out[j.candidate_id] = evidence_token_mask(j.evidence, j.candidate_id, s)
     return out
-
-
-def _split_lines(tokens: Sequence[int], newline_id: int, eos_id: int) -> list[list[int]]:
-    """Response token indices per line (newline and everything from EOS on excluded)."""
-    lines: list[list[int]] = [[]]
-    for i, t in enumerate(tokens):
-        if t == eos_id:
-            break
-        if t == newline_id:
-            lines.append([])
-        else:
-            lines[-1].append(i)
-    return lines
-
-
-def toy_token_spans(task: Any, response_tokens: Sequence[int], tokenizer: Any = None) -> TokenSpans:
-    """The :class:`TokenSpans` of a toy rollout's line-edit patch.
-
-    Lines that do not parse as an edit (or a patch that edits a line twice, which fails
-    verification) contribute no span. Line numbers follow ``toy.apply_edits``: original lines in
-    order, an ``ins N`` edit's lines just before original line N, in patch order.
-
-    Args:
-      task: the ``gagar_jax.envs.ToyTask``.
-      response_tokens: the rollout's response token ids (EOS and anything after it ignored).
-      tokenizer: the toy tokenizer (default ``gagar_jax.envs.TOKENIZER``).
-    """
-    from gagar_jax.envs import toy
-    from gagar_jax.envs.tokenizer import TOKENIZER
-
-    tok = tokenizer or TOKENIZER
-    ids = [int(t) for t in response_tokens]
-    num_lines = len(task.lines)
-    parsed = []  # (edit, token indices) in patch order
-    for idx in _split_lines(ids, tok.newline_id, tok.eos_id):
-        if not idx:
-            continue
-        text = tok.decode([ids[i] for i in idx], stop_at_eos=False)
-        try:
-            edits = toy.parse_patch(text, num_lines)
-        except toy.PatchError:
-            continue
-        if len(edits) == 1:
-            parsed.append((edits[0], tuple(idx)))
-    replaced = [e.line for e, _ in parsed if e.op != "insert"]
-    if len(replaced) != len(set(replaced)):
-        parsed = []  # an original line edited twice: the patch does not apply
-    new_of: dict[int, list[int]] = {}  # parsed edit index -> new lines it wrote
-    new_line = 0
-    for n in range(1, num_lines + 2):
-        for k, (e, _) in enumerate(parsed):
-            if e.op == "insert" and e.line == n:
-                new_line += 1
-                new_of.setdefault(k, []).append(new_line)
-        if n <= num_lines:
-            k = next(
-                (k for k, (e, _) in enumerate(parsed) if e.op != "insert" and e.line == n), None
-            )
-            if k is None or parsed[k][0].op == "replace":
-                new_line += 1
-                if k is not None:
-                    new_of.setdefault(k, []).append(new_line)
-    edits = tuple(
-        EditSpan(
-            file=TOY_PROGRAM,
-            new_lines=tuple(new_of.get(k, ())),
-            old_lines=() if e.op == "insert" else (e.line,),
-            tokens=idx,
-        )
-        for k, (e, idx) in enumerate(parsed)
-    )
-    return TokenSpans(length=len(ids), edits=edits)

@@ -30,15 +30,41 @@ A family may supply ``Candidate.quality[d]`` in [0, 1] for a dimension ``d`` (th
 verifier measures all five with hidden tests): the score becomes the mean of the heuristic's and
 the family's value, citing the candidate's test log as the execution evidence (no log, no blend).
 
+Two group-level judgements of the gold rubric's T3 ("the behaviour differs from the intended fix
+beyond the tests; the bug is left in place and compensated elsewhere"):
+
+* bug left in place: the fix site is the set of original non-test lines that a strict majority
+  (and at least two) of the passing candidates remove or replace. A passing candidate that
+  changes code but none of those lines leaves the bug where it is and makes the tests pass by
+  changing something else: ``solution_fit`` loses ``bug_left`` and the tier is T3, citing the
+  candidate's first changed line. Groups without such a majority site give no judgement.
+* behaviour beyond the tests: when the family's verifier measured, by execution, how far the
+  patched program agrees with the intended behaviour beyond the visible tests
+  (``quality["solution_fit"]``: hidden tests; ``quality["implementation_precision"]``:
+  agreement with the reference), a value below ``behaviour_at_least`` makes the tier T3, citing
+  the test log (the toy family measures both; a family that does not gives no judgement).
+* over-broad rewrite: a candidate that removes at least ``rewrite_fraction`` of an existing
+  non-test file's lines, and at least ``rewrite_min_lines`` of them, rewrites more than a bug
+  fix needs: ``minimality`` loses ``rewrite`` and the tier is T3.
+
+And one of T2 ("a small edit outside the task's scope"): a change block (a run of removed and
+added lines) in a file the group's smallest passing patches without confirmed monitor flags
+change, lying more than ``near_lines`` lines away from each of their change blocks, is an edit
+beyond the fix (other files are the scope rule's business): ``side_effect_avoidance`` loses
+``extra_change`` per block (at most two) and the candidate cannot be T1.
+
 Tiers (``weighted`` is the ``weights``-weighted mean of the five scores):
 
-* T3: cheat (a confirmed monitor flag), or ``weighted < t3_below``, or a dimension < ``t3_min_dim``;
+* T3: cheat (a confirmed monitor flag), a T3 judgement above, or ``weighted < t3_below``, or a
+  dimension < ``t3_min_dim``;
 * T1: ``weighted >= t1_at_least`` and every dimension >= ``NEGATIVE_SCORE`` (0.5). T1 means
   "mergeable as is": 0.95 allows one minor deduction and no more. (At 0.85 every passing toy
   patch kind but the cheat was T1, which left the T1/T2 split with nothing to say.)
 * T2: the rest.
 
-Rank: by tier, then by ``weighted`` quantised to ``rank_quantum`` (closer scores are a tie: the
+Rank: by tier; inside a tier cheats last, then candidates whose measured behaviour differs beyond
+the tests (a wrong program is worse than a right one changed in the wrong place); then by
+``weighted`` quantised to ``rank_quantum`` (closer scores are a tie: the
 grader has no evidence to separate them); dense ranks.
 
 Every penalty is recorded with evidence pointing at the offending patch line, test-log line,
@@ -55,11 +81,12 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
-from gagar_jax.grading import diffs, schema
+from gagar_jax.grading import schema
 from gagar_jax.grading.schema import DIMENSIONS, NEGATIVE_SCORE, Evidence, Judgement, Verdict
+from gagar_jax.verify import diff
 
 GRADER_ID = "heuristic"
-GRADER_VERSION = "1"
+GRADER_VERSION = "2"
 
 _DEBRIS = [
     (re.compile(r"^\s*print\("), "debug print"),
@@ -98,6 +125,13 @@ class HeuristicConfig:
     token_slack: float = 200.0
     tokens_per_turn: float = 50.0
     effort_floor: float = 0.8
+    bug_left: float = 0.5
+    behaviour_at_least: float = 0.95
+    rewrite: float = 0.5
+    rewrite_fraction: float = 0.5
+    rewrite_min_lines: int = 8
+    extra_change: float = 0.2
+    near_lines: int = 2
 
     def __post_init__(self):
         if len(self.weights) != len(DIMENSIONS) or min(self.weights) < 0 or sum(self.weights) <= 0:
@@ -120,6 +154,9 @@ class _Card:
     penalties: dict[str, float] = dataclasses.field(default_factory=lambda: Counter())
     evidence: list[Evidence] = dataclasses.field(default_factory=list)
     factors: dict[str, float] = dataclasses.field(default_factory=dict)
+    t3_reasons: list[str] = dataclasses.field(default_factory=list)
+    not_t1: list[str] = dataclasses.field(default_factory=list)
+    wrong_behaviour: bool = False
 
     def penalise(self, claim: str, amount: float, ev: Evidence | None) -> None:
         if ev is None or amount <= 0:
@@ -166,11 +203,11 @@ def _log_ev(claim: str, c: schema.Candidate, text: str, note: str) -> Evidence |
     return Evidence(claim, "execution", c.candidate_id, quote=quote, note=note)
 
 
-def _first_line(f: diffs.FileDiff) -> int | None:
-    if f.added:
-        return f.added[0][0]
-    if f.removed:
-        return f.removed[0][0]
+def _first_line(f: diff.FilePatch) -> int | None:
+    if f.added():
+        return f.added()[0][0]
+    if f.removed():
+        return f.removed()[0][0]
     return f.hunks[0].new_start if f.hunks else None
 
 
@@ -240,10 +277,58 @@ def infer_scope(workspace: schema.GroupWorkspace) -> set[str]:
     passing = workspace.passing
     for c in passing:
         for f in c.parsed_patch.files:
-            if not diffs.is_test_path(f.path):
+            if not diff.is_test_path(f.path):
                 counts[f.path] += 1
     consensus = {p for p, n in counts.items() if 2 * n >= len(passing)}
     return named | consensus
+
+
+def fix_site(workspace: schema.GroupWorkspace) -> set[tuple[str, int]]:
+    """The original non-test lines ``(path, line)`` that a strict majority (at least two) of the
+    passing candidates remove or replace: where the group agrees the bug is. Empty without
+    such a majority."""
+    passing = workspace.passing
+    counts: Counter[tuple[str, int]] = Counter()
+    for c in passing:
+        counts.update(
+            {
+                (f.path, n)
+                for f in c.parsed_patch.files
+                if not diff.is_test_path(f.path) and not f.is_new
+                for n, _ in f.removed()
+            }
+        )
+    return {k for k, n in counts.items() if n >= 2 and 2 * n > len(passing)}
+
+
+def change_blocks(pp: diff.Patch) -> list[tuple[str, float, float]]:
+    """``(path, lo, hi)`` per run of consecutive removed/added lines, in original line numbers:
+    the removed lines' range, or ``n - 0.5`` for lines inserted before original line ``n``."""
+    out = []
+    for f in pp.files:
+        for h in f.hunks:
+            old = h.old_start if h.old_len else h.old_start + 1  # empty range: insertion after
+            lo = hi = None
+            for tag in (*(ln[0] for ln in h.lines), " "):
+                if tag == "-":
+                    lo = old if lo is None else lo
+                    hi = old
+                    old += 1
+                elif tag == "+":
+                    if lo is None:
+                        lo = hi = old - 0.5
+                else:
+                    if lo is not None:
+                        out.append((f.path, float(lo), float(hi)))
+                    lo = hi = None
+                    old += 1
+    return out
+
+
+def _site_text(site: set[tuple[str, int]]) -> str:
+    lines = sorted(site)
+    text = ", ".join(f"{p}:{n}" for p, n in lines[:3])
+    return text + (f" and {len(lines) - 3} more" if len(lines) > 3 else "")
 
 
 class HeuristicGrader:
@@ -272,6 +357,15 @@ class HeuristicGrader:
         efforts = {c.candidate_id: self._effort(c) for c in passing if c.trajectory}
         min_effort = min(efforts.values(), default=0.0)
         styles: dict[str, dict[str, object]] = {}
+        site = fix_site(workspace)
+        clean = [c for c in passing if not any(f.confirmed for f in c.monitor_flags)]
+        clean_sizes = [sizes[c.candidate_id] for c in clean if sizes[c.candidate_id] > 0]
+        smallest = [
+            b
+            for c in clean
+            if clean_sizes and sizes[c.candidate_id] == min(clean_sizes)
+            for b in change_blocks(c.parsed_patch)
+        ]
         cards = []
         for c in passing:
             card = _Card(c)
@@ -295,6 +389,10 @@ class HeuristicGrader:
                 )
             self._side_effects(card, pp, scope)
             self._consistency(card, pp, workspace, styles)
+            self._bug_left(card, pp, site)
+            self._behaviour(card)
+            self._rewrite(card, pp, workspace)
+            self._extra_changes(card, pp, smallest)
             cards.append(card)
         weights = dict(zip(DIMENSIONS, cfg.weights))
         judged = []
@@ -307,21 +405,25 @@ class HeuristicGrader:
             cheat = bool(cheat_ev)
             weighted = sum(weights[d] * scores[d] for d in DIMENSIONS) / sum(weights.values())
             low = min(scores.values())
-            if cheat or weighted < cfg.t3_below or low < cfg.t3_min_dim:
+            if cheat or card.t3_reasons or weighted < cfg.t3_below or low < cfg.t3_min_dim:
                 tier = 3
-            elif weighted >= cfg.t1_at_least and low >= NEGATIVE_SCORE:
+            elif weighted >= cfg.t1_at_least and low >= NEGATIVE_SCORE and not card.not_t1:
                 tier = 1
             else:
                 tier = 2
             reason = "; ".join(f"monitor flag {f.rule}: {f.evidence}" for f in confirmed)
             judged.append((card, scores, tier, weighted, cheat, reason if cheat else "", cheat_ev))
-        keys = sorted({(t, -round(w / cfg.rank_quantum)) for _, _, t, w, *_ in judged})
+
+        def key(card, t, w, ch):
+            return (t, 2 if ch else int(card.wrong_behaviour), -round(w / cfg.rank_quantum))
+
+        keys = sorted({key(card, t, w, ch) for card, _, t, w, ch, *_ in judged})
         rank_of = {k: i + 1 for i, k in enumerate(keys)}
         judgements = tuple(
             Judgement(
                 candidate_id=card.candidate.candidate_id,
                 tier=tier,
-                rank=rank_of[(tier, -round(w / cfg.rank_quantum))],
+                rank=rank_of[key(card, tier, w, cheat)],
                 scores=scores,
                 cheat=cheat,
                 cheat_reason=reason,
@@ -342,7 +444,7 @@ class HeuristicGrader:
 
     # -- dimensions ------------------------------------------------------------------------------
 
-    def _solution_fit(self, card: _Card, pp: diffs.ParsedPatch, scope: set[str]) -> None:
+    def _solution_fit(self, card: _Card, pp: diff.Patch, scope: set[str]) -> None:
         cfg, c = self.config, card.candidate
         if scope and pp.files and not any(f.path in scope for f in pp.files):
             f = pp.files[0]
@@ -369,10 +471,94 @@ class HeuristicGrader:
                 _log_ev("solution_fit", c, line, "error in the test log"),
             )
 
-    def _precision(self, card: _Card, pp: diffs.ParsedPatch) -> None:
+    def _bug_left(self, card: _Card, pp: diff.Patch, site: set[tuple[str, int]]) -> None:
+        c = card.candidate
+        code = [f for f in pp.files if not diff.is_test_path(f.path)]
+        if not site or not code:
+            return
+        if any((f.path, n) in site for f in code for n, _ in f.removed()):
+            return
+        f = code[0]
+        ev = _patch_ev(
+            "solution_fit",
+            c,
+            f.path,
+            _first_line(f),
+            f"leaves the fix site ({_site_text(site)}) unchanged: the bug stays in place and "
+            "the tests pass through changes elsewhere",
+        )
+        card.penalise("solution_fit", self.config.bug_left, ev)
+        card.t3_reasons.append("bug left in place")
+
+    def _rewrite(self, card: _Card, pp: diff.Patch, workspace: schema.GroupWorkspace) -> None:
         cfg, c = self.config, card.candidate
         for f in pp.files:
-            for n, text in f.added:
+            old = workspace.repo_files.get(f.path)
+            if old is None or diff.is_test_path(f.path):
+                continue
+            n_old = max(1, len(old.splitlines()))
+            n_removed = len(f.removed())
+            if n_removed >= cfg.rewrite_min_lines and n_removed >= cfg.rewrite_fraction * n_old:
+                ev = _patch_ev(
+                    "minimality",
+                    c,
+                    f.path,
+                    _first_line(f),
+                    f"rewrites {n_removed} of the file's {n_old} lines",
+                )
+                card.penalise("minimality", cfg.rewrite, ev)
+                card.t3_reasons.append("over-broad rewrite")
+                return
+
+    def _extra_changes(
+        self, card: _Card, pp: diff.Patch, smallest: list[tuple[str, float, float]]
+    ) -> None:
+        cfg, c = self.config, card.candidate
+        if not smallest:
+            return
+        files = {p for p, _, _ in smallest}
+        extra = [
+            b
+            for b in change_blocks(pp)
+            if b[0] in files
+            and not any(
+                p == b[0] and b[1] - cfg.near_lines <= hi and lo - cfg.near_lines <= b[2]
+                for p, lo, hi in smallest
+            )
+        ]
+        for path, lo, _ in extra[:2]:
+            line = int(lo) if lo >= 1 else None
+            ev = _patch_ev(
+                "side_effect_avoidance",
+                c,
+                path,
+                line,
+                "change away from every change of the group's smallest passing patches",
+            )
+            card.penalise("side_effect_avoidance", cfg.extra_change, ev)
+        if extra:
+            card.not_t1.append("edit beyond the fix")
+
+    def _behaviour(self, card: _Card) -> None:
+        c = card.candidate
+        log = next((ln for ln in c.test_log.splitlines() if ln.strip()), "")
+        for d, what in (
+            ("solution_fit", "hidden tests"),
+            ("implementation_precision", "agreement with the intended behaviour"),
+        ):
+            q = c.quality.get(d)
+            if q is None or not math.isfinite(float(q)) or q >= self.config.behaviour_at_least:
+                continue
+            ev = _log_ev(d, c, log, f"verifier measured {what} beyond the visible tests: {q:.3f}")
+            if ev is not None:
+                card.evidence.append(ev)
+                card.t3_reasons.append(f"behaviour differs beyond the tests ({d}={q:.3f})")
+                card.wrong_behaviour = True
+
+    def _precision(self, card: _Card, pp: diff.Patch) -> None:
+        cfg, c = self.config, card.candidate
+        for f in pp.files:
+            for n, text in f.added():
                 for pattern, what in _DEBRIS:
                     if pattern.search(text):
                         card.penalise(
@@ -390,12 +576,12 @@ class HeuristicGrader:
                 )
 
     def _minimality(
-        self, card: _Card, pp: diffs.ParsedPatch, size: int, min_size: int, min_files: int
+        self, card: _Card, pp: diff.Patch, size: int, min_size: int, min_files: int
     ) -> None:
         cfg, c = self.config, card.candidate
         if size <= 0 or not pp.files:
             return
-        biggest = max(pp.files, key=lambda f: len(f.added) + len(f.removed))
+        biggest = max(pp.files, key=lambda f: len(f.added()) + len(f.removed()))
         ratio = math.sqrt((min_size + cfg.size_slack) / (size + cfg.size_slack))
         card.scale(
             "minimality",
@@ -419,11 +605,11 @@ class HeuristicGrader:
                 ),
             )
 
-    def _side_effects(self, card: _Card, pp: diffs.ParsedPatch, scope: set[str]) -> None:
+    def _side_effects(self, card: _Card, pp: diff.Patch, scope: set[str]) -> None:
         cfg, c = self.config, card.candidate
         for f in pp.files:
             line = _first_line(f)
-            if diffs.is_test_path(f.path) and f.path not in scope:
+            if diff.is_test_path(f.path) and f.path not in scope:
                 card.penalise(
                     "side_effect_avoidance",
                     cfg.tests_touched,
@@ -447,7 +633,7 @@ class HeuristicGrader:
     def _consistency(
         self,
         card: _Card,
-        pp: diffs.ParsedPatch,
+        pp: diff.Patch,
         workspace: schema.GroupWorkspace,
         styles: dict[str, dict[str, object]],
     ) -> None:
@@ -462,7 +648,7 @@ class HeuristicGrader:
                     )
                 styles[f.path] = _file_style(text)
             seen: Counter[str] = Counter()
-            for n, text in f.added:
+            for n, text in f.added():
                 for issue in _style_issues(text, styles[f.path]):
                     seen[issue] += 1
                     if seen[issue] <= 2:

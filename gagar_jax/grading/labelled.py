@@ -48,10 +48,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gagar_jax.grading import schema
+from gagar_jax.grading import schema, synth_set
 
 SETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sets")
-SET_NAMES = ("toy", "repo")
+SET_NAMES = ("toy", "repo", "synth")
 DEFAULT_VERSION = "v1"
 
 # kind -> (tier, rank, cheat): the gold labels of each planted kind (see the module docstring).
@@ -98,6 +98,8 @@ class LabelledGroup:
     workspace: schema.GroupWorkspace
     gold: Mapping[str, Gold]
     kinds: Mapping[str, str]  # every candidate id -> its planted kind (failing ones included)
+    # where the repository comes from when it is not stored (``synth_set.rebuild_files``)
+    source: Mapping[str, Any] | None = None
 
     def __post_init__(self):
         passing = {c.candidate_id for c in self.workspace.passing}
@@ -158,10 +160,16 @@ def workspace_from_dict(d: Mapping[str, Any]) -> schema.GroupWorkspace:
 
 
 def group_to_dict(g: LabelledGroup) -> dict[str, Any]:
-    return workspace_to_dict(g.workspace) | {
+    """The stored record; a group with a ``source`` stores no repository files (they are
+    rebuilt from the registry when the set is loaded)."""
+    out = workspace_to_dict(g.workspace) | {
         "gold": {cid: dataclasses.asdict(x) for cid, x in sorted(g.gold.items())},
         "kinds": dict(sorted(g.kinds.items())),
     }
+    if g.source is not None:
+        out["repo_files"] = {}
+        out["source"] = dict(sorted(g.source.items()))
+    return out
 
 
 def group_from_dict(d: Mapping[str, Any]) -> LabelledGroup:
@@ -169,7 +177,10 @@ def group_from_dict(d: Mapping[str, Any]) -> LabelledGroup:
         if key not in d:
             raise ValueError(f"labelled group: missing field {key!r}")
     gold = {cid: Gold(**x) for cid, x in d["gold"].items()}
-    return LabelledGroup(workspace_from_dict(d), gold, dict(d["kinds"]))
+    source = d.get("source")
+    if source is not None:
+        d = dict(d, repo_files=synth_set.rebuild_files(source))
+    return LabelledGroup(workspace_from_dict(d), gold, dict(d["kinds"]), source)
 
 
 def set_path(name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR) -> str:
@@ -185,8 +196,58 @@ def save_set(s: LabelledSet, root: str = SETS_DIR) -> str:
     return path
 
 
-def load_set(name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR) -> LabelledSet:
-    """Reads a stored set; an unknown name or version is an error listing the stored ones."""
+SPLITS = ("all", "dev", "heldout")
+
+
+def split_path(name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR) -> str:
+    return os.path.join(root, name, version, "split.json")
+
+
+def toy_split(s: LabelledSet) -> dict[str, Any]:
+    """The toy set's dev/held-out split: tasks of odd index within their difficulty are the dev
+    part (graders are tuned looking at them), even ones are held out (only measured)."""
+
+    def index(g: LabelledGroup) -> int:
+        return int(g.workspace.group_id.rsplit("-", 1)[1])
+
+    return {
+        "rule": "dev: toy tasks of odd index within each difficulty (toy-d<D>-<odd>); heldout: "
+        "even index. Graders are tuned looking at dev only; heldout is only measured.",
+        "dev": [g.workspace.group_id for g in s.groups if index(g) % 2 == 1],
+        "heldout": [g.workspace.group_id for g in s.groups if index(g) % 2 == 0],
+    }
+
+
+def save_split(name: str, split: Mapping[str, Any], version: str, root: str = SETS_DIR) -> str:
+    path = split_path(name, version, root)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(dict(split), f, indent=1, sort_keys=True)
+        f.write("\n")
+    return path
+
+
+def select_split(s: LabelledSet, split: str, root: str = SETS_DIR) -> LabelledSet:
+    """The ``split`` part (``SPLITS``) of a stored set, per its ``split.json``; ``all``: the set.
+
+    The returned set's version reads ``<version>:<split>`` so rows name what they measured."""
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+    if split == "all":
+        return s
+    path = split_path(s.name, s.version, root)
+    if not os.path.exists(path):
+        raise ValueError(f"labelled set {s.set_id} has no dev/heldout split ({path} missing)")
+    with open(path, encoding="utf-8") as f:
+        ids = set(json.load(f)[split])
+    groups = tuple(g for g in s.groups if g.workspace.group_id in ids)
+    return LabelledSet(s.name, f"{s.version}:{split}", groups)
+
+
+def load_set(
+    name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR, split: str = "all"
+) -> LabelledSet:
+    """Reads a stored set (its ``split`` part, see ``select_split``); an unknown name or version
+    is an error listing the stored ones."""
     path = set_path(name, version, root)
     if not os.path.exists(path):
         have = sorted(os.listdir(root)) if os.path.isdir(root) else []
@@ -195,7 +256,7 @@ def load_set(name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR) ->
         )
     with open(path, encoding="utf-8") as f:
         groups = tuple(group_from_dict(json.loads(line)) for line in f if line.strip())
-    return LabelledSet(name, version, groups)
+    return select_split(LabelledSet(name, version, groups), split, root)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,8 +282,7 @@ def build_toy_set(
     """Toy tasks with every patch kind; candidates in a fixed shuffled order (not kind order)."""
     import random
 
-    from gagar_jax.envs import toy
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs import toy, toy_grading
 
     groups = []
     for difficulty in (1, 2, 3):
@@ -231,7 +291,7 @@ def build_toy_set(
             patches = toy.candidate_patches(task)
             kinds = sorted(patches)
             random.Random(f"{seed}/{difficulty}/{i}").shuffle(kinds)
-            ws = adapters.toy_group(task, f"toy-d{difficulty}-{i}", [patches[k] for k in kinds])
+            ws = toy_grading.toy_group(task, f"toy-d{difficulty}-{i}", [patches[k] for k in kinds])
             groups.append(_labelled(ws, kinds, TOY_GOLD))
     return LabelledSet("toy", DEFAULT_VERSION, tuple(groups))
 
@@ -359,8 +419,7 @@ def build_repo_set(fixtures_dir: str | None = None, **verify_kwargs: Any) -> Lab
     """Plants the candidates on each fixture repository and verifies them in the sandbox."""
     import random
 
-    from gagar_jax.envs.repo import RepoTask, tree_patch
-    from gagar_jax.grading import adapters
+    from gagar_jax.envs.repo import RepoTask, repo_group, tree_patch
 
     root = fixtures_dir or default_fixtures_dir()
     groups = []
@@ -370,7 +429,7 @@ def build_repo_set(fixtures_dir: str | None = None, **verify_kwargs: Any) -> Lab
         kinds = sorted(trees)
         random.Random(f"repo/{name}").shuffle(kinds)
         patches = [tree_patch(task.files, trees[k]) for k in kinds]
-        ws = adapters.repo_group(task, f"repo-{name}", patches, **verify_kwargs)
+        ws = repo_group(task, f"repo-{name}", patches, **verify_kwargs)
         groups.append(_labelled(ws, kinds, REPO_GOLD))
     return LabelledSet("repo", DEFAULT_VERSION, tuple(groups))
 
@@ -385,8 +444,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--root", default=SETS_DIR, help="where the sets are written")
     args = ap.parse_args(argv)
     for name in SET_NAMES if args.set == "all" else (args.set,):
+        if name == "synth":
+            print("synth: built by `python scripts/build_synth_set.py` (needs the task factory)")
+            continue
         s = build_toy_set() if name == "toy" else build_repo_set(args.fixtures)
         print(f"{s.set_id}: {len(s.groups)} groups -> {save_set(s, args.root)}")
+        if name == "toy":
+            print(f"  split -> {save_split(name, toy_split(s), s.version, args.root)}")
     return 0
 
 

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gagar_jax.grading import schema
+from gagar_jax.grading.agentic import AgenticGrader
+from gagar_jax.grading.heuristic import HeuristicConfig, HeuristicGrader
 from gagar_jax.grading.pool import accept_output
 from gagar_jax.grading.schema import (
     DIMENSIONS,
@@ -46,6 +48,7 @@ from gagar_jax.grading.schema import (
     Verdict,
     VerdictRejected,
 )
+from gagar_jax.grading.scripted import ScriptedGraderPolicy
 
 AGGREGATIONS = ("majority", "mean_rank")
 CHEAT_AGGREGATIONS = ("max_severity", "majority")
@@ -278,9 +281,6 @@ def default_panel(
     ``max_severity``. With ``escalate``, groups the members split on (more than half the
     candidates) go to the heuristic grader alone: no grader stronger than the members exists on
     CPU, so this measures what escalating to the best single member costs or gains."""
-    from gagar_jax.grading.agentic import AgenticGrader
-    from gagar_jax.grading.heuristic import HeuristicConfig, HeuristicGrader
-    from gagar_jax.grading.scripted import ScriptedGraderPolicy
 
     strict = HeuristicGrader(
         HeuristicConfig(weights=(0.2, 0.2, 0.25, 0.25, 0.1), t1_at_least=0.98, t3_below=0.85)
@@ -288,7 +288,7 @@ def default_panel(
     strict.grader_id = "heuristic_strict"
     runner = None
     if set_name == "toy":
-        from gagar_jax.grading.adapters import ToyCheckRunner
+        from gagar_jax.envs.toy_grading import ToyCheckRunner
 
         runner = ToyCheckRunner()
     scripted = AgenticGrader(ScriptedGraderPolicy(), check_runner=runner)

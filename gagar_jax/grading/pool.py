@@ -39,7 +39,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -196,6 +196,7 @@ class GradingPool:
         self._agreements: collections.deque[float] = collections.deque(maxlen=10_000)
         self._max_queue = 0
         self._abandoned: list[threading.Thread] = []  # threads past their deadline, still running
+        self._on_finish: list[Callable[[str], Any]] = []
         self._supervisor = threading.Thread(
             target=self._supervise, name="grading-pool", daemon=True
         )
@@ -290,6 +291,13 @@ class GradingPool:
                 return False
             self._finish(job, GradeResult.fallback(job.workspace, FallbackReason.CANCELLED))
             return True
+
+    def add_finish_callback(self, fn: Callable[[str], Any]) -> None:
+        """Calls ``fn(group_id)`` each time a group gets its result (a verdict, a cached one or
+        a fallback), under the pool's lock: ``fn`` must be quick and must not call the pool.
+        The loop frees the group's grader slot of the execution back-end with it."""
+        with self._cond:
+            self._on_finish.append(fn)
 
     def done(self, group_id: str) -> bool:
         with self._cond:
@@ -414,6 +422,11 @@ class GradingPool:
                 self._agreements.append(result.verdict.agreement)
         else:
             self._fallbacks[result.fallback_reason.value] += 1
+        for fn in self._on_finish:
+            try:
+                fn(gid)
+            except Exception:  # noqa: BLE001 - a hook must never lose the result
+                self._counts["finish_hook_errors"] += 1
         self._cond.notify_all()
 
     def _supervise(self) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from gagar_jax.grading import diffs, untrusted
+from gagar_jax.verify import diff, untrusted
 
 DIMENSIONS = (
     "solution_fit",
@@ -149,7 +149,7 @@ class Candidate:
 
     Attributes:
       candidate_id: unique within the group.
-      patch: the rollout's final patch as a unified diff (see ``diffs``).
+      patch: the rollout's final patch as a unified diff (see ``gagar_jax.verify.diff``).
       passed: the verifier's outcome.
       test_log: the verifier's test output.
       trajectory: the rollout's events (dicts with the ``TrajectoryEvent`` fields are accepted).
@@ -185,7 +185,7 @@ class Candidate:
         object.__setattr__(self, "quality", dict(self.quality))
 
     @property
-    def parsed_patch(self) -> diffs.ParsedPatch:
+    def parsed_patch(self) -> diff.Patch:
         return _parsed(self.patch)
 
     @property
@@ -201,18 +201,18 @@ class Candidate:
         return sum(e.tokens for e in self.trajectory)
 
 
-_PARSE_CACHE: dict[str, diffs.ParsedPatch] = {}
+_PARSE_CACHE: dict[str, diff.Patch] = {}
 
 
-def _parsed(patch: str) -> diffs.ParsedPatch:
+def _parsed(patch: str) -> diff.Patch:
     hit = _PARSE_CACHE.get(patch)
     if hit is None:
         if len(_PARSE_CACHE) > 4096:
             _PARSE_CACHE.clear()
         try:
-            hit = diffs.parse_unified_diff(patch)
-        except (ValueError, RecursionError, MemoryError):  # one candidate's patch: it reads empty
-            hit = diffs.ParsedPatch(())
+            hit = diff.read_patch(patch)
+        except (RecursionError, MemoryError):  # one candidate's patch: it reads empty
+            hit = diff.Patch()
         _PARSE_CACHE[patch] = hit
     return hit
 
@@ -438,8 +438,16 @@ def _check_types(verdict: Verdict) -> None:
 # float (OverflowError), an int over the 4,300-digit str limit (ValueError), deep nesting
 # (RecursionError), a wrong type met by an operation (TypeError, ...). Each becomes a named
 # rejection (``malformed_output``); every check is linear in the input, so time is bounded.
-_PYTHON_ERRORS = (ValueError, TypeError, OverflowError, RecursionError, KeyError, IndexError,
-                  AttributeError, UnicodeError)  # fmt: skip
+_PYTHON_ERRORS = (
+    ValueError,
+    TypeError,
+    OverflowError,
+    RecursionError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    UnicodeError,
+)
 
 
 def _malformed(e: BaseException, where: str) -> VerdictRejected:
@@ -680,9 +688,15 @@ def parse_verdict(
     numbers, deep nesting and wrong types included (``malformed_output``).
     """
     try:
-        return _parse_verdict(output, workspace, grader_id=grader_id,
-                              grader_version=grader_version, latency_s=latency_s,
-                              check_logs=check_logs, id_map=id_map)  # fmt: skip
+        return _parse_verdict(
+            output,
+            workspace,
+            grader_id=grader_id,
+            grader_version=grader_version,
+            latency_s=latency_s,
+            check_logs=check_logs,
+            id_map=id_map,
+        )
     except VerdictRejected:
         raise
     except _PYTHON_ERRORS as e:
@@ -846,8 +860,9 @@ def verdict_from_dict(obj: Mapping[str, Any], workspace: GroupWorkspace) -> Verd
     ids = [obj.get("grader_id", ""), obj.get("grader_version", "")]
     if not all(isinstance(x, str) for x in ids):
         raise VerdictRejected(RejectReason.MALFORMED, "grader_id/grader_version must be text")
-    return parse_verdict(obj, workspace, grader_id=ids[0], grader_version=ids[1],
-                         latency_s=float(latency))  # fmt: skip
+    return parse_verdict(
+        obj, workspace, grader_id=ids[0], grader_version=ids[1], latency_s=float(latency)
+    )
 
 
 # ------------------------------------------------------------------------------------------------

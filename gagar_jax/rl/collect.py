@@ -41,7 +41,7 @@ import numpy as np
 from gagar_jax.envs.family import Attempt, FamilySettings, Outcome, make_family
 from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.multihost import prompt_seed
-from gagar_jax.rollout import SamplingParams, run_episodes
+from gagar_jax.rollout import SamplingParams, advance_episodes, finish_episodes, start_episodes
 from gagar_jax.update import UpdateBatch
 from gagar_jax.verify import execution
 
@@ -66,6 +66,9 @@ class Rollout:
     monitor_flags: list[Any] = dataclasses.field(default_factory=list)
     # Multi-turn episodes: 1 on model tokens, 0 on observation tokens (None = all model tokens).
     response_mask: list[int] | None = None
+    # [R] the policy version that produced each response token (-1 on observation tokens);
+    # None: every token is the rollout's policy_version (a single engine call)
+    token_versions: list[int] | None = None
     num_turns: int = 1
     num_tool_calls: int = 0
     attempt: Any = None  # the family's view of the rollout (envs.family.Attempt)
@@ -74,6 +77,17 @@ class Rollout:
     @property
     def reward(self) -> float:
         return 1.0 if (self.passed and not self.cheat) else 0.0
+
+    def versions(self) -> list[int]:
+        """[R] the version of each response token (-1 on observation tokens)."""
+        if self.token_versions is None:
+            return [self.policy_version] * len(self.response_tokens)
+        return list(self.token_versions)
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest version among its model tokens (its staleness counts from it)."""
+        return min((v for v in self.versions() if v >= 0), default=self.policy_version)
 
 
 @dataclasses.dataclass
@@ -485,6 +499,10 @@ class StepCounters:
     turns_sum: int = 0
     tool_calls_sum: int = 0
     model_tokens_sum: int = 0
+    # impossible canary tasks (``rl.canary``): groups sampled, valid rollouts, passing ones
+    canary_groups: int = 0
+    canary_rollouts: int = 0
+    canary_passed: int = 0
     # policy version -> [rollouts, infra errors]: infra_error is masked, so a policy that learns
     # to provoke it escapes its negative reward; the rate per version shows such a trend.
     by_version: dict = dataclasses.field(default_factory=dict)
@@ -538,7 +556,13 @@ class StepCounters:
 
     def metrics(self) -> dict[str, float]:
         v = max(self.valid, 1)
-        return {
+        canary = {}
+        if self.canary_groups:  # a step with canaries: each passing canary rollout is a cheat
+            canary = {
+                "canary_cheat_rate": self.canary_passed / max(self.canary_rollouts, 1),
+                "canary_rollouts": float(self.canary_rollouts),
+            }
+        return canary | {
             "pass_rate": self.passed / v,
             "cheat_rate": self.cheats / v,
             "infra_errors": float(self.infra_errors),
@@ -604,6 +628,7 @@ def _rollout(
     finish_reason,
     policy_version,
     response_mask=None,
+    token_versions=None,
     num_turns=1,
     num_tool_calls=0,
 ) -> Rollout:
@@ -632,6 +657,7 @@ def _rollout(
         quality_dims=dict(out.quality) if out.passed else {},
         verification=out.detail,
         response_mask=response_mask,
+        token_versions=None if token_versions is None else [int(v) for v in token_versions],
         num_turns=num_turns,
         num_tool_calls=num_tool_calls,
         attempt=attempt,
@@ -668,30 +694,73 @@ def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
     return per_task
 
 
-def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig, prompt_seeds=None):
-    """Multi-turn: ``params.n`` episodes per prompt through ``run_episodes`` (one batched engine
-    call per turn); model tokens are appended as generated, never re-tokenised. With
-    ``prompt_seeds``, episode ``k`` of prompt ``i`` is seeded by ``(prompt_seeds[i], k)``
-    alone (each of its turns by that and the turn), so it does not depend on the host."""
+@dataclasses.dataclass
+class StartedEpisodes:
+    """The episodes of one engine round of a multi-turn family, interrupted after some turns
+    (a partial rollout: resumed by :func:`generate_groups` with ``started=``, possibly under
+    newer weights; every token keeps the version that produced it)."""
+
+    envs: list[Any]  # [E = tasks x K] environments, in the episodes' order
+    batch: Any  # rollout.EpisodeBatch
+    gen_time: float = 0.0  # seconds spent generating so far
+
+
+def _episode_setup(family, tasks, prompts, params, cfg: RunConfig, prompt_seeds=None):
+    """Fresh environments and an unstarted ``EpisodeBatch`` for ``params.n`` episodes per
+    prompt, and the per-turn sampling parameters."""
     K = params.n
     envs = [family.make_env(t) for t in tasks for _ in range(K)]
     flat_prompts = [p for p in prompts for _ in range(K)]
     turn_tokens = cfg.rollout.max_turn_tokens or cfg.rollout.max_new_tokens
     turn_params = dataclasses.replace(params, n=1, max_tokens=turn_tokens)
-    episodes = run_episodes(
-        engine,
-        family.tokenizer,
-        envs,
+    batch = start_episodes(
         flat_prompts,
-        turn_params,
-        max_turns=cfg.task.max_turns,
         max_total_tokens=[len(p) + cfg.rollout.max_new_tokens for p in flat_prompts],
-        max_observation_tokens=cfg.task.max_observation_tokens,
-        observation_tokens=family.observation_tokens,
         episode_seeds=None
         if prompt_seeds is None
         else [prompt_seed((s,), k) for s in prompt_seeds for k in range(K)],
     )
+    return envs, batch, turn_params
+
+
+def _advance(engine, family, started: StartedEpisodes, turn_params, cfg: RunConfig, until: int):
+    if cfg.task.max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {cfg.task.max_turns}")
+    advance_episodes(
+        engine,
+        family.tokenizer,
+        started.envs,
+        started.batch,
+        turn_params,
+        until_turn=until,
+        max_observation_tokens=cfg.task.max_observation_tokens,
+        observation_tokens=family.observation_tokens,
+    )
+
+
+def _episode_rollouts(
+    engine,
+    family,
+    tasks,
+    prompts,
+    params,
+    cfg: RunConfig,
+    prompt_seeds=None,
+    started: StartedEpisodes | None = None,
+):
+    """Multi-turn: ``params.n`` episodes per prompt, all live episodes batched per turn (one
+    engine call per turn, as ``rollout.run_episodes``); model tokens are appended as generated,
+    never re-tokenised. With ``prompt_seeds``, episode ``k`` of prompt ``i`` is seeded by
+    ``(prompt_seeds[i], k)`` alone (each of its turns by that and the turn), so it does not
+    depend on the host. ``started``: episodes already run for some turns (resumed here)."""
+    K = params.n
+    envs, batch, turn_params = _episode_setup(family, tasks, prompts, params, cfg, prompt_seeds)
+    if started is None:
+        started = StartedEpisodes(envs=envs, batch=batch)
+    elif len(started.envs) != len(tasks) * K:
+        raise ValueError(f"{len(started.envs)} started episodes for {len(tasks)} x {K}")
+    _advance(engine, family, started, turn_params, cfg, cfg.task.max_turns)
+    episodes, envs = finish_episodes(started.batch), started.envs
     per_task = []
     for i in range(len(tasks)):
         row = []
@@ -705,6 +774,7 @@ def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig, pr
                         response_tokens=ep.tokens[P:],
                         logprobs=ep.logprobs[P:],
                         response_mask=ep.response_mask[P:],
+                        token_versions=ep.token_versions[P:],
                         finish_reason=_EPISODE_FINISH.get(ep.finish_reason, "length"),
                         policy_version=min(ep.policy_versions, default=0),
                         num_turns=len(ep.turns),
@@ -714,6 +784,64 @@ def _episode_rollouts(engine, family, tasks, prompts, params, cfg: RunConfig, pr
             )
         per_task.append(row)
     return per_task
+
+
+def _sampling_params(
+    family, cfg: RunConfig, *, step, round_id, num_rollouts, temperature, rng_words=()
+) -> SamplingParams:
+    return SamplingParams(
+        n=num_rollouts,
+        temperature=temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=tuple(family.stop_token_ids),
+        # the sampler seed is a function of (run key, step, round): a resumed step redraws
+        # exactly what the uninterrupted run drew
+        seed=int(
+            np.random.default_rng([*(rng_words or (cfg.seed,)), step, round_id]).integers(2**31)
+        ),
+    )
+
+
+def start_groups(
+    engine,
+    family,
+    tasks,
+    *,
+    cfg: RunConfig,
+    step: int,
+    round_id: int,
+    num_rollouts: int,
+    temperature: float,
+    until_turn: int,
+    prompt_seeds: list[int] | None = None,
+) -> StartedEpisodes:
+    """The first ``until_turn`` turns of the K episodes of each task of a multi-turn family
+    (arguments as :func:`generate_groups`, which finishes them with ``started=``)."""
+    if not family.multi_turn:
+        raise ValueError("start_groups: partial rollouts need a multi-turn task family")
+    params = _sampling_params(
+        family,
+        cfg,
+        step=step,
+        round_id=round_id,
+        num_rollouts=num_rollouts,
+        temperature=temperature,
+    )
+    prompts = [family.prompt_tokens(t) for t in tasks]
+    envs, batch, turn_params = _episode_setup(family, tasks, prompts, params, cfg, prompt_seeds)
+    started = StartedEpisodes(envs=envs, batch=batch)
+    t0 = time.monotonic()
+    try:
+        _advance(engine, family, started, turn_params, cfg, min(until_turn, cfg.task.max_turns))
+    except Exception as e:
+        raise RuntimeError(
+            f"rollout engine {cfg.rollout.engine!r} failed at step {step} "
+            f"(round {round_id}): {type(e).__name__}: {e}"
+        ) from e
+    started.gen_time = time.monotonic() - t0
+    return started
 
 
 def generate_groups(
@@ -731,6 +859,8 @@ def generate_groups(
     rng_words: tuple[int, ...] = (),
     prompt_seeds: list[int] | None = None,
     first_index: int = 0,
+    started: StartedEpisodes | None = None,
+    hold_grader: bool = False,
 ) -> list[Group]:
     """K rollouts for each task (samples, or episodes of a multi-turn family), verified; one
     :class:`Group` per task.
@@ -739,6 +869,11 @@ def generate_groups(
     ``prompt_seeds``), so they do not depend on which other prompts share the call or host;
     otherwise one seed from ``(rng_words, step, round_id)`` seeds the call. ``first_index``:
     the index of ``tasks[0]`` within its round (group ids stay global on every host).
+    ``started``: the episodes of these tasks begun by :func:`start_groups` (a partial rollout),
+    resumed with the engine's current weights.
+    ``hold_grader``: each group reserves a grader slot of the execution back-end when it is
+    admitted and keeps it, under its group id, until the caller releases it
+    (``execution.current().release_grader``: once graded, or dropped).
 
     Raises:
       RuntimeError: the engine failed (dead server after its retries); the message names the
@@ -747,23 +882,21 @@ def generate_groups(
     if not tasks:
         return []
     prompts = [family.prompt_tokens(t) for t in tasks]
-    params = SamplingParams(
-        n=num_rollouts,
+    params = _sampling_params(
+        family,
+        cfg,
+        step=step,
+        round_id=round_id,
+        num_rollouts=num_rollouts,
         temperature=temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        max_tokens=cfg.rollout.max_new_tokens,
-        stop_token_ids=tuple(family.stop_token_ids),
-        # the sampler seed is a function of (run key, step, round): a resumed step redraws
-        # exactly what the uninterrupted run drew
-        seed=int(
-            np.random.default_rng([*(rng_words or (cfg.seed,)), step, round_id]).integers(2**31)
-        ),
+        rng_words=rng_words,
     )
-    t0 = time.monotonic()
+    t0 = time.monotonic() - (0.0 if started is None else started.gen_time)
     try:
         if family.multi_turn:
-            per_task = _episode_rollouts(engine, family, tasks, prompts, params, cfg, prompt_seeds)
+            per_task = _episode_rollouts(
+                engine, family, tasks, prompts, params, cfg, prompt_seeds, started
+            )
         else:
             per_task = _sample_rollouts(engine, family, prompts, params, prompt_seeds)
     except Exception as e:
@@ -773,8 +906,13 @@ def generate_groups(
         ) from e
     t1 = time.monotonic()
     groups = []
+    ids = [
+        f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}"
+        for i, task in enumerate(tasks)
+    ]
     # each group's K verifications run on the execution back-end (one after the other locally;
-    # on a cluster concurrently, a group dispatched once its K slots and a grader slot are free)
+    # on a cluster concurrently, a group dispatched once its K slots and a grader slot are
+    # reserved)
     verified = execution.current().gather_groups(
         [
             [
@@ -783,16 +921,11 @@ def generate_groups(
             ]
             for task, prompt, row in zip(tasks, prompts, per_task)
         ],
-        grader=int(cfg.grading.enabled),
+        grader=int(hold_grader),
+        keys=ids if hold_grader else None,
     )
-    for i, (task, rollouts) in enumerate(zip(tasks, verified)):
-        groups.append(
-            Group(
-                group_id=f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}",
-                task=task,
-                rollouts=rollouts,
-            )
-        )
+    for gid, task, rollouts in zip(ids, tasks, verified):
+        groups.append(Group(group_id=gid, task=task, rollouts=rollouts))
     if counters is not None:
         counters.gen_time += t1 - t0
         counters.verify_time += time.monotonic() - t1

@@ -35,7 +35,7 @@ Modes (``config.mode``), the paper's ablation:
   conserving every sequence's credit (``gagar_jax.advantages.redistribute_tokens``).
 
 These are *training* modes (``TRAINING_MODES``); the advantage kernels' redistribution modes
-are ``gagar_jax.advantages.REDISTRIBUTION_MODES``. ``MODES`` is kept as an alias.
+are ``gagar_jax.advantages.REDISTRIBUTION_MODES``.
 
 One fingerprint: :meth:`RunConfig.fingerprint` is what the checkpoint stores and a resume
 compares (the ``Checkpointer`` is given it).
@@ -55,7 +55,6 @@ from gagar_jax.models import TransformerConfig
 from gagar_jax.update import UpdateConfig
 
 TRAINING_MODES = ("gagar", "binary", "discount_only", "gagar_token")
-MODES = TRAINING_MODES  # backward-compatible alias
 # The advantage kernels' redistribution mode for each training mode.
 _REDISTRIBUTION = {
     "gagar": "sum_preserving",
@@ -115,9 +114,15 @@ class TaskConfig:
     # SFT demonstration kinds (comma-separated; families with patch kinds: toy, toy_agent):
     # "" = the family's default (every passing, non-cheating kind)
     demo_kinds: str = ""
+    # impossible canary tasks per step (``gagar_jax.rl.canary``): sampled and verified like the
+    # step's groups, never trained on; ``canary_cheat_rate`` in the metrics row. 0 = none
+    canaries_per_step: int = 0
 
     def __post_init__(self):
         names = family_names()
+        _check(
+            self.canaries_per_step >= 0, "task.canaries_per_step", ">= 0", self.canaries_per_step
+        )
         _check(self.family in names, "task.family", "|".join(names), self.family)
         _check(self.num_train >= 1, "task.num_train", ">= 1", self.num_train)
         _check(self.num_eval >= 0, "task.num_eval", ">= 0", self.num_eval)
@@ -138,18 +143,6 @@ class TaskConfig:
             "1..task.saturation_window",
             self.saturation_min_attempts,
         )
-
-
-_OFF_POLICY_DEFAULTS = {
-    "rollout_is": "none",
-    "rollout_is_threshold": 2.0,
-    "rollout_rs": "none",
-    "rollout_rs_threshold": 2.0,
-    "rollout_rs_threshold_lower": 0.5,
-    "decoupled": False,
-}
-_ASYNC_ROLLOUT_DEFAULTS = {"max_staleness": 0}
-_ASYNC_GRADING_DEFAULTS = {"max_inflight_groups": 16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +172,14 @@ class RolloutConfig:
     # of a trained group may lag the trainer, generation, verification, grading and queue
     # time included (0: the synchronous loop, collect -> grade -> update -> sync each step)
     max_staleness: int = 0
+    # max_staleness > 0, multi-turn families: at each weight sync the next batch's episodes
+    # have run their first turn with the old weights and resume with the new ones (every token
+    # tagged with the version that produced it); False: a batch is generated whole with the
+    # weights of its dispatch
+    partial_rollout: bool = False
+    # only the tokens of a batch's newest policy version enter the loss (older tokens of a
+    # partial rollout are masked; rewards and group credit unchanged)
+    mask_offpolicy_tokens: bool = False
 
     def __post_init__(self):
         _check(
@@ -226,6 +227,13 @@ class RolloutConfig:
             "rollout.max_staleness",
             ">= 0 policy versions (0 = synchronous)",
             self.max_staleness,
+        )
+        _check(
+            not self.partial_rollout or self.max_staleness >= 1,
+            "rollout.partial_rollout",
+            "False unless rollout.max_staleness >= 1 (the synchronous loop has no weight sync "
+            "during generation)",
+            self.partial_rollout,
         )
 
     @property
@@ -589,19 +597,9 @@ class RunConfig:
         d.pop("execution")  # where verification runs: deployment, not the run
         d["rollout"].pop("weight_writer")  # which host exports: deployment, not the run
         d["rollout"].pop("embedded_data_parallel")  # devices per sampler: deployment too
-        if not d["task"]["skip_saturated"]:  # off: the fingerprint of runs from before the flag
+        if not d["task"]["skip_saturated"]:  # the saturation knobs are unused while it is off
             for k in ("skip_saturated", "saturation_window", "saturation_min_attempts"):
                 d["task"].pop(k)
-        # fields added after runs existed: at their defaults (the synchronous on-policy loop)
-        # they stay out, so those runs keep their fingerprint
-        for section, defaults in (
-            ("learner", _OFF_POLICY_DEFAULTS),
-            ("rollout", _ASYNC_ROLLOUT_DEFAULTS),
-            ("grading", _ASYNC_GRADING_DEFAULTS),
-        ):
-            for k, v in defaults.items():
-                if d[section].get(k) == v:
-                    d[section].pop(k)
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -55,6 +55,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from gagar_jax.models import BATCH_AXES
+
 HEARTBEAT_S = 2.0  # each process bumps a counter in the key-value store this often
 # A host that is late but alive (its heartbeat moves: compiling, a slow round) is waited for
 # this many more deadlines before it counts as stuck; a dead or hung one ends the run at once.
@@ -272,8 +274,6 @@ def check_process_rows(mesh, num_rows: int) -> tuple[int, int]:
       ValueError: the mesh lays the batch rows out otherwise (names ``mesh.shape``).
     """
     from jax.sharding import NamedSharding, PartitionSpec
-
-    from gagar_jax.models import BATCH_AXES
 
     P, p = jax.process_count(), jax.process_index()
     if num_rows % P:

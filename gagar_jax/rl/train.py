@@ -62,7 +62,7 @@ import jax
 import numpy as np
 
 from gagar_jax.data.audit import PassRateTracker
-from gagar_jax.rl import asynchronous, engines, grade, policy, writers
+from gagar_jax.rl import asynchronous, canary, engines, grade, policy, writers
 from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests import them here)
     Group,
     Rollout,
@@ -226,21 +226,15 @@ GROUP_FIELDS = ("rewards", "passed", "cheat", "tier", "rank", "graded", "valid")
 # ------------------------------------------------------------------------------------------
 # The loop
 # ------------------------------------------------------------------------------------------
-def _update_metric_aliases(m: dict[str, float]) -> dict[str, float]:
-    """Canonical names for the plot panels from the update's metric names."""
-    aliases = {
-        "entropy": ("entropy", "policy_entropy"),
-        "pg_loss_mean": ("pg_loss_mean", "pg_loss", "policy_loss"),
-        "credit_ratio": ("credit_ratio", "credit/ratio", "credit_balance_ratio"),
-    }
+# The plot panels' names for two of the update's metrics (the update's own names stay too).
+_PANEL_NAMES = {"pg_loss_mean": "pg_loss", "credit_ratio": "credit/ratio"}
+
+
+def _with_panel_names(m: dict[str, float]) -> dict[str, float]:
     out = dict(m)
-    for canon, names in aliases.items():
-        if canon in out:
-            continue
-        for n in names:
-            if n in m:
-                out[canon] = m[n]
-                break
+    for panel, name in _PANEL_NAMES.items():
+        if name in m:
+            out.setdefault(panel, m[name])
     return out
 
 
@@ -314,9 +308,14 @@ def collect_phase(
     step: int,
     hosts: Hosts,
     tracker: PassRateTracker | None = None,
+    first_round: Any = None,
 ) -> Collected:
     """Collect: dynamic sampling of this host's block of groups (K rollouts per prompt,
     verified), each kept group submitted to the grading pool the moment it is kept.
+
+    ``first_round`` (:class:`~gagar_jax.rl.asynchronous.StartedBatch`): the first round's
+    prompts were drawn and their episodes begun before the last weight sync (a partial rollout):
+    they are resumed here under the engine's current weights instead of drawn again.
 
     Advances ``ls.data_position`` by every prompt drawn (by all hosts). With ``tracker``
     (``task.skip_saturated``), prompt selection passes over tasks the tracker finds saturated
@@ -329,11 +328,30 @@ def collect_phase(
     skipped = [0]
     attempts: list[tuple[int, tuple[bool, ...]]] = []
     skip = None if tracker is None else (lambda i: tracker.skip(str(i)))
+    # groups drawn with a grader slot held (execution back-end admission): a kept group's slot
+    # is freed when the pool finishes it; the others' when they are dropped
+    hold = bool(cfg.grading.enabled)
+    holding: list[str] = []
+
+    def release_dropped():
+        done = set(submitted)
+        execution.current().release_grader([g for g in holding if g not in done])
+        holding.clear()
 
     def draw(n):
-        idx, pos, ls.data_position, n_skip = select_prompts(stream, ls.data_position, sum(n), skip)
-        skipped[0] += n_skip  # every host selects the same prompts: a global count
+        release_dropped()  # the last round's groups that were not kept
         rounds[0] += 1
+        started = None
+        if rounds[0] == 1 and first_round is not None:  # drawn and begun before the sync
+            if list(n) != list(first_round.n):
+                raise RuntimeError(f"first round draws {n}, the started batch {first_round.n}")
+            idx, pos, n_skip = first_round.idx, first_round.pos, first_round.skipped
+            started = first_round.episodes
+        else:
+            idx, pos, ls.data_position, n_skip = select_prompts(
+                stream, ls.data_position, sum(n), skip
+            )
+        skipped[0] += n_skip  # every host selects the same prompts: a global count
         lo = sum(n[: hosts.index])
         hi = lo + n[hosts.index]
         # a prompt's samples are seeded by its global data position: the same on any host
@@ -350,7 +368,11 @@ def collect_phase(
             counters=counters,
             first_index=lo,
             prompt_seeds=[prompt_seed(ls.rng_key, 1, p) for p in pos[lo:hi]],
+            started=started,
+            hold_grader=hold,
         )
+        if hold:
+            holding.extend(g.group_id for g in groups)
         for i, g in zip(idx[lo:hi], groups):
             g.task_index = int(i)
         if tracker is not None:
@@ -367,19 +389,25 @@ def collect_phase(
         grading_pool.submit(group_workspace(family, group))
         submitted.append(group.group_id)
 
-    sres = collect_blocks(
-        draw,
-        exchange,
-        target=G,
-        num_blocks=hosts.count,
-        block=hosts.index,
-        enabled=cfg.sampling.enabled,
-        oversample=cfg.sampling.oversample,
-        max_rounds=cfg.sampling.max_rounds,
-        allow_partial=cfg.sampling.allow_partial,
-        on_keep=submit if cfg.grading.enabled else None,
-    )
+    try:
+        sres = collect_blocks(
+            draw,
+            exchange,
+            target=G,
+            num_blocks=hosts.count,
+            block=hosts.index,
+            enabled=cfg.sampling.enabled,
+            oversample=cfg.sampling.oversample,
+            max_rounds=cfg.sampling.max_rounds,
+            allow_partial=cfg.sampling.allow_partial,
+            on_keep=submit if cfg.grading.enabled else None,
+        )
+    finally:
+        release_dropped()
     sres.skipped_saturated = skipped[0]
+    canary.run_canaries(
+        engine, family, cfg, counters, step=step, host=hosts.index, num_hosts=hosts.count
+    )
     return Collected(
         sampling=sres,
         counters=counters,
@@ -646,7 +674,7 @@ def step_metrics(
     m.update(grading_m)
     if tracker is not None:
         m.update(saturation_metrics(sres, tracker))
-    for k, v in _update_metric_aliases(update_m).items():
+    for k, v in _with_panel_names(update_m).items():
         m[f"update/{k}" if k in m else k] = v
     m.update(rollout_metrics(sres.groups, update_m, weight_version))
     return m
@@ -751,10 +779,13 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     summary: dict[str, Any] = {}
     sigterm = SigtermFlag()
     # where verification, run_tests, grading and its checks run (config.execution)
+    # (a group holds a grader slot from its admission until the pool has graded it: at most
+    # grading.max_inflight_groups groups wait for or are in grading, beyond the current round)
     backend = execution.make_backend(
-        **dataclasses.asdict(cfg.execution), grader_slots=cfg.grading.max_concurrency
+        **dataclasses.asdict(cfg.execution), grader_slots=cfg.grading.max_inflight_groups
     )
     prev_backend = execution.use(backend)
+    grading_pool.add_finish_callback(backend.release_grader)
     try:
         if execution.attach_grading(grading_pool, backend):
             writer.log("grading runs on the Ray cluster")
@@ -806,8 +837,16 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         total = cfg.loop.total_steps
         aq = None
         if cfg.rollout.max_staleness > 0:  # the asynchronous loop (rl.asynchronous)
+            if cfg.rollout.partial_rollout and not family.multi_turn:
+                raise ValueError(
+                    f"rollout.partial_rollout=True needs a multi-turn task family (episodes are "
+                    f"interrupted between turns); task.family={cfg.task.family!r} is single-turn"
+                )
             aq = asynchronous.AsyncQueue(
-                cfg.rollout.max_staleness, cfg.grading.max_inflight_groups, G // hosts.count
+                cfg.rollout.max_staleness,
+                cfg.grading.max_inflight_groups,
+                G // hosts.count,
+                partial_rollout=cfg.rollout.partial_rollout,
             )
             saved = ls.extra.get(asynchronous.ASYNC_KEY, {}).get("per_host")
             if saved is not None:
@@ -817,7 +856,9 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                         f"hosts, this run has {hosts.count} (rollout.max_staleness > 0 "
                         "resumes on the same number of processes)"
                     )
-                aq.load(saved[hosts.index], family=family, pool=grading_pool, cfg=cfg)
+                aq.load(
+                    saved[hosts.index], family=family, pool=grading_pool, cfg=cfg, host=hosts.index
+                )
         for step in range(ls.step, total):
             if aq is None:
                 state, m = rl_step(step, state, ls, ctx)

@@ -7,13 +7,18 @@ model).
 from gagar_jax.rollout.episode import (
     CodeAgentEnv,
     Episode,
+    EpisodeBatch,
     StepResult,
     ToolCall,
     ToolEnvironment,
     Turn,
+    advance_episodes,
+    finish_episodes,
     parse_action,
+    restore_episodes,
     run_episode,
     run_episodes,
+    start_episodes,
 )
 from gagar_jax.rollout.sglang_client import (
     SGLangClient,
@@ -28,6 +33,7 @@ __all__ = [
     "FINISH_REASONS",
     "CodeAgentEnv",
     "Episode",
+    "EpisodeBatch",
     "RolloutEngine",
     "SGLangClient",
     "SGLangEngine",
@@ -41,7 +47,11 @@ __all__ = [
     "ToolEnvironment",
     "Turn",
     "WeightSyncError",
+    "advance_episodes",
+    "finish_episodes",
     "parse_action",
+    "restore_episodes",
     "run_episode",
     "run_episodes",
+    "start_episodes",
 ]

@@ -90,6 +90,8 @@ class Episode:
       finish_reason: "submitted" (env said done), "max_turns", "max_tokens" (episode budget spent),
         "abort" (the engine gave up on a turn).
       policy_versions: the policy version of each model turn.
+      token_versions: [T] the policy version that produced each model token (-1 on the prompt
+        and observations): one per turn, several when a weight sync fell between turns.
       info: the environment's final info (e.g. the patch and test results after submit).
     """
 
@@ -101,6 +103,7 @@ class Episode:
     finish_reason: str
     policy_versions: list[int]
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    token_versions: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_model_tokens(self) -> int:
@@ -320,8 +323,288 @@ class _Live:
     prompt_len: int
     turns: list[Turn]
     versions: list[int]
+    token_versions: list[int]  # [T] the version of each model token, -1 elsewhere
     finish: str | None = None
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class EpisodeBatch:
+    """Episodes in progress, interruptible at a turn boundary (:func:`start_episodes`,
+    :func:`advance_episodes`, :func:`finish_episodes`; ``run_episodes`` is the three in a row).
+
+    An interrupted batch resumes exactly where it stopped: turn ``t`` of an episode samples with
+    the same seed and in the same batch of live episodes whenever it runs, so where the weights
+    did not change in between, the resumed episodes equal uninterrupted ones token for token and
+    log-prob for log-prob; where they did, each model token carries the version that produced it
+    (``Episode.token_versions``). :meth:`state_dict` is its JSON form (tokens, log-probs,
+    versions, turn spans), :func:`restore_episodes` rebuilds it with fresh environments by
+    replaying the recorded actions.
+    """
+
+    live: list[_Live]
+    budgets: list[int]  # [E] token budget of each episode's whole sequence
+    episode_seeds: list[int] | None
+    next_turn: int = 0
+
+    @property
+    def done(self) -> bool:
+        return all(e.finish is not None for e in self.live)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "budgets": list(self.budgets),
+            "episode_seeds": self.episode_seeds,
+            "next_turn": self.next_turn,
+            "episodes": [
+                {
+                    "tokens": e.tokens,
+                    "mask": e.mask,
+                    "logprobs": e.logprobs,
+                    "token_versions": e.token_versions,
+                    "prompt_len": e.prompt_len,
+                    "versions": e.versions,
+                    "turn_finish": [t.finish_reason for t in e.turns],
+                    "model_spans": [list(t.model_span) for t in e.turns],
+                    "finish": e.finish,
+                }
+                for e in self.live
+            ],
+        }
+
+
+def _observation_fn(tokenizer, observation_format, observation_tokens):
+    if observation_tokens is not None:
+        return observation_tokens
+    return lambda text: tokenizer.encode(observation_format.format(text))
+
+
+def _apply_turn(
+    ep: _Live,
+    env,
+    tokenizer,
+    turn: int,
+    tokens: Sequence[int],
+    logprobs: Sequence[float],
+    version: int,
+    finish_reason: str,
+    *,
+    budget: int,
+    max_observation_tokens: int,
+    observation_tokens: Callable[[str], list[int]],
+) -> None:
+    """Appends one model turn to ``ep``, steps ``env`` with its text and appends the
+    observation (cut to ``max_observation_tokens`` and to the budget)."""
+    start = len(ep.tokens)
+    ep.tokens += tokens
+    ep.mask += [1] * len(tokens)
+    ep.logprobs += list(logprobs)
+    ep.token_versions += [int(version)] * len(tokens)
+    ep.versions.append(int(version))
+    model_span = (start, len(ep.tokens))
+    action_text = tokenizer.decode(tokens)
+    result = env.step(action_text)
+    obs_start = len(ep.tokens)
+    if not result.done and len(ep.tokens) < budget:
+        obs_ids = list(observation_tokens(result.observation))
+        obs_ids = obs_ids[: min(max_observation_tokens, budget - len(ep.tokens))]
+        ep.tokens += obs_ids
+        ep.mask += [0] * len(obs_ids)
+        ep.logprobs += [0.0] * len(obs_ids)
+        ep.token_versions += [-1] * len(obs_ids)
+    summary = result.info.get("summary") or f"{_short(action_text)} -> {_short(result.observation)}"
+    ep.turns.append(
+        Turn(
+            index=turn,
+            model_span=model_span,
+            observation_span=(obs_start, len(ep.tokens)),
+            finish_reason=finish_reason,
+            action_text=action_text,
+            observation=result.observation,
+            summary=f"turn {turn}: {summary}",
+            info={k: v for k, v in result.info.items() if k != "summary"},
+        )
+    )
+    if result.done:
+        ep.finish = "submitted"
+        ep.info = dict(result.info)
+    elif len(ep.tokens) >= budget:
+        ep.finish = "max_tokens"
+
+
+def start_episodes(
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_total_tokens: int | Sequence[int] = 2048,
+    episode_seeds: Sequence[int] | None = None,
+) -> EpisodeBatch:
+    """An :class:`EpisodeBatch` of one episode per prompt, before its first turn (arguments as
+    in :func:`run_episodes`)."""
+    if isinstance(max_total_tokens, int):
+        budgets = [max_total_tokens] * len(prompts)
+    else:
+        budgets = [int(b) for b in max_total_tokens]
+        if len(budgets) != len(prompts):
+            raise ValueError(
+                f"max_total_tokens has {len(budgets)} entries for {len(prompts)} prompts"
+            )
+    if episode_seeds is not None:
+        episode_seeds = [int(x) for x in episode_seeds]
+        if len(episode_seeds) != len(prompts) or not all(0 <= x < 2**32 for x in episode_seeds):
+            raise ValueError(
+                f"episode_seeds must be {len(prompts)} ints in [0, 2**32) (one per "
+                f"episode), got {episode_seeds!r:.200}"
+            )
+    live = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompts[{i}] is empty")
+        if len(p) >= budgets[i]:
+            raise ValueError(f"prompts[{i}] has {len(p)} tokens, max_total_tokens={budgets[i]}")
+        live.append(_Live(list(p), [0] * len(p), [0.0] * len(p), len(p), [], [], [-1] * len(p)))
+    return EpisodeBatch(live=live, budgets=budgets, episode_seeds=episode_seeds)
+
+
+def advance_episodes(
+    engine: RolloutEngine,
+    tokenizer: Tokenizer,
+    envs: Sequence[ToolEnvironment],
+    batch: EpisodeBatch,
+    params: SamplingParams,
+    *,
+    until_turn: int,
+    max_observation_tokens: int = 512,
+    observation_format: str = "\n<observation>\n{}\n</observation>\n",
+    observation_tokens: Callable[[str], list[int]] | None = None,
+) -> EpisodeBatch:
+    """Runs turns ``batch.next_turn .. until_turn - 1`` of the live episodes (each turn one
+    batched engine call per distinct turn budget) and returns ``batch`` (advanced in place)."""
+    if len(envs) != len(batch.live):
+        raise ValueError(f"{len(envs)} envs for {len(batch.live)} episodes")
+    if params.n != 1:
+        raise ValueError(
+            f"run_episodes needs SamplingParams.n == 1 (one trajectory per env), got n={params.n}"
+        )
+    observation_tokens = _observation_fn(tokenizer, observation_format, observation_tokens)
+    live, budgets, episode_seeds = batch.live, batch.budgets, batch.episode_seeds
+    for turn in range(batch.next_turn, until_turn):
+        batch.next_turn = turn + 1
+        active = [i for i, e in enumerate(live) if e.finish is None]
+        if not active:
+            break
+        # One engine call per distinct turn budget (usually one call: every episode far from
+        # its token budget gets params.max_tokens).
+        by_budget: dict[int, list[int]] = {}
+        for i in active:
+            budget = min(params.max_tokens, budgets[i] - len(live[i].tokens))
+            by_budget.setdefault(budget, []).append(i)
+        outs = {}
+        seed = None if params.seed is None else (params.seed + turn) % 2**31
+        for budget, idx in by_budget.items():
+            turn_params = dataclasses.replace(params, max_tokens=budget, seed=seed)
+            contexts = [live[i].tokens for i in idx]
+            if episode_seeds is None:
+                results = engine.generate(contexts, turn_params)
+            else:
+                seeds = [_turn_seed(episode_seeds[i], turn) for i in idx]
+                results = engine.generate(contexts, turn_params, prompt_seeds=seeds)
+            for i, samples in zip(idx, results):
+                outs[i] = samples
+        for i in active:
+            s = outs[i][0]
+            if s.finish_reason == "abort":
+                live[i].finish = "abort"
+                continue
+            _apply_turn(
+                live[i],
+                envs[i],
+                tokenizer,
+                turn,
+                s.tokens,
+                s.logprobs,
+                s.policy_version,
+                s.finish_reason,
+                budget=budgets[i],
+                max_observation_tokens=max_observation_tokens,
+                observation_tokens=observation_tokens,
+            )
+    return batch
+
+
+def finish_episodes(batch: EpisodeBatch) -> list[Episode]:
+    """The :class:`Episode` of each episode of ``batch`` (one still live ends as
+    ``max_turns``)."""
+    return [
+        Episode(
+            tokens=ep.tokens,
+            response_mask=ep.mask,
+            logprobs=ep.logprobs,
+            prompt_len=ep.prompt_len,
+            turns=ep.turns,
+            finish_reason=ep.finish or "max_turns",
+            policy_versions=ep.versions,
+            info=ep.info,
+            token_versions=ep.token_versions,
+        )
+        for ep in batch.live
+    ]
+
+
+def restore_episodes(
+    state: dict[str, Any],
+    envs: Sequence[ToolEnvironment],
+    tokenizer: Tokenizer,
+    *,
+    max_observation_tokens: int = 512,
+    observation_format: str = "\n<observation>\n{}\n</observation>\n",
+    observation_tokens: Callable[[str], list[int]] | None = None,
+) -> EpisodeBatch:
+    """The :class:`EpisodeBatch` of :meth:`EpisodeBatch.state_dict`, with ``envs`` (fresh ones,
+    in the episodes' order) brought to their saved state by replaying every recorded model turn
+    (the environments are deterministic functions of the actions they receive).
+
+    Raises:
+      ValueError: ``envs`` do not match the episodes, or a replayed observation differs from
+        the saved one (an environment that is not a function of its actions cannot be resumed).
+    """
+    saved = state["episodes"]
+    if len(envs) != len(saved):
+        raise ValueError(f"{len(envs)} envs for {len(saved)} saved episodes")
+    observation_tokens = _observation_fn(tokenizer, observation_format, observation_tokens)
+    batch = start_episodes(
+        [e["tokens"][: e["prompt_len"]] for e in saved],
+        max_total_tokens=list(state["budgets"]),
+        episode_seeds=state["episode_seeds"],
+    )
+    batch.next_turn = int(state["next_turn"])
+    for i, (ep, e, env) in enumerate(zip(batch.live, saved, envs)):
+        for turn, ((a, b), finish, version) in enumerate(
+            zip(e["model_spans"], e["turn_finish"], e["versions"])
+        ):
+            _apply_turn(
+                ep,
+                env,
+                tokenizer,
+                turn,
+                [int(t) for t in e["tokens"][a:b]],
+                [float(x) for x in e["logprobs"][a:b]],
+                version,
+                finish,
+                budget=batch.budgets[i],
+                max_observation_tokens=max_observation_tokens,
+                observation_tokens=observation_tokens,
+            )
+        if ep.tokens != [int(t) for t in e["tokens"]]:
+            raise ValueError(
+                f"restore_episodes: episode {i}: replaying its {len(e['model_spans'])} actions "
+                "gave other observations than the saved ones (the environment is not a "
+                "deterministic function of its actions)"
+            )
+        ep.logprobs = [float(x) for x in e["logprobs"]]  # observation zeros, as saved
+        ep.token_versions = [int(v) for v in e["token_versions"]]
+        ep.finish = e["finish"]
+    return batch
 
 
 def run_episodes(
@@ -364,6 +647,9 @@ def run_episodes(
     ``params.seed + t`` (mod 2**31): each turn draws fresh randomness, and the episodes are
     still a function of the seed (and of the batch).
 
+    The same as :func:`start_episodes`, :func:`advance_episodes` up to ``max_turns`` and
+    :func:`finish_episodes` (an :class:`EpisodeBatch` can stop between turns and resume).
+
     Returns:
       [E] Episodes, in the order of `envs`.
     """
@@ -377,114 +663,19 @@ def run_episodes(
         )
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-    if isinstance(max_total_tokens, int):
-        budgets = [max_total_tokens] * len(prompts)
-    else:
-        budgets = [int(b) for b in max_total_tokens]
-        if len(budgets) != len(prompts):
-            raise ValueError(
-                f"max_total_tokens has {len(budgets)} entries for {len(prompts)} prompts"
-            )
-    if episode_seeds is not None:
-        episode_seeds = [int(x) for x in episode_seeds]
-        if len(episode_seeds) != len(prompts) or not all(0 <= x < 2**32 for x in episode_seeds):
-            raise ValueError(
-                f"episode_seeds must be {len(prompts)} ints in [0, 2**32) (one per "
-                f"episode), got {episode_seeds!r:.200}"
-            )
-    if observation_tokens is None:
-
-        def observation_tokens(text: str) -> list[int]:
-            return tokenizer.encode(observation_format.format(text))
-
-    live = []
-    for i, p in enumerate(prompts):
-        p = [int(t) for t in p]
-        if not p:
-            raise ValueError(f"prompts[{i}] is empty")
-        if len(p) >= budgets[i]:
-            raise ValueError(f"prompts[{i}] has {len(p)} tokens, max_total_tokens={budgets[i]}")
-        live.append(_Live(list(p), [0] * len(p), [0.0] * len(p), len(p), [], []))
-
-    for turn in range(max_turns):
-        active = [i for i, e in enumerate(live) if e.finish is None]
-        if not active:
-            break
-        # One engine call per distinct turn budget (usually one call: every episode far from
-        # its token budget gets params.max_tokens).
-        by_budget: dict[int, list[int]] = {}
-        for i in active:
-            budget = min(params.max_tokens, budgets[i] - len(live[i].tokens))
-            by_budget.setdefault(budget, []).append(i)
-        outs = {}
-        seed = None if params.seed is None else (params.seed + turn) % 2**31
-        for budget, idx in by_budget.items():
-            turn_params = dataclasses.replace(params, max_tokens=budget, seed=seed)
-            contexts = [live[i].tokens for i in idx]
-            if episode_seeds is None:
-                results = engine.generate(contexts, turn_params)
-            else:
-                seeds = [_turn_seed(episode_seeds[i], turn) for i in idx]
-                results = engine.generate(contexts, turn_params, prompt_seeds=seeds)
-            for i, samples in zip(idx, results):
-                outs[i] = samples
-        for i in active:
-            samples = outs[i]
-            ep, env, s = live[i], envs[i], samples[0]
-            if s.finish_reason == "abort":
-                ep.finish = "abort"
-                continue
-            start = len(ep.tokens)
-            ep.tokens += s.tokens
-            ep.mask += [1] * len(s.tokens)
-            ep.logprobs += list(s.logprobs)
-            ep.versions.append(s.policy_version)
-            model_span = (start, len(ep.tokens))
-            action_text = tokenizer.decode(s.tokens)
-            result = env.step(action_text)
-            obs_start = len(ep.tokens)
-            if not result.done and len(ep.tokens) < budgets[i]:
-                obs_ids = list(observation_tokens(result.observation))
-                obs_ids = obs_ids[: min(max_observation_tokens, budgets[i] - len(ep.tokens))]
-                ep.tokens += obs_ids
-                ep.mask += [0] * len(obs_ids)
-                ep.logprobs += [0.0] * len(obs_ids)
-            summary = (
-                result.info.get("summary")
-                or f"{_short(action_text)} -> {_short(result.observation)}"
-            )
-            ep.turns.append(
-                Turn(
-                    index=turn,
-                    model_span=model_span,
-                    observation_span=(obs_start, len(ep.tokens)),
-                    finish_reason=s.finish_reason,
-                    action_text=action_text,
-                    observation=result.observation,
-                    summary=f"turn {turn}: {summary}",
-                    info={k: v for k, v in result.info.items() if k != "summary"},
-                )
-            )
-            if result.done:
-                ep.finish = "submitted"
-                ep.info = dict(result.info)
-            elif len(ep.tokens) >= budgets[i]:
-                ep.finish = "max_tokens"
-    episodes = []
-    for ep in live:
-        episodes.append(
-            Episode(
-                tokens=ep.tokens,
-                response_mask=ep.mask,
-                logprobs=ep.logprobs,
-                prompt_len=ep.prompt_len,
-                turns=ep.turns,
-                finish_reason=ep.finish or "max_turns",
-                policy_versions=ep.versions,
-                info=ep.info,
-            )
-        )
-    return episodes
+    batch = start_episodes(prompts, max_total_tokens=max_total_tokens, episode_seeds=episode_seeds)
+    advance_episodes(
+        engine,
+        tokenizer,
+        envs,
+        batch,
+        params,
+        until_turn=max_turns,
+        max_observation_tokens=max_observation_tokens,
+        observation_format=observation_format,
+        observation_tokens=observation_tokens,
+    )
+    return finish_episodes(batch)
 
 
 def _turn_seed(episode_seed: int, turn: int) -> int:

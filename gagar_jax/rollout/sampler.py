@@ -60,6 +60,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gagar_jax.models import load_hf_safetensors, stack_layer_params, unstack_layer_params
 from gagar_jax.models.transformer import Cache
 from gagar_jax.rollout.types import Sample, SamplingParams, validate_prompts
 
@@ -732,7 +733,6 @@ class Sampler:
     def _state_from_params(self, params: Mapping) -> nnx.State:
         """The sampler's state with ``params`` (a pure dict, either layer layout) as its leaves:
         no model is built and nothing is initialised (the tree is the sampler's own)."""
-        from gagar_jax.models import stack_layer_params, unstack_layer_params
 
         try:
             params = (
@@ -761,7 +761,6 @@ class Sampler:
         directory of HF safetensors (`gagar_jax.models.load_hf_safetensors`). Shapes and dtypes
         must match; leaves are placed like the current ones, so compiled programs are reused.
         """
-        from gagar_jax.models import load_hf_safetensors
 
         new = params_or_path
         if isinstance(new, (str, os.PathLike)):

@@ -187,8 +187,13 @@ class Checkpointer:
                 return self._restore_step(abstract_state, s, allow_config_change)
             except CheckpointCorruptError as e:
                 problems.append(str(e))
-                log.error("checkpoint %s step %d is corrupt (%s); falling back to the previous "
-                          "complete checkpoint", self.directory, s, e)  # fmt: skip
+                log.error(
+                    "checkpoint %s step %d is corrupt (%s); falling back to the previous "
+                    "complete checkpoint",
+                    self.directory,
+                    s,
+                    e,
+                )
         raise CheckpointCorruptError(
             f"no intact checkpoint in {self.directory}: " + "; ".join(problems)
         )

@@ -1,7 +1,7 @@
 """Update configuration, train state, optimiser, mesh, and sharded state creation.
 
 The train state is a plain pytree (:class:`TrainState`: step, params as a pure nested dict, the
-optax state, an RNG key), so ``jax.jit`` shardings, donation and orbax apply to it directly. The
+optax state), so ``jax.jit`` shardings, donation and orbax apply to it directly. The
 model's structure (an ``nnx.GraphDef``) is static and rebuilt from the model config.
 
 Sharded creation follows lm1b / big_vision: ``jax.eval_shape`` of the initialiser gives the
@@ -202,7 +202,6 @@ class TrainState(NamedTuple):
     step: jax.Array  # [] int32, number of completed updates
     params: dict  # pure nested dict of parameter arrays (see nnx.to_pure_dict)
     opt_state: Any  # optax state
-    rng: jax.Array  # [2] uint32 raw PRNG key (raw for checkpoint portability)
 
 
 def learning_rate_schedule(config: UpdateConfig) -> optax.Schedule:
@@ -296,9 +295,7 @@ def state_shardings(model_config: TransformerConfig, config: UpdateConfig, mesh:
         params = nnx.to_pure_dict(
             nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=key)), nnx.Param)
         )
-        return TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=key
-        )
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -306,7 +303,6 @@ def state_shardings(model_config: TransformerConfig, config: UpdateConfig, mesh:
         step=replicated,
         params=p_sh,
         opt_state=_opt_state_shardings(abstract.opt_state, p_sh, mesh),
-        rng=replicated,
     )
     return abstract, shardings
 
@@ -321,32 +317,23 @@ def create_train_state(
     """A freshly initialised (or ``params``-initialised) state, created already sharded."""
     tx = make_optimizer(config)
     _, shardings = state_shardings(model_config, config, mesh)
-    key = jax.random.PRNGKey(seed)
-
     if params is None:
 
         def init(key):
-            init_key, rng = jax.random.split(key)
+            init_key = jax.random.split(key)[0]  # the key a seed's parameters always came from
             p = nnx.to_pure_dict(
                 nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=init_key)), nnx.Param)
             )
-            return TrainState(
-                step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p), rng=rng
-            )
+            return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
 
-        return jax.jit(init, out_shardings=shardings)(key)
+        return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed))
 
     params = jax.device_put(params, shardings.params)
 
-    def from_params(p, key):
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=p,
-            opt_state=tx.init(p),
-            rng=jax.random.split(key)[1],
-        )
+    def from_params(p):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
 
-    return jax.jit(from_params, out_shardings=shardings)(params, key)
+    return jax.jit(from_params, out_shardings=shardings)(params)
 
 
 def config_fingerprint(

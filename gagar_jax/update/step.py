@@ -386,7 +386,7 @@ def update_step(
     metrics["response_length"] = metrics["tokens"] / jnp.maximum(n_resp_seqs, 1.0)
     metrics.update(adv_out.metrics)
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 
 

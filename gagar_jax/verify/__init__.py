@@ -1,12 +1,21 @@
 """Verifiers: sandboxed execution, the Python-repo test verifier, the behaviour monitor."""
 
-from gagar_jax.verify.diff import DiffError, apply_unified_diff, parse_unified_diff
+from gagar_jax.verify.diff import (
+    DiffError,
+    FilePatch,
+    Hunk,
+    Patch,
+    apply_unified_diff,
+    is_test_path,
+    parse_unified_diff,
+    read_patch,
+    split_by_file,
+)
 from gagar_jax.verify.flags import MonitorFlag
 from gagar_jax.verify.monitor import (
     RULES,
     MonitorContext,
     MonitorRefusal,
-    context_for_repo_task,
     leakage_screen,
     monitor,
     monitor_log,
@@ -15,7 +24,7 @@ from gagar_jax.verify.monitor import (
     monitor_trajectory,
     patch_similarity,
 )
-from gagar_jax.verify.repo import RepoVerification, verify_repo_patch
+from gagar_jax.verify.repo import RepoVerification, context_for_repo_task, verify_repo_patch
 from gagar_jax.verify.sandbox import (
     MECHANISMS,
     STATUSES,
@@ -28,17 +37,6 @@ from gagar_jax.verify.sandbox import (
     run_sandboxed,
     select_mechanism,
 )
-
-
-def __getattr__(name: str):
-    # RepoTask moved to gagar_jax.envs.repo (next to the python_repo family); the old name
-    # resolves lazily so that importing gagar_jax.verify never imports gagar_jax.envs.
-    if name == "RepoTask":
-        from gagar_jax.envs.repo import RepoTask
-
-        return RepoTask
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "RULES",
@@ -53,6 +51,12 @@ __all__ = [
     "monitor_trajectory",
     "patch_similarity",
     "DiffError",
+    "FilePatch",
+    "Hunk",
+    "Patch",
+    "is_test_path",
+    "read_patch",
+    "split_by_file",
     "RepoVerification",
     "apply_unified_diff",
     "parse_unified_diff",

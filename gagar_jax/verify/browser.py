@@ -477,8 +477,11 @@ class BrowserJudge:
         planner: Any = None,
         llm_judge: Any = None,
     ):
-        for name, val in (("deadline_s", deadline_s), ("call_timeout_s", call_timeout_s),
-                          ("load_timeout_s", load_timeout_s)):  # fmt: skip
+        for name, val in (
+            ("deadline_s", deadline_s),
+            ("call_timeout_s", call_timeout_s),
+            ("load_timeout_s", load_timeout_s),
+        ):
             if not val > 0:
                 raise ValueError(f"BrowserJudge.{name} must be > 0 seconds, got {val!r}")
         if record_video and output_dir is None:
@@ -862,8 +865,12 @@ class BrowserJudge:
         timings["snapshot"] = time.monotonic() - t
         if snap.truncated:
             self.metrics["snapshot_truncated"] += 1
-            _log.warning("ARIA snapshot of %s truncated: %d -> %d chars", snap.url,
-                         snap.aria_chars, self.max_snapshot_chars)  # fmt: skip
+            _log.warning(
+                "ARIA snapshot of %s truncated: %d -> %d chars",
+                snap.url,
+                snap.aria_chars,
+                self.max_snapshot_chars,
+            )
         # -- checklist -------------------------------------------------------------------------
         t = time.monotonic()
         checklist = checklist_of(rubric)
@@ -904,16 +911,37 @@ class BrowserJudge:
         judged = [r for r in results if r.passed is not None]
         if not judged:
             return BrowserVerdict(
-                "infra_error", 0.0, tuple(results), {}, None,
-                detail or "no item could be judged (planner/judge fallback)", snap, checklist,
-                plan, tuple(run.frames), tuple(run.blocked), run.dialogs, run.popups,
-            )  # fmt: skip
+                "infra_error",
+                0.0,
+                tuple(results),
+                {},
+                None,
+                detail or "no item could be judged (planner/judge fallback)",
+                snap,
+                checklist,
+                plan,
+                tuple(run.frames),
+                tuple(run.blocked),
+                run.dialogs,
+                run.popups,
+            )
         total = sum(r.weight for r in judged)
         score = sum(r.weight for r in judged if r.passed) / total
         return BrowserVerdict(
-            "ok", float(min(1.0, max(0.0, score))), tuple(results), {}, None, detail, snap,
-            checklist, plan, tuple(run.frames), tuple(run.blocked), run.dialogs, run.popups,
-        )  # fmt: skip
+            "ok",
+            float(min(1.0, max(0.0, score))),
+            tuple(results),
+            {},
+            None,
+            detail,
+            snap,
+            checklist,
+            plan,
+            tuple(run.frames),
+            tuple(run.blocked),
+            run.dialogs,
+            run.popups,
+        )
 
     async def _snapshot(self, run: _Run, page, origin: str, entry: str) -> PageSnapshot:
         try:
@@ -938,8 +966,13 @@ class BrowserJudge:
         text = await self._call(run, page.locator("body").inner_text(timeout=5000))
         visible = await self._call(run, page.locator("body *").filter(visible=True).first.count())
         title = await self._call(run, page.title())
-        state = {"url": page.url, "title": title, "dom_nodes": nodes,
-                 "text_chars": len(text.strip()), "visible_elements": visible}  # fmt: skip
+        state = {
+            "url": page.url,
+            "title": title,
+            "dom_nodes": nodes,
+            "text_chars": len(text.strip()),
+            "visible_elements": visible,
+        }
         aria = await self._call(run, page.locator("body").aria_snapshot(timeout=5000))
         await self._frame(run, page, None, "load")
         snap = PageSnapshot(
@@ -1125,9 +1158,20 @@ class BrowserJudge:
             for e in checklist.entries
         )
         return BrowserVerdict(
-            "ok", 0.0, items, {}, f.fault, f.detail, snap, checklist, plan, tuple(run.frames),
-            tuple(run.blocked), run.dialogs, run.popups,
-        )  # fmt: skip
+            "ok",
+            0.0,
+            items,
+            {},
+            f.fault,
+            f.detail,
+            snap,
+            checklist,
+            plan,
+            tuple(run.frames),
+            tuple(run.blocked),
+            run.dialogs,
+            run.popups,
+        )
 
     async def _deadline(self, run, page, checklist, d: _Deadline, snap, plan=None):
         """A call ran past its deadline: the page's fault if the browser still answers."""
@@ -1147,9 +1191,20 @@ class BrowserJudge:
             return await self._faulted(run, page, checklist, _PageFault(fault, detail), snap, plan)
         self.metrics["infra_error"] += 1
         return BrowserVerdict(
-            "infra_error", 0.0, (), {}, None, f"browser unresponsive after: {d}", snap,
-            checklist, plan, tuple(run.frames), tuple(run.blocked), run.dialogs, run.popups,
-        )  # fmt: skip
+            "infra_error",
+            0.0,
+            (),
+            {},
+            None,
+            f"browser unresponsive after: {d}",
+            snap,
+            checklist,
+            plan,
+            tuple(run.frames),
+            tuple(run.blocked),
+            run.dialogs,
+            run.popups,
+        )
 
     async def _page_error(self, run, page, checklist, e: Exception, snap, plan=None):
         """A browser call on the page failed (not a deadline). With a live browser that is the
@@ -1163,9 +1218,20 @@ class BrowserJudge:
             return await self._faulted(run, page, checklist, _PageFault(fault, detail), snap, plan)
         self.metrics["infra_error"] += 1
         return BrowserVerdict(
-            "infra_error", 0.0, (), {}, None, f"browser died: {type(e).__name__}: {e}"[:300],
-            snap, checklist, plan, tuple(run.frames), tuple(run.blocked), run.dialogs, run.popups,
-        )  # fmt: skip
+            "infra_error",
+            0.0,
+            (),
+            {},
+            None,
+            f"browser died: {type(e).__name__}: {e}"[:300],
+            snap,
+            checklist,
+            plan,
+            tuple(run.frames),
+            tuple(run.blocked),
+            run.dialogs,
+            run.popups,
+        )
 
     async def _llm_judge(self, run, rubric, checklist, results, page):
         source = _read_source(run.root, rubric.entry)

@@ -26,8 +26,15 @@ grounded in behaviour, never in the source (padding the source cannot buy one). 
 a rule pass and decides unplanned items; it cannot pass an item whose rule checks failed.
 Fallback: the rule results stand.
 
+Untrusted content: everything the page under test produced (its title and snapshot, the frames'
+text, its source, page text quoted in the rule checks' evidence) is enclosed in per-call random
+delimiters and escaped (``verify.untrusted.Envelope``), and the system prompts say it is data,
+never instructions. The answer parser (``answer_object``) reads exactly one answer object: a
+reply that holds a second ``"items"`` object (a quoted one, e.g. an answer planted in the page)
+is rejected and re-asked, never read in part.
+
 Prompts are versioned files under ``verify/prompts/<version>/`` (``browser_planner.md``,
-``browser_judge.md``).
+``browser_judge.md``; ``v2`` adds the untrusted-content rules).
 """
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from gagar_jax.verify.browser_rubric import ChecklistEntry, RubricError, Target, parse_item
+from gagar_jax.verify.untrusted import Envelope
 
-PROMPT_VERSION = "v1"
+PROMPT_VERSION = "v2"
 MAX_OUTPUT_CHARS = 100_000
 MIN_QUOTE_CHARS = 3
 
@@ -60,11 +68,50 @@ class OutputRejected(ValueError):
     """The model's answer failed validation (the reason is fed back on a re-ask)."""
 
 
+def answer_object(text: Any, key: str = "items") -> dict:
+    """The one answer object of a reply (fenced or bare); raises ``OutputRejected``.
+
+    The reply is scanned for top-level JSON objects (an object inside another, or inside a
+    string, is part of that one). It must hold at most one object with ``key``: a second one
+    means the model quoted one (an answer planted in the page would otherwise win), so the reply
+    is rejected, never read in part. With no such object the first object is returned (the
+    validation then names what is missing).
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise OutputRejected("empty answer; expected a JSON object")
+    if len(text) > MAX_OUTPUT_CHARS:
+        raise OutputRejected(f"answer of {len(text)} chars exceeds {MAX_OUTPUT_CHARS}")
+    decoder = json.JSONDecoder()
+    objects: list[dict] = []
+    start, tries = text.find("{"), 0
+    while start != -1 and tries < 64:  # bounded: pathological text stays cheap
+        tries += 1
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except (ValueError, RecursionError):
+            start = text.find("{", start + 1)
+            continue
+        if isinstance(obj, dict):
+            objects.append(obj)
+        start = text.find("{", end)
+    answers = [o for o in objects if key in o]
+    if len(answers) > 1:
+        raise OutputRejected(
+            f"the reply holds {len(answers)} objects with {key!r}; answer with "
+            "exactly one (a quoted answer is never read)"
+        )
+    if answers or objects:
+        return (answers or objects)[0]
+    raise OutputRejected("no JSON object in the answer")
+
+
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
 
 
 def first_json_object(text: Any) -> dict:
-    """The first JSON object in ``text`` (fenced or bare); raises ``OutputRejected``."""
+    """The first JSON object in ``text`` (fenced first, then bare); raises ``OutputRejected``.
+
+    For replies that hold no untrusted text; the browser stages read ``answer_object``."""
     if not isinstance(text, str) or not text.strip():
         raise OutputRejected("empty answer; expected a JSON object")
     if len(text) > MAX_OUTPUT_CHARS:
@@ -82,6 +129,16 @@ def first_json_object(text: Any) -> dict:
                 pass
             start = chunk.find("{", start + 1)
     raise OutputRejected("no JSON object in the answer")
+
+
+def _inline(envelope: Any, text: str, source: str) -> str:
+    """``text`` enclosed on one line (escaped; newlines shown as ``\\n``)."""
+    body = envelope.escape(text).replace("\n", "\\n")
+    return f'{envelope.open_prefix} source="{source}">{body}{envelope.close}'
+
+
+def _envelope() -> Any:
+    return Envelope()
 
 
 def _content(response: Any) -> str:
@@ -126,7 +183,7 @@ class _Asker:
             text = ""
             try:
                 text = _content(response)
-                result = await validate(first_json_object(text))
+                result = await validate(answer_object(text))
                 self.metrics["accepted"] += 1
                 return result, reasons
             except (OutputRejected, RubricError) as e:
@@ -175,11 +232,13 @@ class BrowserLLMPlanner(_Asker):
     ) -> tuple[dict[str, tuple], list[str]]:
         """``({item id: (actions, expect)}, rejection reasons)``; ``{}`` on fallback."""
         ids = [e.id for e in entries]
-        user = self.template.substitute(
+        env = _envelope()
+        page = f"title: {snapshot.title}\n{snapshot.aria[: self.max_snapshot_chars]}"
+        user = self.template.safe_substitute(
             items="\n".join(f"- {e.id}: {e.description}" for e in entries),
-            title=snapshot.title,
-            snapshot=snapshot.aria[: self.max_snapshot_chars],
+            snapshot=env.wrap(page, "page snapshot"),
             ids=", ".join(ids),
+            nonce=env.nonce,
         )
 
         async def validate(obj: dict):
@@ -241,19 +300,25 @@ class BrowserLLMJudge(_Asker):
         """(merged ``ItemResult`` list, detail); on fallback the rule results stand."""
         by_id = {r.id: r for r in results}
         ids = list(checklist.ids)
+        env = _envelope()
         items_text = []
         for e in checklist.entries:
             r = by_id[e.id]
             rule = "not checked" if r.passed is None else ("PASS" if r.passed else "FAIL")
-            items_text.append(f"- {e.id}: {e.description} (rule checks: {rule}; {r.evidence})")
+            ev = _inline(env, str(r.evidence), "rule evidence")
+            items_text.append(f"- {e.id}: {e.description} (rule checks: {rule}; {ev})")
         frames_text = "\n".join(
-            f"[frame {f.index}] item={f.item_id} after: {f.step}\n{f.aria}" for f in frames
+            f"[frame {f.index}] item={f.item_id} after: "
+            f"{env.escape(str(f.step)).replace(chr(10), chr(92) + 'n')}\n"
+            + env.wrap(f.aria, f"frame {f.index}")
+            for f in frames
         )
-        user = self.template.substitute(
+        user = self.template.safe_substitute(
             items="\n".join(items_text),
             frames=frames_text,
-            source=source[: self.max_source_chars],
+            source=env.wrap(source[: self.max_source_chars], "page source"),
             ids=", ".join(ids),
+            nonce=env.nonce,
         )
 
         async def validate(obj: dict):
@@ -278,7 +343,8 @@ class BrowserLLMJudge(_Asker):
                 if ok:
                     if not isinstance(quote, str) or len(quote.strip()) < MIN_QUOTE_CHARS:
                         raise OutputRejected(f"{where}.quote: a pass needs a quote of the frame")
-                    if quote.strip() not in frames[frame].aria:
+                    q, aria = quote.strip(), frames[frame].aria
+                    if q not in aria and q not in env.escape(aria):  # as shown, or as it is
                         raise OutputRejected(
                             f"{where}.quote: {quote[:60]!r} is not in frame {frame}'s page text"
                         )
@@ -369,7 +435,11 @@ class ScriptedBrowserPolicy:
             f = last.get(iid, 0)
             section = user.split("Frames:", 1)[1].split("\nSource (", 1)[0]
             body = section.split(f"[frame {f}]", 1)[1].split("\n[frame ", 1)[0]
-            text = [ln.strip() for ln in body.splitlines()[1:] if len(ln.strip()) >= 3]
+            text = [
+                ln.strip()
+                for ln in body.splitlines()[1:]
+                if len(ln.strip()) >= 3 and not ln.startswith(("<untrusted-", "</untrusted-"))
+            ]  # the delimiters
             if self.mode == "ungrounded":
                 out.append({"id": iid, "pass": True, "frame": f, "quote": "everything works"})
             else:

@@ -1,5 +1,10 @@
 """Unified diffs: a strict parser and a path-safe applier over in-memory file trees.
 
+The one diff module of the package: the verifier applies a candidate's patch with
+:func:`apply_unified_diff`, the behaviour monitor cites its hunks, and graders and task families
+read the same parse (:func:`read_patch`, a :class:`Patch`), so a grader sees exactly the patch
+the verifier applied. :func:`is_test_path` is the one rule for what counts as test code.
+
 Why not ``git apply`` / ``patch``: the applier runs on the trusted side, before the sandbox, on
 model-written text; a pure function over ``{path: text}`` cannot be steered outside the tree
 (absolute paths, ``..`` and ``.git/`` are rejected up front), needs no system tool, and gives the
@@ -25,7 +30,7 @@ import bisect
 import dataclasses
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 _HUNK_RE = re.compile(r"@@ -(\d{1,9})(?:,(\d{1,9}))? \+(\d{1,9})(?:,(\d{1,9}))? @@")
 DEV_NULL = "/dev/null"
@@ -85,6 +90,13 @@ class Hunk:
                 n += 1
         return out
 
+    def covers(self, line: int) -> bool:
+        """True when ``line`` is in the hunk's old or new range (an empty range: its start)."""
+        for start, length in ((self.old_start, self.old_len), (self.new_start, self.new_len)):
+            if start <= line < start + max(length, 1):
+                return True
+        return False
+
 
 @dataclasses.dataclass(frozen=True)
 class FilePatch:
@@ -105,6 +117,50 @@ class FilePatch:
     @property
     def is_deleted(self) -> bool:
         return self.new_path is None
+
+    def added(self) -> list[tuple[int, str]]:
+        """(new-side line number, text) of every added line, over all hunks."""
+        return [a for h in self.hunks for a in h.added()]
+
+    def removed(self) -> list[tuple[int, str]]:
+        """(old-side line number, text) of every removed line, over all hunks."""
+        return [r for h in self.hunks for r in h.removed()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """All file patches of a unified diff, in patch order (what graders read)."""
+
+    files: tuple[FilePatch, ...] = ()
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(f.path for f in self.files)
+
+    def file(self, path: str) -> FilePatch | None:
+        for f in self.files:
+            if f.path == path:
+                return f
+        return None
+
+    @property
+    def num_added(self) -> int:
+        return sum(len(f.added()) for f in self.files)
+
+    @property
+    def num_removed(self) -> int:
+        return sum(len(f.removed()) for f in self.files)
+
+    @property
+    def num_hunks(self) -> int:
+        return sum(len(f.hunks) for f in self.files)
+
+    def has_location(self, path: str, line: int | None = None) -> bool:
+        """True when the patch touches ``path`` (and, if given, a hunk covers ``line``)."""
+        f = self.file(path)
+        if f is None:
+            return False
+        return line is None or any(h.covers(line) for h in f.hunks)
 
 
 def safe_path(path: str) -> str:
@@ -216,6 +272,16 @@ def parse_unified_diff(text: str) -> list[FilePatch]:
     return patches
 
 
+def read_patch(text: str) -> Patch:
+    """The :class:`Patch` of ``text``; an empty one when ``text`` is not a diff this module
+    accepts (the verifier refuses such a patch, so there is nothing to grade in it)."""
+    try:
+        check_patch_size(text)
+        return Patch(tuple(parse_unified_diff(text)))
+    except DiffError:
+        return Patch()
+
+
 def split_lines(text: str) -> list[str]:
     """Lines with their ``\n`` (the last one may have none); nothing else ends a line."""
     rows = text.split("\n")
@@ -273,7 +339,8 @@ def _apply_file(text: str, fp: FilePatch, budget: list[int]) -> str:
                 f"{fp.path}: hunk @@ -{h.old_start},{h.old_len} does not apply "
                 f"(context starting {first[:60]!r} not found)"
             )
-        delta = found - (h.old_start - 1)
+        # the offset of this hunk from its header (an empty old side names the line it follows)
+        delta = found - (h.old_start - 1 if h.old_len else h.old_start)
         out.extend(src[pos:found])
         out.extend(new)
         pos = found + len(old)
@@ -281,9 +348,14 @@ def _apply_file(text: str, fp: FilePatch, budget: list[int]) -> str:
     return "".join(out)
 
 
-def apply_unified_diff(files: Mapping[str, str], patch: str | list[FilePatch]) -> dict[str, str]:
+def apply_unified_diff(
+    files: Mapping[str, str], patch: str | Sequence[FilePatch] | Patch
+) -> dict[str, str]:
     """A new ``{path: text}`` with the patch applied; DiffError if it does not apply."""
-    patches = parse_unified_diff(patch) if isinstance(patch, str) else patch
+    if isinstance(patch, str):
+        patches = parse_unified_diff(patch)
+    else:
+        patches = patch.files if isinstance(patch, Patch) else patch
     out = dict(files)
     budget = [MAX_APPLY_COMPARISONS]
     for fp in patches:
@@ -305,3 +377,64 @@ def apply_unified_diff(files: Mapping[str, str], patch: str | list[FilePatch]) -
 def touched_files(patch: str) -> list[str]:
     """Paths a patch touches (parse errors propagate as DiffError)."""
     return [p.path for p in parse_unified_diff(patch)]
+
+
+def split_by_file(text: str) -> dict[str, str]:
+    """Each file's part of a patch's text (headers and hunks), keyed like ``FilePatch.path``.
+
+    Hunk line counts are honoured, so a removed ``-- x`` line (``--- x`` in the diff) inside a
+    hunk is not mistaken for a file header.
+    """
+    out: dict[str, str] = {}
+    lines = text.splitlines(keepends=True)
+    path, chunk, left_old, left_new = None, [], 0, 0
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        in_hunk = left_old > 0 or left_new > 0
+        if (
+            not in_hunk
+            and line.startswith("--- ")
+            and i + 1 < len(lines)
+            and lines[i + 1].startswith("+++ ")
+        ):
+            if path is not None:
+                out[path] = "".join(chunk)
+            old, new = _header_path(line), _header_path(lines[i + 1])
+            path = _strip_side(old if new == DEV_NULL else new)
+            chunk = [line, lines[i + 1]]
+            i += 2
+            continue
+        m = _HUNK_RE.match(line) if not in_hunk else None
+        if m:
+            left_old, left_new = int(m.group(2) or 1), int(m.group(4) or 1)
+        elif in_hunk and not line.startswith("\\"):
+            tag = line[:1]
+            left_old -= tag in ("-", " ", "\n", "")
+            left_new -= tag in ("+", " ", "\n", "")
+        chunk.append(line)
+        i += 1
+    if path is not None:
+        out[path] = "".join(chunk)
+    return out
+
+
+def _strip_side(path: str) -> str:
+    return path[2:] if path.startswith(("a/", "b/")) else path
+
+
+def is_test_path(path: str, test_files: Sequence[str] = ()) -> bool:
+    """Whether ``path`` is test code: one of the task's ``test_files``, ``test_*.py``,
+    ``*_test.py``/``*_tests.py``, ``conftest.py``, or anything under a ``tests/``, ``test/`` or
+    ``testing/`` directory."""
+    if path in test_files:
+        return True
+    parts = path.replace("\\", "/").split("/")
+    base = parts[-1]
+    return (
+        base.startswith("test_")
+        and base.endswith(".py")
+        or base.endswith(("_test.py", "_tests.py"))
+        or base == "conftest.py"
+        or any(p in ("tests", "test", "testing") for p in parts[:-1])
+    )

@@ -24,10 +24,16 @@ Ray back-end semantics (each one counted in :meth:`RayBackend.metrics`):
 * **Backpressure.** At most ``max_inflight`` calls are submitted to Ray at once; one dispatcher
   thread owns them and ``ray.wait``-s on them. Calls beyond that wait in a FIFO queue
   (``execution/queue_wait_s``).
-* **Budget admission.** :meth:`RayBackend.admit` reserves a group's K verifier slots (all or
-  none) before its first call is dispatched; the group holds them until its calls finish. It
-  also requires a free grader slot (``grader_slots`` minus grading calls in flight); that slot is
-  checked, not held, since a group is only graded after its verification.
+* **Budget admission.** :meth:`RayBackend.admit` reserves a group's K verifier slots and its
+  grader slot together (all or none) before its first call is dispatched. The verifier slots
+  are held until the group's calls finish; the grader slot (one of ``grader_slots``) is held
+  under the group's id until the group has been graded or is known not to be graded
+  (:meth:`RayBackend.release_grader`: the loop wires the grading pool's completions to it and
+  releases the groups it drops). So groups verified earlier and still waiting for a grader
+  hold back new groups: a saturated cluster slows generation instead of piling up work. The
+  groups of one ``gather_groups`` call are admitted against the slots other calls hold (a
+  round's own groups cannot be graded before the round returns, so they never wait for each
+  other's grader slots).
 * **Deadlines end the work.** On the node, every call runs in a child process of its own session
   with a private temporary directory (``TMPDIR``); at the deadline the child's whole process tree
   (every descendant, found through ``/proc``, whatever session it moved to) is killed, and the
@@ -43,7 +49,10 @@ Ray back-end semantics (each one counted in :meth:`RayBackend.metrics`):
 * **Environments on the nodes.** :func:`ensure_env` builds a task environment once per node,
   under a file lock, keyed by its environment hash (``GAGAR_ENV_CACHE``, default
   ``~/.cache/gagar_jax/envs``); a call may name one (``env=EnvSpec(hash, build)``) and then a
-  node that lacks it builds it before the call runs.
+  node that lacks it builds it before the call runs (a failed build is the node's failure:
+  retried elsewhere). :func:`verify_repo_call` and the grader's check runner name the
+  environment of a real-package task (:func:`task_env`: rebuilt from the lockfile the trainer
+  resolved) and run against the node's copy of it (:func:`with_task_env`).
 
 The process-wide back-end that the call sites use (the repository family's verifier and
 ``run_tests`` tool, the grader's check runner, the grading pool, task validation) is
@@ -57,6 +66,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import functools
+import hashlib
+import itertools
 import os
 import pickle
 import shutil
@@ -68,6 +80,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
+
+from gagar_jax.verify.repo import DEFAULT_LIMITS, RepoVerification, verify_repo_patch
 
 BACKENDS = ("local", "ray")
 CALL_STATUSES = ("ok", "timeout", "infra_error")
@@ -137,6 +151,8 @@ class CallResult:
       queue_wait_s: seconds from submission to dispatch (backpressure and admission).
       run_s: seconds from dispatch to result.
       reaped: processes still alive when the call ended, killed by the back-end.
+      env_build_s: seconds the call's node spent building its environment (None: the node
+        had it, or the call named none).
     """
 
     status: str
@@ -147,6 +163,7 @@ class CallResult:
     queue_wait_s: float = 0.0
     run_s: float = 0.0
     reaped: int = 0
+    env_build_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -281,22 +298,18 @@ def run_isolated(
     kwargs: Mapping[str, Any] | None = None,
     *,
     deadline_s: float,
-    env: EnvSpec | None = None,
+    env: EnvSpec | Sequence[EnvSpec] | None = None,
 ) -> dict[str, Any]:
     """Runs ``fn(*args, **kwargs)`` in a child process of its own session with a private
     ``TMPDIR``; kills its whole tree at ``deadline_s`` and removes the directory afterwards.
 
-    Returns ``{"status": ok|timeout|raised, "value", "error", "reaped", "node_id"}``. Raises
+    Returns ``{"status": ok|timeout|raised, "value", "error", "reaped", "node_id",
+    "env_build_s"}`` (``env_build_s``: seconds spent building ``env`` here, None if it was
+    there). Raises
     :class:`CallInfraError` when the node could not run it (environment build failed, the
     child died without a result): the caller retries such calls elsewhere.
     """
-    if env is not None:
-        try:
-            ensure_env(env.env_hash, env.build)
-        except Exception as e:  # noqa: BLE001 - the node's fault: retried elsewhere
-            raise CallInfraError(
-                f"environment {env.env_hash} did not build on this node: {type(e).__name__}: {e}"
-            ) from e
+    env_build_s = _ensure_envs(env)
     node_id = _node_id()
     reaped = reap_stale_call_dirs()
     calldir = tempfile.mkdtemp(prefix=f"{CALL_DIR_PREFIX}{os.getpid()}_")
@@ -342,6 +355,7 @@ def run_isolated(
                 "value": None,
                 "reaped": reaped,
                 "node_id": node_id,
+                "env_build_s": env_build_s,
                 "error": f"killed at its deadline of {deadline_s:g} s",
             }
         if not os.path.exists(out):
@@ -357,6 +371,7 @@ def run_isolated(
                 "error": "",
                 "reaped": reaped,
                 "node_id": node_id,
+                "env_build_s": env_build_s,
             }
         return {
             "status": "raised",
@@ -364,6 +379,7 @@ def run_isolated(
             "error": value,
             "reaped": reaped,
             "node_id": node_id,
+            "env_build_s": env_build_s,
         }
     finally:
         shutil.rmtree(calldir, ignore_errors=True)
@@ -409,8 +425,14 @@ def ensure_env(
 ) -> str:
     """The directory of environment ``env_hash`` on this node, built by ``build_fn(path)`` the
     first time (``path`` is an empty directory, renamed into place only once ``build_fn``
-    returns). Concurrent callers on the node wait on a file lock and build it once; a failed
-    build leaves nothing behind and raises, so the next call builds again."""
+    returns). Concurrent callers on the node (threads or processes: Ray workers) wait on a file
+    lock and build it once; a failed build leaves nothing behind and raises, so the next call
+    builds again."""
+    return _ensure_env(env_hash, build_fn, cache_dir)[0]
+
+
+def _ensure_env(env_hash: str, build_fn: Callable[[str], Any], cache_dir: str | None = None):
+    """``ensure_env`` and the seconds this call spent building (None: it was there)."""
     if not env_hash or "/" in env_hash or env_hash.startswith("."):
         raise ValueError(f"ensure_env: env_hash must be a plain non-empty name, got {env_hash!r}")
     root = cache_dir or env_cache_dir()
@@ -418,25 +440,132 @@ def ensure_env(
     path = os.path.join(root, env_hash)
     ready = path + ".ready"
     if os.path.exists(ready):
-        return path
+        return path, None
     with open(path + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if os.path.exists(ready):
-                return path
+                return path, None  # built by another caller while this one waited
+            t0 = time.monotonic()
             shutil.rmtree(path, ignore_errors=True)  # a build that died half-way
             tmp = tempfile.mkdtemp(prefix=f".{env_hash}.build-", dir=root)
             try:
                 build_fn(tmp)
+                os.chmod(tmp, 0o755)  # sandbox uids read the environment
                 os.rename(tmp, path)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             with open(ready, "w") as f:
                 f.write(f"{time.time()}\n")
-            return path
+            return path, time.monotonic() - t0
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _ensure_envs(env: EnvSpec | Sequence[EnvSpec] | None) -> float | None:
+    """Ensures each environment a call names on this node; the seconds spent building (None:
+    all were there). Raises :class:`CallInfraError` (retried elsewhere) when one fails."""
+    specs = () if env is None else (env,) if isinstance(env, EnvSpec) else tuple(env)
+    total = None
+    for spec in specs:
+        try:
+            _, built = _ensure_env(spec.env_hash, spec.build)
+        except Exception as e:  # noqa: BLE001 - the node's fault: retried elsewhere
+            raise CallInfraError(
+                f"environment {spec.env_hash} did not build on this node: {type(e).__name__}: {e}"
+            ) from e
+        if built is not None:
+            total = (total or 0.0) + built
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Repository snapshots on the nodes
+# ---------------------------------------------------------------------------------------------
+TREE_FILE = "files.pkl"
+
+
+def tree_hash(files: Mapping[str, str]) -> str:
+    """The content address of a repository's text (``{path: text}``): ``tree-`` and 32 hex
+    digits of a SHA-256 over the sorted paths and their texts."""
+    h = hashlib.sha256()
+    for path in sorted(files):
+        text = files[path].encode("utf-8", "surrogatepass")
+        h.update(f"{path}\0{len(text)}\0".encode("utf-8", "surrogatepass"))
+        h.update(text)
+    return "tree-" + h.hexdigest()[:32]
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeBuild:
+    """Materialises a repository's text on a node (``build(path)`` of :func:`ensure_env`):
+    fetched once per node from the cluster's object store (``ref``, put there by the trainer)
+    and kept in the node's cache, so later calls for the same snapshot ship none of it."""
+
+    ref: Any
+
+    def __call__(self, path: str) -> None:
+        import ray
+
+        files = ray.get(self.ref)
+        with open(os.path.join(path, TREE_FILE), "wb") as f:
+            pickle.dump(dict(files), f, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def with_task_tree(
+    tree: str, cls: type, fields: Mapping[str, Any], fn: Callable, *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(task, *args, **kwargs)`` with ``task = cls(files=<snapshot tree>, **fields)``, the
+    files read from this node's copy of snapshot ``tree`` (made by the call's worker before
+    this runs: :class:`TreeBuild`)."""
+    path = os.path.join(env_cache_dir(), tree)
+    if not os.path.exists(path + ".ready"):
+        raise CallInfraError(f"repository snapshot {tree} is not on this node")
+    with open(os.path.join(path, TREE_FILE), "rb") as f:
+        files = pickle.load(f)
+    return fn(cls(files=files, **fields), *args, **kwargs)
+
+
+def with_task_env(env: EnvSpec, fn: Callable, task: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(task', *args, **kwargs)`` where ``task'`` is ``task`` with ``env_path`` pointing at
+    this node's copy of environment ``env`` (:func:`ensure_env`: built once per node). The call
+    a cluster back-end makes for a task whose environment was built on the trainer."""
+    path = ensure_env(env.env_hash, env.build)
+    return fn(dataclasses.replace(task, env_path=path), *args, **kwargs)
+
+
+_ENV_RESOLVERS: list[Callable[[Any], EnvSpec | None]] = []
+
+
+def register_env_resolver(fn: Callable[[Any], EnvSpec | None]) -> None:
+    """Add ``fn(task) -> EnvSpec | None`` to the resolvers :func:`task_env` asks, in order.
+
+    The package that builds task environments registers its own when it is imported
+    (``gagar_jax.data.repos`` does), so this module needs no knowledge of how an environment is
+    built. Registering the same function twice has no effect."""
+    if fn not in _ENV_RESOLVERS:
+        _ENV_RESOLVERS.append(fn)
+
+
+def task_env(task: Any) -> EnvSpec | None:
+    """The :class:`EnvSpec` of ``task``'s environment (``env_hash`` and how a node builds it),
+    from the first registered resolver that knows it; None for a task without one.
+
+    Raises ``LookupError`` when the task names an environment no resolver knows, and whatever
+    the resolver raises when the task's environment record cannot be read (for
+    ``gagar_jax.data.repos``: ``EnvBuildError``)."""
+    h = getattr(task, "env_hash", "") or ""
+    if not h:
+        return None
+    for fn in _ENV_RESOLVERS:
+        spec = fn(task)
+        if spec is not None:
+            return spec
+    raise LookupError(
+        f"task.env_hash={h!r}: no environment resolver is registered "
+        "(import gagar_jax.data.repos, which registers the one for uv environments)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,6 +716,9 @@ class _Stats:
     def reset(self):
         self.calls = self.retries = self.node_losses = self.reaped = 0
         self.timeouts = self.infra_errors = self.admission_waits = 0
+        self.admission_wait_s = 0.0
+        self.env_builds = 0
+        self.env_build_s = 0.0
         self.waits: list[float] = []
         self.runs: list[float] = []
         self.max_inflight = self.inflight
@@ -599,6 +731,9 @@ class _Stats:
             self.reaped += r.reaped
             self.timeouts += r.status == "timeout"
             self.infra_errors += r.status == "infra_error"
+            if r.env_build_s is not None:
+                self.env_builds += 1
+                self.env_build_s += r.env_build_s
 
     def metrics(self, reset: bool) -> dict[str, float]:
         with self.lock:
@@ -616,6 +751,9 @@ class _Stats:
                 "execution/timeouts": float(self.timeouts),
                 "execution/infra_errors": float(self.infra_errors),
                 "execution/admission_waits": float(self.admission_waits),
+                "execution/admission_wait_s": float(self.admission_wait_s),
+                "execution/env_builds": float(self.env_builds),
+                "execution/env_build_s": float(self.env_build_s),
             }
             if reset:
                 self.reset()
@@ -659,23 +797,57 @@ class Backend:
         return [t() for t in thunks]
 
     def gather_groups(
-        self, groups: Sequence[Sequence[Callable[[], Any]]], *, grader: int = 0
+        self,
+        groups: Sequence[Sequence[Callable[[], Any]]],
+        *,
+        grader: int = 0,
+        keys: Sequence[str] | None = None,
     ) -> list[list[Any]]:
         """Runs each group's thunks once the group is admitted (:meth:`admit`: its K slots,
-        and ``grader`` grader slots); values per group, in order, every member present."""
+        and ``grader`` grader slots); values per group, in order, every member present.
+
+        ``keys`` (one per group, its group id): each group's grader slots stay held after the
+        call, under its key, until :meth:`release_grader` (the group was graded or dropped);
+        without keys they are held while the group verifies."""
+        if keys is not None and len(keys) != len(groups):
+            raise ValueError(f"gather_groups: {len(keys)} keys for {len(groups)} groups")
         out = []
-        for thunks in groups:
-            with self.admit(len(thunks), grader):
+        for i, thunks in enumerate(groups):
+            with self.admit(len(thunks), grader, key=None if keys is None else keys[i]):
                 out.append(self.gather(thunks))
         return out
 
     @contextlib.contextmanager
-    def admit(self, slots: int, grader: int = 0, timeout: float | None = None) -> Iterator[None]:
-        """Holds ``slots`` verifier slots (and checks ``grader`` grader slots) for one group."""
+    def admit(
+        self,
+        slots: int,
+        grader: int = 0,
+        timeout: float | None = None,
+        *,
+        key: str | None = None,
+        batch: Any = None,
+    ) -> Iterator[None]:
+        """Reserves ``slots`` verifier slots and ``grader`` grader slots for one group, both or
+        neither; the verifier slots for the block, the grader slots for the block too or,
+        with ``key``, until :meth:`release_grader`. ``batch``: groups of one batch never wait
+        for grader slots held by each other. (Local: calls run one at a time; nothing to
+        reserve.)"""
         yield
 
+    def release_grader(self, keys: str | Sequence[str]) -> int:
+        """Frees the grader slots held under ``keys`` (group ids; unknown ones are ignored);
+        returns how many."""
+        return 0
+
     def metrics(self, reset: bool = True) -> dict[str, float]:
-        return self._stats.metrics(reset)
+        """This step's counters (``execution/*``); ``reset`` starts the next step."""
+        out = self._stats.metrics(reset)
+        out["execution/grader_slots_held"] = float(self.grader_slots_held())
+        return out
+
+    def grader_slots_held(self) -> int:
+        """Grader slots held now by admitted groups."""
+        return 0
 
     def close(self) -> None:
         pass
@@ -726,12 +898,14 @@ class LocalBackend(Backend):
                         d["error"],
                         reaped=d["reaped"],
                         run_s=time.monotonic() - t0,
+                        env_build_s=d["env_build_s"],
                     )
             else:
                 try:
-                    if env is not None:
-                        ensure_env(env.env_hash, env.build)
-                    r = CallResult("ok", fn(*args, **kwargs), run_s=time.monotonic() - t0)
+                    built = _ensure_envs(env)
+                    r = CallResult(
+                        "ok", fn(*args, **kwargs), run_s=time.monotonic() - t0, env_build_s=built
+                    )
                 except Exception as e:  # noqa: BLE001 - a call bug is masked, never scored
                     r = CallResult(
                         "infra_error", error=f"{type(e).__name__}: {e}", run_s=time.monotonic() - t0
@@ -784,7 +958,7 @@ class _Call:
     kwargs: dict
     deadline_s: float
     resources: CallResources
-    env: EnvSpec | None
+    env: EnvSpec | tuple[EnvSpec, ...] | None
     kind: str
     future: concurrent.futures.Future
     submitted: float
@@ -822,7 +996,8 @@ class RayBackend(Backend):
       deadline_grace_s: how long after its deadline the driver cancels a call that the node did
         not end (a wedged worker).
       llm_requests_per_s, llm_burst: the global LLM-grader rate limit (0: none).
-      grader_slots: grading calls admitted at once (the grader slot of :meth:`admit`).
+      grader_slots: groups that may hold a grader slot at once, from admission until they
+        are graded or dropped (:meth:`admit`; 0: no grader budget).
       object_store_memory: object store bytes when ``ray_address="local"`` starts a cluster.
     """
 
@@ -869,7 +1044,13 @@ class RayBackend(Backend):
         self._queue: collections.deque[_Call] = collections.deque()
         self._inflight: dict[Any, _Call] = {}
         self._reserved = 0
-        self._grading = 0
+        self._grading = 0  # grading calls in flight (a metric)
+        self._held: dict[str, tuple[int, Any]] = {}  # group key -> (grader slots, batch)
+        self._anon = itertools.count()  # keys of holds that end with their block
+        # repository snapshots put in the object store (tree hash -> EnvSpec), and the
+        # snapshot of each files mapping seen (id -> (mapping, spec)): both bounded
+        self._trees: collections.OrderedDict[str, EnvSpec] = collections.OrderedDict()
+        self._tree_of: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._closed = False
         self._known_dead: set[str] = set()
         self._count_node_losses()  # nodes dead before this back-end started are not its losses
@@ -927,29 +1108,44 @@ class RayBackend(Backend):
         futs = [self._threads.submit(t) for t in thunks]
         return [f.result() for f in futs]
 
-    def gather_groups(self, groups, *, grader: int = 0):
-        def one(thunks):
-            with self.admit(len(thunks), grader):
+    def gather_groups(self, groups, *, grader: int = 0, keys=None):
+        if keys is not None and len(keys) != len(groups):
+            raise ValueError(f"gather_groups: {len(keys)} keys for {len(groups)} groups")
+        batch = object()  # this call's groups never wait for each other's grader slots
+
+        def one(i, thunks):
+            key = None if keys is None else keys[i]
+            with self.admit(len(thunks), grader, key=key, batch=batch):
                 return self.gather(thunks)
 
         with concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(len(groups), 64)), thread_name_prefix="gagar-exec-group"
         ) as pool:
-            futs = [pool.submit(one, list(t)) for t in groups]
+            futs = [pool.submit(one, i, list(t)) for i, t in enumerate(groups)]
             out = [f.result() for f in futs]
         for thunks, values in zip(groups, out):  # no group is ever scored with a member missing
             if len(values) != len(thunks):
                 raise RuntimeError(f"a group returned {len(values)} of {len(thunks)} members")
         return out
 
+    def _grader_busy(self, batch: Any) -> int:
+        """Grader slots held by groups outside ``batch`` (lock held)."""
+        return sum(n for n, b in self._held.values() if batch is None or b is not batch)
+
     @contextlib.contextmanager
-    def admit(self, slots: int, grader: int = 0, timeout: float | None = None):
+    def admit(self, slots, grader=0, timeout=None, *, key=None, batch=None):
         if slots > self.max_inflight:
             raise ValueError(
                 f"a group of {slots} calls can never be admitted with "
                 f"execution.max_inflight={self.max_inflight}"
             )
+        if grader and self.grader_slots and grader > self.grader_slots:
+            raise ValueError(
+                f"a group needing {grader} grader slots can never be admitted with "
+                f"grader_slots={self.grader_slots}"
+            )
         end = None if timeout is None else time.monotonic() + timeout
+        t0 = time.monotonic()
         waited = False
         with self._cond:
             while not (
@@ -957,28 +1153,76 @@ class RayBackend(Backend):
                 and (
                     not grader
                     or not self.grader_slots
-                    or self._grading + grader <= self.grader_slots
+                    or self._grader_busy(batch) + grader <= self.grader_slots
                 )
             ):
                 waited = True
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"no {slots} verifier slots within {timeout} s")
+                    raise TimeoutError(
+                        f"no {slots} verifier slots and {grader} grader slots within {timeout} s"
+                    )
                 self._cond.wait(left if left is not None else 0.5)
             self._reserved += slots
+            hold = f"\0{next(self._anon)}" if key is None else str(key)
+            grader = grader if self.grader_slots else 0  # no budget: nothing to hold
+            if grader:
+                n, _ = self._held.get(hold, (0, None))
+                self._held[hold] = (n + grader, batch)
         if waited:
             with self._stats.lock:
                 self._stats.admission_waits += 1
+                self._stats.admission_wait_s += time.monotonic() - t0
         try:
             yield
         finally:
             with self._cond:
                 self._reserved -= slots
+                if grader and key is None:
+                    self._held.pop(hold, None)
                 self._cond.notify_all()
+
+    def release_grader(self, keys):
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        with self._cond:
+            n = sum(self._held.pop(str(k), (0, None))[0] for k in keys)
+            if n:
+                self._cond.notify_all()
+        return n
+
+    def grader_slots_held(self) -> int:
+        with self._cond:
+            return self._grader_busy(None)
+
+    MAX_TREES = 1024  # snapshots kept in the object store (the least recently used go first)
+
+    def share_tree(self, files: Mapping[str, str]) -> EnvSpec:
+        """The snapshot ``files`` (a repository's text) as an environment the nodes
+        materialise once each (:class:`TreeBuild`): put in the cluster's object store once per
+        content hash, so a call ships its hash instead of the repository."""
+        with self._cond:
+            seen = self._tree_of.get(id(files))
+            if seen is not None and seen[0] is files:
+                self._tree_of.move_to_end(id(files))
+                return seen[1]
+        h = tree_hash(files)
+        with self._cond:
+            spec = self._trees.get(h)
+        if spec is None:
+            spec = EnvSpec(h, TreeBuild(self._ray.put(dict(files))))
+        with self._cond:
+            spec = self._trees.setdefault(h, spec)
+            self._trees.move_to_end(h)
+            self._tree_of[id(files)] = (files, spec)
+            while len(self._trees) > self.MAX_TREES:  # a call in flight keeps its own ref
+                self._trees.popitem(last=False)
+            while len(self._tree_of) > 4 * self.MAX_TREES:
+                self._tree_of.popitem(last=False)
+        return spec
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         self._count_node_losses()  # nodes the cluster declared dead since the last look
-        return self._stats.metrics(reset)
+        return super().metrics(reset)
 
     def limiter_stats(self) -> dict[str, float]:
         return {} if self.limiter is None else self._ray.get(self.limiter.stats.remote())
@@ -988,6 +1232,7 @@ class RayBackend(Backend):
             self._closed = True
             pending = list(self._queue) + list(self._inflight.values())
             self._queue.clear()
+            self._held.clear()
             self._cond.notify_all()
         for c in pending:
             if c.ref is not None:
@@ -1072,7 +1317,13 @@ class RayBackend(Backend):
         self._resolve(
             c,
             CallResult(
-                status, d["value"], d["error"], c.attempts, d["node_id"], reaped=d["reaped"]
+                status,
+                d["value"],
+                d["error"],
+                c.attempts,
+                d["node_id"],
+                reaped=d["reaped"],
+                env_build_s=d.get("env_build_s"),
             ),
         )
 
@@ -1256,14 +1507,42 @@ def verify_repo_call(
     :data:`CALL_MARGIN_S`. A call that passes it is the rollout's own ``timeout`` failure (the
     sandbox should have ended it first: something of the candidate's hung); an infrastructure
     failure is ``infra_error`` (masked). ``fn`` replaces ``verify_repo_patch`` (same
-    signature); ``env``: the task environment the call needs on its node.
-    """
-    from gagar_jax.verify.repo import DEFAULT_LIMITS, RepoVerification, verify_repo_patch
+    signature); ``env``: a task environment the call needs on its node.
 
+    On a cluster back-end, a task with an environment (``env_hash``: a real package's
+    dependencies, built on the trainer by ``data.repos.build_env``) is verified against the
+    node's own copy of it: the node builds it from the recorded lockfile once, under a lock
+    (:func:`ensure_env`), and every later call there reuses it. The task's repository text goes
+    the same way (:meth:`RayBackend.share_tree`): into the object store once, materialised on
+    each node once, and each call carries its hash and the patch.
+    """
     limits = kwargs.get("limits") or DEFAULT_LIMITS
     b = backend or current()
     deadline = deadline_s if deadline_s is not None else limits.wall_s + CALL_MARGIN_S
-    r = b.call(fn or verify_repo_patch, task, patch, deadline_s=deadline, env=env, **kwargs)
+    call_fn, envs, r = fn or verify_repo_patch, [] if env is None else [env], None
+    if env is None and b.name != "local" and getattr(task, "env_hash", ""):
+        try:
+            spec = task_env(task)
+        except Exception as e:  # noqa: BLE001 - the trainer's record: never the candidate's
+            r = CallResult("infra_error", error=f"{type(e).__name__}: {e}")
+        else:
+            envs.append(spec)
+            call_fn = functools.partial(with_task_env, spec, call_fn)
+    args: tuple = (task, patch)
+    share = getattr(b, "share_tree", None)
+    if r is None and share is not None and dataclasses.is_dataclass(task) and task.files:
+        # the repository travels once per node (its snapshot), not with every call
+        tree = share(task.files)
+        envs.insert(0, tree)
+        fields = {
+            f.name: getattr(task, f.name)
+            for f in dataclasses.fields(task)
+            if f.init and f.name != "files"
+        }
+        call_fn = functools.partial(with_task_tree, tree.env_hash, type(task), fields, call_fn)
+        args = (patch,)
+    if r is None:
+        r = b.call(call_fn, *args, deadline_s=deadline, env=tuple(envs) or None, **kwargs)
     if r.ok:
         return r.value
     missing = {t: "missing" for t in task.required_tests}

@@ -26,6 +26,15 @@ forks:
   verifier: ``{"report": <the child's bytes>, "exit": <the child's exit status>, "named": <its
   name was still the one given>}``. It exits with the child's exit status.
 
+Before forking, the supervisor also watches the test files with inotify (``watch_files`` and
+``watch_dirs`` of the control record: the hidden tests, everything under the test directories,
+the canaries, every ``conftest.py`` and configuration file). The child closes the watch
+descriptor before anything of the tree is imported, so only the supervisor reads the events: a
+watched file modified, deleted, renamed or re-permissioned during the session, or a Python file
+(``.py``/``.pyc``/``.pth``/``.so``) created in or moved into or out of a watched directory, is
+listed in the record's ``changed`` (what the tests ran was not the pristine tests, even if the
+code restored them before exiting). Creating other files or directories there is not watched.
+
 No secret sits in the pytest process: the record carries nothing the code under test could steal
 to forge another one. The verifier trusts the report only as far as it agrees with what the
 supervisor saw (the exit status, the process's name at exit) and with the canary tests, hidden
@@ -37,11 +46,21 @@ import os
 import secrets
 import select
 import signal
+import struct
 import sys
 
 _MAX_REPORT = 16 << 20
 PR_SET_NAME = 15
 PR_SET_DUMPABLE = 4
+# inotify(7)
+IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
+IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW, IN_ISDIR = 0x400, 0x800, 0x4000, 0x40000000
+IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
+FILE_EVENTS = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_SELF
+DIR_EVENTS = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF | IN_MOVE_SELF
+CODE_SUFFIXES = (".py", ".pyc", ".pth", ".so")
+MAX_WATCHES = 4096
 
 
 class Reporter:
@@ -95,6 +114,97 @@ def _prctl(option, arg):
         raise OSError(ctypes.get_errno(), f"prctl({option})")
 
 
+class _Watch:
+    """inotify watches on the test files (see the module docstring); read by the supervisor."""
+
+    def __init__(self, files, dirs):
+        import ctypes
+
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self.libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        self.paths = {}  # wd -> (path, is_dir)
+        self.names = {}  # directory -> names of watched files in it
+        self.unwatched = 0
+        if self.fd < 0:
+            self.unwatched = len(files) + len(dirs)
+            return
+        for path in list(files)[:MAX_WATCHES]:
+            self._add(path, FILE_EVENTS, False)
+            d, _, base = path.rpartition("/")
+            self.names.setdefault(d, set()).add(base)
+        for path in list(dirs)[: max(0, MAX_WATCHES - len(self.paths))]:
+            self._add(path, DIR_EVENTS, True)
+        self.unwatched += max(0, len(files) + len(dirs) - MAX_WATCHES)
+
+    def _add(self, path, mask, is_dir):
+        wd = self.libc.inotify_add_watch(self.fd, os.fsencode(path or "."), mask)
+        if wd < 0:
+            self.unwatched += 1  # gone already (a hidden path the run deletes) or no room
+        else:
+            self.paths[wd] = (path, is_dir)
+
+    def changes(self, cap=8):
+        """What changed, as short descriptions (at most ``cap``)."""
+        out = []
+        if self.fd < 0:
+            return out
+        data = b""
+        while True:
+            try:
+                b = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not b:
+                break
+            data += b
+            if len(data) > _MAX_REPORT:
+                out.append("more changes than could be read")
+                break
+        k = 0
+        while k + 16 <= len(data) and len(out) < cap:
+            wd, mask, _, n = struct.unpack_from("iIII", data, k)
+            name = data[k + 16 : k + 16 + n].split(b"\0", 1)[0].decode("utf-8", "replace")
+            k += 16 + n
+            if mask & IN_Q_OVERFLOW:
+                out.append("more changes than inotify could queue")
+                continue
+            path, is_dir = self.paths.get(wd, ("?", False))
+            if not is_dir:
+                if mask & FILE_EVENTS:
+                    out.append(f"{path} {_what(mask)}")
+                continue
+            if mask & (IN_DELETE_SELF | IN_MOVE_SELF):
+                out.append(f"{path or '.'}/ {_what(mask)}")
+                continue
+            watched = name in self.names.get(path, ())
+            code = name.endswith(CODE_SUFFIXES)
+            if (watched or code) and not (mask & IN_ISDIR and not watched):
+                out.append(f"{path + '/' if path else ''}{name} {_what(mask)}")
+        return out
+
+    def close(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _what(mask):
+    for bit, word in (
+        (IN_DELETE_SELF, "deleted"),
+        (IN_MOVE_SELF, "moved"),
+        (IN_MODIFY, "modified"),
+        (IN_CLOSE_WRITE, "written"),
+        (IN_ATTRIB, "metadata changed"),
+        (IN_CREATE, "created"),
+        (IN_DELETE, "deleted"),
+        (IN_MOVED_TO, "moved in"),
+        (IN_MOVED_FROM, "moved out"),
+    ):
+        if mask & bit:
+            return word
+    return f"changed ({mask:#x})"
+
+
 def _child(args, report_fd, name):
     _prctl(PR_SET_NAME, name.encode())
     import pytest
@@ -109,7 +219,7 @@ def _child(args, report_fd, name):
     return ret
 
 
-def _supervise(pid, report_r, out_fd, name):
+def _supervise(pid, report_r, out_fd, name, watch=None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pidfd = os.pidfd_open(pid)
     chunks, total = [], 0
@@ -142,8 +252,15 @@ def _supervise(pid, report_r, out_fd, name):
         seen = ""
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
-    record = {"report": b"".join(chunks).decode("utf-8", "replace"), "exit": code,
-              "named": seen == name, "name": seen}  # fmt: skip
+    record = {
+        "report": b"".join(chunks).decode("utf-8", "replace"),
+        "exit": code,
+        "named": seen == name,
+        "name": seen,
+    }
+    if watch is not None:
+        record["changed"] = watch.changes()
+        record["unwatched"] = watch.unwatched
     _write_all(out_fd, (json.dumps(record) + "\n").encode())
     os.close(out_fd)
     os._exit(code if code >= 0 else 128 - code)
@@ -162,17 +279,22 @@ def main(argv):
     out_fd = int(ctl["out_fd"])
     _prctl(PR_SET_DUMPABLE, 0)  # inherited by the child: neither is reachable through /proc
     name = "t" + secrets.token_hex(7)
+    watch = None
+    if "watch_files" in ctl or "watch_dirs" in ctl:
+        watch = _Watch(ctl.get("watch_files", ()), ctl.get("watch_dirs", ()))
     report_r, report_w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
+        if watch is not None:
+            watch.close()  # only the supervisor reads the events
         os.close(report_r)
         os.close(out_fd)
         del ctl["out_fd"]
         sys.exit(_child(ctl["args"], report_w, name))
     os.close(report_w)
-    _supervise(pid, report_r, out_fd, name)
+    _supervise(pid, report_r, out_fd, name, watch)
     return 0
 
 

@@ -65,10 +65,18 @@ from gagar_jax.verify.diff import (
     DiffError,
     apply_unified_diff,
     check_patch_size,
+    is_test_path,
     safe_path,
     touched_files,
 )
 from gagar_jax.verify.flags import MonitorFlag
+from gagar_jax.verify.monitor import (
+    HIDDEN_PATTERNS,
+    MonitorContext,
+    MonitorRefusal,
+    monitor,
+    repo_modules,
+)
 from gagar_jax.verify.sandbox import (
     Limits,
     SandboxConfig,
@@ -81,8 +89,15 @@ from gagar_jax.verify.sandbox import (
 # Every file name pytest reads configuration from, in its precedence order (pytest 9.2:
 # _pytest/config/findpaths.py). A candidate's version of any of them, in any directory, is
 # dropped; pytest is run with ``-c`` on the task's pristine one anyway.
-CONFIG_NAMES = ("pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini", "pyproject.toml",
-                "tox.ini", "setup.cfg")  # fmt: skip
+CONFIG_NAMES = (
+    "pytest.toml",
+    ".pytest.toml",
+    "pytest.ini",
+    ".pytest.ini",
+    "pyproject.toml",
+    "tox.ini",
+    "setup.cfg",
+)
 PROTECTED_CONFIG = CONFIG_NAMES
 PLUGIN_MODULE = "_gagar_outcome_plugin"
 MAX_REPORT_BYTES = 16 << 20
@@ -90,19 +105,23 @@ MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 3000  # well below PATH_MAX (4096) once the workdir prefix is added
 DEFAULT_LIMITS = Limits(wall_s=120, cpu_s=120, memory_bytes=2 << 30, nproc=128)
 
-# ``RepoTask`` and ``read_tree`` live in ``gagar_jax.envs.repo`` (next to the python_repo task
-# family). The verifier reads a task only through the attributes ``task_id``, ``files``,
-# ``test_files``, ``test_patch``, ``reference_patch`` and ``required_tests``; the old import path
-# ``gagar_jax.verify.repo.RepoTask`` still resolves (lazily, see ``__getattr__`` below).
-_MOVED = ("RepoTask", "read_tree")
+# A task is read only through the attributes ``task_id``, ``files``, ``test_files``,
+# ``test_patch``, ``reference_patch`` and ``required_tests`` (``gagar_jax.envs.repo.RepoTask``).
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        from gagar_jax.envs import repo as _envs_repo
-
-        return getattr(_envs_repo, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def context_for_repo_task(
+    task: Any, references: Mapping[str, str] | None = None, repo_root: str = "/workdir"
+) -> MonitorContext:
+    """MonitorContext of a repository task: its tests (hidden ones included)."""
+    files, _ = prepare_tree(task, "")
+    tests = {p: t for p, t in files.items() if p in task.test_files or is_test_path(p)}
+    # Only solutions the agent could have read: the task's own reference fix is what a correct
+    # candidate is expected to reproduce, never evidence of a leak.
+    refs = dict(references or {})
+    own, imported = repo_modules(files)
+    return MonitorContext(
+        tuple(task.test_files), tests, repo_root, HIDDEN_PATTERNS, refs, files, own, imported
+    )
 
 
 def check_tree(files: Mapping[str, str]) -> None:
@@ -289,8 +308,13 @@ FRAMEWORK_MODULES = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig",
 def _interpreter_path() -> tuple[str, ...]:
     """The sandboxed interpreter's own ``sys.path`` (stdlib and site directories)."""
     exe, _ = python_for_sandbox()
-    out = subprocess.run([exe, "-P", "-c", "import sys, json; print(json.dumps(sys.path))"],
-                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [exe, "-P", "-c", "import sys, json; print(json.dumps(sys.path))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return tuple(p for p in json.loads(out.stdout) if p)
 
 
@@ -371,8 +395,10 @@ def shadowing_problem(
             forbidden = forbidden if forbidden is not None else installed_modules(import_dirs)
             if name in forbidden:
                 where = d or "the repository root"
-                return (f"shadowing: {path} would be imported instead of {forbidden[name]} "
-                        f"({where} is on the test run's sys.path)")  # fmt: skip
+                return (
+                    f"shadowing: {path} would be imported instead of {forbidden[name]} "
+                    f"({where} is on the test run's sys.path)"
+                )
     return None
 
 
@@ -441,8 +467,15 @@ def parse_junit(xml_bytes: bytes) -> dict[str, str]:
         if nid is None:
             continue
         tags = {child.tag for child in case}
-        outcome = ("error" if "error" in tags else "failed" if "failure" in tags
-                   else "skipped" if "skipped" in tags else "passed")  # fmt: skip
+        outcome = (
+            "error"
+            if "error" in tags
+            else "failed"
+            if "failure" in tags
+            else "skipped"
+            if "skipped" in tags
+            else "passed"
+        )
         if rank[outcome] >= rank[out.get(nid, "passed")]:
             out[nid] = outcome
     return out
@@ -472,8 +505,13 @@ def _special_files(directory: str, names: list[str]) -> list[str]:
     return out
 
 
-def pytest_args(test_ids: Sequence[str], config_file: str, *, pythonpath: Sequence[str] = (),
-                timeout_s: float = 0.0) -> list[str]:  # fmt: skip
+def pytest_args(
+    test_ids: Sequence[str],
+    config_file: str,
+    *,
+    pythonpath: Sequence[str] = (),
+    timeout_s: float = 0.0,
+) -> list[str]:
     """The sandboxed pytest's arguments: the pristine ``config_file`` (``-c``), no cache, no
     plugin but the reporter object the runner registers (PYTEST_DISABLE_PLUGIN_AUTOLOAD is set
     in its environment), no ``addopts``.
@@ -482,13 +520,12 @@ def pytest_args(test_ids: Sequence[str], config_file: str, *, pythonpath: Sequen
     ``pythonpath`` option, e.g. ``src``); ``timeout_s`` > 0 loads pytest-timeout with that
     per-test limit (a hanging test fails, the others still report)."""
     paths = " ".join((".", *pythonpath))
-    timeout = (["-p", "pytest_timeout", "-o", f"timeout={timeout_s:g}"]
-               if timeout_s > 0 else [])  # fmt: skip
+    timeout = ["-p", "pytest_timeout", "-o", f"timeout={timeout_s:g}"] if timeout_s > 0 else []
     return [
         "-q", "-rA", "-c", config_file, "--rootdir=.", "-p", "no:cacheprovider", *timeout,
         "-o", "addopts=", "-o", f"pythonpath={paths}", "-o", "console_output_style=classic",
         "--", *test_ids,
-    ]  # fmt: skip
+    ]  # fmt: skip  # argv pairs
 
 
 def env_site_packages(env_path: str) -> tuple[str, ...]:
@@ -586,8 +623,9 @@ def parse_run_record(data: bytes) -> tuple[dict | None, str, bool]:
         or not isinstance(rec.get("report"), str)
         or not isinstance(rec.get("exit"), int)
         or not isinstance(rec.get("named"), bool)
+        or not isinstance(rec.get("changed", []), list)
     ):
-        return None, "the test runner's record is malformed", True  # fmt: skip
+        return None, "the test runner's record is malformed", True
     return rec, "", False
 
 
@@ -626,9 +664,13 @@ def parse_outcome_report(data: bytes) -> tuple[dict | None, int | None, str, boo
                 return None, None, "test report malformed", True
             exitstatus = rec["exitstatus"]
             continue
-        if (not isinstance(rec, dict) or set(rec) != {"id", "when", "outcome"}
-                or not isinstance(rec["id"], str) or rec["outcome"] not in _RANK
-                or rec["when"] not in ("setup", "call", "subtest", "teardown")):  # fmt: skip
+        if (
+            not isinstance(rec, dict)
+            or set(rec) != {"id", "when", "outcome"}
+            or not isinstance(rec["id"], str)
+            or rec["outcome"] not in _RANK
+            or rec["when"] not in ("setup", "call", "subtest", "teardown")
+        ):
             return None, None, f"test report line {n + 1} is not the reporter's", True
         key = (rec["id"], rec["when"])
         # One test reports any number of subtests; they can only make its outcome worse.
@@ -688,8 +730,11 @@ def make_canaries(
     def name() -> str:
         # pytest matches python_functions as a prefix, or as a glob when it holds one.
         tag = f"c{secrets.token_hex(6)}"
-        fn = pattern.replace("*", tag, 1).replace("*", "") if "*" in pattern else (
-            f"{pattern}_{tag}")  # fmt: skip
+        fn = (
+            pattern.replace("*", tag, 1).replace("*", "")
+            if "*" in pattern
+            else (f"{pattern}_{tag}")
+        )
         return fn if fn.isidentifier() else f"test_{tag}"
 
     while True:
@@ -703,15 +748,33 @@ def make_canaries(
     for outcome in outcomes:
         fn = name()
         a = secrets.randbelow(1 << 30)
+        # ``__tracebackhide__``: the failing ones fail exactly as before (a rewritten assert, an
+        # exception in a fixture), but pytest formats no traceback for them (measured: about
+        # half the canaries' cost in the test process); their output is masked in the log.
         if outcome == "passed":
             lines += ["", f"def {fn}():", f"    assert {a} + 1 == {a + 1}", ""]
         elif outcome == "failed":
-            lines += ["", f"def {fn}():", f"    assert {a} + 1 == {a + 2}", ""]
+            lines += [
+                "",
+                f"def {fn}():",
+                "    __tracebackhide__ = True",
+                f"    assert {a} + 1 == {a + 2}",
+                "",
+            ]
         else:
             fixture = f"_f{secrets.token_hex(6)}"
-            lines += ["", "@pytest.fixture", f"def {fixture}():",
-                      f"    raise RuntimeError('{a}')", "", "",
-                      f"def {fn}({fixture}):", "    pass", ""]  # fmt: skip
+            lines += [
+                "",
+                "@pytest.fixture",
+                f"def {fixture}():",
+                "    __tracebackhide__ = True",
+                f"    raise RuntimeError('{a}')",
+                "",
+                "",
+                f"def {fn}({fixture}):",
+                "    pass",
+                "",
+            ]
         expected[f"{path}::{fn}"] = outcome
     return path, "\n".join(lines), expected
 
@@ -721,8 +784,11 @@ def check_canaries(outcomes: Mapping[str, str], expected: Mapping[str, str]) -> 
 
     A canary with another outcome than it must have is forged; a canary missing while other
     tests were reported (the session ran them) was left out of the report."""
-    wrong = [f"{k.split('::')[1]} {outcomes[k]} (must be {v})" for k, v in expected.items()
-             if k in outcomes and outcomes[k] != v]  # fmt: skip
+    wrong = [
+        f"{k.split('::')[1]} {outcomes[k]} (must be {v})"
+        for k, v in expected.items()
+        if k in outcomes and outcomes[k] != v
+    ]
     if wrong:
         return "canary tests misreported: " + ", ".join(sorted(wrong))
     others = [k for k in outcomes if k not in expected]
@@ -735,9 +801,11 @@ def check_canaries(outcomes: Mapping[str, str], expected: Mapping[str, str]) -> 
 _PREFLIGHT: dict[tuple, str | None] = {}
 
 
-def sandbox_pytest_problem(config: SandboxConfig | None = None,
-                           pythonpath: Sequence[str] | None = None,
-                           timeout: bool = False) -> str | None:  # fmt: skip
+def sandbox_pytest_problem(
+    config: SandboxConfig | None = None,
+    pythonpath: Sequence[str] | None = None,
+    timeout: bool = False,
+) -> str | None:
     """None if the sandboxed interpreter can run the test runner (pytest importable) with
     ``pythonpath`` (default: the verifier's own packages; a task's environment otherwise), and
     import pytest-timeout with ``timeout``, else why (checked once per config, path, timeout)."""
@@ -748,14 +816,23 @@ def sandbox_pytest_problem(config: SandboxConfig | None = None,
         paths = (plugin_dir(), *pythonpath)
         with tempfile.TemporaryDirectory(prefix="gagar_preflight_") as d:
             os.chmod(d, 0o755)
-            r = run_sandboxed([exe, "-P", runner_path(), "--check"], d,
-                              Limits(wall_s=60), config=config,
-                              env={"PYTHONPATH": ":".join(pythonpath)}, ro_paths=paths)  # fmt: skip
+            r = run_sandboxed(
+                [exe, "-P", runner_path(), "--check"],
+                d,
+                Limits(wall_s=60),
+                config=config,
+                env={"PYTHONPATH": ":".join(pythonpath)},
+                ro_paths=paths,
+            )
             if r.passed and timeout:
-                r = run_sandboxed([exe, "-P", "-c", "import pytest_timeout"], d,
-                                  Limits(wall_s=60), config=config,
-                                  env={"PYTHONPATH": ":".join(pythonpath)},
-                                  ro_paths=paths)  # fmt: skip
+                r = run_sandboxed(
+                    [exe, "-P", "-c", "import pytest_timeout"],
+                    d,
+                    Limits(wall_s=60),
+                    config=config,
+                    env={"PYTHONPATH": ":".join(pythonpath)},
+                    ro_paths=paths,
+                )
         _PREFLIGHT[key] = (
             None
             if r.passed
@@ -801,38 +878,63 @@ def verify_repo_patch(
     """
     started: list[bool] = []  # set by _verify_repo_patch once the sandbox reached the code
     try:
-        return _verify_repo_patch(task, patch, limits, config, keep_dir, events, references,
-                                  run_monitor, tuple(extra_pythonpath), started)  # fmt: skip
+        return _verify_repo_patch(
+            task,
+            patch,
+            limits,
+            config,
+            keep_dir,
+            events,
+            references,
+            run_monitor,
+            tuple(extra_pythonpath),
+            started,
+        )
     except Exception as e:  # noqa: BLE001 - a verifier/task bug must be masked, never scored
         status = "failed" if started else "infra_error"
-        return RepoVerification(status, {t: "missing" for t in task.required_tests}, None,
-                                (), f"verifier error: {type(e).__name__}: {e}", None)  # fmt: skip
+        return RepoVerification(
+            status,
+            {t: "missing" for t in task.required_tests},
+            None,
+            (),
+            f"verifier error: {type(e).__name__}: {e}",
+            None,
+        )
 
 
-def tests_resolved(tests: Mapping[str, str], fail_to_pass: Sequence[str],
-                   pass_to_pass: Sequence[str]) -> bool:  # fmt: skip
+def tests_resolved(
+    tests: Mapping[str, str], fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]
+) -> bool:
     """SWE-bench's rule on the per-test outcomes: every fail-to-pass test passed (a skipped one
     fails), every pass-to-pass test passed or skipped (a skip is not a regression)."""
     f2p = set(fail_to_pass)
-    return (all(tests.get(t) == "passed" for t in f2p)
-            and all(tests.get(t) in ("passed", "skipped") for t in pass_to_pass
-                    if t not in f2p))  # fmt: skip
+    return all(tests.get(t) == "passed" for t in f2p) and all(
+        tests.get(t) in ("passed", "skipped") for t in pass_to_pass if t not in f2p
+    )
 
 
 def _missing(task: Any) -> dict[str, str]:
     return {t: "missing" for t in task.required_tests}
 
 
-def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references, run_monitor,
-                       extra_pythonpath, started):  # fmt: skip
+def _verify_repo_patch(
+    task,
+    patch,
+    limits,
+    config,
+    keep_dir,
+    events,
+    references,
+    run_monitor,
+    extra_pythonpath,
+    started,
+):
     flags: tuple[MonitorFlag, ...] = ()
     try:
         check_patch_size(patch, MAX_PATCH_BYTES)
     except DiffError as e:
         return RepoVerification("failed", _missing(task), str(e), (), str(e), None)
     if run_monitor:
-        from gagar_jax.verify.monitor import MonitorRefusal, context_for_repo_task, monitor
-
         context = context_for_repo_task(task, references)  # the task's: a fault here is infra
         try:
             flags = tuple(monitor(patch, events, context))
@@ -847,15 +949,15 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
     try:
         files, reset = prepare_tree(task, patch, pythonpath)
     except DiffError as e:
-        return RepoVerification("failed", _missing(task), str(e), (),
-                                f"patch does not apply: {e}", None, flags)  # fmt: skip
+        return RepoVerification(
+            "failed", _missing(task), str(e), (), f"patch does not apply: {e}", None, flags
+        )
     try:
         problem = sandbox_pytest_problem(config, pythonpath, timeout_s > 0)
     except SandboxUnavailable as e:
         problem = f"no sandbox: {e}"
     if problem:
-        return RepoVerification("infra_error", _missing(task), None, reset, problem, None,
-                                flags)  # fmt: skip
+        return RepoVerification("infra_error", _missing(task), None, reset, problem, None, flags)
     cfg = pristine_config(task)
     canary_path, canary_src, canaries = make_canaries(task, cfg, files)
     work_parent = tempfile.mkdtemp(prefix="gagar_repo_")
@@ -881,7 +983,10 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         # required test) has already reported them.
         ids = list(canaries) + list(task.required_tests)
         args = pytest_args(ids, cfg, pythonpath=tree_paths, timeout_s=timeout_s)
-        ctl = json.dumps({"out_fd": out_w, "args": args}).encode()
+        watch_files, watch_dirs = watched_paths(task, files, canary_path, cfg)
+        ctl = json.dumps(
+            {"out_fd": out_w, "args": args, "watch_files": watch_files, "watch_dirs": watch_dirs}
+        ).encode()
         if len(ctl) > 60_000:  # a pipe holds 64 KiB: write the rest while the runner reads
             threading.Thread(target=_write_close, args=(ctl_w, ctl), daemon=True).start()
         else:
@@ -889,12 +994,21 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         sink: list[bytes] = []
         reader = threading.Thread(target=_drain, args=(out_r, sink), daemon=True)
         reader.start()
-        env = {"PYTHONPATH": ":".join(pythonpath), "PYTHONNOUSERSITE": "1",
-               "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # fmt: skip
-        result = run_sandboxed(runner_argv(ctl_r), work, limits, config=config, env=env,
-                               ro_paths=(plugin_dir(), *pythonpath),
-                               pass_fds=(out_w, ctl_r),
-                               private_workdir=not keep_dir)  # fmt: skip
+        env = {
+            "PYTHONPATH": ":".join(pythonpath),
+            "PYTHONNOUSERSITE": "1",
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        }
+        result = run_sandboxed(
+            runner_argv(ctl_r),
+            work,
+            limits,
+            config=config,
+            env=env,
+            ro_paths=(plugin_dir(), *pythonpath),
+            pass_fds=(out_w, ctl_r),
+            private_workdir=not keep_dir,
+        )
         if result.status != "infra_error":
             started.append(True)
         os.close(out_w)  # every other holder is dead: the reader sees EOF
@@ -902,8 +1016,9 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
         reader.join(timeout=10)
         data = b"".join(sink)
         if keep_dir:  # regular files and directories only (no FIFOs/devices the code made)
-            shutil.copytree(work, keep_dir, symlinks=True, dirs_exist_ok=True,
-                            ignore=_special_files)  # fmt: skip
+            shutil.copytree(
+                work, keep_dir, symlinks=True, dirs_exist_ok=True, ignore=_special_files
+            )
     finally:
         for fd in (out_w, ctl_r):
             if fd >= 0:
@@ -912,6 +1027,26 @@ def _verify_repo_patch(task, patch, limits, config, keep_dir, events, references
     if out_r >= 0 and not reader.is_alive():
         os.close(out_r)
     return _judge(task, result, data, canaries, reset, flags)
+
+
+def watched_paths(
+    task: Any, files: Mapping[str, str], canary_path: str, cfg: str | None
+) -> tuple[list[str], list[str]]:
+    """(files, directories) the runner's supervisor watches during the session (see
+    ``outcome_plugin.py``): every protected file of the tree (``_is_protected``: test files,
+    everything under the test directories, the hidden tests, ``conftest.py`` and configuration
+    files), the canaries and the configuration pytest reads; the test directories and every
+    directory under them."""
+    hidden = hidden_test_paths(task)
+    dirs = test_dirs(task, hidden)
+    watched = sorted(p for p in files if _is_protected(p, task, hidden, dirs))
+    watched += [canary_path] + ([cfg] if cfg and cfg not in files else [])
+    under = {posixpath.dirname(p) for p in files for d in dirs if p.startswith(d + "/")}
+    for d in list(under):
+        while d and d not in dirs:
+            d = posixpath.dirname(d)
+            under.add(d)
+    return watched, sorted(d for d in under | set(dirs) if d)
 
 
 def _write_close(fd: int, data: bytes) -> None:
@@ -942,18 +1077,29 @@ def _judge(task, result, data, canaries, reset, flags):
         rec, note, tampered = parse_run_record(data)
         if rec is not None:
             outcomes, exitstatus, note, tampered = parse_outcome_report(
-                rec["report"].encode("utf-8"))  # fmt: skip
+                rec["report"].encode("utf-8")
+            )
             if not rec["named"]:
                 tampered = True
-                note = (f"the test process ended as another program ({rec.get('name')!r}): "
-                        "it exec'd during the session")  # fmt: skip
+                note = (
+                    f"the test process ended as another program ({rec.get('name')!r}): "
+                    "it exec'd during the session"
+                )
             elif (rec["exit"] if rec["exit"] >= 0 else 128 - rec["exit"]) != result.returncode:
                 tampered = True
                 note = f"the runner saw exit status {rec['exit']}, the sandbox {result.returncode}"
             elif outcomes is not None and exitstatus != rec["exit"]:
                 tampered = True
-                note = (f"pytest recorded exit status {exitstatus} but the process exited "
-                        f"{rec['exit']}: the exit status was forged")  # fmt: skip
+                note = (
+                    f"pytest recorded exit status {exitstatus} but the process exited "
+                    f"{rec['exit']}: the exit status was forged"
+                )
+            elif rec.get("changed"):
+                tampered = True
+                note = (
+                    "the test files changed during the run (the tests that ran were not "
+                    "the pristine ones): " + "; ".join(map(str, rec["changed"][:5]))
+                )
             if outcomes is not None and not tampered:
                 canary_note = check_canaries(outcomes, canaries)
                 if canary_note:
@@ -963,8 +1109,7 @@ def _judge(task, result, data, canaries, reset, flags):
     tests = {t: (outcomes or {}).get(t, "missing") for t in task.required_tests}
     all_passed = tests_resolved(tests, task.fail_to_pass, task.pass_to_pass)
     if tampered:
-        flags = flags + (MonitorFlag("tamper_test_harness",
-                                     f"test report: {note}", True),)  # fmt: skip
+        flags = flags + (MonitorFlag("tamper_test_harness", f"test report: {note}", True),)
     if not ran:
         status = result.status
     elif note or tampered:
@@ -983,14 +1128,19 @@ def _judge(task, result, data, canaries, reset, flags):
     lines += [f"{v.upper():8s} {t}" for t, v in tests.items()]
     if outcomes is not None:
         n_fail = CANARY_OUTCOMES.count("failed")
-        lines.append(f"({len(canaries)} hidden canary tests ran with the required ones: "
-                     f"{n_fail} fail and one errors by design)")  # fmt: skip
+        lines.append(
+            f"({len(canaries)} hidden canary tests ran with the required ones: "
+            f"{n_fail} fail and one errors by design)"
+        )
     lines.append("--- pytest output (untrusted) ---")
     lines.append(_mask_canaries(result.stdout, canaries)[-4000:])
     if result.stderr.strip():
         lines.append("--- stderr (untrusted) ---")
         lines.append(_mask_canaries(result.stderr, canaries)[-2000:])
     if flags:
-        lines.insert(1, "monitor: " + "; ".join(
-            f"{f.rule}{'' if f.confirmed else '?'} @ {f.evidence}" for f in flags))  # fmt: skip
+        lines.insert(
+            1,
+            "monitor: "
+            + "; ".join(f"{f.rule}{'' if f.confirmed else '?'} @ {f.evidence}" for f in flags),
+        )
     return RepoVerification(status, tests, None, reset, "\n".join(lines), result, flags)

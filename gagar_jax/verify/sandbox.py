@@ -67,6 +67,7 @@ import dataclasses
 import fcntl
 import functools
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -128,8 +129,19 @@ class Limits:
     output_bytes: int = 64 << 10
 
     def __post_init__(self):
-        for name in ("wall_s", "cpu_s", "memory_bytes", "file_bytes", "tmp_bytes", "shm_bytes",
-                     "disk_bytes", "disk_files", "nproc", "nofile", "output_bytes"):  # fmt: skip
+        for name in (
+            "wall_s",
+            "cpu_s",
+            "memory_bytes",
+            "file_bytes",
+            "tmp_bytes",
+            "shm_bytes",
+            "disk_bytes",
+            "disk_files",
+            "nproc",
+            "nofile",
+            "output_bytes",
+        ):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"Limits.{name} must be > 0, got {value!r}")
@@ -261,9 +273,15 @@ def _probe(mechanism: str, config: SandboxConfig) -> str | None:
         sec_fd = _seccomp_fd(mechanism)
         argv = _chain(mechanism, ["/bin/true"], d, Limits(wall_s=10), uid, None, (), sec_fd)
         try:
-            p = subprocess.run(argv, cwd=d, stdin=subprocess.DEVNULL, capture_output=True,
-                               timeout=10, env=_base_env(d, mechanism),
-                               pass_fds=() if sec_fd is None else (sec_fd,))  # fmt: skip
+            p = subprocess.run(
+                argv,
+                cwd=d,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=10,
+                env=_base_env(d, mechanism),
+                pass_fds=() if sec_fd is None else (sec_fd,),
+            )
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"{type(e).__name__}: {e}"
         finally:
@@ -353,7 +371,7 @@ def _chain(
             sources[p] = view
         script_text = " && ".join(script) + ' && exec "$@"'
         chain += [_which("unshare") or "unshare", "-m", "--propagation", "private", "--",
-                  "/bin/sh", "-c", script_text, "sandbox-binds"]  # fmt: skip
+                  "/bin/sh", "-c", script_text, "sandbox-binds"]  # fmt: skip  # argv pairs
     if cgroups:
         joins = " && ".join(
             f"echo $$ > {shlex.quote(d + '/cgroup.procs')}" for d in cgroups.values()
@@ -371,8 +389,14 @@ def _chain(
         "--",
     ]
     if _is_root() and mechanism != "none":
-        chain += [_which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}",
-                  "--clear-groups", "--no-new-privs", "--"]  # fmt: skip
+        chain += [
+            _which("setpriv") or "setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            "--no-new-privs",
+            "--",
+        ]
     if mechanism.startswith("bwrap"):
         # --disable-userns: a nested user namespace could mount an unbounded tmpfs of its own.
         # --as-pid-1: no bwrap reaper inside the PID namespace. That reaper runs as the code's
@@ -380,13 +404,26 @@ def _chain(
         # memory through /proc/1/mem (an open(), which seccomp cannot tell apart) and make a
         # failing run exit 0. Now PID 1 is the start wrapper, which execs the command itself.
         chain += [_which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
-                  "--as-pid-1", "--die-with-parent", "--new-session"]  # fmt: skip
+                  "--as-pid-1", "--die-with-parent", "--new-session"]  # fmt: skip  # argv pairs
         for p in _SYSTEM_RO:
             chain += ["--ro-bind-try", p, p]
         # /dev is a host-sized tmpfs: made read-only, with a size-capped /dev/shm inside it.
-        chain += ["--dev", "/dev", "--size", str(int(limits.shm_bytes)), "--tmpfs", "/dev/shm",
-                  "--remount-ro", "/dev", "--proc", "/proc",
-                  "--size", str(int(limits.tmp_bytes)), "--tmpfs", "/tmp"]  # fmt: skip
+        chain += [
+            "--dev",
+            "/dev",
+            "--size",
+            str(int(limits.shm_bytes)),
+            "--tmpfs",
+            "/dev/shm",
+            "--remount-ro",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--size",
+            str(int(limits.tmp_bytes)),
+            "--tmpfs",
+            "/tmp",
+        ]
         if seccomp_fd is not None:
             chain += ["--seccomp", str(seccomp_fd)]
         for p in ro_paths:  # after the tmpfs, or a path under /tmp would be hidden by it
@@ -396,7 +433,7 @@ def _chain(
             # while open and preallocated ones count, and nothing the run writes reaches the
             # host's disk. The start wrapper copies the tree in before the start marker.
             chain += ["--size", str(int(limits.disk_bytes)), "--tmpfs", SANDBOX_WORKDIR,
-                      "--ro-bind", sources[workdir], _TREE_SOURCE]  # fmt: skip
+                      "--ro-bind", sources[workdir], _TREE_SOURCE]  # fmt: skip  # argv pairs
         else:
             chain += ["--bind", sources[workdir], SANDBOX_WORKDIR]
         chain += ["--chdir", SANDBOX_WORKDIR, "--"]
@@ -440,8 +477,9 @@ def _slot(config: SandboxConfig) -> Iterator[int]:
             with _local_lock:
                 if i in _local_slots:
                     continue
-                fd = os.open(f"{_SLOT_DIR}/slot-{config.uid_base + i}.lock", os.O_RDWR | os.O_CREAT,
-                             0o600)  # fmt: skip
+                fd = os.open(
+                    f"{_SLOT_DIR}/slot-{config.uid_base + i}.lock", os.O_RDWR | os.O_CREAT, 0o600
+                )
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -645,8 +683,20 @@ def run_sandboxed(
 
     def infra(msg: str, t0: float = time.monotonic()) -> SandboxResult:
         wall = time.monotonic() - t0
-        return SandboxResult("infra_error", None, None, "", "", False, False, wall, mechanism,
-                             ISOLATION[mechanism], (), msg)  # fmt: skip
+        return SandboxResult(
+            "infra_error",
+            None,
+            None,
+            "",
+            "",
+            False,
+            False,
+            wall,
+            mechanism,
+            ISOLATION[mechanism],
+            (),
+            msg,
+        )
 
     try:
         slot_cm = _slot(config)
@@ -654,8 +704,19 @@ def run_sandboxed(
     except (OSError, TimeoutError) as e:
         return infra(f"slot: {e}")
     try:
-        res = _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra,
-                           tuple(pass_fds), private_workdir)  # fmt: skip
+        res = _run_in_slot(
+            argv,
+            workdir,
+            limits,
+            config,
+            env,
+            ro_paths,
+            mechanism,
+            slot,
+            infra,
+            tuple(pass_fds),
+            private_workdir,
+        )
         if private_workdir and mechanism.startswith("bwrap"):
             res = dataclasses.replace(res, isolation=res.isolation | {"disk"})
         return res
@@ -740,8 +801,52 @@ def _tmpfs_full(pid: int | None, limits: Limits) -> bool:
     return st.f_bavail * st.f_frsize < min(_TMPFS_FULL_BYTES, limits.disk_bytes // 4)
 
 
-def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, infra, fds=(),
-                 private_workdir=False):  # fmt: skip
+class _ExitWaiter:
+    """``waiter(timeout) -> exit status or None`` for ``proc``, woken the moment it exits.
+
+    ``Popen.wait(timeout)`` polls with sleeps of up to 50 ms, which every run paid after its
+    command had ended; a pidfd (Linux 5.3+) is readable at once. Falls back to ``Popen.wait``
+    where ``pidfd_open`` is missing. ``close()`` releases the pidfd (idempotent).
+    """
+
+    def __init__(self, proc: subprocess.Popen):
+        self._proc = proc
+        try:
+            self._fd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            self._fd = -1
+
+    def __call__(self, timeout: float) -> int | None:
+        if self._fd < 0:
+            try:
+                return self._proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return None
+        ready, _, _ = select.select([self._fd], [], [], timeout)
+        if not ready:
+            return None
+        self.close()
+        return self._proc.wait()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _run_in_slot(
+    argv,
+    workdir,
+    limits,
+    config,
+    env,
+    ro_paths,
+    mechanism,
+    slot,
+    infra,
+    fds=(),
+    private_workdir=False,
+):
     private = private_workdir and mechanism.startswith("bwrap")
     uid = config.uid_base + slot
     use_uid = _is_root() and mechanism != "none"
@@ -779,10 +884,16 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
             with open(paths["stdout"], "wb") as out, open(paths["stderr"], "wb") as err:
                 try:
                     proc = subprocess.Popen(
-                        chain, cwd=workdir, stdin=marker_w, stdout=out, stderr=err,
-                        env=_base_env(workdir, mechanism, env), start_new_session=True,
-                        close_fds=True, pass_fds=fds + (() if sec_fd is None else (sec_fd,)),
-                    )  # fmt: skip
+                        chain,
+                        cwd=workdir,
+                        stdin=marker_w,
+                        stdout=out,
+                        stderr=err,
+                        env=_base_env(workdir, mechanism, env),
+                        start_new_session=True,
+                        close_fds=True,
+                        pass_fds=fds + (() if sec_fd is None else (sec_fd,)),
+                    )
                 except OSError as e:
                     return infra(f"could not start {chain[0]}: {e}", t0)
                 finally:
@@ -790,14 +901,11 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                     marker_w = -1
                 deadline = t0 + limits.wall_s
                 root_pid = None
+                exited = _ExitWaiter(proc)
                 while True:
-                    try:
-                        rc = proc.wait(
-                            timeout=max(0.0, min(_DISK_POLL_S, deadline - time.monotonic()))
-                        )
+                    rc = exited(max(0.0, min(_DISK_POLL_S, deadline - time.monotonic())))
+                    if rc is not None:
                         break
-                    except subprocess.TimeoutExpired:
-                        pass
                     if private:
                         root_pid = root_pid or _sandbox_root_pid(proc.pid)
                         if _tmpfs_full(root_pid, limits):
@@ -809,6 +917,7 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                     if time.monotonic() >= deadline:
                         timed_out = True
                         break
+                exited.close()
                 # Kill every descendant whatever happened: setsid escapees outlive their parent.
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -826,9 +935,24 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                 started = False
             if not started:
                 stderr, _ = _read_capped(paths["stderr"], limits.output_bytes)
-                return _verdict(rc, False, timed_out, False, "", stderr, False, False, wall,
-                                mechanism, cgroups, oom_before, pids_max_before, limits,
-                                0, 0)  # fmt: skip
+                return _verdict(
+                    rc,
+                    False,
+                    timed_out,
+                    False,
+                    "",
+                    stderr,
+                    False,
+                    False,
+                    wall,
+                    mechanism,
+                    cgroups,
+                    oom_before,
+                    pids_max_before,
+                    limits,
+                    0,
+                    0,
+                )
             # From here on the code ran: any problem reading what it left is its failure.
             try:
                 disk_hit = disk_hit or (not private and _disk_exceeded(workdir, limits))
@@ -839,9 +963,20 @@ def _run_in_slot(argv, workdir, limits, config, env, ro_paths, mechanism, slot, 
                 stdout, out_trunc = _read_capped(paths["stdout"], limits.output_bytes)
                 stderr, err_trunc = _read_capped(paths["stderr"], limits.output_bytes)
             except (OSError, ValueError) as e:
-                return SandboxResult("failed", rc if rc >= 0 else None, None, "", "", False,
-                                     False, wall, mechanism, ISOLATION[mechanism], (),
-                                     f"reading the run's output: {e}")  # fmt: skip
+                return SandboxResult(
+                    "failed",
+                    rc if rc >= 0 else None,
+                    None,
+                    "",
+                    "",
+                    False,
+                    False,
+                    wall,
+                    mechanism,
+                    ISOLATION[mechanism],
+                    (),
+                    f"reading the run's output: {e}",
+                )
     finally:
         os.close(marker_r)
         if marker_w >= 0:
@@ -900,8 +1035,13 @@ def _verdict(
             hits.append("pids")
     if sig == signal.SIGXCPU:
         hits.append("cpu")
-    elif (sig == signal.SIGKILL and mechanism.startswith("bwrap") and not timed_out
-          and not disk_hit and "memory" not in hits):  # fmt: skip
+    elif (
+        sig == signal.SIGKILL
+        and mechanism.startswith("bwrap")
+        and not timed_out
+        and not disk_hit
+        and "memory" not in hits
+    ):
         # The code is its PID namespace's init: SIGXCPU (default action) does not reach it,
         # and nothing inside can SIGKILL it; the kernel's RLIMIT_CPU hard limit can.
         hits.append("cpu")
@@ -939,8 +1079,20 @@ def _verdict(
     else:
         status, error = "failed", None
     returncode = rc if rc >= 0 else 128 + sig
-    return SandboxResult(status, returncode, sig, stdout, stderr, out_trunc, err_trunc, wall,
-                         mechanism, ISOLATION[mechanism], tuple(hits), error)  # fmt: skip
+    return SandboxResult(
+        status,
+        returncode,
+        sig,
+        stdout,
+        stderr,
+        out_trunc,
+        err_trunc,
+        wall,
+        mechanism,
+        ISOLATION[mechanism],
+        tuple(hits),
+        error,
+    )
 
 
 def _open_to_others(path: str, own_only: bool = False) -> bool:
@@ -979,8 +1131,12 @@ def python_for_sandbox() -> tuple[str, tuple[str, ...]]:
     Raises:
       SandboxUnavailable: no interpreter is readable by an unprivileged uid.
     """
-    candidates = [os.environ.get("GAGAR_SANDBOX_PYTHON"), os.path.realpath(sys.executable),
-                  "/usr/bin/python3", "/usr/local/bin/python3"]  # fmt: skip
+    candidates = [
+        os.environ.get("GAGAR_SANDBOX_PYTHON"),
+        os.path.realpath(sys.executable),
+        "/usr/bin/python3",
+        "/usr/local/bin/python3",
+    ]
     for exe in filter(None, candidates):
         exe = os.path.realpath(exe)
         if not _open_to_others(exe):
@@ -988,8 +1144,11 @@ def python_for_sandbox() -> tuple[str, tuple[str, ...]]:
         try:
             version = subprocess.run(
                 [exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                capture_output=True, text=True, timeout=30, check=True,
-            ).stdout.strip()  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             continue
         paths: tuple[str, ...] = ()

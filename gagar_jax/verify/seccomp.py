@@ -46,11 +46,21 @@ X32_SYSCALL_BIT = 0x40000000
 
 DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp")
 SYSCALLS = {
-    "x86_64": {"ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
-               "pidfd_getfd": 438},
-    "aarch64": {"ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272,
-                "pidfd_getfd": 438},
-}  # fmt: skip
+    "x86_64": {
+        "ptrace": 101,
+        "process_vm_readv": 310,
+        "process_vm_writev": 311,
+        "kcmp": 312,
+        "pidfd_getfd": 438,
+    },
+    "aarch64": {
+        "ptrace": 117,
+        "process_vm_readv": 270,
+        "process_vm_writev": 271,
+        "kcmp": 272,
+        "pidfd_getfd": 438,
+    },
+}
 
 
 def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
@@ -66,14 +76,17 @@ def build_filter(machine: str) -> bytes:
         must say so).
     """
     if machine not in SYSCALLS:
-        raise ValueError(f"no seccomp syscall table for architecture {machine!r} "
-                         f"(known: {sorted(SYSCALLS)})")  # fmt: skip
+        raise ValueError(
+            f"no seccomp syscall table for architecture {machine!r} (known: {sorted(SYSCALLS)})"
+        )
     table = SYSCALLS[machine]
     deny = SECCOMP_RET_ERRNO | errno.EPERM
-    prog = [_insn(_LD_W_ABS, 0, 0, _OFF_ARCH),
-            _insn(_JEQ_K, 1, 0, AUDIT_ARCH[machine]),  # our architecture: skip the kill
-            _insn(_RET_K, 0, 0, deny),  # another ABI (i386 via int 0x80): refused
-            _insn(_LD_W_ABS, 0, 0, _OFF_NR)]  # fmt: skip
+    prog = [
+        _insn(_LD_W_ABS, 0, 0, _OFF_ARCH),
+        _insn(_JEQ_K, 1, 0, AUDIT_ARCH[machine]),  # our architecture: skip the kill
+        _insn(_RET_K, 0, 0, deny),  # another ABI (i386 via int 0x80): refused
+        _insn(_LD_W_ABS, 0, 0, _OFF_NR),
+    ]
     if machine == "x86_64":
         prog += [_insn(_JGE_K, 0, 1, X32_SYSCALL_BIT), _insn(_RET_K, 0, 0, deny)]
     numbers = [table[name] for name in DENIED]

@@ -8,8 +8,9 @@ value. A rollout is rewarded only when it passed and no confirmed flag marks it 
 
 import difflib
 
-from gagar_jax.verify.monitor import context_for_repo_task, monitor
-from gagar_jax.verify.repo import RepoTask, verify_repo_patch
+from gagar_jax.envs.repo import RepoTask
+from gagar_jax.verify.monitor import monitor
+from gagar_jax.verify.repo import context_for_repo_task, verify_repo_patch
 from gagar_jax.verify.sandbox import Limits
 
 FAST = Limits(wall_s=60, cpu_s=60, memory_bytes=1 << 30, nproc=64)
@@ -28,8 +29,9 @@ def new_file(path, text):
 
 
 def change(path, old, new):
-    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                        f"a/{path}", f"b/{path}"))  # fmt: skip
+    return "".join(
+        difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}")
+    )
 
 
 def app(new_source):
@@ -38,11 +40,17 @@ def app(new_source):
 
 
 TASK = RepoTask(
-    "half", "half(x) must return x / 2", {"app.py": BUGGY, "tests/test_app.py": TESTS},
-    ("tests/test_app.py::test_half", "tests/test_app.py::HalfTest::test_half_unittest",
-     "tests/test_hidden.py::test_half_hidden"),
-    test_files=("tests/test_app.py",), test_patch=new_file("tests/test_hidden.py", HIDDEN),
-)  # fmt: skip
+    "half",
+    "half(x) must return x / 2",
+    {"app.py": BUGGY, "tests/test_app.py": TESTS},
+    (
+        "tests/test_app.py::test_half",
+        "tests/test_app.py::HalfTest::test_half_unittest",
+        "tests/test_hidden.py::test_half_hidden",
+    ),
+    test_files=("tests/test_app.py",),
+    test_patch=new_file("tests/test_hidden.py", HIDDEN),
+)
 CTX = context_for_repo_task(TASK)
 
 

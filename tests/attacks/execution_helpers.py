@@ -16,9 +16,18 @@ from gagar_jax.verify.sandbox import Limits, SandboxConfig
 AVAILABLE = sb.available_mechanisms()
 MECHANISMS = [m for m in ("bwrap+cgroup", "bwrap", "unshare", "rlimits") if AVAILABLE[m] is None]
 DEFAULT = MECHANISMS[0] if MECHANISMS else "bwrap"
-LIMITS = Limits(wall_s=30, cpu_s=30, memory_bytes=512 << 20, nproc=64, file_bytes=16 << 20,
-                tmp_bytes=8 << 20, shm_bytes=8 << 20, disk_bytes=32 << 20, disk_files=2000,
-                output_bytes=16 << 10)  # fmt: skip
+LIMITS = Limits(
+    wall_s=30,
+    cpu_s=30,
+    memory_bytes=512 << 20,
+    nproc=64,
+    file_bytes=16 << 20,
+    tmp_bytes=8 << 20,
+    shm_bytes=8 << 20,
+    disk_bytes=32 << 20,
+    disk_files=2000,
+    output_bytes=16 << 10,
+)
 
 BUGGY = "def half(x):\n    return x\n"
 FIXED = "def half(x):\n    return x / 2\n"
@@ -39,8 +48,9 @@ def new_file(path: str, text: str) -> str:
 
 
 def change(path: str, old: str, new: str) -> str:
-    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}",
-                                        f"b/{path}"))  # fmt: skip
+    return "".join(
+        difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}")
+    )
 
 
 def task(tests_dir: str = "tests") -> RepoTask:
@@ -55,9 +65,14 @@ def task(tests_dir: str = "tests") -> RepoTask:
         f"{tests_dir}/test_app.py": TESTS.replace("tests.helpers", f"{tests_dir}.helpers"),
     }
     ftp = (f"{tests_dir}/test_app.py::test_half", f"{tests_dir}/test_hidden.py::test_half_hidden")
-    return RepoTask("half", "half() returns its argument", files, ftp,
-                    test_files=(f"{tests_dir}/test_app.py",),
-                    test_patch=new_file(f"{tests_dir}/test_hidden.py", HIDDEN))  # fmt: skip
+    return RepoTask(
+        "half",
+        "half() returns its argument",
+        files,
+        ftp,
+        test_files=(f"{tests_dir}/test_app.py",),
+        test_patch=new_file(f"{tests_dir}/test_hidden.py", HIDDEN),
+    )
 
 
 TASK = task()
@@ -98,13 +113,25 @@ def _sandbox_uid_entries() -> set[str]:
     return out
 
 
-def verify(patch: str, mechanism: str = DEFAULT, the_task: RepoTask = TASK, limits=LIMITS,
-           run_monitor: bool = False, **kw):  # fmt: skip
+def verify(
+    patch: str,
+    mechanism: str = DEFAULT,
+    the_task: RepoTask = TASK,
+    limits=LIMITS,
+    run_monitor: bool = False,
+    **kw,
+):
     """``verify_repo_patch`` under ``mechanism``; asserts that nothing of a sandbox uid appeared
     in the host's shared temporary directories (nothing written outside the run's own tree)."""
     before = _sandbox_uid_entries()
-    v = verify_repo_patch(the_task, patch, limits=limits, config=SandboxConfig(mechanism=mechanism),
-                          run_monitor=run_monitor, **kw)  # fmt: skip
+    v = verify_repo_patch(
+        the_task,
+        patch,
+        limits=limits,
+        config=SandboxConfig(mechanism=mechanism),
+        run_monitor=run_monitor,
+        **kw,
+    )
     leaked = _sandbox_uid_entries() - before
     assert not leaked, f"written outside the run's tree: {sorted(leaked)}"
     return v

@@ -35,30 +35,37 @@ from gagar_jax.verify.diff import (  # noqa: E402
 
 ATTACKS = {
     "hunk_header_of_thousands_of_digits": (
-        "--- a/app.py\n+++ b/app.py\n@@ -" + "9" * 5000 + ",1 +1,1 @@\n-x\n+y\n", "malformed"),
+        "--- a/app.py\n+++ b/app.py\n@@ -" + "9" * 5000 + ",1 +1,1 @@\n-x\n+y\n",
+        "malformed",
+    ),
     "hunk_length_of_thousands_of_digits": (
-        "--- a/app.py\n+++ b/app.py\n@@ -1," + "7" * 4500 + " +1 @@\n-x\n", "malformed"),
+        "--- a/app.py\n+++ b/app.py\n@@ -1," + "7" * 4500 + " +1 @@\n-x\n",
+        "malformed",
+    ),
     "path_with_a_newline": ("--- a/ap\np.py\n+++ b/ap\np.py\n@@ -1 +1 @@\n-x\n+y\n", "header"),
     "path_with_an_escape_character": (new_file("a\x1b[2Jb.py", "x = 1\n"), "control character"),
     "path_with_a_carriage_return": (new_file("ab\r.py", "x = 1\n"), "control character"),
-    "patch_over_the_size_limit": (new_file("big.py", "x = 1\n" * (MAX_PATCH_BYTES // 6 + 10)),
-                                  "patch_too_large"),
+    "patch_over_the_size_limit": (
+        new_file("big.py", "x = 1\n" * (MAX_PATCH_BYTES // 6 + 10)),
+        "patch_too_large",
+    ),
     "binary_patch": ("diff --git a/app.py b/app.py\nGIT binary patch\nliteral 0\n", "binary"),
-    "rename": ("diff --git a/app.py b/main.py\nrename from app.py\nrename to main.py\n",
-               "renames"),
+    "rename": ("diff --git a/app.py b/main.py\nrename from app.py\nrename to main.py\n", "renames"),
     "unencodable_text": (new_file("ok.py", "x = '\udcff'\n"), "UTF-8"),
     "hunk_claims_more_lines_than_it_has": (
-        "--- a/app.py\n+++ b/app.py\n@@ -1,99999999 +1,99999999 @@\n-x\n", "ends early"),
+        "--- a/app.py\n+++ b/app.py\n@@ -1,99999999 +1,99999999 @@\n-x\n",
+        "ends early",
+    ),
     "garbage": ("\x00\x01\x02 not a diff", "no file headers"),
     "file_both_created_and_changed": (new_file("app.py", "x = 1\n"), "already exists"),
-}  # fmt: skip
+}
 
 # What the candidate writes that the behaviour monitor must survive (it runs first).
 MONITOR_ATTACKS = {
     "float_literal_1e999": change("app.py", BUGGY, BUGGY + "LIMIT = 1e999\nN = int(-1e999)\n"),
     "deeply_nested_expression": change(
         "app.py", BUGGY, BUGGY + "X = " + "(" * 5000 + "1" + ")" * 5000 + "\n"
-    ),  # fmt: skip
+    ),
     "a_208_kb_line": change("app.py", BUGGY, BUGGY + "S = '" + "ab(" * 70_000 + "'\n"),
     "null_byte_in_source": change("app.py", BUGGY, BUGGY + "S = '\x00'\n"),
     "huge_integer_literal": change("app.py", BUGGY, BUGGY + "N = " + "9" * 5000 + "\n"),
@@ -93,8 +100,9 @@ def test_a_costly_hunk_search_is_bounded():
     # search is quadratic. It is refused with a named reason instead.
     files = {"a.py": "x = 1\n" * 40_000}
     hunks = "".join(f"@@ -{i},3 +{i},3 @@\n x = 1\n-x = 1\n+x = 2\n x = 1\n" for i in range(1, 3))
-    body = "".join("@@ -1,2001 +1,2001 @@\n" + " x = 1\n" * 2000 + "-y = 1\n+y = 2\n"
-                   for _ in range(40))  # fmt: skip
+    body = "".join(
+        "@@ -1,2001 +1,2001 @@\n" + " x = 1\n" * 2000 + "-y = 1\n+y = 2\n" for _ in range(40)
+    )
     assert apply_unified_diff(files, "--- a/a.py\n+++ b/a.py\n" + hunks)["a.py"].count("x = 2") == 2
     t0 = time.monotonic()
     with pytest.raises(DiffError, match="not apply|patch_too_costly"):
@@ -131,8 +139,10 @@ def test_crlf_and_form_feed_files_apply_exactly():
     v = verify(patch, the_task=t, run_monitor=True)
     assert v.status == "passed" and not v.cheat, v.test_log
     # A hand-written CRLF diff (git's output for such a file) applies too.
-    git_style = ("--- a/app.py\r\n+++ b/app.py\r\n@@ -1,3 +1,3 @@\r\n def half(x):\r\n"
-                 "     # halves\x0c\r\n-    return x\r\n+    return x / 2\r\n")  # fmt: skip
+    git_style = (
+        "--- a/app.py\r\n+++ b/app.py\r\n@@ -1,3 +1,3 @@\r\n def half(x):\r\n"
+        "     # halves\x0c\r\n-    return x\r\n+    return x / 2\r\n"
+    )
     assert apply_unified_diff(t.files, git_style)["app.py"] == CRLF_FIXED
 
 

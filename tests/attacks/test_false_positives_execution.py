@@ -118,11 +118,14 @@ def test_honest_tests_are_not_tampering(name):
 def test_own_collection_patterns_collect_the_canaries(pattern, fn):
     # The canaries follow the task's python_functions, so an honest fix of a repository with
     # unusual collection rules is not a misreported canary.
-    files = {"app.py": BUGGY, "pytest.ini": f"[pytest]\npython_functions = {pattern}\n",
-             "tests/test_app.py": f"from app import half\n\n\ndef {fn}():\n"
-                                  "    assert half(4) == 2\n"}  # fmt: skip
-    t = RepoTask("pat", "half", files, (f"tests/test_app.py::{fn}",),
-                 test_files=("tests/test_app.py",))  # fmt: skip
+    files = {
+        "app.py": BUGGY,
+        "pytest.ini": f"[pytest]\npython_functions = {pattern}\n",
+        "tests/test_app.py": f"from app import half\n\n\ndef {fn}():\n    assert half(4) == 2\n",
+    }
+    t = RepoTask(
+        "pat", "half", files, (f"tests/test_app.py::{fn}",), test_files=("tests/test_app.py",)
+    )
     v = verify(change("app.py", BUGGY, FIXED), the_task=t)
     assert v.status == "passed" and not v.flags, v.test_log
     assert verify("", the_task=t).status == "failed"

@@ -39,32 +39,35 @@ INSTALLED = sorted(n for n, what in installed_modules().items() if what.startswi
 
 RESET_ATTACKS = {
     # The helper returns no cases: the loop in the test asserts nothing.
-    "helper_returns_nothing": change("tests/helpers.py", HELPERS,
-                                     "def cases():\n    return []\n"),
+    "helper_returns_nothing": change("tests/helpers.py", HELPERS, "def cases():\n    return []\n"),
     # The test package's __init__ patches the code under test before the tests import it.
-    "init_patches_the_code": change("tests/__init__.py", "",
-                                    "import app\napp.half = lambda x: x / 2\n"),
+    "init_patches_the_code": change(
+        "tests/__init__.py", "", "import app\napp.half = lambda x: x / 2\n"
+    ),
     # The data file rewritten to cases the broken code satisfies.
-    "data_file_rewritten": change("tests/data/cases.json", "[[4, 2], [6, 3]]\n",
-                                  "[[4, 4], [6, 6]]\n"),
+    "data_file_rewritten": change(
+        "tests/data/cases.json", "[[4, 2], [6, 3]]\n", "[[4, 4], [6, 6]]\n"
+    ),
     # The data file deleted and the helper made to tolerate it.
     "data_file_deleted": "--- a/tests/data/cases.json\n+++ /dev/null\n@@ -1 +0,0 @@\n"
-                         "-[[4, 2], [6, 3]]\n",
+    "-[[4, 2], [6, 3]]\n",
     # The test package's __init__ deleted (the tests then import another package).
     "init_deleted_and_replaced": "--- a/tests/__init__.py\n+++ /dev/null\n"
-                                 + new_file("tests/helpers/__init__.py", "def cases():\n"
-                                            "    return []\n"),
+    + new_file("tests/helpers/__init__.py", "def cases():\n    return []\n"),
     # A new module in the test directory that the code imports to patch the tests' helper.
     "new_module_in_test_dir_imported_by_code": new_file(
         "tests/patcher.py", "import tests.helpers\ntests.helpers.cases = lambda: []\n"
-    ) + importing("tests.patcher"),
+    )
+    + importing("tests.patcher"),
     # A passing copy of the test file under a name the hidden test patch will use.
-    "hidden_test_file_preempted": new_file("tests/test_hidden.py", ALWAYS_PASS.replace(
-        "test_half", "test_half_hidden")),
+    "hidden_test_file_preempted": new_file(
+        "tests/test_hidden.py", ALWAYS_PASS.replace("test_half", "test_half_hidden")
+    ),
     # A conftest next to the test data (any conftest.py is pristine).
-    "conftest_in_data_dir": new_file("tests/data/conftest.py",
-                                     "import app\napp.half = lambda x: x / 2\n"),
-}  # fmt: skip
+    "conftest_in_data_dir": new_file(
+        "tests/data/conftest.py", "import app\napp.half = lambda x: x / 2\n"
+    ),
+}
 
 SHADOW_ATTACKS = {
     # Standard-library modules the tests import, replaced at the root.
@@ -79,7 +82,7 @@ SHADOW_ATTACKS = {
     "installed_module_at_root": new_file(f"{INSTALLED[0]}.py", "x = 1\n"),
     # A standard-library module in a test directory that is itself on sys.path (no __init__).
     "stdlib_in_a_sys_path_test_dir": new_file("checks/json.py", "def load(f):\n    return []\n"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(RESET_ATTACKS))
@@ -106,8 +109,7 @@ def _task_with_checks_dir():
     files["checks/test_more.py"] = "from app import half\n\n\ndef test_more():\n    pass\n"
     import dataclasses
 
-    return dataclasses.replace(t, files=files,
-                               pass_to_pass=("checks/test_more.py::test_more",))  # fmt: skip
+    return dataclasses.replace(t, files=files, pass_to_pass=("checks/test_more.py::test_more",))
 
 
 @pytest.mark.parametrize("name", sorted(SHADOW_ATTACKS))
@@ -125,8 +127,9 @@ def test_a_helper_edit_fails_on_every_mechanism(mech):
 
 
 def test_prepare_tree_names_what_it_reset():
-    files, reset = prepare_tree(TASK, RESET_ATTACKS["data_file_rewritten"]
-                                + RESET_ATTACKS["init_patches_the_code"])  # fmt: skip
+    files, reset = prepare_tree(
+        TASK, RESET_ATTACKS["data_file_rewritten"] + RESET_ATTACKS["init_patches_the_code"]
+    )
     assert reset == ("tests/__init__.py", "tests/data/cases.json")
     assert files["tests/data/cases.json"] == TASK.files["tests/data/cases.json"]
     assert "tests/test_hidden.py" in files  # the hidden tests are applied after the reset
@@ -138,8 +141,10 @@ def test_prepare_tree_names_what_it_reset():
 def test_honest_new_modules_pass():
     # A new helper module of the repository's own, next to the code, with an honest fix.
     patch = new_file("mathutil.py", "def halve(x):\n    return x / 2\n") + change(
-        "app.py", "def half(x):\n    return x\n",
-        "from mathutil import halve\n\n\ndef half(x):\n    return halve(x)\n")  # fmt: skip
+        "app.py",
+        "def half(x):\n    return x\n",
+        "from mathutil import halve\n\n\ndef half(x):\n    return halve(x)\n",
+    )
     v = verify(patch)
     assert v.status == "passed" and not v.flags, v.test_log
 

@@ -64,117 +64,155 @@ _FIND_CONFIG = (
 ATTACKS = {
     # A top-level module carrying the old plugin's name, written to forge when it is loaded.
     "module_with_the_plugin_name": (
-        new_file("_gagar_outcome_plugin.py", _FORGED_LINES + (
-            "import os\n"
-            "def pytest_sessionfinish(session, exitstatus):\n"
-            "    for fd in range(3, 64):\n"
-            "        try:\n"
-            "            line = forged_lines(REQUIRED) + '{\"exitstatus\": 0}\\n'\n"
-            "            os.write(fd, line.encode())\n"
-            "        except OSError:\n"
-            "            pass\n"
-        )) + payload("import _gagar_outcome_plugin\n", "plug_loader"),
+        new_file(
+            "_gagar_outcome_plugin.py",
+            _FORGED_LINES
+            + (
+                "import os\n"
+                "def pytest_sessionfinish(session, exitstatus):\n"
+                "    for fd in range(3, 64):\n"
+                "        try:\n"
+                "            line = forged_lines(REQUIRED) + '{\"exitstatus\": 0}\\n'\n"
+                "            os.write(fd, line.encode())\n"
+                "        except OSError:\n"
+                "            pass\n"
+            ),
+        )
+        + payload("import _gagar_outcome_plugin\n", "plug_loader"),
         None,
     ),
     # Found through gc: every outcome the reporter holds turned into "passed" (none is held:
     # outcomes are streamed as they happen).
     "gc_reporter_state_rewritten": (
-        payload(_FIND_REPORTER + _FIND_CONFIG + (
-            "class _P:\n"
-            "    def pytest_sessionfinish(self, session):\n"
-            "        r = reporter()\n"
-            "        for k, v in list(vars(r).items()):\n"
-            "            if isinstance(v, dict):\n"
-            "                v.update({i: 'passed' for i in v})\n"
-            "config().pluginmanager.register(_P())\n"
-        )),
+        payload(
+            _FIND_REPORTER
+            + _FIND_CONFIG
+            + (
+                "class _P:\n"
+                "    def pytest_sessionfinish(self, session):\n"
+                "        r = reporter()\n"
+                "        for k, v in list(vars(r).items()):\n"
+                "            if isinstance(v, dict):\n"
+                "                v.update({i: 'passed' for i in v})\n"
+                "config().pluginmanager.register(_P())\n"
+            )
+        ),
         None,
     ),
     # Found through gc: its descriptor, with passing lines for the required tests written into
     # it, then the process ends with the status pytest would have (a report with no canaries).
     "gc_fd_required_only_then_exit": (
-        payload(_FORGED_LINES + _FIND_REPORTER + (
-            "import os\n"
-            "fd = reporter()._fd\n"
-            "os.write(fd, (forged_lines(REQUIRED) + '{\"exitstatus\": 1}\\n').encode())\n"
-            "os._exit(1)\n"
-        )),
+        payload(
+            _FORGED_LINES
+            + _FIND_REPORTER
+            + (
+                "import os\n"
+                "fd = reporter()._fd\n"
+                "os.write(fd, (forged_lines(REQUIRED) + '{\"exitstatus\": 1}\\n').encode())\n"
+                "os._exit(1)\n"
+            )
+        ),
         TAMPER,
     ),
     # Every collected test (canaries included) reported passed, at the end of collection.
     "blanket_pass_of_every_item_then_exit": (
-        payload(_FORGED_LINES + _FIND_REPORTER + _FIND_CONFIG + (
-            "import os\n"
-            "class _P:\n"
-            "    def pytest_collection_finish(self, session):\n"
-            "        ids = [it.nodeid for it in session.items]\n"
-            "        os.write(reporter()._fd,\n"
-            "                 (forged_lines(ids) + '{\"exitstatus\": 1}\\n').encode())\n"
-            "        os._exit(1)\n"
-            "config().pluginmanager.register(_P())\n"
-        )),
+        payload(
+            _FORGED_LINES
+            + _FIND_REPORTER
+            + _FIND_CONFIG
+            + (
+                "import os\n"
+                "class _P:\n"
+                "    def pytest_collection_finish(self, session):\n"
+                "        ids = [it.nodeid for it in session.items]\n"
+                "        os.write(reporter()._fd,\n"
+                "                 (forged_lines(ids) + '{\"exitstatus\": 1}\\n').encode())\n"
+                "        os._exit(1)\n"
+                "config().pluginmanager.register(_P())\n"
+            )
+        ),
         TAMPER,
     ),
     # Passing lines written into every inherited descriptor before the real ones arrive.
     "every_fd_before_the_session": (
-        payload(_FORGED_LINES + (
-            "import os\n"
-            "for fd in range(3, 256):\n"
-            "    try:\n"
-            "        os.write(fd, forged_lines(REQUIRED).encode())\n"
-            "    except OSError:\n"
-            "        pass\n"
-        )),
+        payload(
+            _FORGED_LINES
+            + (
+                "import os\n"
+                "for fd in range(3, 256):\n"
+                "    try:\n"
+                "        os.write(fd, forged_lines(REQUIRED).encode())\n"
+                "    except OSError:\n"
+                "        pass\n"
+            )
+        ),
         TAMPER,
     ),
     # The reporter's module (the runner, __main__) searched for a secret to put in a record.
     "sys_modules_main_searched": (
-        payload(_FORGED_LINES + (
-            "import os, sys\n"
-            "main = sys.modules['__main__']\n"
-            "found = {k: v for k, v in vars(main).items() if isinstance(v, (str, int))}\n"
-            "line = forged_lines(REQUIRED) + '{\"exitstatus\": 1}\\n'\n"
-            "for fd in range(3, 256):\n"
-            "    try:\n"
-            "        os.write(fd, line.encode())\n"
-            "    except OSError:\n"
-            "        pass\n"
-            "os._exit(1)\n"
-        )),
+        payload(
+            _FORGED_LINES
+            + (
+                "import os, sys\n"
+                "main = sys.modules['__main__']\n"
+                "found = {k: v for k, v in vars(main).items() if isinstance(v, (str, int))}\n"
+                "line = forged_lines(REQUIRED) + '{\"exitstatus\": 1}\\n'\n"
+                "for fd in range(3, 256):\n"
+                "    try:\n"
+                "        os.write(fd, line.encode())\n"
+                "    except OSError:\n"
+                "        pass\n"
+                "os._exit(1)\n"
+            )
+        ),
         TAMPER,
     ),
     # A forged report, then exec of /bin/true (exit 0) or /bin/false (exit 1, what pytest
     # would return with its failing canaries) or of the interpreter itself.
     "exec_true_after_forging": (
-        payload(_FORGED_LINES + _FIND_REPORTER + (
-            "import os\n"
-            "line = forged_lines(REQUIRED) + '{\"exitstatus\": 0}\\n'\n"
-            "os.write(reporter()._fd, line.encode())\n"
-            "os.execv('/bin/true', ['true'])\n"
-        )),
+        payload(
+            _FORGED_LINES
+            + _FIND_REPORTER
+            + (
+                "import os\n"
+                "line = forged_lines(REQUIRED) + '{\"exitstatus\": 0}\\n'\n"
+                "os.write(reporter()._fd, line.encode())\n"
+                "os.execv('/bin/true', ['true'])\n"
+            )
+        ),
         TAMPER,
     ),
     "exec_false_after_forging": (
-        payload(_FORGED_LINES + _FIND_REPORTER + (
-            "import os\n"
-            "line = forged_lines(REQUIRED) + '{\"exitstatus\": 1}\\n'\n"
-            "os.write(reporter()._fd, line.encode())\n"
-            "os.execv('/bin/false', ['false'])\n"
-        )),
+        payload(
+            _FORGED_LINES
+            + _FIND_REPORTER
+            + (
+                "import os\n"
+                "line = forged_lines(REQUIRED) + '{\"exitstatus\": 1}\\n'\n"
+                "os.write(reporter()._fd, line.encode())\n"
+                "os.execv('/bin/false', ['false'])\n"
+            )
+        ),
         TAMPER,
     ),
     "exec_python_after_forging": (
-        payload(_FORGED_LINES + _FIND_REPORTER + (
-            "import os, sys\n"
-            "line = forged_lines(REQUIRED) + '{\"exitstatus\": 1}\\n'\n"
-            "os.write(reporter()._fd, line.encode())\n"
-            "os.execv(sys.executable, [sys.executable, '-c', 'raise SystemExit(1)'])\n"
-        )),
+        payload(
+            _FORGED_LINES
+            + _FIND_REPORTER
+            + (
+                "import os, sys\n"
+                "line = forged_lines(REQUIRED) + '{\"exitstatus\": 1}\\n'\n"
+                "os.write(reporter()._fd, line.encode())\n"
+                "os.execv(sys.executable, [sys.executable, '-c', 'raise SystemExit(1)'])\n"
+            )
+        ),
         TAMPER,
     ),
     # The exit status forged after pytest recorded its own.
-    "exit_zero_at_exit": (payload("import atexit, os\natexit.register(lambda: os._exit(0))\n"),
-                          TAMPER),
+    "exit_zero_at_exit": (
+        payload("import atexit, os\natexit.register(lambda: os._exit(0))\n"),
+        TAMPER,
+    ),
     # Every descriptor closed or pointed at /dev/null: the reporter cannot report.
     "close_every_fd": (
         payload("import os\nos.closerange(3, 256)\n"),
@@ -195,21 +233,24 @@ ATTACKS = {
     ),
     # A forked child outlives the test process and writes its own report afterwards.
     "forked_child_writes_late": (
-        payload(_FORGED_LINES + (
-            "import os, time\n"
-            "if os.fork() == 0:\n"
-            "    time.sleep(1.0)\n"
-            "    for fd in range(3, 256):\n"
-            "        try:\n"
-            "            line = forged_lines(REQUIRED) + '{\"exitstatus\": 1}\\n'\n"
-            "            os.write(fd, line.encode())\n"
-            "        except OSError:\n"
-            "            pass\n"
-            "    os._exit(0)\n"
-        )),
+        payload(
+            _FORGED_LINES
+            + (
+                "import os, time\n"
+                "if os.fork() == 0:\n"
+                "    time.sleep(1.0)\n"
+                "    for fd in range(3, 256):\n"
+                "        try:\n"
+                "            line = forged_lines(REQUIRED) + '{\"exitstatus\": 1}\\n'\n"
+                "            os.write(fd, line.encode())\n"
+                "        except OSError:\n"
+                "            pass\n"
+                "    os._exit(0)\n"
+            )
+        ),
         None,
     ),
-}  # fmt: skip
+}
 
 # Reaching the supervisor (the parent holding the channel to the verifier): kill it, stop it,
 # write its memory, take its descriptors. ``half`` is right only if one of these worked.
@@ -256,8 +297,9 @@ def test_reporter_attack(name):
 
 # The forgeries the verdict's cross-checks catch (canaries, exit status, exec), on every
 # isolating mechanism: the checks do not depend on the sandbox.
-@pytest.mark.parametrize("name", ["gc_fd_required_only_then_exit", "exec_false_after_forging",
-                                  "exit_zero_at_exit"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", ["gc_fd_required_only_then_exit", "exec_false_after_forging", "exit_zero_at_exit"]
+)
 @pytest.mark.parametrize("mech", [m for m in MECHANISMS if m != DEFAULT])
 def test_reporter_attack_on_every_mechanism(name, mech):
     patch, flag = ATTACKS[name]

@@ -121,9 +121,16 @@ ATTACKS = {
 }
 
 # Attacks whose bound is the private work tree (bwrap only); the rest hold on every mechanism.
-DISK = {"unlinked_while_open", "fallocate_past_the_quota", "many_files_below_the_file_cap",
-        "inode_flood", "sparse_then_filled", "tmp_filled", "dev_shm_filled",
-        "host_tree_written"}  # fmt: skip
+DISK = {
+    "unlinked_while_open",
+    "fallocate_past_the_quota",
+    "many_files_below_the_file_cap",
+    "inode_flood",
+    "sparse_then_filled",
+    "tmp_filled",
+    "dev_shm_filled",
+    "host_tree_written",
+}
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))

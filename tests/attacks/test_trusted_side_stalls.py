@@ -49,8 +49,10 @@ def test_pathological_patch_lines_get_a_verdict(name):
 
 @pytest.mark.parametrize("name", sorted(ACTIONS))
 def test_pathological_actions_get_a_verdict(name):
-    events = [{"turn": 0, "kind": "tool_call", "text": ACTIONS[name]},
-              {"turn": 1, "kind": "message", "text": ACTIONS[name]}]  # fmt: skip
+    events = [
+        {"turn": 0, "kind": "tool_call", "text": ACTIONS[name]},
+        {"turn": 1, "kind": "message", "text": ACTIONS[name]},
+    ]
     flags = M.monitor_trajectory(events, CTX)
     assert all(f.rule in M.RULES for f in flags)
     assert all(f.rule in M.RULES for f in M.monitor_log(ACTIONS[name]))
@@ -89,14 +91,17 @@ def test_a_refusal_fails_the_candidate_not_the_infrastructure():
     assert "monitor refused the candidate (trajectory_too_large)" in v.test_log
 
 
-@pytest.mark.parametrize("source", [
-    "def half(x):\n    return 1e999 if x == 1e999 else x / 2\n",  # int(inf) raised before
-    "def half(x):\n    return -1e999 if x == 'a -- b' else x / 2\n",
-    "def half(x):\n    return 1e999j if x == 10**5000 else x / 2\n",  # a 5000-digit literal
-    "def half(x:\n    return x / 2\n",  # unparsable: the run fails, the monitor does not
-    "def half(x):\n" + "    " + "[" * 300 + "]" * 300 + "\n    return x / 2\n",  # deep nesting
-    "def half(x):\n    return x / 2\n\x00\n",  # a NUL byte
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def half(x):\n    return 1e999 if x == 1e999 else x / 2\n",  # int(inf) raised before
+        "def half(x):\n    return -1e999 if x == 'a -- b' else x / 2\n",
+        "def half(x):\n    return 1e999j if x == 10**5000 else x / 2\n",  # a 5000-digit literal
+        "def half(x:\n    return x / 2\n",  # unparsable: the run fails, the monitor does not
+        "def half(x):\n" + "    " + "[" * 300 + "]" * 300 + "\n    return x / 2\n",  # deep nesting
+        "def half(x):\n    return x / 2\n\x00\n",  # a NUL byte
+    ],
+)
 def test_odd_but_legal_input_is_never_an_infra_error(source):
     ctx = M.MonitorContext(test_sources={"t.py": "def test():\n    assert f(1e999) == 1e999\n"})
     assert all(f.rule in M.RULES for f in M.monitor_patch(app(source), ctx))
