@@ -112,6 +112,15 @@ NOTES = [
     "Tunix's phase boundaries: generate = the rollout worker's generate, score = the reward "
     "functions, pack = the rest of the learner's example preparation (tokens, masks, "
     "advantages), update = the actor's train step, sync = RLCluster.sync_weights.",
+    "Prefill: gagar_jax prefills each distinct prompt once and copies its KV cache to the "
+    "prompt's samples (8 prefill rows at 8 prompts x 8 samples); TRL's generate and Tunix's "
+    "vanilla sampler prefill every sample row (64). At the multiturn shape (a 448-token "
+    "history) this is most of their generation FLOPs; it is each framework's own design, "
+    "not a configuration choice.",
+    "The multiturn shape is one generation call after a long history, the length a late turn "
+    "of a multi-turn episode reaches; every framework prefills that history each step "
+    "(gagar_jax's prefix_cache, which keeps a previous turn's KV cache, is off: neither "
+    "trainer has an equivalent in its RL step).",
     "gagar_jax's phase boundaries: generate = Sampler.generate, score = decoding and the "
     "reward, pack = rl.collect.pack_groups + shard_batch, update = the jitted update "
     "(advantages inside) with its metrics fetched, sync = rl.policy.local_params + "
@@ -288,6 +297,11 @@ class WorkerProc:
         t.start()
         t.join(timeout)
         if "msg" not in box:
+            if box.get("eof"):  # the worker closed its output: it is exiting; get its status
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
             raise RuntimeError(
                 f"{self.framework} worker gave no answer (see {self.log.name}); "
                 f"exit code {self.proc.poll()}"

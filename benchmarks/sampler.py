@@ -179,7 +179,7 @@ def main():
         head += f"{'hf tok/s':>10} | {'agree':>6} | {'jax compile s':>13}"
         print(head)
         print("-" * len(head))
-        tps_by_batch = {}
+        tps_by_batch, cpu_by_batch = {}, {}
         for b in batches:
             prompts = rng.integers(1, cfg.vocab_size, (b, args.prompt_len)).tolist()
             compile_s = []
@@ -198,11 +198,13 @@ def main():
                 hf.generate(ids, **kw)  # warm-up
                 # Interleave the sides so load changes hit them alike.
                 jt = {name: [] for name in engines}
+                jc = {name: [] for name in engines}
                 ht = []
                 for _ in range(args.repeats):
                     for name, sampler in engines.items():
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         out = sampler.generate(prompts, params)
+                        jc[name].append(time.process_time() - c0)
                         jt[name].append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     gen = hf.generate(ids, **kw)
@@ -212,6 +214,12 @@ def main():
             n_tok = b * args.new_tokens
             hf_tps = n_tok / statistics.median(ht)
             tps_by_batch[b] = {name: n_tok / statistics.median(t) for name, t in jt.items()}
+            # Per CPU-second of this process (all its threads): what the machine's other load
+            # does not stretch; cores = CPU seconds / wall seconds of a call.
+            cpu_by_batch[b] = {
+                name: (n_tok / statistics.median(c), statistics.median(c) / statistics.median(t))
+                for (name, c), t in zip(jc.items(), jt.values())
+            }
             agree = float((jax_tokens == hf_tokens).mean())
             row = f"{b:>5} | " + "".join(
                 f"{tps:>14.0f} | {tps / hf_tps:>10.2f} | " for tps in tps_by_batch[b].values()
@@ -229,6 +237,25 @@ def main():
                 ),
                 flush=True,
             )
+        print(
+            "per CPU-second (load-robust; cores = CPU s / wall s): "
+            + "; ".join(
+                f"{name} "
+                + ", ".join(
+                    f"batch {b} {cpu_by_batch[b][name][0]:.0f} tok/cpu-s "
+                    f"(cores {cpu_by_batch[b][name][1]:.2f})"
+                    for b in batches
+                )
+                + (
+                    f", batch {big} / batch {small} "
+                    f"{cpu_by_batch[big][name][0] / cpu_by_batch[small][name][0]:.2f}"
+                    if big != small
+                    else ""
+                )
+                for name in engines
+            ),
+            flush=True,
+        )
 
     if "rl" in tables:
         np_, n, pl, new = rl["prompts"], rl["n"], rl["prompt_len"], rl["new"]

@@ -10,21 +10,28 @@ loss (per-token log-probs, PPO-clip token-mean) with AdamW and global-norm clipp
 - PyTorch: ``transformers.Qwen2ForCausalLM`` (SDPA attention) + ``log_softmax``/``gather`` +
   the clipped loss + ``torch.optim.AdamW`` -- the straightforward implementation.
 
-The implementations' steps are timed interleaved (one step of each per round, ``--steps``
-rounds after a warm-up), so a change of the machine's load hits all of them alike. Reported:
-median step time, tokens/s, achieved FLOP/s, and model FLOP utilisation against the
-matmul peak measured in the same run (jitted f32 GEMM for JAX, ``torch.mm`` for PyTorch), so
-ratios stay meaningful on a shared machine. JAX rows: ``jax`` (per-layer blocks, whole-sequence
-logits) and ``jax-scan`` (``scan_layers=True``, logits in chunks of ``--chunk`` tokens), each with
-its compile seconds and XLA's temporary-buffer size of the compiled step (``temp MB``: what the
-logits chunking saves). A second table gives compile seconds per depth (``--depths`` layers of
-each config) for both layer layouts. A third table isolates what the logits chunking saves: the
-compiled update's temporary buffers with whole and chunked logits, same model, per vocabulary
-size up to Qwen's 151,936 (``--logits-vocabs``). The machine's load average is printed before
-and after.
-Model FLOPs = 6 x (matmul params) x tokens + the
+The implementations' steps are timed interleaved (one step of each per round, ``--steps`` rounds
+after a warm-up), so a change of the machine's load hits all of them alike; each round also
+measures the machine's GEMM peak (the best of a few jitted f32 1024^3 matmuls for JAX,
+``torch.mm`` for PyTorch). Reported: median step time, tokens/s, the step's FLOPs as XLA's cost
+analysis of the compiled update counts them (``compiled.cost_analysis()``, of the per-layer
+program: a scanned loop body is counted once), achieved FLOP/s, and the FLOP utilisation ``MFU`` =
+(XLA FLOPs / step seconds) / (the same round's GEMM peak), median over rounds, so a load change
+between the peak and the step does not skew it. JAX rows: ``jax`` (per-layer blocks, whole-
+sequence logits) and ``jax-scan`` (``scan_layers=True``, logits in chunks of ``--chunk`` tokens),
+each with its compile seconds and XLA's temporary-buffer size of the compiled step (``temp MB``:
+what the logits chunking saves). A second table gives compile seconds per depth (``--depths``
+layers of each config) for both layer layouts. A third table isolates what the logits chunking
+saves: the compiled update's temporary buffers with whole and chunked logits, same model, per
+vocabulary size up to Qwen's 151,936 (``--logits-vocabs``). The machine's load average is printed
+before and after. Model FLOPs (the PyTorch rows' count) = 6 x (matmul params) x tokens + the
 attention score/value matmuls (12 x layers x T^2 x heads x head_dim per sequence). On an
-accelerator the JAX column reports MFU against that device's measured GEMM peak.
+accelerator the MFU column is against that device's measured GEMM peak.
+
+``--profile CONFIG`` adds a per-op profile of one config's update (``benchmarks/xla_profile.py``:
+``jax.profiler`` trace matched to the compiled HLO): the time in dots (with their achieved
+FLOP/s against the GEMM peak), in elementwise ops and reductions, and in layout copies
+(transposes, slices, pads, concatenations), and the slowest ops.
 """
 
 from __future__ import annotations
@@ -134,46 +141,70 @@ def make_batch(c: TransformerConfig, batch: int, length: int, seed=0) -> UpdateB
     )
 
 
-def best_time(fn, reps: int) -> float:
+def best_time(fn, reps: int, clock=time.perf_counter) -> float:
+    """The shortest of ``reps`` calls of ``fn`` (after one warm-up) on ``clock``."""
     fn()
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return min(times)
 
 
-def jax_peak(n=1024, reps=15) -> float:
-    """The fastest of ``reps`` jitted f32 GEMMs (a peak: one slow repeat must not lower it)."""
+_GEMM = jax.jit(lambda x: x @ x)
+
+
+def jax_peak(n=1024, reps=15, clock=time.perf_counter) -> float:
+    """The fastest of ``reps`` jitted f32 GEMMs (a peak: one slow repeat must not lower it),
+    FLOP per second of ``clock`` (``time.process_time``: per CPU-second of this process)."""
     a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    return 2 * n**3 / best_time(lambda: f(a).block_until_ready(), reps)
+    return 2 * n**3 / best_time(lambda: _GEMM(a).block_until_ready(), reps, clock)
 
 
-def torch_peak(n=1024, reps=15) -> float:
+def torch_peak(n=1024, reps=15, clock=time.perf_counter) -> float:
     import torch
 
     a = torch.ones((n, n))
-    return 2 * n**3 / best_time(lambda: torch.mm(a, a), reps)
+    return 2 * n**3 / best_time(lambda: torch.mm(a, a), reps, clock)
 
 
-def interleaved(steps_by_impl: dict, steps: int) -> dict:
-    """Median seconds of each step function, timed in rounds that run every impl once (after
-    one warm-up each), so a load change during the run hits all sides alike."""
+def interleaved(steps_by_impl: dict, steps: int, peaks: dict | None = None) -> dict:
+    """Per impl, the seconds of each round's step, timed in rounds that run every impl once
+    (after one warm-up each), so a load change during the run hits all sides alike. With
+    ``peaks`` ({name: peak function of a clock}), each round also measures every peak (FLOP/s)
+    right after the steps, under the same load; they come back under their names. Each entry
+    has a twin ``"<name> cpu"`` on this process's CPU time (``time.process_time``, all its
+    threads): seconds a step kept the cores busy, and the peak per CPU-second, which a
+    machine's other load does not stretch the way it stretches wall-clock time."""
     for fn in steps_by_impl.values():
         fn()
-    times = {k: [] for k in steps_by_impl}
+    names = list(steps_by_impl) + list(peaks or {})
+    times = {k: [] for k in names + [f"{k} cpu" for k in names]}
     for _ in range(steps):
         for k, fn in steps_by_impl.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn()
+            times[f"{k} cpu"].append(time.process_time() - c)
             times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+        for k, fn in (peaks or {}).items():
+            times[k].append(fn(time.perf_counter))
+            times[f"{k} cpu"].append(fn(time.process_time))
+    return times
 
 
-def bench_jax(c, batch, length, update_config=UPDATE):
-    """(step function, compile seconds, temp MB of the compiled step)."""
+def xla_flops(compiled) -> float:
+    """FLOPs of one call of a compiled program, as XLA's cost analysis counts them (dots,
+    elementwise ops and reductions; a while loop's body once, whatever its trip count)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per partition
+        cost = cost[0]
+    return float(cost.get("flops", float("nan")))
+
+
+def bench_jax(c, batch, length, update_config=UPDATE, compiled_out=None):
+    """(step function, compile seconds, temp MB of the compiled step); ``compiled_out`` (a
+    list) receives the compiled program."""
     mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
     state = create_train_state(c, update_config, mesh, seed=0)
     update = jit_update(c, update_config, mesh)
@@ -183,6 +214,8 @@ def bench_jax(c, batch, length, update_config=UPDATE):
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     temp_mb = getattr(mem, "temp_size_in_bytes", float("nan")) / 2**20
+    if compiled_out is not None:
+        compiled_out.append(compiled)
     box = {"state": state}
 
     def step():
@@ -281,6 +314,26 @@ def bench_torch(c, batch, length):
     return step
 
 
+def profile_update(name: str, reps: int = 2) -> None:
+    """Per-op profile of the per-layer update of config ``name`` (see xla_profile)."""
+    import xla_profile
+
+    c, batch, length = CONFIGS[name]
+    compiled = []
+    step, _, _ = bench_jax(c, batch, length, compiled_out=compiled)
+    step()
+    t = time.perf_counter()
+    secs, count = xla_profile.trace_ops(step, reps)
+    wall = (time.perf_counter() - t) / reps
+    peak = jax_peak(reps=5)
+    result = xla_profile.breakdown(secs, count, compiled[0].as_text())
+    print(
+        f"\nprofile: {name} update (per-layer), {reps} traced steps, {wall:.3f} s per step "
+        f"traced; GEMM peak {peak / 1e9:.1f} GFLOP/s; {_load()}"
+    )
+    xla_profile.print_breakdown(result, peak)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="small,100m", help="'' for none")
@@ -288,10 +341,16 @@ def main():
     parser.add_argument("--chunk", type=int, default=64, help="logits_chunk_size of jax-scan")
     parser.add_argument("--depths", default="2,4,8", help="layers for the compile table ('' off)")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--no-scan", action="store_true", help="no jax-scan row")
     parser.add_argument(
         "--logits-vocabs",
         default="4096,32000,151936",
         help="vocabularies of the logits-memory table ('' off)",
+    )
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="config whose update gets a per-op profile (dots / elementwise / layout copies)",
     )
     args = parser.parse_args()
 
@@ -309,41 +368,69 @@ def main():
             have_torch = False
     print(f"backend={backend} devices={jax.devices()[0].device_kind!r} cpus={os.cpu_count()}")
     print(
-        f"measured matmul peak: jax {peak_j / 1e9:.1f} GFLOP/s"
+        f"matmul peak at the start: jax {peak_j / 1e9:.1f} GFLOP/s"
         + (f", torch {peak_t / 1e9:.1f} GFLOP/s" if have_torch else "")
+        + " (each row's MFU uses the peaks measured in its own rounds)"
     )
     header = (
         f"{'config':8} {'params':>8} {'tokens':>7} {'impl':8} {'step s':>8} {'tok/s':>9} "
-        f"{'GFLOP/s':>8} {'MFU':>6} {'compile s':>9} {'temp MB':>8} {'vs torch':>8}"
+        f"{'GFLOP':>7} {'GFLOP/s':>8} {'peak':>7} {'MFU':>6} {'cores':>5} {'MFU cpu':>7} "
+        f"{'compile s':>9} {'temp MB':>8} {'vs torch':>8}"
     )
     print(header)
     print("-" * len(header))
     scan_update = dataclasses.replace(UPDATE, logits_chunk_size=args.chunk)
     configs = [name for name in args.configs.split(",") if name]
+    peaks = {"peak jax": lambda clock: jax_peak(reps=5, clock=clock)}
+    if have_torch:
+        peaks["peak torch"] = lambda clock: torch_peak(reps=5, clock=clock)
     for name in configs:
         c, batch, length = CONFIGS[name]
-        flops = model_flops(c, batch, length)
         tokens = batch * length
-        fns, info = {}, {}
-        fns["jax"], *info["jax"] = bench_jax(c, batch, length)
-        fns["jax-scan"], *info["jax-scan"] = bench_jax(
-            dataclasses.replace(c, scan_layers=True), batch, length, scan_update
-        )
+        fns, info, compiled = {}, {}, []
+        fns["jax"], *info["jax"] = bench_jax(c, batch, length, compiled_out=compiled)
+        if not args.no_scan:
+            fns["jax-scan"], *info["jax-scan"] = bench_jax(
+                dataclasses.replace(c, scan_layers=True), batch, length, scan_update
+            )
+        # XLA's count of the per-layer program (the scanned one counts its loop body once);
+        # the model-FLOPs formula for PyTorch, which has no such count.
+        flops_xla = xla_flops(compiled[0])
         if have_torch:
             fns["torch"], info["torch"] = bench_torch(c, batch, length), (None, None)
-        med = interleaved(fns, args.steps)
+        times = interleaved(fns, args.steps, peaks)
+        med = {k: statistics.median(times[k]) for k in fns}
         t_torch = med.get("torch")
-        rows = [(k, med[k], peak_t if k == "torch" else peak_j, *info[k]) for k in fns]
-        for impl, t, peak, comp, mem in rows:
-            ratio = f"{t / t_torch:7.2f}x" if t_torch is not None else ""
+        for impl in fns:
+            flops = model_flops(c, batch, length) if impl == "torch" else flops_xla
+            peak_key = "peak torch" if impl == "torch" else "peak jax"
+            mfu = statistics.median(flops / t / p for t, p in zip(times[impl], times[peak_key]))
+            # Per CPU-second: the step's FLOPs per second its threads ran, against the GEMM's.
+            mfu_cpu = statistics.median(
+                flops / t / p for t, p in zip(times[f"{impl} cpu"], times[f"{peak_key} cpu"])
+            )
+            cores = statistics.median(times[f"{impl} cpu"]) / med[impl]
+            comp, mem = info[impl]
+            ratio = f"{med[impl] / t_torch:7.2f}x" if t_torch is not None else ""
             comp_s = f"{comp:9.1f}" if comp is not None else f"{'':9}"
             mem_s = f"{mem:8.1f}" if mem is not None else f"{'':8}"
             print(
-                f"{name:8} {c.num_params / 1e6:7.1f}M {tokens:7d} {impl:8} {t:8.3f} "
-                f"{tokens / t:9.0f} {flops / t / 1e9:8.1f} {flops / t / peak:6.1%} {comp_s} "
+                f"{name:8} {c.num_params / 1e6:7.1f}M {tokens:7d} {impl:8} {med[impl]:8.3f} "
+                f"{tokens / med[impl]:9.0f} {flops / 1e9:7.1f} {flops / med[impl] / 1e9:8.1f} "
+                f"{statistics.median(times[peak_key]) / 1e9:7.1f} {mfu:6.1%} {cores:5.2f} "
+                f"{mfu_cpu:7.1%} {comp_s} "
                 f"{mem_s} {ratio:>8}",
                 flush=True,
             )
+        print(
+            f"  {name}: XLA counts {flops_xla / 1e9:.1f} GFLOP per step, the model-FLOPs formula "
+            f"{model_flops(c, batch, length) / 1e9:.1f}; peak = median of the rounds' GEMM "
+            f"peaks ({statistics.median(times['peak jax cpu']) / 1e9:.1f} GFLOP per CPU-second "
+            f"for jax); cores = CPU seconds / wall seconds of a step; {_load()}",
+            flush=True,
+        )
+    if args.profile:
+        profile_update(args.profile)
     if args.depths and configs:
         depths = [int(d) for d in args.depths.split(",")]
         print("\ncompile seconds of the update step per depth (same widths as the config)")
