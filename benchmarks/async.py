@@ -1,8 +1,9 @@
 r"""Steps per hour of the asynchronous loop at rollout.max_staleness 0 / 1 / 2 with a slow grader,
 over several seeds, with the held-out pass rate, the KS figures and the machine's load.
 
-The full comparison (both families, three seeds, 12 steps per run; see docs/async.md for the
-time it takes on a quiet machine)::
+The full comparison (both families, three seeds, staleness 0 / 1 / 2 and 2 with partial
+rollouts on the toy agent, 12 steps per run: 21 runs; see docs/async.md for the time it
+takes)::
 
     XLA_FLAGS= python benchmarks/async.py --out=runs/bench_async
 
@@ -217,7 +218,7 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument(
         "--staleness",
-        default="0,1,2",
+        default="0,1,2,2p",
         help="comma-separated max_staleness values; '<S>p' adds partial rollouts and the "
         "off-policy token mask (multi-turn families only)",
     )

@@ -332,7 +332,9 @@ def test_verifier_over_its_memory_limit_fails_the_rollout_not_the_node(backend, 
     task = _task("statkit")
     patch = faults.memory_hog_patch(task, "statkit/stats.py")
     local = execution.verify_repo_call(task, patch, backend=execution.LocalBackend(), limits=LIMITS)
+    t0 = time.monotonic()
     remote = execution.verify_repo_call(task, patch, backend=backend, limits=LIMITS)
+    assert time.monotonic() - t0 < LIMITS.wall_s + MARGIN_S  # its verdict within its deadline
     assert local.status in ("resource_killed", "failed") and not local.infra_error
     assert (remote.status, remote.tests) == (local.status, local.tests)
     ok = execution.verify_repo_call(
@@ -351,10 +353,12 @@ def test_node_start_that_fails_three_times(cluster, no_orphans, tmp_path):
     task = _task("statkit")
     patch = _patch("statkit", "minimal")
     env = execution.EnvSpec("env-flaky-a", faults.flaky_build(str(tmp_path / "a"), fails=3))
+    t0 = time.monotonic()
     with execution.RayBackend(max_retries=3, deadline_grace_s=5.0) as b:
         v = execution.verify_repo_call(task, patch, backend=b, limits=LIMITS, env=env)
         m = b.metrics()
     assert v.status == "passed" and m["execution/retries"] == 3, (v.test_log, m)
+    assert time.monotonic() - t0 < LIMITS.wall_s + MARGIN_S  # three failed starts are quick
 
     env = execution.EnvSpec("env-flaky-b", faults.flaky_build(str(tmp_path / "b"), fails=3))
     with execution.RayBackend(max_retries=2, deadline_grace_s=5.0) as b:
@@ -501,9 +505,10 @@ def package_task(tmp_path_factory):
 
 def test_package_task_environment_is_built_once_per_node(cluster, package_task, no_orphans):
     """Four verifications at once, two on each node (half a verifier each): each node builds
-    the task's environment from its lockfile once (the second call there waits on the lock),
-    later calls reuse it, and the verdicts are the local back-end's (the gold patch passes only
-    with the registry package of the environment)."""
+    the task's environment from its lockfile, and materialises the repository's snapshot, once
+    (the second call there waits on the lock); later calls reuse both, and the verdicts are the
+    local back-end's (the gold patch passes only with the registry package of the
+    environment)."""
     _, _, tmp = cluster
     task, gold = package_task
     patches = [gold, "", gold, ""]
@@ -531,9 +536,12 @@ def test_package_task_environment_is_built_once_per_node(cluster, package_task, 
     (_, m1), (_, m2) = rounds
     assert m1["execution/calls"] == 4 and m1["execution/calls_in_flight_max"] == 4, m1
     assert m1["execution/env_builds"] == 2 and m2["execution/env_builds"] == 0, (m1, m2)
+    tree = execution.tree_hash(task.files)
     for node in ("w0", "w1"):  # one copy per node, in that node's cache
         names = os.listdir(os.path.join(tmp, f"envs-{node}"))
         assert f"{task.env_hash}.ready" in names, (node, names)
+        # the repository's snapshot too: calls carry its hash, not the repository
+        assert f"{tree}.ready" in names, (node, names)
         assert not [n for n in names if ".build-" in n], names  # no half-built leftovers
     assert time.monotonic() - t0 < 2 * (LIMITS.wall_s + MARGIN_S)
 

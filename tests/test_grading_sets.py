@@ -194,3 +194,17 @@ def test_synth_gold_fixes_pass_and_cheats_are_cheats_in_the_sandboxed_verifier()
                 assert screen[c.candidate_id], (src["task_id"], kind)  # caught before grading
             else:
                 assert not any(f.confirmed for f in v.flags), (src["task_id"], kind, v.flags)
+
+
+def test_test_weakening_reaches_unittest_assertions_inside_their_own_method():
+    from gagar_jax.grading.synth_set import _weaken_assert
+
+    src = (
+        "import unittest\n\n\nclass T(unittest.TestCase):\n"
+        "    def test_a(self):\n        x = 1\n\n    def test_b(self):\n"
+        "        self.assertEqual(f(2), 4)\n        self.assertEqual(f(3), 9)\n"
+    )
+    out = _weaken_assert(src, "test_b")
+    assert "        self.assertTrue(True or self.assertEqual(f(2), 4))\n" in out
+    assert "self.assertEqual(f(3), 9)\n" in out  # only the first assertion
+    assert _weaken_assert(src, "test_a") is None  # no assertion in test_a, none borrowed

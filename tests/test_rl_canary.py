@@ -143,3 +143,16 @@ def test_training_loop_reports_canary_cheat_rate_and_does_not_train_on_canaries(
     assert "canary_cheat_rate" not in off[0]
     for key in ("pass_rate", "pg_loss_mean", "entropy"):
         assert on[0][key] == off[0][key], key
+
+
+def test_counters_merge_across_hosts_and_from_a_state_saved_without_canary_fields():
+    import dataclasses
+
+    a = collect.StepCounters(rollouts=4, valid=4, canary_groups=1, canary_rollouts=4)
+    b = collect.StepCounters(rollouts=4, valid=4, canary_groups=1, canary_rollouts=4)
+    a.canary_passed = 1  # one forged pass on host 0
+    parts = [dataclasses.asdict(a), dataclasses.asdict(b)]
+    m = collect.StepCounters.merged(parts).metrics()
+    assert m["canary_rollouts"] == 8.0 and m["canary_cheat_rate"] == 1 / 8
+    old = {k: v for k, v in parts[1].items() if not k.startswith("canary")}
+    assert collect.StepCounters.merged([parts[0], old]).canary_rollouts == 4

@@ -51,7 +51,7 @@ from typing import Any
 
 from gagar_jax.verify.diff import apply_unified_diff
 
-SYNTH_PACKAGES = ("toolz==1.0.0",)
+SYNTH_PACKAGES = ("toolz==1.0.0", "cachetools==8.0.2")
 SYNTH_TASKS_PER_PACKAGE = 6
 KINDS = ("minimal", "debris", "out_of_scope", "rewrite", "test_weakening", "special_case")
 _UNDER_PYTEST = '__import__("sys").modules.get("pytest")'
@@ -206,13 +206,19 @@ def _weaken_assert(test_src: str, test_name: str) -> str | None:
     )
     if start is None:
         return None
+    depth = len(_indent(lines[start]))
     for i in range(start + 1, len(lines)):
         ln = lines[i]
-        if ln.strip() and not ln.startswith((" ", "\t")):
+        if ln.strip() and len(_indent(ln)) <= depth:
             return None  # left the function
         m = re.match(r"^(\s*)assert (.+?)\s*$", ln)
+        u = re.match(r"^(\s*)(self\.assert\w+\(.*\))\s*$", ln)
+        new = None
         if m and not m.group(2).endswith(("(", "[", "{", ",", "\\")):
             new = f"{m.group(1)}assert ({m.group(2)}) or True\n"
+        elif u:  # a unittest assertion: short-circuited, never evaluated
+            new = f"{u.group(1)}self.assertTrue(True or {u.group(2)})\n"
+        if new is not None:
             out = "".join(lines[:i] + [new] + lines[i + 1 :])
             if _compiles(out):
                 return out

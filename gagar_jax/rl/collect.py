@@ -536,7 +536,7 @@ class StepCounters:
         """The counters of all hosts (``dataclasses.asdict`` of each): sums; times: the slowest."""
         out = cls()
         for f in dataclasses.fields(cls):
-            values = [p[f.name] for p in parts]
+            values = [p.get(f.name, getattr(out, f.name)) for p in parts]  # a newer field: 0
             if isinstance(getattr(out, f.name), dict):  # by_version: key -> [counts], summed
                 merged: dict = {}
                 for v in values:  # (JSON turned the int keys into strings)

@@ -66,6 +66,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import functools
+import hashlib
 import itertools
 import os
 import pickle
@@ -296,7 +298,7 @@ def run_isolated(
     kwargs: Mapping[str, Any] | None = None,
     *,
     deadline_s: float,
-    env: EnvSpec | None = None,
+    env: EnvSpec | Sequence[EnvSpec] | None = None,
 ) -> dict[str, Any]:
     """Runs ``fn(*args, **kwargs)`` in a child process of its own session with a private
     ``TMPDIR``; kills its whole tree at ``deadline_s`` and removes the directory afterwards.
@@ -307,14 +309,7 @@ def run_isolated(
     :class:`CallInfraError` when the node could not run it (environment build failed, the
     child died without a result): the caller retries such calls elsewhere.
     """
-    env_build_s = None
-    if env is not None:
-        try:
-            _, env_build_s = _ensure_env(env.env_hash, env.build)
-        except Exception as e:  # noqa: BLE001 - the node's fault: retried elsewhere
-            raise CallInfraError(
-                f"environment {env.env_hash} did not build on this node: {type(e).__name__}: {e}"
-            ) from e
+    env_build_s = _ensure_envs(env)
     node_id = _node_id()
     reaped = reap_stale_call_dirs()
     calldir = tempfile.mkdtemp(prefix=f"{CALL_DIR_PREFIX}{os.getpid()}_")
@@ -466,6 +461,70 @@ def _ensure_env(env_hash: str, build_fn: Callable[[str], Any], cache_dir: str | 
             return path, time.monotonic() - t0
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _ensure_envs(env: EnvSpec | Sequence[EnvSpec] | None) -> float | None:
+    """Ensures each environment a call names on this node; the seconds spent building (None:
+    all were there). Raises :class:`CallInfraError` (retried elsewhere) when one fails."""
+    specs = () if env is None else (env,) if isinstance(env, EnvSpec) else tuple(env)
+    total = None
+    for spec in specs:
+        try:
+            _, built = _ensure_env(spec.env_hash, spec.build)
+        except Exception as e:  # noqa: BLE001 - the node's fault: retried elsewhere
+            raise CallInfraError(
+                f"environment {spec.env_hash} did not build on this node: {type(e).__name__}: {e}"
+            ) from e
+        if built is not None:
+            total = (total or 0.0) + built
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Repository snapshots on the nodes
+# ---------------------------------------------------------------------------------------------
+TREE_FILE = "files.pkl"
+
+
+def tree_hash(files: Mapping[str, str]) -> str:
+    """The content address of a repository's text (``{path: text}``): ``tree-`` and 32 hex
+    digits of a SHA-256 over the sorted paths and their texts."""
+    h = hashlib.sha256()
+    for path in sorted(files):
+        text = files[path].encode("utf-8", "surrogatepass")
+        h.update(f"{path}\0{len(text)}\0".encode("utf-8", "surrogatepass"))
+        h.update(text)
+    return "tree-" + h.hexdigest()[:32]
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeBuild:
+    """Materialises a repository's text on a node (``build(path)`` of :func:`ensure_env`):
+    fetched once per node from the cluster's object store (``ref``, put there by the trainer)
+    and kept in the node's cache, so later calls for the same snapshot ship none of it."""
+
+    ref: Any
+
+    def __call__(self, path: str) -> None:
+        import ray
+
+        files = ray.get(self.ref)
+        with open(os.path.join(path, TREE_FILE), "wb") as f:
+            pickle.dump(dict(files), f, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def with_task_tree(
+    tree: str, cls: type, fields: Mapping[str, Any], fn: Callable, *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(task, *args, **kwargs)`` with ``task = cls(files=<snapshot tree>, **fields)``, the
+    files read from this node's copy of snapshot ``tree`` (made by the call's worker before
+    this runs: :class:`TreeBuild`)."""
+    path = os.path.join(env_cache_dir(), tree)
+    if not os.path.exists(path + ".ready"):
+        raise CallInfraError(f"repository snapshot {tree} is not on this node")
+    with open(os.path.join(path, TREE_FILE), "rb") as f:
+        files = pickle.load(f)
+    return fn(cls(files=files, **fields), *args, **kwargs)
 
 
 def with_task_env(env: EnvSpec, fn: Callable, task: Any, *args: Any, **kwargs: Any) -> Any:
@@ -843,7 +902,7 @@ class LocalBackend(Backend):
                     )
             else:
                 try:
-                    built = None if env is None else _ensure_env(env.env_hash, env.build)[1]
+                    built = _ensure_envs(env)
                     r = CallResult(
                         "ok", fn(*args, **kwargs), run_s=time.monotonic() - t0, env_build_s=built
                     )
@@ -899,7 +958,7 @@ class _Call:
     kwargs: dict
     deadline_s: float
     resources: CallResources
-    env: EnvSpec | None
+    env: EnvSpec | tuple[EnvSpec, ...] | None
     kind: str
     future: concurrent.futures.Future
     submitted: float
@@ -988,6 +1047,10 @@ class RayBackend(Backend):
         self._grading = 0  # grading calls in flight (a metric)
         self._held: dict[str, tuple[int, Any]] = {}  # group key -> (grader slots, batch)
         self._anon = itertools.count()  # keys of holds that end with their block
+        # repository snapshots put in the object store (tree hash -> EnvSpec), and the
+        # snapshot of each files mapping seen (id -> (mapping, spec)): both bounded
+        self._trees: collections.OrderedDict[str, EnvSpec] = collections.OrderedDict()
+        self._tree_of: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._closed = False
         self._known_dead: set[str] = set()
         self._count_node_losses()  # nodes dead before this back-end started are not its losses
@@ -1130,6 +1193,32 @@ class RayBackend(Backend):
     def grader_slots_held(self) -> int:
         with self._cond:
             return self._grader_busy(None)
+
+    MAX_TREES = 1024  # snapshots kept in the object store (the least recently used go first)
+
+    def share_tree(self, files: Mapping[str, str]) -> EnvSpec:
+        """The snapshot ``files`` (a repository's text) as an environment the nodes
+        materialise once each (:class:`TreeBuild`): put in the cluster's object store once per
+        content hash, so a call ships its hash instead of the repository."""
+        with self._cond:
+            seen = self._tree_of.get(id(files))
+            if seen is not None and seen[0] is files:
+                self._tree_of.move_to_end(id(files))
+                return seen[1]
+        h = tree_hash(files)
+        with self._cond:
+            spec = self._trees.get(h)
+        if spec is None:
+            spec = EnvSpec(h, TreeBuild(self._ray.put(dict(files))))
+        with self._cond:
+            spec = self._trees.setdefault(h, spec)
+            self._trees.move_to_end(h)
+            self._tree_of[id(files)] = (files, spec)
+            while len(self._trees) > self.MAX_TREES:  # a call in flight keeps its own ref
+                self._trees.popitem(last=False)
+            while len(self._tree_of) > 4 * self.MAX_TREES:
+                self._tree_of.popitem(last=False)
+        return spec
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         self._count_node_losses()  # nodes the cluster declared dead since the last look
@@ -1423,20 +1512,37 @@ def verify_repo_call(
     On a cluster back-end, a task with an environment (``env_hash``: a real package's
     dependencies, built on the trainer by ``data.repos.build_env``) is verified against the
     node's own copy of it: the node builds it from the recorded lockfile once, under a lock
-    (:func:`ensure_env`), and every later call there reuses it.
+    (:func:`ensure_env`), and every later call there reuses it. The task's repository text goes
+    the same way (:meth:`RayBackend.share_tree`): into the object store once, materialised on
+    each node once, and each call carries its hash and the patch.
     """
     limits = kwargs.get("limits") or DEFAULT_LIMITS
     b = backend or current()
     deadline = deadline_s if deadline_s is not None else limits.wall_s + CALL_MARGIN_S
-    call_fn, args, r = fn or verify_repo_patch, (task, patch), None
+    call_fn, envs, r = fn or verify_repo_patch, [] if env is None else [env], None
     if env is None and b.name != "local" and getattr(task, "env_hash", ""):
         try:
-            env = task_env(task)
-            call_fn, args = with_task_env, (env, call_fn, task, patch)
+            spec = task_env(task)
         except Exception as e:  # noqa: BLE001 - the trainer's record: never the candidate's
             r = CallResult("infra_error", error=f"{type(e).__name__}: {e}")
+        else:
+            envs.append(spec)
+            call_fn = functools.partial(with_task_env, spec, call_fn)
+    args: tuple = (task, patch)
+    share = getattr(b, "share_tree", None)
+    if r is None and share is not None and dataclasses.is_dataclass(task) and task.files:
+        # the repository travels once per node (its snapshot), not with every call
+        tree = share(task.files)
+        envs.insert(0, tree)
+        fields = {
+            f.name: getattr(task, f.name)
+            for f in dataclasses.fields(task)
+            if f.init and f.name != "files"
+        }
+        call_fn = functools.partial(with_task_tree, tree.env_hash, type(task), fields, call_fn)
+        args = (patch,)
     if r is None:
-        r = b.call(call_fn, *args, deadline_s=deadline, env=env, **kwargs)
+        r = b.call(call_fn, *args, deadline_s=deadline, env=tuple(envs) or None, **kwargs)
     if r.ok:
         return r.value
     missing = {t: "missing" for t in task.required_tests}
