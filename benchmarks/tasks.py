@@ -3,12 +3,12 @@ environment build and reuse times.
 
 Full measurement (the goals: 200 validated tasks from 8 packages in at most 60 minutes, 100
 tasks validated with ``--runs 3`` in at most 10 minutes, both on 2 cores; needs a quiet machine,
-about 70 minutes)::
+at most about 70 minutes)::
 
     python benchmarks/tasks.py --out runs/bench_tasks_full
 
-Short version (2 packages, about 10 minutes on a loaded 2-core machine; its rates are those of
-a short run with a larger share of per-package set-up)::
+Short version (2 packages; 3.4 minutes on a 2-core machine at load average 9 to 14; its rates
+are those of a short run with a larger share of per-package set-up)::
 
     python benchmarks/tasks.py --packages cachetools==8.0.2,toolz==1.0.0 \\
         --tasks-per-package 8 --validate-tasks 16 --compare 6 --out runs/bench_tasks_short

@@ -6,7 +6,9 @@ Runs the task factory (``gagar_jax.data.synth``) on ``grading.synth_set.SYNTH_PA
 plants the candidate kinds of ``grading.synth_set`` on every task, verifies each candidate in the
 sandboxed verifier and writes ``gagar_jax/grading/sets/synth/<version>/groups.jsonl``: labels,
 patches and verifier outputs, never the package's files (rebuilt from the registry's source
-distribution when the set is loaded). ``--pool``: use a factory output made earlier
+distribution when the set is loaded) nor a patch re-emitting one of its modules (each ``rewrite``
+candidate is stored as a recipe, ``synth_set.store_candidates``, checked here to make its patch
+again on the rebuilt repository). ``--pool``: use a factory output made earlier
 (``python -m gagar_jax.data.synth --packages toolz==1.0.0 --out DIR``). About 3 minutes for the
 six toolz tasks on a loaded 2-core machine (the factory about 1.5, the verification about 1.5).
 """
@@ -96,7 +98,12 @@ def build_synth_set(
                 raise RuntimeError(
                     f"{task.task_id}: the release plus the bug patch is not the task"
                 )
-            groups.append(dataclasses.replace(lg, source=source))
+            group = dataclasses.replace(lg, source=source)
+            # The stored record: rewrite patches become recipes (an error if one cannot).
+            loaded = labelled.group_from_dict(labelled.group_to_dict(group), cache_dir)
+            if [c.patch for c in loaded.workspace.candidates] != [c.patch for c in ws.candidates]:
+                raise RuntimeError(f"{task.task_id}: the stored patches do not load as built")
+            groups.append(group)
     return groups
 
 

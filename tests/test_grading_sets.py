@@ -208,3 +208,73 @@ def test_test_weakening_reaches_unittest_assertions_inside_their_own_method():
     assert "        self.assertTrue(True or self.assertEqual(f(2), 4))\n" in out
     assert "self.assertEqual(f(3), 9)\n" in out  # only the first assertion
     assert _weaken_assert(src, "test_a") is None  # no assertion in test_a, none borrowed
+
+
+def test_synth_rewrite_patches_are_stored_as_recipes_and_load_to_their_sha256(tmp_path):
+    """No stored synth record carries a re-emitted module: the rewrite candidates are recipes,
+    made again on load to the patch whose sha256 the set records; a tampered hash is an error
+    naming the group and the candidate."""
+    import json
+
+    from gagar_jax.grading import synth_set
+
+    s = load_synth()
+    with open(labelled.set_path("synth")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    assert [r["group_id"] for r in records] == [g.workspace.group_id for g in s.groups]
+    n = 0
+    for r, lg in zip(records, s.groups):
+        for c in r["candidates"]:
+            kind = r["kinds"][c["candidate_id"]]
+            if kind == "rewrite":
+                assert "patch" not in c and c["patch_recipe"]["recipe"] == "strip_docstrings"
+                patch = lg.workspace.candidate(c["candidate_id"]).patch
+                assert synth_set.patch_sha256(patch) == c["patch_recipe"]["sha256"]
+                assert len(patch) > 2000  # the whole module, made on load
+                n += 1
+            else:  # short diffs only: no stored patch re-emits a module
+                assert len(c["patch"]) <= synth_set.MAX_STORED_PATCH, (r["group_id"], kind)
+    assert n == sum(1 for lg in s.groups for k in lg.kinds.values() if k == "rewrite") >= 6
+
+    root = tmp_path / "sets"
+    (root / "synth" / "v1").mkdir(parents=True)
+    bad = records[0]
+    cid = next(c for c, k in bad["kinds"].items() if k == "rewrite")
+    for c in bad["candidates"]:
+        if c["candidate_id"] == cid:
+            c["patch_recipe"]["sha256"] = "0" * 64
+    (root / "synth" / "v1" / "groups.jsonl").write_text(json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=rf"{bad['group_id']}.*candidate '{cid}'.*sha256"):
+        labelled.load_set("synth", root=str(root))
+
+
+def test_synth_recipe_round_trip_and_refusal_on_a_factory_style_fix():
+    """``store_candidates`` replaces a rewrite's patch by a recipe only when the recipe makes
+    the same patch again; ``load_candidates`` makes it."""
+    from gagar_jax.envs.repo import tree_patch
+    from gagar_jax.grading import synth_set
+
+    mod = '"""Doc."""\n\n\ndef add(a, b):\n    """Add."""\n    return a - b  # bug\n'
+    files = {"pkg/mod.py": mod}
+    fixed = {"pkg/mod.py": mod.replace("a - b", "a + b")}
+    rewrite = {"pkg/mod.py": synth_set._strip_docstrings(fixed["pkg/mod.py"])}
+    assert rewrite["pkg/mod.py"] == "def add(a, b):\n    return a + b\n"
+    cands = [
+        {"candidate_id": "r0", "patch": tree_patch(files, rewrite), "passed": True},
+        {"candidate_id": "r1", "patch": tree_patch(files, fixed), "passed": True},
+    ]
+    kinds = {"r0": "rewrite", "r1": "minimal"}
+    stored = synth_set.store_candidates(cands, kinds, files, "g")
+    assert stored[1] == cands[1] and "patch" not in stored[0]
+    assert stored[0]["patch_recipe"]["path"] == "pkg/mod.py"
+    assert synth_set.load_candidates(stored, kinds, files, "g") == cands
+    hand = dict(cands[0], patch=cands[0]["patch"].replace("a + b", "b + a"))
+    with pytest.raises(ValueError, match="'g' candidate 'r0'.*does not reproduce"):
+        synth_set.store_candidates([hand, cands[1]], kinds, files, "g")
+    with pytest.raises(ValueError, match="'g' candidate 'r0'.*kind 'minimal'"):
+        synth_set.store_candidates(cands[:1], kinds, files, "g")
+    big = {"pkg/mod.py": mod + "".join(f"X{i} = {i}\n" for i in range(1000))}
+    with pytest.raises(ValueError, match="'g' candidate 'r1'.*in bulk"):
+        synth_set.store_candidates(
+            [dict(cands[1], patch=tree_patch(files, big))], kinds, files, "g"
+        )

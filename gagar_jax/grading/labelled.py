@@ -161,25 +161,33 @@ def workspace_from_dict(d: Mapping[str, Any]) -> schema.GroupWorkspace:
 
 def group_to_dict(g: LabelledGroup) -> dict[str, Any]:
     """The stored record; a group with a ``source`` stores no repository files (they are
-    rebuilt from the registry when the set is loaded)."""
+    rebuilt from the registry when the set is loaded) and stores its ``rewrite`` candidates'
+    patches as recipes (``synth_set.store_candidates``)."""
     out = workspace_to_dict(g.workspace) | {
         "gold": {cid: dataclasses.asdict(x) for cid, x in sorted(g.gold.items())},
         "kinds": dict(sorted(g.kinds.items())),
     }
     if g.source is not None:
+        out["candidates"] = synth_set.store_candidates(
+            out["candidates"], g.kinds, g.workspace.repo_files, g.workspace.group_id
+        )
         out["repo_files"] = {}
         out["source"] = dict(sorted(g.source.items()))
     return out
 
 
-def group_from_dict(d: Mapping[str, Any]) -> LabelledGroup:
+def group_from_dict(d: Mapping[str, Any], cache_dir: str | None = None) -> LabelledGroup:
+    """A stored record as a group; one with a ``source`` has its repository rebuilt and its
+    recipes made into patches (``synth_set``; ``cache_dir``: the source distributions' cache)."""
     for key in ("gold", "kinds"):
         if key not in d:
             raise ValueError(f"labelled group: missing field {key!r}")
     gold = {cid: Gold(**x) for cid, x in d["gold"].items()}
     source = d.get("source")
     if source is not None:
-        d = dict(d, repo_files=synth_set.rebuild_files(source))
+        files = synth_set.rebuild_files(source, cache_dir)
+        cands = synth_set.load_candidates(d["candidates"], d["kinds"], files, d.get("group_id"))
+        d = dict(d, repo_files=files, candidates=cands)
     return LabelledGroup(workspace_from_dict(d), gold, dict(d["kinds"]), source)
 
 

@@ -33,29 +33,45 @@ outputs (test logs, monitor flags) and, per group, ``source``: the package's reg
 the bug as a patch against the pristine release. The repository itself (``repo_files``) is never
 stored: ``rebuild_files`` downloads the source distribution (``pip download``, cached under
 ``default_cache_dir()/sdists``, the task factory's cache), extracts it and applies the bug patch
-when the set is loaded.
+when the set is loaded. Nor is a ``rewrite`` candidate's patch, which re-emits a whole module of
+the package: it is stored as a recipe (``patch_recipe`` in place of ``patch``)::
+
+    {"recipe": "strip_docstrings", "base": "minimal", "path": "toolz/itertoolz.py",
+     "python": "3.11", "sha256": "<sha256 of the patch's UTF-8 bytes>"}
+
+read as: apply the group's ``minimal`` candidate's patch to the rebuilt repository, re-emit
+``path`` with ``_strip_docstrings`` and diff the result against the repository (``tree_patch``).
+``store_candidates`` writes recipes (only one that reproduces the patch exactly), and
+``load_candidates`` makes the patch again when the set is loaded, checking its sha256; the
+re-emission is ``ast.unparse`` of the running Python, whose output may change between Python
+versions, so ``python`` records the version that made it and a mismatch names it.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import os
 import re
 import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gagar_jax.verify.diff import apply_unified_diff
+from gagar_jax.verify.diff import apply_unified_diff, touched_files
 
 SYNTH_PACKAGES = ("toolz==1.0.0", "cachetools==8.0.2")
 SYNTH_TASKS_PER_PACKAGE = 6
 KINDS = ("minimal", "debris", "out_of_scope", "rewrite", "test_weakening", "special_case")
 _UNDER_PYTEST = '__import__("sys").modules.get("pytest")'
 _HEADER = re.compile(r"^(\s*)(if|elif|while)\s+(.*):\s*$")
+RECIPE_KINDS = {"rewrite": "strip_docstrings"}  # candidate kind -> the recipe that stores it
+RECIPE_BASE = "minimal"  # the kind whose patch a recipe starts from
+# The longest patch stored as text: more is the package's source in bulk (a recipe or nothing).
+MAX_STORED_PATCH = 4096
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,6 +149,131 @@ def rebuild_files(source: Mapping[str, Any], cache_dir: str | None = None) -> di
             raise ValueError(f"synth group source: missing field {key!r}")
     files = dict(pristine_files(source["package"], cache_dir))
     return apply_unified_diff(files, source["bug_patch"])
+
+
+# ------------------------------------------------------------------------------------------------
+# patches stored as recipes
+# ------------------------------------------------------------------------------------------------
+
+
+def patch_sha256(patch: str) -> str:
+    return hashlib.sha256(patch.encode("utf-8")).hexdigest()
+
+
+def recipe_patch(recipe: Mapping[str, Any], files: Mapping[str, str], base_patch: str) -> str:
+    """The patch ``recipe`` stands for on the repository ``files``; ``base_patch``: the patch of
+    the group's ``recipe["base"]`` candidate. The sha256 is not checked here."""
+    from gagar_jax.envs.repo import tree_patch
+
+    for key in ("recipe", "base", "path"):
+        if key not in recipe:
+            raise ValueError(f"patch_recipe: missing field {key!r} (got {sorted(recipe)})")
+    if recipe["recipe"] != "strip_docstrings":
+        raise ValueError(
+            f"patch_recipe.recipe: expected one of {sorted(set(RECIPE_KINDS.values()))}, "
+            f"got {recipe['recipe']!r}"
+        )
+    base = apply_unified_diff(dict(files), base_patch)
+    path = recipe["path"]
+    if path not in base:
+        raise ValueError(f"patch_recipe.path: {path!r} is not a file of the repository")
+    return tree_patch(files, dict(base, **{path: _strip_docstrings(base[path])}))
+
+
+def _base_patch(candidates: Sequence[Mapping[str, Any]], kinds: Mapping[str, str], base: str):
+    found = [c for c in candidates if kinds.get(c["candidate_id"]) == base]
+    if len(found) != 1 or "patch" not in found[0]:
+        raise ValueError(f"expected one candidate of kind {base!r} with a stored patch")
+    return found[0]["patch"]
+
+
+def store_candidates(
+    candidates: Sequence[Mapping[str, Any]],
+    kinds: Mapping[str, str],
+    files: Mapping[str, str],
+    group_id: str,
+) -> list[dict[str, Any]]:
+    """The stored candidate records of a synth group: each candidate of a kind in
+    ``RECIPE_KINDS`` has its ``patch`` replaced by a ``patch_recipe`` that reproduces it on
+    ``files`` (the rebuilt repository); one that does not, or any other patch longer than
+    ``MAX_STORED_PATCH`` characters, is an error: the package's source is never stored in
+    bulk."""
+    out = []
+    for c in candidates:
+        c = dict(c)
+        name = RECIPE_KINDS.get(kinds.get(c["candidate_id"], ""))
+        where = f"synth group {group_id!r} candidate {c['candidate_id']!r}"
+        if name is None and len(c.get("patch", "")) > MAX_STORED_PATCH:
+            raise ValueError(
+                f"{where}: a {len(c['patch'])}-character patch of kind "
+                f"{kinds.get(c['candidate_id'])!r} would store the package's source in bulk "
+                f"(at most {MAX_STORED_PATCH} characters are stored as text)"
+            )
+        if name is not None and "patch" in c:
+            paths = touched_files(c["patch"])
+            try:
+                if len(paths) != 1:
+                    raise ValueError(f"a recipe re-emits one file, the patch touches {paths}")
+                recipe = {
+                    "recipe": name,
+                    "base": RECIPE_BASE,
+                    "path": paths[0],
+                    "python": "{}.{}".format(*sys.version_info[:2]),
+                    "sha256": patch_sha256(c["patch"]),
+                }
+                made = recipe_patch(recipe, files, _base_patch(candidates, kinds, RECIPE_BASE))
+            except ValueError as e:
+                raise ValueError(f"{where}: cannot be stored as a recipe: {e}") from e
+            if made != c["patch"]:
+                raise ValueError(
+                    f"{where}: the {name!r} recipe does not reproduce its patch "
+                    f"({len(made)} vs {len(c['patch'])} characters); not stored"
+                )
+            del c["patch"]
+            c["patch_recipe"] = recipe
+        out.append(c)
+    return out
+
+
+def load_candidates(
+    candidates: Sequence[Mapping[str, Any]],
+    kinds: Mapping[str, str],
+    files: Mapping[str, str],
+    group_id: str,
+) -> list[dict[str, Any]]:
+    """The candidate records with every ``patch_recipe`` made into its ``patch`` on ``files``
+    (the rebuilt repository); a patch whose sha256 differs from the recorded one is an error
+    naming the group, the candidate and the Python versions."""
+    out = []
+    for c in candidates:
+        c = dict(c)
+        recipe = c.pop("patch_recipe", None)
+        if recipe is not None:
+            where = f"synth group {group_id!r} candidate {c['candidate_id']!r}"
+            if "patch" in c:
+                raise ValueError(f"{where}: both 'patch' and 'patch_recipe' are stored")
+            if not isinstance(recipe, Mapping) or not isinstance(recipe.get("sha256"), str):
+                raise ValueError(
+                    f"{where}: patch_recipe: expected an object with a 'sha256' string, "
+                    f"got {recipe!r}"
+                )
+            try:
+                base = _base_patch(candidates, kinds, recipe.get("base", ""))
+                patch = recipe_patch(recipe, files, base)
+            except ValueError as e:
+                raise ValueError(f"{where}: patch_recipe: {e}") from e
+            got = patch_sha256(patch)
+            if got != recipe["sha256"]:
+                running = "{}.{}".format(*sys.version_info[:2])
+                raise ValueError(
+                    f"{where}: the patch made by its {recipe['recipe']!r} recipe has sha256 "
+                    f"{got}, the set records {recipe['sha256']} (recipe made with Python "
+                    f"{recipe.get('python', '?')}, running {running}: ast.unparse output "
+                    "differs between Python versions)"
+                )
+            c["patch"] = patch
+        out.append(c)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
