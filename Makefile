@@ -62,9 +62,9 @@ test-e2e: setup system-deps sglang-venv
 	$(PY) -m pytest -q -m "e2e and sglang" tests
 
 # The quick check before a commit: no end-to-end runs, no SGLang server, no Ray cluster, no
-# system packages or second venv needed.
+# system packages or second venv needed, and no `slow` unit test (`make test` runs those).
 test-unit: setup
-	$(PY) -m pytest -q -n 2 -m "not e2e and not sglang and not ray and not bench" tests
+	$(PY) -m pytest -q -n 2 -m "not e2e and not sglang and not ray and not bench and not slow" tests
 
 # The race's equal-work check on all three frameworks (builds the TRL and Tunix venvs: minutes).
 bench-check: setup

@@ -13,6 +13,10 @@ from jax.sharding import PartitionSpec as P
 from gagar_jax.advantages import mean_centered
 from gagar_jax.advantages import multiturn as mt
 
+# Compiled once per shape and static argument (the hypothesis strategies draw from 8 shapes):
+# eager calls re-trace the vmapped group sums and dispatch every operation on every example.
+per_turn_jit = jax.jit(mt.per_turn_advantages, static_argnames=("baseline", "num_groups"))
+
 
 def _episodes(lengths, rewards, max_turns):
     """One group: per-turn reward lists -> [1, K, L] rewards and prefix masks."""
@@ -89,12 +93,12 @@ def episode_groups(draw):
 @given(episode_groups(), st.sampled_from(mt.BASELINES))
 def test_matches_reference_and_flat_layout(batch, baseline):
     r, m = batch
-    a = np.asarray(mt.per_turn_advantages(r, m, baseline=baseline))
+    a = np.asarray(per_turn_jit(r, m, baseline=baseline))
     np.testing.assert_allclose(a, _reference(r, m, baseline), atol=1e-5)
     assert np.all(a[~m] == 0) and np.all(np.isfinite(a))
     g, k, lmax = r.shape
     perm = np.random.default_rng(0).permutation(g * k)
-    flat = mt.per_turn_advantages(
+    flat = per_turn_jit(
         r.reshape(g * k, lmax)[perm],
         m.reshape(g * k, lmax)[perm],
         baseline=baseline,
@@ -107,7 +111,7 @@ def test_matches_reference_and_flat_layout(batch, baseline):
 @given(episode_groups())
 def test_first_turn_is_mean_centred_return_and_sums_to_zero(batch):
     r, m = batch
-    a = np.asarray(mt.per_turn_advantages(r, m))
+    a = np.asarray(per_turn_jit(r, m))
     live = m.any(-1)
     returns = np.where(m, r, 0).sum(-1)
     np.testing.assert_allclose(a[..., 0], mean_centered(returns, live), atol=1e-5)

@@ -255,6 +255,7 @@ def test_relative_extra_pythonpath_is_a_tree_directory_not_an_infra_error():
     assert v.status == "infra_error"
 
 
+@pytest.mark.e2e  # runs the validate command-line tool in a process of its own
 def test_validate_cli_writes_one_line_per_instance(tmp_path):
     repos_dir, cache = str(tmp_path / "repos"), str(tmp_path / "cache")
     base = {

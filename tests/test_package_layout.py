@@ -48,7 +48,7 @@ DEPENDS_ON = {
 KNOWN_EXCEPTIONS = {
     # the grader-quality harness builds its labelled sets from the families' tasks and picks the
     # toy check runner by set name
-    ("grading", "envs"): "grading/labelled.py, grading/eval.py, grading/panel.py",
+    ("grading", "envs"): "grading/{labelled,synth_set,eval,panel}.py",
     # task pools and feedback records built from the families' tasks
     ("data", "envs"): "data/tfds_builders.py, data/feedback.py, data/audit.py",
     # the LLM simulated user parses feedback records
