@@ -183,7 +183,7 @@ class KernelsTest(chex.TestCase, parameterized.TestCase):
         np.testing.assert_array_equal(out.ok, want_ok)
 
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.product(seed=(0, 1), mode=adv.MODES)
+    @parameterized.product(seed=(0, 1), mode=adv.REDISTRIBUTION_MODES)
     def test_redistribute(self, seed, mode):
         r, v, rng = self._batch(seed)
         a = ref.mean_centered(r, v)
@@ -204,7 +204,7 @@ class KernelsTest(chex.TestCase, parameterized.TestCase):
         self.assertEqual(out.shape, (1, 3, 4))
 
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.product(seed=(0, 1), estimator=adv.ESTIMATORS, mode=adv.MODES)
+    @parameterized.product(seed=(0, 1), estimator=adv.ESTIMATORS, mode=adv.REDISTRIBUTION_MODES)
     def test_pipeline(self, seed, estimator, mode):
         r, v, rng = self._batch(seed, g=8, k=6)
         cheat = rng.random(r.shape) < 0.1
