@@ -9,6 +9,7 @@ deadline plus a margin, the same verdicts (and update batch) as the ``local`` ba
 
 import dataclasses
 import functools
+import json
 import os
 import tempfile
 import threading
@@ -488,16 +489,23 @@ def test_a_call_that_cannot_be_shipped_is_an_infra_error_not_a_hang(backend):
 
 
 @pytest.fixture(scope="module")
-def package_task(tmp_path_factory):
-    """A real-package task (``tests/swe_fixtures.py``: a ``src/`` layout whose hidden test imports
-    ``cachetools`` from the registry), its environment built on the trainer as the loader does."""
+def package_row(tmp_path_factory):
+    """A real-package row (``tests/swe_fixtures.py``: a ``src/`` layout whose hidden test imports
+    ``cachetools`` from the registry): (repositories directory, cache directory, the row)."""
     from swe_fixtures import src_layout_row
-
-    from gagar_jax.data import swe
 
     tmp = tmp_path_factory.mktemp("package_task")
     repos_dir, cache = str(tmp / "repos"), str(tmp / "cache")
-    inst = swe.parse_instance(src_layout_row(repos_dir))
+    return repos_dir, cache, src_layout_row(repos_dir)
+
+
+@pytest.fixture(scope="module")
+def package_task(package_row):
+    """The real-package row's task, its environment built on the trainer as the loader does."""
+    from gagar_jax.data import swe
+
+    repos_dir, cache, row = package_row
+    inst = swe.parse_instance(row)
     task = swe.to_repo_task(inst, repos_dir, cache_dir=cache)
     assert task.env_hash and os.path.isdir(task.env_path)
     return task, inst.patch
@@ -734,3 +742,53 @@ def test_grader_checks_of_a_package_task_see_the_nodes_environment(cluster, pack
     assert "5 " + task.env_path in local.log, local.log  # the trainer's environment
     assert "5 " in remote.log and "/envs-w" in remote.log, remote.log  # the node's
     assert m["execution/calls"] == 1 and m["execution/infra_errors"] == 0, m
+
+
+def test_task_validation_on_the_cluster_gives_the_local_report(
+    cluster, package_row, no_orphans, tmp_path, monkeypatch
+):
+    """``python -m gagar_jax.data.swe validate --execution ray``: every (row, patch, run) is one
+    call on the cluster's nodes (each builds the task's environment from its lockfile), at most
+    ``--max-inflight`` at once, and the report is the local one line for line (timing aside)."""
+    from gagar_jax.data import swe
+
+    repos_dir, cache, row = package_row
+    rows = tmp_path / "rows.jsonl"  # two rows: the second one is prepared while the first runs
+    again = {**row, "instance_id": row["instance_id"] + "-again"}
+    rows.write_text("".join(json.dumps(r) + "\n" for r in (row, again)))
+    made, real = [], execution.make_backend  # the command's back-end, kept for its counters
+    monkeypatch.setattr(
+        execution, "make_backend", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1]
+    )
+    args = ["validate", "--instances", str(rows), "--repos", repos_dir, "--cache", cache]
+    args += ["--runs", "2"]
+    ray_args = ["--execution", "ray", "--ray-address", cluster[0].address, "--max-inflight", "3"]
+    out = {}
+    for where, extra in (
+        ("local", ["--execution", "local"]),
+        ("ray", [*ray_args, "--resources", '{"verifier": 1}']),
+    ):
+        path = tmp_path / f"{where}.jsonl"
+        t0 = time.monotonic()
+        assert swe.main([*args, *extra, "--out", str(path)]) == 0, where
+        seconds = time.monotonic() - t0
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        assert all(x.pop("seconds") >= 0 for x in lines), lines
+        out[where] = (lines, seconds)
+    (local, _), (remote, ray_s) = out["local"], out["ray"]
+    assert [x["instance_id"] for x in local] == [row["instance_id"], again["instance_id"]]
+    for x in local:  # a sound task, validated: the gold patch passes only in its environment
+        assert (x["gold"], x["empty"], x["flaky_tests"], x["infra_errors"]) == (
+            "passed",
+            "failed",
+            [],
+            0,
+        ), x
+        assert "error" not in x and x["env_hash"], x
+    assert remote == local
+    (b,) = made
+    m = b.metrics()
+    assert m["execution/calls"] == 8 and m["execution/infra_errors"] == 0, m
+    assert 1 <= m["execution/calls_in_flight_max"] <= 3, m
+    assert m["execution/timeouts"] == 0 and m["execution/retries"] == 0, m
+    assert ray_s < 2 * (LIMITS.wall_s + MARGIN_S)

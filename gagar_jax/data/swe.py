@@ -30,7 +30,10 @@ writes one JSON line per instance ``{"instance_id", "gold", "empty", "flaky_test
 they differ), then a summary line; it exits 0 when every row was validated, whatever the
 statuses, and 1 when a row could not be (its line carries ``"error"``). The runs of all rows
 share one pool of ``--workers`` sandboxed runs (default: one per core), so the next rows are
-prepared while earlier ones run and no core idles behind one slow run.
+prepared while earlier ones run and no core idles behind one slow run. With ``--execution ray
+[--ray-address auto|local|ADDR]`` each (row, patch, run) is one call of the execution back-end
+(``gagar_jax.verify.execution``) on a Ray cluster, at most ``--max-inflight`` at once; the lines
+are the same, and a run the infrastructure failed on every attempt counts in ``infra_errors``.
 """
 
 from __future__ import annotations
@@ -608,26 +611,44 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _verify_job(task, patch: str, verify_kwargs: Mapping[str, Any]):
+def _verify_job(task, patch: str, verify_kwargs: Mapping[str, Any], backend=None):
+    """One sandboxed run of ``patch``: here (``backend`` None) or as one call of the execution
+    back-end (``verify.execution.verify_repo_call``: a cluster's deadlines, retries and node
+    environments; a call that failed for the infrastructure comes back as ``infra_error``)."""
+    if backend is None:
+        return verify_repo_patch(task, patch, run_monitor=False, **verify_kwargs)
+    from gagar_jax.verify import execution
 
-    return verify_repo_patch(task, patch, run_monitor=False, **verify_kwargs)
+    return execution.verify_repo_call(
+        task, patch, backend=backend, run_monitor=False, **verify_kwargs
+    )
+
+
+def _runs_at_once(backend, workers: int | None) -> int:
+    """Sandboxed runs in flight at once: ``workers`` (default :func:`default_workers`) here or
+    on a local back-end, the back-end's ``max_inflight`` on a cluster."""
+    if backend is not None and backend.name != "local":
+        return max(1, int(getattr(backend, "max_inflight", 1)))
+    return max(1, workers or default_workers())
 
 
 def summarise_runs(task, results: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """The report line (without timing) of ``results``: ``(kind, RepoVerification)`` pairs,
     kind ``"gold"`` or ``"empty"``. A kind's status is its runs' common status, ``"flaky"``
-    when they differ; a test is flaky when its outcome differs between runs of one kind
-    (infrastructure errors aside)."""
+    when they differ; a test is flaky when its outcome differs between runs of one kind.
+    A run that ended in an infrastructure error says nothing of the patch: it is counted in
+    ``infra_errors`` and left out of the statuses and the tests (a kind none of whose runs
+    gave a verdict has status None)."""
     out: dict[str, Any] = {"instance_id": task.task_id}
     flaky: set[str] = set()
     infra = 0
     for kind in ("gold", "empty"):
         statuses, seen = [], {}
         for v in (v for k, v in results if k == kind):
-            statuses.append(v.status)
-            infra += v.status == "infra_error"
             if v.status == "infra_error":
+                infra += 1
                 continue
+            statuses.append(v.status)
             for t, o in v.tests.items():
                 seen.setdefault(t, set()).add(o)
         flaky |= {t for t, os_ in seen.items() if len(os_) > 1}
@@ -643,14 +664,21 @@ def _jobs(task, runs: int) -> list[tuple[str, str]]:
     return [job for _ in range(runs) for job in (("gold", task.reference_patch), ("empty", ""))]
 
 
-def validate_task(task, runs: int = 3, *, workers: int = 1, **verify_kwargs) -> dict[str, Any]:
+def validate_task(
+    task, runs: int = 3, *, workers: int = 1, backend=None, **verify_kwargs
+) -> dict[str, Any]:
     """Runs the gold and the empty patch ``runs`` times (``workers`` sandboxed runs at once);
-    the report line (without timing)."""
+    the report line (without timing). ``backend``: an execution back-end
+    (``verify.execution.Backend``) whose calls run them, each (patch, run) one call, as many at
+    once as it allows (its ``max_inflight`` on a cluster); None runs them here."""
     from concurrent.futures import ThreadPoolExecutor
 
     jobs = _jobs(task, runs)
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = list(pool.map(lambda j: (j[0], _verify_job(task, j[1], verify_kwargs)), jobs))
+    n = _runs_at_once(backend, workers) if backend is not None else max(1, workers)
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        results = list(
+            pool.map(lambda j: (j[0], _verify_job(task, j[1], verify_kwargs, backend)), jobs)
+        )
     return summarise_runs(task, results)
 
 
@@ -664,6 +692,7 @@ def validate(
     log=print,
     emit=None,
     workers: int | None = None,
+    backend=None,
 ) -> tuple[list[dict], bool]:
     """Validates every row; returns (report lines, every row validated). ``emit`` gets each
     line as it is made (in the rows' order); ``log`` the summary.
@@ -672,20 +701,27 @@ def validate(
     :func:`default_workers`): while the runs of earlier rows execute, the next rows' trees
     and environments are prepared, and a slow run of one row overlaps with the runs of others.
     A line's ``seconds`` is the time from its row's preparation to its last run's end (the
-    runs of several rows overlap, so the lines' seconds add up to more than the wall time)."""
+    runs of several rows overlap, so the lines' seconds add up to more than the wall time).
+
+    ``backend`` (a ``verify.execution.Backend``, e.g. a ``RayBackend``): every (row, patch,
+    run) is one call of it (``verify_repo_call``), at most its ``max_inflight`` at once on a
+    cluster (``workers`` is then ignored); a call that failed for the infrastructure on every
+    attempt counts in the row's ``infra_errors``. None (the default) runs them here."""
     import collections
     from concurrent.futures import ThreadPoolExecutor
 
     t_all = time.monotonic()
     lines, ok = [], True
     insts = load_instances(instances_path)
-    workers = max(1, workers or default_workers())
+    workers = _runs_at_once(backend, workers)
     if not isinstance(runs, int) or runs < 1:
         raise ValueError(f"runs must be an int >= 1, got {runs!r}")
     sink = open(out_path, "w", encoding="utf-8") if out_path else None  # noqa: SIM115
     # rows whose runs are queued or running; a bound keeps the prepared trees in memory few
     pending: collections.deque = collections.deque()
     max_pending = 2 * workers + 1
+    if backend is not None and backend.name != "local":  # enough rows to fill the cluster
+        max_pending = 2 * -(-workers // (2 * runs)) + 1
 
     def finish(entry) -> None:
         nonlocal ok
@@ -724,7 +760,7 @@ def validate(
                 try:
                     task = to_repo_task(inst, repos_dir, cache_dir=cache_dir)
                     futures = [
-                        (kind, pool.submit(_verify_job, task, patch, {}))
+                        (kind, pool.submit(_verify_job, task, patch, {}, backend))
                         for kind, patch in _jobs(task, runs)
                     ]
                     pending.append((inst, t0, task, futures, None))
@@ -736,6 +772,7 @@ def validate(
         if sink:
             sink.close()
     n = len(lines)
+    where = f" on the {backend.name} back-end" if backend is not None else ""
     good = sum(
         1
         for r in lines
@@ -743,8 +780,9 @@ def validate(
     )
     log(
         f"validated {sum('error' not in r for r in lines)}/{n} instances in "
-        f"{time.monotonic() - t_all:.1f}s ({workers} runs at once): {good} sound (gold passed, "
-        f"empty failed, not flaky), {sum(bool(r['flaky_tests']) for r in lines)} flaky, "
+        f"{time.monotonic() - t_all:.1f}s ({workers} runs at once{where}): {good} sound "
+        f"(gold passed, empty failed, not flaky), "
+        f"{sum(bool(r['flaky_tests']) for r in lines)} flaky, "
         f"{sum(r['infra_errors'] for r in lines)} infra errors, "
         f"{sum('error' in r for r in lines)} not validated"
     )
@@ -766,21 +804,71 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--workers",
         type=int,
         default=None,
-        help="sandboxed runs at once (default: one per core, at most 4)",
+        help="sandboxed runs at once on the local back-end (default: one per core, at most 4)",
+    )
+    v.add_argument(
+        "--execution",
+        choices=("local", "ray"),
+        default="local",
+        help="where the runs go: local (threads of this process) or ray (one Ray task each, "
+        "with the execution back-end's deadlines and retries)",
+    )
+    v.add_argument(
+        "--ray-address",
+        default="auto",
+        help="with --execution ray: 'auto' (the cluster this machine belongs to), 'local' (a "
+        "one-machine cluster started here) or a cluster address (default: auto)",
+    )
+    v.add_argument(
+        "--max-inflight",
+        type=int,
+        default=64,
+        help="with --execution ray: calls on the cluster at once (default: 64)",
+    )
+    v.add_argument(
+        "--resources",
+        default="{}",
+        help="with --execution ray: custom resources each run reserves, as JSON, e.g. "
+        "'{\"verifier\": 1}' (only nodes that advertise them take the runs)",
     )
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error("--runs must be >= 1")
+    if args.max_inflight < 1:
+        ap.error("--max-inflight must be >= 1")
+    try:
+        resources = json.loads(args.resources)
+        if not isinstance(resources, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        ap.error(
+            f'--resources must be a JSON object of name -> amount, e.g. {{"verifier": 1}}: {e}'
+        )
     emit = None if args.out else (lambda rec: print(json.dumps(rec), flush=True))
-    _, ok = validate(
-        args.instances,
-        args.repos,
-        runs=args.runs,
-        out_path=args.out,
-        cache_dir=args.cache,
-        emit=emit,
-        workers=args.workers,
-    )
+    backend = None
+    if args.execution == "ray":
+        from gagar_jax.verify import execution
+
+        backend = execution.make_backend(
+            "ray",
+            ray_address=args.ray_address,
+            max_inflight=args.max_inflight,
+            resources=resources,
+        )
+    try:
+        _, ok = validate(
+            args.instances,
+            args.repos,
+            runs=args.runs,
+            out_path=args.out,
+            cache_dir=args.cache,
+            emit=emit,
+            workers=args.workers,
+            backend=backend,
+        )
+    finally:
+        if backend is not None:
+            backend.close()
     return 0 if ok else 1
 
 
