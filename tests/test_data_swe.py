@@ -303,6 +303,42 @@ def test_validate_cli_writes_one_line_per_instance(tmp_path):
 # ---- leak kinds in the agent's tree -----------------------------------------------------------
 
 
+def test_an_infra_error_run_is_counted_never_a_status():
+    """A run the infrastructure failed says nothing of the patch: it is counted in
+    ``infra_errors`` and left out of the statuses and of the flaky tests."""
+    from gagar_jax.verify.repo import RepoVerification
+
+    task = types.SimpleNamespace(task_id="t-1", env_hash="e")
+
+    def run(status, outcome):
+        return RepoVerification(status, {"t.py::test_a": outcome}, None, (), "", None)
+
+    infra = run("infra_error", "missing")
+    line = swe.summarise_runs(
+        task,
+        [
+            ("gold", run("passed", "passed")),
+            ("empty", infra),
+            ("gold", infra),
+            ("empty", run("failed", "failed")),
+        ],
+    )
+    assert line == {
+        "instance_id": "t-1",
+        "gold": "passed",
+        "empty": "failed",
+        "flaky_tests": [],
+        "infra_errors": 2,
+        "env_hash": "e",
+    }
+    only_infra = swe.summarise_runs(task, [("gold", infra), ("empty", run("failed", "failed"))])
+    assert only_infra["gold"] is None and only_infra["infra_errors"] == 1
+    mixed = swe.summarise_runs(
+        task, [("gold", run("passed", "passed")), ("gold", run("failed", "failed"))]
+    )
+    assert mixed["gold"] == "flaky" and mixed["flaky_tests"] == ["t.py::test_a"]
+
+
 def test_each_planted_leak_kind_is_caught_by_name(tmp_path):
     from gagar_jax.data import audit
 
