@@ -14,7 +14,11 @@ A mutant becomes a task only if, in the sandbox, at least one of the tests cover
 passes 3 of 3 runs, the empty patch fails 3 of 3, no run hits the wall-clock limit (the
 per-test timeout holds), and the issue text does not leak the fix (``audit.leak_kinds``). The
 issue is written from a versioned template (:data:`ISSUE_TEMPLATE_VERSION`) over the failing
-tests' output: the tests that fail and their assertion lines, never the changed code.
+tests' output: the tests that fail and their assertion lines, never the changed code. With
+``--issue-llm URL`` an OpenAI-compatible chat endpoint writes it from the same output instead
+(:class:`IssueWriter`); its text is kept only if it passes the same leak check, else the
+template's is (counted: ``issue_llm_fallbacks``; each row's ``synth.issue_source`` names the
+writer).
 
 Speed: a candidate runs only the tests covering it (sampled when many do) and a few other tests
 of the same files; its screening run counts as the first empty run and validation stops at the
