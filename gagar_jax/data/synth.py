@@ -670,7 +670,7 @@ class IssueWriter:
             package=package,
             n_fail=len(failing),
             failing=env.wrap("\n".join(f"- {t}" for t in shown), "failing test ids"),
-            test_output=env.wrap(evidence, "failing tests' assertion lines", marked=True),
+            test_output=env.wrap(evidence, "failing test assertion lines", marked=True),
             max_chars=MAX_LLM_ISSUE_CHARS,
         )
         return [{"role": "system", "content": self.system}, {"role": "user", "content": user}]
