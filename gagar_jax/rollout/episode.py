@@ -478,7 +478,7 @@ def advance_episodes(
     observation_format: str = "\n<observation>\n{}\n</observation>\n",
     observation_tokens: Callable[[str], list[int]] | None = None,
 ) -> EpisodeBatch:
-    """Runs turns ``batch.next_turn .. until_turn - 1`` of the live episodes (each turn one
+    """Runs turns ``batch.next_turn`` up to ``until_turn - 1`` of the live episodes (each turn one
     batched engine call per distinct turn budget) and returns ``batch`` (advanced in place)."""
     if len(envs) != len(batch.live):
         raise ValueError(f"{len(envs)} envs for {len(batch.live)} episodes")
