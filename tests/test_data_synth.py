@@ -406,6 +406,22 @@ def test_llm_issue_garbage_falls_back_by_name(reply, reason):
     assert writer.metrics[f"fallback_{reason}"] == 1 and writer.metrics["fallbacks"] == 1
 
 
+def test_llm_issue_that_names_no_symptom_falls_back():
+    from gagar_jax.envs.llm_user import ScriptedUserPolicy
+
+    task, template = _llm_task()
+    # fluent, leak-free and on topic in tone, but it names no failing test, function or error
+    vague = "Something is off in the package.\n\nResults look wrong since the last release."
+    assert not synth.issue_leaks(task, vague)
+    assert not synth.names_symptom(vague, LLM_F2P, LLM_LOG)
+    assert synth.names_symptom("test_add fails", LLM_F2P, LLM_LOG)
+    assert synth.names_symptom("add_totals(2, 3) is -1", LLM_F2P, LLM_LOG)
+    assert not synth.names_symptom("my_add_totals_v2 is fine", LLM_F2P, LLM_LOG)
+    writer = synth.IssueWriter(ScriptedUserPolicy([vague]))
+    assert _write(writer, task, template) == (template, synth.template_source())
+    assert writer.metrics["fallback_no_symptom"] == 1 and writer.metrics["fallbacks"] == 1
+
+
 def test_llm_issue_from_an_unreachable_endpoint_falls_back_counted():
     import socket
     import time

@@ -605,7 +605,8 @@ class IssueWriter:
     factory's leak check, the one the template text must pass); else the template text given
     (``source`` ``template@<version>``), counted in :attr:`metrics` (``fallbacks`` and
     ``fallback_<reason>``: ``client_error``, ``no_response``, ``empty``, ``too_long``,
-    ``envelope``, ``leaks``). A dead endpoint costs one failed request per task, never a task.
+    ``envelope``, ``no_symptom`` (:func:`names_symptom`), ``leaks``). A dead endpoint costs one
+    failed request per task, never a task.
 
     Args:
       client: anything with ``chat_completions(messages, *, tools, max_tokens, temperature,
@@ -700,6 +701,8 @@ class IssueWriter:
             raise _Fallback("too_long")
         if re.search(r"</?untrusted-", text, re.IGNORECASE):
             raise _Fallback("envelope")
+        if not names_symptom(text, failing, test_log):
+            raise _Fallback("no_symptom")
         return text + "\n"
 
     def write(
@@ -722,6 +725,24 @@ class IssueWriter:
             return template, template_source()
         self._count("accepted")
         return text, self.source
+
+
+_SYMPTOM_STOPWORDS = frozenset(
+    {"assert", "where", "None", "True", "False", "self", "return", "from", "with", "lambda"}
+)
+
+
+def names_symptom(text: str, failing: Sequence[str], test_log: str) -> bool:
+    """Whether ``text`` names what fails: one of the failing tests (its function's name, without
+    parameters), or a name from their assertion/exception lines (the function a failing
+    assertion called, an exception type such as ``KeyError``). An issue that names none of them
+    describes no observable symptom and is not kept."""
+    names = {t.split("::")[-1].split("[")[0] for t in failing}
+    evidence = failure_evidence(test_log, failing, max_lines=_ISSUE_EVIDENCE_LINES)
+    names |= set(re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", evidence)) - _SYMPTOM_STOPWORDS
+    return any(
+        n and re.search(rf"(?<![A-Za-z0-9_]){re.escape(n)}(?![A-Za-z0-9_])", text) for n in names
+    )
 
 
 class _Fallback(Exception):
