@@ -14,7 +14,11 @@ A mutant becomes a task only if, in the sandbox, at least one of the tests cover
 passes 3 of 3 runs, the empty patch fails 3 of 3, no run hits the wall-clock limit (the
 per-test timeout holds), and the issue text does not leak the fix (``audit.leak_kinds``). The
 issue is written from a versioned template (:data:`ISSUE_TEMPLATE_VERSION`) over the failing
-tests' output: the tests that fail and their assertion lines, never the changed code.
+tests' output: the tests that fail and their assertion lines, never the changed code. With
+``--issue-llm URL`` an OpenAI-compatible chat endpoint writes it from the same output instead
+(:class:`IssueWriter`); its text is kept only if it passes the same leak check, else the
+template's is (counted: ``issue_llm_fallbacks``; each row's ``synth.issue_source`` names the
+writer).
 
 Speed: a candidate runs only the tests covering it (sampled when many do) and a few other tests
 of the same files; its screening run counts as the first empty run and validation stops at the
@@ -35,15 +39,18 @@ import collections
 import dataclasses
 import functools
 import glob
+import importlib.resources
 import json
 import os
 import random
 import re
 import shutil
+import string
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -55,6 +62,7 @@ from gagar_jax.data import audit, repos, swe
 from gagar_jax.envs.repo import RepoTask, tree_patch
 from gagar_jax.verify.repo import env_site_packages, verify_repo_patch, write_tree
 from gagar_jax.verify.sandbox import Limits, python_for_sandbox, run_sandboxed
+from gagar_jax.verify.untrusted import Envelope
 
 ISSUE_TEMPLATE_VERSION = "synth-issue-v1"
 ISSUE_TEMPLATE = """\
@@ -566,6 +574,188 @@ def issue_text(package: str, failing: Sequence[str], test_log: str) -> str:
     )
 
 
+ISSUE_PROMPT_VERSION = "v1"
+MAX_LLM_ISSUE_CHARS = 4000
+_ISSUE_EVIDENCE_LINES = 20
+
+
+def template_source() -> str:
+    """The ``issue_source`` of a template-written issue."""
+    return f"template@{ISSUE_TEMPLATE_VERSION}"
+
+
+def load_issue_prompt(name: str, version: str = ISSUE_PROMPT_VERSION) -> str:
+    res = importlib.resources.files("gagar_jax.data") / "prompts" / version / f"{name}.md"
+    if not res.is_file():
+        raise FileNotFoundError(f"issue prompt {version}/{name}.md not found in gagar_jax.data")
+    return res.read_text(encoding="utf-8")
+
+
+class IssueWriter:
+    """Issue text asked of an OpenAI-compatible chat endpoint, checked, else the template's.
+
+    The model sees the package's name, the failing tests' ids and the assertion/exception lines
+    of their output (:func:`failure_evidence`: pytest's ``E`` lines, never the source lines a
+    traceback quotes), enclosed as untrusted data (``verify.untrusted.Envelope``); never the
+    code, the bug or the fix. Prompts are versioned files ``data/prompts/<version>/
+    synth_issue_system.md`` and ``synth_issue.md``.
+
+    :meth:`write` returns ``(text, source)``: the model's text when it is non-empty, at most
+    :data:`MAX_LLM_ISSUE_CHARS` characters, holds no envelope tag and passes ``accept`` (the
+    factory's leak check, the one the template text must pass); else the template text given
+    (``source`` ``template@<version>``), counted in :attr:`metrics` (``fallbacks`` and
+    ``fallback_<reason>``: ``client_error``, ``no_response``, ``empty``, ``too_long``,
+    ``envelope``, ``no_symptom`` (:func:`names_symptom`), ``leaks``). A dead endpoint costs one
+    failed request per task, never a task.
+
+    Args:
+      client: anything with ``chat_completions(messages, *, tools, max_tokens, temperature,
+        **extra) -> dict`` (``rollout.SGLangClient``), or an ``http(s)`` URL for one.
+      model: the ``model`` field of the request (SGLang serves one model: ``default``).
+      request_timeout_s, max_retries: for the client made from a URL.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        model: str = "default",
+        max_tokens: int = 768,
+        temperature: float = 0.0,
+        prompt_version: str = ISSUE_PROMPT_VERSION,
+        request_timeout_s: float = 120.0,
+        max_retries: int = 1,
+    ):
+        if isinstance(client, str):
+            from gagar_jax.rollout.sglang_client import SGLangClient
+
+            client = SGLangClient(
+                client,
+                max_retries=max_retries,
+                request_timeout_s=request_timeout_s,
+                max_retry_time_s=request_timeout_s,
+                backoff_max_s=2.0,
+            )
+        if not callable(getattr(client, "chat_completions", None)):
+            raise TypeError(
+                "IssueWriter.client: expected an http(s) URL or an object with "
+                f"chat_completions(messages, ...), got {type(client).__name__}"
+            )
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"IssueWriter.model: expected a non-empty string, got {model!r}")
+        if max_tokens < 1:
+            raise ValueError(f"IssueWriter.max_tokens must be >= 1, got {max_tokens}")
+        self.client = client
+        self.model = model
+        self.max_tokens = int(max_tokens)
+        self.temperature = float(temperature)
+        self.prompt_version = prompt_version
+        self.system = load_issue_prompt("synth_issue_system", prompt_version)
+        self.template = string.Template(load_issue_prompt("synth_issue", prompt_version))
+        self.source = f"llm@synth_issue/{prompt_version}"
+        self.metrics: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def _count(self, *keys: str) -> None:
+        with self._lock:
+            self.metrics.update(keys)
+
+    def messages(self, package: str, failing: Sequence[str], test_log: str) -> list[dict]:
+        """The chat request's messages: the test output enclosed in a fresh envelope."""
+        env = Envelope()
+        shown = list(failing[:20]) + (
+            [f"... and {len(failing) - 20} more"] if len(failing) > 20 else []
+        )
+        evidence = failure_evidence(test_log, failing, max_lines=_ISSUE_EVIDENCE_LINES)
+        user = self.template.substitute(
+            package=package,
+            n_fail=len(failing),
+            failing=env.wrap("\n".join(f"- {t}" for t in shown), "failing test ids"),
+            test_output=env.wrap(evidence, "failing test assertion lines", marked=True),
+            max_chars=MAX_LLM_ISSUE_CHARS,
+        )
+        return [{"role": "system", "content": self.system}, {"role": "user", "content": user}]
+
+    def _reply(self, package, failing, test_log) -> str:
+        """The model's text (stripped), or raises ``_Fallback`` naming why not."""
+        try:
+            resp = self.client.chat_completions(
+                self.messages(package, failing, test_log),
+                tools=None,
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                # SGLang serves one model, "default"; a client without a `model` keyword
+                # (a scripted policy) works with the default
+                **({"model": self.model} if self.model != "default" else {}),
+            )
+        except Exception as e:  # noqa: BLE001 - a dead or failing server falls back
+            raise _Fallback("client_error") from e
+        try:
+            text = resp["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError) as e:
+            raise _Fallback("no_response") from e
+        if not isinstance(text, str) or not text.strip():
+            raise _Fallback("empty")
+        text = text.strip()
+        if len(text) > MAX_LLM_ISSUE_CHARS:
+            raise _Fallback("too_long")
+        if re.search(r"</?untrusted-", text, re.IGNORECASE):
+            raise _Fallback("envelope")
+        if not names_symptom(text, failing, test_log):
+            raise _Fallback("no_symptom")
+        return text + "\n"
+
+    def write(
+        self,
+        package: str,
+        failing: Sequence[str],
+        test_log: str,
+        *,
+        template: str,
+        accept: Callable[[str], bool],
+    ) -> tuple[str, str]:
+        """``(issue text, issue_source)``: the model's if accepted, else ``template``'s."""
+        self._count("calls")
+        try:
+            text = self._reply(package, failing, test_log)
+            if not accept(text):
+                raise _Fallback("leaks")
+        except _Fallback as f:
+            self._count("fallbacks", f"fallback_{f.reason}")
+            return template, template_source()
+        self._count("accepted")
+        return text, self.source
+
+
+_SYMPTOM_STOPWORDS = frozenset(
+    {"assert", "where", "None", "True", "False", "self", "return", "from", "with", "lambda"}
+)
+
+
+def names_symptom(text: str, failing: Sequence[str], test_log: str) -> bool:
+    """Whether ``text`` names what fails: one of the failing tests (its function's name, without
+    parameters), or a name from their assertion/exception lines (the function a failing
+    assertion called, an exception type such as ``KeyError``). An issue that names none of them
+    describes no observable symptom and is not kept."""
+    names = {t.split("::")[-1].split("[")[0] for t in failing}
+    evidence = failure_evidence(test_log, failing, max_lines=_ISSUE_EVIDENCE_LINES)
+    names |= set(re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", evidence)) - _SYMPTOM_STOPWORDS
+    return any(
+        n and re.search(rf"(?<![A-Za-z0-9_]){re.escape(n)}(?![A-Za-z0-9_])", text) for n in names
+    )
+
+
+class _Fallback(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def issue_leaks(task: RepoTask, issue: str) -> bool:
+    """Whether ``issue`` as the task's issue text leaks its fix (``audit.leak_kinds``)."""
+    return "issue_text" in audit.leak_kinds(dataclasses.replace(task, issue=issue))
+
+
 # ---------------------------------------------------------------------------------------------
 # The factory
 # ---------------------------------------------------------------------------------------------
@@ -576,6 +766,8 @@ class Stats:
     screened: int = 0
     kept: int = 0
     p2p_dropped: int = 0  # candidates whose order-dependent pass-to-pass tests were dropped
+    issue_llm_accepted: int = 0  # tasks whose issue the LLM wrote
+    issue_llm_fallbacks: int = 0  # tasks whose LLM issue was refused: the template wrote it
     order_dependent: int = 0  # passing tests of the suite that fail in reverse order
     rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     transforms_kept: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -714,6 +906,8 @@ def make_package_tasks(
     workers: int = 1,
     max_run_s: float = 10.0,
     run_gate=None,
+    issue_llm: Any = None,
+    issue_llm_model: str = "default",
     log: Callable[[str], None] = print,
 ) -> tuple[list[dict], Stats]:
     """Tasks of one package (SWE-bench rows) and their statistics; the repository goes to
@@ -723,9 +917,12 @@ def make_package_tasks(
     semaphore shared by packages made at the same time) bounds the sandboxed runs of all of
     them. A candidate is validated with early rejection (:func:`_validate_early`); a mutant
     whose screening run takes longer than ``max_run_s`` is rejected (``slow_run``): every
-    rollout of such a task would pay for it."""
-    import threading
+    rollout of such a task would pay for it.
 
+    ``issue_llm``: None (the template writes every issue), an OpenAI-compatible endpoint's URL
+    (``issue_llm_model`` names the model) or an :class:`IssueWriter`; the model's issue is kept
+    only when it passes the leak check, else the template's is (counted in
+    ``issue_llm_fallbacks``); each row's ``synth.issue_source`` says which wrote it."""
     t0 = time.monotonic()
     name = spec.split("==")[0]
     stats = Stats(spec)
@@ -733,6 +930,11 @@ def make_package_tasks(
     work = tempfile.mkdtemp(prefix=f"gagar_synth_{name}_")
     gate = run_gate if run_gate is not None else threading.BoundedSemaphore(max(1, workers))
     rows: list[dict] = []
+    writer = (
+        issue_llm
+        if issue_llm is None or isinstance(issue_llm, IssueWriter)
+        else IssueWriter(issue_llm, model=issue_llm_model)
+    )
     try:
         sdist = download_sdist(spec, os.path.join(cache, "sdists"))
         top = extract_sdist(sdist, work)
@@ -882,8 +1084,9 @@ def make_package_tasks(
                 test_timeout_s=test_timeout_s,
                 env_hash=env.env_hash,
             )
-            if "issue_text" in audit.leak_kinds(task):
+            if issue_leaks(task, issue):
                 return reject(cand, "issue_leaks_fix")
+            issue_source = template_source()
             rep, gold = _validate_early(task, v, runs, verify, gate)
             odd = _order_dependent(gold, f2p, p2p) if rep["gold"] != "passed" else set()
             if odd and len(odd) < len(p2p):
@@ -899,6 +1102,15 @@ def make_package_tasks(
                 return reject(
                     cand, "validation_empty" if not rep["flaky_tests"] else "validation_flaky"
                 )
+            if writer is not None:  # asked only for a validated task: it is kept either way
+                issue, issue_source = writer.write(
+                    name,
+                    f2p,
+                    v.test_log,
+                    template=issue,
+                    accept=lambda text: not issue_leaks(task, text),
+                )
+                task = dataclasses.replace(task, issue=issue)
             with lock:
                 tid = f"{key}.{stats.kept + 1:04d}"
                 branch = f"task/{tid}"
@@ -932,11 +1144,17 @@ def make_package_tasks(
                             "file": path,
                             "function": func,
                             "template": ISSUE_TEMPLATE_VERSION,
+                            "issue_source": issue_source,
                         }
                     }
                 )
                 stats.kept += 1
                 stats.transforms_kept[transform] += 1
+                if writer is not None:
+                    if issue_source == template_source():
+                        stats.issue_llm_fallbacks += 1
+                    else:
+                        stats.issue_llm_accepted += 1
             log(
                 f"{spec}: task {tid} ({transform} in {path}:{func}; F2P {len(f2p)}, P2P {len(p2p)})"
             )
@@ -1100,8 +1318,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a mutant whose screening run takes longer is rejected (slow_run)",
     )
     ap.add_argument("--cache", default=None, help="sdist/environment cache directory")
+    ap.add_argument(
+        "--issue-llm",
+        default="",
+        metavar="URL",
+        help="an OpenAI-compatible chat endpoint (an SGLang server) that writes each issue from "
+        "the failing tests' output; a refused or failed answer falls back to the template",
+    )
+    ap.add_argument(
+        "--issue-llm-model", default="default", help="the model named in --issue-llm requests"
+    )
     args = ap.parse_args(argv)
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     specs = [p.strip() for p in args.packages.split(",") if p.strip()]
@@ -1112,6 +1339,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = os.getloadavg()
     workers = max(1, args.workers or swe.default_workers())
     gate = threading.BoundedSemaphore(workers)  # sandboxed runs at once, all packages together
+    writer = None
+    if args.issue_llm:
+        try:
+            writer = IssueWriter(args.issue_llm, model=args.issue_llm_model)
+        except (TypeError, ValueError) as e:
+            ap.error(f"--issue-llm: {e}")
     all_rows, all_stats = [], []
     path = os.path.join(args.out, "instances.jsonl")
 
@@ -1128,6 +1361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers=workers,
             max_run_s=args.max_run_seconds,
             run_gate=gate,
+            issue_llm=writer,
         )
 
     with open(path, "w", encoding="utf-8") as f, ThreadPoolExecutor(workers) as pool:
@@ -1152,6 +1386,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "yield": round(len(all_rows) / screened, 3) if screened else 0.0,
         "transform_mix": dict(mix),
         "template": ISSUE_TEMPLATE_VERSION,
+        "issue_llm": (
+            {"prompt": writer.source, "model": args.issue_llm_model} if writer is not None else None
+        ),
+        "issue_llm_accepted": sum(s.issue_llm_accepted for s in all_stats),
+        "issue_llm_fallbacks": sum(s.issue_llm_fallbacks for s in all_stats),
+        "issue_llm_fallback_reasons": (
+            {k: n for k, n in writer.metrics.items() if k.startswith("fallback_")} if writer else {}
+        ),
         "workers": workers,
         "cpu_seconds": round(_cpu_seconds(), 1),
         "load_start": [round(x, 2) for x in load_start],
