@@ -339,6 +339,48 @@ def test_an_infra_error_run_is_counted_never_a_status():
     assert mixed["gold"] == "flaky" and mixed["flaky_tests"] == ["t.py::test_a"]
 
 
+class _EveryCallLost:
+    """A stand-in back-end (named as such: a fault that cannot be produced on demand here)
+    whose infrastructure fails every call, as a cluster that lost all its nodes would."""
+
+    name = "stand-in"
+    max_inflight = 2
+
+    def __init__(self):
+        self.calls = 0
+
+    def call(self, fn, *args, **kwargs):
+        from gagar_jax.verify.execution import CallResult
+
+        self.calls += 1
+        return CallResult("infra_error", error="stand-in: node lost")
+
+
+def test_a_row_whose_runs_all_failed_for_the_infrastructure_is_not_validated(tmp_path):
+    repos_dir, cache = str(tmp_path / "repos"), str(tmp_path / "cache")
+    row = make_instance(
+        repos_dir,
+        "acme/flat",
+        {"m.py": "def f():\n    return 1\n"},
+        {"m.py": "def f():\n    return 2\n"},
+        {"test_new.py": "from m import f\n\n\ndef test_new():\n    assert f() == 2\n"},
+        ["test_new.py::test_new"],
+        [],
+    )
+    inst = str(tmp_path / "instances.jsonl")
+    with open(inst, "w") as f:
+        f.write(json.dumps(row) + "\n")
+    backend, said = _EveryCallLost(), []
+    lines, ok = swe.validate(
+        inst, repos_dir, runs=2, cache_dir=cache, backend=backend, log=said.append
+    )
+    assert backend.calls == 4 and not ok
+    (line,) = lines
+    assert line["gold"] is None and line["empty"] is None and line["infra_errors"] == 4
+    assert "no verdict for gold and empty" in line["error"]
+    assert "1 not validated" in said[-1]
+
+
 def test_each_planted_leak_kind_is_caught_by_name(tmp_path):
     from gagar_jax.data import audit
 

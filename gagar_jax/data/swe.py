@@ -28,7 +28,8 @@ run with no report, or whose exit status contradicts the report, is never a pass
 writes one JSON line per instance ``{"instance_id", "gold", "empty", "flaky_tests",
 "infra_errors", "env_hash", "seconds"}`` (a status is the runs' common status, ``"flaky"`` when
 they differ), then a summary line; it exits 0 when every row was validated, whatever the
-statuses, and 1 when a row could not be (its line carries ``"error"``). The runs of all rows
+statuses, and 1 when a row could not be (its line carries ``"error"``; so does a row none of
+whose gold or empty runs gave a verdict, every one an infrastructure error). The runs of all rows
 share one pool of ``--workers`` sandboxed runs (default: one per core), so the next rows are
 prepared while earlier ones run and no core idles behind one slow run. With ``--execution ray
 [--ray-address auto|local|ADDR]`` each (row, patch, run) is one call of the execution back-end
@@ -732,6 +733,14 @@ def validate(
                 rec = summarise_runs(task, results)
             except Exception as e:  # noqa: BLE001 - reported on the row's line
                 error = e
+            else:
+                lost = [k for k in ("gold", "empty") if rec[k] is None]
+                if lost:  # every run of a kind was the infrastructure's failure: no verdict
+                    ok = False
+                    rec["error"] = (
+                        f"no verdict for {' and '.join(lost)}: all {len(results) // 2} runs "
+                        "ended in an infrastructure error"
+                    )
         if error is not None:
             ok = False
             rec = {
