@@ -51,6 +51,9 @@ KNOWN_EXCEPTIONS = {
     ("grading", "envs"): "grading/{labelled,synth_set,eval,panel}.py",
     # task pools and feedback records built from the families' tasks
     ("data", "envs"): "data/tfds_builders.py, data/feedback.py, data/audit.py",
+    # the task factory's LLM issue writer talks to its endpoint through the project's
+    # OpenAI-compatible client
+    ("data", "rollout"): "data/synth.py",
     # the LLM simulated user parses feedback records
     ("envs", "data"): "envs/llm_user.py",
     # the feedback trainer writes its metrics with the RL loop's MetricsWriter
