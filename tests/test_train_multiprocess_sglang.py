@@ -168,7 +168,7 @@ def test_two_processes_share_one_server(
 
 @pytest.mark.skipif(
     os.environ.get("GAGAR_MULTIHOST_SLOW") != "1",
-    reason="make e2e's config on two processes: SFT at 768+768 tokens on both hosts, ~15 min "
+    reason="make e2e's config on two processes: SFT at 1280+768 tokens on both hosts, over 15 min "
     "on 2 cores: GAGAR_MULTIHOST_SLOW=1",
 )
 def test_e2e_config_as_two_processes_on_one_server(
