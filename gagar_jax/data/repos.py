@@ -46,7 +46,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 
 from gagar_jax.verify import execution as _execution
-from gagar_jax.verify.repo import env_site_packages
+from gagar_jax.verify.repo import env_site_packages, read_text_tree
 from gagar_jax.verify.sandbox import python_for_sandbox
 
 GIT_ENV = {
@@ -175,27 +175,6 @@ def snapshot(repos_dir: str, repo: str, commit: str, cache_dir: str | None = Non
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return os.path.join(dest, "tree")
-
-
-def read_text_tree(root: str) -> dict[str, str]:
-    """Regular UTF-8 text files under ``root`` as ``{posix path: text}``; binary files and
-    symlinks are left out (the verifier writes text trees)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__"))
-        for name in sorted(filenames):
-            full = os.path.join(dirpath, name)
-            if os.path.islink(full) or not os.path.isfile(full):
-                continue
-            try:
-                with open(full, encoding="utf-8") as f:
-                    text = f.read()
-            except (UnicodeDecodeError, OSError):
-                continue
-            if "\x00" in text:
-                continue
-            out[os.path.relpath(full, root).replace(os.sep, "/")] = text
-    return out
 
 
 def snapshot_files(

@@ -62,6 +62,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gagar_jax.verify.diff import apply_unified_diff, touched_files
+from gagar_jax.verify.repo import read_text_tree
 
 SYNTH_PACKAGES = ("toolz==1.0.0", "cachetools==8.0.2")
 SYNTH_TASKS_PER_PACKAGE = 6
@@ -116,29 +117,17 @@ def pristine_files(spec: str, cache_dir: str | None = None) -> dict[str, str]:
     """The release's UTF-8 text files, as the task factory reads them (``data.synth``: no
     ``*.egg-info``, ``PKG-INFO``, compiled or binary files)."""
     sdist = _sdist(spec, os.path.join(os.path.abspath(cache_dir or default_cache_dir()), "sdists"))
-    out = {}
     with tempfile.TemporaryDirectory(prefix="gagar_synth_set_") as work:
         with tarfile.open(sdist) as tf:
             tf.extractall(work, filter="data")
         (top,) = [d for d in os.listdir(work) if os.path.isdir(os.path.join(work, d))]
-        root = os.path.join(work, top)
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__"))
-            for name in sorted(filenames):
-                full = os.path.join(dirpath, name)
-                if os.path.islink(full) or not os.path.isfile(full):
-                    continue
-                try:
-                    with open(full, encoding="utf-8") as f:
-                        text = f.read()
-                except (UnicodeDecodeError, OSError):
-                    continue
-                rel = os.path.relpath(full, root).replace(os.sep, "/")
-                if "\x00" in text or ".egg-info/" in rel or rel == "PKG-INFO":
-                    continue
-                if not rel.endswith((".pyc", ".so")):
-                    out[rel] = text
-    return out
+        files = read_text_tree(os.path.join(work, top))
+    # the build leftovers the task factory drops too (``data.synth``)
+    return {
+        rel: text
+        for rel, text in files.items()
+        if ".egg-info/" not in rel and rel != "PKG-INFO" and not rel.endswith((".pyc", ".so"))
+    }
 
 
 def rebuild_files(source: Mapping[str, Any], cache_dir: str | None = None) -> dict[str, str]:

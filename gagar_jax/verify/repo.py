@@ -927,13 +927,29 @@ def verify_repo_patch(
     except Exception as e:  # noqa: BLE001 - a verifier/task bug must be masked, never scored
         status = "failed" if started else "infra_error"
         return RepoVerification(
-            status,
-            {t: "missing" for t in task.required_tests},
-            None,
-            (),
-            f"verifier error: {type(e).__name__}: {e}",
-            None,
+            status, _missing(task), None, (), f"verifier error: {type(e).__name__}: {e}", None
         )
+
+
+def read_text_tree(root: str) -> dict[str, str]:
+    """Regular UTF-8 text files under ``root`` as ``{posix path: text}``; binary files and
+    symlinks are left out (the verifier writes text trees)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__"))
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            if os.path.islink(full) or not os.path.isfile(full):
+                continue
+            try:
+                with open(full, encoding="utf-8") as f:
+                    text = f.read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            if "\x00" in text:
+                continue
+            out[os.path.relpath(full, root).replace(os.sep, "/")] = text
+    return out
 
 
 def tests_resolved(
