@@ -48,6 +48,17 @@ Any OpenAI-compatible endpoint works: the client only needs
 ``chat_completions(messages, *, tools, max_tokens, temperature) -> dict`` (``SGLangClient`` has
 it; so does ``scripted.ScriptedGraderPolicy``, a deterministic policy used to test this loop).
 Prompts are versioned files under ``prompts/<version>/``.
+
+Compact prompts (``COMPACT_PROMPT_VERSIONS``, ``c1``): for small models with a short context.
+No tool schemas are sent (``use_tools`` defaults to False for them) and the task message carries,
+per candidate, what ``read_summaries``, ``show_diff`` and ``read_test_log`` would return, cut
+short (``compact_details``): status, files and line counts and monitor flag rules outside the
+envelope; the diff's changed lines (first ``COMPACT_DIFF_CHARS``) and the test output (last
+``COMPACT_LOG_CHARS``) inside one untrusted envelope per passing candidate; a failed candidate is
+one line. The task text is cut to ``COMPACT_TASK_CHARS``. The verdict format, its validation and
+the voting are the same as for every other version; what a compact prompt loses is everything a
+tool would have shown beyond the cut (context lines, hunk positions, trajectories, the rest of a
+long diff or log) and the ability to run checks.
 """
 
 from __future__ import annotations
@@ -77,10 +88,14 @@ from gagar_jax.grading.schema import (
     VerdictRejected,
 )
 from gagar_jax.verify import diff, execution
-from gagar_jax.verify.untrusted import Envelope, sanitize
+from gagar_jax.verify.untrusted import Envelope, mark, sanitize
 
 PROMPT_VERSION = "v2"
 MAX_TOOL_OUTPUT_CHARS = 6000
+COMPACT_PROMPT_VERSIONS = ("c1",)  # no tool schemas; the evidence is in the task message
+COMPACT_DIFF_CHARS = 600
+COMPACT_LOG_CHARS = 300
+COMPACT_TASK_CHARS = 1000
 
 
 def load_prompt(name: str, version: str = PROMPT_VERSION) -> str:
@@ -305,7 +320,8 @@ class AgenticGrader:
       min_votes: accepted votes needed (default: a majority of ``votes``).
       seed: base seed of the anonymising shuffles.
       prompt_version: directory under ``prompts/``.
-      use_tools: send the tool schemas (False: the model must answer with the verdict JSON).
+      use_tools: send the tool schemas (False: the model must answer with the verdict JSON);
+        None: False for ``COMPACT_PROMPT_VERSIONS``, True otherwise.
     """
 
     grader_id = "agentic"
@@ -324,7 +340,7 @@ class AgenticGrader:
         min_votes: int | None = None,
         seed: int = 0,
         prompt_version: str = PROMPT_VERSION,
-        use_tools: bool = True,
+        use_tools: bool | None = None,
     ):
         if max_steps < 1:
             raise ValueError(f"AgenticGrader.max_steps must be >= 1, got {max_steps}")
@@ -348,6 +364,8 @@ class AgenticGrader:
         self.prompt_version = prompt_version
         self.system_prompt = load_prompt("system", prompt_version)
         self.task_template = string.Template(load_prompt("task", prompt_version))
+        if use_tools is None:
+            use_tools = prompt_version not in COMPACT_PROMPT_VERSIONS
         self.use_tools = use_tools
         self.version = f"{prompt_version}"
         settings = (
@@ -402,9 +420,11 @@ class AgenticGrader:
 
     # -- one episode -------------------------------------------------------------------------
 
-    def _episode(
-        self, workspace: GroupWorkspace, vote: int, cancel: threading.Event | None
-    ) -> Verdict:
+    def episode_messages(
+        self, workspace: GroupWorkspace, vote: int
+    ) -> tuple[list[dict], AnonymisedView]:
+        """The system and task messages vote ``vote`` starts from, and the anonymised view they
+        show (the aliases): exactly what ``grade`` sends first (used to log and imitate it)."""
         seed = int.from_bytes(
             hashlib.sha256(f"{self.seed}/{workspace.group_id}/{vote}".encode()).digest()[:8], "big"
         )
@@ -418,11 +438,17 @@ class AgenticGrader:
         )
         nonce = hmac.new(self._nonce_key, f"{content}/{vote}".encode(), "sha256").hexdigest()[:16]
         view = AnonymisedView(workspace, seed, Envelope(nonce))
-        temperature = self.temperature if vote == 0 else self.vote_temperature
         messages: list[dict] = [
             {"role": "system", "content": self.system_prompt},
             {"role": "user", "content": self._task_message(view)},
         ]
+        return messages, view
+
+    def _episode(
+        self, workspace: GroupWorkspace, vote: int, cancel: threading.Event | None
+    ) -> Verdict:
+        messages, view = self.episode_messages(workspace, vote)
+        temperature = self.temperature if vote == 0 else self.vote_temperature
         stats = EpisodeStats()
         deadline = time.monotonic() + self.time_budget_s
         last: VerdictRejected | None = None
@@ -571,8 +597,11 @@ class AgenticGrader:
                 }
             ]
         }
+        task = view.anonymise_text(view.workspace.task_text)
+        compact = "$details" in self.task_template.template
         return self.task_template.substitute(
-            task=view.anonymise_text(view.workspace.task_text),
+            task=_clip(task, COMPACT_TASK_CHARS) if compact else task,
+            details=compact_details(view) if compact else "",
             candidates="\n".join(lines),
             max_steps=self.max_steps,
             passing=", ".join(passing) or "none",
@@ -653,6 +682,48 @@ class AgenticGrader:
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self.metrics[key] += n
+
+
+def compact_details(view: AnonymisedView) -> str:
+    """The candidates as a compact prompt shows them (see the module docstring), in the view's
+    order: a header line per candidate (alias, status, files, line counts, monitor flag rules)
+    and, for a passing one, its changed diff lines and the tail of its test output in one
+    untrusted envelope."""
+    blocks = []
+    for c in view.order:
+        alias = view.alias_of[c.candidate_id]
+        try:
+            pp = c.parsed_patch
+            files = ", ".join(sanitize(p)[:120] for p in pp.paths) or "no files"
+            size = f"+{pp.num_added}/-{pp.num_removed}"
+        except Exception as e:  # noqa: BLE001 - this candidate's patch only
+            files, size = f"patch not readable: {type(e).__name__}", "?"
+        if not c.passed:
+            blocks.append(f"{alias} failed (background): {files} {size}")
+            continue
+        flags = "; ".join(
+            dict.fromkeys(
+                sanitize(f.rule)[:64] + (" (confirmed)" if f.confirmed else "")
+                for f in c.monitor_flags[:40]
+            )
+        )
+        changed = "\n".join(
+            ln
+            for ln in c.patch.splitlines()
+            if ln[:1] in "+-" and not ln.startswith(("+++ ", "--- "))
+        )
+        log = c.test_log.strip()
+        if len(log) > COMPACT_LOG_CHARS:
+            log = "[...] " + log[-COMPACT_LOG_CHARS:]
+        body = (
+            f"changes:\n{_clip(changed, COMPACT_DIFF_CHARS)}\ntest output:\n"
+            f"{mark(log) if log else '(none)'}"
+        )
+        blocks.append(
+            f"{alias} PASSED: {files} {size}; monitor flags: {flags or 'none'}\n"
+            + view.envelope.wrap(view.anonymise_text(body), f"{alias}")
+        )
+    return "\n".join(blocks)
 
 
 def _clip_enveloped(text: str, envelope: Envelope, limit: int = MAX_TOOL_OUTPUT_CHARS) -> str:

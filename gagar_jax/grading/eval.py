@@ -72,7 +72,7 @@ import numpy as np
 
 from gagar_jax.advantages import discount_factors, mean_centered, redistribute
 from gagar_jax.grading import labelled, schema
-from gagar_jax.grading.agentic import AgenticGrader
+from gagar_jax.grading.agentic import PROMPT_VERSION, AgenticGrader
 from gagar_jax.grading.heuristic import HeuristicGrader
 from gagar_jax.grading.panel import default_panel
 from gagar_jax.grading.pool import grade_all
@@ -697,6 +697,7 @@ def make_grader(
     max_steps: int = 6,
     max_tokens: int = 1024,
     vote_temperature: float = 0.7,
+    prompt_version: str = PROMPT_VERSION,
 ) -> Any:
     """A grader by CLI name (``GRADER_NAMES``); ``agentic`` needs ``sglang_url``."""
 
@@ -722,6 +723,7 @@ def make_grader(
             time_budget_s=120.0,
             max_steps=max_steps,
             max_tokens=max_tokens,
+            prompt_version=prompt_version,
         )
         g.token_counter = counter
         return g
@@ -829,6 +831,11 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         default=0.7,
         help="agentic grader: sampling temperature of the votes after the first (0: greedy)",
     )
+    ap.add_argument(
+        "--prompt-version",
+        default=PROMPT_VERSION,
+        help="agentic grader: prompt version (c1: compact, no tool schemas, for small models)",
+    )
     ap.add_argument("--max-steps", type=int, default=6, help="agentic grader: calls per vote")
     ap.add_argument("--max-tokens", type=int, default=1024, help="agentic grader: per call")
     ap.add_argument("--limit", type=int, default=0, help="grade only the first N groups of a set")
@@ -895,6 +902,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
                     max_steps=args.max_steps,
                     max_tokens=args.max_tokens,
                     vote_temperature=args.vote_temperature,
+                    prompt_version=args.prompt_version,
                 )
                 gset, gprobes = lset, probes
                 if gname == "agentic":

@@ -1,0 +1,273 @@
+"""Trains a small model to speak the agentic grader's protocol and measures it on a real server.
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/train_agentic_student.py --out runs/agentic_student
+    PYTHONPATH=$PWD .venv/bin/python scripts/train_agentic_student.py --out runs/agentic_student \\
+        --eval toy:heldout,repo,synth --votes 3
+    PYTHONPATH=$PWD .venv/bin/python scripts/train_agentic_student.py --smoke --out /tmp/s
+
+Steps (``gagar_jax.grading.protocol_student`` holds the pieces):
+
+1. training groups: the toy set's ``dev`` half and freshly generated toy groups (other seeds;
+   any whose task text equals one of the labelled toy groups' is dropped). Nothing of the toy
+   set's ``heldout`` half, nor of ``repo`` or ``synth``, is read before evaluation.
+2. the heuristic grader answers the agentic grader's compact prompts (``c1``) for ``--episodes``
+   votes per group (different shuffles); ``teacher_log.jsonl`` is the TeacherLog.
+3. a byte-level BPE tokenizer on those prompts and answers; a Qwen2-shaped decoder fine-tuned
+   through ``update.sft.run_sft`` on the answers; exported to ``<out>/model`` (safetensors).
+4. ``--eval``: an SGLang server (CPU, ``.venv-sglang``) serves ``<out>/model`` and the
+   grader-quality harness (``python -m gagar_jax.grading.eval``) grades the given sets with the
+   agentic grader (``--prompt-version c1``, ``--votes``, permutation probe); ``--untrained`` does
+   the same for the same architecture with its initial weights.
+
+``<out>/summary.json`` records the data sizes, the training curve, the wall times and the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def generated_toy_groups(seeds, per_difficulty, exclude_texts):
+    """Toy groups built like the labelled toy set (every patch kind, shuffled), other seeds."""
+    from gagar_jax.envs import toy, toy_grading
+
+    groups = []
+    for seed in seeds:
+        for difficulty in (1, 2, 3):
+            gen = toy.ToyTaskGenerator(seed=seed, difficulty=difficulty)
+            for i, task in enumerate(gen.tasks(per_difficulty)):
+                patches = toy.candidate_patches(task)
+                kinds = sorted(patches)
+                random.Random(f"{seed}/{difficulty}/{i}").shuffle(kinds)
+                ws = toy_grading.toy_group(
+                    task, f"gen-s{seed}-d{difficulty}-{i}", [patches[k] for k in kinds]
+                )
+                if ws.task_text not in exclude_texts:
+                    groups.append(ws)
+    return groups
+
+
+def log_line(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {msg}", flush=True)
+
+
+def train(args) -> dict:
+    from gagar_jax.grading import labelled
+    from gagar_jax.grading import protocol_student as ps
+    from gagar_jax.grading.heuristic import HeuristicGrader
+    from gagar_jax.models import save_hf_safetensors  # noqa: F401 (fail early without safetensors)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"args": vars(args), "load_start": os.getloadavg()}
+    t0 = time.monotonic()
+    toy_all = labelled.load_set("toy")
+    dev = labelled.select_split(toy_all, "dev")
+    exclude = {g.workspace.task_text for g in toy_all.groups}
+    gen = generated_toy_groups(range(1000, 1000 + args.gen_seeds), args.gen_per_difficulty, exclude)
+    groups = [g.workspace for g in dev.groups] + gen
+    summary["groups"] = {"toy_dev": len(dev.groups), "generated_toy": len(gen)}
+    log_line(f"{len(groups)} training groups ({len(dev.groups)} toy dev, {len(gen)} generated)")
+
+    log = out / "teacher_log.jsonl"
+    if log.exists():
+        log.unlink()
+    episodes = ps.record_episodes(HeuristicGrader(), groups, votes=args.episodes, log_path=log)
+    log_line(f"{len(episodes)} teacher episodes in {time.monotonic() - t0:.0f} s")
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    code = [(stdlib / f).read_text(errors="replace") for f in ("textwrap.py", "difflib.py")]
+    texts = [ps.chat_text(e.messages) + e.answer for e in episodes] + code
+    tok_dir = ps.train_tokenizer(texts, out / "tokenizer", args.vocab_size)
+    tok = ps.StudentTokenizer(tok_dir)
+    demos, dropped = ps.demonstrations(episodes, tok, max_len=args.seq_len)
+    lengths = sorted(len(p) + len(a) for p, a in demos)
+    summary["demos"] = {
+        "n": len(demos),
+        "dropped_over_seq_len": dropped,
+        "tokens_median": lengths[len(lengths) // 2],
+        "tokens_max": lengths[-1],
+        "answer_tokens_max": max(len(a) for _, a in demos),
+    }
+    log_line(f"demonstrations: {summary['demos']}")
+
+    config = ps.student_config(
+        tok.vocab_size,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        intermediate_size=3 * args.hidden,
+    )
+    summary["model"] = {"params": config.num_params, "config": config.to_hf()}
+    log_line(f"student: {config.num_params} parameters, seq_len {args.seq_len}")
+
+    curve = []
+
+    def log_fn(step, m):
+        curve.append({"step": step, **m, "load": os.getloadavg()[0]})
+        log_line(
+            f"step {step}: loss {m['sft_loss']:.3f} token acc {m['sft_token_accuracy']:.3f} "
+            f"({time.monotonic() - t_train:.0f} s)"
+        )
+
+    untrained, _ = ps.train_student(
+        demos, config, steps=0, seq_len=args.seq_len, pad_id=tok.pad_id, seed=args.seed
+    )
+    ps.export_student(untrained, config, tok_dir, str(out / "untrained"))
+    t_train = time.monotonic()
+    model, _ = ps.train_student(
+        demos,
+        config,
+        steps=args.steps,
+        seq_len=args.seq_len,
+        pad_id=tok.pad_id,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        log_fn=log_fn,
+        log_every=args.log_every,
+    )
+    summary["train_s"] = time.monotonic() - t_train
+    summary["curve"] = curve
+    ps.export_student(model, config, tok_dir, str(out / "model"))
+    summary["load_end"] = os.getloadavg()
+    summary["total_s"] = time.monotonic() - t0
+    log_line(f"trained {args.steps} steps in {summary['train_s']:.0f} s; exported {out / 'model'}")
+    return summary
+
+
+def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
+    """Serves ``model_dir`` and runs the harness CLI over ``sets`` (``name`` or ``name:split``)."""
+    from gagar_jax.rollout.sglang_server import SGLangServer
+
+    rows = []
+    server = SGLangServer(
+        model_dir,
+        context_length=4096,
+        max_total_tokens=16384,
+        max_running_requests=4,
+        model_modules=("qwen2",),
+    )
+    t0 = time.monotonic()
+    server.start(timeout_s=600)
+    log_line(f"{label}: server up in {time.monotonic() - t0:.0f} s at {server.url}")
+    try:
+        for spec in sets:
+            name, _, split = spec.partition(":")
+            cmd = [
+                sys.executable,
+                "-m",
+                "gagar_jax.grading.eval",
+                "--grader",
+                "agentic",
+                "--set",
+                name,
+                "--split",
+                split or "all",
+                "--sglang-url",
+                server.url,
+                "--prompt-version",
+                "c1",
+                "--votes",
+                str(args.votes),
+                "--vote-temperature",
+                str(args.vote_temperature),
+                "--max-steps",
+                str(args.max_steps),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--probes",
+                args.probes,
+                "--bootstrap",
+                "200",
+                "--json",
+            ]
+            if args.limit:
+                cmd += ["--limit", str(args.limit)]
+            load0 = os.getloadavg()
+            t = time.monotonic()
+            res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
+            if res.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
+            for line in res.stdout.splitlines():
+                if line.startswith("{"):
+                    row = json.loads(line)
+                    row.update(
+                        model=label,
+                        split=split or "all",
+                        eval_wall_s=time.monotonic() - t,
+                        load_before=load0,
+                        load_after=os.getloadavg(),
+                        vote_temperature=args.vote_temperature,
+                    )
+                    rows.append(row)
+                    log_line(
+                        f"{label} {spec}: kappa {row['kappa']} flip {row['flip_rate']} "
+                        f"fallback {row['fallback_rate']} s/group {row['s_per_group']:.1f}"
+                    )
+    finally:
+        server.stop()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="runs/agentic_student")
+    ap.add_argument("--smoke", action="store_true", help="a minutes-long version (tests)")
+    ap.add_argument("--skip-train", action="store_true", help="reuse <out>/model")
+    ap.add_argument("--gen-seeds", type=int, default=4)
+    ap.add_argument("--gen-per-difficulty", type=int, default=8)
+    ap.add_argument("--episodes", type=int, default=4, help="teacher votes (shuffles) per group")
+    ap.add_argument("--vocab-size", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=1536)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--eval", default="", help="comma-separated sets, e.g. toy:heldout,repo")
+    ap.add_argument("--untrained", action="store_true", help="also evaluate the initial weights")
+    ap.add_argument("--votes", type=int, default=3)
+    ap.add_argument("--vote-temperature", type=float, default=0.7)
+    ap.add_argument("--max-steps", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=768)
+    ap.add_argument("--probes", default="permute")
+    ap.add_argument("--limit", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.gen_seeds, args.gen_per_difficulty, args.episodes = 1, 4, 2
+        args.hidden, args.layers, args.steps, args.log_every = 64, 2, 20, 5
+    out = Path(args.out)
+    summary_path = out / "summary.json"
+    summary = {}
+    if args.skip_train:
+        if summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+    else:
+        summary = train(args)
+        summary_path.write_text(json.dumps(summary, indent=1, default=str))
+    if args.eval:
+        sets = [s for s in args.eval.split(",") if s]
+        rows = evaluate(out / "model", sets, args, "trained")
+        if args.untrained:
+            rows += evaluate(out / "untrained", sets, args, "untrained")
+        summary.setdefault("eval", []).extend(rows)
+        summary_path.write_text(json.dumps(summary, indent=1, default=str))
+        for r in rows:
+            print(json.dumps(r, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

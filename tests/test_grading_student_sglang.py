@@ -1,0 +1,62 @@
+"""The protocol student through a real SGLang server: it writes verdicts the agentic grader
+accepts (end to end: train, export, serve, grade; minutes on CPU).
+
+The checkpoint is ``$GAGAR_GRADER_STUDENT`` when set (a ``model`` directory written by
+``scripts/train_agentic_student.py``), else one trained here with the script's ``--smoke``
+settings. Pointing the variable at the script's ``untrained`` directory makes the test fail:
+the initial weights never write a verdict.
+"""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from sglang_fixtures import SGLANG
+
+from gagar_jax.grading import eval as harness
+from gagar_jax.grading import labelled
+from gagar_jax.grading.agentic import AgenticGrader
+from gagar_jax.rollout.sglang_client import SGLangClient
+from gagar_jax.rollout.sglang_server import SGLangServer
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [*SGLANG, pytest.mark.e2e]
+
+
+def _student(tmp_path) -> Path:
+    given = os.environ.get("GAGAR_GRADER_STUDENT")
+    if given:
+        return Path(given)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_train_student", ROOT / "scripts" / "train_agentic_student.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--smoke", "--out", str(tmp_path / "student")]) == 0
+    return tmp_path / "student" / "model"
+
+
+def test_trained_student_writes_accepted_verdicts_through_the_server(tmp_path):
+    model_dir = _student(tmp_path)
+    heldout = labelled.load_set("toy", split="heldout")
+    groups = labelled.LabelledSet(heldout.name, heldout.version, heldout.groups[:2])
+    server = SGLangServer(
+        model_dir, context_length=4096, max_total_tokens=16384, model_modules=("qwen2",)
+    )
+    server.start(timeout_s=600)
+    try:
+        client = SGLangClient(server.url, max_retries=1, request_timeout_s=300.0)
+        grader = AgenticGrader(
+            client, prompt_version="c1", votes=1, max_steps=1, max_tokens=768, time_budget_s=300
+        )
+        t0 = time.monotonic()
+        row = harness.evaluate(grader, groups, probes=(), n_boot=0)
+        print(f"{row['fallback_rate']=} {row['kappa']=} {time.monotonic() - t0:.0f} s")
+    finally:
+        server.stop()
+    # Parseable, validated verdicts for at least one of the two groups (the initial weights:
+    # fallback rate 1.0).
+    assert row["fallback_rate"] < 1.0, grader.metrics
