@@ -74,9 +74,9 @@ def render_verdict(verdict: Verdict, view: AnonymisedView) -> str:
     candidate's alias, tier, rank and cheat as given, the five scores rounded to one decimal,
     ``cheat_reason`` (its headline) only for a cheat, and the evidence the rules need, nothing
     more: one item per score below 0.5 and for a cheat, or one for the lowest score of a tier 2
-    or 3 candidate without either. Evidence names the first file of the candidate's patch (``kind: patch``
-    without a line), or, for a patch that changes no file, quotes the first line of its test
-    output (``kind: execution``).
+    or 3 candidate without either. Evidence names the first file of the candidate's patch
+    (``kind: patch`` without a line), or, for a patch that changes no file, quotes the first
+    line of its test output (``kind: execution``).
     """
     items = []
     for j in sorted(verdict.judgements, key=lambda j: int(view.alias_of[j.candidate_id][1:])):
