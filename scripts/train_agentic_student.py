@@ -123,25 +123,33 @@ def train(args) -> dict:
         demos, config, steps=0, seq_len=args.seq_len, pad_id=tok.pad_id, seed=args.seed
     )
     ps.export_student(untrained, config, tok_dir, str(out / "untrained"))
+    # Trained in rounds of --export-every steps (each a fresh warm-up and cosine decay, as
+    # run_sft schedules one call), exported after each: the latest export is always usable.
     t_train = time.monotonic()
-    model, _ = ps.train_student(
-        demos,
-        config,
-        steps=args.steps,
-        seq_len=args.seq_len,
-        pad_id=tok.pad_id,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-        log_fn=log_fn,
-        log_every=args.log_every,
-    )
-    summary["train_s"] = time.monotonic() - t_train
-    summary["curve"] = curve
-    ps.export_student(model, config, tok_dir, str(out / "model"))
+    model, done = untrained, 0
+    while done < args.steps:
+        n = min(args.export_every, args.steps - done)
+        _, _ = ps.train_student(
+            demos,
+            config,
+            steps=n,
+            seq_len=args.seq_len,
+            pad_id=tok.pad_id,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed + done,
+            log_fn=lambda step, m, base=done: log_fn(base + step, m),
+            log_every=args.log_every,
+            model=model,
+        )
+        done += n
+        ps.export_student(model, config, tok_dir, str(out / "model"))
+        summary.update(steps_done=done, train_s=time.monotonic() - t_train, curve=curve)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        log_line(f"exported {out / 'model'} after {done} steps")
     summary["load_end"] = os.getloadavg()
     summary["total_s"] = time.monotonic() - t0
-    log_line(f"trained {args.steps} steps in {summary['train_s']:.0f} s; exported {out / 'model'}")
+    log_line(f"trained {args.steps} steps in {summary['train_s']:.0f} s")
     return summary
 
 
@@ -228,14 +236,15 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-per-difficulty", type=int, default=8)
     ap.add_argument("--episodes", type=int, default=4, help="teacher votes (shuffles) per group")
     ap.add_argument("--vocab-size", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=96)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=1536)
+    ap.add_argument("--seq-len", type=int, default=1792)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--export-every", type=int, default=100, help="steps per training round")
     ap.add_argument("--eval", default="", help="comma-separated sets, e.g. toy:heldout,repo")
     ap.add_argument("--untrained", action="store_true", help="also evaluate the initial weights")
     ap.add_argument("--votes", type=int, default=3)

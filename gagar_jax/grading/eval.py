@@ -5,6 +5,8 @@ Usage::
     python -m gagar_jax.grading.eval --grader heuristic --set toy [--json]
     python -m gagar_jax.grading.eval --grader all --set all          # the comparison table
     python -m gagar_jax.grading.eval --grader agentic --set toy --sglang-url http://host:port
+    python -m gagar_jax.grading.eval --grader agentic --set toy --sglang-url http://host:port \
+        --prompt-version c1 --votes 3     # the compact prompts (small models)
 
 Every grader runs through ``GradingPool`` (one group at a time, so ``s_per_group`` is the
 grader's own time), on the frozen sets of ``grading.labelled``. One row per (grader, set), keyed

@@ -338,13 +338,14 @@ def train_student(
     seed: int = 0,
     log_fn: Callable[[int, dict], None] | None = None,
     log_every: int = 10,
+    model=None,
 ):
-    """A fresh ``config`` model fine-tuned on ``demos`` with ``update.sft.run_sft``; returns
-    ``(model, history)``."""
+    """``model`` (default: a fresh ``config`` model) fine-tuned in place on ``demos`` with
+    ``update.sft.run_sft``; returns ``(model, history)``."""
     from gagar_jax.models import create_model
     from gagar_jax.update.sft import run_sft
 
-    model = create_model(config, seed)
+    model = create_model(config, seed) if model is None else model
     history = []
     if steps > 0:
         history = run_sft(
