@@ -154,21 +154,23 @@ def train(args) -> dict:
 
 
 def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
-    """Serves ``model_dir`` and runs the harness CLI over ``sets`` (``name`` or ``name:split``)."""
+    """Serves ``model_dir`` and runs the harness CLI over ``sets`` (``name`` or ``name:split``),
+    one process per set, all at once (the server batches their requests)."""
     from gagar_jax.rollout.sglang_server import SGLangServer
 
     rows = []
     server = SGLangServer(
         model_dir,
-        context_length=4096,
-        max_total_tokens=16384,
-        max_running_requests=4,
+        context_length=8192,
+        max_total_tokens=32768,
+        max_running_requests=8,
         model_modules=("qwen2",),
     )
     t0 = time.monotonic()
     server.start(timeout_s=600)
     log_line(f"{label}: server up in {time.monotonic() - t0:.0f} s at {server.url}")
     try:
+        procs = []
         for spec in sets:
             name, _, split = spec.partition(":")
             cmd = [
@@ -201,18 +203,22 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
             ]
             if args.limit:
                 cmd += ["--limit", str(args.limit)]
-            load0 = os.getloadavg()
-            t = time.monotonic()
-            res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
-            if res.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
-            for line in res.stdout.splitlines():
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+            )
+            procs.append((spec, split, proc, os.getloadavg(), time.monotonic()))
+        for spec, split, proc, load0, t in procs:
+            stdout, stderr = proc.communicate()
+            if proc.returncode != 0:
+                raise RuntimeError(f"eval of {spec} failed:\n{stderr[-4000:]}")
+            for line in stdout.splitlines():
                 if line.startswith("{"):
                     row = json.loads(line)
                     row.update(
                         model=label,
                         split=split or "all",
                         eval_wall_s=time.monotonic() - t,
+                        concurrent_sets=len(sets),
                         load_before=load0,
                         load_after=os.getloadavg(),
                         vote_temperature=args.vote_temperature,

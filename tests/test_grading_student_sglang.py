@@ -44,7 +44,7 @@ def test_trained_student_writes_accepted_verdicts_through_the_server(tmp_path):
     heldout = labelled.load_set("toy", split="heldout")
     groups = labelled.LabelledSet(heldout.name, heldout.version, heldout.groups[:2])
     server = SGLangServer(
-        model_dir, context_length=4096, max_total_tokens=16384, model_modules=("qwen2",)
+        model_dir, context_length=8192, max_total_tokens=32768, model_modules=("qwen2",)
     )
     server.start(timeout_s=600)
     try:

@@ -34,7 +34,9 @@ groups in the JSON output, ``<key>_ci``):
   much of it the grader's errors move to the wrong candidates. A group whose grading fell back
   keeps its original advantages (what training does), so a fallback costs its group's full split.
 * ``s_per_group``: grading seconds per group; ``tokens_per_group`` (JSON): model tokens per group
-  from the endpoint's ``usage`` (0 for graders without a model); ``fallback_rate``.
+  from the endpoint's ``usage`` (0 for graders without a model); ``fallback_rate``;
+  ``flip_pairs`` (JSON): the candidate pairs ``flip_rate`` is over (groups whose grading and
+  permuted grading were both accepted).
 
 Metamorphic probes (``PROBES``; each a transformed copy of every group it applies to):
 
@@ -349,6 +351,7 @@ def metrics(outcomes: Sequence[GroupOutcome]) -> dict[str, float]:
         "accuracy_baseline": float(np.mean(gt == base)) if gt.size else math.nan,
         "fallback_rate": 1.0 - len(graded) / n,
         "tokens_per_group": sum(o.tokens for o in outcomes) / n,
+        "flip_pairs": pairs,  # candidate pairs flip_rate is over (both gradings accepted)
     }
 
 

@@ -308,7 +308,7 @@ def student_config(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 384,
-    max_position_embeddings: int = 4096,
+    max_position_embeddings: int = 8192,
 ):
     """A small Qwen2-shaped decoder (q/k/v biases, untied embeddings)."""
     from gagar_jax.models import TransformerConfig
