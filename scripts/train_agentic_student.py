@@ -149,7 +149,7 @@ def train(args) -> dict:
         log_line(f"exported {out / 'model'} after {done} steps")
     summary["load_end"] = os.getloadavg()
     summary["total_s"] = time.monotonic() - t0
-    log_line(f"trained {args.steps} steps in {summary['train_s']:.0f} s")
+    log_line(f"trained {args.steps} steps in {time.monotonic() - t_train:.0f} s")
     return summary
 
 
@@ -238,9 +238,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/agentic_student")
     ap.add_argument("--smoke", action="store_true", help="a minutes-long version (tests)")
     ap.add_argument("--skip-train", action="store_true", help="reuse <out>/model")
-    ap.add_argument("--gen-seeds", type=int, default=4)
+    ap.add_argument("--gen-seeds", type=int, default=8)
     ap.add_argument("--gen-per-difficulty", type=int, default=8)
-    ap.add_argument("--episodes", type=int, default=4, help="teacher votes (shuffles) per group")
+    ap.add_argument("--episodes", type=int, default=3, help="teacher votes (shuffles) per group")
     ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=96)
     ap.add_argument("--layers", type=int, default=4)

@@ -148,6 +148,8 @@ class ProtocolTeacher:
 
 @dataclasses.dataclass(frozen=True)
 class Episode:
+    """One model call of a recorded grading: the messages the grader sent and the answer."""
+
     group_id: str
     messages: tuple[dict, ...]  # what the grader sent (system, task)
     answer: str  # the teacher's answer, accepted by the grader
