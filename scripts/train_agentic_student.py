@@ -3,13 +3,12 @@
     PYTHONPATH=$PWD .venv/bin/python scripts/train_agentic_student.py --out runs/agentic_student
     PYTHONPATH=$PWD .venv/bin/python scripts/train_agentic_student.py --out runs/agentic_student \\
         --eval toy:heldout,repo,synth --votes 3
-    PYTHONPATH=$PWD .venv/bin/python scripts/train_agentic_student.py --smoke --out /tmp/s
 
 Steps (``gagar_jax.grading.protocol_student`` holds the pieces):
 
 1. training groups: the toy set's ``dev`` half and freshly generated toy groups (other seeds;
-   any whose task text equals one of the labelled toy groups' is dropped). Nothing of the toy
-   set's ``heldout`` half, nor of ``repo`` or ``synth``, is read before evaluation.
+   any whose task text equals one of the labelled toy groups' is dropped: the only use of the
+   ``heldout`` half before evaluation). Nothing of ``repo`` or ``synth`` is read before it.
 2. the heuristic grader answers the agentic grader's compact prompts (``c1``) for ``--episodes``
    votes per group (different shuffles); ``teacher_log.jsonl`` is the TeacherLog.
 3. a byte-level BPE tokenizer on those prompts and answers; a Qwen2-shaped decoder fine-tuned
@@ -236,7 +235,6 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="runs/agentic_student")
-    ap.add_argument("--smoke", action="store_true", help="a minutes-long version (tests)")
     ap.add_argument("--skip-train", action="store_true", help="reuse <out>/model")
     ap.add_argument("--gen-seeds", type=int, default=8)
     ap.add_argument("--gen-per-difficulty", type=int, default=8)
@@ -260,9 +258,6 @@ def main(argv=None) -> int:
     ap.add_argument("--probes", default="permute")
     ap.add_argument("--limit", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.gen_seeds, args.gen_per_difficulty, args.episodes = 1, 4, 2
-        args.hidden, args.layers, args.steps, args.log_every = 64, 2, 20, 5
     out = Path(args.out)
     summary_path = out / "summary.json"
     summary = {}

@@ -2,9 +2,9 @@
 accepts (end to end: train, export, serve, grade; minutes on CPU).
 
 The checkpoint is ``$GAGAR_GRADER_STUDENT`` when set (a ``model`` directory written by
-``scripts/train_agentic_student.py``), else one trained here with the script's ``--smoke``
-settings. Pointing the variable at the script's ``untrained`` directory makes the test fail:
-the initial weights never write a verdict.
+``scripts/train_agentic_student.py``), else one trained here by that script with its defaults
+and ``TEST_STEPS`` steps. Pointing the variable at the script's ``untrained`` directory makes
+the test fail: the initial weights never write a verdict.
 """
 
 import os
@@ -22,6 +22,7 @@ from gagar_jax.rollout.sglang_server import SGLangServer
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [*SGLANG, pytest.mark.e2e]
+TEST_STEPS = 100
 
 
 def _student(tmp_path) -> Path:
@@ -35,7 +36,8 @@ def _student(tmp_path) -> Path:
     )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.main(["--smoke", "--out", str(tmp_path / "student")]) == 0
+    out = str(tmp_path / "student")
+    assert script.main(["--out", out, "--steps", str(TEST_STEPS), "--export-every", "100"]) == 0
     return tmp_path / "student" / "model"
 
 
