@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import sysconfig
 import time
@@ -126,6 +125,13 @@ def train(args) -> dict:
     # run_sft schedules one call), exported after each: the latest export is always usable.
     t_train = time.monotonic()
     model, done = untrained, 0
+    if args.resume:  # continue from <out>/model (same data, tokenizer and config)
+        from gagar_jax.models import load_hf_safetensors
+
+        _, model = load_hf_safetensors(str(out / "model"))
+        done = args.resume
+        args.steps += done
+        curve = summary["curve"] = json.loads((out / "summary.json").read_text()).get("curve", [])
     while done < args.steps:
         n = min(args.export_every, args.steps - done)
         _, _ = ps.train_student(
@@ -153,82 +159,95 @@ def train(args) -> dict:
 
 
 def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
-    """Serves ``model_dir`` and runs the harness CLI over ``sets`` (``name`` or ``name:split``),
-    one process per set, all at once (the server batches their requests)."""
+    """Serves ``model_dir`` and grades ``sets`` (``name`` or ``name:split``) with the agentic
+    grader through the harness, ``--workers`` groups at a time (one grader per group, the
+    server batching their requests); one harness row per set, as the CLI writes it."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gagar_jax.grading import eval as harness
+    from gagar_jax.grading import labelled
     from gagar_jax.rollout.sglang_server import SGLangServer
 
-    rows = []
+    probes = harness.PROBES if args.probes == "all" else tuple(p for p in args.probes.split(","))
+    probes = tuple(p for p in probes if p and p != "none")
     server = SGLangServer(
         model_dir,
         context_length=8192,
-        max_total_tokens=32768,
-        max_running_requests=8,
+        max_total_tokens=65536,
+        max_running_requests=max(8, args.workers),
         model_modules=("qwen2",),
     )
     t0 = time.monotonic()
     server.start(timeout_s=600)
     log_line(f"{label}: server up in {time.monotonic() - t0:.0f} s at {server.url}")
+    jobs = []
+    for spec in sets:
+        name, _, split = spec.partition(":")
+        lset = labelled.load_set(name, split=split or "all")
+        if args.limit:
+            lset = dataclasses.replace(lset, groups=lset.groups[: args.limit])
+        jobs += [(spec, lset, k) for k in range(len(lset.groups))]
+
+    def one(job):
+        spec, lset, k = job
+        grader = harness.make_grader(
+            "agentic",
+            lset.name,
+            sglang_url=server.url,
+            votes=args.votes,
+            max_steps=args.max_steps,
+            max_tokens=args.max_tokens,
+            vote_temperature=args.vote_temperature,
+            prompt_version="c1",
+        )
+        sub = dataclasses.replace(lset, groups=(lset.groups[k],))
+        row = harness.evaluate(grader, sub, probes=probes, n_boot=0)
+        log_line(f"{label} {spec} group {k}: fallback {row['fallback_rate']}")
+        return row["grader"], row["outcomes"][0], dict(grader.metrics)
+
+    load0 = os.getloadavg()
+    t = time.monotonic()
     try:
-        procs = []
-        for spec in sets:
-            name, _, split = spec.partition(":")
-            cmd = [
-                sys.executable,
-                "-m",
-                "gagar_jax.grading.eval",
-                "--grader",
-                "agentic",
-                "--set",
-                name,
-                "--split",
-                split or "all",
-                "--sglang-url",
-                server.url,
-                "--prompt-version",
-                "c1",
-                "--votes",
-                str(args.votes),
-                "--vote-temperature",
-                str(args.vote_temperature),
-                "--max-steps",
-                str(args.max_steps),
-                "--max-tokens",
-                str(args.max_tokens),
-                "--probes",
-                args.probes,
-                "--bootstrap",
-                "200",
-                "--json",
-            ]
-            if args.limit:
-                cmd += ["--limit", str(args.limit)]
-            proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
-            )
-            procs.append((spec, split, proc, os.getloadavg(), time.monotonic()))
-        for spec, split, proc, load0, t in procs:
-            stdout, stderr = proc.communicate()
-            if proc.returncode != 0:
-                raise RuntimeError(f"eval of {spec} failed:\n{stderr[-4000:]}")
-            for line in stdout.splitlines():
-                if line.startswith("{"):
-                    row = json.loads(line)
-                    row.update(
-                        model=label,
-                        split=split or "all",
-                        eval_wall_s=time.monotonic() - t,
-                        concurrent_sets=len(sets),
-                        load_before=load0,
-                        load_after=os.getloadavg(),
-                        vote_temperature=args.vote_temperature,
-                    )
-                    rows.append(row)
-                    log_line(
-                        f"{label} {spec}: kappa {row['kappa']} flip {row['flip_rate']} "
-                        f"fallback {row['fallback_rate']} s/group {row['s_per_group']:.1f}"
-                    )
+        with ThreadPoolExecutor(args.workers) as ex:
+            results = list(ex.map(one, jobs))
     finally:
         server.stop()
+    rows = []
+    for spec in sets:
+        mine = [(job, res) for job, res in zip(jobs, results) if job[0] == spec]
+        lset = mine[0][0][1]
+        outcomes = [res[1] for _, res in mine]
+        row = {"grader": mine[0][1][0], "set": lset.set_id, "groups": len(outcomes)}
+        row.update(harness.metrics(outcomes))
+        for p in probes:
+            runs = sum(o.probe_runs.get(p, 0) for o in outcomes)
+            fails = sum(o.probe_failures.get(p, 0) for o in outcomes)
+            row[f"probe/{p}"] = fails / runs if runs else float("nan")
+            row[f"probe_runs/{p}"] = runs
+        for k, ci in harness.bootstrap_ci(outcomes, 200).items():
+            row[f"{k}_ci"] = list(ci)
+        counts = {}
+        for _, res in mine:
+            for key, n in res[2].items():
+                counts[key] = counts.get(key, 0) + n
+        row.update(
+            model=label,
+            grader_counts=counts,
+            eval_wall_s=time.monotonic() - t,
+            workers=args.workers,
+            concurrent_groups=len(jobs),
+            load_before=load0,
+            load_after=os.getloadavg(),
+            vote_temperature=args.vote_temperature,
+            votes=args.votes,
+        )
+        rows.append(harness.public_row(row))
+        log_line(
+            f"{label} {spec}: kappa {row['kappa']} flip {row['flip_rate']} "
+            f"({row['flip_pairs']} pairs) fallback {row['fallback_rate']} "
+            f"s/group {row['s_per_group']:.1f}"
+        )
     return rows
 
 
@@ -236,6 +255,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="runs/agentic_student")
     ap.add_argument("--skip-train", action="store_true", help="reuse <out>/model")
+    ap.add_argument(
+        "--resume", type=int, default=0, help="continue <out>/model, trained this many steps"
+    )
     ap.add_argument("--gen-seeds", type=int, default=8)
     ap.add_argument("--gen-per-difficulty", type=int, default=8)
     ap.add_argument("--episodes", type=int, default=3, help="teacher votes (shuffles) per group")
@@ -257,6 +279,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=768)
     ap.add_argument("--probes", default="permute")
     ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=8, help="groups graded at once")
     args = ap.parse_args(argv)
     out = Path(args.out)
     summary_path = out / "summary.json"
