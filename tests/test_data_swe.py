@@ -487,7 +487,7 @@ def test_python_repo_family_trains_on_an_swe_pool(tmp_path, monkeypatch):
 def test_editing_the_named_tests_does_not_pass_a_row_without_test_patch(tmp_path):
     """Factory rows carry their tests in the base tree (empty test_patch): the files of the
     named tests are reset, so rewriting the failing assertion earns nothing."""
-    from gagar_jax.envs.repo import tree_patch
+    from gagar_jax.verify.diff import tree_patch
 
     repos_dir = str(tmp_path / "repos")
     base = {
@@ -519,7 +519,7 @@ def test_editing_the_named_tests_does_not_pass_a_row_without_test_patch(tmp_path
 def test_swesmith_layout_row_with_its_bug_branch(tmp_path):
     """A SWE-smith row: no base_commit, the bug on a branch named instance_id of the mirror,
     ``patch`` introduces the bug; the fix is derived and verifies."""
-    from gagar_jax.envs.repo import tree_patch
+    from gagar_jax.verify.diff import tree_patch
     from tests.swe_fixtures import commit_all, write
 
     repos_dir = str(tmp_path / "repos")
