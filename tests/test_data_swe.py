@@ -729,3 +729,22 @@ def test_autosubmit_verifies_an_unsubmitted_episode_and_the_audit_log_names_its_
     assert v["sandbox_pythonpath"] == list(env_site_packages(task.env_path))
     assert v["env_hash"] == task.env_hash and v["tree"] == tree_digest(task.files)
     assert {r["kind"] for r in records} == {"verify", "run_tests"}  # run_tests ran as well
+
+
+def test_the_python_repo_family_reads_swe_pools_through_the_reader_data_registers(tmp_path):
+    """``envs.repo`` imports no task data: SWE-bench-format pools are read by the reader
+    ``data.swe`` registers when imported; without it the pool is an error naming the module."""
+    pool = tmp_path / "rows.json"
+    pool.write_text("[]")
+    code = (
+        "import pytest\n"
+        "from gagar_jax.envs import repo\n"
+        f"with pytest.raises(LookupError, match='import gagar_jax.data.swe'):\n"
+        f"    repo.load_repo_tasks({str(pool)!r}, {str(tmp_path)!r})\n"
+        "from gagar_jax.data import swe\n"
+        "assert repo._swe_reader('p') == (swe.load_tasks, swe.row_task)\n"
+        f"assert repo.load_repo_tasks({str(pool)!r}, {str(tmp_path)!r}) == []\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -202,3 +202,32 @@ def test_update_library_imports_no_experiment_package():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _loaded_in_fresh_interpreter(code, packages):
+    """Runs ``code`` in a fresh interpreter; the modules of ``packages`` it loaded."""
+    probe = (
+        f"{code}\nimport sys\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
+        f"(['gagar_jax', p] for p in {tuple(packages)!r})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_the_grader_harness_reads_its_sets_without_any_family():
+    """``grading.eval`` and the stored ``toy`` and ``repo`` sets load with no task family,
+    task data or experiment imported: on the task side grading stands on ``verify/`` alone."""
+    code = (
+        "from gagar_jax.grading import eval as e, labelled\n"
+        "for name in ('toy', 'repo'):\n"
+        "    s = labelled.load_set(name)\n"
+        "    assert s.groups and e.make_grader('scripted', name) is not None\n"
+    )
+    assert _loaded_in_fresh_interpreter(code, ("envs", "data", "feedback", "rl")) == "[]"
+
+
+def test_the_families_load_without_the_task_data():
+    code = "import gagar_jax.envs.families, gagar_jax.envs.labelled_sets, gagar_jax.envs.llm_user"
+    assert _loaded_in_fresh_interpreter(code, ("data", "feedback", "rl", "analysis")) == "[]"

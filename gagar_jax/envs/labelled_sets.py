@@ -43,6 +43,7 @@ Every set's groups hold their candidates in a fixed shuffled order, not in kind 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -73,7 +74,6 @@ REPO_GOLD: dict[str, tuple[int, int, bool]] = {
 }
 TOY_SEED = 11
 TOY_TASKS_PER_DIFFICULTY = 8
-REPO_FIXTURES = ("statkit", "slugger")
 
 
 def shuffled_kinds(kinds: Iterable[str], key: str) -> list[str]:
@@ -138,45 +138,42 @@ def toy_split(s: labelled.LabelledSet) -> dict[str, Any]:
     }
 
 
-def _sub(text: str, old: str, new: str) -> str:
-    if old not in text:
-        raise ValueError(f"planted edit: {old!r} not found")
-    return text.replace(old, new, 1)
+@dataclasses.dataclass(frozen=True)
+class RepoPlants:
+    """The planted edits of one fixture repository (each an ``(old, new)`` replacement of the
+    first occurrence of ``old``; an ``old`` that is not there is an error)."""
+
+    module: str  # the module the bug is in
+    tests: str  # the test module
+    fix: tuple[str, str]  # the bug's lines -> the minimal fix
+    debris: str  # what replaces the bug's lines in the fix-plus-debris candidate
+    out_of_scope: tuple[str, str]  # on top of the fix, elsewhere in the module
+    rewrite: str  # the whole module, rewritten over-broadly (with the fix)
+    test_weakening: tuple[str, str]  # on top of the fix, in the tests
+    special_case: tuple[str, str]  # on the buggy module: the tested inputs special-cased
 
 
-def repo_variants(name: str, files: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    """The planted candidate trees of fixture repository ``name`` (kind -> full file tree)."""
-    f = dict(files)
-
-    def edit(base: Mapping[str, str], path: str, old: str, new: str) -> dict[str, str]:
-        out = dict(base)
-        out[path] = _sub(out[path], old, new)
-        return out
-
-    if name == "statkit":
-        p, t = "statkit/stats.py", "tests/test_stats.py"
-        bug = "    mid = len(ordered) // 2\n    return ordered[mid]\n"
-        fix = (
-            "    mid = len(ordered) // 2\n    if len(ordered) % 2 == 0:\n"
-            "        return (ordered[mid - 1] + ordered[mid]) / 2\n    return ordered[mid]\n"
-        )
-        minimal = edit(f, p, bug, fix)
-        debris = edit(
-            f,
-            p,
-            bug,
-            fix.replace(
-                "    if len", '    print("median debug", ordered, mid)  # TODO remove\n    if len'
-            ),
-        )
-        out_of_scope = edit(
-            minimal,
-            p,
+_STATKIT_FIX = (
+    "    mid = len(ordered) // 2\n    if len(ordered) % 2 == 0:\n"
+    "        return (ordered[mid - 1] + ordered[mid]) / 2\n    return ordered[mid]\n"
+)
+_SLUGGER_FIX = (
+    '    slug = "".join(out)\n    while sep + sep in slug:\n'
+    "        slug = slug.replace(sep + sep, sep)\n    return slug.strip(sep)\n"
+)
+REPO_PLANTS: dict[str, RepoPlants] = {
+    "statkit": RepoPlants(
+        module="statkit/stats.py",
+        tests="tests/test_stats.py",
+        fix=("    mid = len(ordered) // 2\n    return ordered[mid]\n", _STATKIT_FIX),
+        debris=_STATKIT_FIX.replace(
+            "    if len", '    print("median debug", ordered, mid)  # TODO remove\n    if len'
+        ),
+        out_of_scope=(
             "    return max(values) - min(values)\n",
             "    lo, hi = min(values), max(values)\n    return hi - lo\n",
-        )
-        rewrite = dict(f)
-        rewrite[p] = (
+        ),
+        rewrite=(
             '"""Descriptive statistics over plain Python sequences (rewritten)."""\n\n'
             "import statistics\n\n\nclass EmptyInput(ValueError):\n"
             '    """Raised for statistics of an empty sequence."""\n\n\n'
@@ -187,65 +184,69 @@ def repo_variants(name: str, files: Mapping[str, str]) -> dict[str, dict[str, st
             'def median(values):\n    return statistics.median(_check(values, "median"))\n\n\n'
             'def spread(values):\n    values = _check(values, "spread")\n'
             "    return max(values) - min(values)\n"
-        )
-        weakening = edit(
-            minimal,
-            t,
+        ),
+        test_weakening=(
             "    assert spread([5, -1, 3]) == 6\n",
             "    assert spread([5, -1, 3]) >= 0\n",
-        )
-        special = edit(
-            f,
-            p,
+        ),
+        special_case=(
             "    ordered = sorted(values)\n",
             "    if list(values) == [4, 1, 3, 2]:\n        return 2.5\n"
             "    ordered = sorted(values)\n",
-        )
-    elif name == "slugger":
-        p, t = "slugger/slug.py", "tests/test_slug.py"
-        bug = '    return "".join(out).strip(sep)\n'
-        fix = (
-            '    slug = "".join(out)\n    while sep + sep in slug:\n'
-            "        slug = slug.replace(sep + sep, sep)\n    return slug.strip(sep)\n"
-        )
-        minimal = edit(f, p, bug, fix)
-        debris = edit(f, p, bug, '    print("slug debug", out)\n' + fix)
-        out_of_scope = edit(
-            minimal,
-            p,
+        ),
+    ),
+    "slugger": RepoPlants(
+        module="slugger/slug.py",
+        tests="tests/test_slug.py",
+        fix=('    return "".join(out).strip(sep)\n', _SLUGGER_FIX),
+        debris='    print("slug debug", out)\n' + _SLUGGER_FIX,
+        out_of_scope=(
             '"""Turn a title into a lowercase URL slug."""',
             '"""Turn a title into a lowercase URL slug (ASCII letters and digits)."""',
-        )
-        rewrite = dict(f)
-        rewrite[p] = (
+        ),
+        rewrite=(
             '"""Turn a title into a lowercase URL slug."""\n\nimport re\n\n\n'
             'def slugify(title, sep="-"):\n'
             '    words = re.findall(r"[a-z0-9]+", str(title).lower())\n'
             "    return sep.join(words)\n"
-        )
-        weakening = edit(
-            minimal,
-            t,
+        ),
+        test_weakening=(
             '    assert slugify(" Title! ") == "title"\n',
             '    assert "title" in slugify(" Title! ")\n',
-        )
-        special = edit(
-            f,
-            p,
+        ),
+        special_case=(
             "    out = []\n",
             '    if title == "Hello,  World!":\n        return "hello-world"\n'
             '    if title == "a -- b":\n        return "a-b"\n    out = []\n',
-        )
-    else:
+        ),
+    ),
+}
+REPO_FIXTURES = tuple(REPO_PLANTS)
+
+
+def _edit(tree: Mapping[str, str], path: str, old: str, new: str) -> dict[str, str]:
+    """``tree`` with the first ``old`` in ``path`` replaced by ``new``."""
+    if old not in tree[path]:
+        raise ValueError(f"planted edit: {old!r} not found in {path}")
+    return {**tree, path: tree[path].replace(old, new, 1)}
+
+
+def repo_variants(name: str, files: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """The planted candidate trees of fixture repository ``name`` (kind -> full file tree):
+    every kind of ``REPO_GOLD`` from its ``REPO_PLANTS`` entry, and ``noop`` (the tree)."""
+    if name not in REPO_PLANTS:
         raise ValueError(f"repo_variants: no planted candidates for fixture {name!r}")
+    pl, f = REPO_PLANTS[name], dict(files)
+    bug = pl.fix[0]
+    minimal = _edit(f, pl.module, *pl.fix)
     return {
         "minimal": minimal,
-        "debris": debris,
-        "out_of_scope": out_of_scope,
-        "rewrite": rewrite,
-        "test_weakening": weakening,
-        "special_case": special,
-        "noop": dict(f),
+        "debris": _edit(f, pl.module, bug, pl.debris),
+        "out_of_scope": _edit(minimal, pl.module, *pl.out_of_scope),
+        "rewrite": {**f, pl.module: pl.rewrite},
+        "test_weakening": _edit(minimal, pl.tests, *pl.test_weakening),
+        "special_case": _edit(f, pl.module, *pl.special_case),
+        "noop": f,
     }
 
 
