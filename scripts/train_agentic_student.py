@@ -167,6 +167,8 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
 
     from gagar_jax.grading import eval as harness
     from gagar_jax.grading import labelled
+    from gagar_jax.grading.agentic import AgenticGrader
+    from gagar_jax.rollout.sglang_client import SGLangClient
     from gagar_jax.rollout.sglang_server import SGLangServer
 
     probes = harness.PROBES if args.probes == "all" else tuple(p for p in args.probes.split(","))
@@ -193,16 +195,21 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
         spec, lset, k = job
         if time.monotonic() > t + args.deadline_s:
             return None  # not started before the deadline: left out (rows say how many ran)
-        grader = harness.make_grader(
-            "agentic",
-            lset.name,
-            sglang_url=server.url,
+        # As harness.make_grader("agentic", ...) builds it, with time limits for a slow CPU
+        # server (a 500-token answer runs for minutes when many are decoded at once).
+        counter = harness.TokenCounter(
+            SGLangClient(server.url, max_retries=1, request_timeout_s=args.request_timeout_s)
+        )
+        grader = AgenticGrader(
+            counter,
             votes=args.votes,
+            vote_temperature=args.vote_temperature,
+            time_budget_s=args.request_timeout_s,
             max_steps=args.max_steps,
             max_tokens=args.max_tokens,
-            vote_temperature=args.vote_temperature,
             prompt_version="c1",
         )
+        grader.token_counter = counter
         sub = dataclasses.replace(lset, groups=(lset.groups[k],))
         row = harness.evaluate(grader, sub, probes=probes, n_boot=0)
         log_line(f"{label} {spec} group {k}: fallback {row['fallback_rate']}")
@@ -285,6 +292,7 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--workers", type=int, default=8, help="groups graded at once")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="start no group after this")
+    ap.add_argument("--request-timeout-s", type=float, default=900.0, help="per model call")
     args = ap.parse_args(argv)
     out = Path(args.out)
     summary_path = out / "summary.json"
