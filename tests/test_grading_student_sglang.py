@@ -22,7 +22,6 @@ from gagar_jax.grading.agentic import AgenticGrader
 from gagar_jax.rollout.sglang_client import SGLangClient
 from gagar_jax.rollout.sglang_server import SGLangServer
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [*SGLANG, pytest.mark.e2e]
 
 
