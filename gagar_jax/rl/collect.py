@@ -726,7 +726,15 @@ def _episode_setup(family, tasks, prompts, params, cfg: RunConfig, prompt_seeds=
     return envs, batch, turn_params
 
 
-def _advance(engine, family, started: StartedEpisodes, turn_params, cfg: RunConfig, until: int):
+def _advance(
+    engine,
+    family,
+    started: StartedEpisodes,
+    turn_params,
+    cfg: RunConfig,
+    until: int,
+    until_chunk: int = 0,
+):
     if cfg.task.max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {cfg.task.max_turns}")
     advance_episodes(
@@ -738,6 +746,8 @@ def _advance(engine, family, started: StartedEpisodes, turn_params, cfg: RunConf
         until_turn=until,
         max_observation_tokens=cfg.task.max_observation_tokens,
         observation_tokens=family.observation_tokens,
+        chunk_tokens=cfg.rollout.partial_chunk_tokens,
+        until_chunk=until_chunk,
     )
 
 
@@ -819,9 +829,12 @@ def start_groups(
     temperature: float,
     until_turn: int,
     prompt_seeds: list[int] | None = None,
+    until_chunk: int = 0,
 ) -> StartedEpisodes:
     """The first ``until_turn`` turns of the K episodes of each task of a multi-turn family
-    (arguments as :func:`generate_groups`, which finishes them with ``started=``)."""
+    (arguments as :func:`generate_groups`, which finishes them with ``started=``); with
+    ``rollout.partial_chunk_tokens``, then the first ``until_chunk`` chunks of the next turn
+    (episodes stopped mid-turn)."""
     if not family.multi_turn:
         raise ValueError("start_groups: partial rollouts need a multi-turn task family")
     params = _sampling_params(
@@ -837,7 +850,15 @@ def start_groups(
     started = StartedEpisodes(envs=envs, batch=batch)
     t0 = time.monotonic()
     try:
-        _advance(engine, family, started, turn_params, cfg, min(until_turn, cfg.task.max_turns))
+        _advance(
+            engine,
+            family,
+            started,
+            turn_params,
+            cfg,
+            min(until_turn, cfg.task.max_turns),
+            until_chunk if until_turn < cfg.task.max_turns else 0,
+        )
     except Exception as e:
         raise RuntimeError(
             f"rollout engine {cfg.rollout.engine!r} failed at step {step} "
