@@ -5,7 +5,9 @@
   batch's episodes are interrupted after their first turn. Killed after a checkpoint, the rerun
   replays the saved episodes into fresh environments, resumes the interrupted ones and trains
   every batch once: the same figures step by step as the uninterrupted run, no group graded
-  twice (the verdict cache is keyed by the trajectory's content) and none lost.
+  twice (the verdict cache is keyed by the trajectory's content) and none lost. The same with
+  ``rollout.partial_chunk_tokens``, where the interrupted episodes stop in the middle of their
+  first turn, and on the single-turn toy family, whose samples stop mid-sample.
 * Two ``jax.distributed`` processes (the toy family): both killed after a checkpoint, relaunched,
   and the same comparison with an uninterrupted two-process run (each host's own cache).
 * Two processes on the toy-agent family with partial rollouts and the off-policy mask: each
@@ -33,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JAX_CACHE = os.path.join(tempfile.gettempdir(), "gagar_jax_test_train_jax_cache")
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 AGENT_CONFIG = os.path.join(ROOT, "configs", "toy_agent.py")
+TOY_CONFIG = os.path.join(ROOT, "configs", "toy_gagar.py")
 KEYS = (
     "data_position",
     "policy_version",
@@ -99,11 +102,11 @@ AGENT_ARGS = [
 ]
 
 
-def _agent_cmd(workdir, *extra):
+def _agent_cmd(workdir, *extra, config=AGENT_CONFIG):
     return [
         sys.executable,
         SCRIPT,
-        f"--config={AGENT_CONFIG}:gagar,smoke",
+        f"--config={config}:gagar,smoke",
         f"--workdir={workdir}",
         f"--compilation_cache={JAX_CACHE}",
         *AGENT_ARGS,
@@ -112,15 +115,23 @@ def _agent_cmd(workdir, *extra):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("chunk", [0, 8], ids=["turn_boundary", "mid_turn"])
-def test_multi_turn_partial_rollouts_sigkill_resume_exactly(tmp_path, chunk):
-    """``chunk=8``: turns sampled in chunks of 8 tokens (the smoke config's turns take up to
-    16), and the batch that spans a sync stopped after the first chunk of its first turn."""
+@pytest.mark.parametrize(
+    "config,chunk",
+    [(AGENT_CONFIG, 0), (AGENT_CONFIG, 8), (TOY_CONFIG, 8)],
+    ids=["multi_turn_turn_boundary", "multi_turn_mid_turn", "single_turn_mid_sample"],
+)
+def test_partial_rollouts_sigkill_resume_exactly(tmp_path, config, chunk):
+    """``chunk=8``: turns (or single-turn samples) generated in chunks of 8 tokens (the smoke
+    configs' turns and responses take up to 16), and the batch that spans a sync stopped after
+    the first chunk of its first turn, mid-turn."""
+    multi_turn = config == AGENT_CONFIG
     extra = [f"--config.rollout.partial_chunk_tokens={chunk}"] if chunk else []
+
+    def cmd(workdir):
+        return _agent_cmd(workdir, *extra, config=config)
+
     ref = tmp_path / "ref"
-    r = subprocess.run(
-        _agent_cmd(ref, *extra), capture_output=True, text=True, timeout=900, cwd=ROOT
-    )
+    r = subprocess.run(cmd(ref), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     ref_rows = _rows(ref)
     # S = 2: batches 0 and 1 generated whole at version 0; batch 2 begun at version 0 before
@@ -133,7 +144,7 @@ def test_multi_turn_partial_rollouts_sigkill_resume_exactly(tmp_path, chunk):
 
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        _agent_cmd(run, *extra), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        cmd(run), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     _kill_after([proc], run / "checkpoints" / "2")
     state = read_loop_state(run / "checkpoints", 2).extra["async"]["per_host"][0]
@@ -141,7 +152,8 @@ def test_multi_turn_partial_rollouts_sigkill_resume_exactly(tmp_path, chunk):
     # finished, groups submitted) and batch 3's episodes interrupted after their first turn
     # (chunked: after the first chunk of it, some in the middle of the turn)
     assert [q["index"] for q in state["queued"]] == [2] and state["queued"][0]["groups"]
-    assert all("episode" in r for g in state["queued"][0]["groups"] for r in g["rollouts"])
+    if multi_turn:
+        assert all("episode" in r for g in state["queued"][0]["groups"] for r in g["rollouts"])
     started = state["started"]
     episodes = started["episodes"]
     assert started["index"] == 3
@@ -152,9 +164,7 @@ def test_multi_turn_partial_rollouts_sigkill_resume_exactly(tmp_path, chunk):
         assert episodes["next_turn"] == 1
     assert not all(e["finish"] for e in episodes["episodes"])
 
-    r = subprocess.run(
-        _agent_cmd(run, *extra), capture_output=True, text=True, timeout=900, cwd=ROOT
-    )
+    r = subprocess.run(cmd(run), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     _compare(_rows(run), ref_rows, 4)
     keys = _cache_keys(run)

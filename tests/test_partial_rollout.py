@@ -220,6 +220,73 @@ def test_a_turn_interrupted_mid_way_across_a_weight_sync(setup):
     )
 
 
+@pytest.fixture(scope="module")
+def single_turn():
+    """The single-turn toy family (``toy_gagar:smoke``, responses of up to 16 tokens), its
+    samples generated in chunks of ``CHUNK``."""
+    d = load_config_module("toy_gagar").get_config("smoke").to_dict()
+    d["rollout"].update(num_rollouts=K, partial_chunk_tokens=CHUNK)
+    cfg = RunConfig.from_config_dict(d)
+    family = train.build_family(cfg)
+    _, model = policy.build_model(cfg, family.tokenizer.vocab_size)
+    return cfg, family, model
+
+
+def _sample_fields(groups):
+    return [
+        (r.response_tokens, r.logprobs, r.versions(), r.finish_reason, r.passed, r.reward)
+        for g in groups
+        for r in g.rollouts
+    ]
+
+
+def test_single_turn_samples_interrupted_mid_sample(single_turn):
+    """A single-turn sample stopped after its first chunk: resumed under the same weights it
+    is the uninterrupted sample bit for bit (in the same process and from the checkpoint form);
+    resumed after a weight sync, its first chunk is version 0 and the rest version 1."""
+    cfg, family, model = single_turn
+    engine = engines.build_engine(cfg, model, workdir="", pad_id=family.tokenizer.pad_id)
+    tasks, kw = _args(cfg, family, index=(0, 1, 2, 3))
+    whole = collect.generate_groups(engine, family, tasks, id_prefix="s", **kw)
+    lengths = [len(r.response_tokens) for g in whole for r in g.rollouts]
+    assert max(lengths) > CHUNK  # some samples run past the interruption
+    started = collect.start_groups(engine, family, tasks, until_turn=0, until_chunk=1, **kw)
+    assert any(e.part_tokens for e in started.batch.live)
+    sb = asynchronous.StartedBatch(
+        index=1,
+        version=0,
+        position=0,
+        n=[4],
+        idx=[0, 1, 2, 3],
+        pos=[0, 1, 2, 3],
+        skipped=0,
+        episodes=started,
+    )
+    back = asynchronous.restore_started(
+        json.loads(json.dumps(asynchronous.started_state(sb))), family, cfg
+    )
+    resumed = collect.generate_groups(engine, family, tasks, id_prefix="s", started=started, **kw)
+    assert _sample_fields(resumed) == _sample_fields(whole)
+    again = collect.generate_groups(
+        engine, family, tasks, id_prefix="s", started=back.episodes, **kw
+    )
+    assert _sample_fields(again) == _sample_fields(whole)
+
+    started = collect.start_groups(engine, family, tasks, until_turn=0, until_chunk=1, **kw)
+    engine.sync_weights(jax.tree.map(lambda x: x * 1.5, engine.state), 1)
+    resumed = collect.generate_groups(engine, family, tasks, id_prefix="s", started=started, **kw)
+    spanning = 0
+    for g0, g1 in zip(whole, resumed):
+        for r0, r1 in zip(g0.rollouts, g1.rollouts):
+            n, k = len(r1.response_tokens), min(CHUNK, len(r1.response_tokens))
+            assert r1.response_tokens[:k] == r0.response_tokens[:k]
+            assert r1.logprobs[:k] == r0.logprobs[:k]
+            assert r1.versions() == [0] * k + [1] * (n - k)
+            assert r1.policy_version == r1.oldest_version == 0
+            spanning += n > k
+    assert spanning > 0
+
+
 def test_partial_rollout_config_errors():
     with pytest.raises(ConfigError, match="rollout.partial_rollout"):
         _cfg(partial_rollout=True)

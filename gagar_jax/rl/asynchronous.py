@@ -19,7 +19,8 @@ every RL step
    the grading fallback (``deadline``; counted as ``async/staleness_fallbacks``), never
    dropped.
 
-Partial rollouts (``rollout.partial_rollout``, multi-turn families): one slot of the bound is
+Partial rollouts (``rollout.partial_rollout``; multi-turn families, or single-turn ones whose
+samples are generated in chunks, ``rollout.partial_chunk_tokens``): one slot of the bound is
 kept for a batch that spans a weight sync. After the oldest batch leaves the queue and before
 its update, :func:`start_phase` draws the next batch's prompts and runs the first turn of its
 episodes (a :class:`StartedBatch`); the next step resumes them under the new weights
@@ -250,7 +251,7 @@ def _replay_episodes(family, tasks, saved: list[dict], cfg, next_turn: int, budg
     """Fresh environments of ``tasks`` (one per saved episode, in order) and the
     ``EpisodeBatch`` of the saved episodes, the environments replayed to their state."""
 
-    envs = [family.make_env(t) for t in tasks]
+    envs = collect.episode_envs(family, tasks)
     batch = restore_episodes(
         {"budgets": budgets, "episode_seeds": seeds, "next_turn": next_turn, "episodes": saved},
         envs,

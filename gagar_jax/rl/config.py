@@ -175,18 +175,19 @@ class RolloutConfig:
     # of a trained group may lag the trainer, generation, verification, grading and queue
     # time included (0: the synchronous loop, collect -> grade -> update -> sync each step)
     max_staleness: int = 0
-    # max_staleness > 0, multi-turn families: at each weight sync the next batch's episodes
-    # have run their first turn with the old weights and resume with the new ones (every token
-    # tagged with the version that produced it); False: a batch is generated whole with the
-    # weights of its dispatch
+    # max_staleness > 0, multi-turn families (single-turn ones with partial_chunk_tokens): at
+    # each weight sync the next batch's episodes have run their first turn (or its first chunk)
+    # with the old weights and resume with the new ones (every token tagged with the version
+    # that produced it); False: a batch is generated whole with the weights of its dispatch
     partial_rollout: bool = False
     # only the tokens of a batch's newest policy version enter the loss (older tokens of a
     # partial rollout are masked; rewards and group credit unchanged)
     mask_offpolicy_tokens: bool = False
-    # multi-turn families: each model turn sampled in chunks of at most this many tokens, each
-    # chunk one engine call seeded by (episode, turn, position in the turn), so a turn can stop
-    # between chunks and resume exactly (0: a turn is one engine call). With partial_rollout the
-    # batch that spans a weight sync stops after the first chunk of its first turn, mid-turn.
+    # each model turn (a single-turn family's sample: a one-turn episode) sampled in chunks of
+    # at most this many tokens, each chunk one engine call seeded by (episode, turn, position in
+    # the turn), so a turn can stop between chunks and resume exactly (0: a turn is one engine
+    # call). With partial_rollout the batch that spans a weight sync stops after the first
+    # chunk of its first turn, mid-turn.
     partial_chunk_tokens: int = 0
     # True: the asynchronous scheduler (dispatch queue, admission, grading across steps) runs
     # even at max_staleness=0, where it trains every batch in the step that dispatched it and

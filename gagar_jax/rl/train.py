@@ -722,12 +722,6 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             f"{hosts.count} processes (each host fills an equal block of groups)"
         )
     family = build_family(cfg)
-    if cfg.rollout.partial_chunk_tokens and not family.multi_turn:
-        raise ValueError(
-            f"rollout.partial_chunk_tokens={cfg.rollout.partial_chunk_tokens} chunks the model "
-            f"turns of a multi-turn task family; task.family={cfg.task.family!r} is single-turn "
-            "(set it to 0)"
-        )
     tok = family.tokenizer
     model_config, model = policy.build_model(cfg, tok.vocab_size)
     mesh = make_mesh(cfg.mesh.shape)
@@ -845,10 +839,15 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         aq = None
         # the asynchronous loop (rl.asynchronous); at max_staleness=0 only when asked for
         if cfg.rollout.max_staleness > 0 or cfg.rollout.async_scheduler:
-            if cfg.rollout.partial_rollout and not family.multi_turn:
+            if (
+                cfg.rollout.partial_rollout
+                and not family.multi_turn
+                and not cfg.rollout.partial_chunk_tokens
+            ):
                 raise ValueError(
-                    f"rollout.partial_rollout=True needs a multi-turn task family (episodes are "
-                    f"interrupted between turns); task.family={cfg.task.family!r} is single-turn"
+                    f"rollout.partial_rollout=True on a single-turn task family "
+                    f"(task.family={cfg.task.family!r}) needs rollout.partial_chunk_tokens > 0: "
+                    "a sample is interrupted between two chunks of its tokens"
                 )
             aq = asynchronous.AsyncQueue(
                 cfg.rollout.max_staleness,
