@@ -89,9 +89,11 @@ class Episode:
       turns: per-turn spans, texts and summaries.
       finish_reason: "submitted" (env said done), "max_turns", "max_tokens" (episode budget spent),
         "abort" (the engine gave up on a turn).
-      policy_versions: the policy version of each model turn.
+      policy_versions: the policy version of each model turn (a turn sampled in chunks across a
+        weight sync: the version it began with).
       token_versions: [T] the policy version that produced each model token (-1 on the prompt
-        and observations): one per turn, several when a weight sync fell between turns.
+        and observations): one per turn, several when a weight sync fell between turns or
+        between two chunks of a turn.
       info: the environment's final info (e.g. the patch and test results after submit).
     """
 
