@@ -20,7 +20,8 @@ import jax
 import numpy as np
 import pytest
 
-from gagar_jax.rl import policy, writers
+from gagar_jax.analysis import writers
+from gagar_jax.rl import policy
 from gagar_jax.rl.collect import build_family
 from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.resume import read_loop_state
