@@ -60,7 +60,11 @@ def test_admission_rule():
     aq.queue.append(batch())
     assert not aq.may_dispatch()  # the pool's bound: 2 + 2 > 3
     with pytest.raises(ValueError, match="max_staleness"):
-        asynchronous.AsyncQueue(0, 4, 2)
+        asynchronous.AsyncQueue(-1, 4, 2)
+    aq = asynchronous.AsyncQueue(max_staleness=0, max_inflight_groups=4, groups_per_batch=2)
+    assert aq.may_dispatch()  # S = 0: one batch, trained in the step that dispatched it
+    aq.queue.append(batch())
+    assert not aq.may_dispatch()
 
 
 G, K = 2, 4

@@ -5,9 +5,15 @@
   batch's episodes are interrupted after their first turn. Killed after a checkpoint, the rerun
   replays the saved episodes into fresh environments, resumes the interrupted ones and trains
   every batch once: the same figures step by step as the uninterrupted run, no group graded
-  twice (the verdict cache is keyed by the trajectory's content) and none lost.
+  twice (the verdict cache is keyed by the trajectory's content) and none lost. The same with
+  ``rollout.partial_chunk_tokens``, where the interrupted episodes stop in the middle of their
+  first turn, and on the single-turn toy family, whose samples stop mid-sample.
 * Two ``jax.distributed`` processes (the toy family): both killed after a checkpoint, relaunched,
   and the same comparison with an uninterrupted two-process run (each host's own cache).
+* Two processes on the toy-agent family with partial rollouts and the off-policy mask: each
+  host's queued batch and its block of interrupted episodes are saved in the one checkpoint,
+  both processes are killed, and the relaunched pair replays, resumes and trains them as the
+  uninterrupted pair did.
 """
 
 import glob
@@ -29,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JAX_CACHE = os.path.join(tempfile.gettempdir(), "gagar_jax_test_train_jax_cache")
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 AGENT_CONFIG = os.path.join(ROOT, "configs", "toy_agent.py")
+TOY_CONFIG = os.path.join(ROOT, "configs", "toy_gagar.py")
 KEYS = (
     "data_position",
     "policy_version",
@@ -95,21 +102,36 @@ AGENT_ARGS = [
 ]
 
 
-def _agent_cmd(workdir):
+def _agent_cmd(workdir, *extra, config=AGENT_CONFIG):
     return [
         sys.executable,
         SCRIPT,
-        f"--config={AGENT_CONFIG}:gagar,smoke",
+        f"--config={config}:gagar,smoke",
         f"--workdir={workdir}",
         f"--compilation_cache={JAX_CACHE}",
         *AGENT_ARGS,
+        *extra,
     ]
 
 
 @pytest.mark.e2e
-def test_multi_turn_partial_rollouts_sigkill_resume_exactly(tmp_path):
+@pytest.mark.parametrize(
+    "config,chunk",
+    [(AGENT_CONFIG, 0), (AGENT_CONFIG, 8), (TOY_CONFIG, 8)],
+    ids=["multi_turn_turn_boundary", "multi_turn_mid_turn", "single_turn_mid_sample"],
+)
+def test_partial_rollouts_sigkill_resume_exactly(tmp_path, config, chunk):
+    """``chunk=8``: turns (or single-turn samples) generated in chunks of 8 tokens (the smoke
+    configs' turns and responses take up to 16), and the batch that spans a sync stopped after
+    the first chunk of its first turn, mid-turn."""
+    multi_turn = config == AGENT_CONFIG
+    extra = [f"--config.rollout.partial_chunk_tokens={chunk}"] if chunk else []
+
+    def cmd(workdir):
+        return _agent_cmd(workdir, *extra, config=config)
+
     ref = tmp_path / "ref"
-    r = subprocess.run(_agent_cmd(ref), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    r = subprocess.run(cmd(ref), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     ref_rows = _rows(ref)
     # S = 2: batches 0 and 1 generated whole at version 0; batch 2 begun at version 0 before
@@ -122,19 +144,27 @@ def test_multi_turn_partial_rollouts_sigkill_resume_exactly(tmp_path):
 
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        _agent_cmd(run), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        cmd(run), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     _kill_after([proc], run / "checkpoints" / "2")
     state = read_loop_state(run / "checkpoints", 2).extra["async"]["per_host"][0]
     # in flight at the checkpoint (after step 1): batch 2 waiting for its update (episodes
     # finished, groups submitted) and batch 3's episodes interrupted after their first turn
+    # (chunked: after the first chunk of it, some in the middle of the turn)
     assert [q["index"] for q in state["queued"]] == [2] and state["queued"][0]["groups"]
-    assert all("episode" in r for g in state["queued"][0]["groups"] for r in g["rollouts"])
+    if multi_turn:
+        assert all("episode" in r for g in state["queued"][0]["groups"] for r in g["rollouts"])
     started = state["started"]
-    assert started["index"] == 3 and started["episodes"]["next_turn"] == 1
-    assert not all(e["finish"] for e in started["episodes"]["episodes"])
+    episodes = started["episodes"]
+    assert started["index"] == 3
+    if chunk:
+        assert (episodes["next_turn"], episodes["next_chunk"]) == (0, 1)
+        assert any(e["partial"]["tokens"] for e in episodes["episodes"])
+    else:
+        assert episodes["next_turn"] == 1
+    assert not all(e["finish"] for e in episodes["episodes"])
 
-    r = subprocess.run(_agent_cmd(run), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    r = subprocess.run(cmd(run), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     _compare(_rows(run), ref_rows, 4)
     keys = _cache_keys(run)
@@ -172,6 +202,49 @@ def test_two_processes_async_sigkill_resume_exactly(tmp_path):
         assert [q["index"] for q in h["queued"]] == [2] and h["queued"][0]["groups"]
 
     procs = mh.launch(run, *TWO_ARGS, num_processes=2)
+    logs = mh.wait_all(procs, timeout=900)
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+    _compare(_rows(run), ref_rows, 4)
+    keys = _cache_keys(run)
+    assert len(keys) == len(set(keys))
+    assert set(keys) == set(_cache_keys(ref))
+
+
+@pytest.mark.e2e
+def test_two_processes_multi_turn_partial_rollouts_sigkill_resume_exactly(tmp_path):
+    def launch(workdir):
+        return mh.launch(workdir, *AGENT_ARGS, num_processes=2, config=AGENT_CONFIG + ":smoke")
+
+    ref = str(tmp_path / "ref" / "run")
+    procs = launch(ref)
+    logs = mh.wait_all(procs, timeout=900)
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+    ref_rows = _rows(ref)
+    # as on one process (S = 2): batches 2 and 3 begun before a weight sync, finished after it
+    assert [x["async/staleness"] for x in ref_rows] == [0.0, 1.0, 2.0, 2.0]
+    assert [x["async/partial_batch"] for x in ref_rows] == [0.0, 0.0, 1.0, 1.0]
+    assert [x["async/masked_token_frac"] == 0 for x in ref_rows] == [True, True, False, False]
+
+    run = str(tmp_path / "run" / "run")
+    procs = launch(run)
+    try:
+        _kill_after(procs, os.path.join(run, "checkpoints", "2"))
+    finally:
+        mh.wait_all(procs, timeout=5)
+    per_host = read_loop_state(os.path.join(run, "checkpoints"), 2).extra["async"]["per_host"]
+    assert len(per_host) == 2
+    for h in per_host:  # each host: its block of batch 2 (finished episodes, submitted) and of
+        # batch 3, whose episodes were interrupted after their first turn
+        assert [q["index"] for q in h["queued"]] == [2] and h["queued"][0]["groups"]
+        assert all("episode" in r for g in h["queued"][0]["groups"] for r in g["rollouts"])
+        assert h["started"]["index"] == 3 and h["started"]["episodes"]["next_turn"] == 1
+    # the hosts hold different episodes (their own blocks of the same draw)
+    assert per_host[0]["started"]["idx"] == per_host[1]["started"]["idx"]
+    assert per_host[0]["started"]["episodes"] != per_host[1]["started"]["episodes"]
+
+    procs = launch(run)
     logs = mh.wait_all(procs, timeout=900)
     for i, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"

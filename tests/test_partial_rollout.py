@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gagar_jax import rollout
 from gagar_jax.losses import policy as losses
 from gagar_jax.rl import asynchronous, collect, engines, policy, train
 from gagar_jax.rl.config import ConfigError, RunConfig
@@ -126,6 +127,166 @@ def test_across_a_weight_sync_every_token_keeps_its_version(setup):
     assert spanning > 0
 
 
+CHUNK = 8  # tokens per chunk of a model turn (the smoke config's turns take up to 16)
+
+
+def test_turns_stopped_mid_chunk_resume_exactly(setup):
+    """Turns sampled in chunks, stopped after the first chunk of a turn (mid-turn) and resumed,
+    in the same process or from the checkpoint form: the uninterrupted episodes exactly."""
+    _, family, _, engine = setup
+    cfg = _cfg(partial_chunk_tokens=CHUNK)
+    tasks, kw = _args(cfg, family)
+    whole = collect.generate_groups(engine, family, tasks, id_prefix="a", **kw)
+    spans = [
+        b - a
+        for g in whole
+        for r in g.rollouts
+        for a, b in (t.model_span for t in r.attempt.episode.turns)
+    ]
+    assert max(spans) > CHUNK  # some turns span several chunks
+    assert max(r.num_turns for g in whole for r in g.rollouts) > 1
+    for until_turn in (0, 1):  # mid-way through the first turn, through the second
+        started = collect.start_groups(
+            engine, family, tasks, until_turn=until_turn, until_chunk=1, **kw
+        )
+        batch = started.batch
+        assert (batch.next_turn, batch.next_chunk) == (until_turn, 1)
+        if until_turn == 0:
+            assert any(e.part_tokens for e in batch.live)  # stopped inside a turn
+            with pytest.raises(ValueError, match="middle of a turn"):
+                rollout.finish_episodes(batch)
+        sb = asynchronous.StartedBatch(
+            index=3,
+            version=0,
+            position=0,
+            n=[2],
+            idx=[0, 1],
+            pos=[0, 1],
+            skipped=0,
+            episodes=started,
+        )
+        item = json.loads(json.dumps(asynchronous.started_state(sb)))
+        back = asynchronous.restore_started(item, family, cfg)
+        resumed = collect.generate_groups(
+            engine, family, tasks, id_prefix="a", started=started, **kw
+        )
+        assert _fields(resumed) == _fields(whole)  # tokens and log-probs bit for bit
+        again = collect.generate_groups(
+            engine, family, tasks, id_prefix="a", started=back.episodes, **kw
+        )
+        assert _fields(again) == _fields(whole)
+
+
+def test_a_turn_interrupted_mid_way_across_a_weight_sync(setup):
+    """Stopped after the first chunk of the first turn, resumed after a weight sync: the first
+    chunk is the uninterrupted one at version 0, the rest of the turn and the later turns are
+    version 1, token by token."""
+    _, family, model, _ = setup
+    cfg = _cfg(partial_chunk_tokens=CHUNK)
+    engine = engines.build_engine(cfg, model, workdir="", pad_id=family.tokenizer.pad_id)
+    tasks, kw = _args(cfg, family)
+    whole = collect.generate_groups(engine, family, tasks, id_prefix="a", **kw)
+    started = collect.start_groups(engine, family, tasks, until_turn=0, until_chunk=1, **kw)
+    engine.sync_weights(jax.tree.map(lambda x: x * 1.5, engine.state), 1)
+    resumed = collect.generate_groups(engine, family, tasks, id_prefix="a", started=started, **kw)
+    mid_turn = 0
+    for g0, g1 in zip(whole, resumed):
+        for r0, r1 in zip(g0.rollouts, g1.rollouts):
+            ep0, ep1 = r0.attempt.episode, r1.attempt.episode
+            a, b = ep1.turns[0].model_span
+            k = min(CHUNK, b - a)  # the first chunk, sampled before the sync
+            assert ep1.tokens[a : a + k] == ep0.tokens[a : a + k]
+            assert ep1.logprobs[a : a + k] == ep0.logprobs[a : a + k]
+            assert ep1.token_versions[a:b] == [0] * k + [1] * (b - a - k)
+            assert ep1.policy_versions == [0] + [1] * (len(ep1.turns) - 1)
+            for t in ep1.turns[1:]:
+                assert set(ep1.token_versions[slice(*t.model_span)]) <= {1}
+            assert r1.oldest_version == 0
+            mid_turn += b - a > k
+    assert mid_turn > 0  # some first turns went on past the sync
+    # the off-policy mask keeps exactly the version-1 tokens of those turns
+    masked_groups, masked, _ = asynchronous.offpolicy_token_mask(resumed, 1)
+    for gm, g in zip(masked_groups, resumed):
+        for rm, r in zip(gm.rollouts, g.rollouts):
+            assert rm.response_mask == [
+                int(m and v >= 1) for m, v in zip(r.response_mask, r.versions())
+            ]
+    assert masked == sum(
+        v == 0
+        for g in resumed
+        for r in g.rollouts
+        for v, m in zip(r.versions(), r.response_mask)
+        if m
+    )
+
+
+@pytest.fixture(scope="module")
+def single_turn():
+    """The single-turn toy family (``toy_gagar:smoke``, responses of up to 16 tokens), its
+    samples generated in chunks of ``CHUNK``."""
+    d = load_config_module("toy_gagar").get_config("smoke").to_dict()
+    d["rollout"].update(num_rollouts=K, partial_chunk_tokens=CHUNK)
+    cfg = RunConfig.from_config_dict(d)
+    family = train.build_family(cfg)
+    _, model = policy.build_model(cfg, family.tokenizer.vocab_size)
+    return cfg, family, model
+
+
+def _sample_fields(groups):
+    return [
+        (r.response_tokens, r.logprobs, r.versions(), r.finish_reason, r.passed, r.reward)
+        for g in groups
+        for r in g.rollouts
+    ]
+
+
+def test_single_turn_samples_interrupted_mid_sample(single_turn):
+    """A single-turn sample stopped after its first chunk: resumed under the same weights it
+    is the uninterrupted sample bit for bit (in the same process and from the checkpoint form);
+    resumed after a weight sync, its first chunk is version 0 and the rest version 1."""
+    cfg, family, model = single_turn
+    engine = engines.build_engine(cfg, model, workdir="", pad_id=family.tokenizer.pad_id)
+    tasks, kw = _args(cfg, family, index=(0, 1, 2, 3))
+    whole = collect.generate_groups(engine, family, tasks, id_prefix="s", **kw)
+    lengths = [len(r.response_tokens) for g in whole for r in g.rollouts]
+    assert max(lengths) > CHUNK  # some samples run past the interruption
+    started = collect.start_groups(engine, family, tasks, until_turn=0, until_chunk=1, **kw)
+    assert any(e.part_tokens for e in started.batch.live)
+    sb = asynchronous.StartedBatch(
+        index=1,
+        version=0,
+        position=0,
+        n=[4],
+        idx=[0, 1, 2, 3],
+        pos=[0, 1, 2, 3],
+        skipped=0,
+        episodes=started,
+    )
+    back = asynchronous.restore_started(
+        json.loads(json.dumps(asynchronous.started_state(sb))), family, cfg
+    )
+    resumed = collect.generate_groups(engine, family, tasks, id_prefix="s", started=started, **kw)
+    assert _sample_fields(resumed) == _sample_fields(whole)
+    again = collect.generate_groups(
+        engine, family, tasks, id_prefix="s", started=back.episodes, **kw
+    )
+    assert _sample_fields(again) == _sample_fields(whole)
+
+    started = collect.start_groups(engine, family, tasks, until_turn=0, until_chunk=1, **kw)
+    engine.sync_weights(jax.tree.map(lambda x: x * 1.5, engine.state), 1)
+    resumed = collect.generate_groups(engine, family, tasks, id_prefix="s", started=started, **kw)
+    spanning = 0
+    for g0, g1 in zip(whole, resumed):
+        for r0, r1 in zip(g0.rollouts, g1.rollouts):
+            n, k = len(r1.response_tokens), min(CHUNK, len(r1.response_tokens))
+            assert r1.response_tokens[:k] == r0.response_tokens[:k]
+            assert r1.logprobs[:k] == r0.logprobs[:k]
+            assert r1.versions() == [0] * k + [1] * (n - k)
+            assert r1.policy_version == r1.oldest_version == 0
+            spanning += n > k
+    assert spanning > 0
+
+
 def test_partial_rollout_config_errors():
     with pytest.raises(ConfigError, match="rollout.partial_rollout"):
         _cfg(partial_rollout=True)
@@ -133,6 +294,11 @@ def test_partial_rollout_config_errors():
     assert cfg.rollout.partial_rollout
     with pytest.raises(ConfigError, match="rollout.partial_rollout"):
         _cfg(partial_rollout=True, max_staleness=0, mask_offpolicy_tokens=True)
+    with pytest.raises(ConfigError, match="rollout.partial_chunk_tokens"):
+        _cfg(partial_chunk_tokens=-1)
+    assert _cfg(partial_chunk_tokens=8).fingerprint() != _cfg().fingerprint()  # another run
+    # the scheduler at max_staleness=0 gives the synchronous run: the same fingerprint
+    assert _cfg(async_scheduler=True).fingerprint() == _cfg().fingerprint()
 
 
 def test_admission_with_partial_rollouts():

@@ -9,9 +9,14 @@ from gagar_jax.rollout import (
     Sample,
     SamplingParams,
     ToolCall,
+    advance_episodes,
+    episode,
+    finish_episodes,
     parse_action,
+    restore_episodes,
     run_episode,
     run_episodes,
+    start_episodes,
 )
 
 
@@ -230,3 +235,99 @@ def test_episode_argument_errors():
         run_episodes(eng, TOK, [env, env], [[1]], SamplingParams())
     with pytest.raises(ValueError, match="max_total_tokens"):
         run_episodes(eng, TOK, [env], [[1] * 10], SamplingParams(), max_total_tokens=10)
+
+
+class ChunkEngine:
+    """A stateless model stand-in for chunked turns: each call's seed names the chunk (episode,
+    turn, position in the turn, from the seeds the test expects), and the answer is the next
+    ``max_tokens`` characters of that turn's scripted text after that position (``stop`` at its
+    end). It checks that the context ends with the turn's tokens so far."""
+
+    def __init__(self, scripts, episode_seeds):
+        self.scripts = scripts
+        self.by_seed = {
+            episode._chunk_seed(s, t, pos): (e, t, pos)
+            for e, s in enumerate(episode_seeds)
+            for t in range(len(scripts[e]))
+            for pos in range(len(scripts[e][t]) + 1)
+        }
+        self.version = 0
+        self.calls = []
+
+    def generate(self, prompts, params, prompt_seeds):
+        self.calls.append(len(prompts))
+        out = []
+        for ctx, seed in zip(prompts, prompt_seeds):
+            e, t, pos = self.by_seed[seed]
+            text = TOK.encode(self.scripts[e][t])
+            if pos:  # the turn so far follows the episode's history
+                assert list(ctx[len(ctx) - pos :]) == text[:pos]
+            ids = text[pos : pos + params.max_tokens]
+            lps = [-(e + 1) * 0.01 - t * 0.1 - (pos + k) * 1e-4 for k in range(len(ids))]
+            fin = "stop" if pos + len(ids) == len(text) else "length"
+            out.append([Sample(ids, lps, fin, policy_version=self.version)])
+        return out
+
+
+def test_chunked_turns_stop_mid_turn_and_resume_exactly():
+    prompts = [TOK.encode("task A\n"), TOK.encode("task B\n")]
+    scripts = [
+        ["read_file calc.py", f"<tool_call>{json.dumps(FIX)}</tool_call>", "submit"],
+        ["hello?", "run_tests", "read_file README"],
+    ]
+    seeds = [11, 12]
+    params = SamplingParams(max_tokens=200)
+    kw = dict(max_observation_tokens=20, chunk_tokens=4)
+
+    def fresh():
+        envs = [CodeAgentEnv(REPO, run_tests) for _ in prompts]
+        return envs, start_episodes(prompts, max_total_tokens=400, episode_seeds=seeds)
+
+    engine = ChunkEngine(scripts, seeds)
+    envs, batch = fresh()
+    advance_episodes(engine, TOK, envs, batch, params, until_turn=3, **kw)
+    whole = finish_episodes(batch)
+    # each turn is its whole scripted text, as the environment saw it; one engine call per
+    # chunk of 4 over the episodes still in the turn
+    for ep, script in zip(whole, scripts):
+        assert [TOK.decode(ep.tokens[slice(*t.model_span)]) for t in ep.turns] == script
+        assert set(ep.token_versions) <= {-1, 0}
+    chunks = [[-(-len(s) // 4) for s in turn] for turn in zip(*scripts)]
+    assert engine.calls == [sum(c > j for c in turn) for turn in chunks for j in range(max(turn))]
+
+    # stopped after two chunks of the second turn, saved, replayed, resumed at version 9
+    engine = ChunkEngine(scripts, seeds)
+    envs, batch = fresh()
+    advance_episodes(engine, TOK, envs, batch, params, until_turn=1, until_chunk=2, **kw)
+    assert (batch.next_turn, batch.next_chunk) == (1, 2)
+    assert [len(e.part_tokens) for e in batch.live] == [8, 8]
+    with pytest.raises(ValueError, match="middle of a turn"):
+        finish_episodes(batch)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        advance_episodes(engine, TOK, envs, batch, params, until_turn=3)
+    state = json.loads(json.dumps(batch.state_dict()))
+    envs = [CodeAgentEnv(REPO, run_tests) for _ in prompts]
+    back = restore_episodes(state, envs, TOK, max_observation_tokens=20)
+    engine.version = 9
+    advance_episodes(engine, TOK, envs, back, params, until_turn=3, **kw)
+    resumed = finish_episodes(back)
+    for ep, w in zip(resumed, whole):
+        assert (ep.tokens, ep.logprobs, ep.response_mask) == (w.tokens, w.logprobs, w.response_mask)
+        a, b = ep.turns[1].model_span
+        assert ep.token_versions[a:b] == [0] * 8 + [9] * (b - a - 8)  # mid-turn across the sync
+        assert ep.policy_versions[:2] == [0, 0] and set(ep.policy_versions[2:]) <= {9}
+    assert envs[0].counts["edits"] == 1  # the resumed turn reached the environment whole
+
+
+def test_chunked_turns_need_episode_seeds():
+    batch = start_episodes([[1, 2]], max_total_tokens=50)
+    with pytest.raises(ValueError, match="episode_seeds"):
+        advance_episodes(
+            ChunkEngine([["x"]], [0]),
+            TOK,
+            [CodeAgentEnv(REPO, run_tests)],
+            batch,
+            SamplingParams(),
+            until_turn=1,
+            chunk_tokens=4,
+        )

@@ -19,16 +19,22 @@ every RL step
    the grading fallback (``deadline``; counted as ``async/staleness_fallbacks``), never
    dropped.
 
-Partial rollouts (``rollout.partial_rollout``, multi-turn families): one slot of the bound is
+Partial rollouts (``rollout.partial_rollout``; multi-turn families, or single-turn ones whose
+samples are generated in chunks, ``rollout.partial_chunk_tokens``): one slot of the bound is
 kept for a batch that spans a weight sync. After the oldest batch leaves the queue and before
 its update, :func:`start_phase` draws the next batch's prompts and runs the first turn of its
 episodes (a :class:`StartedBatch`); the next step resumes them under the new weights
 (:func:`~gagar_jax.rl.train.collect_phase` with ``first_round``), so their tokens carry two
-versions. ``rollout.mask_offpolicy_tokens`` takes the tokens older than the batch's newest
-version out of the loss (:func:`offpolicy_token_mask`).
+versions. With ``rollout.partial_chunk_tokens`` the turns are sampled in chunks and the
+episodes stop after the first chunk of their first turn: that turn is finished under the new
+weights, its first tokens tagged with the old version. ``rollout.mask_offpolicy_tokens`` takes
+the tokens older than the batch's newest version out of the loss (:func:`offpolicy_token_mask`).
 
-``S = 0`` is not run by this module: the loop then calls the synchronous
-:func:`~gagar_jax.rl.train.rl_step` (one dispatch, wait, update per step), bit for bit.
+``S = 0``: the loop calls the synchronous :func:`~gagar_jax.rl.train.rl_step` (one dispatch,
+wait, update per step). With ``rollout.async_scheduler`` it runs this module's steps at
+``S = 0`` instead: admission then allows one batch, dispatched and trained in the same step,
+and the run's metrics (time fields aside, ``async/*`` added) and parameters equal the
+synchronous loop's exactly (``tests/test_async_script.py``).
 
 Bias monitor: per step, the two-sample Kolmogorov-Smirnov distance between the dispatched and
 the trained distributions of response length (``async/ks_length``) and of grading latency
@@ -132,8 +138,8 @@ class AsyncQueue:
         *,
         partial_rollout: bool = False,
     ):
-        if max_staleness < 1:
-            raise ValueError(f"AsyncQueue: max_staleness must be >= 1, got {max_staleness}")
+        if max_staleness < 0:
+            raise ValueError(f"AsyncQueue: max_staleness must be >= 0, got {max_staleness}")
         self.max_staleness = max_staleness
         self.max_inflight_groups = max_inflight_groups
         self.groups_per_batch = groups_per_batch
@@ -245,7 +251,7 @@ def _replay_episodes(family, tasks, saved: list[dict], cfg, next_turn: int, budg
     """Fresh environments of ``tasks`` (one per saved episode, in order) and the
     ``EpisodeBatch`` of the saved episodes, the environments replayed to their state."""
 
-    envs = [family.make_env(t) for t in tasks]
+    envs = collect.episode_envs(family, tasks)
     batch = restore_episodes(
         {"budgets": budgets, "episode_seeds": seeds, "next_turn": next_turn, "episodes": saved},
         envs,
@@ -421,7 +427,9 @@ def start_phase(ctx, ls, aq: AsyncQueue) -> StartedBatch:
         round_id=1,
         num_rollouts=cfg.rollout.num_rollouts,
         temperature=cfg.rollout.temperature,
-        until_turn=1,
+        # turns sampled in chunks: stopped mid-way through the first turn; else after it
+        until_turn=0 if cfg.rollout.partial_chunk_tokens else 1,
+        until_chunk=1 if cfg.rollout.partial_chunk_tokens else 0,
         prompt_seeds=[prompt_seed(ls.rng_key, 1, p) for p in pos[lo:hi]],
     )
     sb = StartedBatch(

@@ -43,7 +43,13 @@ from gagar_jax.data import swe  # noqa: F401
 from gagar_jax.envs.family import Attempt, FamilySettings, Outcome, make_family
 from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.multihost import prompt_seed
-from gagar_jax.rollout import SamplingParams, advance_episodes, finish_episodes, start_episodes
+from gagar_jax.rollout import (
+    SamplingParams,
+    StepResult,
+    advance_episodes,
+    finish_episodes,
+    start_episodes,
+)
 from gagar_jax.update import UpdateBatch
 from gagar_jax.verify import execution
 
@@ -703,20 +709,47 @@ def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
 class StartedEpisodes:
     """The episodes of one engine round of a multi-turn family, interrupted after some turns
     (a partial rollout: resumed by :func:`generate_groups` with ``started=``, possibly under
-    newer weights; every token keeps the version that produced it)."""
+    newer weights; every token keeps the version that produced it). With
+    ``rollout.partial_chunk_tokens``, interrupted between two chunks of a turn; for a
+    single-turn family each sample is an episode of one turn (:class:`OneTurnEnv`)."""
 
     envs: list[Any]  # [E = tasks x K] environments, in the episodes' order
     batch: Any  # rollout.EpisodeBatch
     gen_time: float = 0.0  # seconds spent generating so far
 
 
+class OneTurnEnv:
+    """The environment of a single-turn sample generated in chunks
+    (``rollout.partial_chunk_tokens``): its one model turn ends the episode (the family's
+    verifier judges the response afterwards, as for any sample)."""
+
+    def step(self, action_text: str) -> StepResult:
+        del action_text
+        return StepResult("", done=True)
+
+
+def episode_envs(family, tasks) -> list:
+    """Fresh environments of ``tasks`` (one per entry): the family's, or :class:`OneTurnEnv`
+    for a single-turn family."""
+    if family.multi_turn:
+        return [family.make_env(t) for t in tasks]
+    return [OneTurnEnv() for _ in tasks]
+
+
+def _turns_per_episode(family, cfg: RunConfig) -> int:
+    """Model turns per episode: ``task.max_turns``, or 1 for a single-turn family."""
+    return cfg.task.max_turns if family.multi_turn else 1
+
+
 def _episode_setup(family, tasks, prompts, params, cfg: RunConfig, prompt_seeds=None):
     """Fresh environments and an unstarted ``EpisodeBatch`` for ``params.n`` episodes per
     prompt, and the per-turn sampling parameters."""
     K = params.n
-    envs = [family.make_env(t) for t in tasks for _ in range(K)]
+    envs = episode_envs(family, [t for t in tasks for _ in range(K)])
     flat_prompts = [p for p in prompts for _ in range(K)]
-    turn_tokens = cfg.rollout.max_turn_tokens or cfg.rollout.max_new_tokens
+    turn_tokens = cfg.rollout.max_new_tokens
+    if family.multi_turn:
+        turn_tokens = cfg.rollout.max_turn_tokens or turn_tokens
     turn_params = dataclasses.replace(params, n=1, max_tokens=turn_tokens)
     batch = start_episodes(
         flat_prompts,
@@ -728,7 +761,15 @@ def _episode_setup(family, tasks, prompts, params, cfg: RunConfig, prompt_seeds=
     return envs, batch, turn_params
 
 
-def _advance(engine, family, started: StartedEpisodes, turn_params, cfg: RunConfig, until: int):
+def _advance(
+    engine,
+    family,
+    started: StartedEpisodes,
+    turn_params,
+    cfg: RunConfig,
+    until: int,
+    until_chunk: int = 0,
+):
     if cfg.task.max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {cfg.task.max_turns}")
     advance_episodes(
@@ -740,6 +781,8 @@ def _advance(engine, family, started: StartedEpisodes, turn_params, cfg: RunConf
         until_turn=until,
         max_observation_tokens=cfg.task.max_observation_tokens,
         observation_tokens=family.observation_tokens,
+        chunk_tokens=cfg.rollout.partial_chunk_tokens,
+        until_chunk=until_chunk,
     )
 
 
@@ -764,8 +807,13 @@ def _episode_rollouts(
         started = StartedEpisodes(envs=envs, batch=batch)
     elif len(started.envs) != len(tasks) * K:
         raise ValueError(f"{len(started.envs)} started episodes for {len(tasks)} x {K}")
-    _advance(engine, family, started, turn_params, cfg, cfg.task.max_turns)
+    _advance(engine, family, started, turn_params, cfg, _turns_per_episode(family, cfg))
     episodes, envs = finish_episodes(started.batch), started.envs
+    if not family.multi_turn:  # samples generated in chunks: each a one-turn episode
+        return [
+            [_chunked_sample(family, ep) for ep in episodes[i * K : (i + 1) * K]]
+            for i in range(len(tasks))
+        ]
     per_task = []
     for i in range(len(tasks)):
         row = []
@@ -789,6 +837,23 @@ def _episode_rollouts(
             )
         per_task.append(row)
     return per_task
+
+
+def _chunked_sample(family, ep):
+    """A single-turn sample from its one-turn episode: the attempt and the rollout fields."""
+    P = ep.prompt_len
+    tokens = ep.tokens[P:]
+    finish = ep.turns[0].finish_reason if ep.turns else "abort"
+    return (
+        Attempt(response_tokens=list(tokens), text=family.tokenizer.decode(tokens)),
+        dict(
+            response_tokens=tokens,
+            logprobs=ep.logprobs[P:],
+            token_versions=ep.token_versions[P:],
+            finish_reason=finish,
+            policy_version=min(ep.policy_versions, default=0),
+        ),
+    )
 
 
 def _sampling_params(
@@ -821,11 +886,17 @@ def start_groups(
     temperature: float,
     until_turn: int,
     prompt_seeds: list[int] | None = None,
+    until_chunk: int = 0,
 ) -> StartedEpisodes:
     """The first ``until_turn`` turns of the K episodes of each task of a multi-turn family
-    (arguments as :func:`generate_groups`, which finishes them with ``started=``)."""
-    if not family.multi_turn:
-        raise ValueError("start_groups: partial rollouts need a multi-turn task family")
+    (arguments as :func:`generate_groups`, which finishes them with ``started=``); with
+    ``rollout.partial_chunk_tokens``, then the first ``until_chunk`` chunks of the next turn
+    (episodes stopped mid-turn)."""
+    if not family.multi_turn and not cfg.rollout.partial_chunk_tokens:
+        raise ValueError(
+            "start_groups: partial rollouts of a single-turn family need "
+            "rollout.partial_chunk_tokens (a sample is interrupted between two chunks)"
+        )
     params = _sampling_params(
         family,
         cfg,
@@ -839,7 +910,15 @@ def start_groups(
     started = StartedEpisodes(envs=envs, batch=batch)
     t0 = time.monotonic()
     try:
-        _advance(engine, family, started, turn_params, cfg, min(until_turn, cfg.task.max_turns))
+        _advance(
+            engine,
+            family,
+            started,
+            turn_params,
+            cfg,
+            min(until_turn, _turns_per_episode(family, cfg)),
+            until_chunk if until_turn < _turns_per_episode(family, cfg) else 0,
+        )
     except Exception as e:
         raise RuntimeError(
             f"rollout engine {cfg.rollout.engine!r} failed at step {step} "
@@ -898,7 +977,7 @@ def generate_groups(
     )
     t0 = time.monotonic() - (0.0 if started is None else started.gen_time)
     try:
-        if family.multi_turn:
+        if family.multi_turn or cfg.rollout.partial_chunk_tokens:
             per_task = _episode_rollouts(
                 engine, family, tasks, prompts, params, cfg, prompt_seeds, started
             )

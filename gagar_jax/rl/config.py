@@ -161,14 +161,24 @@ class RolloutConfig:
     # of a trained group may lag the trainer, generation, verification, grading and queue
     # time included (0: the synchronous loop, collect -> grade -> update -> sync each step)
     max_staleness: int = 0
-    # max_staleness > 0, multi-turn families: at each weight sync the next batch's episodes
-    # have run their first turn with the old weights and resume with the new ones (every token
-    # tagged with the version that produced it); False: a batch is generated whole with the
-    # weights of its dispatch
+    # max_staleness > 0, multi-turn families (single-turn ones with partial_chunk_tokens): at
+    # each weight sync the next batch's episodes have run their first turn (or its first chunk)
+    # with the old weights and resume with the new ones (every token tagged with the version
+    # that produced it); False: a batch is generated whole with the weights of its dispatch
     partial_rollout: bool = False
     # only the tokens of a batch's newest policy version enter the loss (older tokens of a
     # partial rollout are masked; rewards and group credit unchanged)
     mask_offpolicy_tokens: bool = False
+    # each model turn (a single-turn family's sample: a one-turn episode) sampled in chunks of
+    # at most this many tokens, each chunk one engine call seeded by (episode, turn, position in
+    # the turn), so a turn can stop between chunks and resume exactly (0: a turn is one engine
+    # call). With partial_rollout the batch that spans a weight sync stops after the first
+    # chunk of its first turn, mid-turn.
+    partial_chunk_tokens: int = 0
+    # True: the asynchronous scheduler (dispatch queue, admission, grading across steps) runs
+    # even at max_staleness=0, where it trains every batch in the step that dispatched it and
+    # gives the synchronous loop's run (a check of the scheduler, not a faster mode)
+    async_scheduler: bool = False
 
     def __post_init__(self):
         _check(
@@ -216,6 +226,12 @@ class RolloutConfig:
             "rollout.max_staleness",
             ">= 0 policy versions (0 = synchronous)",
             self.max_staleness,
+        )
+        _check(
+            self.partial_chunk_tokens >= 0,
+            "rollout.partial_chunk_tokens",
+            ">= 0 tokens per chunk of a model turn (0: a turn is one engine call)",
+            self.partial_chunk_tokens,
         )
         _check(
             not self.partial_rollout or self.max_staleness >= 1,
@@ -587,6 +603,10 @@ class RunConfig:
         d.pop("execution")  # where verification runs: deployment, not the run
         d["rollout"].pop("weight_writer")  # which host exports: deployment, not the run
         d["rollout"].pop("embedded_data_parallel")  # devices per sampler: deployment too
+        # the scheduler at max_staleness=0 gives the synchronous run, and at > 0 it runs anyway
+        d["rollout"].pop("async_scheduler")
+        if not d["rollout"]["partial_chunk_tokens"]:  # off: the runs from before it existed
+            d["rollout"].pop("partial_chunk_tokens")
         if not d["task"]["skip_saturated"]:  # the saturation knobs are unused while it is off
             for k in ("skip_saturated", "saturation_window", "saturation_min_attempts"):
                 d["task"].pop(k)

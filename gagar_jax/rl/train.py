@@ -40,7 +40,8 @@ the update of step t (on-policy, as the paper's synchronous setting); the gradin
 overlap is inside a step, across refill rounds, and grading of the last round is the only
 exposed wait. With ``max_staleness > 0`` the loop runs :func:`~gagar_jax.rl.asynchronous.async_step`
 instead: grading overlaps the following steps' generation and updates, with the staleness of
-every trained group bounded (docs/async.md).
+every trained group bounded (docs/async.md). ``rollout.async_scheduler`` runs that scheduler at
+``max_staleness = 0`` too, where it gives this loop's run.
 
 Steps 1-6 are the named phases of :func:`rl_step`: :func:`collect_phase` (1-3, each kept group
 submitted for grading) -> :func:`grade_phase` -> :func:`pack_phase` (4) ->
@@ -837,11 +838,17 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         sigterm.install()
         total = cfg.loop.total_steps
         aq = None
-        if cfg.rollout.max_staleness > 0:  # the asynchronous loop (rl.asynchronous)
-            if cfg.rollout.partial_rollout and not family.multi_turn:
+        # the asynchronous loop (rl.asynchronous); at max_staleness=0 only when asked for
+        if cfg.rollout.max_staleness > 0 or cfg.rollout.async_scheduler:
+            if (
+                cfg.rollout.partial_rollout
+                and not family.multi_turn
+                and not cfg.rollout.partial_chunk_tokens
+            ):
                 raise ValueError(
-                    f"rollout.partial_rollout=True needs a multi-turn task family (episodes are "
-                    f"interrupted between turns); task.family={cfg.task.family!r} is single-turn"
+                    f"rollout.partial_rollout=True on a single-turn task family "
+                    f"(task.family={cfg.task.family!r}) needs rollout.partial_chunk_tokens > 0: "
+                    "a sample is interrupted between two chunks of its tokens"
                 )
             aq = asynchronous.AsyncQueue(
                 cfg.rollout.max_staleness,

@@ -89,9 +89,11 @@ class Episode:
       turns: per-turn spans, texts and summaries.
       finish_reason: "submitted" (env said done), "max_turns", "max_tokens" (episode budget spent),
         "abort" (the engine gave up on a turn).
-      policy_versions: the policy version of each model turn.
+      policy_versions: the policy version of each model turn (a turn sampled in chunks across a
+        weight sync: the version it began with).
       token_versions: [T] the policy version that produced each model token (-1 on the prompt
-        and observations): one per turn, several when a weight sync fell between turns.
+        and observations): one per turn, several when a weight sync fell between turns or
+        between two chunks of a turn.
       info: the environment's final info (e.g. the patch and test results after submit).
     """
 
@@ -326,26 +328,36 @@ class _Live:
     token_versions: list[int]  # [T] the version of each model token, -1 elsewhere
     finish: str | None = None
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # chunked turns: the tokens, log-probs and versions of the turn in progress (not yet in
+    # ``tokens``: the environment has not seen it)
+    part_tokens: list[int] = dataclasses.field(default_factory=list)
+    part_logprobs: list[float] = dataclasses.field(default_factory=list)
+    part_versions: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class EpisodeBatch:
     """Episodes in progress, interruptible at a turn boundary (:func:`start_episodes`,
-    :func:`advance_episodes`, :func:`finish_episodes`; ``run_episodes`` is the three in a row).
+    :func:`advance_episodes`, :func:`finish_episodes`; ``run_episodes`` is the three in a row),
+    or, when turns are sampled in chunks (``advance_episodes(chunk_tokens=...)``), between two
+    chunks of a turn.
 
     An interrupted batch resumes exactly where it stopped: turn ``t`` of an episode samples with
-    the same seed and in the same batch of live episodes whenever it runs, so where the weights
-    did not change in between, the resumed episodes equal uninterrupted ones token for token and
-    log-prob for log-prob; where they did, each model token carries the version that produced it
-    (``Episode.token_versions``). :meth:`state_dict` is its JSON form (tokens, log-probs,
-    versions, turn spans), :func:`restore_episodes` rebuilds it with fresh environments by
-    replaying the recorded actions.
+    the same seed and in the same batch of live episodes whenever it runs (a chunk: with the
+    seed of its episode, turn and position in the turn, and the episodes still in that turn),
+    so where the weights did not change in between, the resumed episodes equal uninterrupted
+    ones token for token and log-prob for log-prob; where they did, each model token carries
+    the version that produced it (``Episode.token_versions``). :meth:`state_dict` is its JSON
+    form (tokens, log-probs, versions, turn spans, the turn in progress),
+    :func:`restore_episodes` rebuilds it with fresh environments by replaying the recorded
+    actions.
     """
 
     live: list[_Live]
     budgets: list[int]  # [E] token budget of each episode's whole sequence
     episode_seeds: list[int] | None
     next_turn: int = 0
+    next_chunk: int = 0  # chunked turns: chunks of turn ``next_turn`` already sampled
 
     @property
     def done(self) -> bool:
@@ -356,6 +368,7 @@ class EpisodeBatch:
             "budgets": list(self.budgets),
             "episode_seeds": self.episode_seeds,
             "next_turn": self.next_turn,
+            "next_chunk": self.next_chunk,
             "episodes": [
                 {
                     "tokens": e.tokens,
@@ -367,6 +380,11 @@ class EpisodeBatch:
                     "turn_finish": [t.finish_reason for t in e.turns],
                     "model_spans": [list(t.model_span) for t in e.turns],
                     "finish": e.finish,
+                    "partial": {
+                        "tokens": e.part_tokens,
+                        "logprobs": e.part_logprobs,
+                        "versions": e.part_versions,
+                    },
                 }
                 for e in self.live
             ],
@@ -392,14 +410,20 @@ def _apply_turn(
     budget: int,
     max_observation_tokens: int,
     observation_tokens: Callable[[str], list[int]],
+    token_versions: Sequence[int] | None = None,
 ) -> None:
     """Appends one model turn to ``ep``, steps ``env`` with its text and appends the
-    observation (cut to ``max_observation_tokens`` and to the budget)."""
+    observation (cut to ``max_observation_tokens`` and to the budget). ``version`` is the
+    turn's (the one it began with); ``token_versions`` each token's when they differ (a turn
+    sampled in chunks across a weight sync), else ``version`` for all."""
     start = len(ep.tokens)
     ep.tokens += tokens
     ep.mask += [1] * len(tokens)
     ep.logprobs += list(logprobs)
-    ep.token_versions += [int(version)] * len(tokens)
+    if token_versions is None:
+        ep.token_versions += [int(version)] * len(tokens)
+    else:
+        ep.token_versions += [int(v) for v in token_versions]
     ep.versions.append(int(version))
     model_span = (start, len(ep.tokens))
     action_text = tokenizer.decode(tokens)
@@ -477,9 +501,19 @@ def advance_episodes(
     max_observation_tokens: int = 512,
     observation_format: str = "\n<observation>\n{}\n</observation>\n",
     observation_tokens: Callable[[str], list[int]] | None = None,
+    chunk_tokens: int = 0,
+    until_chunk: int = 0,
 ) -> EpisodeBatch:
     """Runs turns ``batch.next_turn`` up to ``until_turn - 1`` of the live episodes (each turn one
-    batched engine call per distinct turn budget) and returns ``batch`` (advanced in place)."""
+    batched engine call per distinct turn budget) and returns ``batch`` (advanced in place).
+
+    ``chunk_tokens > 0`` (needs ``batch.episode_seeds``): each turn is sampled in chunks of at
+    most that many tokens, one batched engine call per chunk over the episodes still in the
+    turn, each continuing its episode's context plus the turn's tokens so far, seeded by the
+    episode, the turn and the position in the turn; a turn ends at a stop token or its budget.
+    ``until_chunk``: then also the first ``until_chunk`` chunks of turn ``until_turn`` (the
+    batch stops mid-turn; a later call with the same ``chunk_tokens`` resumes it, possibly with
+    other weights: each token keeps the version that produced it)."""
     if len(envs) != len(batch.live):
         raise ValueError(f"{len(envs)} envs for {len(batch.live)} episodes")
     if params.n != 1:
@@ -487,6 +521,20 @@ def advance_episodes(
             f"run_episodes needs SamplingParams.n == 1 (one trajectory per env), got n={params.n}"
         )
     observation_tokens = _observation_fn(tokenizer, observation_format, observation_tokens)
+    if chunk_tokens or until_chunk or batch.next_chunk:
+        _advance_chunked(
+            engine,
+            tokenizer,
+            envs,
+            batch,
+            params,
+            until_turn=until_turn,
+            until_chunk=until_chunk,
+            chunk_tokens=chunk_tokens,
+            max_observation_tokens=max_observation_tokens,
+            observation_tokens=observation_tokens,
+        )
+        return batch
     live, budgets, episode_seeds = batch.live, batch.budgets, batch.episode_seeds
     for turn in range(batch.next_turn, until_turn):
         batch.next_turn = turn + 1
@@ -532,9 +580,103 @@ def advance_episodes(
     return batch
 
 
+def _advance_chunked(
+    engine,
+    tokenizer,
+    envs,
+    batch: EpisodeBatch,
+    params: SamplingParams,
+    *,
+    until_turn: int,
+    until_chunk: int,
+    chunk_tokens: int,
+    max_observation_tokens: int,
+    observation_tokens: Callable[[str], list[int]],
+) -> None:
+    """:func:`advance_episodes` with each turn sampled in chunks of ``chunk_tokens``."""
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(
+            f"chunk_tokens must be an int >= 1 to sample turns in chunks (or resume a batch "
+            f"stopped mid-turn), got {chunk_tokens!r}"
+        )
+    if until_chunk < 0:
+        raise ValueError(f"until_chunk must be >= 0, got {until_chunk}")
+    if batch.episode_seeds is None:
+        raise ValueError(
+            "chunked turns need episode_seeds (each chunk is seeded by its episode, turn and "
+            "position, so a resumed turn draws what an uninterrupted one draws)"
+        )
+    live, budgets = batch.live, batch.budgets
+    while (batch.next_turn, batch.next_chunk) < (until_turn, until_chunk):
+        turn = batch.next_turn
+        # the episodes in turn `turn`: not finished and not yet through it
+        active = [i for i, e in enumerate(live) if e.finish is None and len(e.turns) == turn]
+        if not active:
+            if batch.next_chunk == 0:  # every episode has finished
+                break
+            batch.next_turn, batch.next_chunk = turn + 1, 0
+            continue
+        by_size: dict[int, list[int]] = {}
+        turn_budget = {}
+        for i in active:
+            turn_budget[i] = min(params.max_tokens, budgets[i] - len(live[i].tokens))
+            size = min(chunk_tokens, turn_budget[i] - len(live[i].part_tokens))
+            by_size.setdefault(size, []).append(i)
+        outs = {}
+        seed = None if params.seed is None else (params.seed + turn) % 2**31
+        for size, idx in by_size.items():
+            chunk_params = dataclasses.replace(params, max_tokens=size, seed=seed)
+            contexts = [live[i].tokens + live[i].part_tokens for i in idx]
+            seeds = [
+                _chunk_seed(batch.episode_seeds[i], turn, len(live[i].part_tokens)) for i in idx
+            ]
+            for i, samples in zip(idx, engine.generate(contexts, chunk_params, prompt_seeds=seeds)):
+                outs[i] = samples[0]
+        batch.next_chunk += 1
+        for i in active:
+            s, ep = outs[i], live[i]
+            if s.finish_reason == "abort":
+                ep.finish = "abort"
+                ep.part_tokens, ep.part_logprobs, ep.part_versions = [], [], []
+                continue
+            ep.part_tokens += [int(t) for t in s.tokens]
+            ep.part_logprobs += [float(x) for x in s.logprobs]
+            ep.part_versions += [int(s.policy_version)] * len(s.tokens)
+            # the turn ends at a stop token, at its budget, or where a chunk drew nothing
+            if s.finish_reason == "length" and 0 < len(ep.part_tokens) < turn_budget[i]:
+                continue
+            versions = ep.part_versions or [int(s.policy_version)]
+            _apply_turn(
+                ep,
+                envs[i],
+                tokenizer,
+                turn,
+                ep.part_tokens,
+                ep.part_logprobs,
+                versions[0],
+                s.finish_reason,
+                budget=budgets[i],
+                max_observation_tokens=max_observation_tokens,
+                observation_tokens=observation_tokens,
+                token_versions=ep.part_versions,
+            )
+            ep.part_tokens, ep.part_logprobs, ep.part_versions = [], [], []
+
+
+def _chunk_seed(episode_seed: int, turn: int, position: int) -> int:
+    """The engine seed of the chunk of one episode's turn that starts ``position`` tokens into
+    the turn, in [0, 2**32)."""
+    return int(np.random.default_rng([episode_seed, turn, position]).integers(2**32))
+
+
 def finish_episodes(batch: EpisodeBatch) -> list[Episode]:
     """The :class:`Episode` of each episode of ``batch`` (one still live ends as
-    ``max_turns``)."""
+    ``max_turns``; a batch stopped mid-turn cannot be finished)."""
+    if any(e.part_tokens for e in batch.live):
+        raise ValueError(
+            "finish_episodes: the batch stopped in the middle of a turn (resume it with "
+            "advance_episodes first)"
+        )
     return [
         Episode(
             tokens=ep.tokens,
@@ -578,6 +720,7 @@ def restore_episodes(
         episode_seeds=state["episode_seeds"],
     )
     batch.next_turn = int(state["next_turn"])
+    batch.next_chunk = int(state.get("next_chunk", 0))
     for i, (ep, e, env) in enumerate(zip(batch.live, saved, envs)):
         for turn, ((a, b), finish, version) in enumerate(
             zip(e["model_spans"], e["turn_finish"], e["versions"])
@@ -604,6 +747,10 @@ def restore_episodes(
         ep.logprobs = [float(x) for x in e["logprobs"]]  # observation zeros, as saved
         ep.token_versions = [int(v) for v in e["token_versions"]]
         ep.finish = e["finish"]
+        part = e.get("partial") or {}
+        ep.part_tokens = [int(t) for t in part.get("tokens", [])]
+        ep.part_logprobs = [float(x) for x in part.get("logprobs", [])]
+        ep.part_versions = [int(v) for v in part.get("versions", [])]
     return batch
 
 
