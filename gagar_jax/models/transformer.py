@@ -540,7 +540,8 @@ def _materialized(x: jax.Array) -> jax.Array:
     each (``optimization_barrier`` does not stop that there). A dot's result is a buffer of its
     own, and a dot with the identity matrix returns its operand exactly (each output is one
     product by 1 plus zeros; ``HIGHEST`` precision keeps accelerators from rounding the
-    operand to a narrower type first).
+    operand to a narrower type first). Subnormal values would be flushed to zero: RoPE's
+    tables hold none (``|cos|`` and ``|sin|`` of a float32 angle are 0 or above 1e-8).
     """
     eye = jnp.eye(x.shape[-1], dtype=x.dtype)
     return jnp.einsum("...d,de->...e", x, eye, precision=jax.lax.Precision.HIGHEST)
