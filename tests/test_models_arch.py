@@ -23,7 +23,7 @@ from gagar_jax.models import (
     unstack_layer_params,
 )
 from gagar_jax.models.hf import model_from_params
-from gagar_jax.models.transformer import rope_inv_freq
+from gagar_jax.models.transformer import rope_inv_freq, rope_tables
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -305,7 +305,9 @@ def test_router_statistics_reference():
         layer = m.layers[0]
         x = m.embed_tokens[...][t]
         causal = jnp.tril(jnp.ones((9, 9), bool))[None] & msk[:, None]
-        y, _ = layer.self_attn(layer.input_layernorm(x), pos, causal)
+        c = m.config
+        tables = rope_tables(pos, jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta)))
+        y, _ = layer.self_attn(layer.input_layernorm(x), tables, causal)
         return layer.post_attention_layernorm(x + y)
 
     h = np.asarray(

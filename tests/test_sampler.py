@@ -629,3 +629,54 @@ def test_data_parallel_sampler_rejects_what_cannot_work(model):
         Sampler(model, mesh=two_d)
     with pytest.raises(TypeError, match="Sampler.mesh must be a jax.sharding.Mesh"):
         Sampler(model, mesh=jax.devices()[:4])
+
+
+def test_decode_loop_evaluates_no_cos_sin(model, monkeypatch):
+    """The sampler's compiled decode loops contain no ``cos`` / ``sin``: the RoPE tables of all
+    steps are computed before the loops and each step slices its own (in the loop body XLA
+    evaluated them again in every layer's query and key-cache-write fusions, per step)."""
+    import re
+
+    import gagar_jax.rollout.sampler as sampler_module
+
+    program, seen = sampler_module._generate_program, {}
+
+    def capture(*args, **kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        return program(*args, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "_generate_program", capture)
+    Sampler(model, batch_buckets=(4,), prompt_buckets=(16,), new_token_buckets=(32,)).generate(
+        PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=32)
+    )
+    text = program.lower(*seen["args"], **seen["kwargs"]).compile().as_text()
+    comps, cur = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
+            cur = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            comps[cur] = []
+        elif cur:
+            comps[cur].append(line)
+
+    def reachable(name, out):  # a computation and every computation it calls
+        if name not in out:
+            out.add(name)
+            for line in comps.get(name, []):
+                for callee in re.findall(
+                    r"(?:calls|body|to_apply|computations)=\{?%([\w.\-]+)", line
+                ):
+                    reachable(callee, out)
+                for callee in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                    for c in re.findall(r"%([\w.\-]+)", callee):
+                        reachable(c, out)
+        return out
+
+    bodies = re.findall(r"body=%([\w.\-]+)", text)
+    assert bodies, "no while loop in the compiled sampler"
+    inside = set()
+    for body in bodies:
+        reachable(body, inside)
+    trig = [
+        c for c in inside if any(op in line for line in comps[c] for op in (" cosine(", " sine("))
+    ]
+    assert not trig, trig

@@ -550,6 +550,50 @@ def rope_inv_freq(
     return inv.astype(np.float32)
 
 
+def _materialized(x: jax.Array) -> jax.Array:
+    """``x`` unchanged, as one buffer that XLA computes once.
+
+    XLA:CPU fuses an elementwise producer into each of its consumers and evaluates it again in
+    each (``optimization_barrier`` does not stop that there). A dot's result is a buffer of its
+    own, and a dot with the identity matrix returns its operand exactly (each output is one
+    product by 1 plus zeros; ``HIGHEST`` precision keeps accelerators from rounding the
+    operand to a narrower type first). Subnormal values would be flushed to zero: RoPE's
+    tables hold none (``|cos|`` and ``|sin|`` of a float32 angle are 0 or above 1e-8).
+    """
+    eye = jnp.eye(x.shape[-1], dtype=x.dtype)
+    return jnp.einsum("...d,de->...e", x, eye, precision=jax.lax.Precision.HIGHEST)
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The cosines and sines RoPE rotates by: ``(cos, sin)``, each ``[B, T, 1, D]`` float32.
+
+    Every layer rotates its queries and keys by the same angles, so the model computes these
+    once per forward and hands them to every layer, as buffers (:func:`_materialized`):
+    otherwise XLA:CPU evaluates ``cos`` and ``sin`` again inside every fusion that applies
+    them (each layer's queries and keys, each attention block's key slice, forward and
+    backward: 72 fusions in the small config's update, about 4% of its CPU time).
+
+    Args:
+      positions: [B, T] int positions.
+      inv_freq: [D/2] float32 inverse frequencies (:func:`rope_inv_freq`).
+    Returns:
+      (cos, sin), each [B, T, 1, D] float32 ("rotate half" layout: the D/2 angles twice).
+    """
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    return _materialized(jnp.cos(angles)), _materialized(jnp.sin(angles))
+
+
+def apply_rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotates ``x`` [B, T, H, D] by :func:`rope_tables` ``(cos, sin)``; same dtype as ``x``
+    (rotation computed in float32)."""
+    cos, sin = tables
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float, *, inv_freq=None) -> jax.Array:
     """Rotary embedding, Hugging Face "rotate half" layout.
 
@@ -564,12 +608,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, *, inv_freq=None) -> 
     d = x.shape[-1]
     if inv_freq is None:
         inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    return apply_rope(x, rope_tables(positions, inv_freq))
 
 
 def _causal_blocks(t: int, block: int) -> list[tuple[int, int]]:
@@ -780,8 +819,9 @@ class Attention(nnx.Module):
         vh = v.transpose(0, 2, 1, 3)
         return _blocked_causal_attention(qh, kh, vh, mask, blocks).transpose(0, 2, 1, 3, 4)
 
-    def __call__(self, x, positions, mask, cache=None):
-        """x: [B, T, E]; mask: [B, T, S] bool (causal & key mask).
+    def __call__(self, x, rope_cos_sin, mask, cache=None):
+        """x: [B, T, E]; rope_cos_sin: :func:`rope_tables` of the tokens' positions; mask:
+        [B, T, S] bool (causal & key mask).
 
         ``cache``: None (keys are this call's tokens, S == T) or ``(k_buf, v_buf, layer, index)``:
         this layer's buffers ``[B, KV, D, S]`` / ``[B, KV, S, D]`` (``layer`` None), or the
@@ -798,9 +838,8 @@ class Attention(nnx.Module):
         if c.qk_norm:
             q = self.q_norm(q).astype(dt)
             k = self.k_norm(k).astype(dt)
-        inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_llama3_scaling))
-        q = rope(q, positions, c.rope_theta, inv_freq=inv_freq)
-        k = rope(k, positions, c.rope_theta, inv_freq=inv_freq)
+        q = apply_rope(q, rope_cos_sin)
+        k = apply_rope(k, rope_cos_sin)
         b, t = x.shape[:2]
         g = c.num_heads // c.num_kv_heads
         q = q.reshape(b, t, c.num_kv_heads, g, c.head_dim)
@@ -844,11 +883,45 @@ class Attention(nnx.Module):
         scores = jnp.einsum(
             "bkmd,bkds->bkms", qm, keys.astype(dt), preferred_element_type=jnp.float32
         ).reshape(b, kv, g, t, -1)
-        scores = scores * (c.head_dim**-0.5)
-        scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkms,bksd->bkmd", probs.reshape(b, kv, g * t, -1), values.astype(dt))
+        scores = jnp.where(mask[:, None, None], scores * (c.head_dim**-0.5), _MASK_VALUE)
+        # Softmax as the update's attention computes it: the unnormalised exp(s - max) times
+        # the values, divided by its row sum afterwards ([.., D] divisions, not [.., S]).
+        e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        total = jnp.sum(e, axis=-1, keepdims=True).reshape(b, kv, g * t, 1)
+        out = jnp.einsum(
+            "bkms,bksd->bkmd",
+            e.astype(dt).reshape(b, kv, g * t, -1),
+            values.astype(dt),
+            preferred_element_type=jnp.float32,
+        )
+        out = (out / total).astype(dt)
         return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4), (k_buf, v_buf)
+
+
+@jax.custom_vjp
+def _swiglu(gate, up):
+    """``silu(gate) * up`` (SwiGLU's gating; any shape, both alike).
+
+    The backward is written out as one elementwise expression per input: with
+    ``s = sigmoid(gate)``, ``d_up = g * gate * s`` and ``d_gate = g * up * s * (1 + gate *
+    (1 - s))``. Autodiff of ``jax.nn.silu(gate) * up`` left XLA:CPU five to six passes over
+    the ``[tokens, F]`` arrays per layer (a stored sigmoid, separate products). The forward
+    is the expression autodiff saw, so sampled and scored values are unchanged.
+    """
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+    return jax.nn.silu(gate) * up, (gate, up)
+
+
+def _swiglu_bwd(residuals, g):
+    gate, up = residuals
+    s = jax.nn.sigmoid(gate)
+    return g * up * s * (1 + gate * (1 - s)), g * gate * s
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nnx.Module):
@@ -859,10 +932,11 @@ class MLP(nnx.Module):
         self.down_proj = _param(rngs, (f, h), ("mlp", "embed"), config, stack=stack)
 
     def __call__(self, x, token_mask=None):
+        """x [B, T, E] -> (``down(silu(x @ gate) * (x @ up))`` [B, T, E], None)."""
         dt = x.dtype
         gate = _linear(x, self.gate_proj[...].astype(dt))
         up = _linear(x, self.up_proj[...].astype(dt))
-        return _linear(jax.nn.silu(gate) * up, self.down_proj[...].astype(dt)), None
+        return _linear(_swiglu(gate, up), self.down_proj[...].astype(dt)), None
 
 
 class MoE(nnx.Module):
@@ -916,9 +990,9 @@ class Block(nnx.Module):
         mlp = MoE if config.num_experts else MLP
         self.mlp = mlp(config, rngs=rngs, stack=stack)
 
-    def __call__(self, x, positions, mask, token_mask, cache=None):
+    def __call__(self, x, rope_cos_sin, mask, token_mask, cache=None):
         dt = x.dtype
-        y, kv = self.self_attn(self.input_layernorm(x).astype(dt), positions, mask, cache)
+        y, kv = self.self_attn(self.input_layernorm(x).astype(dt), rope_cos_sin, mask, cache)
         x = x + y
         y, stats = self.mlp(self.post_attention_layernorm(x).astype(dt), token_mask)
         return x + y, kv, stats
@@ -994,13 +1068,13 @@ class Transformer(nnx.Module):
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be integer, got {tokens.dtype}")
 
-    def _layers(self, x, positions, mask, token_mask, cache_kv, index):
+    def _layers(self, x, rope_cos_sin, mask, token_mask, cache_kv, index):
         """Runs every block; returns (x, (k_all, v_all) or None, stacked router stats or None)."""
         c = self.config
 
         def apply(block, x, cache_kv, layer):
             cache = None if cache_kv is None else (*cache_kv, layer, index)
-            return block(x, positions, mask, token_mask, cache)
+            return block(x, rope_cos_sin, mask, token_mask, cache)
 
         def apply_own(block, x, cache_kv, layer):  # per-layer buffers: a tuple of L each
             if cache_kv is None:
@@ -1040,7 +1114,13 @@ class Transformer(nnx.Module):
             return x, cache_kv, None
         return x, cache_kv, jax.tree.map(lambda *s: jnp.stack(s), *all_stats)
 
-    def _hidden(self, tokens, positions, key_mask, token_mask, cache=None):
+    def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """:func:`rope_tables` of ``positions`` [B, T] with this model's frequencies."""
+        c = self.config
+        inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_llama3_scaling))
+        return rope_tables(positions, inv_freq)
+
+    def _hidden(self, tokens, positions, key_mask, token_mask, cache=None, rope_cos_sin=None):
         c = self.config
         dt = _dtype(c.dtype)
         x = self.embed_tokens[...].astype(dt)[tokens]
@@ -1050,7 +1130,9 @@ class Transformer(nnx.Module):
         mask = causal[None] & key_mask[:, None, :]  # [B, T, S]
         cache_kv = None if cache is None else (cache.k, cache.v)
         index = None if cache is None else cache.index
-        x, cache_kv, stats = self._layers(x, positions, mask, token_mask, cache_kv, index)
+        if rope_cos_sin is None:
+            rope_cos_sin = self.rope_tables(positions)  # once for all layers
+        x, cache_kv, stats = self._layers(x, rope_cos_sin, mask, token_mask, cache_kv, index)
         return self.norm(x).astype(dt), cache_kv, stats
 
     def head_weight(self) -> jax.Array:
@@ -1124,7 +1206,16 @@ class Transformer(nnx.Module):
             k=k, v=v, mask=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32)
         )
 
-    def decode(self, tokens, positions, cache: Cache, *, attention_mask=None, last_only=False):
+    def decode(
+        self,
+        tokens,
+        positions,
+        cache: Cache,
+        *,
+        attention_mask=None,
+        last_only=False,
+        rope_cos_sin=None,
+    ):
         """Runs ``T`` new tokens against the cache (prefill when T > 1, one step when T == 1).
 
         Args:
@@ -1146,7 +1237,9 @@ class Transformer(nnx.Module):
             attention_mask = jnp.ones(tokens.shape, bool)
         attention_mask = attention_mask.astype(bool)
         key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
-        h, (k, v), _ = self._hidden(tokens, positions, key_mask, attention_mask, cache)
+        h, (k, v), _ = self._hidden(
+            tokens, positions, key_mask, attention_mask, cache, rope_cos_sin=rope_cos_sin
+        )
         new_cache = Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
         if last_only:
             h = h[:, -1:]

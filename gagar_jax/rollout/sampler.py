@@ -93,16 +93,21 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
     return buckets[i]
 
 
-def _argmax(x):
-    """``jnp.argmax(x, -1)`` (first index of the maximum) as two plain reductions.
+def _first_max_index(x, top):
+    """The first index of ``top`` (``max(x, -1)``, keepdims) in each row of ``x``: argmax as a
+    plain reduction.
 
-    XLA:CPU runs argmax as one variadic (value, index) reduce that does not vectorise: over a
-    [128, 4096] row block it cost 4x a max followed by a min over the matching indices.
+    XLA:CPU runs ``jnp.argmax`` as one variadic (value, index) reduce that does not vectorise:
+    over a [128, 4096] row block it cost 4x a max followed by a min over the matching indices.
     """
     vocab = x.shape[-1]
-    top = jnp.max(x, axis=-1, keepdims=True)
     idx = jnp.min(jnp.where(x == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
     return jnp.minimum(idx, vocab - 1)  # NaN rows (nothing equals the max): the last id
+
+
+def _argmax(x):
+    """``jnp.argmax(x, -1)`` (first index of the maximum) as two plain reductions."""
+    return _first_max_index(x, jnp.max(x, axis=-1, keepdims=True))
 
 
 def sample_token(logits, key, temperature, top_p, top_k):
@@ -120,8 +125,12 @@ def sample_token(logits, key, temperature, top_p, top_k):
     greedy = temperature <= 0.0
     t = jnp.where(greedy, 1.0, temperature)
     scaled = logits.astype(jnp.float32) / t
-    logp = jax.nn.log_softmax(scaled, axis=-1)
     vocab = logits.shape[-1]
+    # log_softmax(scaled)[token] = (scaled[token] - max) - log(sum(exp(scaled - max))), the
+    # same operations as jax.nn.log_softmax, for the chosen token only: no [B, V] log-prob
+    # array is written, and greedy rows share the max with their argmax.
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    log_total = jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1))
 
     def truncate(x):
         # Sort once; a token is kept if its rank < k and the mass strictly before it < top_p
@@ -138,22 +147,26 @@ def sample_token(logits, key, temperature, top_p, top_k):
         thresh = jnp.maximum(kth, p_thresh)
         return jnp.where(x >= thresh, x, -jnp.inf)
 
-    def draw(x):
+    def draw(logits, top):
+        x = logits.astype(jnp.float32) / t
         need = (top_k > 0) | (top_p < 1.0)
         masked = jax.lax.cond(need, truncate, lambda y: y, x)
         # Gumbel-max, the draws of jax.random.categorical(key[r], masked[r]) row by row.
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(key)
-        return _argmax(masked + gumbel)
+        return _argmax(masked + gumbel).astype(jnp.int32)
 
     # Greedy rows skip the [B, V] Gumbel noise and the truncation entirely (a traced branch:
-    # one program serves greedy and sampled calls).
+    # one program serves greedy and sampled calls). The branches take the logits, not
+    # ``scaled``: a branch operand is a buffer of its own, and each branch's division by the
+    # temperature fuses into its first pass instead.
     tokens = jax.lax.cond(
         greedy,
-        lambda x: _argmax(x).astype(jnp.int32),
-        lambda x: draw(x).astype(jnp.int32),
-        scaled,
+        lambda logits, top: _first_max_index(logits.astype(jnp.float32) / t, top).astype(jnp.int32),
+        draw,
+        logits,
+        top,
     )
-    lp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    lp = (jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - top[:, 0]) - log_total
     return tokens, lp
 
 
@@ -332,6 +345,9 @@ def _generate_program(
             row_seeds, row_ids
         )
         b = logits.shape[0]
+        # RoPE tables of every step's positions ([B, N, 1, D] each), computed once: sliced per
+        # step, they keep cos / sin out of the loop body (XLA would evaluate them per layer).
+        rope = model.rope_tables(prompt_len[:, None] + jnp.arange(n, dtype=jnp.int32)[None])
 
         def cond(end, carry):
             step, _, _, done, *_ = carry
@@ -351,7 +367,10 @@ def _generate_program(
             pos = (prompt_len + step)[:, None]
             # A finished row's pad token is written masked: the cache then holds exactly the
             # prompt and the sample (what a later turn's prefill reuses).
-            logits, cache = model.decode(tok[:, None], pos, cache, attention_mask=~done[:, None])
+            step_rope = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, step, 1, 1), rope)
+            logits, cache = model.decode(
+                tok[:, None], pos, cache, attention_mask=~done[:, None], rope_cos_sin=step_rope
+            )
             done = done | hit | (step + 1 >= max_new)
             return step + 1, logits[:, 0, :], cache, done, toks, lps, lengths, stopped
 
