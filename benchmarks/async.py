@@ -46,8 +46,9 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
+from gagar_jax.analysis import writers  # noqa: E402
 from gagar_jax.grading import HeuristicGrader  # noqa: E402
-from gagar_jax.rl import train, writers  # noqa: E402
+from gagar_jax.rl import train  # noqa: E402
 from gagar_jax.rl.config import RunConfig  # noqa: E402
 
 

@@ -19,15 +19,16 @@ import argparse
 import dataclasses
 import json
 import os
-import random
 import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 from gagar_jax.data import swe, synth
-from gagar_jax.envs.repo import repo_group, repo_workspace, tree_patch
+from gagar_jax.envs import labelled_sets
+from gagar_jax.envs.repo import repo_group, repo_workspace
 from gagar_jax.grading import labelled, synth_set
+from gagar_jax.verify.diff import tree_patch
 
 
 def build_synth_set(
@@ -66,14 +67,13 @@ def build_synth_set(
             except ValueError as e:
                 log(f"{task.task_id}: skipped ({e})")
                 continue
-            kinds = sorted(trees)
-            random.Random(f"synth/{task.task_id}").shuffle(kinds)
+            kinds = labelled_sets.shuffled_kinds(trees, f"synth/{task.task_id}")
             patches = [tree_patch(task.files, trees[k]) for k in kinds]
             ws = repo_group(task, f"synth-{task.task_id}", patches, **verify_kwargs)
             keep = []
             for c, k in zip(ws.candidates, kinds):
                 confirmed = any(f.confirmed for f in c.monitor_flags)
-                gold = labelled.REPO_GOLD.get(k)
+                gold = labelled_sets.REPO_GOLD.get(k)
                 ok = (
                     (not c.passed)
                     if k == "noop"
@@ -85,7 +85,7 @@ def build_synth_set(
             if not any(k == "minimal" for _, k in keep):
                 continue
             ws = repo_workspace(task, ws.group_id, [c for c, _ in keep])
-            lg = labelled._labelled(ws, [k for _, k in keep], labelled.REPO_GOLD)
+            lg = labelled.label_group(ws, [k for _, k in keep], labelled_sets.REPO_GOLD)
             source = {
                 "package": spec,
                 "bug_patch": tree_patch(pristine, task.files),

@@ -90,7 +90,7 @@ def main(argv):
         return
     if not FLAGS.workdirs:
         raise app.UsageError("pass --workdirs (one run each) or --root with --seeds")
-    from gagar_jax.rl import writers
+    from gagar_jax.analysis import writers
 
     labels = FLAGS.labels or [os.path.basename(os.path.normpath(w)) for w in FLAGS.workdirs]
     if len(labels) != len(FLAGS.workdirs):

@@ -50,8 +50,8 @@ def _stats(xs):
 
 def main(argv):
     del argv
+    from gagar_jax.analysis import writers
     from gagar_jax.feedback.run import FeedbackRunConfig, train_feedback
-    from gagar_jax.rl import writers
 
     if FLAGS.compilation_cache:
         from gagar_jax.rl.train import enable_compilation_cache

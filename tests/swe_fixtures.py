@@ -6,7 +6,7 @@ import json
 import os
 
 from gagar_jax.data.repos import git
-from gagar_jax.envs.repo import tree_patch
+from gagar_jax.verify.diff import tree_patch
 
 
 def write(root, files):

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from gagar_jax.rl import writers
+from gagar_jax.analysis import writers
 from gagar_jax.rl.resume import read_loop_state
 from tests import multihost_fixtures as mh
 

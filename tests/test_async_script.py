@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gagar_jax.rl import writers
+from gagar_jax.analysis import writers
 from gagar_jax.rl.resume import read_loop_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

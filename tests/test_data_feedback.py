@@ -11,12 +11,12 @@ from gagar_jax.data.feedback import (
     FeedbackError,
     FeedbackRecord,
     derive_spans,
-    encode_with_offsets,
     pack_examples,
     read_jsonl,
     write_jsonl,
 )
 from gagar_jax.envs import TOKENIZER, ToyTaskGenerator
+from gagar_jax.envs.tokenizer import encode_with_offsets
 
 TASK = ToyTaskGenerator(0, 1).task(0)
 PATCH = "1 : a = x * 3\nins 2 : b = x"

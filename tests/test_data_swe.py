@@ -487,7 +487,7 @@ def test_python_repo_family_trains_on_an_swe_pool(tmp_path, monkeypatch):
 def test_editing_the_named_tests_does_not_pass_a_row_without_test_patch(tmp_path):
     """Factory rows carry their tests in the base tree (empty test_patch): the files of the
     named tests are reset, so rewriting the failing assertion earns nothing."""
-    from gagar_jax.envs.repo import tree_patch
+    from gagar_jax.verify.diff import tree_patch
 
     repos_dir = str(tmp_path / "repos")
     base = {
@@ -519,7 +519,7 @@ def test_editing_the_named_tests_does_not_pass_a_row_without_test_patch(tmp_path
 def test_swesmith_layout_row_with_its_bug_branch(tmp_path):
     """A SWE-smith row: no base_commit, the bug on a branch named instance_id of the mirror,
     ``patch`` introduces the bug; the fix is derived and verifies."""
-    from gagar_jax.envs.repo import tree_patch
+    from gagar_jax.verify.diff import tree_patch
     from tests.swe_fixtures import commit_all, write
 
     repos_dir = str(tmp_path / "repos")
@@ -729,3 +729,22 @@ def test_autosubmit_verifies_an_unsubmitted_episode_and_the_audit_log_names_its_
     assert v["sandbox_pythonpath"] == list(env_site_packages(task.env_path))
     assert v["env_hash"] == task.env_hash and v["tree"] == tree_digest(task.files)
     assert {r["kind"] for r in records} == {"verify", "run_tests"}  # run_tests ran as well
+
+
+def test_the_python_repo_family_reads_swe_pools_through_the_reader_data_registers(tmp_path):
+    """``envs.repo`` imports no task data: SWE-bench-format pools are read by the reader
+    ``data.swe`` registers when imported; without it the pool is an error naming the module."""
+    pool = tmp_path / "rows.json"
+    pool.write_text("[]")
+    code = (
+        "import pytest\n"
+        "from gagar_jax.envs import repo\n"
+        f"with pytest.raises(LookupError, match='import gagar_jax.data.swe'):\n"
+        f"    repo.load_repo_tasks({str(pool)!r}, {str(tmp_path)!r})\n"
+        "from gagar_jax.data import swe\n"
+        "assert repo._swe_reader('p') == (swe.load_tasks, swe.row_task)\n"
+        f"assert repo.load_repo_tasks({str(pool)!r}, {str(tmp_path)!r}) == []\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -15,7 +15,7 @@ from gagar_jax.envs import (
     parse_patch,
     verify,
 )
-from gagar_jax.envs import toy_lang as L
+from gagar_jax.verify import toy_lang as L
 
 N_PER_LEVEL = 60  # tasks checked per difficulty (about 1 s in all)
 

@@ -9,11 +9,11 @@ import sys
 import numpy as np
 import pytest
 
+from gagar_jax.analysis import writers
 from gagar_jax.data.feedback import FeedbackRecord, derive_spans
 from gagar_jax.envs import TOKENIZER, ToyTaskGenerator, candidate_patches
 from gagar_jax.envs.simulated_user import feedback_record, user_feedback
 from gagar_jax.feedback.run import batch_indices
-from gagar_jax.rl import writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

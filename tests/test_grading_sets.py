@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from gagar_jax.envs import labelled_sets
 from gagar_jax.grading import labelled
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "repos")
@@ -12,7 +13,7 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "repos")
 
 def test_toy_set_is_reproducible_and_labels_are_consistent():
     stored = labelled.load_set("toy")
-    built = labelled.build_toy_set()
+    built = labelled_sets.build_toy_set()
     assert [labelled.group_to_dict(g) for g in built.groups] == [
         labelled.group_to_dict(g) for g in stored.groups
     ]
@@ -21,7 +22,7 @@ def test_toy_set_is_reproducible_and_labels_are_consistent():
         assert {"minimal", "cheat"} <= kinds
         assert any(not c.passed for c in lg.workspace.candidates)  # a mixed group
         for cid, g in lg.gold.items():
-            assert (g.tier, g.rank, g.cheat) == labelled.TOY_GOLD[g.kind]
+            assert (g.tier, g.rank, g.cheat) == labelled_sets.TOY_GOLD[g.kind]
             cand = lg.workspace.candidate(cid)
             # The toy monitor confirms exactly the planted cheats.
             assert cand.confirmed_cheat == g.cheat, (lg.workspace.group_id, g.kind)
@@ -31,7 +32,7 @@ def test_repo_set_labels_cover_every_planted_kind():
     s = labelled.load_set("repo")
     assert [lg.workspace.group_id for lg in s.groups] == ["repo-statkit", "repo-slugger"]
     for lg in s.groups:
-        assert {g.kind for g in lg.gold.values()} == set(labelled.REPO_GOLD)
+        assert {g.kind for g in lg.gold.values()} == set(labelled_sets.REPO_GOLD)
         assert [lg.kinds[c.candidate_id] for c in lg.workspace.candidates if not c.passed] == [
             "noop"
         ]
@@ -42,14 +43,15 @@ def test_unknown_set_names_the_stored_ones():
         labelled.load_set("nonesuch")
 
 
-@pytest.mark.parametrize("name", labelled.REPO_FIXTURES)
+@pytest.mark.parametrize("name", labelled_sets.REPO_FIXTURES)
 def test_repo_gold_fixes_pass_and_cheats_are_cheats_in_the_sandboxed_verifier(name):
-    from gagar_jax.envs.repo import RepoTask, tree_patch
+    from gagar_jax.envs.repo import RepoTask
+    from gagar_jax.verify.diff import tree_patch
     from gagar_jax.verify.repo import verify_repo_patch
     from gagar_jax.verify.sandbox import Limits
 
     task = RepoTask.from_dir(os.path.join(FIXTURES, name))
-    trees = labelled.repo_variants(name, task.files)
+    trees = labelled_sets.repo_variants(name, task.files)
     limits = Limits(wall_s=60, cpu_s=60, memory_bytes=1 << 30, nproc=64)
     for kind in ("minimal", "test_weakening", "special_case", "noop"):
         v = verify_repo_patch(task, tree_patch(task.files, trees[kind]), limits=limits)
@@ -74,7 +76,7 @@ def test_toy_split_is_the_documented_rule_and_partitions_the_set():
     s = labelled.load_set("toy")
     with open(labelled.split_path("toy")) as f:
         stored = json.load(f)
-    assert stored == labelled.toy_split(s)
+    assert stored == labelled_sets.toy_split(s)
     dev, held = set(stored["dev"]), set(stored["heldout"])
     assert not dev & held and dev | held == {g.workspace.group_id for g in s.groups}
     assert len(dev) == len(held) == 12
@@ -115,21 +117,21 @@ def test_synth_set_is_rebuilt_from_the_registry_and_its_patches_apply():
         gold = {g.kind: g for g in lg.gold.values()}
         assert "minimal" in gold and gold["minimal"].tier == 1
         for cid, g in lg.gold.items():
-            assert (g.tier, g.rank, g.cheat) == labelled.REPO_GOLD[g.kind]
+            assert (g.tier, g.rank, g.cheat) == labelled_sets.REPO_GOLD[g.kind]
             apply_unified_diff(files, lg.workspace.candidate(cid).patch)  # applies to the rebuild
         assert [lg.kinds[c.candidate_id] for c in lg.workspace.candidates if not c.passed] == [
             "noop"
         ]
         kinds_seen |= set(gold)
-    assert kinds_seen == set(labelled.REPO_GOLD)  # every planted kind occurs
+    assert kinds_seen == set(labelled_sets.REPO_GOLD)  # every planted kind occurs
 
 
 def test_planted_kinds_on_a_factory_style_fix():
     """``synth_set.plant`` on a one-line fix of a small package: each kind as documented."""
     import types
 
-    from gagar_jax.envs.repo import tree_patch
     from gagar_jax.grading import synth_set
+    from gagar_jax.verify.diff import tree_patch
 
     mod = "def add(a, b):\n    return a - b\n\n\n" + "".join(
         f"def f{i}(x):\n    return x + {i}\n\n\n" for i in range(6)
@@ -144,7 +146,7 @@ def test_planted_kinds_on_a_factory_style_fix():
         fail_to_pass=("pkg/tests/test_mod.py::test_add",),
     )
     trees = synth_set.plant(task)
-    assert set(trees) == {*labelled.REPO_GOLD, "noop"}
+    assert set(trees) == {*labelled_sets.REPO_GOLD, "noop"}
     assert trees["minimal"] == fixed and trees["noop"] == files
     assert 'print("DEBUG t1")' in trees["debris"]["pkg/mod.py"]
     assert "# Kept as is" in trees["out_of_scope"]["pkg/mod.py"]
@@ -251,8 +253,8 @@ def test_synth_rewrite_patches_are_stored_as_recipes_and_load_to_their_sha256(tm
 def test_synth_recipe_round_trip_and_refusal_on_a_factory_style_fix():
     """``store_candidates`` replaces a rewrite's patch by a recipe only when the recipe makes
     the same patch again; ``load_candidates`` makes it."""
-    from gagar_jax.envs.repo import tree_patch
     from gagar_jax.grading import synth_set
+    from gagar_jax.verify.diff import tree_patch
 
     mod = '"""Doc."""\n\n\ndef add(a, b):\n    """Add."""\n    return a - b  # bug\n'
     files = {"pkg/mod.py": mod}

@@ -55,7 +55,7 @@ def test_toy_patch_renders_as_unified_diff_of_program():
 
 def test_toy_check_runner_and_agentic_loop():
     task, by_kind, ws = _groups(1)[0]
-    runner = toy_grading.ToyCheckRunner()
+    runner = adapters.ToyCheckRunner()
     res = runner.run(ws, by_kind["side_effect"], "f(25) f(0)")
     assert res.status == "passed" and "f(25) = 0" in res.log
     assert runner.run(ws, by_kind["minimal"], "no numbers").status == "error"

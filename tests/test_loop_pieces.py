@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gagar_jax.rl import collect, grade, resume, writers
+from gagar_jax.analysis import writers
+from gagar_jax.rl import collect, grade, resume
 from gagar_jax.rl.config import ConfigError, RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

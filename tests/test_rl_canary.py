@@ -125,7 +125,8 @@ def test_training_loop_reports_canary_cheat_rate_and_does_not_train_on_canaries(
     """The real loop (embedded sampler, toy verifier): a policy cannot pass an impossible toy
     task, so the rate is 0 over every canary rollout, and the run's update figures are those
     of the same run without canaries (they never reach the update)."""
-    from gagar_jax.rl import train, writers
+    from gagar_jax.analysis import writers
+    from gagar_jax.rl import train
 
     def run(n, workdir):
         d = toy_gagar.get_config("binary,smoke").to_dict()

@@ -1,11 +1,11 @@
-"""The console summary of a finished run (gagar_jax.rl.writers.format_summary): the held-out
+"""The console summary of a finished run (gagar_jax.analysis.writers.format_summary): the held-out
 pass rate's change against one evaluation's noise, and what improved, in words."""
 
 import math
 
 import pytest
 
-from gagar_jax.rl import writers
+from gagar_jax.analysis import writers
 
 
 def _summary(eval_first, eval_last, quality=(0.82, 0.97), t1=(0.25, 0.9)):

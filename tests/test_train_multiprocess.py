@@ -20,7 +20,8 @@ import jax
 import numpy as np
 import pytest
 
-from gagar_jax.rl import collect, writers
+from gagar_jax.analysis import writers
+from gagar_jax.rl import collect
 from gagar_jax.rl.resume import read_loop_state
 from tests import multihost_fixtures as mh
 from tests.test_loop_pieces import make_group

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from sglang_fixtures import SGLANG
 
-from gagar_jax.rl import writers
+from gagar_jax.analysis import writers
 from gagar_jax.rollout import SamplingParams, SGLangClient, SGLangEngine, WeightSyncError
 from tests import multihost_fixtures as mh
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from configs import toy_gagar
-from gagar_jax.rl import writers
+from gagar_jax.analysis import writers
 from gagar_jax.rl.config import ConfigError, RunConfig
 from gagar_jax.rl.resume import read_loop_state
 

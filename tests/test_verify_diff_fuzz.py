@@ -14,13 +14,14 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gagar_jax.envs.repo import RepoTask, tree_patch
+from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify.diff import (
     MAX_PATCH_BYTES,
     DiffError,
     apply_unified_diff,
     check_patch_size,
     parse_unified_diff,
+    tree_patch,
 )
 from gagar_jax.verify.repo import verify_repo_patch
 from gagar_jax.verify.sandbox import Limits

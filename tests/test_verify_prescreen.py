@@ -168,7 +168,9 @@ except Exception:
 
 
 def test_repo_canary_fails_honest_patches_and_a_forged_report():
-    from gagar_jax.envs.repo import RepoTask, tree_patch
+    from gagar_jax.envs import labelled_sets
+    from gagar_jax.envs.repo import RepoTask
+    from gagar_jax.verify.diff import tree_patch
     from gagar_jax.verify.repo import verify_repo_patch
     from gagar_jax.verify.sandbox import Limits
 
@@ -176,7 +178,7 @@ def test_repo_canary_fails_honest_patches_and_a_forged_report():
     task = RepoTask.from_dir(os.path.join(FIXTURES, "statkit"))
     can = ps.canary_repo_task(task)
     assert can.fail_to_pass[-1] == f"{ps.CANARY_TEST_FILE}::test_canary_contradiction"
-    trees = labelled.repo_variants("statkit", task.files)
+    trees = labelled_sets.repo_variants("statkit", task.files)
     outcomes = {}
     for kind in ("minimal", "noop"):
         v = verify_repo_patch(can, tree_patch(task.files, trees[kind]), limits=limits)

@@ -59,6 +59,7 @@ import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify import execution
 from gagar_jax.verify.browser_llm import OutputRejected, first_json_object
 from gagar_jax.verify.diff import parse_unified_diff
@@ -133,9 +134,7 @@ class AuditReport:
         )
 
 
-def _as_task(task: Any):
-    from gagar_jax.envs.repo import RepoTask
-
+def _as_task(task: Any) -> RepoTask:
     if isinstance(task, RepoTask):
         return task
     if isinstance(task, Mapping):

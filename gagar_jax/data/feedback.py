@@ -33,9 +33,9 @@ a turn or range outside the response, an empty range, a range that covers no tok
 prompt or observation tokens, two items whose spans overlap (after mapping to tokens), a missing
 or mistyped field.
 
-Tokenizers: anything with ``encode_with_offsets(text) -> (ids, [(start, end), ...])``; a
-``tokenizers.Tokenizer`` or a ``transformers`` fast tokenizer (their offsets); or the toy
-tokenizer (its words are located in the text: canonical toy text is words separated by spaces).
+Tokenizers: whatever ``gagar_jax.envs.tokenizer.encode_with_offsets`` reads offsets from:
+anything with ``encode_with_offsets(text) -> (ids, [(start, end), ...])`` (the toy tokenizer has
+it), a ``tokenizers.Tokenizer`` or a ``transformers`` fast tokenizer (their offsets).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from gagar_jax.envs.tokenizer import encode_with_offsets
+
 ROLES = ("prompt", "model", "observation")
 POLARITY_NAMES = {"positive": 1, "neutral": 0, "negative": -1}
 UNCOVERED = ("neutral", "ignore")
@@ -54,48 +56,6 @@ UNCOVERED = ("neutral", "ignore")
 
 class FeedbackError(ValueError):
     """A feedback record is malformed; the message names the record and the field."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Tokenizer offsets
-# ----------------------------------------------------------------------------------------------
-def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of ``text`` and each token's ``[start, end)`` character interval in it."""
-    if hasattr(tokenizer, "encode_with_offsets"):
-        ids, offsets = tokenizer.encode_with_offsets(text)
-        return list(ids), [tuple(o) for o in offsets]
-    if hasattr(tokenizer, "vocab") and hasattr(tokenizer, "newline_id"):  # the toy tokenizer
-        return _toy_offsets(tokenizer, text)
-    if callable(tokenizer) and hasattr(tokenizer, "is_fast"):  # transformers fast tokenizer
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-    enc = tokenizer.encode(text)  # tokenizers.Tokenizer
-    if not hasattr(enc, "offsets"):
-        raise TypeError(
-            f"tokenizer {type(tokenizer).__name__} gives no character offsets: "
-            "give it an encode_with_offsets(text) method"
-        )
-    return list(enc.ids), [tuple(o) for o in enc.offsets]
-
-
-def _toy_offsets(tokenizer, text: str):
-    from gagar_jax.envs.toy_lang import lex
-
-    ids = tokenizer.encode(text)
-    offsets: list[tuple[int, int]] = []
-    base = 0
-    for n, line in enumerate(text.split("\n")):
-        if n:
-            offsets.append((base - 1, base))  # the newline token
-        cursor = 0
-        for word in lex(line):
-            start = line.index(word, cursor)
-            offsets.append((base + start, base + start + len(word)))
-            cursor = start + len(word)
-        base += len(line) + 1
-    if len(offsets) != len(ids):  # cannot happen for lex-based encoding; guard the invariant
-        raise RuntimeError(f"toy offsets: {len(offsets)} offsets for {len(ids)} tokens")
-    return ids, offsets
 
 
 # ----------------------------------------------------------------------------------------------

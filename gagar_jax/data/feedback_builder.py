@@ -32,6 +32,7 @@ from gagar_jax.data.feedback import (
     FeedbackRecord,
     derive_spans,
 )
+from gagar_jax.envs import TOKENIZER
 
 SPLITS = ("train", "validation", "test")
 
@@ -43,8 +44,6 @@ def _text(x: Any) -> str:
 def load_tokenizer(name: str):
     """``toy`` -> the toy tokenizer; a path to a ``tokenizer.json`` -> ``tokenizers.Tokenizer``."""
     if name == "toy":
-        from gagar_jax.envs import TOKENIZER
-
         return TOKENIZER
     from tokenizers import Tokenizer
 

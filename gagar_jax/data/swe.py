@@ -15,6 +15,9 @@ repository, ``patch`` the bug) are read too (:func:`swesmith_row`).
 ``base_commit`` (``gagar_jax.data.repos.snapshot``, cached per commit, no history) and, with
 ``build_envs``, the environment of the row's requirements (``repos.build_env``: uv,
 content-addressed, reused), and returns a ``RepoTask`` whose hidden tests are ``test_patch``.
+Importing this module registers :func:`load_tasks` and :func:`row_task` with the ``python_repo``
+family (``gagar_jax.envs.repo.register_swe_reader``), which reads ``task.repos_dir`` pools
+through them: the family sits below the task data and imports none of it.
 
 **Grading** (swebench 5.0): :func:`grade` over a per-test status map: a fail-to-pass test
 resolves only when passed (or xfail); a skipped one fails; a pass-to-pass test is kept when
@@ -50,7 +53,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gagar_jax.data import repos
-from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files
+from gagar_jax.envs.repo import RepoTask, SweReader, register_swe_reader
+from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files, tree_patch
 from gagar_jax.verify.repo import verify_repo_patch
 
 FIELDS = (
@@ -197,8 +201,6 @@ def r2egym_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
     :func:`parse_log_pytest`); ``PASS_TO_PASS``: those that passed on both. ``repo`` is
     ``r2e-gym/<repo_name>`` unless the row names an ``owner/name`` ``repo``.
     """
-    from gagar_jax.envs.repo import tree_patch
-
     name = row.get("repo_name")
     if not isinstance(name, str) or not re.fullmatch(r"[\w-][\w.-]*", name):
         raise InstanceError(f"{where}: repo_name must be a repository name, got {name!r}")
@@ -533,13 +535,11 @@ def to_repo_task(
     cache_dir: str | None = None,
     build_envs: bool = True,
     test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
-):
+) -> RepoTask:
     """The ``RepoTask`` of ``inst``: the tree of ``base_commit`` from ``repos_dir``, the hidden
     ``test_patch``, the gold ``patch`` as reference, the layout's ``pythonpath`` and (with
     ``build_envs``) the environment of ``python_deps`` or, without them, of the dependencies
     the repository declares."""
-    from gagar_jax.envs.repo import RepoTask
-
     files = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit, cache_dir)
     reference = inst.patch
     if inst.layout == "swesmith":
@@ -578,8 +578,6 @@ def _swesmith_fix(
 ) -> str:
     """The fix of a SWE-smith row: the bug branch's tree back to its parent's, checked against
     the row's bug patch."""
-    from gagar_jax.envs.repo import tree_patch
-
     parent = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit + "^", cache_dir)
     try:
         paths = touched_files(inst.patch)
@@ -599,9 +597,18 @@ def _swesmith_fix(
     )
 
 
-def load_tasks(path: str, repos_dir: str, **kwargs) -> list:
+def load_tasks(path: str, repos_dir: str, **kwargs) -> list[RepoTask]:
     """``RepoTask``s of every row of ``path`` (see :func:`to_repo_task`)."""
     return [to_repo_task(inst, repos_dir, **kwargs) for inst in load_instances(path)]
+
+
+def row_task(row: Mapping[str, Any], where: str, repos_dir: str) -> RepoTask:
+    """The ``RepoTask`` of one SWE-bench-format row (errors name ``where``)."""
+    return to_repo_task(parse_instance(row, where), repos_dir)
+
+
+# The python_repo family reads SWE-bench-format pools (task.repos_dir) with these.
+register_swe_reader(SweReader(load_tasks, row_task))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,7 +59,9 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from gagar_jax.data import audit, repos, swe
-from gagar_jax.envs.repo import RepoTask, tree_patch
+from gagar_jax.envs.repo import RepoTask
+from gagar_jax.rollout.sglang_client import SGLangClient
+from gagar_jax.verify.diff import tree_patch
 from gagar_jax.verify.repo import env_site_packages, verify_repo_patch, write_tree
 from gagar_jax.verify.sandbox import Limits, python_for_sandbox, run_sandboxed
 from gagar_jax.verify.untrusted import Envelope
@@ -627,8 +629,6 @@ class IssueWriter:
         max_retries: int = 1,
     ):
         if isinstance(client, str):
-            from gagar_jax.rollout.sglang_client import SGLangClient
-
             client = SGLangClient(
                 client,
                 max_retries=max_retries,

@@ -32,12 +32,13 @@ from typing import Any
 
 from gagar_jax.envs.family import Attempt, GroupMember, Outcome, TaskFamily
 from gagar_jax.envs.hf_tokenizer import HFTokenizer
-from gagar_jax.envs.repo import TOOLS, tree_patch
+from gagar_jax.envs.repo import TOOLS
 from gagar_jax.grading import schema
 from gagar_jax.grading.browser import BrowserGrader, write_artifact
 from gagar_jax.rollout.episode import CodeAgentEnv
 from gagar_jax.verify.browser import BrowserJudge
 from gagar_jax.verify.browser_rubric import validate_rubric
+from gagar_jax.verify.diff import tree_patch
 
 TEMPLATES = ("counter", "todo", "toggle")
 SYSTEM_PROMPT = (

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gagar_jax.envs.simulated_user import _line_token_ranges, user_feedback
-from gagar_jax.envs.tokenizer import TOKENIZER
+from gagar_jax.envs.tokenizer import TOKENIZER, encode_with_offsets
 from gagar_jax.envs.toy import ToyTask, verify
 
 PROMPT_VERSION = "v1"
@@ -221,8 +221,6 @@ class LLMUser:
         )
 
     def __call__(self, task: ToyTask, response_tokens: Sequence[int], *, tokenizer=TOKENIZER):
-        from gagar_jax.data.feedback import encode_with_offsets
-
         self.metrics["records"] += 1
         tokens = list(response_tokens)
         lines = _line_token_ranges(tokens, tokenizer)

@@ -31,15 +31,15 @@ import difflib
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
 from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
 from gagar_jax.grading import schema
 from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
 from gagar_jax.rollout.episode import CodeAgentEnv
-from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, split_lines
+from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, tree_patch
 from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
 from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
@@ -174,20 +174,46 @@ def read_tree(root: str) -> dict[str, str]:
     return out
 
 
+class SweReader(NamedTuple):
+    """How SWE-bench-format rows become ``RepoTask``s (rows that name a git repository and a
+    commit rather than holding the tree): the task data package's reader,
+    ``gagar_jax.data.swe``, registered with :func:`register_swe_reader` when it is imported
+    (it materialises trees from git and builds environments, a layer above the families)."""
+
+    load_tasks: Callable[[str, str], list]  # (pool path, repos_dir) -> RepoTasks
+    row_task: Callable[[Mapping[str, Any], str, str], Any]  # (row, where, repos_dir) -> RepoTask
+
+
+_SWE_READER: list[SweReader] = []
+
+
+def register_swe_reader(reader: SweReader) -> None:
+    """Makes ``reader`` the one :func:`load_repo_tasks` reads SWE-bench-format pools with (a
+    later call replaces it). ``gagar_jax.data.swe`` registers its own when imported."""
+    _SWE_READER[:] = [reader]
+
+
+def _swe_reader(path: str) -> SweReader:
+    if not _SWE_READER:
+        raise LookupError(
+            f"task pool {path!r} holds SWE-bench-format rows (task.repos_dir is set) and no "
+            "reader of them is registered (import gagar_jax.data.swe, which registers it)"
+        )
+    return _SWE_READER[0]
+
+
 def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
     """Tasks from a ``.jsonl`` file (one ``RepoTask.to_dict()`` per line) or a directory of task
     directories (each with ``task.json`` and ``repo/``, sorted by name). Errors name the file
     and line. With ``repos_dir``, ``path`` holds SWE-bench-format rows (``.jsonl``, ``.json``,
-    ``.parquet`` or a directory of Harbor tasks) naming repositories there
-    (``gagar_jax.data.swe.load_tasks``: trees materialised from git per commit, environments
-    built once and reused); a ``.jsonl`` pool may mix such rows (a line with an
-    ``instance_id``) with ``RepoTask`` lines."""
+    ``.parquet`` or a directory of Harbor tasks) naming repositories there, read by the
+    registered :class:`SweReader` (``gagar_jax.data.swe.load_tasks``: trees materialised from
+    git per commit, environments built once and reused); a ``.jsonl`` pool may mix such rows (a
+    line with an ``instance_id``) with ``RepoTask`` lines."""
     if not path:
         return []
     if repos_dir and not (os.path.isfile(path) and path.endswith(".jsonl")):
-        from gagar_jax.data.swe import load_tasks
-
-        return load_tasks(path, repos_dir)
+        return _swe_reader(path).load_tasks(path, repos_dir)
     if os.path.isfile(path):
         tasks, seen = [], set()
         with open(path, encoding="utf-8") as f:
@@ -205,9 +231,7 @@ def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
                             f"({obj['instance_id']!r}) needs task.repos_dir, the "
                             "directory of its repository"
                         )
-                    from gagar_jax.data import swe
-
-                    task = swe.to_repo_task(swe.parse_instance(obj, f"{path}:{n}"), repos_dir)
+                    task = _swe_reader(path).row_task(obj, f"{path}:{n}", repos_dir)
                 else:
                     try:
                         task = RepoTask.from_dict(obj)
@@ -289,29 +313,6 @@ def _audit(record: Mapping[str, Any]) -> None:
     if path:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(dict(record)) + "\n")
-
-
-def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
-    """The unified diff (``a/``/``b/`` paths) turning ``before`` into ``after``."""
-    out = []
-    for path in sorted(set(before) | set(after)):
-        a, b = before.get(path), after.get(path)
-        if a == b:
-            continue
-        if not (a or b):  # an empty file created or deleted: headers only, no hunk
-            out.append(
-                f"--- a/{path}\n+++ /dev/null\n" if b is None else f"--- /dev/null\n+++ b/{path}\n"
-            )
-            continue
-        for line in difflib.unified_diff(
-            split_lines(a or ""),
-            split_lines(b or ""),  # "\n" only: CRLF, form feeds kept
-            fromfile=f"a/{path}" if a is not None else "/dev/null",
-            tofile=f"b/{path}" if b is not None else "/dev/null",
-        ):
-            # A last line without a newline gets the marker ``patch`` and the applier read.
-            out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
-    return "".join(out)
 
 
 class RepoAgentEnv:

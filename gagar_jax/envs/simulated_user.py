@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gagar_jax.envs import toy_lang as L
 from gagar_jax.envs.tokenizer import TOKENIZER
 from gagar_jax.envs.toy import QUALITY_DIMENSIONS, PatchError, ToyTask, parse_patch, verify
+from gagar_jax.verify import toy_lang as L
 
 
 def _line_token_ranges(tokens: Sequence[int], tokenizer) -> list[tuple[int, int]]:

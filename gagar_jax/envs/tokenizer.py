@@ -8,13 +8,20 @@ trained from scratch to explore.
 ``decode(encode(t)) == t`` for canonical text (tokens separated by single spaces, lines by
 ``\\n``), which is what every ToyTask prompt and reference patch is. Words outside the vocabulary
 encode to ``unk_id`` (or raise with ``strict=True``).
+
+Character offsets (``encode_with_offsets``): each token's ``[start, end)`` interval in the text,
+from any tokenizer the families and their feedback records use (the toy tokenizer locates its
+words in the text; a ``tokenizers.Tokenizer`` or a ``transformers`` fast tokenizer reports its
+own). The simulated users and the feedback records (``gagar_jax.data.feedback``) map character
+ranges to tokens with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
-from gagar_jax.envs.toy_lang import lex
+from gagar_jax.verify.toy_lang import lex
 
 MAX_INT = 99
 SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
@@ -71,6 +78,25 @@ class ToyTokenizer:
                 ids.append(i)
         return ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text)`` and each token's ``[start, end)`` character interval in ``text`` (a
+        newline token covers its ``\\n``)."""
+        ids = self.encode(text)
+        offsets: list[tuple[int, int]] = []
+        base = 0
+        for n, line in enumerate(text.split(NEWLINE)):
+            if n:
+                offsets.append((base - 1, base))  # the newline token
+            cursor = 0
+            for word in lex(line):
+                start = line.index(word, cursor)
+                offsets.append((base + start, base + start + len(word)))
+                cursor = start + len(word)
+            base += len(line) + 1
+        if len(offsets) != len(ids):  # cannot happen: encode lexes the same lines; guard it
+            raise RuntimeError(f"toy offsets: {len(offsets)} offsets for {len(ids)} tokens")
+        return ids, offsets
+
     def decode(self, ids: Iterable[int], *, stop_at_eos: bool = True) -> str:
         """Canonical text of ``ids``; pad and BOS are dropped, decoding stops at EOS by default."""
         lines: list[list[str]] = [[]]
@@ -90,3 +116,24 @@ class ToyTokenizer:
 
 
 TOKENIZER = ToyTokenizer()
+
+
+def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of ``text`` and each token's ``[start, end)`` character interval in it.
+
+    ``tokenizer``: anything with an ``encode_with_offsets(text)`` method (the toy tokenizer), a
+    ``transformers`` fast tokenizer or a ``tokenizers.Tokenizer``; another is a TypeError naming
+    it."""
+    if hasattr(tokenizer, "encode_with_offsets"):
+        ids, offsets = tokenizer.encode_with_offsets(text)
+        return list(ids), [tuple(o) for o in offsets]
+    if callable(tokenizer) and hasattr(tokenizer, "is_fast"):  # transformers fast tokenizer
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    enc = tokenizer.encode(text)  # tokenizers.Tokenizer
+    if not hasattr(enc, "offsets"):
+        raise TypeError(
+            f"tokenizer {type(tokenizer).__name__} gives no character offsets: "
+            "give it an encode_with_offsets(text) method"
+        )
+    return list(enc.ids), [tuple(o) for o in enc.offsets]

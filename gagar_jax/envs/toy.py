@@ -1,8 +1,9 @@
 """The toy code-repair task family: seeded buggy programs, line-edit patches, verification.
 
-Each task is a short program in the toy language (``toy_lang``) with one injected bug, a few
-visible unit tests ``f ( x ) == y`` that the bug fails, hidden tests, and a reference minimal
-patch. The policy reads the prompt and emits a patch in a line-edit format, one edit per line::
+Each task is a short program in the toy language (``gagar_jax.verify.toy_lang``) with one
+injected bug, a few visible unit tests ``f ( x ) == y`` that the bug fails, hidden tests, and a
+reference minimal patch. The policy reads the prompt and emits a patch in a line-edit format,
+one edit per line::
 
     N : stmt          replace original line N with stmt
     ins N : stmt      insert stmt before original line N (N = last line + 1 appends)
@@ -38,8 +39,8 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from gagar_jax.envs import toy_lang as L
 from gagar_jax.envs.tokenizer import TOKENIZER
+from gagar_jax.verify import toy_lang as L
 from gagar_jax.verify.flags import MonitorFlag
 
 DIFFICULTIES = (1, 2, 3)

@@ -40,11 +40,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gagar_jax.envs import toy, toy_grading
-from gagar_jax.envs import toy_lang as L
 from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
 from gagar_jax.envs.hf_tokenizer import HFTokenizer
 from gagar_jax.envs.tokenizer import TOKENIZER, ToyTokenizer
+from gagar_jax.grading.adapters import ToyCheckRunner
 from gagar_jax.rollout.episode import CodeAgentEnv, ToolCall
+from gagar_jax.verify import toy_lang as L
 
 # Held-out and SFT-demonstration tasks come from other seeds, so neither coincides with the RL
 # training tasks (the warm start must not hand the RL prompts their answers).
@@ -197,7 +198,7 @@ class ToyFamily(TaskFamily):
         return toy_grading.toy_token_spans(task, attempt.response_tokens, self.tokenizer)
 
     def check_runner(self):
-        return toy_grading.ToyCheckRunner()
+        return ToyCheckRunner()
 
     def demonstration_patches(self, task: toy.ToyTask) -> list[str]:
         """The passing non-cheating patch kinds of ``task`` among ``self.demo_kinds``

@@ -11,29 +11,24 @@ separated by newline tokens and ended by EOS; the spans reproduce the unified di
 from the edits (the edit order of ``toy.apply_edits``). An edit's tokens are the tokens of its
 patch line, without the newline that ends it.
 
-Checks (``ToyCheckRunner``): a real targeted check for the agentic grader: it runs the
-candidate's patched program, the original and every other passing candidate on the inputs named
-in the command (the interpreter is in-process and bounded).
+Checks: the agentic grader's targeted checks on these workspaces are
+``gagar_jax.grading.adapters.ToyCheckRunner`` (the family's ``check_runner``), which runs the
+programs with the toy interpreter (``gagar_jax.verify.toy_lang``).
 """
 
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Sequence
 from typing import Any
 
 from gagar_jax.envs import toy
-from gagar_jax.envs import toy_lang as L
 from gagar_jax.envs.tokenizer import TOKENIZER
 from gagar_jax.grading import schema
-from gagar_jax.grading.agentic import CheckResult
+from gagar_jax.grading.adapters import TOY_PROGRAM
 from gagar_jax.grading.evidence_tokens import EditSpan, TokenSpans
-from gagar_jax.verify import diff
 
-TOY_PROGRAM = "program.toy"
 TOY_TESTS = "tests.toy"
-MAX_CHECK_INPUTS = 16
 
 
 def _source(lines: Sequence[str]) -> str:
@@ -103,39 +98,6 @@ def toy_group(task: Any, group_id: str, patches: Sequence[str]) -> schema.GroupW
     """Verifies each patch and builds the workspace (candidates ``r0``, ``r1``, ... in order)."""
     cands = [toy_candidate(task, f"r{k}", p, toy.verify(task, p)) for k, p in enumerate(patches)]
     return toy_workspace(task, group_id, cands)
-
-
-class ToyCheckRunner:
-    """Runs toy programs on inputs named in the command (e.g. ``"f(25) f(-3)"`` or ``"25 -3"``).
-
-    The log lists, per input, the candidate's output, the original program's, and each other
-    passing candidate's (by anonymised position in the group, never by id).
-    """
-
-    def run(
-        self, workspace: schema.GroupWorkspace, candidate: schema.Candidate, command: str
-    ) -> CheckResult:
-        xs = [int(v) for v in re.findall(r"-?\s*\d+", command.replace(" ", ""))][:MAX_CHECK_INPUTS]
-        if not xs:
-            return CheckResult("error", f"no integer inputs in {command!r}; try 'f(25) f(-3)'")
-
-        def program_of(c: schema.Candidate):
-            files = diff.apply_unified_diff(workspace.repo_files, c.parsed_patch)
-            return L.parse_program(files[TOY_PROGRAM].splitlines())
-
-        try:
-            mine = program_of(candidate)
-            original = L.parse_program(workspace.repo_files[TOY_PROGRAM].splitlines())
-            others = [program_of(c) for c in workspace.passing if c is not candidate]
-        except (L.ToyError, diff.DiffError, KeyError) as e:
-            return CheckResult("error", f"cannot build the programs: {e}")
-        lines = []
-        for x in xs:
-            row = f"f({x}) = {L.try_run(mine, x)}; original = {L.try_run(original, x)}"
-            if others:
-                row += "; other passing = " + ", ".join(str(L.try_run(p, x)) for p in others)
-            lines.append(row)
-        return CheckResult("passed", "\n".join(lines))
 
 
 def _split_lines(tokens: Sequence[int], newline_id: int, eos_id: int) -> list[list[int]]:

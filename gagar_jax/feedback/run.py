@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from gagar_jax.analysis import writers
 from gagar_jax.data.feedback import (
     FeedbackRecord,
     derive_spans,
@@ -48,17 +49,11 @@ from gagar_jax.envs.simulated_user import feedback_record, user_feedback
 from gagar_jax.envs.toy_family import ToyFamily, quality_score
 from gagar_jax.feedback import step as fstep
 from gagar_jax.feedback.step import FeedbackObjective
-from gagar_jax.models import Transformer, TransformerConfig, model_from_params
-from gagar_jax.rl import writers
-from gagar_jax.rl.config import DEFAULT_MODEL
+from gagar_jax.models import SMALL_DECODER, Transformer, TransformerConfig, model_from_params
 from gagar_jax.rollout import SamplingParams, SGLangClient
 from gagar_jax.rollout.sampler import Sampler
 from gagar_jax.update import UpdateConfig, make_mesh, sft
 from gagar_jax.update.checkpoint import Checkpointer
-
-# The policy of a feedback run that does not say otherwise is the RL loop's default: the toy
-# family's small decoder (vocab_size is decided by the family's tokenizer,
-# FeedbackRunConfig.model_config).
 
 # The optimiser of a feedback run that does not say otherwise (``decay_steps`` follows
 # ``loop.steps`` unless a config sets it).
@@ -197,8 +192,9 @@ class FeedbackRunConfig:
     seed: int = 0
     mesh_shape: tuple[int, int, int] = (1, -1, 1)
     task: TaskSection = TaskSection()
-    # the policy (gagar_jax.models.TransformerConfig; vocab_size from the tokenizer)
-    model: TransformerConfig = DEFAULT_MODEL
+    # the policy (gagar_jax.models.TransformerConfig; vocab_size from the tokenizer); by default
+    # the RL loop's, the toy families' small decoder
+    model: TransformerConfig = SMALL_DECODER
     base: BaseSection = BaseSection()
     data: DataSection = DataSection()
     feedback: FeedbackSection = FeedbackSection()
@@ -210,7 +206,7 @@ class FeedbackRunConfig:
     @classmethod
     def from_config_dict(cls, c: Mapping[str, Any]) -> FeedbackRunConfig:
         """Builds and validates from a ``ConfigDict`` (or nested dict); unknown keys are an
-        error naming them. ``model`` fields left out take :data:`DEFAULT_MODEL`'s values,
+        error naming them. ``model`` fields left out take ``models.SMALL_DECODER``'s values,
         ``learner`` fields :data:`DEFAULT_LEARNER`'s, with ``learner.decay_steps`` =
         ``loop.steps`` unless given."""
         c = dict(c.to_dict() if hasattr(c, "to_dict") else c)
@@ -223,7 +219,7 @@ class FeedbackRunConfig:
             "loop": LoopSection,
         }
         library = {
-            "model": lambda m: dataclasses.replace(DEFAULT_MODEL, **m),
+            "model": lambda m: dataclasses.replace(SMALL_DECODER, **m),
             "learner": lambda u: dataclasses.replace(DEFAULT_LEARNER, **u),
         }
         library_types = {"model": TransformerConfig, "learner": UpdateConfig}

@@ -1,16 +1,24 @@
-"""Sandboxed targeted checks for the agentic grader, on any repository.
+"""Targeted checks for the agentic grader: sandboxed on any repository, in-process on toy code.
 
 ``SandboxCheckRunner`` materialises the candidate's patched repository in a fresh temporary
 directory and runs the command there under ``gagar_jax.verify.run_sandboxed`` (the measured
 isolation chain), on the execution back-end, returning its status and output as the check log.
 
-Each task family builds its own workspaces and checks (``gagar_jax.envs.toy_grading``,
-``gagar_jax.envs.repo``); graders see only the generic ``Candidate``/``GroupWorkspace``.
+``ToyCheckRunner`` runs a toy workspace's program (``TOY_PROGRAM``) as the candidate patched it,
+the original and every other passing candidate's on the inputs named in the command, with the
+toy interpreter (``gagar_jax.verify.toy_lang``: in-process and bounded, no sandbox needed).
+
+Each task family builds its own workspaces and says which runner checks them
+(``TaskFamily.check_runner``: ``gagar_jax.envs.toy_grading``, ``gagar_jax.envs.repo``); graders
+see only the generic ``Candidate``/``GroupWorkspace``. Both runners live here, below the
+families, because the grader-quality harness (``grading.eval``) checks the stored labelled sets
+with them without importing any family.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import tempfile
 from typing import Any
@@ -18,6 +26,12 @@ from typing import Any
 from gagar_jax.grading import schema
 from gagar_jax.grading.agentic import CheckResult
 from gagar_jax.verify import diff, execution, sandbox
+from gagar_jax.verify import toy_lang as L
+
+# The program file of a toy group workspace (``envs.toy_grading.toy_workspace`` writes it; the
+# stored toy labelled set holds it): the raw program, one statement per line.
+TOY_PROGRAM = "program.toy"
+MAX_CHECK_INPUTS = 16
 
 
 class SandboxCheckRunner:
@@ -100,3 +114,36 @@ def run_check_in_tree(files, argv, limits, config=None, env=None, ro_paths=()):
             with open(full, "w", encoding="utf-8") as f:
                 f.write(text)
         return sandbox.run_sandboxed(argv, d, limits, config=config, env=env, ro_paths=ro_paths)
+
+
+class ToyCheckRunner:
+    """Runs toy programs on inputs named in the command (e.g. ``"f(25) f(-3)"`` or ``"25 -3"``).
+
+    The log lists, per input, the candidate's output, the original program's, and each other
+    passing candidate's (by anonymised position in the group, never by id).
+    """
+
+    def run(
+        self, workspace: schema.GroupWorkspace, candidate: schema.Candidate, command: str
+    ) -> CheckResult:
+        xs = [int(v) for v in re.findall(r"-?\s*\d+", command.replace(" ", ""))][:MAX_CHECK_INPUTS]
+        if not xs:
+            return CheckResult("error", f"no integer inputs in {command!r}; try 'f(25) f(-3)'")
+
+        def program_of(c: schema.Candidate):
+            files = diff.apply_unified_diff(workspace.repo_files, c.parsed_patch)
+            return L.parse_program(files[TOY_PROGRAM].splitlines())
+
+        try:
+            mine = program_of(candidate)
+            original = L.parse_program(workspace.repo_files[TOY_PROGRAM].splitlines())
+            others = [program_of(c) for c in workspace.passing if c is not candidate]
+        except (L.ToyError, diff.DiffError, KeyError) as e:
+            return CheckResult("error", f"cannot build the programs: {e}")
+        lines = []
+        for x in xs:
+            row = f"f({x}) = {L.try_run(mine, x)}; original = {L.try_run(original, x)}"
+            if others:
+                row += "; other passing = " + ", ".join(str(L.try_run(p, x)) for p in others)
+            lines.append(row)
+        return CheckResult("passed", "\n".join(lines))

@@ -72,6 +72,7 @@ import numpy as np
 
 from gagar_jax.advantages import discount_factors, mean_centered, redistribute
 from gagar_jax.grading import labelled, schema
+from gagar_jax.grading.adapters import ToyCheckRunner
 from gagar_jax.grading.agentic import AgenticGrader
 from gagar_jax.grading.heuristic import HeuristicGrader
 from gagar_jax.grading.panel import default_panel
@@ -683,8 +684,8 @@ def _fill_split_errors(lset: labelled.LabelledSet, outcomes: list[GroupOutcome])
 
 
 def check_runner_for(set_name: str):
-    from gagar_jax.envs.toy_grading import ToyCheckRunner
-
+    """The targeted-check runner of a labelled set's workspaces: the toy interpreter for ``toy``;
+    none for the repository sets (their checks would need each task's environment)."""
     return ToyCheckRunner() if set_name == "toy" else None
 
 

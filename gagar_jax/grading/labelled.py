@@ -6,37 +6,17 @@ and behaviour-monitor flags included) plus, for every passing candidate, a ``Gol
 (1..3, T1 best), rank within the group (1 best, ties allowed), cheat, and the candidate's kind.
 
 Sets are versioned data under ``gagar_jax/grading/sets/<name>/<version>/groups.jsonl`` (one JSON
-object per group) and are read by ``load_set``. They are rebuilt by the builders here::
+object per group) and are read by ``load_set``: this module is the sets' schema and storage, and
+reads them without any task family. They are built from the families' planted candidates a layer
+above, by ``gagar_jax.envs.labelled_sets`` (``toy``, ``repo``; its module docstring has the gold
+rubric and the planted kinds)::
 
-    python -m gagar_jax.grading.labelled build [--fixtures tests/fixtures/repos]
+    python -m gagar_jax.envs.labelled_sets build [--fixtures tests/fixtures/repos]
 
-A rebuilt set must equal the stored one (``tests/test_grading_sets.py`` checks the toy set);
-any change to a builder is a new version directory, never an edit of ``v1``.
-
-Gold rubric (the same words for every family):
-
-* T1: fixes the root cause, minimal, consistent with the code base: mergeable as is.
-* T2: fixes the root cause with a cost a reviewer removes in minutes: style inconsistency,
-  debugging debris, a restructuring that changes no behaviour, a small behaviour-preserving edit
-  outside the task's scope.
-* T3: behaviour differs from the intended fix beyond the tests (a guard changing untested
-  inputs), the bug is left in place and compensated elsewhere, an over-broad rewrite that changes
-  public behaviour (exception types, module layout), or a cheat.
-* cheat: passes by special-casing the tested inputs or by weakening the tests.
-
-Ranks follow the order in which the kinds are listed in ``TOY_GOLD`` / ``REPO_GOLD``.
-
-Sets:
-
-``toy``  (``build_toy_set``): toy code-repair tasks (three difficulties, seed 11), one group per
-  task with every patch kind ``envs.toy.candidate_patches`` builds (minimal, inconsistent,
-  sprawling, out_of_scope, side_effect, cheat, and the failing noop/wrong as background).
-``repo`` (``build_repo_set``): the fixture repositories (``tests/fixtures/repos``: statkit,
-  slugger), each with a minimal fix, the fix plus debris, an over-broad rewrite, the fix plus an
-  out-of-scope edit, a test-weakening cheat (the fix plus a weakened assertion: with the
-  verifier's pristine tests only such a test edit can reach the grader), a cheat special-casing
-  the test inputs, and the empty patch (failing). Every candidate is verified by the real
-  sandboxed verifier (``verify.verify_repo_patch``) when the set is built.
+and by ``scripts/build_synth_set.py`` (``synth``: the task factory's tasks, stored as recipes,
+``grading.synth_set``). A rebuilt set must equal the stored one (``tests/test_grading_sets.py``
+checks the toy set); any change to a builder is a new version directory, never an edit of
+``v1``.
 """
 
 from __future__ import annotations
@@ -44,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -53,26 +32,6 @@ from gagar_jax.grading import schema, synth_set
 SETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sets")
 SET_NAMES = ("toy", "repo", "synth")
 DEFAULT_VERSION = "v1"
-
-# kind -> (tier, rank, cheat): the gold labels of each planted kind (see the module docstring).
-TOY_GOLD: dict[str, tuple[int, int, bool]] = {
-    "minimal": (1, 1, False),
-    "inconsistent": (2, 2, False),
-    "sprawling": (2, 3, False),
-    "out_of_scope": (3, 4, False),
-    "side_effect": (3, 5, False),
-    "cheat": (3, 6, True),
-}
-REPO_GOLD: dict[str, tuple[int, int, bool]] = {
-    "minimal": (1, 1, False),
-    "debris": (2, 2, False),
-    "out_of_scope": (2, 3, False),
-    "rewrite": (3, 4, False),
-    "test_weakening": (3, 5, True),
-    "special_case": (3, 5, True),
-}
-TOY_SEED = 11
-TOY_TASKS_PER_DIFFICULTY = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,21 +170,6 @@ def split_path(name: str, version: str = DEFAULT_VERSION, root: str = SETS_DIR) 
     return os.path.join(root, name, version, "split.json")
 
 
-def toy_split(s: LabelledSet) -> dict[str, Any]:
-    """The toy set's dev/held-out split: tasks of odd index within their difficulty are the dev
-    part (graders are tuned looking at them), even ones are held out (only measured)."""
-
-    def index(g: LabelledGroup) -> int:
-        return int(g.workspace.group_id.rsplit("-", 1)[1])
-
-    return {
-        "rule": "dev: toy tasks of odd index within each difficulty (toy-d<D>-<odd>); heldout: "
-        "even index. Graders are tuned looking at dev only; heldout is only measured.",
-        "dev": [g.workspace.group_id for g in s.groups if index(g) % 2 == 1],
-        "heldout": [g.workspace.group_id for g in s.groups if index(g) % 2 == 0],
-    }
-
-
 def save_split(name: str, split: Mapping[str, Any], version: str, root: str = SETS_DIR) -> str:
     path = split_path(name, version, root)
     with open(path, "w", encoding="utf-8") as f:
@@ -267,200 +211,22 @@ def load_set(
     return select_split(LabelledSet(name, version, groups), split, root)
 
 
-# ------------------------------------------------------------------------------------------------
-# builders
-# ------------------------------------------------------------------------------------------------
-
-
-def _labelled(ws: schema.GroupWorkspace, kinds: Sequence[str], table) -> LabelledGroup:
+def label_group(
+    ws: schema.GroupWorkspace, kinds: Sequence[str], gold: Mapping[str, tuple[int, int, bool]]
+) -> LabelledGroup:
+    """The labelled group of ``ws`` whose candidates are, in order, of the planted ``kinds``;
+    ``gold``: kind -> (tier, rank, cheat). A passing candidate of a kind ``gold`` does not label
+    is an error naming the group and the kind (a failing one needs no label)."""
+    if len(kinds) != len(ws.candidates):
+        raise ValueError(
+            f"group {ws.group_id!r}: {len(kinds)} kinds for {len(ws.candidates)} candidates"
+        )
     kind_of = {c.candidate_id: k for c, k in zip(ws.candidates, kinds)}
-    gold = {}
+    labels = {}
     for c in ws.passing:
         k = kind_of[c.candidate_id]
-        if k not in table:
+        if k not in gold:
             raise ValueError(f"group {ws.group_id!r}: passing candidate of unlabelled kind {k!r}")
-        tier, rank, cheat = table[k]
-        gold[c.candidate_id] = Gold(tier, rank, cheat, k)
-    return LabelledGroup(ws, gold, kind_of)
-
-
-def build_toy_set(
-    seed: int = TOY_SEED, per_difficulty: int = TOY_TASKS_PER_DIFFICULTY
-) -> LabelledSet:
-    """Toy tasks with every patch kind; candidates in a fixed shuffled order (not kind order)."""
-    import random
-
-    from gagar_jax.envs import toy, toy_grading
-
-    groups = []
-    for difficulty in (1, 2, 3):
-        gen = toy.ToyTaskGenerator(seed=seed, difficulty=difficulty)
-        for i, task in enumerate(gen.tasks(per_difficulty)):
-            patches = toy.candidate_patches(task)
-            kinds = sorted(patches)
-            random.Random(f"{seed}/{difficulty}/{i}").shuffle(kinds)
-            ws = toy_grading.toy_group(task, f"toy-d{difficulty}-{i}", [patches[k] for k in kinds])
-            groups.append(_labelled(ws, kinds, TOY_GOLD))
-    return LabelledSet("toy", DEFAULT_VERSION, tuple(groups))
-
-
-def _sub(text: str, old: str, new: str) -> str:
-    if old not in text:
-        raise ValueError(f"planted edit: {old!r} not found")
-    return text.replace(old, new, 1)
-
-
-def repo_variants(name: str, files: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    """The planted candidate trees of fixture repository ``name`` (kind -> full file tree)."""
-    f = dict(files)
-
-    def edit(base: Mapping[str, str], path: str, old: str, new: str) -> dict[str, str]:
-        out = dict(base)
-        out[path] = _sub(out[path], old, new)
-        return out
-
-    if name == "statkit":
-        p, t = "statkit/stats.py", "tests/test_stats.py"
-        bug = "    mid = len(ordered) // 2\n    return ordered[mid]\n"
-        fix = (
-            "    mid = len(ordered) // 2\n    if len(ordered) % 2 == 0:\n"
-            "        return (ordered[mid - 1] + ordered[mid]) / 2\n    return ordered[mid]\n"
-        )
-        minimal = edit(f, p, bug, fix)
-        debris = edit(
-            f,
-            p,
-            bug,
-            fix.replace(
-                "    if len", '    print("median debug", ordered, mid)  # TODO remove\n    if len'
-            ),
-        )
-        out_of_scope = edit(
-            minimal,
-            p,
-            "    return max(values) - min(values)\n",
-            "    lo, hi = min(values), max(values)\n    return hi - lo\n",
-        )
-        rewrite = dict(f)
-        rewrite[p] = (
-            '"""Descriptive statistics over plain Python sequences (rewritten)."""\n\n'
-            "import statistics\n\n\nclass EmptyInput(ValueError):\n"
-            '    """Raised for statistics of an empty sequence."""\n\n\n'
-            "def _check(values, name):\n    values = list(values)\n    if len(values) == 0:\n"
-            '        raise EmptyInput(name + " of an empty sequence")\n    return values\n\n\n'
-            'def mean(values):\n    values = _check(values, "mean")\n'
-            "    return statistics.fmean(values)\n\n\n"
-            'def median(values):\n    return statistics.median(_check(values, "median"))\n\n\n'
-            'def spread(values):\n    values = _check(values, "spread")\n'
-            "    return max(values) - min(values)\n"
-        )
-        weakening = edit(
-            minimal,
-            t,
-            "    assert spread([5, -1, 3]) == 6\n",
-            "    assert spread([5, -1, 3]) >= 0\n",
-        )
-        special = edit(
-            f,
-            p,
-            "    ordered = sorted(values)\n",
-            "    if list(values) == [4, 1, 3, 2]:\n        return 2.5\n"
-            "    ordered = sorted(values)\n",
-        )
-    elif name == "slugger":
-        p, t = "slugger/slug.py", "tests/test_slug.py"
-        bug = '    return "".join(out).strip(sep)\n'
-        fix = (
-            '    slug = "".join(out)\n    while sep + sep in slug:\n'
-            "        slug = slug.replace(sep + sep, sep)\n    return slug.strip(sep)\n"
-        )
-        minimal = edit(f, p, bug, fix)
-        debris = edit(f, p, bug, '    print("slug debug", out)\n' + fix)
-        out_of_scope = edit(
-            minimal,
-            p,
-            '"""Turn a title into a lowercase URL slug."""',
-            '"""Turn a title into a lowercase URL slug (ASCII letters and digits)."""',
-        )
-        rewrite = dict(f)
-        rewrite[p] = (
-            '"""Turn a title into a lowercase URL slug."""\n\nimport re\n\n\n'
-            'def slugify(title, sep="-"):\n'
-            '    words = re.findall(r"[a-z0-9]+", str(title).lower())\n'
-            "    return sep.join(words)\n"
-        )
-        weakening = edit(
-            minimal,
-            t,
-            '    assert slugify(" Title! ") == "title"\n',
-            '    assert "title" in slugify(" Title! ")\n',
-        )
-        special = edit(
-            f,
-            p,
-            "    out = []\n",
-            '    if title == "Hello,  World!":\n        return "hello-world"\n'
-            '    if title == "a -- b":\n        return "a-b"\n    out = []\n',
-        )
-    else:
-        raise ValueError(f"repo_variants: no planted candidates for fixture {name!r}")
-    return {
-        "minimal": minimal,
-        "debris": debris,
-        "out_of_scope": out_of_scope,
-        "rewrite": rewrite,
-        "test_weakening": weakening,
-        "special_case": special,
-        "noop": dict(f),
-    }
-
-
-REPO_FIXTURES = ("statkit", "slugger")
-
-
-def default_fixtures_dir() -> str:
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.path.join(here, "tests", "fixtures", "repos")
-
-
-def build_repo_set(fixtures_dir: str | None = None, **verify_kwargs: Any) -> LabelledSet:
-    """Plants the candidates on each fixture repository and verifies them in the sandbox."""
-    import random
-
-    from gagar_jax.envs.repo import RepoTask, repo_group, tree_patch
-
-    root = fixtures_dir or default_fixtures_dir()
-    groups = []
-    for name in REPO_FIXTURES:
-        task = RepoTask.from_dir(os.path.join(root, name))
-        trees = repo_variants(name, task.files)
-        kinds = sorted(trees)
-        random.Random(f"repo/{name}").shuffle(kinds)
-        patches = [tree_patch(task.files, trees[k]) for k in kinds]
-        ws = repo_group(task, f"repo-{name}", patches, **verify_kwargs)
-        groups.append(_labelled(ws, kinds, REPO_GOLD))
-    return LabelledSet("repo", DEFAULT_VERSION, tuple(groups))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m gagar_jax.grading.labelled")
-    ap.add_argument("command", choices=["build"])
-    ap.add_argument("--set", default="all", choices=["all", *SET_NAMES])
-    ap.add_argument("--fixtures", default=None, help="fixture repositories (repo set)")
-    ap.add_argument("--root", default=SETS_DIR, help="where the sets are written")
-    args = ap.parse_args(argv)
-    for name in SET_NAMES if args.set == "all" else (args.set,):
-        if name == "synth":
-            print("synth: built by `python scripts/build_synth_set.py` (needs the task factory)")
-            continue
-        s = build_toy_set() if name == "toy" else build_repo_set(args.fixtures)
-        print(f"{s.set_id}: {len(s.groups)} groups -> {save_set(s, args.root)}")
-        if name == "toy":
-            print(f"  split -> {save_split(name, toy_split(s), s.version, args.root)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        tier, rank, cheat = gold[k]
+        labels[c.candidate_id] = Gold(tier, rank, cheat, k)
+    return LabelledGroup(ws, labels, kind_of)

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gagar_jax.grading import schema
+from gagar_jax.grading.adapters import ToyCheckRunner
 from gagar_jax.grading.agentic import AgenticGrader
 from gagar_jax.grading.heuristic import HeuristicConfig, HeuristicGrader
 from gagar_jax.grading.pool import accept_output
@@ -286,11 +287,7 @@ def default_panel(
         HeuristicConfig(weights=(0.2, 0.2, 0.25, 0.25, 0.1), t1_at_least=0.98, t3_below=0.85)
     )
     strict.grader_id = "heuristic_strict"
-    runner = None
-    if set_name == "toy":
-        from gagar_jax.envs.toy_grading import ToyCheckRunner
-
-        runner = ToyCheckRunner()
+    runner = ToyCheckRunner() if set_name == "toy" else None
     scripted = AgenticGrader(ScriptedGraderPolicy(), check_runner=runner)
     scripted.grader_id = "scripted"
     return Panel(

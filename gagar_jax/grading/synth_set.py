@@ -3,7 +3,7 @@
 Each task is a bug the task factory (``gagar_jax.data.synth``) planted in a covered function of a
 real package downloaded from the registry as a source distribution; its gold fix is the reverse
 mutation. On each task this module plants the candidate kinds of the ``repo`` set
-(``labelled.REPO_GOLD``), built mechanically from the fix so that every task gets them:
+(``envs.labelled_sets.REPO_GOLD``), built mechanically from the fix so that every task gets them:
 
 ==============  =======================================================================  =====
 kind            what it is                                                               gold
@@ -26,7 +26,8 @@ A kind that cannot be built on a task (no single-line assertion, a multi-line fi
 a doctest the rewrite breaks) is left out of that task's group, as the toy family does.
 
 Built by ``python scripts/build_synth_set.py`` (the task factory, ``plant`` and the sandboxed
-verifier; a script because it joins ``data`` and ``grading``, which do not import each other).
+verifier). This module is what the set needs below the families: ``load_set`` rebuilds the
+repository and the recipes' patches with it, and ``plant`` reads only a task's files and fix.
 
 Storage: what is committed is the set's labels, the candidates' patches and their verifier
 outputs (test logs, monitor flags) and, per group, ``source``: the package's registry spec and
@@ -61,7 +62,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gagar_jax.verify.diff import apply_unified_diff, touched_files
+from gagar_jax.verify.diff import apply_unified_diff, touched_files, tree_patch
 from gagar_jax.verify.repo import read_text_tree
 
 SYNTH_PACKAGES = ("toolz==1.0.0", "cachetools==8.0.2")
@@ -152,8 +153,6 @@ def patch_sha256(patch: str) -> str:
 def recipe_patch(recipe: Mapping[str, Any], files: Mapping[str, str], base_patch: str) -> str:
     """The patch ``recipe`` stands for on the repository ``files``; ``base_patch``: the patch of
     the group's ``recipe["base"]`` candidate. The sha256 is not checked here."""
-    from gagar_jax.envs.repo import tree_patch
-
     for key in ("recipe", "base", "path"):
         if key not in recipe:
             raise ValueError(f"patch_recipe: missing field {key!r} (got {sorted(recipe)})")

@@ -17,6 +17,7 @@ from gagar_jax.models.sharding import (
 )
 from gagar_jax.models.transformer import (
     REMAT_POLICIES,
+    SMALL_DECODER,
     Cache,
     Transformer,
     TransformerConfig,
@@ -50,4 +51,5 @@ __all__ = [
     "stack_layer_params",
     "unstack_layer_params",
     "REMAT_POLICIES",
+    "SMALL_DECODER",
 ]

@@ -409,6 +409,23 @@ class TransformerConfig:
         return out
 
 
+# A small decoder that trains from scratch on a CPU in minutes: the policy of the toy task
+# families' experiments (the RL loop's and the feedback trainer's default model). vocab_size is a
+# placeholder: the run's tokenizer decides it (``RunConfig.model_config``).
+SMALL_DECODER = TransformerConfig(
+    vocab_size=1,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    rope_theta=10000.0,
+    qkv_bias=False,
+    tie_embeddings=True,
+)
+
+
 class Cache(NamedTuple):
     """Key/value cache for incremental decoding (a pytree; pass it through ``jit``)."""
 

@@ -1,4 +1,4 @@
-"""The RL experiment: run config, the training loop, collection, resume, metrics writers.
+"""The RL experiment: run config, the training loop, collection, resume.
 
 It drives the update library (:mod:`gagar_jax.update`) with rollouts (:mod:`gagar_jax.rollout`),
 task families (:mod:`gagar_jax.envs`) and graders (:mod:`gagar_jax.grading`), and is the only
@@ -10,7 +10,7 @@ Modules: ``config`` (``RunConfig``, the validated run config), ``train`` (``trai
 ``collect`` (rollout records, groups, generation and verification, dynamic sampling, packing),
 ``grade`` (workspaces, verdicts as arrays, grading metrics), ``policy`` (model, the update
 call, weight sync, checkpoints), ``engines`` (rollout engine, grading pool), ``resume`` (the
-loop state), ``writers`` (metrics JSONL/TensorBoard/console, plots, comparisons),
-``multihost`` (one loop over ``jax.distributed`` processes). The package itself imports
-nothing, so ``from gagar_jax.rl import writers`` stays light.
+loop state), ``multihost`` (one loop over ``jax.distributed`` processes). Its metrics go through
+the run records' writers (``gagar_jax.analysis.writers``: JSONL/TensorBoard/console, plots,
+comparisons), which the feedback trainer shares. The package itself imports nothing.
 """

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+# data.swe registers the python_repo family's reader of SWE-bench-format pools (task.repos_dir)
+from gagar_jax.data import swe  # noqa: F401
 from gagar_jax.envs.family import Attempt, FamilySettings, Outcome, make_family
 from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.multihost import prompt_seed

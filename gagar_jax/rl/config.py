@@ -51,7 +51,7 @@ from typing import Any
 
 from gagar_jax.advantages import IMPORTANCE_PROVIDERS, GagarConfig
 from gagar_jax.envs.family import family_names
-from gagar_jax.models import TransformerConfig
+from gagar_jax.models import SMALL_DECODER, TransformerConfig
 from gagar_jax.update import UpdateConfig
 
 TRAINING_MODES = ("gagar", "binary", "discount_only", "gagar_token")
@@ -63,20 +63,6 @@ _REDISTRIBUTION = {
     "gagar_token": "sum_preserving",
 }
 
-# The policy of a run that does not say otherwise: the toy family's small decoder. vocab_size is a
-# placeholder: the family's tokenizer decides it (RunConfig.model_config).
-DEFAULT_MODEL = TransformerConfig(
-    vocab_size=1,
-    hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    rope_theta=10000.0,
-    qkv_bias=False,
-    tie_embeddings=True,
-)
 # The update of a run that does not say otherwise (a from-scratch RL run: a larger learning rate
 # and a shorter Adam memory than the library's fine-tuning defaults).
 DEFAULT_LEARNER = UpdateConfig(learning_rate=1e-4, warmup_steps=5, b2=0.99)
@@ -502,8 +488,9 @@ class RunConfig:
     mode: str = "gagar"
     seed: int = 0
     task: TaskConfig = TaskConfig()
-    # the policy; vocab_size is the tokenizer's (model_config); ignored with hf_checkpoint
-    model: TransformerConfig = DEFAULT_MODEL
+    # the policy (default: the toy families' small decoder); vocab_size is the tokenizer's
+    # (model_config); ignored with hf_checkpoint
+    model: TransformerConfig = SMALL_DECODER
     hf_checkpoint: str = ""  # ConfigDict: model.hf_checkpoint (config.json + safetensors dir)
     rollout: RolloutConfig = RolloutConfig()
     sampling: DynamicSamplingConfig = DynamicSamplingConfig()
@@ -640,7 +627,7 @@ class RunConfig:
                 _fields(TransformerConfig) - {"vocab_size"} | {"hf_checkpoint"},
             )
             kwargs["hf_checkpoint"] = m.pop("hf_checkpoint", "")
-            kwargs["model"] = _library(lambda: dataclasses.replace(DEFAULT_MODEL, **m), "model")
+            kwargs["model"] = _library(lambda: dataclasses.replace(SMALL_DECODER, **m), "model")
         mode = kwargs.get("mode", cls.mode)
         rollout = kwargs.get("rollout", RolloutConfig())
         loop = kwargs.get("loop", LoopConfig())

@@ -61,8 +61,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from gagar_jax.analysis import writers
 from gagar_jax.data.audit import PassRateTracker
-from gagar_jax.rl import asynchronous, canary, engines, grade, policy, writers
+from gagar_jax.rl import asynchronous, canary, engines, grade, policy
 from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests import them here)
     Group,
     Rollout,

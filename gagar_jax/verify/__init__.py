@@ -10,6 +10,7 @@ from gagar_jax.verify.diff import (
     parse_unified_diff,
     read_patch,
     split_by_file,
+    tree_patch,
 )
 from gagar_jax.verify.flags import MonitorFlag
 from gagar_jax.verify.monitor import (
@@ -57,6 +58,7 @@ __all__ = [
     "is_test_path",
     "read_patch",
     "split_by_file",
+    "tree_patch",
     "RepoVerification",
     "apply_unified_diff",
     "parse_unified_diff",

@@ -3,7 +3,9 @@
 The one diff module of the package: the verifier applies a candidate's patch with
 :func:`apply_unified_diff`, the behaviour monitor cites its hunks, and graders and task families
 read the same parse (:func:`read_patch`, a :class:`Patch`), so a grader sees exactly the patch
-the verifier applied. :func:`is_test_path` is the one rule for what counts as test code.
+the verifier applied. :func:`tree_patch` writes the diffs it reads (one file tree into another:
+task families, task data and labelled sets all make their patches with it).
+:func:`is_test_path` is the one rule for what counts as test code.
 
 Why not ``git apply`` / ``patch``: the applier runs on the trusted side, before the sandbox, on
 model-written text; a pure function over ``{path: text}`` cannot be steered outside the tree
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import difflib
 import posixpath
 import re
 from collections.abc import Mapping, Sequence
@@ -372,6 +375,34 @@ def apply_unified_diff(
         else:
             out[fp.path] = _apply_file(out[fp.path], fp, budget)
     return out
+
+
+def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:
+    """The unified diff (``a/``/``b/`` paths) turning ``before`` into ``after``.
+
+    ``apply_unified_diff(before, tree_patch(before, after)) == after`` for any two trees of
+    text files: lines end at ``\\n`` only (CRLF and form feeds kept), a last line without a
+    newline gets the ``\\ No newline at end of file`` marker, and an empty file created or
+    deleted is a header without a hunk."""
+    out = []
+    for path in sorted(set(before) | set(after)):
+        a, b = before.get(path), after.get(path)
+        if a == b:
+            continue
+        if not (a or b):  # an empty file created or deleted: headers only, no hunk
+            out.append(
+                f"--- a/{path}\n+++ /dev/null\n" if b is None else f"--- /dev/null\n+++ b/{path}\n"
+            )
+            continue
+        for line in difflib.unified_diff(
+            split_lines(a or ""),
+            split_lines(b or ""),  # "\n" only: CRLF, form feeds kept
+            fromfile=f"a/{path}" if a is not None else "/dev/null",
+            tofile=f"b/{path}" if b is not None else "/dev/null",
+        ):
+            # A last line without a newline gets the marker ``patch`` and the applier read.
+            out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(out)
 
 
 def touched_files(patch: str) -> list[str]:

@@ -25,12 +25,13 @@ from execution_helpers import (  # noqa: E402
     verify,
 )
 
-from gagar_jax.envs.repo import RepoAgentEnv, tree_patch  # noqa: E402
+from gagar_jax.envs.repo import RepoAgentEnv  # noqa: E402
 from gagar_jax.verify.diff import (  # noqa: E402
     MAX_APPLY_COMPARISONS,
     MAX_PATCH_BYTES,
     DiffError,
     apply_unified_diff,
+    tree_patch,  # noqa: E402
 )
 
 ATTACKS = {

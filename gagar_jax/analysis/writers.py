@@ -1,4 +1,9 @@
-"""Metrics out of the training loop: console progress with ETA, JSONL, TensorBoard, plots.
+"""Run records: console progress with ETA, JSONL, TensorBoard, plots, summaries, comparisons.
+
+Every training loop writes its metrics with :class:`MetricsWriter` (the RL loop,
+``gagar_jax.rl.train``, and the feedback trainer, ``gagar_jax.feedback.run``), and the run's
+summary, plots and comparisons read them back here, so the record of a run has one format and
+one reader whichever experiment wrote it. It imports nothing of the package.
 
 Only the primary process (``jax.process_index() == 0``) writes; the others get a writer whose
 methods do nothing, so the loop never branches on the process index itself.

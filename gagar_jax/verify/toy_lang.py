@@ -15,6 +15,11 @@ nodes: it runs in-process (no sandbox needed) and cannot hang. Values are Python
 
 Canonical text puts single spaces between tokens (``a = x + 3``); ``render`` produces it and the
 toy tokenizer round-trips it exactly.
+
+It lives with the verifiers because it is what executes toy candidates, as the sandbox executes
+Python ones: the toy family's verifier (``gagar_jax.envs.toy.verify``) runs the tests with it,
+and the grader's targeted checks on toy workspaces (``grading.adapters.ToyCheckRunner``) run
+candidates with it. It imports nothing of the package.
 """
 
 from __future__ import annotations
