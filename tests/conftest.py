@@ -5,12 +5,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# XLA's CPU compile time is mostly LLVM's optimisation of the generated code, and the tests'
-# tiny programs run for microseconds: without it each compile takes a fraction of the time.
-# The HLO passes (fusion, SPMD partitioning, buffer donation) are the same at every level.
-# `XLA_FLAGS="... --xla_backend_optimization_level=3"` runs the tests on optimised code.
-if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Simulated Ray clusters bind to the loopback address, never to the machine's network interface
 # (read by ray when it is imported: with it off, ray uses 127.0.0.1 for every node).
