@@ -61,10 +61,11 @@ test-e2e: setup system-deps sglang-venv
 	$(PY) -m pytest -q -m e2e tests/test_data_synth.py
 	$(PY) -m pytest -q -m "e2e and sglang" tests
 
-# The quick check before a commit: no end-to-end runs, no SGLang server, no Ray cluster, no
-# system packages or second venv needed, and no `slow` unit test (`make test` runs those).
+# The quick check before a commit: every unit test, i.e. `make test`'s first pass (no end-to-end
+# runs, no SGLang server, no Ray cluster, no system packages or second venv needed). Work
+# stealing: a worker that runs out of tests takes the other's queued ones.
 test-unit: setup
-	$(PY) -m pytest -q -n 2 -m "not e2e and not sglang and not ray and not bench and not slow" tests
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not e2e and not sglang and not ray and not bench" tests
 
 # The race's equal-work check on all three frameworks (builds the TRL and Tunix venvs: minutes).
 bench-check: setup

@@ -89,7 +89,6 @@ def test_trl_advantage_path_is_mean_centred_only_without_scaling():
     assert not np.allclose(scaled, adv, atol=1e-3)
 
 
-@pytest.mark.slow  # imports torch and transformers and runs both models on the tiny assets
 def test_gagar_side_matches_transformers_and_reference(tmp_path, monkeypatch):
     """gagar_jax's check (the update's own scoring, the configured advantage pipeline, the
     tokenisation) on the benchmark's tiny assets: first-token log-probs equal a ``transformers``

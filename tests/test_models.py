@@ -20,29 +20,38 @@ from gagar_jax.models.transformer import (
     _swiglu,
     rope,
 )
+from gagar_jax.update.state import abstract_model
 from tests.update_fixtures import tiny_config
 
 TINY = tiny_config()
 
 
-@jax.jit
-def _perturb(state, key):
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(key, len(leaves))
-    leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return jax.tree.unflatten(treedef, leaves)
+def _perturb(state, seed):
+    """Every parameter plus N(0, 0.05^2) noise, drawn on the host (a jitted draw per leaf is
+    seconds of compiling for every new parameter tree)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda x: x + jnp.asarray(0.05 * rng.standard_normal(x.shape), x.dtype), state
+    )
 
 
 def _model(config=TINY, seed=0):
     model = create_model(config, seed)
     # Non-zero biases and norm weights so the test exercises them.
-    nnx.update(model, _perturb(nnx.state(model, nnx.Param), jax.random.key(seed + 1)))
+    nnx.update(model, _perturb(nnx.state(model, nnx.Param), seed + 1))
     return model
 
 
 @nnx.jit
 def _fwd(model, tokens, positions, mask=None):
     return model(tokens, positions, attention_mask=mask)
+
+
+@nnx.jit(static_argnames="last_only")
+def _decode(model, tokens, positions, cache, mask=None, last_only=False):
+    """``model.decode`` as the sampler runs it: one compiled program per shape (run eagerly,
+    every operation of the model would be dispatched and compiled on its own)."""
+    return model.decode(tokens, positions, cache, attention_mask=mask, last_only=last_only)
 
 
 def _left_padded(batch=3, length=10, pads=(0, 2, 5), seed=0):
@@ -109,17 +118,16 @@ def test_cached_decode_equals_full_forward(tie):
 
     cache = model.init_cache(batch=3, max_len=12)
     prefill = 4
-    logits, cache = model.decode(
-        tokens[:, :prefill], positions[:, :prefill], cache, attention_mask=mask[:, :prefill]
+    logits, cache = _decode(
+        model, tokens[:, :prefill], positions[:, :prefill], cache, mask[:, :prefill]
     )
     # Padding slots have arbitrary (but finite) logits; compare real tokens only.
     m = np.asarray(mask)
     np.testing.assert_allclose(
         np.asarray(logits)[m[:, :prefill]], np.asarray(full[:, :prefill])[m[:, :prefill]], atol=1e-5
     )
-    step = nnx.jit(lambda mdl, t, p, c: mdl.decode(t, p, c))
     for t in range(prefill, 10):
-        logits, cache = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], cache)
+        logits, cache = _decode(model, tokens[:, t : t + 1], positions[:, t : t + 1], cache)
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
     assert int(cache.index) == 10
     np.testing.assert_array_equal(np.asarray(cache.mask[:, :10]), m)
@@ -177,8 +185,8 @@ def test_decode_last_only_is_the_last_position(tie):
     model = _model(dataclasses.replace(TINY, tie_embeddings=tie))
     tokens, positions, mask = _left_padded(length=10, pads=(0, 2, 3))
     cache = model.init_cache(batch=3, max_len=12)
-    full, c_full = model.decode(tokens, positions, cache, attention_mask=mask)
-    last, c_last = model.decode(tokens, positions, cache, attention_mask=mask, last_only=True)
+    full, c_full = _decode(model, tokens, positions, cache, mask)
+    last, c_last = _decode(model, tokens, positions, cache, mask, last_only=True)
     assert last.shape == (3, 1, TINY.vocab_size)
     np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(full[:, -1]), atol=1e-6)
     for a, b in zip(jax.tree.leaves(c_full), jax.tree.leaves(c_last)):
@@ -261,8 +269,14 @@ def test_linear_equals_the_matmul_in_value_and_gradient(in_dims, out_dims, t, se
     def loss(fn):
         return lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * cot)
 
-    got = jax.jit(jax.value_and_grad(loss(lambda x, w: _linear(x, w, in_dims)), (0, 1)))(x, w)
-    want = jax.jit(jax.value_and_grad(loss(lambda x, w: jnp.einsum(spec, x, w)), (0, 1)))(x, w)
+    @jax.jit  # both in one program: one compile per example
+    def both(x, w):
+        return (
+            jax.value_and_grad(loss(lambda x, w: _linear(x, w, in_dims)), (0, 1))(x, w),
+            jax.value_and_grad(loss(lambda x, w: jnp.einsum(spec, x, w)), (0, 1))(x, w),
+        )
+
+    got, want = both(x, w)
     tol = 1e-5 if dtype == "float32" else 2e-2
     assert got[1][0].dtype == x.dtype and got[1][1].dtype == w.dtype
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -318,25 +332,28 @@ def test_blocked_attention_matches_numpy_and_autodiff(t, block, g, seed, pads):
     pads = [min(p, t) for p in pads]
     qh, kh, vh, mask, weight = _attention_inputs(seed, len(pads), 2, g, 8, t, pads)
     blocks = tuple(_causal_blocks(t, block))
-    out = np.asarray(jax.jit(_blocked_causal_attention, static_argnums=4)(qh, kh, vh, mask, blocks))
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * weight)
+
+    @jax.jit  # the forward and both gradients in one program: one compile per example
+    def run(qh, kh, vh):
+        blocked = lambda q, k, v: _blocked_causal_attention(q, k, v, mask, blocks)
+        return (
+            blocked(qh, kh, vh),
+            jax.grad(loss(blocked), argnums=(0, 1, 2))(qh, kh, vh),
+            jax.grad(loss(lambda q, k, v: _autodiff_attention(q, k, v, mask)), argnums=(0, 1, 2))(
+                qh, kh, vh
+            ),
+        )
+
+    out, got, want = run(qh, kh, vh)
+    out = np.asarray(out)
     live = np.broadcast_to(np.asarray(mask).any(-1)[:, None, :, None, None], out.shape)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(
         out[live], _np_attention(qh, kh, vh, mask)[live], atol=2e-5, rtol=2e-5
     )
-
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(fn(q, k, v) * weight)
-
-    got = jax.jit(
-        jax.grad(
-            loss(lambda q, k, v: _blocked_causal_attention(q, k, v, mask, blocks)),
-            argnums=(0, 1, 2),
-        )
-    )(qh, kh, vh)
-    want = jax.jit(
-        jax.grad(loss(lambda q, k, v: _autodiff_attention(q, k, v, mask)), argnums=(0, 1, 2))
-    )(qh, kh, vh)
     for name, a, b in zip("qkv", got, want):
         np.testing.assert_allclose(
             np.asarray(a), np.asarray(b), atol=5e-5, rtol=5e-5, err_msg=f"d{name}"
@@ -355,8 +372,9 @@ def test_blocked_attention_bfloat16_tracks_float32():
             _blocked_causal_attention(q, k, v, mask, blocks).astype(jnp.float32) * weight
         )
 
-    got = jax.grad(loss, argnums=(0, 1, 2))(*bf)
-    want = jax.grad(loss, argnums=(0, 1, 2))(*[x.astype(jnp.float32) for x in bf])
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))  # compiled as the model runs it
+    got = grad(*bf)
+    want = grad(*[x.astype(jnp.float32) for x in bf])
     for a, b in zip(got, want):
         assert a.dtype == jnp.bfloat16
         scale = float(jnp.max(jnp.abs(b)))
@@ -370,7 +388,7 @@ def test_causal_blocks_equal_unblocked_attention(block):
     config = dataclasses.replace(TINY, causal_block_size=0)
     model = _model(config)
     blocked = nnx.merge(
-        nnx.graphdef(_model(dataclasses.replace(config, causal_block_size=block))),
+        nnx.graphdef(abstract_model(dataclasses.replace(config, causal_block_size=block))),
         nnx.state(model),
     )
     tokens, positions, mask = _left_padded(length=30, pads=(0, 3, 11))
@@ -385,8 +403,8 @@ def test_causal_blocks_equal_unblocked_attention(block):
         atol=1e-5,
         rtol=1e-5,
     )
-    g_ref = nnx.state(nnx.grad(loss)(model))
-    g_blk = nnx.state(nnx.grad(loss)(blocked))
+    g_ref = nnx.state(nnx.jit(nnx.grad(loss))(model))
+    g_blk = nnx.state(nnx.jit(nnx.grad(loss))(blocked))
     for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_blk)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-4, rtol=1e-4)
 

@@ -107,13 +107,14 @@ def test_export_loads_in_transformers(tmp_path, qkv_bias, tie):
         tie_embeddings=tie,
     )
     model = create_model(config, seed=3)
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(7), len(leaves))
+    # Non-zero biases and norm weights, the noise drawn on the host (drawn with jax.random op
+    # by op, every leaf shape would compile a random-bits program of its own).
+    rng = np.random.default_rng(7)
     nnx.update(
         model,
-        jax.tree.unflatten(
-            treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+        jax.tree.map(
+            lambda x: x + jnp.asarray(0.05 * rng.standard_normal(x.shape), x.dtype),
+            nnx.state(model, nnx.Param),
         ),
     )
     save_hf_safetensors(model, config, str(tmp_path))

@@ -1278,4 +1278,11 @@ def create_model(config: TransformerConfig, seed: int = 0) -> Transformer:
     tens of seconds on CPU; this is the fast path for tests, benchmarks and samplers. Sharded
     creation for training lives in ``gagar_jax.update.state``.
     """
-    return nnx.jit(lambda key: Transformer(config, rngs=nnx.Rngs(params=key)))(jax.random.key(seed))
+    return _compiled_init(config)(jax.random.key(seed))
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_init(config: TransformerConfig):
+    """The jitted initialiser of one config, kept: a fresh function per call would be traced and
+    compiled again (seconds on CPU) for every model built with the same config."""
+    return nnx.jit(lambda key: Transformer(config, rngs=nnx.Rngs(params=key)))
