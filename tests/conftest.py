@@ -10,7 +10,27 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # (read by ray when it is imported: with it off, ray uses 127.0.0.1 for every node).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+# One persistent JAX compilation cache per pytest run, in a fresh temporary directory (every run
+# starts cold), shared by the run's xdist workers (they inherit this process's environment): a
+# program one worker compiled, or one a test builds again from a new closure (an identical
+# program), is read back instead of compiled. Programs under 0.1 s of compile time are not
+# written. A run that names its own JAX_COMPILATION_CACHE_DIR keeps it; GAGAR_TEST_JAX_CACHE=0
+# turns the cache off.
+if (
+    "PYTEST_XDIST_WORKER" not in os.environ
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ
+    and os.environ.get("GAGAR_TEST_JAX_CACHE", "1") != "0"
+):
+    _JAX_CACHE = tempfile.mkdtemp(prefix="gagar_jax_test_cache_")
+    atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # The checkout's root first: `configs` and `gagar_jax` of this tree, whatever is installed.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,6 +49,13 @@ from sglang_fixtures import (  # noqa: E402, F401
 )
 
 from tests.update_fixtures import tiny_config  # noqa: E402
+
+
+def pytest_configure(config):
+    """``GAGAR_TEST_PROFILE=<prefix>``: per-test CPU seconds and compilations (compile_profile)."""
+    from tests import compile_profile
+
+    compile_profile.register(config)
 
 
 @pytest.fixture

@@ -136,6 +136,14 @@ def test_cheat_turns_mixed_group_all_fail():
 # Each kernel against its NumPy reference, with and without jit, dense and flat.
 
 
+@functools.cache
+def _pipeline_with_config(estimator, mode):
+    """One callable per config, so the jitted variant compiles once for both seeds."""
+    return functools.partial(
+        adv.gagar_advantages, config=adv.GagarConfig(estimator=estimator, mode=mode)
+    )
+
+
 class KernelsTest(chex.TestCase, parameterized.TestCase):
     def _batch(self, seed, g=5, k=7):
         rng = np.random.default_rng(seed)
@@ -210,8 +218,7 @@ class KernelsTest(chex.TestCase, parameterized.TestCase):
         cheat = rng.random(r.shape) < 0.1
         tier, rank = rng.integers(1, 4, r.shape), rng.integers(1, 6, r.shape)
         graded = rng.random(r.shape[0]) < 0.7
-        cfg = adv.GagarConfig(estimator=estimator, mode=mode)
-        fn = self.variant(functools.partial(adv.gagar_advantages, config=cfg))
+        fn = self.variant(_pipeline_with_config(estimator, mode))
         out = fn(r, r > 0, cheat, tier, rank, graded, v)
         want, original, keep, applied = ref.pipeline(
             r, r > 0, cheat, tier, rank, graded, v, estimator=estimator, mode=mode
@@ -307,28 +314,36 @@ def test_flat_equals_dense(batch):
         np.testing.assert_allclose(out.metrics[key], dense.metrics[key], atol=1e-5, err_msg=key)
 
 
+@functools.partial(jax.jit, static_argnames="num_groups")
+def _each_kernel_flat_and_dense(flat, ids, dense, num_groups):
+    """Every kernel on the flat layout and on the dense one: one program per batch shape."""
+    lay = dict(group_ids=ids, num_groups=num_groups)
+    fr, fv, r, v = flat["rewards"], flat["valid"], dense["rewards"], dense["valid"]
+    kernels = (adv.mean_centered, adv.grpo_normalized, adv.rloo)
+    return dict(
+        estimators=[(fn(fr, fv, **lay), fn(r, v)) for fn in kernels],
+        stats=(adv.group_stats(fr, fv, **lay), adv.group_stats(r, v)),
+        mixed=(adv.mixed_groups(fr, fv, **lay), adv.mixed_groups(r, v)),
+        factors=(
+            adv.discount_factors(flat["tier"], flat["rank"], flat["passed"], fv, **lay),
+            adv.discount_factors(dense["tier"], dense["rank"], dense["passed"], v),
+        ),
+    )
+
+
 @given(graded_groups())
 def test_flat_equals_dense_each_kernel(batch):
     flat, ids, perm = flatten(batch, seed=1)
     g = batch["valid"].shape[0]
-    lay = dict(group_ids=ids, num_groups=g)
-    r, v = batch["rewards"], batch["valid"]
-    for fn in (adv.mean_centered, adv.grpo_normalized, adv.rloo):
-        fn = jax.jit(fn, static_argnames="num_groups")
-        np.testing.assert_allclose(
-            fn(flat["rewards"], flat["valid"], **lay),
-            np.asarray(fn(r, v)).reshape(-1)[perm],
-            atol=1e-5,
-        )
-    for got, want in zip(
-        adv.group_stats(flat["rewards"], flat["valid"], **lay), adv.group_stats(r, v), strict=True
-    ):
+    dense = {name: batch[name] for name in ("rewards", "valid", "tier", "rank", "passed")}
+    flat = {name: flat[name] for name in dense}
+    out = _each_kernel_flat_and_dense(flat, ids, dense, num_groups=g)
+    for got, want in out["estimators"]:
+        np.testing.assert_allclose(got, np.asarray(want).reshape(-1)[perm], atol=1e-5)
+    for got, want in zip(*out["stats"], strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
-    np.testing.assert_array_equal(
-        adv.mixed_groups(flat["rewards"], flat["valid"], **lay), adv.mixed_groups(r, v)
-    )
-    f_flat = adv.discount_factors(flat["tier"], flat["rank"], flat["passed"], flat["valid"], **lay)
-    f_dense = adv.discount_factors(batch["tier"], batch["rank"], batch["passed"], v)
+    np.testing.assert_array_equal(*out["mixed"])
+    f_flat, f_dense = out["factors"]
     np.testing.assert_allclose(f_flat.factors, np.asarray(f_dense.factors).reshape(-1)[perm])
     np.testing.assert_array_equal(f_flat.ok, f_dense.ok)
 
