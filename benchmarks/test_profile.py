@@ -62,7 +62,7 @@ def main() -> None:
         raise SystemExit(f"no {args.prefix}.*.jsonl rows")
     per_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for row in rows:
-        per_file[row["file"]].update({k: row.get(k, 0.0) for k, _, _ in COLUMNS})
+        per_file[row["file"]].update({k: row.get(k, 0) for k, _, _ in COLUMNS})
         per_file[row["file"]]["tests"] += 1
     total = collections.Counter()
     for c in per_file.values():
