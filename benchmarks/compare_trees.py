@@ -18,6 +18,9 @@ largest batch's throughput over the smallest's, the update's MFU against a jitte
 at the start and the end. Before timing it checks that the two checkouts compute the same
 thing: the same greedy tokens and log-probabilities within 1e-5, and the parameters after one
 update step within 1e-5.
+
+The process runs with glibc's allocator set to keep freed memory (``gagar_jax.update.malloc``,
+as ``scripts/train.py`` does; ``GAGAR_MALLOC_KEEP_HEAP=0`` turns it off), for both checkouts.
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ os.environ["XLA_FLAGS"] = " ".join(
     for f in os.environ.get("XLA_FLAGS", "").split()
     if not f.startswith("--xla_force_host_platform_device_count")
 )
+
+# Process-wide, so both checkouts run under it: the allocator keeps the update's temporary
+# buffer between steps (gagar_jax.update.malloc of the checkout holding this script;
+# GAGAR_MALLOC_KEEP_HEAP=0 turns it off).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gagar_jax.update.malloc import keep_heap  # noqa: E402
+
+KEEP_HEAP = keep_heap()
+sys.path.pop(0)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -175,7 +187,11 @@ def main():
     what = set(args.what.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     configs = [c for c in args.configs.split(",") if c]
-    print(f"start: {_load()}; jax {jax.__version__} on {jax.devices()[0].platform}", flush=True)
+    print(
+        f"start: {_load()}; jax {jax.__version__} on {jax.devices()[0].platform}; malloc "
+        f"keep_heap {'on' if KEEP_HEAP else 'off'}",
+        flush=True,
+    )
 
     samplers, updates = {}, {}
     for tree in trees:

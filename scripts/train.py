@@ -10,6 +10,10 @@ preemption notice) saves a checkpoint at the next step boundary and exits with s
 ``--config.mesh.coordinator_address/num_processes/process_id`` or the JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES and JAX_PROCESS_ID environment variables (see configs/tpu_pod.py).
 
+Memory: the script first sets glibc's allocator to keep freed memory for reuse
+(``gagar_jax.update.malloc.keep_heap``), so the update's large temporary buffer is not faulted
+in afresh every step; ``GAGAR_MALLOC_KEEP_HEAP=0`` in the environment turns that off.
+
 Console: the progress bar and summaries. Library logging (orbax, absl) is at WARNING unless
 ``--verbosity`` asks for more (``--verbosity=0`` is absl's INFO, ``1`` DEBUG).
 """
@@ -42,6 +46,9 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from gagar_jax.update.malloc import keep_heap
+
+    keep_heap()  # before any JAX computation: process-wide, GAGAR_MALLOC_KEEP_HEAP=0 opts out
     if not FLAGS["verbosity"].present:  # orbax logs every save/restore step at INFO
         logging.set_verbosity(logging.WARNING)
     from gagar_jax.rl import train

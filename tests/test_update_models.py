@@ -2,6 +2,7 @@
 (stacked parameters; checkpoints of that layout), Qwen3-MoE router metrics and aux loss."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,34 @@ def test_chunked_logprobs_reference():
     np.testing.assert_allclose(np.asarray(lpb), np.asarray(lpa), atol=1e-6)
     np.testing.assert_allclose(np.asarray(eb), np.asarray(ea), atol=1e-6)
     np.testing.assert_allclose(np.asarray(gb), np.asarray(ga), atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [24, 96])  # dlogits^T h, and (h^T dlogits)^T
+def test_head_logprobs_gradient_equals_autodiff(tokens):
+    """The LM head's written-out backward == autodiff of the logits and the log-softmax."""
+    from gagar_jax.losses import token_logprobs_and_entropy
+    from gagar_jax.models import create_model
+
+    model = create_model(MODEL, seed=1)
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.normal(size=(2, tokens // 2, MODEL.hidden_size)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, MODEL.vocab_size, h.shape[:2]), jnp.int32)
+    w = model.head_weight()
+    a, b = (jnp.asarray(rng.normal(size=y.shape), jnp.float32) for _ in range(2))
+
+    def ours(hh, ww):  # a stand-in with the head ww (the function reads only these two)
+        head = types.SimpleNamespace(config=MODEL, head_weight=lambda: ww)
+        lp, ent = chunked_token_logprobs_and_entropy(head, hh, y, 0.7, 0)
+        return jnp.sum(lp * a + ent * b)
+
+    def autodiff(hh, ww):
+        lp, ent = token_logprobs_and_entropy(jnp.einsum("bte,ve->btv", hh, ww) / 0.7, y)
+        return jnp.sum(lp * a + ent * b)
+
+    (va, ga), (vb, gb) = (jax.value_and_grad(f, (0, 1))(h, w) for f in (ours, autodiff))
+    np.testing.assert_allclose(float(va), float(vb), rtol=1e-6)
+    for x, ref in zip(ga, gb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
 def test_scanned_chunked_update_equals_baseline_and_checkpoints(tmp_path):
