@@ -305,6 +305,142 @@ class EpisodeStats:
     rejections: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
+CONSTRAINED_MAX_FILES = 32  # patch files named per candidate in the schema (more: any string)
+CONSTRAINED_MAX_QUOTES = 12  # test-log lines offered as execution quotes per candidate
+CONSTRAINED_QUOTE_CHARS = 60
+CONSTRAINED_REASON_CHARS = 80
+
+
+def _quote_lines(c: Candidate) -> list[str]:
+    """Lines of ``c``'s test log an execution quote may use: stripped, cut to
+    ``CONSTRAINED_QUOTE_CHARS``, printable ASCII; the first and the last
+    ``CONSTRAINED_MAX_QUOTES // 2`` of them."""
+    lines = list(
+        dict.fromkeys(
+            q
+            for q in (
+                ln.strip()[:CONSTRAINED_QUOTE_CHARS].strip() for ln in c.test_log.splitlines()
+            )
+            if len(q) >= schema.MIN_QUOTE_CHARS and q.isascii() and q.isprintable()
+        )
+    )
+    half = CONSTRAINED_MAX_QUOTES // 2
+    return lines if len(lines) <= 2 * half else lines[:half] + lines[-half:]
+
+
+def verdict_json_schema(view: AnonymisedView) -> dict:
+    """The JSON schema of a verdict for ``view`` (what constrained decoding lets a model write).
+
+    Built from the anonymised view only, so a permuted group gets the same schema. One item per
+    passing candidate, in alias order (``prefixItems``, no further items): the alias as a
+    constant, ``tier`` in 1..3, ``rank`` in 1..n (n passing candidates), each score a number
+    in [0, 1] (xgrammar bounds its digits), ``cheat`` a boolean, an optional ``cheat_reason``
+    of at most ``CONSTRAINED_REASON_CHARS`` characters, and at most ``len(CLAIMS)`` evidence
+    items, each either ``patch`` evidence naming a candidate (any alias) and one of the files
+    its patch changes, or ``execution`` evidence quoting one of the lines of that candidate's
+    test log (``_quote_lines``). Every object is closed (``additionalProperties: false``) and
+    every string and array bounded, so a constrained answer ends (whitespace between tokens
+    is the server's to bound: SGLang's ``--constrained-json-max-whitespace-cnt``).
+
+    The schema narrows what can be generated; it validates nothing: the answer is parsed and
+    checked by ``schema.parse_verdict`` like any other (tier/rank consistency, evidence for
+    negative scores, locations). Every answer ``protocol_student.render_verdict`` writes for
+    this view satisfies it.
+    """
+    passing = [view.alias_of[c.candidate_id] for c in view.order if c.passed]
+    passing.sort(key=lambda a: int(a[1:]))
+    claim = {"type": "string", "enum": list(schema.CLAIMS)}
+    branches: list[dict] = []
+    for c in view.order:
+        alias = view.alias_of[c.candidate_id]
+        try:
+            files = list(c.parsed_patch.paths)
+        except Exception:  # noqa: BLE001 - this candidate's patch only
+            files = []
+        if files:
+            file = (
+                {"type": "string", "enum": files}
+                if len(files) <= CONSTRAINED_MAX_FILES
+                else {"type": "string", "minLength": 1, "maxLength": 200}
+            )
+            branches.append(
+                _closed(
+                    {
+                        "claim": claim,
+                        "kind": {"const": "patch"},
+                        "candidate": {"const": alias},
+                        "file": file,
+                    }
+                )
+            )
+        quotes = _quote_lines(c)
+        if quotes:
+            branches.append(
+                _closed(
+                    {
+                        "claim": claim,
+                        "kind": {"const": "execution"},
+                        "candidate": {"const": alias},
+                        "quote": {"type": "string", "enum": quotes},
+                    }
+                )
+            )
+    defs: dict = {"score": {"type": "number", "minimum": 0, "maximum": 1}}
+    if not branches:  # nothing to cite: evidence can only be empty
+        defs["evidence"] = {"type": "array", "maxItems": 0}
+    else:
+        defs["evidence"] = {
+            "type": "array",
+            "items": branches[0] if len(branches) == 1 else {"anyOf": branches},
+            "maxItems": len(schema.CLAIMS),
+        }
+    n = len(passing)
+    score = {"$ref": "#/$defs/score"}
+    evidence = {"$ref": "#/$defs/evidence"}
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "candidate": {"const": alias},
+                "tier": {"type": "integer", "enum": list(range(1, schema.NUM_TIERS + 1))},
+                "rank": {"type": "integer", "enum": list(range(1, n + 1))},
+                "scores": _closed({d: score for d in DIMENSIONS}),
+                "cheat": {"type": "boolean"},
+                "cheat_reason": {
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": CONSTRAINED_REASON_CHARS,
+                },
+                "evidence": evidence,
+            },
+            "required": ["candidate", "tier", "rank", "scores", "cheat", "evidence"],
+            "additionalProperties": False,
+        }
+        for alias in passing
+    ]
+    verdicts: dict = {"type": "array", "minItems": n, "maxItems": n}
+    if items:
+        verdicts |= {"prefixItems": items, "items": False}
+    return _closed({"verdicts": verdicts}) | {"$defs": defs}
+
+
+def _closed(properties: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def verdict_response_format(view: AnonymisedView) -> dict:
+    """The OpenAI ``response_format`` that constrains an answer to ``verdict_json_schema``."""
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "verdict", "schema": verdict_json_schema(view), "strict": True},
+    }
+
+
 class AgenticGrader:
     """LLM grader with a tool loop over an anonymised group workspace (see module docstring).
 
@@ -322,6 +458,14 @@ class AgenticGrader:
       prompt_version: directory under ``prompts/``.
       use_tools: send the tool schemas (False: the model must answer with the verdict JSON);
         None: False for ``COMPACT_PROMPT_VERSIONS``, True otherwise.
+      constrain_answer: send each call a ``response_format`` with the vote's verdict schema
+        (``verdict_response_format``: constrained decoding on servers that support it, such as
+        SGLang); None: on when the model answers in plain JSON (``use_tools`` False). Only
+        without tools: a tool-calling reply is not one JSON object. A client or server that
+        rejects the field (a ``TypeError`` naming it, or an HTTP 4xx) gets the same call
+        again without it; when that one succeeds, this grader stops sending the schema
+        (``metrics["constrain/rejected"]``). The answer is validated by ``parse_verdict``
+        either way.
     """
 
     grader_id = "agentic"
@@ -341,6 +485,7 @@ class AgenticGrader:
         seed: int = 0,
         prompt_version: str = PROMPT_VERSION,
         use_tools: bool | None = None,
+        constrain_answer: bool | None = None,
     ):
         if max_steps < 1:
             raise ValueError(f"AgenticGrader.max_steps must be >= 1, got {max_steps}")
@@ -367,6 +512,12 @@ class AgenticGrader:
         if use_tools is None:
             use_tools = prompt_version not in COMPACT_PROMPT_VERSIONS
         self.use_tools = use_tools
+        if constrain_answer is None:
+            constrain_answer = not use_tools
+        if constrain_answer and use_tools:
+            raise ValueError("AgenticGrader.constrain_answer needs use_tools=False")
+        self.constrain_answer = bool(constrain_answer)
+        self._constrain = self.constrain_answer  # False once the endpoint rejected the schema
         self.version = f"{prompt_version}"
         settings = (
             prompt_version,
@@ -379,6 +530,7 @@ class AgenticGrader:
             self.min_votes,
             seed,
             use_tools,
+            *(("constrained",) if self.constrain_answer else ()),
             type(client).__name__,
             getattr(client, "base_url", ""),
             type(self.check_runner).__name__,
@@ -461,12 +613,7 @@ class AgenticGrader:
             stats.steps += 1
             self._count("steps")
             execution.llm_rate_limit()  # one limit for every grader of the cluster
-            response = self.client.chat_completions(
-                messages,
-                tools=TOOLS if self.use_tools else None,
-                max_tokens=self.max_tokens,
-                temperature=temperature,
-            )
+            response = self._call(messages, view, temperature)
             message = _first_message(response)
             if message is None:
                 last = VerdictRejected(
@@ -542,6 +689,33 @@ class AgenticGrader:
             RejectReason.BUDGET_EXHAUSTED,
             f"no verdict within {stats.steps} steps / {self.time_budget_s} s",
         )
+
+    def _call(self, messages: list[dict], view: AnonymisedView, temperature: float) -> Any:
+        kwargs = dict(
+            tools=TOOLS if self.use_tools else None,
+            max_tokens=self.max_tokens,
+            temperature=temperature,
+        )
+        if not self._constrain:
+            return self.client.chat_completions(messages, **kwargs)
+        self._count("constrain/calls")
+        try:
+            return self.client.chat_completions(
+                messages, response_format=verdict_response_format(view), **kwargs
+            )
+        except Exception as e:
+            if not _rejects_response_format(e):
+                raise
+            first = e
+        # The endpoint refused the schema: the same call without it. Only when that succeeds
+        # is the schema dropped for good (a 4xx for another reason fails again and is raised).
+        try:
+            response = self.client.chat_completions(messages, **kwargs)
+        except Exception as e:
+            raise e from first
+        self._constrain = False
+        self._count("constrain/rejected")
+        return response
 
     def _accept(self, output: str | Mapping, view: AnonymisedView, t0: float) -> Verdict:
         # Vote metadata is the grader's to report, never the model's.
@@ -732,6 +906,16 @@ def _clip_enveloped(text: str, envelope: Envelope, limit: int = MAX_TOOL_OUTPUT_
     if out.count(envelope.open_prefix) > out.count(envelope.close):
         out += "\n" + envelope.close
     return out
+
+
+def _rejects_response_format(e: BaseException) -> bool:
+    """Whether ``e`` may mean the client or endpoint does not take ``response_format``: a
+    Python client without the keyword, or a server answering 4xx (``SGLangRequestError``)."""
+    if isinstance(e, TypeError):
+        return "response_format" in str(e)
+    from gagar_jax.rollout.sglang_client import SGLangRequestError
+
+    return isinstance(e, SGLangRequestError)
 
 
 def _first_message(response: Any) -> dict | None:
