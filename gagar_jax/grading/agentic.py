@@ -59,6 +59,14 @@ one line. The task text is cut to ``COMPACT_TASK_CHARS``. The verdict format, it
 the voting are the same as for every other version; what a compact prompt loses is everything a
 tool would have shown beyond the cut (context lines, hunk positions, trajectories, the rest of a
 long diff or log) and the ability to run checks.
+
+Constrained decoding (``constrain_answer``, on by default when the model answers in plain JSON,
+as with the compact prompts): each call carries an OpenAI ``response_format`` with the vote's
+verdict schema (``verdict_json_schema``: one item per passing alias, in alias order, tiers,
+ranks, scores and evidence bounded to what the view holds), which SGLang enforces with
+xgrammar. The schema only narrows what a model can write; the answer is parsed and validated
+by ``schema.parse_verdict`` exactly as without it. An endpoint that refuses the field gets the
+call again without it (counted, see ``AgenticGrader``).
 """
 
 from __future__ import annotations
