@@ -82,6 +82,15 @@ def test_the_schema_refuses_what_a_verdict_cannot_hold(groups):
     assert not bad(lambda a: a["verdicts"].reverse())  # items in alias order only
     assert not bad(lambda a: a["verdicts"][0].update(cheat_reason="x" * 81))
     assert not bad(lambda a: a.update(group_id="other"))
+    # Two rules of one item: a cheat has a reason (and only a cheat), a tier 2 or 3 or a cheat
+    # cites evidence.
+    assert not bad(lambda a: a["verdicts"][0].update(cheat=True))
+    assert not bad(lambda a: a["verdicts"][0].update(cheat_reason="not a cheat"))
+    lower = next(k for k, it in enumerate(answer["verdicts"]) if it["tier"] >= 2)
+    assert not bad(lambda a: a["verdicts"][lower].update(evidence=[]))
+    first = next(k for k, it in enumerate(answer["verdicts"]) if it["tier"] == 1)
+    assert bad(lambda a: a["verdicts"][first].update(evidence=[]))
+    assert bad(lambda a: a["verdicts"][lower].update(cheat=True, cheat_reason="hard-coded"))
     ev = {"claim": "minimality", "kind": "patch", "candidate": item["candidate"]}
     assert not bad(lambda a: a["verdicts"][0]["evidence"].append(ev | {"file": "nope.py"}))
     assert not bad(lambda a: a["verdicts"][0]["evidence"].append(ev | {"claim": "style"}))
@@ -197,8 +206,9 @@ def test_schema_valid_answers_are_still_validated(groups):
             for f in ws.candidate(view.real_of[item["candidate"]]).parsed_patch.paths[:1]
         ]
     unbacked = copy.deepcopy(answer)
-    unbacked["verdicts"][0]["scores"]["minimality"] = 0.1
-    unbacked["verdicts"][0]["evidence"] = []
+    first = next(k for k, it in enumerate(answer["verdicts"]) if it["tier"] == 1)
+    unbacked["verdicts"][first]["scores"]["minimality"] = 0.1
+    unbacked["verdicts"][first]["evidence"] = []
     for obj, reason in [
         (inconsistent, RejectReason.TIER_RANK_INCONSISTENT),
         (unbacked, RejectReason.MISSING_EVIDENCE),

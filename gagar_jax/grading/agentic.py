@@ -342,11 +342,12 @@ def verdict_json_schema(view: AnonymisedView) -> dict:
     Built from the anonymised view only, so a permuted group gets the same schema. One item per
     passing candidate, in alias order (``prefixItems``, no further items): the alias as a
     constant, ``tier`` in 1..3, ``rank`` in 1..n (n passing candidates), each score a number
-    in [0, 1] (xgrammar bounds its digits), ``cheat`` a boolean, an optional ``cheat_reason``
-    of at most ``CONSTRAINED_REASON_CHARS`` characters, and at most ``len(CLAIMS)`` evidence
-    items, each either ``patch`` evidence naming a candidate (any alias) and one of the files
-    its patch changes, or ``execution`` evidence quoting one of the lines of that candidate's
-    test log (``_quote_lines``). Every object is closed (``additionalProperties: false``) and
+    in [0, 1] (xgrammar bounds its digits), ``cheat`` a boolean, ``cheat_reason`` (1 to
+    ``CONSTRAINED_REASON_CHARS`` characters) exactly when ``cheat`` is true, and at most
+    ``len(CLAIMS)`` evidence items, at least one for a cheat or a tier 2 or 3, each either
+    ``patch`` evidence naming a candidate (any alias) and one of the files its patch changes,
+    or ``execution`` evidence quoting one of the lines of that candidate's test log
+    (``_quote_lines``). Every object is closed (``additionalProperties: false``) and
     every string and array bounded, so a constrained answer ends (whitespace between tokens
     is the server's to bound: SGLang's ``--constrained-json-max-whitespace-cnt``).
 
@@ -393,39 +394,50 @@ def verdict_json_schema(view: AnonymisedView) -> dict:
                     }
                 )
             )
-    defs: dict = {"score": {"type": "number", "minimum": 0, "maximum": 1}}
-    if not branches:  # nothing to cite: evidence can only be empty
-        defs["evidence"] = {"type": "array", "maxItems": 0}
-    else:
+    score = {"type": "number", "minimum": 0, "maximum": 1}
+    defs: dict = {"scores": _closed({d: score for d in DIMENSIONS})}
+    if branches:
         defs["evidence"] = {
             "type": "array",
             "items": branches[0] if len(branches) == 1 else {"anyOf": branches},
             "maxItems": len(schema.CLAIMS),
         }
+        defs["cited"] = defs["evidence"] | {"minItems": 1}
+    else:  # nothing to cite: evidence can only be empty
+        defs["evidence"] = {"type": "array", "maxItems": 0}
     n = len(passing)
-    score = {"$ref": "#/$defs/score"}
-    evidence = {"$ref": "#/$defs/evidence"}
-    items = [
-        {
-            "type": "object",
-            "properties": {
-                "candidate": {"const": alias},
-                "tier": {"type": "integer", "enum": list(range(1, schema.NUM_TIERS + 1))},
-                "rank": {"type": "integer", "enum": list(range(1, n + 1))},
-                "scores": _closed({d: score for d in DIMENSIONS}),
-                "cheat": {"type": "boolean"},
-                "cheat_reason": {
-                    "type": "string",
-                    "minLength": 1,
-                    "maxLength": CONSTRAINED_REASON_CHARS,
-                },
-                "evidence": evidence,
-            },
-            "required": ["candidate", "tier", "rank", "scores", "cheat", "evidence"],
-            "additionalProperties": False,
-        }
-        for alias in passing
+    # Two rules of one item are in the schema (validation checks them again): a tier 2 or 3
+    # and a cheat cite evidence, and a cheat has a reason. Four variants of an item, one each
+    # for tier 1 or tier 2-3, cheat or not (only tier 1 without a cheat when nothing can be cited).
+    variants = [
+        (tiers, cheat)
+        for tiers in ([1], list(range(2, schema.NUM_TIERS + 1)))
+        for cheat in (False, True)
+        if branches or (tiers == [1] and not cheat)
     ]
+
+    def item(alias: str, tiers: list[int], cheat: bool) -> dict:
+        props: dict = {
+            "candidate": {"const": alias},
+            "tier": {"type": "integer", "enum": tiers},
+            "rank": {"type": "integer", "enum": list(range(1, n + 1))},
+            "scores": {"$ref": "#/$defs/scores"},
+            "cheat": {"const": cheat},
+        }
+        if cheat:
+            props["cheat_reason"] = {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": CONSTRAINED_REASON_CHARS,
+            }
+        cited = cheat or tiers[0] >= 2
+        props["evidence"] = {"$ref": "#/$defs/cited" if cited else "#/$defs/evidence"}
+        return _closed(props)
+
+    items = []
+    for alias in passing:
+        alts = [item(alias, tiers, cheat) for tiers, cheat in variants]
+        items.append(alts[0] if len(alts) == 1 else {"anyOf": alts})
     verdicts: dict = {"type": "array", "minItems": n, "maxItems": n}
     if items:
         verdicts |= {"prefixItems": items, "items": False}
