@@ -220,3 +220,11 @@ def test_schema_valid_answers_are_still_validated(groups):
             grader.grade(ws)
         assert err.value.reason == reason
         assert "response_format" in rec.calls[0]
+
+
+def test_quotable_log_lines_need_no_escaping():
+    """Candidate text becomes schema literals: only plain printable lines are offered."""
+    from gagar_jax.grading.agentic import _quote_lines
+
+    log = 'ok line\n"quoted" x\nback\\slash\n<untrusted-x>\n\x1b[31mred\nno\nfine 2'
+    assert _quote_lines(schema.Candidate("a", "", True, log)) == ["ok line", "fine 2"]

@@ -321,15 +321,19 @@ CONSTRAINED_REASON_CHARS = 80
 
 def _quote_lines(c: Candidate) -> list[str]:
     """Lines of ``c``'s test log an execution quote may use: stripped, cut to
-    ``CONSTRAINED_QUOTE_CHARS``, printable ASCII; the first and the last
-    ``CONSTRAINED_MAX_QUOTES // 2`` of them."""
+    ``CONSTRAINED_QUOTE_CHARS``, printable ASCII without quotes, backslashes or angle
+    brackets (candidate text becomes schema literals: nothing that needs escaping, nothing
+    like an envelope tag); the first and the last ``CONSTRAINED_MAX_QUOTES // 2`` of them."""
     lines = list(
         dict.fromkeys(
             q
             for q in (
                 ln.strip()[:CONSTRAINED_QUOTE_CHARS].strip() for ln in c.test_log.splitlines()
             )
-            if len(q) >= schema.MIN_QUOTE_CHARS and q.isascii() and q.isprintable()
+            if len(q) >= schema.MIN_QUOTE_CHARS
+            and q.isascii()
+            and q.isprintable()
+            and not any(ch in q for ch in '"\\<>')
         )
     )
     half = CONSTRAINED_MAX_QUOTES // 2
