@@ -75,7 +75,7 @@ def test_compare_checks_accepts_equal_and_flags_every_drift():
 
 
 def test_trl_advantage_path_is_mean_centred_only_without_scaling():
-    pytest.importorskip("torch")
+    import torch  # noqa: F401
 
     class Trainer:
         scale_rewards = "none"
@@ -94,8 +94,9 @@ def test_gagar_side_matches_transformers_and_reference(tmp_path, monkeypatch):
     tokenisation) on the benchmark's tiny assets: first-token log-probs equal a ``transformers``
     forward of the same safetensors, advantages equal the mean-centred reference, prompts are
     exactly ``prompt_len`` tokens."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
+
     assets = bench.make_assets("tiny", root=tmp_path)
     shape = bench.SHAPES["quick-rl"]
     spec = dict(assets=str(assets), shape_name="quick-rl", mode="check", **shape)

@@ -183,7 +183,7 @@ def test_given_tokens_are_used_as_they_are_and_need_token_ranges():
 
 
 def test_hf_tokenizer_offsets():
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 
@@ -267,7 +267,8 @@ def test_property_spans_partition_the_response(items):
 # TFDS builder
 # ------------------------------------------------------------------------------------------
 def test_feedback_builder_round_trip(tmp_path):
-    tfds = pytest.importorskip("tensorflow_datasets")
+    import tensorflow_datasets as tfds
+
     from gagar_jax.data import feedback_builder as FB
 
     manual = tmp_path / "manual"

@@ -6,8 +6,7 @@ import os
 import sys
 
 import pytest
-
-tfds = pytest.importorskip("tensorflow_datasets")
+import tensorflow_datasets as tfds
 
 from gagar_jax.data import tfds_builders as B  # noqa: E402
 from gagar_jax.envs import ToyTaskGenerator, verify  # noqa: E402

@@ -3,6 +3,7 @@
 import json
 import os
 
+import playwright  # noqa: F401
 import pytest
 
 from gagar_jax.envs.family import Attempt, FamilySettings, GroupMember, make_family
@@ -12,7 +13,6 @@ from gagar_jax.grading.pool import GradingPool
 from gagar_jax.grading.schema import FallbackReason
 from gagar_jax.verify import browser as B
 
-pytest.importorskip("playwright")
 if not os.path.exists(B.DEFAULT_EXECUTABLE):
     pytest.skip("chromium is not installed (make system-deps)", allow_module_level=True)
 

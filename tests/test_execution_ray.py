@@ -15,11 +15,10 @@ import tempfile
 import threading
 import time
 
+import execution_faults as faults  # noqa: E402
 import numpy as np
 import pytest
-
-ray = pytest.importorskip("ray")
-import execution_faults as faults  # noqa: E402
+import ray
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from gagar_jax.envs.family import Attempt, Outcome  # noqa: E402

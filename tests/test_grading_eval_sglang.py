@@ -15,8 +15,7 @@ from contextlib import redirect_stdout
 import pytest
 
 from gagar_jax.grading import eval as ev
-
-sglang_server = pytest.importorskip("gagar_jax.rollout.sglang_server")
+from gagar_jax.rollout import sglang_server
 
 pytestmark = [
     pytest.mark.skipif(

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -24,9 +26,6 @@ from gagar_jax.models import (
 )
 from gagar_jax.models.hf import model_from_params
 from gagar_jax.models.transformer import rope_inv_freq, rope_tables
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
 COMMON = dict(

@@ -6,13 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 from flax import nnx
 
 from gagar_jax.models import TransformerConfig, create_model
 from gagar_jax.models.hf import load_hf_safetensors, save_hf_safetensors
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
 

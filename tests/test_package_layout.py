@@ -231,3 +231,23 @@ def test_the_grader_harness_reads_its_sets_without_any_family():
 def test_the_families_load_without_the_task_data():
     code = "import gagar_jax.envs.families, gagar_jax.envs.labelled_sets, gagar_jax.envs.llm_user"
     assert _loaded_in_fresh_interpreter(code, ("data", "feedback", "rl", "analysis")) == "[]"
+
+
+def test_no_test_skips_itself_when_an_import_fails():
+    """Every dependency of the tests is installed by ``make setup``: a missing one (or a broken
+    module of ours) must fail the run, never turn a whole file into skips."""
+    tests = os.path.join(ROOT, "tests")
+    offenders = []
+    for name in sorted(os.listdir(tests)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(tests, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), name)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "importorskip"
+            ):
+                offenders.append(f"{name}:{node.lineno}")
+    assert not offenders, f"importorskip in {offenders}"

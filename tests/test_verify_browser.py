@@ -10,12 +10,12 @@ import os
 import shutil
 import threading
 
+import playwright  # noqa: F401
 import pytest
 
 from gagar_jax.verify import browser as B
 from gagar_jax.verify.browser_rubric import RubricError, checklist_of, validate_rubric
 
-pytest.importorskip("playwright")
 if not os.path.exists(B.DEFAULT_EXECUTABLE):
     pytest.skip("chromium is not installed (make system-deps)", allow_module_level=True)
 

@@ -6,6 +6,7 @@ the page, the browser and the validation against the page are real.
 
 import os
 
+import playwright  # noqa: F401
 import pytest
 
 from gagar_jax.verify import browser as B
@@ -17,7 +18,6 @@ from gagar_jax.verify.browser_llm import (
     first_json_object,
 )
 
-pytest.importorskip("playwright")
 if not os.path.exists(B.DEFAULT_EXECUTABLE):
     pytest.skip("chromium is not installed (make system-deps)", allow_module_level=True)
 
