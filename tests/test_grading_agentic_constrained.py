@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import json
 
+import jsonschema  # installed by make setup (through the notebooks and ray extras)
 import pytest
 
 from gagar_jax.grading import labelled, schema
@@ -19,8 +20,6 @@ from gagar_jax.grading.heuristic import HeuristicGrader
 from gagar_jax.grading.pool import GradingPool
 from gagar_jax.grading.schema import FallbackReason, RejectReason, VerdictRejected
 from gagar_jax.rollout.sglang_client import SGLangRequestError
-
-jsonschema = pytest.importorskip("jsonschema")
 
 
 def _validator(sch):
