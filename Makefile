@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup system-deps sglang-venv test test-e2e test-unit bench-check lint format-check docs train compare feedback-compare example bench tasks e2e clean
+.PHONY: setup system-deps sglang-venv test test-e2e test-unit bench-check lint format-check docs train compare feedback-compare grader-student example bench tasks e2e clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -128,6 +128,15 @@ e2e: setup system-deps sglang-venv
 FEEDBACK_OUT ?= runs/feedback_compare
 feedback-compare: setup
 	XLA_FLAGS= $(PY) scripts/feedback_compare.py --out=$(FEEDBACK_OUT) --seeds=0,1,2
+
+# The agentic grader on a protocol student (docs/grader_quality.md): trains the 0.84M student on
+# the heuristic grader's answers to the compact prompts, serves it on the CPU SGLang server and
+# grades the toy held-out half and the repo set with three constrained votes and the
+# permutation probe; rows in $(STUDENT)/summary.json. About an hour on 2 shared cores.
+STUDENT ?= runs/agentic_student
+grader-student: setup sglang-venv
+	XLA_FLAGS= $(PY) scripts/train_agentic_student.py --out=$(STUDENT) --steps 300 \
+	  --export-every 150 --eval toy:heldout,repo --votes 3 --workers 14 --probes permute
 
 example: setup
 	$(PY) scripts/gagar_example.py

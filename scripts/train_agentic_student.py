@@ -169,7 +169,7 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
     from gagar_jax.grading import labelled
     from gagar_jax.grading.agentic import AgenticGrader
     from gagar_jax.rollout.sglang_client import SGLangClient
-    from gagar_jax.rollout.sglang_server import SGLangServer
+    from gagar_jax.rollout.sglang_server import CONSTRAINED_JSON_FLAGS, SGLangServer
 
     probes = harness.PROBES if args.probes == "all" else tuple(p for p in args.probes.split(","))
     probes = tuple(p for p in probes if p and p != "none")
@@ -179,6 +179,7 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
         max_total_tokens=65536,
         max_running_requests=max(8, args.workers),
         model_modules=("qwen2",),
+        extra_args=CONSTRAINED_JSON_FLAGS,
     )
     t0 = time.monotonic()
     server.start(timeout_s=600)
@@ -208,10 +209,13 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
             max_steps=args.max_steps,
             max_tokens=args.max_tokens,
             prompt_version="c1",
+            constrain_answer=not args.unconstrained,
         )
         grader.token_counter = counter
         sub = dataclasses.replace(lset, groups=(lset.groups[k],))
-        row = harness.evaluate(grader, sub, probes=probes, n_boot=0)
+        row = harness.evaluate(
+            grader, sub, probes=probes, n_boot=0, deadline_s=args.group_deadline_s
+        )
         log_line(f"{label} {spec} group {k}: fallback {row['fallback_rate']}")
         return row["grader"], row["outcomes"][0], dict(grader.metrics)
 
@@ -244,6 +248,7 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
                 counts[key] = counts.get(key, 0) + n
         row.update(
             model=label,
+            constrained=not args.unconstrained,
             grader_counts=counts,
             eval_wall_s=time.monotonic() - t,
             workers=args.workers,
@@ -286,6 +291,11 @@ def main(argv=None) -> int:
     ap.add_argument("--untrained", action="store_true", help="also evaluate the initial weights")
     ap.add_argument("--votes", type=int, default=3)
     ap.add_argument("--vote-temperature", type=float, default=0.7)
+    ap.add_argument(
+        "--unconstrained",
+        action="store_true",
+        help="grade without the verdict schema (constrained decoding is the default)",
+    )
     ap.add_argument("--max-steps", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=768)
     ap.add_argument("--probes", default="permute")
@@ -293,6 +303,13 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=8, help="groups graded at once")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="start no group after this")
     ap.add_argument("--request-timeout-s", type=float, default=900.0, help="per model call")
+    ap.add_argument(
+        "--group-deadline-s",
+        type=float,
+        default=1800.0,
+        help="the pool's deadline for grading one group (all its votes), and again for its "
+        "permuted copy",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     summary_path = out / "summary.json"

@@ -20,7 +20,7 @@ from gagar_jax.grading import eval as harness
 from gagar_jax.grading import labelled
 from gagar_jax.grading.agentic import AgenticGrader
 from gagar_jax.rollout.sglang_client import SGLangClient
-from gagar_jax.rollout.sglang_server import SGLangServer
+from gagar_jax.rollout.sglang_server import CONSTRAINED_JSON_FLAGS, SGLangServer
 
 pytestmark = [*SGLANG, pytest.mark.e2e]
 
@@ -39,7 +39,11 @@ def test_trained_student_writes_accepted_verdicts_through_the_server(tmp_path):
     heldout = labelled.load_set("toy", split="heldout")
     groups = labelled.LabelledSet(heldout.name, heldout.version, heldout.groups[:2])
     server = SGLangServer(
-        model_dir, context_length=8192, max_total_tokens=32768, model_modules=("qwen2",)
+        model_dir,
+        context_length=8192,
+        max_total_tokens=32768,
+        model_modules=("qwen2",),
+        extra_args=CONSTRAINED_JSON_FLAGS,
     )
     server.start(timeout_s=600)
     try:
@@ -52,6 +56,10 @@ def test_trained_student_writes_accepted_verdicts_through_the_server(tmp_path):
         print(f"{row['fallback_rate']=} {row['kappa']=} {time.monotonic() - t0:.0f} s")
     finally:
         server.stop()
+    # Every call went out with the vote's verdict schema and the server took it (constrained
+    # decoding; the compact prompts' default).
+    assert grader.metrics["constrain/calls"] >= 1, grader.metrics
+    assert grader.metrics["constrain/rejected"] == 0, grader.metrics
     # Parseable, validated verdicts for at least one of the two groups (the initial weights:
     # fallback rate 1.0).
     assert row["fallback_rate"] < 1.0, grader.metrics

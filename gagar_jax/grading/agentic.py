@@ -59,6 +59,14 @@ one line. The task text is cut to ``COMPACT_TASK_CHARS``. The verdict format, it
 the voting are the same as for every other version; what a compact prompt loses is everything a
 tool would have shown beyond the cut (context lines, hunk positions, trajectories, the rest of a
 long diff or log) and the ability to run checks.
+
+Constrained decoding (``constrain_answer``, on by default when the model answers in plain JSON,
+as with the compact prompts): each call carries an OpenAI ``response_format`` with the vote's
+verdict schema (``verdict_json_schema``: one item per passing alias, in alias order, tiers,
+ranks, scores and evidence bounded to what the view holds), which SGLang enforces with
+xgrammar. The schema only narrows what a model can write; the answer is parsed and validated
+by ``schema.parse_verdict`` exactly as without it. An endpoint that refuses the field gets the
+call again without it (counted, see ``AgenticGrader``).
 """
 
 from __future__ import annotations
@@ -305,6 +313,158 @@ class EpisodeStats:
     rejections: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
+CONSTRAINED_MAX_FILES = 32  # patch files named per candidate in the schema (more: any string)
+CONSTRAINED_MAX_QUOTES = 12  # test-log lines offered as execution quotes per candidate
+CONSTRAINED_QUOTE_CHARS = 60
+CONSTRAINED_REASON_CHARS = 80
+
+
+def _quote_lines(c: Candidate) -> list[str]:
+    """Lines of ``c``'s test log an execution quote may use: stripped, cut to
+    ``CONSTRAINED_QUOTE_CHARS``, printable ASCII without quotes, backslashes or angle
+    brackets (candidate text becomes schema literals: nothing that needs escaping, nothing
+    like an envelope tag); the first and the last ``CONSTRAINED_MAX_QUOTES // 2`` of them."""
+    lines = list(
+        dict.fromkeys(
+            q
+            for q in (
+                ln.strip()[:CONSTRAINED_QUOTE_CHARS].strip() for ln in c.test_log.splitlines()
+            )
+            if len(q) >= schema.MIN_QUOTE_CHARS
+            and q.isascii()
+            and q.isprintable()
+            and not any(ch in q for ch in '"\\<>')
+        )
+    )
+    half = CONSTRAINED_MAX_QUOTES // 2
+    return lines if len(lines) <= 2 * half else lines[:half] + lines[-half:]
+
+
+def verdict_json_schema(view: AnonymisedView) -> dict:
+    """The JSON schema of a verdict for ``view`` (what constrained decoding lets a model write).
+
+    Built from the anonymised view only, so a permuted group gets the same schema. One item per
+    passing candidate, in alias order (``prefixItems``, no further items): the alias as a
+    constant, ``tier`` in 1..3, ``rank`` in 1..n (n passing candidates), each score a number
+    in [0, 1] (xgrammar bounds its digits), ``cheat`` a boolean, ``cheat_reason`` (1 to
+    ``CONSTRAINED_REASON_CHARS`` characters) exactly when ``cheat`` is true, and at most
+    ``len(CLAIMS)`` evidence items, at least one for a cheat or a tier 2 or 3, each either
+    ``patch`` evidence naming a candidate (any alias) and one of the files its patch changes,
+    or ``execution`` evidence quoting one of the lines of that candidate's test log
+    (``_quote_lines``). Every object is closed (``additionalProperties: false``) and
+    every string and array bounded, so a constrained answer ends (whitespace between tokens
+    is the server's to bound: SGLang's ``--constrained-json-max-whitespace-cnt``).
+
+    The schema narrows what can be generated; it validates nothing: the answer is parsed and
+    checked by ``schema.parse_verdict`` like any other (tier/rank consistency, evidence for
+    negative scores, locations). Every answer ``protocol_student.render_verdict`` writes for
+    this view satisfies it.
+    """
+    passing = [view.alias_of[c.candidate_id] for c in view.order if c.passed]
+    passing.sort(key=lambda a: int(a[1:]))
+    claim = {"type": "string", "enum": list(schema.CLAIMS)}
+    branches: list[dict] = []
+    for c in view.order:
+        alias = view.alias_of[c.candidate_id]
+        try:
+            files = list(c.parsed_patch.paths)
+        except Exception:  # noqa: BLE001 - this candidate's patch only
+            files = []
+        if files:
+            file = (
+                {"type": "string", "enum": files}
+                if len(files) <= CONSTRAINED_MAX_FILES
+                else {"type": "string", "minLength": 1, "maxLength": 200}
+            )
+            branches.append(
+                _closed(
+                    {
+                        "claim": claim,
+                        "kind": {"const": "patch"},
+                        "candidate": {"const": alias},
+                        "file": file,
+                    }
+                )
+            )
+        quotes = _quote_lines(c)
+        if quotes:
+            branches.append(
+                _closed(
+                    {
+                        "claim": claim,
+                        "kind": {"const": "execution"},
+                        "candidate": {"const": alias},
+                        "quote": {"type": "string", "enum": quotes},
+                    }
+                )
+            )
+    score = {"type": "number", "minimum": 0, "maximum": 1}
+    defs: dict = {"scores": _closed({d: score for d in DIMENSIONS})}
+    if branches:
+        defs["evidence"] = {
+            "type": "array",
+            "items": branches[0] if len(branches) == 1 else {"anyOf": branches},
+            "maxItems": len(schema.CLAIMS),
+        }
+        defs["cited"] = defs["evidence"] | {"minItems": 1}
+    else:  # nothing to cite: evidence can only be empty
+        defs["evidence"] = {"type": "array", "maxItems": 0}
+    n = len(passing)
+    # Two rules of one item are in the schema (validation checks them again): a tier 2 or 3
+    # and a cheat cite evidence, and a cheat has a reason. Four variants of an item, one each
+    # for tier 1 or tier 2-3, cheat or not (only tier 1 without a cheat when nothing can be cited).
+    variants = [
+        (tiers, cheat)
+        for tiers in ([1], list(range(2, schema.NUM_TIERS + 1)))
+        for cheat in (False, True)
+        if branches or (tiers == [1] and not cheat)
+    ]
+
+    def item(alias: str, tiers: list[int], cheat: bool) -> dict:
+        props: dict = {
+            "candidate": {"const": alias},
+            "tier": {"type": "integer", "enum": tiers},
+            "rank": {"type": "integer", "enum": list(range(1, n + 1))},
+            "scores": {"$ref": "#/$defs/scores"},
+            "cheat": {"const": cheat},
+        }
+        if cheat:
+            props["cheat_reason"] = {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": CONSTRAINED_REASON_CHARS,
+            }
+        cited = cheat or tiers[0] >= 2
+        props["evidence"] = {"$ref": "#/$defs/cited" if cited else "#/$defs/evidence"}
+        return _closed(props)
+
+    items = []
+    for alias in passing:
+        alts = [item(alias, tiers, cheat) for tiers, cheat in variants]
+        items.append(alts[0] if len(alts) == 1 else {"anyOf": alts})
+    verdicts: dict = {"type": "array", "minItems": n, "maxItems": n}
+    if items:
+        verdicts |= {"prefixItems": items, "items": False}
+    return _closed({"verdicts": verdicts}) | {"$defs": defs}
+
+
+def _closed(properties: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def verdict_response_format(view: AnonymisedView) -> dict:
+    """The OpenAI ``response_format`` that constrains an answer to ``verdict_json_schema``."""
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "verdict", "schema": verdict_json_schema(view), "strict": True},
+    }
+
+
 class AgenticGrader:
     """LLM grader with a tool loop over an anonymised group workspace (see module docstring).
 
@@ -322,6 +482,14 @@ class AgenticGrader:
       prompt_version: directory under ``prompts/``.
       use_tools: send the tool schemas (False: the model must answer with the verdict JSON);
         None: False for ``COMPACT_PROMPT_VERSIONS``, True otherwise.
+      constrain_answer: send each call a ``response_format`` with the vote's verdict schema
+        (``verdict_response_format``: constrained decoding on servers that support it, such as
+        SGLang); None: on when the model answers in plain JSON (``use_tools`` False). Only
+        without tools: a tool-calling reply is not one JSON object. A client or server that
+        rejects the field (a ``TypeError`` naming it, or an HTTP 4xx) gets the same call
+        again without it; when that one succeeds, this grader stops sending the schema
+        (``metrics["constrain/rejected"]``). The answer is validated by ``parse_verdict``
+        either way.
     """
 
     grader_id = "agentic"
@@ -341,6 +509,7 @@ class AgenticGrader:
         seed: int = 0,
         prompt_version: str = PROMPT_VERSION,
         use_tools: bool | None = None,
+        constrain_answer: bool | None = None,
     ):
         if max_steps < 1:
             raise ValueError(f"AgenticGrader.max_steps must be >= 1, got {max_steps}")
@@ -367,6 +536,12 @@ class AgenticGrader:
         if use_tools is None:
             use_tools = prompt_version not in COMPACT_PROMPT_VERSIONS
         self.use_tools = use_tools
+        if constrain_answer is None:
+            constrain_answer = not use_tools
+        if constrain_answer and use_tools:
+            raise ValueError("AgenticGrader.constrain_answer needs use_tools=False")
+        self.constrain_answer = bool(constrain_answer)
+        self._constrain = self.constrain_answer  # False once the endpoint rejected the schema
         self.version = f"{prompt_version}"
         settings = (
             prompt_version,
@@ -379,6 +554,7 @@ class AgenticGrader:
             self.min_votes,
             seed,
             use_tools,
+            *(("constrained",) if self.constrain_answer else ()),
             type(client).__name__,
             getattr(client, "base_url", ""),
             type(self.check_runner).__name__,
@@ -461,12 +637,7 @@ class AgenticGrader:
             stats.steps += 1
             self._count("steps")
             execution.llm_rate_limit()  # one limit for every grader of the cluster
-            response = self.client.chat_completions(
-                messages,
-                tools=TOOLS if self.use_tools else None,
-                max_tokens=self.max_tokens,
-                temperature=temperature,
-            )
+            response = self._call(messages, view, temperature)
             message = _first_message(response)
             if message is None:
                 last = VerdictRejected(
@@ -542,6 +713,33 @@ class AgenticGrader:
             RejectReason.BUDGET_EXHAUSTED,
             f"no verdict within {stats.steps} steps / {self.time_budget_s} s",
         )
+
+    def _call(self, messages: list[dict], view: AnonymisedView, temperature: float) -> Any:
+        kwargs = dict(
+            tools=TOOLS if self.use_tools else None,
+            max_tokens=self.max_tokens,
+            temperature=temperature,
+        )
+        if not self._constrain:
+            return self.client.chat_completions(messages, **kwargs)
+        self._count("constrain/calls")
+        try:
+            return self.client.chat_completions(
+                messages, response_format=verdict_response_format(view), **kwargs
+            )
+        except Exception as e:
+            if not _rejects_response_format(e):
+                raise
+            first = e
+        # The endpoint refused the schema: the same call without it. Only when that succeeds
+        # is the schema dropped for good (a 4xx for another reason fails again and is raised).
+        try:
+            response = self.client.chat_completions(messages, **kwargs)
+        except Exception as e:
+            raise e from first
+        self._constrain = False
+        self._count("constrain/rejected")
+        return response
 
     def _accept(self, output: str | Mapping, view: AnonymisedView, t0: float) -> Verdict:
         # Vote metadata is the grader's to report, never the model's.
@@ -732,6 +930,16 @@ def _clip_enveloped(text: str, envelope: Envelope, limit: int = MAX_TOOL_OUTPUT_
     if out.count(envelope.open_prefix) > out.count(envelope.close):
         out += "\n" + envelope.close
     return out
+
+
+def _rejects_response_format(e: BaseException) -> bool:
+    """Whether ``e`` may mean the client or endpoint does not take ``response_format``: a
+    Python client without the keyword, or a server answering 4xx (``SGLangRequestError``)."""
+    if isinstance(e, TypeError):
+        return "response_format" in str(e)
+    from gagar_jax.rollout.sglang_client import SGLangRequestError
+
+    return isinstance(e, SGLangRequestError)
 
 
 def _first_message(response: Any) -> dict | None:

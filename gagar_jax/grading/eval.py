@@ -704,8 +704,10 @@ def make_grader(
     max_tokens: int = 1024,
     vote_temperature: float = 0.7,
     prompt_version: str = PROMPT_VERSION,
+    constrain_answer: bool | None = None,
 ) -> Any:
-    """A grader by CLI name (``GRADER_NAMES``); ``agentic`` needs ``sglang_url``."""
+    """A grader by CLI name (``GRADER_NAMES``); ``agentic`` needs ``sglang_url``
+    (``constrain_answer``: see ``AgenticGrader``; None: its default)."""
 
     if name == "heuristic":
         return HeuristicGrader()
@@ -730,6 +732,7 @@ def make_grader(
             max_steps=max_steps,
             max_tokens=max_tokens,
             prompt_version=prompt_version,
+            constrain_answer=constrain_answer,
         )
         g.token_counter = counter
         return g
@@ -763,6 +766,7 @@ def tiny_sglang_server(context_length: int = 8192, timeout_s: float = 600.0):
             context_length=context_length,
             max_total_tokens=4 * context_length,
             max_running_requests=8,
+            extra_args=sglang_server.CONSTRAINED_JSON_FLAGS,
         )
         srv.start(timeout_s=timeout_s)
         try:
@@ -842,6 +846,12 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         default=PROMPT_VERSION,
         help="agentic grader: prompt version (c1: compact, no tool schemas, for small models)",
     )
+    ap.add_argument(
+        "--unconstrained",
+        action="store_true",
+        help="agentic grader: send no verdict schema (constrained decoding is on by default "
+        "for prompts answered in plain JSON, such as c1)",
+    )
     ap.add_argument("--max-steps", type=int, default=6, help="agentic grader: calls per vote")
     ap.add_argument("--max-tokens", type=int, default=1024, help="agentic grader: per call")
     ap.add_argument("--limit", type=int, default=0, help="grade only the first N groups of a set")
@@ -909,6 +919,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
                     max_tokens=args.max_tokens,
                     vote_temperature=args.vote_temperature,
                     prompt_version=args.prompt_version,
+                    constrain_answer=False if args.unconstrained else None,
                 )
                 gset, gprobes = lset, probes
                 if gname == "agentic":

@@ -134,7 +134,9 @@ class ProtocolTeacher:
                 messages, view = grader.episode_messages(ws, vote)
                 self._by_prompt[messages[1]["content"]] = (ws, view)
 
-    def chat_completions(self, messages, *, tools=None, max_tokens=1024, temperature=0.0):
+    def chat_completions(
+        self, messages, *, tools=None, max_tokens=1024, temperature=0.0, response_format=None
+    ):
         key = messages[1]["content"] if len(messages) > 1 else ""
         if key not in self._by_prompt:
             raise KeyError("ProtocolTeacher: prompt of a group not indexed (call index first)")

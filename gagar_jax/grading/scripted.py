@@ -47,7 +47,9 @@ class ScriptedGraderPolicy:
         self.calls = 0
         self.tools_called: list[str] = []
 
-    def chat_completions(self, messages, *, tools=None, max_tokens=1024, temperature=0.0) -> dict:
+    def chat_completions(
+        self, messages, *, tools=None, max_tokens=1024, temperature=0.0, response_format=None
+    ) -> dict:
         self.calls += 1
         results = {
             m.get("tool_call_id"): m.get("content", "") for m in messages if m.get("role") == "tool"

@@ -48,6 +48,11 @@ CPU_FLAGS = (
     "--skip-server-warmup",
 )
 
+# For servers that answer constrained (JSON schema) requests, e.g. the agentic grader's verdicts:
+# xgrammar lets any run of whitespace between JSON tokens unless told otherwise, which a weak
+# model can fill until max_tokens. Two characters in a row at most.
+CONSTRAINED_JSON_FLAGS = ("--constrained-json-max-whitespace-cnt", "2")
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""

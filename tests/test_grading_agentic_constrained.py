@@ -1,0 +1,229 @@
+"""Constrained decoding of the agentic grader's verdict: the per-vote JSON schema, the request
+payload, and the fallback when an endpoint refuses it (CPU, no server; seconds)."""
+
+import copy
+import dataclasses
+import json
+
+import jsonschema  # installed by make setup (through the notebooks and ray extras)
+import pytest
+
+from gagar_jax.grading import labelled, schema
+from gagar_jax.grading import protocol_student as ps
+from gagar_jax.grading.agentic import (
+    AgenticGrader,
+    AnonymisedView,
+    verdict_json_schema,
+    verdict_response_format,
+)
+from gagar_jax.grading.heuristic import HeuristicGrader
+from gagar_jax.grading.pool import GradingPool
+from gagar_jax.grading.schema import FallbackReason, RejectReason, VerdictRejected
+from gagar_jax.rollout.sglang_client import SGLangRequestError
+
+
+def _validator(sch):
+    jsonschema.Draft202012Validator.check_schema(sch)
+    return jsonschema.Draft202012Validator(sch)
+
+
+@pytest.fixture(scope="module")
+def groups():
+    return [g.workspace for g in labelled.load_set("toy").groups[:8]] + [
+        g.workspace for g in labelled.load_set("repo").groups
+    ]
+
+
+def test_every_teacher_answer_satisfies_its_votes_schema(groups):
+    grader = AgenticGrader(ps.ProtocolTeacher(HeuristicGrader()), prompt_version="c1", votes=3)
+    n = 0
+    for ws in groups:
+        verdict = schema.validate(HeuristicGrader().grade(ws), ws)
+        for vote in range(3):
+            _, view = grader.episode_messages(ws, vote)
+            answer = json.loads(ps.render_verdict(verdict, view))
+            errors = list(_validator(verdict_json_schema(view)).iter_errors(answer))
+            assert not errors, (ws.group_id, vote, errors[0].message)
+            n += 1
+    assert n == 3 * len(groups)
+
+
+def _answer_and_validator(ws, vote=0):
+    grader = AgenticGrader(ps.ProtocolTeacher(HeuristicGrader()), prompt_version="c1")
+    _, view = grader.episode_messages(ws, vote)
+    verdict = schema.validate(HeuristicGrader().grade(ws), ws)
+    answer = json.loads(ps.render_verdict(verdict, view))
+    return answer, _validator(verdict_json_schema(view)), view
+
+
+def test_the_schema_refuses_what_a_verdict_cannot_hold(groups):
+    ws = groups[0]
+    answer, val, view = _answer_and_validator(ws)
+    assert val.is_valid(answer)
+
+    def bad(edit):
+        a = copy.deepcopy(answer)
+        edit(a)
+        return val.is_valid(a)
+
+    item = answer["verdicts"][0]
+    failed = next(view.alias_of[c.candidate_id] for c in ws.candidates if not c.passed)
+    assert not bad(lambda a: a["verdicts"][0]["scores"].update(implementation_precision=1.5))
+    assert not bad(lambda a: a["verdicts"][0]["scores"].update(minimality=-0.1))
+    assert not bad(lambda a: a["verdicts"][0]["scores"].pop("minimality"))
+    assert not bad(lambda a: a["verdicts"][0]["scores"].update(extra=0.5))
+    assert not bad(lambda a: a["verdicts"][0].update(tier=4))
+    assert not bad(lambda a: a["verdicts"][0].update(rank=len(a["verdicts"]) + 1))
+    assert not bad(lambda a: a["verdicts"][0].update(cheat="no"))
+    assert not bad(lambda a: a["verdicts"][0].update(candidate=failed))  # a failed candidate
+    assert not bad(lambda a: a["verdicts"].append(copy.deepcopy(item)))  # one item too many
+    assert not bad(lambda a: a["verdicts"].pop())  # one too few
+    assert not bad(lambda a: a["verdicts"].reverse())  # items in alias order only
+    assert not bad(lambda a: a["verdicts"][0].update(cheat_reason="x" * 81))
+    assert not bad(lambda a: a.update(group_id="other"))
+    # Two rules of one item: a cheat has a reason (and only a cheat), a tier 2 or 3 or a cheat
+    # cites evidence.
+    assert not bad(lambda a: a["verdicts"][0].update(cheat=True))
+    assert not bad(lambda a: a["verdicts"][0].update(cheat_reason="not a cheat"))
+    lower = next(k for k, it in enumerate(answer["verdicts"]) if it["tier"] >= 2)
+    assert not bad(lambda a: a["verdicts"][lower].update(evidence=[]))
+    first = next(k for k, it in enumerate(answer["verdicts"]) if it["tier"] == 1)
+    assert bad(lambda a: a["verdicts"][first].update(evidence=[]))
+    assert bad(lambda a: a["verdicts"][lower].update(cheat=True, cheat_reason="hard-coded"))
+    ev = {"claim": "minimality", "kind": "patch", "candidate": item["candidate"]}
+    assert not bad(lambda a: a["verdicts"][0]["evidence"].append(ev | {"file": "nope.py"}))
+    assert not bad(lambda a: a["verdicts"][0]["evidence"].append(ev | {"claim": "style"}))
+    assert not bad(lambda a: a["verdicts"][0]["evidence"].append({**ev, "file": None}))
+    own = ws.candidate(view.real_of[item["candidate"]]).parsed_patch.paths[0]
+    assert bad(lambda a: a["verdicts"][0]["evidence"].append(ev | {"file": own}))
+    assert not bad(lambda a: a["verdicts"][0].update(evidence=[ev | {"file": own}] * 7))
+
+
+def test_a_permuted_group_gets_the_same_schema(groups):
+    ws = groups[1]
+    permuted = dataclasses.replace(ws, candidates=tuple(reversed(ws.candidates)))
+    a, b = AnonymisedView(ws, 5), AnonymisedView(permuted, 5)
+    assert verdict_json_schema(a) == verdict_json_schema(b)
+
+
+class Recorder:
+    """A chat client that answers with ``answer(messages)`` and keeps every call's kwargs."""
+
+    def __init__(self, answer, refuse=None):
+        self.answer, self.refuse, self.calls = answer, refuse, []
+
+    def chat_completions(self, messages, **kw):
+        self.calls.append(kw)
+        if self.refuse is not None and "response_format" in kw:
+            raise self.refuse
+        return {"choices": [{"message": {"role": "assistant", "content": self.answer(messages)}}]}
+
+
+def _teacher_graded(ws, refuse=None, **kw):
+    """An agentic grader whose client answers as the protocol teacher (behind a Recorder)."""
+    teacher = ps.ProtocolTeacher(HeuristicGrader())
+    rec = Recorder(
+        lambda messages: teacher.chat_completions(messages)["choices"][0]["message"]["content"],
+        refuse=refuse,
+    )
+    grader = AgenticGrader(rec, prompt_version="c1", max_steps=1, **kw)
+    teacher.index(grader, [ws])
+    return grader, rec
+
+
+def test_compact_prompts_send_the_votes_schema_and_tool_prompts_do_not(groups):
+    ws = groups[0]
+    grader, rec = _teacher_graded(ws, votes=2)
+    assert grader.constrain_answer and not grader.use_tools
+    v = grader.grade(ws)
+    assert v.votes == 2 and grader.metrics["constrain/calls"] == 2
+    for vote, kw in enumerate(rec.calls):
+        _, view = grader.episode_messages(ws, vote)
+        fmt = kw["response_format"]
+        assert fmt == verdict_response_format(view)
+        assert fmt["type"] == "json_schema" and fmt["json_schema"]["name"] == "verdict"
+        assert fmt["json_schema"]["schema"] == verdict_json_schema(view)
+        assert kw["tools"] is None
+        json.dumps(fmt)  # serialisable as a request body
+    plain, off = _teacher_graded(ws, constrain_answer=False)
+    plain.grade(ws)
+    assert "response_format" not in off.calls[0]
+    with pytest.raises(ValueError, match="use_tools"):
+        AgenticGrader(off, prompt_version="v2", constrain_answer=True)
+    assert not AgenticGrader(off, prompt_version="v2").constrain_answer
+    a = AgenticGrader(off, prompt_version="c1")
+    b = AgenticGrader(off, prompt_version="c1", constrain_answer=False)
+    assert a.cache_id != b.cache_id
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        SGLangRequestError("/v1/chat/completions: HTTP 400: response_format not supported"),
+        TypeError("chat_completions() got an unexpected keyword argument 'response_format'"),
+    ],
+)
+def test_an_endpoint_refusing_the_schema_gets_the_call_without_it(groups, refusal):
+    ws = groups[0]
+    grader, rec = _teacher_graded(ws, refuse=refusal, votes=2)
+    v = grader.grade(ws)
+    assert v.votes == 2  # both votes accepted, unconstrained
+    assert grader.metrics["constrain/rejected"] == 1
+    # The first call carried the schema and was refused, its repeat and the next vote did not.
+    assert ["response_format" in kw for kw in rec.calls] == [True, False, False]
+
+
+def test_other_errors_propagate_and_the_pool_falls_back(groups):
+    ws = groups[0]
+
+    class Down:
+        def chat_completions(self, messages, **kw):
+            raise SGLangRequestError("HTTP 400: prompt too long")  # refused with or without it
+
+    grader = AgenticGrader(Down(), prompt_version="c1", max_steps=1)
+    with pytest.raises(SGLangRequestError):
+        grader.grade(ws)
+    assert grader.constrain_answer and grader._constrain  # not taken for a schema refusal
+    assert grader.metrics["constrain/rejected"] == 0
+    with GradingPool(grader, deadline_s=30) as pool:
+        pool.submit(ws)
+        (r,) = pool.results([ws.group_id], timeout=30)
+    assert r.fallback_reason == FallbackReason.GRADER_ERROR
+
+
+def test_schema_valid_answers_are_still_validated(groups):
+    """The schema cannot express tier/rank consistency or evidence rules: ``parse_verdict``
+    stays the authority, and a schema-valid but wrong verdict is rejected."""
+    ws = groups[0]
+    answer, val, view = _answer_and_validator(ws)
+    n = len(answer["verdicts"])
+    inconsistent = copy.deepcopy(answer)
+    for k, item in enumerate(inconsistent["verdicts"]):
+        item.update(tier=1 if k == 0 else 2, rank=n if k == 0 else 1)
+        item["evidence"] = answer["verdicts"][k]["evidence"] or [
+            {"claim": "minimality", "kind": "patch", "candidate": item["candidate"], "file": f}
+            for f in ws.candidate(view.real_of[item["candidate"]]).parsed_patch.paths[:1]
+        ]
+    unbacked = copy.deepcopy(answer)
+    first = next(k for k, it in enumerate(answer["verdicts"]) if it["tier"] == 1)
+    unbacked["verdicts"][first]["scores"]["minimality"] = 0.1
+    unbacked["verdicts"][first]["evidence"] = []
+    for obj, reason in [
+        (inconsistent, RejectReason.TIER_RANK_INCONSISTENT),
+        (unbacked, RejectReason.MISSING_EVIDENCE),
+    ]:
+        assert val.is_valid(obj)
+        rec = Recorder(lambda messages, obj=obj: json.dumps(obj, separators=(",", ":")))
+        grader = AgenticGrader(rec, prompt_version="c1", max_steps=1)
+        with pytest.raises(VerdictRejected) as err:
+            grader.grade(ws)
+        assert err.value.reason == reason
+        assert "response_format" in rec.calls[0]
+
+
+def test_quotable_log_lines_need_no_escaping():
+    """Candidate text becomes schema literals: only plain printable lines are offered."""
+    from gagar_jax.grading.agentic import _quote_lines
+
+    log = 'ok line\n"quoted" x\nback\\slash\n<untrusted-x>\n\x1b[31mred\nno\nfine 2'
+    assert _quote_lines(schema.Candidate("a", "", True, log)) == ["ok line", "fine 2"]
