@@ -26,7 +26,7 @@ INSTALL_REQUIRES = [
 
 EXTRAS_REQUIRE = {
     # Everything the test suite needs besides the core.
-    "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6.100", "ruff>=0.6"],
+    "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6.100", "ruff>=0.6", "jsonschema>=4"],
     # TFDS builders for task pools (no TensorFlow needed for array_record).
     # (tfds 4.9.10 imports importlib_resources for builders outside its package.)
     "data": ["tensorflow-datasets>=4.9.10", "importlib_resources>=6"],
