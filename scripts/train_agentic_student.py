@@ -210,6 +210,7 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
             max_tokens=args.max_tokens,
             prompt_version="c1",
             constrain_answer=not args.unconstrained,
+            rank_order=args.rank_order,
         )
         grader.token_counter = counter
         sub = dataclasses.replace(lset, groups=(lset.groups[k],))
@@ -249,6 +250,7 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
         row.update(
             model=label,
             constrained=not args.unconstrained,
+            rank_order=args.rank_order,
             grader_counts=counts,
             eval_wall_s=time.monotonic() - t,
             workers=args.workers,
@@ -295,6 +297,13 @@ def main(argv=None) -> int:
         "--unconstrained",
         action="store_true",
         help="grade without the verdict schema (constrained decoding is the default)",
+    )
+    ap.add_argument(
+        "--rank-order",
+        choices=("strict", "tier_first"),
+        default="strict",
+        help="reject a vote whose ranks contradict its tiers (strict) or renumber its ranks in "
+        "(tier, rank) order (tier_first)",
     )
     ap.add_argument("--max-steps", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=768)

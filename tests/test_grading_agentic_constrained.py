@@ -5,8 +5,10 @@ import copy
 import dataclasses
 import json
 
-import jsonschema  # installed by make setup (through the notebooks and ray extras)
+import jsonschema  # the test extras
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gagar_jax.grading import labelled, schema
 from gagar_jax.grading import protocol_student as ps
@@ -219,6 +221,95 @@ def test_schema_valid_answers_are_still_validated(groups):
             grader.grade(ws)
         assert err.value.reason == reason
         assert "response_format" in rec.calls[0]
+
+
+def _inconsistent_answer(ws):
+    """The teacher's answer with its first candidate in tier 1 at the worst rank and every other
+    candidate in tier 2 at rank 1 (each with evidence): schema-valid, ranks against tiers."""
+    answer, val, view = _answer_and_validator(ws)
+    n = len(answer["verdicts"])
+    out = copy.deepcopy(answer)
+    for k, item in enumerate(out["verdicts"]):
+        item.update(tier=1 if k == 0 else 2, rank=n if k == 0 else 1)
+        item["evidence"] = answer["verdicts"][k]["evidence"] or [
+            {"claim": "minimality", "kind": "patch", "candidate": item["candidate"], "file": f}
+            for f in ws.candidate(view.real_of[item["candidate"]]).parsed_patch.paths[:1]
+        ]
+    assert val.is_valid(out)
+    return out, view
+
+
+def test_tier_first_rank_order_renumbers_ranks_that_contradict_tiers(groups):
+    """``rank_order="tier_first"`` keeps a vote's tiers and renumbers its ranks in (tier, rank)
+    order (counted); every other rule still rejects, and ``strict`` (the default) rejects."""
+    ws = next(w for w in groups if len(w.passing) >= 3)
+    obj, view = _inconsistent_answer(ws)
+    first = view.real_of[obj["verdicts"][0]["candidate"]]
+    strict = AgenticGrader(Recorder(lambda m: json.dumps(obj)), prompt_version="c1", max_steps=1)
+    with pytest.raises(VerdictRejected) as err:
+        strict.grade(ws)
+    assert err.value.reason == RejectReason.TIER_RANK_INCONSISTENT
+    assert strict.rank_order == "strict" and strict.metrics["ranks_reordered"] == 0
+    rec = Recorder(lambda m: json.dumps(obj))
+    grader = AgenticGrader(rec, prompt_version="c1", max_steps=1, rank_order="tier_first")
+    v = grader.grade(ws)
+    assert grader.metrics["ranks_reordered"] == 1
+    assert schema.ranks_follow_tiers(v)
+    by = {j.candidate_id: j for j in v.judgements}
+    assert (by[first].tier, by[first].rank) == (1, 1)
+    assert {(j.tier, j.rank) for j in v.judgements if j.candidate_id != first} == {(2, 2)}
+    # A consistent answer is not counted; a missing piece of evidence is still rejected.
+    answer, _, _ = _answer_and_validator(ws)
+    ok = AgenticGrader(
+        Recorder(lambda m: json.dumps(answer)), prompt_version="c1", rank_order="tier_first"
+    )
+    ok.grade(ws)
+    assert ok.metrics["ranks_reordered"] == 0 and ok.metrics["accepted"] == 1
+    unbacked = copy.deepcopy(obj)
+    unbacked["verdicts"][0]["scores"]["minimality"] = 0.1
+    unbacked["verdicts"][0]["evidence"] = []
+    bad = AgenticGrader(
+        Recorder(lambda m: json.dumps(unbacked)), prompt_version="c1", rank_order="tier_first"
+    )
+    with pytest.raises(VerdictRejected) as err:
+        bad.grade(ws)
+    assert err.value.reason == RejectReason.MISSING_EVIDENCE
+    assert grader.cache_id != strict.cache_id
+    with pytest.raises(ValueError, match="rank_order"):
+        AgenticGrader(rec, prompt_version="c1", rank_order="best_first")
+    with pytest.raises(ValueError, match="ranks"):
+        schema.validate(v, ws, ranks="loose")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 6)), min_size=1, max_size=8))
+def test_order_ranks_by_tier_keeps_each_tiers_order(pairs):
+    """Ranks follow tiers afterwards; inside a tier every pair keeps its order (<, =, >); ranks
+    are dense; a verdict whose ranks already follow its tiers keeps every pair's order."""
+    scores = dict.fromkeys(schema.DIMENSIONS, 1.0)
+    v = schema.Verdict(
+        "g",
+        tuple(
+            schema.Judgement(f"c{k}", t, r, scores, False, "", ()) for k, (t, r) in enumerate(pairs)
+        ),
+        "x",
+        "1",
+    )
+    out = schema.order_ranks_by_tier(v)
+    assert schema.ranks_follow_tiers(out)
+    assert [j.tier for j in out.judgements] == [j.tier for j in v.judgements]
+    assert sorted({j.rank for j in out.judgements}) == list(
+        range(1, len({j.rank for j in out.judgements}) + 1)
+    )
+
+    def sign(x):
+        return (x > 0) - (x < 0)
+
+    consistent = schema.ranks_follow_tiers(v)
+    for a, a2 in zip(v.judgements, out.judgements):
+        for b, b2 in zip(v.judgements, out.judgements):
+            if a.tier == b.tier or consistent:
+                assert sign(a.rank - b.rank) == sign(a2.rank - b2.rank)
 
 
 def test_quotable_log_lines_need_no_escaping():

@@ -490,6 +490,15 @@ class AgenticGrader:
         again without it; when that one succeeds, this grader stops sending the schema
         (``metrics["constrain/rejected"]``). The answer is validated by ``parse_verdict``
         either way.
+      rank_order: ``"strict"``: a vote whose ranks contradict its own tiers (a better tier
+        ranked below a worse one) is rejected (``tier_rank_inconsistent``). ``"tier_first"``:
+        its tiers are kept and its ranks renumbered in (tier, rank) order
+        (``schema.order_ranks_by_tier``), counted in ``metrics["ranks_reordered"]``; every
+        other rule still rejects. The order inside each tier is the vote's own, as the
+        discount factors (which read ranks only within a tier) and the merge of votes (in
+        (tier, mean rank) order) use it; the spacing of ranks inside a tier can change where
+        the vote had interleaved another tier's candidates. What it gives up is the
+        inconsistency as a sign of a careless vote.
     """
 
     grader_id = "agentic"
@@ -510,6 +519,7 @@ class AgenticGrader:
         prompt_version: str = PROMPT_VERSION,
         use_tools: bool | None = None,
         constrain_answer: bool | None = None,
+        rank_order: str = "strict",
     ):
         if max_steps < 1:
             raise ValueError(f"AgenticGrader.max_steps must be >= 1, got {max_steps}")
@@ -542,6 +552,12 @@ class AgenticGrader:
             raise ValueError("AgenticGrader.constrain_answer needs use_tools=False")
         self.constrain_answer = bool(constrain_answer)
         self._constrain = self.constrain_answer  # False once the endpoint rejected the schema
+        if rank_order not in schema.RANK_POLICIES:
+            raise ValueError(
+                f"AgenticGrader.rank_order: expected one of {schema.RANK_POLICIES}, "
+                f"got {rank_order!r}"
+            )
+        self.rank_order = rank_order
         self.version = f"{prompt_version}"
         settings = (
             prompt_version,
@@ -555,6 +571,7 @@ class AgenticGrader:
             seed,
             use_tools,
             *(("constrained",) if self.constrain_answer else ()),
+            *(("ranks:" + rank_order,) if rank_order != "strict" else ()),
             type(client).__name__,
             getattr(client, "base_url", ""),
             type(self.check_runner).__name__,
@@ -745,15 +762,26 @@ class AgenticGrader:
         # Vote metadata is the grader's to report, never the model's.
         if isinstance(output, Mapping):
             output = {k: v for k, v in output.items() if k not in ("votes", "agreement")}
-        v = schema.parse_verdict(
-            output,
-            view.workspace,
-            grader_id=self.grader_id,
-            grader_version=self.version,
-            latency_s=time.monotonic() - t0,
-            check_logs=view.check_logs,
-            id_map=view.real_of,
-        )
+
+        def parse(ranks: str) -> Verdict:
+            return schema.parse_verdict(
+                output,
+                view.workspace,
+                grader_id=self.grader_id,
+                grader_version=self.version,
+                latency_s=time.monotonic() - t0,
+                check_logs=view.check_logs,
+                id_map=view.real_of,
+                ranks=ranks,
+            )
+
+        try:
+            v = parse("strict")
+        except VerdictRejected as e:
+            if e.reason != RejectReason.TIER_RANK_INCONSISTENT or self.rank_order == "strict":
+                raise
+            v = parse(self.rank_order)
+            self._count("ranks_reordered")
         return dataclasses.replace(v, votes=1, agreement=None)
 
     @staticmethod

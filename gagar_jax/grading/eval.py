@@ -705,9 +705,10 @@ def make_grader(
     vote_temperature: float = 0.7,
     prompt_version: str = PROMPT_VERSION,
     constrain_answer: bool | None = None,
+    rank_order: str = "strict",
 ) -> Any:
     """A grader by CLI name (``GRADER_NAMES``); ``agentic`` needs ``sglang_url``
-    (``constrain_answer``: see ``AgenticGrader``; None: its default)."""
+    (``constrain_answer``, ``rank_order``: see ``AgenticGrader``; None: its default)."""
 
     if name == "heuristic":
         return HeuristicGrader()
@@ -733,6 +734,7 @@ def make_grader(
             max_tokens=max_tokens,
             prompt_version=prompt_version,
             constrain_answer=constrain_answer,
+            rank_order=rank_order,
         )
         g.token_counter = counter
         return g
@@ -852,6 +854,13 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         help="agentic grader: send no verdict schema (constrained decoding is on by default "
         "for prompts answered in plain JSON, such as c1)",
     )
+    ap.add_argument(
+        "--rank-order",
+        choices=("strict", "tier_first"),
+        default="strict",
+        help="agentic grader: reject a vote whose ranks contradict its tiers (strict) or renumber "
+        "its ranks in (tier, rank) order (tier_first)",
+    )
     ap.add_argument("--max-steps", type=int, default=6, help="agentic grader: calls per vote")
     ap.add_argument("--max-tokens", type=int, default=1024, help="agentic grader: per call")
     ap.add_argument("--limit", type=int, default=0, help="grade only the first N groups of a set")
@@ -920,6 +929,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
                     vote_temperature=args.vote_temperature,
                     prompt_version=args.prompt_version,
                     constrain_answer=False if args.unconstrained else None,
+                    rank_order=args.rank_order,
                 )
                 gset, gprobes = lset, probes
                 if gname == "agentic":

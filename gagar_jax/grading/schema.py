@@ -458,16 +458,43 @@ def _malformed(e: BaseException, where: str) -> VerdictRejected:
     return VerdictRejected(RejectReason.MALFORMED, f"{where}: {type(e).__name__} {msg}".strip())
 
 
+RANK_POLICIES = ("strict", "tier_first")
+
+
+def ranks_follow_tiers(verdict: Verdict) -> bool:
+    """True when no candidate of a better tier has a rank that is not better than a worse tier's."""
+    js = verdict.judgements
+    return all(a.rank < b.rank for a in js for b in js if a.tier < b.tier)
+
+
+def order_ranks_by_tier(verdict: Verdict) -> Verdict:
+    """``verdict`` with ranks renumbered densely in (tier, rank) order: equal (tier, rank) pairs
+    share a rank, the order inside each tier is kept, and every better tier ranks above every
+    worse one. A verdict whose ranks already follow its tiers keeps its order (its ranks are
+    made dense)."""
+    keys = sorted({(j.tier, j.rank) for j in verdict.judgements})
+    new = {k: i + 1 for i, k in enumerate(keys)}
+    return dataclasses.replace(
+        verdict,
+        judgements=tuple(
+            dataclasses.replace(j, rank=new[(j.tier, j.rank)]) for j in verdict.judgements
+        ),
+    )
+
+
 def validate(
     verdict: Verdict,
     workspace: GroupWorkspace,
     *,
     check_logs: Mapping[str, Sequence[str]] | None = None,
+    ranks: str = "strict",
 ) -> Verdict:
     """Validates ``verdict`` against ``workspace`` (see ``_validate``); any other exception a
     malformed value provokes is a ``malformed_output`` rejection."""
+    if ranks not in RANK_POLICIES:
+        raise ValueError(f"ranks: expected one of {RANK_POLICIES}, got {ranks!r}")
     try:
-        return _validate(verdict, workspace, check_logs=check_logs)
+        return _validate(verdict, workspace, check_logs=check_logs, ranks=ranks)
     except VerdictRejected:
         raise
     except _PYTHON_ERRORS as e:
@@ -479,6 +506,7 @@ def _validate(
     workspace: GroupWorkspace,
     *,
     check_logs: Mapping[str, Sequence[str]] | None = None,
+    ranks: str = "strict",
 ) -> Verdict:
     """Validates ``verdict`` against ``workspace``; returns it with ranks made dense.
 
@@ -486,6 +514,11 @@ def _validate(
       verdict: the grader's verdict.
       workspace: the group it claims to judge.
       check_logs: candidate id -> outputs of checks the grader ran (extra execution evidence).
+      ranks: ``"strict"``: a better tier ranked below a worse one is rejected
+        (``tier_rank_inconsistent``). ``"tier_first"``: the tiers are the verdict and the ranks
+        only order candidates within a tier, so the ranks are renumbered in (tier, rank) order
+        first (``order_ranks_by_tier``) and no verdict is rejected for them; the order inside
+        each tier, which is what the discount factors read, is the verdict's own.
 
     Returns:
       The verdict, ranks renumbered densely (1, 1, 2, ...) in the same order.
@@ -516,6 +549,8 @@ def _validate(
     missing = sorted(passing - seen)
     if missing:
         raise VerdictRejected(RejectReason.MISSING_CANDIDATE, f"no judgement for {missing}")
+    if ranks == "tier_first":
+        verdict = order_ranks_by_tier(verdict)
     js = verdict.judgements
     for a in js:
         for b in js:
@@ -681,6 +716,7 @@ def parse_verdict(
     latency_s: float = 0.0,
     check_logs: Mapping[str, Sequence[str]] | None = None,
     id_map: Mapping[str, str] | None = None,
+    ranks: str = "strict",
 ) -> Verdict:
     """Parses a grader's JSON output into a validated ``Verdict`` (see ``_parse_verdict``).
 
@@ -696,6 +732,7 @@ def parse_verdict(
             latency_s=latency_s,
             check_logs=check_logs,
             id_map=id_map,
+            ranks=ranks,
         )
     except VerdictRejected:
         raise
@@ -712,6 +749,7 @@ def _parse_verdict(
     latency_s: float = 0.0,
     check_logs: Mapping[str, Sequence[str]] | None = None,
     id_map: Mapping[str, str] | None = None,
+    ranks: str = "strict",
 ) -> Verdict:
     """Parses a grader's JSON output (text or dict) into a validated ``Verdict``.
 
@@ -731,6 +769,7 @@ def _parse_verdict(
       id_map: alias -> real candidate id (anonymised graders). When given, every candidate named
         in the output must be an alias: a real id (which the grader never saw) or an unknown name
         is rejected (``extra_candidate`` for a judgement, ``nonexistent_evidence`` for evidence).
+      ranks: see ``validate``.
 
     Raises:
       VerdictRejected: malformed output, or any validation failure.
@@ -844,7 +883,7 @@ def _parse_verdict(
         votes=votes if _is_int(votes) and votes >= 1 else 1,
         agreement=float(agreement) if _is_number(agreement) else None,
     )
-    return validate(verdict, workspace, check_logs=check_logs)
+    return validate(verdict, workspace, check_logs=check_logs, ranks=ranks)
 
 
 def verdict_from_dict(obj: Mapping[str, Any], workspace: GroupWorkspace) -> Verdict:
