@@ -208,8 +208,15 @@ def test_schema_valid_answers_are_still_validated(groups):
         ]
     unbacked = copy.deepcopy(answer)
     first = next(k for k, it in enumerate(answer["verdicts"]) if it["tier"] == 1)
-    unbacked["verdicts"][first]["scores"]["minimality"] = 0.1
-    unbacked["verdicts"][first]["evidence"] = []
+    item = unbacked["verdicts"][first]
+    item["scores"]["minimality"] = 0.1
+    item["evidence"] = []
+    assert not val.is_valid(unbacked)  # a negative score without evidence: refused by the schema
+    # Evidence of another claim: which claim backs which score is validation's alone.
+    path = ws.candidate(view.real_of[item["candidate"]]).parsed_patch.paths[0]
+    item["evidence"] = [
+        {"claim": "solution_fit", "kind": "patch", "candidate": item["candidate"], "file": path}
+    ]
     for obj, reason in [
         (inconsistent, RejectReason.TIER_RANK_INCONSISTENT),
         (unbacked, RejectReason.MISSING_EVIDENCE),

@@ -348,8 +348,10 @@ def verdict_json_schema(view: AnonymisedView) -> dict:
     constant, ``tier`` in 1..3, ``rank`` in 1..n (n passing candidates), each score a number
     in [0, 1] (xgrammar bounds its digits), ``cheat`` a boolean, ``cheat_reason`` (1 to
     ``CONSTRAINED_REASON_CHARS`` characters) exactly when ``cheat`` is true, and at most
-    ``len(CLAIMS)`` evidence items, at least one for a cheat or a tier 2 or 3, each either
-    ``patch`` evidence naming a candidate (any alias) and one of the files its patch changes,
+    ``len(CLAIMS)`` evidence items, at least one for a cheat, a tier 2 or 3 or a score below
+    ``schema.NEGATIVE_SCORE`` (an item without evidence scores every dimension at least that),
+    each either ``patch`` evidence naming a candidate (any alias) and one of the files its
+    patch changes,
     or ``execution`` evidence quoting one of the lines of that candidate's test log
     (``_quote_lines``). Every object is closed (``additionalProperties: false``) and
     every string and array bounded, so a constrained answer ends (whitespace between tokens
@@ -399,7 +401,11 @@ def verdict_json_schema(view: AnonymisedView) -> dict:
                 )
             )
     score = {"type": "number", "minimum": 0, "maximum": 1}
-    defs: dict = {"scores": _closed({d: score for d in DIMENSIONS})}
+    high = {"type": "number", "minimum": schema.NEGATIVE_SCORE, "maximum": 1}
+    defs: dict = {
+        "scores": _closed({d: score for d in DIMENSIONS}),
+        "high_scores": _closed({d: high for d in DIMENSIONS}),
+    }
     if branches:
         defs["evidence"] = {
             "type": "array",
@@ -410,22 +416,25 @@ def verdict_json_schema(view: AnonymisedView) -> dict:
     else:  # nothing to cite: evidence can only be empty
         defs["evidence"] = {"type": "array", "maxItems": 0}
     n = len(passing)
-    # Two rules of one item are in the schema (validation checks them again): a tier 2 or 3
-    # and a cheat cite evidence, and a cheat has a reason. Four variants of an item, one each
-    # for tier 1 or tier 2-3, cheat or not (only tier 1 without a cheat when nothing can be cited).
+    # Three rules of one item are in the schema (validation checks them again): a tier 2 or 3,
+    # a cheat and a negative score cite evidence, and a cheat has a reason. Five variants of an
+    # item: tier 1 without a cheat, either uncited with no negative score or cited; tier 1 with
+    # a cheat; tier 2-3 with or without one (only the first when nothing can be cited). Which
+    # claim the evidence makes is left to validation.
     variants = [
-        (tiers, cheat)
+        (tiers, cheat, cited)
         for tiers in ([1], list(range(2, schema.NUM_TIERS + 1)))
         for cheat in (False, True)
-        if branches or (tiers == [1] and not cheat)
+        for cited in (False, True)
+        if (cited or (tiers == [1] and not cheat)) and (branches or not cited)
     ]
 
-    def item(alias: str, tiers: list[int], cheat: bool) -> dict:
+    def item(alias: str, tiers: list[int], cheat: bool, cited: bool) -> dict:
         props: dict = {
             "candidate": {"const": alias},
             "tier": {"type": "integer", "enum": tiers},
             "rank": {"type": "integer", "enum": list(range(1, n + 1))},
-            "scores": {"$ref": "#/$defs/scores"},
+            "scores": {"$ref": "#/$defs/scores" if cited else "#/$defs/high_scores"},
             "cheat": {"const": cheat},
         }
         if cheat:
@@ -434,13 +443,12 @@ def verdict_json_schema(view: AnonymisedView) -> dict:
                 "minLength": 1,
                 "maxLength": CONSTRAINED_REASON_CHARS,
             }
-        cited = cheat or tiers[0] >= 2
         props["evidence"] = {"$ref": "#/$defs/cited" if cited else "#/$defs/evidence"}
         return _closed(props)
 
     items = []
     for alias in passing:
-        alts = [item(alias, tiers, cheat) for tiers, cheat in variants]
+        alts = [item(alias, tiers, cheat, cited) for tiers, cheat, cited in variants]
         items.append(alts[0] if len(alts) == 1 else {"anyOf": alts})
     verdicts: dict = {"type": "array", "minItems": n, "maxItems": n}
     if items:
