@@ -193,19 +193,28 @@ def test_other_errors_propagate_and_the_pool_falls_back(groups):
     assert r.fallback_reason == FallbackReason.GRADER_ERROR
 
 
-def test_schema_valid_answers_are_still_validated(groups):
-    """The schema cannot express tier/rank consistency or evidence rules: ``parse_verdict``
-    stays the authority, and a schema-valid but wrong verdict is rejected."""
-    ws = groups[0]
+def _inconsistent_answer(ws):
+    """The teacher's answer with its first candidate in tier 1 at the worst rank and every other
+    candidate in tier 2 at rank 1 (each with evidence): schema-valid, ranks against tiers."""
     answer, val, view = _answer_and_validator(ws)
     n = len(answer["verdicts"])
-    inconsistent = copy.deepcopy(answer)
-    for k, item in enumerate(inconsistent["verdicts"]):
+    out = copy.deepcopy(answer)
+    for k, item in enumerate(out["verdicts"]):
         item.update(tier=1 if k == 0 else 2, rank=n if k == 0 else 1)
         item["evidence"] = answer["verdicts"][k]["evidence"] or [
             {"claim": "minimality", "kind": "patch", "candidate": item["candidate"], "file": f}
             for f in ws.candidate(view.real_of[item["candidate"]]).parsed_patch.paths[:1]
         ]
+    assert val.is_valid(out)
+    return out, view
+
+
+def test_schema_valid_answers_are_still_validated(groups):
+    """The schema cannot express tier/rank consistency or evidence rules: ``parse_verdict``
+    stays the authority, and a schema-valid but wrong verdict is rejected."""
+    ws = groups[0]
+    answer, val, view = _answer_and_validator(ws)
+    inconsistent, _ = _inconsistent_answer(ws)
     unbacked = copy.deepcopy(answer)
     first = next(k for k, it in enumerate(answer["verdicts"]) if it["tier"] == 1)
     item = unbacked["verdicts"][first]
@@ -228,22 +237,6 @@ def test_schema_valid_answers_are_still_validated(groups):
             grader.grade(ws)
         assert err.value.reason == reason
         assert "response_format" in rec.calls[0]
-
-
-def _inconsistent_answer(ws):
-    """The teacher's answer with its first candidate in tier 1 at the worst rank and every other
-    candidate in tier 2 at rank 1 (each with evidence): schema-valid, ranks against tiers."""
-    answer, val, view = _answer_and_validator(ws)
-    n = len(answer["verdicts"])
-    out = copy.deepcopy(answer)
-    for k, item in enumerate(out["verdicts"]):
-        item.update(tier=1 if k == 0 else 2, rank=n if k == 0 else 1)
-        item["evidence"] = answer["verdicts"][k]["evidence"] or [
-            {"claim": "minimality", "kind": "patch", "candidate": item["candidate"], "file": f}
-            for f in ws.candidate(view.real_of[item["candidate"]]).parsed_patch.paths[:1]
-        ]
-    assert val.is_valid(out)
-    return out, view
 
 
 def test_tier_first_rank_order_renumbers_ranks_that_contradict_tiers(groups):

@@ -856,7 +856,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     )
     ap.add_argument(
         "--rank-order",
-        choices=("strict", "tier_first"),
+        choices=schema.RANK_POLICIES,
         default="strict",
         help="agentic grader: reject a vote whose ranks contradict its tiers (strict) or renumber "
         "its ranks in (tier, rank) order (tier_first)",
