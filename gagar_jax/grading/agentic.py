@@ -351,11 +351,10 @@ def verdict_json_schema(view: AnonymisedView) -> dict:
     ``len(CLAIMS)`` evidence items, at least one for a cheat, a tier 2 or 3 or a score below
     ``schema.NEGATIVE_SCORE`` (an item without evidence scores every dimension at least that),
     each either ``patch`` evidence naming a candidate (any alias) and one of the files its
-    patch changes,
-    or ``execution`` evidence quoting one of the lines of that candidate's test log
-    (``_quote_lines``). Every object is closed (``additionalProperties: false``) and
-    every string and array bounded, so a constrained answer ends (whitespace between tokens
-    is the server's to bound: SGLang's ``--constrained-json-max-whitespace-cnt``).
+    patch changes, or ``execution`` evidence quoting one of the lines of that candidate's test
+    log (``_quote_lines``). Every object is closed (``additionalProperties: false``) and every
+    string and array bounded, so a constrained answer ends (whitespace between tokens is the
+    server's to bound: SGLang's ``--constrained-json-max-whitespace-cnt``).
 
     The schema narrows what can be generated; it validates nothing: the answer is parsed and
     checked by ``schema.parse_verdict`` like any other (tier/rank consistency, evidence for
