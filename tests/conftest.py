@@ -12,8 +12,31 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+
+# Tests check values, not speed, and most of a unit pass's CPU time is XLA compiling small
+# programs. So XLA compiles them fast: backend optimisations off (LLVM at -O0, no expensive
+# passes), the classic elemental emitters instead of the MLIR fusion emitters, one codegen
+# module per program. The update step of the tests' tiny model compiles in ~2 CPU-s instead of
+# ~10 and runs as fast. The xdist workers and the subprocesses the tests start inherit the
+# setting; a flag this jaxlib does not know is left out (the probe below), and
+# GAGAR_TEST_FAST_COMPILE=0 compiles as users' runs do.
+FAST_COMPILE_FLAGS = (
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
+if (
+    "PYTEST_XDIST_WORKER" not in os.environ
+    and os.environ.get("GAGAR_TEST_FAST_COMPILE", "1") != "0"
+):
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    _extra = [f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
+    _probe_env = dict(os.environ, XLA_FLAGS=" ".join([os.environ["XLA_FLAGS"], *_extra]))
+    _probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    if _extra and subprocess.run(_probe, env=_probe_env, capture_output=True).returncode == 0:
+        os.environ["XLA_FLAGS"] = _probe_env["XLA_FLAGS"]
 
 # One persistent JAX compilation cache per pytest run, in a fresh temporary directory (every run
 # starts cold), shared by the run's xdist workers (they inherit this process's environment): a

@@ -384,7 +384,9 @@ def test_multi_turn_prefix_cache_exact_and_reused(model):
         lp = score_tokens(model, ep.tokens, 1, temperature=1.0)
         for turn in ep.turns:
             a, b = turn.model_span
-            np.testing.assert_allclose(ep.logprobs[a:b], lp[a - 1 : b - 1], atol=1e-5)
+            # Cached-prefix decoding and one whole-episode forward are different float32 programs:
+            # equal within a few float32 roundings of the value (|logprob| up to about 8).
+            np.testing.assert_allclose(ep.logprobs[a:b], lp[a - 1 : b - 1], rtol=5e-6, atol=1e-5)
     # New weights drop the kept caches (they belong to the old policy).
     cached.sync_weights(model, version=1)
     assert cached._kept == []
