@@ -211,6 +211,7 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
             prompt_version="c1",
             constrain_answer=not args.unconstrained,
             rank_order=args.rank_order,
+            uncited_scores=args.uncited_scores,
         )
         grader.token_counter = counter
         sub = dataclasses.replace(lset, groups=(lset.groups[k],))
@@ -251,6 +252,7 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
             model=label,
             constrained=not args.unconstrained,
             rank_order=args.rank_order,
+            uncited_scores=args.uncited_scores,
             grader_counts=counts,
             eval_wall_s=time.monotonic() - t,
             workers=args.workers,
@@ -270,6 +272,8 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from gagar_jax.grading import schema
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="runs/agentic_student")
     ap.add_argument("--skip-train", action="store_true", help="reuse <out>/model")
@@ -300,10 +304,17 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--rank-order",
-        choices=("strict", "tier_first"),
+        choices=schema.RANK_POLICIES,
         default="strict",
         help="reject a vote whose ranks contradict its tiers (strict) or renumber its ranks in "
         "(tier, rank) order (tier_first)",
+    )
+    ap.add_argument(
+        "--uncited-scores",
+        choices=schema.SCORE_POLICIES,
+        default="cite",
+        help="reject a vote with a low score that cites no evidence (cite) or raise such scores "
+        "to the threshold and keep the vote (drop_uncited)",
     )
     ap.add_argument("--max-steps", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=768)

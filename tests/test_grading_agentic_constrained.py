@@ -281,6 +281,124 @@ def test_tier_first_rank_order_renumbers_ranks_that_contradict_tiers(groups):
         schema.validate(v, ws, ranks="loose")
 
 
+def test_drop_uncited_scores_keeps_the_vote_and_its_tiers(groups):
+    """``uncited_scores="drop_uncited"``: a low score whose evidence makes another claim is raised
+    to the threshold and the vote is kept (counted), with its tiers, ranks and cited scores; a
+    tier 2 without any evidence and a cheat without evidence are still rejected; ``cite`` (the
+    default) rejects; relaxations combine with ``tier_first`` and are tried only when needed."""
+    ws = next(w for w in groups if len(w.passing) >= 3)
+    answer, val, view = _answer_and_validator(ws)
+    miscited = copy.deepcopy(answer)
+    k = next(i for i, it in enumerate(answer["verdicts"]) if it["tier"] == 1)
+    item = miscited["verdicts"][k]
+    path = ws.candidate(view.real_of[item["candidate"]]).parsed_patch.paths[0]
+    item["scores"]["minimality"] = 0.1
+    item["scores"]["solution_fit"] = 0.2
+    item["evidence"] = [
+        {"claim": "solution_fit", "kind": "patch", "candidate": item["candidate"], "file": path}
+    ]
+    assert val.is_valid(miscited)
+    cite = AgenticGrader(Recorder(lambda m: json.dumps(miscited)), prompt_version="c1")
+    with pytest.raises(VerdictRejected) as err:
+        cite.grade(ws)
+    assert err.value.reason == RejectReason.MISSING_EVIDENCE
+    drop = AgenticGrader(
+        Recorder(lambda m: json.dumps(miscited)), prompt_version="c1", uncited_scores="drop_uncited"
+    )
+    v = drop.grade(ws)
+    assert drop.metrics["uncited_scores_dropped"] == 1 and drop.metrics["ranks_reordered"] == 0
+    judged = v.judgement(view.real_of[item["candidate"]])
+    assert judged.scores["minimality"] == schema.NEGATIVE_SCORE  # uncited: not believed
+    assert judged.scores["solution_fit"] == 0.2  # cited: kept
+    for it in answer["verdicts"]:
+        j = v.judgement(view.real_of[it["candidate"]])
+        assert (j.tier, j.rank) == (it["tier"], it["rank"])
+    assert drop.cache_id != cite.cache_id
+    # A consistent, cited answer is accepted under the strict rules: nothing counted.
+    plain = AgenticGrader(
+        Recorder(lambda m: json.dumps(answer)), prompt_version="c1", uncited_scores="drop_uncited"
+    )
+    plain.grade(ws)
+    assert plain.metrics["uncited_scores_dropped"] == 0 and plain.metrics["accepted"] == 1
+    # Ranks against tiers and an uncited low score: both relaxations, both counted.
+    both_obj, _ = _inconsistent_answer(ws)
+    both_obj["verdicts"][0]["scores"]["minimality"] = 0.1
+    both_obj["verdicts"][0]["evidence"] = [  # every item has evidence (_inconsistent_answer)
+        dict(ev, claim="solution_fit") for ev in both_obj["verdicts"][0]["evidence"]
+    ]
+    both = AgenticGrader(
+        Recorder(lambda m: json.dumps(both_obj)),
+        prompt_version="c1",
+        rank_order="tier_first",
+        uncited_scores="drop_uncited",
+    )
+    vb = both.grade(ws)
+    assert both.metrics["ranks_reordered"] == 1 and both.metrics["uncited_scores_dropped"] == 1
+    assert schema.ranks_follow_tiers(vb)
+    only_ranks = AgenticGrader(
+        Recorder(lambda m: json.dumps(both_obj)), prompt_version="c1", rank_order="tier_first"
+    )
+    with pytest.raises(VerdictRejected) as err:
+        only_ranks.grade(ws)
+    assert err.value.reason == RejectReason.MISSING_EVIDENCE
+    # What still needs evidence: a cheat flag, and a tier 2 or 3.
+    for change in ({"cheat": True, "cheat_reason": "x"}, {"tier": 2, "rank": 99}):
+        bad = copy.deepcopy(answer)
+        bad["verdicts"][k].update(change, evidence=[])
+        bad["verdicts"][k]["scores"] = dict.fromkeys(schema.DIMENSIONS, 0.9)
+        g = AgenticGrader(
+            Recorder(lambda m, bad=bad: json.dumps(bad)),
+            prompt_version="c1",
+            rank_order="tier_first",
+            uncited_scores="drop_uncited",
+        )
+        with pytest.raises(VerdictRejected) as err:
+            g.grade(ws)
+        assert err.value.reason == RejectReason.MISSING_EVIDENCE, change
+    with pytest.raises(ValueError, match="uncited_scores"):
+        AgenticGrader(Recorder(lambda m: ""), prompt_version="c1", uncited_scores="lenient")
+    with pytest.raises(ValueError, match="scores"):
+        schema.validate(v, ws, scores="lenient")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.floats(0, 1), min_size=5, max_size=5),
+            st.sets(st.sampled_from(schema.CLAIMS), max_size=3),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_drop_uncited_scores_raises_exactly_the_uncited_negatives(items):
+    """Afterwards no uncited negative is left; cited scores and scores at or above the threshold
+    are unchanged; a raised score is exactly the threshold."""
+    ev = {c: schema.Evidence(c, "execution", "c0", quote="abc") for c in schema.CLAIMS}
+    v = schema.Verdict(
+        "g",
+        tuple(
+            schema.Judgement(
+                f"c{k}", 1, 1, dict(zip(schema.DIMENSIONS, sc)), False, "", tuple(ev[c] for c in cl)
+            )
+            for k, (sc, cl) in enumerate(items)
+        ),
+        "x",
+        "1",
+    )
+    out = schema.drop_uncited_scores(v)
+    assert schema.uncited_negatives(out) == 0
+    for a, b in zip(v.judgements, out.judgements):
+        assert (a.tier, a.rank, a.cheat, a.evidence) == (b.tier, b.rank, b.cheat, b.evidence)
+        claims = {e.claim for e in a.evidence}
+        for d in schema.DIMENSIONS:
+            if a.scores[d] >= schema.NEGATIVE_SCORE or d in claims:
+                assert b.scores[d] == a.scores[d]
+            else:
+                assert b.scores[d] == schema.NEGATIVE_SCORE
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 6)), min_size=1, max_size=8))
 def test_order_ranks_by_tier_keeps_each_tiers_order(pairs):

@@ -506,6 +506,15 @@ class AgenticGrader:
         (tier, mean rank) order) use it; the spacing of ranks inside a tier can change where
         the vote had interleaved another tier's candidates. What it gives up is the
         inconsistency as a sign of a careless vote.
+      uncited_scores: ``"cite"``: a vote with a dimension scored below
+        ``schema.NEGATIVE_SCORE`` and no evidence of that claim is rejected
+        (``missing_evidence``). ``"drop_uncited"``: those scores are raised to the threshold
+        (``schema.drop_uncited_scores``: a criticism nobody cited is not believed) and the vote
+        is kept, counted in ``metrics["uncited_scores_dropped"]`` (one per vote; the scores
+        raised in ``metrics["uncited_scores"]``). Tiers and ranks, which are all the advantage
+        kernels read, are the vote's own; a cheat flag or a tier 2 or 3 still needs evidence.
+        A vote is first validated under the strict rules; the relaxed policies are tried only
+        when it is rejected, the ranks alone first, then the scores alone, then both.
     """
 
     grader_id = "agentic"
@@ -527,6 +536,7 @@ class AgenticGrader:
         use_tools: bool | None = None,
         constrain_answer: bool | None = None,
         rank_order: str = "strict",
+        uncited_scores: str = "cite",
     ):
         if max_steps < 1:
             raise ValueError(f"AgenticGrader.max_steps must be >= 1, got {max_steps}")
@@ -565,6 +575,12 @@ class AgenticGrader:
                 f"got {rank_order!r}"
             )
         self.rank_order = rank_order
+        if uncited_scores not in schema.SCORE_POLICIES:
+            raise ValueError(
+                f"AgenticGrader.uncited_scores: expected one of {schema.SCORE_POLICIES}, "
+                f"got {uncited_scores!r}"
+            )
+        self.uncited_scores = uncited_scores
         self.version = f"{prompt_version}"
         settings = (
             prompt_version,
@@ -579,6 +595,7 @@ class AgenticGrader:
             use_tools,
             *(("constrained",) if self.constrain_answer else ()),
             *(("ranks:" + rank_order,) if rank_order != "strict" else ()),
+            *(("scores:" + uncited_scores,) if uncited_scores != "cite" else ()),
             type(client).__name__,
             getattr(client, "base_url", ""),
             type(self.check_runner).__name__,
@@ -770,7 +787,7 @@ class AgenticGrader:
         if isinstance(output, Mapping):
             output = {k: v for k, v in output.items() if k not in ("votes", "agreement")}
 
-        def parse(ranks: str) -> Verdict:
+        def parse(ranks: str, scores: str) -> Verdict:
             return schema.parse_verdict(
                 output,
                 view.workspace,
@@ -780,15 +797,28 @@ class AgenticGrader:
                 check_logs=view.check_logs,
                 id_map=view.real_of,
                 ranks=ranks,
+                scores=scores,
             )
 
-        try:
-            v = parse("strict")
-        except VerdictRejected as e:
-            if e.reason != RejectReason.TIER_RANK_INCONSISTENT or self.rank_order == "strict":
-                raise
-            v = parse(self.rank_order)
+        # The strict rules first; then each configured relaxation alone, then both.
+        policies = [("strict", "cite")]
+        if self.rank_order != "strict":
+            policies.append((self.rank_order, "cite"))
+        if self.uncited_scores != "cite":
+            policies.append(("strict", self.uncited_scores))
+            if self.rank_order != "strict":
+                policies.append((self.rank_order, self.uncited_scores))
+        for i, (ranks, scores) in enumerate(policies):
+            try:
+                v = parse(ranks, scores)
+                break
+            except VerdictRejected:
+                if i == len(policies) - 1:
+                    raise  # the most relaxed policy's reason
+        if ranks != "strict":
             self._count("ranks_reordered")
+        if scores != "cite":
+            self._count("uncited_scores_dropped")
         return dataclasses.replace(v, votes=1, agreement=None)
 
     @staticmethod

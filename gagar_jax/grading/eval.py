@@ -706,9 +706,11 @@ def make_grader(
     prompt_version: str = PROMPT_VERSION,
     constrain_answer: bool | None = None,
     rank_order: str = "strict",
+    uncited_scores: str = "cite",
 ) -> Any:
     """A grader by CLI name (``GRADER_NAMES``); ``agentic`` needs ``sglang_url``
-    (``constrain_answer``, ``rank_order``: see ``AgenticGrader``; None: its default)."""
+    (``constrain_answer``, ``rank_order``, ``uncited_scores``: see ``AgenticGrader``; None:
+    its default)."""
 
     if name == "heuristic":
         return HeuristicGrader()
@@ -735,6 +737,7 @@ def make_grader(
             prompt_version=prompt_version,
             constrain_answer=constrain_answer,
             rank_order=rank_order,
+            uncited_scores=uncited_scores,
         )
         g.token_counter = counter
         return g
@@ -861,6 +864,13 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         help="agentic grader: reject a vote whose ranks contradict its tiers (strict) or renumber "
         "its ranks in (tier, rank) order (tier_first)",
     )
+    ap.add_argument(
+        "--uncited-scores",
+        choices=schema.SCORE_POLICIES,
+        default="cite",
+        help="agentic grader: reject a vote with a low score that cites no evidence (cite) or "
+        "raise such scores to the threshold and keep the vote (drop_uncited)",
+    )
     ap.add_argument("--max-steps", type=int, default=6, help="agentic grader: calls per vote")
     ap.add_argument("--max-tokens", type=int, default=1024, help="agentic grader: per call")
     ap.add_argument("--limit", type=int, default=0, help="grade only the first N groups of a set")
@@ -930,6 +940,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
                     prompt_version=args.prompt_version,
                     constrain_answer=False if args.unconstrained else None,
                     rank_order=args.rank_order,
+                    uncited_scores=args.uncited_scores,
                 )
                 gset, gprobes = lset, probes
                 if gname == "agentic":

@@ -459,6 +459,7 @@ def _malformed(e: BaseException, where: str) -> VerdictRejected:
 
 
 RANK_POLICIES = ("strict", "tier_first")
+SCORE_POLICIES = ("cite", "drop_uncited")
 
 
 def ranks_follow_tiers(verdict: Verdict) -> bool:
@@ -482,19 +483,48 @@ def order_ranks_by_tier(verdict: Verdict) -> Verdict:
     )
 
 
+def uncited_negatives(verdict: Verdict) -> int:
+    """How many (candidate, dimension) scores below ``NEGATIVE_SCORE`` have no evidence item of
+    that claim."""
+    return sum(
+        1
+        for j in verdict.judgements
+        for d in DIMENSIONS
+        if float(j.scores[d]) < NEGATIVE_SCORE and d not in {ev.claim for ev in j.evidence}
+    )
+
+
+def drop_uncited_scores(verdict: Verdict) -> Verdict:
+    """``verdict`` with every dimension scored below ``NEGATIVE_SCORE`` without evidence of that
+    claim raised to ``NEGATIVE_SCORE``: a negative judgement nobody cited is not believed.
+    Tiers, ranks, cheat flags and evidence are unchanged, and so are cited scores."""
+    out = []
+    for j in verdict.judgements:
+        claims = {ev.claim for ev in j.evidence}
+        scores = {
+            d: (NEGATIVE_SCORE if float(v) < NEGATIVE_SCORE and d not in claims else v)
+            for d, v in j.scores.items()
+        }
+        out.append(dataclasses.replace(j, scores=scores))
+    return dataclasses.replace(verdict, judgements=tuple(out))
+
+
 def validate(
     verdict: Verdict,
     workspace: GroupWorkspace,
     *,
     check_logs: Mapping[str, Sequence[str]] | None = None,
     ranks: str = "strict",
+    scores: str = "cite",
 ) -> Verdict:
     """Validates ``verdict`` against ``workspace`` (see ``_validate``); any other exception a
     malformed value provokes is a ``malformed_output`` rejection."""
     if ranks not in RANK_POLICIES:
         raise ValueError(f"ranks: expected one of {RANK_POLICIES}, got {ranks!r}")
+    if scores not in SCORE_POLICIES:
+        raise ValueError(f"scores: expected one of {SCORE_POLICIES}, got {scores!r}")
     try:
-        return _validate(verdict, workspace, check_logs=check_logs, ranks=ranks)
+        return _validate(verdict, workspace, check_logs=check_logs, ranks=ranks, scores=scores)
     except VerdictRejected:
         raise
     except _PYTHON_ERRORS as e:
@@ -507,6 +537,7 @@ def _validate(
     *,
     check_logs: Mapping[str, Sequence[str]] | None = None,
     ranks: str = "strict",
+    scores: str = "cite",
 ) -> Verdict:
     """Validates ``verdict`` against ``workspace``; returns it with ranks made dense.
 
@@ -519,6 +550,10 @@ def _validate(
         only order candidates within a tier, so the ranks are renumbered in (tier, rank) order
         first (``order_ranks_by_tier``) and no verdict is rejected for them; the order inside
         each tier, which is what the discount factors read, is the verdict's own.
+      scores: ``"cite"``: a dimension scored below ``NEGATIVE_SCORE`` without evidence of that
+        claim is rejected (``missing_evidence``). ``"drop_uncited"``: such a score is raised to
+        ``NEGATIVE_SCORE`` first (``drop_uncited_scores``) and the verdict is judged on the
+        rest; a cheat flag or a tier 2 or 3 without evidence is still rejected.
 
     Returns:
       The verdict, ranks renumbered densely (1, 1, 2, ...) in the same order.
@@ -551,6 +586,8 @@ def _validate(
         raise VerdictRejected(RejectReason.MISSING_CANDIDATE, f"no judgement for {missing}")
     if ranks == "tier_first":
         verdict = order_ranks_by_tier(verdict)
+    if scores == "drop_uncited":
+        verdict = drop_uncited_scores(verdict)
     js = verdict.judgements
     for a in js:
         for b in js:
@@ -717,11 +754,13 @@ def parse_verdict(
     check_logs: Mapping[str, Sequence[str]] | None = None,
     id_map: Mapping[str, str] | None = None,
     ranks: str = "strict",
+    scores: str = "cite",
 ) -> Verdict:
     """Parses a grader's JSON output into a validated ``Verdict`` (see ``_parse_verdict``).
 
     Every input is accepted or rejected with a ``VerdictRejected`` naming the reason: huge
-    numbers, deep nesting and wrong types included (``malformed_output``).
+    numbers, deep nesting and wrong types included (``malformed_output``). ``ranks`` and
+    ``scores`` are ``validate``'s policies.
     """
     try:
         return _parse_verdict(
@@ -733,6 +772,7 @@ def parse_verdict(
             check_logs=check_logs,
             id_map=id_map,
             ranks=ranks,
+            score_policy=scores,
         )
     except VerdictRejected:
         raise
@@ -750,6 +790,7 @@ def _parse_verdict(
     check_logs: Mapping[str, Sequence[str]] | None = None,
     id_map: Mapping[str, str] | None = None,
     ranks: str = "strict",
+    score_policy: str = "cite",
 ) -> Verdict:
     """Parses a grader's JSON output (text or dict) into a validated ``Verdict``.
 
@@ -883,7 +924,7 @@ def _parse_verdict(
         votes=votes if _is_int(votes) and votes >= 1 else 1,
         agreement=float(agreement) if _is_number(agreement) else None,
     )
-    return validate(verdict, workspace, check_logs=check_logs, ranks=ranks)
+    return validate(verdict, workspace, check_logs=check_logs, ranks=ranks, scores=score_policy)
 
 
 def verdict_from_dict(obj: Mapping[str, Any], workspace: GroupWorkspace) -> Verdict:
