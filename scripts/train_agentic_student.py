@@ -212,6 +212,7 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
             constrain_answer=not args.unconstrained,
             rank_order=args.rank_order,
             uncited_scores=args.uncited_scores,
+            seed_votes=args.seed_votes,
         )
         grader.token_counter = counter
         sub = dataclasses.replace(lset, groups=(lset.groups[k],))
@@ -253,6 +254,7 @@ def evaluate(model_dir: Path, sets: list[str], args, label: str) -> list[dict]:
             constrained=not args.unconstrained,
             rank_order=args.rank_order,
             uncited_scores=args.uncited_scores,
+            seed_votes=args.seed_votes,
             grader_counts=counts,
             eval_wall_s=time.monotonic() - t,
             workers=args.workers,
@@ -315,6 +317,11 @@ def main(argv=None) -> int:
         default="cite",
         help="reject a vote with a low score that cites no evidence (cite) or raise such scores "
         "to the threshold and keep the vote (drop_uncited)",
+    )
+    ap.add_argument(
+        "--seed-votes",
+        action="store_true",
+        help="seed each call's sampling from the group's content, vote and step",
     )
     ap.add_argument("--max-steps", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=768)

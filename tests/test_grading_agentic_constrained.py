@@ -361,6 +361,40 @@ def test_drop_uncited_scores_keeps_the_vote_and_its_tiers(groups):
         schema.validate(v, ws, scores="lenient")
 
 
+def test_seed_votes_seeds_each_call_from_content_vote_and_step(groups):
+    """``seed_votes``: every call carries a seed; votes get different seeds; the same group
+    with its candidates in another order gets the very same seeds (and prompts); another
+    grader ``seed`` or another group changes them; off (the default) sends no seed."""
+    ws = next(w for w in groups if len(w.passing) >= 3)
+    permuted = dataclasses.replace(ws, candidates=tuple(reversed(ws.candidates)))
+    answer, _, _ = _answer_and_validator(ws)
+
+    def seeds_of(grader_seed, w, **kw):
+        rec = Recorder(lambda m: "no verdict")
+        g = AgenticGrader(
+            rec, prompt_version="c1", votes=3, min_votes=1, max_steps=2, seed=grader_seed, **kw
+        )
+        with pytest.raises(VerdictRejected):
+            g.grade(w)
+        return [c.get("seed") for c in rec.calls], g
+
+    base, g = seeds_of(0, ws, seed_votes=True)
+    assert len(base) == 6 and all(isinstance(x, int) and 0 <= x < 2**31 for x in base)
+    assert len(set(base)) == 6  # three votes of two steps: all different
+    assert sorted(seeds_of(0, permuted, seed_votes=True)[0]) == sorted(base)
+    assert g.call_seed(ws, 1, 2) == g.call_seed(permuted, 1, 2)
+    assert set(seeds_of(1, ws, seed_votes=True)[0]).isdisjoint(base)
+    other = next(w for w in groups if w.task_text != ws.task_text)
+    assert g.call_seed(other, 0, 1) != g.call_seed(ws, 0, 1)
+    off, g_off = seeds_of(0, ws)
+    assert off == [None] * 6 and g_off.call_seed(ws, 0, 1) is None
+    assert g.cache_id != g_off.cache_id
+    # A client that answers: the seed does not change what is accepted.
+    rec = Recorder(lambda m: json.dumps(answer))
+    AgenticGrader(rec, prompt_version="c1", seed_votes=True).grade(ws)
+    assert "seed" in rec.calls[0]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(

@@ -116,6 +116,13 @@ def load_prompt(name: str, version: str = PROMPT_VERSION) -> str:
     return res.read_text(encoding="utf-8")
 
 
+def _group_content(workspace: GroupWorkspace) -> str:
+    """The task and the candidates' content in canonical order: the same for any slot order."""
+    return "\0".join(
+        [workspace.task_text, *(_content_key(c)[0] for c in canonical_order(workspace.candidates))]
+    )
+
+
 class ChatClient(Protocol):
     def chat_completions(
         self, messages: list[dict], *, tools: list[dict] | None, max_tokens: int, temperature: float
@@ -510,11 +517,17 @@ class AgenticGrader:
         ``schema.NEGATIVE_SCORE`` and no evidence of that claim is rejected
         (``missing_evidence``). ``"drop_uncited"``: those scores are raised to the threshold
         (``schema.drop_uncited_scores``: a criticism nobody cited is not believed) and the vote
-        is kept, counted in ``metrics["uncited_scores_dropped"]`` (one per vote; the scores
-        raised in ``metrics["uncited_scores"]``). Tiers and ranks, which are all the advantage
-        kernels read, are the vote's own; a cheat flag or a tier 2 or 3 still needs evidence.
+        is kept, counted in ``metrics["uncited_scores_dropped"]`` (one per vote). Tiers and
+        ranks, which are all the advantage kernels read, are the vote's own; a cheat flag or a
+        tier 2 or 3 still needs evidence.
         A vote is first validated under the strict rules; the relaxed policies are tried only
         when it is rejected, the ranks alone first, then the scores alone, then both.
+      seed_votes: send each call an OpenAI ``seed`` (SGLang: the request's sampling seed)
+        derived from ``seed``, the group's content in canonical order, the vote and the step:
+        sampled votes stay diverse across votes but are a function of what is graded, so a
+        group with its candidates in another order is sampled alike, up to the server's own
+        numerical non-determinism (batching). Off by default because a chat client must
+        accept the ``seed`` keyword.
     """
 
     grader_id = "agentic"
@@ -537,6 +550,7 @@ class AgenticGrader:
         constrain_answer: bool | None = None,
         rank_order: str = "strict",
         uncited_scores: str = "cite",
+        seed_votes: bool = False,
     ):
         if max_steps < 1:
             raise ValueError(f"AgenticGrader.max_steps must be >= 1, got {max_steps}")
@@ -581,6 +595,7 @@ class AgenticGrader:
                 f"got {uncited_scores!r}"
             )
         self.uncited_scores = uncited_scores
+        self.seed_votes = bool(seed_votes)
         self.version = f"{prompt_version}"
         settings = (
             prompt_version,
@@ -596,6 +611,7 @@ class AgenticGrader:
             *(("constrained",) if self.constrain_answer else ()),
             *(("ranks:" + rank_order,) if rank_order != "strict" else ()),
             *(("scores:" + uncited_scores,) if uncited_scores != "cite" else ()),
+            *(("seeded",) if self.seed_votes else ()),
             type(client).__name__,
             getattr(client, "base_url", ""),
             type(self.check_runner).__name__,
@@ -647,12 +663,7 @@ class AgenticGrader:
         )
         # The envelope's nonce: unpredictable (a per-grader secret), yet a function of the
         # group's content and the vote, so a permuted group gets the very same prompt.
-        content = "\0".join(
-            [
-                workspace.task_text,
-                *(_content_key(c)[0] for c in canonical_order(workspace.candidates)),
-            ]
-        )
+        content = _group_content(workspace)
         nonce = hmac.new(self._nonce_key, f"{content}/{vote}".encode(), "sha256").hexdigest()[:16]
         view = AnonymisedView(workspace, seed, Envelope(nonce))
         messages: list[dict] = [
@@ -660,6 +671,14 @@ class AgenticGrader:
             {"role": "user", "content": self._task_message(view)},
         ]
         return messages, view
+
+    def call_seed(self, workspace: GroupWorkspace, vote: int, step: int) -> int | None:
+        """The sampling seed of a vote's call (``seed_votes``; None when off): a function of the
+        grader's ``seed``, the group's content in canonical order, the vote and the step."""
+        if not self.seed_votes:
+            return None
+        key = f"{self.seed}/{_group_content(workspace)}/{vote}/{step}".encode()
+        return int.from_bytes(hashlib.sha256(key).digest()[:4], "big") % 2**31
 
     def _episode(
         self, workspace: GroupWorkspace, vote: int, cancel: threading.Event | None
@@ -678,7 +697,8 @@ class AgenticGrader:
             stats.steps += 1
             self._count("steps")
             execution.llm_rate_limit()  # one limit for every grader of the cluster
-            response = self._call(messages, view, temperature)
+            seed = self.call_seed(workspace, vote, stats.steps)
+            response = self._call(messages, view, temperature, seed)
             message = _first_message(response)
             if message is None:
                 last = VerdictRejected(
@@ -755,11 +775,18 @@ class AgenticGrader:
             f"no verdict within {stats.steps} steps / {self.time_budget_s} s",
         )
 
-    def _call(self, messages: list[dict], view: AnonymisedView, temperature: float) -> Any:
+    def _call(
+        self,
+        messages: list[dict],
+        view: AnonymisedView,
+        temperature: float,
+        seed: int | None = None,
+    ) -> Any:
         kwargs = dict(
             tools=TOOLS if self.use_tools else None,
             max_tokens=self.max_tokens,
             temperature=temperature,
+            **({"seed": seed} if seed is not None else {}),
         )
         if not self._constrain:
             return self.client.chat_completions(messages, **kwargs)

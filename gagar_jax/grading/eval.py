@@ -707,10 +707,11 @@ def make_grader(
     constrain_answer: bool | None = None,
     rank_order: str = "strict",
     uncited_scores: str = "cite",
+    seed_votes: bool = False,
 ) -> Any:
     """A grader by CLI name (``GRADER_NAMES``); ``agentic`` needs ``sglang_url``
-    (``constrain_answer``, ``rank_order``, ``uncited_scores``: see ``AgenticGrader``; None:
-    its default)."""
+    (``constrain_answer``, ``rank_order``, ``uncited_scores``, ``seed_votes``: see
+    ``AgenticGrader``; None: its default)."""
 
     if name == "heuristic":
         return HeuristicGrader()
@@ -738,6 +739,7 @@ def make_grader(
             constrain_answer=constrain_answer,
             rank_order=rank_order,
             uncited_scores=uncited_scores,
+            seed_votes=seed_votes,
         )
         g.token_counter = counter
         return g
@@ -871,6 +873,12 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         help="agentic grader: reject a vote with a low score that cites no evidence (cite) or "
         "raise such scores to the threshold and keep the vote (drop_uncited)",
     )
+    ap.add_argument(
+        "--seed-votes",
+        action="store_true",
+        help="agentic grader: seed each call's sampling from the group's content, vote and step "
+        "(a permuted group is sampled alike)",
+    )
     ap.add_argument("--max-steps", type=int, default=6, help="agentic grader: calls per vote")
     ap.add_argument("--max-tokens", type=int, default=1024, help="agentic grader: per call")
     ap.add_argument("--limit", type=int, default=0, help="grade only the first N groups of a set")
@@ -941,6 +949,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
                     constrain_answer=False if args.unconstrained else None,
                     rank_order=args.rank_order,
                     uncited_scores=args.uncited_scores,
+                    seed_votes=args.seed_votes,
                 )
                 gset, gprobes = lset, probes
                 if gname == "agentic":
