@@ -131,12 +131,14 @@ feedback-compare: setup
 
 # The agentic grader on a protocol student (docs/grader_quality.md): trains the 0.84M student on
 # the heuristic grader's answers to the compact prompts, serves it on the CPU SGLang server and
-# grades the toy held-out half and the repo set with three constrained votes and the
-# permutation probe; rows in $(STUDENT)/summary.json. About an hour on 2 shared cores.
+# grades the toy held-out half and the repo set with three constrained greedy votes (ranks taken
+# tiers first, uncited low scores dropped) and the permutation probe; rows in
+# $(STUDENT)/summary.json. About an hour on 2 shared cores.
 STUDENT ?= runs/agentic_student
 grader-student: setup sglang-venv
 	XLA_FLAGS= $(PY) scripts/train_agentic_student.py --out=$(STUDENT) --steps 300 \
-	  --export-every 150 --eval toy:heldout,repo --votes 3 --workers 14 --probes permute
+	  --export-every 150 --eval toy:heldout,repo --votes 3 --workers 14 --probes permute \
+	  --rank-order tier_first --uncited-scores drop_uncited
 
 example: setup
 	$(PY) scripts/gagar_example.py

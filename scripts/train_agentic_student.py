@@ -298,7 +298,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval", default="", help="comma-separated sets, e.g. toy:heldout,repo")
     ap.add_argument("--untrained", action="store_true", help="also evaluate the initial weights")
     ap.add_argument("--votes", type=int, default=3)
-    ap.add_argument("--vote-temperature", type=float, default=0.7)
+    ap.add_argument("--vote-temperature", type=float, default=0.0)
     ap.add_argument(
         "--unconstrained",
         action="store_true",

@@ -323,9 +323,11 @@ class FlakyPolicy(ScriptedGraderPolicy):
 def test_too_few_accepted_votes_reject_the_group():
     ws = group()
     with pytest.raises(VerdictRejected) as err:
-        AgenticGrader(FlakyPolicy(), votes=3, max_steps=6).grade(ws)
+        AgenticGrader(FlakyPolicy(), votes=3, max_steps=6, vote_temperature=0.7).grade(ws)
     assert err.value.reason == RejectReason.MALFORMED and "1/3 votes" in err.value.detail
-    v = AgenticGrader(FlakyPolicy(), votes=3, min_votes=1, max_steps=6).grade(ws)
+    v = AgenticGrader(FlakyPolicy(), votes=3, min_votes=1, max_steps=6, vote_temperature=0.7).grade(
+        ws
+    )
     assert v.votes == 1 and v.agreement == 1.0
 
 

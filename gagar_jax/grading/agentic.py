@@ -31,10 +31,11 @@ model) ends in ``VerdictRejected`` with the last rejection's reason (``malformed
 with no verdict) or ``budget_exhausted``; the pool turns it into a counted fallback. A client
 error (server down after its retries) propagates and becomes ``grader_error``.
 
-Self-consistency: ``votes > 1`` runs independent episodes (different shuffles, ``vote_temperature``)
-and merges the accepted ones: majority tier per candidate (ties go to the worse tier), mean
-scores, majority cheat, union of evidence, ranks by mean vote rank within tiers; ``agreement`` is
-the mean fraction of votes that gave each candidate its majority tier. Fewer than ``min_votes``
+Self-consistency: ``votes > 1`` runs independent episodes (each on its own shuffle of the
+candidates; sampled at ``vote_temperature``, greedy by default) and merges the accepted ones:
+majority tier per candidate (ties go to the worse tier), mean scores, majority cheat, union of
+evidence, ranks by mean vote rank within tiers; ``agreement`` is the mean fraction of votes that
+gave each candidate its majority tier. Fewer than ``min_votes``
 accepted votes reject the group.
 
 Untrusted content: every piece of candidate-produced text a tool returns (diffs, test output,
@@ -490,7 +491,11 @@ class AgenticGrader:
       max_tokens: per model call.
       temperature: sampling temperature of the first vote.
       votes: self-consistency votes (independent episodes).
-      vote_temperature: temperature of votes after the first.
+      vote_temperature: temperature of votes after the first. 0 (the default): votes differ by
+        their shuffles only, and since a shuffle starts from the candidates' content, a group is
+        graded alike whatever its slot order (measured flip rate 0 on a real server). Above 0,
+        votes also differ by chance, and a permuted group is graded alike only where the server
+        honours ``seed_votes``.
       min_votes: accepted votes needed (default: a majority of ``votes``).
       seed: base seed of the anonymising shuffles.
       prompt_version: directory under ``prompts/``.
@@ -542,7 +547,7 @@ class AgenticGrader:
         max_tokens: int = 1024,
         temperature: float = 0.0,
         votes: int = 1,
-        vote_temperature: float = 0.7,
+        vote_temperature: float = 0.0,
         min_votes: int | None = None,
         seed: int = 0,
         prompt_version: str = PROMPT_VERSION,

@@ -702,7 +702,7 @@ def make_grader(
     votes: int = 1,
     max_steps: int = 6,
     max_tokens: int = 1024,
-    vote_temperature: float = 0.7,
+    vote_temperature: float = 0.0,
     prompt_version: str = PROMPT_VERSION,
     constrain_answer: bool | None = None,
     rank_order: str = "strict",
@@ -845,8 +845,9 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     ap.add_argument(
         "--vote-temperature",
         type=float,
-        default=0.7,
-        help="agentic grader: sampling temperature of the votes after the first (0: greedy)",
+        default=0.0,
+        help="agentic grader: sampling temperature of the votes after the first (0: greedy, "
+        "votes differ by their candidate shuffles only)",
     )
     ap.add_argument(
         "--prompt-version",
