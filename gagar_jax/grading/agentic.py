@@ -35,8 +35,7 @@ Self-consistency: ``votes > 1`` runs independent episodes (each on its own shuff
 candidates; sampled at ``vote_temperature``, greedy by default) and merges the accepted ones:
 majority tier per candidate (ties go to the worse tier), mean scores, majority cheat, union of
 evidence, ranks by mean vote rank within tiers; ``agreement`` is the mean fraction of votes that
-gave each candidate its majority tier. Fewer than ``min_votes``
-accepted votes reject the group.
+gave each candidate its majority tier. Fewer than ``min_votes`` accepted votes reject the group.
 
 Untrusted content: every piece of candidate-produced text a tool returns (diffs, test output,
 trajectory events, summaries, monitor evidence) is enclosed in per-episode random delimiters and

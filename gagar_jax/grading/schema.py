@@ -483,15 +483,11 @@ def order_ranks_by_tier(verdict: Verdict) -> Verdict:
     )
 
 
-def uncited_negatives(verdict: Verdict) -> int:
-    """How many (candidate, dimension) scores below ``NEGATIVE_SCORE`` have no evidence item of
-    that claim."""
-    return sum(
-        1
-        for j in verdict.judgements
-        for d in DIMENSIONS
-        if float(j.scores[d]) < NEGATIVE_SCORE and d not in {ev.claim for ev in j.evidence}
-    )
+def uncited_dimensions(j: Judgement) -> list[str]:
+    """The dimensions ``j`` scores below ``NEGATIVE_SCORE`` with no evidence item of that claim,
+    in ``DIMENSIONS`` order."""
+    claims = {ev.claim for ev in j.evidence}
+    return [d for d in DIMENSIONS if float(j.scores[d]) < NEGATIVE_SCORE and d not in claims]
 
 
 def drop_uncited_scores(verdict: Verdict) -> Verdict:
@@ -500,11 +496,8 @@ def drop_uncited_scores(verdict: Verdict) -> Verdict:
     Tiers, ranks, cheat flags and evidence are unchanged, and so are cited scores."""
     out = []
     for j in verdict.judgements:
-        claims = {ev.claim for ev in j.evidence}
-        scores = {
-            d: (NEGATIVE_SCORE if float(v) < NEGATIVE_SCORE and d not in claims else v)
-            for d, v in j.scores.items()
-        }
+        uncited = set(uncited_dimensions(j))
+        scores = {d: NEGATIVE_SCORE if d in uncited else v for d, v in j.scores.items()}
         out.append(dataclasses.replace(j, scores=scores))
     return dataclasses.replace(verdict, judgements=tuple(out))
 
@@ -598,15 +591,13 @@ def _validate(
                     f"{b.candidate_id!r} (tier {b.tier}, rank {b.rank})",
                 )
     for j in js:
-        claims = {ev.claim for ev in j.evidence}
-        negatives = [d for d in DIMENSIONS if float(j.scores[d]) < NEGATIVE_SCORE]
-        negatives += ["cheat"] if j.cheat else []
-        for claim in negatives:
-            if claim not in claims:
-                raise VerdictRejected(
-                    RejectReason.MISSING_EVIDENCE,
-                    f"candidate {j.candidate_id!r}: negative {claim!r} without evidence",
-                )
+        uncited = uncited_dimensions(j)
+        uncited += ["cheat"] if j.cheat and "cheat" not in {ev.claim for ev in j.evidence} else []
+        if uncited:
+            raise VerdictRejected(
+                RejectReason.MISSING_EVIDENCE,
+                f"candidate {j.candidate_id!r}: negative {uncited[0]!r} without evidence",
+            )
         if j.tier >= 2 and not j.evidence:
             raise VerdictRejected(
                 RejectReason.MISSING_EVIDENCE,
