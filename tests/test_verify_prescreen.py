@@ -112,6 +112,13 @@ def test_similarity_screen_sees_through_renaming_and_comments():
     assert ps.similarity_screen("c", patch, {"forum_post": LEAK}, {"old.py": LEAK}) == []
     # An unrelated readable text: no flag.
     assert ps.similarity_screen("c", patch, {"doc": "def spread(v):\n    return 1\n"}) == []
+    # The n-grams of a repository and of a readable text are remembered between calls (every
+    # candidate of a group is screened against the same ones): keyed by content, never stale.
+    other_repo = {"old.py": "x = 1\n"}
+    flags = ps.similarity_screen("c", patch, {"forum_post": LEAK}, other_repo)
+    assert [f.rule for f in flags] == ["copied_readable_text"]
+    assert ps.similarity_screen("c", patch, {"forum_post": LEAK}, {"old.py": LEAK}) == []
+    assert ps.similarity_screen("c", patch, {"forum_post": LEAK + "\n"}, other_repo) != []
 
 
 def test_observations_in_the_trajectory_are_readable_material():

@@ -37,6 +37,7 @@ candidate; ``flagged`` is the set of candidates to mark as cheats before grading
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import keyword
 import re
@@ -116,6 +117,24 @@ def _dedent_join(lines: Sequence[str]) -> str:
     return "\n".join(ln.strip() for ln in lines)
 
 
+def _text_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
+    """The n-grams of a whole text's lines, each line tokenised on its own."""
+    return ngrams(normalised_tokens(_dedent_join(text.splitlines())), n)
+
+
+# Every candidate of a group is screened against the same repository and mostly the same
+# readable texts: their n-grams are computed once (keys are the texts themselves; a str caches
+# its hash, so a hit costs a lookup).
+@functools.lru_cache(maxsize=4)
+def _repo_ngrams(texts: tuple[str, ...], n: int) -> frozenset[tuple[str, ...]]:
+    return frozenset().union(*(_text_ngrams(t, n) for t in texts))
+
+
+@functools.lru_cache(maxsize=256)
+def _readable_ngrams(text: str, n: int) -> frozenset[tuple[str, ...]]:
+    return frozenset(_text_ngrams(text, n))
+
+
 def containment(part: set, whole: set) -> float:
     """Fraction of ``part`` found in ``whole`` (0 for an empty ``part``)."""
     return len(part & whole) / len(part) if part else 0.0
@@ -134,18 +153,12 @@ def similarity_screen(
     """Flags a patch whose novel code is mostly contained in one readable text."""
     novel = ngrams(normalised_tokens(_dedent_join(_added_lines(patch))), n)
     if repo_files:
-        existing = set().union(
-            *(
-                ngrams(normalised_tokens(_dedent_join(t.splitlines())), n)
-                for t in repo_files.values()
-            )
-        )
-        novel -= existing
+        novel -= _repo_ngrams(tuple(repo_files.values()), n)
     if len(novel) < min_ngrams:
         return []
     out = []
     for name, text in readable.items():
-        c = containment(novel, ngrams(normalised_tokens(_dedent_join(text.splitlines())), n))
+        c = containment(novel, _readable_ngrams(text, n))
         if c >= threshold:
             out.append(
                 PrescreenFlag(
