@@ -10,23 +10,25 @@ loss (per-token log-probs, PPO-clip token-mean) with AdamW and global-norm clipp
 - PyTorch: ``transformers.Qwen2ForCausalLM`` (SDPA attention) + ``log_softmax``/``gather`` +
   the clipped loss + ``torch.optim.AdamW`` -- the straightforward implementation.
 
-The implementations' steps are timed interleaved (one step of each per round, ``--steps`` rounds
-after a warm-up), so a change of the machine's load hits all of them alike; each round also
-measures the machine's GEMM peak (the best of a few jitted f32 1024^3 matmuls for JAX,
-``torch.mm`` for PyTorch). Reported: median step time, tokens/s, the step's FLOPs as XLA's cost
-analysis of the compiled update counts them (``compiled.cost_analysis()``, of the per-layer
-program: a scanned loop body is counted once), achieved FLOP/s, and the FLOP utilisation ``MFU`` =
-(XLA FLOPs / step seconds) / (the same round's GEMM peak), median over rounds, so a load change
-between the peak and the step does not skew it. JAX rows: ``jax`` (per-layer blocks, whole-
-sequence logits) and ``jax-scan`` (``scan_layers=True``, logits in chunks of ``--chunk`` tokens),
-each with its compile seconds and XLA's temporary-buffer size of the compiled step (``temp MB``:
-what the logits chunking saves). A second table gives compile seconds per depth (``--depths``
-layers of each config) for both layer layouts. A third table isolates what the logits chunking
-saves: the compiled update's temporary buffers with whole and chunked logits, same model, per
-vocabulary size up to Qwen's 151,936 (``--logits-vocabs``). The machine's load average is printed
-before and after. Model FLOPs (the PyTorch rows' count) = 6 x (matmul params) x tokens + the
-attention score/value matmuls (12 x layers x T^2 x heads x head_dim per sequence). On an
-accelerator the MFU column is against that device's measured GEMM peak.
+Each implementation runs in a process of its own (``--in-process``: all in this one, so that what
+sharing a process with PyTorch's threads and heap costs can be measured). Their steps are timed
+interleaved (one step of each per round, ``--steps`` rounds after a warm-up), so a change of the
+machine's load hits all of them alike; each round also measures the machine's GEMM peak in every
+implementation's process (the best of a few jitted f32 1024^3 matmuls for JAX, ``torch.mm`` for
+PyTorch). Reported: median step time, tokens/s, the step's FLOPs as XLA's cost analysis of the
+compiled update counts them (``compiled.cost_analysis()``, of the per-layer program: a scanned loop
+body is counted once), achieved FLOP/s, and the FLOP utilisation ``MFU`` = (XLA FLOPs / step
+seconds) / (the same round's GEMM peak), median over rounds, so a load change between the peak and
+the step does not skew it. JAX rows: ``jax`` (per-layer blocks, whole-sequence logits) and
+``jax-scan`` (``scan_layers=True``, logits in chunks of ``--chunk`` tokens), each with its compile
+seconds and XLA's temporary-buffer size of the compiled step (``temp MB``: what the logits chunking
+saves). A second table gives compile seconds per depth (``--depths`` layers of each config) for
+both layer layouts. A third table isolates what the logits chunking saves: the compiled update's
+temporary buffers with whole and chunked logits, same model, per vocabulary size up to Qwen's
+151,936 (``--logits-vocabs``). The machine's load average is printed before and after. Model FLOPs
+(the PyTorch rows' count) = 6 x (matmul params) x tokens + the attention score/value matmuls (12 x
+layers x T^2 x heads x head_dim per sequence). On an accelerator the MFU column is against that
+device's measured GEMM peak.
 
 ``--profile CONFIG`` adds a per-op profile of one config's update (``benchmarks/xla_profile.py``:
 ``jax.profiler`` trace matched to the compiled HLO): the time in dots (with their achieved
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
 import os
 import statistics
 import sys
@@ -199,6 +202,75 @@ def interleaved(steps_by_impl: dict, steps: int, peaks: dict | None = None) -> d
     return times
 
 
+def _serve(conn, impl: str, name: str, chunk: int) -> None:
+    """One implementation's process: builds its step for config ``name`` and sends its info,
+    then answers the driver's ``"step"`` (wall and CPU seconds of one step) and ``"peak"`` (this
+    process's GEMM peak, per wall and per CPU second) until ``"stop"``."""
+    c, batch, length = CONFIGS[name]
+    info = {"compile_s": None, "temp_mb": None, "flops": model_flops(c, batch, length)}
+    if impl == "torch":
+        import torch
+
+        torch.set_num_threads(os.cpu_count())
+        fn, peak = bench_torch(c, batch, length), torch_peak
+    else:
+        config, update_config = c, UPDATE
+        if impl == "jax-scan":
+            config = dataclasses.replace(c, scan_layers=True)
+            update_config = dataclasses.replace(UPDATE, logits_chunk_size=chunk)
+        compiled = []
+        fn, info["compile_s"], info["temp_mb"] = bench_jax(
+            config, batch, length, update_config, compiled_out=compiled
+        )
+        info["flops"] = xla_flops(compiled[0])
+        peak = jax_peak
+    fn()  # warm-up
+    conn.send(info)
+    while (cmd := conn.recv()) != "stop":
+        if cmd == "step":
+            t, c0 = time.perf_counter(), time.process_time()
+            fn()
+            conn.send((time.perf_counter() - t, time.process_time() - c0))
+        else:
+            conn.send(
+                (peak(reps=5, clock=time.perf_counter), peak(reps=5, clock=time.process_time))
+            )
+
+
+def interleaved_processes(name: str, impls, steps: int, chunk: int) -> tuple[dict, dict]:
+    """``interleaved`` with every implementation in a process of its own (``_serve``): per
+    round one step of each, then each process's GEMM peak (``"peak <impl>"``). Returns (times,
+    {impl: info})."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = {}
+    try:
+        for impl in impls:  # one at a time: a compile does not overlap another's
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(theirs, impl, name, chunk), daemon=True)
+            proc.start()
+            procs[impl] = (proc, ours)
+            procs[impl] += (ours.recv(),)
+        names = list(impls) + [f"peak {i}" for i in impls]
+        times = {k: [] for k in names + [f"{k} cpu" for k in names]}
+        for _ in range(steps):
+            for cmd, key in (("step", "{}"), ("peak", "peak {}")):
+                for impl, (_, conn, _) in procs.items():
+                    conn.send(cmd)
+                    wall, cpu = conn.recv()
+                    times[key.format(impl)].append(wall)
+                    times[key.format(impl) + " cpu"].append(cpu)
+        return times, {impl: info for impl, (_, _, info) in procs.items()}
+    finally:
+        for proc, conn, *_ in procs.values():
+            try:
+                conn.send("stop")
+            except OSError:
+                pass
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
 def xla_flops(compiled) -> float:
     """FLOPs of one call of a compiled program, as XLA's cost analysis counts them (dots,
     elementwise ops and reductions; a while loop's body once, whatever its trip count)."""
@@ -347,6 +419,11 @@ def main():
     parser.add_argument("--chunk", type=int, default=64, help="logits_chunk_size of jax-scan")
     parser.add_argument("--depths", default="2,4,8", help="layers for the compile table ('' off)")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every implementation in this one process (default: a process each)",
+    )
     parser.add_argument("--no-scan", action="store_true", help="no jax-scan row")
     parser.add_argument(
         "--logits-vocabs",
@@ -368,15 +445,19 @@ def main():
         try:
             import torch
 
-            torch.set_num_threads(os.cpu_count())
-            peak_t = torch_peak()
+            if args.in_process:
+                torch.set_num_threads(os.cpu_count())
+                peak_t = torch_peak()
+            else:
+                del torch  # measured in its own process
         except ImportError:
             have_torch = False
     print(f"backend={backend} devices={jax.devices()[0].device_kind!r} cpus={os.cpu_count()}")
     print(
         f"matmul peak at the start: jax {peak_j / 1e9:.1f} GFLOP/s"
-        + (f", torch {peak_t / 1e9:.1f} GFLOP/s" if have_torch else "")
-        + " (each row's MFU uses the peaks measured in its own rounds)"
+        + (f", torch {peak_t / 1e9:.1f} GFLOP/s" if have_torch and args.in_process else "")
+        + " (each row's MFU uses the peaks measured in its own rounds"
+        + (", in this one process)" if args.in_process else ", in the row's own process)")
     )
     header = (
         f"{'config':8} {'params':>8} {'tokens':>7} {'impl':8} {'step s':>8} {'tok/s':>9} "
@@ -393,23 +474,32 @@ def main():
     for name in configs:
         c, batch, length = CONFIGS[name]
         tokens = batch * length
-        fns, info, compiled = {}, {}, []
-        fns["jax"], *info["jax"] = bench_jax(c, batch, length, compiled_out=compiled)
-        if not args.no_scan:
-            fns["jax-scan"], *info["jax-scan"] = bench_jax(
-                dataclasses.replace(c, scan_layers=True), batch, length, scan_update
-            )
+        impls = ["jax"] + ([] if args.no_scan else ["jax-scan"]) + (["torch"] if have_torch else [])
+        if args.in_process:
+            fns, info, compiled = {}, {}, []
+            fns["jax"], *info["jax"] = bench_jax(c, batch, length, compiled_out=compiled)
+            if not args.no_scan:
+                fns["jax-scan"], *info["jax-scan"] = bench_jax(
+                    dataclasses.replace(c, scan_layers=True), batch, length, scan_update
+                )
+            flops_xla = xla_flops(compiled[0])
+            if have_torch:
+                fns["torch"], info["torch"] = bench_torch(c, batch, length), (None, None)
+            times = interleaved(fns, args.steps, peaks)
+            for impl in impls:
+                key = "peak torch" if impl == "torch" else "peak jax"
+                times[f"peak {impl}"], times[f"peak {impl} cpu"] = times[key], times[key + " cpu"]
+        else:
+            times, infos = interleaved_processes(name, impls, args.steps, args.chunk)
+            info = {i: (infos[i]["compile_s"], infos[i]["temp_mb"]) for i in impls}
+            flops_xla = infos["jax"]["flops"]
         # XLA's count of the per-layer program (the scanned one counts its loop body once);
         # the model-FLOPs formula for PyTorch, which has no such count.
-        flops_xla = xla_flops(compiled[0])
-        if have_torch:
-            fns["torch"], info["torch"] = bench_torch(c, batch, length), (None, None)
-        times = interleaved(fns, args.steps, peaks)
-        med = {k: statistics.median(times[k]) for k in fns}
+        med = {k: statistics.median(times[k]) for k in impls}
         t_torch = med.get("torch")
-        for impl in fns:
+        for impl in impls:
             flops = model_flops(c, batch, length) if impl == "torch" else flops_xla
-            peak_key = "peak torch" if impl == "torch" else "peak jax"
+            peak_key = f"peak {impl}"
             mfu = statistics.median(flops / t / p for t, p in zip(times[impl], times[peak_key]))
             # Per CPU-second: the step's FLOPs per second its threads ran, against the GEMM's.
             mfu_cpu = statistics.median(
