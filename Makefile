@@ -8,6 +8,11 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
 SGLANG_VENV ?= .venv-sglang
+# The unit pass (`make test-unit`, and `make test`'s first pass): every test but the end-to-end
+# runs and those that need a real SGLang server, a Ray cluster or a browser. Three workers on two
+# cores: one runs while another waits on a sandboxed child. Work stealing: a worker that runs
+# out of tests takes another's queued ones.
+UNIT_ARGS ?= -n 3 --dist worksteal -m "not e2e and not sglang and not ray and not browser and not bench"
 
 .PHONY: setup system-deps sglang-venv test test-e2e test-unit bench-check lint format-check docs train compare feedback-compare grader-student example bench tasks e2e clean
 
@@ -45,11 +50,14 @@ lint: setup
 format-check: setup
 	$(VENV)/bin/ruff format --check .
 
-# `make test`: every test but the end-to-end runs. Tests marked `sglang` share one real SGLang
-# server per pytest process, so they run in a single-process pass of their own (xdist's loadgroup
-# does not group under pytest 9); tests marked `ray` start a simulated multi-node Ray cluster each.
+# `make test`: every test but the end-to-end runs. Tests marked `browser` drive a real headless
+# Chromium (one per test module: a worker takes whole files); tests marked `sglang` share one
+# real SGLang server per pytest process, so they run in a single-process pass of their own
+# (xdist's loadgroup does not group under pytest 9); tests marked `ray` start a simulated
+# multi-node Ray cluster each.
 test: setup system-deps sglang-venv lint
-	$(PY) -m pytest -q -n 2 -m "not e2e and not sglang and not ray and not bench" tests
+	$(PY) -m pytest -q $(UNIT_ARGS) tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "browser and not e2e and not sglang" tests
 	$(PY) -m pytest -q -m "sglang and not e2e" tests
 	$(PY) -m pytest -q -m "ray and not e2e" tests
 
@@ -62,10 +70,9 @@ test-e2e: setup system-deps sglang-venv
 	$(PY) -m pytest -q -m "e2e and sglang" tests
 
 # The quick check before a commit: every unit test, i.e. `make test`'s first pass (no end-to-end
-# runs, no SGLang server, no Ray cluster, no system packages or second venv needed). Work
-# stealing: a worker that runs out of tests takes the other's queued ones.
+# runs, no SGLang server, no Ray cluster, no browser, no second venv needed).
 test-unit: setup
-	$(PY) -m pytest -q -n 2 --dist worksteal -m "not e2e and not sglang and not ray and not bench" tests
+	$(PY) -m pytest -q $(UNIT_ARGS) tests
 
 # The race's equal-work check on all three frameworks (builds the TRL and Tunix venvs: minutes).
 bench-check: setup

@@ -16,6 +16,8 @@ from gagar_jax.verify import browser as B
 if not os.path.exists(B.DEFAULT_EXECUTABLE):
     pytest.skip("chromium is not installed (make system-deps)", allow_module_level=True)
 
+pytestmark = pytest.mark.browser
+
 JUDGE = {
     "load_timeout_s": 3,
     "call_timeout_s": 2.5,

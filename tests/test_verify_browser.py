@@ -19,6 +19,8 @@ from gagar_jax.verify.browser_rubric import RubricError, checklist_of, validate_
 if not os.path.exists(B.DEFAULT_EXECUTABLE):
     pytest.skip("chromium is not installed (make system-deps)", allow_module_level=True)
 
+pytestmark = pytest.mark.browser
+
 CAL = os.path.join(os.path.dirname(__file__), "fixtures", "browser_calibration")
 CASES = B.load_calibration(CAL)
 TODO = json.load(open(os.path.join(CAL, "labels.json")))["rubrics"]["todo"]

@@ -21,6 +21,8 @@ from gagar_jax.verify.browser_llm import (
 if not os.path.exists(B.DEFAULT_EXECUTABLE):
     pytest.skip("chromium is not installed (make system-deps)", allow_module_level=True)
 
+pytestmark = pytest.mark.browser
+
 CAL = os.path.join(os.path.dirname(__file__), "fixtures", "browser_calibration")
 RUBRIC = {
     "items": [
