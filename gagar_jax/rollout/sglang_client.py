@@ -442,11 +442,19 @@ class SGLangClient:
             try:
                 reported = [await self._update_one(http, self.base_url, payload)]
             except _NotFound:
+                # A busy router can time out on `/workers` or list none for a moment; asked
+                # again after a pause (each retry counted) before the update is given up.
                 workers = await self._worker_urls(http)
+                for pause in (0.5, 2.0):
+                    if workers:
+                        break
+                    self.metrics["router_workers_retries"] += 1
+                    await asyncio.sleep(pause)
+                    workers = await self._worker_urls(http)
                 if not workers:
                     raise SGLangRequestError(
                         f"{self.base_url} has no /update_weights_from_disk and lists no workers "
-                        "at /workers"
+                        "at /workers (asked 3 times)"
                     ) from None
                 reported = [await self._update_one(http, w, payload) for w in workers]
                 self.metrics["router_weight_fanouts"] += 1
