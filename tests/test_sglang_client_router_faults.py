@@ -33,6 +33,8 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
         srv = self.server
         srv.asked.append(self.path)
         if srv.role == "router" and self.path == "/workers":
+            if srv.broken:
+                return self._send(503, {"detail": "busy"})
             if srv.empty > 0:
                 srv.empty -= 1
                 return self._send(200, {"workers": []})
@@ -64,7 +66,7 @@ def _serve(role, **attrs):
 @pytest.fixture
 def router_and_worker():
     worker, worker_url = _serve("worker", version="0")
-    router, router_url = _serve("router", worker_url=worker_url, empty=0)
+    router, router_url = _serve("router", worker_url=worker_url, empty=0, broken=False)
     yield router, router_url, worker
     router.shutdown()
     worker.shutdown()
@@ -90,3 +92,12 @@ def test_a_router_that_keeps_listing_no_workers_fails_the_sync_by_name(router_an
         client.update_weights_from_disk(str(tmp_path), version=4)
     assert router.asked.count("/workers") == 3 and client.metrics["router_workers_retries"] == 2
     assert worker.version == "0" and client.policy_version == 3
+
+
+def test_a_router_that_never_answers_workers_is_named_as_such(router_and_worker, tmp_path):
+    router, url, worker = router_and_worker
+    router.broken = True
+    client = SGLangClient(url, max_retries=0)
+    with pytest.raises(SGLangRequestError, match=r"does not answer /workers \(asked 3 times\)"):
+        client.update_weights_from_disk(str(tmp_path), version=4)
+    assert router.asked.count("/workers") == 3 and worker.version == "0"

@@ -452,9 +452,10 @@ class SGLangClient:
                     await asyncio.sleep(pause)
                     workers = await self._worker_urls(http)
                 if not workers:
+                    listing = "lists no workers at" if workers == [] else "does not answer"
                     raise SGLangRequestError(
-                        f"{self.base_url} has no /update_weights_from_disk and lists no workers "
-                        "at /workers (asked 3 times)"
+                        f"{self.base_url} has no /update_weights_from_disk and {listing} "
+                        "/workers (asked 3 times)"
                     ) from None
                 reported = [await self._update_one(http, w, payload) for w in workers]
                 self.metrics["router_weight_fanouts"] += 1
@@ -489,13 +490,16 @@ class SGLangClient:
             )
         return await self._reported_version(http, url)
 
-    async def _worker_urls(self, http) -> list[str]:
-        """Worker URLs a router lists at `GET /workers` (any JSON holding url/worker_url keys)."""
+    async def _worker_urls(self, http) -> list[str] | None:
+        """Worker URLs a router lists at `GET /workers` (any JSON holding url/worker_url keys);
+        None when it does not answer with JSON (a transport error, a timeout, another status)."""
         try:
             resp = await http.get("/workers")
-            body = resp.json() if resp.status_code == 200 else None
+            if resp.status_code != 200:
+                return None
+            body = resp.json()
         except (httpx.TransportError, ValueError):
-            return []
+            return None
         urls: list[str] = []
 
         def walk(x):
