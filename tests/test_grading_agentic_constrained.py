@@ -24,8 +24,36 @@ from gagar_jax.grading.schema import FallbackReason, RejectReason, VerdictReject
 from gagar_jax.rollout.sglang_client import SGLangRequestError
 
 
+def _skeleton(node):
+    """``node`` with the strings that no meta-schema rule reads made equal: the items of an
+    ``enum`` list and the value of ``const``, ``title`` and ``description`` (the views differ
+    only there and in counts)."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if k == "enum" and isinstance(v, list):
+                out[k] = ["s" if isinstance(x, str) else _skeleton(x) for x in v]
+            elif k in ("const", "title", "description") and isinstance(v, str):
+                out[k] = "s"
+            else:
+                out[k] = _skeleton(v)
+        return out
+    if isinstance(node, list):
+        return [_skeleton(x) for x in node]
+    return node
+
+
+_META_CHECKED: set[str] = set()
+
+
 def _validator(sch):
-    jsonschema.Draft202012Validator.check_schema(sch)
+    """A validator of ``sch``, which must itself be a valid Draft 2020-12 schema. The meta-schema
+    check (~0.3 s each) runs once per skeleton: its verdict cannot depend on the strings the
+    skeleton makes equal, since those keywords accept any string."""
+    key = json.dumps(_skeleton(sch), sort_keys=True)
+    if key not in _META_CHECKED:
+        jsonschema.Draft202012Validator.check_schema(sch)
+        _META_CHECKED.add(key)
     return jsonschema.Draft202012Validator(sch)
 
 
@@ -56,6 +84,19 @@ def _answer_and_validator(ws, vote=0):
     verdict = schema.validate(HeuristicGrader().grade(ws), ws)
     answer = json.loads(ps.render_verdict(verdict, view))
     return answer, _validator(verdict_json_schema(view)), view
+
+
+def test_the_meta_schema_check_still_runs_for_each_new_skeleton(groups):
+    """The checked-skeleton memo cannot hide a broken schema: a view's schema with one keyword
+    made invalid is a new skeleton, and is refused."""
+    _, _, view = _answer_and_validator(groups[0])
+    broken = json.loads(json.dumps(verdict_json_schema(view)))
+    broken["type"] = "objekt"
+    with pytest.raises(jsonschema.SchemaError):
+        _validator(broken)
+    renamed = json.loads(json.dumps(verdict_json_schema(view)))
+    renamed["description"] = "another view's text"  # the same skeleton: already checked
+    assert _validator(renamed).is_valid({}) is False
 
 
 def test_the_schema_refuses_what_a_verdict_cannot_hold(groups):
