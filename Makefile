@@ -156,6 +156,7 @@ bench: setup
 	$(PY) benchmarks/verify.py
 	XLA_FLAGS= $(PY) benchmarks/sampler.py --data-parallel 2
 	$(PY) benchmarks/browser_judge.py --rounds 1
+	XLA_FLAGS= $(PY) benchmarks/gemm_shapes.py --configs small
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
