@@ -19,6 +19,10 @@ in float32 on the same CPU, one after the other in this process. Tables:
 4. with `--tables ...,sglang`: the embedded sampler against a real SGLang server from
    `.venv-sglang` on the same model and the greedy / RL-shaped workloads (tokens/s both ways).
 
+With `--profile`, the one-device sampler's greedy call at each batch size also runs under
+`jax.profiler`, and its ops are summed by category (dots with their FLOP/s, elementwise, data
+movement; `benchmarks/xla_profile.py`) with the top elementwise and data-movement ops.
+
 The machine's load average (`os.getloadavg`) is printed before and after: on a shared machine
 PyTorch slows down more than XLA, so compare ratios from one run on a quiet machine.
 """
@@ -26,6 +30,7 @@ PyTorch slows down more than XLA, so compare ratios from one run on a quiet mach
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import statistics
@@ -42,6 +47,73 @@ import numpy as np
 
 def _load() -> str:
     return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def _gemm_peak(n: int = 1024, reps: int = 10) -> float:
+    """FLOP/s of the fastest of ``reps`` jitted f32 ``n^3`` GEMMs."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def _profile_greedy(model, cfg, batches, args, params, dump_dir: str) -> None:
+    """``--profile``: the one-device sampler's greedy call at each batch size under
+    ``jax.profiler``, its ops summed by category against the GEMM peak, and the top
+    elementwise and data-movement ops."""
+    import glob
+    import shutil
+
+    import jax
+    import xla_profile
+
+    from gagar_jax.rollout.sampler import Sampler
+
+    peak = _gemm_peak()
+    rng = np.random.default_rng(1)
+    pattern = os.path.join(dump_dir, "*after_optimizations.txt")
+    for b in batches:
+        sampler = Sampler(
+            model,
+            batch_buckets=(b,),
+            prompt_buckets=(args.prompt_len,),
+            new_token_buckets=(args.new_tokens,),
+        )
+        prompts = rng.integers(1, cfg.vocab_size, (b, args.prompt_len)).tolist()
+        before = set(glob.glob(pattern))
+        jax.clear_caches()  # the greedy table compiled this program: compile it again
+        sampler.generate(prompts, params)  # compiles: XLA writes the program's HLO
+        new = set(glob.glob(pattern)) - before
+        if not new:
+            print(f"\n[profile] batch {b}: no HLO was written to {dump_dir}; no profile")
+            continue
+        with open(max(new, key=os.path.getsize)) as f:
+            hlo = f.read()
+        t0 = time.perf_counter()
+        sampler.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        run = functools.partial(sampler.generate, prompts, params)
+        secs, count = xla_profile.trace_ops(run, reps=2)
+        result = xla_profile.breakdown(secs, count, hlo)
+        print(
+            f"\n[profile] batch {b}: {wall * 1e3:.0f} ms per call untraced "
+            f"({b * args.new_tokens / wall:.0f} tok/s); GEMM peak {peak / 1e9:.0f} GFLOP/s; "
+            f"{_load()}"
+        )
+        xla_profile.print_breakdown(result, peak, top=6)
+        rest = [o for o in result["ops"] if o[2].category in ("elementwise", "layout")][:6]
+        print("top elementwise and data-movement ops (s/run, executions, result shape, source):")
+        for sec, _, info, n in rest:
+            print(f"  {sec:7.4f} {n:5.0f}x {info.shape[:32]:32} {info.source.split('/')[-1][:40]}")
+    shutil.rmtree(dump_dir, ignore_errors=True)
 
 
 def _jax_labels(mesh) -> list[str]:
@@ -88,8 +160,20 @@ def main():
         help="N > 1: the greedy and RL-shaped tables add a column for the sampler with its rows "
         "split over N devices (`Sampler(mesh=...)`; on CPU, N host devices via XLA_FLAGS)",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="per-op profile of the one-device sampler's greedy call at each batch size",
+    )
     args = ap.parse_args()
     tables = set(args.tables.split(","))
+    dump_dir = None
+    if args.profile:  # before jax is imported: the compiled programs' HLO, to name the ops
+        dump_dir = tempfile.mkdtemp(prefix="sampler-hlo-")
+        os.environ["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text "
+            "--xla_dump_hlo_module_re=.*generate_program.*"
+        ).strip()
     dp = args.data_parallel
     if dp < 1:
         ap.error(f"--data-parallel must be >= 1, got {dp}")
@@ -256,6 +340,8 @@ def main():
             ),
             flush=True,
         )
+        if dump_dir is not None:
+            _profile_greedy(model, cfg, batches, args, params, dump_dir)
 
     if "rl" in tables:
         np_, n, pl, new = rl["prompts"], rl["n"], rl["prompt_len"], rl["new"]
