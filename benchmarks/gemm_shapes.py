@@ -183,8 +183,8 @@ def time_dots(dots: list[Dot], reps: int, impl: str) -> dict:
     """Best wall seconds per call of each dot with ``impl`` (``jax`` or ``torch``).
 
     The two run in separate phases, never interleaved: after each op PyTorch's OpenMP threads
-    keep spinning for a while, and an XLA dot started then shares the cores with them (in one
-    interleaved run here the same XLA dot measured 77 GFLOP/s between torch calls and 200 alone).
+    keep spinning for a while, and an XLA dot started then shares the cores with them (timed
+    between torch calls, an XLA dot of the MLP measured 77 GFLOP/s here; alone, 179-208).
     """
     rng = np.random.default_rng(0)
     best = {}
