@@ -49,22 +49,6 @@ def _load() -> str:
     return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
 
-def _gemm_peak(n: int = 1024, reps: int = 10) -> float:
-    """FLOP/s of the fastest of ``reps`` jitted f32 ``n^3`` GEMMs."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 def _profile_greedy(model, cfg, batches, args, params, dump_dir: str) -> None:
     """``--profile``: the one-device sampler's greedy call at each batch size under
     ``jax.profiler``, its ops summed by category against the GEMM peak, and the top
@@ -74,10 +58,11 @@ def _profile_greedy(model, cfg, batches, args, params, dump_dir: str) -> None:
 
     import jax
     import xla_profile
+    from rl_step import gemm_peak
 
     from gagar_jax.rollout.sampler import Sampler
 
-    peak = _gemm_peak()
+    peak = gemm_peak()
     rng = np.random.default_rng(1)
     pattern = os.path.join(dump_dir, "*after_optimizations.txt")
     for b in batches:
