@@ -11,6 +11,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import atexit  # noqa: E402
+import contextlib  # noqa: E402
+import hashlib  # noqa: E402
+import importlib.metadata  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -22,11 +25,38 @@ import tempfile  # noqa: E402
 # module per program. The update step of the tests' tiny model compiles in ~2 CPU-s instead of
 # ~10 and runs as fast. The xdist workers and the subprocesses the tests start inherit the
 # setting; a flag this jaxlib does not know is left out (the probe below), and
-# GAGAR_TEST_FAST_COMPILE=0 compiles as users' runs do.
+# GAGAR_TEST_FAST_COMPILE=0 compiles as users' runs do. The probe (a Python start that imports
+# jax, ~1.6 s before any test runs) answers once per virtual environment: an accepted set of
+# flags is remembered there, keyed by the jaxlib version, the interpreter and the flags.
 FAST_COMPILE_FLAGS = (
     "--xla_cpu_use_fusion_emitters=false",
     "--xla_cpu_parallel_codegen_split_count=1",
 )
+
+
+def _xla_flags_accepted(env: dict) -> bool:
+    """Whether jax starts with ``env``'s XLA_FLAGS (XLA aborts on a flag it does not know).
+    Only a yes is remembered: a probe that failed for any other reason is tried again."""
+    try:
+        key = "|".join((importlib.metadata.version("jaxlib"), sys.executable, env["XLA_FLAGS"]))
+    except importlib.metadata.PackageNotFoundError:
+        key = None
+    marker = None
+    if key is not None:
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        marker = os.path.join(sys.prefix, f".gagar-test-xla-flags-{digest}")
+        if os.path.exists(marker):
+            return True
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    if subprocess.run(probe, env=env, capture_output=True).returncode != 0:
+        return False
+    if marker is not None:
+        with contextlib.suppress(OSError):
+            with open(marker, "w") as f:
+                f.write(key + "\n")
+    return True
+
+
 if (
     "PYTEST_XDIST_WORKER" not in os.environ
     and os.environ.get("GAGAR_TEST_FAST_COMPILE", "1") != "0"
@@ -34,8 +64,7 @@ if (
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     _extra = [f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
     _probe_env = dict(os.environ, XLA_FLAGS=" ".join([os.environ["XLA_FLAGS"], *_extra]))
-    _probe = [sys.executable, "-c", "import jax; jax.devices()"]
-    if _extra and subprocess.run(_probe, env=_probe_env, capture_output=True).returncode == 0:
+    if _extra and _xla_flags_accepted(_probe_env):
         os.environ["XLA_FLAGS"] = _probe_env["XLA_FLAGS"]
 
 # One persistent JAX compilation cache per pytest run, in a fresh temporary directory (every run
