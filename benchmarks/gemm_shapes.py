@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
-import re
 import sys
 import time
 
@@ -45,7 +43,8 @@ class Dot:
     """One dot of an update step: ``count`` batched ``[batch, m, k] @ [batch, k, n]`` products.
 
     ``form`` names how the step writes it: ``nn`` a plain ``a @ b``; ``nt`` ``a @ b^T`` with
-    ``b`` stored ``[n, k]`` (the backward's ``dy @ W^T``, the LM head's ``h @ W^T``)."""
+    ``b`` stored ``[n, k]`` (the backward's ``dy @ W^T``, the LM head's ``h @ W^T``); ``tn``
+    ``a^T @ b`` with ``a`` stored ``[k, m]`` (the attention's ``dv = p^T do``)."""
 
     name: str
     m: int
@@ -56,8 +55,21 @@ class Dot:
     form: str = "nn"
 
     @property
+    def call_flops(self) -> float:
+        """FLOPs of one product (all ``batch`` of it)."""
+        return 2.0 * self.batch * self.m * self.k * self.n
+
+    @property
     def flops(self) -> float:
-        return 2.0 * self.batch * self.m * self.k * self.n * self.count
+        """FLOPs of all ``count`` products in a step."""
+        return self.call_flops * self.count
+
+    @property
+    def group(self) -> str:
+        """projections, head, rope or attention."""
+        first = self.name.split()[0]
+        return {"attn": "attention"}.get(first, first if first in ("head", "rope") else
+                                         "projections")  # fmt: skip
 
 
 def update_dots(c, batch: int, length: int) -> list[Dot]:
@@ -108,26 +120,6 @@ def update_dots(c, batch: int, length: int) -> list[Dot]:
     return out
 
 
-def hlo_dot_flops(hlo_text: str) -> list[float]:
-    """The FLOPs of each dot instruction in a compiled program's HLO text (``2 x`` the output's
-    elements ``x`` the contracted size), in the order they appear. Loops are not unrolled: a
-    dot in a loop body counts once."""
-    shapes = {
-        m.group(1): [int(x) for x in m.group(2).split(",") if x]
-        for m in re.finditer(r"%([\w.\-]+) = \w+\[([\d,]*)\]", hlo_text)
-    }
-    out = []
-    for line in hlo_text.splitlines():
-        m = re.search(r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", line)
-        if m is None:
-            continue
-        lhs = shapes[m.group(2)]
-        contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
-        k = math.prod(lhs[int(i)] for i in contracted.split(",") if i)
-        out.append(2.0 * math.prod(int(x) for x in m.group(1).split(",") if x) * k)
-    return out
-
-
 def _operands(dot: Dot, rng):
     a_shape = {"nn": (dot.m, dot.k), "nt": (dot.m, dot.k), "tn": (dot.k, dot.m)}[dot.form]
     b_shape = {"nn": (dot.k, dot.n), "nt": (dot.n, dot.k), "tn": (dot.k, dot.n)}[dot.form]
@@ -175,8 +167,7 @@ def _torch_fn(form: str):
 
 def _repeats(dot: Dot) -> int:
     """Calls per timed repeat: ~20 ms of work at 100 GFLOP/s, 1 to 200."""
-    per_call = 2.0 * dot.batch * dot.m * dot.k * dot.n
-    return int(min(200, max(1, round(2e9 / per_call))))
+    return int(min(200, max(1, round(2e9 / dot.call_flops))))
 
 
 def time_dots(dots: list[Dot], reps: int, impl: str) -> dict:
@@ -216,7 +207,7 @@ def time_dots(dots: list[Dot], reps: int, impl: str) -> dict:
     return best
 
 
-def report(name: str, dots: list[Dot], best: dict, peaks: dict, model_flops: float) -> dict:
+def report(name: str, dots: list[Dot], best: dict, peaks: dict, model_flops: float) -> None:
     impls = [k for k in ("jax", "torch") if best[k]]
     print(f"\n{name}: {len(dots)} dot shapes, {sum(d.flops for d in dots) / 1e9:.1f} GFLOP "
           f"executed per step ({model_flops / 1e9:.1f} model GFLOP)")  # fmt: skip
@@ -228,28 +219,23 @@ def report(name: str, dots: list[Dot], best: dict, peaks: dict, model_flops: flo
     for dot in dots:
         cells = []
         for k in impls:
-            rate = 2.0 * dot.batch * dot.m * dot.k * dot.n / best[k][dot.name]
+            rate = dot.call_flops / best[k][dot.name]
             cells += [f"{rate / 1e9:.0f}", f"{100 * rate / peaks[k]:.0f}%"]
         print(f"| {dot.name} | {dot.batch}x{dot.m}x{dot.k}x{dot.n} | {dot.count} | "
               f"{dot.flops / 1e9:.2f} | " + " | ".join(cells) + " |")  # fmt: skip
-    out = {}
     for k in impls:
         groups: dict[str, list[float]] = {}
         for d in dots:
-            g = groups.setdefault(d.name.split()[0] if d.name.startswith("head") else
-                                  "attention" if d.name.startswith("attn") else "projections",
-                                  [0.0, 0.0])  # fmt: skip
+            g = groups.setdefault(d.group, [0.0, 0.0])
             g[0] += d.flops
             g[1] += best[k][d.name] * d.count
         print(f"{k}: " + "; ".join(f"{g} {f / 1e9:.1f} GFLOP in {t:.3f} s ({f / t / 1e9:.0f} "
                                    f"GFLOP/s)" for g, (f, t) in groups.items()))  # fmt: skip
         total = sum(best[k][d.name] * d.count for d in dots)
         ceiling = model_flops / total
-        out[k] = {"dots_s": total, "ceiling_flops": ceiling, "ceiling_mfu": ceiling / peaks[k]}
         print(f"{k}: the dots alone take {total:.3f} s per step: {ceiling / 1e9:.0f} model "
               f"GFLOP/s, an MFU ceiling of {100 * ceiling / peaks[k]:.1f}% of this run's "
               f"{peaks[k] / 1e9:.0f} GFLOP/s peak")  # fmt: skip
-    return out
 
 
 def main(argv=None) -> int:

@@ -69,8 +69,8 @@ def _dims(shape: str) -> list[int]:
     return [int(x) for x in m.group(1).split(",") if x] if m else []
 
 
-def hlo_index(hlo: str) -> dict[str, OpInfo]:
-    """Every instruction of an optimised HLO module's text, by name."""
+def _computations(hlo: str) -> dict[str, list[tuple[str, str, str, str]]]:
+    """An HLO module's text as {computation: [(name, result shape, opcode, rest of line)]}."""
     comps: dict[str, list[tuple[str, str, str, str]]] = {}
     cur = None
     for line in hlo.splitlines():
@@ -82,6 +82,23 @@ def hlo_index(hlo: str) -> dict[str, OpInfo]:
         m = _INSTR.match(line)
         if m and cur is not None:
             comps[cur].append(m.groups())
+    return comps
+
+
+def dot_instruction_flops(hlo: str) -> list[float]:
+    """The FLOPs of each dot instruction of an HLO module's text, fused or not, in the order
+    they appear (a dot in a loop body counts once, whatever the trip count)."""
+    return [
+        _single_dot_flops(shape, rest, body)
+        for body in _computations(hlo).values()
+        for _, shape, op, rest in body
+        if op == "dot"
+    ]
+
+
+def hlo_index(hlo: str) -> dict[str, OpInfo]:
+    """Every instruction of an optimised HLO module's text, by name."""
+    comps = _computations(hlo)
 
     def dot_flops(body) -> float:
         return sum(

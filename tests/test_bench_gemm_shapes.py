@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_bench():
-    # benchmarks/update.py (which gemm_shapes imports) rewrites XLA_FLAGS for its own runs:
-    # the flags this test process hands to its children are put back.
+    # benchmarks/ is on the path while loading only. benchmarks/update.py (which gemm_shapes
+    # imports) rewrites XLA_FLAGS for its own runs: the flags this test process hands to its
+    # children are put back.
     flags = os.environ.get("XLA_FLAGS")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -27,7 +28,9 @@ def _load_bench():
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # its dataclass looks its module up
         spec.loader.exec_module(module)
-        return module
+        import xla_profile  # the HLO reader the check counts the program's dots with
+
+        return module, xla_profile
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
         if flags is None:
@@ -36,7 +39,7 @@ def _load_bench():
             os.environ["XLA_FLAGS"] = flags
 
 
-gs = _load_bench()
+gs, xla_profile = _load_bench()
 
 
 @pytest.mark.parametrize(
@@ -58,7 +61,7 @@ def test_listed_dots_are_the_compiled_update_step_dots(hidden, batch, length):
     )
     compiled = []
     gs.ub.bench_jax(c, batch, length, compiled_out=compiled)
-    in_program = sorted(gs.hlo_dot_flops(compiled[0].as_text()))
+    in_program = sorted(xla_profile.dot_instruction_flops(compiled[0].as_text()))
     listed = sorted(
         d.flops / d.count for d in gs.update_dots(c, batch, length) for _ in range(d.count)
     )
@@ -68,13 +71,15 @@ def test_listed_dots_are_the_compiled_update_step_dots(hidden, batch, length):
     )
 
 
-def test_hlo_dot_flops_reads_shapes_and_contracted_dims():
+def test_dot_instruction_flops_reads_shapes_and_contracted_dims():
     text = """
+ENTRY %main (p0: f32[4,2,64,8], p1: f32[4,2,32,8], x: f32[16,5], y: f32[16,7]) -> f32[5,7] {
   %p0 = f32[4,2,64,8]{3,2,1,0} parameter(0)
   %p1 = f32[4,2,32,8]{3,2,1,0} parameter(1)
   ROOT %d = f32[4,2,64,32]{3,2,1,0} dot(%p0, %p1), lhs_batch_dims={0,1}, lhs_contracting_dims={3}, rhs_batch_dims={0,1}, rhs_contracting_dims={3}
   %x = f32[16,5]{1,0} parameter(2)
   %y = f32[16,7]{1,0} parameter(3)
   %dw = f32[5,7]{1,0} dot(%x, %y), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
 """  # noqa: E501
-    assert gs.hlo_dot_flops(text) == [2.0 * 4 * 2 * 64 * 32 * 8, 2.0 * 5 * 7 * 16]
+    assert xla_profile.dot_instruction_flops(text) == [2.0 * 4 * 2 * 64 * 32 * 8, 2.0 * 5 * 7 * 16]

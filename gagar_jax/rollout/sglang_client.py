@@ -47,6 +47,8 @@ import httpx
 from gagar_jax.rollout.types import Sample, SamplingParams, validate_prompts
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+# Pauses before asking a router's `/workers` again when it lists none or does not answer.
+_WORKERS_RETRY_PAUSES_S = (0.5, 2.0)
 
 
 class SGLangError(RuntimeError):
@@ -445,7 +447,7 @@ class SGLangClient:
                 # A busy router can time out on `/workers` or list none for a moment; asked
                 # again after a pause (each retry counted) before the update is given up.
                 workers = await self._worker_urls(http)
-                for pause in (0.5, 2.0):
+                for pause in _WORKERS_RETRY_PAUSES_S:
                     if workers:
                         break
                     self.metrics["router_workers_retries"] += 1
@@ -455,7 +457,7 @@ class SGLangClient:
                     listing = "lists no workers at" if workers == [] else "does not answer"
                     raise SGLangRequestError(
                         f"{self.base_url} has no /update_weights_from_disk and {listing} "
-                        "/workers (asked 3 times)"
+                        f"/workers (asked {len(_WORKERS_RETRY_PAUSES_S) + 1} times)"
                     ) from None
                 reported = [await self._update_one(http, w, payload) for w in workers]
                 self.metrics["router_weight_fanouts"] += 1
