@@ -152,8 +152,17 @@ def _load() -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def ensure_venv(name: str, log=print) -> Path:
-    """The framework's virtual environment, built (or rebuilt) from ``PINS[name]``."""
+# One interpreter for the TRL and Tunix workers instead of their virtual environments (for a
+# machine with no package registry, where those frameworks are installed beside its own torch
+# and jax, e.g. on ``PYTHONPATH``): the workers then keep this process's ``PYTHONPATH``.
+PYTHON_ENV = "GAGAR_BENCH_PYTHON"
+
+
+def ensure_venv(name: str, log=print) -> Path | None:
+    """The framework's virtual environment, built (or rebuilt) from ``PINS[name]``; nothing when
+    ``$GAGAR_BENCH_PYTHON`` names the workers' interpreter."""
+    if os.environ.get(PYTHON_ENV):
+        return None
     venv = VENVS[name]
     stamp = venv / "bench-pins.json"
     want = json.dumps(PINS[name])
@@ -172,7 +181,7 @@ def ensure_venv(name: str, log=print) -> Path:
 def python_of(framework: str) -> str:
     if framework == "gagar_jax":
         return sys.executable
-    return str(VENVS[framework] / "bin" / "python")
+    return os.environ.get(PYTHON_ENV) or str(VENVS[framework] / "bin" / "python")
 
 
 def make_assets(model: str, root: Path = RUNS) -> Path:
@@ -251,8 +260,12 @@ class WorkerProc:
 
     def __init__(self, framework: str, spec: dict, log_path: Path):
         env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) if framework == "gagar_jax" else ""
+        inherited = os.environ.get("PYTHONPATH", "") if os.environ.get(PYTHON_ENV) else ""
+        own = [str(ROOT)] if framework == "gagar_jax" else []
+        env["PYTHONPATH"] = os.pathsep.join(own + ([inherited] if inherited else []))
         env.pop("XLA_FLAGS", None)  # one host device (no simulated devices)
+        # Several workers share one accelerator: none takes most of its memory up front.
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         env.update(
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
@@ -362,15 +375,15 @@ def compare_checks(checks: dict, meta: dict, shape: dict, atol: float = 2e-4) ->
 
 
 def run_check(frameworks, spec, logdir: Path, out=print) -> dict:
-    checks = {}
-    for fw in frameworks:
-        log = logdir / f"{fw}-{spec['shape_name']}-check.log"
-        w = WorkerProc(fw, dict(spec, mode="check"), log)
-        try:
-            checks[fw] = w.read()
-        finally:
+    workers = {}
+    try:  # all started at once: the check is not timed
+        for fw in frameworks:
+            log = logdir / f"{fw}-{spec['shape_name']}-check.log"
+            workers[fw] = WorkerProc(fw, dict(spec, mode="check"), log)
+        return {fw: w.read() for fw, w in workers.items()}
+    finally:
+        for w in workers.values():
             w.close()
-    return checks
 
 
 def race(args) -> int:
@@ -396,7 +409,7 @@ def race(args) -> int:
         f"model: {meta['num_params'] / 1e6:.1f}M params, Qwen2-shaped, vocab "
         f"{meta['vocab_size']}, float32 ({assets})"
     )
-    print(f"cpus: {os.cpu_count()}; start: {_load()}")
+    print(f"cpus: {os.cpu_count()}; accelerator: {_accelerator()}; start: {_load()}")
     failed = False
     results = {}
     for shape_name in shapes:
@@ -479,13 +492,28 @@ def race(args) -> int:
     return 1 if failed else 0
 
 
-def gemm_peak(n: int = 1024, reps: int = 10) -> float:
-    """The machine's f32 GEMM peak as JAX reaches it: the fastest of ``reps`` jitted
-    ``n x n`` matmuls, FLOP/s."""
-    import jax
-    import jax.numpy as jnp
+def _accelerator() -> str:
+    """The accelerator the workers will see (``none`` on a CPU-only machine)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "none"
+    return out.stdout.strip().replace("\n", ", ") or "none"
 
-    a = jnp.ones((n, n), jnp.float32)
+
+def gemm_peak(n: int = 0, reps: int = 10) -> float:
+    """The machine's f32 GEMM peak as JAX reaches it at its default matmul precision: the
+    fastest of ``reps`` jitted ``n x n`` matmuls of random values, FLOP/s (``n`` 1024 on a CPU,
+    8192 on an accelerator, which a 1024 product does not fill)."""
+    import jax
+
+    n = n or (1024 if jax.default_backend() == "cpu" else 8192)
+    a = jax.random.normal(jax.random.key(0), (n, n), jax.numpy.float32)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best = float("inf")
@@ -522,7 +550,8 @@ def model_flops(assets: Path, shape: dict) -> dict:
 def print_roofline(flops: dict, med: dict, peak: float) -> None:
     """Achieved model FLOP/s of the compute phases, as a fraction of the measured GEMM peak."""
     print(
-        f"roofline (model FLOPs / phase time / JAX f32 GEMM peak {peak / 1e9:.1f} GFLOP/s): "
+        f"roofline (model FLOPs / phase time / JAX's f32 GEMM peak at its default precision "
+        f"{peak / 1e9:.1f} GFLOP/s): "
         + "; ".join(
             f"{fw} "
             + ", ".join(
@@ -605,8 +634,28 @@ class PhaseClock:
         return rec
 
 
+def _matmul_precision(spec: dict) -> None:
+    """float32 matmuls on a GPU: full float32 for ``--check`` (so that the frameworks' scores
+    can be compared to float tolerance), TF32 in the race on both sides (JAX's default on a GPU;
+    PyTorch is switched to it), so that every framework does its products at one precision."""
+    if spec["mode"] == "check":
+        try:
+            import jax
+
+            jax.config.update("jax_default_matmul_precision", "highest")
+        except ImportError:
+            pass
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision("highest" if spec["mode"] == "check" else "high")
+
+
 def worker_main(framework: str, spec: dict) -> None:
     sys.stdout.reconfigure(line_buffering=True)
+    _matmul_precision(spec)
     # Libraries print to stdout: keep the protocol's lines apart (they start with '@@').
     try:
         if framework == "gagar_jax":
@@ -843,6 +892,8 @@ def _trl_worker(spec: dict) -> None:
             clock.reset()
 
         def on_step_end(self, args, state, control, **kw):
+            if torch.cuda.is_available():  # the step's kernels done before its clock stops
+                torch.cuda.synchronize()
             gs = clock.extra.get("gen_and_score", 0.0)
             rec = clock.record()
             rec["pack"] = max(gs - clock.t["generate"] - clock.t["score"], 0.0)
@@ -878,7 +929,7 @@ def _trl_worker(spec: dict) -> None:
         logging_steps=10**9,
         save_strategy="no",
         report_to="none",
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),
         bf16=False,
         fp16=False,
         disable_tqdm=True,
@@ -901,12 +952,12 @@ def _trl_worker(spec: dict) -> None:
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         # The advantages: the trainer's own grouping, fed a fixed reward vector.
         adv = _trl_advantages(trainer, CHECK_REWARDS, CHECK_GROUP)
-        x = torch.tensor([p + completion for p in ids])
+        x = torch.tensor([p + completion for p in ids], device=trainer.model.device)
         with torch.no_grad():
             lp, _, _ = trainer._get_per_token_logps_and_entropies(
                 trainer.model, x, torch.ones_like(x), logits_to_keep=len(completion)
             )
-        _reply({"advantages": adv, "first_logprobs": lp.tolist(), "prompt_ids": ids})
+        _reply({"advantages": adv, "first_logprobs": lp.cpu().tolist(), "prompt_ids": ids})
         return
     _reply({"setup_s": time.perf_counter() - t_setup})
     trainer.train()
@@ -1141,6 +1192,8 @@ def main():
     if args.worker:
         worker_main(args.worker, json.loads(args.spec))
         return
+    # The driver's own JAX (assets, GEMM peak) shares the accelerator with the workers.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     sys.exit(race(args))
 
 

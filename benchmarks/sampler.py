@@ -210,6 +210,13 @@ def main():
         save_hf_safetensors(model, cfg, d)
         hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     hf.eval()
+    # transformers runs where JAX does: the GPU when JAX found one (TF32 matmuls for float32,
+    # JAX's default precision there).
+    hf_dev = torch.device("cpu")
+    if jax.default_backend() == "gpu" and torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")
+        hf_dev = torch.device("cuda")
+    hf.to(hf_dev)
     hf.generation_config.pad_token_id = 0
     hf.generation_config.eos_token_id = None
 
@@ -256,7 +263,7 @@ def main():
                 t0 = time.perf_counter()
                 sampler.generate(prompts, params)  # compiles this bucket
                 compile_s.append(time.perf_counter() - t0)
-            ids = torch.tensor(prompts)
+            ids = torch.tensor(prompts, device=hf_dev)
             kw = dict(
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=args.new_tokens,
@@ -277,9 +284,11 @@ def main():
                         jt[name].append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     gen = hf.generate(ids, **kw)
+                    if hf_dev.type == "cuda":
+                        torch.cuda.synchronize()
                     ht.append(time.perf_counter() - t0)
             jax_tokens = np.array([row[0].tokens for row in out])
-            hf_tokens = gen[:, args.prompt_len :].numpy()
+            hf_tokens = gen[:, args.prompt_len :].cpu().numpy()
             n_tok = b * args.new_tokens
             hf_tps = n_tok / statistics.median(ht)
             tps_by_batch[b] = {name: n_tok / statistics.median(t) for name, t in jt.items()}
@@ -339,7 +348,7 @@ def main():
             t0 = time.perf_counter()
             sampler.generate(prompts, params)
             compile_s.append(time.perf_counter() - t0)
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=hf_dev)
         kw = dict(
             attention_mask=torch.ones_like(ids),
             max_new_tokens=new,

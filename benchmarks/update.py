@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import multiprocessing
 import os
 import statistics
@@ -106,9 +107,25 @@ CONFIGS = {
         256,
     ),
 }
+# On an accelerator the GEMM peak is measured with a product that fills it.
+ACCEL = jax.default_backend() != "cpu"
+PEAK_N = 8192 if ACCEL else 1024
 UPDATE = UpdateConfig(
     learning_rate=1e-5, weight_decay=0.01, max_grad_norm=1.0, num_minibatches=1, num_microbatches=1
 )
+
+
+# Run options every process applies to ``CONFIGS``: the compute dtype (parameters stay float32;
+# PyTorch autocasts to the same dtype) and a factor on the batch (an accelerator is filled only
+# by more sequences than a CPU step takes).
+OPTS = {"dtype": "float32", "batch_scale": 1}
+
+
+def config_of(name: str, opts: dict | None = None):
+    """``CONFIGS[name]`` under the run options: (model config, batch, length)."""
+    o = opts or OPTS
+    c, batch, length = CONFIGS[name]
+    return dataclasses.replace(c, dtype=o["dtype"]), batch * o["batch_scale"], length
 
 
 def _load() -> str:
@@ -164,18 +181,45 @@ def best_time(fn, reps: int, clock=time.perf_counter) -> float:
 _GEMM = jax.jit(lambda x: x @ x)
 
 
-def jax_peak(n=1024, reps=15, clock=time.perf_counter) -> float:
-    """The fastest of ``reps`` jitted f32 GEMMs (a peak: one slow repeat must not lower it),
-    FLOP per second of ``clock`` (``time.process_time``: per CPU-second of this process)."""
-    a = jnp.ones((n, n), jnp.float32)
+def jax_peak(n=0, reps=15, clock=time.perf_counter, dtype="float32") -> float:
+    """The fastest of ``reps`` jitted GEMMs of random ``dtype`` values at JAX's default matmul
+    precision (a peak: one slow repeat must not lower it), FLOP per second of ``clock``
+    (``time.process_time``: per CPU-second of this process). ``n`` defaults to ``PEAK_N``."""
+    n = n or PEAK_N
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
     return 2 * n**3 / best_time(lambda: _GEMM(a).block_until_ready(), reps, clock)
 
 
-def torch_peak(n=1024, reps=15, clock=time.perf_counter) -> float:
+def torch_device():
+    """PyTorch's side runs where JAX's does: the GPU when JAX found one (TF32 matmuls for
+    float32, JAX's default precision there)."""
     import torch
 
-    a = torch.ones((n, n))
-    return 2 * n**3 / best_time(lambda: torch.mm(a, a), reps, clock)
+    if ACCEL and torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _torch_sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def torch_peak(n=0, reps=15, clock=time.perf_counter, dtype="float32") -> float:
+    import torch
+
+    n = n or PEAK_N
+    dev = torch_device()
+    a = torch.randn((n, n), device=dev, dtype=getattr(torch, dtype))
+
+    def mm():
+        torch.mm(a, a)
+        _torch_sync(dev)
+
+    return 2 * n**3 / best_time(mm, reps, clock)
 
 
 def interleaved(steps_by_impl: dict, steps: int, peaks: dict | None = None) -> dict:
@@ -202,17 +246,18 @@ def interleaved(steps_by_impl: dict, steps: int, peaks: dict | None = None) -> d
     return times
 
 
-def _serve(conn, impl: str, name: str, chunk: int) -> None:
+def _serve(conn, impl: str, name: str, chunk: int, opts: dict) -> None:
     """One implementation's process: builds its step for config ``name`` and sends its info,
     then answers the driver's ``"step"`` (wall and CPU seconds of one step) and ``"peak"`` (this
     process's GEMM peak, per wall and per CPU second) until ``"stop"``."""
-    c, batch, length = CONFIGS[name]
+    OPTS.update(opts)
+    c, batch, length = config_of(name)
     info = {"compile_s": None, "temp_mb": None, "flops": model_flops(c, batch, length)}
     if impl == "torch":
         import torch
 
         torch.set_num_threads(os.cpu_count())
-        fn, peak = bench_torch(c, batch, length), torch_peak
+        fn, peak = bench_torch(c, batch, length), functools.partial(torch_peak, dtype=c.dtype)
     else:
         config, update_config = c, UPDATE
         if impl == "jax-scan":
@@ -223,7 +268,7 @@ def _serve(conn, impl: str, name: str, chunk: int) -> None:
             config, batch, length, update_config, compiled_out=compiled
         )
         info["flops"] = xla_flops(compiled[0])
-        peak = jax_peak
+        peak = functools.partial(jax_peak, dtype=c.dtype)
     fn()  # warm-up
     conn.send(info)
     while (cmd := conn.recv()) != "stop":
@@ -246,7 +291,9 @@ def interleaved_processes(name: str, impls, steps: int, chunk: int) -> tuple[dic
     try:
         for impl in impls:  # one at a time: a compile does not overlap another's
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(theirs, impl, name, chunk), daemon=True)
+            proc = ctx.Process(
+                target=_serve, args=(theirs, impl, name, chunk, dict(OPTS)), daemon=True
+            )
             proc.start()
             procs[impl] = (proc, ours)
             procs[impl] += (ours.recv(),)
@@ -355,6 +402,7 @@ def bench_torch(c, batch, length):
     import transformers
 
     torch.manual_seed(0)
+    dev = torch_device()
     model = (
         transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(
@@ -370,16 +418,20 @@ def bench_torch(c, batch, length):
         )
         .float()
         .train()
+        .to(dev)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=UPDATE.learning_rate, weight_decay=0.01)
     b = make_batch(c, batch, length)
-    tokens = torch.from_numpy(b.tokens.astype(np.int64))
-    mask = torch.from_numpy(b.response_mask[:, 1:]).float()
-    old = torch.from_numpy(b.old_logprobs[:, 1:])
+    tokens = torch.from_numpy(b.tokens.astype(np.int64)).to(dev)
+    mask = torch.from_numpy(b.response_mask[:, 1:]).float().to(dev)
+    old = torch.from_numpy(b.old_logprobs[:, 1:]).to(dev)
     adv = torch.from_numpy(np.where(b.passed.reshape(-1), 0.5, -0.5).astype(np.float32))[:, None]
+    adv = adv.to(dev)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=c.dtype == "bfloat16")
 
     def step():
-        logits = model(input_ids=tokens).logits[:, :-1].float()
+        with autocast:
+            logits = model(input_ids=tokens).logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
         ratio = torch.exp(logp - old)
         per_tok = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - 0.2, 1 + 0.28))
@@ -388,6 +440,7 @@ def bench_torch(c, batch, length):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), UPDATE.max_grad_norm)
         opt.step()
+        _torch_sync(dev)
 
     return step
 
@@ -396,14 +449,14 @@ def profile_update(name: str, reps: int = 2) -> None:
     """Per-op profile of the per-layer update of config ``name`` (see xla_profile)."""
     import xla_profile
 
-    c, batch, length = CONFIGS[name]
+    c, batch, length = config_of(name)
     compiled = []
     step, _, _ = bench_jax(c, batch, length, compiled_out=compiled)
     step()
     t = time.perf_counter()
     secs, count = xla_profile.trace_ops(step, reps)
     wall = (time.perf_counter() - t) / reps
-    peak = jax_peak(reps=5)
+    peak = jax_peak(reps=5, dtype=c.dtype)
     result = xla_profile.breakdown(secs, count, compiled[0].as_text())
     print(
         f"\nprofile: {name} update (per-layer), {reps} traced steps, {wall:.3f} s per step "
@@ -435,11 +488,21 @@ def main():
         default="",
         help="config whose update gets a per-op profile (dots / elementwise / layout copies)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="compute dtype of both sides (parameters stay float32; PyTorch autocasts)",
+    )
+    parser.add_argument(
+        "--batch-scale", type=int, default=1, help="multiply every config's batch by this"
+    )
     args = parser.parse_args()
+    OPTS.update(dtype=args.dtype, batch_scale=args.batch_scale)
 
     backend = jax.default_backend()
     print(f"start: {_load()}; malloc keep_heap {'on' if KEEP_HEAP else 'off'}")
-    peak_j = jax_peak()
+    peak_j = jax_peak(dtype=args.dtype)
     have_torch = not args.no_torch
     if have_torch:
         try:
@@ -447,12 +510,15 @@ def main():
 
             if args.in_process:
                 torch.set_num_threads(os.cpu_count())
-                peak_t = torch_peak()
+                peak_t = torch_peak(dtype=args.dtype)
             else:
                 del torch  # measured in its own process
         except ImportError:
             have_torch = False
-    print(f"backend={backend} devices={jax.devices()[0].device_kind!r} cpus={os.cpu_count()}")
+    print(
+        f"backend={backend} devices={jax.devices()[0].device_kind!r} cpus={os.cpu_count()} "
+        f"dtype={args.dtype} batch x{args.batch_scale}"
+    )
     print(
         f"matmul peak at the start: jax {peak_j / 1e9:.1f} GFLOP/s"
         + (f", torch {peak_t / 1e9:.1f} GFLOP/s" if have_torch and args.in_process else "")
@@ -468,11 +534,11 @@ def main():
     print("-" * len(header))
     scan_update = dataclasses.replace(UPDATE, logits_chunk_size=args.chunk)
     configs = [name for name in args.configs.split(",") if name]
-    peaks = {"peak jax": lambda clock: jax_peak(reps=5, clock=clock)}
+    peaks = {"peak jax": lambda clock: jax_peak(reps=5, clock=clock, dtype=args.dtype)}
     if have_torch:
-        peaks["peak torch"] = lambda clock: torch_peak(reps=5, clock=clock)
+        peaks["peak torch"] = lambda clock: torch_peak(reps=5, clock=clock, dtype=args.dtype)
     for name in configs:
-        c, batch, length = CONFIGS[name]
+        c, batch, length = config_of(name)
         tokens = batch * length
         impls = ["jax"] + ([] if args.no_scan else ["jax-scan"]) + (["torch"] if have_torch else [])
         if args.in_process:
@@ -532,7 +598,7 @@ def main():
         print("\ncompile seconds of the update step per depth (same widths as the config)")
         print(f"{'config':8} {'layout':9} " + " ".join(f"{f'L={d}':>7}" for d in depths))
         for name in configs:
-            c, batch, length = CONFIGS[name]
+            c, batch, length = config_of(name)
             for layout, scan in (("unrolled", False), ("scan", True)):
                 secs = [
                     compile_seconds(

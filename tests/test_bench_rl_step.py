@@ -137,3 +137,33 @@ def test_three_frameworks_configured_equally():
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("equal-configuration check passed") == 2, out.stdout
+
+
+def test_one_interpreter_for_the_trainers_replaces_their_venvs(tmp_path, monkeypatch):
+    """``$GAGAR_BENCH_PYTHON``: TRL's and Tunix's workers run that interpreter with this
+    process's ``PYTHONPATH`` (where a machine without a registry carries their packages), and
+    no virtual environment is built; without it they get their own venvs and an empty path."""
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delenv(bench.PYTHON_ENV, raising=False)
+    assert bench.python_of("trl") == str(bench.VENVS["trl"] / "bin" / "python")
+    assert bench.python_of("gagar_jax") == sys.executable
+
+    monkeypatch.setenv(bench.PYTHON_ENV, sys.executable)
+    assert bench.ensure_venv("tunix") is None
+    assert bench.python_of("tunix") == sys.executable
+    # The worker command is recorded, then replaced by an interpreter that exits at once.
+    seen = {}
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kw):
+        seen[cmd[cmd.index("--worker") + 1]] = (cmd[0], kw["env"]["PYTHONPATH"])
+        return real_popen([sys.executable, "-c", "pass"], **kw)
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    for fw in ("trl", "gagar_jax"):
+        w = bench.WorkerProc(fw, {}, tmp_path / f"{fw}.log")
+        w.proc.wait()
+        w.log.close()
+        assert w.proc.returncode == 0
+    assert seen["trl"] == (sys.executable, str(tmp_path))
+    assert seen["gagar_jax"] == (sys.executable, os.pathsep.join([str(ROOT), str(tmp_path)]))

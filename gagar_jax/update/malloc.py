@@ -13,7 +13,10 @@ buffer), so the next step reuses the same pages. The same as starting the proces
 The cost: memory the process freed stays in its heap (its resident size stays at its peak)
 and the heap can fragment. The setting is process-wide, so the library never applies it on
 import: ``scripts/train.py`` and the benchmarks call :func:`keep_heap` first thing, and the
-environment variable ``GAGAR_MALLOC_KEEP_HEAP=0`` turns it off.
+environment variable ``GAGAR_MALLOC_KEEP_HEAP=0`` turns it off. On a host where JAX will use an
+accelerator (a CUDA, ROCm or TPU plugin is installed and ``JAX_PLATFORMS`` is not ``cpu``) the
+default is off: the update's buffers live on the device, so there is nothing to keep, and one
+arena would make the compiler's many threads share one allocator lock.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import pkgutil
+from importlib import metadata, util
 
 ENV_VAR = "GAGAR_MALLOC_KEEP_HEAP"
 # mallopt parameters (glibc malloc.h)
@@ -30,16 +35,38 @@ _M_ARENA_MAX = -8
 _TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the largest, ~2 GiB of free heap kept
 
 
+def accelerator_plugin() -> str | None:
+    """The accelerator JAX will use in this process, found without initialising JAX: the
+    platforms ``JAX_PLATFORMS`` names (None when it names only ``cpu``), else the installed JAX
+    plugins (``jax_plugins`` entry points and namespace modules, ``libtpu``), comma-joined;
+    None when there is none."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return None if platforms == "cpu" else platforms
+    names = {ep.name for ep in metadata.entry_points(group="jax_plugins")}
+    try:
+        import jax_plugins  # a namespace package: importing it initialises nothing
+    except ImportError:
+        pass
+    else:
+        names |= {m.name for m in pkgutil.iter_modules(jax_plugins.__path__)}
+    if util.find_spec("libtpu") is not None:
+        names.add("libtpu")
+    return ",".join(sorted(names)) or None
+
+
 def keep_heap(enable: bool | None = None) -> bool:
     """Sets glibc's allocator to keep and reuse freed memory (see the module docstring).
 
     ``enable`` None: on unless the environment variable ``GAGAR_MALLOC_KEEP_HEAP`` is ``0``
-    (or ``false`` / ``no`` / ``off``). Call it before the first JAX computation (threads that
-    already have an arena keep it). Returns whether the setting was applied: False when
-    disabled, or off glibc (no ``mallopt``) where nothing is changed.
+    (or ``false`` / ``no`` / ``off``) or JAX will use an accelerator
+    (:func:`accelerator_plugin`); True or False decides alone. Call it before the first JAX
+    computation (threads that already have an arena keep it). Returns whether the setting was
+    applied: False when disabled, or off glibc (no ``mallopt``) where nothing is changed.
     """
     if enable is None:
         enable = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+        enable = enable and accelerator_plugin() is None
     if not enable:
         return False
     try:
