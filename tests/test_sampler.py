@@ -572,10 +572,12 @@ def test_data_parallel_sampler_samples_what_one_device_samples(model, temperatur
         flat_b = [smp for row in b for smp in row]
         assert [s.tokens for s in flat_b] == [s.tokens for s in flat_a]
         assert [s.finish_reason for s in flat_b] == [s.finish_reason for s in flat_a]
+        # Shards run smaller batches, whose float32 sums XLA may block differently: agreement to
+        # float32 rounding over two layers (1.1e-5 at a log-prob of -3.0 on one CPU model).
         np.testing.assert_allclose(
             [x for s in flat_b for x in s.logprobs],
             [x for s in flat_a for x in s.logprobs],
-            rtol=0,
+            rtol=5e-6,
             atol=1e-5,
         )
         for prompt, row in zip(call_prompts, b):
