@@ -11,7 +11,7 @@
 # Each part has its own time limit and the run goes on when one fails, so a short lease still
 # brings back the parts that finished. Everything printed lands in OUTDIR/*.txt.
 set -u
-out=${1:?usage: accelerator.sh OUTDIR [PYTHON]}
+out=${1:?usage: accelerator.sh OUTDIR [PYTHON [PARTS]]}
 py=${2:-python3}
 parts=${3:-}
 mkdir -p "$out"

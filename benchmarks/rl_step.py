@@ -635,9 +635,9 @@ class PhaseClock:
 
 
 def _matmul_precision(spec: dict) -> None:
-    """float32 matmuls on a GPU: full float32 for ``--check`` (so that the frameworks' scores
-    can be compared to float tolerance), TF32 in the race on both sides (JAX's default on a GPU;
-    PyTorch is switched to it), so that every framework does its products at one precision."""
+    """The precision of float32 matmuls: full float32 for ``--check`` in every framework (so
+    that their scores can be compared to float tolerance); in the race, JAX's default (TF32 on
+    a GPU, full float32 on a CPU) and PyTorch switched to TF32 on a GPU to match it."""
     if spec["mode"] == "check":
         try:
             import jax

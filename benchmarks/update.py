@@ -67,6 +67,9 @@ os.environ["XLA_FLAGS"] = " ".join(
     for f in os.environ.get("XLA_FLAGS", "").split()
     if not f.startswith("--xla_force_host_platform_device_count")
 )
+# On an accelerator the driver and each implementation's process share one device: none of them
+# takes most of its memory up front (read when JAX starts its backend, not at import).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -125,11 +128,10 @@ UPDATE = UpdateConfig(
 OPTS = {"dtype": "float32", "batch_scale": 1}
 
 
-def config_of(name: str, opts: dict | None = None):
-    """``CONFIGS[name]`` under the run options: (model config, batch, length)."""
-    o = opts or OPTS
+def config_of(name: str):
+    """``CONFIGS[name]`` under the run options ``OPTS``: (model config, batch, length)."""
     c, batch, length = CONFIGS[name]
-    return dataclasses.replace(c, dtype=o["dtype"]), batch * o["batch_scale"], length
+    return dataclasses.replace(c, dtype=OPTS["dtype"]), batch * OPTS["batch_scale"], length
 
 
 def _load() -> str:
