@@ -35,16 +35,18 @@ transformers.__version__, flax.__version__, optax.__version__)'; \
 $py -c 'import trl, tunix; print(\"trl\", trl.__version__, \"tunix ok\")'"
 # The update against PyTorch at 5M and ~100M (float32: TF32 products on both sides), all in one
 # process (each process's start and CUDA set-up costs tens of seconds on such a machine).
-want update_f32 && part update_f32 120 "$py" benchmarks/update.py --in-process --no-scan \
+want update_f32 && part update_f32 240 "$py" benchmarks/update.py --in-process --no-scan \
     --configs small,100m --steps 5 --depths '' --logits-vocabs ''
 # The whole step raced against TRL and Tunix, one shape per part.
 export GAGAR_BENCH_PYTHON=$py
 for shape in rl multiturn; do
-    want "race_$shape" && part "race_$shape" 140 "$py" benchmarks/rl_step.py --rounds 3 --notes \
+    secs=150
+    [ "$shape" = multiturn ] && secs=240  # longer sequences: slower compiles and steps
+    want "race_$shape" && part "race_$shape" "$secs" "$py" benchmarks/rl_step.py --rounds 3 --notes --warm-together \
         --shapes "$shape" --json "$out/race_$shape.json"
 done
 # The update in bfloat16 at a batch that fills the GPU.
-want update_bf16 && part update_bf16 90 "$py" benchmarks/update.py --in-process --no-scan \
+want update_bf16 && part update_bf16 150 "$py" benchmarks/update.py --in-process --no-scan \
     --configs small,100m --steps 5 --depths '' --logits-vocabs '' --dtype bfloat16 --batch-scale 16
 # The race's worker logs (their ends), for a part that failed.
 tail -n 40 runs/bench_rl_step/logs/*.log > "$out/worker_logs.txt" 2>&1

@@ -255,6 +255,15 @@ def make_assets(model: str, root: Path = RUNS) -> Path:
     return out
 
 
+_T0 = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    """A timestamped line on stderr (seconds since start): where a run cut short by a time
+    limit spent its time."""
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
 class WorkerProc:
     """One framework's worker: JSON lines over its stdin/stdout."""
 
@@ -323,9 +332,13 @@ class WorkerProc:
             raise RuntimeError(f"{self.framework} worker: {box['msg']['error']}")
         return box["msg"]
 
-    def send(self, cmd: str) -> dict:
+    def post(self, cmd: str) -> None:
+        """Sends ``cmd`` without waiting for the answer (``read`` collects it)."""
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
+
+    def send(self, cmd: str) -> dict:
+        self.post(cmd)
         return self.read()
 
     def close(self):
@@ -422,7 +435,9 @@ def race(args) -> int:
             epsilon=EPSILON,
             max_grad_norm=MAX_GRAD_NORM,
         )
+        progress(f"[{shape_name}] equal-configuration check")
         checks = run_check(frameworks, spec, logdir)
+        progress(f"[{shape_name}] check answered")
         problems = compare_checks(checks, meta, shape)
         label = (
             f"{shape['prompts']} prompts x {shape['samples']} samples, "
@@ -463,12 +478,20 @@ def race(args) -> int:
                     fw, dict(spec, mode="race"), logdir / f"{fw}-{shape_name}.log"
                 )
             setup = {fw: w.read() for fw, w in workers.items()}
-            warm = {fw: w.send("step") for fw, w in workers.items()}  # compiles
+            progress(f"[{shape_name}] workers set up")
+            if args.warm_together:  # the first steps (compiles) overlap
+                for w in workers.values():
+                    w.post("step")
+                warm = {fw: w.read() for fw, w in workers.items()}
+            else:
+                warm = {fw: w.send("step") for fw, w in workers.items()}
+            progress(f"[{shape_name}] first steps done")
             load_before = os.getloadavg()
             recs = {fw: [] for fw in frameworks}
-            for _ in range(rounds):
+            for i in range(rounds):
                 for fw, w in workers.items():
                     recs[fw].append(w.send("step"))
+                progress(f"[{shape_name}] round {i + 1} of {rounds} done")
             load_after = os.getloadavg()
         finally:
             for w in workers.values():
@@ -1186,6 +1209,12 @@ def main():
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     parser.add_argument("--json", default="", help="write the per-round records here")
     parser.add_argument("--notes", action="store_true", help="print what is not equal")
+    parser.add_argument(
+        "--warm-together",
+        action="store_true",
+        help="run the frameworks' first steps (their compiles) at once, for a short time limit "
+        "on a many-core machine; their 'first s' then overlap",
+    )
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--spec", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import functools
 import multiprocessing
 import os
+import signal
 import statistics
 import sys
 import time
@@ -136,6 +138,15 @@ def config_of(name: str):
 
 def _load() -> str:
     return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+_T0 = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    """A timestamped line on stderr (seconds since start): where a run that is cut short by a
+    time limit spent its time."""
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def model_flops(c: TransformerConfig, batch: int, length: int) -> float:
@@ -236,8 +247,9 @@ def interleaved(steps_by_impl: dict, steps: int, peaks: dict | None = None) -> d
     has a twin ``"<name> cpu"`` on this process's CPU time (``time.process_time``, all its
     threads): seconds a step kept the cores busy, and the peak per CPU-second, which a
     machine's other load does not stretch the way it stretches wall-clock time."""
-    for fn in steps_by_impl.values():
+    for k, fn in steps_by_impl.items():
         fn()
+        progress(f"warm-up step of {k} done")
     names = list(steps_by_impl) + list(peaks or {})
     times = {k: [] for k in names + [f"{k} cpu" for k in names]}
     for _ in range(steps):
@@ -343,6 +355,7 @@ def bench_jax(c, batch, length, update_config=UPDATE, compiled_out=None):
     t0 = time.perf_counter()
     compiled = update.lower(state, data).compile()
     compile_s = time.perf_counter() - t0
+    progress(f"compiled the update in {compile_s:.1f} s")
     mem = compiled.memory_analysis()
     temp_mb = getattr(mem, "temp_size_in_bytes", float("nan")) / 2**20
     if compiled_out is not None:
@@ -505,9 +518,12 @@ def main():
     )
     args = parser.parse_args()
     OPTS.update(dtype=args.dtype, batch_scale=args.batch_scale)
+    # A run stopped by a time limit (``timeout`` sends SIGTERM) prints where every thread was.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
     backend = jax.default_backend()
     print(f"start: {_load()}; malloc keep_heap {'on' if KEEP_HEAP else 'off'}")
+    progress(f"jax backend {jax.default_backend()}; measuring the GEMM peak")
     peak_j = jax_peak(dtype=args.dtype)
     have_torch = not args.no_torch
     if have_torch:
@@ -521,6 +537,7 @@ def main():
                 del torch  # measured in its own process
         except ImportError:
             have_torch = False
+    progress("peaks measured")
     print(
         f"backend={backend} devices={jax.devices()[0].device_kind!r} cpus={os.cpu_count()} "
         f"dtype={args.dtype} batch x{args.batch_scale}"
@@ -549,19 +566,24 @@ def main():
         impls = ["jax"] + ([] if args.no_scan else ["jax-scan"]) + (["torch"] if have_torch else [])
         if args.in_process:
             fns, info, compiled = {}, {}, []
+            progress(f"{name}: compiling jax")
             fns["jax"], *info["jax"] = bench_jax(c, batch, length, compiled_out=compiled)
             if not args.no_scan:
+                progress(f"{name}: compiling jax-scan")
                 fns["jax-scan"], *info["jax-scan"] = bench_jax(
                     dataclasses.replace(c, scan_layers=True), batch, length, scan_update
                 )
             flops_xla = xla_flops(compiled[0])
             if have_torch:
+                progress(f"{name}: building torch")
                 fns["torch"], info["torch"] = bench_torch(c, batch, length), (None, None)
+            progress(f"{name}: {args.steps} interleaved rounds")
             times = interleaved(fns, args.steps, peaks)
             for impl in impls:
                 key = "peak torch" if impl == "torch" else "peak jax"
                 times[f"peak {impl}"], times[f"peak {impl} cpu"] = times[key], times[key + " cpu"]
         else:
+            progress(f"{name}: a process per implementation, {args.steps} interleaved rounds")
             times, infos = interleaved_processes(name, impls, args.steps, args.chunk)
             info = {i: (infos[i]["compile_s"], infos[i]["temp_mb"]) for i in impls}
             flops_xla = infos["jax"]["flops"]
@@ -570,7 +592,9 @@ def main():
         med = {k: statistics.median(times[k]) for k in impls}
         t_torch = med.get("torch")
         for impl in impls:
-            flops = model_flops(c, batch, length) if impl == "torch" else flops_xla
+            # On a GPU, XLA's count leaves out the dots it hands to cuBLAS (custom calls): every
+            # row there uses the model-FLOPs formula.
+            flops = model_flops(c, batch, length) if impl == "torch" or ACCEL else flops_xla
             peak_key = f"peak {impl}"
             mfu = statistics.median(flops / t / p for t, p in zip(times[impl], times[peak_key]))
             # Per CPU-second: the step's FLOPs per second its threads ran, against the GEMM's.
@@ -583,7 +607,7 @@ def main():
             comp_s = f"{comp:9.1f}" if comp is not None else f"{'':9}"
             mem_s = f"{mem:8.1f}" if mem is not None else f"{'':8}"
             print(
-                f"{name:8} {c.num_params / 1e6:7.1f}M {tokens:7d} {impl:8} {med[impl]:8.3f} "
+                f"{name:8} {c.num_params / 1e6:7.1f}M {tokens:7d} {impl:8} {med[impl]:8.4f} "
                 f"{tokens / med[impl]:9.0f} {flops / 1e9:7.1f} {flops / med[impl] / 1e9:8.1f} "
                 f"{statistics.median(times[peak_key]) / 1e9:7.1f} {mfu:6.1%} {cores:5.2f} "
                 f"{mfu_cpu:7.1%} {comp_s} "
@@ -592,7 +616,13 @@ def main():
             )
         print(
             f"  {name}: XLA counts {flops_xla / 1e9:.1f} GFLOP per step, the model-FLOPs formula "
-            f"{model_flops(c, batch, length) / 1e9:.1f}; peak = median of the rounds' GEMM "
+            f"{model_flops(c, batch, length) / 1e9:.1f}"
+            + (
+                " (every row uses the formula here: XLA's count leaves out cuBLAS dots)"
+                if ACCEL
+                else ""
+            )
+            + f"; peak = median of the rounds' GEMM "
             f"peaks ({statistics.median(times['peak jax cpu']) / 1e9:.1f} GFLOP per CPU-second "
             f"for jax); cores = CPU seconds / wall seconds of a step; {_load()}",
             flush=True,

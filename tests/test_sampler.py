@@ -684,3 +684,34 @@ def test_decode_loop_evaluates_no_cos_sin(model, monkeypatch):
         c for c in inside if any(op in line for line in comps[c] for op in (" cosine(", " sine("))
     ]
     assert not trig, trig
+
+
+def test_sync_of_a_pure_dict_places_checks_and_keeps_the_old_state(model):
+    """A pure dict of the sampler's own tree swaps its leaves in directly: host (NumPy) leaves
+    land committed on the sampler's device, a leaf of the wrong dtype or shape is refused with
+    the sampler's weights and version unchanged, and the state handed out before a sync keeps
+    the old weights (the sampler never writes into a tree it gave away)."""
+    s = Sampler(model, batch_buckets=(4,), prompt_buckets=(16,), new_token_buckets=(8,))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    before_state = s.state
+    before = [r[0].tokens for r in s.generate(PROMPTS, greedy)]
+    other = make_model(1)
+    host = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(other, nnx.Param)))
+    assert s.sync_weights(host, version=5) == 5
+    device = jax.tree.leaves(before_state)[0].sharding
+    assert all(x.sharding == device and x.committed for x in jax.tree.leaves(s.state))
+    ref = Sampler(other, batch_buckets=(4,), prompt_buckets=(16,), new_token_buckets=(8,))
+    got = [r[0].tokens for r in s.generate(PROMPTS, greedy)]
+    assert got == [r[0].tokens for r in ref.generate(PROMPTS, greedy)] != before
+    old = nnx.to_pure_dict(before_state)
+    np.testing.assert_array_equal(
+        old["norm"]["weight"], nnx.to_pure_dict(nnx.state(model, nnx.Param))["norm"]["weight"]
+    )
+    for bad in (
+        jax.tree.map(lambda x: x.astype(np.float16), host),
+        {**host, "norm": {"weight": np.zeros(3, np.float32)}},
+    ):
+        with pytest.raises(ValueError, match="sync_weights: leaf shape/dtype"):
+            s.sync_weights(bad, version=6)
+    assert s.policy_version == 5
+    assert [r[0].tokens for r in s.generate(PROMPTS, greedy)] == got

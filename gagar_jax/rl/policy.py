@@ -131,6 +131,8 @@ def local_params(params, mesh, device):
     full = _replicator(NamedSharding(mesh, PartitionSpec()))(params)
 
     def pick(x):
+        if x.sharding.device_set == {device}:  # a one-device mesh: the copy is on `device`
+            return x.addressable_data(0)
         for shard in x.addressable_shards:
             if shard.device == device:
                 return shard.data

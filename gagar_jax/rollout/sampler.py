@@ -542,7 +542,17 @@ class Sampler:
             leaf = jax.tree.leaves(self.state)[0]
             device = next(iter(leaf.devices())) if hasattr(leaf, "devices") else None
             self.state = jax.device_put(self.state, device or jax.local_devices()[0])
-        self._param_paths = _pure_paths(nnx.to_pure_dict(self.state))
+        pure = nnx.to_pure_dict(self.state)
+        self._param_paths = _pure_paths(pure)
+        # What `sync_weights` needs to swap a pure dict's leaves in directly: the state's tree and
+        # leaf shardings, and whether the pure dict lists the same leaves in the same order.
+        state_leaves, self._state_def = jax.tree.flatten(self.state)
+        pure_leaves, self._pure_def = jax.tree.flatten(pure)
+        self._leaf_shardings = [x.sharding for x in state_leaves]
+        self._leaf_types = [(x.shape, x.dtype) for x in state_leaves]
+        self._pure_in_state_order = len(pure_leaves) == len(state_leaves) and all(
+            a is b for a, b in zip(pure_leaves, state_leaves)
+        )
         self._kept: list[dict] = []  # most recent first: {"cache", "rows", "lengths"}
         # prompt tokens prefilled / taken from a kept cache, over the sampler's life
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "calls_reusing_cache": 0}
@@ -773,6 +783,31 @@ class Sampler:
         nnx.replace_by_pure_dict(state, params)
         return state
 
+    def _leaves_in_state_order(self, params: Mapping) -> list | None:
+        """The leaves of the pure dict ``params`` (after the sampler's layer layout is applied)
+        in the order of the state's leaves, or None when its tree is not the sampler's own
+        pure-dict tree (the general path then matches it by path, with its errors)."""
+        if not self._pure_in_state_order:
+            return None
+        try:
+            params = (
+                stack_layer_params(params)
+                if self.config.scan_layers
+                else unstack_layer_params(params)
+            )
+        except (KeyError, ValueError, TypeError, AttributeError):
+            return None
+        leaves, treedef = jax.tree.flatten(params)
+        return leaves if treedef == self._pure_def else None
+
+    def _check_leaves(self, leaves: list) -> None:
+        for (shape, dtype), b_ in zip(self._leaf_types, leaves):
+            if shape != b_.shape or dtype != b_.dtype:
+                raise ValueError(
+                    f"sync_weights: leaf shape/dtype {b_.shape}/{b_.dtype} does not "
+                    f"match {shape}/{dtype}"
+                )
+
     def sync_weights(self, params_or_path: Any, version: int) -> int:
         """Replaces the weights; returns `version` (stamped on every later Sample).
 
@@ -782,6 +817,25 @@ class Sampler:
         """
 
         new = params_or_path
+        if isinstance(new, Mapping) and not isinstance(new, nnx.State):
+            leaves = self._leaves_in_state_order(new)
+            if leaves is not None:  # the same tree: its leaves replace the state's in place
+                self._check_leaves(leaves)
+                moved = [
+                    i
+                    for i, (x, sh) in enumerate(zip(leaves, self._leaf_shardings))
+                    if getattr(x, "sharding", None) != sh
+                ]
+                if moved:  # one transfer call for the leaves not yet in place
+                    put = jax.device_put(
+                        [leaves[i] for i in moved], [self._leaf_shardings[i] for i in moved]
+                    )
+                    for i, x in zip(moved, put):
+                        leaves[i] = x
+                self.state = jax.tree.unflatten(self._state_def, leaves)
+                self._kept.clear()
+                self.policy_version = int(version)
+                return self.policy_version
         if isinstance(new, (str, os.PathLike)):
             _, new = load_hf_safetensors(os.fspath(new))
         if isinstance(new, nnx.Module):
@@ -800,12 +854,7 @@ class Sampler:
                 f"sync_weights: parameter tree differs from the sampler's model: "
                 f"{new_struct} vs {old_struct}"
             )
-        for a, b_ in zip(jax.tree.leaves(self.state), jax.tree.leaves(new)):
-            if a.shape != b_.shape or a.dtype != b_.dtype:
-                raise ValueError(
-                    f"sync_weights: leaf shape/dtype {b_.shape}/{b_.dtype} does not "
-                    f"match {a.shape}/{a.dtype}"
-                )
+        self._check_leaves(jax.tree.leaves(new))
         # One transfer call for the whole tree (a no-op for leaves already in place).
         self.state = jax.device_put(new, jax.tree.map(lambda old: old.sharding, self.state))
         self._kept.clear()  # caches of the old weights
