@@ -692,6 +692,7 @@ def test_sync_of_a_pure_dict_places_checks_and_keeps_the_old_state(model):
     the sampler's weights and version unchanged, and the state handed out before a sync keeps
     the old weights (the sampler never writes into a tree it gave away)."""
     s = Sampler(model, batch_buckets=(4,), prompt_buckets=(16,), new_token_buckets=(8,))
+    assert s._pure_in_state_order  # the direct path is the one this model's dicts take
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     before_state = s.state
     before = [r[0].tokens for r in s.generate(PROMPTS, greedy)]
