@@ -28,11 +28,12 @@ temporary buffers with whole and chunked logits, same model, per vocabulary size
 151,936 (``--logits-vocabs``). The machine's load average is printed before and after. Model FLOPs
 (the PyTorch rows' count) = 6 x (matmul params) x tokens + the attention score/value matmuls (12 x
 layers x T^2 x heads x head_dim per sequence). On an accelerator the MFU column is against that
-device's measured GEMM peak (an 8192^3 product of random values), PyTorch runs on the same GPU
-and float32 products run at TF32 on both sides (JAX's default precision there). ``--dtype
-bfloat16`` computes in bfloat16 on both sides (parameters stay float32; PyTorch autocasts), and
-``--batch-scale N`` multiplies every config's batch (an accelerator needs more sequences than a
-CPU step takes to be filled).
+device's measured GEMM peak (an 8192^3 product of random values), every row's FLOPs are the
+model-FLOPs formula (XLA's cost analysis on a GPU leaves out the dots it hands to cuBLAS),
+PyTorch runs on the same GPU and float32 products run at TF32 on both sides (JAX's default
+precision there). ``--dtype bfloat16`` computes in bfloat16 on both sides (parameters stay
+float32; PyTorch autocasts), and ``--batch-scale N`` multiplies every config's batch (an
+accelerator needs more sequences than a CPU step takes to be filled).
 
 ``--profile CONFIG`` adds a per-op profile of one config's update (``benchmarks/xla_profile.py``:
 ``jax.profiler`` trace matched to the compiled HLO): the time in dots (with their achieved
