@@ -64,6 +64,9 @@ from gagar_jax.update.malloc import keep_heap  # noqa: E402
 
 KEEP_HEAP = keep_heap()
 
+# The race's timestamped progress lines (benchmarks/ is on sys.path for a script).
+from rl_step import progress  # noqa: E402
+
 # One host device for the benchmark (the test suite's 8 simulated devices would split threads).
 os.environ["XLA_FLAGS"] = " ".join(
     f
@@ -139,15 +142,6 @@ def config_of(name: str):
 
 def _load() -> str:
     return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-
-
-_T0 = time.perf_counter()
-
-
-def progress(msg: str) -> None:
-    """A timestamped line on stderr (seconds since start): where a run that is cut short by a
-    time limit spent its time."""
-    print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def model_flops(c: TransformerConfig, batch: int, length: int) -> float:

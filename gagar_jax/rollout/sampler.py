@@ -764,11 +764,7 @@ class Sampler:
         no model is built and nothing is initialised (the tree is the sampler's own)."""
 
         try:
-            params = (
-                stack_layer_params(params)
-                if self.config.scan_layers
-                else unstack_layer_params(params)
-            )
+            params = self._own_layout(params)
             paths = _pure_paths(params)
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"sync_weights: params do not fit the sampler's model: {e}") from e
@@ -783,6 +779,12 @@ class Sampler:
         nnx.replace_by_pure_dict(state, params)
         return state
 
+    def _own_layout(self, params: Mapping) -> Mapping:
+        """A pure parameter dict in the sampler's layer layout (stacked or per layer)."""
+        if self.config.scan_layers:
+            return stack_layer_params(params)
+        return unstack_layer_params(params)
+
     def _leaves_in_state_order(self, params: Mapping) -> list | None:
         """The leaves of the pure dict ``params`` (after the sampler's layer layout is applied)
         in the order of the state's leaves, or None when its tree is not the sampler's own
@@ -790,11 +792,7 @@ class Sampler:
         if not self._pure_in_state_order:
             return None
         try:
-            params = (
-                stack_layer_params(params)
-                if self.config.scan_layers
-                else unstack_layer_params(params)
-            )
+            params = self._own_layout(params)
         except (KeyError, ValueError, TypeError, AttributeError):
             return None
         leaves, treedef = jax.tree.flatten(params)
