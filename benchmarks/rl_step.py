@@ -121,6 +121,9 @@ NOTES = [
     "of a multi-turn episode reaches; every framework prefills that history each step "
     "(gagar_jax's prefix_cache, which keeps a previous turn's KV cache, is off: neither "
     "trainer has an equivalent in its RL step).",
+    "The update's LM head: gagar_jax (score_window, as its RL loop sets it) and TRL "
+    "(logits_to_keep) run it on the completion positions only; Tunix's model returns logits "
+    "for every position and its loss keeps the completion's.",
     "gagar_jax's phase boundaries: generate = Sampler.generate, score = decoding and the "
     "reward, pack = rl.collect.pack_groups + shard_batch, update = the jitted update "
     "(advantages inside) with its metrics fetched, sync = rl.policy.local_params + "
@@ -710,7 +713,9 @@ def _check_inputs(spec, meta):
 
 def gagar_update_config(spec: dict):
     """gagar_jax's side of the race: mean-centred advantages without redistribution, PPO-clip
-    token mean, no KL / entropy terms, AdamW without weight decay, one optimizer step."""
+    token mean, no KL / entropy terms, AdamW without weight decay, one optimizer step. The LM
+    head runs on the response positions only (``score_window`` = the new tokens, what the RL
+    loop derives from ``rollout.max_new_tokens``)."""
     from gagar_jax.advantages import GagarConfig
     from gagar_jax.update import UpdateConfig
 
@@ -727,6 +732,7 @@ def gagar_update_config(spec: dict):
         num_minibatches=1,
         num_microbatches=1,
         ppo_epochs=1,
+        score_window=spec.get("new", 0),
         advantages=adv,
     )
 

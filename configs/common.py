@@ -30,12 +30,13 @@ from ml_collections import config_dict
 from gagar_jax.feedback.run import FeedbackRunConfig
 from gagar_jax.rl.config import RunConfig
 
-# Fields the run config derives (from the mode, the rollout temperature and the step count)
-# unless a config sets them; base() leaves them out so that they stay derived.
+# Fields the run config derives (from the mode, the rollout's temperature and response budget,
+# and the step count) unless a config sets them; base() leaves them out so they stay derived.
 DERIVED_FIELDS = (
     ("learner", "temperature"),
     ("learner", "decay_steps"),
     ("learner", "token_credit"),
+    ("learner", "score_window"),
     ("learner", "advantages", "mode"),
 )
 

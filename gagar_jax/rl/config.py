@@ -15,11 +15,13 @@ because ``ConfigDict.update`` is a method: ``c.update`` would never reach the se
 loop-only sections (``task``, ``rollout``, ``sampling``, ``grading``, ``sft``, ``loop``,
 ``mesh``) are dataclasses of this module.
 
-Four ``learner`` fields follow from other choices and are filled in by
+Five ``learner`` fields follow from other choices and are filled in by
 :meth:`RunConfig.from_config_dict` when the ``ConfigDict`` leaves them out (and checked when it
 sets them): ``temperature`` = ``rollout.temperature`` (the behaviour policy's), ``decay_steps``
-= the run's optimizer steps, ``advantages.mode`` = the training mode's redistribution, and
-``token_credit`` (``"evidence"`` in mode ``gagar_token``, else ``"broadcast"``).
+= the run's optimizer steps, ``advantages.mode`` = the training mode's redistribution,
+``token_credit`` (``"evidence"`` in mode ``gagar_token``, else ``"broadcast"``), and
+``score_window`` = ``rollout.max_new_tokens`` (the LM head runs on the response positions
+only; 0 runs it on every position, with the same loss).
 
 Modes (``config.mode``), the paper's ablation:
 
@@ -543,6 +545,13 @@ class RunConfig:
             u.temperature,
         )
         _check(
+            u.score_window == 0 or u.score_window >= self.rollout.max_new_tokens,
+            "learner.score_window",
+            f"0 (every position) or >= rollout.max_new_tokens={self.rollout.max_new_tokens} "
+            "(the widest response the loop packs)",
+            u.score_window,
+        )
+        _check(
             u.advantages.mode == _REDISTRIBUTION[self.mode],
             "learner.advantages.mode",
             f"{_REDISTRIBUTION[self.mode]!r} for mode={self.mode!r}",
@@ -599,6 +608,8 @@ class RunConfig:
             )
         }
         d["learner"].pop("decay_steps")
+        # which positions the LM head runs on: speed only, the loss is the same
+        d["learner"].pop("score_window")
         d.pop("mesh")
         d.pop("execution")  # where verification runs: deployment, not the run
         d["rollout"].pop("weight_writer")  # which host exports: deployment, not the run
@@ -626,7 +637,7 @@ class RunConfig:
 
         Unknown keys are an error naming the key, so a typo on the command line never
         silently falls back to a default. ``learner`` fields left out take
-        :data:`DEFAULT_LEARNER`'s values, except the four derived ones (module docstring).
+        :data:`DEFAULT_LEARNER`'s values, except the five derived ones (module docstring).
         """
         raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         top = _fields(cls) - {"hf_checkpoint"}
@@ -664,6 +675,7 @@ class RunConfig:
         a.setdefault("mode", _REDISTRIBUTION.get(mode, "none"))
         u.setdefault("temperature", rollout.temperature)
         u.setdefault("token_credit", "evidence" if mode == "gagar_token" else "broadcast")
+        u.setdefault("score_window", rollout.max_new_tokens)
         steps_per_update = u.get("ppo_epochs", DEFAULT_LEARNER.ppo_epochs) * u.get(
             "num_minibatches", DEFAULT_LEARNER.num_minibatches
         )

@@ -73,6 +73,13 @@ class UpdateConfig:
     # (rematerialised in the backward pass), so the [tokens, vocab] float32 logits never exist
     # whole; 0 = the whole sequence at once.
     logits_chunk_size: int = 0
+    # Speed: the LM head and the log-softmax run only on a window of this many positions of
+    # each sequence, from the one that predicts its first response token, not on the prompt
+    # (the RL loop sets it to ``rollout.max_new_tokens``, the widest a packed response can be).
+    # Every response token must lie inside the window: ``check_batch`` refuses a batch where
+    # one does not, and the ``score_window/dropped_tokens`` metric counts any the jitted update
+    # would leave out. The loss is the same as with every position scored. 0 = every position.
+    score_window: int = 0
     # Geometry.
     num_minibatches: int = 1
     num_microbatches: int = 1
@@ -126,6 +133,7 @@ class UpdateConfig:
             "warmup_steps",
             "router_aux_loss_coef",
             "logits_chunk_size",
+            "score_window",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"update.{name} must be >= 0, got {getattr(self, name)}")
@@ -344,8 +352,10 @@ def config_fingerprint(
     The mesh shape is left out on purpose: a checkpoint restores onto any mesh.
     """
     del mesh_shape
+    update = dataclasses.asdict(config)
+    update.pop("score_window")  # where the LM head runs: the same loss and state either way
     payload = json.dumps(
-        {"model": dataclasses.asdict(model_config), "update": dataclasses.asdict(config)},
+        {"model": dataclasses.asdict(model_config), "update": update},
         sort_keys=True,
         default=str,
     )

@@ -134,6 +134,23 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
         raise ValueError("batch.ref_logprobs [N, T] is required when update.kl_coef > 0")
     if config.token_credit == "evidence" and batch.evidence is None:
         raise ValueError("batch.evidence [N, T] is required when update.token_credit='evidence'")
+    if _windowed(config, t):
+        scored = np.asarray(batch.response_mask, bool)[:, 1:]
+        rows = np.flatnonzero(scored.any(axis=1))
+        if rows.size:
+            first = scored[rows].argmax(axis=1)
+            last = scored.shape[1] - 1 - scored[rows, ::-1].argmax(axis=1)
+            span = last - first + 1
+            worst = int(np.argmax(span))
+            if span[worst] > config.score_window:
+                raise ValueError(
+                    f"batch.response_mask row {int(rows[worst])} has response tokens over "
+                    f"{int(span[worst])} positions ({int(first[worst]) + 1}.."
+                    f"{int(last[worst]) + 1}), more than update.score_window="
+                    f"{config.score_window}: raise score_window to at least "
+                    f"{int(span.max())} (the widest response), or set it to 0 to score "
+                    "every position"
+                )
     chunks = config.num_minibatches * config.num_microbatches
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     if n % (chunks * shards):
@@ -286,6 +303,25 @@ def chunked_token_logprobs_and_entropy(
     return lp, ent
 
 
+def _windowed(config: UpdateConfig, seq_len: int) -> bool:
+    """Whether the loss scores a window of ``config.score_window`` positions per sequence (a
+    window as wide as the ``seq_len - 1`` predictions, or wider, is the whole sequence)."""
+    return 0 < config.score_window < seq_len - 1
+
+
+def score_window_index(response_mask: jax.Array, window: int) -> jax.Array:
+    """The ``[N, window]`` prediction positions each sequence's loss reads under
+    ``UpdateConfig.score_window``: ``window`` consecutive positions from the one that predicts
+    the sequence's first response token (position ``j`` predicts token ``j + 1``), moved back
+    to end at the last prediction where they would run past it. ``response_mask`` is
+    ``[N, T]`` with ``T - 1 >= window``; a sequence without response tokens reads the first
+    ``window`` positions (all masked)."""
+    scored = response_mask[:, 1:].astype(jnp.int32)
+    first = jnp.argmax(scored, axis=1).astype(jnp.int32)
+    start = jnp.minimum(first, scored.shape[1] - window)
+    return start[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :]
+
+
 def update_step(
     state: TrainState,
     batch: UpdateBatch,
@@ -336,17 +372,38 @@ def update_step(
         hidden, router = model.hidden_states(
             mb["tokens"], mb["positions"], attention_mask=mb["attention_mask"], return_aux=True
         )
-        # Targets shifted left by one; the logits are consumed whole (no sliced [b, T-1, V]
-        # copy) and only the [b, T] results drop their last column. The behaviour policy
-        # sampled from softmax(logits / T): score the same distribution.
-        next_tokens = jnp.roll(mb["tokens"], -1, axis=1)
-        logprobs, entropy = chunked_token_logprobs_and_entropy(
-            model, hidden, next_tokens, config.temperature, config.logits_chunk_size
-        )
-        logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
+        # The behaviour policy sampled from softmax(logits / T): score the same distribution.
+        # ``per_token(x)`` aligns a [b, T] token field with the scored predictions (position j
+        # predicts token j + 1; ``shift=0`` for fields already indexed by the prediction).
+        if _windowed(config, mb["tokens"].shape[1]):
+            idx = score_window_index(mb["response_mask"], config.score_window)  # [b, W]
+
+            def per_token(x, shift=1):
+                return jnp.take_along_axis(x, idx + shift, axis=1)
+
+            logprobs, entropy = chunked_token_logprobs_and_entropy(
+                model,
+                jnp.take_along_axis(hidden, idx[..., None], axis=1),
+                per_token(mb["tokens"]),
+                config.temperature,
+                config.logits_chunk_size,
+            )
+        else:
+
+            def per_token(x, shift=1):
+                return x[:, 1:] if shift else x[:, :-1]
+
+            # Targets shifted left by one; the logits are consumed whole (no sliced
+            # [b, T-1, V] copy) and only the [b, T] results drop their last column.
+            next_tokens = jnp.roll(mb["tokens"], -1, axis=1)
+            logprobs, entropy = chunked_token_logprobs_and_entropy(
+                model, hidden, next_tokens, config.temperature, config.logits_chunk_size
+            )
+            logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
         ref = mb.get("ref_logprobs")
-        mask = mb["response_mask"][:, 1:]
-        evidence = mb["evidence"][:, 1:] if "evidence" in mb else None
+        mask = per_token(mb["response_mask"])
+        old_logprobs = per_token(mb["old_logprobs"])
+        evidence = per_token(mb["evidence"]) if "evidence" in mb else None
         advantages = mb["advantages"]  # [b]: broadcast inside the fused loss
         if config.token_credit != "broadcast":
             importance = importance_provider(config.token_credit)(
@@ -357,11 +414,11 @@ def update_step(
             )  # [b, T - 1]
         terms = policy_loss(
             logprobs,
-            mb["old_logprobs"][:, 1:],
+            old_logprobs,
             advantages,
             mask,
             entropy,
-            None if ref is None else ref[:, 1:],
+            None if ref is None else per_token(ref),
             clip_low=config.clip_low,
             clip_high=config.clip_high,
             dual_clip=config.dual_clip,
@@ -371,7 +428,7 @@ def update_step(
             entropy_coef=config.entropy_coef,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
-            **_off_policy_args(mb, config),
+            **_off_policy_args(mb, config, per_token),
         )
         extra = {}
         if token_keys:
@@ -381,7 +438,7 @@ def update_step(
                 mask,
                 evidence,
                 logprobs,
-                mb["old_logprobs"][:, 1:],
+                old_logprobs,
                 config,
                 num_tokens,
                 num_seqs,
@@ -394,8 +451,8 @@ def update_step(
             loss = loss + config.router_aux_loss_coef * router["router_aux_loss"] / a
         # training-inference mismatch: |trainer log-prob - engine log-prob| on the engine's own
         # tokens (meaningful at the first optimizer step, before the parameters move)
-        diff = jnp.abs(logprobs - mb["old_logprobs"][:, 1:])
-        max_diff = jnp.max(jnp.where(mb["response_mask"][:, 1:], diff, 0.0), initial=0.0)
+        diff = jnp.abs(logprobs - old_logprobs)
+        max_diff = jnp.max(jnp.where(mask, diff, 0.0), initial=0.0)
         return loss, (terms, extra, jax.lax.stop_gradient(max_diff))
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -459,6 +516,10 @@ def update_step(
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
     metrics["learning_rate"] = per_step["learning_rate"][-1]
     metrics["tokens"] = jnp.sum(resp[:, 1:].astype(jnp.float32))
+    if _windowed(config, resp.shape[1]):
+        idx = score_window_index(resp, config.score_window)
+        kept = jnp.sum(jnp.take_along_axis(resp, idx + 1, axis=1).astype(jnp.float32))
+        metrics["score_window/dropped_tokens"] = metrics["tokens"] - kept
     n_resp_seqs = jnp.sum(jnp.any(resp[:, 1:], axis=-1).astype(jnp.float32))
     metrics["response_length"] = metrics["tokens"] / jnp.maximum(n_resp_seqs, 1.0)
     metrics.update(adv_out.metrics)
@@ -489,12 +550,12 @@ def _proximal_logprobs(params, data, graphdef, config: UpdateConfig) -> jax.Arra
     return jax.lax.map(lambda mbs: jax.lax.map(one, mbs), inputs)
 
 
-def _off_policy_args(mb, config: UpdateConfig) -> dict:
+def _off_policy_args(mb, config: UpdateConfig, per_token) -> dict:
     """``policy_loss``'s correction arguments (none when no correction is configured)."""
     if not config.off_policy:
         return {}
     return dict(
-        proximal_logprobs=mb["proximal_logprobs"][:, :-1],
+        proximal_logprobs=per_token(mb["proximal_logprobs"], 0),
         rollout_is=config.rollout_is,
         rollout_is_threshold=config.rollout_is_threshold,
         rollout_rs=config.rollout_rs,
