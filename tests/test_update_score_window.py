@@ -67,9 +67,7 @@ def _update(config, mesh_shape=(1, 1, 1), steps=2, with_ref=False):
 def _assert_same(a, b):
     (pa, ma), (pb, mb) = a, b
     for x, y in zip(ma, mb):
-        assert set(x) - {"score_window/dropped_tokens"} == set(y) - {
-            "score_window/dropped_tokens"
-        }
+        assert set(x) - {"score_window/dropped_tokens"} == set(y) - {"score_window/dropped_tokens"}
         for k in x.keys() & y.keys():
             np.testing.assert_allclose(x[k], y[k], rtol=2e-5, atol=1e-7, err_msg=k)
     moved = 0.0
@@ -140,7 +138,8 @@ def test_response_wider_than_the_window_is_refused_and_counted():
     spans = [np.flatnonzero(r[1:]) for r in batch.response_mask]
     widest = max(s[-1] - s[0] + 1 for s in spans if s.size)
     assert widest > config.score_window
-    with pytest.raises(ValueError, match=f"score_window=5: raise score_window to at least {widest}"):
+    want = f"score_window=5: raise score_window to at least {widest}"
+    with pytest.raises(ValueError, match=want):
         check_batch(batch, config)
     check_batch(batch, dataclasses.replace(config, score_window=widest))
     check_batch(batch, dataclasses.replace(config, score_window=0))
