@@ -552,8 +552,10 @@ def gemm_peak(n: int = 0, reps: int = 10) -> float:
 
 def model_flops(assets: Path, shape: dict) -> dict:
     """Model FLOPs of one step's phases (the same work in every framework): generate = 2 x
-    matmul params per token (prefill of each sample row + its new tokens, plus attention
-    scores/values), update = 6 x matmul params per token + attention (forward and backward)."""
+    the layers' matmul params per token (prefill of each sample row + its new tokens) + the LM
+    head on the new tokens + attention scores/values; update = 6 x the same matmuls + attention
+    (forward and backward). The LM head counts only where the step needs logits: the
+    positions that predict the new tokens."""
     c = json.loads((Path(assets) / "config.json").read_text())
     h, d = c["hidden_size"], c["head_dim"]
     nh, nkv, f, v, L = (
@@ -564,12 +566,12 @@ def model_flops(assets: Path, shape: dict) -> dict:
         c["num_hidden_layers"],
     )
     per_layer = h * d * (nh + 2 * nkv) + nh * d * h + 3 * h * f
-    matmul = L * per_layer + v * h
     rows = shape["prompts"] * shape["samples"]
     t = shape["prompt_len"] + shape["new"]
+    matmul = L * per_layer * t + v * h * shape["new"]  # per row
     attn = 4.0 * L * nh * d * t * t / 2  # causal: half the score/value matmuls, per row
-    generate = rows * (2.0 * matmul * t + attn)
-    update = rows * (6.0 * matmul * t + 3 * attn)
+    generate = rows * (2.0 * matmul + attn)
+    update = rows * (6.0 * matmul + 3 * attn)
     return {"generate": generate, "update": update}
 
 
