@@ -353,7 +353,7 @@ def config_fingerprint(
     """
     del mesh_shape
     update = dataclasses.asdict(config)
-    update.pop("score_window")  # where the LM head runs: the same loss and state either way
+    update.pop("score_window", None)  # where the LM head runs: the same loss and state
     payload = json.dumps(
         {"model": dataclasses.asdict(model_config), "update": update},
         sort_keys=True,
