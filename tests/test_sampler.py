@@ -19,6 +19,7 @@ from gagar_jax.rollout.sampler import (
     Sampler,
     _argmax,
     _segment_ends,
+    inverse_cdf_draw,
     sample_token,
     score_tokens,
 )
@@ -434,18 +435,91 @@ def test_argmax_is_jnp_argmax_with_ties_and_inf(rows):
     np.testing.assert_array_equal(np.asarray(_argmax(x)), np.asarray(jnp.argmax(x, axis=-1)))
 
 
+def _np_inverse_cdf(x, u):
+    """float64 reference: the first token whose cumulative softmax probability exceeds u."""
+    x = np.asarray(x, np.float64)
+    p = np.exp(x - x.max(axis=-1, keepdims=True))
+    cum = np.cumsum(p / p.sum(axis=-1, keepdims=True), axis=-1)
+    return np.array([int(np.searchsorted(c, v, side="right")) for c, v in zip(cum, u)])
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_sampled_tokens_are_the_categorical_draws(seed):
-    """Untruncated sampling (top-k/top-p off) draws what ``jax.random.categorical`` draws with
-    the same row keys, and its log-probs are the full log-softmax's."""
+def test_sampled_tokens_are_the_inverse_cdf_draws(seed):
+    """Untruncated sampling (top-k/top-p off) draws, in each row, the token where the row key's
+    uniform number falls in the softmax's cumulative distribution (float64 reference), and its
+    log-probs are the full log-softmax's. 257 tokens: the last block holds one."""
     x = 3.0 * jax.random.normal(jax.random.key(seed), (32, 257))
     keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(seed + 7), r))(jnp.arange(32))
     t = jnp.float32(0.7)
     tok, lp = sample_token(x, keys, t, jnp.float32(1.0), jnp.int32(0))
-    ref = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, x / t)
-    np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref))
+    u = np.asarray(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys))
+    ref = _np_inverse_cdf(np.asarray(x / t), u)
+    np.testing.assert_array_equal(np.asarray(tok), ref)
     logp = np.asarray(jax.nn.log_softmax(x / t, axis=-1))
-    np.testing.assert_allclose(np.asarray(lp), logp[np.arange(32), np.asarray(ref)], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(lp), logp[np.arange(32), ref], rtol=1e-6)
+
+
+def test_sampled_token_frequencies_are_the_softmax():
+    """200,000 draws from one truncated row (1,000 tokens, a third excluded): every token's
+    frequency within 5 standard errors of its softmax probability (plus 1e-4), no excluded
+    token ever drawn, and the draws' mean log-probability the distribution's."""
+    rng = np.random.default_rng(0)
+    row = rng.normal(0, 2.0, 1000).astype(np.float32)
+    row[rng.choice(1000, 333, replace=False)] = -np.inf
+    row[int(np.argmax(row))] += 1.0
+    n, reps = 20_000, 10
+    x = jnp.broadcast_to(jnp.asarray(row), (n, 1000))
+    top = jnp.max(x, axis=-1, keepdims=True)
+    counts = np.zeros(1000)
+    for r in range(reps):
+        u = jax.random.uniform(jax.random.key(r), (n,), jnp.float32)
+        counts += np.bincount(np.asarray(inverse_cdf_draw(x, top, u)), minlength=1000)
+    p = np.exp(row.astype(np.float64) - row.max())
+    p /= p.sum()
+    freq = counts / (n * reps)
+    assert counts[~np.isfinite(row)].sum() == 0
+    se = np.sqrt(p * (1 - p) / (n * reps))
+    assert np.all(np.abs(freq - p) <= 5 * se + 1e-4), np.max(np.abs(freq - p) / (se + 1e-12))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 200),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([0.0, 0.5, float(np.nextafter(np.float32(1), np.float32(0)))]),
+)
+def test_inverse_cdf_draw_edges(vocab, seed, u_edge):
+    """Any vocabulary size (a partial last block), rows with one allowed token, huge logit gaps,
+    and uniforms at 0 and at the largest float32 below 1: the draw is always a token of
+    positive weight, the first one at u = 0 and, in the rows of equal weights, the last one at
+    u -> 1; otherwise the float64 reference's token or a neighbour of it."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, rng.choice([0.1, 3.0, 30.0]), (4, vocab)).astype(np.float32)
+    x[rng.random((4, vocab)) < 0.5] = -np.inf
+    x[1, :] = -np.inf
+    x[1, rng.integers(vocab)] = 0.0  # one allowed token
+    for r in (0, 2, 3):  # a finite maximum in every row
+        finite = x[r][np.isfinite(x[r])]
+        x[r, rng.integers(vocab)] = (finite.max() if finite.size else 0.0) + 1e-3
+    x[0, :] = np.where(np.isfinite(x[0]), 0.0, -np.inf)  # uniform over the allowed ones
+    xj = jnp.asarray(x)
+    u = np.full(4, u_edge, np.float32)
+    tok = np.asarray(inverse_cdf_draw(xj, jnp.max(xj, axis=-1, keepdims=True), jnp.asarray(u)))
+    # Drawable: a positive float32 weight exp(x - max) as XLA computes it (an allowed token
+    # ~87 or more below the maximum has a subnormal or zero weight, which XLA flushes to 0).
+    drawable = np.asarray(jnp.exp(xj - jnp.max(xj, axis=-1, keepdims=True))) > 0
+    assert drawable[np.arange(4), tok].all()
+    ids = [np.flatnonzero(a) for a in drawable]
+    if u_edge == 0.0:
+        assert [t == i[0] for t, i in zip(tok, ids)] == [True] * 4
+    if u_edge > 0.9:
+        assert tok[0] == ids[0][-1] and tok[1] == ids[1][-1]
+    ref = _np_inverse_cdf(x, u)
+    for t, r, i in zip(tok, ref, ids):
+        # the reference's token, or (a float32 rounding at an interval's end) a drawable
+        # neighbour of it
+        k = int(np.searchsorted(i, min(r, i[-1])))
+        assert t in set(i[max(k - 1, 0) : k + 2].tolist())
 
 
 @settings(max_examples=60, deadline=None)

@@ -40,7 +40,10 @@ is partitioned by XLA, the decode loop runs under ``shard_map``, one loop per de
 
 Randomness: the key of row `r` (prompt i, sample j -> r = i * n + j) at step `t` is
 `fold_in(fold_in(key(seed), r), t)`, so a fixed seed gives the same samples whatever the batch
-bucket; without `SamplingParams.seed` the sampler draws a fresh seed from its own counter.
+bucket; without `SamplingParams.seed` the sampler draws a fresh seed from its own counter. A
+sampled token takes one uniform number from that key and inverts the (truncated) softmax's
+cumulative distribution (`inverse_cdf_draw`): one random number per row and step, where
+Gumbel-max would draw one per vocabulary entry.
 """
 
 from __future__ import annotations
@@ -110,6 +113,52 @@ def _argmax(x):
     return _first_max_index(x, jnp.max(x, axis=-1, keepdims=True))
 
 
+INVERSE_CDF_BLOCK = 64  # tokens per block of the two-level inverse-CDF draw
+
+
+def inverse_cdf_draw(x, top, u):
+    """One draw per row from ``softmax(x)`` by inverting its cumulative distribution with one
+    uniform number per row.
+
+    Args:
+      x: [B, V] float32 logits; ``-inf`` where a token is excluded (top-k / top-p).
+      top: [B, 1] ``max(x, -1)`` (finite: the most likely token is never excluded).
+      u: [B] float32 uniform numbers in [0, 1) (the sampler's: ``jax.random.uniform`` of each
+        row's key at this step).
+    Returns:
+      tokens [B] int32: the first token whose cumulative weight exceeds ``u`` times the total.
+
+    The weights ``exp(x - top)`` are the softmax's numerators (1 at the maximum, 0 where
+    excluded, so an excluded token's interval is empty and is never drawn). The search has two
+    levels, so no cumulative sum runs over the whole vocabulary: over the sums of blocks of
+    ``INVERSE_CDF_BLOCK`` tokens, then inside the chosen block. Gumbel-max
+    (``jax.random.categorical``) would need ``V`` random numbers per row; this needs one.
+    """
+    b, vocab = x.shape
+    blk = INVERSE_CDF_BLOCK
+    nb = -(-vocab // blk)
+    weights = jnp.pad(jnp.exp(x - top), ((0, 0), (0, nb * blk - vocab))).reshape(b, nb, blk)
+    block_sum = jnp.sum(weights, axis=-1)  # [B, nb]
+    block_cum = jnp.cumsum(block_sum, axis=-1)
+    target = u * block_cum[:, -1]
+
+    def first_above(cum, level, positive):
+        # The first index whose cumulative weight exceeds ``level``; ``u * total`` can round
+        # up to the total, and then the draw is the last index of positive weight.
+        ids = jnp.arange(cum.shape[-1], dtype=jnp.int32)
+        count = jnp.sum((cum <= level[:, None]).astype(jnp.int32), axis=-1)
+        return jnp.minimum(count, jnp.max(jnp.where(positive, ids, 0), axis=-1))
+
+    block = first_above(block_cum, target, block_sum > 0)
+    before = jnp.take_along_axis(block_cum - block_sum, block[:, None], axis=-1)[:, 0]
+    inner = jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0, :]  # [B, blk]
+    # Rounding can put the level a hair below the block's start: clamp at 0, so the draw is
+    # the block's first token of positive weight.
+    level = jnp.maximum(target - before, 0.0)
+    within = first_above(jnp.cumsum(inner, axis=-1), level, inner > 0)
+    return (block * blk + within).astype(jnp.int32)
+
+
 def sample_token(logits, key, temperature, top_p, top_k):
     """Draws one token per row and returns its (untruncated) log-probability.
 
@@ -151,9 +200,8 @@ def sample_token(logits, key, temperature, top_p, top_k):
         x = logits.astype(jnp.float32) / t
         need = (top_k > 0) | (top_p < 1.0)
         masked = jax.lax.cond(need, truncate, lambda y: y, x)
-        # Gumbel-max, the draws of jax.random.categorical(key[r], masked[r]) row by row.
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(key)
-        return _argmax(masked + gumbel).astype(jnp.int32)
+        u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(key)
+        return inverse_cdf_draw(masked, top, u)
 
     # Greedy rows skip the [B, V] Gumbel noise and the truncation entirely (a traced branch:
     # one program serves greedy and sampled calls). The branches take the logits, not
