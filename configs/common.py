@@ -31,7 +31,7 @@ from gagar_jax.feedback.run import FeedbackRunConfig
 from gagar_jax.rl.config import RunConfig
 
 # Fields the run config derives (from the mode, the rollout's temperature and response budget,
-# and the step count) unless a config sets them; base() leaves them out so they stay derived.
+# and the step count) unless a config sets them; base() keeps them unset so they stay derived.
 DERIVED_FIELDS = (
     ("learner", "temperature"),
     ("learner", "decay_steps"),
@@ -117,15 +117,16 @@ def _cast(key: str, value: str, default: Any) -> Any:
 
 
 def base() -> ml_collections.ConfigDict:
-    """``RunConfig()`` as a ``ConfigDict``: every field with its default, derived fields left
-    out (:data:`DERIVED_FIELDS`), optional fields as typed placeholders (so
-    ``--config.learner.dual_clip=3.0`` parses)."""
+    """``RunConfig()`` as a ``ConfigDict``: every field with its default, derived fields
+    (:data:`DERIVED_FIELDS`) and optional fields as typed placeholders (unset, so a derived
+    field stays derived unless a config or the command line sets it:
+    ``--config.learner.score_window=0``, ``--config.learner.dual_clip=3.0``)."""
     d = RunConfig().to_dict()
     for path in DERIVED_FIELDS:
         section = d
         for key in path[:-1]:
             section = section[key]
-        section.pop(path[-1])
+        section[path[-1]] = config_dict.placeholder(type(section[path[-1]]))
     _placeholders(d, RunConfig())
     return ml_collections.ConfigDict(d)
 

@@ -73,6 +73,52 @@ def test_base_leaves_derived_fields_derived():
     assert cfg.learner.temperature == 0.3 and cfg.learner.advantages.mode == "none"
 
 
+def test_derived_fields_can_be_set_from_the_command_line():
+    """Each derived field is an unset typed placeholder in base(): a command-line override
+    (``--config.learner.score_window=0``, as scripts/train.py parses it) reaches it, and unset
+    it stays derived."""
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    child = (
+        "import sys\n"
+        "from absl import flags\n"
+        "from ml_collections import config_flags\n"
+        "from gagar_jax.rl.config import RunConfig\n"
+        "config = config_flags.DEFINE_config_file('config')\n"
+        "flags.FLAGS(sys.argv)\n"
+        "c = RunConfig.from_config_dict(config.value)\n"
+        "print(c.learner.score_window, c.learner.decay_steps, c.learner.temperature,"
+        " c.rollout.temperature)\n"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            child,
+            "--config=configs/toy_gagar.py",
+            "--config.learner.score_window=0",
+            "--config.learner.decay_steps=7",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    window, decay, temperature, rollout_temperature = out.stdout.split()
+    assert (window, decay) == ("0", "7") and temperature == rollout_temperature
+    c = common.base()
+    for path in common.DERIVED_FIELDS:
+        section = c
+        for key in path[:-1]:
+            section = section[key]
+        assert section[path[-1]] is None
+    with pytest.raises(TypeError):
+        c.learner.score_window = "all"
+
+
 def test_base_optional_fields_are_typed_placeholders():
     c = common.base()
     assert c.learner.dual_clip is None

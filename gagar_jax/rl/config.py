@@ -70,6 +70,11 @@ _REDISTRIBUTION = {
 DEFAULT_LEARNER = UpdateConfig(learning_rate=1e-4, warmup_steps=5, b2=0.99)
 
 
+# The learner fields a run derives from its other choices when a config leaves them out (or
+# None); ``advantages.mode`` is derived too (module docstring).
+DERIVED_LEARNER_FIELDS = ("temperature", "decay_steps", "token_credit", "score_window")
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
 
@@ -672,6 +677,12 @@ class RunConfig:
                 _fields(GagarConfig),
             )
         )
+        # A derived field given as None (an unset placeholder: configs.common.base() keeps one
+        # for each, so the command line can set it) is left to be derived.
+        for section, names in ((u, DERIVED_LEARNER_FIELDS), (a, ("mode",))):
+            for name in names:
+                if section.get(name, 0) is None:
+                    del section[name]
         a.setdefault("mode", _REDISTRIBUTION.get(mode, "none"))
         u.setdefault("temperature", rollout.temperature)
         u.setdefault("token_credit", "evidence" if mode == "gagar_token" else "broadcast")
