@@ -1230,6 +1230,19 @@ class Transformer(nnx.Module):
           (logits [B, T, V] float32, updated Cache). Writing past ``max_len`` is clamped by
           ``dynamic_update_slice``: callers must keep ``index + T <= max_len``.
         """
+        h, new_cache = self.decode_hidden(
+            tokens, positions, cache, attention_mask=attention_mask, rope_cos_sin=rope_cos_sin
+        )
+        if last_only:
+            h = h[:, -1:]
+        return self.logits_from_hidden(h), new_cache
+
+    def decode_hidden(
+        self, tokens, positions, cache: Cache, *, attention_mask=None, rope_cos_sin=None
+    ):
+        """:meth:`decode` without the LM head: ``(final-norm hidden states [B, T, E], updated
+        Cache)``. Differentiable (the update's shared-prefix forward runs a group's prompt
+        once this way and its samples' responses against the prompt's cache)."""
         self._check(tokens, positions, attention_mask)
         if cache.mask.shape[0] != tokens.shape[0]:
             raise ValueError(f"cache batch {cache.mask.shape[0]} != tokens batch {tokens.shape[0]}")
@@ -1240,10 +1253,7 @@ class Transformer(nnx.Module):
         h, (k, v), _ = self._hidden(
             tokens, positions, key_mask, attention_mask, cache, rope_cos_sin=rope_cos_sin
         )
-        new_cache = Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
-        if last_only:
-            h = h[:, -1:]
-        return self.logits_from_hidden(h), new_cache
+        return h, Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
 
 
 def _is_stacked_layers(layers) -> bool:

@@ -153,11 +153,47 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
                 )
     chunks = config.num_minibatches * config.num_microbatches
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    if _shares_prefix(config, t, g, mesh):
+        _check_shared_prompts(batch, config.score_window, g, k)
     if n % (chunks * shards):
         raise ValueError(
             f"batch of N={n} sequences must divide into num_minibatches * num_microbatches = "
             f"{chunks} chunks times data*fsdp = {shards} shards"
         )
+
+
+def _shares_prefix(config: UpdateConfig, seq_len: int, groups: int, mesh: Mesh | None) -> bool:
+    """Whether the update runs the shared-prefix forward (static): ``config.shared_prefix``
+    with a score window, and the ``groups`` dividing into the mini- and micro-batches times the
+    batch shards (a group's samples stay in one micro-batch on one device); otherwise the
+    per-sample forward, with the same result."""
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    chunks = config.num_minibatches * config.num_microbatches
+    return config.shared_prefix and _windowed(config, seq_len) and groups % (chunks * shards) == 0
+
+
+def _check_shared_prompts(batch: UpdateBatch, window: int, g: int, k: int) -> None:
+    """Every row of a group that has response tokens has the same prompt (tokens, positions and
+    key mask before its window, :func:`score_window_index`'s start) as the group's first such
+    row: what the shared-prefix forward computes once per group."""
+    scored = np.asarray(batch.response_mask, bool)[:, 1:]
+    has = scored.any(axis=1)
+    start = np.minimum(scored.argmax(axis=1), scored.shape[1] - window) + 1
+    fields = {f: np.asarray(getattr(batch, f)) for f in ("tokens", "positions", "attention_mask")}
+    for gi in range(g):
+        rows = [gi * k + j for j in range(k) if has[gi * k + j]]
+        for r in rows[1:]:
+            first, p = rows[0], start[rows[0]]
+            same = start[r] == p and all(
+                np.array_equal(x[r, :p], x[first, :p]) for x in fields.values()
+            )
+            if not same:
+                raise ValueError(
+                    f"update.shared_prefix: batch row {r} (group {gi}) does not share its "
+                    f"group's prompt (row {first}, {p} tokens): every sample of a group needs "
+                    "the same tokens, positions and attention_mask before its first response "
+                    "token; set shared_prefix False for this data"
+                )
 
 
 def _split(x, minibatches: int, microbatches: int, mesh: Mesh | None):
@@ -170,6 +206,60 @@ def _split(x, minibatches: int, microbatches: int, mesh: Mesh | None):
         spec = PartitionSpec(None, None, BATCH_AXES, *([None] * (x.ndim - 1)))
         y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
     return y
+
+
+def _split_groups(x, minibatches: int, microbatches: int, k: int, mesh: Mesh | None):
+    """[N = G K, ...] -> [M, A, N / (M A), ...] keeping each group's K rows together (groups
+    strided over the chunks as :func:`_split` strides rows): the shared-prefix forward needs
+    a group's samples in one micro-batch."""
+    g = x.shape[0] // k
+    y = _split(x.reshape((g, k) + x.shape[1:]), minibatches, microbatches, mesh)
+    return y.reshape(y.shape[:2] + (y.shape[2] * k,) + x.shape[1:])
+
+
+def _shared_prefix_hidden(model, mb, window: int, k: int):
+    """The shared-prefix forward of one micro-batch of whole groups (K rows each, group-major):
+    ``(hidden [b, W, E] predicting each row's window tokens, window index [b, W])``.
+
+    Each group's prompt (the tokens before its rows' first response token, taken from a row
+    that has a response) runs through the model once, into a cache of ``T - W + W`` slots;
+    each row's window (its ``W`` tokens from the first response token on) then runs against
+    its group's copy of that cache. The window's first token is predicted by the prompt's last
+    hidden state, the others by the window's own. Same values as the whole-sequence forward:
+    a prompt token attends to the prompt only, a window token to the prompt and the window up
+    to itself, with the rows' own positions and key masks."""
+    tokens, positions, attn, resp = (
+        mb["tokens"],
+        mb["positions"],
+        mb["attention_mask"].astype(bool),
+        mb["response_mask"],
+    )
+    b, t = tokens.shape
+    pm, g = t - window, b // k
+    idx = score_window_index(resp, window)  # [b, W]; idx[:, 0] + 1 = first response token
+    has = jnp.any(resp[:, 1:], axis=1)
+    starts = jnp.where(has, idx[:, 0] + 1, 0).reshape(g, k)
+    prompt_len = jnp.max(starts, axis=1)  # [g]; 0 for a group without responses
+    src = jnp.argmax(starts, axis=1) + jnp.arange(g) * k  # a row holding the group's prompt
+    slots = jnp.arange(pm)[None, :]
+    cache = model.init_cache(g, pm + window)
+    h_prompt, cache = model.decode_hidden(
+        tokens[src, :pm],
+        positions[src, :pm],
+        cache,
+        attention_mask=attn[src, :pm] & (slots < prompt_len[:, None]),
+    )
+    group = jnp.arange(b) // k
+
+    def take(x):
+        return jnp.take_along_axis(x, idx + 1, axis=1)
+
+    h_window, _ = model.decode_hidden(
+        take(tokens), take(positions), cache.take_rows(group), attention_mask=take(attn)
+    )
+    last = h_prompt[jnp.arange(g), jnp.maximum(prompt_len - 1, 0)]  # [g, E]
+    hidden = jnp.concatenate([last[group][:, None], h_window[:, :-1]], axis=1)
+    return hidden, idx
 
 
 ROUTER_METRICS = (
@@ -360,22 +450,46 @@ def update_step(
     if batch.evidence is not None:
         fields["evidence"] = batch.evidence
     m, a = config.num_minibatches, config.num_microbatches
-    data = {key: _split(v, m, a, mesh) for key, v in fields.items()}
+    group_size = batch.rewards.shape[1]
+    moe = nnx.merge(graphdef, state.params).config.num_experts > 0
+    # Dense models only: a router's statistics would count a group's prompt once, not once
+    # per sample.
+    shared = not moe and _shares_prefix(config, batch.tokens.shape[1], batch.rewards.shape[0], mesh)
+    if shared:
+        data = {key: _split_groups(v, m, a, group_size, mesh) for key, v in fields.items()}
+    else:
+        data = {key: _split(v, m, a, mesh) for key, v in fields.items()}
     token_keys = _token_metric_keys(config, batch.evidence is not None)
 
-    moe = nnx.merge(graphdef, state.params).config.num_experts > 0
     if config.off_policy:
         data["proximal_logprobs"] = _proximal_logprobs(state.params, data, graphdef, config)
 
     def loss_fn(params, mb, num_tokens, num_seqs):
         model = nnx.merge(graphdef, params)
-        hidden, router = model.hidden_states(
-            mb["tokens"], mb["positions"], attention_mask=mb["attention_mask"], return_aux=True
-        )
         # The behaviour policy sampled from softmax(logits / T): score the same distribution.
         # ``per_token(x)`` aligns a [b, T] token field with the scored predictions (position j
         # predicts token j + 1; ``shift=0`` for fields already indexed by the prediction).
-        if _windowed(config, mb["tokens"].shape[1]):
+        if shared:
+            hidden, idx = _shared_prefix_hidden(model, mb, config.score_window, group_size)
+            router = {}
+
+            def per_token(x, shift=1):
+                return jnp.take_along_axis(x, idx + shift, axis=1)
+
+            logprobs, entropy = chunked_token_logprobs_and_entropy(
+                model,
+                hidden,
+                per_token(mb["tokens"]),
+                config.temperature,
+                config.logits_chunk_size,
+            )
+        elif _windowed(config, mb["tokens"].shape[1]):
+            hidden, router = model.hidden_states(
+                mb["tokens"],
+                mb["positions"],
+                attention_mask=mb["attention_mask"],
+                return_aux=True,
+            )
             idx = score_window_index(mb["response_mask"], config.score_window)  # [b, W]
 
             def per_token(x, shift=1):
@@ -389,6 +503,12 @@ def update_step(
                 config.logits_chunk_size,
             )
         else:
+            hidden, router = model.hidden_states(
+                mb["tokens"],
+                mb["positions"],
+                attention_mask=mb["attention_mask"],
+                return_aux=True,
+            )
 
             def per_token(x, shift=1):
                 return x[:, 1:] if shift else x[:, :-1]
@@ -516,6 +636,8 @@ def update_step(
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
     metrics["learning_rate"] = per_step["learning_rate"][-1]
     metrics["tokens"] = jnp.sum(resp[:, 1:].astype(jnp.float32))
+    if config.shared_prefix:
+        metrics["shared_prefix"] = jnp.asarray(float(shared))  # 0: the per-sample forward ran
     if _windowed(config, resp.shape[1]):
         idx = score_window_index(resp, config.score_window)
         kept = jnp.sum(jnp.take_along_axis(resp, idx + 1, axis=1).astype(jnp.float32))
