@@ -124,6 +124,10 @@ NOTES = [
     "The update's LM head: gagar_jax (score_window, as its RL loop sets it) and TRL "
     "(logits_to_keep) run it on the completion positions only; Tunix's model returns logits "
     "for every position and its loss keeps the completion's.",
+    "The update's forward: gagar_jax runs each prompt through the model once and its 8 "
+    "samples' completions against the prompt's keys and values (shared_prefix, as its RL "
+    "loop sets it; the same loss and gradients); TRL and Tunix run every sample's prompt and "
+    "completion as one sequence. Like the prefill below, each framework's own design.",
     "gagar_jax's phase boundaries: generate = Sampler.generate, score = decoding and the "
     "reward, pack = rl.collect.pack_groups + shard_batch, update = the jitted update "
     "(advantages inside) with its metrics fetched, sync = rl.policy.local_params + "
@@ -715,9 +719,10 @@ def _check_inputs(spec, meta):
 
 def gagar_update_config(spec: dict):
     """gagar_jax's side of the race: mean-centred advantages without redistribution, PPO-clip
-    token mean, no KL / entropy terms, AdamW without weight decay, one optimizer step. The LM
-    head runs on the response positions only (``score_window`` = the new tokens, what the RL
-    loop derives from ``rollout.max_new_tokens``)."""
+    token mean, no KL / entropy terms, AdamW without weight decay, one optimizer step. As
+    the RL loop derives them from ``rollout.max_new_tokens``: the LM head runs on the response
+    positions only (``score_window`` = the new tokens), and each prompt runs through the
+    model once for its samples (``shared_prefix``)."""
     from gagar_jax.advantages import GagarConfig
     from gagar_jax.update import UpdateConfig
 
@@ -735,6 +740,7 @@ def gagar_update_config(spec: dict):
         num_microbatches=1,
         ppo_epochs=1,
         score_window=spec.get("new", 0),
+        shared_prefix=spec.get("new", 0) > 0,
         advantages=adv,
     )
 

@@ -37,6 +37,7 @@ DERIVED_FIELDS = (
     ("learner", "decay_steps"),
     ("learner", "token_credit"),
     ("learner", "score_window"),
+    ("learner", "shared_prefix"),
     ("learner", "advantages", "mode"),
 )
 

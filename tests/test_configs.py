@@ -57,11 +57,12 @@ def test_parse_arg_rejects_by_name(arg, match):
 # ------------------------------------------------------------------------------------ base
 def test_base_is_the_run_config_defaults():
     cfg = RunConfig.from_config_dict(common.base())
-    # decay_steps and score_window are derived from loop.total_steps and
-    # rollout.max_new_tokens when a config leaves them out (base does)
+    # decay_steps, score_window and shared_prefix are derived (from loop.total_steps,
+    # rollout.max_new_tokens and the window) when a config leaves them out (base does)
     assert _diff(cfg.to_dict(), RunConfig().to_dict()) == {
         "learner.decay_steps": (RunConfig().loop.total_steps, RunConfig().learner.decay_steps),
         "learner.score_window": (RunConfig().rollout.max_new_tokens, 0),
+        "learner.shared_prefix": (True, False),
     }
 
 
@@ -147,6 +148,7 @@ def test_main_job_choices_on_top_of_the_defaults():
         "learner.warmup_steps": 3,
         "learner.decay_steps": 60,  # derived: loop.total_steps
         "learner.score_window": 32,  # derived: rollout.max_new_tokens
+        "learner.shared_prefix": True,  # derived: there is a window
         "sft.steps": 300,
         "sft.lr": 3e-3,
         "loop.total_steps": 60,

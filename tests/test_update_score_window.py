@@ -159,8 +159,10 @@ def test_run_config_derives_the_window_from_the_response_budget():
     c = common.base()
     c.rollout.max_new_tokens = 24
     assert RunConfig.from_config_dict(c).learner.score_window == 24
+    assert RunConfig.from_config_dict(c).learner.shared_prefix
     c.learner.score_window = 0
     assert RunConfig.from_config_dict(c).learner.score_window == 0
+    assert not RunConfig.from_config_dict(c).learner.shared_prefix
     c.learner.score_window = 23
     with pytest.raises(ConfigError, match="learner.score_window must be 0 .* >= rollout"):
         RunConfig.from_config_dict(c)

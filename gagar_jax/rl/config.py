@@ -15,13 +15,14 @@ because ``ConfigDict.update`` is a method: ``c.update`` would never reach the se
 loop-only sections (``task``, ``rollout``, ``sampling``, ``grading``, ``sft``, ``loop``,
 ``mesh``) are dataclasses of this module.
 
-Five ``learner`` fields follow from other choices and are filled in by
+Six ``learner`` fields follow from other choices and are filled in by
 :meth:`RunConfig.from_config_dict` when the ``ConfigDict`` leaves them out (and checked when it
 sets them): ``temperature`` = ``rollout.temperature`` (the behaviour policy's), ``decay_steps``
 = the run's optimizer steps, ``advantages.mode`` = the training mode's redistribution,
 ``token_credit`` (``"evidence"`` in mode ``gagar_token``, else ``"broadcast"``), and
 ``score_window`` = ``rollout.max_new_tokens`` (the LM head runs on the response positions
-only; 0 runs it on every position, with the same loss).
+only; 0 runs it on every position, with the same loss), and ``shared_prefix`` = whether there
+is a window (each group's prompt runs through the model once, not once per sample).
 
 Modes (``config.mode``), the paper's ablation:
 
@@ -72,7 +73,13 @@ DEFAULT_LEARNER = UpdateConfig(learning_rate=1e-4, warmup_steps=5, b2=0.99)
 
 # The learner fields a run derives from its other choices when a config leaves them out (or
 # None); ``advantages.mode`` is derived too (module docstring).
-DERIVED_LEARNER_FIELDS = ("temperature", "decay_steps", "token_credit", "score_window")
+DERIVED_LEARNER_FIELDS = (
+    "temperature",
+    "decay_steps",
+    "token_credit",
+    "score_window",
+    "shared_prefix",
+)
 
 
 class ConfigError(ValueError):
@@ -615,6 +622,10 @@ class RunConfig:
         d["learner"].pop("decay_steps")
         # which positions the LM head runs on: speed only, the loss is the same
         d["learner"].pop("score_window")
+        # a group's prompt once or per sample: the same update with one mini-batch (with
+        # several, whole groups go to each mini-batch)
+        if d["learner"]["num_minibatches"] == 1:
+            d["learner"].pop("shared_prefix")
         d.pop("mesh")
         d.pop("execution")  # where verification runs: deployment, not the run
         d["rollout"].pop("weight_writer")  # which host exports: deployment, not the run
@@ -642,7 +653,7 @@ class RunConfig:
 
         Unknown keys are an error naming the key, so a typo on the command line never
         silently falls back to a default. ``learner`` fields left out take
-        :data:`DEFAULT_LEARNER`'s values, except the five derived ones (module docstring).
+        :data:`DEFAULT_LEARNER`'s values, except the six derived ones (module docstring).
         """
         raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         top = _fields(cls) - {"hf_checkpoint"}
@@ -687,6 +698,7 @@ class RunConfig:
         u.setdefault("temperature", rollout.temperature)
         u.setdefault("token_credit", "evidence" if mode == "gagar_token" else "broadcast")
         u.setdefault("score_window", rollout.max_new_tokens)
+        u.setdefault("shared_prefix", u["score_window"] > 0)
         steps_per_update = u.get("ppo_epochs", DEFAULT_LEARNER.ppo_epochs) * u.get(
             "num_minibatches", DEFAULT_LEARNER.num_minibatches
         )
