@@ -43,6 +43,7 @@ from gagar_jax.update import (
     create_train_state,
     shard_host_batch,
 )
+from gagar_jax.update.step import check_batch_rows
 
 # How the policy runs, not what it is: taken from ``cfg.model`` for a Hugging Face checkpoint too
 # (whose config.json decides the architecture).
@@ -90,6 +91,8 @@ def rl_update(
       FloatingPointError: a non-finite loss (naming the RL step).
     """
     ub = batch if cfg.grading.enabled else batch._replace(evidence=None)
+    if jax.process_count() > 1:  # the global arrays are not readable here: check this host's
+        check_batch_rows(ub, cfg.learner, cfg.rollout.num_rollouts)
     ub = shard_host_batch(ub, mesh)
     check_batch(ub, cfg.learner, mesh)
     state, metrics = update_fn(state, ub)

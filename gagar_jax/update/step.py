@@ -134,6 +134,45 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
         raise ValueError("batch.ref_logprobs [N, T] is required when update.kl_coef > 0")
     if config.token_credit == "evidence" and batch.evidence is None:
         raise ValueError("batch.evidence [N, T] is required when update.token_credit='evidence'")
+    chunks = config.num_minibatches * config.num_microbatches
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    if all(_on_host(getattr(batch, f)) for f in _ROW_FIELDS):
+        # (Arrays spread over several processes: each checks its own rows before it builds
+        # them, ``check_batch_rows``.)
+        check_batch_rows(batch, config, k, shared=_shares_prefix(config, t, g, mesh))
+    if n % (chunks * shards):
+        raise ValueError(
+            f"batch of N={n} sequences must divide into num_minibatches * num_microbatches = "
+            f"{chunks} chunks times data*fsdp = {shards} shards"
+        )
+
+
+def _shares_prefix(config: UpdateConfig, seq_len: int, groups: int, mesh: Mesh | None) -> bool:
+    """Whether the update runs the shared-prefix forward (static): ``config.shared_prefix``
+    with a score window, and the ``groups`` dividing into the mini- and micro-batches times the
+    batch shards (a group's samples stay in one micro-batch on one device); otherwise the
+    per-sample forward, with the same result."""
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    chunks = config.num_minibatches * config.num_microbatches
+    return config.shared_prefix and _windowed(config, seq_len) and groups % (chunks * shards) == 0
+
+
+_ROW_FIELDS = ("tokens", "positions", "attention_mask", "response_mask")
+
+
+def _on_host(x) -> bool:
+    """Whether this process can read all of ``x`` (NumPy, or a fully addressable array)."""
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+def check_batch_rows(
+    batch: UpdateBatch, config: UpdateConfig, group_size: int, *, shared: bool | None = None
+) -> None:
+    """The checks of a batch's token rows (whole groups of ``group_size`` rows, group-major;
+    one process's rows of a multi-process batch): every response fits ``score_window``, and
+    with ``shared_prefix`` every sample of a group has its group's prompt. ``shared``: whether
+    the update will share the prefix (default: ``config.shared_prefix`` with a window)."""
+    n, t = np.shape(batch.tokens)
     if _windowed(config, t):
         scored = np.asarray(batch.response_mask, bool)[:, 1:]
         rows = np.flatnonzero(scored.any(axis=1))
@@ -151,25 +190,10 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
                     f"{int(span.max())} (the widest response), or set it to 0 to score "
                     "every position"
                 )
-    chunks = config.num_minibatches * config.num_microbatches
-    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-    if _shares_prefix(config, t, g, mesh):
-        _check_shared_prompts(batch, config.score_window, g, k)
-    if n % (chunks * shards):
-        raise ValueError(
-            f"batch of N={n} sequences must divide into num_minibatches * num_microbatches = "
-            f"{chunks} chunks times data*fsdp = {shards} shards"
-        )
-
-
-def _shares_prefix(config: UpdateConfig, seq_len: int, groups: int, mesh: Mesh | None) -> bool:
-    """Whether the update runs the shared-prefix forward (static): ``config.shared_prefix``
-    with a score window, and the ``groups`` dividing into the mini- and micro-batches times the
-    batch shards (a group's samples stay in one micro-batch on one device); otherwise the
-    per-sample forward, with the same result."""
-    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-    chunks = config.num_minibatches * config.num_microbatches
-    return config.shared_prefix and _windowed(config, seq_len) and groups % (chunks * shards) == 0
+    if shared is None:
+        shared = config.shared_prefix and _windowed(config, t)
+    if shared:
+        _check_shared_prompts(batch, config.score_window, n // group_size, group_size)
 
 
 def _check_shared_prompts(batch: UpdateBatch, window: int, g: int, k: int) -> None:
