@@ -167,6 +167,13 @@ def test_run_config_derives_the_window_from_the_response_budget():
     with pytest.raises(ConfigError, match="learner.score_window must be 0 .* >= rollout"):
         RunConfig.from_config_dict(c)
     assert isinstance(c, ml_collections.ConfigDict)
+    # Partial rollouts resume episodes with their history as the prompt: no shared prefix.
+    p = common.base()
+    p.rollout.update(partial_rollout=True, max_staleness=1)
+    assert not RunConfig.from_config_dict(p).learner.shared_prefix
+    p.learner.shared_prefix = True
+    with pytest.raises(ConfigError, match="learner.shared_prefix must be False with rollout"):
+        RunConfig.from_config_dict(p)
     # Where the head runs does not change what a checkpoint or a resumed run must match.
     a = RunConfig.from_config_dict(common.base())
     d = common.base()

@@ -1,9 +1,11 @@
 """``UpdateConfig.shared_prefix``: each group's prompt through the model once, its samples'
 response windows against the prompt's cache, gives the update of the per-sample forward
 (parameters and metrics; loss options, mini/micro-batches, scanned layers, one device and
-sharded); data it cannot share is refused, and batches it cannot split by groups fall back."""
+sharded); data it cannot share is refused, and batches it cannot split by groups fall back
+(said in the log)."""
 
 import dataclasses
+import logging
 
 import jax
 import numpy as np
@@ -91,7 +93,9 @@ def _update(config, model=MODEL, mesh_shape=(1, 1, 1), steps=2, with_ref=False, 
     return jax.device_get(state.params), metrics
 
 
-SPEED_KEYS = {"score_window/dropped_tokens", "shared_prefix"}
+SPEED_KEYS = {"score_window/dropped_tokens"}
+SHARED = "each group's prompt runs through the model once"
+PER_SAMPLE = "shared_prefix is set but the update runs per sample"
 
 
 def _assert_same(want, got):
@@ -122,28 +126,32 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_shared_prefix_gives_the_per_sample_update(variant):
+def test_shared_prefix_gives_the_per_sample_update(variant, caplog):
     """Two updates (the second from moved parameters): the shared-prefix forward against the
     whole-sequence forward of every position (no window)."""
     with_ref = VARIANTS[variant].get("kl_coef", 0) > 0
     full = dataclasses.replace(BASE, **VARIANTS[variant])
     want = _update(full, with_ref=with_ref)
-    got = _update(
-        dataclasses.replace(full, score_window=WINDOW, shared_prefix=True), with_ref=with_ref
-    )
-    assert all(m["shared_prefix"] == 1.0 for m in got[1])
+    with caplog.at_level(logging.INFO, logger="gagar_jax.update.step"):
+        got = _update(
+            dataclasses.replace(full, score_window=WINDOW, shared_prefix=True), with_ref=with_ref
+        )
+    assert SHARED in caplog.text
     _assert_same(want, got)
 
 
-def test_shared_prefix_with_scanned_layers():
+def test_shared_prefix_with_scanned_layers(caplog):
     model = dataclasses.replace(MODEL, scan_layers=True, num_layers=2)
     want = _update(BASE, model=model)
-    got = _update(dataclasses.replace(BASE, score_window=WINDOW, shared_prefix=True), model=model)
-    assert got[1][0]["shared_prefix"] == 1.0
+    with caplog.at_level(logging.INFO, logger="gagar_jax.update.step"):
+        got = _update(
+            dataclasses.replace(BASE, score_window=WINDOW, shared_prefix=True), model=model
+        )
+    assert SHARED in caplog.text
     _assert_same(want, got)
 
 
-def test_sharded_shared_prefix_equals_one_device():
+def test_sharded_shared_prefix_equals_one_device(caplog):
     """8 groups of 2 on (2, 2, 2) and (4, 1, 2) meshes (4 batch shards; 2 micro-batches on
     the first): every micro-batch holds whole groups on one device, and the result is the
     one-device per-sample update."""
@@ -151,18 +159,22 @@ def test_sharded_shared_prefix_equals_one_device():
     shared = dataclasses.replace(BASE, score_window=WINDOW, shared_prefix=True)
     for mesh_shape, micro in (((2, 2, 2), 2), ((4, 1, 2), 1)):
         config = dataclasses.replace(shared, num_microbatches=micro)
-        got = _update(config, mesh_shape=mesh_shape, groups=8, k=2)
-        assert got[1][0]["shared_prefix"] == 1.0
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gagar_jax.update.step"):
+            got = _update(config, mesh_shape=mesh_shape, groups=8, k=2)
+        assert SHARED in caplog.text
         _assert_same(want, got)
 
 
-def test_groups_that_do_not_divide_fall_back_to_the_per_sample_forward():
-    """4 groups cannot fill 8 micro-batches: the update runs per sample, reports
-    ``shared_prefix`` 0, and gives the same result."""
+def test_groups_that_do_not_divide_fall_back_to_the_per_sample_forward(caplog):
+    """4 groups cannot fill 8 micro-batches: the update runs per sample, says so in the log,
+    and gives the same result."""
     config = dataclasses.replace(BASE, num_microbatches=8)
     want = _update(config, steps=1)
-    got = _update(dataclasses.replace(config, score_window=WINDOW, shared_prefix=True), steps=1)
-    assert got[1][0]["shared_prefix"] == 0.0
+    shared = dataclasses.replace(config, score_window=WINDOW, shared_prefix=True)
+    with caplog.at_level(logging.INFO, logger="gagar_jax.update.step"):
+        got = _update(shared, steps=1)
+    assert PER_SAMPLE in caplog.text and SHARED not in caplog.text
     _assert_same(want, got)
 
 

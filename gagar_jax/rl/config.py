@@ -22,7 +22,8 @@ sets them): ``temperature`` = ``rollout.temperature`` (the behaviour policy's), 
 ``token_credit`` (``"evidence"`` in mode ``gagar_token``, else ``"broadcast"``), and
 ``score_window`` = ``rollout.max_new_tokens`` (the LM head runs on the response positions
 only; 0 runs it on every position, with the same loss), and ``shared_prefix`` = whether there
-is a window (each group's prompt runs through the model once, not once per sample).
+is a window and no partial rollouts (each group's prompt runs through the model once, not once
+per sample; a resumed episode's prompt holds its history).
 
 Modes (``config.mode``), the paper's ablation:
 
@@ -557,6 +558,13 @@ class RunConfig:
             u.temperature,
         )
         _check(
+            not (u.shared_prefix and self.rollout.partial_rollout),
+            "learner.shared_prefix",
+            "False with rollout.partial_rollout (a resumed episode's prompt holds its history, "
+            "so a group's samples do not share one prompt)",
+            u.shared_prefix,
+        )
+        _check(
             u.score_window == 0 or u.score_window >= self.rollout.max_new_tokens,
             "learner.score_window",
             f"0 (every position) or >= rollout.max_new_tokens={self.rollout.max_new_tokens} "
@@ -698,7 +706,9 @@ class RunConfig:
         u.setdefault("temperature", rollout.temperature)
         u.setdefault("token_credit", "evidence" if mode == "gagar_token" else "broadcast")
         u.setdefault("score_window", rollout.max_new_tokens)
-        u.setdefault("shared_prefix", u["score_window"] > 0)
+        # Partial rollouts resume an episode with its history as the prompt: a group's
+        # samples then start from different prompts.
+        u.setdefault("shared_prefix", u["score_window"] > 0 and not rollout.partial_rollout)
         steps_per_update = u.get("ppo_epochs", DEFAULT_LEARNER.ppo_epochs) * u.get(
             "num_minibatches", DEFAULT_LEARNER.num_minibatches
         )

@@ -33,6 +33,7 @@ are tiny), parameters and Adam moments by their logical axes. The mini-batch spl
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple
 
 import jax
@@ -63,6 +64,8 @@ from gagar_jax.update.state import (
     make_optimizer,
     state_shardings,
 )
+
+log = logging.getLogger(__name__)
 
 
 class UpdateBatch(NamedTuple):
@@ -479,6 +482,15 @@ def update_step(
     # Dense models only: a router's statistics would count a group's prompt once, not once
     # per sample.
     shared = not moe and _shares_prefix(config, batch.tokens.shape[1], batch.rewards.shape[0], mesh)
+    if config.shared_prefix:  # at trace time: once per compiled update
+        log.info(
+            "update: %s",
+            "each group's prompt runs through the model once (shared_prefix)"
+            if shared
+            else "shared_prefix is set but the update runs per sample (a mixture-of-experts "
+            "model, no score_window, or groups that do not divide into the mini-batches, "
+            "micro-batches and batch shards)",
+        )
     if shared:
         data = {key: _split_groups(v, m, a, group_size, mesh) for key, v in fields.items()}
     else:
@@ -660,8 +672,6 @@ def update_step(
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
     metrics["learning_rate"] = per_step["learning_rate"][-1]
     metrics["tokens"] = jnp.sum(resp[:, 1:].astype(jnp.float32))
-    if config.shared_prefix:
-        metrics["shared_prefix"] = jnp.asarray(float(shared))  # 0: the per-sample forward ran
     if _windowed(config, resp.shape[1]):
         idx = score_window_index(resp, config.score_window)
         kept = jnp.sum(jnp.take_along_axis(resp, idx + 1, axis=1).astype(jnp.float32))
