@@ -15,10 +15,9 @@ from gagar_jax.update import (
     jit_update,
     make_mesh,
     shard_batch,
-    state_shardings,
 )
 from gagar_jax.update.step import score_window_index
-from tests.update_fixtures import CONFIG, MODEL, make_batch
+from tests.update_fixtures import CONFIG, LOSS_VARIANTS, MODEL, make_batch, run_updates
 
 BASE = dataclasses.replace(CONFIG, eps=1e-3)
 LENGTH, PROMPT, SHIFT = 12, 4, 4  # make_batch's rows, then moved right by up to SHIFT
@@ -46,22 +45,8 @@ def shifted_batch(seed: int):
 
 
 def _update(config, mesh_shape=(1, 1, 1), steps=2, with_ref=False):
-    devices = jax.devices()[:1] if mesh_shape == (1, 1, 1) else None
-    mesh = make_mesh(mesh_shape, devices=devices)
-    one = make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    host = jax.device_get(create_train_state(MODEL, config, one, seed=0))
-    _, shardings = state_shardings(MODEL, config, mesh)
-    state = jax.device_put(host, shardings)
-    update = jit_update(MODEL, config, mesh, with_ref=with_ref)
-    metrics = []
-    for i in range(steps):
-        batch = shifted_batch(i)
-        if not with_ref:
-            batch = batch._replace(ref_logprobs=None)
-        check_batch(batch, config, mesh)
-        state, m = update(state, shard_batch(batch, mesh))
-        metrics.append({k: float(v) for k, v in m.items()})
-    return jax.device_get(state.params), metrics
+    batches = [shifted_batch(i) for i in range(steps)]
+    return run_updates(MODEL, config, batches, mesh_shape=mesh_shape, with_ref=with_ref)
 
 
 def _assert_same(a, b):
@@ -77,19 +62,7 @@ def _assert_same(a, b):
     assert moved > 0
 
 
-VARIANTS = {
-    "plain": dict(),
-    "kl-entropy-dual-clip-epochs": dict(
-        kl_coef=0.1,
-        entropy_coef=0.01,
-        dual_clip=3.0,
-        aggregation="seq-mean-token-mean",
-        ppo_epochs=2,
-    ),
-    "token-credit-entropy": dict(token_credit="entropy", token_gamma=0.7),
-    "off-policy": dict(decoupled=True, rollout_is="token", rollout_rs="geometric"),
-    "chunked-logits": dict(logits_chunk_size=3),
-}
+VARIANTS = {**LOSS_VARIANTS, "chunked-logits": dict(logits_chunk_size=3)}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -15,13 +15,8 @@ from gagar_jax.update import (
     UpdateBatch,
     UpdateConfig,
     check_batch,
-    create_train_state,
-    jit_update,
-    make_mesh,
-    shard_batch,
-    state_shardings,
 )
-from tests.update_fixtures import CONFIG, MODEL
+from tests.update_fixtures import CONFIG, LOSS_VARIANTS, MODEL, run_updates
 
 # One mini-batch: with several, the shared-prefix update assigns whole groups to each (the
 # per-sample update strides rows over them), so the optimizer steps see other sequences.
@@ -75,22 +70,8 @@ def group_batch(seed: int, groups: int = 4, k: int = 4) -> UpdateBatch:
 
 
 def _update(config, model=MODEL, mesh_shape=(1, 1, 1), steps=2, with_ref=False, **shape):
-    devices = jax.devices()[:1] if mesh_shape == (1, 1, 1) else None
-    mesh = make_mesh(mesh_shape, devices=devices)
-    one = make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    host = jax.device_get(create_train_state(model, config, one, seed=0))
-    _, shardings = state_shardings(model, config, mesh)
-    state = jax.device_put(host, shardings)
-    update = jit_update(model, config, mesh, with_ref=with_ref)
-    metrics = []
-    for i in range(steps):
-        batch = group_batch(i, **shape)
-        if not with_ref:
-            batch = batch._replace(ref_logprobs=None)
-        check_batch(batch, config, mesh)
-        state, m = update(state, shard_batch(batch, mesh))
-        metrics.append({k: float(v) for k, v in m.items()})
-    return jax.device_get(state.params), metrics
+    batches = [group_batch(i, **shape) for i in range(steps)]
+    return run_updates(model, config, batches, mesh_shape=mesh_shape, with_ref=with_ref)
 
 
 SPEED_KEYS = {"score_window/dropped_tokens"}
@@ -111,16 +92,7 @@ def _assert_same(want, got):
 
 
 VARIANTS = {
-    "plain": dict(),
-    "kl-entropy-dual-clip-epochs": dict(
-        kl_coef=0.1,
-        entropy_coef=0.01,
-        dual_clip=3.0,
-        aggregation="seq-mean-token-mean",
-        ppo_epochs=2,
-    ),
-    "token-credit-entropy": dict(token_credit="entropy", token_gamma=0.7),
-    "off-policy": dict(decoupled=True, rollout_is="token", rollout_rs="geometric"),
+    **LOSS_VARIANTS,
     "micro-batches-chunked-logits": dict(num_microbatches=2, logits_chunk_size=3),
 }
 

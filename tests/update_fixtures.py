@@ -1,10 +1,20 @@
 """The tests' shared tiny model and update batch (the update, checkpoint, sampler, model and
 multi-process tests; a plain module so that the multi-process tests' children import it too)."""
 
+import jax
 import numpy as np
 
 from gagar_jax.models import TransformerConfig
-from gagar_jax.update import UpdateBatch, UpdateConfig
+from gagar_jax.update import (
+    UpdateBatch,
+    UpdateConfig,
+    check_batch,
+    create_train_state,
+    jit_update,
+    make_mesh,
+    shard_batch,
+    state_shardings,
+)
 
 
 def tiny_config(**overrides) -> TransformerConfig:
@@ -72,3 +82,40 @@ def make_batch(seed=0, groups=4, k=4, length=12, prompt=4) -> UpdateBatch:
         valid=valid,
         graded=np.array([True] * (groups - 1) + [False]),
     )
+
+
+# Loss options under which the update's speed-only variants (score window, shared prefix) must
+# give the plain update.
+LOSS_VARIANTS = {
+    "plain": dict(),
+    "kl-entropy-dual-clip-epochs": dict(
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        dual_clip=3.0,
+        aggregation="seq-mean-token-mean",
+        ppo_epochs=2,
+    ),
+    "token-credit-entropy": dict(token_credit="entropy", token_gamma=0.7),
+    "off-policy": dict(decoupled=True, rollout_is="token", rollout_rs="geometric"),
+}
+
+
+def run_updates(model, config, batches, *, mesh_shape=(1, 1, 1), with_ref=False):
+    """One update per batch (host NumPy, checked with ``check_batch``) from the seed-0 state,
+    on a mesh of ``mesh_shape`` (one device for (1, 1, 1)); ``ref_logprobs`` are dropped
+    unless ``with_ref``. Returns (host params, the updates' metrics as floats)."""
+    devices = jax.devices()[:1] if mesh_shape == (1, 1, 1) else None
+    mesh = make_mesh(mesh_shape, devices=devices)
+    one = make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    host = jax.device_get(create_train_state(model, config, one, seed=0))
+    _, shardings = state_shardings(model, config, mesh)
+    state = jax.device_put(host, shardings)
+    update = jit_update(model, config, mesh, with_ref=with_ref)
+    metrics = []
+    for batch in batches:
+        if not with_ref:
+            batch = batch._replace(ref_logprobs=None)
+        check_batch(batch, config, mesh)
+        state, m = update(state, shard_batch(batch, mesh))
+        metrics.append({k: float(v) for k, v in m.items()})
+    return jax.device_get(state.params), metrics
