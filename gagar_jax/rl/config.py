@@ -19,7 +19,7 @@ Six ``learner`` fields follow from other choices and are filled in by
 :meth:`RunConfig.from_config_dict` when the ``ConfigDict`` leaves them out (and checked when it
 sets them): ``temperature`` = ``rollout.temperature`` (the behaviour policy's), ``decay_steps``
 = the run's optimizer steps, ``advantages.mode`` = the training mode's redistribution,
-``token_credit`` (``"evidence"`` in mode ``gagar_token``, else ``"broadcast"``), and
+``token_credit`` (``"evidence"`` in mode ``gagar_token``, else ``"broadcast"``),
 ``score_window`` = ``rollout.max_new_tokens`` (the LM head runs on the response positions
 only; 0 runs it on every position, with the same loss), and ``shared_prefix`` = whether there
 is a window and no partial rollouts (each group's prompt runs through the model once, not once

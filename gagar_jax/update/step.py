@@ -206,21 +206,21 @@ def _check_shared_prompts(batch: UpdateBatch, window: int, g: int, k: int) -> No
     scored = np.asarray(batch.response_mask, bool)[:, 1:]
     has = scored.any(axis=1)
     start = np.minimum(scored.argmax(axis=1), scored.shape[1] - window) + 1
-    fields = {f: np.asarray(getattr(batch, f)) for f in ("tokens", "positions", "attention_mask")}
-    for gi in range(g):
-        rows = [gi * k + j for j in range(k) if has[gi * k + j]]
-        for r in rows[1:]:
-            first, p = rows[0], start[rows[0]]
-            same = start[r] == p and all(
-                np.array_equal(x[r, :p], x[first, :p]) for x in fields.values()
-            )
-            if not same:
-                raise ValueError(
-                    f"update.shared_prefix: batch row {r} (group {gi}) does not share its "
-                    f"group's prompt (row {first}, {p} tokens): every sample of a group needs "
-                    "the same tokens, positions and attention_mask before its first response "
-                    "token; set shared_prefix False for this data"
-                )
+    ref = np.repeat(has.reshape(g, k).argmax(axis=1) + np.arange(g) * k, k)  # per row
+    prompt = np.arange(scored.shape[1] + 1)[None, :] < start[ref][:, None]  # [N, T]
+    differs = start != start[ref]
+    for f in ("tokens", "positions", "attention_mask"):
+        x = np.asarray(getattr(batch, f))
+        differs |= np.any((x != x[ref]) & prompt, axis=1)
+    bad = np.flatnonzero(has & differs)
+    if bad.size:
+        r = int(bad[0])
+        raise ValueError(
+            f"update.shared_prefix: batch row {r} (group {r // k}) does not share its "
+            f"group's prompt (row {int(ref[r])}, {int(start[ref[r]])} tokens): every sample "
+            "of a group needs the same tokens, positions and attention_mask before its first "
+            "response token; set shared_prefix False for this data"
+        )
 
 
 def _split(x, minibatches: int, microbatches: int, mesh: Mesh | None):
@@ -505,39 +505,10 @@ def update_step(
         # The behaviour policy sampled from softmax(logits / T): score the same distribution.
         # ``per_token(x)`` aligns a [b, T] token field with the scored predictions (position j
         # predicts token j + 1; ``shift=0`` for fields already indexed by the prediction).
+        # Scored positions: a window per row (``idx``), or every prediction (``idx`` None).
         if shared:
             hidden, idx = _shared_prefix_hidden(model, mb, config.score_window, group_size)
             router = {}
-
-            def per_token(x, shift=1):
-                return jnp.take_along_axis(x, idx + shift, axis=1)
-
-            logprobs, entropy = chunked_token_logprobs_and_entropy(
-                model,
-                hidden,
-                per_token(mb["tokens"]),
-                config.temperature,
-                config.logits_chunk_size,
-            )
-        elif _windowed(config, mb["tokens"].shape[1]):
-            hidden, router = model.hidden_states(
-                mb["tokens"],
-                mb["positions"],
-                attention_mask=mb["attention_mask"],
-                return_aux=True,
-            )
-            idx = score_window_index(mb["response_mask"], config.score_window)  # [b, W]
-
-            def per_token(x, shift=1):
-                return jnp.take_along_axis(x, idx + shift, axis=1)
-
-            logprobs, entropy = chunked_token_logprobs_and_entropy(
-                model,
-                jnp.take_along_axis(hidden, idx[..., None], axis=1),
-                per_token(mb["tokens"]),
-                config.temperature,
-                config.logits_chunk_size,
-            )
         else:
             hidden, router = model.hidden_states(
                 mb["tokens"],
@@ -545,6 +516,19 @@ def update_step(
                 attention_mask=mb["attention_mask"],
                 return_aux=True,
             )
+            idx = None
+            if _windowed(config, mb["tokens"].shape[1]):
+                idx = score_window_index(mb["response_mask"], config.score_window)  # [b, W]
+                hidden = jnp.take_along_axis(hidden, idx[..., None], axis=1)
+        if idx is not None:
+
+            def per_token(x, shift=1):
+                return jnp.take_along_axis(x, idx + shift, axis=1)
+
+            logprobs, entropy = chunked_token_logprobs_and_entropy(
+                model, hidden, per_token(mb["tokens"]), config.temperature, config.logits_chunk_size
+            )
+        else:
 
             def per_token(x, shift=1):
                 return x[:, 1:] if shift else x[:, :-1]
