@@ -765,6 +765,76 @@ def _blocked_causal_attention_bwd(blocks, residuals, d_out):
 _blocked_causal_attention.defvjp(_blocked_causal_attention_fwd, _blocked_causal_attention_bwd)
 
 
+def _cached_attention_fwd_parts(qm, keys, values, mask, g):
+    """The forward of :func:`_cached_attention`: (out, row max, log row sum), the row
+    statistics ``[B, KV, G * T, 1]``."""
+    b, kv, gt, d = qm.shape
+    t = gt // g
+    scores = jnp.einsum("bkmd,bkds->bkms", qm, keys, preferred_element_type=jnp.float32).reshape(
+        b, kv, g, t, -1
+    )
+    scores = jnp.where(mask[:, None, None], scores * (d**-0.5), _MASK_VALUE)
+    # Softmax as the update's attention computes it: the unnormalised exp(s - max) times the
+    # values, divided by its row sum afterwards ([.., D] divisions, not [.., S]).
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    e = jnp.exp(scores - m)
+    total = jnp.sum(e, axis=-1, keepdims=True).reshape(b, kv, gt, 1)
+    out = jnp.einsum(
+        "bkms,bksd->bkmd",
+        e.astype(qm.dtype).reshape(b, kv, gt, -1),
+        values,
+        preferred_element_type=jnp.float32,
+    )
+    return (out / total).astype(qm.dtype), m.reshape(b, kv, gt, 1), jnp.log(total)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cached_attention(qm, keys, values, mask, g):
+    """``softmax(q k^T / sqrt(D), masked) v`` of ``T`` new queries against ``S`` cache slots.
+
+    qm [B, KV, G * T, D] (a KV group's G query heads, each over the T tokens), keys
+    [B, KV, D, S] (the cache's slot-minor layout), values [B, KV, S, D], mask [B, T, S] bool
+    -> [B, KV, G * T, D].
+
+    The backward is FlashAttention's, as in :func:`_blocked_causal_attention`: the forward
+    keeps its output and each query row's max and log-sum-exp, and the backward recomputes
+    the probabilities from the scores (``ds = p * (dp - rowsum(dout * out))``). Autodiff of
+    the forward stored the ``[.., T, S]`` exponentials and ran the max's own backward (a
+    comparison and a select over the scores), which cancels in the softmax. The sampler's
+    decode runs only the forward, unchanged.
+    """
+    return _cached_attention_fwd_parts(qm, keys, values, mask, g)[0]
+
+
+def _cached_attention_fwd(qm, keys, values, mask, g):
+    out, m, log_total = _cached_attention_fwd_parts(qm, keys, values, mask, g)
+    return out, (qm, keys, values, mask, out, m, log_total)
+
+
+def _cached_attention_bwd(g, residuals, d_out):
+    qm, keys, values, mask, out, m, log_total = residuals
+    b, kv, gt, d = qm.shape
+    t = gt // g
+    dt = qm.dtype
+    d_out = d_out.astype(jnp.float32)
+    row_dot = jnp.sum(d_out * out.astype(jnp.float32), axis=-1, keepdims=True)
+    scores = jnp.einsum("bkmd,bkds->bkms", qm, keys, preferred_element_type=jnp.float32)
+    block_mask = jnp.broadcast_to(mask[:, None, None], (b, kv, g, t, mask.shape[-1]))
+    block_mask = block_mask.reshape(scores.shape)
+    scores = jnp.where(block_mask, scores * (d**-0.5), _MASK_VALUE)
+    p = jnp.exp((scores - m) - log_total)  # [B, KV, G * T, S] float32
+    dp = jnp.einsum("bkmd,bksd->bkms", d_out.astype(dt), values, preferred_element_type=jnp.float32)
+    ds = jnp.where(block_mask, p * (dp - row_dot), 0.0) * (d**-0.5)
+    p, ds = p.astype(dt), ds.astype(dt)
+    dv = jnp.einsum("bkms,bkmd->bksd", p, d_out.astype(dt), preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkmd,bkms->bkds", qm, ds, preferred_element_type=jnp.float32)
+    dq = jnp.einsum("bkms,bkds->bkmd", ds, keys, preferred_element_type=jnp.float32)
+    return dq.astype(dt), dk.astype(keys.dtype), dv.astype(values.dtype), None
+
+
+_cached_attention.defvjp(_cached_attention_fwd, _cached_attention_bwd)
+
+
 def _linear_qkv(x, wq, wk, wv):
     """q, k, v = x @ wq, x @ wk, x @ wv as one dot: x [B, T, E], wq [E, N, D], wk / wv
     [E, KV, D] -> [B, T, N, D], [B, T, KV, D], [B, T, KV, D].
@@ -855,7 +925,6 @@ class Attention(nnx.Module):
     def _attend_cached(self, q, k, v, mask, cache):
         """Writes k/v [B, T, KV, D] into the cache at slot ``index`` and attends to all its
         slots: q [B, T, KV, G, D], mask [B, T, S] -> ([B, T, KV, G, D], (k_buf, v_buf))."""
-        c = self.config
         dt = q.dtype
         b, t, kv, g, d = q.shape
         k_buf, v_buf, layer, index = cache
@@ -880,21 +949,7 @@ class Attention(nnx.Module):
         # Batch dims leading on both operands ([B, KV, G*T, D] x [B, KV, D, S]): the layout the
         # CPU dot fusions take without re-laying-out the cache.
         qm = q.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
-        scores = jnp.einsum(
-            "bkmd,bkds->bkms", qm, keys.astype(dt), preferred_element_type=jnp.float32
-        ).reshape(b, kv, g, t, -1)
-        scores = jnp.where(mask[:, None, None], scores * (c.head_dim**-0.5), _MASK_VALUE)
-        # Softmax as the update's attention computes it: the unnormalised exp(s - max) times
-        # the values, divided by its row sum afterwards ([.., D] divisions, not [.., S]).
-        e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-        total = jnp.sum(e, axis=-1, keepdims=True).reshape(b, kv, g * t, 1)
-        out = jnp.einsum(
-            "bkms,bksd->bkmd",
-            e.astype(dt).reshape(b, kv, g * t, -1),
-            values.astype(dt),
-            preferred_element_type=jnp.float32,
-        )
-        out = (out / total).astype(dt)
+        out = _cached_attention(qm, keys.astype(dt), values.astype(dt), mask, g)
         return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4), (k_buf, v_buf)
 
 
