@@ -6,7 +6,10 @@
 
 Each framework runs in its own worker process and virtual environment: gagar_jax in this one,
 TRL in ``.venv-bench-trl`` and Tunix in ``.venv-bench-tunix``, both built by this script on first
-use from the pinned registry versions in ``PINS`` (rebuilt when the pins change). Nothing is
+use from the pinned registry versions in ``PINS`` (rebuilt when the pins change). On a CPU
+machine gagar_jax races twice: on one device (``gagar_jax``), and with its rows split over two
+host devices, one per core (``gagar_2dev``: the sampler's rows and the update's batch, as the
+loop's ``rollout.embedded_data_parallel=2`` and ``mesh.shape=(2, 1, 1)`` split them). Nothing is
 downloaded from a model hub: one random Qwen2-shaped model is written once as Hugging Face
 safetensors with a byte-level BPE tokenizer trained locally (``runs/bench_rl_step/``), and every
 framework loads that directory.
@@ -69,7 +72,10 @@ PINS = {
     "tunix": ["google-tunix==0.1.7"],
 }
 VENVS = {"trl": ROOT / ".venv-bench-trl", "tunix": ROOT / ".venv-bench-tunix"}
-FRAMEWORKS = ("gagar_jax", "trl", "tunix")
+FRAMEWORKS = ("gagar_jax", "gagar_2dev", "trl", "tunix")
+# gagar_jax configured for a multi-core CPU: its rows split over host devices, one per core
+# (the loop's ``rollout.embedded_data_parallel`` and ``mesh.shape``); CPU only.
+HOST_DEVICES = {"gagar_2dev": 2}
 PHASES = ("generate", "score", "pack", "update", "sync")
 
 # Model: (vocab of the tokenizer, hidden, layers, heads, kv heads, intermediate); the vocab is
@@ -128,6 +134,12 @@ NOTES = [
     "samples' completions against the prompt's keys and values (shared_prefix, as its RL "
     "loop sets it; the same loss and gradients); TRL and Tunix run every sample's prompt and "
     "completion as one sequence. Like the prefill below, each framework's own design.",
+    "gagar_2dev is gagar_jax's same step with its rows split over two host devices, one per "
+    "core (XLA_FLAGS=--xla_force_host_platform_device_count=2): the sampler's rows over both "
+    "(the loop's rollout.embedded_data_parallel=2) and the update's batch over a (2, 1, 1) "
+    "mesh (mesh.shape), gradients all-reduced; weights synced into both. TRL's PyTorch and "
+    "the one-device JAX workers already run each op on both cores' threads. Left out on an "
+    "accelerator.",
     "gagar_jax's phase boundaries: generate = Sampler.generate, score = decoding and the "
     "reward, pack = rl.collect.pack_groups + shard_batch, update = the jitted update "
     "(advantages inside) with its metrics fetched, sync = rl.policy.local_params + "
@@ -185,8 +197,12 @@ def ensure_venv(name: str, log=print) -> Path | None:
     return venv
 
 
+def is_gagar(framework: str) -> bool:
+    return framework == "gagar_jax" or framework in HOST_DEVICES
+
+
 def python_of(framework: str) -> str:
-    if framework == "gagar_jax":
+    if is_gagar(framework):
         return sys.executable
     return os.environ.get(PYTHON_ENV) or str(VENVS[framework] / "bin" / "python")
 
@@ -277,9 +293,11 @@ class WorkerProc:
     def __init__(self, framework: str, spec: dict, log_path: Path):
         env = dict(os.environ)
         inherited = os.environ.get("PYTHONPATH", "") if os.environ.get(PYTHON_ENV) else ""
-        own = [str(ROOT)] if framework == "gagar_jax" else []
+        own = [str(ROOT)] if is_gagar(framework) else []
         env["PYTHONPATH"] = os.pathsep.join(own + ([inherited] if inherited else []))
         env.pop("XLA_FLAGS", None)  # one host device (no simulated devices)
+        if framework in HOST_DEVICES:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={HOST_DEVICES[framework]}"
         # Several workers share one accelerator: none takes most of its memory up front.
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         env.update(
@@ -411,8 +429,12 @@ def race(args) -> int:
     for f in frameworks:
         if f not in FRAMEWORKS:
             raise SystemExit(f"--frameworks: unknown {f!r} (choose from {FRAMEWORKS})")
+    accelerator = _accelerator()
+    if accelerator != "none" and any(f in HOST_DEVICES for f in frameworks):
+        print(f"leaving out {[f for f in frameworks if f in HOST_DEVICES]}: CPU host devices")
+        frameworks = [f for f in frameworks if f not in HOST_DEVICES]
     for f in frameworks:
-        if f != "gagar_jax":
+        if not is_gagar(f):
             ensure_venv(f)
     model = "tiny" if args.quick else "small"
     shapes = (
@@ -429,7 +451,7 @@ def race(args) -> int:
         f"model: {meta['num_params'] / 1e6:.1f}M params, Qwen2-shaped, vocab "
         f"{meta['vocab_size']}, float32 ({assets})"
     )
-    print(f"cpus: {os.cpu_count()}; accelerator: {_accelerator()}; start: {_load()}")
+    print(f"cpus: {os.cpu_count()}; accelerator: {accelerator}; start: {_load()}")
     failed = False
     results = {}
     for shape_name in shapes:
@@ -609,17 +631,21 @@ def print_table(shape_name, label, recs, setup, warm, load_before, load_after, r
     head = (
         f"{'framework':10} {'step s':>7} "
         + " ".join(f"{p:>8}" for p in PHASES)
-        + f" {'first s':>8} {'setup s':>8} {'gagar_jax x':>11}"
+        + f" {'first s':>8} {'setup s':>8}"
+        + "".join(f" {g + ' x':>{max(11, len(g) + 2)}}" for g in med if is_gagar(g))
     )
     print(head)
     print("-" * len(head))
-    g = med.get("gagar_jax", {}).get("total")
     for fw, m in med.items():
-        speed = f"{m['total'] / g:10.2f}x" if g else ""
+        speed = "".join(
+            f" {m['total'] / med[g]['total']:>{max(11, len(g) + 2) - 1}.2f}x"
+            for g in med
+            if is_gagar(g)
+        )
         print(
             f"{fw:10} {m['total']:7.3f} "
             + " ".join(f"{m[p]:8.3f}" for p in PHASES)
-            + f" {warm[fw]['total']:8.1f} {setup[fw]['setup_s']:8.1f} {speed:>11}",
+            + f" {warm[fw]['total']:8.1f} {setup[fw]['setup_s']:8.1f}{speed}",
             flush=True,
         )
 
@@ -690,7 +716,8 @@ def worker_main(framework: str, spec: dict) -> None:
     _matmul_precision(spec)
     # Libraries print to stdout: keep the protocol's lines apart (they start with '@@').
     try:
-        if framework == "gagar_jax":
+        if is_gagar(framework):
+            spec = dict(spec, devices=HOST_DEVICES.get(framework, 1))
             run = _gagar_worker
         elif framework == "trl":
             run = _trl_worker
@@ -754,6 +781,7 @@ def _gagar_worker(spec: dict) -> None:
     from gagar_jax.advantages import gagar_advantages
     from gagar_jax.models import load_hf_safetensors
     from gagar_jax.rl.collect import Group, Rollout, pack_groups
+    from gagar_jax.rl.engines import sampler_mesh
     from gagar_jax.rl.policy import local_params
     from gagar_jax.rollout import SamplingParams
     from gagar_jax.rollout.sampler import Sampler
@@ -813,10 +841,16 @@ def _gagar_worker(spec: dict) -> None:
         )
         return
 
-    # The race: the loop's own pieces (what gagar_jax.rl.train's step calls).
-    mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    # The race: the loop's own pieces (what gagar_jax.rl.train's step calls), on `devices`
+    # devices: the update's batch split over a (devices, 1, 1) mesh, the sampler's rows over
+    # the loop's sampler mesh.
+    n = spec.get("devices", 1)
+    if len(jax.devices()) < n:
+        raise RuntimeError(f"{n} devices wanted, {len(jax.devices())} present")
+    mesh = make_mesh((n, 1, 1), devices=jax.devices()[:n])
     sampler = Sampler(
         model,
+        mesh=sampler_mesh(n),
         pad_id=meta["pad_id"],
         batch_buckets=(G * K,),
         prompt_buckets=(P,),

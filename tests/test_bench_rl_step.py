@@ -167,3 +167,26 @@ def test_one_interpreter_for_the_trainers_replaces_their_venvs(tmp_path, monkeyp
         assert w.proc.returncode == 0
     assert seen["trl"] == (sys.executable, str(tmp_path))
     assert seen["gagar_jax"] == (sys.executable, os.pathsep.join([str(ROOT), str(tmp_path)]))
+
+
+def test_the_two_device_variant_gets_two_host_devices_and_this_interpreter(tmp_path, monkeypatch):
+    """``gagar_2dev`` runs gagar_jax's worker in this interpreter with exactly two host devices
+    (whatever ``XLA_FLAGS`` the driver has); the one-device workers get no ``XLA_FLAGS``."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.delenv(bench.PYTHON_ENV, raising=False)
+    seen = {}
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kw):
+        seen[cmd[cmd.index("--worker") + 1]] = (cmd[0], kw["env"].get("XLA_FLAGS"))
+        return real_popen([sys.executable, "-c", "pass"], **kw)
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    for fw in ("gagar_jax", "gagar_2dev", "trl"):
+        w = bench.WorkerProc(fw, {}, tmp_path / f"{fw}.log")
+        w.proc.wait()
+        w.log.close()
+    assert seen["gagar_jax"] == (sys.executable, None)
+    assert seen["gagar_2dev"] == (sys.executable, "--xla_force_host_platform_device_count=2")
+    assert seen["trl"][1] is None
+    assert bench.is_gagar("gagar_2dev") and not bench.is_gagar("trl")
