@@ -303,6 +303,37 @@ def _autodiff_attention(qh, kh, vh, mask):
     return jnp.einsum("bktgs,bksd->bktgd", jax.nn.softmax(s, axis=-1), vh)
 
 
+def _assert_attention_matches(fn, qh, kh, vh, mask, weight):
+    """``fn(q, k, v)`` (attention in the reference's layouts) equals the float64 NumPy
+    forward on query rows with a valid key (finite everywhere), and its gradients equal the
+    autodiff gradient of plain softmax attention."""
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(f(q, k, v) * weight)
+
+    @jax.jit  # the forward and both gradients in one program: one compile per example
+    def run(qh, kh, vh):
+        return (
+            fn(qh, kh, vh),
+            jax.grad(loss(fn), argnums=(0, 1, 2))(qh, kh, vh),
+            jax.grad(loss(lambda q, k, v: _autodiff_attention(q, k, v, mask)), argnums=(0, 1, 2))(
+                qh, kh, vh
+            ),
+        )
+
+    out, got, want = run(qh, kh, vh)
+    out = np.asarray(out)
+    live = np.broadcast_to(np.asarray(mask).any(-1)[:, None, :, None, None], out.shape)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(
+        out[live], _np_attention(qh, kh, vh, mask)[live], atol=2e-5, rtol=2e-5
+    )
+    for name, a, b in zip("qkv", got, want):
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), atol=5e-5, rtol=5e-5, err_msg=f"d{name}"
+        )
+
+
 def _attention_inputs(seed, b, kv, g, d, t, pads, dtype=jnp.float32):
     keys = jax.random.split(jax.random.key(seed), 4)
     qh = jax.random.normal(keys[0], (b, kv, t, g, d), dtype)
@@ -333,32 +364,9 @@ def test_blocked_attention_matches_numpy_and_autodiff(t, block, g, seed, pads):
     pads = [min(p, t) for p in pads]
     qh, kh, vh, mask, weight = _attention_inputs(seed, len(pads), 2, g, 8, t, pads)
     blocks = tuple(_causal_blocks(t, block))
-
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(fn(q, k, v) * weight)
-
-    @jax.jit  # the forward and both gradients in one program: one compile per example
-    def run(qh, kh, vh):
-        blocked = lambda q, k, v: _blocked_causal_attention(q, k, v, mask, blocks)
-        return (
-            blocked(qh, kh, vh),
-            jax.grad(loss(blocked), argnums=(0, 1, 2))(qh, kh, vh),
-            jax.grad(loss(lambda q, k, v: _autodiff_attention(q, k, v, mask)), argnums=(0, 1, 2))(
-                qh, kh, vh
-            ),
-        )
-
-    out, got, want = run(qh, kh, vh)
-    out = np.asarray(out)
-    live = np.broadcast_to(np.asarray(mask).any(-1)[:, None, :, None, None], out.shape)
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(
-        out[live], _np_attention(qh, kh, vh, mask)[live], atol=2e-5, rtol=2e-5
+    _assert_attention_matches(
+        lambda q, k, v: _blocked_causal_attention(q, k, v, mask, blocks), qh, kh, vh, mask, weight
     )
-    for name, a, b in zip("qkv", got, want):
-        np.testing.assert_allclose(
-            np.asarray(a), np.asarray(b), atol=5e-5, rtol=5e-5, err_msg=f"d{name}"
-        )
 
 
 @settings(max_examples=12, deadline=None)
@@ -389,30 +397,7 @@ def test_cached_attention_matches_numpy_and_autodiff(t, prefix, g, seed, pads):
     def cached(q, k, v):
         return from_cached(_cached_attention(to_cached(q), k.transpose(0, 1, 3, 2), v, mask, g))
 
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(fn(q, k, v) * weight)
-
-    @jax.jit
-    def run(qh, kh, vh):
-        return (
-            cached(qh, kh, vh),
-            jax.grad(loss(cached), argnums=(0, 1, 2))(qh, kh, vh),
-            jax.grad(loss(lambda q, k, v: _autodiff_attention(q, k, v, mask)), argnums=(0, 1, 2))(
-                qh, kh, vh
-            ),
-        )
-
-    out, got, want = run(qh, kh, vh)
-    out = np.asarray(out)
-    live = np.broadcast_to(np.asarray(mask).any(-1)[:, None, :, None, None], out.shape)
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(
-        out[live], _np_attention(qh, kh, vh, mask)[live], atol=2e-5, rtol=2e-5
-    )
-    for name, a, c in zip("qkv", got, want):
-        np.testing.assert_allclose(
-            np.asarray(a), np.asarray(c), atol=5e-5, rtol=5e-5, err_msg=f"d{name}"
-        )
+    _assert_attention_matches(cached, qh, kh, vh, mask, weight)
 
 
 def test_blocked_attention_bfloat16_tracks_float32():
