@@ -400,25 +400,39 @@ def test_cached_attention_matches_numpy_and_autodiff(t, prefix, g, seed, pads):
     _assert_attention_matches(cached, qh, kh, vh, mask, weight)
 
 
-def test_blocked_attention_bfloat16_tracks_float32():
+@pytest.mark.parametrize("kind", ["blocked", "cached"])
+def test_attention_bfloat16_tracks_float32(kind):
     """bf16 inputs: value and gradients stay within bf16 rounding of the float32 computation,
-    and come back in bf16."""
+    and come back in bf16 (the blocked attention of a whole sequence, and the cached one of 8
+    new queries against a 24-slot cache)."""
     qh, kh, vh, mask, weight = _attention_inputs(3, 2, 2, 2, 16, 24, (0, 5))
-    blocks = tuple(_causal_blocks(24, 8))
+    if kind == "blocked":
+        blocks = tuple(_causal_blocks(24, 8))
+
+        def attend(q, k, v):
+            return _blocked_causal_attention(q, k, v, mask, blocks)
+
+    else:
+        qh, weight = qh[:, :, 16:], weight[:, :, 16:]
+        b, kv, t, g, d = qh.shape
+
+        def attend(q, k, v):
+            qm = q.transpose(0, 1, 3, 2, 4).reshape(b, kv, g * t, d)
+            out = _cached_attention(qm, k.transpose(0, 1, 3, 2), v, mask[:, 16:], g)
+            return out.reshape(b, kv, g, t, d).transpose(0, 1, 3, 2, 4)
+
     bf = [x.astype(jnp.bfloat16) for x in (qh, kh, vh)]
 
     def loss(q, k, v):
-        return jnp.sum(
-            _blocked_causal_attention(q, k, v, mask, blocks).astype(jnp.float32) * weight
-        )
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * weight)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))  # compiled as the model runs it
     got = grad(*bf)
     want = grad(*[x.astype(jnp.float32) for x in bf])
-    for a, b in zip(got, want):
+    for a, ref in zip(got, want):
         assert a.dtype == jnp.bfloat16
-        scale = float(jnp.max(jnp.abs(b)))
-        assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))) < 0.05 * scale
+        scale = float(jnp.max(jnp.abs(ref)))
+        assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - ref))) < 0.05 * scale
 
 
 @pytest.mark.parametrize("block", [4, 7])
