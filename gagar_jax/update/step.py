@@ -142,7 +142,7 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
     if all(_on_host(getattr(batch, f)) for f in _ROW_FIELDS):
         # (Arrays spread over several processes: each checks its own rows before it builds
         # them, ``check_batch_rows``.)
-        check_batch_rows(batch, config, k, shared=_shares_prefix(config, t, g, mesh))
+        check_batch_rows(batch, config, k)
     if n % (chunks * shards):
         raise ValueError(
             f"batch of N={n} sequences must divide into num_minibatches * num_microbatches = "
@@ -168,13 +168,12 @@ def _on_host(x) -> bool:
     return not isinstance(x, jax.Array) or x.is_fully_addressable
 
 
-def check_batch_rows(
-    batch: UpdateBatch, config: UpdateConfig, group_size: int, *, shared: bool | None = None
-) -> None:
+def check_batch_rows(batch: UpdateBatch, config: UpdateConfig, group_size: int) -> None:
     """The checks of a batch's token rows (whole groups of ``group_size`` rows, group-major;
     one process's rows of a multi-process batch): every response fits ``score_window``, and
-    with ``shared_prefix`` every sample of a group has its group's prompt. ``shared``: whether
-    the update will share the prefix (default: ``config.shared_prefix`` with a window)."""
+    with ``shared_prefix`` (and a window) every sample of a group has its group's prompt. The
+    prompts are checked even where the update falls back to the per-sample forward, so a
+    batch is refused or accepted alike on every mesh and in every process."""
     n, t = np.shape(batch.tokens)
     if _windowed(config, t):
         scored = np.asarray(batch.response_mask, bool)[:, 1:]
@@ -193,9 +192,7 @@ def check_batch_rows(
                     f"{int(span.max())} (the widest response), or set it to 0 to score "
                     "every position"
                 )
-    if shared is None:
-        shared = config.shared_prefix and _windowed(config, t)
-    if shared:
+    if config.shared_prefix and _windowed(config, t):
         _check_shared_prompts(batch, config.score_window, n // group_size, group_size)
 
 
