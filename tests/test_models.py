@@ -134,6 +134,106 @@ def test_cached_decode_equals_full_forward(tie):
     np.testing.assert_array_equal(np.asarray(cache.mask[:, :10]), m)
 
 
+@nnx.jit(static_argnames="fresh")
+def _decode_fresh(model, tokens, positions, cache, mask, fresh):
+    return model.decode(tokens, positions, cache, attention_mask=mask, fresh=fresh)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_fresh_prefill_equals_the_cached_prefill_and_ignores_old_slots(scan):
+    """``decode(fresh=True)`` (causal attention in query blocks) on a cache that already holds
+    other tokens == the plain prefill of an empty cache: the same logits, the same keys and
+    values in the new slots, those slots alone valid, the index after them; the decode steps
+    that follow agree too. With 3 query blocks, left padding, and a stale cache whose old
+    slots would change every logit if they were attended to; per-layer and scanned layers.
+    A prompt longer than the cache is refused."""
+    config = dataclasses.replace(TINY, causal_block_size=4, scan_layers=scan)
+    model = _model(config)
+    tokens, positions, mask = _left_padded(length=10, pads=(0, 2, 5))
+    m = np.asarray(mask)
+    empty = model.init_cache(batch=3, max_len=16)
+    plain_logits, plain = _decode_fresh(model, tokens, positions, empty, mask, False)
+    # A stale cache: 13 other tokens already written (index 13, their slots valid).
+    other, other_pos, _ = _left_padded(length=13, pads=(0, 0, 0), seed=7)
+    _, stale = _decode_fresh(model, other, other_pos, empty, None, False)
+    assert int(stale.index) == 13
+    fresh_logits, fresh = _decode_fresh(model, tokens, positions, stale, mask, True)
+
+    np.testing.assert_allclose(
+        np.asarray(fresh_logits)[m], np.asarray(plain_logits)[m], atol=1e-5, rtol=1e-5
+    )
+    assert int(fresh.index) == 10
+    np.testing.assert_array_equal(np.asarray(fresh.mask[:, :10]), m)
+    assert not np.asarray(fresh.mask[:, 10:]).any()  # the stale slots are no longer valid
+    # Keys [B, KV, D, S] and values [B, KV, S, D] of the valid slots (a padding slot's are
+    # masked out, and its query row, which has no valid key, is undefined).
+    for a, b in zip(fresh.k, plain.k):
+        a, b = np.moveaxis(np.asarray(a), -1, 1), np.moveaxis(np.asarray(b), -1, 1)
+        np.testing.assert_allclose(a[:, :10][m], b[:, :10][m], atol=1e-5, rtol=1e-5)
+    for a, b in zip(fresh.v, plain.v):
+        a, b = np.moveaxis(np.asarray(a), -2, 1), np.moveaxis(np.asarray(b), -2, 1)
+        np.testing.assert_allclose(a[:, :10][m], b[:, :10][m], atol=1e-5, rtol=1e-5)
+    # Had the stale slots been attended to, the logits would differ far beyond that.
+    stale_logits, _ = _decode_fresh(model, tokens, positions + 13, stale, mask, False)
+    assert np.abs(np.asarray(stale_logits)[m] - np.asarray(plain_logits)[m]).max() > 1e-2
+
+    nxt, nxt_pos, _ = _left_padded(length=3, pads=(0, 0, 0), seed=3)
+    for t in range(3):
+        step = (nxt[:, t : t + 1], nxt_pos[:, t : t + 1] + 10)
+        a, fresh = _decode(model, *step, fresh)
+        b, plain = _decode(model, *step, plain)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="fresh prefill of 10 tokens needs a cache of at least"):
+        model.decode(tokens, positions, model.init_cache(3, 8), attention_mask=mask, fresh=True)
+
+
+def test_fresh_prefill_gradients_equal_the_cached_prefill():
+    """The update's shared-prefix forward differentiates through a fresh prefill: the
+    parameters' gradients of the prompt's hidden states equal those of the plain prefill."""
+    config = dataclasses.replace(TINY, causal_block_size=4)
+    model = _model(config)
+    tokens, positions, mask = _left_padded(length=10, pads=(0, 2, 5))
+    graphdef, state = nnx.split(model)
+    weights = jnp.asarray(np.random.default_rng(0).standard_normal((3, 10, config.hidden_size)))
+    w = weights * jnp.asarray(mask)[..., None]
+
+    def loss(state, fresh):
+        mdl = nnx.merge(graphdef, state)
+        h, _ = mdl.decode_hidden(
+            tokens, positions, mdl.init_cache(3, 14), attention_mask=mask, fresh=fresh
+        )
+        return jnp.sum(h * w)
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    for a, b in zip(jax.tree.leaves(grad(state, True)), jax.tree.leaves(grad(state, False))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+
+
+def test_fresh_prefill_keeps_less_of_the_scores():
+    """A fresh prefill of 1,024 tokens needs well under the temporary memory of the plain
+    one, which holds the whole ``[T, S]`` scores (and their exponentials) at once."""
+    graphdef, state = nnx.split(_model())
+    t = 1024
+
+    def prefill(state, tokens, fresh):
+        mdl = nnx.merge(graphdef, state)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
+        return mdl.decode(tokens, pos, mdl.init_cache(2, t + 8), last_only=True, fresh=fresh)
+
+    tokens = jnp.ones((2, t), jnp.int32)
+    temp = {
+        fresh: jax.jit(prefill, static_argnums=2)
+        .lower(state, tokens, fresh)
+        .compile()
+        .memory_analysis()
+        .temp_size_in_bytes
+        for fresh in (False, True)
+    }
+    scores = 2 * TINY.num_heads * t * (t + 8) * 4  # one layer's float32 [T, S] scores
+    assert temp[False] > scores  # the plain prefill does hold them whole
+    assert temp[True] < 0.6 * temp[False], temp
+
+
 def _computations(hlo_text: str) -> dict[str, list[str]]:
     comps, cur = {}, None
     for line in hlo_text.splitlines():

@@ -893,10 +893,12 @@ class Attention(nnx.Module):
         """x: [B, T, E]; rope_cos_sin: :func:`rope_tables` of the tokens' positions; mask:
         [B, T, S] bool (causal & key mask).
 
-        ``cache``: None (keys are this call's tokens, S == T) or ``(k_buf, v_buf, layer, index)``:
-        this layer's buffers ``[B, KV, D, S]`` / ``[B, KV, S, D]`` (``layer`` None), or the
-        stacked ``[L, ...]`` ones and this layer's index; the new keys and values are written in
-        place at slot ``index``. Returns ``([B, T, E], (k_buf, v_buf) or None)``.
+        ``cache``: None (keys are this call's tokens, S == T) or ``(k_buf, v_buf, layer, index,
+        fresh)``: this layer's buffers ``[B, KV, D, S]`` / ``[B, KV, S, D]`` (``layer`` None), or
+        the stacked ``[L, ...]`` ones and this layer's index; the new keys and values are written
+        in place at slot ``index``. ``fresh`` (static): the cache holds nothing before these
+        tokens (``index`` 0), so they attend to each other only, causally, in the full
+        forward's query blocks. Returns ``([B, T, E], (k_buf, v_buf) or None)``.
         """
         c = self.config
         dt = x.dtype
@@ -924,10 +926,16 @@ class Attention(nnx.Module):
 
     def _attend_cached(self, q, k, v, mask, cache):
         """Writes k/v [B, T, KV, D] into the cache at slot ``index`` and attends to all its
-        slots: q [B, T, KV, G, D], mask [B, T, S] -> ([B, T, KV, G, D], (k_buf, v_buf))."""
+        slots: q [B, T, KV, G, D], mask [B, T, S] -> ([B, T, KV, G, D], (k_buf, v_buf)).
+
+        A fresh cache's prefill attends to its own ``T`` tokens only, as the full forward does
+        (:meth:`_attend_causal`: query blocks scored against the keys up to their end, and
+        FlashAttention's backward). One ``[T, S]`` product would score every masked slot too:
+        twice the FLOPs of the causal half, and all of the scores in memory at once (at 8,192
+        prompt tokens, 2 GiB per row and layer in float32)."""
         dt = q.dtype
         b, t, kv, g, d = q.shape
-        k_buf, v_buf, layer, index = cache
+        k_buf, v_buf, layer, index, fresh = cache
         index = jnp.asarray(index, jnp.int32)
         k_new = k.transpose(0, 2, 3, 1).astype(k_buf.dtype)  # [B, KV, D, T]
         v_new = v.transpose(0, 2, 1, 3).astype(v_buf.dtype)  # [B, KV, T, D]
@@ -946,6 +954,8 @@ class Attention(nnx.Module):
             )
             keys = jax.lax.dynamic_index_in_dim(k_buf, layer, 0, keepdims=False)
             values = jax.lax.dynamic_index_in_dim(v_buf, layer, 0, keepdims=False)
+        if fresh:  # slots 0..T-1 are these tokens: causal attention among them
+            return self._attend_causal(q, k, v, mask[:, :, :t]), (k_buf, v_buf)
         # Batch dims leading on both operands ([B, KV, G*T, D] x [B, KV, D, S]): the layout the
         # CPU dot fusions take without re-laying-out the cache.
         qm = q.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
@@ -1123,12 +1133,12 @@ class Transformer(nnx.Module):
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be integer, got {tokens.dtype}")
 
-    def _layers(self, x, rope_cos_sin, mask, token_mask, cache_kv, index):
+    def _layers(self, x, rope_cos_sin, mask, token_mask, cache_kv, index, fresh=False):
         """Runs every block; returns (x, (k_all, v_all) or None, stacked router stats or None)."""
         c = self.config
 
         def apply(block, x, cache_kv, layer):
-            cache = None if cache_kv is None else (*cache_kv, layer, index)
+            cache = None if cache_kv is None else (*cache_kv, layer, index, fresh)
             return block(x, rope_cos_sin, mask, token_mask, cache)
 
         def apply_own(block, x, cache_kv, layer):  # per-layer buffers: a tuple of L each
@@ -1175,19 +1185,21 @@ class Transformer(nnx.Module):
         inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_llama3_scaling))
         return rope_tables(positions, inv_freq)
 
-    def _hidden(self, tokens, positions, key_mask, token_mask, cache=None, rope_cos_sin=None):
+    def _hidden(
+        self, tokens, positions, key_mask, token_mask, cache=None, rope_cos_sin=None, fresh=False
+    ):
         c = self.config
         dt = _dtype(c.dtype)
         x = self.embed_tokens[...].astype(dt)[tokens]
         t, s = tokens.shape[1], key_mask.shape[1]
-        offset = 0 if cache is None else cache.index
+        offset = 0 if cache is None or fresh else cache.index
         causal = jnp.arange(s)[None, :] <= (offset + jnp.arange(t))[:, None]  # [T, S]
         mask = causal[None] & key_mask[:, None, :]  # [B, T, S]
         cache_kv = None if cache is None else (cache.k, cache.v)
-        index = None if cache is None else cache.index
+        index = None if cache is None else (jnp.zeros((), jnp.int32) if fresh else cache.index)
         if rope_cos_sin is None:
             rope_cos_sin = self.rope_tables(positions)  # once for all layers
-        x, cache_kv, stats = self._layers(x, rope_cos_sin, mask, token_mask, cache_kv, index)
+        x, cache_kv, stats = self._layers(x, rope_cos_sin, mask, token_mask, cache_kv, index, fresh)
         return self.norm(x).astype(dt), cache_kv, stats
 
     def head_weight(self) -> jax.Array:
@@ -1270,6 +1282,7 @@ class Transformer(nnx.Module):
         attention_mask=None,
         last_only=False,
         rope_cos_sin=None,
+        fresh=False,
     ):
         """Runs ``T`` new tokens against the cache (prefill when T > 1, one step when T == 1).
 
@@ -1281,34 +1294,67 @@ class Transformer(nnx.Module):
           last_only: the logits of the last position only (``[B, 1, V]``): what a prefill
             needs to start sampling; the LM head over all ``T`` prompt positions would cost
             ``T`` decode steps' worth of head FLOPs for nothing.
+          fresh: start new sequences in this cache: the tokens go to slots ``0 .. T - 1``
+            whatever ``cache.index`` and its mask held, and attend to each other only,
+            causally, in the full forward's query blocks (about half the FLOPs and the score
+            memory of one ``T x S`` product). A prefill of an empty cache gives the same
+            values either way, up to float rounding.
         Returns:
           (logits [B, T, V] float32, updated Cache). Writing past ``max_len`` is clamped by
           ``dynamic_update_slice``: callers must keep ``index + T <= max_len``.
         """
         h, new_cache = self.decode_hidden(
-            tokens, positions, cache, attention_mask=attention_mask, rope_cos_sin=rope_cos_sin
+            tokens,
+            positions,
+            cache,
+            attention_mask=attention_mask,
+            rope_cos_sin=rope_cos_sin,
+            fresh=fresh,
         )
         if last_only:
             h = h[:, -1:]
         return self.logits_from_hidden(h), new_cache
 
     def decode_hidden(
-        self, tokens, positions, cache: Cache, *, attention_mask=None, rope_cos_sin=None
+        self,
+        tokens,
+        positions,
+        cache: Cache,
+        *,
+        attention_mask=None,
+        rope_cos_sin=None,
+        fresh=False,
     ):
         """:meth:`decode` without the LM head: ``(final-norm hidden states [B, T, E], updated
         Cache)``. Differentiable (the update's shared-prefix forward runs a group's prompt
-        once this way and its samples' responses against the prompt's cache)."""
+        once this way, ``fresh``, and its samples' responses against the prompt's cache)."""
         self._check(tokens, positions, attention_mask)
         if cache.mask.shape[0] != tokens.shape[0]:
             raise ValueError(f"cache batch {cache.mask.shape[0]} != tokens batch {tokens.shape[0]}")
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, bool)
         attention_mask = attention_mask.astype(bool)
-        key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
+        if fresh and tokens.shape[1] > cache.mask.shape[1]:
+            raise ValueError(
+                f"a fresh prefill of {tokens.shape[1]} tokens needs a cache of at least that many "
+                f"slots, got {cache.mask.shape[1]}"
+            )
+        if fresh:
+            start = jnp.zeros((), jnp.int32)
+            key_mask = jnp.zeros_like(cache.mask).at[:, : tokens.shape[1]].set(attention_mask)
+        else:
+            start = cache.index
+            key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, start))
         h, (k, v), _ = self._hidden(
-            tokens, positions, key_mask, attention_mask, cache, rope_cos_sin=rope_cos_sin
+            tokens,
+            positions,
+            key_mask,
+            attention_mask,
+            cache,
+            rope_cos_sin=rope_cos_sin,
+            fresh=fresh,
         )
-        return h, Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
+        return h, Cache(k=k, v=v, mask=key_mask, index=start + tokens.shape[1])
 
 
 def _is_stacked_layers(layers) -> bool:

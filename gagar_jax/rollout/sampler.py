@@ -368,7 +368,12 @@ def _generate_program(
     # (last_only: no LM head over the other prompt positions). Then the n samples of a
     # prompt copy its prefilled cache (one prefill per distinct prompt, not per sample).
     logits, cache = model.decode(
-        prompts, positions, cache, attention_mask=prompt_mask, last_only=True
+        prompts,
+        positions,
+        cache,
+        attention_mask=prompt_mask,
+        last_only=True,
+        fresh=history is None,  # an empty cache: causal attention in query blocks
     )
     logits = logits[row_src, -1, :]
     prompt_len = prompt_len[row_src]

@@ -272,6 +272,7 @@ def _shared_prefix_hidden(model, mb, window: int, k: int):
         positions[src, :pm],
         cache,
         attention_mask=attn[src, :pm] & (slots < prompt_len[:, None]),
+        fresh=True,
     )
     group = jnp.arange(b) // k
 
