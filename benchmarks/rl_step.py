@@ -535,7 +535,9 @@ def race(args) -> int:
             fw: {ph: statistics.median(r[ph] for r in rs) for ph in PHASES}
             for fw, rs in recs.items()
         }
-        print_roofline(model_flops(assets, shape), med, peak)
+        flops = model_flops(assets, shape)
+        results[shape_name]["model_flops"] = flops
+        print_roofline(flops, med, peak)
     print(f"end: {_load()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
@@ -577,11 +579,18 @@ def gemm_peak(n: int = 0, reps: int = 10) -> float:
 
 
 def model_flops(assets: Path, shape: dict) -> dict:
-    """Model FLOPs of one step's phases (the same work in every framework): generate = 2 x
-    the layers' matmul params per token (prefill of each sample row + its new tokens) + the LM
-    head on the new tokens + attention scores/values; update = 6 x the same matmuls + attention
-    (forward and backward). The LM head counts only where the step needs logits: the
-    positions that predict the new tokens."""
+    """Model FLOPs of one step's phases.
+
+    ``generate`` and ``update`` are the per-sample step's, the same work in every framework:
+    generate = 2 x the layers' matmul params per token (prefill of each sample row + its new
+    tokens) + the LM head on the new tokens + causal attention scores/values; update = 6 x the
+    same matmuls + 3 x the attention (forward and backward). The LM head counts only where the
+    step needs logits: the positions that predict the new tokens.
+
+    ``generate_shared`` and ``update_shared`` count the same arithmetic as gagar_jax's step
+    needs it: each distinct prompt once (its sampler's shared prefill, its update's
+    ``shared_prefix``), each sample's new tokens against that prompt. Over a phase's time they
+    read as its utilisation; the per-sample counts overstate the work gagar_jax does."""
     c = json.loads((Path(assets) / "config.json").read_text())
     h, d = c["hidden_size"], c["head_dim"]
     nh, nkv, f, v, L = (
@@ -593,28 +602,52 @@ def model_flops(assets: Path, shape: dict) -> dict:
     )
     per_layer = h * d * (nh + 2 * nkv) + nh * d * h + 3 * h * f
     rows = shape["prompts"] * shape["samples"]
-    t = shape["prompt_len"] + shape["new"]
-    matmul = L * per_layer * t + v * h * shape["new"]  # per row
+    p, n = shape["prompt_len"], shape["new"]
+    t = p + n
+    matmul = L * per_layer * t + v * h * n  # per row
     attn = 4.0 * L * nh * d * t * t / 2  # causal: half the score/value matmuls, per row
     generate = rows * (2.0 * matmul + attn)
     update = rows * (6.0 * matmul + 3 * attn)
-    return {"generate": generate, "update": update}
+
+    def causal(queries: int, before: int) -> float:  # scores and values of causal queries
+        return 4.0 * L * nh * d * queries * (before + queries / 2)
+
+    shared_matmul = shape["prompts"] * L * per_layer * p + rows * (L * per_layer * n + v * h * n)
+    shared_attn = shape["prompts"] * causal(p, 0) + rows * causal(n, p)
+    return {
+        "generate": generate,
+        "update": update,
+        "generate_shared": 2.0 * shared_matmul + shared_attn,
+        "update_shared": 6.0 * shared_matmul + 3 * shared_attn,
+    }
 
 
 def print_roofline(flops: dict, med: dict, peak: float) -> None:
-    """Achieved model FLOP/s of the compute phases, as a fraction of the measured GEMM peak."""
-    print(
-        f"roofline (model FLOPs / phase time / JAX's f32 GEMM peak at its default precision "
-        f"{peak / 1e9:.1f} GFLOP/s): "
-        + "; ".join(
-            f"{fw} "
-            + ", ".join(
-                f"{ph} {flops[ph] / m[ph] / 1e9:.1f} GFLOP/s ({flops[ph] / m[ph] / peak:.0%})"
+    """Achieved model FLOP/s of the compute phases, as a fraction of the measured GEMM peak:
+    every framework's with the per-sample step's FLOPs (the same work in all three), and
+    gagar_jax's also with the FLOPs its step needs (each prompt once per group), which read as
+    its utilisation."""
+
+    def rate(fl, seconds):
+        return f"{fl / seconds / 1e9:.1f} GFLOP/s ({fl / seconds / peak:.0%})"
+
+    parts = []
+    for fw, m in med.items():
+        phases = [f"{ph} {rate(flops[ph], m[ph])}" for ph in ("generate", "update") if m[ph] > 0]
+        if is_gagar(fw):
+            own = [
+                f"{ph} {rate(flops[ph + '_shared'], m[ph])}"
                 for ph in ("generate", "update")
                 if m[ph] > 0
-            )
-            for fw, m in med.items()
-        ),
+            ]
+            phases.append("on its own FLOPs: " + ", ".join(own))
+        parts.append(f"{fw} " + ", ".join(phases))
+    print(
+        f"roofline (model FLOPs / phase time / JAX's f32 GEMM peak at its default precision "
+        f"{peak / 1e9:.1f} GFLOP/s; per sample: generate {flops['generate'] / 1e9:.1f}, update "
+        f"{flops['update'] / 1e9:.1f} GFLOP; each prompt once: generate "
+        f"{flops['generate_shared'] / 1e9:.1f}, update {flops['update_shared'] / 1e9:.1f} "
+        f"GFLOP): " + "; ".join(parts),
         flush=True,
     )
 

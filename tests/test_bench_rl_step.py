@@ -190,3 +190,55 @@ def test_the_two_device_variant_gets_two_host_devices_and_this_interpreter(tmp_p
     assert seen["gagar_2dev"] == (sys.executable, "--xla_force_host_platform_device_count=2")
     assert seen["trl"][1] is None
     assert bench.is_gagar("gagar_2dev") and not bench.is_gagar("trl")
+
+
+@pytest.mark.parametrize("shape_name", ["quick-rl", "quick-multiturn"])
+def test_model_flops_count_the_work_gagar_jax_update_runs(tmp_path, shape_name):
+    """The roofline's ``update_shared`` (each prompt once per group) is the dot arithmetic of
+    gagar_jax's compiled update at the race's shapes: at most the dots XLA runs, which add
+    only the masked halves of the attention blocks; the per-sample count, which every
+    framework is also given, is more."""
+    import jax
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import xla_profile
+
+    from gagar_jax.models import load_hf_safetensors
+    from gagar_jax.rl.collect import Group, Rollout, pack_groups
+    from gagar_jax.update import create_train_state, jit_update, make_mesh, shard_batch
+
+    assets = bench.make_assets("tiny", root=tmp_path)
+    shape = bench.SHAPES[shape_name]
+    g, k, p, n = shape["prompts"], shape["samples"], shape["prompt_len"], shape["new"]
+    cfg, _ = load_hf_safetensors(str(assets))
+    ucfg = bench.gagar_update_config(shape)
+    assert ucfg.shared_prefix
+    mesh = make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    groups = []
+    for i in range(g):
+        prompt = rng.integers(5, cfg.vocab_size, p).tolist()
+        rollouts = [
+            Rollout(
+                prompt_tokens=prompt,
+                response_tokens=rng.integers(5, cfg.vocab_size, n).tolist(),
+                logprobs=[-1.0] * n,
+                finish_reason="length",
+                policy_version=0,
+                passed=bool(j % 2),
+            )
+            for j in range(k)
+        ]
+        groups.append(Group(group_id=str(i), task=None, rollouts=rollouts))
+    pad = json.loads((assets / "bench-assets.json").read_text())["pad_id"]
+    batch = pack_groups(
+        groups, None, num_groups=g, num_rollouts=k, max_prompt_len=p, max_new_tokens=n, pad_id=pad
+    )
+    ub = shard_batch(batch._replace(evidence=None), mesh)
+    state = create_train_state(cfg, ucfg, mesh, seed=0)
+    hlo = jit_update(cfg, ucfg, mesh).lower(state, ub).compile().as_text()
+    ran = sum(xla_profile.dot_instruction_flops(hlo))
+    flops = bench.model_flops(assets, shape)
+    assert flops["update_shared"] <= ran <= 1.1 * flops["update_shared"], (flops, ran)
+    assert flops["update"] > 1.3 * ran
+    assert flops["generate_shared"] < flops["generate"]
