@@ -325,21 +325,21 @@ def test_sync_of_trainer_params_compiles_nothing_new(model):
 
 
 def test_prefill_bucket_independent_of_sample_rows(model):
-    """A batch bucket sized for the sample rows (2 prompts x 32 samples in a 64-row bucket) does
+    """A batch bucket sized for the sample rows (3 prompts x 16 samples in a 64-row bucket) does
     not pad the shared prefill to 64 rows: the distinct prompts take the smallest prefill
-    bucket (16), and the samples equal those of a sampler whose batch buckets hold 2 rows."""
+    bucket (8), and the samples equal those of a sampler whose batch buckets hold 3 rows."""
     from gagar_jax.rollout.sampler import prefill_buckets
 
-    assert prefill_buckets((128,)) == (16, 32, 64, 128)
+    assert prefill_buckets((128,)) == (8, 16, 32, 64, 128)
     assert prefill_buckets((4, 8)) == (4, 8)
     assert prefill_buckets((12, 96), multiple=12) == (12, 24, 36, 72, 96)
-    params = SamplingParams(n=32, temperature=1.0, max_tokens=8, seed=3)
+    params = SamplingParams(n=16, temperature=1.0, max_tokens=8, seed=3)
     wide = Sampler(model, batch_buckets=(64,), prompt_buckets=(16,), new_token_buckets=(8,))
-    out = wide.generate(PROMPTS[:2], params)
-    assert out[0][0].meta["prefill_rows"] == 16 and out[0][0].meta["bucket"][0] == 64
-    ref = Sampler(model, batch_buckets=(2, 64), prompt_buckets=(16,), new_token_buckets=(8,))
-    want = ref.generate(PROMPTS[:2], params)
-    assert want[0][0].meta["prefill_rows"] == 2
+    out = wide.generate(PROMPTS[:3], params)
+    assert out[0][0].meta["prefill_rows"] == 8 and out[0][0].meta["bucket"][0] == 64
+    ref = Sampler(model, batch_buckets=(3, 64), prompt_buckets=(16,), new_token_buckets=(8,))
+    want = ref.generate(PROMPTS[:3], params)
+    assert want[0][0].meta["prefill_rows"] == 3
     for got_row, want_row in zip(out, want):
         for got, exp in zip(got_row, want_row):
             assert got.tokens == exp.tokens
