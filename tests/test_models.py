@@ -48,11 +48,13 @@ def _fwd(model, tokens, positions, mask=None):
     return model(tokens, positions, attention_mask=mask)
 
 
-@nnx.jit(static_argnames="last_only")
-def _decode(model, tokens, positions, cache, mask=None, last_only=False):
+@nnx.jit(static_argnames=("last_only", "fresh"))
+def _decode(model, tokens, positions, cache, mask=None, last_only=False, fresh=False):
     """``model.decode`` as the sampler runs it: one compiled program per shape (run eagerly,
     every operation of the model would be dispatched and compiled on its own)."""
-    return model.decode(tokens, positions, cache, attention_mask=mask, last_only=last_only)
+    return model.decode(
+        tokens, positions, cache, attention_mask=mask, last_only=last_only, fresh=fresh
+    )
 
 
 def _left_padded(batch=3, length=10, pads=(0, 2, 5), seed=0):
@@ -134,11 +136,6 @@ def test_cached_decode_equals_full_forward(tie):
     np.testing.assert_array_equal(np.asarray(cache.mask[:, :10]), m)
 
 
-@nnx.jit(static_argnames="fresh")
-def _decode_fresh(model, tokens, positions, cache, mask, fresh):
-    return model.decode(tokens, positions, cache, attention_mask=mask, fresh=fresh)
-
-
 @pytest.mark.parametrize("scan", [False, True])
 def test_fresh_prefill_equals_the_cached_prefill_and_ignores_old_slots(scan):
     """``decode(fresh=True)`` (causal attention in query blocks) on a cache that already holds
@@ -152,12 +149,12 @@ def test_fresh_prefill_equals_the_cached_prefill_and_ignores_old_slots(scan):
     tokens, positions, mask = _left_padded(length=10, pads=(0, 2, 5))
     m = np.asarray(mask)
     empty = model.init_cache(batch=3, max_len=16)
-    plain_logits, plain = _decode_fresh(model, tokens, positions, empty, mask, False)
+    plain_logits, plain = _decode(model, tokens, positions, empty, mask)
     # A stale cache: 13 other tokens already written (index 13, their slots valid).
     other, other_pos, _ = _left_padded(length=13, pads=(0, 0, 0), seed=7)
-    _, stale = _decode_fresh(model, other, other_pos, empty, None, False)
+    _, stale = _decode(model, other, other_pos, empty)
     assert int(stale.index) == 13
-    fresh_logits, fresh = _decode_fresh(model, tokens, positions, stale, mask, True)
+    fresh_logits, fresh = _decode(model, tokens, positions, stale, mask, fresh=True)
 
     np.testing.assert_allclose(
         np.asarray(fresh_logits)[m], np.asarray(plain_logits)[m], atol=1e-5, rtol=1e-5
@@ -174,7 +171,7 @@ def test_fresh_prefill_equals_the_cached_prefill_and_ignores_old_slots(scan):
         a, b = np.moveaxis(np.asarray(a), -2, 1), np.moveaxis(np.asarray(b), -2, 1)
         np.testing.assert_allclose(a[:, :10][m], b[:, :10][m], atol=1e-5, rtol=1e-5)
     # Had the stale slots been attended to, the logits would differ far beyond that.
-    stale_logits, _ = _decode_fresh(model, tokens, positions + 13, stale, mask, False)
+    stale_logits, _ = _decode(model, tokens, positions + 13, stale, mask)
     assert np.abs(np.asarray(stale_logits)[m] - np.asarray(plain_logits)[m]).max() > 1e-2
 
     nxt, nxt_pos, _ = _left_padded(length=3, pads=(0, 0, 0), seed=3)

@@ -1192,11 +1192,11 @@ class Transformer(nnx.Module):
         dt = _dtype(c.dtype)
         x = self.embed_tokens[...].astype(dt)[tokens]
         t, s = tokens.shape[1], key_mask.shape[1]
-        offset = 0 if cache is None or fresh else cache.index
+        offset = 0 if cache is None else cache.index
         causal = jnp.arange(s)[None, :] <= (offset + jnp.arange(t))[:, None]  # [T, S]
         mask = causal[None] & key_mask[:, None, :]  # [B, T, S]
         cache_kv = None if cache is None else (cache.k, cache.v)
-        index = None if cache is None else (jnp.zeros((), jnp.int32) if fresh else cache.index)
+        index = None if cache is None else cache.index
         if rope_cos_sin is None:
             rope_cos_sin = self.rope_tables(positions)  # once for all layers
         x, cache_kv, stats = self._layers(x, rope_cos_sin, mask, token_mask, cache_kv, index, fresh)
@@ -1334,17 +1334,14 @@ class Transformer(nnx.Module):
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, bool)
         attention_mask = attention_mask.astype(bool)
-        if fresh and tokens.shape[1] > cache.mask.shape[1]:
-            raise ValueError(
-                f"a fresh prefill of {tokens.shape[1]} tokens needs a cache of at least that many "
-                f"slots, got {cache.mask.shape[1]}"
-            )
-        if fresh:
-            start = jnp.zeros((), jnp.int32)
-            key_mask = jnp.zeros_like(cache.mask).at[:, : tokens.shape[1]].set(attention_mask)
-        else:
-            start = cache.index
-            key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, start))
+        if fresh:  # new sequences from slot 0: nothing the cache held stays valid
+            if tokens.shape[1] > cache.mask.shape[1]:
+                raise ValueError(
+                    f"a fresh prefill of {tokens.shape[1]} tokens needs a cache of at least that "
+                    f"many slots, got {cache.mask.shape[1]}"
+                )
+            cache = cache._replace(mask=jnp.zeros_like(cache.mask), index=jnp.zeros((), jnp.int32))
+        key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
         h, (k, v), _ = self._hidden(
             tokens,
             positions,
@@ -1354,7 +1351,7 @@ class Transformer(nnx.Module):
             rope_cos_sin=rope_cos_sin,
             fresh=fresh,
         )
-        return h, Cache(k=k, v=v, mask=key_mask, index=start + tokens.shape[1])
+        return h, Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
 
 
 def _is_stacked_layers(layers) -> bool:
