@@ -44,7 +44,8 @@ class Dot:
 
     ``form`` names how the step writes it: ``nn`` a plain ``a @ b``; ``nt`` ``a @ b^T`` with
     ``b`` stored ``[n, k]`` (the backward's ``dy @ W^T``, the LM head's ``h @ W^T``); ``tn``
-    ``a^T @ b`` with ``a`` stored ``[k, m]`` (the attention's ``dv = p^T do``)."""
+    ``a^T @ b`` with ``a`` stored ``[k, m]`` (no dot of the update has it: the attention's
+    ``dv = p^T do`` is computed as ``dv^T = do^T p``; the form is kept to time it)."""
 
     name: str
     m: int
@@ -109,13 +110,13 @@ def update_dots(c, batch: int, length: int) -> list[Dot]:
     bk = batch * kv
     for lo, hi in _causal_blocks(length, c.causal_block_size):
         rows = (hi - lo) * g
-        # forward: scores q k^T, out p v; backward: dp = do v^T, dv = p^T do, dk = ds^T q,
-        # dq = ds k. The backward's recomputed scores are the forward's dot: XLA computes it
-        # once in the update's one program.
+        # forward: scores q k^T, out p v; backward: dp = do v^T, dv^T = do^T p, dk^T = q^T ds
+        # (do^T and q^T laid out once per layer), dq = ds k. The backward's recomputed scores
+        # are the forward's dot: XLA computes it once in the update's one program.
         out.append(Dot(f"attn scores [{lo}:{hi}]", rows, d, hi, bk, layers, "nt"))
         out.append(Dot(f"attn pv [{lo}:{hi}]", rows, hi, d, bk, layers))
         out.append(Dot(f"attn dp [{lo}:{hi}]", rows, d, hi, bk, layers, "nt"))
-        out.append(Dot(f"attn dv dk [{lo}:{hi}]", hi, rows, d, bk, 2 * layers, "tn"))
+        out.append(Dot(f"attn dv dk [{lo}:{hi}]", d, rows, hi, bk, 2 * layers))
         out.append(Dot(f"attn dq [{lo}:{hi}]", rows, hi, d, bk, layers))
     return out
 
