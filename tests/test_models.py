@@ -532,6 +532,39 @@ def test_attention_bfloat16_tracks_float32(kind):
         assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - ref))) < 0.05 * scale
 
 
+def _dot_lhs_contractions(hlo: str) -> list[tuple[str, int, int]]:
+    """(dot line, the left operand's contracted axis, its minor-most axis) for every dot of an
+    optimized HLO module's text with one contracted axis."""
+    shapes = {}  # instruction name -> minor-to-major layout of its result
+    for m in re.finditer(r"%([\w.\-]+) = \w+\[[\d,]*\]\{([\d,]*)\}", hlo):
+        shapes[m.group(1)] = [int(x) for x in m.group(2).split(",") if x]
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"dot\(%([\w.\-]+), %[\w.\-]+\).*lhs_contracting_dims=\{(\d+)\}", line)
+        if m and shapes.get(m.group(1)):
+            out.append((line.strip()[:120], int(m.group(2)), shapes[m.group(1)][0]))
+    return out
+
+
+def test_blocked_attention_gradient_dots_contract_the_minor_axis():
+    """Every dot of the blocked attention's compiled gradient contracts its left operand's
+    minor-most axis: no product runs over the probabilities' leading (query) axis, the form
+    XLA:CPU runs as a strided dot (``dk = ds^T q`` and ``dv = p^T dout`` are computed as
+    ``dk^T = q^T ds`` and ``dv^T = dout^T p``). Written the other way, eight dots of this
+    four-block gradient fail it."""
+    qh, kh, vh, mask, weight = _attention_inputs(0, 2, 2, 2, 16, 64, (0, 3))
+    blocks = tuple(_causal_blocks(64, 16))
+
+    def loss(q, k, v):
+        return jnp.sum(_blocked_causal_attention(q, k, v, mask, blocks) * weight)
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qh, kh, vh).compile().as_text()
+    dots = _dot_lhs_contractions(hlo)
+    assert len(dots) >= 5 * len(blocks)  # scores, pv, dp, dk, dv, dq per block (scores once)
+    strided = [line for line, axis, minor in dots if axis != minor]
+    assert not strided, strided
+
+
 @pytest.mark.parametrize("block", [4, 7])
 def test_causal_blocks_equal_unblocked_attention(block):
     """Blocked causal attention (keys up to each query block's end) == one block, in value and

@@ -672,15 +672,14 @@ _linear.defvjp(_linear_fwd, _linear_bwd)
 
 def _block_scores(qh, kh, mask, lo, hi):
     """Masked float32 scores of query block ``[lo, hi)`` against keys ``[0, hi)``
-    (``[B, KV, hi - lo, G, hi]``), the block's mask broadcast to them, and the block's queries
-    ``[B, KV, (hi - lo) * G, D]``."""
+    (``[B, KV, hi - lo, G, hi]``) and the block's mask broadcast to them."""
     b, kv, _, g, d = qh.shape
     qb = qh[:, :, lo:hi].reshape(b, kv, (hi - lo) * g, d)
     scores = jnp.einsum(
         "bkmd,bksd->bkms", qb, kh[:, :, :hi], preferred_element_type=jnp.float32
     ).reshape(b, kv, hi - lo, g, hi)
     block_mask = mask[:, None, lo:hi, None, :hi]
-    return jnp.where(block_mask, scores * (d**-0.5), _MASK_VALUE), block_mask, qb
+    return jnp.where(block_mask, scores * (d**-0.5), _MASK_VALUE), block_mask
 
 
 def _blocked_attention_fwd(qh, kh, vh, mask, blocks):
@@ -690,7 +689,7 @@ def _blocked_attention_fwd(qh, kh, vh, mask, blocks):
     dt = qh.dtype
     outs, stats = [], []
     for lo, hi in blocks:
-        scores, _, _ = _block_scores(qh, kh, mask, lo, hi)
+        scores, _ = _block_scores(qh, kh, mask, lo, hi)
         m = jnp.max(scores, axis=-1, keepdims=True)
         e = jnp.exp(scores - m)
         total = jnp.sum(e, axis=-1, keepdims=True)
@@ -751,7 +750,7 @@ def _blocked_causal_attention_bwd(blocks, residuals, d_out):
     dk_t = jnp.zeros((b, kv, d, kh.shape[2]), jnp.float32)
     dv_t = jnp.zeros((b, kv, d, vh.shape[2]), jnp.float32)
     for (lo, hi), (m, log_total) in zip(blocks, stats):
-        scores, block_mask, _ = _block_scores(qh, kh, mask, lo, hi)
+        scores, block_mask = _block_scores(qh, kh, mask, lo, hi)
         p = jnp.exp((scores - m) - log_total)  # [B, KV, n, G, hi] float32
         do_b = d_out[:, :, lo:hi].reshape(b, kv, -1, d)
         dp = jnp.einsum(
