@@ -43,9 +43,9 @@ class Dot:
     """One dot of an update step: ``count`` batched ``[batch, m, k] @ [batch, k, n]`` products.
 
     ``form`` names how the step writes it: ``nn`` a plain ``a @ b``; ``nt`` ``a @ b^T`` with
-    ``b`` stored ``[n, k]`` (the backward's ``dy @ W^T``, the LM head's ``h @ W^T``); ``tn``
-    ``a^T @ b`` with ``a`` stored ``[k, m]`` (no dot of the update has it: the attention's
-    ``dv = p^T do`` is computed as ``dv^T = do^T p``; the form is kept to time it)."""
+    ``b`` stored ``[n, k]`` (the backward's ``dy @ W^T``, the LM head's ``h @ W^T``). No dot
+    of the update contracts its left operand's leading axis (the attention's ``dv = p^T do``
+    is computed as ``dv^T = do^T p``)."""
 
     name: str
     m: int
@@ -122,8 +122,8 @@ def update_dots(c, batch: int, length: int) -> list[Dot]:
 
 
 def _operands(dot: Dot, rng):
-    a_shape = {"nn": (dot.m, dot.k), "nt": (dot.m, dot.k), "tn": (dot.k, dot.m)}[dot.form]
-    b_shape = {"nn": (dot.k, dot.n), "nt": (dot.n, dot.k), "tn": (dot.k, dot.n)}[dot.form]
+    a_shape = (dot.m, dot.k)
+    b_shape = {"nn": (dot.k, dot.n), "nt": (dot.n, dot.k)}[dot.form]
     if dot.batch > 1:
         a_shape, b_shape = (dot.batch, *a_shape), (dot.batch, *b_shape)
     a = rng.standard_normal(a_shape, dtype=np.float32)
@@ -134,8 +134,7 @@ def _operands(dot: Dot, rng):
 def _dot_fn(form: str):
     if form == "nn":
         return lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)
-    spec = "...mk,...nk->...mn" if form == "nt" else "...km,...kn->...mn"
-    return lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return lambda a, b: jnp.einsum("...mk,...nk->...mn", a, b, preferred_element_type=jnp.float32)
 
 
 def _jax_looped(dot: Dot, repeats: int):
@@ -161,9 +160,7 @@ def _torch_fn(form: str):
 
     if form == "nn":
         return lambda a, b: torch.matmul(a, b)
-    if form == "nt":
-        return lambda a, b: torch.matmul(a, b.transpose(-1, -2))
-    return lambda a, b: torch.matmul(a.transpose(-1, -2), b)
+    return lambda a, b: torch.matmul(a, b.transpose(-1, -2))  # nt
 
 
 def _repeats(dot: Dot) -> int:
