@@ -18,6 +18,7 @@ from gagar_jax.models.transformer import (
     _causal_blocks,
     _linear,
     _materialized,
+    _shared_prefix_attention,
     _swiglu,
     rope,
 )
@@ -497,19 +498,22 @@ def test_cached_attention_matches_numpy_and_autodiff(t, prefix, g, seed, pads):
     _assert_attention_matches(cached, qh, kh, vh, mask, weight)
 
 
-@pytest.mark.parametrize("kind", ["blocked", "cached"])
+@pytest.mark.parametrize("kind", ["blocked", "one-block", "cached", "shared-prefix"])
 def test_attention_bfloat16_tracks_float32(kind):
     """bf16 inputs: value and gradients stay within bf16 rounding of the float32 computation,
-    and come back in bf16 (the blocked attention of a whole sequence, and the cached one of 8
-    new queries against a 24-slot cache)."""
+    and come back in bf16 (the blocked attention of a whole sequence, in three blocks and in
+    one, the cached one of 8 new queries against a 24-slot cache, and the shared-prefix one of
+    two rows' 8 tokens against their 16-slot prefix). With one block, XLA once folded the key
+    and value gradients' final transposes into their products, as bfloat16 dots XLA:CPU's
+    runtime cannot run."""
     qh, kh, vh, mask, weight = _attention_inputs(3, 2, 2, 2, 16, 24, (0, 5))
-    if kind == "blocked":
-        blocks = tuple(_causal_blocks(24, 8))
+    if kind in ("blocked", "one-block"):
+        blocks = tuple(_causal_blocks(24, 8 if kind == "blocked" else 0))
 
         def attend(q, k, v):
             return _blocked_causal_attention(q, k, v, mask, blocks)
 
-    else:
+    elif kind == "cached":
         qh, weight = qh[:, :, 16:], weight[:, :, 16:]
         b, kv, t, g, d = qh.shape
 
@@ -517,6 +521,24 @@ def test_attention_bfloat16_tracks_float32(kind):
             qm = q.transpose(0, 1, 3, 2, 4).reshape(b, kv, g * t, d)
             out = _cached_attention(qm, k.transpose(0, 1, 3, 2), v, mask[:, 16:], g)
             return out.reshape(b, kv, g, t, d).transpose(0, 1, 3, 2, 4)
+
+    else:  # the two rows as one group: row 0's first 16 slots are the prefix, unmasked
+        qh, weight = qh[:, :, 16:], weight[:, :, 16:]
+        pmask = np.ones((1, 16), bool)
+        wmask = np.broadcast_to(np.tril(np.ones((8, 8), bool)), (1, 2, 8, 8))
+
+        def attend(q, k, v):
+            out = _shared_prefix_attention(
+                _grouped(q, 2),
+                k[:1, :, :16].transpose(0, 1, 3, 2),
+                v[:1, :, :16],
+                _grouped(k[:, :, 16:, None], 2).swapaxes(-1, -2),
+                _grouped(v[:, :, 16:, None], 2),
+                pmask,
+                wmask,
+                2,
+            )
+            return _ungrouped(out, 2)
 
     bf = [x.astype(jnp.bfloat16) for x in (qh, kh, vh)]
 
@@ -546,14 +568,16 @@ def _dot_lhs_contractions(hlo: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def test_blocked_attention_gradient_dots_contract_the_minor_axis():
+@pytest.mark.parametrize("block", [16, 0])
+def test_blocked_attention_gradient_dots_contract_the_minor_axis(block):
     """Every dot of the blocked attention's compiled gradient contracts its left operand's
     minor-most axis: no product runs over the probabilities' leading (query) axis, the form
     XLA:CPU runs as a strided dot (``dk = ds^T q`` and ``dv = p^T dout`` are computed as
-    ``dk^T = q^T ds`` and ``dv^T = dout^T p``). Written the other way, eight dots of this
-    four-block gradient fail it."""
+    ``dk^T = q^T ds`` and ``dv^T = dout^T p``). Written the other way, eight dots of the
+    four-block gradient fail it; with one block, XLA folded the final transposes back into
+    two such dots until an optimization barrier kept them apart."""
     qh, kh, vh, mask, weight = _attention_inputs(0, 2, 2, 2, 16, 64, (0, 3))
-    blocks = tuple(_causal_blocks(64, 16))
+    blocks = tuple(_causal_blocks(64, block))
 
     def loss(q, k, v):
         return jnp.sum(_blocked_causal_attention(q, k, v, mask, blocks) * weight)
@@ -563,6 +587,183 @@ def test_blocked_attention_gradient_dots_contract_the_minor_axis():
     assert len(dots) >= 5 * len(blocks)  # scores, pv, dp, dk, dv, dq per block (scores once)
     strided = [line for line, axis, minor in dots if axis != minor]
     assert not strided, strided
+
+
+def _grouped(x, r):
+    """[B, KV, T, G, D] (rows group-major, ``r`` per group) -> [B / r, KV, r, G * T, D]: the
+    layout of :func:`_shared_prefix_attention`'s queries."""
+    b, kv, t, g, d = x.shape
+    return (
+        x.reshape(b // r, r, kv, t, g, d)
+        .transpose(0, 2, 1, 4, 3, 5)
+        .reshape(b // r, kv, r, g * t, d)
+    )
+
+
+def _ungrouped(x, r, g=2):
+    n, kv, _, gt, d = x.shape
+    t = gt // g
+    return x.reshape(n, kv, r, g, t, d).transpose(0, 2, 1, 4, 3, 5).reshape(n * r, kv, t, g, d)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(1, 9),
+    st.integers(1, 6),
+    st.integers(1, 2),
+    st.integers(0, 2**16),
+    st.data(),
+)
+def test_shared_prefix_attention_matches_numpy_and_autodiff(n, r, p, t, g, seed, data):
+    """The shared-prefix attention (a group's ``r`` rows, each ``t`` new queries against the
+    group's one ``p``-slot prefix and, causally, its own ``t`` tokens) equals a float64 NumPy
+    forward and the autodiff gradient of plain softmax attention over each row's own copy of
+    the prefix followed by its tokens; the prefix's gradients are the sums over the group's
+    rows. With left padding in the prefix and padding in a row's tokens, a row without any
+    valid key (fully padded prefix and row) stays finite and gets no gradient."""
+    b = n * r
+    pads = data.draw(st.lists(st.integers(0, p), min_size=n, max_size=n))
+    row_keys = data.draw(st.lists(st.integers(0, t), min_size=b, max_size=b))
+    qh, kh, vh, _, _ = _attention_inputs(seed, b, 2, g, 8, p + t, [0] * b)
+    qh = qh[:, :, p:]
+    # The group's prefix is its first row's; each row's own keys and values are its last t.
+    group_of = np.arange(b) // r
+    pk, pv = kh[::r, :, :p], vh[::r, :, :p]  # [N, KV, P, D]
+    wk, wv = kh[:, :, p:], vh[:, :, p:]  # [B, KV, T, D]
+    pmask = np.arange(p)[None, :] >= np.asarray(pads)[:, None]  # [N, P]
+    own = np.arange(t)[None, :] < np.asarray(row_keys)[:, None]  # [B, T]: valid own tokens
+    wmask = np.tril(np.ones((t, t), bool))[None] & own[:, None, :]  # [B, T, T]
+    mask = jnp.asarray(
+        np.concatenate([np.broadcast_to(pmask[group_of, None, :], (b, t, p)), wmask], axis=-1)
+    )
+    live = np.asarray(mask).any(-1)[:, None, :, None, None]
+    weight = jax.random.normal(jax.random.key(seed + 1), qh.shape, jnp.float32) * live
+
+    def shared(q, pk, pv, wk, wv):
+        return _ungrouped(
+            _shared_prefix_attention(
+                _grouped(q, r),
+                pk.transpose(0, 1, 3, 2),
+                pv,
+                _grouped(wk[:, :, :, None], r).swapaxes(-1, -2),
+                _grouped(wv[:, :, :, None], r),
+                jnp.asarray(pmask),
+                jnp.asarray(wmask.reshape(n, r, t, t)),
+                g,
+            ),
+            r,
+            g,
+        )
+
+    def copies(q, pk, pv, wk, wv):  # every row with its own copy of its group's prefix
+        k = jnp.concatenate([pk[group_of], wk], axis=2)
+        v = jnp.concatenate([pv[group_of], wv], axis=2)
+        return _autodiff_attention(q, k, v, mask)
+
+    def loss(f):
+        return lambda *xs: jnp.sum(f(*xs) * weight)
+
+    args = (qh, pk, pv, wk, wv)
+    out, got, want = jax.jit(
+        lambda *xs: (
+            shared(*xs),
+            jax.grad(loss(shared), argnums=tuple(range(5)))(*xs),
+            jax.grad(loss(copies), argnums=tuple(range(5)))(*xs),
+        )
+    )(*args)
+    out = np.asarray(out)
+    full_k = np.concatenate([np.asarray(pk)[group_of], np.asarray(wk)], axis=2)
+    full_v = np.concatenate([np.asarray(pv)[group_of], np.asarray(wv)], axis=2)
+    live = np.broadcast_to(live, out.shape)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(
+        out[live], _np_attention(qh, full_k, full_v, mask)[live], atol=2e-5, rtol=2e-5
+    )
+    for name, a, w in zip(("q", "prefix k", "prefix v", "own k", "own v"), got, want):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(w), atol=5e-5, rtol=5e-5, err_msg=f"d {name}"
+        )
+
+
+def test_shared_prefix_attention_gradient_dots_contract_the_minor_axis():
+    """The shared-prefix attention's compiled gradient has no strided dot either: its key and
+    value gradients come from ``q^T`` and ``dout^T`` laid out behind a barrier (without it,
+    XLA folded the transposes of ``q`` back into two products over its token axis)."""
+    n, r, kv, g, t, p, d = 2, 4, 2, 2, 16, 40, 16
+    keys = jax.random.split(jax.random.key(0), 6)
+    q = jax.random.normal(keys[0], (n, kv, r, g * t, d))
+    pk = jax.random.normal(keys[1], (n, kv, d, p))
+    pv = jax.random.normal(keys[2], (n, kv, p, d))
+    wk = jax.random.normal(keys[3], (n, kv, r, d, t))
+    wv = jax.random.normal(keys[4], (n, kv, r, t, d))
+    weight = jax.random.normal(keys[5], q.shape)
+    pmask = jnp.ones((n, p), bool)
+    wmask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (n, r, t, t))
+
+    def loss(*xs):
+        return jnp.sum(_shared_prefix_attention(*xs, pmask, wmask, g) * weight)
+
+    args = (q, pk, pv, wk, wv)
+    hlo = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).lower(*args).compile().as_text()
+    dots = _dot_lhs_contractions(hlo)
+    assert len(dots) >= 12  # 2 scores, 2 outputs, 2 dp, 2 dq, 4 key / value gradients
+    strided = [line for line, axis, minor in dots if axis != minor]
+    assert not strided, strided
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_shared_prefix_hidden_equals_per_row_copies(scan):
+    """``shared_prefix_hidden``: rows in groups of 3 continuing their group's prefilled
+    prompt give the hidden states and parameter gradients of ``decode_hidden`` with each row
+    holding its own copy of the prompt's cache (``take_rows``), per-layer and scanned, with a
+    left-padded prompt, a padded row and a row with no valid token."""
+    config = dataclasses.replace(TINY, scan_layers=scan, causal_block_size=4)
+    model = _model(config)
+    graphdef, state = nnx.split(model)
+    n, r, t = 3, 3, 5
+    prompt, ppos, pmask = _left_padded(batch=n, length=9, pads=(0, 2, 4), seed=1)
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(1, config.vocab_size, (n * r, t)), jnp.int32)
+    start = np.asarray(ppos)[:, -1] + 1
+    positions = jnp.asarray(np.repeat(start, r)[:, None] + np.arange(t)[None], jnp.int32)
+    own = np.ones((n * r, t), bool)
+    own[4, 3:] = False
+    own[7] = False
+    own = jnp.asarray(own)
+    weight = jnp.asarray(rng.standard_normal((n * r, t, config.hidden_size)), jnp.float32)
+    weight = weight * own[..., None]
+
+    def hidden(state, shared):
+        mdl = nnx.merge(graphdef, state)
+        _, cache = mdl.decode_hidden(
+            prompt, ppos, mdl.init_cache(n, 9), attention_mask=pmask, fresh=True
+        )
+        if shared:
+            return mdl.shared_prefix_hidden(tokens, positions, cache, r, attention_mask=own)
+        rows = cache.take_rows(jnp.arange(n * r) // r).pad_slots(t)
+        return mdl.decode_hidden(tokens, positions, rows, attention_mask=own)[0]
+
+    def loss(state, shared):
+        return jnp.sum(hidden(state, shared) * weight)
+
+    run = jax.jit(
+        lambda state, shared: (hidden(state, shared), jax.grad(loss)(state, shared)),
+        static_argnums=1,
+    )
+    (h_shared, g_shared), (h_copies, g_copies) = run(state, True), run(state, False)
+    m = np.asarray(own)
+    np.testing.assert_allclose(
+        np.asarray(h_shared)[m], np.asarray(h_copies)[m], atol=2e-5, rtol=2e-5
+    )
+    assert np.isfinite(np.asarray(h_shared)).all()
+    for a, b in zip(jax.tree.leaves(g_shared), jax.tree.leaves(g_copies)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"prefix rows \(3\) x size \(2\)"):
+        mdl = nnx.merge(graphdef, state)
+        mdl.shared_prefix_hidden(tokens, positions, mdl.init_cache(n, 9), 2, attention_mask=own)
 
 
 @pytest.mark.parametrize("block", [4, 7])

@@ -84,7 +84,10 @@ def _assert_same(want, got):
     for x, y in zip(ma, mb):
         assert set(x) - SPEED_KEYS == set(y) - SPEED_KEYS
         for k in set(x) - SPEED_KEYS:
-            np.testing.assert_allclose(x[k], y[k], rtol=1e-4, atol=1e-6, err_msg=k)
+            # A conservation error is float rounding itself (~1e-5 here): another order of
+            # the same sums moves it by its own size.
+            atol = 1e-5 if "conservation_error" in k else 1e-6
+            np.testing.assert_allclose(x[k], y[k], rtol=1e-4, atol=atol, err_msg=k)
     # Float32 attention in another order (the prompt's cache): the entropy-based token credit
     # turns its ~1e-7 differences into ~5e-7 in the parameters after two steps at lr 1e-2.
     for u, v in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):

@@ -772,6 +772,10 @@ def _blocked_causal_attention_bwd(blocks, residuals, d_out):
             ).reshape(b, kv, hi - lo, g, d)
         )
     dq = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=2)
+    # Behind a barrier: with one block XLA folds the transposes back into the products, as
+    # dots over their left operand's leading axis, which XLA:CPU's runtime cannot run in
+    # bfloat16 ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
+    dk_t, dv_t = jax.lax.optimization_barrier((dk_t, dv_t))
     dk, dv = dk_t.transpose(0, 1, 3, 2), dv_t.transpose(0, 1, 3, 2)
     return dq.astype(dt), dk.astype(kh.dtype), dv.astype(vh.dtype), None
 
@@ -847,6 +851,139 @@ def _cached_attention_bwd(g, residuals, d_out):
 
 
 _cached_attention.defvjp(_cached_attention_fwd, _cached_attention_bwd)
+
+
+class SharedPrefix(NamedTuple):
+    """Marks a grouped pass through the layers' caches (a static argument): every ``size``
+    consecutive rows of the tokens share one row of the cache, their group's prefix, which they
+    read and never write (:meth:`Transformer.shared_prefix_hidden`)."""
+
+    size: int
+
+
+def _shared_prefix_scores(q, pk, wk, pmask, wmask, g):
+    """The masked, scaled scores of :func:`_shared_prefix_attention`: against the prefix
+    ``[N, KV, R, G * W, P]`` and against the row's own window ``[N, KV, R, G * W, W]``."""
+    n, kv, r, gw, d = q.shape
+    w = gw // g
+    # The prefix's products take the group's rows as one axis ([N, KV, R * G * W, D]): with
+    # R a separate axis of a contraction, XLA transposed the [.., R, G * W, P] operands.
+    s1 = jnp.einsum(
+        "nkmd,nkds->nkms", q.reshape(n, kv, r * gw, d), pk, preferred_element_type=jnp.float32
+    ).reshape(n, kv, r, gw, -1)
+    s1 = jnp.where(pmask[:, None, None, None, :], s1 * (d**-0.5), _MASK_VALUE)
+    s2 = jnp.einsum("nkrmd,nkrds->nkrms", q, wk, preferred_element_type=jnp.float32)
+    s2 = s2.reshape(n, kv, r, g, w, w)
+    s2 = jnp.where(wmask[:, None, :, None], s2 * (d**-0.5), _MASK_VALUE)
+    return s1, s2.reshape(n, kv, r, gw, w)
+
+
+def _shared_prefix_fwd_parts(q, pk, pv, wk, wv, pmask, wmask, g):
+    """The forward of :func:`_shared_prefix_attention`: (out, row max, log row sum)."""
+    s1, s2 = _shared_prefix_scores(q, pk, wk, pmask, wmask, g)
+    m = jnp.maximum(jnp.max(s1, axis=-1, keepdims=True), jnp.max(s2, axis=-1, keepdims=True))
+    e1, e2 = jnp.exp(s1 - m), jnp.exp(s2 - m)
+    total = jnp.sum(e1, axis=-1, keepdims=True) + jnp.sum(e2, axis=-1, keepdims=True)
+    dt = q.dtype
+    n, kv, r, gw, d = q.shape
+    out = jnp.einsum(
+        "nkms,nksd->nkmd",
+        e1.astype(dt).reshape(n, kv, r * gw, -1),
+        pv,
+        preferred_element_type=jnp.float32,
+    ).reshape(q.shape)
+    out = out + jnp.einsum(
+        "nkrms,nkrsd->nkrmd", e2.astype(dt), wv, preferred_element_type=jnp.float32
+    )
+    return (out / total).astype(dt), m, jnp.log(total)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _shared_prefix_attention(q, pk, pv, wk, wv, pmask, wmask, g):
+    """Attention of the response windows of ``R`` rows that share one prefix (a group's
+    prompt): each query attends to the prefix's slots and, causally, to its own row's window.
+
+    q [N, KV, R, G * W, D] (group, KV head, row in the group, a KV group's G query heads over
+    the W window tokens), the prefix's keys pk [N, KV, D, P] and values pv [N, KV, P, D] (a
+    cache's layouts, one row per group), the windows' keys wk [N, KV, R, D, W] and values wv
+    [N, KV, R, W, D], pmask [N, P] bool (the prefix's valid slots), wmask [N, R, W, W] bool
+    (causal & the window's key mask) -> [N, KV, R, G * W, D].
+
+    The same softmax as one row's attention over its copy of the prefix followed by its window
+    (:func:`_cached_attention`), up to float rounding: one max and one sum over both parts. The
+    prefix is read once per group, and its products have ``R`` times the rows (a group's every
+    query against the prefix in one dot) instead of one small product per row against a copy.
+    The backward is FlashAttention's (the probabilities recomputed from the scores, the row
+    statistics kept); the prefix's key and value gradients sum over the group's rows inside
+    their products, written transposed (``dK = q^T ds``, ``dV^T = dout^T p``) so that every
+    dot contracts its left operand's minor axis.
+    """
+    return _shared_prefix_fwd_parts(q, pk, pv, wk, wv, pmask, wmask, g)[0]
+
+
+def _shared_prefix_fwd(q, pk, pv, wk, wv, pmask, wmask, g):
+    out, m, log_total = _shared_prefix_fwd_parts(q, pk, pv, wk, wv, pmask, wmask, g)
+    return out, (q, pk, pv, wk, wv, pmask, wmask, out, m, log_total)
+
+
+def _shared_prefix_bwd(g, residuals, d_out):
+    q, pk, pv, wk, wv, pmask, wmask, out, m, log_total = residuals
+    dt = q.dtype
+    d = q.shape[-1]
+    d_out = d_out.astype(jnp.float32)
+    row_dot = jnp.sum(d_out * out.astype(jnp.float32), axis=-1, keepdims=True)
+    s1, s2 = _shared_prefix_scores(q, pk, wk, pmask, wmask, g)
+    p1 = jnp.exp((s1 - m) - log_total)
+    p2 = jnp.exp((s2 - m) - log_total)
+    do = d_out.astype(dt)
+    n, kv, r, gw, _ = q.shape
+    w = gw // g
+    rows = (n, kv, r * gw, -1)  # the group's rows as one axis
+    dp1 = jnp.einsum(
+        "nkmd,nksd->nkms", do.reshape(rows), pv, preferred_element_type=jnp.float32
+    ).reshape(p1.shape)
+    dp2 = jnp.einsum("nkrmd,nkrsd->nkrms", do, wv, preferred_element_type=jnp.float32)
+    # No score gradient reaches a masked slot (the forward's select), also in a fully masked
+    # row, whose probabilities are uniform.
+    ds1 = jnp.where(pmask[:, None, None, None, :], p1 * (dp1 - row_dot), 0.0) * (d**-0.5)
+    ds2 = (p2 * (dp2 - row_dot)).reshape(n, kv, r, g, w, w)
+    ds2 = jnp.where(wmask[:, None, :, None], ds2, 0.0).reshape(n, kv, r, gw, w) * (d**-0.5)
+    ds1, ds2 = ds1.astype(dt), ds2.astype(dt)
+    p1, p2 = p1.astype(dt), p2.astype(dt)
+    dq = jnp.einsum(
+        "nkms,nkds->nkmd", ds1.reshape(rows), pk, preferred_element_type=jnp.float32
+    ).reshape(q.shape)
+    dq = dq + jnp.einsum("nkrms,nkrds->nkrmd", ds2, wk, preferred_element_type=jnp.float32)
+    # q^T and dout^T laid out for the key and value gradients: [N, KV, D, R * G * W] for the
+    # prefix's (every query of the group contracted at once), [N, KV, R, D, G * W] for the
+    # windows' (row by row). Behind a barrier, or XLA folds the transposes back into the
+    # products as strided dots.
+    q_t, do_t, q_r, do_r = jax.lax.optimization_barrier(
+        (
+            q.reshape(rows).swapaxes(-1, -2),
+            do.reshape(rows).swapaxes(-1, -2),
+            q.swapaxes(-1, -2),
+            do.swapaxes(-1, -2),
+        )
+    )
+    dpk = jnp.einsum("nkdm,nkms->nkds", q_t, ds1.reshape(rows), preferred_element_type=jnp.float32)
+    dpv = jnp.einsum("nkdm,nkms->nkds", do_t, p1.reshape(rows), preferred_element_type=jnp.float32)
+    dwk = jnp.einsum("nkrdm,nkrms->nkrds", q_r, ds2, preferred_element_type=jnp.float32)
+    dwv = jnp.einsum("nkrdm,nkrms->nkrds", do_r, p2, preferred_element_type=jnp.float32)
+    # The barrier keeps the transposes out of the products (as in the blocked attention's).
+    dpv, dwv = jax.lax.optimization_barrier((dpv, dwv))
+    return (
+        dq.astype(dt),
+        dpk.astype(pk.dtype),
+        dpv.swapaxes(-1, -2).astype(pv.dtype),
+        dwk.astype(wk.dtype),
+        dwv.swapaxes(-1, -2).astype(wv.dtype),
+        None,
+        None,
+    )
+
+
+_shared_prefix_attention.defvjp(_shared_prefix_fwd, _shared_prefix_bwd)
 
 
 def _linear_qkv(x, wq, wk, wv):
@@ -950,6 +1087,8 @@ class Attention(nnx.Module):
         dt = q.dtype
         b, t, kv, g, d = q.shape
         k_buf, v_buf, layer, index, fresh = cache
+        if isinstance(fresh, SharedPrefix):
+            return self._attend_shared_prefix(q, k, v, mask, cache), (k_buf, v_buf)
         index = jnp.asarray(index, jnp.int32)
         k_new = k.transpose(0, 2, 3, 1).astype(k_buf.dtype)  # [B, KV, D, T]
         v_new = v.transpose(0, 2, 1, 3).astype(v_buf.dtype)  # [B, KV, T, D]
@@ -975,6 +1114,38 @@ class Attention(nnx.Module):
         qm = q.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
         out = _cached_attention(qm, keys.astype(dt), values.astype(dt), mask, g)
         return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4), (k_buf, v_buf)
+
+    def _attend_shared_prefix(self, q, k, v, mask, cache):
+        """Rows in groups of ``size`` against their group's prefix (read, never written) and
+        their own tokens: q [B, T, KV, G, D], k/v [B, T, KV, D], mask ``(prefix [N, P],
+        window [B, T, T])`` with ``B = N * size``; the cache's buffers hold the N prefixes ->
+        [B, T, KV, G, D] (:func:`_shared_prefix_attention`)."""
+        dt = q.dtype
+        b, t, kv, g, d = q.shape
+        k_buf, v_buf, layer, _, shared = cache
+        if layer is None:
+            keys, values = k_buf, v_buf
+        else:
+            layer = jnp.asarray(layer, jnp.int32)
+            keys = jax.lax.dynamic_index_in_dim(k_buf, layer, 0, keepdims=False)
+            values = jax.lax.dynamic_index_in_dim(v_buf, layer, 0, keepdims=False)
+        r = shared.size
+        n = b // r
+        prefix_mask, window_mask = mask
+        qg = q.reshape(n, r, t, kv, g, d).transpose(0, 3, 1, 4, 2, 5).reshape(n, kv, r, g * t, d)
+        wk = k.reshape(n, r, t, kv, d).transpose(0, 3, 1, 4, 2).astype(dt)  # [N, KV, R, D, T]
+        wv = v.reshape(n, r, t, kv, d).transpose(0, 3, 1, 2, 4).astype(dt)  # [N, KV, R, T, D]
+        out = _shared_prefix_attention(
+            qg,
+            keys.astype(dt),
+            values.astype(dt),
+            wk,
+            wv,
+            prefix_mask,
+            window_mask.reshape(n, r, t, t),
+            g,
+        )
+        return out.reshape(n, kv, r, g, t, d).transpose(0, 2, 4, 1, 3, 5).reshape(b, t, kv, g, d)
 
 
 @jax.custom_vjp
@@ -1366,6 +1537,49 @@ class Transformer(nnx.Module):
             fresh=fresh,
         )
         return h, Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
+
+    def shared_prefix_hidden(
+        self, tokens, positions, prefix: Cache, size: int, *, attention_mask=None
+    ):
+        """Final-norm hidden states ``[B, T, E]`` of rows that continue a shared prefix: every
+        ``size`` consecutive rows (a group) continue the same row of ``prefix``.
+
+        Args:
+          tokens: [B, T] int32, ``B = N * size``: row ``i`` continues prefix row ``i // size``.
+          positions: [B, T] int32 RoPE positions.
+          prefix: a :class:`Cache` of N rows (from :meth:`decode_hidden`), read and not
+            written: each token attends to its group's valid prefix slots (``prefix.mask``) and,
+            causally, to its own row's tokens.
+          size: the rows per group.
+          attention_mask: [B, T] bool, False for padding tokens (None: all valid).
+
+        The same values as :meth:`decode_hidden` of each row against its own copy of its
+        group's prefix cache (``prefix.take_rows(arange(B) // size)``), up to float rounding,
+        and differentiable: the prefix's keys and values are read once per group, with a
+        group's queries in one product, and no row holds a copy (the update's shared-prefix
+        forward runs its samples' windows this way).
+        """
+        self._check(tokens, positions, attention_mask)
+        b, t = tokens.shape
+        n = prefix.mask.shape[0]
+        if size < 1 or b != n * size:
+            raise ValueError(
+                f"shared_prefix_hidden: tokens have {b} rows, expected prefix rows ({n}) x size "
+                f"({size})"
+            )
+        if attention_mask is None:
+            attention_mask = jnp.ones(tokens.shape, bool)
+        attention_mask = attention_mask.astype(bool)
+        c = self.config
+        dt = _dtype(c.dtype)
+        x = self.embed_tokens[...].astype(dt)[tokens]
+        causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+        mask = (prefix.mask.astype(bool), causal[None] & attention_mask[:, None, :])
+        rope = self.rope_tables(positions)
+        x, _, _ = self._layers(
+            x, rope, mask, attention_mask, (prefix.k, prefix.v), None, SharedPrefix(size)
+        )
+        return self.norm(x).astype(dt)
 
 
 def _is_stacked_layers(layers) -> bool:

@@ -246,9 +246,10 @@ def _shared_prefix_hidden(model, mb, window: int, k: int):
     ``(hidden [b, W, E] predicting each row's window tokens, window index [b, W])``.
 
     Each group's prompt (the tokens before its rows' first response token, taken from a row
-    that has a response) runs through the model once, into a cache of ``T - W + W`` slots;
-    each row's window (its ``W`` tokens from the first response token on) then runs against
-    its group's copy of that cache. The window's first token is predicted by the prompt's last
+    that has a response) runs through the model once, into a cache of ``T - W`` slots; each
+    row's window (its ``W`` tokens from the first response token on) then runs against that
+    cache (``Transformer.shared_prefix_hidden``: a group's queries in one product against its
+    prompt, no copy per row). The window's first token is predicted by the prompt's last
     hidden state, the others by the window's own. Same values as the whole-sequence forward:
     a prompt token attends to the prompt only, a window token to the prompt and the window up
     to itself, with the rows' own positions and key masks."""
@@ -266,7 +267,7 @@ def _shared_prefix_hidden(model, mb, window: int, k: int):
     prompt_len = jnp.max(starts, axis=1)  # [g]; 0 for a group without responses
     src = jnp.argmax(starts, axis=1) + jnp.arange(g) * k  # a row holding the group's prompt
     slots = jnp.arange(pm)[None, :]
-    cache = model.init_cache(g, pm + window)
+    cache = model.init_cache(g, pm)
     h_prompt, cache = model.decode_hidden(
         tokens[src, :pm],
         positions[src, :pm],
@@ -279,8 +280,8 @@ def _shared_prefix_hidden(model, mb, window: int, k: int):
     def take(x):
         return jnp.take_along_axis(x, idx + 1, axis=1)
 
-    h_window, _ = model.decode_hidden(
-        take(tokens), take(positions), cache.take_rows(group), attention_mask=take(attn)
+    h_window = model.shared_prefix_hidden(
+        take(tokens), take(positions), cache, k, attention_mask=take(attn)
     )
     last = h_prompt[jnp.arange(g), jnp.maximum(prompt_len - 1, 0)]  # [g, E]
     hidden = jnp.concatenate([last[group][:, None], h_window[:, :-1]], axis=1)
