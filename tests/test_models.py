@@ -524,21 +524,24 @@ def test_attention_bfloat16_tracks_float32(kind):
 
     else:  # the two rows as one group: row 0's first 16 slots are the prefix, unmasked
         qh, weight = qh[:, :, 16:], weight[:, :, 16:]
+        b, kv, t, g, d = qh.shape
         pmask = np.ones((1, 16), bool)
-        wmask = np.broadcast_to(np.tril(np.ones((8, 8), bool)), (1, 2, 8, 8))
+        wmask = np.broadcast_to(np.tril(np.ones((8, 8), bool)), (2, 8, 8))
 
         def attend(q, k, v):
+            qm = q.transpose(0, 1, 3, 2, 4).reshape(b, kv, g * t, d)
             out = _shared_prefix_attention(
-                _grouped(q, 2),
+                qm,
                 k[:1, :, :16].transpose(0, 1, 3, 2),
                 v[:1, :, :16],
-                _grouped(k[:, :, 16:, None], 2).swapaxes(-1, -2),
-                _grouped(v[:, :, 16:, None], 2),
+                k[:, :, 16:].transpose(0, 1, 3, 2),
+                v[:, :, 16:],
                 pmask,
                 wmask,
+                g,
                 2,
             )
-            return _ungrouped(out, 2)
+            return out.reshape(b, kv, g, t, d).transpose(0, 1, 3, 2, 4)
 
     bf = [x.astype(jnp.bfloat16) for x in (qh, kh, vh)]
 
@@ -589,73 +592,58 @@ def test_blocked_attention_gradient_dots_contract_the_minor_axis(block):
     assert not strided, strided
 
 
-def _grouped(x, r):
-    """[B, KV, T, G, D] (rows group-major, ``r`` per group) -> [B / r, KV, r, G * T, D]: the
-    layout of :func:`_shared_prefix_attention`'s queries."""
-    b, kv, t, g, d = x.shape
-    return (
-        x.reshape(b // r, r, kv, t, g, d)
-        .transpose(0, 2, 1, 4, 3, 5)
-        .reshape(b // r, kv, r, g * t, d)
-    )
-
-
-def _ungrouped(x, r, g=2):
-    n, kv, _, gt, d = x.shape
-    t = gt // g
-    return x.reshape(n, kv, r, g, t, d).transpose(0, 2, 1, 4, 3, 5).reshape(n * r, kv, t, g, d)
-
-
 @settings(max_examples=12, deadline=None)
 @given(
     st.integers(1, 3),
     st.integers(1, 3),
     st.integers(1, 9),
     st.integers(1, 6),
+    st.integers(0, 4),
     st.integers(1, 2),
     st.integers(0, 2**16),
     st.data(),
 )
-def test_shared_prefix_attention_matches_numpy_and_autodiff(n, r, p, t, g, seed, data):
+def test_shared_prefix_attention_matches_numpy_and_autodiff(n, r, p, t, old, g, seed, data):
     """The shared-prefix attention (a group's ``r`` rows, each ``t`` new queries against the
-    group's one ``p``-slot prefix and, causally, its own ``t`` tokens) equals a float64 NumPy
-    forward and the autodiff gradient of plain softmax attention over each row's own copy of
-    the prefix followed by its tokens; the prefix's gradients are the sums over the group's
-    rows. With left padding in the prefix and padding in a row's tokens, a row without any
-    valid key (fully padded prefix and row) stays finite and gets no gradient."""
-    b = n * r
+    group's one ``p``-slot prefix and its own ``old + t`` slots, the new ones causally) equals
+    a float64 NumPy forward and the autodiff gradient of plain softmax attention over each
+    row's own copy of the prefix followed by its slots; the prefix's gradients are the sums
+    over the group's rows. With left padding in the prefix and padding among a row's slots, a
+    row without any valid key (fully padded prefix and row) stays finite and gets no
+    gradient."""
+    b, s = n * r, old + t
     pads = data.draw(st.lists(st.integers(0, p), min_size=n, max_size=n))
-    row_keys = data.draw(st.lists(st.integers(0, t), min_size=b, max_size=b))
-    qh, kh, vh, _, _ = _attention_inputs(seed, b, 2, g, 8, p + t, [0] * b)
-    qh = qh[:, :, p:]
-    # The group's prefix is its first row's; each row's own keys and values are its last t.
+    own_len = data.draw(st.lists(st.integers(0, s), min_size=b, max_size=b))
+    qh, kh, vh, _, _ = _attention_inputs(seed, b, 2, g, 8, p + s, [0] * b)
+    qh = qh[:, :, p + old :]
     group_of = np.arange(b) // r
-    pk, pv = kh[::r, :, :p], vh[::r, :, :p]  # [N, KV, P, D]
-    wk, wv = kh[:, :, p:], vh[:, :, p:]  # [B, KV, T, D]
+    pk, pv = kh[::r, :, :p], vh[::r, :, :p]  # [N, KV, P, D]: the group's first row's
+    wk, wv = kh[:, :, p:], vh[:, :, p:]  # [B, KV, S, D]: each row's own slots
     pmask = np.arange(p)[None, :] >= np.asarray(pads)[:, None]  # [N, P]
-    own = np.arange(t)[None, :] < np.asarray(row_keys)[:, None]  # [B, T]: valid own tokens
-    wmask = np.tril(np.ones((t, t), bool))[None] & own[:, None, :]  # [B, T, T]
+    valid = np.arange(s)[None, :] < np.asarray(own_len)[:, None]  # [B, S]
+    causal = np.arange(s)[None, :] <= old + np.arange(t)[:, None]  # [T, S]
+    wmask = causal[None] & valid[:, None, :]  # [B, T, S]
     mask = jnp.asarray(
         np.concatenate([np.broadcast_to(pmask[group_of, None, :], (b, t, p)), wmask], axis=-1)
     )
     live = np.asarray(mask).any(-1)[:, None, :, None, None]
     weight = jax.random.normal(jax.random.key(seed + 1), qh.shape, jnp.float32) * live
+    kv, d = qh.shape[1], qh.shape[-1]
 
     def shared(q, pk, pv, wk, wv):
-        return _ungrouped(
-            _shared_prefix_attention(
-                _grouped(q, r),
-                pk.transpose(0, 1, 3, 2),
-                pv,
-                _grouped(wk[:, :, :, None], r).swapaxes(-1, -2),
-                _grouped(wv[:, :, :, None], r),
-                jnp.asarray(pmask),
-                jnp.asarray(wmask.reshape(n, r, t, t)),
-                g,
-            ),
-            r,
+        qm = q.transpose(0, 1, 3, 2, 4).reshape(b, kv, g * t, d)
+        out = _shared_prefix_attention(
+            qm,
+            pk.transpose(0, 1, 3, 2),
+            pv,
+            wk.transpose(0, 1, 3, 2),
+            wv,
+            jnp.asarray(pmask),
+            jnp.asarray(wmask),
             g,
+            r,
         )
+        return out.reshape(b, kv, g, t, d).transpose(0, 1, 3, 2, 4)
 
     def copies(q, pk, pv, wk, wv):  # every row with its own copy of its group's prefix
         k = jnp.concatenate([pk[group_of], wk], axis=2)
@@ -665,14 +653,13 @@ def test_shared_prefix_attention_matches_numpy_and_autodiff(n, r, p, t, g, seed,
     def loss(f):
         return lambda *xs: jnp.sum(f(*xs) * weight)
 
-    args = (qh, pk, pv, wk, wv)
     out, got, want = jax.jit(
         lambda *xs: (
             shared(*xs),
             jax.grad(loss(shared), argnums=tuple(range(5)))(*xs),
             jax.grad(loss(copies), argnums=tuple(range(5)))(*xs),
         )
-    )(*args)
+    )(qh, pk, pv, wk, wv)
     out = np.asarray(out)
     full_k = np.concatenate([np.asarray(pk)[group_of], np.asarray(wk)], axis=2)
     full_v = np.concatenate([np.asarray(pv)[group_of], np.asarray(wv)], axis=2)
@@ -694,17 +681,17 @@ def test_shared_prefix_attention_gradient_dots_contract_the_minor_axis():
     XLA folded the transposes of ``q`` back into two products over its token axis)."""
     n, r, kv, g, t, p, d = 2, 4, 2, 2, 16, 40, 16
     keys = jax.random.split(jax.random.key(0), 6)
-    q = jax.random.normal(keys[0], (n, kv, r, g * t, d))
+    q = jax.random.normal(keys[0], (n * r, kv, g * t, d))
     pk = jax.random.normal(keys[1], (n, kv, d, p))
     pv = jax.random.normal(keys[2], (n, kv, p, d))
-    wk = jax.random.normal(keys[3], (n, kv, r, d, t))
-    wv = jax.random.normal(keys[4], (n, kv, r, t, d))
+    wk = jax.random.normal(keys[3], (n * r, kv, d, t))
+    wv = jax.random.normal(keys[4], (n * r, kv, t, d))
     weight = jax.random.normal(keys[5], q.shape)
     pmask = jnp.ones((n, p), bool)
-    wmask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (n, r, t, t))
+    wmask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (n * r, t, t))
 
     def loss(*xs):
-        return jnp.sum(_shared_prefix_attention(*xs, pmask, wmask, g) * weight)
+        return jnp.sum(_shared_prefix_attention(*xs, pmask, wmask, g, r) * weight)
 
     args = (q, pk, pv, wk, wv)
     hlo = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).lower(*args).compile().as_text()

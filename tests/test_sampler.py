@@ -166,8 +166,15 @@ def test_top_k_and_top_p_truncate(model, sampler):
 
 def test_no_recompile_within_a_bucket(model):
     # pad_id is part of the program key: pad_id=1 gives this test programs no other test compiled.
+    # Each prompt's samples on its own copy of its cache: the program depends on the buckets
+    # only (with shared_prefix, the samples per prompt are part of it too; see below).
     s = Sampler(
-        model, pad_id=1, batch_buckets=(4, 8), prompt_buckets=(16, 32), new_token_buckets=(16, 32)
+        model,
+        pad_id=1,
+        batch_buckets=(4, 8),
+        prompt_buckets=(16, 32),
+        new_token_buckets=(16, 32),
+        shared_prefix=False,
     )
     calls = [
         ([[1, 2, 3]], SamplingParams(max_tokens=4)),
@@ -183,6 +190,24 @@ def test_no_recompile_within_a_bucket(model):
     s.generate(PROMPTS, SamplingParams(n=2, max_tokens=3))
     assert s.trace_count == 2
     s.generate([[1] * 20], SamplingParams(max_tokens=20))  # P 32, N 32
+    assert s.trace_count == 3
+
+
+def test_shared_prefix_programs_per_bucket_and_samples_per_prompt(model):
+    """With ``shared_prefix`` (the default) a call's program is keyed by its buckets and, when
+    its prompts' samples share their prompt's cache, by the samples per prompt: other
+    sampling knobs, prompts and prompt counts within the buckets reuse it."""
+    s = Sampler(
+        model, pad_id=2, batch_buckets=(4, 8), prompt_buckets=(16,), new_token_buckets=(16,)
+    )
+    s.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=5, temperature=0.5))
+    assert s.trace_count == 1
+    s.generate(PROMPTS[1:3], SamplingParams(n=2, max_tokens=9, top_k=3, seed=4))
+    s.generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=16, temperature=0.0))  # 2 rows: 4
+    assert s.trace_count == 1
+    s.generate(PROMPTS[:1], SamplingParams(n=4, max_tokens=5))  # 4 samples per prompt
+    assert s.trace_count == 2
+    s.generate(PROMPTS[:1], SamplingParams(n=1, max_tokens=5))  # no samples to share with
     assert s.trace_count == 3
 
 
@@ -326,24 +351,28 @@ def test_sync_of_trainer_params_compiles_nothing_new(model):
 
 def test_prefill_bucket_independent_of_sample_rows(model):
     """A batch bucket sized for the sample rows (3 prompts x 16 samples in a 64-row bucket) does
-    not pad the shared prefill to 64 rows: the distinct prompts take the smallest prefill
-    bucket (8), and the samples equal those of a sampler whose batch buckets hold 3 rows."""
+    not pad the shared prefill to 64 rows: copying the prompts' caches to their samples, the
+    distinct prompts take the smallest prefill bucket (8); sharing them (``shared_prefix``),
+    the prefill takes the bucket's rows over the samples per prompt (4). The samples equal
+    those of samplers whose batch buckets hold 3 rows, either way."""
     from gagar_jax.rollout.sampler import prefill_buckets
 
     assert prefill_buckets((128,)) == (8, 16, 32, 64, 128)
     assert prefill_buckets((4, 8)) == (4, 8)
     assert prefill_buckets((12, 96), multiple=12) == (12, 24, 36, 72, 96)
     params = SamplingParams(n=16, temperature=1.0, max_tokens=8, seed=3)
-    wide = Sampler(model, batch_buckets=(64,), prompt_buckets=(16,), new_token_buckets=(8,))
-    out = wide.generate(PROMPTS[:3], params)
-    assert out[0][0].meta["prefill_rows"] == 8 and out[0][0].meta["bucket"][0] == 64
-    ref = Sampler(model, batch_buckets=(3, 64), prompt_buckets=(16,), new_token_buckets=(8,))
+    kw = dict(prompt_buckets=(16,), new_token_buckets=(8,))
+    ref = Sampler(model, batch_buckets=(3, 64), shared_prefix=False, **kw)
     want = ref.generate(PROMPTS[:3], params)
     assert want[0][0].meta["prefill_rows"] == 3
-    for got_row, want_row in zip(out, want):
-        for got, exp in zip(got_row, want_row):
-            assert got.tokens == exp.tokens
-            np.testing.assert_allclose(got.logprobs, exp.logprobs, rtol=0, atol=1e-5)
+    for shared, rows in ((False, 8), (True, 4)):
+        wide = Sampler(model, batch_buckets=(64,), shared_prefix=shared, **kw)
+        out = wide.generate(PROMPTS[:3], params)
+        assert out[0][0].meta["prefill_rows"] == rows and out[0][0].meta["bucket"][0] == 64
+        for got_row, want_row in zip(out, want):
+            for got, exp in zip(got_row, want_row):
+                assert got.tokens == exp.tokens
+                np.testing.assert_allclose(got.logprobs, exp.logprobs, rtol=0, atol=1e-5)
 
 
 def test_multi_turn_prefix_cache_exact_and_reused(model):
@@ -670,6 +699,66 @@ def test_data_parallel_sampler_samples_what_one_device_samples(model, temperatur
             np.asarray(y).transpose(0, 2, 1, 3)[valid],
             atol=1e-5,
         )
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_shared_prefix_decode_samples_what_copies_sample(scan):
+    """``shared_prefix``: a prompt's samples decode against its one cache (the prefill takes
+    the bucket's rows over the samples per prompt) and keep only their own tokens' keys and
+    values. Tokens, finish reasons and the next turn's continuation from the kept cache are
+    those of the sampler that copies the prompt's cache to every sample, on one device and
+    with the rows split over two and four devices (each shard holding its rows' prompts);
+    log-probs agree and equal the training forward's."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    model = create_model(dataclasses.replace(CONFIG, scan_layers=scan), seed=0)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [9, 8, 7, 6]]
+    kw = dict(batch_buckets=(16,), prompt_buckets=(16, 64), new_token_buckets=(16,))
+    free = Sampler(model, shared_prefix=False, **kw)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=3)
+    stop = free.generate(prompts, params)[1][0].tokens[2]
+    params = dataclasses.replace(params, stop_token_ids=(stop,))
+    runs = {}
+    for name, shared, mesh in (
+        ("copies", False, None),
+        ("shared", True, None),
+        ("shared-2", True, _data_mesh(2)),
+        ("shared-4", True, _data_mesh(4)),
+    ):
+        s = Sampler(model, shared_prefix=shared, mesh=mesh, prefix_cache=1, **kw)
+        first = s.generate(prompts, params)
+        nexts = [prompts[i] + first[i][1].tokens + [40, 41] for i in range(len(prompts))]
+        second = s.generate(nexts, dataclasses.replace(params, max_tokens=8))
+        assert s.stats["calls_reusing_cache"] == 1
+        runs[name] = (first, second, nexts)
+    assert runs["shared"][0][0][0].meta["prefill_rows"] == 4
+    assert runs["copies"][0][0][0].meta["prefill_rows"] == 8  # the smallest prefill bucket
+    want_first, want_second, want_nexts = runs["copies"]
+    flat = [smp for call in (want_first, want_second) for row in call for smp in row]
+    assert {smp.finish_reason for smp in flat} == {"stop", "length"}
+    for name in ("shared", "shared-2", "shared-4"):
+        first, second, nexts = runs[name]
+        assert nexts == want_nexts
+        got = [smp for call in (first, second) for row in call for smp in row]
+        assert [x.tokens for x in got] == [x.tokens for x in flat], name
+        assert [x.finish_reason for x in got] == [x.finish_reason for x in flat], name
+        np.testing.assert_allclose(
+            [v for x in got for v in x.logprobs],
+            [v for x in flat for v in x.logprobs],
+            rtol=5e-6,
+            atol=1e-5,
+            err_msg=name,
+        )
+        for call_prompts, call in ((prompts, first), (nexts, second)):
+            for prompt, row in zip(call_prompts, call):
+                for smp in row:
+                    ref = score_tokens(model, prompt + smp.tokens, len(prompt), 1.0)
+                    np.testing.assert_allclose(smp.logprobs, ref, rtol=5e-6, atol=1e-5)
+
+
+def test_shared_prefix_must_be_a_bool(model):
+    with pytest.raises(ValueError, match="Sampler.shared_prefix must be a bool"):
+        Sampler(model, shared_prefix=1)
 
 
 def test_data_parallel_sampler_sync_weights_and_buckets(model):

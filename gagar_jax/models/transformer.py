@@ -855,121 +855,126 @@ _cached_attention.defvjp(_cached_attention_fwd, _cached_attention_bwd)
 
 class SharedPrefix(NamedTuple):
     """Marks a grouped pass through the layers' caches (a static argument): every ``size``
-    consecutive rows of the tokens share one row of the cache, their group's prefix, which they
-    read and never write (:meth:`Transformer.shared_prefix_hidden`)."""
+    consecutive rows share one row of a prefix cache, their group's prompt, which they read
+    and never write; each row's own tokens go to its own cache (:meth:`Transformer.
+    shared_prefix_hidden`, :meth:`Transformer.decode_shared_prefix`)."""
 
     size: int
 
 
-def _shared_prefix_scores(q, pk, wk, pmask, wmask, g):
-    """The masked, scaled scores of :func:`_shared_prefix_attention`: against the prefix
-    ``[N, KV, R, G * W, P]`` and against the row's own window ``[N, KV, R, G * W, W]``."""
-    n, kv, r, gw, d = q.shape
-    w = gw // g
-    # The prefix's products take the group's rows as one axis ([N, KV, R * G * W, D]): with
-    # R a separate axis of a contraction, XLA transposed the [.., R, G * W, P] operands.
-    s1 = jnp.einsum(
-        "nkmd,nkds->nkms", q.reshape(n, kv, r * gw, d), pk, preferred_element_type=jnp.float32
-    ).reshape(n, kv, r, gw, -1)
-    s1 = jnp.where(pmask[:, None, None, None, :], s1 * (d**-0.5), _MASK_VALUE)
-    s2 = jnp.einsum("nkrmd,nkrds->nkrms", q, wk, preferred_element_type=jnp.float32)
-    s2 = s2.reshape(n, kv, r, g, w, w)
-    s2 = jnp.where(wmask[:, None, :, None], s2 * (d**-0.5), _MASK_VALUE)
-    return s1, s2.reshape(n, kv, r, gw, w)
+def _to_groups(x, r):
+    """[B, KV, M, ...] (rows group-major, ``r`` per group) -> [B / r, KV, r * M, ...]."""
+    b, kv = x.shape[:2]
+    y = x.reshape(b // r, r, kv, *x.shape[2:]).swapaxes(1, 2)
+    return y.reshape(b // r, kv, r * x.shape[2], *x.shape[3:])
 
 
-def _shared_prefix_fwd_parts(q, pk, pv, wk, wv, pmask, wmask, g):
-    """The forward of :func:`_shared_prefix_attention`: (out, row max, log row sum)."""
-    s1, s2 = _shared_prefix_scores(q, pk, wk, pmask, wmask, g)
-    m = jnp.maximum(jnp.max(s1, axis=-1, keepdims=True), jnp.max(s2, axis=-1, keepdims=True))
-    e1, e2 = jnp.exp(s1 - m), jnp.exp(s2 - m)
-    total = jnp.sum(e1, axis=-1, keepdims=True) + jnp.sum(e2, axis=-1, keepdims=True)
-    dt = q.dtype
-    n, kv, r, gw, d = q.shape
-    out = jnp.einsum(
-        "nkms,nksd->nkmd",
-        e1.astype(dt).reshape(n, kv, r * gw, -1),
-        pv,
-        preferred_element_type=jnp.float32,
-    ).reshape(q.shape)
-    out = out + jnp.einsum(
-        "nkrms,nkrsd->nkrmd", e2.astype(dt), wv, preferred_element_type=jnp.float32
+def _to_rows(x, r):
+    """The inverse of :func:`_to_groups`: [N, KV, r * M, ...] -> [N * r, KV, M, ...]."""
+    n, kv, rm = x.shape[:3]
+    y = x.reshape(n, kv, r, rm // r, *x.shape[3:]).swapaxes(1, 2)
+    return y.reshape(n * r, kv, rm // r, *x.shape[3:])
+
+
+def _shared_prefix_scores(qm, pk, wk, pmask, wmask, g, r):
+    """The masked, scaled scores of :func:`_shared_prefix_attention`: against the prefix,
+    ``[N, KV, R * G * T, P]`` (the group's rows as one axis), and against each row's own
+    slots, ``[B, KV, G * T, S]``."""
+    b, kv, gt, d = qm.shape
+    t = gt // g
+    s1 = jnp.einsum("nkmd,nkds->nkms", _to_groups(qm, r), pk, preferred_element_type=jnp.float32)
+    s1 = jnp.where(pmask[:, None, None, :], s1 * (d**-0.5), _MASK_VALUE)
+    s2 = jnp.einsum("bkmd,bkds->bkms", qm, wk, preferred_element_type=jnp.float32)
+    s2 = jnp.where(wmask[:, None, None], s2.reshape(b, kv, g, t, -1) * (d**-0.5), _MASK_VALUE)
+    return s1, s2.reshape(b, kv, gt, -1)
+
+
+def _shared_prefix_fwd_parts(qm, pk, pv, wk, wv, pmask, wmask, g, r):
+    """The forward of :func:`_shared_prefix_attention`: (out, row max, log row sum), the row
+    statistics ``[B, KV, G * T, 1]``."""
+    s1, s2 = _shared_prefix_scores(qm, pk, wk, pmask, wmask, g, r)
+    m = jnp.maximum(
+        _to_rows(jnp.max(s1, axis=-1, keepdims=True), r), jnp.max(s2, -1, keepdims=True)
     )
+    e1 = jnp.exp(s1 - _to_groups(m, r))
+    e2 = jnp.exp(s2 - m)
+    total = _to_rows(jnp.sum(e1, axis=-1, keepdims=True), r) + jnp.sum(e2, -1, keepdims=True)
+    dt = qm.dtype
+    out = _to_rows(
+        jnp.einsum("nkms,nksd->nkmd", e1.astype(dt), pv, preferred_element_type=jnp.float32), r
+    ) + jnp.einsum("bkms,bksd->bkmd", e2.astype(dt), wv, preferred_element_type=jnp.float32)
     return (out / total).astype(dt), m, jnp.log(total)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _shared_prefix_attention(q, pk, pv, wk, wv, pmask, wmask, g):
-    """Attention of the response windows of ``R`` rows that share one prefix (a group's
-    prompt): each query attends to the prefix's slots and, causally, to its own row's window.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _shared_prefix_attention(qm, pk, pv, wk, wv, pmask, wmask, g, r):
+    """Attention of rows that share a prefix in groups of ``r`` (a group's samples of one
+    prompt): each query attends to its group's prefix slots and to its own row's slots.
 
-    q [N, KV, R, G * W, D] (group, KV head, row in the group, a KV group's G query heads over
-    the W window tokens), the prefix's keys pk [N, KV, D, P] and values pv [N, KV, P, D] (a
-    cache's layouts, one row per group), the windows' keys wk [N, KV, R, D, W] and values wv
-    [N, KV, R, W, D], pmask [N, P] bool (the prefix's valid slots), wmask [N, R, W, W] bool
-    (causal & the window's key mask) -> [N, KV, R, G * W, D].
+    qm [B, KV, G * T, D] (rows group-major, ``B = N r``; a KV group's G query heads over the T
+    new tokens, as :func:`_cached_attention` takes them), the prefix's keys pk [N, KV, D, P]
+    and values pv [N, KV, P, D] (a cache's layouts, one row per group), each row's own keys wk
+    [B, KV, D, S] and values wv [B, KV, S, D] (its cache, the new tokens written), pmask
+    [N, P] bool (the prefix's valid slots), wmask [B, T, S] bool (causal & the row's key mask)
+    -> [B, KV, G * T, D].
 
-    The same softmax as one row's attention over its copy of the prefix followed by its window
-    (:func:`_cached_attention`), up to float rounding: one max and one sum over both parts. The
-    prefix is read once per group, and its products have ``R`` times the rows (a group's every
-    query against the prefix in one dot) instead of one small product per row against a copy.
-    The backward is FlashAttention's (the probabilities recomputed from the scores, the row
-    statistics kept); the prefix's key and value gradients sum over the group's rows inside
-    their products, written transposed (``dK = q^T ds``, ``dV^T = dout^T p``) so that every
-    dot contracts its left operand's minor axis.
+    The same softmax as one row's attention over its own copy of the prefix followed by its
+    slots (:func:`_cached_attention`), up to float rounding: one max and one sum over both
+    parts. The prefix is read once per group, with the group's every query in one product
+    (``r`` times the rows of a per-row product), and no row holds a copy of it: the update's
+    shared-prefix forward and the sampler's decode of a prompt's samples both use it. The
+    backward is FlashAttention's (the probabilities recomputed from the scores and the kept
+    row statistics); the prefix's key and value gradients sum over the group's rows inside
+    their products. Key and value gradients are computed transposed (``dK = q^T ds``,
+    ``dV^T = dout^T p``), so that every dot contracts its left operand's minor axis.
     """
-    return _shared_prefix_fwd_parts(q, pk, pv, wk, wv, pmask, wmask, g)[0]
+    return _shared_prefix_fwd_parts(qm, pk, pv, wk, wv, pmask, wmask, g, r)[0]
 
 
-def _shared_prefix_fwd(q, pk, pv, wk, wv, pmask, wmask, g):
-    out, m, log_total = _shared_prefix_fwd_parts(q, pk, pv, wk, wv, pmask, wmask, g)
-    return out, (q, pk, pv, wk, wv, pmask, wmask, out, m, log_total)
+def _shared_prefix_fwd(qm, pk, pv, wk, wv, pmask, wmask, g, r):
+    out, m, log_total = _shared_prefix_fwd_parts(qm, pk, pv, wk, wv, pmask, wmask, g, r)
+    return out, (qm, pk, pv, wk, wv, pmask, wmask, out, m, log_total)
 
 
-def _shared_prefix_bwd(g, residuals, d_out):
-    q, pk, pv, wk, wv, pmask, wmask, out, m, log_total = residuals
-    dt = q.dtype
-    d = q.shape[-1]
+def _shared_prefix_bwd(g, r, residuals, d_out):
+    qm, pk, pv, wk, wv, pmask, wmask, out, m, log_total = residuals
+    dt = qm.dtype
+    b, kv, gt, d = qm.shape
+    t = gt // g
     d_out = d_out.astype(jnp.float32)
     row_dot = jnp.sum(d_out * out.astype(jnp.float32), axis=-1, keepdims=True)
-    s1, s2 = _shared_prefix_scores(q, pk, wk, pmask, wmask, g)
-    p1 = jnp.exp((s1 - m) - log_total)
+    s1, s2 = _shared_prefix_scores(qm, pk, wk, pmask, wmask, g, r)
+    p1 = jnp.exp((s1 - _to_groups(m, r)) - _to_groups(log_total, r))
     p2 = jnp.exp((s2 - m) - log_total)
     do = d_out.astype(dt)
-    n, kv, r, gw, _ = q.shape
-    w = gw // g
-    rows = (n, kv, r * gw, -1)  # the group's rows as one axis
-    dp1 = jnp.einsum(
-        "nkmd,nksd->nkms", do.reshape(rows), pv, preferred_element_type=jnp.float32
-    ).reshape(p1.shape)
-    dp2 = jnp.einsum("nkrmd,nkrsd->nkrms", do, wv, preferred_element_type=jnp.float32)
+    do_g = _to_groups(do, r)
+    dp1 = jnp.einsum("nkmd,nksd->nkms", do_g, pv, preferred_element_type=jnp.float32)
+    dp2 = jnp.einsum("bkmd,bksd->bkms", do, wv, preferred_element_type=jnp.float32)
     # No score gradient reaches a masked slot (the forward's select), also in a fully masked
     # row, whose probabilities are uniform.
-    ds1 = jnp.where(pmask[:, None, None, None, :], p1 * (dp1 - row_dot), 0.0) * (d**-0.5)
-    ds2 = (p2 * (dp2 - row_dot)).reshape(n, kv, r, g, w, w)
-    ds2 = jnp.where(wmask[:, None, :, None], ds2, 0.0).reshape(n, kv, r, gw, w) * (d**-0.5)
-    ds1, ds2 = ds1.astype(dt), ds2.astype(dt)
+    ds1 = jnp.where(pmask[:, None, None, :], p1 * (dp1 - _to_groups(row_dot, r)), 0.0)
+    ds2 = (p2 * (dp2 - row_dot)).reshape(b, kv, g, t, -1)
+    ds2 = jnp.where(wmask[:, None, None], ds2, 0.0).reshape(p2.shape)
+    ds1, ds2 = (ds1 * (d**-0.5)).astype(dt), (ds2 * (d**-0.5)).astype(dt)
     p1, p2 = p1.astype(dt), p2.astype(dt)
-    dq = jnp.einsum(
-        "nkms,nkds->nkmd", ds1.reshape(rows), pk, preferred_element_type=jnp.float32
-    ).reshape(q.shape)
-    dq = dq + jnp.einsum("nkrms,nkrds->nkrmd", ds2, wk, preferred_element_type=jnp.float32)
-    # q^T and dout^T laid out for the key and value gradients: [N, KV, D, R * G * W] for the
-    # prefix's (every query of the group contracted at once), [N, KV, R, D, G * W] for the
-    # windows' (row by row). Behind a barrier, or XLA folds the transposes back into the
-    # products as strided dots.
-    q_t, do_t, q_r, do_r = jax.lax.optimization_barrier(
+    dq = _to_rows(jnp.einsum("nkms,nkds->nkmd", ds1, pk, preferred_element_type=jnp.float32), r)
+    dq = dq + jnp.einsum("bkms,bkds->bkmd", ds2, wk, preferred_element_type=jnp.float32)
+    # q^T and dout^T laid out for the key and value gradients: [N, KV, D, R * G * T] for the
+    # prefix's (the group's every query contracted at once), [B, KV, D, G * T] for the rows'
+    # own. Behind a barrier, or XLA folds the transposes back into the products as strided
+    # dots.
+    q_g, do_g, q_b, do_b = jax.lax.optimization_barrier(
         (
-            q.reshape(rows).swapaxes(-1, -2),
-            do.reshape(rows).swapaxes(-1, -2),
-            q.swapaxes(-1, -2),
+            _to_groups(qm, r).swapaxes(-1, -2),
+            do_g.swapaxes(-1, -2),
+            qm.swapaxes(-1, -2),
             do.swapaxes(-1, -2),
         )
     )
-    dpk = jnp.einsum("nkdm,nkms->nkds", q_t, ds1.reshape(rows), preferred_element_type=jnp.float32)
-    dpv = jnp.einsum("nkdm,nkms->nkds", do_t, p1.reshape(rows), preferred_element_type=jnp.float32)
-    dwk = jnp.einsum("nkrdm,nkrms->nkrds", q_r, ds2, preferred_element_type=jnp.float32)
-    dwv = jnp.einsum("nkrdm,nkrms->nkrds", do_r, p2, preferred_element_type=jnp.float32)
+    dpk = jnp.einsum("nkdm,nkms->nkds", q_g, ds1, preferred_element_type=jnp.float32)
+    dpv = jnp.einsum("nkdm,nkms->nkds", do_g, p1, preferred_element_type=jnp.float32)
+    dwk = jnp.einsum("bkdm,bkms->bkds", q_b, ds2, preferred_element_type=jnp.float32)
+    dwv = jnp.einsum("bkdm,bkms->bkds", do_b, p2, preferred_element_type=jnp.float32)
     # The barrier keeps the transposes out of the products (as in the blocked attention's).
     dpv, dwv = jax.lax.optimization_barrier((dpv, dwv))
     return (
@@ -1087,65 +1092,57 @@ class Attention(nnx.Module):
         dt = q.dtype
         b, t, kv, g, d = q.shape
         k_buf, v_buf, layer, index, fresh = cache
-        if isinstance(fresh, SharedPrefix):
-            return self._attend_shared_prefix(q, k, v, mask, cache), (k_buf, v_buf)
-        index = jnp.asarray(index, jnp.int32)
-        k_new = k.transpose(0, 2, 3, 1).astype(k_buf.dtype)  # [B, KV, D, T]
-        v_new = v.transpose(0, 2, 1, 3).astype(v_buf.dtype)  # [B, KV, T, D]
-        zero = jnp.zeros((), jnp.int32)
-        if layer is None:
-            k_buf = jax.lax.dynamic_update_slice(k_buf, k_new, (zero, zero, zero, index))
-            v_buf = jax.lax.dynamic_update_slice(v_buf, v_new, (zero, zero, index, zero))
-            keys, values = k_buf, v_buf
-        else:
-            layer = jnp.asarray(layer, jnp.int32)
-            k_buf = jax.lax.dynamic_update_slice(
-                k_buf, k_new[None], (layer, zero, zero, zero, index)
-            )
-            v_buf = jax.lax.dynamic_update_slice(
-                v_buf, v_new[None], (layer, zero, zero, index, zero)
-            )
-            keys = jax.lax.dynamic_index_in_dim(k_buf, layer, 0, keepdims=False)
-            values = jax.lax.dynamic_index_in_dim(v_buf, layer, 0, keepdims=False)
-        if fresh:  # slots 0..T-1 are these tokens: causal attention among them
-            return self._attend_causal(q, k, v, mask[:, :, :t]), (k_buf, v_buf)
+        shared = isinstance(fresh, SharedPrefix)
+        if shared:  # (prefix, own) buffer pairs: the tokens go to their rows' own buffers
+            (pk_buf, k_buf), (pv_buf, v_buf) = k_buf, v_buf
+        k_buf, v_buf, keys, values = _write_slots(k_buf, v_buf, k, v, layer, index)
         # Batch dims leading on both operands ([B, KV, G*T, D] x [B, KV, D, S]): the layout the
         # CPU dot fusions take without re-laying-out the cache.
         qm = q.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
-        out = _cached_attention(qm, keys.astype(dt), values.astype(dt), mask, g)
-        return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4), (k_buf, v_buf)
-
-    def _attend_shared_prefix(self, q, k, v, mask, cache):
-        """Rows in groups of ``size`` against their group's prefix (read, never written) and
-        their own tokens: q [B, T, KV, G, D], k/v [B, T, KV, D], mask ``(prefix [N, P],
-        window [B, T, T])`` with ``B = N * size``; the cache's buffers hold the N prefixes ->
-        [B, T, KV, G, D] (:func:`_shared_prefix_attention`)."""
-        dt = q.dtype
-        b, t, kv, g, d = q.shape
-        k_buf, v_buf, layer, _, shared = cache
-        if layer is None:
-            keys, values = k_buf, v_buf
+        if shared:
+            prefix_k, prefix_v = (
+                x if layer is None else jax.lax.dynamic_index_in_dim(x, layer, 0, False)
+                for x in (pk_buf, pv_buf)
+            )
+            prefix_mask, mask = mask
+            out = _shared_prefix_attention(
+                qm,
+                prefix_k.astype(dt),
+                prefix_v.astype(dt),
+                keys.astype(dt),
+                values.astype(dt),
+                prefix_mask,
+                mask,
+                g,
+                fresh.size,
+            )
+            new = ((pk_buf, k_buf), (pv_buf, v_buf))
+        elif fresh:  # slots 0..T-1 are these tokens: causal attention among them
+            return self._attend_causal(q, k, v, mask[:, :, :t]), (k_buf, v_buf)
         else:
-            layer = jnp.asarray(layer, jnp.int32)
-            keys = jax.lax.dynamic_index_in_dim(k_buf, layer, 0, keepdims=False)
-            values = jax.lax.dynamic_index_in_dim(v_buf, layer, 0, keepdims=False)
-        r = shared.size
-        n = b // r
-        prefix_mask, window_mask = mask
-        qg = q.reshape(n, r, t, kv, g, d).transpose(0, 3, 1, 4, 2, 5).reshape(n, kv, r, g * t, d)
-        wk = k.reshape(n, r, t, kv, d).transpose(0, 3, 1, 4, 2).astype(dt)  # [N, KV, R, D, T]
-        wv = v.reshape(n, r, t, kv, d).transpose(0, 3, 1, 2, 4).astype(dt)  # [N, KV, R, T, D]
-        out = _shared_prefix_attention(
-            qg,
-            keys.astype(dt),
-            values.astype(dt),
-            wk,
-            wv,
-            prefix_mask,
-            window_mask.reshape(n, r, t, t),
-            g,
-        )
-        return out.reshape(n, kv, r, g, t, d).transpose(0, 2, 4, 1, 3, 5).reshape(b, t, kv, g, d)
+            out = _cached_attention(qm, keys.astype(dt), values.astype(dt), mask, g)
+            new = (k_buf, v_buf)
+        return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4), new
+
+
+def _write_slots(k_buf, v_buf, k, v, layer, index):
+    """k / v [B, T, KV, D] written into a layer's cache buffers at slot ``index`` (``layer``
+    None: the layer's own ``[B, KV, D, S]`` / ``[B, KV, S, D]``; else its index in the stacked
+    ``[L, ...]`` ones): (k_buf, v_buf, this layer's keys, its values)."""
+    index = jnp.asarray(index, jnp.int32)
+    k_new = k.transpose(0, 2, 3, 1).astype(k_buf.dtype)  # [B, KV, D, T]
+    v_new = v.transpose(0, 2, 1, 3).astype(v_buf.dtype)  # [B, KV, T, D]
+    zero = jnp.zeros((), jnp.int32)
+    if layer is None:
+        k_buf = jax.lax.dynamic_update_slice(k_buf, k_new, (zero, zero, zero, index))
+        v_buf = jax.lax.dynamic_update_slice(v_buf, v_new, (zero, zero, index, zero))
+        return k_buf, v_buf, k_buf, v_buf
+    layer = jnp.asarray(layer, jnp.int32)
+    k_buf = jax.lax.dynamic_update_slice(k_buf, k_new[None], (layer, zero, zero, zero, index))
+    v_buf = jax.lax.dynamic_update_slice(v_buf, v_new[None], (layer, zero, zero, index, zero))
+    keys = jax.lax.dynamic_index_in_dim(k_buf, layer, 0, keepdims=False)
+    values = jax.lax.dynamic_index_in_dim(v_buf, layer, 0, keepdims=False)
+    return k_buf, v_buf, keys, values
 
 
 @jax.custom_vjp
@@ -1559,27 +1556,91 @@ class Transformer(nnx.Module):
         group's queries in one product, and no row holds a copy (the update's shared-prefix
         forward runs its samples' windows this way).
         """
+        own = self.init_cache(tokens.shape[0], tokens.shape[1])
+        h, _ = self.decode_shared_prefix_hidden(
+            tokens, positions, prefix, own, size, attention_mask=attention_mask
+        )
+        return h
+
+    def decode_shared_prefix(
+        self, tokens, positions, prefix: Cache, cache: Cache, size: int, **kwargs
+    ):
+        """:meth:`decode` of rows that share a prefix in groups of ``size``: ``(logits
+        [B, T, V] float32, updated cache)``. ``prefix`` (N rows, read only) holds each group's
+        prompt, ``cache`` (``B = N * size`` rows) each row's own tokens after it, where the new
+        tokens are written; see :meth:`decode_shared_prefix_hidden`. The sampler's decode of a
+        prompt's samples runs this way: every step reads the prompt's keys and values once for
+        all its samples, and no sample holds a copy of them."""
+        h, cache = self.decode_shared_prefix_hidden(
+            tokens, positions, prefix, cache, size, **kwargs
+        )
+        return self.logits_from_hidden(h), cache
+
+    def decode_shared_prefix_hidden(
+        self,
+        tokens,
+        positions,
+        prefix: Cache,
+        cache: Cache,
+        size: int,
+        *,
+        attention_mask=None,
+        rope_cos_sin=None,
+    ):
+        """:meth:`decode_shared_prefix` without the LM head: ``(final-norm hidden states
+        [B, T, E], updated cache)``.
+
+        Args:
+          tokens: [B, T] int32, ``B = N * size``: row ``i`` continues prefix row ``i // size``;
+            written at slots ``cache.index .. cache.index + T - 1`` of ``cache``.
+          positions: [B, T] int32 RoPE positions.
+          prefix: :class:`Cache` of N rows; its valid slots (``prefix.mask``) are the group's
+            prompt, attended by every row of the group. Not written.
+          cache: :class:`Cache` of B rows: each row's own slots, attended causally with its
+            mask.
+          size: rows per group.
+          attention_mask: [B, T] bool, False for padding tokens (None: all valid).
+          rope_cos_sin: precomputed :func:`rope_tables` of ``positions`` (None: computed).
+
+        Each token attends to its group's prefix and its row's own slots up to itself, with
+        one softmax over both (:func:`_shared_prefix_attention`): the values of
+        :meth:`decode_hidden` against the row's prefix copy followed by its own slots, up to
+        float rounding. Differentiable.
+        """
         self._check(tokens, positions, attention_mask)
         b, t = tokens.shape
         n = prefix.mask.shape[0]
         if size < 1 or b != n * size:
             raise ValueError(
-                f"shared_prefix_hidden: tokens have {b} rows, expected prefix rows ({n}) x size "
-                f"({size})"
+                f"shared prefix: tokens have {b} rows, expected prefix rows ({n}) x size ({size})"
             )
+        if cache.mask.shape[0] != b:
+            raise ValueError(f"cache batch {cache.mask.shape[0]} != tokens batch {b}")
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, bool)
         attention_mask = attention_mask.astype(bool)
         c = self.config
         dt = _dtype(c.dtype)
         x = self.embed_tokens[...].astype(dt)[tokens]
-        causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
-        mask = (prefix.mask.astype(bool), causal[None] & attention_mask[:, None, :])
-        rope = self.rope_tables(positions)
-        x, _, _ = self._layers(
-            x, rope, mask, attention_mask, (prefix.k, prefix.v), None, SharedPrefix(size)
+        key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
+        s = key_mask.shape[1]
+        causal = jnp.arange(s)[None, :] <= (cache.index + jnp.arange(t))[:, None]  # [T, S]
+        mask = (prefix.mask.astype(bool), causal[None] & key_mask[:, None, :])
+        if rope_cos_sin is None:
+            rope_cos_sin = self.rope_tables(positions)
+        if c.scan_layers:  # stacked buffers: (prefix, own) pairs of [L, ...] arrays
+            kv = ((prefix.k, cache.k), (prefix.v, cache.v))
+        else:  # per layer: a (prefix, own) pair for each
+            kv = (tuple(zip(prefix.k, cache.k)), tuple(zip(prefix.v, cache.v)))
+        x, (ks, vs), _ = self._layers(
+            x, rope_cos_sin, mask, attention_mask, kv, cache.index, SharedPrefix(size)
         )
-        return self.norm(x).astype(dt)
+        if c.scan_layers:
+            k, v = ks[1], vs[1]
+        else:
+            k, v = tuple(pair[1] for pair in ks), tuple(pair[1] for pair in vs)
+        new = Cache(k=k, v=v, mask=key_mask, index=cache.index + t)
+        return self.norm(x).astype(dt), new
 
 
 def _is_stacked_layers(layers) -> bool:

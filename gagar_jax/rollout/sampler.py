@@ -302,6 +302,7 @@ def _compact(cache):
         "hist_slots",
         "keep_cache",
         "decode_segments",
+        "group",
         "mesh",
         "data_axis",
     ),
@@ -329,6 +330,7 @@ def _generate_program(
     hist_slots: int,
     keep_cache: bool,
     decode_segments: int,
+    group: int = 0,
     mesh=None,
     data_axis: str = "data",
 ):
@@ -345,10 +347,16 @@ def _generate_program(
     prompt), live [B] bool. Returns (tokens, logprobs, lengths, stopped, compacted cache or
     None).
 
+    ``group`` > 0: the rows are the prompt rows' samples in order, ``group`` per prompt row
+    (``row_src = arange(B) // group``, ``B = Bp * group``). The decode then reads each
+    prompt's cache once per step for all its samples (``Transformer.decode_shared_prefix``):
+    the samples keep only their own new tokens' keys and values, not a copy of the prompt's.
+    0: each row decodes against its own copy of its prompt's cache.
+
     With ``mesh``, the rows are split over its ``data_axis``: the prefill runs partitioned by
     XLA (the sample rows' copy of their prompt's cache may cross shards), then the decode loop
     runs under ``shard_map``, each shard its own loop over its own rows, stopping when they are
-    all done (no collective per step).
+    all done (no collective per step). With ``group``, each shard holds its rows' prompt rows.
 
     One program per (graphdef, pad_id, mesh, Bp, B, P, N, history shape, keep_cache): samplers
     over models of the same architecture share compiled programs.
@@ -363,7 +371,7 @@ def _generate_program(
     )
     prompt_len = hist_len + jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [Bp]
     ends = _segment_ends(n, decode_segments)
-    cache = model.init_cache(bp, h + p + ends[0])
+    cache = model.init_cache(bp, h + p + (0 if group else ends[0]))
     if history is not None:
         hist = history.take_rows(hist_src).slice_slots(history.mask.shape[1] - h)
         cache = cache.write_slots(hist, 0)._replace(index=jnp.asarray(h, jnp.int32))
@@ -380,10 +388,14 @@ def _generate_program(
     )
     logits = logits[row_src, -1, :]
     prompt_len = prompt_len[row_src]
-    cache = cache.take_rows(row_src)
+    if group:  # the prompts' cache stays one row per prompt; each sample's own slots
+        prefix, cache = cache, model.init_cache(row_src.shape[0], ends[0])
+    else:
+        prefix, cache = None, cache.take_rows(row_src)
 
     def decode_loop(
         state,
+        prefix,
         logits,
         cache,
         live,
@@ -424,9 +436,13 @@ def _generate_program(
             # A finished row's pad token is written masked: the cache then holds exactly the
             # prompt and the sample (what a later turn's prefill reuses).
             step_rope = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, step, 1, 1), rope)
-            logits, cache = model.decode(
-                tok[:, None], pos, cache, attention_mask=~done[:, None], rope_cos_sin=step_rope
-            )
+            kw = dict(attention_mask=~done[:, None], rope_cos_sin=step_rope)
+            if prefix is None:
+                logits, cache = model.decode(tok[:, None], pos, cache, **kw)
+            else:
+                logits, cache = model.decode_shared_prefix(
+                    tok[:, None], pos, prefix, cache, group, **kw
+                )
             done = done | hit | (step + 1 >= max_new)
             return step + 1, logits[:, 0, :], cache, done, toks, lps, lengths, stopped
 
@@ -445,11 +461,17 @@ def _generate_program(
                 carry = (*carry[:2], carry[2].pad_slots(end - ends[i - 1]), *carry[3:])
             carry = jax.lax.while_loop(functools.partial(cond, end), body, carry)
         _, _, cache, _, toks, lps, lengths, stopped = carry
-        kept = _compact(cache)._replace(index=cache.index[None]) if keep_cache else None
+        kept = None
+        if keep_cache:
+            if prefix is not None:  # each row's prompt then its own slots, as without groups
+                rows = jnp.arange(cache.mask.shape[0]) // group
+                cache = _concat_slots(prefix.take_rows(rows), cache)
+            kept = _compact(cache)._replace(index=cache.index[None])
         return toks, lps, lengths, stopped, kept
 
     args = (
         state,
+        prefix,
         logits,
         cache,
         live,
@@ -469,6 +491,7 @@ def _generate_program(
         cache_spec = _cache_spec(cache, data_axis)
         in_specs = (
             jax.tree.map(lambda _: whole, state),
+            None if prefix is None else _cache_spec(prefix, data_axis),
             rows,
             cache_spec,
             rows,
@@ -492,6 +515,20 @@ def _generate_program(
     if kept is not None:  # the slot index reached by the last shard to finish (one loop: its own)
         kept = kept._replace(index=jnp.max(kept.index))
     return toks, lps, lengths, stopped, kept
+
+
+def _concat_slots(first, second):
+    """One cache of the same rows: ``first``'s slots, then ``second``'s (index: the sum)."""
+
+    def cat(a, b, axis):
+        return jnp.concatenate([a, b], axis=a.ndim + axis)
+
+    return Cache(
+        k=jax.tree.map(lambda a, b: cat(a, b, Cache.K_SLOT_AXIS), first.k, second.k),
+        v=jax.tree.map(lambda a, b: cat(a, b, Cache.V_SLOT_AXIS), first.v, second.v),
+        mask=jnp.concatenate([first.mask, second.mask], axis=1),
+        index=first.mask.shape[1] + second.index,
+    )
 
 
 def _cache_spec(cache, data_axis: str):
@@ -524,6 +561,13 @@ class Sampler:
         Each segment is another copy of the decode step in the compiled program (compile time
         grows with it); 1 turns it off. Results are the same either way (up to float rounding
         of the softmax sums).
+      shared_prefix: a call's samples of one prompt decode against that prompt's one KV cache
+        (True, the default) instead of each against its own copy of it: every decode step
+        reads a prompt's keys and values once for all its samples, and the samples' cache holds
+        only their new tokens. It applies to calls with ``n > 1`` whose prompts are distinct
+        and whose row bucket is a multiple of ``n`` (the prefill then takes ``bucket / n``
+        rows); other calls copy. Results are the same either way up to float rounding of the
+        softmax sums.
       prefix_cache: how many previous calls' KV caches to keep (0: none). A prompt that extends
         a kept sequence (a previous prompt + its sample, e.g. the next turn of an episode:
         history + observation) prefills only the new tokens; the rest of its cache is copied
@@ -550,9 +594,13 @@ class Sampler:
         policy_version: int = 0,
         prefix_cache: int = 0,
         decode_segments: int = 4,
+        shared_prefix: bool = True,
         mesh: jax.sharding.Mesh | None = None,
         data_axis: str = "data",
     ):
+        if not isinstance(shared_prefix, bool):
+            raise ValueError(f"Sampler.shared_prefix must be a bool, got {shared_prefix!r}")
+        self.shared_prefix = shared_prefix
         if mesh is not None:
             mesh, batch_buckets = _check_mesh(mesh, data_axis, batch_buckets)
         for name, b in (
@@ -668,6 +716,17 @@ class Sampler:
         b = _bucket(n_rows, self.batch_buckets, "prompts x n")
         bp = _bucket(len(distinct), self.prefill_buckets, "distinct prompts")
         n = _bucket(params.max_tokens, self.new_token_buckets, "max_tokens")
+        # A prompt's samples on one prefix row: rows r = i * n + j of prompt i (filler rows on
+        # filler prompt rows), so the decode reads each prompt's cache once for its samples.
+        group = 0
+        if (
+            self.shared_prefix
+            and params.n > 1
+            and len(distinct) == len(prompts)
+            and b % params.n == 0
+            and (self.mesh is None or (b // params.n) % self.mesh.shape[self.data_axis] == 0)
+        ):
+            group, bp = params.n, b // params.n
         match = self._match(distinct)
         if match is not None:
             entry, hist_rows, counts = match
@@ -691,6 +750,8 @@ class Sampler:
         hist_len[: len(counts)] = counts
         row_src = np.zeros((b,), np.int32)
         row_src[:n_rows] = np.repeat([uniq[tuple(ids)] for ids in prompts], params.n)
+        if group:
+            row_src = np.arange(b, dtype=np.int32) // group
         live = np.zeros((b,), bool)
         live[:n_rows] = True  # filler rows start done
         stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
@@ -732,6 +793,7 @@ class Sampler:
                 hist_slots=h,
                 keep_cache=self.prefix_cache > 0,
                 decode_segments=self.decode_segments,
+                group=group,
                 mesh=self.mesh,
                 data_axis=self.data_axis,
             )
