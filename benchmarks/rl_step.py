@@ -118,9 +118,10 @@ NOTES = [
     "Tunix's phase boundaries: generate = the rollout worker's generate, score = the reward "
     "functions, pack = the rest of the learner's example preparation (tokens, masks, "
     "advantages), update = the actor's train step, sync = RLCluster.sync_weights.",
-    "Prefill: gagar_jax prefills each distinct prompt once and copies its KV cache to the "
-    "prompt's samples (8 prefill rows at 8 prompts x 8 samples); TRL's generate and Tunix's "
-    "vanilla sampler prefill every sample row (64). At the multiturn shape (a 448-token "
+    "Prefill: gagar_jax prefills each distinct prompt once (8 prefill rows at 8 prompts x 8 "
+    "samples) and its samples decode against that one KV cache (Sampler(shared_prefix=True), "
+    "its default); TRL's generate and Tunix's vanilla sampler prefill every sample row (64) "
+    "and decode each against its own cache. At the multiturn shape (a 448-token "
     "history) this is most of their generation FLOPs; it is each framework's own design, "
     "not a configuration choice.",
     "The multiturn shape is one generation call after a long history, the length a late turn "
