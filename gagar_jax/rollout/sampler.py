@@ -566,8 +566,8 @@ class Sampler:
         reads a prompt's keys and values once for all its samples, and the samples' cache holds
         only their new tokens. It applies to calls with ``n > 1`` whose prompts are distinct
         and whose row bucket is a multiple of ``n`` (the prefill then takes ``bucket / n``
-        rows); other calls copy. Results are the same either way up to float rounding of the
-        softmax sums.
+        rows, and the compiled program is keyed by ``n`` as well as by the buckets); other
+        calls copy. Results are the same either way up to float rounding of the softmax sums.
       prefix_cache: how many previous calls' KV caches to keep (0: none). A prompt that extends
         a kept sequence (a previous prompt + its sample, e.g. the next turn of an episode:
         history + observation) prefills only the new tokens; the rest of its cache is copied
