@@ -278,6 +278,55 @@ def test_decode_loop_reads_the_cache_in_place():
         assert op.startswith("get-tuple-element") or "dynamic-update-slice" in name, (name, op)
 
 
+def test_shared_prefix_decode_loop_copies_no_prefix():
+    """A shared-prefix decode step (groups of 4 rows on one prefix row) inside a while loop
+    holds no per-row copy of the prefix: no instruction of the compiled loop body has the size
+    of a layer's prefix keys or values repeated for every row, and the rows' own buffers are
+    only written in place."""
+    model = _model()
+    groups, size, prompt, slots = 2, 4, 40, 16
+    batch = groups * size
+    graphdef, state = nnx.split(model)
+    kv, d = TINY.num_kv_heads, TINY.head_dim
+
+    def run(state, prompt_tokens, tok):
+        mdl = nnx.merge(graphdef, state)
+        positions = jnp.broadcast_to(jnp.arange(prompt), (groups, prompt))
+        _, prefix = mdl.decode_hidden(
+            prompt_tokens, positions, mdl.init_cache(groups, prompt), fresh=True
+        )
+
+        def body(i, carry):
+            cache, tok = carry
+            pos = jnp.full((batch, 1), prompt + i)
+            logits, cache = mdl.decode_shared_prefix(tok, pos, prefix, cache, size)
+            return cache, jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32)
+
+        own = mdl.init_cache(batch, slots)
+        return jax.lax.fori_loop(0, slots, body, (own, tok))[1]
+
+    args = (state, jnp.ones((groups, prompt), jnp.int32), jnp.ones((batch, 1), jnp.int32))
+    text = jax.jit(run).lower(*args).compile().as_text()
+    body = _computations(text)[re.search(r"body=%([\w.\-]+)", text).group(1)]
+    copied = batch * kv * d * prompt  # every row's copy of a layer's prefix keys
+    own = batch * kv * d * slots
+    sizes = []
+    for line in body:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = \w+\[([\d,]+)\]\S* (\S+)", line)
+        if m:
+            sizes.append(
+                (m.group(1), m.group(3), int(np.prod([int(x) for x in m.group(2).split(",")])))
+            )
+    assert not [x for x in sizes if x[2] >= copied], [x for x in sizes if x[2] >= copied]
+    writes = [x for x in sizes if x[2] == own]
+    assert len(writes) >= 2 * TINY.num_layers, writes
+    for name, op, _ in writes:  # a bitcast is a view
+        assert op.startswith(("get-tuple-element", "bitcast(")) or "dynamic-update-slice" in name, (
+            name,
+            op,
+        )
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_decode_last_only_is_the_last_position(tie):
     """``decode(last_only=True)`` (the sampler's prefill) == the last column, same cache."""

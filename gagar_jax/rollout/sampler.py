@@ -358,8 +358,8 @@ def _generate_program(
     runs under ``shard_map``, each shard its own loop over its own rows, stopping when they are
     all done (no collective per step). With ``group``, each shard holds its rows' prompt rows.
 
-    One program per (graphdef, pad_id, mesh, Bp, B, P, N, history shape, keep_cache): samplers
-    over models of the same architecture share compiled programs.
+    One program per (graphdef, pad_id, mesh, Bp, B, P, N, history shape, keep_cache, group):
+    samplers over models of the same architecture share compiled programs.
     """
     _TRACES[0] += 1  # runs at trace time only
     model = nnx.merge(graphdef, state)
