@@ -565,9 +565,10 @@ class Sampler:
         (True, the default) instead of each against its own copy of it: every decode step
         reads a prompt's keys and values once for all its samples, and the samples' cache holds
         only their new tokens. It applies to calls with ``n > 1`` whose prompts are distinct
-        and whose row bucket is a multiple of ``n`` (the prefill then takes ``bucket / n``
-        rows, and the compiled program is keyed by ``n`` as well as by the buckets); other
-        calls copy. Results are the same either way up to float rounding of the softmax sums.
+        (a call that repeats a prompt copies): the prefill takes ``ceil(bucket / n)`` rows
+        (rounded up to a multiple of the data axis), the decode that many groups of ``n``
+        rows, and the compiled program is keyed by ``n`` as well as by the buckets. Results
+        are the same either way up to float rounding of the softmax sums.
       prefix_cache: how many previous calls' KV caches to keep (0: none). A prompt that extends
         a kept sequence (a previous prompt + its sample, e.g. the next turn of an episode:
         history + observation) prefills only the new tokens; the rest of its cache is copied
@@ -718,15 +719,14 @@ class Sampler:
         n = _bucket(params.max_tokens, self.new_token_buckets, "max_tokens")
         # A prompt's samples on one prefix row: rows r = i * n + j of prompt i (filler rows on
         # filler prompt rows), so the decode reads each prompt's cache once for its samples.
-        group = 0
-        if (
-            self.shared_prefix
-            and params.n > 1
-            and len(distinct) == len(prompts)
-            and b % params.n == 0
-            and (self.mesh is None or (b // params.n) % self.mesh.shape[self.data_axis] == 0)
-        ):
-            group, bp = params.n, b // params.n
+        # The prompt rows are the bucket's rows in whole groups (a multiple of the data axis):
+        # with n not dividing the bucket, the decode runs a few more filler rows than it holds.
+        group, rows = 0, b
+        if self.shared_prefix and params.n > 1 and len(distinct) == len(prompts):
+            axis = 1 if self.mesh is None else self.mesh.shape[self.data_axis]
+            groups = -(-b // params.n)  # ceil
+            bp = -(-groups // axis) * axis
+            group, rows = params.n, bp * params.n
         match = self._match(distinct)
         if match is not None:
             entry, hist_rows, counts = match
@@ -748,22 +748,22 @@ class Sampler:
         hist_src[: len(hist_rows)] = hist_rows
         hist_len = np.zeros((bp,), np.int32)
         hist_len[: len(counts)] = counts
-        row_src = np.zeros((b,), np.int32)
+        row_src = np.zeros((rows,), np.int32)
         row_src[:n_rows] = np.repeat([uniq[tuple(ids)] for ids in prompts], params.n)
         if group:
-            row_src = np.arange(b, dtype=np.int32) // group
-        live = np.zeros((b,), bool)
+            row_src = np.arange(rows, dtype=np.int32) // group
+        live = np.zeros((rows,), bool)
         live[:n_rows] = True  # filler rows start done
         stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
         seed = params.seed if params.seed is not None else self._next_seed()
         if prompt_seeds is None:
-            row_seeds = np.full((b,), seed, np.uint32)
-            row_ids = np.arange(b, dtype=np.int32)
+            row_seeds = np.full((rows,), seed, np.uint32)
+            row_ids = np.arange(rows, dtype=np.int32)
         else:  # row r = i * n + j: prompt i's seed, sample index j; filler rows keep their index
-            row_seeds = np.zeros((b,), np.uint32)
+            row_seeds = np.zeros((rows,), np.uint32)
             row_seeds[:n_rows] = np.repeat(np.asarray(prompt_seeds, np.uint32), params.n)
-            row_ids = np.arange(b, dtype=np.int32)
+            row_ids = np.arange(rows, dtype=np.int32)
             row_ids[:n_rows] = np.tile(np.arange(params.n, dtype=np.int32), len(prompts))
 
         with self._lock:  # serialises dispatch so the trace count is attributed to this call
