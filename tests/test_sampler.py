@@ -701,19 +701,23 @@ def test_data_parallel_sampler_samples_what_one_device_samples(model, temperatur
         )
 
 
-@pytest.mark.parametrize("scan,n", [(False, 4), (True, 4), (False, 3)])
-def test_shared_prefix_decode_samples_what_copies_sample(scan, n):
+@pytest.mark.parametrize(
+    "scan,n,repeat", [(False, 4, False), (True, 4, False), (False, 3, False), (False, 4, True)]
+)
+def test_shared_prefix_decode_samples_what_copies_sample(scan, n, repeat):
     """``shared_prefix``: a prompt's samples decode against its one cache (the prefill takes
     the bucket's rows over the samples per prompt, rounded up: with 3 samples per prompt the
     16-row bucket decodes 6 groups, 8 on four devices) and keep only their own tokens' keys
     and values. Tokens, finish reasons and the next turn's continuation from the kept cache
     are those of the sampler that copies the prompt's cache to every sample, on one device
     and with the rows split over two and four devices (each shard holding its rows'
-    prompts); log-probs agree and equal the training forward's."""
+    prompts); log-probs agree and equal the training forward's. A call that repeats a
+    prompt prefills it once and decodes each repeat against a copy of that cache row, with
+    samples of its own."""
     if jax.device_count() < 4:
         pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     model = create_model(dataclasses.replace(CONFIG, scan_layers=scan), seed=0)
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [9, 8, 7, 6]]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0] if repeat else PROMPTS[2], [9, 8, 7, 6]]
     kw = dict(batch_buckets=(16,), prompt_buckets=(16, 64), new_token_buckets=(16,))
     free = Sampler(model, shared_prefix=False, **kw)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=16, seed=3)
@@ -733,8 +737,12 @@ def test_shared_prefix_decode_samples_what_copies_sample(scan, n):
         assert s.stats["calls_reusing_cache"] == 1
         runs[name] = (first, second, nexts)
     groups = -(-16 // n)  # the bucket's rows in whole groups: 4, or 6 for n = 3
-    assert runs["shared"][0][0][0].meta["prefill_rows"] == groups
-    assert runs["shared-4"][0][0][0].meta["prefill_rows"] == -(-groups // 4) * 4
+    if repeat:  # the 3 distinct prompts in the smallest prefill bucket
+        assert runs["shared"][0][0][0].meta["prefill_rows"] == 8
+        assert runs["shared"][0][0][0].tokens != runs["shared"][0][2][0].tokens
+    else:
+        assert runs["shared"][0][0][0].meta["prefill_rows"] == groups
+        assert runs["shared-4"][0][0][0].meta["prefill_rows"] == -(-groups // 4) * 4
     assert runs["copies"][0][0][0].meta["prefill_rows"] == 8  # the smallest prefill bucket
     want_first, want_second, want_nexts = runs["copies"]
     flat = [smp for call in (want_first, want_second) for row in call for smp in row]

@@ -323,6 +323,7 @@ def _generate_program(
     top_k,
     stop_ids,
     max_new,
+    prefix_src=None,
     *,
     graphdef,
     pad_id: int,
@@ -351,6 +352,8 @@ def _generate_program(
     (``row_src = arange(B) // group``, ``B = Bp * group``). The decode then reads each
     prompt's cache once per step for all its samples (``Transformer.decode_shared_prefix``):
     the samples keep only their own new tokens' keys and values, not a copy of the prompt's.
+    ``prefix_src`` [B / group] (a call that repeats a prompt): group i's prompt is prefill
+    row ``prefix_src[i]``, whose cache row is copied once per call (None: group i is row i).
     0: each row decodes against its own copy of its prompt's cache.
 
     With ``mesh``, the rows are split over its ``data_axis``: the prefill runs partitioned by
@@ -389,7 +392,8 @@ def _generate_program(
     logits = logits[row_src, -1, :]
     prompt_len = prompt_len[row_src]
     if group:  # the prompts' cache stays one row per prompt; each sample's own slots
-        prefix, cache = cache, model.init_cache(row_src.shape[0], ends[0])
+        prefix = cache if prefix_src is None else cache.take_rows(prefix_src)
+        cache = model.init_cache(row_src.shape[0], ends[0])
     else:
         prefix, cache = None, cache.take_rows(row_src)
 
@@ -564,10 +568,11 @@ class Sampler:
       shared_prefix: a call's samples of one prompt decode against that prompt's one KV cache
         (True, the default) instead of each against its own copy of it: every decode step
         reads a prompt's keys and values once for all its samples, and the samples' cache holds
-        only their new tokens. It applies to calls with ``n > 1`` whose prompts are distinct
-        (a call that repeats a prompt copies): the prefill takes ``ceil(bucket / n)`` rows
-        (rounded up to a multiple of the data axis), the decode that many groups of ``n``
-        rows, and the compiled program is keyed by ``n`` as well as by the buckets. Results
+        only their new tokens. It applies to calls with ``n > 1``: the decode runs
+        ``ceil(bucket / n)`` groups of ``n`` rows (rounded up to a multiple of the data axis),
+        and the prefill of distinct prompts takes that many rows; a call that repeats a prompt
+        prefills it once and gives each repeat a copy of its cache row (once per call, not per
+        sample). The compiled program is keyed by ``n`` as well as by the buckets. Results
         are the same either way up to float rounding of the softmax sums.
       prefix_cache: how many previous calls' KV caches to keep (0: none). A prompt that extends
         a kept sequence (a previous prompt + its sample, e.g. the next turn of an episode:
@@ -721,12 +726,19 @@ class Sampler:
         # filler prompt rows), so the decode reads each prompt's cache once for its samples.
         # The prompt rows are the bucket's rows in whole groups (a multiple of the data axis):
         # with n not dividing the bucket, the decode runs a few more filler rows than it holds.
-        group, rows = 0, b
-        if self.shared_prefix and params.n > 1 and len(distinct) == len(prompts):
+        # A call that repeats a prompt prefills it once and gives each repeat its own copy of
+        # that cache row, once per call (prefix_src).
+        group, rows, prefix_src = 0, b, None
+        if self.shared_prefix and params.n > 1:
             axis = 1 if self.mesh is None else self.mesh.shape[self.data_axis]
             groups = -(-b // params.n)  # ceil
-            bp = -(-groups // axis) * axis
-            group, rows = params.n, bp * params.n
+            groups = -(-groups // axis) * axis
+            group, rows = params.n, groups * params.n
+            if len(distinct) == len(prompts):
+                bp = groups
+            else:
+                prefix_src = np.zeros((groups,), np.int32)
+                prefix_src[: len(prompts)] = [uniq[tuple(ids)] for ids in prompts]
         match = self._match(distinct)
         if match is not None:
             entry, hist_rows, counts = match
@@ -751,7 +763,8 @@ class Sampler:
         row_src = np.zeros((rows,), np.int32)
         row_src[:n_rows] = np.repeat([uniq[tuple(ids)] for ids in prompts], params.n)
         if group:
-            row_src = np.arange(rows, dtype=np.int32) // group
+            occurrence = np.arange(rows // group) if prefix_src is None else prefix_src
+            row_src = occurrence[np.arange(rows) // group].astype(np.int32)
         live = np.zeros((rows,), bool)
         live[:n_rows] = True  # filler rows start done
         stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
@@ -782,11 +795,14 @@ class Sampler:
                 ),
                 split_rows=False,
             )
+            if prefix_src is not None:
+                (prefix_src,) = self._place((prefix_src,), split_rows=True)
             toks, lps, lengths, stopped, kept = _generate_program(
                 self.state,
                 None if match is None else entry["cache"],
                 *per_row,
                 *knobs,
+                prefix_src,
                 graphdef=self.graphdef,
                 pad_id=self.pad_id,
                 max_new_bucket=n,
