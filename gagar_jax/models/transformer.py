@@ -1368,8 +1368,19 @@ class Transformer(nnx.Module):
         return rope_tables(positions, inv_freq)
 
     def _hidden(
-        self, tokens, positions, key_mask, token_mask, cache=None, rope_cos_sin=None, fresh=False
+        self,
+        tokens,
+        positions,
+        key_mask,
+        token_mask,
+        cache=None,
+        rope_cos_sin=None,
+        fresh=False,
+        prefix=None,
     ):
+        """``prefix`` (with ``fresh`` a :class:`SharedPrefix`): the groups' read-only prefix
+        cache, attended beside ``cache``, the rows' own one; the returned buffers are the own
+        ones."""
         c = self.config
         dt = _dtype(c.dtype)
         x = self.embed_tokens[...].astype(dt)[tokens]
@@ -1379,9 +1390,19 @@ class Transformer(nnx.Module):
         mask = causal[None] & key_mask[:, None, :]  # [B, T, S]
         cache_kv = None if cache is None else (cache.k, cache.v)
         index = None if cache is None else cache.index
+        if prefix is not None:  # (prefix, own) pairs: of [L, ...] stacks, or one per layer
+            mask = (prefix.mask.astype(bool), mask)
+            if c.scan_layers:
+                cache_kv = ((prefix.k, cache.k), (prefix.v, cache.v))
+            else:
+                cache_kv = (tuple(zip(prefix.k, cache.k)), tuple(zip(prefix.v, cache.v)))
         if rope_cos_sin is None:
             rope_cos_sin = self.rope_tables(positions)  # once for all layers
         x, cache_kv, stats = self._layers(x, rope_cos_sin, mask, token_mask, cache_kv, index, fresh)
+        if prefix is not None:
+            ks, vs = cache_kv
+            own = (lambda pair: pair[1]) if c.scan_layers else (lambda ps: tuple(p[1] for p in ps))
+            cache_kv = (own(ks), own(vs))
         return self.norm(x).astype(dt), cache_kv, stats
 
     def head_weight(self) -> jax.Array:
@@ -1619,28 +1640,18 @@ class Transformer(nnx.Module):
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, bool)
         attention_mask = attention_mask.astype(bool)
-        c = self.config
-        dt = _dtype(c.dtype)
-        x = self.embed_tokens[...].astype(dt)[tokens]
         key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
-        s = key_mask.shape[1]
-        causal = jnp.arange(s)[None, :] <= (cache.index + jnp.arange(t))[:, None]  # [T, S]
-        mask = (prefix.mask.astype(bool), causal[None] & key_mask[:, None, :])
-        if rope_cos_sin is None:
-            rope_cos_sin = self.rope_tables(positions)
-        if c.scan_layers:  # stacked buffers: (prefix, own) pairs of [L, ...] arrays
-            kv = ((prefix.k, cache.k), (prefix.v, cache.v))
-        else:  # per layer: a (prefix, own) pair for each
-            kv = (tuple(zip(prefix.k, cache.k)), tuple(zip(prefix.v, cache.v)))
-        x, (ks, vs), _ = self._layers(
-            x, rope_cos_sin, mask, attention_mask, kv, cache.index, SharedPrefix(size)
+        h, (k, v), _ = self._hidden(
+            tokens,
+            positions,
+            key_mask,
+            attention_mask,
+            cache,
+            rope_cos_sin=rope_cos_sin,
+            fresh=SharedPrefix(size),
+            prefix=prefix,
         )
-        if c.scan_layers:
-            k, v = ks[1], vs[1]
-        else:
-            k, v = tuple(pair[1] for pair in ks), tuple(pair[1] for pair in vs)
-        new = Cache(k=k, v=v, mask=key_mask, index=cache.index + t)
-        return self.norm(x).astype(dt), new
+        return h, Cache(k=k, v=v, mask=key_mask, index=cache.index + t)
 
 
 def _is_stacked_layers(layers) -> bool:

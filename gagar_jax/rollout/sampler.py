@@ -760,11 +760,12 @@ class Sampler:
         hist_src[: len(hist_rows)] = hist_rows
         hist_len = np.zeros((bp,), np.int32)
         hist_len[: len(counts)] = counts
-        row_src = np.zeros((rows,), np.int32)
-        row_src[:n_rows] = np.repeat([uniq[tuple(ids)] for ids in prompts], params.n)
-        if group:
+        if group:  # row r is a sample of group r // n, whose prompt is its prefill row
             occurrence = np.arange(rows // group) if prefix_src is None else prefix_src
             row_src = occurrence[np.arange(rows) // group].astype(np.int32)
+        else:
+            row_src = np.zeros((rows,), np.int32)
+            row_src[:n_rows] = np.repeat([uniq[tuple(ids)] for ids in prompts], params.n)
         live = np.zeros((rows,), bool)
         live[:n_rows] = True  # filler rows start done
         stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
