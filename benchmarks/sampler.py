@@ -19,6 +19,13 @@ in float32 on the same CPU, one after the other in this process. Tables:
 4. with `--tables ...,sglang`: the embedded sampler against a real SGLang server from
    `.venv-sglang` on the same model and the greedy / RL-shaped workloads (tokens/s both ways).
 
+With two or more batch sizes the greedy table is followed by their scaling measured interleaved:
+`--scaling-rounds` rounds, each calling the one-device sampler once per batch size (the order
+alternating), so a slow phase of the machine hits every batch size alike. It prints each batch
+size's median tokens per second against the smallest's, and the spread of the per-round ratios:
+the table above times all repeats of one batch size before the next, and a drift of the
+machine's speed between them moves its ratio.
+
 With `--profile`, the one-device sampler's greedy call at each batch size also runs under
 `jax.profiler`, and its ops are summed by category (dots with their FLOP/s, elementwise, data
 movement; `benchmarks/xla_profile.py`) with the top elementwise and data-movement ops.
@@ -116,6 +123,35 @@ def _jax_engines(model, mesh, **kw) -> dict:
     }
 
 
+def _interleaved_scaling(sampler, prompts_by_batch, params, args) -> None:
+    """The one-device sampler's greedy throughput per batch size, the batch sizes interleaved
+    round by round (the order alternating): each batch size's median tokens per second against
+    the smallest batch size's, and the min / median / max of the per-round ratios."""
+    batches = sorted(prompts_by_batch)
+    times = {b: [] for b in batches}
+    start = _load()
+    for r in range(args.scaling_rounds):
+        for b in batches if r % 2 == 0 else batches[::-1]:
+            t0 = time.perf_counter()
+            sampler.generate(prompts_by_batch[b], params)
+            times[b].append(time.perf_counter() - t0)
+    small = batches[0]
+    print(
+        f"\n[greedy scaling] jax, one device: {args.scaling_rounds} interleaved rounds "
+        f"(start: {start}; end: {_load()})"
+    )
+    head = f"{'batch':>5} | {'tok/s':>8} | {'vs batch ' + str(small):>13} | per-round"
+    print(head + " min / median / max")
+    tps_small = small * args.new_tokens / statistics.median(times[small])
+    for b in batches:
+        tps = b * args.new_tokens / statistics.median(times[b])
+        rounds = sorted(
+            (b / t) / (small / ts) for t, ts in zip(times[b], times[small], strict=True)
+        )
+        spread = " / ".join(f"{x:.2f}" for x in (rounds[0], statistics.median(rounds), rounds[-1]))
+        print(f"{b:>5} | {tps:>8.0f} | {tps / tps_small:>12.2f}x | {spread}", flush=True)
+
+
 def _median_time(fn, repeats):
     times = []
     out = None
@@ -138,6 +174,12 @@ def main():
         help="comma-separated: greedy, rl, multiturn, sglang (a real SGLang server)",
     )
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens (CI smoke)")
+    ap.add_argument(
+        "--scaling-rounds",
+        type=int,
+        default=9,
+        help="rounds of the interleaved batch-scaling measurement after the greedy table (0: none)",
+    )
     ap.add_argument(
         "--data-parallel",
         type=int,
@@ -255,9 +297,10 @@ def main():
         head += f"{'hf tok/s':>10} | {'agree':>6} | {'jax compile s':>13}"
         print(head)
         print("-" * len(head))
-        tps_by_batch, cpu_by_batch = {}, {}
+        tps_by_batch, cpu_by_batch, prompts_by_batch = {}, {}, {}
         for b in batches:
             prompts = rng.integers(1, cfg.vocab_size, (b, args.prompt_len)).tolist()
+            prompts_by_batch[b] = prompts
             compile_s = []
             for sampler in engines.values():
                 t0 = time.perf_counter()
@@ -334,6 +377,8 @@ def main():
             ),
             flush=True,
         )
+        if len(set(batches)) > 1 and args.scaling_rounds > 0:
+            _interleaved_scaling(engines["jax"], prompts_by_batch, params, args)
         if dump_dir is not None:
             _profile_greedy(model, cfg, batches, args, params, dump_dir)
 
