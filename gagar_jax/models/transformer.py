@@ -1534,9 +1534,6 @@ class Transformer(nnx.Module):
         self._check(tokens, positions, attention_mask)
         if cache.mask.shape[0] != tokens.shape[0]:
             raise ValueError(f"cache batch {cache.mask.shape[0]} != tokens batch {tokens.shape[0]}")
-        if attention_mask is None:
-            attention_mask = jnp.ones(tokens.shape, bool)
-        attention_mask = attention_mask.astype(bool)
         if fresh:  # new sequences from slot 0: nothing the cache held stays valid
             if tokens.shape[1] > cache.mask.shape[1]:
                 raise ValueError(
@@ -1544,17 +1541,7 @@ class Transformer(nnx.Module):
                     f"many slots, got {cache.mask.shape[1]}"
                 )
             cache = cache._replace(mask=jnp.zeros_like(cache.mask), index=jnp.zeros((), jnp.int32))
-        key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
-        h, (k, v), _ = self._hidden(
-            tokens,
-            positions,
-            key_mask,
-            attention_mask,
-            cache,
-            rope_cos_sin=rope_cos_sin,
-            fresh=fresh,
-        )
-        return h, Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
+        return self._write_and_attend(tokens, positions, cache, attention_mask, rope_cos_sin, fresh)
 
     def shared_prefix_hidden(
         self, tokens, positions, prefix: Cache, size: int, *, attention_mask=None
@@ -1637,6 +1624,16 @@ class Transformer(nnx.Module):
             )
         if cache.mask.shape[0] != b:
             raise ValueError(f"cache batch {cache.mask.shape[0]} != tokens batch {b}")
+        return self._write_and_attend(
+            tokens, positions, cache, attention_mask, rope_cos_sin, SharedPrefix(size), prefix
+        )
+
+    def _write_and_attend(
+        self, tokens, positions, cache, attention_mask, rope_cos_sin, fresh, prefix=None
+    ):
+        """The tokens' keys and values written into ``cache`` at ``cache.index`` and their
+        hidden states through every layer: ``(hidden [B, T, E], updated Cache)``. ``fresh``
+        and ``prefix`` as in :meth:`_hidden`; ``attention_mask`` None means all valid."""
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, bool)
         attention_mask = attention_mask.astype(bool)
@@ -1648,10 +1645,10 @@ class Transformer(nnx.Module):
             attention_mask,
             cache,
             rope_cos_sin=rope_cos_sin,
-            fresh=SharedPrefix(size),
+            fresh=fresh,
             prefix=prefix,
         )
-        return h, Cache(k=k, v=v, mask=key_mask, index=cache.index + t)
+        return h, Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
 
 
 def _is_stacked_layers(layers) -> bool:
