@@ -24,7 +24,9 @@ With two or more batch sizes the greedy table is followed by their scaling measu
 alternating), so a slow phase of the machine hits every batch size alike. It prints each batch
 size's median tokens per second against the smallest's, and the spread of the per-round ratios:
 the table above times all repeats of one batch size before the next, and a drift of the
-machine's speed between them moves its ratio.
+machine's speed between them moves its ratio. The same rounds time the decode's products alone
+(projections and LM head chained as in the model, nothing else) at each batch size: their
+FLOP/s against the GEMM peak, and the ratio the sampler would reach if everything else were free.
 
 With `--profile`, the one-device sampler's greedy call at each batch size also runs under
 `jax.profiler`, and its ops are summed by category (dots with their FLOP/s, elementwise, data
@@ -123,33 +125,98 @@ def _jax_engines(model, mesh, **kw) -> dict:
     }
 
 
-def _interleaved_scaling(sampler, prompts_by_batch, params, args) -> None:
+def decode_products(cfg, rows: int, steps: int):
+    """A jitted call of ``steps`` decode steps' worth of the model's products only, for
+    ``rows`` rows: per layer the stacked q/k/v projection, the output projection, gate and up,
+    down, then the LM head, each fed by the one before as in the model (the residual adds and
+    the gate's product chain them; no attention, norm, RoPE or sampling). Random weights of
+    ``cfg``'s shapes. Returns (call that blocks until done, FLOPs of one call, the compiled
+    program's HLO text)."""
+    import jax
+    import jax.numpy as jnp
+
+    e, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    q, kv, i = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
+    shapes = [(e, q + 2 * kv), (q, e), (e, i), (e, i), (i, e)]
+    keys = iter(jax.random.split(jax.random.key(0), len(shapes) * cfg.num_layers + 2))
+    layers = [
+        [0.02 * jax.random.normal(next(keys), s, jnp.float32) for s in shapes]
+        for _ in range(cfg.num_layers)
+    ]
+    head = 0.02 * jax.random.normal(next(keys), (e, v), jnp.float32)
+    x0 = jax.random.normal(next(keys), (rows, e), jnp.float32)
+
+    @jax.jit
+    def run(x, layers, head):
+        def step(_, x):
+            for w_qkv, w_o, w_g, w_u, w_d in layers:
+                x = x + (x @ w_qkv)[:, :q] @ w_o
+                x = x + ((x @ w_g) * (x @ w_u)) @ w_d
+            return x + 1e-3 * (x @ head)[:, :e]
+
+        return jax.lax.fori_loop(0, steps, step, x)
+
+    hlo = run.lower(x0, layers, head).compile().as_text()
+    run(x0, layers, head).block_until_ready()  # compile
+    flops = 2 * rows * steps * (cfg.num_layers * sum(a * b for a, b in shapes) + e * v)
+    return (lambda: run(x0, layers, head).block_until_ready()), flops, hlo
+
+
+def _interleaved_scaling(sampler, prompts_by_batch, params, args, cfg) -> None:
     """The one-device sampler's greedy throughput per batch size, the batch sizes interleaved
     round by round (the order alternating): each batch size's median tokens per second against
-    the smallest batch size's, and the min / median / max of the per-round ratios."""
+    the smallest batch size's, and the min / median / max of the per-round ratios.
+
+    Each round also times the decode's products alone at each batch size
+    (:func:`decode_products`, as many steps as the calls decode): the ratio the sampler would
+    reach if everything but its projections and LM head cost nothing, and their FLOP/s against
+    the machine's GEMM peak."""
+    from rl_step import gemm_peak
+
     batches = sorted(prompts_by_batch)
+    steps = args.new_tokens - 1  # the first token comes from the prefill
+    products = {b: decode_products(cfg, b, steps) for b in batches}
     times = {b: [] for b in batches}
+    ptimes = {b: [] for b in batches}
     start = _load()
     for r in range(args.scaling_rounds):
         for b in batches if r % 2 == 0 else batches[::-1]:
             t0 = time.perf_counter()
             sampler.generate(prompts_by_batch[b], params)
             times[b].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            products[b][0]()
+            ptimes[b].append(time.perf_counter() - t0)
+    peak = gemm_peak()
     small = batches[0]
     print(
         f"\n[greedy scaling] jax, one device: {args.scaling_rounds} interleaved rounds "
-        f"(start: {start}; end: {_load()})"
+        f"(start: {start}; end: {_load()}); products alone: the decode's {steps} steps of "
+        f"projections and LM head only; GEMM peak {peak / 1e9:.0f} GFLOP/s"
     )
-    head = f"{'batch':>5} | {'tok/s':>8} | {'vs batch ' + str(small):>13} | per-round"
-    print(head + " min / median / max")
+    head = (
+        f"{'batch':>5} | {'tok/s':>8} | {'vs batch ' + str(small):>13} | "
+        f"{'per-round min / median / max':>28} | {'products ms/step':>16} | "
+        f"{'GFLOP/s':>7} | {'of peak':>7} | {'vs batch ' + str(small):>13}"
+    )
+    print(head)
+    print("-" * len(head))
     tps_small = small * args.new_tokens / statistics.median(times[small])
+    p_small = small / statistics.median(ptimes[small])
     for b in batches:
         tps = b * args.new_tokens / statistics.median(times[b])
         rounds = sorted(
             (b / t) / (small / ts) for t, ts in zip(times[b], times[small], strict=True)
         )
         spread = " / ".join(f"{x:.2f}" for x in (rounds[0], statistics.median(rounds), rounds[-1]))
-        print(f"{b:>5} | {tps:>8.0f} | {tps / tps_small:>12.2f}x | {spread}", flush=True)
+        pt = statistics.median(ptimes[b])
+        gflops = products[b][1] / pt / 1e9
+        print(
+            f"{b:>5} | {tps:>8.0f} | {tps / tps_small:>12.2f}x | {spread:>28} | "
+            f"{pt / steps * 1e3:>16.3f} | {gflops:>7.1f} | {gflops * 1e9 / peak:>6.1%} | "
+            f"{(b / pt) / p_small:>12.2f}x",
+            flush=True,
+        )
 
 
 def _median_time(fn, repeats):
@@ -378,7 +445,7 @@ def main():
             flush=True,
         )
         if len(set(batches)) > 1 and args.scaling_rounds > 0:
-            _interleaved_scaling(engines["jax"], prompts_by_batch, params, args)
+            _interleaved_scaling(engines["jax"], prompts_by_batch, params, args, cfg)
         if dump_dir is not None:
             _profile_greedy(model, cfg, batches, args, params, dump_dir)
 
