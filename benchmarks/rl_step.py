@@ -37,6 +37,12 @@ framework's own function boundaries; medians over rounds are reported with the m
 average before and after. What could not be made equal is listed by ``--notes`` and in the docs
 page ``docs/benchmarks_rl_step.md``.
 
+``--keep-heap`` starts every framework's worker with glibc's allocator keeping the memory it
+frees (``GLIBC_TUNABLES``: one arena, no ``mmap`` for large blocks, no trimming; the setting
+``gagar_jax.update.malloc.keep_heap`` applies in ``scripts/train.py``), the same for all three.
+Without it every worker runs with glibc's defaults. Large buffers freed and allocated again each
+step are then returned to the system and faulted in afresh.
+
 ``--check`` starts every worker on the initial weights and compares, before any step, (1) the
 log-probabilities each framework's own training-side scoring gives the first tokens of a fixed
 completion of every prompt, (2) the advantages each framework's own code computes for a fixed
@@ -99,6 +105,10 @@ CHECK_REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.5, 0.0, 1.0, 0.25, 0.
 CHECK_GROUP = 4  # CHECK_REWARDS as 4 groups of 4
 
 NOTES = [
+    "The allocator: every worker runs with glibc's defaults, or with --keep-heap every worker "
+    "keeps the memory it frees (the same GLIBC_TUNABLES for all; gagar_jax's scripts/train.py "
+    "applies this setting with mallopt, TRL and Tunix leave glibc's defaults). The header line "
+    "says which.",
     "TRL samples with transformers' generate on the trained model (no separate generator, so "
     "its sync phase is zero); gagar_jax samples with its embedded jitted sampler and syncs a "
     "copy of the weights into it; Tunix samples with its vanilla JAX sampler and syncs its "
@@ -288,27 +298,47 @@ def progress(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
+# ``--keep-heap``: glibc's allocator keeps what it frees (what ``gagar_jax.update.malloc.keep_heap``
+# sets with ``mallopt``), as an environment setting every worker process gets alike.
+KEEP_HEAP_TUNABLES = (
+    "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
+)
+
+
+def worker_env(framework: str, keep_heap: bool, base: dict | None = None) -> dict:
+    """The environment of ``framework``'s worker process: this one's, with the offline
+    switches, its host devices and, with ``keep_heap``, :data:`KEEP_HEAP_TUNABLES` (without
+    it, glibc's defaults: any ``GLIBC_TUNABLES`` of this process is dropped)."""
+    env = dict(os.environ if base is None else base)
+    inherited = env.get("PYTHONPATH", "") if env.get(PYTHON_ENV) else ""
+    own = [str(ROOT)] if is_gagar(framework) else []
+    env["PYTHONPATH"] = os.pathsep.join(own + ([inherited] if inherited else []))
+    env.pop("XLA_FLAGS", None)  # one host device (no simulated devices)
+    if framework in HOST_DEVICES:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={HOST_DEVICES[framework]}"
+    # Several workers share one accelerator: none takes most of its memory up front.
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_MODE="disabled",
+        TF_CPP_MIN_LOG_LEVEL="3",
+    )
+    env.pop("GLIBC_TUNABLES", None)
+    if keep_heap:
+        env["GLIBC_TUNABLES"] = KEEP_HEAP_TUNABLES
+    # The gagar_jax worker does not apply keep_heap itself: the heap is the race's setting.
+    env["GAGAR_MALLOC_KEEP_HEAP"] = "0"
+    return env
+
+
 class WorkerProc:
     """One framework's worker: JSON lines over its stdin/stdout."""
 
     def __init__(self, framework: str, spec: dict, log_path: Path):
-        env = dict(os.environ)
-        inherited = os.environ.get("PYTHONPATH", "") if os.environ.get(PYTHON_ENV) else ""
-        own = [str(ROOT)] if is_gagar(framework) else []
-        env["PYTHONPATH"] = os.pathsep.join(own + ([inherited] if inherited else []))
-        env.pop("XLA_FLAGS", None)  # one host device (no simulated devices)
-        if framework in HOST_DEVICES:
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={HOST_DEVICES[framework]}"
-        # Several workers share one accelerator: none takes most of its memory up front.
-        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        env.update(
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            HF_DATASETS_OFFLINE="1",
-            TOKENIZERS_PARALLELISM="false",
-            WANDB_MODE="disabled",
-            TF_CPP_MIN_LOG_LEVEL="3",
-        )
+        env = worker_env(framework, bool(spec.get("keep_heap")))
         self.framework = framework
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
@@ -452,7 +482,11 @@ def race(args) -> int:
         f"model: {meta['num_params'] / 1e6:.1f}M params, Qwen2-shaped, vocab "
         f"{meta['vocab_size']}, float32 ({assets})"
     )
-    print(f"cpus: {os.cpu_count()}; accelerator: {accelerator}; start: {_load()}")
+    print(
+        f"cpus: {os.cpu_count()}; accelerator: {accelerator}; heap: "
+        + ("kept in every worker (--keep-heap)" if args.keep_heap else "glibc's defaults")
+        + f"; start: {_load()}"
+    )
     failed = False
     results = {}
     for shape_name in shapes:
@@ -464,6 +498,7 @@ def race(args) -> int:
             lr=LEARNING_RATE,
             epsilon=EPSILON,
             max_grad_norm=MAX_GRAD_NORM,
+            keep_heap=bool(args.keep_heap),
         )
         progress(f"[{shape_name}] equal-configuration check")
         checks = run_check(frameworks, spec, logdir)
@@ -527,7 +562,11 @@ def race(args) -> int:
             for w in workers.values():
                 w.close()
         results[shape_name] = dict(
-            recs=recs, setup=setup, warm=warm, load=(load_before, load_after)
+            recs=recs,
+            setup=setup,
+            warm=warm,
+            load=(load_before, load_after),
+            keep_heap=bool(args.keep_heap),
         )
         print_table(shape_name, label, recs, setup, warm, load_before, load_after, rounds)
         peak = gemm_peak()
@@ -1296,6 +1335,12 @@ def main():
         action="store_true",
         help="run the frameworks' first steps (their compiles) at once, for a short time limit "
         "on a many-core machine; their 'first s' then overlap",
+    )
+    parser.add_argument(
+        "--keep-heap",
+        action="store_true",
+        help="every worker keeps the memory glibc frees (GLIBC_TUNABLES; default: glibc's "
+        "defaults in every worker)",
     )
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--spec", default="", help=argparse.SUPPRESS)

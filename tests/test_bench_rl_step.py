@@ -242,3 +242,53 @@ def test_model_flops_count_the_work_gagar_jax_update_runs(tmp_path, shape_name):
     assert flops["update_shared"] <= ran <= 1.1 * flops["update_shared"], (flops, ran)
     assert flops["update"] > 1.3 * ran
     assert flops["generate_shared"] < flops["generate"]
+
+
+def test_the_heap_setting_is_the_same_in_every_worker(tmp_path, monkeypatch):
+    """``--keep-heap`` gives every framework's worker the same ``GLIBC_TUNABLES``; without it no
+    worker gets any, whatever the driver's own environment holds."""
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    monkeypatch.delenv(bench.PYTHON_ENV, raising=False)
+    seen = {}
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kw):
+        seen[cmd[cmd.index("--worker") + 1]] = kw["env"].get("GLIBC_TUNABLES")
+        return real_popen([sys.executable, "-c", "pass"], **kw)
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    for keep, want in ((True, bench.KEEP_HEAP_TUNABLES), (False, None)):
+        seen.clear()
+        for fw in ("gagar_jax", "gagar_2dev", "trl", "tunix"):
+            w = bench.WorkerProc(fw, {"keep_heap": keep}, tmp_path / f"{fw}.log")
+            w.proc.wait()
+            w.log.close()
+        assert seen == dict.fromkeys(("gagar_jax", "gagar_2dev", "trl", "tunix"), want)
+
+
+_REFAULT = """
+import resource, numpy as np
+n = 64 * 2**20
+a = np.ones(n, np.uint8); del a  # allocated, touched, freed
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+a = np.ones(n, np.uint8)  # the same size again
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_keep_heap_tunables_reuse_freed_memory():
+    """The tunables take effect: with them, a 64 MB block freed and allocated again is served
+    from the kept heap (almost no page faults); with glibc's defaults it is mapped and faulted
+    in afresh (one fault per 4 KB page or per huge page)."""
+
+    def faults(keep):
+        env = bench.worker_env("trl", keep)
+        out = subprocess.run(
+            [sys.executable, "-c", _REFAULT], env=env, capture_output=True, text=True, check=True
+        )
+        return int(out.stdout.split()[-1])
+
+    kept, fresh = faults(True), faults(False)
+    assert kept < 100, kept
+    assert fresh > 10 * max(kept, 1), (kept, fresh)
