@@ -67,6 +67,15 @@ def test_worked_example():
     np.testing.assert_allclose(out, [[0.3, 0.6, 0.6, 0.9, 0.0]], rtol=1e-6)
 
 
+def test_close_importances_keep_their_exact_weights():
+    # Two importances 0.3% apart: z = (-1, +1) exactly, so gamma = 0.5 gives c = (0.5, 1.5).
+    # The float32 mean of the values themselves is off by half an ulp of 6 (2.5e-5 of their
+    # spread), which the kernel does not let into z.
+    imp = np.float32([[6.0625, 6.0818706, 0.0]])
+    out = _run(np.float32([0.5]), imp, np.array([[True, True, False]]), 0.5)
+    np.testing.assert_allclose(out, [[0.25, 0.75, 0.0]], rtol=1e-6, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Properties.
 

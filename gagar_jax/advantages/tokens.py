@@ -115,12 +115,17 @@ def _credit_weights(imp: Array, mask: Array, gamma: float, ow: Array | None) -> 
     o = mask.astype(jnp.float32) if ow is None else jnp.where(mask & jnp.isfinite(ow), ow, 0.0)
     o = jnp.maximum(o, 0.0)
     o_sum = jnp.sum(o, axis=-1, keepdims=True)
-    # A row without weight (empty, or all o = 0) divides by 1 and is reset to c = 1 below.
-    w_bar = jnp.sum(o * w, axis=-1, keepdims=True) / jnp.where(o_sum > 0, o_sum, 1.0)
-    dev = jnp.where(mask, w - w_bar, 0.0)
-    scale = jnp.max(jnp.abs(dev), axis=-1, keepdims=True, initial=0.0)
     w_hi = jnp.max(jnp.where(mask, w, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
     w_lo = jnp.min(jnp.where(mask, w, jnp.inf), axis=-1, keepdims=True, initial=jnp.inf)
+    # The mean of the values shifted by the row's minimum: for values close together (6.0625
+    # and 6.0819) the float32 mean of the values themselves is off by half an ulp of 6, which
+    # is 2.5e-5 of their spread, and the scaling below would carry that into z. Shifted, the
+    # deviations are exact to the float32 rounding of the spread.
+    s = jnp.where(mask, w - jnp.where(jnp.isfinite(w_lo), w_lo, 0.0), 0.0)
+    # A row without weight (empty, or all o = 0) divides by 1 and is reset to c = 1 below.
+    s_bar = jnp.sum(o * s, axis=-1, keepdims=True) / jnp.where(o_sum > 0, o_sum, 1.0)
+    dev = jnp.where(mask, s - s_bar, 0.0)
+    scale = jnp.max(jnp.abs(dev), axis=-1, keepdims=True, initial=0.0)
     # Test constancy on the values themselves, not on `dev`: the float mean of equal values need
     # not equal them (3 x 0.1 / 3 != 0.1), and a constant row must be the identity exactly.
     varies = (w_hi > w_lo) & (o_sum > 0)
