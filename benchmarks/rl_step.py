@@ -305,11 +305,11 @@ KEEP_HEAP_TUNABLES = (
 )
 
 
-def worker_env(framework: str, keep_heap: bool, base: dict | None = None) -> dict:
+def worker_env(framework: str, keep_heap: bool) -> dict:
     """The environment of ``framework``'s worker process: this one's, with the offline
     switches, its host devices and, with ``keep_heap``, :data:`KEEP_HEAP_TUNABLES` (without
     it, glibc's defaults: any ``GLIBC_TUNABLES`` of this process is dropped)."""
-    env = dict(os.environ if base is None else base)
+    env = dict(os.environ)
     inherited = env.get("PYTHONPATH", "") if env.get(PYTHON_ENV) else ""
     own = [str(ROOT)] if is_gagar(framework) else []
     env["PYTHONPATH"] = os.pathsep.join(own + ([inherited] if inherited else []))
