@@ -16,24 +16,18 @@ from gagar_jax.rollout import SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            f"bench_{name}", ROOT / "benchmarks" / f"{name}.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
-
-bench = _load("sampler")
+# benchmarks/ is on the path while loading only: the HLO reader and the sampler benchmark.
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import xla_profile  # noqa: E402  (the HLO reader of the benchmarks)
+try:
+    import xla_profile
 
-sys.path.remove(str(ROOT / "benchmarks"))
+    _spec = importlib.util.spec_from_file_location(
+        "bench_sampler", ROOT / "benchmarks" / "sampler.py"
+    )
+    bench = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(bench)
+finally:
+    sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def _row_products(hlo: str, rows: int) -> set[tuple[int, int]]:
