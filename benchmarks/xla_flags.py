@@ -263,7 +263,7 @@ def run(args) -> list[dict]:
     base = statistics.median(t for t, _ in workers[0].times)
     rows = []
     for w in workers:
-        row = {"setting": w.setting or "(baseline)", "error": w.error}
+        row = {"setting": w.setting or "(baseline)", "error": w.error, "calls": len(w.times)}
         if w.error is None and w.times:
             walls = [t for t, _ in w.times]
             med = statistics.median(walls)
@@ -297,7 +297,8 @@ def run(args) -> list[dict]:
                 f"{row['setting']}"
             )
         else:
-            print(f"{'':>56}  {row['setting']}: not run ({row['error']})")
+            how = f"failed after {row['calls']} calls" if row["calls"] else "not run"
+            print(f"{'':>56}  {row['setting']}: {how} ({row['error']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
