@@ -31,6 +31,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -315,6 +316,22 @@ def _audit(record: Mapping[str, Any]) -> None:
             f.write(json.dumps(dict(record)) + "\n")
 
 
+def visible_test_ids(task: RepoTask) -> tuple[str, ...]:
+    """The required test ids the agent's ``run_tests`` can run: those whose file is in the
+    pristine repository and whose class and function names appear in it (a test the hidden
+    ``test_patch`` adds, to a new file or to an existing one, is left out)."""
+    out = []
+    for tid in task.required_tests:
+        path, _, rest = tid.partition("::")
+        text = task.files.get(path)
+        if text is None:
+            continue
+        names = [part.split("[", 1)[0] for part in rest.split("::")]
+        if all(re.search(rf"\b(def|class)\s+{re.escape(n)}\b", text) for n in names):
+            out.append(tid)
+    return tuple(out)
+
+
 class RepoAgentEnv:
     """One ``python_repo`` episode: ``CodeAgentEnv`` over the pristine files; ``run_tests`` runs
     the required tests in the sandbox without the hidden test patch."""
@@ -327,7 +344,15 @@ class RepoAgentEnv:
         self.env = CodeAgentEnv(dict(task.files), self._run_tests)
 
     def _run_tests(self, files: dict[str, str]) -> tuple[bool, str]:
-        visible = dataclasses.replace(self.task, test_patch="")
+        ids = visible_test_ids(self.task)
+        hidden = len(self.task.required_tests) - len(ids)
+        if not ids:
+            return False, (
+                f"no test ran: the task's {hidden} required test(s) are not in the visible tests"
+            )
+        # Only the visible ids: pytest ends a whole session with a usage error when an id on its
+        # command line names a file or a test that does not exist.
+        visible = dataclasses.replace(self.task, test_patch="", fail_to_pass=ids, pass_to_pass=())
         v = verify_repo_call(
             visible, tree_patch(self.task.files, files), run_monitor=False, **self.verify_kwargs
         )
@@ -345,13 +370,10 @@ class RepoAgentEnv:
         )
         if v.status in ("infra_error", "timeout", "resource_killed") or v.patch_error:
             return False, f"{v.status}: {v.patch_error or v.test_log[-500:]}"
-        # a required test missing here is one of the hidden tests: not a failure of the tree
-        ran = {t: o for t, o in v.tests.items() if o != "missing"}
-        lines = [f"{o.upper()} {t}" for t, o in ran.items()]
-        hidden = len(v.tests) - len(ran)
+        lines = [f"{o.upper()} {t}" for t, o in v.tests.items()]
         if hidden:
             lines.append(f"({hidden} required test(s) are not in the visible tests)")
-        return bool(ran) and all(o == "passed" for o in ran.values()), "\n".join(lines)
+        return all(o == "passed" for o in v.tests.values()), "\n".join(lines)
 
     @property
     def files(self) -> dict[str, str]:

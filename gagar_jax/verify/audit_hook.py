@@ -27,9 +27,9 @@ traceback (``traceback``,         an exception, ``inspect.stack``)
 the trusted directories           no bytecode cache of the tree is ever       when the file exists
                                   read (the tree is written without any)
 ``open`` for writing of a         a bytecode cache, a ``.pth``, a module in   refused, confirmed
-``.pyc``/``.pth`` anywhere, or    a test directory
+``.pyc``/``.pth`` anywhere, or    a test directory or beside a test file
 a ``.py``/``.so`` under a test
-directory
+directory or beside a test file
 ``open`` for writing of a ``.py`` a module written at run time                evidence
 elsewhere
 ``compile``/``code.__new__``      code posing as a test file                  confirmed
@@ -108,6 +108,11 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None):
       trusted: absolute directories of trusted code (the standard library, the read-only
         site-packages, the runner's directory).
       test_pid: the test process (``os.exec*`` there is the runner replaced); default: this one.
+
+    Returns:
+      (report, was_loaded): ``report(kind, what, confirmed)`` writes one line as the hook does;
+      ``was_loaded(path)`` says whether trusted code alone read the tree-relative test file
+      ``path`` (a test module pytest collected without reading its file came from elsewhere).
     """
     # Everything the hook calls is bound here: replacing ``os.write`` or ``json.dumps`` later
     # changes nothing it does.
@@ -124,12 +129,14 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None):
     prefix = root + "/"
     protected_abs = frozenset(_normpath(_join(root, p)) for p in protected)
     sources = frozenset(p for p in protected_abs if p.endswith(".py"))
+    source_dirs = tuple({os.path.dirname(p) + "/" for p in sources})
     dirs = tuple(_normpath(_join(root, d)) + "/" for d in test_dirs)
     trusted = tuple(_normpath(t) + "/" for t in trusted if t)
     pid = test_pid or _getpid()
     pycache_prefix = sys.pycache_prefix
     busy = set()
     sent = {}
+    loaded = set()  # test sources read by trusted code alone (pytest, importlib)
 
     def is_test(path):
         return path in protected_abs or path.startswith(dirs)
@@ -198,7 +205,8 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None):
         )
         if writing:
             bad = path.endswith(CODE_WRITE_SUFFIXES) or (
-                is_test(path) and path.endswith(TEST_DIR_WRITE_SUFFIXES)
+                (is_test(path) or (path.rpartition("/")[0] + "/") in source_dirs)
+                and path.endswith(TEST_DIR_WRITE_SUFFIXES)
             )
             if bad:
                 who, _ = candidate()
@@ -226,6 +234,7 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None):
         if path in sources:
             who, formatting = candidate()
             if who is None:
+                loaded.add(path)
                 return
             if formatting:
                 report("read_test_line", f"{who} formats a stack showing {rel(path)}", False)
@@ -294,5 +303,9 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None):
         finally:
             busy.discard(me)
 
+    def was_loaded(path):
+        """Whether trusted code alone (pytest, importlib) read the test file ``path``."""
+        return _normpath(_join(root, path)) in loaded
+
     sys.addaudithook(hook)
-    return report
+    return report, was_loaded

@@ -76,8 +76,9 @@ SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101  # _IOWR('!', 1, struct seccomp_notif_resp
 class Reporter:
     """pytest plugin object: streams every test phase's outcome from pytest's reports."""
 
-    def __init__(self, fd):
+    def __init__(self, fd, was_loaded=None):
         self._fd = fd
+        self._was_loaded = was_loaded
 
     def pytest_collection_finish(self, session):
         # Each collected test module must be the file pytest was asked to collect: a module of
@@ -91,12 +92,14 @@ class Reporter:
             seen.add(id(mod))
             spec = getattr(mod, "__spec__", None)
             where = getattr(spec, "origin", None) or getattr(mod, "__file__", None) or "?"
+            path = item.nodeid.split("::")[0]
+            what = None
             if os.path.realpath(str(where)) != os.path.realpath(str(item.path)):
-                line = {
-                    "audit": "test_module_replaced",
-                    "what": f"{item.nodeid.split('::')[0]} was loaded from {where}",
-                    "confirmed": True,
-                }
+                what = f"{path} was loaded from {where}"
+            elif self._was_loaded is not None and not self._was_loaded(path):
+                what = f"{path} was collected without its file being read"
+            if what:
+                line = {"audit": "test_module_replaced", "what": what, "confirmed": True}
                 _write_all(self._fd, (json.dumps(line) + "\n").encode())
 
     def pytest_runtest_setup(self, item):
@@ -266,14 +269,15 @@ def _trusted_dirs(root):
 
 def _child(args, report_fd, name, audit=None):
     _prctl(PR_SET_NAME, name.encode())
+    was_loaded = None
     if audit is not None:
         root = os.getcwd()
-        _load_audit_hook().install(
+        _, was_loaded = _load_audit_hook().install(
             report_fd, root, audit["protected"], audit["test_dirs"], _trusted_dirs(root)
         )
     import pytest
 
-    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd)]))
+    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd, was_loaded)]))
     line = json.dumps({"exitstatus": ret}) + "\n"
     try:
         _write_all(report_fd, line.encode())

@@ -105,6 +105,7 @@ AUDIT_MODULE = "_gagar_audit_hook"  # verify/audit_hook.py beside the runner
 MAX_REPORT_BYTES = 16 << 20
 MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 3000  # well below PATH_MAX (4096) once the workdir prefix is added
+MAX_DEPTH = 100  # directories above a file; deeper trees stall recursive walks of the tree
 DEFAULT_LIMITS = Limits(wall_s=120, cpu_s=120, memory_bytes=2 << 30, nproc=128)
 
 # A task is read only through the attributes ``task_id``, ``files``, ``test_files``,
@@ -142,6 +143,8 @@ def check_tree(files: Mapping[str, str]) -> None:
         if len(raw) > MAX_PATH_BYTES:
             raise DiffError(f"{rel[:60]!r}...: path of {len(raw)} bytes exceeds {MAX_PATH_BYTES}")
         parts = safe_path(rel).split("/")
+        if len(parts) > MAX_DEPTH:
+            raise DiffError(f"{rel[:60]!r}...: path_too_deep ({len(parts) - 1} directories)")
         for part in parts:
             if len(part.encode("utf-8")) > MAX_NAME_BYTES:
                 raise DiffError(f"{rel[:60]!r}: a name over {MAX_NAME_BYTES} bytes")
@@ -150,6 +153,36 @@ def check_tree(files: Mapping[str, str]) -> None:
     clash = sorted(dirs & set(files))
     if clash:
         raise DiffError(f"{clash[0]!r} is both a file and a directory in the patched tree")
+
+
+def tree_size(files: Mapping[str, str]) -> tuple[int, int]:
+    """(directory entries, bytes) the tree ``files`` takes once written: every file and every
+    directory above one, and the UTF-8 size of the texts."""
+    dirs = {rel.rpartition("/")[0] for rel in files}
+    for d in list(dirs):
+        while d:
+            d = d.rpartition("/")[0]
+            dirs.add(d)
+    dirs.discard("")
+    return len(files) + len(dirs), sum(
+        len(t.encode("utf-8", "surrogatepass")) for t in files.values()
+    )
+
+
+def tree_fit_problem(task: Any, files: Mapping[str, str], limits: Limits) -> str | None:
+    """Why the patched tree ``files`` cannot be materialised within ``limits`` (more entries than
+    ``disk_files`` or more bytes than ``disk_bytes``) when the pristine tree can, or None. Checked
+    before anything is written, so such a tree is the candidate's failure at once, never a
+    stalled or failed copy (``infra_error``)."""
+    entries, size = tree_size(files)
+    if entries <= limits.disk_files and size <= limits.disk_bytes:
+        return None
+    pristine_entries, pristine_size = tree_size(task.files)
+    if entries > limits.disk_files and entries > pristine_entries:
+        return f"tree_too_large: {entries} entries in the patched tree, limit {limits.disk_files}"
+    if size > limits.disk_bytes and size > pristine_size:
+        return f"tree_too_large: {size} bytes in the patched tree, limit {limits.disk_bytes}"
+    return None
 
 
 def write_tree(root: str, files: Mapping[str, str]) -> None:
@@ -917,7 +950,7 @@ def verify_repo_patch(
     """
     started: list[bool] = []  # set by _verify_repo_patch once the sandbox reached the code
     try:
-        return _verify_repo_patch(
+        v = _verify_repo_patch(
             task,
             patch,
             limits,
@@ -929,11 +962,78 @@ def verify_repo_patch(
             tuple(extra_pythonpath),
             started,
         )
+        return skipped_regressions(v, task, limits, config, tuple(extra_pythonpath))
     except Exception as e:  # noqa: BLE001 - a verifier/task bug must be masked, never scored
         status = "failed" if started else "infra_error"
         return RepoVerification(
             status, _missing(task), None, (), f"verifier error: {type(e).__name__}: {e}", None
         )
+
+
+_PRISTINE: dict[tuple, dict[str, str] | None] = {}
+_PRISTINE_LOCKS: dict[tuple, threading.Lock] = {}
+
+
+def pristine_outcomes(
+    task: Any,
+    limits: Limits = DEFAULT_LIMITS,
+    config: SandboxConfig | None = None,
+    extra_pythonpath: Sequence[str] = (),
+) -> dict[str, str] | None:
+    """The required tests' outcomes on the pristine repository with the hidden tests (no
+    candidate patch), run once per task in this process; None when that run gave no report
+    (the outcomes are then unknown)."""
+    key = (
+        task.task_id,
+        len(task.files),
+        hash(task.test_patch),
+        getattr(task, "env_path", ""),
+        tuple(extra_pythonpath),
+        config,
+    )
+    with _PREFLIGHT_GUARD:
+        lock = _PRISTINE_LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _PRISTINE:
+            v = _verify_repo_patch(
+                task, "", limits, config, None, (), None, False, tuple(extra_pythonpath), []
+            )
+            ran = v.status in ("passed", "failed") and any(o != "missing" for o in v.tests.values())
+            if not ran:
+                return None  # not kept: a busy moment must not decide later verdicts
+            _PRISTINE[key] = dict(v.tests)
+        return _PRISTINE[key]
+
+
+def skipped_regressions(
+    v: RepoVerification,
+    task: Any,
+    limits: Limits,
+    config: SandboxConfig | None,
+    extra_pythonpath: Sequence[str] = (),
+) -> RepoVerification:
+    """``v`` failed if a pass-to-pass test it skipped passed on the pristine repository: code
+    under test that raises ``unittest.SkipTest`` or calls ``pytest.importorskip`` turns a
+    regression into a skip, which SWE-bench's rule alone would accept. The pristine outcomes are
+    computed only when a passing verdict skipped a pass-to-pass test."""
+    if v.status != "passed":
+        return v
+    f2p = set(task.fail_to_pass)
+    skipped = [t for t in task.pass_to_pass if t not in f2p and v.tests.get(t) == "skipped"]
+    if not skipped:
+        return v
+    pristine = pristine_outcomes(task, limits, config, extra_pythonpath)
+    if pristine is None:
+        return v
+    regressed = [t for t in skipped if pristine.get(t) == "passed"]
+    if not regressed:
+        return v
+    note = (
+        f"pass-to-pass test skipped, but it passes on the pristine repository: {regressed[0]}"
+        + (f" (and {len(regressed) - 1} more)" if len(regressed) > 1 else "")
+    )
+    log = v.test_log.replace("status: passed", "status: failed", 1)
+    return dataclasses.replace(v, status="failed", test_log=f"{log}\n{note}")
 
 
 def read_text_tree(root: str) -> dict[str, str]:
@@ -1007,6 +1107,9 @@ def _verify_repo_patch(
         return RepoVerification(
             "failed", _missing(task), str(e), (), f"patch does not apply: {e}", None, flags
         )
+    problem = tree_fit_problem(task, files, limits)
+    if problem:
+        return RepoVerification("failed", _missing(task), problem, reset, problem, None, flags)
     try:
         problem = sandbox_pytest_problem(
             config, pythonpath, timeout_s > 0, max(PREFLIGHT_WALL_S, float(limits.wall_s))
