@@ -19,10 +19,10 @@ event                             from the candidate's code                   wh
 ``open`` of a protected ``.py``   reading the tests' source (expected         refused, confirmed
 (directly, ``inspect``,           values, canary outcomes)
 ``linecache``)
-the same, while formatting a      the current line of a test frame (logging   allowed, evidence
-traceback (``traceback``,         an exception, ``inspect.stack``)
-``logging``, ``warnings``,
-``inspect.stack``)
+the same, while formatting a      the current line of a test frame (logging   refused, evidence
+traceback (``traceback``,         an exception, ``inspect.stack``: the line
+``logging``, ``warnings``,        comes back empty, as for a file without
+``inspect.stack``)                source)
 ``open`` of any ``.pyc`` outside  any frame, pytest's and importlib's too:    refused; confirmed
 the trusted directories           no bytecode cache of the tree is ever       when the file exists
                                   read (the tree is written without any)
@@ -238,8 +238,8 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None):
                 return
             if formatting:
                 report("read_test_line", f"{who} formats a stack showing {rel(path)}", False)
-                return
-            report("read_test_source", f"{who} reads {rel(path)}", True)
+            else:
+                report("read_test_source", f"{who} reads {rel(path)}", True)
             raise PermissionError(13, "the tests' source is not readable here", path)
 
     def code_named(filename):

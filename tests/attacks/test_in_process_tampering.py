@@ -188,8 +188,6 @@ LIVE = (
     "always_equal_str_subclass",
     "always_equal_patched_later",
     "mock_any_returned",
-    "frame_inspect_stack",
-    "frame_traceback_extract",
     "frame_constants_of_caller",
 )
 # Attacks that read the calling test's source (``linecache``, ``inspect.getsource``, ``open``):
@@ -215,6 +213,18 @@ def test_reading_the_tests_source_is_refused_at_run_time(attack):
     assert v.status == "failed", (v.tests, v.test_log[-600:])
     audit = [f for f in v.flags if f.confirmed and f.evidence.startswith("runtime audit")]
     assert any("read_test_source" in f.evidence for f in audit), v.flags
+
+
+# The same through a stack formatter (``inspect.stack``, ``traceback.extract_stack``), which honest
+# code also calls (logging an exception): the line is refused (it comes back empty), as evidence.
+REFUSED_AT_RUN_TIME = ("frame_inspect_stack", "frame_traceback_extract")
+
+
+@pytest.mark.parametrize("attack", REFUSED_AT_RUN_TIME)
+def test_a_test_line_read_through_a_stack_formatter_is_refused(attack):
+    v = verify(ATTACKS[attack], run_monitor=False)
+    assert v.status == "failed", (v.tests, v.test_log[-600:])
+    assert any("read_test_line" in f.evidence and not f.confirmed for f in v.flags), v.flags
 
 
 # One attack of each kind again under every sandbox mechanism of this machine: the monitor reads
