@@ -263,7 +263,7 @@ def _located(c: Candidate, repo_files: Mapping[str, str]) -> Candidate:
         applied = diff.apply_patch(repo_files, c.parsed_patch)
     except (diff.DiffError, RecursionError, MemoryError):
         return c  # the views show the parse (it did not apply to this snapshot)
-    return dataclasses.replace(c, applied=applied)
+    return dataclasses.replace(c, patch="", applied=applied)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ __all__ = ["changed_lines", "file_list", "patch_text", "verifier_log"]
 _TRUSTED_HEADER = (
     re.compile(
         r"status: (?:passed|failed|timeout|resource_killed|infra_error) "
-        r"\(sandbox: [a-z_]{1,32}, [a-z_-]{0,32}\)"
+        r"\(sandbox: [a-z_]{1,32}, [a-z_+-]{0,64}\)"
     ),
     re.compile(r"(?:PASSED|FAILED|ERROR|SKIPPED|MISSING|XFAIL|XPASS) {1,8}[\w./:\[\]-]{1,400}"),
     re.compile(
