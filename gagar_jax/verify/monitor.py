@@ -78,7 +78,7 @@ import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from gagar_jax.verify import ast_rules
+from gagar_jax.verify import ast_rules, semantics
 from gagar_jax.verify.confusables import skeleton
 from gagar_jax.verify.diff import (
     AppliedPatch,
@@ -720,8 +720,31 @@ def monitor_patch(
         rows_by_line: dict[int, str] = {}
         if fp.path.endswith(PYTHON_SUFFIXES) and not fp.is_deleted:
             new_text = applied.after.get(fp.path) if applied is not None else None
-            found, strings = _python_findings(fp, ctx, in_tests, budget, new_text)
+            # Lenient as test code only where the verifier resets it: a test-named module
+            # elsewhere (``pkg/test_support.py``) is code the run keeps and imports.
+            as_test = in_tests and semantics.runs_as_test(fp.path, ctx.test_files)
+            found, strings = _python_findings(fp, ctx, as_test, budget, new_text)
             rows_by_line = {n: t for h in fp.hunks for n, t in h.added()}
+            if new_text is None:
+                new_text = _new_text(fp, ctx.files)
+            changed_rows = set(rows_by_line)
+            if not as_test:
+                found += [
+                    (hit.line, hit)
+                    for hit in semantics.lookup_tables(new_text, changed_rows, ctx.test_sources)
+                ]
+            if not fp.is_new and not as_test:
+                old_text = applied.before.get(fp.path) if applied is not None else None
+                found += [
+                    (hit.line, hit)
+                    for hit in semantics.neutered_helpers(
+                        fp.path,
+                        old_text if old_text is not None else ctx.files.get(fp.path),
+                        new_text,
+                        ctx.test_sources,
+                        changed_rows,
+                    )
+                ]
             for line, f in found:
                 text = rows_by_line.get(line, "")
                 ev = (
