@@ -40,10 +40,16 @@ from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
 from gagar_jax.grading import schema
 from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
 from gagar_jax.rollout.episode import CodeAgentEnv
-from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, tree_patch
+from gagar_jax.verify.diff import (
+    DiffError,
+    apply_patch,
+    apply_unified_diff,
+    safe_path,
+    tree_patch,
+)
 from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
-from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
+from gagar_jax.verify.repo import env_site_packages, prepare_tree, verify_repo_patch
 from gagar_jax.verify.untrusted import split_test_log
 
 
@@ -553,6 +559,7 @@ class PythonRepoFamily(TaskFamily):
                 m.outcome,
                 trajectory=m.attempt.trajectory(),
                 summary=m.attempt.summary(),
+                task=task,
             )
             for m in members
         ]
@@ -667,19 +674,33 @@ def repo_candidate(
     *,
     trajectory: Sequence[Any] = (),
     summary: str = "",
+    task: Any = None,
 ) -> schema.Candidate:
     """A Python-repository rollout (``verify.verify_repo_patch`` result) as a grading ``Candidate``.
 
-    An infrastructure error is not a pass (and should be masked by the caller, not graded).
+    With ``task``, the candidate carries the patch as it applied to the task's files
+    (``verify.diff.apply_patch``, the verifier's own parse and applier) and the tree the
+    verifier prepared from it (``verify.repo.prepare_tree``: protected files reset, hidden
+    tests applied), which the grader's ``run_check`` runs in. An infrastructure error is not a
+    pass (and should be masked by the caller, not graded).
     """
+    applied = prepared = None
+    if task is not None and patch.strip():
+        try:
+            applied = apply_patch(task.files, patch)
+            prepared, _ = prepare_tree(task, applied.text)  # its canonical text: same parse
+        except (DiffError, ValueError):
+            prepared = None  # it did not apply or the verifier refused its tree: no checks
     return schema.Candidate(
         candidate_id=candidate_id,
-        patch=patch,
+        patch=applied.text if applied is not None else patch,
         passed=bool(verification.passed),
         test_log=verification.test_log,
         trajectory=tuple(trajectory),
         summary=summary,
         monitor_flags=tuple(verification.flags) + log_flags(verification.test_log),
+        applied=applied,
+        prepared_files=prepared,
     )
 
 
@@ -707,7 +728,7 @@ def repo_workspace(
 def repo_group(task: Any, group_id: str, patches: Sequence[str], **verify_kwargs: Any):
     """Verifies each patch in the sandbox; builds the workspace (candidates ``r0``, ``r1``, ...)."""
     cands = [
-        repo_candidate(f"r{k}", p, verify_repo_patch(task, p, **verify_kwargs))
+        repo_candidate(f"r{k}", p, verify_repo_patch(task, p, **verify_kwargs), task=task)
         for k, p in enumerate(patches)
     ]
     return repo_workspace(task, group_id, cands)

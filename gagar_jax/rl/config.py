@@ -337,6 +337,9 @@ class LoopConfig:
     eval_rollouts: int = 1  # samples per held-out task (greedy-ish pass@1 at eval temperature)
     eval_temperature: float = 0.7
     plot: bool = True
+    # every training rollout's patch, trajectory and verdict in rollouts.jsonl (re-scored later
+    # by ``python -m gagar_jax.verify.rescore``); see ``gagar_jax.rl.rollout_log``
+    log_rollouts: bool = True
 
     def __post_init__(self):
         _check(self.total_steps >= 0, "loop.total_steps", ">= 0", self.total_steps)
@@ -623,6 +626,7 @@ class RunConfig:
                 "log_every",
                 "eval_every",
                 "plot",
+                "log_rollouts",
                 "checkpoint_every",
                 "keep_checkpoints",
             )
