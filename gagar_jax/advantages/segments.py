@@ -68,7 +68,8 @@ def segment_advantages(episode_advantages: Array, segment_episode: Array) -> Arr
     """
     adv = _layout.check_float("episode_advantages", episode_advantages)
     chex.assert_rank(adv, 1)
-    ids = _check_ids(segment_episode, adv.shape[0], jnp.shape(segment_episode)[0])
+    segment_episode = jnp.asarray(segment_episode)
+    ids = _check_ids(segment_episode, adv.shape[0], segment_episode.shape[0])
     return adv[ids]
 
 
