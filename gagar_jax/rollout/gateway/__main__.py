@@ -18,8 +18,8 @@ import sys
 
 
 def build_gateway(args):
-    from gagar_jax.envs.hf_tokenizer import HFTokenizer
     from gagar_jax.rollout.gateway import BatchingBackend, DirectBackend, Gateway, GatewayConfig
+    from gagar_jax.rollout.hf_tokenizer import HFTokenizer
 
     tokenizer = HFTokenizer(args.tokenizer or args.model_dir)
     if args.engine == "embedded":

@@ -34,7 +34,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gagar_jax.envs.hf_tokenizer import tool_call_text
+from gagar_jax.rollout.hf_tokenizer import tool_call_text
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
