@@ -167,17 +167,17 @@ class ShellWorkspace:
         exe, default_site = python_for_sandbox()
         self.site_packages = tuple(default_site if site_packages is None else site_packages)
         # `python` and `python3` for the commands: a read-only directory of two symlinks.
-        self._bin = os.path.join(self.root, "bin")
-        os.makedirs(self._bin, exist_ok=True)
+        self.bin_dir = os.path.join(self.root, "bin")
+        os.makedirs(self.bin_dir, exist_ok=True)
         for name in ("python", "python3"):
-            link = os.path.join(self._bin, name)
+            link = os.path.join(self.bin_dir, name)
             if not os.path.lexists(link):
                 os.symlink(exe, link)
-        os.chmod(self._bin, 0o755)
+        os.chmod(self.bin_dir, 0o755)
         inside = [f"{SANDBOX_WORKDIR}/{safe_path(p)}" for p in pythonpath]
         self.env = {
             "HOME": "/tmp",
-            "PATH": f"{self._bin}:/usr/local/bin:/usr/bin:/bin",
+            "PATH": f"{self.bin_dir}:/usr/local/bin:/usr/bin:/bin",
             "PYTHONPATH": ":".join([SANDBOX_WORKDIR, *inside, *self.site_packages]),
             "PYTHONDONTWRITEBYTECODE": "1",
             "TERM": "dumb",
@@ -208,7 +208,7 @@ class ShellWorkspace:
             ),
             config=self.config,
             env=self.env,
-            ro_paths=(self._bin, *self.site_packages),
+            ro_paths=(self.bin_dir, *self.site_packages),
         )
         n = int(lim.output_chars)
         out, err = _cut(res.stdout, n, "stdout"), _cut(res.stderr, n, "stderr")

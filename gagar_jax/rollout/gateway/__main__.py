@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sglang-url", help="sglang: the server's or router's URL")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--uds", default=None, help="also serve on this Unix socket")
     ap.add_argument("--record-dir", default=None)
     ap.add_argument("--admin-key", default=os.environ.get("GAGAR_GATEWAY_ADMIN_KEY"))
     ap.add_argument("--model-name", default="policy")
@@ -73,9 +74,12 @@ def main(argv=None) -> int:
         print(f"gateway: admin key {admin_key}", file=sys.stderr, flush=True)
     from gagar_jax.rollout.gateway.server import GatewayServer
 
-    server = GatewayServer(build_gateway(args), host=args.host, port=args.port, admin_key=admin_key)
-    print(f"gateway: serving on {server.url} ({args.engine})", file=sys.stderr, flush=True)
-    server._server.run(sockets=[server._sock])
+    server = GatewayServer(
+        build_gateway(args), host=args.host, port=args.port, admin_key=admin_key, uds=args.uds
+    )
+    where = server.url + (f" and {args.uds}" if args.uds else "")
+    print(f"gateway: serving on {where} ({args.engine})", file=sys.stderr, flush=True)
+    server.serve_forever()
     return 0
 
 
