@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
 from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
+from gagar_jax.envs.shell import SHELL_TOOLS, ShellRepoEnv, bash_calls
 from gagar_jax.grading import schema
 from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
 from gagar_jax.rollout.episode import CodeAgentEnv
@@ -448,7 +449,10 @@ class PythonRepoFamily(TaskFamily):
     most this many training tasks),
     ``tokenizer_path`` (required: a Hugging Face tokenizer with a chat template),
     ``extra["demo_data_path"]`` (demonstration tasks; default: the training tasks),
-    ``extra["verify_kwargs"]`` (passed to ``verify_repo_patch``: limits, extra_pythonpath).
+    ``extra["verify_kwargs"]`` (passed to ``verify_repo_patch``: limits, extra_pythonpath),
+    ``extra["tools"]`` ("structured": ``read_file``/``edit``/``run_tests``/``submit``, the
+    default; "bash": a ``bash`` tool in a sandboxed checkout of the task and ``submit``, see
+    ``gagar_jax.envs.shell``; the workspace's final diff is verified the same way).
     """
 
     name = "python_repo"
@@ -475,6 +479,9 @@ class PythonRepoFamily(TaskFamily):
             train = pool[: len(pool) - n_eval]
         self._train = train[: settings.num_train] if settings.num_train > 0 else train
         self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
+        self._tools = settings.extra.get("tools", "structured")
+        if self._tools not in ("structured", "bash"):
+            raise ValueError(f"task.tools must be 'structured' or 'bash', got {self._tools!r}")
         self._group_tasks: dict[str, RepoTask] = {}
         demo_path = settings.extra.get("demo_data_path", "")
         self._demo_tasks = load_repo_tasks(demo_path, repos_dir) if demo_path else self._train
@@ -496,7 +503,8 @@ class PythonRepoFamily(TaskFamily):
         return list(self._eval)
 
     def prompt_tokens(self, task: RepoTask) -> list[int]:
-        ids = self._tokenizer.render_prompt(repo_prompt_messages(task), tools=TOOLS)
+        tools = SHELL_TOOLS if self._tools == "bash" else TOOLS
+        ids = self._tokenizer.render_prompt(repo_prompt_messages(task), tools=tools)
         if len(ids) > self.settings.max_prompt_len:
             raise ValueError(
                 f"task {task.task_id}: prompt is {len(ids)} tokens > "
@@ -504,7 +512,9 @@ class PythonRepoFamily(TaskFamily):
             )
         return ids
 
-    def make_env(self, task: RepoTask) -> RepoAgentEnv:
+    def make_env(self, task: RepoTask) -> RepoAgentEnv | ShellRepoEnv:
+        if self._tools == "bash":
+            return ShellRepoEnv(task)
         return RepoAgentEnv(task, verify_kwargs=self._verify_kwargs)
 
     def observation_tokens(self, text: str) -> list[int]:
@@ -523,6 +533,12 @@ class PythonRepoFamily(TaskFamily):
                 patch=env.patch() if env is not None else "",
             )
         patch = env.patch()
+        refused = getattr(env, "refused", ())
+        if isinstance(env, ShellRepoEnv):
+            env.close()  # the checkout is done with: the verifier takes a pristine tree
+        if refused:
+            reasons = "; ".join(f"{path}: {why}" for path, why in refused)
+            return Outcome(passed=False, test_log=f"workspace diff refused: {reasons}", patch="")
         v = verify_repo_call(task, patch, events=attempt.trajectory(), **self._verify_kwargs)
         if autosubmit:
             reason = getattr(attempt.episode, "finish_reason", "no episode")
@@ -632,7 +648,8 @@ class PythonRepoFamily(TaskFamily):
                     f"{task.task_id}: demonstration edits of {path} do not "
                     "reproduce the reference patch (a family bug)"
                 )
-        return calls + [("run_tests", {}), ("submit", {})]
+        calls += [("run_tests", {}), ("submit", {})]
+        return bash_calls(calls) if self._tools == "bash" else calls
 
     def demonstrations(self, num_tasks: int) -> list[Demonstration]:
         """Tool-call trajectories from the reference patches of up to ``num_tasks`` tasks,

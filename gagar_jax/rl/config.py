@@ -118,6 +118,9 @@ class TaskConfig:
     # python_repo: an episode that ends without ``submit`` (turn or token limit) is verified on
     # its final tree as if it had submitted (SWE-agent's autosubmission); False: it fails unrun
     autosubmit: bool = False
+    # python_repo: the agent's tools: "structured" (read_file, edit, run_tests, submit over an
+    # in-memory tree) or "bash" (a bash tool in a sandboxed checkout of the task, and submit)
+    tools: str = "structured"
     # impossible canary tasks per step (``gagar_jax.rl.canary``): sampled and verified like the
     # step's groups, never trained on; ``canary_cheat_rate`` in the metrics row. 0 = none
     canaries_per_step: int = 0
@@ -128,6 +131,7 @@ class TaskConfig:
             self.canaries_per_step >= 0, "task.canaries_per_step", ">= 0", self.canaries_per_step
         )
         _check(self.family in names, "task.family", "|".join(names), self.family)
+        _check(self.tools in ("structured", "bash"), "task.tools", "structured|bash", self.tools)
         _check(self.num_train >= 1, "task.num_train", ">= 1", self.num_train)
         _check(self.num_eval >= 0, "task.num_eval", ">= 0", self.num_eval)
         _check(self.difficulty >= 0, "task.difficulty", ">= 0", self.difficulty)
