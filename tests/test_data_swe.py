@@ -243,13 +243,13 @@ def test_skipped_p2p_kept_skipped_f2p_fails_and_per_test_timeout():
 
 
 def test_relative_extra_pythonpath_is_a_tree_directory_not_an_infra_error():
-    files = {
-        "src/pkg/__init__.py": "X = 1\n",
+    files = {  # a layout the task cannot detect: lib/ is named by the caller
+        "lib/pkg/__init__.py": "X = 1\n",
         "tests/test_x.py": "from pkg import X\n\n\ndef test_x():\n    assert X == 1\n",
     }
     t = RepoTask("s", "x", files, ("tests/test_x.py::test_x",))
     assert verify_repo_patch(t, "", run_monitor=False).status == "failed"  # not importable
-    v = verify_repo_patch(t, "", run_monitor=False, extra_pythonpath=("src",))
+    v = verify_repo_patch(t, "", run_monitor=False, extra_pythonpath=("lib",))
     assert v.status == "passed", v.test_log
     v = verify_repo_patch(t, "", run_monitor=False, extra_pythonpath=("../escape",))
     assert v.status == "infra_error"
