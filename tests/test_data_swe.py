@@ -668,7 +668,10 @@ def test_a_jsonl_pool_mixes_repo_task_lines_and_swe_rows(tmp_path):
         f.write(json.dumps(plain.to_dict()) + "\n" + json.dumps(row) + "\n")
     a, b = load_repo_tasks(pool, repos_dir)
     assert a == plain and b.task_id == row["instance_id"] and b.env_path and b.env_hash
-    assert b.files == repos.snapshot_files(repos_dir, "acme/srcpkg", row["base_commit"])
+    # the snapshot, with the repository installed into it (its metadata at the root)
+    snap = repos.snapshot_files(repos_dir, "acme/srcpkg", row["base_commit"])
+    assert {p: t for p, t in b.files.items() if not p.startswith("srcpkg-1.0.dist-info/")} == snap
+    assert "srcpkg-1.0.dist-info/METADATA" in b.files and set(b.files) > set(snap)
     with pytest.raises(ValueError, match=r"pool.jsonl:2: a SWE-bench-format row .* needs "):
         load_repo_tasks(pool)
     with open(pool, "a") as f:

@@ -141,6 +141,7 @@ def test_repo_task_detects_the_src_layout():
 
 def test_an_installed_release_does_not_satisfy_the_task():
     import attr  # noqa: F401  # installed here (jsonschema's dependency): the case tested
+
     task = _attr_task()
     fixed = ATTR_SRC.replace("[:-1]", "")
     wrong = ATTR_SRC.replace("getattr(obj, n)", "None")
@@ -211,3 +212,124 @@ def test_declared_requirements_from_setup_cfg_and_setup_py_only():
     assert layout.declared_requirements(only_py, runtime=["six"]) == ["six"]
     dynamic = {"pyproject.toml": '[project]\nname = "d"\ndynamic = ["dependencies"]\n'}
     assert layout.needs_backend_metadata(dynamic)
+
+
+# A setuptools project known only through setup.py: its version file is written by the build,
+# its plugins are found by entry-point name, and its one dependency (six) is declared nowhere
+# else. ``shout`` has the bug the task fixes.
+VERPKG_SETUP = """\
+import os
+from setuptools import setup
+
+with open(os.path.join("verpkg", "_version.py"), "w") as f:
+    f.write('__version__ = "1.2.3"\\n')
+setup(
+    name="verpkg",
+    version="1.2.3",
+    packages=["verpkg"],
+    install_requires=["six"],
+    extras_require={"test": ["toolz"]},
+    entry_points={"verpkg.plugins": ["upper = verpkg.plugins:upper"]},
+)
+"""
+VERPKG_INIT = """\
+import importlib.metadata
+
+from verpkg._version import __version__
+
+
+def plugin(name):
+    (ep,) = importlib.metadata.entry_points(group="verpkg.plugins", name=name)
+    return ep.load()
+
+
+def shout(text):
+    return plugin("upper")(text)
+"""
+VERPKG_PLUGINS = "def upper(text):\n    return text.lower()\n"
+VERPKG_TESTS = """\
+import importlib.metadata
+
+import six
+import toolz
+
+import verpkg
+
+
+def test_version():
+    assert verpkg.__version__ == importlib.metadata.version("verpkg") == "1.2.3"
+
+
+def test_shout():
+    assert verpkg.shout("hi") == "HI"
+
+
+def test_deps():
+    assert six.PY3 and toolz.identity(1) == 1
+"""
+VERPKG = {
+    "setup.py": VERPKG_SETUP,
+    "verpkg/__init__.py": VERPKG_INIT,
+    "verpkg/plugins.py": VERPKG_PLUGINS,
+    "tests/test_verpkg.py": VERPKG_TESTS,
+}
+
+
+def test_a_repository_installed_into_its_environment(tmp_path):
+    from gagar_jax.data import environments, repos
+
+    cache = str(tmp_path / "cache")
+    assert layout.needs_backend_metadata(VERPKG)
+    inst = environments.install_repository(VERPKG, cache_dir=cache)
+    assert inst.files["verpkg/_version.py"] == '__version__ = "1.2.3"\n'  # written by the build
+    assert "verpkg-1.2.3.dist-info/entry_points.txt" in inst.metadata_paths
+    assert set(inst.requires) == {"six", "toolz"}  # setup.py's and the test extra's
+    assert not any(p.startswith(("build/", "verpkg.egg-info")) for p in inst.files)
+    again = environments.install_repository(VERPKG, cache_dir=cache)
+    assert again.reused and again.files == inst.files
+    env = repos.build_env(
+        layout.declared_requirements(VERPKG, runtime=inst.requires), cache_dir=cache
+    )
+    files = {**VERPKG, **inst.files}
+    task = RepoTask(
+        task_id="verpkg",
+        issue="shout does not shout",
+        files=files,
+        fail_to_pass=("tests/test_verpkg.py::test_shout",),
+        pass_to_pass=("tests/test_verpkg.py::test_version", "tests/test_verpkg.py::test_deps"),
+        test_files=("tests/test_verpkg.py", *inst.metadata_paths),
+        env_path=env.path,
+        env_hash=env.env_hash,
+    )
+    gold = _diff("verpkg/plugins.py", VERPKG_PLUGINS, VERPKG_PLUGINS.replace("lower", "upper"))
+    v = verify_repo_patch(task, gold, limits=FAST)
+    assert v.status == "passed", v.test_log
+    empty = verify_repo_patch(task, "", limits=FAST)
+    assert empty.status == "failed" and empty.tests["tests/test_verpkg.py::test_shout"] == "failed"
+    assert empty.tests["tests/test_verpkg.py::test_version"] == "passed"
+    # without the install: no version file, no metadata, no six: the gold patch cannot pass
+    bare = RepoTask("bare", "x", VERPKG, task.fail_to_pass, task.pass_to_pass)
+    assert verify_repo_patch(bare, gold, limits=FAST).status == "failed"
+
+
+def test_install_commands_of_task_rows():
+    from gagar_jax.data.environments import InstallError, install_extras
+
+    assert install_extras("pip install -e .") == ()
+    assert install_extras("python -m pip install -e '.[test,dev]'") == ("test", "dev")
+    assert install_extras("uv pip install . && python setup.py develop") == ()
+    for bad in ("apt-get install -y libxml2", "pip install numpy==1.0", "bash build.sh"):
+        with pytest.raises(InstallError, match="container environment"):
+            install_extras(bad)
+
+
+def test_metadata_requirements_keep_the_test_extras():
+    from gagar_jax.data.environments import metadata_requirements
+
+    meta = (
+        "Metadata-Version: 2.1\nName: x\nRequires-Dist: six\n"
+        'Requires-Dist: toolz ; extra == "test"\n'
+        'Requires-Dist: mock ; python_version < "3.8" and extra == "tests"\n'
+        'Requires-Dist: sphinx ; extra == "docs"\n'
+    )
+    assert metadata_requirements(meta) == ["six", "toolz", 'mock ; python_version < "3.8"']

@@ -126,6 +126,18 @@ def build_system(files: Mapping[str, str]) -> tuple[tuple[str, ...], str, tuple[
     )
 
 
+def is_project(files: Mapping[str, str]) -> bool:
+    """Whether the tree is an installable Python project (a ``setup.py``, or a pyproject.toml
+    with ``[project]`` or ``[build-system]``); a bare tree of modules has nothing to install."""
+    if "setup.py" in files:
+        return True
+    try:
+        data = tomllib.loads(files.get("pyproject.toml") or "")
+    except tomllib.TOMLDecodeError:
+        return True  # let the install say what is wrong with it
+    return "project" in data or "build-system" in data
+
+
 def install_extras(command: str) -> tuple[str, ...]:
     """The extras an ``install`` command of a task row asks for (``pip install -e .[test]``
     -> ``("test",)``); InstallError for a command that is not an install of the tree."""
@@ -177,7 +189,8 @@ def metadata_requirements(metadata: str, extras: Sequence[str] = TEST_EXTRAS) ->
         if "extra" not in marker:
             out.append(str(req))
             continue
-        if not any(req.marker.evaluate({"extra": e}) for e in want):
+        named = re.findall(r"extra\s*==\s*[\"']([^\"']+)[\"']", marker)
+        if not {re.sub(r"[-_.]+", "-", e).lower() for e in named} & want:
             continue
         kept = [
             c.strip()
