@@ -333,3 +333,49 @@ def test_metadata_requirements_keep_the_test_extras():
         'Requires-Dist: sphinx ; extra == "docs"\n'
     )
     assert metadata_requirements(meta) == ["six", "toolz", 'mock ; python_version < "3.8"']
+
+
+def _verpkg_row(repos_dir, **extra):
+    from tests.swe_fixtures import make_instance
+
+    fixed = {"verpkg/plugins.py": VERPKG_PLUGINS.replace("lower", "upper")}
+    base = {k: v for k, v in VERPKG.items() if k != "tests/test_verpkg.py"}
+    return make_instance(
+        repos_dir,
+        "acme/verpkg",
+        base,
+        fixed,
+        {"tests/test_verpkg.py": VERPKG_TESTS},
+        ["tests/test_verpkg.py::test_shout"],
+        ["tests/test_verpkg.py::test_version", "tests/test_verpkg.py::test_deps"],
+        **extra,
+    )
+
+
+def test_a_swe_row_without_python_deps_installs_its_repository(tmp_path):
+    from gagar_jax.data import swe
+
+    repos_dir, cache = str(tmp_path / "repos"), str(tmp_path / "cache")
+    inst = swe.parse_instance(_verpkg_row(repos_dir, install="python -m pip install -e .[test]"))
+    assert not inst.python_deps
+    task = swe.to_repo_task(inst, repos_dir, cache_dir=cache)
+    assert task.files["verpkg/_version.py"] == '__version__ = "1.2.3"\n'
+    assert "verpkg-1.2.3.dist-info/entry_points.txt" in task.test_files  # reset to pristine
+    lock = open(os.path.join(task.env_path, ".gagar-env")).read()
+    assert "six==" in lock and "toolz==" in lock  # setup.py's and its test extra's
+    gold = verify_repo_patch(task, task.reference_patch, limits=FAST)
+    assert gold.status == "passed", gold.test_log
+    assert verify_repo_patch(task, "", limits=FAST).status == "failed"
+
+
+def test_a_row_that_cannot_be_installed_or_resolved_is_a_task_error(tmp_path):
+    from gagar_jax.data import swe
+
+    repos_dir, cache = str(tmp_path / "repos"), str(tmp_path / "cache")
+    row = _verpkg_row(repos_dir, install="apt-get install -y libfoo && pip install -e .")
+    with pytest.raises(swe.InstanceError, match="install: .*container environment"):
+        swe.to_repo_task(swe.parse_instance(row), repos_dir, cache_dir=cache)
+    broken = {**row, "instance_id": "acme__verpkg-2", "install": "",
+              "python_deps": ["gagar-no-such-package-anywhere==0.0.1"]}  # fmt: skip
+    with pytest.raises(swe.InstanceError, match="its environment"):
+        swe.to_repo_task(swe.parse_instance(broken), repos_dir, cache_dir=cache)
