@@ -49,6 +49,7 @@ from gagar_jax.verify.diff import (
     tree_patch,
 )
 from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
+from gagar_jax.verify.layout import detect_pythonpath
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
 from gagar_jax.verify.repo import env_site_packages, prepare_tree, verify_repo_patch
 from gagar_jax.verify.untrusted import split_test_log
@@ -68,10 +69,11 @@ class RepoTask:
       test_patch: hidden unified diff applied after the reset (may be empty).
       reference_patch: a known-good patch (for tests and demonstrations; may be empty).
       pythonpath: directories of the tree, relative to its root, put on the sandboxed
-        interpreter's path besides the root (``("src",)`` for a ``src/`` layout).
+        interpreter's path besides the root (``("src",)`` for a ``src/`` layout); when empty,
+        detected from the tree (``verify.layout.detect_pythonpath``).
       env_path: a virtual environment (``gagar_jax.data.repos.build_env``) whose site-packages
         hold the task's dependencies and pytest; bound read-only into the sandbox ("" = the
-        verifier's own interpreter packages).
+        test runner's environment only: pytest and its plugins, never the trainer's packages).
       test_timeout_s: per-test timeout through pytest-timeout (0 = none): a hanging test fails
         that test, not the run.
       env_hash: the environment's content address (interpreter + resolved lockfile), or "".
@@ -103,6 +105,8 @@ class RepoTask:
         for tid in self.fail_to_pass + self.pass_to_pass:
             if "::" not in tid:
                 raise ValueError(f"RepoTask {self.task_id}: test id {tid!r} is not 'file::name'")
+        if not self.pythonpath:  # the layout's own: its pytest configuration's, or src/
+            object.__setattr__(self, "pythonpath", detect_pythonpath(self.files))
         for p in self.pythonpath:
             if not isinstance(p, str) or safe_path(p) != p:
                 raise ValueError(

@@ -73,6 +73,7 @@ from gagar_jax.verify.diff import (
     touched_files,
 )
 from gagar_jax.verify.flags import MonitorFlag
+from gagar_jax.verify.log_excerpt import pytest_excerpt
 from gagar_jax.verify.monitor import (
     HIDDEN_PATTERNS,
     MonitorContext,
@@ -1389,7 +1390,7 @@ def _judge(task, result, data, canaries, reset, flags):
             f"{n_fail} fail and one errors by design)"
         )
     lines.append("--- pytest output (untrusted) ---")
-    lines.append(_mask_canaries(result.stdout, canaries)[-4000:])
+    lines.append(pytest_excerpt(_mask_canaries(result.stdout, canaries)))
     if result.stderr.strip():
         lines.append("--- stderr (untrusted) ---")
         lines.append(_mask_canaries(result.stderr, canaries)[-2000:])
