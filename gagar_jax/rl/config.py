@@ -83,6 +83,19 @@ DERIVED_LEARNER_FIELDS = (
 )
 
 
+# Learner fields added after runs were checkpointed: in the fingerprint only when set.
+_LATER_LEARNER_FIELDS = (
+    "rollout_correction",
+    "rollout_correction_low",
+    "rollout_correction_high",
+    "rollout_correction_cap",
+    "rollout_correction_outlier",
+    "rollout_correction_delta",
+    "routing_replay",
+)
+_LEARNER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(UpdateConfig)}
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
 
@@ -642,6 +655,12 @@ class RunConfig:
         # several, whole groups go to each mini-batch)
         if d["learner"]["num_minibatches"] == 1:
             d["learner"].pop("shared_prefix")
+        # diagnostics only; the newer learner fields at their defaults are left out (the runs
+        # from before they existed keep their fingerprint)
+        d["learner"].pop("mismatch_metrics")
+        for name in _LATER_LEARNER_FIELDS:
+            if d["learner"][name] == _LEARNER_DEFAULTS[name]:
+                d["learner"].pop(name)
         d.pop("mesh")
         d.pop("execution")  # where verification runs: deployment, not the run
         d["rollout"].pop("weight_writer")  # which host exports: deployment, not the run

@@ -32,6 +32,7 @@ are tiny), parameters and Adam moments by their logical axes. The mini-batch spl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import NamedTuple
@@ -56,6 +57,7 @@ from gagar_jax.losses import (
     policy_loss,
 )
 from gagar_jax.models import BATCH_AXES, TransformerConfig
+from gagar_jax.update.mismatch import proximal_mismatch_metrics
 from gagar_jax.update.state import (
     TrainState,
     UpdateConfig,
@@ -496,7 +498,7 @@ def update_step(
         data = {key: _split(v, m, a, mesh) for key, v in fields.items()}
     token_keys = _token_metric_keys(config, batch.evidence is not None)
 
-    if config.off_policy:
+    if config.needs_proximal:
         data["proximal_logprobs"] = _proximal_logprobs(state.params, data, graphdef, config)
 
     def loss_fn(params, mb, num_tokens, num_seqs):
@@ -650,6 +652,12 @@ def update_step(
     metrics["approx_kl_first"] = per_step["approx_kl"][0]
     metrics["logprob_max_abs_diff_first"] = per_step["logprob_max_abs_diff"][0]
     metrics.update(_off_policy_metrics(per_step))
+    for k in ("token", "seq"):  # the rollout correction's masked shares
+        frac = metrics.pop(f"correction_{k}_frac")
+        if config.rollout_correction != "none":
+            metrics[f"mismatch/masked_{k}_frac"] = frac
+    if config.needs_proximal:
+        metrics.update(proximal_mismatch_metrics(data))
     for k in ("credit_delivered", "credit_positive", "is_weight_sq_mean"):  # summed into those
         metrics.pop(k)
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
@@ -691,9 +699,17 @@ def _proximal_logprobs(params, data, graphdef, config: UpdateConfig) -> jax.Arra
 
 def _off_policy_args(mb, config: UpdateConfig, per_token) -> dict:
     """``policy_loss``'s correction arguments (none when no correction is configured)."""
+    args = {}
+    if config.rollout_correction != "none":
+        args = {
+            f.name: getattr(config, f.name)
+            for f in dataclasses.fields(config)
+            if f.name.startswith("rollout_correction")
+        }
     if not config.off_policy:
-        return {}
+        return args
     return dict(
+        args,
         proximal_logprobs=per_token(mb["proximal_logprobs"], 0),
         rollout_is=config.rollout_is,
         rollout_is_threshold=config.rollout_is_threshold,
