@@ -628,6 +628,9 @@ class RunConfig:
             )
         }
         d["learner"].pop("decay_steps")
+        if not d["model"]["lora_rank"]:  # no LoRA: the fingerprints of the runs from before it
+            for k in ("lora_rank", "lora_alpha", "lora_targets"):
+                d["model"].pop(k)
         # which positions the LM head runs on: speed only, the loss is the same
         d["learner"].pop("score_window")
         # a group's prompt once or per sample: the same update with one mini-batch (with
