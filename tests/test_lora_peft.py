@@ -12,16 +12,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peft
 import pytest
+import torch
+import transformers
 from flax import nnx
 
 from gagar_jax.models import Transformer, lora, model_from_params
 from gagar_jax.models.hf import save_hf_safetensors
 from tests.update_fixtures import tiny_config
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 
 PARITY = 1e-5  # merged export vs the adapter applied by peft (both in torch)
 CROSS = 1e-4  # our JAX logits vs torch's (kernels differ in float32 summation order)

@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from gagar_jax.models import Transformer, lora
+from gagar_jax.rollout import weight_sync as ws
 from gagar_jax.rollout.sampler import Sampler
-from gagar_jax.update import weight_sync as ws
 from tests.update_fixtures import tiny_config
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, initializer_range=0.3)

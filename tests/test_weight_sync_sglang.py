@@ -20,8 +20,8 @@ from flax import nnx
 from sglang_fixtures import SGLANG
 
 from gagar_jax.models import Transformer, TransformerConfig, lora, save_hf_safetensors
+from gagar_jax.rollout import weight_sync as ws
 from gagar_jax.rollout.sglang_server import sglang_python
-from gagar_jax.update import weight_sync as ws
 from tests.test_models_sglang import QWEN3
 
 pytestmark = SGLANG

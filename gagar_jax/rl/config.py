@@ -173,7 +173,7 @@ class RolloutConfig:
     # device; 0: all of them): weights replicated on each, one decode loop per device
     embedded_data_parallel: int = 1
     # after every weight sync the engine must report the new version and a probe prompt's
-    # log-probs on it must equal the trainer's (gagar_jax.update.weight_sync); the tolerance
+    # log-probs on it must equal the trainer's (gagar_jax.rollout.weight_sync); the tolerance
     # (0: the measured default for the compute dtype)
     sync_check: bool = True
     sync_check_tolerance: float = 0.0

@@ -22,7 +22,7 @@ from gagar_jax.rl.config import RunConfig
 from gagar_jax.rollout import SGLangClient
 from gagar_jax.rollout.sampler import Sampler
 from gagar_jax.rollout.sglang_engine import SGLangEngine
-from gagar_jax.update.weight_sync import SGLangLoraSync
+from gagar_jax.rollout.weight_sync import SGLangLoraSync
 
 
 def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int, hosts=None):

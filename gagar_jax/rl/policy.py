@@ -18,7 +18,7 @@ Small functions over the update library's own objects (``TrainState``, ``jit_upd
   With LoRA (``model.lora_rank``) the embedded sampler gets its first sync whole and the
   adapters alone after it, SGLang the adapter through its LoRA API (``engines``). After every
   sync (``rollout.sync_check``) the engine must report the new version and a probe prompt's
-  log-probs on it must equal the trainer's (:mod:`gagar_jax.update.weight_sync`);
+  log-probs on it must equal the trainer's (:mod:`gagar_jax.rollout.weight_sync`);
 * :func:`checkpointer`, :func:`save`, :func:`restore`: one orbax step holds the ``TrainState``
   and the loop's :class:`~gagar_jax.rl.resume.LoopState` (the ``meta`` item, key
   ``loop_state``), with the run config's fingerprint; restores go onto the mesh's shardings.
@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gagar_jax.models import Transformer, TransformerConfig, load_hf_safetensors, lora
 from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.resume import LOOP_STATE_KEY, LoopState
+from gagar_jax.rollout import weight_sync
 from gagar_jax.update import (
     Checkpointer,
     TrainState,
@@ -46,7 +47,6 @@ from gagar_jax.update import (
     check_batch,
     create_train_state,
     shard_host_batch,
-    weight_sync,
 )
 from gagar_jax.update.step import check_batch_rows
 
@@ -166,7 +166,7 @@ def sync_engine(
 
     LoRA: an embedded sampler gets the adapters alone once it has the base (its first sync
     from here is whole); SGLang's LoRA engine exports the adapter. With ``rollout.sync_check``
-    the sync is verified (:func:`gagar_jax.update.weight_sync.check_sync`, its metrics into
+    the sync is verified (:func:`gagar_jax.rollout.weight_sync.check_sync`, its metrics into
     ``metrics``).
 
     Raises:

@@ -156,7 +156,7 @@ class SGLangClient:
         self._batch_counter = itertools.count()
         self._client_id = uuid.uuid4().hex[:8]
         self.metrics: collections.Counter[str] = collections.Counter()
-        # a LoRA adapter loaded on the server (gagar_jax.update.weight_sync.SGLangLoraSync)
+        # a LoRA adapter loaded on the server (gagar_jax.rollout.weight_sync.SGLangLoraSync)
         # that every /generate request names; None: the served weights themselves
         self.lora_name: str | None = None
 

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gagar_jax.models import Transformer
 from gagar_jax.models import lora as lora_lib
-from gagar_jax.update.state import abstract_model
 
 PROBE_LEN = 16
 PROBE_NEW_TOKENS = 8
@@ -63,7 +63,7 @@ def probe_prompt(vocab_size: int, length: int = PROBE_LEN) -> list[int]:
 
 @functools.lru_cache(maxsize=8)
 def _scorer(model_config):
-    graphdef = nnx.graphdef(abstract_model(model_config))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
 
     @jax.jit
     def score(params, tokens):
