@@ -28,6 +28,7 @@ from gagar_jax.losses import AGGREGATIONS, KL_ESTIMATORS
 from gagar_jax.losses.policy import ROLLOUT_IS, ROLLOUT_RS
 from gagar_jax.losses.rollout_correction import WEIGHTING_CORRECTIONS, check_correction_settings
 from gagar_jax.models import Transformer, TransformerConfig, param_shardings
+from gagar_jax.models import lora as lora_lib
 
 MESH_AXES = ("data", "fsdp", "tensor")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -355,6 +356,12 @@ def _opt_state_shardings(abstract_opt_state, params_shardings, mesh):
     return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
 
 
+def _opt_init(tx, params: dict, model_config: TransformerConfig):
+    """The optimizer state of the trainable parameters: every parameter, or with LoRA
+    (``model.lora_rank``) the adapters only (``gagar_jax.models.lora.trainable``)."""
+    return tx.init(lora_lib.trainable(params, model_config)[0])
+
+
 def state_shardings(model_config: TransformerConfig, config: UpdateConfig, mesh: Mesh):
     """``(abstract TrainState, TrainState of NamedShardings)`` for this model on ``mesh``."""
     tx = make_optimizer(config)
@@ -364,7 +371,11 @@ def state_shardings(model_config: TransformerConfig, config: UpdateConfig, mesh:
         params = nnx.to_pure_dict(
             nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=key)), nnx.Param)
         )
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=_opt_init(tx, params, model_config),
+        )
 
     abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -393,14 +404,18 @@ def create_train_state(
             p = nnx.to_pure_dict(
                 nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=init_key)), nnx.Param)
             )
-            return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
+            return TrainState(
+                step=jnp.zeros((), jnp.int32), params=p, opt_state=_opt_init(tx, p, model_config)
+            )
 
         return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed))
 
     params = jax.device_put(params, shardings.params)
 
     def from_params(p):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=p, opt_state=_opt_init(tx, p, model_config)
+        )
 
     return jax.jit(from_params, out_shardings=shardings)(params)
 
@@ -416,8 +431,12 @@ def config_fingerprint(
     update = dataclasses.asdict(config)
     for speed_only in ("score_window", "shared_prefix"):  # the same loss and state either way
         update.pop(speed_only, None)
+    model = dataclasses.asdict(model_config)
+    if not model_config.lora_rank:  # no LoRA: the fingerprints of the runs from before it
+        for k in ("lora_rank", "lora_alpha", "lora_targets"):
+            model.pop(k)
     payload = json.dumps(
-        {"model": dataclasses.asdict(model_config), "update": update},
+        {"model": model, "update": update},
         sort_keys=True,
         default=str,
     )

@@ -57,6 +57,7 @@ from gagar_jax.losses import (
     policy_loss,
 )
 from gagar_jax.models import BATCH_AXES, TransformerConfig
+from gagar_jax.models import lora as lora_lib
 from gagar_jax.update.mismatch import proximal_mismatch_metrics
 from gagar_jax.update.state import (
     TrainState,
@@ -479,7 +480,11 @@ def update_step(
         fields["evidence"] = batch.evidence
     m, a = config.num_minibatches, config.num_microbatches
     group_size = batch.rewards.shape[1]
-    moe = nnx.merge(graphdef, state.params).config.num_experts > 0
+    model_config = nnx.merge(graphdef, state.params).config
+    moe = model_config.num_experts > 0
+    # LoRA: the adapters are differentiated and stepped, the base is a constant of the step
+    # (its gradient is never formed); without LoRA every parameter is trainable.
+    trainable0, frozen = lora_lib.trainable(state.params, model_config)
     # Dense models only: a router's statistics would count a group's prompt once, not once
     # per sample.
     shared = not moe and _shares_prefix(config, batch.tokens.shape[1], batch.rewards.shape[0], mesh)
@@ -596,7 +601,9 @@ def update_step(
         max_diff = jnp.max(jnp.where(mask, diff, 0.0), initial=0.0)
         return loss, (terms, extra, jax.lax.stop_gradient(max_diff))
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(
+        lambda tr, *a: loss_fn(lora_lib.combine(frozen, tr), *a), has_aux=True
+    )
 
     def minibatch(carry, i):
         params, opt_state, opt_step = carry
@@ -638,9 +645,10 @@ def update_step(
 
     steps_per_update = config.optimizer_steps_per_update
     opt_step0 = state.step * steps_per_update
-    (params, opt_state, _), per_step = jax.lax.scan(
-        minibatch, (state.params, state.opt_state, opt_step0), jnp.arange(steps_per_update)
+    (trained, opt_state, _), per_step = jax.lax.scan(
+        minibatch, (trainable0, state.opt_state, opt_step0), jnp.arange(steps_per_update)
     )
+    params = lora_lib.combine(frozen, trained)
 
     metrics = {k: jnp.mean(v) for k, v in per_step.items() if k != "learning_rate"}
     if token_keys:
