@@ -21,7 +21,16 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from execution_helpers import BUGGY, FIXED, TASK, assert_blocked, change, payload, verify  # noqa: E402
+from execution_helpers import (  # noqa: E402
+    BUGGY,
+    FIXED,
+    TASK,
+    assert_blocked,
+    change,
+    new_file,
+    payload,
+    verify,
+)
 
 TAMPER = "tamper_test_harness"
 
@@ -192,3 +201,36 @@ def test_a_module_written_beside_root_tests_is_refused():
 def test_an_honest_fix_of_root_tests_passes():
     v = verify(change("app.py", BUGGY, FIXED), the_task=ROOT_TESTS)
     assert v.status == "passed" and not v.flags, v.test_log
+
+
+# --- shadowing decided by resolution on the run's own sys.path --------------------------------
+
+SHADOWS = {
+    # A namespace portion ahead of an installed namespace package: its module is imported
+    # instead of the installed one of the same dotted name.
+    "namespace_portion_over_installed_namespace": (
+        new_file("google/protobuf/__init__.py", "X = 1\n"),
+        (),
+    ),
+    # A relative extra_pythonpath entry is on the run's sys.path, so it is checked too (written
+    # unnormalised: the same directory).
+    "relative_extra_pythonpath": (new_file("lib/json.py", "X = 1\n"), ("./lib/",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHADOWS))
+def test_shadowing_is_decided_by_resolution(name):
+    patch, extra = SHADOWS[name]
+    v = verify(patch + FIX_PATCH, extra_pythonpath=extra)
+    assert v.status == "failed" and not v.infra_error, v.test_log
+    assert (v.patch_error or "").startswith("shadowing:"), v.patch_error
+
+
+def test_a_namespace_portion_never_shadows_a_regular_package():
+    # ``xml`` is a regular standard-library package: a directory of the same name without
+    # ``__init__.py`` is a namespace portion the import system passes over.
+    v = verify(new_file("xml/extra.py", "X = 1\n") + FIX_PATCH)
+    assert v.status == "passed", v.test_log
+
+
+FIX_PATCH = change("app.py", BUGGY, FIXED)
