@@ -80,7 +80,33 @@ class Reporter:
         self._fd = fd
         self._was_loaded = was_loaded
 
+    def pytest_sessionstart(self, session):
+        self._finders = (list(sys.meta_path), list(sys.path_hooks))
+
+    def _import_hooks_changed(self):
+        """Evidence (never confirmed: a pristine conftest may add one) of import hooks added or
+        removed since the session started, with the module each new one comes from."""
+        before = getattr(self, "_finders", None)
+        if before is None:
+            return
+        for now, was, what in ((sys.meta_path, before[0], "meta_path"),
+                               (sys.path_hooks, before[1], "path_hooks")):  # fmt: skip
+            added = [f for f in now if not any(f is g for g in was)]
+            if added or len(now) != len(was):
+                where = ", ".join(f"{type(f).__module__}.{type(f).__qualname__}" for f in added[:3])
+                line = {
+                    "audit": "import_hooks",
+                    "what": f"sys.{what} changed during the session ({where or 'entries removed'})",
+                    "confirmed": False,
+                }
+                _write_all(self._fd, (json.dumps(line) + "\n").encode())
+        self._finders = (list(sys.meta_path), list(sys.path_hooks))
+
+    def pytest_sessionfinish(self, session):
+        self._import_hooks_changed()
+
     def pytest_collection_finish(self, session):
+        self._import_hooks_changed()
         # Each collected test module must be the file pytest was asked to collect: a module of
         # the same name imported beforehand from elsewhere (a directory the code put first on
         # ``sys.path``, with ``PY_IGNORE_IMPORTMISMATCH`` set) is not the pristine test.
