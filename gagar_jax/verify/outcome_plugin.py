@@ -11,8 +11,12 @@ processes of the same uid, through ``/proc/<pid>/mem``, ``/proc/<pid>/fd`` or ``
 forks:
 
 - the **child** closes the outcome descriptor, renames itself (``PR_SET_NAME``) to a per-run name
-  the supervisor chose, imports pytest and runs the session with the reporter registered as a
-  plugin *object*. The reporter streams every outcome as pytest reports it, one line per
+  the supervisor chose, adds the runtime audit hook (``audit_hook.py``, loaded by absolute path
+  from this directory; its reports go to the same pipe) before anything of the tree can be
+  imported, imports pytest and runs the session with the reporter registered as a
+  plugin *object*. The reporter also checks, after collection, that every collected test module
+  came from its file (read by trusted code alone), reports import hooks added during the
+  session as evidence, and clears ``linecache`` before every test. The reporter streams every outcome as pytest reports it, one line per
   phase, ``{"id": nodeid, "when": "setup"|"call"|"subtest"|"teardown", "outcome": ...}``, to a
   pipe read by
   the supervisor (what was sent cannot be taken back by changing the process's memory later);
@@ -34,6 +38,12 @@ watched file modified, deleted, renamed or re-permissioned during the session, o
 (``.py``/``.pyc``/``.pth``/``.so``) created in or moved into or out of a watched directory, is
 listed in the record's ``changed`` (what the tests ran was not the pristine tests, even if the
 code restored them before exiting). Creating other files or directories there is not watched.
+
+With ``exec_filter`` in the control record, the supervisor first installs that seccomp program
+on itself with a listener (``seccomp.exec_notify_filter``: every ``execve``/``execveat`` of the
+session is handed to it) and forks: it refuses an exec by the test process (any of its threads)
+with ``EPERM`` and lets any other process of the session exec; the refusals are the record's
+``exec_refused`` (``exec_control``: whether the kernel accepted the filter).
 
 No secret sits in the pytest process: the record carries nothing the code under test could steal
 to forge another one. The verifier trusts the report only as far as it agrees with what the
