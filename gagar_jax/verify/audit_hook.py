@@ -96,6 +96,11 @@ FRAMEWORK_MODULES = ("unittest", "_pytest", "pytest", "pluggy")
 _O_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
+class Refused(PermissionError):
+    """What the hook raises to refuse an operation (any other fault inside the hook is
+    swallowed: a bug of the audit must never break honest code)."""
+
+
 def install(fd, root, protected, test_dirs, trusted, test_pid=None):
     """Adds the audit hook to this process (see the module docstring).
 
@@ -212,7 +217,7 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None):
                 who, _ = candidate()
                 if who is not None:
                     report("write_code", f"{who} writes {rel(path)}", True)
-                    raise PermissionError(13, "refused by the verifier", path)
+                    raise Refused(13, "refused by the verifier", path)
             elif path.endswith((".py", ".so")):
                 who, _ = candidate()
                 if who is not None:
@@ -230,7 +235,7 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None):
             if exists:
                 who, _ = candidate()
                 report("read_bytecode", f"{who or 'the import system'} reads {rel(path)}", True)
-            raise PermissionError(13, "bytecode caches of the tree are not read", path)
+            raise Refused(13, "bytecode caches of the tree are not read", path)
         if path in sources:
             who, formatting = candidate()
             if who is None:
@@ -240,7 +245,7 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None):
                 report("read_test_line", f"{who} formats a stack showing {rel(path)}", False)
             else:
                 report("read_test_source", f"{who} reads {rel(path)}", True)
-            raise PermissionError(13, "the tests' source is not readable here", path)
+            raise Refused(13, "the tests' source is not readable here", path)
 
     def code_named(filename):
         if not isinstance(filename, str | bytes):
@@ -291,7 +296,10 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None):
                 if who is None:
                     return
                 if event in ("subprocess.Popen", "os.posix_spawn"):
-                    exe = str(args[0] if event == "os.posix_spawn" else args[0] or args[1])
+                    exe = args[0]
+                    if exe is None and isinstance(args[1], list | tuple) and args[1]:
+                        exe = args[1][0]
+                    exe = exe.decode("utf-8", "replace") if isinstance(exe, bytes) else str(exe)
                     if "python" not in exe.rsplit("/", 1)[-1]:
                         return
                     what = f"{who} starts the interpreter ({exe})"
@@ -300,6 +308,10 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None):
                 else:
                     what = f"{who} calls {event}"
                 report(event, what, False)
+        except Refused:
+            raise
+        except Exception:  # noqa: BLE001, S110 - see Refused
+            pass
         finally:
             busy.discard(me)
 
