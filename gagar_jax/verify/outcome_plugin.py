@@ -16,10 +16,10 @@ forks:
   imported, imports pytest and runs the session with the reporter registered as a
   plugin *object*. The reporter also checks, after collection, that every collected test module
   came from its file (read by trusted code alone), reports import hooks added during the
-  session as evidence, and clears ``linecache`` before every test. The reporter streams every outcome as pytest reports it, one line per
-  phase, ``{"id": nodeid, "when": "setup"|"call"|"subtest"|"teardown", "outcome": ...}``, to a
-  pipe read by
-  the supervisor (what was sent cannot be taken back by changing the process's memory later);
+  session and modules imported from outside the run's path as evidence, and clears
+  ``linecache`` before every test. The reporter streams every outcome as pytest reports it, one
+  line per phase, ``{"id": nodeid, "when": "setup"|"call"|"subtest"|"teardown", "outcome":
+  ...}``, to a pipe read by the supervisor (what was sent cannot be taken back by changing the process's memory later);
   after ``pytest.main`` returns, the child writes a last line ``{"exitstatus": ...}`` and exits
   with pytest's exit status (its own ``atexit`` handlers and those of the code under test still
   run);
@@ -86,9 +86,30 @@ SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101  # _IOWR('!', 1, struct seccomp_notif_resp
 class Reporter:
     """pytest plugin object: streams every test phase's outcome from pytest's reports."""
 
-    def __init__(self, fd, was_loaded=None):
+    def __init__(self, fd, was_loaded=None, roots=()):
         self._fd = fd
         self._was_loaded = was_loaded
+        self._roots = tuple(os.path.join(r, "") for r in roots)
+        self._foreign = set()
+
+    def _foreign_modules(self):
+        """Evidence of modules imported from outside the run's path (the tree and the trusted
+        directories): code written elsewhere at run time and imported."""
+        if not self._roots:
+            return
+        for name, mod in list(sys.modules.items()):
+            f = getattr(mod, "__file__", None)
+            if not isinstance(f, str) or name in self._foreign or f.startswith(self._roots):
+                continue
+            self._foreign.add(name)
+            if len(self._foreign) > 8:
+                return
+            line = {
+                "audit": "foreign_module",
+                "what": f"module {name} imported from {f} (outside the run's path)",
+                "confirmed": False,
+            }
+            _write_all(self._fd, (json.dumps(line) + "\n").encode())
 
     def pytest_sessionstart(self, session):
         self._finders = (list(sys.meta_path), list(sys.path_hooks))
@@ -114,9 +135,11 @@ class Reporter:
 
     def pytest_sessionfinish(self, session):
         self._import_hooks_changed()
+        self._foreign_modules()
 
     def pytest_collection_finish(self, session):
         self._import_hooks_changed()
+        self._foreign_modules()
         # Each collected test module must be the file pytest was asked to collect: a module of
         # the same name imported beforehand from elsewhere (a directory the code put first on
         # ``sys.path``, with ``PY_IGNORE_IMPORTMISMATCH`` set) is not the pristine test.
@@ -305,15 +328,17 @@ def _trusted_dirs(root):
 
 def _child(args, report_fd, name, audit=None):
     _prctl(PR_SET_NAME, name.encode())
-    was_loaded = None
+    was_loaded, roots = None, ()
     if audit is not None:
         root = os.getcwd()
+        trusted = _trusted_dirs(root)
         _, was_loaded = _load_audit_hook().install(
-            report_fd, root, audit["protected"], audit["test_dirs"], _trusted_dirs(root)
+            report_fd, root, audit["protected"], audit["test_dirs"], trusted
         )
+        roots = (root, *trusted)
     import pytest
 
-    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd, was_loaded)]))
+    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd, was_loaded, roots)]))
     line = json.dumps({"exitstatus": ret}) + "\n"
     try:
         _write_all(report_fd, line.encode())
