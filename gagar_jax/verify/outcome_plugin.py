@@ -19,10 +19,10 @@ forks:
   session and modules imported from outside the run's path as evidence, and clears
   ``linecache`` before every test. The reporter streams every outcome as pytest reports it, one
   line per phase, ``{"id": nodeid, "when": "setup"|"call"|"subtest"|"teardown", "outcome":
-  ...}``, to a pipe read by the supervisor (what was sent cannot be taken back by changing the process's memory later);
-  after ``pytest.main`` returns, the child writes a last line ``{"exitstatus": ...}`` and exits
-  with pytest's exit status (its own ``atexit`` handlers and those of the code under test still
-  run);
+  ...}``, to a pipe read by the supervisor (what was sent cannot be taken back by changing the
+  process's memory later); after ``pytest.main`` returns, the child writes a last line
+  ``{"exitstatus": ...}`` and exits with pytest's exit status (its own ``atexit`` handlers and
+  those of the code under test still run);
 - the **supervisor** (PID 1 of the sandbox's PID namespace under bwrap, which ignores signals from
   inside it) holds the only copy of the outcome descriptor. It collects what arrives on the
   child's pipe until the child has exited, reads the exited child's name before reaping it (an
