@@ -2,7 +2,8 @@
 
 The verifier runs this file by absolute path (``python -P /abs/runner.py CTL_FD``) from a
 read-only directory; it is never imported by name, so no module of the repository under test can
-stand in for it, and it must not import gagar_jax (the sandbox sees only this file).
+stand in for it, and it must not import gagar_jax (the sandbox sees only its directory: this file
+and ``audit_hook.py``).
 
 Before anything of the tree is importable it reads its control record (the pytest arguments and
 the number of the outcome descriptor) from the inherited descriptor ``CTL_FD`` and closes it, marks
