@@ -334,7 +334,12 @@ def _child(args, report_fd, name, audit=None):
         root = os.getcwd()
         trusted = _trusted_dirs(root)
         _, was_loaded = _load_audit_hook().install(
-            report_fd, root, audit["protected"], audit["test_dirs"], trusted
+            report_fd,
+            root,
+            audit["protected"],
+            audit["test_dirs"],
+            trusted,
+            aliases=audit.get("aliases", ()),
         )
         roots = (root, *trusted)
     import pytest

@@ -83,6 +83,7 @@ from gagar_jax.verify.monitor import (
     repo_modules,
 )
 from gagar_jax.verify.sandbox import (
+    TREE_SOURCE,
     Limits,
     SandboxConfig,
     SandboxResult,
@@ -1313,10 +1314,15 @@ def run_order(required: Sequence[str], canaries: Mapping[str, str]) -> list[str]
 
 def audit_config(task: Any, protected: Sequence[str]) -> dict[str, list[str]]:
     """What the test process's audit hook (``audit_hook.py``) protects: the watched files, the
-    files of the required tests and the test directories."""
+    files of the required tests and the test directories; ``aliases``: where else the sandbox
+    shows the same tree (the read-only source of its private copy)."""
     hidden = hidden_test_paths(task)
     files = set(protected) | {t.split("::", 1)[0] for t in task.required_tests}
-    return {"protected": sorted(files), "test_dirs": sorted(test_dirs(task, hidden))}
+    return {
+        "protected": sorted(files),
+        "test_dirs": sorted(test_dirs(task, hidden)),
+        "aliases": [TREE_SOURCE],
+    }
 
 
 def audit_events(report: str) -> list[dict]:
