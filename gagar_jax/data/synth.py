@@ -752,6 +752,14 @@ class _Fallback(Exception):
         self.reason = reason
 
 
+def leak_reason(kinds: Mapping[str, Sequence[str]]) -> str:
+    """The rejection reason of a candidate the audit finds leaking its fix: ``leaks_<kind>``
+    of the first kind found (``audit.LEAK_KINDS`` order; ``issue_text`` is the template's
+    ``issue_leaks_fix``, kept under that name)."""
+    kind = next(k for k in audit.LEAK_KINDS if k in kinds)
+    return "issue_leaks_fix" if kind == "issue_text" else f"leaks_{kind}"
+
+
 def issue_leaks(task: RepoTask, issue: str) -> bool:
     """Whether ``issue`` as the task's issue text leaks its fix (``audit.leak_kinds``)."""
     return "issue_text" in audit.leak_kinds(dataclasses.replace(task, issue=issue))
@@ -1085,8 +1093,9 @@ def make_package_tasks(
                 test_timeout_s=test_timeout_s,
                 env_hash=env.env_hash,
             )
-            if issue_leaks(task, issue):
-                return reject(cand, "issue_leaks_fix")
+            leaks = audit.leak_kinds(task)  # the audit's every kind, file_text included
+            if leaks:
+                return reject(cand, leak_reason(leaks))
             issue_source = template_source()
             rep, gold = _validate_early(task, v, runs, verify, gate)
             odd = _order_dependent(gold, f2p, p2p) if rep["gold"] != "passed" else set()

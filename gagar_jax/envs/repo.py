@@ -37,13 +37,21 @@ from typing import Any, NamedTuple
 
 from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
 from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
+from gagar_jax.envs.shell import SHELL_TOOLS, ShellRepoEnv, bash_calls
 from gagar_jax.grading import schema
 from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
 from gagar_jax.rollout.episode import CodeAgentEnv
-from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, tree_patch
+from gagar_jax.verify.diff import (
+    DiffError,
+    apply_patch,
+    apply_unified_diff,
+    safe_path,
+    tree_patch,
+)
 from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
+from gagar_jax.verify.layout import detect_pythonpath
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
-from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
+from gagar_jax.verify.repo import env_site_packages, prepare_tree, verify_repo_patch
 from gagar_jax.verify.untrusted import split_test_log
 
 
@@ -61,10 +69,11 @@ class RepoTask:
       test_patch: hidden unified diff applied after the reset (may be empty).
       reference_patch: a known-good patch (for tests and demonstrations; may be empty).
       pythonpath: directories of the tree, relative to its root, put on the sandboxed
-        interpreter's path besides the root (``("src",)`` for a ``src/`` layout).
+        interpreter's path besides the root (``("src",)`` for a ``src/`` layout); when empty,
+        detected from the tree (``verify.layout.detect_pythonpath``).
       env_path: a virtual environment (``gagar_jax.data.repos.build_env``) whose site-packages
         hold the task's dependencies and pytest; bound read-only into the sandbox ("" = the
-        verifier's own interpreter packages).
+        test runner's environment only: pytest and its plugins, never the trainer's packages).
       test_timeout_s: per-test timeout through pytest-timeout (0 = none): a hanging test fails
         that test, not the run.
       env_hash: the environment's content address (interpreter + resolved lockfile), or "".
@@ -96,6 +105,8 @@ class RepoTask:
         for tid in self.fail_to_pass + self.pass_to_pass:
             if "::" not in tid:
                 raise ValueError(f"RepoTask {self.task_id}: test id {tid!r} is not 'file::name'")
+        if not self.pythonpath:  # the layout's own: its pytest configuration's, or src/
+            object.__setattr__(self, "pythonpath", detect_pythonpath(self.files))
         for p in self.pythonpath:
             if not isinstance(p, str) or safe_path(p) != p:
                 raise ValueError(
@@ -442,7 +453,10 @@ class PythonRepoFamily(TaskFamily):
     most this many training tasks),
     ``tokenizer_path`` (required: a Hugging Face tokenizer with a chat template),
     ``extra["demo_data_path"]`` (demonstration tasks; default: the training tasks),
-    ``extra["verify_kwargs"]`` (passed to ``verify_repo_patch``: limits, extra_pythonpath).
+    ``extra["verify_kwargs"]`` (passed to ``verify_repo_patch``: limits, extra_pythonpath),
+    ``extra["tools"]`` ("structured": ``read_file``/``edit``/``run_tests``/``submit``, the
+    default; "bash": a ``bash`` tool in a sandboxed checkout of the task and ``submit``, see
+    ``gagar_jax.envs.shell``; the workspace's final diff is verified the same way).
     """
 
     name = "python_repo"
@@ -469,6 +483,9 @@ class PythonRepoFamily(TaskFamily):
             train = pool[: len(pool) - n_eval]
         self._train = train[: settings.num_train] if settings.num_train > 0 else train
         self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
+        self._tools = settings.extra.get("tools", "structured")
+        if self._tools not in ("structured", "bash"):
+            raise ValueError(f"task.tools must be 'structured' or 'bash', got {self._tools!r}")
         self._group_tasks: dict[str, RepoTask] = {}
         demo_path = settings.extra.get("demo_data_path", "")
         self._demo_tasks = load_repo_tasks(demo_path, repos_dir) if demo_path else self._train
@@ -490,7 +507,8 @@ class PythonRepoFamily(TaskFamily):
         return list(self._eval)
 
     def prompt_tokens(self, task: RepoTask) -> list[int]:
-        ids = self._tokenizer.render_prompt(repo_prompt_messages(task), tools=TOOLS)
+        tools = SHELL_TOOLS if self._tools == "bash" else TOOLS
+        ids = self._tokenizer.render_prompt(repo_prompt_messages(task), tools=tools)
         if len(ids) > self.settings.max_prompt_len:
             raise ValueError(
                 f"task {task.task_id}: prompt is {len(ids)} tokens > "
@@ -498,7 +516,9 @@ class PythonRepoFamily(TaskFamily):
             )
         return ids
 
-    def make_env(self, task: RepoTask) -> RepoAgentEnv:
+    def make_env(self, task: RepoTask) -> RepoAgentEnv | ShellRepoEnv:
+        if self._tools == "bash":
+            return ShellRepoEnv(task)
         return RepoAgentEnv(task, verify_kwargs=self._verify_kwargs)
 
     def observation_tokens(self, text: str) -> list[int]:
@@ -517,6 +537,12 @@ class PythonRepoFamily(TaskFamily):
                 patch=env.patch() if env is not None else "",
             )
         patch = env.patch()
+        refused = getattr(env, "refused", ())
+        if isinstance(env, ShellRepoEnv):
+            env.close()  # the checkout is done with: the verifier takes a pristine tree
+        if refused:
+            reasons = "; ".join(f"{path}: {why}" for path, why in refused)
+            return Outcome(passed=False, test_log=f"workspace diff refused: {reasons}", patch="")
         v = verify_repo_call(task, patch, events=attempt.trajectory(), **self._verify_kwargs)
         if autosubmit:
             reason = getattr(attempt.episode, "finish_reason", "no episode")
@@ -553,6 +579,7 @@ class PythonRepoFamily(TaskFamily):
                 m.outcome,
                 trajectory=m.attempt.trajectory(),
                 summary=m.attempt.summary(),
+                task=task,
             )
             for m in members
         ]
@@ -625,7 +652,8 @@ class PythonRepoFamily(TaskFamily):
                     f"{task.task_id}: demonstration edits of {path} do not "
                     "reproduce the reference patch (a family bug)"
                 )
-        return calls + [("run_tests", {}), ("submit", {})]
+        calls += [("run_tests", {}), ("submit", {})]
+        return bash_calls(calls) if self._tools == "bash" else calls
 
     def demonstrations(self, num_tasks: int) -> list[Demonstration]:
         """Tool-call trajectories from the reference patches of up to ``num_tasks`` tasks,
@@ -667,19 +695,33 @@ def repo_candidate(
     *,
     trajectory: Sequence[Any] = (),
     summary: str = "",
+    task: Any = None,
 ) -> schema.Candidate:
     """A Python-repository rollout (``verify.verify_repo_patch`` result) as a grading ``Candidate``.
 
-    An infrastructure error is not a pass (and should be masked by the caller, not graded).
+    With ``task``, the candidate carries the patch as it applied to the task's files
+    (``verify.diff.apply_patch``, the verifier's own parse and applier) and the tree the
+    verifier prepared from it (``verify.repo.prepare_tree``: protected files reset, hidden
+    tests applied), which the grader's ``run_check`` runs in. An infrastructure error is not a
+    pass (and should be masked by the caller, not graded).
     """
+    applied = prepared = None
+    if task is not None and patch.strip():
+        try:
+            applied = apply_patch(task.files, patch)
+            prepared, _ = prepare_tree(task, applied.text)  # its canonical text: same parse
+        except (DiffError, ValueError):
+            prepared = None  # it did not apply or the verifier refused its tree: no checks
     return schema.Candidate(
         candidate_id=candidate_id,
-        patch=patch,
+        patch=applied.text if applied is not None else patch,
         passed=bool(verification.passed),
         test_log=verification.test_log,
         trajectory=tuple(trajectory),
         summary=summary,
         monitor_flags=tuple(verification.flags) + log_flags(verification.test_log),
+        applied=applied,
+        prepared_files=prepared,
     )
 
 
@@ -707,7 +749,7 @@ def repo_workspace(
 def repo_group(task: Any, group_id: str, patches: Sequence[str], **verify_kwargs: Any):
     """Verifies each patch in the sandbox; builds the workspace (candidates ``r0``, ``r1``, ...)."""
     cands = [
-        repo_candidate(f"r{k}", p, verify_repo_patch(task, p, **verify_kwargs))
+        repo_candidate(f"r{k}", p, verify_repo_patch(task, p, **verify_kwargs), task=task)
         for k, p in enumerate(patches)
     ]
     return repo_workspace(task, group_id, cands)

@@ -67,7 +67,9 @@ from typing import Any
 from gagar_jax.verify import seccomp
 from gagar_jax.verify.diff import (
     MAX_PATCH_BYTES,
+    AppliedPatch,
     DiffError,
+    apply_patch,
     apply_unified_diff,
     check_patch_size,
     is_test_path,
@@ -75,6 +77,7 @@ from gagar_jax.verify.diff import (
     touched_files,
 )
 from gagar_jax.verify.flags import MonitorFlag
+from gagar_jax.verify.log_excerpt import pytest_excerpt
 from gagar_jax.verify.monitor import (
     HIDDEN_PATTERNS,
     MonitorContext,
@@ -1155,6 +1158,15 @@ def tests_resolved(
     )
 
 
+def _as_applied(task: Any, patch: str) -> AppliedPatch | str:
+    """``patch`` applied to ``task.files`` (``diff.apply_patch``), or the text when it does not
+    apply (the monitor then reads its parse; ``prepare_tree`` fails it)."""
+    try:
+        return apply_patch(task.files, patch) if patch.strip() else patch
+    except (DiffError, ValueError, RecursionError, MemoryError):
+        return patch
+
+
 def _missing(task: Any) -> dict[str, str]:
     return {t: "missing" for t in task.required_tests}
 
@@ -1179,7 +1191,9 @@ def _verify_repo_patch(
     if run_monitor:
         context = context_for_repo_task(task, references)  # the task's: a fault here is infra
         try:
-            flags = tuple(monitor(patch, events, context))
+            # The monitor reads the patch as it applies to the task's files (the applier
+            # prepare_tree uses): true locations, no text outside the applied hunks.
+            flags = tuple(monitor(_as_applied(task, patch), events, context))
         except MonitorRefusal as e:  # the candidate's input: its failure, never infra_error
             note = f"monitor refused the candidate ({e.reason}): {e.detail}"
             return RepoVerification("failed", _missing(task), note, (), note, None)
@@ -1468,7 +1482,7 @@ def _judge(task, result, data, canaries, reset, flags):
             f"{n_fail} fail and one errors by design)"
         )
     lines.append("--- pytest output (untrusted) ---")
-    lines.append(_mask_canaries(result.stdout, canaries)[-4000:])
+    lines.append(pytest_excerpt(_mask_canaries(result.stdout, canaries)))
     if result.stderr.strip():
         lines.append("--- stderr (untrusted) ---")
         lines.append(_mask_canaries(result.stderr, canaries)[-2000:])

@@ -74,13 +74,12 @@ import signal
 import stat
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
-from gagar_jax.verify import seccomp
+from gagar_jax.verify import runner_env, seccomp
 
 STATUSES = ("passed", "failed", "timeout", "resource_killed", "infra_error")
 MECHANISMS = ("bwrap+cgroup", "bwrap", "unshare", "rlimits", "none")
@@ -1208,12 +1207,15 @@ def python_for_sandbox() -> tuple[str, tuple[str, ...]]:
 
     Order: ``$GAGAR_SANDBOX_PYTHON``; this process's interpreter (resolved: the ``python3`` on
     PATH may be a pyenv shim under /root); ``/usr/bin/python3``; ``/usr/local/bin/python3``.
-    When the chosen interpreter has this process's ``major.minor``, this environment's
-    site-packages (which holds pytest) is returned as the path to expose; its pure-Python packages
-    import fine from another patch release of the same minor version.
+    The path to expose is the test runner's environment (``runner_env``): pytest and its
+    plugins at this process's versions, built for that interpreter where every uid can read it,
+    never this process's own site-packages (a package the trainer has installed must not stand
+    in for the task's tree, and a private checkout must not hide pytest from the fallback
+    mechanisms).
 
     Raises:
-      SandboxUnavailable: no interpreter is readable by an unprivileged uid.
+      SandboxUnavailable: no interpreter is readable by an unprivileged uid, or no runner
+        environment can be built for it.
     """
     candidates = [
         os.environ.get("GAGAR_SANDBOX_PYTHON"),
@@ -1226,22 +1228,19 @@ def python_for_sandbox() -> tuple[str, tuple[str, ...]]:
         if not _open_to_others(exe):
             continue
         try:
-            version = subprocess.run(
+            subprocess.run(
                 [exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                 capture_output=True,
                 text=True,
                 timeout=30,
                 check=True,
-            ).stdout.strip()
+            )
         except (OSError, subprocess.SubprocessError):
             continue
-        paths: tuple[str, ...] = ()
-        purelib = sysconfig.get_paths()["purelib"]
-        # Under bwrap a private ancestor (a 0700 home) is bound around: only the directory's
-        # own permissions must let an unprivileged uid in.
-        if version == "{}.{}".format(*sys.version_info[:2]) and _open_to_others(purelib, True):
-            paths = (purelib,)
-        return exe, paths
+        try:  # pytest and its plugins only, staged where every uid can read them
+            return exe, (runner_env.build_runner_env(exe),)
+        except (runner_env.RunnerEnvError, OSError, subprocess.SubprocessError) as e:
+            raise SandboxUnavailable(f"no test runner environment for {exe}: {e}") from e
     raise SandboxUnavailable(
         "no Python interpreter readable by an unprivileged uid (tried "
         f"{[c for c in candidates if c]}); set GAGAR_SANDBOX_PYTHON"
