@@ -206,6 +206,24 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
             return None, formatting
         return f"{fn[len(prefix) :] if fn.startswith(prefix) else fn}:{line}", formatting
 
+    own = install.__code__.co_filename
+
+    def direct():
+        """The candidate's frame when it made the call itself (the first frame outside this
+        hook is the candidate's), else None: code that trusted code compiles or classes it sets
+        up while the candidate imports it are trusted code's doing."""
+        f = _getframe(1)
+        while f is not None and f.f_code.co_filename == own:
+            f = f.f_back
+        if f is None:
+            return None
+        fn = f.f_code.co_filename
+        if fn.startswith(trusted) or fn.startswith("<frozen "):
+            return None
+        if is_test(_normpath(fn) if fn.startswith("/") else fn):
+            return None
+        return f"{fn[len(prefix) :] if fn.startswith(prefix) else fn}:{f.f_lineno}"
+
     def canonical(path, base=None):
         """``path`` as an absolute path of the tree where it names one: relative to ``base``
         (default the working directory), ``/proc`` and ``/dev/fd`` links and ``//`` resolved,
@@ -286,12 +304,12 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
             filename = filename.decode("utf-8", "surrogateescape")
         path = canonical(filename, root) if filename and filename[0] != "<" else ""
         if path in sources:
-            who, _ = candidate()
+            who = direct()
             if who is not None:
                 report("code_as_test", f"{who} makes code named {rel(path)}", True)
         elif path.startswith(trusted):
             # Code posing as trusted code: its frames would pass for the standard library's.
-            who, _ = candidate()
+            who = direct()
             if who is not None:
                 report("code_as_trusted", f"{who} makes code named {path}", True)
 
@@ -343,7 +361,7 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
                 if isinstance(obj, type) and str(getattr(obj, "__module__", "")).startswith(
                     FRAMEWORK_MODULES
                 ):
-                    who, _ = candidate()
+                    who = direct()
                     if who is not None:
                         what = f"{who} sets {obj.__module__}.{obj.__qualname__}.{args[1]}"
                         report("patch_framework", what, True)

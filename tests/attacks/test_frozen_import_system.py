@@ -14,8 +14,10 @@ run.
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -205,11 +207,28 @@ def test_an_honest_fix_of_root_tests_passes():
 
 # --- shadowing decided by resolution on the run's own sys.path --------------------------------
 
+
+@pytest.fixture(scope="module")
+def namespace_dep():
+    """An installed dependency directory (bound read-only, as a task's dependencies are) holding
+    the namespace package ``nsdep`` (no ``__init__.py``) with a regular package ``nsdep.sub``."""
+    d = tempfile.mkdtemp(prefix="gagar_nsdep_", dir="/tmp")
+    os.makedirs(os.path.join(d, "nsdep", "sub"))
+    with open(os.path.join(d, "nsdep", "sub", "__init__.py"), "w") as f:
+        f.write("REAL = True\n")
+    for root, _dirs, files in os.walk(d):
+        os.chmod(root, 0o755)
+        for n in files:
+            os.chmod(os.path.join(root, n), 0o644)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 SHADOWS = {
     # A namespace portion ahead of an installed namespace package: its module is imported
     # instead of the installed one of the same dotted name.
     "namespace_portion_over_installed_namespace": (
-        new_file("google/protobuf/__init__.py", "X = 1\n"),
+        new_file("nsdep/sub/__init__.py", "REAL = False\n"),
         (),
     ),
     # A relative extra_pythonpath entry is on the run's sys.path, so it is checked too (written
@@ -219,11 +238,18 @@ SHADOWS = {
 
 
 @pytest.mark.parametrize("name", sorted(SHADOWS))
-def test_shadowing_is_decided_by_resolution(name):
+def test_shadowing_is_decided_by_resolution(name, namespace_dep):
     patch, extra = SHADOWS[name]
-    v = verify(patch + FIX_PATCH, extra_pythonpath=extra)
+    v = verify(patch + FIX_PATCH, extra_pythonpath=(*extra, namespace_dep))
     assert v.status == "failed" and not v.infra_error, v.test_log
     assert (v.patch_error or "").startswith("shadowing:"), v.patch_error
+
+
+def test_a_namespace_portion_beside_an_installed_one_with_other_modules_passes(namespace_dep):
+    # Another module in the same namespace shadows nothing.
+    v = verify(new_file("nsdep/mine/__init__.py", "X = 1\n") + FIX_PATCH,
+               extra_pythonpath=(namespace_dep,))  # fmt: skip
+    assert v.status == "passed", v.test_log
 
 
 def test_a_namespace_portion_never_shadows_a_regular_package():
