@@ -36,15 +36,17 @@ a ``.py``/``.so`` under a test
 directory or beside a test file
 ``open`` for writing of a ``.py`` a module written at run time                evidence
 elsewhere
-``compile``/``code.__new__``      code posing as a test file, or as trusted   confirmed
-naming a protected file, or a     code (its frames would pass for the
-file of a trusted directory       standard library's)
+``compile``/``code.__new__``      code posing as trusted code (its frames     confirmed
+naming a file of a trusted        would pass for the standard library's)
+directory, or a protected file    or as a test file (instrumenting libraries  evidence
+                                  recompile test functions too)
 ``os.symlink``/``os.link`` of a   the tests' source under another name        refused, confirmed
 protected file
 ``os.exec*`` in the test process  the runner replaced (also refused by        confirmed
                                   seccomp, see ``seccomp.exec_notify_filter``)
-``object.__setattr__`` on a class patching the test framework                 confirmed
-of unittest, pytest or pluggy
+``object.__setattr__`` on a class patching the test framework (the call made   confirmed
+of the installed unittest,        by the candidate's code itself)
+pytest or pluggy
 ``sys.settrace``/``setprofile``,  walking or rewriting the interpreter's      evidence
 ``gc.get_referrers``/``objects``  state
 /``referents``, ``ctypes.dlopen``,
@@ -304,9 +306,12 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
             filename = filename.decode("utf-8", "surrogateescape")
         path = canonical(filename, root) if filename and filename[0] != "<" else ""
         if path in sources:
+            # Evidence only: honest instrumenting libraries recompile a decorated test function
+            # under its own file's name. A test module replaced this way is caught anyway: its
+            # file is never read by pytest (``was_loaded``).
             who = direct()
             if who is not None:
-                report("code_as_test", f"{who} makes code named {rel(path)}", True)
+                report("code_as_test", f"{who} makes code named {rel(path)}", False)
         elif path.startswith(trusted):
             # Code posing as trusted code: its frames would pass for the standard library's.
             who = direct()
@@ -358,9 +363,9 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
                     report("exec", f"{who or 'the test process'} execs {args[0]!r}", True)
             elif event == "object.__setattr__":
                 obj = args[0]
-                if isinstance(obj, type) and str(getattr(obj, "__module__", "")).startswith(
-                    FRAMEWORK_MODULES
-                ):
+                mod = str(getattr(obj, "__module__", "")) if isinstance(obj, type) else ""
+                where = getattr(_sys.modules.get(mod), "__file__", None) or ""
+                if mod.startswith(FRAMEWORK_MODULES) and where.startswith(trusted):
                     who = direct()
                     if who is not None:
                         what = f"{who} sets {obj.__module__}.{obj.__qualname__}.{args[1]}"

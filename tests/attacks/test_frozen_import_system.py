@@ -140,7 +140,7 @@ EXPECTED = {
     "helper_bytecode_renamed_into_place": "read_bytecode",
     "pycache_prefix_moved": "pycache_prefix",
     "test_module_preimported_from_elsewhere": "test_module_replaced",
-    "code_compiled_as_the_test_file": "code_as_test",
+    "code_compiled_as_the_test_file": "test_module_replaced",
     "module_written_into_a_test_directory": "write_code",
 }
 
