@@ -294,7 +294,7 @@ def _run_install(files, build_env_path, backend, backend_path, limits):
                 ),
             },
             ro_paths=(driver, *site),
-            private_workdir=False,  # the metadata is read back from the tree
+            private_workdir=False,  # the backend's metadata is read back from the tree
         )
         if r.status != "passed":
             detail = (r.error or "") + r.stderr[-1500:]

@@ -265,7 +265,7 @@ class HarnessRunner:
                 config=self.sandbox,
                 env=env,
                 ro_paths=tuple(dict.fromkeys(ro)),
-                private_workdir=False,  # the harness's edits are the episode's diff
+                private_workdir=False,  # the agent's edits are read back (the diff)
             )
             spent = session.limit_reason
             record = self.gateway.finish_session(session.token)
