@@ -66,6 +66,7 @@ class Hit:
     note: str
 
 
+@functools.lru_cache(maxsize=16)  # the rules of one file read the same text (never mutated)
 def _parse(text: str | None) -> ast.Module | None:
     if not text:
         return None
