@@ -31,11 +31,13 @@ import difflib
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
 from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
+from gagar_jax.envs.shell import SHELL_TOOLS, ShellRepoEnv, bash_calls
 from gagar_jax.grading import schema
 from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
 from gagar_jax.rollout.episode import CodeAgentEnv
@@ -47,6 +49,7 @@ from gagar_jax.verify.diff import (
     tree_patch,
 )
 from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
+from gagar_jax.verify.layout import detect_pythonpath
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
 from gagar_jax.verify.repo import env_site_packages, prepare_tree, verify_repo_patch
 from gagar_jax.verify.untrusted import split_test_log
@@ -66,10 +69,11 @@ class RepoTask:
       test_patch: hidden unified diff applied after the reset (may be empty).
       reference_patch: a known-good patch (for tests and demonstrations; may be empty).
       pythonpath: directories of the tree, relative to its root, put on the sandboxed
-        interpreter's path besides the root (``("src",)`` for a ``src/`` layout).
+        interpreter's path besides the root (``("src",)`` for a ``src/`` layout); when empty,
+        detected from the tree (``verify.layout.detect_pythonpath``).
       env_path: a virtual environment (``gagar_jax.data.repos.build_env``) whose site-packages
         hold the task's dependencies and pytest; bound read-only into the sandbox ("" = the
-        verifier's own interpreter packages).
+        test runner's environment only: pytest and its plugins, never the trainer's packages).
       test_timeout_s: per-test timeout through pytest-timeout (0 = none): a hanging test fails
         that test, not the run.
       env_hash: the environment's content address (interpreter + resolved lockfile), or "".
@@ -101,6 +105,8 @@ class RepoTask:
         for tid in self.fail_to_pass + self.pass_to_pass:
             if "::" not in tid:
                 raise ValueError(f"RepoTask {self.task_id}: test id {tid!r} is not 'file::name'")
+        if not self.pythonpath:  # the layout's own: its pytest configuration's, or src/
+            object.__setattr__(self, "pythonpath", detect_pythonpath(self.files))
         for p in self.pythonpath:
             if not isinstance(p, str) or safe_path(p) != p:
                 raise ValueError(
@@ -321,6 +327,22 @@ def _audit(record: Mapping[str, Any]) -> None:
             f.write(json.dumps(dict(record)) + "\n")
 
 
+def visible_test_ids(task: RepoTask) -> tuple[str, ...]:
+    """The required test ids the agent's ``run_tests`` can run: those whose file is in the
+    pristine repository and whose class and function names appear in it (a test the hidden
+    ``test_patch`` adds, to a new file or to an existing one, is left out)."""
+    out = []
+    for tid in task.required_tests:
+        path, _, rest = tid.partition("::")
+        text = task.files.get(path)
+        if text is None:
+            continue
+        names = [part.split("[", 1)[0] for part in rest.split("::")]
+        if all(re.search(rf"\b(def|class)\s+{re.escape(n)}\b", text) for n in names):
+            out.append(tid)
+    return tuple(out)
+
+
 class RepoAgentEnv:
     """One ``python_repo`` episode: ``CodeAgentEnv`` over the pristine files; ``run_tests`` runs
     the required tests in the sandbox without the hidden test patch."""
@@ -333,7 +355,15 @@ class RepoAgentEnv:
         self.env = CodeAgentEnv(dict(task.files), self._run_tests)
 
     def _run_tests(self, files: dict[str, str]) -> tuple[bool, str]:
-        visible = dataclasses.replace(self.task, test_patch="")
+        ids = visible_test_ids(self.task)
+        hidden = len(self.task.required_tests) - len(ids)
+        if not ids:
+            return False, (
+                f"no test ran: the task's {hidden} required test(s) are not in the visible tests"
+            )
+        # Only the visible ids: pytest ends a whole session with a usage error when an id on its
+        # command line names a file or a test that does not exist.
+        visible = dataclasses.replace(self.task, test_patch="", fail_to_pass=ids, pass_to_pass=())
         v = verify_repo_call(
             visible, tree_patch(self.task.files, files), run_monitor=False, **self.verify_kwargs
         )
@@ -351,13 +381,10 @@ class RepoAgentEnv:
         )
         if v.status in ("infra_error", "timeout", "resource_killed") or v.patch_error:
             return False, f"{v.status}: {v.patch_error or v.test_log[-500:]}"
-        # a required test missing here is one of the hidden tests: not a failure of the tree
-        ran = {t: o for t, o in v.tests.items() if o != "missing"}
-        lines = [f"{o.upper()} {t}" for t, o in ran.items()]
-        hidden = len(v.tests) - len(ran)
+        lines = [f"{o.upper()} {t}" for t, o in v.tests.items()]
         if hidden:
             lines.append(f"({hidden} required test(s) are not in the visible tests)")
-        return bool(ran) and all(o == "passed" for o in ran.values()), "\n".join(lines)
+        return all(o == "passed" for o in v.tests.values()), "\n".join(lines)
 
     @property
     def files(self) -> dict[str, str]:
@@ -426,7 +453,10 @@ class PythonRepoFamily(TaskFamily):
     most this many training tasks),
     ``tokenizer_path`` (required: a Hugging Face tokenizer with a chat template),
     ``extra["demo_data_path"]`` (demonstration tasks; default: the training tasks),
-    ``extra["verify_kwargs"]`` (passed to ``verify_repo_patch``: limits, extra_pythonpath).
+    ``extra["verify_kwargs"]`` (passed to ``verify_repo_patch``: limits, extra_pythonpath),
+    ``extra["tools"]`` ("structured": ``read_file``/``edit``/``run_tests``/``submit``, the
+    default; "bash": a ``bash`` tool in a sandboxed checkout of the task and ``submit``, see
+    ``gagar_jax.envs.shell``; the workspace's final diff is verified the same way).
     """
 
     name = "python_repo"
@@ -453,6 +483,9 @@ class PythonRepoFamily(TaskFamily):
             train = pool[: len(pool) - n_eval]
         self._train = train[: settings.num_train] if settings.num_train > 0 else train
         self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
+        self._tools = settings.extra.get("tools", "structured")
+        if self._tools not in ("structured", "bash"):
+            raise ValueError(f"task.tools must be 'structured' or 'bash', got {self._tools!r}")
         self._group_tasks: dict[str, RepoTask] = {}
         demo_path = settings.extra.get("demo_data_path", "")
         self._demo_tasks = load_repo_tasks(demo_path, repos_dir) if demo_path else self._train
@@ -474,7 +507,8 @@ class PythonRepoFamily(TaskFamily):
         return list(self._eval)
 
     def prompt_tokens(self, task: RepoTask) -> list[int]:
-        ids = self._tokenizer.render_prompt(repo_prompt_messages(task), tools=TOOLS)
+        tools = SHELL_TOOLS if self._tools == "bash" else TOOLS
+        ids = self._tokenizer.render_prompt(repo_prompt_messages(task), tools=tools)
         if len(ids) > self.settings.max_prompt_len:
             raise ValueError(
                 f"task {task.task_id}: prompt is {len(ids)} tokens > "
@@ -482,7 +516,9 @@ class PythonRepoFamily(TaskFamily):
             )
         return ids
 
-    def make_env(self, task: RepoTask) -> RepoAgentEnv:
+    def make_env(self, task: RepoTask) -> RepoAgentEnv | ShellRepoEnv:
+        if self._tools == "bash":
+            return ShellRepoEnv(task)
         return RepoAgentEnv(task, verify_kwargs=self._verify_kwargs)
 
     def observation_tokens(self, text: str) -> list[int]:
@@ -501,6 +537,12 @@ class PythonRepoFamily(TaskFamily):
                 patch=env.patch() if env is not None else "",
             )
         patch = env.patch()
+        refused = getattr(env, "refused", ())
+        if isinstance(env, ShellRepoEnv):
+            env.close()  # the checkout is done with: the verifier takes a pristine tree
+        if refused:
+            reasons = "; ".join(f"{path}: {why}" for path, why in refused)
+            return Outcome(passed=False, test_log=f"workspace diff refused: {reasons}", patch="")
         v = verify_repo_call(task, patch, events=attempt.trajectory(), **self._verify_kwargs)
         if autosubmit:
             reason = getattr(attempt.episode, "finish_reason", "no episode")
@@ -610,7 +652,8 @@ class PythonRepoFamily(TaskFamily):
                     f"{task.task_id}: demonstration edits of {path} do not "
                     "reproduce the reference patch (a family bug)"
                 )
-        return calls + [("run_tests", {}), ("submit", {})]
+        calls += [("run_tests", {}), ("submit", {})]
+        return bash_calls(calls) if self._tools == "bash" else calls
 
     def demonstrations(self, num_tasks: int) -> list[Demonstration]:
         """Tool-call trajectories from the reference patches of up to ``num_tasks`` tasks,
