@@ -706,10 +706,13 @@ def repo_candidate(
     pass (and should be masked by the caller, not graded).
     """
     applied = prepared = None
-    if task is not None and patch.strip():
+    if task is not None:
         try:
-            applied = apply_patch(task.files, patch)
-            prepared, _ = prepare_tree(task, applied.text)  # its canonical text: same parse
+            applied = apply_patch(task.files, patch) if patch.strip() else None
+            # its canonical text: the same parse; the tree as changes to the task's files
+            tree, _ = prepare_tree(task, applied.text if applied is not None else "")
+            prepared = {p: t for p, t in tree.items() if task.files.get(p) != t}
+            prepared.update({p: None for p in task.files if p not in tree})
         except (DiffError, ValueError):
             prepared = None  # it did not apply or the verifier refused its tree: no checks
     return schema.Candidate(
@@ -721,7 +724,7 @@ def repo_candidate(
         summary=summary,
         monitor_flags=tuple(verification.flags) + log_flags(verification.test_log),
         applied=applied,
-        prepared_files=prepared,
+        prepared=prepared,
     )
 
 

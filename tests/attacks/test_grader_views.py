@@ -245,6 +245,7 @@ def test_run_check_runs_on_the_prepared_tree_not_the_raw_patch():
     )
     v = verify(patch)
     cand = envs_repo.repo_candidate("attacker", patch, v, task=TASK)
+    assert set(cand.prepared) == {"app.py", "tests/test_hidden.py"}  # changes, not a tree
     ws = envs_repo.repo_workspace(TASK, "g-check", [cand])
     tree = ws.tree_of(ws.candidate("attacker"))
     assert tree["tests/test_app.py"] == tests  # reset to pristine, as the verifier ran it
