@@ -725,7 +725,18 @@ def repo_candidate(
         monitor_flags=tuple(verification.flags) + log_flags(verification.test_log),
         applied=applied,
         prepared=prepared,
+        verdict_lines=verdict_lines(verification),
     )
+
+
+def verdict_lines(verification: Any) -> tuple[str, ...]:
+    """The verdict as lines built from the verifier's structured result (its status and the
+    task's test ids with their outcomes): what a grader may read as the verifier's own."""
+    detail = getattr(verification, "detail", None)  # a family Outcome holds the verification
+    v = detail if hasattr(detail, "tests") else verification
+    status = str(getattr(v, "status", "passed" if verification.passed else "failed"))
+    tests = getattr(v, "tests", None) or {}
+    return (f"status: {status}", *(f"{str(o).upper():8s} {t}" for t, o in tests.items()))
 
 
 def log_flags(test_log: str) -> tuple:

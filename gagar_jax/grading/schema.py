@@ -165,6 +165,9 @@ class Candidate:
         ``prepared`` are dropped and the workspace locates it again).
         Without it (a patch that does not apply to the snapshot) ``patch`` is the canonical
         text of its parse, or "" when it does not parse.
+      verdict_lines: the verifier's verdict as lines built from its structured result (status,
+        per-test outcomes: nothing the candidate chose), when the family has one; graders show
+        them as the verifier's and quote the log's whole header as untrusted notes.
       prepared: the tree the verifier ran the tests on (``verify.repo.prepare_tree``: protected
         files reset, hidden tests applied), as changes to the workspace's ``repo_files`` (path ->
         text, None for a file it removed; a few files, not a tree per candidate), when the
@@ -181,6 +184,7 @@ class Candidate:
     monitor_flags: tuple[MonitorFlagView, ...] = ()
     quality: Mapping[str, float] = dataclasses.field(default_factory=dict)
     applied: diff.AppliedPatch | None = dataclasses.field(default=None, compare=False)
+    verdict_lines: tuple[str, ...] = ()
     prepared: Mapping[str, str | None] | None = dataclasses.field(
         default=None, compare=False, repr=False
     )
@@ -214,6 +218,7 @@ class Candidate:
         )
         object.__setattr__(self, "passed", bool(self.passed))
         object.__setattr__(self, "quality", dict(self.quality))
+        object.__setattr__(self, "verdict_lines", tuple(str(x) for x in self.verdict_lines))
 
     @property
     def parsed_patch(self) -> diff.Patch:
