@@ -209,6 +209,8 @@ class Candidate:
             object.__setattr__(self, "patch", self.applied.text)
         else:
             object.__setattr__(self, "patch", canonical_text(self.patch))
+            if self.patch:  # a prepared tree belongs to its applied patch (or the empty one)
+                object.__setattr__(self, "prepared", None)
         events = tuple(
             e if isinstance(e, TrajectoryEvent) else TrajectoryEvent(**e) for e in self.trajectory
         )
