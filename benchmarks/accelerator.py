@@ -136,8 +136,8 @@ def part_update(g, shape, peak_tflops: float) -> dict:
         state = create_train_state(c, cfg, mesh, seed=0)
         update = jit_update(c, cfg, mesh)
         batch = shard_batch(host_batch(g["seqs"], t, c.vocab_size), mesh)
-        state, _ = timed(update, state, batch)  # compile + one step
-        state, dt = timed(update, state, batch)
+        (state, _), _ = timed(update, state, batch)  # compile + one step
+        (state, _), dt = timed(update, state, batch)
         tokens = g["seqs"] * t
         flops = (6 if mode == "full" else 4) * c.num_params * tokens
         out[mode] = dict(

@@ -24,8 +24,9 @@ cd "$(dirname "$0")/.."
 flags=()
 [ "$dry" = 1 ] && flags+=(--dry)
 
-part() {  # part NAME SECONDS COMMAND...
+part() {  # part NAME SECONDS COMMAND... (the dry run: 4x the limits, CPU compiles)
     local name=$1 secs=$2
+    [ "$dry" = 1 ] && secs=$((secs * 4))
     shift 2
     echo "=== $name (limit ${secs} s) $(date -u +%H:%M:%S)"
     timeout -k 5 "$secs" "$@" 2>&1 | tee "$out/$name.txt" | grep -v -E '^(WARNING|I0000|W0000)'
@@ -34,14 +35,15 @@ part() {  # part NAME SECONDS COMMAND...
 
 want() { [ -z "$parts" ] || [[ ",$parts," == *",$1,"* ]]; }
 
-bench() { "$py" benchmarks/accelerator.py "$@" "${flags[@]}" --json "$out/results.jsonl"; }
+flags+=(--json "$out/results.jsonl")
+bench=("$py" benchmarks/accelerator.py)
 
 want env && part env 15 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version \
     --format=csv 2>/dev/null; $py -c 'import jax, flax, optax; print(jax.__version__, jax.devices(), \
 flax.__version__, optax.__version__)'"
 peak=0
 if want peak; then
-    part peak 25 bench peak
+    part peak 25 "${bench[@]}" peak "${flags[@]}"
     peak=$(sed -n 's/^RESULT .*"bf16_tflops": \([0-9.e+-]*\).*/\1/p' "$out/peak.txt" | tail -1)
     peak=${peak:-0}
 fi
@@ -51,10 +53,11 @@ limits_06=(40 60 35 60)
 limits_17=(45 70 40 70)
 for shape in 0.6b 1.7b; do
     if [ "$shape" = 0.6b ]; then lim=("${limits_06[@]}"); else lim=("${limits_17[@]}"); fi
-    want "sampler_$shape" && part "sampler_$shape" "${lim[0]}" bench sampler --shape "$shape"
-    want "update_$shape" && part "update_$shape" "${lim[1]}" bench update --shape "$shape" --peak "$peak"
-    want "sync_$shape" && part "sync_$shape" "${lim[2]}" bench sync --shape "$shape"
-    want "step_$shape" && part "step_$shape" "${lim[3]}" bench step --shape "$shape"
+    want "sampler_$shape" && part "sampler_$shape" "${lim[0]}" "${bench[@]}" sampler --shape "$shape" "${flags[@]}"
+    want "update_$shape" && part "update_$shape" "${lim[1]}" "${bench[@]}" update --shape "$shape" --peak "$peak" \
+        "${flags[@]}"
+    want "sync_$shape" && part "sync_$shape" "${lim[2]}" "${bench[@]}" sync --shape "$shape" "${flags[@]}"
+    want "step_$shape" && part "step_$shape" "${lim[3]}" "${bench[@]}" step --shape "$shape" "${flags[@]}"
 done
-want tunix && part tunix 15 bench tunix
+want tunix && part tunix 15 "${bench[@]}" tunix "${flags[@]}"
 echo "results: $out/results.jsonl"

@@ -14,13 +14,16 @@ Per device, peak = arguments + outputs - aliased + temporaries (the state is don
 outputs alias its arguments). The rows print beside the formula of docs/benchmarks.md
 ("Memory at real sizes"):
 
-    state   = (2 P_base + [full] (4 + 4) P) / N  +  [lora] (4 + 4 + 4) P_lora / N
-    grads   = [full] 2 P / N     [lora] 4 P_lora / N      (the accumulated gradient)
-    acts    = L * b * T * E * 2                           (each layer's remat input, bf16)
-    logits  = 3 * b * T * V * 4                           (float32 logits, softmax, gradient)
-    layer   = one layer's gathered weights (2 P_layer) + its recomputed activations
+    peak     = max(backward, step)
+    backward = state + grads + acts + logits + head + layer
+    step     = state + grads + [full] 16 P / N        (f32 gradient, parameters, new moments)
+    state    = [full] (2 + 8) P / N   [lora] (2 P + 12 P_lora) / N
+    grads    = [full] 2 P / N         [lora] 4 P_lora / N
+    acts     = L b T E 2      logits = 3 b T V 4      head = V E 2 (the tied embedding, whole)
+    layer    = 2 (P - V E) / L + b T (6 E + 4 F + 3 N_h D) 4
 
-with P the parameters, b the sequences per device, T the tokens per sequence.
+with P the parameters, N the devices, b the sequences per device and micro-batch, T the tokens
+per sequence (docs/benchmarks_scale.md).
 
 ``--execute SHAPE:MODE`` runs that one update (after compiling it) and compares the analysis,
 summed over the devices of this one process, with the process's measured peak RSS growth.
@@ -77,7 +80,7 @@ GIB = 1 << 30
 def qwen3_config(shape: str, *, lora_rank: int = 0, vocab: int | None = None, **over):
     dims = {**QWEN3, **TINY}[shape]
     tiny = shape in TINY
-    return TransformerConfig(
+    fields = dict(
         vocab_size=vocab or (512 if tiny else 151936),
         head_dim=16 if tiny else 128,
         rope_theta=1_000_000.0,
@@ -92,8 +95,9 @@ def qwen3_config(shape: str, *, lora_rank: int = 0, vocab: int | None = None, **
         lora_rank=lora_rank,
         lora_alpha=2.0 * max(lora_rank, 1),
         **dims,
-        **over,
     )
+    fields.update(over)
+    return TransformerConfig(**fields)
 
 
 def update_config(micro: int) -> UpdateConfig:
@@ -149,23 +153,30 @@ def host_batch(n: int, t: int, vocab: int, k: int = 8, seed: int = 0) -> UpdateB
 
 
 def formula(c: TransformerConfig, n_dev: int, b: int, t: int, lora: bool) -> dict[str, float]:
-    """The predicted per-device bytes, by term (docs/benchmarks.md, "Memory at real sizes")."""
-    p = c.num_params
-    p_lora = c.num_lora_params
+    """The predicted per-device bytes, by term (docs/benchmarks_scale.md): the peak is the larger
+    of the backward's and the optimizer step's live sets."""
+    p, p_lora = c.num_params, c.num_lora_params
     e, v, L = c.hidden_size, c.vocab_size, c.num_layers
-    p_layer = (p - v * e - e) / L
-    if lora:
-        state = (2 * p + 12 * p_lora) / n_dev
-        grads = 4 * p_lora / n_dev
-    else:
-        state = (2 * p + 8 * p) / n_dev
-        grads = 2 * p / n_dev
-    acts = L * b * t * e * 2
-    logits = 3 * b * t * v * 4
     f, nd = c.intermediate_size, c.num_heads * c.head_dim
-    layer = 2 * p_layer + b * t * (6 * e + 4 * f + 3 * nd) * 2 * 2
-    total = state + grads + acts + logits + layer
-    return dict(state=state, grads=grads, acts=acts, logits=logits, layer=layer, total=total)
+    if lora:
+        state = (2 * p + 12 * p_lora) / n_dev  # bf16 base; f32 adapters and their two moments
+        grads = 4 * p_lora / n_dev
+        opt = 0.0
+    else:
+        state = (2 + 8) * p / n_dev  # bf16 parameters, f32 Adam moments
+        grads = 2 * p / n_dev  # the accumulated bf16 gradient
+        opt = 16 * p / n_dev  # f32 copies of gradient and parameters, the new moments
+    acts = L * b * t * e * 2  # each layer's input, kept for the rematerialised backward
+    logits = 3 * b * t * v * 4  # f32 logits, their softmax and gradient
+    head = v * e * 2  # the tied embedding gathered whole for the LM head
+    layer = 2 * (p - v * e) / L + b * t * (6 * e + 4 * f + 3 * nd) * 4  # one layer, gathered
+    backward = state + grads + acts + logits + head + layer
+    step = state + grads + opt
+    total = max(backward, step)
+    return dict(
+        state=state, grads=grads, acts=acts, logits=logits, head=head, layer=layer,
+        opt=opt, backward=backward, step=step, total=total,
+    )  # fmt: skip
 
 
 def analyse(shape, mode, *, n_dev, seqs, seq_len, micro, rank, vocab=None):
