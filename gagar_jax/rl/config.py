@@ -657,6 +657,8 @@ class RunConfig:
             )
         }
         d["learner"].pop("decay_steps")
+        if not d["learner"]["opt_state_dtype"]:  # the default: the fingerprints from before it
+            d["learner"].pop("opt_state_dtype")
         if not d["model"]["lora_rank"]:  # no LoRA: the fingerprints of the runs from before it
             for k in ("lora_rank", "lora_alpha", "lora_targets"):
                 d["model"].pop(k)

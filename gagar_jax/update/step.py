@@ -235,6 +235,12 @@ def _split(x, minibatches: int, microbatches: int, mesh: Mesh | None):
     return y
 
 
+def _rows_sharded(x, mesh: Mesh):
+    """``x [b, ...]`` constrained to rows split over the batch axes."""
+    spec = PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def _split_groups(x, minibatches: int, microbatches: int, k: int, mesh: Mesh | None):
     """[N = G K, ...] -> [M, A, N / (M A), ...] keeping each group's K rows together (groups
     strided over the chunks as :func:`_split` strides rows): the shared-prefix forward needs
@@ -523,6 +529,13 @@ def update_step(
                 return_aux=True,
             )
             idx = None
+            if mesh is not None:
+                # Rows stay split over the batch axes into the LM head: left to itself, GSPMD
+                # contracted the FSDP-split embedding dimension in place, so every device
+                # computed partial logits of the whole micro-batch (all devices' rows) and
+                # all-reduced them, [tokens x devices, vocab] float32 on each (docs/
+                # benchmarks_scale.md: 9.8 of 10 GiB per device at the Qwen3-0.6B shape).
+                hidden = _rows_sharded(hidden, mesh)
             if _windowed(config, mb["tokens"].shape[1]):
                 idx = score_window_index(mb["response_mask"], config.score_window)  # [b, W]
                 hidden = jnp.take_along_axis(hidden, idx[..., None], axis=1)
