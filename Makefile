@@ -14,7 +14,7 @@ SGLANG_VENV ?= .venv-sglang
 # takes the other's queued ones.
 UNIT_ARGS ?= -n 2 --dist worksteal -m "not e2e and not sglang and not ray and not browser and not bench"
 
-.PHONY: setup system-deps sglang-venv agents-venv test test-e2e test-unit bench-check lint format-check docs train compare feedback-compare grader-student example bench tasks e2e clean
+.PHONY: setup system-deps sglang-venv agents-venv test test-e2e test-unit test-private-clone bench-check lint format-check docs train compare feedback-compare grader-student example bench tasks e2e clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,6 +77,18 @@ test-e2e: setup system-deps sglang-venv agents-venv
 	$(PY) -m pytest -q -n 2 -m "e2e and not sglang and not bench" --ignore=tests/test_data_synth.py tests
 	$(PY) -m pytest -q -m e2e tests/test_data_synth.py
 	$(PY) -m pytest -q -m "e2e and sglang" tests
+
+# The sandbox from a checkout in a private (0700) directory, as a user's home is: the committed
+# tree cloned into one, a venv of the test extras made there, and the tests of the sandbox
+# mechanisms that see real paths (unshare, rlimits: their unprivileged uid cannot enter that
+# directory) run from it, with the verifier's test cases on every mechanism.
+PRIVATE_TESTS ?= tests/test_verify_sandbox.py tests/test_verify_repo.py tests/attacks
+test-private-clone: system-deps
+	@PRIV=$$(mktemp -d); trap 'rm -rf "$$PRIV"' EXIT; chmod 700 "$$PRIV"; \
+	  git clone -q . "$$PRIV/repo" && cd "$$PRIV/repo" && $(PYTHON) -m venv .venv && \
+	  .venv/bin/pip install -q -c constraints.txt -e '.[test,swe]' && \
+	  .venv/bin/python -m pytest -q -n 2 -m "not e2e" -k "unshare or rlimits or mechanism" \
+	    $(PRIVATE_TESTS)
 
 # The quick check before a commit: every unit test, i.e. `make test`'s first pass (no end-to-end
 # runs, no SGLang server, no Ray cluster, no browser, no second venv needed).

@@ -45,9 +45,10 @@ EXTRAS_REQUIRE = {
     # TFDS builders for task pools (no TensorFlow needed for array_record).
     # (tfds 4.9.10 imports importlib_resources for builders outside its package.)
     "data": ["tensorflow-datasets>=4.9.10", "importlib_resources>=6"],
-    # Parity tests against Hugging Face transformers (CPU torch; pinned in constraints.txt:
+    # Parity tests against Hugging Face transformers and peft (the LoRA export; CPU torch; pinned
+    # in constraints.txt:
     # an unpinned torch pulls a multi-GB CUDA build).
-    "parity": ["torch==2.13.0", "transformers==5.24.0"],
+    "parity": ["torch==2.13.0", "transformers==5.24.0", "peft==0.22.0"],
     # The browser judge (gagar_jax.verify.browser): the Playwright driver for Debian's chromium
     # (`make system-deps` installs it; `playwright install` is not used).
     "browser": ["playwright==1.65.2"],

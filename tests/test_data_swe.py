@@ -243,13 +243,13 @@ def test_skipped_p2p_kept_skipped_f2p_fails_and_per_test_timeout():
 
 
 def test_relative_extra_pythonpath_is_a_tree_directory_not_an_infra_error():
-    files = {
-        "src/pkg/__init__.py": "X = 1\n",
+    files = {  # a layout the task cannot detect: lib/ is named by the caller
+        "lib/pkg/__init__.py": "X = 1\n",
         "tests/test_x.py": "from pkg import X\n\n\ndef test_x():\n    assert X == 1\n",
     }
     t = RepoTask("s", "x", files, ("tests/test_x.py::test_x",))
     assert verify_repo_patch(t, "", run_monitor=False).status == "failed"  # not importable
-    v = verify_repo_patch(t, "", run_monitor=False, extra_pythonpath=("src",))
+    v = verify_repo_patch(t, "", run_monitor=False, extra_pythonpath=("lib",))
     assert v.status == "passed", v.test_log
     v = verify_repo_patch(t, "", run_monitor=False, extra_pythonpath=("../escape",))
     assert v.status == "infra_error"
@@ -668,7 +668,10 @@ def test_a_jsonl_pool_mixes_repo_task_lines_and_swe_rows(tmp_path):
         f.write(json.dumps(plain.to_dict()) + "\n" + json.dumps(row) + "\n")
     a, b = load_repo_tasks(pool, repos_dir)
     assert a == plain and b.task_id == row["instance_id"] and b.env_path and b.env_hash
-    assert b.files == repos.snapshot_files(repos_dir, "acme/srcpkg", row["base_commit"])
+    # the snapshot, with the repository installed into it (its metadata at the root)
+    snap = repos.snapshot_files(repos_dir, "acme/srcpkg", row["base_commit"])
+    assert {p: t for p, t in b.files.items() if not p.startswith("srcpkg-1.0.dist-info/")} == snap
+    assert "srcpkg-1.0.dist-info/METADATA" in b.files and set(b.files) > set(snap)
     with pytest.raises(ValueError, match=r"pool.jsonl:2: a SWE-bench-format row .* needs "):
         load_repo_tasks(pool)
     with open(pool, "a") as f:

@@ -26,7 +26,6 @@ lock (``ensure_env``) and verifies there against that copy.
 
 from __future__ import annotations
 
-import configparser
 import contextlib
 import dataclasses
 import functools
@@ -42,10 +41,10 @@ import sys
 import tarfile
 import tempfile
 import time
-import tomllib
 from collections.abc import Mapping, Sequence
 
 from gagar_jax.verify import execution as _execution
+from gagar_jax.verify.layout import declared_requirements, detect_pythonpath  # noqa: F401 (re-exported)
 from gagar_jax.verify.repo import env_site_packages, read_text_tree
 from gagar_jax.verify.sandbox import python_for_sandbox
 
@@ -201,59 +200,10 @@ def agent_git_repo(tree: str, dest: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Layout detection
 # ---------------------------------------------------------------------------------------------
-def detect_pythonpath(files: Mapping[str, str]) -> tuple[str, ...]:
-    """Tree-relative directories the package under test is imported from, besides the root:
-    the ``pythonpath`` of the repository's pytest configuration if it sets one, else ``src``
-    when the packages live there (``src/<pkg>/__init__.py`` or a ``src`` package-dir)."""
-    text = files.get("pyproject.toml")
-    if text:
-        try:
-            ini = tomllib.loads(text).get("tool", {}).get("pytest", {}).get("ini_options", {})
-            pp = ini.get("pythonpath")
-            if isinstance(pp, str):
-                pp = pp.split()
-            if pp:
-                return tuple(p.strip("/") for p in pp if p.strip("/") not in ("", "."))
-        except (tomllib.TOMLDecodeError, AttributeError):
-            pass
-    for name, section in (
-        ("pytest.ini", "pytest"),
-        ("tox.ini", "pytest"),
-        ("setup.cfg", "tool:pytest"),
-    ):
-        if name in files:
-            cp = configparser.ConfigParser(interpolation=None)
-            try:
-                cp.read_string(files[name])
-                pp = cp.get(section, "pythonpath", fallback="").split()
-            except configparser.Error:
-                pp = []
-            if pp:
-                return tuple(p.strip("/") for p in pp if p.strip("/") not in ("", "."))
-    if any(re.fullmatch(r"src/[\w]+/__init__\.py", p) for p in files):
-        return ("src",)
-    return ()
-
-
 def package_requirements(files: Mapping[str, str]) -> list[str]:
-    """The runtime dependencies the repository declares (``[project].dependencies`` of
-    pyproject.toml, or ``install_requires`` of setup.cfg); setup.py is not executed."""
-    if "pyproject.toml" in files:
-        try:
-            deps = tomllib.loads(files["pyproject.toml"]).get("project", {}).get("dependencies")
-            if isinstance(deps, list):
-                return [str(d) for d in deps]
-        except tomllib.TOMLDecodeError:
-            pass
-    if "setup.cfg" in files:
-        cp = configparser.ConfigParser(interpolation=None)
-        try:
-            cp.read_string(files["setup.cfg"])
-            raw = cp.get("options", "install_requires", fallback="")
-            return [ln.strip() for ln in raw.splitlines() if ln.strip()]
-        except configparser.Error:
-            pass
-    return []
+    """Every requirement the repository declares for its tests, from each declaration
+    (``verify.layout.declared_requirements``); setup.py is not executed here."""
+    return declared_requirements(files)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,8 +52,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gagar_jax.data import repos
+from gagar_jax.data import environments, repos
 from gagar_jax.envs.repo import RepoTask, SweReader, register_swe_reader
+from gagar_jax.verify import layout
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files, tree_patch
 from gagar_jax.verify.repo import verify_repo_patch
 
@@ -554,8 +555,12 @@ def to_repo_task(
     test_files = tuple(sorted(set(hidden) | {p for p in named if p in files}))
     env_path = env_hash = ""
     if build_envs:
-        reqs = list(inst.python_deps) or repos.package_requirements(files)
-        env = repos.build_env(reqs, cache_dir=cache_dir)
+        files, reqs, metadata = _install(inst, files, cache_dir)
+        test_files = tuple(sorted({*test_files, *metadata}))
+        try:
+            env = repos.build_env(reqs, cache_dir=cache_dir)
+        except repos.EnvBuildError as e:  # the task's, never a candidate's failure
+            raise InstanceError(f"{inst.instance_id}: its environment: {e}") from e
         env_path, env_hash = env.path, env.env_hash
     return RepoTask(
         task_id=inst.instance_id,
@@ -571,6 +576,30 @@ def to_repo_task(
         test_timeout_s=test_timeout_s,
         env_hash=env_hash,
     )
+
+
+def _install(
+    inst: SweInstance, files: dict[str, str], cache_dir: str | None
+) -> tuple[dict[str, str], list[str], tuple[str, ...]]:
+    """(the tree with the repository installed into it, the environment's requirements, the
+    installed metadata files): the row's ``install`` command honoured (an install of the tree,
+    its extras' requirements added), or an install of the tree inferred for a Python project
+    (``environments.install_repository``); the requirements are the row's ``python_deps`` or,
+    without them, every declaration of the tree (the build backend's metadata where only
+    setup.py knows them). A row that cannot be installed is an ``InstanceError``."""
+    try:
+        extras = environments.install_extras(inst.install) if inst.install.strip() else ()
+        if not (inst.install.strip() or environments.is_project(files)):
+            return files, list(inst.python_deps) or layout.declared_requirements(files), ()
+        installed = environments.install_repository(files, extras=extras, cache_dir=cache_dir)
+    except environments.InstallError as e:
+        raise InstanceError(f"{inst.instance_id}: install: {e}") from e
+    files = {**files, **installed.files}
+    runtime = installed.requires if layout.needs_backend_metadata(files) else ()
+    reqs = list(inst.python_deps) or layout.declared_requirements(
+        files, extras=(*layout.TEST_EXTRAS, *extras), runtime=runtime
+    )
+    return files, reqs, installed.metadata_paths
 
 
 def _swesmith_fix(

@@ -511,6 +511,7 @@ def trace_suite(
             ),
             env=env,
             ro_paths=paths,
+            private_workdir=False,  # the trace is read back from the tree
         )
         out = os.path.join(work, ".gagar_trace.json")
         if not os.path.isfile(out):
@@ -749,6 +750,14 @@ class _Fallback(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+def leak_reason(kinds: Mapping[str, Sequence[str]]) -> str:
+    """The rejection reason of a candidate the audit finds leaking its fix: ``leaks_<kind>``
+    of the first kind found (``audit.LEAK_KINDS`` order; ``issue_text`` is the template's
+    ``issue_leaks_fix``, kept under that name)."""
+    kind = next(k for k in audit.LEAK_KINDS if k in kinds)
+    return "issue_leaks_fix" if kind == "issue_text" else f"leaks_{kind}"
 
 
 def issue_leaks(task: RepoTask, issue: str) -> bool:
@@ -1084,8 +1093,9 @@ def make_package_tasks(
                 test_timeout_s=test_timeout_s,
                 env_hash=env.env_hash,
             )
-            if issue_leaks(task, issue):
-                return reject(cand, "issue_leaks_fix")
+            leaks = audit.leak_kinds(task)  # the audit's every kind, file_text included
+            if leaks:
+                return reject(cand, leak_reason(leaks))
             issue_source = template_source()
             rep, gold = _validate_early(task, v, runs, verify, gate)
             odd = _order_dependent(gold, f2p, p2p) if rep["gold"] != "passed" else set()

@@ -31,6 +31,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -40,10 +41,17 @@ from gagar_jax.envs.shell import SHELL_TOOLS, ShellRepoEnv, bash_calls
 from gagar_jax.grading import schema
 from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
 from gagar_jax.rollout.episode import CodeAgentEnv
-from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, tree_patch
+from gagar_jax.verify.diff import (
+    DiffError,
+    apply_patch,
+    apply_unified_diff,
+    safe_path,
+    tree_patch,
+)
 from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
+from gagar_jax.verify.layout import detect_pythonpath
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
-from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
+from gagar_jax.verify.repo import env_site_packages, prepare_tree, verify_repo_patch
 from gagar_jax.verify.untrusted import split_test_log
 
 
@@ -61,10 +69,11 @@ class RepoTask:
       test_patch: hidden unified diff applied after the reset (may be empty).
       reference_patch: a known-good patch (for tests and demonstrations; may be empty).
       pythonpath: directories of the tree, relative to its root, put on the sandboxed
-        interpreter's path besides the root (``("src",)`` for a ``src/`` layout).
+        interpreter's path besides the root (``("src",)`` for a ``src/`` layout); when empty,
+        detected from the tree (``verify.layout.detect_pythonpath``).
       env_path: a virtual environment (``gagar_jax.data.repos.build_env``) whose site-packages
         hold the task's dependencies and pytest; bound read-only into the sandbox ("" = the
-        verifier's own interpreter packages).
+        test runner's environment only: pytest and its plugins, never the trainer's packages).
       test_timeout_s: per-test timeout through pytest-timeout (0 = none): a hanging test fails
         that test, not the run.
       env_hash: the environment's content address (interpreter + resolved lockfile), or "".
@@ -96,6 +105,8 @@ class RepoTask:
         for tid in self.fail_to_pass + self.pass_to_pass:
             if "::" not in tid:
                 raise ValueError(f"RepoTask {self.task_id}: test id {tid!r} is not 'file::name'")
+        if not self.pythonpath:  # the layout's own: its pytest configuration's, or src/
+            object.__setattr__(self, "pythonpath", detect_pythonpath(self.files))
         for p in self.pythonpath:
             if not isinstance(p, str) or safe_path(p) != p:
                 raise ValueError(
@@ -316,6 +327,22 @@ def _audit(record: Mapping[str, Any]) -> None:
             f.write(json.dumps(dict(record)) + "\n")
 
 
+def visible_test_ids(task: RepoTask) -> tuple[str, ...]:
+    """The required test ids the agent's ``run_tests`` can run: those whose file is in the
+    pristine repository and whose class and function names appear in it (a test the hidden
+    ``test_patch`` adds, to a new file or to an existing one, is left out)."""
+    out = []
+    for tid in task.required_tests:
+        path, _, rest = tid.partition("::")
+        text = task.files.get(path)
+        if text is None:
+            continue
+        names = [part.split("[", 1)[0] for part in rest.split("::")]
+        if all(re.search(rf"\b(def|class)\s+{re.escape(n)}\b", text) for n in names):
+            out.append(tid)
+    return tuple(out)
+
+
 class RepoAgentEnv:
     """One ``python_repo`` episode: ``CodeAgentEnv`` over the pristine files; ``run_tests`` runs
     the required tests in the sandbox without the hidden test patch."""
@@ -328,7 +355,15 @@ class RepoAgentEnv:
         self.env = CodeAgentEnv(dict(task.files), self._run_tests)
 
     def _run_tests(self, files: dict[str, str]) -> tuple[bool, str]:
-        visible = dataclasses.replace(self.task, test_patch="")
+        ids = visible_test_ids(self.task)
+        hidden = len(self.task.required_tests) - len(ids)
+        if not ids:
+            return False, (
+                f"no test ran: the task's {hidden} required test(s) are not in the visible tests"
+            )
+        # Only the visible ids: pytest ends a whole session with a usage error when an id on its
+        # command line names a file or a test that does not exist.
+        visible = dataclasses.replace(self.task, test_patch="", fail_to_pass=ids, pass_to_pass=())
         v = verify_repo_call(
             visible, tree_patch(self.task.files, files), run_monitor=False, **self.verify_kwargs
         )
@@ -346,13 +381,10 @@ class RepoAgentEnv:
         )
         if v.status in ("infra_error", "timeout", "resource_killed") or v.patch_error:
             return False, f"{v.status}: {v.patch_error or v.test_log[-500:]}"
-        # a required test missing here is one of the hidden tests: not a failure of the tree
-        ran = {t: o for t, o in v.tests.items() if o != "missing"}
-        lines = [f"{o.upper()} {t}" for t, o in ran.items()]
-        hidden = len(v.tests) - len(ran)
+        lines = [f"{o.upper()} {t}" for t, o in v.tests.items()]
         if hidden:
             lines.append(f"({hidden} required test(s) are not in the visible tests)")
-        return bool(ran) and all(o == "passed" for o in ran.values()), "\n".join(lines)
+        return all(o == "passed" for o in v.tests.values()), "\n".join(lines)
 
     @property
     def files(self) -> dict[str, str]:
@@ -547,6 +579,7 @@ class PythonRepoFamily(TaskFamily):
                 m.outcome,
                 trajectory=m.attempt.trajectory(),
                 summary=m.attempt.summary(),
+                task=task,
             )
             for m in members
         ]
@@ -662,19 +695,33 @@ def repo_candidate(
     *,
     trajectory: Sequence[Any] = (),
     summary: str = "",
+    task: Any = None,
 ) -> schema.Candidate:
     """A Python-repository rollout (``verify.verify_repo_patch`` result) as a grading ``Candidate``.
 
-    An infrastructure error is not a pass (and should be masked by the caller, not graded).
+    With ``task``, the candidate carries the patch as it applied to the task's files
+    (``verify.diff.apply_patch``, the verifier's own parse and applier) and the tree the
+    verifier prepared from it (``verify.repo.prepare_tree``: protected files reset, hidden
+    tests applied), which the grader's ``run_check`` runs in. An infrastructure error is not a
+    pass (and should be masked by the caller, not graded).
     """
+    applied = prepared = None
+    if task is not None and patch.strip():
+        try:
+            applied = apply_patch(task.files, patch)
+            prepared, _ = prepare_tree(task, applied.text)  # its canonical text: same parse
+        except (DiffError, ValueError):
+            prepared = None  # it did not apply or the verifier refused its tree: no checks
     return schema.Candidate(
         candidate_id=candidate_id,
-        patch=patch,
+        patch=applied.text if applied is not None else patch,
         passed=bool(verification.passed),
         test_log=verification.test_log,
         trajectory=tuple(trajectory),
         summary=summary,
         monitor_flags=tuple(verification.flags) + log_flags(verification.test_log),
+        applied=applied,
+        prepared_files=prepared,
     )
 
 
@@ -702,7 +749,7 @@ def repo_workspace(
 def repo_group(task: Any, group_id: str, patches: Sequence[str], **verify_kwargs: Any):
     """Verifies each patch in the sandbox; builds the workspace (candidates ``r0``, ``r1``, ...)."""
     cands = [
-        repo_candidate(f"r{k}", p, verify_repo_patch(task, p, **verify_kwargs))
+        repo_candidate(f"r{k}", p, verify_repo_patch(task, p, **verify_kwargs), task=task)
         for k, p in enumerate(patches)
     ]
     return repo_workspace(task, group_id, cands)

@@ -74,13 +74,12 @@ import signal
 import stat
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
-from gagar_jax.verify import seccomp
+from gagar_jax.verify import runner_env, seccomp
 
 STATUSES = ("passed", "failed", "timeout", "resource_killed", "infra_error")
 MECHANISMS = ("bwrap+cgroup", "bwrap", "unshare", "rlimits", "none")
@@ -113,6 +112,9 @@ class Limits:
       nproc: processes of the slot uid (RLIMIT_NPROC) and cgroup ``pids.max``.
       nofile: open files per process.
       output_bytes: how much of stdout and stderr is read back (head and tail halves).
+      cpu_cores: CPU time per wall second the whole run may take, in cores (the slot cgroup's
+        CFS quota, under ``bwrap+cgroup`` where the ``cpu`` controller is mounted): CPU-bound
+        processes of one run, in whatever session, cannot starve a concurrent run.
     """
 
     wall_s: float = 60.0
@@ -127,6 +129,7 @@ class Limits:
     nproc: int = 64
     nofile: int = 256
     output_bytes: int = 64 << 10
+    cpu_cores: float = 1.0
 
     def __post_init__(self):
         for name in (
@@ -141,6 +144,7 @@ class Limits:
             "nproc",
             "nofile",
             "output_bytes",
+            "cpu_cores",
         ):
             value = getattr(self, name)
             if not value > 0:
@@ -241,7 +245,24 @@ def _which(name: str) -> str | None:
 
 
 def _cgroup_dirs(uid: int) -> dict[str, str]:
-    return {c: f"{_CGROUP_ROOT}/{c}/{_CGROUP_PARENT}/slot-{uid}" for c in ("pids", "memory")}
+    names = ("pids", "memory", "cpu") if _cpu_cgroup_usable() else ("pids", "memory")
+    return {c: f"{_CGROUP_ROOT}/{c}/{_CGROUP_PARENT}/slot-{uid}" for c in names}
+
+
+@functools.cache
+def _cpu_cgroup_usable() -> bool:
+    """The cgroup v1 ``cpu`` controller (CFS bandwidth: ``cpu.cfs_quota_us``) is mounted and we
+    may create groups in it. Each slot then gets its own group: the scheduler shares the CPU
+    between slots (``cpu.shares``, equal), not between processes, and a slot's quota caps what
+    all its processes together may take (``Limits.cpu_cores``)."""
+    base = f"{_CGROUP_ROOT}/cpu"
+    if not (_is_root() and os.path.exists(f"{base}/cpu.cfs_quota_us")):
+        return False
+    try:
+        os.makedirs(f"{base}/{_CGROUP_PARENT}", exist_ok=True)
+    except OSError:
+        return False
+    return True
 
 
 @functools.cache
@@ -581,6 +602,10 @@ def _prepare_cgroups(uid: int, limits: Limits) -> dict[str, str]:
     with contextlib.suppress(OSError):
         _write(f"{mem}/memory.failcnt", "0")
         _write(f"{mem}/memory.max_usage_in_bytes", "0")
+    if "cpu" in dirs:
+        period = 100_000
+        _write(f"{dirs['cpu']}/cpu.cfs_period_us", str(period))
+        _write(f"{dirs['cpu']}/cpu.cfs_quota_us", str(max(1000, int(limits.cpu_cores * period))))
     return dirs
 
 
@@ -681,7 +706,7 @@ def run_sandboxed(
     env: Mapping[str, str] | None = None,
     ro_paths: Sequence[str] = (),
     pass_fds: Sequence[int] = (),
-    private_workdir: bool = False,
+    private_workdir: bool = True,
 ) -> SandboxResult:
     """Runs untrusted ``argv`` in ``workdir`` under the strongest available isolation.
 
@@ -697,11 +722,14 @@ def run_sandboxed(
         under bwrap (as root) a private 0700 ancestor does not matter (see ``_chain``).
       pass_fds: descriptors the command inherits at the same numbers (e.g. the write end of a
         pipe the caller reads: an outcome channel with no path the code could reopen).
-      private_workdir: under bwrap, run in a copy of the workdir on a tmpfs of
+      private_workdir: (default) under bwrap, run in a copy of the workdir on a tmpfs of
         ``limits.disk_bytes`` (a hard quota: unlinked-while-open and preallocated files count;
         filling it is ``limit_hits`` "disk"); what the command writes there is discarded and the
         host workdir stays as it was (``isolation`` gains "disk"). Other mechanisms use the
-        accounted host workdir as without it.
+        accounted host workdir as without it. ``False`` is the explicit opt-out for a caller
+        that reads back what the command wrote: the host workdir is bound writable and the
+        quota is only accounted (a walk every 0.1 s, which files unlinked while still open and
+        preallocated blocks pass).
 
     Returns:
       SandboxResult. Problems of the sandbox itself come back as ``status="infra_error"`` with
@@ -1178,12 +1206,15 @@ def python_for_sandbox() -> tuple[str, tuple[str, ...]]:
 
     Order: ``$GAGAR_SANDBOX_PYTHON``; this process's interpreter (resolved: the ``python3`` on
     PATH may be a pyenv shim under /root); ``/usr/bin/python3``; ``/usr/local/bin/python3``.
-    When the chosen interpreter has this process's ``major.minor``, this environment's
-    site-packages (which holds pytest) is returned as the path to expose; its pure-Python packages
-    import fine from another patch release of the same minor version.
+    The path to expose is the test runner's environment (``runner_env``): pytest and its
+    plugins at this process's versions, built for that interpreter where every uid can read it,
+    never this process's own site-packages (a package the trainer has installed must not stand
+    in for the task's tree, and a private checkout must not hide pytest from the fallback
+    mechanisms).
 
     Raises:
-      SandboxUnavailable: no interpreter is readable by an unprivileged uid.
+      SandboxUnavailable: no interpreter is readable by an unprivileged uid, or no runner
+        environment can be built for it.
     """
     candidates = [
         os.environ.get("GAGAR_SANDBOX_PYTHON"),
@@ -1196,22 +1227,19 @@ def python_for_sandbox() -> tuple[str, tuple[str, ...]]:
         if not _open_to_others(exe):
             continue
         try:
-            version = subprocess.run(
+            subprocess.run(
                 [exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                 capture_output=True,
                 text=True,
                 timeout=30,
                 check=True,
-            ).stdout.strip()
+            )
         except (OSError, subprocess.SubprocessError):
             continue
-        paths: tuple[str, ...] = ()
-        purelib = sysconfig.get_paths()["purelib"]
-        # Under bwrap a private ancestor (a 0700 home) is bound around: only the directory's
-        # own permissions must let an unprivileged uid in.
-        if version == "{}.{}".format(*sys.version_info[:2]) and _open_to_others(purelib, True):
-            paths = (purelib,)
-        return exe, paths
+        try:  # pytest and its plugins only, staged where every uid can read them
+            return exe, (runner_env.build_runner_env(exe),)
+        except (runner_env.RunnerEnvError, OSError, subprocess.SubprocessError) as e:
+            raise SandboxUnavailable(f"no test runner environment for {exe}: {e}") from e
     raise SandboxUnavailable(
         "no Python interpreter readable by an unprivileged uid (tried "
         f"{[c for c in candidates if c]}); set GAGAR_SANDBOX_PYTHON"
