@@ -394,8 +394,11 @@ class ShellAgentEnv:
         )
 
     def patch(self) -> str:
-        d = self.final or self.workspace.diff()
-        return d.patch
+        """The workspace's diff ("" when refused: see :attr:`refused`); taken once, at submit
+        or at the first call after the episode (an unsubmitted one under task.autosubmit)."""
+        if self.final is None:
+            self.final = self.workspace.diff()
+        return self.final.patch
 
     @property
     def refused(self) -> tuple[tuple[str, str], ...]:
