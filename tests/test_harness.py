@@ -32,15 +32,23 @@ TASK = RepoTask(
 )
 CONFIG = GatewayConfig(context_limit=4096, default_max_tokens=16, max_tokens_cap=16)
 
-# A harness written against the OpenAI SDK: two calls, a command in between, an edit.
-SDK_HARNESS = r"""
-import os, subprocess, openai
-c = openai.OpenAI()
+# A harness speaking the OpenAI wire format with the standard library (the sandbox exposes the
+# test runner's packages, not the trainer's): two calls, a command in between, an edit.
+HTTP_HARNESS = r"""
+import json, os, subprocess, urllib.request
+def chat(messages, max_tokens=8):
+    req = urllib.request.Request(
+        os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": os.environ["GAGAR_MODEL"], "messages": messages,
+                         "max_tokens": max_tokens}).encode(),
+        headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                 "Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["message"]
 m = [{"role": "user", "content": open(os.environ["GAGAR_TASK_FILE"]).read()}]
-r = c.chat.completions.create(model=os.environ["GAGAR_MODEL"], messages=m, max_tokens=8)
+answer = chat(m)
 out = subprocess.run("ls", shell=True, capture_output=True, text=True).stdout
-m += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": out}]
-c.chat.completions.create(model="policy", messages=m, max_tokens=8)
+m += [answer, {"role": "user", "content": out}]
+chat(m)
 open("a.py", "w").write("x = 2\n")
 """
 
@@ -75,9 +83,10 @@ def served(tokenizer, model, tmp_path_factory):
 
 
 def test_a_command_harness_runs_in_the_sandbox_through_the_gateway(served, model):
+    # (the official SDK inside the sandbox: mini-swe-agent's litellm, in the e2e test below)
     gw, server = served
-    runner = HarnessRunner(gw, server, HarnessConfig(command=_script(SDK_HARNESS), max_wall_s=60))
-    ep = runner.run(TASK, episode_id="sdk-harness")
+    runner = HarnessRunner(gw, server, HarnessConfig(command=_script(HTTP_HARNESS), max_wall_s=60))
+    ep = runner.run(TASK, episode_id="http-harness")
     assert ep.status == "finished" and ep.finish_reason == "exited", ep.stderr[-2000:]
     assert ep.diff.ok and "+x = 2" in ep.patch
     calls = ep.record["calls"]
@@ -92,8 +101,7 @@ def test_a_command_harness_runs_in_the_sandbox_through_the_gateway(served, model
 
 def test_limits_crashes_and_hangs_end_the_episode_with_the_reason(served):
     gw, server = served
-    loop = "while True:\n    c.chat.completions.create(model='p', messages=m, max_tokens=2)"
-    looping = SDK_HARNESS.split("r = c.")[0] + loop
+    looping = HTTP_HARNESS.split("answer = chat(m)")[0] + "while True:\n    chat(m, 2)"
     ep = HarnessRunner(
         gw, server, HarnessConfig(command=_script(looping), max_calls=3, max_wall_s=60)
     ).run(TASK, episode_id="loops")
@@ -116,7 +124,7 @@ def test_an_engine_failure_is_infra_error(tokenizer, tmp_path):
     gw = Gateway(DirectBackend(Down()), tokenizer, CONFIG)
     with GatewayServer(gw, uds=str(tmp_path / "gw.sock")) as server:
         ep = HarnessRunner(
-            gw, server, HarnessConfig(command=_script(SDK_HARNESS), max_wall_s=60)
+            gw, server, HarnessConfig(command=_script(HTTP_HARNESS), max_wall_s=60)
         ).run(TASK, episode_id="engine-down")
     assert ep.status == "infra_error" and "engine process gone" in ep.finish_reason
 

@@ -57,6 +57,8 @@ class HarnessConfig:
       memory_bytes: memory of the harness and its commands together.
       nproc: processes at once.
       disk_bytes: the workspace's quota.
+      ro_paths: host directories the harness sees read-only at the same path (e.g. the venv of
+        a "command" harness: the sandbox exposes no package of the trainer's).
     """
 
     harness: str = "command"
@@ -68,8 +70,12 @@ class HarnessConfig:
     memory_bytes: int = 2 << 30
     nproc: int = 128
     disk_bytes: int = 512 << 20
+    ro_paths: tuple[str, ...] = ()
 
     def __post_init__(self):
+        for p in self.ro_paths:
+            if not os.path.isabs(p) or not os.path.exists(p):
+                raise ValueError(f"HarnessConfig.ro_paths: {p!r} is not an existing absolute path")
         if self.harness not in HARNESSES[1:]:
             raise ValueError(
                 f"HarnessConfig.harness must be one of {HARNESSES[1:]}, got {self.harness!r}"
@@ -252,6 +258,7 @@ class HarnessRunner:
             ro = [run_dir, os.path.dirname(self.server.uds), ws.bin_dir, *ws.site_packages]
             if cfg.harness == "mini_swe_agent":
                 ro.append(os.path.abspath(cfg.agents_venv))
+            ro.extend(cfg.ro_paths)
             res = run_sandboxed(
                 [exe, proxy, self.server.uds, str(PROXY_PORT), "--", *argv],
                 ws.tree,
@@ -265,6 +272,7 @@ class HarnessRunner:
                 config=self.sandbox,
                 env=env,
                 ro_paths=tuple(dict.fromkeys(ro)),
+                private_workdir=False,  # the checkout itself: its diff is the episode's result
             )
             spent = session.limit_reason
             record = self.gateway.finish_session(session.token)

@@ -209,6 +209,7 @@ class ShellWorkspace:
             config=self.config,
             env=self.env,
             ro_paths=(self.bin_dir, *self.site_packages),
+            private_workdir=False,  # the checkout itself: what a command writes stays for the next
         )
         n = int(lim.output_chars)
         out, err = _cut(res.stdout, n, "stdout"), _cut(res.stderr, n, "stderr")

@@ -151,22 +151,23 @@ json.dump(res, open("report.json", "w"))
 
 
 def test_no_process_outlives_the_episode(served):
+    n = 4000 + secrets.randbelow(900)  # durations no other process on the machine sleeps
     attack(
         served,
-        """
+        f"""
 import json, os, subprocess
-subprocess.Popen("setsid nohup sleep 4242 >/dev/null 2>&1 &", shell=True)
+subprocess.Popen("setsid nohup sleep {n} >/dev/null 2>&1 &", shell=True)
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
-        os.execvp("sleep", ["sleep", "4243"])
+        os.execvp("sleep", ["sleep", "{n + 1}"])
     os._exit(0)
-json.dump({}, open("report.json", "w"))
+json.dump({{}}, open("report.json", "w"))
 """,
         "leftovers",
     )
-    ps = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout
-    assert not [ln for ln in ps.splitlines() if ln.startswith(("sleep 4242", "sleep 4243"))]
+    ps = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout.splitlines()
+    assert f"sleep {n}" not in ps and f"sleep {n + 1}" not in ps
 
 
 def test_a_session_cannot_use_another_sessions_token_or_the_admin_routes(served):
