@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from gagar_jax.envs.harness import HarnessConfig, HarnessRunner
+from gagar_jax.envs.harness import HarnessConfig, HarnessRunner, verify_harness_episode
 from gagar_jax.envs.hf_tokenizer import HFTokenizer
 from gagar_jax.envs.repo import RepoTask
 from gagar_jax.rollout.gateway import (
@@ -114,6 +114,11 @@ def test_limits_crashes_and_hangs_end_the_episode_with_the_reason(served):
     ep = hang.run(TASK, episode_id="hangs")
     assert ep.finish_reason.startswith("timeout") and ep.patch == ""
     assert ep.status == "finished"  # a harness's fault, not infrastructure
+    out = verify_harness_episode(TASK, ep)
+    assert not out.passed and not out.infra_error
+    assert (
+        out.test_log == "episode ended without a diff (timeout: the harness ran past max_wall_s=2)"
+    )
 
 
 def test_an_engine_failure_is_infra_error(tokenizer, tmp_path):
@@ -127,6 +132,7 @@ def test_an_engine_failure_is_infra_error(tokenizer, tmp_path):
             gw, server, HarnessConfig(command=_script(HTTP_HARNESS), max_wall_s=60)
         ).run(TASK, episode_id="engine-down")
     assert ep.status == "infra_error" and "engine process gone" in ep.finish_reason
+    assert verify_harness_episode(TASK, ep).infra_error
 
 
 @pytest.mark.e2e
@@ -157,3 +163,8 @@ def test_mini_swe_agent_unmodified_drives_the_episode(tokenizer, model, tmp_path
     assert len(ep.segments) == 1 and ep.segments[0].model_tokens == sum(
         len(c["completion_ids"]) for c in calls
     )
+    events = ep.events()
+    assert [e["kind"] for e in events] == ["tool_call", "observation"] * 2
+    assert "sed -i" in events[0]["text"] and "x = 2" in events[1]["text"]
+    outcome = verify_harness_episode(TASK, ep)  # the hidden-test verifier, the monitor
+    assert outcome.passed and not outcome.cheat, outcome.test_log
