@@ -58,6 +58,16 @@ def test_a_command_is_killed_at_its_time_limit_and_leaves_no_process(tmp_path):
         w.close()
 
 
+def test_a_command_over_its_memory_limit_is_stopped():
+    w = ShellWorkspace(FILES, limits=ShellLimits(memory_bytes=128 << 20))
+    try:
+        r = w.run("python -c \"x = bytearray(1 << 30); print('allocated')\"; echo after")
+        assert "allocated" not in r.stdout and "after" in r.stdout  # the shell goes on
+        assert "MemoryError" in r.stderr or "Killed" in r.stderr or r.status == "resource_killed"
+    finally:
+        w.close()
+
+
 def test_no_network_no_writes_outside_and_a_disk_quota(ws):
     r = ws.run(
         "python -c \"import socket; socket.create_connection(('127.0.0.1', 22), timeout=2)\""
