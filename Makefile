@@ -14,7 +14,7 @@ SGLANG_VENV ?= .venv-sglang
 # takes the other's queued ones.
 UNIT_ARGS ?= -n 2 --dist worksteal -m "not e2e and not sglang and not ray and not browser and not bench"
 
-.PHONY: setup system-deps sglang-venv test test-e2e test-unit test-private-clone bench-check lint format-check docs train compare feedback-compare grader-student example bench tasks e2e clean
+.PHONY: setup system-deps sglang-venv agents-venv test test-e2e test-unit test-private-clone bench-check lint format-check docs train compare feedback-compare grader-student example bench tasks e2e clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,15 @@ $(SGLANG_VENV)/.installed: scripts/setup_sglang.sh scripts/sglang-requirements.t
 
 sglang-venv: $(SGLANG_VENV)/.installed
 
+# The reference agent harness (mini-swe-agent, the `agents` extra) in its own venv, run inside the
+# sandbox through the gateway (gagar_jax.envs.harness); built on /usr/bin/python3, which the
+# sandbox's unprivileged uid can run.
+AGENTS_VENV ?= .venv-agents
+$(AGENTS_VENV)/.installed: scripts/setup_agents.sh
+	bash scripts/setup_agents.sh $(AGENTS_VENV)
+
+agents-venv: $(AGENTS_VENV)/.installed
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -64,7 +73,7 @@ test: setup system-deps sglang-venv lint
 # The end-to-end runs (scripts, several processes, SIGKILL and resume, the task factory): minutes
 # each, so CI runs them as a step of their own after `make test`.
 # The task factory's run times its sandboxed validations, so it runs alone, after the others.
-test-e2e: setup system-deps sglang-venv
+test-e2e: setup system-deps sglang-venv agents-venv
 	$(PY) -m pytest -q -n 2 -m "e2e and not sglang and not bench" --ignore=tests/test_data_synth.py tests
 	$(PY) -m pytest -q -m e2e tests/test_data_synth.py
 	$(PY) -m pytest -q -m "e2e and sglang" tests

@@ -49,10 +49,21 @@ def test_a_command_is_killed_at_its_time_limit_and_leaves_no_process(tmp_path):
     try:
         r = w.run("sleep 60")
         assert r.status == "timeout" and r.observation.startswith("command timed out after 2 s")
-        w.run("(setsid sleep 300 &) ; nohup sleep 300 >/dev/null 2>&1 &")
-        # nothing of the sandbox uids survives the command, on the host's view
-        ps = subprocess.run(["ps", "-eo", "uid=,args="], capture_output=True, text=True).stdout
-        assert not [ln for ln in ps.splitlines() if "sleep 300" in ln]
+        n = 3000 + os.getpid() % 997  # a duration no other process on the machine sleeps
+        w.run(f"(setsid sleep {n} &) ; nohup sleep {n} >/dev/null 2>&1 &")
+        # nothing the command started survives it, on the host's view
+        ps = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout
+        assert f"sleep {n}" not in ps.splitlines()
+    finally:
+        w.close()
+
+
+def test_a_command_over_its_memory_limit_is_stopped():
+    w = ShellWorkspace(FILES, limits=ShellLimits(memory_bytes=128 << 20))
+    try:
+        r = w.run("python -c \"x = bytearray(1 << 30); print('allocated')\"; echo after")
+        assert "allocated" not in r.stdout and "after" in r.stdout  # the shell goes on
+        assert "MemoryError" in r.stderr or "Killed" in r.stderr or r.status == "resource_killed"
     finally:
         w.close()
 

@@ -2,10 +2,8 @@
 
 A tiny random Qwen2-style model with the tests' BPE tokenizer and ChatML template serves the
 plain and streaming calls and the compaction; its recorded log-probs are checked against the
-training forward's scores of the same ids (`score_tokens`). A random model never writes a tool
-call, so the tool-call tests use `ForcedEngine`: teacher-forced decoding of scripted text through
-the same model (its log-probs are that model's real scores of the forced tokens), standing in for
-a policy that has learned the tool syntax.
+training forward's scores of the same ids (`score_tokens`). The tool-call tests use
+`tests.gateway_fixtures.ForcedEngine` (scripted text, the same model's real log-probs).
 """
 
 import json
@@ -18,7 +16,6 @@ import pytest
 
 from gagar_jax import advantages as adv
 from gagar_jax.envs.hf_tokenizer import HFTokenizer
-from gagar_jax.models import create_model
 from gagar_jax.rollout import SGLangClient
 from gagar_jax.rollout.gateway import (
     BatchingBackend,
@@ -30,9 +27,8 @@ from gagar_jax.rollout.gateway import (
 )
 from gagar_jax.rollout.sampler import Sampler, score_tokens
 from gagar_jax.rollout.segments import build_segments
-from gagar_jax.rollout.types import Sample
+from tests.gateway_fixtures import ForcedEngine, tiny_policy
 from tests.hf_fixtures import make_tiny_tokenizer
-from tests.update_fixtures import tiny_config
 
 TOOLS = [
     {
@@ -46,22 +42,6 @@ TOOLS = [
 ]
 
 
-class ForcedEngine:
-    """Teacher-forced decoding (tests only): each call answers the next scripted text (its
-    tokens + EOS), with the model's log-probs of those tokens after the prompt."""
-
-    def __init__(self, model, tokenizer, texts):
-        self.model, self.tokenizer, self.texts = model, tokenizer, list(texts)
-
-    async def agenerate(self, prompts, params, prompt_seeds=None):
-        out = []
-        for p in prompts:
-            ids = self.tokenizer.encode(self.texts.pop(0)) + [self.tokenizer.eos_id]
-            lp = score_tokens(self.model, list(p) + ids, len(p))
-            out.append([Sample(ids, [float(x) for x in lp], "stop", 3)])
-        return out
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return HFTokenizer(make_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
@@ -69,7 +49,7 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    return create_model(tiny_config(vocab_size=tokenizer.vocab_size), seed=0)
+    return tiny_policy(tokenizer)
 
 
 CONFIG = GatewayConfig(context_limit=256, default_max_tokens=16, max_tokens_cap=16)

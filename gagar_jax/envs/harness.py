@@ -27,15 +27,18 @@ what its workspace holds: one that leaves no diff fails.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gagar_jax.envs.family import Outcome
 from gagar_jax.envs.shell import ShellLimits, ShellWorkspace, WorkspaceDiff
 from gagar_jax.rollout.gateway import Gateway, GatewayServer, SessionLimits
 from gagar_jax.rollout.segments import Segment, build_segments
+from gagar_jax.verify.execution import verify_repo_call
 from gagar_jax.verify.repo import env_site_packages
 from gagar_jax.verify.sandbox import Limits, SandboxConfig, python_for_sandbox, run_sandboxed
 
@@ -57,6 +60,8 @@ class HarnessConfig:
       memory_bytes: memory of the harness and its commands together.
       nproc: processes at once.
       disk_bytes: the workspace's quota.
+      ro_paths: host directories the harness sees read-only at the same path (e.g. the venv of
+        a "command" harness: the sandbox exposes no package of the trainer's).
     """
 
     harness: str = "command"
@@ -68,8 +73,12 @@ class HarnessConfig:
     memory_bytes: int = 2 << 30
     nproc: int = 128
     disk_bytes: int = 512 << 20
+    ro_paths: tuple[str, ...] = ()
 
     def __post_init__(self):
+        for p in self.ro_paths:
+            if not os.path.isabs(p) or not os.path.exists(p):
+                raise ValueError(f"HarnessConfig.ro_paths: {p!r} is not an existing absolute path")
         if self.harness not in HARNESSES[1:]:
             raise ValueError(
                 f"HarnessConfig.harness must be one of {HARNESSES[1:]}, got {self.harness!r}"
@@ -113,9 +122,52 @@ class HarnessEpisode:
         return self.status == "infra_error"
 
     def trajectory(self) -> list[dict[str, Any]]:
-        """Grader- and monitor-readable events, one per model call: the model's text, its tool
-        calls (the commands) and what the harness sent back after it (the outputs)."""
+        """One entry per model call: the model's text, its tool calls (the commands) and what
+        the harness sent back after it (the outputs)."""
         return trajectory_events(self.record.get("calls", []))
+
+    def events(self) -> list[dict[str, Any]]:
+        """The episode as the grader's and the behaviour monitor's trajectory events (as
+        ``Attempt.trajectory`` gives them for native episodes): per call a ``tool_call`` (or
+        ``action``) event with the model's text and its commands, then the ``observation``."""
+        out = []
+        calls = self.record.get("calls", [])
+        for e, c in zip(self.trajectory(), calls):
+            calls_text = [f"{t['name']}: {json.dumps(t['arguments'])}" for t in e["tool_calls"]]
+            text = "\n".join([e["action"], *calls_text]).strip()
+            kind = "tool_call" if e["tool_calls"] else "action"
+            out.append(
+                {"turn": e["turn"], "kind": kind, "text": text, "tokens": len(c["completion_ids"])}
+            )
+            out.append(
+                {"turn": e["turn"], "kind": "observation", "text": e["observation"], "tokens": 0}
+            )
+        return out
+
+
+def verify_harness_episode(task, episode: HarnessEpisode, **verify_kwargs: Any) -> Outcome:
+    """The standard verification of a harness episode: its workspace diff applied to a fresh
+    pristine tree with the hidden tests (``verify_repo_call``), the behaviour monitor reading
+    :meth:`HarnessEpisode.events`. An engine or sandbox failure is ``infra_error``; a refused
+    diff, or none at all, fails unverified with the reason."""
+    if episode.infra_error:
+        return Outcome(passed=False, infra_error=True, test_log=episode.finish_reason)
+    if not episode.diff.ok:
+        return Outcome(passed=False, test_log=f"workspace diff refused: {episode.diff.reasons()}")
+    if not episode.patch.strip():
+        return Outcome(
+            passed=False, test_log=f"episode ended without a diff ({episode.finish_reason})"
+        )
+    v = verify_repo_call(task, episode.patch, events=episode.events(), **verify_kwargs)
+    return Outcome(
+        passed=v.passed,
+        infra_error=v.infra_error,
+        cheat=v.cheat,
+        test_log=f"harness: {episode.finish_reason}\n{v.test_log}",
+        flags=tuple(v.flags),
+        patch=episode.patch,
+        detail=v,
+    )
 
 
 def trajectory_events(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -252,6 +304,7 @@ class HarnessRunner:
             ro = [run_dir, os.path.dirname(self.server.uds), ws.bin_dir, *ws.site_packages]
             if cfg.harness == "mini_swe_agent":
                 ro.append(os.path.abspath(cfg.agents_venv))
+            ro.extend(cfg.ro_paths)
             res = run_sandboxed(
                 [exe, proxy, self.server.uds, str(PROXY_PORT), "--", *argv],
                 ws.tree,
@@ -265,7 +318,7 @@ class HarnessRunner:
                 config=self.sandbox,
                 env=env,
                 ro_paths=tuple(dict.fromkeys(ro)),
-                private_workdir=False,  # the agent's edits are read back (the diff)
+                private_workdir=False,  # the checkout itself: its diff is the episode's result
             )
             spent = session.limit_reason
             record = self.gateway.finish_session(session.token)
@@ -324,4 +377,5 @@ __all__ = [
     "HarnessRunner",
     "episode_summary",
     "trajectory_events",
+    "verify_harness_episode",
 ]

@@ -209,7 +209,7 @@ class ShellWorkspace:
             config=self.config,
             env=self.env,
             ro_paths=(self.bin_dir, *self.site_packages),
-            private_workdir=False,  # the checkout persists from one command to the next
+            private_workdir=False,  # the checkout itself: what a command writes stays for the next
         )
         n = int(lim.output_chars)
         out, err = _cut(res.stdout, n, "stdout"), _cut(res.stderr, n, "stderr")
@@ -395,8 +395,11 @@ class ShellAgentEnv:
         )
 
     def patch(self) -> str:
-        d = self.final or self.workspace.diff()
-        return d.patch
+        """The workspace's diff ("" when refused: see :attr:`refused`); taken once, at submit
+        or at the first call after the episode (an unsubmitted one under task.autosubmit)."""
+        if self.final is None:
+            self.final = self.workspace.diff()
+        return self.final.patch
 
     @property
     def refused(self) -> tuple[tuple[str, str], ...]:

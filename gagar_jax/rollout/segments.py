@@ -54,7 +54,7 @@ def _field(call: Any, name: str):
 
 
 def build_segments(calls: Sequence[Any]) -> list[Segment]:
-    """The linked segments of one episode's calls (``CallRecord``s or their dicts), in order.
+    """The linked segments of one episode's calls (``CallRecord`` objects or their dicts), in order.
 
     Raises:
       ValueError: a call whose log-probs do not match its completion ids.

@@ -371,12 +371,22 @@ def _bearer(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
+MAX_BODY_BYTES = 32 << 20
+
+
 async def _json_body(request: Request) -> dict:
-    raw = await request.body()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RequestError("body", f"larger than {MAX_BODY_BYTES} bytes")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw.extend(chunk)
+        if len(raw) > MAX_BODY_BYTES:
+            raise RequestError("body", f"larger than {MAX_BODY_BYTES} bytes")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError("body", f"malformed JSON: {e}") from None
+        body = json.loads(bytes(raw))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, deep nesting
+        raise RequestError("body", f"malformed JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise RequestError("body", "expected a JSON object")
     return body

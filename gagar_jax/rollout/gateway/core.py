@@ -31,7 +31,9 @@ class SessionNotFound(LookupError):
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
-    """Args:
+    """What the gateway serves and how it samples.
+
+    Args:
     model_name: the name ``GET /v1/models`` lists (requests may name any model: there is one).
     context_limit: prompt + completion tokens of one call at most; a prompt at or over it is
       refused (400 with the limit), a completion is cut to what is left.

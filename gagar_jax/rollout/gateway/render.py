@@ -21,7 +21,7 @@ OpenAI ``messages`` (text parts only; ``developer`` is ``system``) and Anthropic
 ``tool`` message) both parse to it; anything else is a :class:`RequestError` naming the field.
 
 Tool calls are the Qwen/Hermes format the multi-turn episode uses
-(``gagar_jax.envs.hf_tokenizer.tool_call_text``): a template that reads ``tool_calls`` gets them
+(``gagar_jax.rollout.hf_tokenizer.tool_call_text``): a template that reads ``tool_calls`` gets them
 as structured calls; one that does not gets their Hermes text in the assistant's content.
 """
 

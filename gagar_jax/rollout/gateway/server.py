@@ -23,6 +23,8 @@ from gagar_jax.rollout.gateway.app import create_app
 
 
 class GatewayServer:
+    """The gateway's app on uvicorn, in a daemon thread (see the module docstring)."""
+
     def __init__(
         self,
         gateway,

@@ -17,6 +17,7 @@ still closes it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import secrets
@@ -117,26 +118,32 @@ class Session:
 
 
 def _safe_name(episode_id: str) -> str:
-    keep = "".join(c if c.isalnum() or c in "-_." else "_" for c in episode_id)[:120]
-    return keep.lstrip(".") or "episode"
+    """A file name for the episode: its id's safe characters and a digest of the whole id (two
+    ids that differ only in unsafe characters get two files)."""
+    keep = "".join(c if c.isalnum() or c in "-_." else "_" for c in episode_id)[:100]
+    digest = hashlib.sha256(episode_id.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+    return f"{keep.lstrip('.') or 'episode'}-{digest}"
 
 
 class SessionStore:
-    """The gateway's sessions: open ones in memory, finished ones also on disk (``record_dir``,
-    one ``<episode_id>.json`` each; None keeps them in memory only)."""
+    """The gateway's sessions: open ones in memory, finished ones on disk (``record_dir``, one
+    ``<episode_id>.json`` each, read back on request: a long run does not hold every episode in
+    memory), or in memory when ``record_dir`` is None."""
 
     def __init__(self, record_dir: str | None = None):
         self.record_dir = record_dir
         self._open: dict[str, Session] = {}
-        self._finished: dict[str, dict] = {}  # episode_id -> record
+        # episode_id -> its record file (with record_dir) or the record itself
+        self._finished: dict[str, str | dict] = {}
         self._lock = threading.Lock()
         if record_dir:
             os.makedirs(record_dir, exist_ok=True)
             for name in sorted(os.listdir(record_dir)):
                 if name.endswith(".json"):
-                    with open(os.path.join(record_dir, name), encoding="utf-8") as f:
+                    path = os.path.join(record_dir, name)
+                    with open(path, encoding="utf-8") as f:
                         rec = json.load(f)
-                    self._finished[rec["episode_id"]] = rec
+                    self._finished[rec["episode_id"]] = path
 
     def open(
         self, episode_id: str | None = None, *, limits: SessionLimits | None = None, seed=None
@@ -177,19 +184,28 @@ class SessionStore:
             if s.status == "open":
                 s.status, s.reason = status, reason or s.reason
             rec = s.to_dict()
+        kept: str | dict = rec
         if self.record_dir:
             path = os.path.join(self.record_dir, _safe_name(s.episode_id) + ".json")
             fd, tmp = tempfile.mkstemp(dir=self.record_dir, suffix=".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(rec, f)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
+            kept = path
         with self._lock:
-            self._finished[s.episode_id] = rec
+            self._finished[s.episode_id] = kept
         return rec
 
     def finished(self, episode_id: str) -> dict | None:
+        """A finished episode's record (None: no such episode)."""
         with self._lock:
-            return self._finished.get(episode_id)
+            kept = self._finished.get(episode_id)
+        if isinstance(kept, str):
+            with open(kept, encoding="utf-8") as f:
+                return json.load(f)
+        return kept
 
     def open_sessions(self) -> list[Session]:
         with self._lock:
