@@ -323,6 +323,16 @@ def test_install_commands_of_task_rows():
             install_extras(bad)
 
 
+def test_test_commands_of_task_rows():
+    from gagar_jax.data.environments import InstallError, check_test_command
+
+    for ok in ("pytest", "pytest -rA --tb=short", "python -m pytest -x", "PYTHONWARNINGS=i pytest"):
+        check_test_command(ok)
+    for bad in ("tox -e py", "./tests/runtests.py", "pytest && rm -rf /", "make test"):
+        with pytest.raises(InstallError, match="container environment"):
+            check_test_command(bad)
+
+
 def test_metadata_requirements_keep_the_test_extras():
     from gagar_jax.data.environments import metadata_requirements
 
@@ -375,6 +385,9 @@ def test_a_row_that_cannot_be_installed_or_resolved_is_a_task_error(tmp_path):
     row = _verpkg_row(repos_dir, install="apt-get install -y libfoo && pip install -e .")
     with pytest.raises(swe.InstanceError, match="install: .*container environment"):
         swe.to_repo_task(swe.parse_instance(row), repos_dir, cache_dir=cache)
+    tox = {**row, "install": "", "test_cmd": "tox -e py311"}
+    with pytest.raises(swe.InstanceError, match="test_cmd .*container environment"):
+        swe.to_repo_task(swe.parse_instance(tox), repos_dir, cache_dir=cache)
     broken = {**row, "instance_id": "acme__verpkg-2", "install": "",
               "python_deps": ["gagar-no-such-package-anywhere==0.0.1"]}  # fmt: skip
     with pytest.raises(swe.InstanceError, match="its environment"):

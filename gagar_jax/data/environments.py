@@ -26,7 +26,9 @@ add to ``test_files``). The runtime requirements of the metadata (``Requires-Dis
 extras' too) feed :func:`gagar_jax.verify.layout.declared_requirements` when the tree declares
 them nowhere static (``needs_backend_metadata``).
 
-Install commands of a task row (``install``) are honoured when they are an install of the tree
+A row's ``test_cmd`` must be a pytest run (:func:`check_test_command`): the verifier runs the
+named tests with its own runner. Install commands of a task row (``install``) are honoured
+when they are an install of the tree
 (``pip install -e .[extras]``, ``pip install .``, ``python setup.py develop|install``, with
 ``uv pip`` or ``python -m pip``): the extras' requirements join the environment. Anything else
 (system packages, ``pre_install`` steps, scripts) needs a container environment and is a task
@@ -173,6 +175,26 @@ def install_extras(command: str) -> tuple[str, ...]:
             if "[" in t:
                 out += [e.strip() for e in t[2:-1].split(",") if e.strip()]
     return tuple(dict.fromkeys(out))
+
+
+def check_test_command(command: str) -> None:
+    """InstallError unless a task row's ``test_cmd`` is a pytest run (``pytest``, ``py.test``,
+    ``python -m pytest``, after ``VAR=value`` settings): the verifier runs the named tests with
+    its own pytest runner; another test runner (tox, a script) needs a container environment."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as e:
+        raise InstallError(f"test_cmd {command!r} does not parse: {e}") from e
+    while argv and re.fullmatch(r"[A-Za-z_]\w*=.*", argv[0]):
+        argv = argv[1:]
+    if argv[:1] in (["pytest"], ["py.test"]) or (
+        argv[:3] in (["python", "-m", "pytest"], ["python3", "-m", "pytest"])
+    ):
+        if not any(a in ("&&", ";", "|", "||") for a in argv):
+            return
+    raise InstallError(
+        f"test_cmd {command!r} is not a pytest run: it needs a container environment"
+    )
 
 
 def metadata_requirements(metadata: str, extras: Sequence[str] = TEST_EXTRAS) -> list[str]:
