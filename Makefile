@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,data,parity,notebooks,browser,docs,swe,ray
+EXTRAS ?= test,data,parity,notebooks,browser,docs,swe,ray,gateway
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 # Local Ray clusters (tests, make e2e) bind to 127.0.0.1, not to the machine's network interface.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0

@@ -25,14 +25,30 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-    # Everything the test suite needs besides the core.
-    "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6.100", "ruff>=0.6", "jsonschema>=4"],
+    # Everything the test suite needs besides the core (the official OpenAI and Anthropic SDKs
+    # are the gateway tests' clients).
+    "test": [
+        "pytest>=8",
+        "pytest-xdist>=3",
+        "hypothesis>=6.100",
+        "ruff>=0.6",
+        "jsonschema>=4",
+        "openai==3.51.0",
+        "anthropic==2.10.0",
+    ],
+    # gagar_jax.rollout.gateway: the OpenAI/Anthropic-compatible gateway any agent harness
+    # talks to (FastAPI on uvicorn).
+    "gateway": ["fastapi==0.163.2", "uvicorn==0.54.0"],
+    # The reference agent harness, run through the gateway. It goes in a venv of its own
+    # (scripts/setup_agents.sh builds .venv-agents): its litellm pins stay out of the JAX stack.
+    "agents": ["mini-swe-agent==2.4.6"],
     # TFDS builders for task pools (no TensorFlow needed for array_record).
     # (tfds 4.9.10 imports importlib_resources for builders outside its package.)
     "data": ["tensorflow-datasets>=4.9.10", "importlib_resources>=6"],
-    # Parity tests against Hugging Face transformers (CPU torch; pinned in constraints.txt:
+    # Parity tests against Hugging Face transformers and peft (the LoRA export; CPU torch; pinned
+    # in constraints.txt:
     # an unpinned torch pulls a multi-GB CUDA build).
-    "parity": ["torch==2.13.0", "transformers==5.24.0"],
+    "parity": ["torch==2.13.0", "transformers==5.24.0", "peft==0.22.0"],
     # The browser judge (gagar_jax.verify.browser): the Playwright driver for Debian's chromium
     # (`make system-deps` installs it; `playwright install` is not used).
     "browser": ["playwright==1.65.2"],

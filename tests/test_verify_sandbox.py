@@ -97,11 +97,12 @@ def test_bad_arguments_name_the_field(workdir):
 
 
 def test_pass_fail_and_output(mech, workdir):
-    r = run(mech, ["/bin/sh", "-c", "echo out; echo err >&2; echo data > f.txt"], workdir)
+    argv = ["/bin/sh", "-c", "echo out; echo err >&2; echo data > f.txt"]
+    r = run(mech, argv, workdir, private_workdir=False)  # the opt-out: the file is read back
     assert (r.status, r.returncode, r.stdout, r.stderr) == ("passed", 0, "out\n", "err\n")
     assert r.mechanism == mech and r.isolation == sb.ISOLATION[mech]
     assert open(os.path.join(workdir, "f.txt")).read() == "data\n"
-    r = run(mech, ["/bin/sh", "-c", "exit 3"], workdir)
+    r = run(mech, ["/bin/sh", "-c", "exit 3"], workdir, private_workdir=False)
     assert (r.status, r.returncode) == ("failed", 3)
 
 
@@ -235,7 +236,7 @@ def test_write_outside_workdir(mech, workdir):
         os.chmod(outside, 0o777)  # world-writable: only namespaces keep it out of reach
         target = os.path.join(outside, "pwned")
         cmd = f"echo x > {target}; echo x > /usr/pwned; echo x > /etc/pwned; echo x > ok"
-        r = run(mech, ["/bin/sh", "-c", cmd], workdir)
+        r = run(mech, ["/bin/sh", "-c", cmd], workdir, private_workdir=False)
         assert r.status == "passed"  # the last command (inside the workdir) succeeded
         assert not os.path.exists("/usr/pwned") and not os.path.exists("/etc/pwned")
         assert os.path.exists(os.path.join(workdir, "ok"))

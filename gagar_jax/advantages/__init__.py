@@ -31,6 +31,7 @@ from gagar_jax.advantages.redistribution import (
     equivalent_rewards,
     redistribute,
 )
+from gagar_jax.advantages.segments import redistribute_segment_tokens, segment_advantages
 from gagar_jax.advantages.tokens import (
     IMPORTANCE_PROVIDERS,
     EntropyImportance,
@@ -80,5 +81,7 @@ __all__ = [
     "per_turn_advantages",
     "turns_to_tokens",
     "redistribute",
+    "redistribute_segment_tokens",
     "rloo",
+    "segment_advantages",
 ]

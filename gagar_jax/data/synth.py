@@ -511,6 +511,7 @@ def trace_suite(
             ),
             env=env,
             ro_paths=paths,
+            private_workdir=False,  # the trace is read back from the tree
         )
         out = os.path.join(work, ".gagar_trace.json")
         if not os.path.isfile(out):

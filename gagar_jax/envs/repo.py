@@ -31,19 +31,27 @@ import difflib
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from gagar_jax.envs.family import Attempt, Demonstration, GroupMember, Outcome, TaskFamily
 from gagar_jax.envs.hf_tokenizer import HFTokenizer, tool_call_text
+from gagar_jax.envs.shell import SHELL_TOOLS, ShellRepoEnv, bash_calls
 from gagar_jax.grading import schema
 from gagar_jax.grading.adapters import SandboxCheckRunner, run_check_in_tree
 from gagar_jax.rollout.episode import CodeAgentEnv
-from gagar_jax.verify.diff import DiffError, apply_unified_diff, safe_path, tree_patch
+from gagar_jax.verify.diff import (
+    DiffError,
+    apply_patch,
+    apply_unified_diff,
+    safe_path,
+    tree_patch,
+)
 from gagar_jax.verify.execution import ensure_env, task_env, verify_repo_call
 from gagar_jax.verify.layout import detect_pythonpath
 from gagar_jax.verify.monitor import MonitorRefusal, monitor_log
-from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
+from gagar_jax.verify.repo import env_site_packages, prepare_tree, verify_repo_patch
 from gagar_jax.verify.untrusted import split_test_log
 
 
@@ -319,6 +327,22 @@ def _audit(record: Mapping[str, Any]) -> None:
             f.write(json.dumps(dict(record)) + "\n")
 
 
+def visible_test_ids(task: RepoTask) -> tuple[str, ...]:
+    """The required test ids the agent's ``run_tests`` can run: those whose file is in the
+    pristine repository and whose class and function names appear in it (a test the hidden
+    ``test_patch`` adds, to a new file or to an existing one, is left out)."""
+    out = []
+    for tid in task.required_tests:
+        path, _, rest = tid.partition("::")
+        text = task.files.get(path)
+        if text is None:
+            continue
+        names = [part.split("[", 1)[0] for part in rest.split("::")]
+        if all(re.search(rf"\b(def|class)\s+{re.escape(n)}\b", text) for n in names):
+            out.append(tid)
+    return tuple(out)
+
+
 class RepoAgentEnv:
     """One ``python_repo`` episode: ``CodeAgentEnv`` over the pristine files; ``run_tests`` runs
     the required tests in the sandbox without the hidden test patch."""
@@ -331,7 +355,15 @@ class RepoAgentEnv:
         self.env = CodeAgentEnv(dict(task.files), self._run_tests)
 
     def _run_tests(self, files: dict[str, str]) -> tuple[bool, str]:
-        visible = dataclasses.replace(self.task, test_patch="")
+        ids = visible_test_ids(self.task)
+        hidden = len(self.task.required_tests) - len(ids)
+        if not ids:
+            return False, (
+                f"no test ran: the task's {hidden} required test(s) are not in the visible tests"
+            )
+        # Only the visible ids: pytest ends a whole session with a usage error when an id on its
+        # command line names a file or a test that does not exist.
+        visible = dataclasses.replace(self.task, test_patch="", fail_to_pass=ids, pass_to_pass=())
         v = verify_repo_call(
             visible, tree_patch(self.task.files, files), run_monitor=False, **self.verify_kwargs
         )
@@ -349,13 +381,10 @@ class RepoAgentEnv:
         )
         if v.status in ("infra_error", "timeout", "resource_killed") or v.patch_error:
             return False, f"{v.status}: {v.patch_error or v.test_log[-500:]}"
-        # a required test missing here is one of the hidden tests: not a failure of the tree
-        ran = {t: o for t, o in v.tests.items() if o != "missing"}
-        lines = [f"{o.upper()} {t}" for t, o in ran.items()]
-        hidden = len(v.tests) - len(ran)
+        lines = [f"{o.upper()} {t}" for t, o in v.tests.items()]
         if hidden:
             lines.append(f"({hidden} required test(s) are not in the visible tests)")
-        return bool(ran) and all(o == "passed" for o in ran.values()), "\n".join(lines)
+        return all(o == "passed" for o in v.tests.values()), "\n".join(lines)
 
     @property
     def files(self) -> dict[str, str]:
@@ -424,7 +453,10 @@ class PythonRepoFamily(TaskFamily):
     most this many training tasks),
     ``tokenizer_path`` (required: a Hugging Face tokenizer with a chat template),
     ``extra["demo_data_path"]`` (demonstration tasks; default: the training tasks),
-    ``extra["verify_kwargs"]`` (passed to ``verify_repo_patch``: limits, extra_pythonpath).
+    ``extra["verify_kwargs"]`` (passed to ``verify_repo_patch``: limits, extra_pythonpath),
+    ``extra["tools"]`` ("structured": ``read_file``/``edit``/``run_tests``/``submit``, the
+    default; "bash": a ``bash`` tool in a sandboxed checkout of the task and ``submit``, see
+    ``gagar_jax.envs.shell``; the workspace's final diff is verified the same way).
     """
 
     name = "python_repo"
@@ -451,6 +483,9 @@ class PythonRepoFamily(TaskFamily):
             train = pool[: len(pool) - n_eval]
         self._train = train[: settings.num_train] if settings.num_train > 0 else train
         self._verify_kwargs = dict(settings.extra.get("verify_kwargs", {}))
+        self._tools = settings.extra.get("tools", "structured")
+        if self._tools not in ("structured", "bash"):
+            raise ValueError(f"task.tools must be 'structured' or 'bash', got {self._tools!r}")
         self._group_tasks: dict[str, RepoTask] = {}
         demo_path = settings.extra.get("demo_data_path", "")
         self._demo_tasks = load_repo_tasks(demo_path, repos_dir) if demo_path else self._train
@@ -472,7 +507,8 @@ class PythonRepoFamily(TaskFamily):
         return list(self._eval)
 
     def prompt_tokens(self, task: RepoTask) -> list[int]:
-        ids = self._tokenizer.render_prompt(repo_prompt_messages(task), tools=TOOLS)
+        tools = SHELL_TOOLS if self._tools == "bash" else TOOLS
+        ids = self._tokenizer.render_prompt(repo_prompt_messages(task), tools=tools)
         if len(ids) > self.settings.max_prompt_len:
             raise ValueError(
                 f"task {task.task_id}: prompt is {len(ids)} tokens > "
@@ -480,7 +516,9 @@ class PythonRepoFamily(TaskFamily):
             )
         return ids
 
-    def make_env(self, task: RepoTask) -> RepoAgentEnv:
+    def make_env(self, task: RepoTask) -> RepoAgentEnv | ShellRepoEnv:
+        if self._tools == "bash":
+            return ShellRepoEnv(task)
         return RepoAgentEnv(task, verify_kwargs=self._verify_kwargs)
 
     def observation_tokens(self, text: str) -> list[int]:
@@ -499,6 +537,12 @@ class PythonRepoFamily(TaskFamily):
                 patch=env.patch() if env is not None else "",
             )
         patch = env.patch()
+        refused = getattr(env, "refused", ())
+        if isinstance(env, ShellRepoEnv):
+            env.close()  # the checkout is done with: the verifier takes a pristine tree
+        if refused:
+            reasons = "; ".join(f"{path}: {why}" for path, why in refused)
+            return Outcome(passed=False, test_log=f"workspace diff refused: {reasons}", patch="")
         v = verify_repo_call(task, patch, events=attempt.trajectory(), **self._verify_kwargs)
         if autosubmit:
             reason = getattr(attempt.episode, "finish_reason", "no episode")
@@ -535,6 +579,7 @@ class PythonRepoFamily(TaskFamily):
                 m.outcome,
                 trajectory=m.attempt.trajectory(),
                 summary=m.attempt.summary(),
+                task=task,
             )
             for m in members
         ]
@@ -607,7 +652,8 @@ class PythonRepoFamily(TaskFamily):
                     f"{task.task_id}: demonstration edits of {path} do not "
                     "reproduce the reference patch (a family bug)"
                 )
-        return calls + [("run_tests", {}), ("submit", {})]
+        calls += [("run_tests", {}), ("submit", {})]
+        return bash_calls(calls) if self._tools == "bash" else calls
 
     def demonstrations(self, num_tasks: int) -> list[Demonstration]:
         """Tool-call trajectories from the reference patches of up to ``num_tasks`` tasks,
@@ -649,19 +695,33 @@ def repo_candidate(
     *,
     trajectory: Sequence[Any] = (),
     summary: str = "",
+    task: Any = None,
 ) -> schema.Candidate:
     """A Python-repository rollout (``verify.verify_repo_patch`` result) as a grading ``Candidate``.
 
-    An infrastructure error is not a pass (and should be masked by the caller, not graded).
+    With ``task``, the candidate carries the patch as it applied to the task's files
+    (``verify.diff.apply_patch``, the verifier's own parse and applier) and the tree the
+    verifier prepared from it (``verify.repo.prepare_tree``: protected files reset, hidden
+    tests applied), which the grader's ``run_check`` runs in. An infrastructure error is not a
+    pass (and should be masked by the caller, not graded).
     """
+    applied = prepared = None
+    if task is not None and patch.strip():
+        try:
+            applied = apply_patch(task.files, patch)
+            prepared, _ = prepare_tree(task, applied.text)  # its canonical text: same parse
+        except (DiffError, ValueError):
+            prepared = None  # it did not apply or the verifier refused its tree: no checks
     return schema.Candidate(
         candidate_id=candidate_id,
-        patch=patch,
+        patch=applied.text if applied is not None else patch,
         passed=bool(verification.passed),
         test_log=verification.test_log,
         trajectory=tuple(trajectory),
         summary=summary,
         monitor_flags=tuple(verification.flags) + log_flags(verification.test_log),
+        applied=applied,
+        prepared_files=prepared,
     )
 
 
@@ -689,7 +749,7 @@ def repo_workspace(
 def repo_group(task: Any, group_id: str, patches: Sequence[str], **verify_kwargs: Any):
     """Verifies each patch in the sandbox; builds the workspace (candidates ``r0``, ``r1``, ...)."""
     cands = [
-        repo_candidate(f"r{k}", p, verify_repo_patch(task, p, **verify_kwargs))
+        repo_candidate(f"r{k}", p, verify_repo_patch(task, p, **verify_kwargs), task=task)
         for k, p in enumerate(patches)
     ]
     return repo_workspace(task, group_id, cands)

@@ -1,8 +1,10 @@
 """Targeted checks for the agentic grader: sandboxed on any repository, in-process on toy code.
 
-``SandboxCheckRunner`` materialises the candidate's patched repository in a fresh temporary
-directory and runs the command there under ``gagar_jax.verify.run_sandboxed`` (the measured
-isolation chain), on the execution back-end, returning its status and output as the check log.
+``SandboxCheckRunner`` materialises the tree the verifier ran the candidate's tests on
+(``GroupWorkspace.tree_of``: the prepared tree, or the snapshot with the applied patch; never
+the patch text applied again) in a fresh temporary directory and runs the command there under
+``gagar_jax.verify.run_sandboxed`` (the measured isolation chain), on the execution back-end,
+returning its status and output as the check log.
 
 ``ToyCheckRunner`` runs a toy workspace's program (``TOY_PROGRAM``) as the candidate patched it,
 the original and every other passing candidate's on the inputs named in the command, with the
@@ -70,10 +72,10 @@ class SandboxCheckRunner:
             return CheckResult("error", "empty command")
         if argv[0] in ("python", "python3"):
             argv[0] = self.python
-        try:
-            files = diff.apply_unified_diff(workspace.repo_files, candidate.parsed_patch)
+        try:  # the verifier's prepared tree (or the applied patch's): never the raw text
+            files = workspace.tree_of(candidate)
         except diff.DiffError as e:
-            return CheckResult("error", f"the patch does not apply to the snapshot: {e}")
+            return CheckResult("error", f"no tree to run the check in: {e}")
         # on the execution back-end (the trainer's process, or a node of the Ray cluster)
         backend = execution.current()
         fn, args, node_env = run_check_in_tree, (self.env, self.ro_paths), None
@@ -131,8 +133,7 @@ class ToyCheckRunner:
             return CheckResult("error", f"no integer inputs in {command!r}; try 'f(25) f(-3)'")
 
         def program_of(c: schema.Candidate):
-            files = diff.apply_unified_diff(workspace.repo_files, c.parsed_patch)
-            return L.parse_program(files[TOY_PROGRAM].splitlines())
+            return L.parse_program(workspace.tree_of(c)[TOY_PROGRAM].splitlines())
 
         try:
             mine = program_of(candidate)

@@ -37,10 +37,12 @@ majority tier per candidate (ties go to the worse tier), mean scores, majority c
 evidence, ranks by mean vote rank within tiers; ``agreement`` is the mean fraction of votes that
 gave each candidate its majority tier. Fewer than ``min_votes`` accepted votes reject the group.
 
-Untrusted content: every piece of candidate-produced text a tool returns (diffs, test output,
-trajectory events, summaries, monitor evidence) is enclosed in per-episode random delimiters and
-escaped (``untrusted.Envelope``); lines the candidate's code printed are marked ``| `` so they
-cannot imitate the verifier's header; the system prompt (``prompts/v2``) says all of it is data.
+Untrusted content: every piece of candidate-produced text a tool returns (diffs, file paths,
+test output, the verifier's notes that quote the candidate, trajectory events, summaries,
+monitor evidence) is enclosed in per-episode random delimiters and escaped
+(``untrusted.Envelope``); lines the candidate's code printed are marked ``| `` so they cannot
+imitate the verifier's header; the system prompt (``prompts/v2``) says all of it is data. Diffs
+are rendered from the candidate's applied patch (``grading.views``), never from its text.
 One candidate whose material cannot be rendered (a patch that does not parse, binary text) shows
 as an error line in its own entries; the rest of the group is graded as usual.
 
@@ -52,13 +54,13 @@ Prompts are versioned files under ``prompts/<version>/``.
 Compact prompts (``COMPACT_PROMPT_VERSIONS``, ``c1``): for small models with a short context.
 No tool schemas are sent (``use_tools`` defaults to False for them) and the task message carries,
 per candidate, what ``read_summaries``, ``show_diff`` and ``read_test_log`` would return, cut
-short (``compact_details``): status, files and line counts and monitor flag rules outside the
-envelope; the diff's changed lines (first ``COMPACT_DIFF_CHARS``) and the test output (last
-``COMPACT_LOG_CHARS``) inside one untrusted envelope per passing candidate; a failed candidate is
-one line. The task text is cut to ``COMPACT_TASK_CHARS``. The verdict format, its validation and
-the voting are the same as for every other version; what a compact prompt loses is everything a
-tool would have shown beyond the cut (context lines, hunk positions, trajectories, the rest of a
-long diff or log) and the ability to run checks.
+short (``compact_details``): status, file and line counts and monitor flag rules outside the
+envelope; the file paths, the applied hunks' changed lines (first ``COMPACT_DIFF_CHARS``) and the
+test output (last ``COMPACT_LOG_CHARS``) inside one untrusted envelope per passing candidate; a
+failed candidate is one line. The task text is cut to ``COMPACT_TASK_CHARS``. The verdict
+format, its validation and the voting are the same as for every other version; what a compact
+prompt loses is everything a tool would have shown beyond the cut (context lines, hunk
+positions, trajectories, the rest of a long diff or log) and the ability to run checks.
 
 Constrained decoding (``constrain_answer``, on by default when the model answers in plain JSON,
 as with the compact prompts): each call carries an OpenAI ``response_format`` with the vote's
@@ -85,7 +87,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from gagar_jax.grading import schema
+from gagar_jax.grading import schema, views
 from gagar_jax.grading.schema import (
     DIMENSIONS,
     Candidate,
@@ -284,7 +286,7 @@ class AnonymisedView:
         try:
             pp = c.parsed_patch
             out["patch"] = {
-                "files": [sanitize(p)[:200] for p in pp.paths],
+                "files": env.wrap(views.file_list(pp), f"{alias} patch files") if pp.files else "",
                 "added_lines": pp.num_added,
                 "removed_lines": pp.num_removed,
                 "hunks": pp.num_hunks,
@@ -938,16 +940,14 @@ class AgenticGrader:
             return "\n".join(f"{n:5d}  {lines[n - 1]}" for n in range(start, end + 1)) or "(empty)"
         if name == "show_diff":
             c = view.candidate(args.get("candidate"))
-            patch = c.patch
-            file = args.get("file")
-            if file:
-                per_file = diff.split_by_file(patch)
-                if file not in per_file:
-                    raise ValueError(
-                        f"candidate {args['candidate']} does not touch {file!r}; "
-                        f"it touches {sorted(per_file)}"
-                    )
-                patch = per_file[file]
+            file = args.get("file") or None
+            try:  # the patch as it applied, rendered (never the text the policy wrote)
+                patch = views.patch_text(c.parsed_patch, file)
+            except KeyError:
+                raise ValueError(
+                    f"candidate {args['candidate']} does not touch that file (read_summaries "
+                    "lists the files it touches)"
+                ) from None
             if not patch:
                 return "(empty patch)"
             return view.envelope.wrap(
@@ -957,8 +957,10 @@ class AgenticGrader:
             log = view.candidate(args.get("candidate")).test_log
             if not log:
                 return "(no test output)"
-            return view.envelope.wrap_test_log(
-                _clip(log, MAX_TOOL_OUTPUT_CHARS - 400), f"{args['candidate']} test output"
+            return views.verifier_log(
+                view.envelope,
+                _clip(log, MAX_TOOL_OUTPUT_CHARS - 400),
+                f"{args['candidate']} test output",
             )
         if name == "run_check":
             c = view.candidate(args.get("candidate"))
@@ -988,10 +990,10 @@ def compact_details(view: AnonymisedView) -> str:
         alias = view.alias_of[c.candidate_id]
         try:
             pp = c.parsed_patch
-            files = ", ".join(sanitize(p)[:120] for p in pp.paths) or "no files"
+            files = f"{len(pp.files)} file(s)"
             size = f"+{pp.num_added}/-{pp.num_removed}"
         except Exception as e:  # noqa: BLE001 - this candidate's patch only
-            files, size = f"patch not readable: {type(e).__name__}", "?"
+            pp, files, size = diff.Patch(), f"patch not readable: {type(e).__name__}", "?"
         if not c.passed:
             blocks.append(f"{alias} failed (background): {files} {size}")
             continue
@@ -1001,15 +1003,12 @@ def compact_details(view: AnonymisedView) -> str:
                 for f in c.monitor_flags[:40]
             )
         )
-        changed = "\n".join(
-            ln
-            for ln in c.patch.splitlines()
-            if ln[:1] in "+-" and not ln.startswith(("+++ ", "--- "))
-        )
+        changed = views.changed_lines(pp)  # the applied hunks' lines, nothing split from text
         log = c.test_log.strip()
         if len(log) > COMPACT_LOG_CHARS:
             log = "[...] " + log[-COMPACT_LOG_CHARS:]
         body = (
+            f"files:\n{views.file_list(pp)}\n"
             f"changes:\n{_clip(changed, COMPACT_DIFF_CHARS)}\ntest output:\n"
             f"{mark(log) if log else '(none)'}"
         )

@@ -34,7 +34,6 @@ from typing import Any
 
 from gagar_jax.grading import schema
 from gagar_jax.grading.schema import DIMENSIONS, Evidence, GroupWorkspace, Judgement, Verdict
-from gagar_jax.verify import diff
 from gagar_jax.verify.untrusted import sanitize
 
 
@@ -101,7 +100,7 @@ class BrowserGrader:
         for cand in workspace.passing:
             if cancel is not None and cancel.is_set():
                 raise BrowserGradingError("cancelled by the pool")
-            files = diff.apply_unified_diff(workspace.repo_files, cand.parsed_patch)
+            files = workspace.tree_of(cand)
             with tempfile.TemporaryDirectory(prefix="gagar-frontend-") as d:
                 write_artifact(d, files)
                 v = self.judge.judge(d, rubric)

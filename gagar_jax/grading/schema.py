@@ -156,6 +156,18 @@ class Candidate:
       summary: per-turn summary text.
       monitor_flags: behaviour-monitor flags (``gagar_jax.verify.MonitorFlag``, dicts, or views).
       quality: optional family-specific quality features in [0, 1] (``Verification.quality``).
+      applied: the patch as it applied to the repository (``verify.diff.AppliedPatch``): the
+        one object every view of the candidate is built from. A ``GroupWorkspace`` sets it
+        from its ``repo_files`` when the family did not; ``patch`` is then its canonical text
+        (``applied.text``), so no text outside the applied hunks (a preamble, a hunk header's
+        trailing words, a ``\\`` line's words) and no header number that lies survives. Give
+        ``patch`` as "" or ``applied.text``; another text is another patch (``applied`` and
+        ``prepared_files`` are dropped and the workspace locates it again).
+        Without it (a patch that does not apply to the snapshot) ``patch`` is the canonical
+        text of its parse, or "" when it does not parse.
+      prepared_files: the tree the verifier ran the tests on (``verify.repo.prepare_tree``:
+        protected files reset, hidden tests applied), when the family knows it: the grader's
+        ``run_check`` runs there. None: checks run on ``applied.tree(repo_files)``.
     """
 
     candidate_id: str
@@ -166,6 +178,10 @@ class Candidate:
     summary: str = ""
     monitor_flags: tuple[MonitorFlagView, ...] = ()
     quality: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    applied: diff.AppliedPatch | None = dataclasses.field(default=None, compare=False)
+    prepared_files: Mapping[str, str] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     def __post_init__(self):
         if not isinstance(self.candidate_id, str) or not self.candidate_id:
@@ -174,6 +190,19 @@ class Candidate:
             )
         if not isinstance(self.patch, str):
             raise TypeError(f"Candidate.patch must be str (a unified diff), got {type(self.patch)}")
+        if self.applied is not None and self.patch not in ("", self.applied.text):
+            # a different patch text (``dataclasses.replace(c, patch=...)``): its own parse
+            object.__setattr__(self, "applied", None)
+            object.__setattr__(self, "prepared_files", None)
+        if self.applied is not None:
+            if not isinstance(self.applied, diff.AppliedPatch):
+                raise TypeError(
+                    "Candidate.applied must be a verify.diff.AppliedPatch, got "
+                    f"{type(self.applied).__name__}"
+                )
+            object.__setattr__(self, "patch", self.applied.text)
+        else:
+            object.__setattr__(self, "patch", canonical_text(self.patch))
         events = tuple(
             e if isinstance(e, TrajectoryEvent) else TrajectoryEvent(**e) for e in self.trajectory
         )
@@ -186,7 +215,8 @@ class Candidate:
 
     @property
     def parsed_patch(self) -> diff.Patch:
-        return _parsed(self.patch)
+        """The patch's files and hunks: ``applied.patch`` when set (hunks where they applied)."""
+        return self.applied.patch if self.applied is not None else _parsed(self.patch)
 
     @property
     def confirmed_cheat(self) -> bool:
@@ -217,6 +247,25 @@ def _parsed(patch: str) -> diff.Patch:
     return hit
 
 
+def canonical_text(patch: str) -> str:
+    """The canonical unified diff of ``patch``'s parse (``verify.diff.render_patch``); "" when it
+    does not parse. Idempotent: canonical text is its own canonical text."""
+    if not patch:
+        return ""
+    return diff.render_patch(_parsed(patch))
+
+
+def _located(c: Candidate, repo_files: Mapping[str, str]) -> Candidate:
+    """``c`` with ``applied`` set from ``repo_files`` when its patch applies there."""
+    if c.applied is not None or not c.patch:
+        return c
+    try:
+        applied = diff.apply_patch(repo_files, c.parsed_patch)
+    except (diff.DiffError, RecursionError, MemoryError):
+        return c  # the views show the parse (it did not apply to this snapshot)
+    return dataclasses.replace(c, patch="", applied=applied)
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupWorkspace:
     """Everything a grader may look at for one group.
@@ -241,13 +290,30 @@ class GroupWorkspace:
         ids = [c.candidate_id for c in cands]
         if len(set(ids)) != len(ids):
             raise ValueError(f"GroupWorkspace.candidates: candidate ids must be unique, got {ids}")
-        object.__setattr__(self, "candidates", cands)
         object.__setattr__(self, "repo_files", dict(self.repo_files))
+        # every view of a candidate reads its patch as it applies to this snapshot
+        cands = tuple(_located(c, self.repo_files) for c in cands)
+        object.__setattr__(self, "candidates", cands)
         object.__setattr__(self, "scope_files", tuple(self.scope_files))
 
     @property
     def passing(self) -> tuple[Candidate, ...]:
         return tuple(c for c in self.candidates if c.passed)
+
+    def tree_of(self, candidate: Candidate) -> dict[str, str]:
+        """The tree ``candidate``'s code runs in for a check: the verifier's prepared tree when
+        the family gave it (``prepared_files``), else ``repo_files`` with its applied patch.
+        Never a re-application of the text the policy wrote; ``verify.diff.DiffError`` when
+        the patch did not apply to the snapshot."""
+        if candidate.prepared_files is not None:
+            return dict(candidate.prepared_files)
+        if candidate.applied is None:
+            if not candidate.patch:
+                return dict(self.repo_files)
+            raise diff.DiffError(
+                f"the patch of {candidate.candidate_id} did not apply to the snapshot"
+            )
+        return candidate.applied.tree(self.repo_files)
 
     def candidate(self, candidate_id: str) -> Candidate | None:
         for c in self.candidates:

@@ -29,6 +29,12 @@ from gagar_jax.grading.schema import DIMENSIONS
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@", re.MULTILINE)
 
 
+def _enveloped_lines(text: str) -> list[str]:
+    """The lines inside one untrusted envelope (the summaries' file list), as a model reads them."""
+    lines = text.split("\n") if text else []
+    return [ln for ln in lines[1:-1] if ln]
+
+
 class ScriptedGraderPolicy:
     """A deterministic policy for ``AgenticGrader`` (see the module docstring)."""
 
@@ -75,7 +81,7 @@ class ScriptedGraderPolicy:
                 wanted.append(
                     (f"traj:{a}", "read_trajectory", {"candidate": a, "start": 0, "end": 5})
                 )
-        files = [f for c in passing for f in c["patch"]["files"]]
+        files = [f for c in passing for f in _enveloped_lines(c["patch"].get("files", ""))]
         if files:
             wanted.append(
                 ("file", "read_file", {"path": files[0], "start_line": 1, "end_line": 40})

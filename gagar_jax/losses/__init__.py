@@ -1,5 +1,6 @@
-"""Losses: token log-probs/entropy, clipped policy-gradient loss with off-policy correction, KL
-estimators, aggregation;
+"""Losses: token log-probs/entropy, clipped policy-gradient loss with off-policy correction and
+the rollout-correction toolbox (IcePop, sequence-masked TIS, outlier masks, a total-variation
+trust region), KL estimators, aggregation;
 feedback-span losses (re-weighted SFT, span-level KTO)."""
 
 from gagar_jax.losses.feedback import (
@@ -25,6 +26,16 @@ from gagar_jax.losses.policy import (
     policy_loss,
     token_logprobs_and_entropy,
 )
+from gagar_jax.losses.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    Correction,
+    apply_rollout_correction,
+    icepop,
+    masked_fractions,
+    outlier_mask,
+    seq_mask_tis,
+    tv_trust_region,
+)
 
 __all__ = [
     "REFERENCE_POINTS",
@@ -46,4 +57,12 @@ __all__ = [
     "off_policy_weights",
     "policy_loss",
     "token_logprobs_and_entropy",
+    "ROLLOUT_CORRECTIONS",
+    "Correction",
+    "apply_rollout_correction",
+    "icepop",
+    "masked_fractions",
+    "outlier_mask",
+    "seq_mask_tis",
+    "tv_trust_region",
 ]

@@ -19,6 +19,12 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from gagar_jax.losses.rollout_correction import (
+    WEIGHTING_CORRECTIONS,
+    apply_rollout_correction,
+    check_correction_settings,
+)
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k3")
 ROLLOUT_IS = ("none", "token", "sequence")
@@ -279,6 +285,10 @@ class PolicyLossTerms(NamedTuple):
     credit_positive: jax.Array  # [] token mean of the positive advantages (the S+ delivered
     #                             on policy, with r = w = 1)
     credit_delivered: jax.Array  # [] token mean of w A r [clip active] over A > 0 tokens
+    # rollout_correction (gagar_jax.losses.rollout_correction): masked response tokens over
+    # the token normaliser, sequences with a masked token over the sequence normaliser
+    correction_token_frac: jax.Array
+    correction_seq_frac: jax.Array
 
 
 def policy_loss(
@@ -305,6 +315,12 @@ def policy_loss(
     rollout_rs_threshold: float = 2.0,
     rollout_rs_threshold_lower: float = 0.5,
     decoupled: bool = False,
+    rollout_correction: str = "none",
+    rollout_correction_low: float = 0.5,
+    rollout_correction_high: float = 2.0,
+    rollout_correction_cap: float = 2.0,
+    rollout_correction_outlier: float = 20.0,
+    rollout_correction_delta: float = 0.2,
 ) -> PolicyLossTerms:
     """Clipped surrogate policy-gradient loss with clip-higher, optional dual clip and an
     off-policy correction.
@@ -329,6 +345,14 @@ def policy_loss(
       mismatch twice).
     - ``rollout_rs``: rejected tokens leave the loss (their mask is cleared; the normalisers
       are unchanged, so a rejected token counts as a zero, as a clipped one does).
+    - ``rollout_correction``: one of :data:`~gagar_jax.losses.rollout_correction.
+      ROLLOUT_CORRECTIONS` on top of the two above (its masked tokens leave the loss as
+      rejected ones do; ``icepop`` and ``seq_mask_tis`` also weight the tokens, so they need
+      ``decoupled=True`` and ``rollout_is="none"``), with its settings
+      ``rollout_correction_low`` / ``_high`` (the ratio band), ``_cap`` (the TIS truncation of
+      ``seq_mask_tis``), ``_outlier`` (the outlier ratio) and ``_delta`` (the trust region's
+      radius). ``tv_trust_region`` reads the current ``logprobs`` against the behaviour's and
+      needs no ``proximal_logprobs``.
 
     Without ``proximal_logprobs`` (or with ``pi_prox == mu``) the loss is the on-policy one
     exactly.
@@ -357,9 +381,25 @@ def policy_loss(
       :class:`PolicyLossTerms` of scalars.
     """
     chex.assert_rank([logprobs, old_logprobs, mask], 2)
-    if (rollout_is != "none" or rollout_rs != "none" or decoupled) and (proximal_logprobs is None):
+    check_correction_settings(
+        rollout_correction,
+        low=rollout_correction_low,
+        high=rollout_correction_high,
+        cap=rollout_correction_cap,
+        outlier=rollout_correction_outlier,
+        delta=rollout_correction_delta,
+    )
+    if rollout_correction in WEIGHTING_CORRECTIONS and (not decoupled or rollout_is != "none"):
         raise ValueError(
-            "rollout_is / rollout_rs / decoupled need proximal_logprobs (the "
+            f"rollout_correction={rollout_correction!r} weights tokens: it needs "
+            "decoupled=True and rollout_is='none' (the weight would count the mismatch twice)"
+        )
+    needs_prox = rollout_correction not in ("none", "tv_trust_region")
+    if (rollout_is != "none" or rollout_rs != "none" or decoupled or needs_prox) and (
+        proximal_logprobs is None
+    ):
+        raise ValueError(
+            "rollout_is / rollout_rs / decoupled / rollout_correction need proximal_logprobs (the "
             "trainer's log-probs before the update)"
         )
     if rollout_is != "none" and not decoupled:
@@ -403,6 +443,29 @@ def policy_loss(
         mask = opw.keep
     else:
         opw, anchor = None, old_logprobs
+    corr, rs_keep = None, mask.astype(bool)
+    if rollout_correction != "none":
+        respf0 = response.astype(jnp.float32)
+        if num_tokens is None:
+            num_tokens = jnp.sum(respf0)
+        if num_seqs is None:
+            num_seqs = jnp.sum(jnp.any(response, axis=-1).astype(jnp.float32))
+        corr = apply_rollout_correction(
+            rollout_correction,
+            proximal_logprobs=proximal_logprobs,
+            behaviour_logprobs=old_logprobs,
+            logprobs=logprobs,
+            advantages=advantages,
+            mask=response,
+            low=rollout_correction_low,
+            high=rollout_correction_high,
+            cap=rollout_correction_cap,
+            outlier=rollout_correction_outlier,
+            delta=rollout_correction_delta,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+        mask = mask.astype(bool) & corr.keep
     maskf = mask.astype(jnp.float32)
 
     log_ratio = logprobs - anchor
@@ -420,6 +483,8 @@ def policy_loss(
         dual_hit = jnp.zeros(per_token.shape, bool)
     if opw is not None and rollout_is != "none":
         per_token = per_token * opw.weights
+    if rollout_correction in WEIGHTING_CORRECTIONS:
+        per_token = per_token * corr.weights
 
     def tok_mean(x):
         return aggregate(x, maskf, "token-mean", num_tokens=num_tokens)
@@ -467,6 +532,9 @@ def policy_loss(
     else:
         w, mism = jnp.ones_like(ratio_sg), jnp.zeros_like(ratio_sg)
         clipped_is = jnp.zeros_like(ratio_sg)
+    if rollout_correction in WEIGHTING_CORRECTIONS:
+        w = w * corr.weights
+    zero = jnp.zeros((), jnp.float32)
     positive = jnp.where(adv_b > 0, adv_b, 0.0)
     delivered = (
         delivered_credit(
@@ -489,7 +557,9 @@ def policy_loss(
         is_frac_clipped=resp_mean(clipped_is),
         is_weight_mean=resp_mean(w),
         is_weight_sq_mean=resp_mean(w * w),
-        rs_frac_rejected=resp_mean((response & ~mask.astype(bool)).astype(jnp.float32)),
+        rs_frac_rejected=resp_mean((response & ~rs_keep).astype(jnp.float32)),
         credit_positive=resp_mean(positive),
         credit_delivered=tok_mean(delivered),
+        correction_token_frac=zero if corr is None else corr.token_frac,
+        correction_seq_frac=zero if corr is None else corr.seq_frac,
     )

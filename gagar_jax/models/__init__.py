@@ -1,5 +1,6 @@
 """Policy models: a Qwen2/Qwen3/Qwen3-MoE/Llama decoder in Flax NNX, safetensors I/O, sharding."""
 
+from gagar_jax.models import lora
 from gagar_jax.models.hf import (
     from_hf_tensors,
     load_hf_safetensors,
@@ -37,6 +38,7 @@ __all__ = [
     "TransformerConfig",
     "create_model",
     "from_hf_tensors",
+    "lora",
     "load_hf_safetensors",
     "model_from_params",
     "save_hf_safetensors",

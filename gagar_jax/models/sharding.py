@@ -30,6 +30,7 @@ LOGICAL_RULES: Mapping[str, str | None] = {
     "norm": None,
     "expert": "tensor",
     "layers": None,
+    "lora_rank": None,  # a LoRA adapter's rank dimension (gagar_jax.models.lora)
 }
 
 # Activations: the batch dimension is split over every data-parallel axis.

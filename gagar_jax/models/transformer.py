@@ -66,6 +66,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gagar_jax.models import lora as _lora
+
 _MASK_VALUE = -1e30  # finite: a fully masked row softmaxes to uniform, not NaN.
 REMAT_POLICIES = ("full", "dots", "dots_no_batch")
 
@@ -115,6 +117,10 @@ class TransformerConfig:
     scan_layers: bool = False
     remat_policy: str = "full"
     causal_block_size: int = 32
+    # LoRA (gagar_jax.models.lora): rank 0 is off; the adapters' scaling is alpha / rank.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = _lora.LORA_TARGETS
 
     def __post_init__(self):
         for name in (
@@ -173,6 +179,7 @@ class TransformerConfig:
             object.__setattr__(
                 self, "rope_llama3_scaling", (float(s[0]), float(s[1]), float(s[2]), int(s[3]))
             )
+        self._check_lora()
         if not isinstance(self.num_experts, int) or self.num_experts < 0:
             raise ValueError(
                 f"TransformerConfig.num_experts must be an int >= 0, got {self.num_experts!r}"
@@ -190,6 +197,46 @@ class TransformerConfig:
                     "TransformerConfig.moe_intermediate_size must be positive, "
                     f"got {self.moe_intermediate_size}"
                 )
+
+    def _check_lora(self):
+        targets = self.lora_targets
+        if isinstance(targets, str):  # a command-line override: "q_proj,v_proj"
+            targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+        targets = tuple(targets)
+        object.__setattr__(self, "lora_targets", targets)
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(
+                f"TransformerConfig.lora_rank must be an int >= 0 (0: no LoRA), "
+                f"got {self.lora_rank!r}"
+            )
+        if not self.lora_alpha > 0:
+            raise ValueError(f"TransformerConfig.lora_alpha must be > 0, got {self.lora_alpha}")
+        object.__setattr__(self, "lora_alpha", float(self.lora_alpha))
+        unknown = sorted(set(targets) - set(_lora.LORA_TARGETS))
+        if unknown or (self.lora_rank and not targets):
+            raise ValueError(
+                f"TransformerConfig.lora_targets must be a non-empty subset of "
+                f"{_lora.LORA_TARGETS}, got {targets}"
+            )
+        if self.lora_rank and self.num_experts and set(targets) & set(_lora.MLP_TARGETS):
+            raise ValueError(
+                "TransformerConfig.lora_targets: a mixture-of-experts model takes adapters on "
+                f"the attention projections {_lora.ATTN_TARGETS} only, got {targets}"
+            )
+
+    @property
+    def num_lora_params(self) -> int:
+        """Number of adapter parameters (0 without LoRA)."""
+        if not self.lora_rank:
+            return 0
+        h, d, f = self.hidden_size, self.head_dim, self.intermediate_size
+        n, kv = self.num_heads * d, self.num_kv_heads * d
+        sizes = dict(
+            q_proj=(h, n), k_proj=(h, kv), v_proj=(h, kv), o_proj=(n, h),
+            gate_proj=(h, f), up_proj=(h, f), down_proj=(f, h),
+        )  # fmt: skip
+        per_layer = sum(self.lora_rank * sum(sizes[t]) for t in self.lora_targets)
+        return self.num_layers * per_layer
 
     @property
     def num_params(self) -> int:
@@ -1031,6 +1078,22 @@ class Attention(nnx.Module):
         if c.qk_norm:
             self.q_norm = RMSNorm(c, rngs=rngs, size=d, axis="head_dim", stack=stack)
             self.k_norm = RMSNorm(c, rngs=rngs, size=d, axis="head_dim", stack=stack)
+        shapes = dict(
+            q_proj=(h, n * d, "embed", "heads"),
+            k_proj=(h, kv * d, "embed", "kv_heads"),
+            v_proj=(h, kv * d, "embed", "kv_heads"),
+            o_proj=(n * d, h, "heads", "embed"),
+        )
+        for t in _lora.targets(c, _lora.ATTN_TARGETS):
+            adapter = _lora.make_adapter(rngs, *shapes[t], c.lora_rank, stack)
+            setattr(self, t + _lora.SUFFIX, adapter)
+
+    def _lora(self, name, x, in_dims, out_shape):
+        """The adapter's ``s * (x @ A) @ B`` for projection ``name``, or None without one."""
+        adapter = getattr(self, name + _lora.SUFFIX, None)
+        if adapter is None:
+            return None
+        return _lora.delta(adapter, x, in_dims, out_shape, _lora.scale(self.config))
 
     def _attend_causal(self, q, k, v, mask):
         """Attention of a whole causal sequence (no cache), in query blocks.
@@ -1059,6 +1122,14 @@ class Attention(nnx.Module):
         c = self.config
         dt = x.dtype
         q, k, v = _linear_qkv(x, self.q_proj[...], self.k_proj[...], self.v_proj[...])
+        if c.lora_rank:
+            n, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
+            dq = self._lora("q_proj", x, 1, (n, d))
+            dk = self._lora("k_proj", x, 1, (kv, d))
+            dv = self._lora("v_proj", x, 1, (kv, d))
+            q = q if dq is None else q + dq
+            k = k if dk is None else k + dk
+            v = v if dv is None else v + dv
         if c.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -1078,6 +1149,9 @@ class Attention(nnx.Module):
             out, new_cache = self._attend_cached(q, k, v, mask, cache)
         out = out.reshape(b, t, c.num_heads, c.head_dim)
         y = _linear(out, self.o_proj[...].astype(dt), 2)
+        if c.lora_rank:
+            dy = self._lora("o_proj", out, 2, (c.hidden_size,))
+            y = y if dy is None else y + dy
         return y, new_cache
 
     def _attend_cached(self, q, k, v, mask, cache):
@@ -1177,13 +1251,29 @@ class MLP(nnx.Module):
         self.gate_proj = _param(rngs, (h, f), ("embed", "mlp"), config, stack=stack)
         self.up_proj = _param(rngs, (h, f), ("embed", "mlp"), config, stack=stack)
         self.down_proj = _param(rngs, (f, h), ("mlp", "embed"), config, stack=stack)
+        self.config = config
+        shapes = dict(
+            gate_proj=(h, f, "embed", "mlp"),
+            up_proj=(h, f, "embed", "mlp"),
+            down_proj=(f, h, "mlp", "embed"),
+        )
+        for t in _lora.targets(config, _lora.MLP_TARGETS):
+            adapter = _lora.make_adapter(rngs, *shapes[t], config.lora_rank, stack)
+            setattr(self, t + _lora.SUFFIX, adapter)
+
+    def _proj(self, name, x):
+        """``x @ W`` of projection ``name``, plus its adapter's term when it has one."""
+        y = _linear(x, getattr(self, name)[...].astype(x.dtype))
+        adapter = getattr(self, name + _lora.SUFFIX, None)
+        if adapter is None:
+            return y
+        return y + _lora.delta(adapter, x, 1, y.shape[-1:], _lora.scale(self.config))
 
     def __call__(self, x, token_mask=None):
         """x [B, T, E] -> (``down(silu(x @ gate) * (x @ up))`` [B, T, E], None)."""
-        dt = x.dtype
-        gate = _linear(x, self.gate_proj[...].astype(dt))
-        up = _linear(x, self.up_proj[...].astype(dt))
-        return _linear(_swiglu(gate, up), self.down_proj[...].astype(dt)), None
+        gate = self._proj("gate_proj", x)
+        up = self._proj("up_proj", x)
+        return self._proj("down_proj", _swiglu(gate, up)), None
 
 
 class MoE(nnx.Module):

@@ -494,6 +494,7 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
             hosts=hosts,
             tracker=ctx.tracker,
             first_round=sb,
+            rollout_log=ctx.rollout_log,
         )
         batch = InflightBatch(
             index=sb.index,
@@ -522,6 +523,7 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
             step=aq.dispatched,
             hosts=hosts,
             tracker=ctx.tracker,
+            rollout_log=ctx.rollout_log,
         )
         if saved_position is not None:
             ls.data_position = max(saved_position, ls.data_position)

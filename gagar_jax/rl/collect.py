@@ -605,6 +605,7 @@ def family_settings(cfg: RunConfig):
         extra={
             **({"demo_kinds": t.demo_kinds} if t.demo_kinds else {}),
             **({"autosubmit": True} if t.autosubmit else {}),
+            **({"tools": t.tools} if t.tools != "structured" else {}),
         },
     )
 

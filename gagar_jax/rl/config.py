@@ -83,6 +83,19 @@ DERIVED_LEARNER_FIELDS = (
 )
 
 
+# Learner fields added after runs were checkpointed: in the fingerprint only when set.
+_LATER_LEARNER_FIELDS = (
+    "rollout_correction",
+    "rollout_correction_low",
+    "rollout_correction_high",
+    "rollout_correction_cap",
+    "rollout_correction_outlier",
+    "rollout_correction_delta",
+    "routing_replay",
+)
+_LEARNER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(UpdateConfig)}
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
 
@@ -118,6 +131,9 @@ class TaskConfig:
     # python_repo: an episode that ends without ``submit`` (turn or token limit) is verified on
     # its final tree as if it had submitted (SWE-agent's autosubmission); False: it fails unrun
     autosubmit: bool = False
+    # python_repo: the agent's tools: "structured" (read_file, edit, run_tests, submit over an
+    # in-memory tree) or "bash" (a bash tool in a sandboxed checkout of the task, and submit)
+    tools: str = "structured"
     # impossible canary tasks per step (``gagar_jax.rl.canary``): sampled and verified like the
     # step's groups, never trained on; ``canary_cheat_rate`` in the metrics row. 0 = none
     canaries_per_step: int = 0
@@ -128,6 +144,7 @@ class TaskConfig:
             self.canaries_per_step >= 0, "task.canaries_per_step", ">= 0", self.canaries_per_step
         )
         _check(self.family in names, "task.family", "|".join(names), self.family)
+        _check(self.tools in ("structured", "bash"), "task.tools", "structured|bash", self.tools)
         _check(self.num_train >= 1, "task.num_train", ">= 1", self.num_train)
         _check(self.num_eval >= 0, "task.num_eval", ">= 0", self.num_eval)
         _check(self.difficulty >= 0, "task.difficulty", ">= 0", self.difficulty)
@@ -172,6 +189,14 @@ class RolloutConfig:
     # the embedded sampler's rows split over this many of this process's devices (1: one
     # device; 0: all of them): weights replicated on each, one decode loop per device
     embedded_data_parallel: int = 1
+    # after every weight sync the engine must report the new version and a probe prompt's
+    # log-probs on it must equal the trainer's (gagar_jax.rollout.weight_sync); the tolerance
+    # (0: the measured default for the compute dtype)
+    sync_check: bool = True
+    sync_check_tolerance: float = 0.0
+    # LoRA policies on SGLang: sync the adapter alone through the server's LoRA API (the
+    # server serves the base with --enable-lora); False: whole merged weights every sync
+    sglang_lora: bool = True
     # Asynchronous RL (gagar_jax.rl.asynchronous): how many policy versions the oldest token
     # of a trained group may lag the trainer, generation, verification, grading and queue
     # time included (0: the synchronous loop, collect -> grade -> update -> sync each step)
@@ -337,6 +362,9 @@ class LoopConfig:
     eval_rollouts: int = 1  # samples per held-out task (greedy-ish pass@1 at eval temperature)
     eval_temperature: float = 0.7
     plot: bool = True
+    # every training rollout's patch, trajectory and verdict in rollouts.jsonl (re-scored later
+    # by ``python -m gagar_jax.verify.rescore``); see ``gagar_jax.rl.rollout_log``
+    log_rollouts: bool = True
 
     def __post_init__(self):
         _check(self.total_steps >= 0, "loop.total_steps", ">= 0", self.total_steps)
@@ -623,21 +651,34 @@ class RunConfig:
                 "log_every",
                 "eval_every",
                 "plot",
+                "log_rollouts",
                 "checkpoint_every",
                 "keep_checkpoints",
             )
         }
         d["learner"].pop("decay_steps")
+        if not d["model"]["lora_rank"]:  # no LoRA: the fingerprints of the runs from before it
+            for k in ("lora_rank", "lora_alpha", "lora_targets"):
+                d["model"].pop(k)
         # which positions the LM head runs on: speed only, the loss is the same
         d["learner"].pop("score_window")
         # a group's prompt once or per sample: the same update with one mini-batch (with
         # several, whole groups go to each mini-batch)
         if d["learner"]["num_minibatches"] == 1:
             d["learner"].pop("shared_prefix")
+        # diagnostics only; the newer learner fields at their defaults are left out (the runs
+        # from before they existed keep their fingerprint)
+        d["learner"].pop("mismatch_metrics")
+        for name in _LATER_LEARNER_FIELDS:
+            if d["learner"][name] == _LEARNER_DEFAULTS[name]:
+                d["learner"].pop(name)
         d.pop("mesh")
         d.pop("execution")  # where verification runs: deployment, not the run
         d["rollout"].pop("weight_writer")  # which host exports: deployment, not the run
         d["rollout"].pop("embedded_data_parallel")  # devices per sampler: deployment too
+        d["rollout"].pop("sync_check")  # a check of the sync, not the run
+        d["rollout"].pop("sync_check_tolerance")
+        d["rollout"].pop("sglang_lora")  # how the adapter reaches SGLang: deployment
         # the scheduler at max_staleness=0 gives the synchronous run, and at > 0 it runs anyway
         d["rollout"].pop("async_scheduler")
         if not d["rollout"]["partial_chunk_tokens"]:  # off: the runs from before it existed

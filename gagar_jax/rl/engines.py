@@ -17,11 +17,12 @@ from flax import nnx
 from gagar_jax.grading import AgenticGrader
 from gagar_jax.grading.heuristic import HeuristicGrader
 from gagar_jax.grading.pool import GradingPool
-from gagar_jax.models import save_hf_safetensors_streaming
+from gagar_jax.models import lora, save_hf_safetensors_streaming
 from gagar_jax.rl.config import RunConfig
 from gagar_jax.rollout import SGLangClient
 from gagar_jax.rollout.sampler import Sampler
 from gagar_jax.rollout.sglang_engine import SGLangEngine
+from gagar_jax.rollout.weight_sync import SGLangLoraSync
 
 
 def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int, hosts=None):
@@ -97,9 +98,15 @@ def build_sglang_engine(cfg: RunConfig, model_config, *, workdir: str, hosts=Non
             params = nnx.state(params, nnx.Param)
         if isinstance(params, nnx.State):
             params = nnx.to_pure_dict(params)
+        if model_config.lora_rank:  # a whole-weights export of a LoRA policy: merged
+            params = lora.merged_params(params, model_config)
         save_hf_safetensors_streaming(params, model_config, directory, writer=writer)
 
-    return SGLangEngine(
+    if model_config.lora_rank and cfg.rollout.sglang_lora:
+        # the server serves the base (e.g. <workdir>/checkpoints/lora_base, which the run's
+        # checkpointer writes) with --enable-lora; each sync loads the new adapter
+        return SGLangLoraSync(client, model_config, os.path.join(workdir, "sync"), writer=writer)
+    engine = SGLangEngine(
         client,
         export_fn=export,
         sync_dir=os.path.join(workdir, "sync"),
@@ -107,6 +114,8 @@ def build_sglang_engine(cfg: RunConfig, model_config, *, workdir: str, hosts=Non
         exchange=None if count == 1 else hosts.allgather,
         version_timeout_s=cfg.mesh.host_timeout_s,
     )
+    engine.model_config = model_config  # the sync check scores with it
+    return engine
 
 
 def build_grading_pool(

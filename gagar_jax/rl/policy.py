@@ -15,6 +15,10 @@ Small functions over the update library's own objects (``TrainState``, ``jit_upd
   ``device_put``\\ s it onto its own sharding, a no-op copy), never through the host and never
   by mutating a model object shared with the sampler; SGLang gets the sharded parameters,
   exported tensor by tensor by its engine's sync protocol;
+  With LoRA (``model.lora_rank``) the embedded sampler gets its first sync whole and the
+  adapters alone after it, SGLang the adapter through its LoRA API (``engines``). After every
+  sync (``rollout.sync_check``) the engine must report the new version and a probe prompt's
+  log-probs on it must equal the trainer's (:mod:`gagar_jax.rollout.weight_sync`);
 * :func:`checkpointer`, :func:`save`, :func:`restore`: one orbax step holds the ``TrainState``
   and the loop's :class:`~gagar_jax.rl.resume.LoopState` (the ``meta`` item, key
   ``loop_state``), with the run config's fingerprint; restores go onto the mesh's shardings.
@@ -31,9 +35,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gagar_jax.models import Transformer, TransformerConfig, load_hf_safetensors
+from gagar_jax.models import Transformer, TransformerConfig, load_hf_safetensors, lora
 from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.resume import LOOP_STATE_KEY, LoopState
+from gagar_jax.rollout import weight_sync
 from gagar_jax.update import (
     Checkpointer,
     TrainState,
@@ -56,13 +61,16 @@ EXECUTION_FIELDS = (
     "causal_block_size",
 )
 
+# How the policy is trained on top of the architecture: LoRA adapters (gagar_jax.models.lora).
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
+
 
 def build_model(cfg: RunConfig, vocab_size: int) -> tuple[TransformerConfig, Transformer]:
     """The policy: ``cfg.model`` with the tokenizer's vocab (seeded by ``cfg.seed``), or the
     architecture and weights of ``cfg.hf_checkpoint`` run with ``cfg.model``'s
     :data:`EXECUTION_FIELDS` (dtype, rematerialisation, scanned layers, causal blocks)."""
     if cfg.hf_checkpoint:
-        overrides = {k: getattr(cfg.model, k) for k in EXECUTION_FIELDS}
+        overrides = {k: getattr(cfg.model, k) for k in EXECUTION_FIELDS + LORA_FIELDS}
         model_config, model = load_hf_safetensors(cfg.hf_checkpoint, **overrides)
         if model_config.vocab_size < vocab_size:
             raise ValueError(
@@ -75,8 +83,12 @@ def build_model(cfg: RunConfig, vocab_size: int) -> tuple[TransformerConfig, Tra
 
 
 def initial_state(cfg: RunConfig, model: Transformer, mesh) -> TrainState:
-    """The sharded train state holding ``model``'s (SFT-warmed) parameters."""
+    """The sharded train state holding ``model``'s (SFT-warmed) parameters. With LoRA the
+    adapters are folded into the weights and ``B`` reset (the same model): the warmed weights
+    are the base the adapters train on."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if model.config.lora_rank:
+        params = jax.device_get(lora.merge_and_reset(params, model.config))
     return create_train_state(model.config, cfg.learner, mesh, seed=cfg.seed, params=params)
 
 
@@ -146,12 +158,53 @@ def local_params(params, mesh, device):
     return jax.tree.map(pick, full)
 
 
-def sync_engine(engine, cfg: RunConfig, params, *, mesh, device, version: int) -> int:
+def sync_engine(
+    engine, cfg: RunConfig, params, *, mesh, device, version: int, metrics: dict | None = None
+) -> int:
     """Sends ``params`` (the train state's, sharded) to the rollout engine as ``version``;
-    returns the version the engine reports (``device``: the embedded sampler's)."""
+    returns the version the engine reports (``device``: the embedded sampler's).
+
+    LoRA: an embedded sampler gets the adapters alone once it has the base (its first sync
+    from here is whole); SGLang's LoRA engine exports the adapter. With ``rollout.sync_check``
+    the sync is verified (:func:`gagar_jax.rollout.weight_sync.check_sync`, its metrics into
+    ``metrics``).
+
+    Raises:
+      SyncCheckError: the engine does not serve what was synced (naming it).
+    """
+    lora_on = bool(cfg.model.lora_rank) and lora.has_adapters(params)
     if cfg.rollout.engine == "sglang":
-        return engine.sync_weights(params, version)
-    return engine.sync_weights(local_params(params, mesh, device), version)
+        got = engine.sync_weights(params, version)
+    elif lora_on and getattr(engine, "lora_base_hash", None) is not None:
+        adapters = lora.split_adapters(params)[0]
+        got = weight_sync.sync_sampler_adapters(
+            engine, local_params(adapters, mesh, device), version
+        )
+    else:
+        got = engine.sync_weights(local_params(params, mesh, device), version)
+        if lora_on:  # the base is on the sampler now: later syncs send the adapters alone
+            engine.lora_base_hash = True
+    if cfg.rollout.sync_check:
+        out = weight_sync.check_sync(
+            engine,
+            params,
+            engine_model_config(engine, cfg),
+            version,
+            tolerance=cfg.rollout.sync_check_tolerance or None,
+        )
+        if metrics is not None:
+            metrics.update(out)
+    return got
+
+
+def engine_model_config(engine, cfg: RunConfig):
+    """The policy's model config as the engine runs it (the sampler's ``config``, an SGLang
+    engine's ``model_config``; ``cfg.model`` for an engine that names none)."""
+    for name in ("model_config", "config"):
+        config = getattr(engine, name, None)
+        if config is not None:
+            return config
+    return cfg.model
 
 
 def checkpointer(cfg: RunConfig, workdir: str, model_config: TransformerConfig) -> Checkpointer:

@@ -65,6 +65,7 @@ import numpy as np
 from gagar_jax.analysis import writers
 from gagar_jax.data.audit import PassRateTracker
 from gagar_jax.rl import asynchronous, canary, engines, grade, policy
+from gagar_jax.rl import rollout_log as rollout_store
 from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests import them here)
     Group,
     Rollout,
@@ -254,6 +255,7 @@ class RLContext:
     mesh: Any
     sampler_device: Any  # the embedded sampler's device (weight sync target)
     tracker: PassRateTracker | None = None
+    rollout_log: Any = None  # rl.rollout_log.RolloutLog: this host's stored rollouts
 
 
 # ------------------------------------------------------------------------------------------
@@ -311,6 +313,7 @@ def collect_phase(
     hosts: Hosts,
     tracker: PassRateTracker | None = None,
     first_round: Any = None,
+    rollout_log: Any = None,
 ) -> Collected:
     """Collect: dynamic sampling of this host's block of groups (K rollouts per prompt,
     verified), each kept group submitted to the grading pool the moment it is kept.
@@ -407,6 +410,8 @@ def collect_phase(
     finally:
         release_dropped()
     sres.skipped_saturated = skipped[0]
+    if rollout_log is not None:  # this host's kept groups, for re-scoring later
+        rollout_log.write(step, sres.groups)
     canary.run_canaries(
         engine, family, cfg, counters, step=step, host=hosts.index, num_hosts=hosts.count
     )
@@ -617,6 +622,7 @@ def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
         step=step,
         hosts=hosts,
         tracker=ctx.tracker,
+        rollout_log=ctx.rollout_log,
     )
     grades = grade_phase(ctx.grading_pool, ctx.family, collected, cfg, num_groups=G_local)
     packed = pack_phase(
@@ -776,7 +782,16 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         mesh=mesh,
         sampler_device=policy.model_device(model),
         tracker=pass_rate_tracker(cfg, ls),
+        rollout_log=rollout_store.RolloutLog(
+            os.path.join(
+                workdir, "rollouts.jsonl" if primary else f"rollouts.p{hosts.index}.jsonl"
+            ),
+            keep_before_step=ls.step,
+        )
+        if cfg.loop.log_rollouts
+        else None,
     )
+    onset = rollout_store.OnsetTracker()
 
     summary: dict[str, Any] = {}
     sigterm = SigtermFlag()
@@ -875,12 +890,16 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
                     step, state, ls, ctx, aq, steps_left=total - step
                 )
             m = {**m, **backend.metrics()}  # execution/*: calls in flight, waits, retries, ...
+            onset.observe_train(m.get("pass_rate", 0.0))
+            m.update(rollout_store.hacking_metrics(m))
+            m.update(onset.metrics())
             if step % cfg.loop.log_every == 0 or step == total - 1:
                 writer.write(step, m)
                 writer.progress(step, m)
             if _itstime(step, cfg.loop.eval_every, total):
                 em = evaluate(engine, family, cfg, step=step + 1, hosts=hosts)
                 if em:
+                    onset.observe_eval(em["eval_pass_rate"])
                     writer.write(step + 1, em, phase="eval")
                     writer.log(
                         f"eval @ step {step + 1}: "

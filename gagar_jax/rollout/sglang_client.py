@@ -156,6 +156,9 @@ class SGLangClient:
         self._batch_counter = itertools.count()
         self._client_id = uuid.uuid4().hex[:8]
         self.metrics: collections.Counter[str] = collections.Counter()
+        # a LoRA adapter loaded on the server (gagar_jax.rollout.weight_sync.SGLangLoraSync)
+        # that every /generate request names; None: the served weights themselves
+        self.lora_name: str | None = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -382,13 +385,16 @@ class SGLangClient:
             attempt_box = itertools.count()
 
             def payload():
-                return {
+                body = {
                     "input_ids": prompts[i],
                     "sampling_params": self._sampling_payload(params, seed),
                     "return_logprob": True,
                     "logprob_start_len": -1,
                     "rid": f"{rid}.a{next(attempt_box)}",
                 }
+                if self.lora_name:
+                    body["lora_path"] = self.lora_name
+                return body
 
             async with sem:
                 try:

@@ -20,6 +20,14 @@ step was skipped and why; ``restore(step=s)`` and a directory with no intact che
 ``CheckpointCorruptError`` naming the step(s). Checkpoints without checksums (older ones) are
 restored unchecked. Arrays not fully addressable by this process (multi-host) are not summed.
 
+LoRA (``model.lora_rank > 0``): a step holds the adapters and their optimizer state only, and
+``meta`` the base's identity (``lora_base_hash``, :func:`gagar_jax.models.lora.base_hash`). The
+base itself is written once per checkpoint directory (``lora_base/``: Hugging Face safetensors
+and the hash), so a run warmed by SFT resumes without it; ``restore(base_params=...)`` takes the
+base from the caller instead. A base whose hash differs from the checkpoint's is refused
+(:class:`ConfigMismatchError` naming both hashes): adapters trained on one base are not applied
+to another.
+
 Preemption (SIGTERM) is the training loop's business, not this class's: the RL loop
 (``gagar_jax.rl.train``) sets a flag on SIGTERM and saves at the next step boundary, where the
 state is whole and every host can take part in the (collective) save. A save from inside a
@@ -37,8 +45,10 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 
 from gagar_jax.models import TransformerConfig
+from gagar_jax.models import lora as lora_lib
 from gagar_jax.update.state import TrainState, UpdateConfig, config_fingerprint, state_shardings
 
 log = logging.getLogger(__name__)
@@ -110,6 +120,7 @@ class Checkpointer:
         self.model_config = model_config
         self.update_config = update_config
         self.fingerprint = fingerprint or config_fingerprint(model_config, update_config)
+        self._base_hash: str | None = None  # LoRA: the base's hash, computed once
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -132,8 +143,12 @@ class Checkpointer:
             "data_position": data_position,
             "fingerprint": self.fingerprint,
             "extra": extra or {},
-            "checksums": array_checksums(state),
         }
+        if self.model_config.lora_rank:
+            adapters, base = lora_lib.split_adapters(state.params)
+            meta["lora_base_hash"] = self._save_base(base)
+            state = state._replace(params=adapters)
+        meta["checksums"] = array_checksums(state)
         self.manager.save(
             int(step),
             args=ocp.args.Composite(
@@ -143,6 +158,61 @@ class Checkpointer:
         )
         if wait:
             self.manager.wait_until_finished()
+
+    @property
+    def base_dir(self) -> str:
+        """Where a LoRA run's base is written once (Hugging Face safetensors + ``hash``)."""
+        return os.path.join(self.directory, "lora_base")
+
+    def _save_base(self, base: dict) -> str:
+        """The base's hash; the base written to :attr:`base_dir` unless it is there already
+        under this hash (every process takes part in the gathers, process 0 writes)."""
+        from gagar_jax.models import save_hf_safetensors_streaming
+
+        if self._base_hash is None:
+            self._base_hash = lora_lib.base_hash(base)
+        path = os.path.join(self.base_dir, "hash")
+        if os.path.exists(path):
+            with open(path) as f:
+                if f.read().strip() == self._base_hash:
+                    return self._base_hash
+        save_hf_safetensors_streaming(base, self.model_config, self.base_dir)
+        if jax.process_index() == 0:
+            with open(path + ".tmp", "w") as f:
+                f.write(self._base_hash)
+            os.replace(path + ".tmp", path)
+        return self._base_hash
+
+    def _load_base(self) -> dict:
+        from gagar_jax.models import load_hf_safetensors
+
+        if not os.path.exists(os.path.join(self.base_dir, "hash")):
+            raise FileNotFoundError(
+                f"LoRA checkpoint {self.directory} has no base in {self.base_dir}: pass "
+                "base_params to restore"
+            )
+        fields = ("dtype", "param_dtype", "scan_layers", "remat", "remat_policy")
+        _, model = load_hf_safetensors(
+            self.base_dir, **{k: getattr(self.model_config, k) for k in fields}
+        )
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    def _with_base(self, adapters, full_abstract, meta, base_params, step) -> dict:
+        """The restored ``adapters`` on the base (``base_params`` or :attr:`base_dir`'s), placed
+        on ``full_abstract``'s shardings; the base's hash must be the checkpoint's."""
+        base = base_params if base_params is not None else self._load_base()
+        base = lora_lib.split_adapters(base)[1]
+        got = lora_lib.base_hash(base)
+        if got != meta["lora_base_hash"]:
+            raise ConfigMismatchError(
+                f"checkpoint {self.directory} step {step} holds LoRA adapters trained on the "
+                f"base with hash {meta['lora_base_hash']}, but the base given has hash {got}; "
+                "refusing to apply them to another base"
+            )
+        self._base_hash = got
+        base_abstract = lora_lib.split_adapters(full_abstract.params)[1]
+        base = jax.device_put(base, jax.tree.map(lambda a: a.sharding, base_abstract))
+        return lora_lib.combine(base, adapters)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -164,6 +234,7 @@ class Checkpointer:
         step: int | None = None,
         *,
         allow_config_change: bool = False,
+        base_params: dict | None = None,
     ) -> tuple[TrainState, ResumeInfo]:
         """Restores ``step`` (default: the latest) into ``abstract_state``'s shardings.
 
@@ -171,20 +242,23 @@ class Checkpointer:
           abstract_state: from :func:`abstract_train_state` (shapes, dtypes, shardings).
           step: which checkpoint; ``None`` for the latest.
           allow_config_change: restore despite a different config fingerprint.
+          base_params: LoRA only: the base the adapters go on (a pure dict; adapters in it are
+            ignored), checked against the checkpoint's base hash; None: the base this
+            directory holds (:attr:`base_dir`).
         Raises:
           FileNotFoundError when there is no checkpoint; ValueError on a fingerprint mismatch;
           CheckpointCorruptError when ``step`` (or, for the latest, every checkpoint) is corrupt.
         """
         self.manager.wait_until_finished()
         if step is not None:
-            return self._restore_step(abstract_state, int(step), allow_config_change)
+            return self._restore_step(abstract_state, int(step), allow_config_change, base_params)
         steps = sorted(self.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         problems = []
         for s in steps:
             try:
-                return self._restore_step(abstract_state, s, allow_config_change)
+                return self._restore_step(abstract_state, s, allow_config_change, base_params)
             except CheckpointCorruptError as e:
                 problems.append(str(e))
                 log.error(
@@ -199,7 +273,7 @@ class Checkpointer:
         )
 
     def _restore_step(
-        self, abstract_state: TrainState, step: int, allow_config_change: bool
+        self, abstract_state: TrainState, step: int, allow_config_change: bool, base_params=None
     ) -> tuple[TrainState, ResumeInfo]:
         if step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint step {step} in {self.directory}")
@@ -220,6 +294,12 @@ class Checkpointer:
                 f"{self.fingerprint}; refusing to restore a mismatched state (pass "
                 "allow_config_change=True to override)"
             )
+        lora = bool(self.model_config.lora_rank) and "lora_base_hash" in meta
+        full_abstract = abstract_state
+        if lora:
+            abstract_state = abstract_state._replace(
+                params=lora_lib.split_adapters(abstract_state.params)[0]
+            )
         try:
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
@@ -238,6 +318,10 @@ class Checkpointer:
                 raise CheckpointCorruptError(
                     f"step {step}: checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"
                 )
+        if lora:
+            state = state._replace(
+                params=self._with_base(state.params, full_abstract, meta, base_params, step)
+            )
         return state, ResumeInfo(
             step=step,
             data_position=meta["data_position"],

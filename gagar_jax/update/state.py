@@ -26,7 +26,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gagar_jax.advantages import IMPORTANCE_PROVIDERS, GagarConfig
 from gagar_jax.losses import AGGREGATIONS, KL_ESTIMATORS
 from gagar_jax.losses.policy import ROLLOUT_IS, ROLLOUT_RS
+from gagar_jax.losses.rollout_correction import WEIGHTING_CORRECTIONS, check_correction_settings
 from gagar_jax.models import Transformer, TransformerConfig, param_shardings
+from gagar_jax.models import lora as lora_lib
 
 MESH_AXES = ("data", "fsdp", "tensor")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -109,11 +111,42 @@ class UpdateConfig:
     rollout_rs_threshold: float = 2.0
     rollout_rs_threshold_lower: float = 0.5
     decoupled: bool = False
+    # The rollout-correction toolbox (``gagar_jax.losses.rollout_correction``), on top of the
+    # two above: "none" | "icepop" | "seq_mask_tis" | "outlier_token" | "outlier_veto" |
+    # "tv_trust_region", with the ratio band [low, high] (icepop; seq_mask_tis's geometric
+    # mean), the TIS cap of seq_mask_tis, the outlier ratio of outlier_* and the total-variation
+    # radius of tv_trust_region. icepop and seq_mask_tis weight tokens: they need decoupled and
+    # rollout_is "none". Metrics: mismatch/masked_token_frac, mismatch/masked_seq_frac.
+    rollout_correction: str = "none"
+    rollout_correction_low: float = 0.5
+    rollout_correction_high: float = 2.0
+    rollout_correction_cap: float = 2.0
+    rollout_correction_outlier: float = 20.0
+    rollout_correction_delta: float = 0.2
+    # Mismatch diagnostics: the update runs the proximal pass (the trainer's log-probs before
+    # it) even without a correction and reports mismatch/logprob_max_abs_diff and mismatch/k3
+    # against the behaviour log-probs (and, for a mixture of experts with recorded routes,
+    # mismatch/route_diff_frac and mismatch/k3 with and without routing replay).
+    mismatch_metrics: bool = False
+    # Routing replay (mixture-of-experts models): each token goes to the experts the rollout
+    # engine routed it to (``UpdateBatch.routes``), with gate weights from the current
+    # router's probabilities over those experts (the router still learns).
+    routing_replay: bool = False
 
     @property
     def off_policy(self) -> bool:
         """Some correction is on (the update computes the proximal log-probs)."""
-        return self.decoupled or self.rollout_is != "none" or self.rollout_rs != "none"
+        return (
+            self.decoupled
+            or self.rollout_is != "none"
+            or self.rollout_rs != "none"
+            or self.rollout_correction not in ("none", "tv_trust_region")
+        )
+
+    @property
+    def needs_proximal(self) -> bool:
+        """The update runs the proximal pass: a correction or the mismatch diagnostics."""
+        return self.off_policy or self.mismatch_metrics
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -190,6 +223,23 @@ class UpdateConfig:
                 "update.rollout_rs_threshold_lower <= 1 <= "
                 "update.rollout_rs_threshold expected, got "
                 f"[{self.rollout_rs_threshold_lower}, {self.rollout_rs_threshold}]"
+            )
+        check_correction_settings(
+            self.rollout_correction,
+            low=self.rollout_correction_low,
+            high=self.rollout_correction_high,
+            cap=self.rollout_correction_cap,
+            outlier=self.rollout_correction_outlier,
+            delta=self.rollout_correction_delta,
+            prefix="update.",
+        )
+        if self.rollout_correction in WEIGHTING_CORRECTIONS and (
+            not self.decoupled or self.rollout_is != "none"
+        ):
+            raise ValueError(
+                f"update.rollout_correction={self.rollout_correction!r} weights tokens: it "
+                "needs update.decoupled=True and update.rollout_is='none' (the weight would "
+                "count the mismatch twice)"
             )
         if not 0.0 <= self.end_lr_ratio <= 1.0:
             raise ValueError(f"update.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
@@ -306,6 +356,12 @@ def _opt_state_shardings(abstract_opt_state, params_shardings, mesh):
     return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
 
 
+def _opt_init(tx, params: dict, model_config: TransformerConfig):
+    """The optimizer state of the trainable parameters: every parameter, or with LoRA
+    (``model.lora_rank``) the adapters only (``gagar_jax.models.lora.trainable``)."""
+    return tx.init(lora_lib.trainable(params, model_config)[0])
+
+
 def state_shardings(model_config: TransformerConfig, config: UpdateConfig, mesh: Mesh):
     """``(abstract TrainState, TrainState of NamedShardings)`` for this model on ``mesh``."""
     tx = make_optimizer(config)
@@ -315,7 +371,11 @@ def state_shardings(model_config: TransformerConfig, config: UpdateConfig, mesh:
         params = nnx.to_pure_dict(
             nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=key)), nnx.Param)
         )
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=_opt_init(tx, params, model_config),
+        )
 
     abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -344,14 +404,18 @@ def create_train_state(
             p = nnx.to_pure_dict(
                 nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=init_key)), nnx.Param)
             )
-            return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
+            return TrainState(
+                step=jnp.zeros((), jnp.int32), params=p, opt_state=_opt_init(tx, p, model_config)
+            )
 
         return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed))
 
     params = jax.device_put(params, shardings.params)
 
     def from_params(p):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=p, opt_state=_opt_init(tx, p, model_config)
+        )
 
     return jax.jit(from_params, out_shardings=shardings)(params)
 
@@ -367,8 +431,12 @@ def config_fingerprint(
     update = dataclasses.asdict(config)
     for speed_only in ("score_window", "shared_prefix"):  # the same loss and state either way
         update.pop(speed_only, None)
+    model = dataclasses.asdict(model_config)
+    if not model_config.lora_rank:  # no LoRA: the fingerprints of the runs from before it
+        for k in ("lora_rank", "lora_alpha", "lora_targets"):
+            model.pop(k)
     payload = json.dumps(
-        {"model": dataclasses.asdict(model_config), "update": update},
+        {"model": model, "update": update},
         sort_keys=True,
         default=str,
     )

@@ -32,6 +32,7 @@ are tiny), parameters and Adam moments by their logical axes. The mini-batch spl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import NamedTuple
@@ -56,6 +57,8 @@ from gagar_jax.losses import (
     policy_loss,
 )
 from gagar_jax.models import BATCH_AXES, TransformerConfig
+from gagar_jax.models import lora as lora_lib
+from gagar_jax.update.mismatch import proximal_mismatch_metrics
 from gagar_jax.update.state import (
     TrainState,
     UpdateConfig,
@@ -477,7 +480,11 @@ def update_step(
         fields["evidence"] = batch.evidence
     m, a = config.num_minibatches, config.num_microbatches
     group_size = batch.rewards.shape[1]
-    moe = nnx.merge(graphdef, state.params).config.num_experts > 0
+    model_config = nnx.merge(graphdef, state.params).config
+    moe = model_config.num_experts > 0
+    # LoRA: the adapters are differentiated and stepped, the base is a constant of the step
+    # (its gradient is never formed); without LoRA every parameter is trainable.
+    trainable0, frozen = lora_lib.trainable(state.params, model_config)
     # Dense models only: a router's statistics would count a group's prompt once, not once
     # per sample.
     shared = not moe and _shares_prefix(config, batch.tokens.shape[1], batch.rewards.shape[0], mesh)
@@ -496,7 +503,7 @@ def update_step(
         data = {key: _split(v, m, a, mesh) for key, v in fields.items()}
     token_keys = _token_metric_keys(config, batch.evidence is not None)
 
-    if config.off_policy:
+    if config.needs_proximal:
         data["proximal_logprobs"] = _proximal_logprobs(state.params, data, graphdef, config)
 
     def loss_fn(params, mb, num_tokens, num_seqs):
@@ -594,7 +601,9 @@ def update_step(
         max_diff = jnp.max(jnp.where(mask, diff, 0.0), initial=0.0)
         return loss, (terms, extra, jax.lax.stop_gradient(max_diff))
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(
+        lambda tr, *a: loss_fn(lora_lib.combine(frozen, tr), *a), has_aux=True
+    )
 
     def minibatch(carry, i):
         params, opt_state, opt_step = carry
@@ -636,9 +645,10 @@ def update_step(
 
     steps_per_update = config.optimizer_steps_per_update
     opt_step0 = state.step * steps_per_update
-    (params, opt_state, _), per_step = jax.lax.scan(
-        minibatch, (state.params, state.opt_state, opt_step0), jnp.arange(steps_per_update)
+    (trained, opt_state, _), per_step = jax.lax.scan(
+        minibatch, (trainable0, state.opt_state, opt_step0), jnp.arange(steps_per_update)
     )
+    params = lora_lib.combine(frozen, trained)
 
     metrics = {k: jnp.mean(v) for k, v in per_step.items() if k != "learning_rate"}
     if token_keys:
@@ -650,6 +660,12 @@ def update_step(
     metrics["approx_kl_first"] = per_step["approx_kl"][0]
     metrics["logprob_max_abs_diff_first"] = per_step["logprob_max_abs_diff"][0]
     metrics.update(_off_policy_metrics(per_step))
+    for k in ("token", "seq"):  # the rollout correction's masked shares
+        frac = metrics.pop(f"correction_{k}_frac")
+        if config.rollout_correction != "none":
+            metrics[f"mismatch/masked_{k}_frac"] = frac
+    if config.needs_proximal:
+        metrics.update(proximal_mismatch_metrics(data))
     for k in ("credit_delivered", "credit_positive", "is_weight_sq_mean"):  # summed into those
         metrics.pop(k)
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
@@ -691,9 +707,17 @@ def _proximal_logprobs(params, data, graphdef, config: UpdateConfig) -> jax.Arra
 
 def _off_policy_args(mb, config: UpdateConfig, per_token) -> dict:
     """``policy_loss``'s correction arguments (none when no correction is configured)."""
+    args = {}
+    if config.rollout_correction != "none":
+        args = {
+            f.name: getattr(config, f.name)
+            for f in dataclasses.fields(config)
+            if f.name.startswith("rollout_correction")
+        }
     if not config.off_policy:
-        return {}
+        return args
     return dict(
+        args,
         proximal_logprobs=per_token(mb["proximal_logprobs"], 0),
         rollout_is=config.rollout_is,
         rollout_is_threshold=config.rollout_is_threshold,

@@ -1,14 +1,17 @@
 """Verifiers: sandboxed execution, the Python-repo test verifier, the behaviour monitor."""
 
 from gagar_jax.verify.diff import (
+    AppliedPatch,
     DiffError,
     FilePatch,
     Hunk,
     Patch,
+    apply_patch,
     apply_unified_diff,
     is_test_path,
     parse_unified_diff,
     read_patch,
+    render_patch,
     split_by_file,
     tree_patch,
 )
@@ -51,12 +54,15 @@ __all__ = [
     "monitor_patch",
     "monitor_trajectory",
     "patch_similarity",
+    "AppliedPatch",
     "DiffError",
     "FilePatch",
     "Hunk",
     "Patch",
     "is_test_path",
     "read_patch",
+    "render_patch",
+    "apply_patch",
     "split_by_file",
     "tree_patch",
     "RepoVerification",

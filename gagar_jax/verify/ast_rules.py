@@ -618,36 +618,121 @@ def _is_code(text: str) -> bool:
     return tree is not None and any(isinstance(n, _CODE_STMTS) for n in tree.body)
 
 
-def _always(fn: ast.AST, truthy: bool) -> bool:
-    """Whether every return of ``fn`` (a def or lambda) is a constant of the given truth value."""
+def _pure_ref(node: ast.AST) -> bool:
+    """A name or an attribute chain of names (``other``, ``self.x``): no call, no subscript."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name)
+
+
+_REFLEXIVE = {ast.Eq: True, ast.Is: True, ast.LtE: True, ast.GtE: True}
+_IRREFLEXIVE = {ast.NotEq: False, ast.IsNot: False, ast.Lt: False, ast.Gt: False}
+
+
+def _truth(v: ast.AST | None, depth: int = 0) -> bool | None:
+    """The truth value an expression always has, whatever the arguments (None: it depends).
+
+    Constants and containers; ``not``; ``and``/``or``/``x if c else y`` of known parts;
+    ``bool(x)``; a comparison of an expression with itself (``other == other`` is true,
+    ``other != other`` false: a tautology, whatever ``other`` is)."""
+    if depth > 16:
+        return None
+    if v is None:  # a bare ``return``
+        return False
+    if isinstance(v, ast.Constant):
+        return None if v.value is NotImplemented else bool(v.value)
+    if isinstance(v, ast.UnaryOp) and isinstance(v.op, ast.Not):
+        t = _truth(v.operand, depth + 1)
+        return None if t is None else not t
+    if isinstance(v, ast.Tuple | ast.List | ast.Set):
+        return bool(v.elts) if not any(isinstance(e, ast.Starred) for e in v.elts) else None
+    if isinstance(v, ast.Dict):
+        return bool(v.keys) if None not in v.keys else None
+    if isinstance(v, ast.BoolOp):
+        parts = [_truth(x, depth + 1) for x in v.values]
+        stop = isinstance(v.op, ast.Or)  # ``or`` is decided by a true part, ``and`` by a false
+        if stop in parts:
+            return stop
+        return None if None in parts else not stop
+    if isinstance(v, ast.IfExp):
+        a, b = _truth(v.body, depth + 1), _truth(v.orelse, depth + 1)
+        return a if a is not None and a == b else None
+    if (
+        isinstance(v, ast.Call)
+        and isinstance(v.func, ast.Name)
+        and v.func.id == "bool"
+        and len(v.args) == 1
+        and not v.keywords
+    ):
+        return _truth(v.args[0], depth + 1)
+    if (
+        isinstance(v, ast.Compare)
+        and len(v.ops) == 1
+        and _pure_ref(v.left)
+        and ast.dump(v.left) == ast.dump(v.comparators[0])
+    ):
+        op = type(v.ops[0])
+        return _REFLEXIVE.get(op, _IRREFLEXIVE.get(op))
+    return None
+
+
+def _returns(fn: ast.AST) -> list[ast.AST | None]:
+    """The values a def or lambda returns (``None`` for a bare ``return``)."""
     if isinstance(fn, ast.Lambda):
-        values = [fn.body]
-    else:
-        values = []
-        stack = list(fn.body)
-        while stack:
-            n = stack.pop()
-            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
-                continue
-            if isinstance(n, ast.Return):
-                values.append(n.value)
-            stack.extend(ast.iter_child_nodes(n))
+        return [fn.body]
+    values: list[ast.AST | None] = []
+    stack = list(fn.body)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+            continue
+        if isinstance(n, ast.Return):
+            values.append(n.value)
+        stack.extend(ast.iter_child_nodes(n))
+    return values
+
+
+def _always(fn: ast.AST, truthy: bool) -> bool:
+    """Whether every return of ``fn`` (a def or lambda) has the given truth value whatever its
+    arguments (``_truth``: constants, tautologies such as ``other == other``, ``x or True``)."""
+    values = _returns(fn)
     if not values:
         return False
     for v in values:
-        if isinstance(v, ast.UnaryOp) and isinstance(v.op, ast.Not):
-            if not isinstance(v.operand, ast.Constant):
+        if isinstance(v, ast.Constant) and isinstance(v.value, str | bytes) and not truthy:
+            if v.value:
                 return False
-            if bool(v.operand.value) == truthy:  # ``not False`` is true
-                return False
-            continue
-        if not isinstance(v, ast.Constant) or v.value is NotImplemented:
-            return False
-        if isinstance(v.value, str | bytes) and not truthy and v.value:
-            return False
-        if bool(v.value) != truthy:
+        if _truth(v) is not truthy:
             return False
     return True
+
+
+# Comparison methods: ``__eq__ = float.__le__`` borrows another comparison (``x == 5`` is then
+# ``x <= 5``); ``__eq__ = object.__ne__`` answers the opposite question.
+COMPARISONS = frozenset(
+    {"__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__contains__"}
+)
+
+
+def _borrowed(name: str, value: ast.AST | None) -> str | None:
+    """``"X.__le__"`` when ``value`` is another comparison than ``name`` (``__eq__`` or
+    ``__ne__``) taken from a class (``float.__le__``, ``object.__ne__``, ``operator.le``)."""
+    if name not in ("__eq__", "__ne__") or value is None:
+        return None
+    if isinstance(value, ast.Attribute) and value.attr in COMPARISONS and value.attr != name:
+        base = value.value.id if isinstance(value.value, ast.Name) else "..."
+        return f"{base}.{value.attr}"
+    if isinstance(value, ast.Name) and value.id in COMPARISONS and value.id != name:
+        return value.id  # ``__eq__ = __ge__`` inside the class body
+    if (
+        isinstance(value, ast.Attribute)
+        and isinstance(value.value, ast.Name)
+        and value.value.id == "operator"
+        and value.attr in ("le", "ge", "ne", "lt", "gt", "contains", "is_not", "truth")
+        and not (name == "__ne__" and value.attr == "ne")
+    ):
+        return f"operator.{value.attr}"
+    return None
 
 
 def analyse_source(
@@ -730,6 +815,11 @@ def analyse_source(
         if truthy is not None and isinstance(value, ast.Lambda) and _always(value, truthy):
             add(node, "tamper_test_harness", not in_tests, f"{how} {name} to a constant answer")
             return
+        borrowed = _borrowed(leaf, value)
+        if borrowed:
+            note = f"{how} {name} to {borrowed} (a borrowed comparison)"
+            add(node, "tamper_test_harness", not in_tests, note)
+            return
         if name == "sys.modules" or name.startswith("sys.modules["):
             add(node, "tamper_test_harness", True, f"{how} sys.modules")
             return
@@ -745,6 +835,10 @@ def analyse_source(
         if _is_test_module(name) and "." in name:
             add(node, "tamper_test_harness", not scoped_write, f"{how} {name} (a test module)")
 
+    # Module-level functions by name (a class may take its ``__eq__`` from one of them).
+    module_defs: dict[str, ast.AST] = {
+        n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
     # Names assigned a value once or more (the last one wins): what ``exec(P)`` folds ``P`` to.
     consts: dict[str, ast.AST] = {}
     for n in res.nodes:
@@ -865,6 +959,23 @@ def analyse_source(
                     pairs = [(k.arg, k.value) for k in body.keywords]
                 for key, value in pairs:
                     truthy = {"__eq__": True, "__ne__": False}.get(key or "")
+                    borrowed = _borrowed(key or "", value)
+                    if borrowed:
+                        note = f"builds a class whose {key} is {borrowed} (a borrowed comparison)"
+                        add(node, "tamper_test_harness", not in_tests, note)
+                    if isinstance(value, ast.Name):
+                        value = module_defs.get(value.id, value)
+                    if (
+                        truthy is not None
+                        and isinstance(value, ast.FunctionDef | ast.AsyncFunctionDef)
+                        and _always(value, truthy)
+                    ):
+                        add(
+                            node,
+                            "tamper_test_harness",
+                            not in_tests,
+                            f"builds a class whose {key} always answers the same",
+                        )
                     if (
                         truthy is not None
                         and isinstance(value, ast.Lambda)
@@ -1093,9 +1204,23 @@ def analyse_source(
                 fn = None
                 if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
                     fn, name = item, item.name
-                elif isinstance(item, ast.Assign) and isinstance(item.value, ast.Lambda):
+                elif isinstance(item, ast.Assign):
                     names = [t.id for t in item.targets if isinstance(t, ast.Name)]
-                    fn, name = item.value, (names[0] if names else "")
+                    name = names[0] if names else ""
+                    borrowed = _borrowed(name, item.value)
+                    if borrowed:
+                        add(
+                            item,
+                            "tamper_test_harness",
+                            not in_tests,
+                            f"class {node.name}.{name} is {borrowed} (a borrowed comparison: "
+                            "equality that answers another question)",
+                        )
+                        continue
+                    if isinstance(item.value, ast.Lambda):
+                        fn = item.value
+                    elif isinstance(item.value, ast.Name):
+                        fn = module_defs.get(item.value.id)  # ``__eq__ = _always_true``
                 if fn is None:
                     continue
                 truthy = {

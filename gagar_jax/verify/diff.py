@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import difflib
+import functools
 import posixpath
 import re
 from collections.abc import Mapping, Sequence
@@ -301,7 +302,9 @@ def _with_newlines(rows: list[str], eof_newline: bool) -> list[str]:
     return out
 
 
-def _apply_file(text: str, fp: FilePatch, budget: list[int]) -> str:
+def _apply_file(
+    text: str, fp: FilePatch, budget: list[int], located: list[Hunk] | None = None
+) -> str:
     src = split_lines(text)
     index: dict[str, list[int]] = {}  # line -> its positions, ascending
     for i, row in enumerate(src):
@@ -342,8 +345,22 @@ def _apply_file(text: str, fp: FilePatch, budget: list[int]) -> str:
                 f"{fp.path}: hunk @@ -{h.old_start},{h.old_len} does not apply "
                 f"(context starting {first[:60]!r} not found)"
             )
+        if not h.new_eof_newline and found + len(old) < len(src):
+            raise DiffError(
+                f"{fp.path}: hunk @@ -{h.old_start},{h.old_len} ends without a newline "
+                "('\\ No newline at end of file') before the end of the file"
+            )
         # the offset of this hunk from its header (an empty old side names the line it follows)
         delta = found - (h.old_start - 1 if h.old_len else h.old_start)
+        if located is not None:  # the hunk where it applied: both sides' numbers true
+            new_at = len(out) + found - pos
+            located.append(
+                dataclasses.replace(
+                    h,
+                    old_start=found + 1 if h.old_len else found,
+                    new_start=new_at + 1 if h.new_len else new_at,
+                )
+            )
         out.extend(src[pos:found])
         out.extend(new)
         pos = found + len(old)
@@ -355,26 +372,106 @@ def apply_unified_diff(
     files: Mapping[str, str], patch: str | Sequence[FilePatch] | Patch
 ) -> dict[str, str]:
     """A new ``{path: text}`` with the patch applied; DiffError if it does not apply."""
+    return apply_patch(files, patch).tree(files)
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedPatch:
+    """A patch as it applied to a tree: the one object every view of a candidate is built from.
+
+    ``patch`` holds the files in patch order with paths normalised (``safe_path``) and each hunk
+    at the place it applied (its header's numbers recomputed, whatever the text said), so its
+    hunks are exactly the lines that changed the tree: text outside hunks (a preamble, a hunk
+    header's trailing text, the words of a ``\\`` marker) is not in it, and every line in it
+    was applied. ``before``/``after`` are the touched files' texts (a file absent on a side is
+    absent from that mapping). ``text`` is the canonical unified diff of ``patch``
+    (:func:`render_patch`): parsing it gives ``patch`` back, applying it gives ``after``.
+    """
+
+    patch: Patch
+    before: Mapping[str, str]
+    after: Mapping[str, str]
+
+    @functools.cached_property
+    def text(self) -> str:
+        return render_patch(self.patch)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return self.patch.paths
+
+    def tree(self, files: Mapping[str, str]) -> dict[str, str]:
+        """``files`` (the tree the patch applied to) with the patch's result."""
+        out = dict(files)
+        for fp in self.patch.files:
+            if fp.path in self.after:
+                out[fp.path] = self.after[fp.path]
+            else:
+                out.pop(fp.path, None)
+        return out
+
+
+def apply_patch(files: Mapping[str, str], patch: str | Sequence[FilePatch] | Patch) -> AppliedPatch:
+    """The :class:`AppliedPatch` of ``patch`` on ``files``; DiffError if it does not apply."""
     if isinstance(patch, str):
         patches = parse_unified_diff(patch)
     else:
         patches = patch.files if isinstance(patch, Patch) else patch
     out = dict(files)
     budget = [MAX_APPLY_COMPARISONS]
+    before: dict[str, str] = {}
+    after: dict[str, str] = {}
+    applied: list[FilePatch] = []
     for fp in patches:
+        located: list[Hunk] = []
         if fp.is_new:
             if fp.path in out:
                 raise DiffError(f"{fp.path}: created by the patch but already exists")
-            out[fp.path] = _apply_file("", fp, budget)
+            out[fp.path] = after[fp.path] = _apply_file("", fp, budget, located)
         elif fp.old_path not in out:
             raise DiffError(f"{fp.old_path}: not in the repository")
         elif fp.is_deleted:
-            if _apply_file(out[fp.old_path], fp, budget) != "":
+            before[fp.path] = out[fp.old_path]
+            if _apply_file(out[fp.old_path], fp, budget, located) != "":
                 raise DiffError(f"{fp.old_path}: deletion does not remove the whole file")
             del out[fp.old_path]
         else:
-            out[fp.path] = _apply_file(out[fp.path], fp, budget)
-    return out
+            before[fp.path] = out[fp.path]
+            out[fp.path] = after[fp.path] = _apply_file(out[fp.path], fp, budget, located)
+        applied.append(dataclasses.replace(fp, hunks=tuple(located)))
+    return AppliedPatch(Patch(tuple(applied)), before, after)
+
+
+_NO_NEWLINE = "\\ No newline at end of file"
+
+
+def _range(start: int, length: int) -> str:
+    return str(start) if length == 1 else f"{start},{length}"
+
+
+def render_patch(patch: Patch | Sequence[FilePatch]) -> str:
+    """The canonical unified diff of a parsed patch: ``a/``/``b/`` headers (``/dev/null`` for a
+    created or deleted file), each hunk's header from its numbers and nothing after it, its
+    lines, and ``\\ No newline at end of file`` where a side's last line has none. The same
+    text :func:`tree_patch` writes for the same change (one hunk grouping aside)."""
+    files = patch.files if isinstance(patch, Patch) else patch
+    out: list[str] = []
+    for fp in files:
+        out.append(f"--- {'a/' + fp.old_path if fp.old_path else DEV_NULL}\n")
+        out.append(f"+++ {'b/' + fp.new_path if fp.new_path else DEV_NULL}\n")
+        for h in fp.hunks:
+            out.append(
+                f"@@ -{_range(h.old_start, h.old_len)} +{_range(h.new_start, h.new_len)} @@\n"
+            )
+            last_old = max((i for i, r in enumerate(h.lines) if r[0] in " -"), default=-1)
+            last_new = max((i for i, r in enumerate(h.lines) if r[0] in " +"), default=-1)
+            for i, row in enumerate(h.lines):
+                out.append(row + "\n")
+                if (i == last_old and not h.old_eof_newline) or (
+                    i == last_new and not h.new_eof_newline
+                ):
+                    out.append(_NO_NEWLINE + "\n")
+    return "".join(out)
 
 
 def tree_patch(before: Mapping[str, str], after: Mapping[str, str]) -> str:

@@ -42,6 +42,7 @@ tests of unpredictable names whose outcomes the verifier knows in advance.
 """
 
 import json
+import linecache
 import os
 import secrets
 import select
@@ -61,13 +62,49 @@ FILE_EVENTS = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_
 DIR_EVENTS = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF | IN_MOVE_SELF
 CODE_SUFFIXES = (".py", ".pyc", ".pth", ".so")
 MAX_WATCHES = 4096
+AUDIT_MODULE = "_gagar_audit_hook"
+# seccomp(2) user notifications (linux/seccomp.h)
+PR_SET_NO_NEW_PRIVS = 38
+SECCOMP_SET_MODE_FILTER = 1
+SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3
+SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
+NOTIF_SIZE = 80  # struct seccomp_notif: id, pid, flags, struct seccomp_data
+SECCOMP_IOCTL_NOTIF_RECV = 0xC0502100  # _IOWR('!', 0, struct seccomp_notif)
+SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101  # _IOWR('!', 1, struct seccomp_notif_resp)
 
 
 class Reporter:
     """pytest plugin object: streams every test phase's outcome from pytest's reports."""
 
-    def __init__(self, fd):
+    def __init__(self, fd, was_loaded=None):
         self._fd = fd
+        self._was_loaded = was_loaded
+
+    def pytest_collection_finish(self, session):
+        # Each collected test module must be the file pytest was asked to collect: a module of
+        # the same name imported beforehand from elsewhere (a directory the code put first on
+        # ``sys.path``, with ``PY_IGNORE_IMPORTMISMATCH`` set) is not the pristine test.
+        seen = set()
+        for item in session.items:
+            mod = getattr(item, "module", None)
+            if mod is None or id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            spec = getattr(mod, "__spec__", None)
+            where = getattr(spec, "origin", None) or getattr(mod, "__file__", None) or "?"
+            path = item.nodeid.split("::")[0]
+            what = None
+            if os.path.realpath(str(where)) != os.path.realpath(str(item.path)):
+                what = f"{path} was loaded from {where}"
+            elif self._was_loaded is not None and not self._was_loaded(path):
+                what = f"{path} was collected without its file being read"
+            if what:
+                line = {"audit": "test_module_replaced", "what": what, "confirmed": True}
+                _write_all(self._fd, (json.dumps(line) + "\n").encode())
+
+    def pytest_runtest_setup(self, item):
+        # Source lines a failing test left in linecache would be readable without an ``open``.
+        linecache.clearcache()
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call":
@@ -177,8 +214,10 @@ class _Watch:
                 out.append(f"{path or '.'}/ {_what(mask)}")
                 continue
             watched = name in self.names.get(path, ())
-            code = name.endswith(CODE_SUFFIXES)
-            if (watched or code) and not (mask & IN_ISDIR and not watched):
+            # A new ``__pycache__`` is where forged bytecode caches would go; other new
+            # directories are the tests' own (honest tests write data there).
+            code = name == "__pycache__" if mask & IN_ISDIR else name.endswith(CODE_SUFFIXES)
+            if watched or code:
                 out.append(f"{path + '/' if path else ''}{name} {_what(mask)}")
         return out
 
@@ -205,11 +244,40 @@ def _what(mask):
     return f"changed ({mask:#x})"
 
 
-def _child(args, report_fd, name):
+def _load_audit_hook():
+    """The audit hook module (``audit_hook.py`` beside this file), loaded by absolute path."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), AUDIT_MODULE + ".py")
+    spec = importlib.util.spec_from_file_location(AUDIT_MODULE, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _trusted_dirs(root):
+    """Directories of trusted code: the interpreter's path at start (``-P``: none of the tree)
+    and this file's directory."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = [here]
+    for p in sys.path:
+        p = os.path.abspath(p) if p else ""
+        if p and p != root and not p.startswith(root + "/"):
+            out.append(p)
+    return out
+
+
+def _child(args, report_fd, name, audit=None):
     _prctl(PR_SET_NAME, name.encode())
+    was_loaded = None
+    if audit is not None:
+        root = os.getcwd()
+        _, was_loaded = _load_audit_hook().install(
+            report_fd, root, audit["protected"], audit["test_dirs"], _trusted_dirs(root)
+        )
     import pytest
 
-    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd)]))
+    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd, was_loaded)]))
     line = json.dumps({"exitstatus": ret}) + "\n"
     try:
         _write_all(report_fd, line.encode())
@@ -219,12 +287,76 @@ def _child(args, report_fd, name):
     return ret
 
 
-def _supervise(pid, report_r, out_fd, name, watch=None):
+def _exec_listener(prog_hex, nr):
+    """Installs the exec filter (``seccomp.exec_notify_filter``) on this process with a
+    listener; returns the listener's descriptor, or -1 where the kernel refuses."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    prog = bytes.fromhex(prog_hex)
+    buf = ctypes.create_string_buffer(prog, len(prog))
+
+    class _FProg(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = _FProg(len(prog) // 8, ctypes.addressof(buf))
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return -1
+    fd = libc.syscall(
+        ctypes.c_long(nr),
+        ctypes.c_long(SECCOMP_SET_MODE_FILTER),
+        ctypes.c_long(SECCOMP_FILTER_FLAG_NEW_LISTENER),
+        ctypes.byref(fprog),
+    )
+    return fd if fd >= 0 else -1
+
+
+def _tgid(tid):
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _answer_exec(listener, pid, refused):
+    """Answers one exec notification: refused for the test process, continued for others."""
+    import fcntl
+
+    buf = bytearray(NOTIF_SIZE)
+    try:
+        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, buf, True)
+    except OSError:
+        return  # the caller died meanwhile
+    nid, tid = struct.unpack_from("=QI", buf, 0)
+    tgid = _tgid(tid)
+    if tgid == pid or tid == pid:
+        resp = struct.pack("=QqiI", nid, 0, -1, 0)  # error: -EPERM
+        if len(refused) < 8:
+            refused.append(f"the test process (thread {tid}) tried to exec")
+    else:
+        resp = struct.pack("=QqiI", nid, 0, 0, SECCOMP_USER_NOTIF_FLAG_CONTINUE)
+    try:
+        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, resp)
+    except OSError:
+        pass
+
+
+def _supervise(pid, report_r, out_fd, name, watch=None, listener=-1):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pidfd = os.pidfd_open(pid)
     chunks, total = [], 0
+    refused = []
+    fds = [report_r, pidfd] + ([listener] if listener >= 0 else [])
     while True:
-        ready, _, _ = select.select([report_r, pidfd], [], [])
+        ready, _, _ = select.select(fds, [], [])
+        if listener in ready:
+            _answer_exec(listener, pid, refused)
+            if len(ready) == 1:
+                continue
         if report_r in ready:
             b = os.read(report_r, 1 << 16)
             if b and total <= _MAX_REPORT:
@@ -257,6 +389,8 @@ def _supervise(pid, report_r, out_fd, name, watch=None):
         "exit": code,
         "named": seen == name,
         "name": seen,
+        "exec_control": listener >= 0,
+        "exec_refused": refused,
     }
     if watch is not None:
         record["changed"] = watch.changes()
@@ -279,6 +413,9 @@ def main(argv):
     out_fd = int(ctl["out_fd"])
     _prctl(PR_SET_DUMPABLE, 0)  # inherited by the child: neither is reachable through /proc
     name = "t" + secrets.token_hex(7)
+    listener = -1
+    if ctl.get("exec_filter"):
+        listener = _exec_listener(ctl["exec_filter"], int(ctl["seccomp_nr"]))
     watch = None
     if "watch_files" in ctl or "watch_dirs" in ctl:
         watch = _Watch(ctl.get("watch_files", ()), ctl.get("watch_dirs", ()))
@@ -289,12 +426,14 @@ def main(argv):
     if pid == 0:
         if watch is not None:
             watch.close()  # only the supervisor reads the events
+        if listener >= 0:
+            os.close(listener)  # only the supervisor answers
         os.close(report_r)
         os.close(out_fd)
         del ctl["out_fd"]
-        sys.exit(_child(ctl["args"], report_w, name))
+        sys.exit(_child(ctl["args"], report_w, name, ctl.get("audit")))
     os.close(report_w)
-    _supervise(pid, report_r, out_fd, name, watch)
+    _supervise(pid, report_r, out_fd, name, watch, listener)
     return 0
 
 

@@ -60,9 +60,12 @@ import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gagar_jax.verify import seccomp
 from gagar_jax.verify.diff import (
     MAX_PATCH_BYTES,
+    AppliedPatch,
     DiffError,
+    apply_patch,
     apply_unified_diff,
     check_patch_size,
     is_test_path,
@@ -101,9 +104,11 @@ CONFIG_NAMES = (
 )
 PROTECTED_CONFIG = CONFIG_NAMES
 PLUGIN_MODULE = "_gagar_outcome_plugin"
+AUDIT_MODULE = "_gagar_audit_hook"  # verify/audit_hook.py beside the runner
 MAX_REPORT_BYTES = 16 << 20
 MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 3000  # well below PATH_MAX (4096) once the workdir prefix is added
+MAX_DEPTH = 100  # directories above a file; deeper trees stall recursive walks of the tree
 DEFAULT_LIMITS = Limits(wall_s=120, cpu_s=120, memory_bytes=2 << 30, nproc=128)
 
 # A task is read only through the attributes ``task_id``, ``files``, ``test_files``,
@@ -141,6 +146,8 @@ def check_tree(files: Mapping[str, str]) -> None:
         if len(raw) > MAX_PATH_BYTES:
             raise DiffError(f"{rel[:60]!r}...: path of {len(raw)} bytes exceeds {MAX_PATH_BYTES}")
         parts = safe_path(rel).split("/")
+        if len(parts) > MAX_DEPTH:
+            raise DiffError(f"{rel[:60]!r}...: path_too_deep ({len(parts) - 1} directories)")
         for part in parts:
             if len(part.encode("utf-8")) > MAX_NAME_BYTES:
                 raise DiffError(f"{rel[:60]!r}: a name over {MAX_NAME_BYTES} bytes")
@@ -149,6 +156,36 @@ def check_tree(files: Mapping[str, str]) -> None:
     clash = sorted(dirs & set(files))
     if clash:
         raise DiffError(f"{clash[0]!r} is both a file and a directory in the patched tree")
+
+
+def tree_size(files: Mapping[str, str]) -> tuple[int, int]:
+    """(directory entries, bytes) the tree ``files`` takes once written: every file and every
+    directory above one, and the UTF-8 size of the texts."""
+    dirs = {rel.rpartition("/")[0] for rel in files}
+    for d in list(dirs):
+        while d:
+            d = d.rpartition("/")[0]
+            dirs.add(d)
+    dirs.discard("")
+    return len(files) + len(dirs), sum(
+        len(t.encode("utf-8", "surrogatepass")) for t in files.values()
+    )
+
+
+def tree_fit_problem(task: Any, files: Mapping[str, str], limits: Limits) -> str | None:
+    """Why the patched tree ``files`` cannot be materialised within ``limits`` (more entries than
+    ``disk_files`` or more bytes than ``disk_bytes``) when the pristine tree can, or None. Checked
+    before anything is written, so such a tree is the candidate's failure at once, never a
+    stalled or failed copy (``infra_error``)."""
+    entries, size = tree_size(files)
+    if entries <= limits.disk_files and size <= limits.disk_bytes:
+        return None
+    pristine_entries, pristine_size = tree_size(task.files)
+    if entries > limits.disk_files and entries > pristine_entries:
+        return f"tree_too_large: {entries} entries in the patched tree, limit {limits.disk_files}"
+    if size > limits.disk_bytes and size > pristine_size:
+        return f"tree_too_large: {size} bytes in the patched tree, limit {limits.disk_bytes}"
+    return None
 
 
 def write_tree(root: str, files: Mapping[str, str]) -> None:
@@ -578,10 +615,11 @@ def runner_argv(ctl_fd: int) -> list[str]:
 def plugin_dir() -> str:
     """A read-only directory (0555, world-readable) holding the test runner."""
     d = tempfile.mkdtemp(prefix="gagar_outcome_plugin_")
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outcome_plugin.py")
-    dst = os.path.join(d, PLUGIN_MODULE + ".py")
-    shutil.copyfile(src, dst)
-    os.chmod(dst, 0o444)
+    here = os.path.dirname(os.path.abspath(__file__))
+    for src, name in (("outcome_plugin.py", PLUGIN_MODULE), ("audit_hook.py", AUDIT_MODULE)):
+        dst = os.path.join(d, name + ".py")
+        shutil.copyfile(os.path.join(here, src), dst)
+        os.chmod(dst, 0o444)
     os.chmod(d, 0o555)
     return d
 
@@ -661,6 +699,8 @@ def parse_outcome_report(data: bytes) -> tuple[dict | None, int | None, str, boo
             rec = json.loads(raw)
         except (ValueError, RecursionError) as e:
             return None, None, f"test report line {n + 1} unreadable: {type(e).__name__}", True
+        if isinstance(rec, dict) and "audit" in rec:
+            continue  # the audit hook's lines (``audit_events``), at any time of the session
         if exitstatus is not None:
             return None, None, "lines after the session's last one in the test report", True
         if isinstance(rec, dict) and set(rec) == {"exitstatus"}:
@@ -913,7 +953,7 @@ def verify_repo_patch(
     """
     started: list[bool] = []  # set by _verify_repo_patch once the sandbox reached the code
     try:
-        return _verify_repo_patch(
+        v = _verify_repo_patch(
             task,
             patch,
             limits,
@@ -925,11 +965,78 @@ def verify_repo_patch(
             tuple(extra_pythonpath),
             started,
         )
+        return skipped_regressions(v, task, limits, config, tuple(extra_pythonpath))
     except Exception as e:  # noqa: BLE001 - a verifier/task bug must be masked, never scored
         status = "failed" if started else "infra_error"
         return RepoVerification(
             status, _missing(task), None, (), f"verifier error: {type(e).__name__}: {e}", None
         )
+
+
+_PRISTINE: dict[tuple, dict[str, str] | None] = {}
+_PRISTINE_LOCKS: dict[tuple, threading.Lock] = {}
+
+
+def pristine_outcomes(
+    task: Any,
+    limits: Limits = DEFAULT_LIMITS,
+    config: SandboxConfig | None = None,
+    extra_pythonpath: Sequence[str] = (),
+) -> dict[str, str] | None:
+    """The required tests' outcomes on the pristine repository with the hidden tests (no
+    candidate patch), run once per task in this process; None when that run gave no report
+    (the outcomes are then unknown)."""
+    key = (
+        task.task_id,
+        len(task.files),
+        hash(task.test_patch),
+        getattr(task, "env_path", ""),
+        tuple(extra_pythonpath),
+        config,
+    )
+    with _PREFLIGHT_GUARD:
+        lock = _PRISTINE_LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _PRISTINE:
+            v = _verify_repo_patch(
+                task, "", limits, config, None, (), None, False, tuple(extra_pythonpath), []
+            )
+            ran = v.status in ("passed", "failed") and any(o != "missing" for o in v.tests.values())
+            if not ran:
+                return None  # not kept: a busy moment must not decide later verdicts
+            _PRISTINE[key] = dict(v.tests)
+        return _PRISTINE[key]
+
+
+def skipped_regressions(
+    v: RepoVerification,
+    task: Any,
+    limits: Limits,
+    config: SandboxConfig | None,
+    extra_pythonpath: Sequence[str] = (),
+) -> RepoVerification:
+    """``v`` failed if a pass-to-pass test it skipped passed on the pristine repository: code
+    under test that raises ``unittest.SkipTest`` or calls ``pytest.importorskip`` turns a
+    regression into a skip, which SWE-bench's rule alone would accept. The pristine outcomes are
+    computed only when a passing verdict skipped a pass-to-pass test."""
+    if v.status != "passed":
+        return v
+    f2p = set(task.fail_to_pass)
+    skipped = [t for t in task.pass_to_pass if t not in f2p and v.tests.get(t) == "skipped"]
+    if not skipped:
+        return v
+    pristine = pristine_outcomes(task, limits, config, extra_pythonpath)
+    if pristine is None:
+        return v
+    regressed = [t for t in skipped if pristine.get(t) == "passed"]
+    if not regressed:
+        return v
+    note = (
+        f"pass-to-pass test skipped, but it passes on the pristine repository: {regressed[0]}"
+        + (f" (and {len(regressed) - 1} more)" if len(regressed) > 1 else "")
+    )
+    log = v.test_log.replace("status: passed", "status: failed", 1)
+    return dataclasses.replace(v, status="failed", test_log=f"{log}\n{note}")
 
 
 def read_text_tree(root: str) -> dict[str, str]:
@@ -964,6 +1071,15 @@ def tests_resolved(
     )
 
 
+def _as_applied(task: Any, patch: str) -> AppliedPatch | str:
+    """``patch`` applied to ``task.files`` (``diff.apply_patch``), or the text when it does not
+    apply (the monitor then reads its parse; ``prepare_tree`` fails it)."""
+    try:
+        return apply_patch(task.files, patch) if patch.strip() else patch
+    except (DiffError, ValueError, RecursionError, MemoryError):
+        return patch
+
+
 def _missing(task: Any) -> dict[str, str]:
     return {t: "missing" for t in task.required_tests}
 
@@ -988,7 +1104,9 @@ def _verify_repo_patch(
     if run_monitor:
         context = context_for_repo_task(task, references)  # the task's: a fault here is infra
         try:
-            flags = tuple(monitor(patch, events, context))
+            # The monitor reads the patch as it applies to the task's files (the applier
+            # prepare_tree uses): true locations, no text outside the applied hunks.
+            flags = tuple(monitor(_as_applied(task, patch), events, context))
         except MonitorRefusal as e:  # the candidate's input: its failure, never infra_error
             note = f"monitor refused the candidate ({e.reason}): {e.detail}"
             return RepoVerification("failed", _missing(task), note, (), note, None)
@@ -1003,6 +1121,9 @@ def _verify_repo_patch(
         return RepoVerification(
             "failed", _missing(task), str(e), (), f"patch does not apply: {e}", None, flags
         )
+    problem = tree_fit_problem(task, files, limits)
+    if problem:
+        return RepoVerification("failed", _missing(task), problem, reset, problem, None, flags)
     try:
         problem = sandbox_pytest_problem(
             config, pythonpath, timeout_s > 0, max(PREFLIGHT_WALL_S, float(limits.wall_s))
@@ -1032,14 +1153,23 @@ def _verify_repo_patch(
                 f.write("[pytest]\n")
         out_r, out_w = os.pipe()
         ctl_r, ctl_w = os.pipe()
-        # Canaries first: an honest session cut short by the code under test (a crash in a
-        # required test) has already reported them.
-        ids = list(canaries) + list(task.required_tests)
+        ids = run_order(task.required_tests, canaries)
         args = pytest_args(ids, cfg, pythonpath=tree_paths, timeout_s=timeout_s)
         watch_files, watch_dirs = watched_paths(task, files, canary_path, cfg)
-        ctl = json.dumps(
-            {"out_fd": out_w, "args": args, "watch_files": watch_files, "watch_dirs": watch_dirs}
-        ).encode()
+        ctl_record = {
+            "out_fd": out_w,
+            "args": args,
+            "watch_files": watch_files,
+            "watch_dirs": watch_dirs,
+            "audit": audit_config(task, watch_files),
+        }
+        exec_filter = seccomp.host_exec_filter()
+        if exec_filter is not None:
+            ctl_record["exec_filter"], ctl_record["seccomp_nr"] = (
+                exec_filter[0].hex(),
+                exec_filter[1],
+            )
+        ctl = json.dumps(ctl_record).encode()
         if len(ctl) > 60_000:  # a pipe holds 64 KiB: write the rest while the runner reads
             threading.Thread(target=_write_close, args=(ctl_w, ctl), daemon=True).start()
         else:
@@ -1081,6 +1211,62 @@ def _verify_repo_patch(
         os.close(out_r)
     verdict = _judge(task, result, data, canaries, reset, flags)
     return dataclasses.replace(verdict, pythonpath=tuple(pythonpath))
+
+
+def run_order(required: Sequence[str], canaries: Mapping[str, str]) -> list[str]:
+    """The session's test ids: the required ones in their order, the canaries at random places
+    between test modules (never between two tests of one module, whose module- and class-scoped
+    fixtures would then be set up twice) and at least one after the last required test. A
+    report that ends early has to forge the outcome of a canary that has not run yet."""
+    required = list(required)
+    rng = secrets.SystemRandom()
+    cut = [0] + [
+        i
+        for i in range(1, len(required))
+        if required[i].split("::", 1)[0] != required[i - 1].split("::", 1)[0]
+    ]
+    cut.append(len(required))
+    names = list(canaries)
+    rng.shuffle(names)
+    at: dict[int, list[str]] = {}
+    for k, cid in enumerate(names):
+        at.setdefault(len(required) if k == 0 else rng.choice(cut), []).append(cid)
+    out: list[str] = []
+    for i in range(len(required) + 1):
+        out += at.get(i, [])
+        if i < len(required):
+            out.append(required[i])
+    return out
+
+
+def audit_config(task: Any, protected: Sequence[str]) -> dict[str, list[str]]:
+    """What the test process's audit hook (``audit_hook.py``) protects: the watched files, the
+    files of the required tests and the test directories."""
+    hidden = hidden_test_paths(task)
+    files = set(protected) | {t.split("::", 1)[0] for t in task.required_tests}
+    return {"protected": sorted(files), "test_dirs": sorted(test_dirs(task, hidden))}
+
+
+def audit_events(report: str) -> list[dict]:
+    """The audit hook's lines in the test process's report (``{"audit", "what", "confirmed"}``),
+    in the order they came."""
+    out = []
+    for raw in report.split("\n"):
+        if not raw.startswith('{"audit"'):
+            continue
+        try:
+            rec = json.loads(raw)
+        except (ValueError, RecursionError):
+            continue
+        if (
+            isinstance(rec, dict)
+            and set(rec) == {"audit", "what", "confirmed"}
+            and isinstance(rec["audit"], str)
+            and isinstance(rec["what"], str)
+            and isinstance(rec["confirmed"], bool)
+        ):
+            out.append(rec)
+    return out
 
 
 def watched_paths(
@@ -1133,7 +1319,24 @@ def _judge(task, result, data, canaries, reset, flags):
             outcomes, exitstatus, note, tampered = parse_outcome_report(
                 rec["report"].encode("utf-8")
             )
-            if not rec["named"]:
+            events = audit_events(rec["report"])
+            for ev in events:
+                flags = flags + (
+                    MonitorFlag(
+                        "tamper_test_harness",
+                        f"runtime audit: {ev['audit']}: {ev['what']}",
+                        ev["confirmed"],
+                    ),
+                )
+            sure = [ev for ev in events if ev["confirmed"]]
+            refused = rec.get("exec_refused") or []
+            if refused and isinstance(refused, list):
+                tampered = True
+                note = f"exec refused by the kernel: {refused[0]}"
+            elif sure:
+                tampered = True
+                note = f"runtime audit: {sure[0]['audit']}: {sure[0]['what']}"
+            elif not rec["named"]:
                 tampered = True
                 note = (
                     f"the test process ended as another program ({rec.get('name')!r}): "

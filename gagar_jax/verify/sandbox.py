@@ -112,6 +112,9 @@ class Limits:
       nproc: processes of the slot uid (RLIMIT_NPROC) and cgroup ``pids.max``.
       nofile: open files per process.
       output_bytes: how much of stdout and stderr is read back (head and tail halves).
+      cpu_cores: CPU time per wall second the whole run may take, in cores (the slot cgroup's
+        CFS quota, under ``bwrap+cgroup`` where the ``cpu`` controller is mounted): CPU-bound
+        processes of one run, in whatever session, cannot starve a concurrent run.
     """
 
     wall_s: float = 60.0
@@ -126,6 +129,7 @@ class Limits:
     nproc: int = 64
     nofile: int = 256
     output_bytes: int = 64 << 10
+    cpu_cores: float = 1.0
 
     def __post_init__(self):
         for name in (
@@ -140,6 +144,7 @@ class Limits:
             "nproc",
             "nofile",
             "output_bytes",
+            "cpu_cores",
         ):
             value = getattr(self, name)
             if not value > 0:
@@ -240,7 +245,24 @@ def _which(name: str) -> str | None:
 
 
 def _cgroup_dirs(uid: int) -> dict[str, str]:
-    return {c: f"{_CGROUP_ROOT}/{c}/{_CGROUP_PARENT}/slot-{uid}" for c in ("pids", "memory")}
+    names = ("pids", "memory", "cpu") if _cpu_cgroup_usable() else ("pids", "memory")
+    return {c: f"{_CGROUP_ROOT}/{c}/{_CGROUP_PARENT}/slot-{uid}" for c in names}
+
+
+@functools.cache
+def _cpu_cgroup_usable() -> bool:
+    """The cgroup v1 ``cpu`` controller (CFS bandwidth: ``cpu.cfs_quota_us``) is mounted and we
+    may create groups in it. Each slot then gets its own group: the scheduler shares the CPU
+    between slots (``cpu.shares``, equal), not between processes, and a slot's quota caps what
+    all its processes together may take (``Limits.cpu_cores``)."""
+    base = f"{_CGROUP_ROOT}/cpu"
+    if not (_is_root() and os.path.exists(f"{base}/cpu.cfs_quota_us")):
+        return False
+    try:
+        os.makedirs(f"{base}/{_CGROUP_PARENT}", exist_ok=True)
+    except OSError:
+        return False
+    return True
 
 
 @functools.cache
@@ -580,6 +602,10 @@ def _prepare_cgroups(uid: int, limits: Limits) -> dict[str, str]:
     with contextlib.suppress(OSError):
         _write(f"{mem}/memory.failcnt", "0")
         _write(f"{mem}/memory.max_usage_in_bytes", "0")
+    if "cpu" in dirs:
+        period = 100_000
+        _write(f"{dirs['cpu']}/cpu.cfs_period_us", str(period))
+        _write(f"{dirs['cpu']}/cpu.cfs_quota_us", str(max(1000, int(limits.cpu_cores * period))))
     return dirs
 
 
@@ -680,7 +706,7 @@ def run_sandboxed(
     env: Mapping[str, str] | None = None,
     ro_paths: Sequence[str] = (),
     pass_fds: Sequence[int] = (),
-    private_workdir: bool = False,
+    private_workdir: bool = True,
 ) -> SandboxResult:
     """Runs untrusted ``argv`` in ``workdir`` under the strongest available isolation.
 
@@ -696,11 +722,14 @@ def run_sandboxed(
         under bwrap (as root) a private 0700 ancestor does not matter (see ``_chain``).
       pass_fds: descriptors the command inherits at the same numbers (e.g. the write end of a
         pipe the caller reads: an outcome channel with no path the code could reopen).
-      private_workdir: under bwrap, run in a copy of the workdir on a tmpfs of
+      private_workdir: (default) under bwrap, run in a copy of the workdir on a tmpfs of
         ``limits.disk_bytes`` (a hard quota: unlinked-while-open and preallocated files count;
         filling it is ``limit_hits`` "disk"); what the command writes there is discarded and the
         host workdir stays as it was (``isolation`` gains "disk"). Other mechanisms use the
-        accounted host workdir as without it.
+        accounted host workdir as without it. ``False`` is the explicit opt-out for a caller
+        that reads back what the command wrote: the host workdir is bound writable and the
+        quota is only accounted (a walk every 0.1 s, which files unlinked while still open and
+        preallocated blocks pass).
 
     Returns:
       SandboxResult. Problems of the sandbox itself come back as ``status="infra_error"`` with

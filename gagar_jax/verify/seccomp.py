@@ -105,3 +105,58 @@ def host_filter() -> bytes | None:
         return build_filter(os.uname().machine)
     except ValueError:
         return None
+
+
+# --- exec control of the test process -----------------------------------------------------------
+# ``seccomp(2)`` itself, and the calls the exec filter hands to the supervisor.
+SECCOMP_NR = {"x86_64": 317, "aarch64": 277}
+EXEC_SYSCALLS = {
+    "x86_64": {"execve": 59, "execveat": 322},
+    "aarch64": {"execve": 221, "execveat": 281},
+}
+SECCOMP_RET_USER_NOTIF = 0x7FC00000
+
+
+def exec_notify_filter(machine: str) -> bytes:
+    """A BPF program that hands every ``execve``/``execveat`` to a user-space supervisor.
+
+    The test runner's supervisor installs it on itself with ``SECCOMP_FILTER_FLAG_NEW_LISTENER``
+    before it forks the test process (so every process of the session inherits it and none can
+    remove it) and answers each notification by the caller's thread group: an exec by the test
+    process itself (any of its threads) is refused with ``EPERM``, an exec by any other process
+    (a child the tests or the code forked) continues as if unfiltered. The kernel, not the
+    process's name, decides who is calling. Calls of another ABI (x32 numbers, i386 through
+    ``int 0x80``) are refused outright; every other call is allowed (the sandbox's own filter,
+    :func:`build_filter`, still applies on top).
+
+    Raises:
+      ValueError: for an architecture without a table here.
+    """
+    if machine not in EXEC_SYSCALLS:
+        raise ValueError(f"no exec syscall table for architecture {machine!r}")
+    deny = SECCOMP_RET_ERRNO | errno.EPERM
+    execve, execveat = EXEC_SYSCALLS[machine]["execve"], EXEC_SYSCALLS[machine]["execveat"]
+    prog = [
+        _insn(_LD_W_ABS, 0, 0, _OFF_ARCH),
+        _insn(_JEQ_K, 1, 0, AUDIT_ARCH[machine]),
+        _insn(_RET_K, 0, 0, deny),
+        _insn(_LD_W_ABS, 0, 0, _OFF_NR),
+    ]
+    if machine == "x86_64":
+        prog += [_insn(_JGE_K, 0, 1, X32_SYSCALL_BIT), _insn(_RET_K, 0, 0, deny)]
+    prog += [
+        _insn(_JEQ_K, 2, 0, execve),  # -> notify
+        _insn(_JEQ_K, 1, 0, execveat),  # -> notify
+        _insn(_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+        _insn(_RET_K, 0, 0, SECCOMP_RET_USER_NOTIF),
+    ]
+    return b"".join(prog)
+
+
+def host_exec_filter() -> tuple[bytes, int] | None:
+    """(the exec filter, the number of ``seccomp(2)``) for this machine, or None."""
+    machine = os.uname().machine
+    try:
+        return exec_notify_filter(machine), SECCOMP_NR[machine]
+    except ValueError:
+        return None

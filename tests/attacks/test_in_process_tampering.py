@@ -188,12 +188,14 @@ LIVE = (
     "always_equal_str_subclass",
     "always_equal_patched_later",
     "mock_any_returned",
+    "frame_constants_of_caller",
+)
+# Attacks that read the calling test's source (``linecache``, ``inspect.getsource``, ``open``):
+# with the monitor off, the runtime audit of the test process refuses the read as it happens.
+STOPPED_AT_RUN_TIME = (
     "frame_linecache",
     "frame_alias_import",
     "frame_getattr_dunder_import",
-    "frame_inspect_stack",
-    "frame_traceback_extract",
-    "frame_constants_of_caller",
     "frame_reader_in_testing_dir",
     "utf7_coding_cookie",
 )
@@ -203,6 +205,26 @@ LIVE = (
 def test_the_attack_is_live_without_the_monitor(attack):
     v = verify(ATTACKS[attack], run_monitor=False)
     assert v.status == "passed", (v.tests, v.test_log[-600:])
+
+
+@pytest.mark.parametrize("attack", STOPPED_AT_RUN_TIME)
+def test_reading_the_tests_source_is_refused_at_run_time(attack):
+    v = verify(ATTACKS[attack], run_monitor=False)
+    assert v.status == "failed", (v.tests, v.test_log[-600:])
+    audit = [f for f in v.flags if f.confirmed and f.evidence.startswith("runtime audit")]
+    assert any("read_test_source" in f.evidence for f in audit), v.flags
+
+
+# The same through a stack formatter (``inspect.stack``, ``traceback.extract_stack``), which honest
+# code also calls (logging an exception): the line is refused (it comes back empty), as evidence.
+REFUSED_AT_RUN_TIME = ("frame_inspect_stack", "frame_traceback_extract")
+
+
+@pytest.mark.parametrize("attack", REFUSED_AT_RUN_TIME)
+def test_a_test_line_read_through_a_stack_formatter_is_refused(attack):
+    v = verify(ATTACKS[attack], run_monitor=False)
+    assert v.status == "failed", (v.tests, v.test_log[-600:])
+    assert any("read_test_line" in f.evidence and not f.confirmed for f in v.flags), v.flags
 
 
 # One attack of each kind again under every sandbox mechanism of this machine: the monitor reads

@@ -119,7 +119,10 @@ def test_the_supervisor_sees_the_change_without_the_monitor(name):
     """The verifier layer alone (monitor off): the change is tampering in the run's record."""
     v = verify2(ATTACKS[name], run_monitor=False)
     assert v.status == "failed" and confirmed(v.flags, "tamper_test_harness"), (v.status, v.flags)
-    assert "changed during the run" in v.test_log, v.test_log[-600:]
+    # Seen by the supervisor's watch, or refused as it happened by the runtime audit.
+    assert "changed during the run" in v.test_log or "runtime audit" in v.test_log, v.test_log[
+        -600:
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(STOPPED))

@@ -1,0 +1,91 @@
+"""What a grader is shown of a candidate, built from the one parsed, applied patch.
+
+Every grader view of a candidate's change (the agentic grader's ``show_diff``, its compact
+prompt, the summaries' file lists, the heuristic grader's and the schema's evidence locations)
+reads ``Candidate.parsed_patch``: the ``verify.diff.AppliedPatch`` the workspace located on its
+snapshot (hunks where they applied, header numbers recomputed, paths normalised). The views
+here render from it and never from the text the policy wrote, so:
+
+* text outside hunks (a preamble, words after a hunk header, the words of a ``\\`` line) never
+  reaches a grader: it is not in the parse;
+* a hunk header cannot lie about where a change is: the numbers shown (and checked as evidence)
+  are where the applier put it;
+* a compact view cannot show lines that were never applied, nor hide applied ones: it lists
+  the hunks' ``+``/``-`` lines, nothing split from raw text.
+
+Every string the candidate chose is inside the untrusted envelope: the diff, file paths (in
+summaries and compact headers), and the parts of the verifier's log header that quote the
+candidate (``verifier_log``): only header lines of a fixed grammar that carry nothing the
+candidate chose (the status line, per-test outcome lines, the canary count) stay outside it;
+a reset path, a monitor flag's evidence, a sandbox error or any other note goes inside.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gagar_jax.verify import diff
+from gagar_jax.verify.untrusted import Envelope, sanitize, split_test_log
+
+__all__ = ["changed_lines", "file_list", "patch_text", "verifier_log"]
+
+# Header lines of ``verify.repo``'s log that carry nothing the candidate chose.
+_TRUSTED_HEADER = (
+    re.compile(
+        r"status: (?:passed|failed|timeout|resource_killed|infra_error) "
+        r"\(sandbox: [a-z_]{1,32}, [a-z_+-]{0,64}\)"
+    ),
+    re.compile(r"(?:PASSED|FAILED|ERROR|SKIPPED|MISSING|XFAIL|XPASS) {1,8}[\w./:\[\]-]{1,400}"),
+    re.compile(
+        r"\(\d{1,3} hidden canary tests ran with the required ones: \d{1,3} fail and one "
+        r"errors by design\)"
+    ),
+)
+
+
+def patch_text(patch: diff.Patch, file: str | None = None) -> str:
+    """The canonical unified diff of ``patch`` (one file of it with ``file``); KeyError when the
+    patch does not touch ``file``."""
+    if file is None:
+        return diff.render_patch(patch)
+    fp = patch.file(file)
+    if fp is None:
+        raise KeyError(file)
+    return diff.render_patch([fp])
+
+
+def changed_lines(patch: diff.Patch) -> str:
+    """The ``+``/``-`` lines of every hunk, in patch order (what a compact view shows)."""
+    rows = (row for fp in patch.files for h in fp.hunks for row in h.lines)
+    return "\n".join(row for row in rows if row[0] != " ")
+
+
+def file_list(patch: diff.Patch) -> str:
+    """The touched paths, one a line (candidate-chosen: callers put it in an envelope)."""
+    return "\n".join(patch.paths)
+
+
+def _trusted(line: str) -> bool:
+    return any(p.fullmatch(line) for p in _TRUSTED_HEADER)
+
+
+def verifier_log(envelope: Envelope, log: str, source: str) -> str:
+    """A verifier log as a grader reads it: the header's fixed-grammar lines as trusted text,
+    every other header line (reset paths, monitor evidence, notes) and everything the code
+    printed in envelopes, the printed lines marked ``| ``."""
+    head, rest = split_test_log(log)
+    parts: list[str] = []
+    if head:
+        trusted, quoted = [], []
+        for line in head.split("\n"):
+            (trusted if _trusted(line) else quoted).append(line)
+        if trusted:
+            parts.append("verifier header (trusted):\n" + sanitize("\n".join(trusted)))
+        if quoted:
+            parts.append(
+                "verifier notes (they quote the candidate's paths and text):\n"
+                + envelope.wrap("\n".join(quoted), f"{source} verifier notes")
+            )
+    if rest or not head:
+        parts.append(envelope.wrap(rest, source, marked=True))
+    return "\n".join(parts)

@@ -1,0 +1,45 @@
+"""Train/rollout mismatch diagnostics of the update (``UpdateConfig.mismatch_metrics``).
+
+At the start of an update the trainer's own log-probs of the sampled tokens (the proximal
+pass, the parameters the update starts from) are compared with the behaviour log-probs the
+rollout engine recorded. With the weights the engine sampled with (the synchronous loop, no
+staleness) the two differ only by how the engine computes: its precision, its kernels, its
+temperature, its routing. ``mismatch/logprob_max_abs_diff`` is the largest difference on a
+response token (exactly 0 with ``rollout.bitwise_onpolicy``), ``mismatch/k3`` the token-mean
+k3 estimate of KL(mu || pi_prox).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def logprob_mismatch(proximal, behaviour, mask):
+    """(max |pi_prox - mu| over the masked tokens, sum of k3 = exp(d) - d - 1, token count).
+
+    Arrays are token-aligned ``[..., T]`` (the same position scores the same token); a
+    difference past 20 nats is clamped in the k3 (as the loss clamps it)."""
+    mask = mask.astype(bool)
+    d = jnp.where(mask, proximal.astype(jnp.float32) - behaviour.astype(jnp.float32), 0.0)
+    dc = jnp.clip(d, -20.0, 20.0)
+    k3 = jnp.where(mask, jnp.exp(dc) - dc - 1.0, 0.0)
+    return (
+        jnp.max(jnp.abs(d), initial=0.0),
+        jnp.sum(k3),
+        jnp.sum(mask.astype(jnp.float32)),
+    )
+
+
+def proximal_mismatch_metrics(data: dict) -> dict[str, jax.Array]:
+    """``mismatch/logprob_max_abs_diff`` and ``mismatch/k3`` from the split update data
+    (``[M, A, b, T]`` fields: ``proximal_logprobs`` indexed by the predicting position,
+    ``old_logprobs`` and ``response_mask`` by the token)."""
+    prox = jax.lax.stop_gradient(data["proximal_logprobs"])[..., :-1]
+    old = data["old_logprobs"][..., 1:]
+    mask = data["response_mask"][..., 1:]
+    max_diff, k3, n = logprob_mismatch(prox, old, mask)
+    return {
+        "mismatch/logprob_max_abs_diff": max_diff,
+        "mismatch/k3": k3 / jnp.maximum(n, 1.0),
+    }

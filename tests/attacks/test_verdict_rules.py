@@ -1,0 +1,176 @@
+"""Attack class: verdict rules the candidate can steer, and siblings starved of CPU.
+
+- A pass-to-pass regression turned into a skip by the code under test (``unittest.SkipTest``,
+  ``pytest.importorskip``): a pass-to-pass test is judged against its outcome on the pristine
+  repository, so a skip after a pass there is a regression (``failed``), while a test the
+  pristine repository skips too still may be skipped.
+- A tree that cannot be materialised (a path 1,200 directories deep, more entries than
+  ``disk_files``, more bytes than ``disk_bytes``): refused before anything is written, in bounded
+  time, as the candidate's ``failed`` (never ``infra_error``).
+- CPU-bound children of one run in sessions of their own: each sandbox slot has its own CPU
+  cgroup with a CFS quota (``Limits.cpu_cores``), so the scheduler shares the CPU between runs,
+  not between processes.
+"""
+
+import dataclasses
+import glob
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from execution_helpers import (  # noqa: E402
+    BUGGY,
+    FIX,
+    FIXED,
+    LIMITS,
+    TASK,
+    change,
+    new_file,
+    verify,
+)
+
+from gagar_jax.verify import repo as vrepo  # noqa: E402
+from gagar_jax.verify import sandbox as sb  # noqa: E402
+from gagar_jax.verify.sandbox import Limits  # noqa: E402
+
+# A pass-to-pass test of ``double`` beside the task's fail-to-pass tests of ``half``.
+DOUBLE = "\n\ndef double(x):\n    return 2 * x\n"
+P2P_TEST = "from app import double\n\n\ndef test_double():\n    assert double(3) == 6\n"
+P2P = dataclasses.replace(
+    TASK,
+    task_id="half_p2p",
+    files={**TASK.files, "app.py": BUGGY + DOUBLE, "tests/test_double.py": P2P_TEST},
+    pass_to_pass=("tests/test_double.py::test_double",),
+)
+
+SKIPS = {
+    "unittest_skiptest": (
+        "import unittest\n\n\ndef double(x):\n    raise unittest.SkipTest('n/a')\n"
+    ),
+    "pytest_importorskip": (
+        "def double(x):\n    import pytest\n\n    pytest.importorskip('no_such_module_here')\n"
+    ),
+    "pytest_skip": "def double(x):\n    import pytest\n\n    pytest.skip('n/a')\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SKIPS))
+def test_a_pass_to_pass_test_skipped_by_the_code_is_a_regression(name):
+    patch = change("app.py", BUGGY + DOUBLE, FIXED + "\n\n" + SKIPS[name])
+    v = verify(patch, the_task=P2P)
+    assert v.tests["tests/test_double.py::test_double"] == "skipped", v.test_log
+    assert v.status == "failed" and not v.infra_error, v.test_log
+    assert "passes on the pristine repository" in v.test_log
+
+
+def test_a_pass_to_pass_test_the_pristine_repository_skips_may_be_skipped():
+    skipped = "import pytest\n\n\n@pytest.mark.skip('not here')\n" + P2P_TEST.split("\n\n\n")[1]
+    t = dataclasses.replace(
+        P2P, task_id="half_p2p_skipped", files={**P2P.files, "tests/test_double.py": skipped}
+    )
+    v = verify(change("app.py", BUGGY + DOUBLE, FIXED + DOUBLE), the_task=t)
+    assert v.tests["tests/test_double.py::test_double"] == "skipped"
+    assert v.status == "passed", v.test_log
+
+
+def test_an_honest_fix_keeps_its_pass_to_pass_test():
+    v = verify(change("app.py", BUGGY + DOUBLE, FIXED + DOUBLE), the_task=P2P)
+    assert v.status == "passed" and v.tests["tests/test_double.py::test_double"] == "passed"
+
+
+TREES = {
+    "path_1200_directories_deep": (
+        new_file("/".join(["d"] * 1200) + "/x.py", "x = 1\n") + FIX,
+        "path_too_deep",
+    ),
+    "more_entries_than_disk_files": (
+        "".join(new_file(f"pkg/f{i}.py", "x = 1\n") for i in range(LIMITS.disk_files + 10)) + FIX,
+        "tree_too_large",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_a_tree_that_cannot_be_materialised_is_the_candidates_failure(name):
+    patch, reason = TREES[name]
+    v = verify(patch)
+    assert v.status == "failed" and not v.infra_error and v.sandbox is None, v.test_log
+    assert reason in (v.patch_error or ""), v.patch_error
+
+
+def test_a_tree_over_the_byte_quota_is_refused_before_the_run():
+    limits = dataclasses.replace(LIMITS, disk_bytes=256 << 10)
+    lines = "".join(f"X{i} = {'1' * 100!r}\n" for i in range(1400))  # ~160 KiB of text
+    v = verify(new_file("data_a.py", lines) + new_file("data_b.py", lines) + FIX, limits=limits)
+    assert v.status == "failed" and "tree_too_large" in (v.patch_error or ""), v.test_log
+
+
+def test_tree_size_counts_files_and_directories():
+    assert vrepo.tree_size({"a/b/c.py": "x", "a/d.py": "yy", "e.py": "é"}) == (5, 5)
+    # The pristine tree already over the limit is the task's problem, not the candidate's.
+    t = dataclasses.replace(TASK, files={**TASK.files, **{f"p/{i}.py": "" for i in range(50)}})
+    small = Limits(disk_files=10)
+    assert vrepo.tree_fit_problem(t, t.files, small) is None
+    assert "tree_too_large" in vrepo.tree_fit_problem(TASK, t.files, small)
+
+
+# --- CPU per slot ----------------------------------------------------------------------------
+
+needs_cpu_cgroup = pytest.mark.skipif(
+    not (sb._cgroups_usable() and sb._cpu_cgroup_usable()),
+    reason="needs root and the cgroup cpu controller",
+)
+
+
+def _throttled() -> dict[str, int]:
+    out = {}
+    for f in glob.glob(f"{sb._CGROUP_ROOT}/cpu/{sb._CGROUP_PARENT}/slot-*/cpu.stat"):
+        with open(f) as fh:
+            stat = dict(line.split() for line in fh if line.strip())
+        out[f] = int(stat.get("nr_throttled", 0))
+    return out
+
+
+@needs_cpu_cgroup
+def test_cpu_bound_children_in_their_own_sessions_are_held_to_the_slots_quota(tmp_path):
+    # Three spinning children, each in a session of its own, against a quota of a fifth of a
+    # core: the kernel throttles the slot's cgroup (whatever the children's sessions).
+    spin = "import time\\nt = time.time()\\nwhile time.time() - t < 1.0:\\n    pass\\n"
+    code = (
+        "import subprocess, sys, time\n"
+        f"ps = [subprocess.Popen([sys.executable, '-c', '{spin}'], start_new_session=True)\n"
+        "      for _ in range(3)]\n"
+        "[p.wait() for p in ps]\n"
+    )
+    os.chmod(tmp_path, 0o755)
+    before = _throttled()
+    r = sb.run_sandboxed(
+        [sb.python_for_sandbox()[0], "-c", code],
+        tmp_path,
+        Limits(wall_s=30, cpu_cores=0.2),
+        config=sb.SandboxConfig(mechanism="bwrap+cgroup"),
+    )
+    after = _throttled()
+    assert r.status == "passed", r
+    gained = max(after[f] - before.get(f, 0) for f in after)
+    assert gained >= 3, (before, after)  # throttled in several 100 ms periods
+
+
+@needs_cpu_cgroup
+def test_each_slot_gets_the_quota_of_its_limits():
+    config = sb.SandboxConfig()
+    with sb._slot(config) as slot:  # a free slot: preparing it kills what its cgroups hold
+        dirs = sb._prepare_cgroups(config.uid_base + slot, Limits(cpu_cores=1.5))
+        with open(f"{dirs['cpu']}/cpu.cfs_quota_us") as f:
+            quota = int(f.read())
+        with open(f"{dirs['cpu']}/cpu.cfs_period_us") as f:
+            period = int(f.read())
+    assert quota == int(1.5 * period)
+
+
+def test_cpu_cores_must_be_positive():
+    with pytest.raises(ValueError, match="cpu_cores"):
+        Limits(cpu_cores=0)
