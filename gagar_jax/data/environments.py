@@ -316,6 +316,7 @@ def _run_install(files, build_env_path, backend, backend_path, limits):
                 ),
             },
             ro_paths=(driver, *site),
+            private_workdir=False,  # what the build writes into the tree is its result
         )
         if r.status != "passed":
             detail = (r.error or "") + r.stderr[-1500:]
