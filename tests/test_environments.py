@@ -392,3 +392,29 @@ def test_a_row_that_cannot_be_installed_or_resolved_is_a_task_error(tmp_path):
               "python_deps": ["gagar-no-such-package-anywhere==0.0.1"]}  # fmt: skip
     with pytest.raises(swe.InstanceError, match="its environment"):
         swe.to_repo_task(swe.parse_instance(broken), repos_dir, cache_dir=cache)
+
+
+def test_an_environment_the_sandbox_uid_cannot_reach_is_an_infra_error_not_a_silent_run(tmp_path):
+    """A task environment under a private (0700) directory: bwrap binds it around the private
+    ancestor; the mechanisms that see real paths cannot read it, and say so (infra_error,
+    masked), never run the tests without their interpreter's packages."""
+    private = tmp_path / "home"
+    private.mkdir(mode=0o700)
+    os.chmod(private, 0o700)
+    _, (runner_site,) = sb.python_for_sandbox()
+    import shutil
+
+    site = private / "env" / "lib" / "python3.11" / "site-packages"
+    shutil.copytree(runner_site, site)
+    task = _attr_task(env_path=str(private / "env"))
+    fixed = _diff("src/attr/__init__.py", ATTR_SRC, ATTR_SRC.replace("[:-1]", ""))
+    avail = sb.available_mechanisms()
+    for mech in ("bwrap", "unshare", "rlimits"):
+        if avail[mech] is not None:
+            continue
+        v = verify_repo_patch(task, fixed, limits=FAST, config=sb.SandboxConfig(mechanism=mech))
+        if mech == "bwrap":
+            assert v.status == "passed", v.test_log
+        else:
+            assert v.status == "infra_error", v.test_log
+            assert "pytest is not importable in the sandbox" in v.test_log
