@@ -385,6 +385,10 @@ def test_a_row_that_cannot_be_installed_or_resolved_is_a_task_error(tmp_path):
     row = _verpkg_row(repos_dir, install="apt-get install -y libfoo && pip install -e .")
     with pytest.raises(swe.InstanceError, match="install: .*container environment"):
         swe.to_repo_task(swe.parse_instance(row), repos_dir, cache_dir=cache)
+    # the factory's rows import the package from the tree, with no install
+    plain = swe.to_repo_task(swe.parse_instance({**row, "install": "pythonpath"}), repos_dir,
+                             cache_dir=cache)  # fmt: skip
+    assert not any(".dist-info/" in p for p in plain.files)
     tox = {**row, "install": "", "test_cmd": "tox -e py311"}
     with pytest.raises(swe.InstanceError, match="test_cmd .*container environment"):
         swe.to_repo_task(swe.parse_instance(tox), repos_dir, cache_dir=cache)

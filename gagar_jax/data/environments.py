@@ -32,7 +32,9 @@ when they are an install of the tree
 (``pip install -e .[extras]``, ``pip install .``, ``python setup.py develop|install``, with
 ``uv pip`` or ``python -m pip``): the extras' requirements join the environment. Anything else
 (system packages, ``pre_install`` steps, scripts) needs a container environment and is a task
-error (:class:`InstallError`), never silently skipped.
+error (:class:`InstallError`), never silently skipped. ``install: "pythonpath"`` (the task
+factory's rows) means no install: the package is imported from the tree as the factory
+validated it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ from gagar_jax.verify.layout import TEST_EXTRAS
 from gagar_jax.verify.repo import env_site_packages, read_text_tree, write_tree
 from gagar_jax.verify.sandbox import Limits, python_for_sandbox, run_sandboxed
 
+# An ``install`` value saying the package is imported from the tree with no install step (the
+# task factory's rows: it validated them that way).
+NO_INSTALL = "pythonpath"
 DEFAULT_BUILD_SYSTEM = (("setuptools>=40.8.0", "wheel"), "setuptools.build_meta:__legacy__", ())
 BUILD_LIMITS = Limits(wall_s=300, cpu_s=300, memory_bytes=2 << 30, nproc=128)
 FORMAT = 1  # of the cached install records

@@ -591,6 +591,8 @@ def _install(
     try:
         if inst.test_cmd.strip():
             environments.check_test_command(inst.test_cmd)
+        if inst.install.strip() == environments.NO_INSTALL:  # the factory's rows
+            return files, list(inst.python_deps) or layout.declared_requirements(files), ()
         extras = environments.install_extras(inst.install) if inst.install.strip() else ()
         if not (inst.install.strip() or environments.is_project(files)):
             return files, list(inst.python_deps) or layout.declared_requirements(files), ()
