@@ -1460,10 +1460,12 @@ class Transformer(nnx.Module):
             return self.logits_from_hidden(out[0]), out[1]
         return self.logits_from_hidden(out)
 
-    def init_cache(self, batch: int, max_len: int) -> Cache:
-        """An empty cache for ``batch`` sequences of at most ``max_len`` slots."""
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+        """An empty cache for ``batch`` sequences of at most ``max_len`` slots, its keys and
+        values in ``dtype`` (None: the compute dtype; another one is rounded to on writing and
+        widened from on reading)."""
         c = self.config
-        dt = _dtype(c.dtype)
+        dt = _dtype(c.dtype if dtype is None else dtype)
         k_shape = (batch, c.num_kv_heads, c.head_dim, max_len)
         v_shape = (batch, c.num_kv_heads, max_len, c.head_dim)
         if c.scan_layers:

@@ -35,6 +35,8 @@ def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int, hosts=None
             pad_id=pad_id,
             seed=cfg.seed,
             mesh=sampler_mesh(cfg.rollout.embedded_data_parallel),
+            precision=cfg.rollout.precision,
+            kv_cache_dtype=cfg.rollout.kv_cache_dtype,
         )
     return build_sglang_engine(cfg, model.config, workdir=workdir, hosts=hosts)
 

@@ -52,6 +52,7 @@ submitted for grading) -> :func:`grade_phase` -> :func:`pack_phase` (4) ->
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -61,6 +62,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from flax import nnx
 
 from gagar_jax.analysis import writers
 from gagar_jax.data.audit import PassRateTracker
@@ -84,6 +86,7 @@ from gagar_jax.rl.grade import group_workspace
 from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.rl.resume import LoopState, TaskStream
 from gagar_jax.update import UpdateBatch, jit_update, make_mesh, sft
+from gagar_jax.update.alignment import jit_behaviour_logprobs
 from gagar_jax.update.checkpoint import ConfigMismatchError
 from gagar_jax.verify import execution
 
@@ -254,6 +257,8 @@ class RLContext:
     mesh: Any
     sampler_device: Any  # the embedded sampler's device (weight sync target)
     tracker: PassRateTracker | None = None
+    # rollout.bitwise_onpolicy: gagar_jax.update.alignment.jit_behaviour_logprobs(...)
+    behaviour_fn: Any = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -525,8 +530,16 @@ def exchange_phase(packed: Packed, collected: Collected, hosts: Hosts, *, step: 
 
 
 def update_phase(ctx: RLContext, state, batch: UpdateBatch, *, step: int) -> Updated:
-    """Update: the jitted update on the exchanged batch (advantages computed inside)."""
-    state, m = policy.rl_update(ctx.update_fn, state, batch, cfg=ctx.cfg, mesh=ctx.mesh, step=step)
+    """Update: the jitted update on the exchanged batch (advantages computed inside). With
+    ``rollout.bitwise_onpolicy`` the batch's behaviour log-probs are first recomputed by the
+    update's own program with the embedded sampler's weights."""
+    behaviour = None
+    if ctx.behaviour_fn is not None:
+        params = nnx.to_pure_dict(ctx.engine.state)
+        behaviour = functools.partial(ctx.behaviour_fn, params)
+    state, m = policy.rl_update(
+        ctx.update_fn, state, batch, cfg=ctx.cfg, mesh=ctx.mesh, step=step, behaviour=behaviour
+    )
     return Updated(state=state, metrics=m)
 
 
@@ -776,6 +789,15 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         mesh=mesh,
         sampler_device=policy.model_device(model),
         tracker=pass_rate_tracker(cfg, ls),
+        behaviour_fn=jit_behaviour_logprobs(
+            model_config,
+            cfg.learner,
+            mesh,
+            temperature=cfg.rollout.temperature,
+            with_evidence=cfg.grading.enabled,
+        )
+        if cfg.rollout.bitwise_onpolicy
+        else None,
     )
 
     summary: dict[str, Any] = {}

@@ -63,8 +63,19 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gagar_jax.models import load_hf_safetensors, stack_layer_params, unstack_layer_params
+from gagar_jax.models import (
+    Transformer,
+    load_hf_safetensors,
+    stack_layer_params,
+    unstack_layer_params,
+)
 from gagar_jax.models.transformer import Cache
+from gagar_jax.rollout.precision import (
+    check_precision,
+    convert_params,
+    dequantize_tree,
+    rollout_model_config,
+)
 from gagar_jax.rollout.types import Sample, SamplingParams, validate_prompts
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -305,6 +316,7 @@ def _compact(cache):
         "group",
         "mesh",
         "data_axis",
+        "kv_cache_dtype",
     ),
 )
 def _generate_program(
@@ -334,6 +346,7 @@ def _generate_program(
     group: int = 0,
     mesh=None,
     data_axis: str = "data",
+    kv_cache_dtype: str | None = None,
 ):
     """One generation call.
 
@@ -361,10 +374,14 @@ def _generate_program(
     runs under ``shard_map``, each shard its own loop over its own rows, stopping when they are
     all done (no collective per step). With ``group``, each shard holds its rows' prompt rows.
 
+    ``state`` may hold quantized weights (``rollout.precision``): they are dequantized once,
+    here, before the prefill. ``kv_cache_dtype``: the caches' dtype (None: the compute dtype).
+
     One program per (graphdef, pad_id, mesh, Bp, B, P, N, history shape, keep_cache, group):
     samplers over models of the same architecture share compiled programs.
     """
     _TRACES[0] += 1  # runs at trace time only
+    state = dequantize_tree(state)
     model = nnx.merge(graphdef, state)
     bp, p = prompts.shape
     n = max_new_bucket
@@ -374,7 +391,7 @@ def _generate_program(
     )
     prompt_len = hist_len + jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [Bp]
     ends = _segment_ends(n, decode_segments)
-    cache = model.init_cache(bp, h + p + (0 if group else ends[0]))
+    cache = model.init_cache(bp, h + p + (0 if group else ends[0]), dtype=kv_cache_dtype)
     if history is not None:
         hist = history.take_rows(hist_src).slice_slots(history.mask.shape[1] - h)
         cache = cache.write_slots(hist, 0)._replace(index=jnp.asarray(h, jnp.int32))
@@ -393,7 +410,7 @@ def _generate_program(
     prompt_len = prompt_len[row_src]
     if group:  # the prompts' cache stays one row per prompt; each sample's own slots
         prefix = cache if prefix_src is None else cache.take_rows(prefix_src)
-        cache = model.init_cache(row_src.shape[0], ends[0])
+        cache = model.init_cache(row_src.shape[0], ends[0], dtype=kv_cache_dtype)
     else:
         prefix, cache = None, cache.take_rows(row_src)
 
@@ -603,7 +620,15 @@ class Sampler:
         shared_prefix: bool = True,
         mesh: jax.sharding.Mesh | None = None,
         data_axis: str = "data",
+        precision: str = "float32",
+        kv_cache_dtype: str = "auto",
     ):
+        check_precision(precision, kv_cache_dtype)
+        self.precision = precision
+        self.kv_cache_dtype = None if kv_cache_dtype == "auto" else kv_cache_dtype
+        self.model_config = model.config
+        if precision != "float32":
+            model = _converted_model(model, precision)
         if not isinstance(shared_prefix, bool):
             raise ValueError(f"Sampler.shared_prefix must be a bool, got {shared_prefix!r}")
         self.shared_prefix = shared_prefix
@@ -813,6 +838,7 @@ class Sampler:
                 group=group,
                 mesh=self.mesh,
                 data_axis=self.data_axis,
+                kv_cache_dtype=self.kv_cache_dtype,
             )
             self.trace_count += _TRACES[0] - before
             self.stats["prefill_tokens"] += sum(len(x) for x in suffixes)
@@ -894,6 +920,26 @@ class Sampler:
             functools.partial(self.generate, prompt_seeds=prompt_seeds), prompts, params
         )
 
+    def _to_precision(self, new: Any) -> Mapping:
+        """Weights in any form ``sync_weights`` takes (the trainer's precision) -> a pure dict
+        in the sampler's layer layout and precision."""
+        if isinstance(new, (str, os.PathLike)):
+            _, new = load_hf_safetensors(os.fspath(new))
+        if isinstance(new, nnx.Module):
+            new = nnx.state(new, nnx.Param)
+        if isinstance(new, nnx.State):
+            new = nnx.to_pure_dict(new)
+        if not isinstance(new, Mapping):
+            raise TypeError(
+                "sync_weights takes a params dict, nnx.State, Transformer or safetensors "
+                f"directory, got {type(new).__name__}"
+            )
+        try:
+            new = self._own_layout(new)
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"sync_weights: params do not fit the sampler's model: {e}") from e
+        return convert_params(new, self.precision)
+
     def _state_from_params(self, params: Mapping) -> nnx.State:
         """The sampler's state with ``params`` (a pure dict, either layer layout) as its leaves:
         no model is built and nothing is initialised (the tree is the sampler's own)."""
@@ -947,9 +993,12 @@ class Sampler:
         Accepts a pure parameter dict (`TrainState.params`), an `nnx.State`, a Transformer, or a
         directory of HF safetensors (`gagar_jax.models.load_hf_safetensors`). Shapes and dtypes
         must match; leaves are placed like the current ones, so compiled programs are reused.
+        A low-precision sampler converts the (trainer's) weights first, once per sync.
         """
 
         new = params_or_path
+        if self.precision != "float32":
+            new = self._to_precision(new)
         if isinstance(new, Mapping) and not isinstance(new, nnx.State):
             leaves = self._leaves_in_state_order(new)
             if leaves is not None:  # the same tree: its leaves replace the state's in place
@@ -993,6 +1042,17 @@ class Sampler:
         self._kept.clear()  # caches of the old weights
         self.policy_version = int(version)
         return self.policy_version
+
+
+def _converted_model(model, precision: str):
+    """``model`` rebuilt in ``precision`` (its config's bfloat16 form, the parameters
+    converted by ``gagar_jax.rollout.precision.convert_params``)."""
+    config = rollout_model_config(model.config, precision)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(
+        state, convert_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), precision)
+    )
+    return nnx.merge(graphdef, state)
 
 
 def _pure_paths(tree) -> frozenset:
