@@ -63,7 +63,7 @@ def behaviour_logprobs(
     fields = dict(
         tokens=batch.tokens, positions=batch.positions, attention_mask=batch.attention_mask
     )
-    if getattr(batch, "routes", None) is not None and config.routing_replay:
+    if batch.routes is not None and config.routing_replay:
         fields["routes"] = batch.routes
     if shared:
         data = {key: _split_groups(v, m, a, k, mesh) for key, v in fields.items()}
@@ -99,9 +99,7 @@ def jit_behaviour_logprobs(
     def fn(params, batch):
         return behaviour_logprobs(params, batch, graphdef=graphdef, config=config, mesh=mesh)
 
-    batch_sh = batch_shardings(mesh, with_ref, with_evidence)
-    if with_routes:
-        batch_sh = batch_sh._replace(routes=NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
+    batch_sh = batch_shardings(mesh, with_ref, with_evidence, with_routes)
     jitted = jax.jit(fn, in_shardings=(st_sh.params, batch_sh), out_shardings=rows)
 
     def call(params, batch):
