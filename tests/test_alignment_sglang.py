@@ -7,7 +7,6 @@ import dataclasses
 
 import jax
 import numpy as np
-import pytest
 from sglang_fixtures import SGLANG
 
 from gagar_jax.models import load_hf_safetensors
@@ -24,10 +23,11 @@ from gagar_jax.update import (
 pytestmark = SGLANG
 
 G, K, P, R = 2, 4, 8, 16
-# (max |update - server| log-prob, token-mean k3) for the CPU server in float32; measured when
-# set: see SGLANG_MEASURED (each bound about ten times it: the server's kernels and batch
-# composition vary from call to call).
-SGLANG_BOUND = (1e-3, 1e-6)
+# (max |update - server| log-prob, token-mean k3) for the CPU server in float32. Measured when
+# set (the SGLANG_MEASURED line the test prints): 1.4e-6 and 0.0, the embedded float32
+# sampler's size; the bound is the embedded float32 one (the server's batches, hence its
+# rounding, vary from call to call). Sampled at 1.0 and scored at 0.7: far outside.
+SGLANG_BOUND = (1e-4, 1e-8)
 
 
 def packed(prompts, out) -> UpdateBatch:
