@@ -1206,7 +1206,8 @@ class MoE(nnx.Module):
         ``routes`` (routing replay): ``[B, T, K]`` expert ids each token goes to instead of
         its own top-k; the gate weights are the current router's probabilities of those
         experts (renormalised over them with ``norm_topk_prob``), so the router's gradient
-        flows as it does through its own choice.
+        flows as it does through its own choice. A token with a negative id (its routes were
+        not recorded) takes its own top-k.
         """
         c = self.config
         dt = x.dtype
@@ -1214,10 +1215,11 @@ class MoE(nnx.Module):
             "bte,ex->btx", x, self.router[...].astype(dt), preferred_element_type=jnp.float32
         )
         probs = jax.nn.softmax(logits, axis=-1)  # [B, T, X] float32
-        if routes is None:
-            top_p, top_i = jax.lax.top_k(probs, c.num_experts_per_tok)  # [B, T, K]
-        else:
-            top_i = routes.astype(jnp.int32)
+        top_p, top_i = jax.lax.top_k(probs, c.num_experts_per_tok)  # [B, T, K]
+        if routes is not None:  # a token whose recorded experts are unknown (-1) routes freely
+            routes = routes.astype(jnp.int32)
+            known = jnp.all(routes >= 0, axis=-1, keepdims=True)
+            top_i = jnp.where(known, routes, top_i)
             top_p = jnp.take_along_axis(probs, top_i, axis=-1)
         if c.norm_topk_prob:
             top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)

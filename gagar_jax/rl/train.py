@@ -454,10 +454,26 @@ def grade_phase(
     return grade.no_grades(num_groups, K, R)
 
 
+def route_shape(engine) -> tuple[int, int] | None:
+    """``(MoE layers, experts per token)`` when ``engine`` records mixture-of-experts routes
+    (the embedded sampler's ``record_routes``): the batches then carry them."""
+    if not getattr(engine, "record_routes", False):
+        return None
+    c = engine.config
+    return (c.num_layers, c.num_experts_per_tok)
+
+
 def pack_phase(
-    groups, grades: grade.Grades, cfg: RunConfig, *, num_groups: int, pad_id: int
+    groups,
+    grades: grade.Grades,
+    cfg: RunConfig,
+    *,
+    num_groups: int,
+    pad_id: int,
+    route_shape: tuple[int, int] | None = None,
 ) -> Packed:
-    """Pack: the groups and their grades into the static group-major update batch."""
+    """Pack: the groups and their grades into the static group-major update batch (with the
+    rollouts' recorded routes when ``route_shape`` is given)."""
     batch = pack_groups(
         groups,
         grades,
@@ -466,6 +482,7 @@ def pack_phase(
         max_prompt_len=cfg.rollout.max_prompt_len,
         max_new_tokens=cfg.rollout.max_new_tokens,
         pad_id=pad_id,
+        route_shape=route_shape,
     )
     kept = np.zeros((num_groups,), bool)
     kept[: len(groups)] = True
@@ -592,7 +609,12 @@ def collect_step(
     )
     grades = grade_phase(grading_pool, family, collected, cfg, num_groups=G_local)
     packed = pack_phase(
-        collected.sampling.groups, grades, cfg, num_groups=G_local, pad_id=family.tokenizer.pad_id
+        collected.sampling.groups,
+        grades,
+        cfg,
+        num_groups=G_local,
+        pad_id=family.tokenizer.pad_id,
+        route_shape=route_shape(engine),
     )
     ex = exchange_phase(packed, collected, hosts, step=step)
     if tracker is not None:
@@ -638,6 +660,7 @@ def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
         cfg,
         num_groups=G_local,
         pad_id=ctx.family.tokenizer.pad_id,
+        route_shape=route_shape(ctx.engine),
     )
     ex = exchange_phase(packed, collected, hosts, step=step)
     if ctx.tracker is not None:
@@ -777,7 +800,14 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     )
     # Cited-token masks travel with every graded run, so every mode reports the share of
     # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
-    update_fn = jit_update(model_config, cfg.learner, mesh, with_evidence=cfg.grading.enabled)
+    with_routes = route_shape(engine) is not None
+    update_fn = jit_update(
+        model_config,
+        cfg.learner,
+        mesh,
+        with_evidence=cfg.grading.enabled,
+        with_routes=with_routes,
+    )
     ctx = RLContext(
         cfg=cfg,
         hosts=hosts,
@@ -795,6 +825,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             mesh,
             temperature=cfg.rollout.temperature,
             with_evidence=cfg.grading.enabled,
+            with_routes=with_routes,
         )
         if cfg.rollout.bitwise_onpolicy
         else None,

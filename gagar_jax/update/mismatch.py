@@ -10,11 +10,13 @@ k3 estimate of KL(mu || pi_prox).
 
 Mixture-of-experts models with recorded routes (``UpdateBatch.routes``): the update also
 routes every token with its own router, without replay, and reports
-``mismatch/route_diff_frac`` (attended tokens whose set of experts differs from the recorded
-one in at least one layer), ``mismatch/k3_no_replay`` (the k3 of that forward's log-probs),
+``mismatch/route_diff_frac`` (attended tokens with recorded routes whose set of experts
+differs from the recorded one in at least one layer), ``mismatch/k3_no_replay`` (the k3 of
+that forward's log-probs),
 and with ``learner.routing_replay`` ``mismatch/k3_replay`` (the same as ``mismatch/k3``) and
 ``mismatch/route_replay_match_frac`` (attended tokens whose experts in the replayed forward
-are the recorded ones in every layer: 1).
+are the recorded ones in every layer: 1), with ``mismatch/route_recorded_frac`` the share of
+attended tokens that have recorded routes (the others route freely).
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def route_mismatch_metrics(data: dict, free_lp, free_routes, replay_lp=None, rep
     pass's (``replay_lp``, ``replay_routes``); ``data`` the split update data with
     ``routes``."""
     recorded = data["routes"].astype(jnp.int32)
-    attended = data["attention_mask"].astype(bool)
+    # tokens with recorded routes (-1: not recorded, e.g. an episode's last observation)
+    tokens = data["attention_mask"].astype(bool)
+    attended = tokens & jnp.all(recorded >= 0, axis=(-1, -2))
     n = jnp.maximum(jnp.sum(attended.astype(jnp.float32)), 1.0)
 
     def same(a):  # [..., T] every layer's set of experts equal to the recorded one
@@ -74,6 +78,8 @@ def route_mismatch_metrics(data: dict, free_lp, free_routes, replay_lp=None, rep
         return total / jnp.maximum(count, 1.0)
 
     out = {
+        "mismatch/route_recorded_frac": jnp.sum(attended.astype(jnp.float32))
+        / jnp.maximum(jnp.sum(tokens.astype(jnp.float32)), 1.0),
         "mismatch/route_diff_frac": jnp.sum((attended & ~same(free_routes)).astype(jnp.float32))
         / n,
         "mismatch/k3_no_replay": k3(free_lp),
