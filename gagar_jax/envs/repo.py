@@ -77,6 +77,14 @@ class RepoTask:
       test_timeout_s: per-test timeout through pytest-timeout (0 = none): a hanging test fails
         that test, not the run.
       env_hash: the environment's content address (interpreter + resolved lockfile), or "".
+      image: a local container image the tests run in (``verify.container``), or "".
+      dockerfile: an absolute path to a Dockerfile (or its directory) to build that image from
+        offline, or "".
+      image_python: the interpreter inside the image that has pytest ("" = ``python3``;
+        SWE-bench images: ``/opt/miniconda3/envs/testbed/bin/python``).
+      image_workdir: where the image holds the repository (SWE-bench images: ``/testbed``):
+        the run's work tree is seeded from it (build artefacts), the task's tree copied over
+        it ("" = ``/workdir``, nothing seeded).
     """
 
     task_id: str
@@ -91,6 +99,10 @@ class RepoTask:
     env_path: str = ""
     test_timeout_s: float = 0.0
     env_hash: str = ""
+    image: str = ""
+    dockerfile: str = ""
+    image_python: str = ""
+    image_workdir: str = ""
 
     def __post_init__(self):
         if not self.task_id:
@@ -155,6 +167,10 @@ class RepoTask:
             env_path=str(d.get("env_path", "")),
             test_timeout_s=float(d.get("test_timeout_s", 0.0)),
             env_hash=str(d.get("env_hash", "")),
+            image=str(d.get("image", "")),
+            dockerfile=str(d.get("dockerfile", "")),
+            image_python=str(d.get("image_python", "")),
+            image_workdir=str(d.get("image_workdir", "")),
         )
 
     @classmethod
