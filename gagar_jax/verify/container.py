@@ -203,7 +203,15 @@ def build_base_image(
         return tag
     key = hashlib.sha256(f"{suite} {' '.join(packages)}".encode()).hexdigest()[:12]
     os.makedirs(cache_dir, exist_ok=True)
-    tar = os.path.join(cache_dir, f"rootfs-{key}.tar")
+    # one builder at a time (concurrent test workers): the others wait, then reuse its image
+    with open(os.path.join(cache_dir, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if image_exists(tag):
+            return tag
+        return _build_base_image(tag, os.path.join(cache_dir, f"rootfs-{key}.tar"), packages, suite)
+
+
+def _build_base_image(tag: str, tar: str, packages: Sequence[str], suite: str) -> str:
     if not os.path.exists(tar):
         tmp = tar + f".{os.getpid()}.tmp"
         include = ",".join(packages)
