@@ -489,7 +489,10 @@ class ExecutionConfig:
     ``(("verifier", 1),)``: only nodes that advertise it take verification); at most
     ``max_inflight`` calls are in flight, a call whose node died is retried ``max_retries``
     times, and the LLM grader's requests share one global rate limit of ``llm_requests_per_s``
-    (0 = none). Deployment only: not in the fingerprint.
+    (0 = none). ``environment``: where a verification's tests run, ``"uv"`` (the bwrap
+    sandbox with the task's virtual environment) or ``"container"`` (``verify.container``:
+    podman or docker, the task's image or Dockerfile, else ``container_image``, else the
+    back-end's base image). Deployment only: not in the fingerprint.
     """
 
     backend: str = "local"  # local | ray
@@ -502,9 +505,26 @@ class ExecutionConfig:
     resources: tuple = ()
     deadline_grace_s: float = 10.0
     llm_requests_per_s: float = 0.0
+    # where a verification's tests run: "uv" (the bwrap sandbox, the task's virtual
+    # environment) or "container" (podman/docker: the task's image or Dockerfile, else
+    # ``container_image``, else the back-end's base image; verify.container)
+    environment: str = "uv"
+    container_image: str = ""
 
     def __post_init__(self):
         _check(self.backend in ("local", "ray"), "execution.backend", "local|ray", self.backend)
+        _check(
+            self.environment in ("uv", "container"),
+            "execution.environment",
+            "uv|container",
+            self.environment,
+        )
+        _check(
+            isinstance(self.container_image, str),
+            "execution.container_image",
+            "an image name ('' = the base image)",
+            self.container_image,
+        )
         _check(
             isinstance(self.ray_address, str) and bool(self.ray_address),
             "execution.ray_address",

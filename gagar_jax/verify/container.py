@@ -290,9 +290,12 @@ def container_argv(
         "--ulimit", "core=0:0",
         "--read-only", "--shm-size", str(int(limits.shm_bytes)),
         "--tmpfs", f"/tmp:rw,nosuid,nodev,size={int(limits.tmp_bytes)},mode=1777",
-        "--mount",
-        f"type=tmpfs,destination={spec.workdir},tmpfs-size={int(limits.disk_bytes)},"
-        "tmpfs-mode=1777",
+        # the work tree: empty (no copy-up of the image's directory there), owned by the run's
+        # uid (podman's U; an image's directory keeps its own mode, which tmpfs mode= cannot
+        # override), at most disk_bytes
+        "--tmpfs",
+        f"{spec.workdir}:rw,nosuid,nodev,size={int(limits.disk_bytes)},"
+        + ("mode=0700,notmpcopyup,U" if engine == "podman" else "mode=1777"),
         "-v", f"{workdir}:{TREE_SOURCE}:ro",
         "--workdir", "/",
         "--entrypoint", "/bin/sh",
