@@ -38,6 +38,10 @@ prepared while earlier ones run and no core idles behind one slow run. With ``--
 [--ray-address auto|local|ADDR]`` each (row, patch, run) is one call of the execution back-end
 (``gagar_jax.verify.execution``) on a Ray cluster, at most ``--max-inflight`` at once; the lines
 are the same, and a run the infrastructure failed on every attempt counts in ``infra_errors``.
+``validate --harbor TASK_DIR...`` validates Harbor task directories instead (``data.harbor``:
+the solution as gold, the reward of ``tests/test.sh`` in the task's container), with the same
+lines; ``--environment container`` runs the rows' tests on the container back-end
+(``verify.container``; a row that names an image runs there anyway).
 """
 
 from __future__ import annotations
@@ -839,14 +843,58 @@ def validate(
     return lines, ok
 
 
+def validate_harbor(
+    paths: Sequence[str], *, runs: int = 3, out_path: str | None = None, log=print
+) -> tuple[list[dict], bool]:
+    """``validate`` for Harbor task directories (``data.harbor.to_repo_task``): each task's
+    solution (gold) and the empty patch ``runs`` times on the container back-end; one line per
+    task (printed, and written to ``out_path``), then the summary. Returns (lines, every task
+    validated)."""
+    from gagar_jax.data import harbor
+
+    lines, ok = [], True
+    for path in paths:
+        t0 = time.monotonic()
+        try:
+            task = harbor.to_repo_task(path)
+            rec = validate_task(task, runs)
+        except Exception as e:  # noqa: BLE001 - reported on the task's line
+            ok = False
+            rec = {"instance_id": os.path.basename(os.path.normpath(path)), "gold": None,
+                   "empty": None, "flaky_tests": [], "infra_errors": 0, "env_hash": "",
+                   "error": f"{type(e).__name__}: {e}"}  # fmt: skip
+        rec["seconds"] = round(time.monotonic() - t0, 3)
+        lines.append(rec)
+        log(json.dumps(rec))
+    if out_path:
+        with open(out_path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in lines)
+    good = sum(1 for r in lines if r["gold"] == "passed" and r["empty"] == "failed")
+    log(
+        f"validated {sum('error' not in r for r in lines)}/{len(lines)} Harbor tasks: {good} "
+        f"sound (gold passed, empty failed), {sum(r['infra_errors'] for r in lines)} infra errors"
+    )
+    return lines, ok
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gagar_jax.data.swe")
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="run each instance's gold and empty patch in the sandbox")
+    v.add_argument("--instances", help="SWE-bench-format rows (.jsonl/.json/.parquet)")
+    v.add_argument("--repos", help="directory of owner__name repositories")
     v.add_argument(
-        "--instances", required=True, help="SWE-bench-format rows (.jsonl/.json/.parquet)"
+        "--harbor",
+        nargs="+",
+        default=None,
+        help="Harbor task directories to validate (instead of --instances/--repos)",
     )
-    v.add_argument("--repos", required=True, help="directory of owner__name repositories")
+    v.add_argument(
+        "--environment",
+        choices=("uv", "container"),
+        default="uv",
+        help="where the tests run: uv (the bwrap sandbox, the row's environment) or container",
+    )
     v.add_argument("--runs", type=int, default=3)
     v.add_argument("--out", default=None, help="report JSONL (one line per instance)")
     v.add_argument("--cache", default=None, help="snapshot/environment cache directory")
@@ -884,6 +932,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error("--runs must be >= 1")
+    if args.harbor:
+        return 0 if validate_harbor(args.harbor, runs=args.runs, out_path=args.out)[1] else 1
+    if not (args.instances and args.repos):
+        ap.error("give --instances and --repos (or --harbor TASK_DIR...)")
     if args.max_inflight < 1:
         ap.error("--max-inflight must be >= 1")
     try:
@@ -896,14 +948,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     emit = None if args.out else (lambda rec: print(json.dumps(rec), flush=True))
     backend = None
-    if args.execution == "ray":
+    if args.execution == "ray" or args.environment != "uv":
         from gagar_jax.verify import execution
 
         backend = execution.make_backend(
-            "ray",
+            args.execution,
             ray_address=args.ray_address,
             max_inflight=args.max_inflight,
             resources=resources,
+            environment=args.environment,
         )
     try:
         _, ok = validate(

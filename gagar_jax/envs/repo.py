@@ -85,6 +85,9 @@ class RepoTask:
       image_workdir: where the image holds the repository (SWE-bench images: ``/testbed``):
         the run's work tree is seeded from it (build artefacts), the task's tree copied over
         it ("" = ``/workdir``, nothing seeded).
+      harbor_tests: a Harbor task's ``tests/`` directory (absolute; ``data.harbor``): the task
+        is verified by its ``test.sh`` in its image (``verify.harbor_run``), its one required
+        test ``tests/test.sh::reward``; "" for a pytest task.
     """
 
     task_id: str
@@ -103,6 +106,7 @@ class RepoTask:
     dockerfile: str = ""
     image_python: str = ""
     image_workdir: str = ""
+    harbor_tests: str = ""
 
     def __post_init__(self):
         if not self.task_id:
@@ -171,6 +175,7 @@ class RepoTask:
             dockerfile=str(d.get("dockerfile", "")),
             image_python=str(d.get("image_python", "")),
             image_workdir=str(d.get("image_workdir", "")),
+            harbor_tests=str(d.get("harbor_tests", "")),
         )
 
     @classmethod

@@ -270,6 +270,7 @@ def container_argv(
     *,
     env: Mapping[str, str] | None = None,
     ro_binds: Mapping[str, str] | None = None,
+    tmpfs: Mapping[str, int] | None = None,
     n_fds: int = 0,
     deleted: Sequence[str] = (),
     conmon_pidfile: str | None = None,
@@ -309,6 +310,9 @@ def container_argv(
         cmd += ["--mount", f"type=image,source={image},destination={IMAGE_ROOT}"]
     for host, inside in (ro_binds or {}).items():
         cmd += ["-v", f"{host}:{inside}:ro"]
+    for inside, size in (tmpfs or {}).items():
+        own = ",mode=0700,notmpcopyup,U" if engine == "podman" else ",mode=1777"
+        cmd += ["--tmpfs", f"{inside}:rw,nosuid,nodev,size={int(size)}{own}"]
     for k, v in {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", **(env or {})}.items():
         cmd += ["-e", f"{k}={v}"]
     cmd += ["-e", "HOME=/tmp", "-e", "TMPDIR=/tmp", "-e", "LANG=C.UTF-8"]
@@ -366,6 +370,7 @@ def run_in_container(
     ro_binds: Mapping[str, str] | None = None,
     pass_fds: Sequence[int] = (),
     deleted: Sequence[str] = (),
+    tmpfs: Mapping[str, int] | None = None,
 ) -> SandboxResult:
     """Runs untrusted ``argv`` in a fresh container of ``spec`` (the container counterpart of
     ``sandbox.run_sandboxed``; see the module docstring).
@@ -379,6 +384,7 @@ def run_in_container(
       config: slot settings (each concurrent run gets its own uid, as under bwrap).
       env: environment variables besides the image's own.
       ro_binds: ``{host path: path inside}`` bound read-only.
+      tmpfs: ``{path inside: bytes}``: more private writable directories of those sizes.
       pass_fds: descriptors the command inherits, as ``inside_fd(0)``, ``inside_fd(1)``, ...
       deleted: tree paths removed after seeding (``spec.seed_workdir``).
 
@@ -408,7 +414,8 @@ def run_in_container(
             conmon = os.path.join(io, "conmon.pid")
             cmd = container_argv(
                 image, spec, argv, workdir, limits, uid, name,
-                env=env, ro_binds=ro_binds, n_fds=len(pass_fds), deleted=deleted,
+                env=env, ro_binds=ro_binds, tmpfs=tmpfs, n_fds=len(pass_fds),
+                deleted=deleted,
                 conmon_pidfile=conmon,
             )  # fmt: skip
             # The engine hands on descriptors 3, 4, ...: the marker, then pass_fds in order.

@@ -1048,6 +1048,14 @@ def verify_repo_patch(
     started is attributable to the code and comes back as ``failed``.
     """
     started: list[bool] = []  # set by _verify_repo_patch once the sandbox reached the code
+    if getattr(task, "harbor_tests", ""):  # a Harbor task: its test.sh, in its container
+        from gagar_jax.verify.harbor_run import verify_harbor_patch
+
+        try:
+            return verify_harbor_patch(task, patch, limits=limits, config=config)
+        except Exception as e:  # noqa: BLE001 - a verifier/task bug must be masked, never scored
+            note = f"verifier error: {type(e).__name__}: {e}"
+            return RepoVerification("infra_error", _missing(task), None, (), note, None)
     try:
         spec = container_spec(task, environment, container)
         v = _verify_repo_patch(
