@@ -237,7 +237,9 @@ def _swe_reader(path: str) -> SweReader:
 
 def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
     """Tasks from a ``.jsonl`` file (one ``RepoTask.to_dict()`` per line) or a directory of task
-    directories (each with ``task.json`` and ``repo/``, sorted by name). Errors name the file
+    directories (each with ``task.json`` and ``repo/``, sorted by name), or a Harbor task
+    directory or a directory of them (``task.toml``: ``gagar_jax.data.harbor``, verified on the
+    container back-end). Errors name the file
     and line. With ``repos_dir``, ``path`` holds SWE-bench-format rows (``.jsonl``, ``.json``,
     ``.parquet`` or a directory of Harbor tasks) naming repositories there, read by the
     registered :class:`SweReader` (``gagar_jax.data.swe.load_tasks``: trees materialised from
@@ -276,6 +278,15 @@ def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
                 tasks.append(task)
         return tasks
     if os.path.isdir(path):
+        harbor = sorted(
+            d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "task.toml"))
+        )
+        if harbor or os.path.isfile(os.path.join(path, "task.toml")):
+            from gagar_jax.data.harbor import to_repo_task  # Harbor tasks: built in containers
+
+            if not harbor:
+                return [to_repo_task(path)]
+            return [to_repo_task(os.path.join(path, d)) for d in harbor]
         dirs = sorted(
             d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "task.json"))
         )
