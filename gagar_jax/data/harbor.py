@@ -33,6 +33,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gagar_jax.envs.repo import RepoTask, register_harbor_reader
 from gagar_jax.verify import container as ctr
 from gagar_jax.verify.diff import tree_patch
 
@@ -190,8 +191,6 @@ def to_repo_task(path: str):
     """A :class:`~gagar_jax.envs.repo.RepoTask` of the Harbor task at ``path`` (see the module
     docstring). Needs a container engine; ValueError for a task that cannot be built or whose
     solution fails."""
-    from gagar_jax.envs.repo import RepoTask
-
     h = read_harbor_task(path)
     image = ctr.ensure_image(_spec(h))
     workdir = image_workdir(image)
@@ -216,6 +215,9 @@ def to_repo_task(path: str):
         image_workdir=workdir,
         harbor_tests=h.tests_dir,
     )
+
+
+register_harbor_reader(to_repo_task)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,7 +56,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gagar_jax.data import environments, repos
+from gagar_jax.data import environments, harbor, repos
 from gagar_jax.envs.repo import RepoTask, SweReader, register_swe_reader
 from gagar_jax.verify import layout
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files, tree_patch
@@ -850,8 +850,6 @@ def validate_harbor(
     solution (gold) and the empty patch ``runs`` times on the container back-end; one line per
     task (printed, and written to ``out_path``), then the summary. Returns (lines, every task
     validated)."""
-    from gagar_jax.data import harbor
-
     lines, ok = [], True
     for path in paths:
         t0 = time.monotonic()

@@ -235,6 +235,25 @@ def _swe_reader(path: str) -> SweReader:
     return _SWE_READER[0]
 
 
+_HARBOR_READER: list[Callable[[str], RepoTask]] = []
+
+
+def register_harbor_reader(reader: Callable[[str], RepoTask]) -> None:
+    """Registers the reader of Harbor task directories (``path -> RepoTask``) that
+    :func:`load_repo_tasks` uses (a later call replaces it). ``gagar_jax.data.harbor`` registers
+    its own when imported (``gagar_jax.data.swe`` imports it)."""
+    _HARBOR_READER[:] = [reader]
+
+
+def _harbor_reader(path: str) -> Callable[[str], RepoTask]:
+    if not _HARBOR_READER:
+        raise LookupError(
+            f"task pool {path!r} holds Harbor tasks (task.toml) and no reader of them is "
+            "registered (import gagar_jax.data.harbor, which registers it)"
+        )
+    return _HARBOR_READER[0]
+
+
 def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
     """Tasks from a ``.jsonl`` file (one ``RepoTask.to_dict()`` per line) or a directory of task
     directories (each with ``task.json`` and ``repo/``, sorted by name), or a Harbor task
@@ -282,8 +301,7 @@ def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
             d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "task.toml"))
         )
         if harbor or os.path.isfile(os.path.join(path, "task.toml")):
-            from gagar_jax.data.harbor import to_repo_task  # Harbor tasks: built in containers
-
+            to_repo_task = _harbor_reader(path)  # Harbor tasks: built in containers
             if not harbor:
                 return [to_repo_task(path)]
             return [to_repo_task(os.path.join(path, d)) for d in harbor]
