@@ -124,6 +124,16 @@ def test_an_image_with_the_repository_at_testbed():
 
 
 @pytest.mark.container
+def test_a_per_test_timeout_in_a_container():
+    # pytest-timeout comes from the image (the base image has Debian's): a hanging test fails
+    # alone, the others report.
+    base_image()
+    task = dataclasses.replace(_task("statkit"), test_timeout_s=3.0)
+    v = verify_repo_patch(task, _patch("statkit", "minimal"), limits=FAST, environment="container")
+    assert v.status == "passed", v.test_log
+
+
+@pytest.mark.container
 def test_a_missing_image_is_an_infra_error():
     base_image()
     task = dataclasses.replace(_task("statkit"), image="localhost/gagar-no-such-image:1")

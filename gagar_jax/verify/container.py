@@ -193,7 +193,7 @@ def build_base_image(
     tag: str,
     cache_dir: str,
     *,
-    packages: Sequence[str] = ("python3", "python3-pytest"),
+    packages: Sequence[str] = ("python3", "python3-pytest", "python3-pytest-timeout"),
     suite: str = "bookworm",
 ) -> str:
     """A base image from Debian packages (no registry needed): ``mmdebstrap --variant=minbase``
@@ -213,7 +213,7 @@ def build_base_image(
 
 def _build_base_image(tag: str, tar: str, packages: Sequence[str], suite: str) -> str:
     if not os.path.exists(tar):
-        tmp = tar + f".{os.getpid()}.tmp"
+        tmp = f"{tar[:-4]}.{os.getpid()}.tmp.tar"  # mmdebstrap picks the format by extension
         include = ",".join(packages)
         r = subprocess.run(
             ["mmdebstrap", "--variant=minbase", f"--include={include}", suite, tmp],
@@ -530,37 +530,41 @@ def _verdict(
     )  # fmt: skip
 
 
-def container_problem(spec: ContainerSpec, image: str | None = None) -> str | None:
-    """None if a container of ``spec`` can start and its interpreter imports pytest, else why
-    (an ``infra_error`` of every verification on it). Definitive answers are cached."""
+def container_problem(
+    spec: ContainerSpec, image: str | None = None, *, timeout: bool = False
+) -> str | None:
+    """None if a container of ``spec`` can start and its interpreter imports pytest (and
+    pytest-timeout with ``timeout``: a task's per-test timeout), else why (an ``infra_error``
+    of every verification on it, never the candidate's failure). Definitive answers are
+    cached."""
     try:
         image = image or ensure_image(spec)
     except (ContainerUnavailable, ValueError, OSError, subprocess.SubprocessError) as e:
         return f"no container image: {e}"
-    return _preflight(image, spec)
+    return _preflight(image, spec, timeout)
 
 
 _PREFLIGHT: dict[tuple, str | None] = {}
 _PREFLIGHT_LOCK = threading.Lock()
 
 
-def _preflight(image: str, spec: ContainerSpec) -> str | None:
-    key = (image, spec)
+def _preflight(image: str, spec: ContainerSpec, timeout: bool = False) -> str | None:
+    key = (image, spec, timeout)
+    code = "import pytest" + (", pytest_timeout" if timeout else "")
     with _PREFLIGHT_LOCK:
         if key in _PREFLIGHT:
             return _PREFLIGHT[key]
         with tempfile.TemporaryDirectory(prefix="gagar_ctr_check_") as d:
             os.chmod(d, 0o755)
             r = run_in_container(
-                [spec.python, "-c", "import pytest"], d, Limits(wall_s=120, cpu_s=120), spec,
-                image=image,
-            )  # fmt: skip
+                [spec.python, "-c", code], d, Limits(wall_s=120, cpu_s=120), spec, image=image
+            )
         if r.status in ("infra_error", "timeout"):
             return f"the container could not run the pytest check ({r.status}): {r.error or ''}"
         problem = (
             None
             if r.passed
-            else f"pytest is not importable by {spec.python} in {image}: {r.stderr[-300:]}"
+            else f"{code[7:]} not importable by {spec.python} in {image}: {r.stderr[-300:]}"
         )
         _PREFLIGHT[key] = problem
         return problem

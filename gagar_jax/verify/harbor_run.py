@@ -100,7 +100,7 @@ def verify_harbor_patch(
     spec = harbor_spec(task)
     # the container must start; Harbor images need not have pytest (test.sh brings its own)
     problem = ctr.container_problem(spec)
-    if problem and "not importable" not in problem:
+    if problem and "importable" not in problem:
         return RepoVerification("infra_error", missing, None, (), problem, None)
     parent = tempfile.mkdtemp(prefix="gagar_harbor_")
     os.chmod(parent, 0o711)

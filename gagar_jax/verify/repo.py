@@ -1248,7 +1248,7 @@ def _verify_repo_patch(
         return RepoVerification("failed", _missing(task), problem, reset, problem, None, flags)
     try:
         if container is not None:
-            problem = ctr.container_problem(container)
+            problem = ctr.container_problem(container, timeout=timeout_s > 0)
         else:
             problem = sandbox_pytest_problem(
                 config, pythonpath, timeout_s > 0, max(PREFLIGHT_WALL_S, float(limits.wall_s))
