@@ -134,6 +134,21 @@ def test_a_per_test_timeout_in_a_container():
 
 
 @pytest.mark.container
+def test_the_run_configs_environment_reaches_the_verifier():
+    # execution.environment = "container" (the run config) -> the back-end -> every call.
+    base_image()
+    from gagar_jax.verify import execution
+
+    b = execution.make_backend(**dataclasses.asdict(ExecutionConfig(environment="container")))
+    task = _task("statkit")
+    v = execution.verify_repo_call(task, _patch("statkit", "minimal"), backend=b, limits=FAST)
+    assert v.status == "passed" and v.sandbox.mechanism == "container", v.test_log
+    plain = execution.make_backend(**dataclasses.asdict(ExecutionConfig()))
+    v = execution.verify_repo_call(task, _patch("statkit", "minimal"), backend=plain, limits=FAST)
+    assert v.status == "passed" and v.sandbox.mechanism.startswith("bwrap"), v.test_log
+
+
+@pytest.mark.container
 def test_a_missing_image_is_an_infra_error():
     base_image()
     task = dataclasses.replace(_task("statkit"), image="localhost/gagar-no-such-image:1")
