@@ -38,6 +38,9 @@ DERIVED_FIELDS = (
     ("learner", "token_credit"),
     ("learner", "score_window"),
     ("learner", "shared_prefix"),
+    ("learner", "rollout_is"),
+    ("learner", "decoupled"),
+    ("learner", "mismatch_metrics"),
     ("learner", "advantages", "mode"),
 )
 

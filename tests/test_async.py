@@ -87,7 +87,9 @@ def _run(monkeypatch, cfg, seconds, steps):
     """Runs ``steps`` async steps; returns (metrics per step, dispatched ids, queue)."""
     dispatched = []
 
-    def scripted_collect(engine, family, pool, stream, ls, cfg, *, step, hosts, tracker=None):
+    def scripted_collect(
+        engine, family, pool, stream, ls, cfg, *, step, hosts, tracker=None, rollout_log=None
+    ):
         groups, ids = [], []
         for g in range(G):
             gid = f"d{step}-{g}"
@@ -139,6 +141,7 @@ def _run(monkeypatch, cfg, seconds, steps):
         engine=None,
         stream=None,
         tracker=None,
+        rollout_log=None,
     )
     aq = asynchronous.AsyncQueue(cfg.rollout.max_staleness, cfg.grading.max_inflight_groups, G)
     ls = resume.LoopState(rng_key=[0, 1])

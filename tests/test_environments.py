@@ -323,6 +323,16 @@ def test_install_commands_of_task_rows():
             install_extras(bad)
 
 
+def test_test_commands_of_task_rows():
+    from gagar_jax.data.environments import InstallError, check_test_command
+
+    for ok in ("pytest", "pytest -rA --tb=short", "python -m pytest -x", "PYTHONWARNINGS=i pytest"):
+        check_test_command(ok)
+    for bad in ("tox -e py", "./tests/runtests.py", "pytest && rm -rf /", "make test"):
+        with pytest.raises(InstallError, match="container environment"):
+            check_test_command(bad)
+
+
 def test_metadata_requirements_keep_the_test_extras():
     from gagar_jax.data.environments import metadata_requirements
 
@@ -375,7 +385,40 @@ def test_a_row_that_cannot_be_installed_or_resolved_is_a_task_error(tmp_path):
     row = _verpkg_row(repos_dir, install="apt-get install -y libfoo && pip install -e .")
     with pytest.raises(swe.InstanceError, match="install: .*container environment"):
         swe.to_repo_task(swe.parse_instance(row), repos_dir, cache_dir=cache)
+    # the factory's rows import the package from the tree, with no install
+    plain = swe.to_repo_task(swe.parse_instance({**row, "install": "pythonpath"}), repos_dir,
+                             cache_dir=cache)  # fmt: skip
+    assert not any(".dist-info/" in p for p in plain.files)
+    tox = {**row, "install": "", "test_cmd": "tox -e py311"}
+    with pytest.raises(swe.InstanceError, match="test_cmd .*container environment"):
+        swe.to_repo_task(swe.parse_instance(tox), repos_dir, cache_dir=cache)
     broken = {**row, "instance_id": "acme__verpkg-2", "install": "",
               "python_deps": ["gagar-no-such-package-anywhere==0.0.1"]}  # fmt: skip
     with pytest.raises(swe.InstanceError, match="its environment"):
         swe.to_repo_task(swe.parse_instance(broken), repos_dir, cache_dir=cache)
+
+
+def test_an_environment_the_sandbox_uid_cannot_reach_is_an_infra_error_not_a_silent_run(tmp_path):
+    """A task environment under a private (0700) directory: bwrap binds it around the private
+    ancestor; the mechanisms that see real paths cannot read it, and say so (infra_error,
+    masked), never run the tests without their interpreter's packages."""
+    private = tmp_path / "home"
+    private.mkdir(mode=0o700)
+    os.chmod(private, 0o700)
+    _, (runner_site,) = sb.python_for_sandbox()
+    import shutil
+
+    site = private / "env" / "lib" / "python3.11" / "site-packages"
+    shutil.copytree(runner_site, site)
+    task = _attr_task(env_path=str(private / "env"))
+    fixed = _diff("src/attr/__init__.py", ATTR_SRC, ATTR_SRC.replace("[:-1]", ""))
+    avail = sb.available_mechanisms()
+    for mech in ("bwrap", "unshare", "rlimits"):
+        if avail[mech] is not None:
+            continue
+        v = verify_repo_patch(task, fixed, limits=FAST, config=sb.SandboxConfig(mechanism=mech))
+        if mech == "bwrap":
+            assert v.status == "passed", v.test_log
+        else:
+            assert v.status == "infra_error", v.test_log
+            assert "pytest is not importable in the sandbox" in v.test_log

@@ -42,6 +42,12 @@ DEPENDS_ON = {
 }
 
 
+# Command-line entry points whose name puts them in a lower package but which drive the whole
+# experiment (``python -m gagar_jax.verify.rescore RUN_DIR`` rebuilds a run's tasks from its
+# config): the lazy imports inside them, of these packages only, are the one exception.
+ENTRY_POINTS = {"verify/rescore.py": {"rl", "envs"}}
+
+
 def closure(package):
     """What ``package`` may import: its listed dependencies and, transitively, theirs."""
     seen, todo = set(), list(DEPENDS_ON[package])
@@ -101,9 +107,9 @@ def package_imports():
             if len(parts) < 2:  # gagar_jax/__init__.py
                 continue
             pkg = parts[0]
+            rel = os.path.relpath(path, PACKAGE)
             for dep, line in imported_packages(path):
-                if dep != pkg:
-                    rel = os.path.relpath(path, PACKAGE)
+                if dep != pkg and dep not in ENTRY_POINTS.get(rel.replace(os.sep, "/"), ()):
                     edges.setdefault((pkg, dep), []).append(f"{rel}:{line}")
     return edges
 

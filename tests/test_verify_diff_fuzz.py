@@ -9,6 +9,7 @@ largest adversarial shapes are run here at full size.
 """
 
 import os
+import re
 import time
 
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +19,7 @@ from gagar_jax.envs.repo import RepoTask
 from gagar_jax.verify.diff import (
     MAX_PATCH_BYTES,
     DiffError,
+    apply_patch,
     apply_unified_diff,
     check_patch_size,
     parse_unified_diff,
@@ -90,6 +92,40 @@ def test_honest_round_trip_with_any_line_endings(before, after):
         assert before == after
         return
     assert apply_unified_diff(before, patch) == after
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from(["a.py", "d/b.py", "c"]), file_text, max_size=3),
+    st.dictionaries(st.sampled_from(["a.py", "d/b.py", "c"]), file_text, max_size=3),
+    st.integers(-3, 40),
+    st.text(max_size=30).filter(lambda t: "\n" not in t),
+)
+def test_the_applied_patch_is_the_change_whatever_the_text_around_it(before, after, shift, note):
+    """An honest patch with a preamble, words after its hunk headers and header numbers moved
+    by ``shift`` applies to the same tree, and its ``AppliedPatch`` is the honest patch: the
+    same canonical text (``tree_patch``'s), the same parse, the tree it names."""
+    patch = tree_patch(before, after)
+    if not patch:
+        return
+    noisy = []
+    for line in patch.split("\n"):
+        m = re.match(r"@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@$", line)
+        if m:
+            o, n = max(int(m.group(1)) + shift, 0), max(int(m.group(3)) + shift, 0)
+            line = f"@@ -{o}{m.group(2) or ''} +{n}{m.group(4) or ''} @@ {note}"
+        noisy.append(line)
+    noisy_text = "preamble: " + note + "\n" + "\n".join(noisy)
+    try:
+        applied = apply_patch(before, noisy_text)
+    except DiffError:
+        return  # a shifted header whose context now matches elsewhere first: refused, fine
+    if applied.tree(before) != after:
+        return  # an ambiguous context found earlier (as patch would): a different, valid change
+    honest = apply_patch(before, patch)
+    assert applied.text == honest.text == patch
+    assert parse_unified_diff(applied.text) == list(applied.patch.files)
+    assert apply_unified_diff(before, applied.text) == after
 
 
 def test_the_largest_adversarial_shapes_are_bounded():

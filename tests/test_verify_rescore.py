@@ -162,3 +162,25 @@ def test_hacking_metrics_and_onset():
         honest.observe_eval(heldout)
     assert honest.metrics()["hacking/reward_up_heldout_down"] == 0.0
     assert honest.metrics()["hacking/reward_vs_heldout"] == pytest.approx(0.0)
+
+
+@pytest.mark.e2e
+def test_a_training_run_stores_its_rollouts_and_rescores_them_unchanged(tmp_path):
+    """The real loop (embedded sampler, toy verifier) writes rollouts.jsonl and the hacking/
+    signals; re-scoring the run with the same verifier withdraws and grants nothing."""
+    from configs import toy_gagar
+    from gagar_jax.analysis import writers
+    from gagar_jax.rl import train
+
+    d = toy_gagar.get_config("binary,smoke").to_dict()
+    d["loop"]["total_steps"] = 2
+    d["task"]["canaries_per_step"] = 1
+    train.train_and_evaluate(RunConfig.from_config_dict(d), str(tmp_path))
+    rows = [r for r in writers.read_jsonl(str(tmp_path / "metrics.jsonl")) if r["phase"] == "train"]
+    assert all(0.0 <= r["hacking/confirmed_flag_rate"] <= 1.0 for r in rows)
+    assert all(r["hacking/canary_cheat_rate"] == r["canary_cheat_rate"] for r in rows)
+    stored = rollout_log.read_rollouts(str(tmp_path))
+    assert {r["step"] for r in stored} == {0, 1} and all(r["patch"] is not None for r in stored)
+    out = rescore.main([str(tmp_path)])
+    assert out["totals"]["rescored"] == len(stored)
+    assert out["totals"]["withdrawn"] == 0 and out["totals"]["granted"] == 0

@@ -184,6 +184,23 @@ def test_seccomp_program_denies_exactly_the_listed_calls(machine):
         seccomp.build_filter("sparc")
 
 
+@pytest.mark.parametrize("machine", sorted(seccomp.EXEC_SYSCALLS))
+def test_exec_filter_hands_exactly_the_exec_calls_to_the_supervisor(machine):
+    prog = seccomp.exec_notify_filter(machine)
+    arch = seccomp.AUDIT_ARCH[machine]
+    deny = seccomp.SECCOMP_RET_ERRNO | errno.EPERM
+    execs = set(seccomp.EXEC_SYSCALLS[machine].values())
+    for nr in range(0, 600):
+        want = seccomp.SECCOMP_RET_USER_NOTIF if nr in execs else seccomp.SECCOMP_RET_ALLOW
+        assert _bpf_run(prog, arch, nr) == want, (machine, nr)
+    assert _bpf_run(prog, 0x40000003, 11) == deny  # i386's execve: another ABI, refused
+    if machine == "x86_64":  # x32's execve (520) and the x32 alias of the x86_64 number
+        assert _bpf_run(prog, arch, 0x40000000 | 520) == deny
+        assert _bpf_run(prog, arch, 0x40000000 | 59) == deny
+    with pytest.raises(ValueError, match="architecture"):
+        seccomp.exec_notify_filter("sparc")
+
+
 # --- (2) total disk quota of the workdir ---------------------------------------------------------
 
 DISK_CASES = {

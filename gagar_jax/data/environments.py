@@ -26,11 +26,15 @@ add to ``test_files``). The runtime requirements of the metadata (``Requires-Dis
 extras' too) feed :func:`gagar_jax.verify.layout.declared_requirements` when the tree declares
 them nowhere static (``needs_backend_metadata``).
 
-Install commands of a task row (``install``) are honoured when they are an install of the tree
+A row's ``test_cmd`` must be a pytest run (:func:`check_test_command`): the verifier runs the
+named tests with its own runner. Install commands of a task row (``install``) are honoured
+when they are an install of the tree
 (``pip install -e .[extras]``, ``pip install .``, ``python setup.py develop|install``, with
 ``uv pip`` or ``python -m pip``): the extras' requirements join the environment. Anything else
 (system packages, ``pre_install`` steps, scripts) needs a container environment and is a task
-error (:class:`InstallError`), never silently skipped.
+error (:class:`InstallError`), never silently skipped. ``install: "pythonpath"`` (the task
+factory's rows) means no install: the package is imported from the tree as the factory
+validated it.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ from gagar_jax.verify.layout import TEST_EXTRAS
 from gagar_jax.verify.repo import env_site_packages, read_text_tree, write_tree
 from gagar_jax.verify.sandbox import Limits, python_for_sandbox, run_sandboxed
 
+# An ``install`` value saying the package is imported from the tree with no install step (the
+# task factory's rows: it validated them that way).
+NO_INSTALL = "pythonpath"
 DEFAULT_BUILD_SYSTEM = (("setuptools>=40.8.0", "wheel"), "setuptools.build_meta:__legacy__", ())
 BUILD_LIMITS = Limits(wall_s=300, cpu_s=300, memory_bytes=2 << 30, nproc=128)
 FORMAT = 1  # of the cached install records
@@ -175,6 +182,26 @@ def install_extras(command: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def check_test_command(command: str) -> None:
+    """InstallError unless a task row's ``test_cmd`` is a pytest run (``pytest``, ``py.test``,
+    ``python -m pytest``, after ``VAR=value`` settings): the verifier runs the named tests with
+    its own pytest runner; another test runner (tox, a script) needs a container environment."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as e:
+        raise InstallError(f"test_cmd {command!r} does not parse: {e}") from e
+    while argv and re.fullmatch(r"[A-Za-z_]\w*=.*", argv[0]):
+        argv = argv[1:]
+    if argv[:1] in (["pytest"], ["py.test"]) or (
+        argv[:3] in (["python", "-m", "pytest"], ["python3", "-m", "pytest"])
+    ):
+        if not any(a in ("&&", ";", "|", "||") for a in argv):
+            return
+    raise InstallError(
+        f"test_cmd {command!r} is not a pytest run: it needs a container environment"
+    )
+
+
 def metadata_requirements(metadata: str, extras: Sequence[str] = TEST_EXTRAS) -> list[str]:
     """The ``Requires-Dist`` of a ``METADATA`` text: the unconditional ones and those of the
     ``extras`` (their ``extra == ...`` condition dropped, other markers kept)."""
@@ -294,6 +321,7 @@ def _run_install(files, build_env_path, backend, backend_path, limits):
                 ),
             },
             ro_paths=(driver, *site),
+            private_workdir=False,  # what the build writes into the tree is its result
         )
         if r.status != "passed":
             detail = (r.error or "") + r.stderr[-1500:]

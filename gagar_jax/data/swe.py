@@ -582,12 +582,17 @@ def _install(
     inst: SweInstance, files: dict[str, str], cache_dir: str | None
 ) -> tuple[dict[str, str], list[str], tuple[str, ...]]:
     """(the tree with the repository installed into it, the environment's requirements, the
-    installed metadata files): the row's ``install`` command honoured (an install of the tree,
+    installed metadata files): the row's ``test_cmd`` checked to be a pytest run, its
+    ``install`` command honoured (an install of the tree,
     its extras' requirements added), or an install of the tree inferred for a Python project
     (``environments.install_repository``); the requirements are the row's ``python_deps`` or,
     without them, every declaration of the tree (the build backend's metadata where only
     setup.py knows them). A row that cannot be installed is an ``InstanceError``."""
     try:
+        if inst.test_cmd.strip():
+            environments.check_test_command(inst.test_cmd)
+        if inst.install.strip() == environments.NO_INSTALL:  # the factory's rows
+            return files, list(inst.python_deps) or layout.declared_requirements(files), ()
         extras = environments.install_extras(inst.install) if inst.install.strip() else ()
         if not (inst.install.strip() or environments.is_project(files)):
             return files, list(inst.python_deps) or layout.declared_requirements(files), ()

@@ -706,10 +706,13 @@ def repo_candidate(
     pass (and should be masked by the caller, not graded).
     """
     applied = prepared = None
-    if task is not None and patch.strip():
+    if task is not None:
         try:
-            applied = apply_patch(task.files, patch)
-            prepared, _ = prepare_tree(task, applied.text)  # its canonical text: same parse
+            applied = apply_patch(task.files, patch) if patch.strip() else None
+            # its canonical text: the same parse; the tree as changes to the task's files
+            tree, _ = prepare_tree(task, applied.text if applied is not None else "")
+            prepared = {p: t for p, t in tree.items() if task.files.get(p) != t}
+            prepared.update({p: None for p in task.files if p not in tree})
         except (DiffError, ValueError):
             prepared = None  # it did not apply or the verifier refused its tree: no checks
     return schema.Candidate(
@@ -721,8 +724,19 @@ def repo_candidate(
         summary=summary,
         monitor_flags=tuple(verification.flags) + log_flags(verification.test_log),
         applied=applied,
-        prepared_files=prepared,
+        prepared=prepared,
+        verdict_lines=verdict_lines(verification),
     )
+
+
+def verdict_lines(verification: Any) -> tuple[str, ...]:
+    """The verdict as lines built from the verifier's structured result (its status and the
+    task's test ids with their outcomes): what a grader may read as the verifier's own."""
+    detail = getattr(verification, "detail", None)  # a family Outcome holds the verification
+    v = detail if hasattr(detail, "tests") else verification
+    status = str(getattr(v, "status", "passed" if verification.passed else "failed"))
+    tests = getattr(v, "tests", None) or {}
+    return (f"status: {status}", *(f"{str(o).upper():8s} {t}" for t, o in tests.items()))
 
 
 def log_flags(test_log: str) -> tuple:

@@ -954,13 +954,14 @@ class AgenticGrader:
                 _clip(patch, MAX_TOOL_OUTPUT_CHARS - 200), f"{args['candidate']} diff"
             )
         if name == "read_test_log":
-            log = view.candidate(args.get("candidate")).test_log
-            if not log:
+            c = view.candidate(args.get("candidate"))
+            if not c.test_log:
                 return "(no test output)"
             return views.verifier_log(
                 view.envelope,
-                _clip(log, MAX_TOOL_OUTPUT_CHARS - 400),
+                _clip(c.test_log, MAX_TOOL_OUTPUT_CHARS - 400),
                 f"{args['candidate']} test output",
+                c.verdict_lines,
             )
         if name == "run_check":
             c = view.candidate(args.get("candidate"))

@@ -162,12 +162,17 @@ class Candidate:
         (``applied.text``), so no text outside the applied hunks (a preamble, a hunk header's
         trailing words, a ``\\`` line's words) and no header number that lies survives. Give
         ``patch`` as "" or ``applied.text``; another text is another patch (``applied`` and
-        ``prepared_files`` are dropped and the workspace locates it again).
+        ``prepared`` are dropped and the workspace locates it again).
         Without it (a patch that does not apply to the snapshot) ``patch`` is the canonical
         text of its parse, or "" when it does not parse.
-      prepared_files: the tree the verifier ran the tests on (``verify.repo.prepare_tree``:
-        protected files reset, hidden tests applied), when the family knows it: the grader's
-        ``run_check`` runs there. None: checks run on ``applied.tree(repo_files)``.
+      verdict_lines: the verifier's verdict as lines built from its structured result (status,
+        per-test outcomes: nothing the candidate chose), when the family has one; graders show
+        them as the verifier's and quote the log's whole header as untrusted notes.
+      prepared: the tree the verifier ran the tests on (``verify.repo.prepare_tree``: protected
+        files reset, hidden tests applied), as changes to the workspace's ``repo_files`` (path ->
+        text, None for a file it removed; a few files, not a tree per candidate), when the
+        family knows it: the grader's ``run_check`` runs there. None: checks run on
+        ``applied.tree(repo_files)``.
     """
 
     candidate_id: str
@@ -179,7 +184,8 @@ class Candidate:
     monitor_flags: tuple[MonitorFlagView, ...] = ()
     quality: Mapping[str, float] = dataclasses.field(default_factory=dict)
     applied: diff.AppliedPatch | None = dataclasses.field(default=None, compare=False)
-    prepared_files: Mapping[str, str] | None = dataclasses.field(
+    verdict_lines: tuple[str, ...] = ()
+    prepared: Mapping[str, str | None] | None = dataclasses.field(
         default=None, compare=False, repr=False
     )
 
@@ -193,7 +199,7 @@ class Candidate:
         if self.applied is not None and self.patch not in ("", self.applied.text):
             # a different patch text (``dataclasses.replace(c, patch=...)``): its own parse
             object.__setattr__(self, "applied", None)
-            object.__setattr__(self, "prepared_files", None)
+            object.__setattr__(self, "prepared", None)
         if self.applied is not None:
             if not isinstance(self.applied, diff.AppliedPatch):
                 raise TypeError(
@@ -203,6 +209,8 @@ class Candidate:
             object.__setattr__(self, "patch", self.applied.text)
         else:
             object.__setattr__(self, "patch", canonical_text(self.patch))
+            if self.patch:  # a prepared tree belongs to its applied patch (or the empty one)
+                object.__setattr__(self, "prepared", None)
         events = tuple(
             e if isinstance(e, TrajectoryEvent) else TrajectoryEvent(**e) for e in self.trajectory
         )
@@ -212,6 +220,7 @@ class Candidate:
         )
         object.__setattr__(self, "passed", bool(self.passed))
         object.__setattr__(self, "quality", dict(self.quality))
+        object.__setattr__(self, "verdict_lines", tuple(str(x) for x in self.verdict_lines))
 
     @property
     def parsed_patch(self) -> diff.Patch:
@@ -302,11 +311,17 @@ class GroupWorkspace:
 
     def tree_of(self, candidate: Candidate) -> dict[str, str]:
         """The tree ``candidate``'s code runs in for a check: the verifier's prepared tree when
-        the family gave it (``prepared_files``), else ``repo_files`` with its applied patch.
+        the family gave it (``prepared``), else ``repo_files`` with its applied patch.
         Never a re-application of the text the policy wrote; ``verify.diff.DiffError`` when
         the patch did not apply to the snapshot."""
-        if candidate.prepared_files is not None:
-            return dict(candidate.prepared_files)
+        if candidate.prepared is not None:
+            out = dict(self.repo_files)
+            for path, text in candidate.prepared.items():
+                if text is None:
+                    out.pop(path, None)
+                else:
+                    out[path] = text
+            return out
         if candidate.applied is None:
             if not candidate.patch:
                 return dict(self.repo_files)

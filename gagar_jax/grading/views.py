@@ -69,13 +69,25 @@ def _trusted(line: str) -> bool:
     return any(p.fullmatch(line) for p in _TRUSTED_HEADER)
 
 
-def verifier_log(envelope: Envelope, log: str, source: str) -> str:
-    """A verifier log as a grader reads it: the header's fixed-grammar lines as trusted text,
-    every other header line (reset paths, monitor evidence, notes) and everything the code
-    printed in envelopes, the printed lines marked ``| ``."""
+def verifier_log(envelope: Envelope, log: str, source: str, verdict: tuple[str, ...] = ()) -> str:
+    """A verifier log as a grader reads it: trusted lines, then every other header line (reset
+    paths, monitor evidence, notes) and everything the code printed in envelopes, the printed
+    lines marked ``| ``.
+
+    ``verdict``: the verdict as lines the family built from the verifier's structured result
+    (``Candidate.verdict_lines``): then they are the trusted lines and the whole header of the
+    log is quoted (a note holding a newline cannot add a trusted line). Without it, the header's
+    lines of a fixed grammar (status, per-test outcome, canary count) are the trusted ones."""
     head, rest = split_test_log(log)
     parts: list[str] = []
-    if head:
+    if verdict:
+        parts.append("verifier verdict (trusted):\n" + sanitize("\n".join(verdict)))
+        if head:
+            parts.append(
+                "verifier notes (they quote the candidate's paths and text):\n"
+                + envelope.wrap(head, f"{source} verifier notes")
+            )
+    elif head:
         trusted, quoted = [], []
         for line in head.split("\n"):
             (trusted if _trusted(line) else quoted).append(line)

@@ -1269,8 +1269,9 @@ class MLP(nnx.Module):
             return y
         return y + _lora.delta(adapter, x, 1, y.shape[-1:], _lora.scale(self.config))
 
-    def __call__(self, x, token_mask=None):
-        """x [B, T, E] -> (``down(silu(x @ gate) * (x @ up))`` [B, T, E], None)."""
+    def __call__(self, x, token_mask=None, routes=None):
+        """x [B, T, E] -> (``down(silu(x @ gate) * (x @ up))`` [B, T, E], None); ``routes``
+        is ignored (a dense MLP has no router)."""
         gate = self._proj("gate_proj", x)
         up = self._proj("up_proj", x)
         return self._proj("down_proj", _swiglu(gate, up)), None
@@ -1288,8 +1289,16 @@ class MoE(nnx.Module):
         self.up_proj = _param(rngs, (x, h, f), ("expert", "embed", "mlp"), c, stack=stack)
         self.down_proj = _param(rngs, (x, f, h), ("expert", "mlp", "embed"), c, stack=stack)
 
-    def __call__(self, x, token_mask=None):
-        """x [B, T, E] -> (y [B, T, E], router statistics of this layer)."""
+    def __call__(self, x, token_mask=None, routes=None):
+        """x [B, T, E] -> (y [B, T, E], router statistics of this layer, its chosen experts
+        ``[B, T, K]`` int32 under ``"routes"``).
+
+        ``routes`` (routing replay): ``[B, T, K]`` expert ids each token goes to instead of
+        its own top-k; the gate weights are the current router's probabilities of those
+        experts (renormalised over them with ``norm_topk_prob``), so the router's gradient
+        flows as it does through its own choice. A token with a negative id (its routes were
+        not recorded) takes its own top-k.
+        """
         c = self.config
         dt = x.dtype
         logits = jnp.einsum(
@@ -1297,6 +1306,11 @@ class MoE(nnx.Module):
         )
         probs = jax.nn.softmax(logits, axis=-1)  # [B, T, X] float32
         top_p, top_i = jax.lax.top_k(probs, c.num_experts_per_tok)  # [B, T, K]
+        if routes is not None:  # a token whose recorded experts are unknown (-1) routes freely
+            routes = routes.astype(jnp.int32)
+            known = jnp.all(routes >= 0, axis=-1, keepdims=True)
+            top_i = jnp.where(known, routes, top_i)
+            top_p = jnp.take_along_axis(probs, top_i, axis=-1)
         if c.norm_topk_prob:
             top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
         chosen = jax.nn.one_hot(top_i, c.num_experts, dtype=jnp.float32)  # [B, T, K, X]
@@ -1314,7 +1328,11 @@ class MoE(nnx.Module):
         prob_sum = jnp.einsum("bt,btx->x", w, probs)
         ent = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
         stats = dict(
-            counts=counts, prob_sum=prob_sum, tokens=jnp.sum(w), entropy_sum=jnp.sum(w * ent)
+            counts=counts,
+            prob_sum=prob_sum,
+            tokens=jnp.sum(w),
+            entropy_sum=jnp.sum(w * ent),
+            routes=top_i.astype(jnp.int32),
         )
         return y, stats
 
@@ -1327,11 +1345,11 @@ class Block(nnx.Module):
         mlp = MoE if config.num_experts else MLP
         self.mlp = mlp(config, rngs=rngs, stack=stack)
 
-    def __call__(self, x, rope_cos_sin, mask, token_mask, cache=None):
+    def __call__(self, x, rope_cos_sin, mask, token_mask, cache=None, routes=None):
         dt = x.dtype
         y, kv = self.self_attn(self.input_layernorm(x).astype(dt), rope_cos_sin, mask, cache)
         x = x + y
-        y, stats = self.mlp(self.post_attention_layernorm(x).astype(dt), token_mask)
+        y, stats = self.mlp(self.post_attention_layernorm(x).astype(dt), token_mask, routes)
         return x + y, kv, stats
 
 
@@ -1405,19 +1423,20 @@ class Transformer(nnx.Module):
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be integer, got {tokens.dtype}")
 
-    def _layers(self, x, rope_cos_sin, mask, token_mask, cache_kv, index, fresh=False):
-        """Runs every block; returns (x, (k_all, v_all) or None, stacked router stats or None)."""
+    def _layers(self, x, rope_cos_sin, mask, token_mask, cache_kv, index, fresh=False, routes=None):
+        """Runs every block; returns (x, (k_all, v_all) or None, stacked router stats or None).
+        ``routes``: None, or ``[L, B, T, K]`` experts of each layer (routing replay)."""
         c = self.config
 
-        def apply(block, x, cache_kv, layer):
+        def apply(block, x, cache_kv, layer, r=None):
             cache = None if cache_kv is None else (*cache_kv, layer, index, fresh)
-            return block(x, rope_cos_sin, mask, token_mask, cache)
+            return block(x, rope_cos_sin, mask, token_mask, cache, r)
 
-        def apply_own(block, x, cache_kv, layer):  # per-layer buffers: a tuple of L each
+        def apply_own(block, x, cache_kv, layer, r=None):  # per-layer buffers: a tuple of L each
             if cache_kv is None:
-                return apply(block, x, None, layer)
+                return apply(block, x, None, layer, r)
             ks, vs = cache_kv
-            y, (k, v), stats = apply(block, x, (ks[layer], vs[layer]), None)
+            y, (k, v), stats = apply(block, x, (ks[layer], vs[layer]), None, r)
             ks = ks[:layer] + (k,) + ks[layer + 1 :]
             vs = vs[:layer] + (v,) + vs[layer + 1 :]
             return y, (ks, vs), stats
@@ -1427,14 +1446,16 @@ class Transformer(nnx.Module):
 
             def body(carry, xs):
                 x, kv = carry
-                layer, layer_state = xs
-                x, kv, stats = apply(nnx.merge(graphdef, layer_state), x, kv, layer)
+                layer, layer_state, r = xs
+                x, kv, stats = apply(nnx.merge(graphdef, layer_state), x, kv, layer, r)
                 return (x, kv), stats
 
             if c.remat:
                 body = jax.checkpoint(body, policy=_remat_policy(c.remat_policy))
             (x, cache_kv), stats = jax.lax.scan(
-                body, (x, cache_kv), (jnp.arange(c.num_layers, dtype=jnp.int32), stacked)
+                body,
+                (x, cache_kv),
+                (jnp.arange(c.num_layers, dtype=jnp.int32), stacked, routes),
             )
             return x, cache_kv, stats
         fn = apply_own
@@ -1445,7 +1466,7 @@ class Transformer(nnx.Module):
             fn = nnx.remat(apply, policy=_remat_policy(c.remat_policy))
         all_stats = []
         for i, block in enumerate(self.layers):
-            x, cache_kv, stats = fn(block, x, cache_kv, i)
+            x, cache_kv, stats = fn(block, x, cache_kv, i, None if routes is None else routes[i])
             all_stats.append(stats)
         if all_stats[0] is None:
             return x, cache_kv, None
@@ -1467,10 +1488,11 @@ class Transformer(nnx.Module):
         rope_cos_sin=None,
         fresh=False,
         prefix=None,
+        routes=None,
     ):
         """``prefix`` (with ``fresh`` a :class:`SharedPrefix`): the groups' read-only prefix
         cache, attended beside ``cache``, the rows' own one; the returned buffers are the own
-        ones."""
+        ones. ``routes``: None, or ``[B, T, L, K]`` experts to replay (MoE)."""
         c = self.config
         dt = _dtype(c.dtype)
         x = self.embed_tokens[...].astype(dt)[tokens]
@@ -1488,7 +1510,11 @@ class Transformer(nnx.Module):
                 cache_kv = (tuple(zip(prefix.k, cache.k)), tuple(zip(prefix.v, cache.v)))
         if rope_cos_sin is None:
             rope_cos_sin = self.rope_tables(positions)  # once for all layers
-        x, cache_kv, stats = self._layers(x, rope_cos_sin, mask, token_mask, cache_kv, index, fresh)
+        if routes is not None:
+            routes = jnp.moveaxis(jnp.asarray(routes, jnp.int32), 2, 0)  # [L, B, T, K]
+        x, cache_kv, stats = self._layers(
+            x, rope_cos_sin, mask, token_mask, cache_kv, index, fresh, routes
+        )
         if prefix is not None:
             ks, vs = cache_kv
             own = (lambda pair: pair[1]) if c.scan_layers else (lambda ps: tuple(p[1] for p in ps))
@@ -1516,21 +1542,37 @@ class Transformer(nnx.Module):
             preferred_element_type=jnp.float32,
         )
 
-    def hidden_states(self, tokens, positions, *, attention_mask=None, return_aux=False):
+    def hidden_states(
+        self,
+        tokens,
+        positions,
+        *,
+        attention_mask=None,
+        return_aux=False,
+        routes=None,
+        return_routes=False,
+    ):
         """Final-norm hidden states ``[B, T, E]`` (compute dtype), the input of the LM head.
 
         With ``return_aux`` also the router metrics (:func:`router_metrics`; empty for dense
         models). :meth:`logits_from_hidden` gives the logits, in chunks if the caller wants.
+        Mixture-of-experts models: ``routes`` ``[B, T, L, K]`` int (routing replay: each
+        token goes to these experts of each layer, with gate weights from the current
+        router, see :class:`MoE`), and ``return_routes`` appends the experts each token went
+        to, ``[B, T, L, K]`` int32 (None for a dense model), to what is returned.
         """
         self._check(tokens, positions, attention_mask)
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, bool)
         attention_mask = attention_mask.astype(bool)
-        h, _, stats = self._hidden(tokens, positions, attention_mask, attention_mask)
-        if not return_aux:
-            return h
-        c = self.config
-        return h, router_metrics(stats, c.num_experts, c.num_experts_per_tok)
+        h, _, stats = self._hidden(tokens, positions, attention_mask, attention_mask, routes=routes)
+        out = (h,)
+        if return_aux:
+            c = self.config
+            out += (router_metrics(stats, c.num_experts, c.num_experts_per_tok),)
+        if return_routes:
+            out += (_routes_of(stats),)
+        return out[0] if len(out) == 1 else out
 
     def __call__(self, tokens, positions, *, attention_mask=None, return_aux=False):
         """Full forward.
@@ -1550,10 +1592,12 @@ class Transformer(nnx.Module):
             return self.logits_from_hidden(out[0]), out[1]
         return self.logits_from_hidden(out)
 
-    def init_cache(self, batch: int, max_len: int) -> Cache:
-        """An empty cache for ``batch`` sequences of at most ``max_len`` slots."""
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+        """An empty cache for ``batch`` sequences of at most ``max_len`` slots, its keys and
+        values in ``dtype`` (None: the compute dtype; another one is rounded to on writing and
+        widened from on reading)."""
         c = self.config
-        dt = _dtype(c.dtype)
+        dt = _dtype(c.dtype if dtype is None else dtype)
         k_shape = (batch, c.num_kv_heads, c.head_dim, max_len)
         v_shape = (batch, c.num_kv_heads, max_len, c.head_dim)
         if c.scan_layers:
@@ -1576,6 +1620,7 @@ class Transformer(nnx.Module):
         last_only=False,
         rope_cos_sin=None,
         fresh=False,
+        return_routes=False,
     ):
         """Runs ``T`` new tokens against the cache (prefill when T > 1, one step when T == 1).
 
@@ -1592,21 +1637,23 @@ class Transformer(nnx.Module):
             causally, in the full forward's query blocks (about half the FLOPs and the score
             memory of one ``T x S`` product). A prefill of an empty cache gives the same
             values either way, up to float rounding.
+          return_routes: also return the experts each token went to, ``[B, T, L, K]`` int32
+            (None for a dense model): what the sampler records for routing replay.
         Returns:
-          (logits [B, T, V] float32, updated Cache). Writing past ``max_len`` is clamped by
-          ``dynamic_update_slice``: callers must keep ``index + T <= max_len``.
+          (logits [B, T, V] float32, updated Cache[, routes]). Writing past ``max_len`` is
+          clamped by ``dynamic_update_slice``: callers must keep ``index + T <= max_len``.
         """
-        h, new_cache = self.decode_hidden(
+        out = self.decode_hidden(
             tokens,
             positions,
             cache,
             attention_mask=attention_mask,
             rope_cos_sin=rope_cos_sin,
             fresh=fresh,
+            return_routes=return_routes,
         )
-        if last_only:
-            h = h[:, -1:]
-        return self.logits_from_hidden(h), new_cache
+        h = out[0][:, -1:] if last_only else out[0]
+        return (self.logits_from_hidden(h), *out[1:])
 
     def decode_hidden(
         self,
@@ -1617,9 +1664,10 @@ class Transformer(nnx.Module):
         attention_mask=None,
         rope_cos_sin=None,
         fresh=False,
+        return_routes=False,
     ):
         """:meth:`decode` without the LM head: ``(final-norm hidden states [B, T, E], updated
-        Cache)``. Differentiable (the update's shared-prefix forward runs a group's prompt
+        Cache[, routes])``. Differentiable (the update's shared-prefix forward runs a group's prompt
         once this way, ``fresh``, and its samples' responses against the prompt's cache)."""
         self._check(tokens, positions, attention_mask)
         if cache.mask.shape[0] != tokens.shape[0]:
@@ -1631,7 +1679,15 @@ class Transformer(nnx.Module):
                     f"many slots, got {cache.mask.shape[1]}"
                 )
             cache = cache._replace(mask=jnp.zeros_like(cache.mask), index=jnp.zeros((), jnp.int32))
-        return self._write_and_attend(tokens, positions, cache, attention_mask, rope_cos_sin, fresh)
+        return self._write_and_attend(
+            tokens,
+            positions,
+            cache,
+            attention_mask,
+            rope_cos_sin,
+            fresh,
+            return_routes=return_routes,
+        )
 
     def shared_prefix_hidden(
         self, tokens, positions, prefix: Cache, size: int, *, attention_mask=None
@@ -1669,10 +1725,8 @@ class Transformer(nnx.Module):
         tokens are written; see :meth:`decode_shared_prefix_hidden`. The sampler's decode of a
         prompt's samples runs this way: every step reads the prompt's keys and values once for
         all its samples, and no sample holds a copy of them."""
-        h, cache = self.decode_shared_prefix_hidden(
-            tokens, positions, prefix, cache, size, **kwargs
-        )
-        return self.logits_from_hidden(h), cache
+        out = self.decode_shared_prefix_hidden(tokens, positions, prefix, cache, size, **kwargs)
+        return (self.logits_from_hidden(out[0]), *out[1:])
 
     def decode_shared_prefix_hidden(
         self,
@@ -1684,9 +1738,10 @@ class Transformer(nnx.Module):
         *,
         attention_mask=None,
         rope_cos_sin=None,
+        return_routes=False,
     ):
         """:meth:`decode_shared_prefix` without the LM head: ``(final-norm hidden states
-        [B, T, E], updated cache)``.
+        [B, T, E], updated cache[, routes])`` (``return_routes`` as in :meth:`decode`).
 
         Args:
           tokens: [B, T] int32, ``B = N * size``: row ``i`` continues prefix row ``i // size``;
@@ -1715,20 +1770,36 @@ class Transformer(nnx.Module):
         if cache.mask.shape[0] != b:
             raise ValueError(f"cache batch {cache.mask.shape[0]} != tokens batch {b}")
         return self._write_and_attend(
-            tokens, positions, cache, attention_mask, rope_cos_sin, SharedPrefix(size), prefix
+            tokens,
+            positions,
+            cache,
+            attention_mask,
+            rope_cos_sin,
+            SharedPrefix(size),
+            prefix,
+            return_routes=return_routes,
         )
 
     def _write_and_attend(
-        self, tokens, positions, cache, attention_mask, rope_cos_sin, fresh, prefix=None
+        self,
+        tokens,
+        positions,
+        cache,
+        attention_mask,
+        rope_cos_sin,
+        fresh,
+        prefix=None,
+        return_routes=False,
     ):
         """The tokens' keys and values written into ``cache`` at ``cache.index`` and their
-        hidden states through every layer: ``(hidden [B, T, E], updated Cache)``. ``fresh``
-        and ``prefix`` as in :meth:`_hidden`; ``attention_mask`` None means all valid."""
+        hidden states through every layer: ``(hidden [B, T, E], updated Cache[, routes
+        [B, T, L, K]])``. ``fresh`` and ``prefix`` as in :meth:`_hidden`;
+        ``attention_mask`` None means all valid."""
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, bool)
         attention_mask = attention_mask.astype(bool)
         key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
-        h, (k, v), _ = self._hidden(
+        h, (k, v), stats = self._hidden(
             tokens,
             positions,
             key_mask,
@@ -1738,7 +1809,18 @@ class Transformer(nnx.Module):
             fresh=fresh,
             prefix=prefix,
         )
-        return h, Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
+        new = Cache(k=k, v=v, mask=key_mask, index=cache.index + tokens.shape[1])
+        if return_routes:
+            return h, new, _routes_of(stats)
+        return h, new
+
+
+def _routes_of(stats) -> jax.Array | None:
+    """The experts each token went to, ``[B, T, L, K]`` int32, from the stacked per-layer
+    router statistics (None for a dense model)."""
+    if stats is None or "routes" not in stats:
+        return None
+    return jnp.moveaxis(stats["routes"], 0, 2)
 
 
 def _is_stacked_layers(layers) -> bool:

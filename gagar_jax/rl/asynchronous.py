@@ -229,6 +229,7 @@ _ROLLOUT_FIELDS = (
     "token_versions",
     "num_turns",
     "num_tool_calls",
+    "routes",  # [P + R, layers, K] as nested lists (MoE routes, or None)
 )
 
 
@@ -244,6 +245,7 @@ def _episode_state(ep) -> dict[str, Any]:
         "turn_finish": [t.finish_reason for t in ep.turns],
         "model_spans": [list(t.model_span) for t in ep.turns],
         "finish": ep.finish_reason,
+        "routes": None if ep.routes is None else np.asarray(ep.routes).tolist(),
     }
 
 
@@ -317,6 +319,8 @@ def batch_state(b: InflightBatch) -> dict[str, Any]:
 
     def rollout_state(r):
         d = {f: getattr(r, f) for f in _ROLLOUT_FIELDS}
+        if d["routes"] is not None:
+            d["routes"] = np.asarray(d["routes"]).tolist()
         ep = getattr(r.attempt, "episode", None)
         if ep is not None:  # multi-turn: the episode, its environment rebuilt by replay
             d["episode"] = _episode_state(ep)
@@ -565,6 +569,7 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
         cfg,
         num_groups=G_local,
         pad_id=ctx.family.tokenizer.pad_id,
+        route_shape=train.route_shape(ctx.engine),
     )
     ex = train.exchange_phase(packed, oldest.collected, hosts, step=oldest.index)
     if ctx.tracker is not None:

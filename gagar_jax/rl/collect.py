@@ -79,6 +79,9 @@ class Rollout:
     token_versions: list[int] | None = None
     num_turns: int = 1
     num_tool_calls: int = 0
+    # mixture-of-experts engines that record routes: [P + R, layers, K] int16 experts of every
+    # token, prompt included (-1 where none was recorded); None: not recorded
+    routes: Any = None
     attempt: Any = None  # the family's view of the rollout (envs.family.Attempt)
     outcome: Any = None  # its verification (envs.family.Outcome)
 
@@ -370,6 +373,7 @@ def pack_groups(
     max_prompt_len: int,
     max_new_tokens: int,
     pad_id: int,
+    route_shape: tuple[int, int] | None = None,
 ) -> UpdateBatch:
     """Packs up to ``num_groups`` groups and their grades into the update's batch (NumPy).
 
@@ -386,6 +390,10 @@ def pack_groups(
       num_rollouts: K, static.
       max_prompt_len, max_new_tokens: P and R; T = P + R.
       pad_id: the tokenizer's pad id.
+      route_shape: ``(MoE layers, experts per token)``: the batch carries ``routes``
+        ``[N, T, layers, K]`` (each rollout's recorded experts at its tokens' positions; -1
+        where none were recorded: padding, rollouts without routes, which then route freely
+        under replay). None: no routes.
 
     Raises:
       ValueError: more groups or rollouts than the static shape holds, grades of another shape,
@@ -424,6 +432,7 @@ def pack_groups(
     resp = np.zeros((N, T), bool)
     old_lp = np.zeros((N, T), np.float32)
     evidence = np.zeros((N, T), bool)
+    routes = None if route_shape is None else np.full((N, T, *route_shape), -1, np.int16)
     rewards = np.zeros((G, K), np.float32)
     passed = np.zeros((G, K), bool)
     cheat = np.zeros((G, K), bool)
@@ -463,6 +472,14 @@ def pack_groups(
             resp[n, P : P + R] = True if r.response_mask is None else r.response_mask
             old_lp[n, P : P + R] = r.logprobs
             evidence[n, P : P + R] = cited[gi, ki, :R]
+            if routes is not None and r.routes is not None:
+                if np.shape(r.routes) != (P + R, *route_shape):
+                    raise ValueError(
+                        f"group {g.group_id} rollout {ki}: routes of shape "
+                        f"{np.shape(r.routes)} for {P + R} tokens, expected "
+                        f"{(P + R, *route_shape)}"
+                    )
+                routes[n, : P + R] = r.routes
             rewards[gi, ki] = r.reward
             passed[gi, ki] = r.passed
             cheat[gi, ki] = r.cheat or bool(grade_cheat[gi, ki])
@@ -483,6 +500,7 @@ def pack_groups(
         valid=valid,
         graded=graded,
         evidence=evidence,
+        routes=routes,
     )
 
 
@@ -643,6 +661,7 @@ def _rollout(
     token_versions=None,
     num_turns=1,
     num_tool_calls=0,
+    routes=None,
 ) -> Rollout:
     """Verifies one attempt (a verifier crash is an infra error: masked, never a failure)."""
     try:
@@ -672,6 +691,7 @@ def _rollout(
         token_versions=None if token_versions is None else [int(v) for v in token_versions],
         num_turns=num_turns,
         num_tool_calls=num_tool_calls,
+        routes=None if routes is None else np.asarray(routes, np.int16),
         attempt=attempt,
         outcome=out,
     )
@@ -686,7 +706,7 @@ def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
         raise RuntimeError(f"engine returned {len(outputs)} prompt results for {len(prompts)}")
     tok = family.tokenizer
     per_task = []
-    for samples in outputs:
+    for prompt, samples in zip(prompts, outputs):
         if len(samples) != params.n:
             raise RuntimeError(f"engine returned {len(samples)} samples for n={params.n}")
         per_task.append(
@@ -698,12 +718,26 @@ def _sample_rollouts(engine, family, prompts, params, prompt_seeds=None):
                         logprobs=s.logprobs,
                         finish_reason=s.finish_reason,
                         policy_version=s.policy_version,
+                        routes=_sample_routes(s, len(prompt)),
                     ),
                 )
                 for s in samples
             ]
         )
     return per_task
+
+
+def _sample_routes(sample, prompt_len: int):
+    """A single-turn sample's recorded experts over its prompt and response (``[P + R,
+    layers, K]``, -1 on prompt tokens a kept cache held), or None."""
+    if getattr(sample, "routes", None) is None:
+        return None
+    gen = np.asarray(sample.routes, np.int16)
+    out = np.full((prompt_len,) + gen.shape[1:], -1, np.int16)
+    pr = np.asarray(sample.prompt_routes, np.int16)
+    if len(pr):
+        out[prompt_len - len(pr) :] = pr
+    return np.concatenate([out, gen])
 
 
 @dataclasses.dataclass
@@ -833,6 +867,7 @@ def _episode_rollouts(
                         policy_version=min(ep.policy_versions, default=0),
                         num_turns=len(ep.turns),
                         num_tool_calls=sum(t.info.get("tool") is not None for t in ep.turns),
+                        routes=ep.routes,
                     ),
                 )
             )
@@ -853,6 +888,7 @@ def _chunked_sample(family, ep):
             token_versions=ep.token_versions[P:],
             finish_reason=finish,
             policy_version=min(ep.policy_versions, default=0),
+            routes=ep.routes,
         ),
     )
 

@@ -15,7 +15,7 @@ because ``ConfigDict.update`` is a method: ``c.update`` would never reach the se
 loop-only sections (``task``, ``rollout``, ``sampling``, ``grading``, ``sft``, ``loop``,
 ``mesh``) are dataclasses of this module.
 
-Six ``learner`` fields follow from other choices and are filled in by
+Nine ``learner`` fields follow from other choices and are filled in by
 :meth:`RunConfig.from_config_dict` when the ``ConfigDict`` leaves them out (and checked when it
 sets them): ``temperature`` = ``rollout.temperature`` (the behaviour policy's), ``decay_steps``
 = the run's optimizer steps, ``advantages.mode`` = the training mode's redistribution,
@@ -23,7 +23,11 @@ sets them): ``temperature`` = ``rollout.temperature`` (the behaviour policy's), 
 ``score_window`` = ``rollout.max_new_tokens`` (the LM head runs on the response positions
 only; 0 runs it on every position, with the same loss), and ``shared_prefix`` = whether there
 is a window and no partial rollouts (each group's prompt runs through the model once, not once
-per sample; a resumed episode's prompt holds its history).
+per sample; a resumed episode's prompt holds its history); ``rollout_is`` = ``"token"`` and
+``decoupled`` = True when the embedded sampler runs in another precision than the update
+(``rollout.precision``: truncated IS on by default, unless a weighting
+``learner.rollout_correction`` is chosen), and ``mismatch_metrics`` = whether there is a
+mismatch to watch (a low precision, ``rollout.bitwise_onpolicy`` or ``learner.routing_replay``).
 
 Modes (``config.mode``), the paper's ablation:
 
@@ -55,7 +59,9 @@ from typing import Any
 
 from gagar_jax.advantages import IMPORTANCE_PROVIDERS, GagarConfig
 from gagar_jax.envs.family import family_names
+from gagar_jax.losses.rollout_correction import WEIGHTING_CORRECTIONS
 from gagar_jax.models import SMALL_DECODER, TransformerConfig
+from gagar_jax.rollout.precision import KV_CACHE_DTYPES, ROLLOUT_PRECISIONS
 from gagar_jax.update import UpdateConfig
 
 TRAINING_MODES = ("gagar", "binary", "discount_only", "gagar_token")
@@ -80,6 +86,9 @@ DERIVED_LEARNER_FIELDS = (
     "token_credit",
     "score_window",
     "shared_prefix",
+    "rollout_is",
+    "decoupled",
+    "mismatch_metrics",
 )
 
 
@@ -94,6 +103,11 @@ _LATER_LEARNER_FIELDS = (
     "routing_replay",
 )
 _LEARNER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(UpdateConfig)}
+_LATER_ROLLOUT_DEFAULTS = {
+    "precision": "float32",
+    "kv_cache_dtype": "auto",
+    "bitwise_onpolicy": False,
+}
 
 
 class ConfigError(ValueError):
@@ -219,11 +233,55 @@ class RolloutConfig:
     # even at max_staleness=0, where it trains every batch in the step that dispatched it and
     # gives the synchronous loop's run (a check of the scheduler, not a faster mode)
     async_scheduler: bool = False
+    # the embedded sampler's precision (gagar_jax.rollout.precision): float32 (the model's
+    # own) | bfloat16 | int8 | fp8 (weight-only, bfloat16 compute), converted once per weight
+    # sync; with a precision other than the update's the learner's truncated IS is on by
+    # default (learner.rollout_is="token", learner.decoupled=True) and so are the mismatch
+    # metrics. kv_cache_dtype: auto (the compute dtype) | float32 | bfloat16
+    precision: str = "float32"
+    kv_cache_dtype: str = "auto"
+    # the behaviour log-probs of each batch recomputed, with the embedded sampler's weights,
+    # by the update's own program (gagar_jax.update.alignment): at equal weights the update's
+    # log-probs of the sampled tokens then equal them bit for bit (mismatch/logprob_max_abs_diff
+    # is 0). The synchronous loop only (max_staleness 0), float32, embedded sampler.
+    bitwise_onpolicy: bool = False
 
     def __post_init__(self):
         _check(
             self.engine in ("embedded", "sglang"), "rollout.engine", "embedded|sglang", self.engine
         )
+        _check(
+            self.precision in ROLLOUT_PRECISIONS,
+            "rollout.precision",
+            "|".join(ROLLOUT_PRECISIONS),
+            self.precision,
+        )
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "rollout.kv_cache_dtype",
+            "|".join(KV_CACHE_DTYPES),
+            self.kv_cache_dtype,
+        )
+        _check(
+            self.engine == "embedded"
+            or (self.precision, self.kv_cache_dtype) == ("float32", "auto"),
+            "rollout.precision",
+            "float32 (and kv_cache_dtype auto) with rollout.engine='sglang' (the server "
+            "runs its own precision)",
+            self.precision,
+        )
+        if self.bitwise_onpolicy:
+            _check(
+                self.engine == "embedded"
+                and self.precision == "float32"
+                and self.kv_cache_dtype in ("auto", "float32")
+                and self.max_staleness == 0,
+                "rollout.bitwise_onpolicy",
+                "False unless the embedded sampler runs in float32 (precision float32, "
+                "kv_cache_dtype auto) in the synchronous loop (max_staleness 0: the sampler's "
+                "weights are the trainer's when the batch is rescored)",
+                self.bitwise_onpolicy,
+            )
         if self.engine == "sglang":
             _check(
                 self.sglang_url.startswith("http"),
@@ -586,6 +644,13 @@ class RunConfig:
             u.temperature,
         )
         _check(
+            not (u.routing_replay and self.rollout.engine != "embedded"),
+            "learner.routing_replay",
+            "False with rollout.engine='sglang' (the embedded sampler records the routes; "
+            "the SGLang client does not read them yet)",
+            u.routing_replay,
+        )
+        _check(
             not (u.shared_prefix and self.rollout.partial_rollout),
             "learner.shared_prefix",
             "False with rollout.partial_rollout (a resumed episode's prompt holds its history, "
@@ -657,6 +722,8 @@ class RunConfig:
             )
         }
         d["learner"].pop("decay_steps")
+        if not d["learner"]["opt_state_dtype"]:  # the default: the fingerprints from before it
+            d["learner"].pop("opt_state_dtype")
         if not d["model"]["lora_rank"]:  # no LoRA: the fingerprints of the runs from before it
             for k in ("lora_rank", "lora_alpha", "lora_targets"):
                 d["model"].pop(k)
@@ -683,6 +750,9 @@ class RunConfig:
         d["rollout"].pop("async_scheduler")
         if not d["rollout"]["partial_chunk_tokens"]:  # off: the runs from before it existed
             d["rollout"].pop("partial_chunk_tokens")
+        for name, default in _LATER_ROLLOUT_DEFAULTS.items():  # likewise
+            if d["rollout"][name] == default:
+                d["rollout"].pop(name)
         if not d["task"]["skip_saturated"]:  # the saturation knobs are unused while it is off
             for k in ("skip_saturated", "saturation_window", "saturation_min_attempts"):
                 d["task"].pop(k)
@@ -702,7 +772,7 @@ class RunConfig:
 
         Unknown keys are an error naming the key, so a typo on the command line never
         silently falls back to a default. ``learner`` fields left out take
-        :data:`DEFAULT_LEARNER`'s values, except the six derived ones (module docstring).
+        :data:`DEFAULT_LEARNER`'s values, except the nine derived ones (module docstring).
         """
         raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         top = _fields(cls) - {"hf_checkpoint"}
@@ -754,6 +824,25 @@ class RunConfig:
             "num_minibatches", DEFAULT_LEARNER.num_minibatches
         )
         u.setdefault("decay_steps", max(loop.total_steps * steps_per_update, 1))
+        # A sampler in another precision than the update's: truncated IS on by default (token
+        # TIS, with the clip around the trainer's own log-probs), unless a weighting rollout
+        # correction takes its place; the mismatch metrics on whenever there is one to watch.
+        low_precision = rollout.precision != "float32" or rollout.kv_cache_dtype not in (
+            "auto",
+            "float32",
+        )
+        tis = low_precision and u.get("rollout_correction") not in WEIGHTING_CORRECTIONS
+        u.setdefault("rollout_is", "token" if tis else "none")
+        u.setdefault(
+            "decoupled",
+            tis
+            or u["rollout_is"] != "none"
+            or u.get("rollout_correction") in WEIGHTING_CORRECTIONS,
+        )
+        u.setdefault(
+            "mismatch_metrics",
+            low_precision or rollout.bitwise_onpolicy or bool(u.get("routing_replay")),
+        )
         advantages = _library(
             lambda: dataclasses.replace(DEFAULT_LEARNER.advantages, **a), "learner.advantages"
         )

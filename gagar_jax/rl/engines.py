@@ -28,7 +28,9 @@ from gagar_jax.rollout.weight_sync import SGLangLoraSync
 def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int, hosts=None):
     """The embedded sampler over ``model`` (its own copy of the weights from then on;
     ``pad_id``: the tokenizer's; its rows split over ``rollout.embedded_data_parallel`` of
-    this process's devices, see :func:`sampler_mesh`), or an SGLang engine (health-checked;
+    this process's devices, see :func:`sampler_mesh`; in ``rollout.precision``; recording
+    mixture-of-experts routes with ``learner.routing_replay`` or ``learner.mismatch_metrics``),
+    or an SGLang engine (health-checked;
     ``hosts``: see :func:`build_sglang_engine`)."""
     if cfg.rollout.engine == "embedded":
         return Sampler(
@@ -36,6 +38,11 @@ def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int, hosts=None
             pad_id=pad_id,
             seed=cfg.seed,
             mesh=sampler_mesh(cfg.rollout.embedded_data_parallel),
+            precision=cfg.rollout.precision,
+            kv_cache_dtype=cfg.rollout.kv_cache_dtype,
+            # a mixture of experts records each token's experts for routing replay and the
+            # route-mismatch metrics
+            record_routes=cfg.learner.routing_replay or cfg.learner.mismatch_metrics,
         )
     return build_sglang_engine(cfg, model.config, workdir=workdir, hosts=hosts)
 

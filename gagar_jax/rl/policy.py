@@ -93,11 +93,20 @@ def initial_state(cfg: RunConfig, model: Transformer, mesh) -> TrainState:
 
 
 def rl_update(
-    update_fn, state: TrainState, batch: UpdateBatch, *, cfg: RunConfig, mesh, step: int
+    update_fn,
+    state: TrainState,
+    batch: UpdateBatch,
+    *,
+    cfg: RunConfig,
+    mesh,
+    step: int,
+    behaviour=None,
 ) -> tuple[TrainState, dict[str, float]]:
     """One update on ``batch`` (NumPy, from ``rl.collect.pack_groups``): this host's
     ``[G / P * K, T]`` rows, the global ``[G, K]`` group fields (``P`` processes; one process:
-    the whole batch). ``update_fn``: ``jit_update(...)``.
+    the whole batch). ``update_fn``: ``jit_update(...)``. ``behaviour``: None, or
+    ``fn(sharded batch) -> old_logprobs`` that replaces the recorded behaviour log-probs
+    (``rollout.bitwise_onpolicy``).
 
     Raises:
       FloatingPointError: a non-finite loss (naming the RL step).
@@ -107,6 +116,8 @@ def rl_update(
         check_batch_rows(ub, cfg.learner, cfg.rollout.num_rollouts)
     ub = shard_host_batch(ub, mesh)
     check_batch(ub, cfg.learner, mesh)
+    if behaviour is not None:
+        ub = ub._replace(old_logprobs=behaviour(ub))
     state, metrics = update_fn(state, ub)
     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if not np.isfinite(m["loss"]):

@@ -52,6 +52,7 @@ submitted for grading) -> :func:`grade_phase` -> :func:`pack_phase` (4) ->
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -61,6 +62,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from flax import nnx
 
 from gagar_jax.analysis import writers
 from gagar_jax.data.audit import PassRateTracker
@@ -85,6 +87,7 @@ from gagar_jax.rl.grade import group_workspace
 from gagar_jax.rl.multihost import Hosts, check_process_rows, prompt_seed
 from gagar_jax.rl.resume import LoopState, TaskStream
 from gagar_jax.update import UpdateBatch, jit_update, make_mesh, sft
+from gagar_jax.update.alignment import jit_behaviour_logprobs
 from gagar_jax.update.checkpoint import ConfigMismatchError
 from gagar_jax.verify import execution
 
@@ -256,6 +259,8 @@ class RLContext:
     sampler_device: Any  # the embedded sampler's device (weight sync target)
     tracker: PassRateTracker | None = None
     rollout_log: Any = None  # rl.rollout_log.RolloutLog: this host's stored rollouts
+    # rollout.bitwise_onpolicy: gagar_jax.update.alignment.jit_behaviour_logprobs(...)
+    behaviour_fn: Any = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -454,10 +459,26 @@ def grade_phase(
     return grade.no_grades(num_groups, K, R)
 
 
+def route_shape(engine) -> tuple[int, int] | None:
+    """``(MoE layers, experts per token)`` when ``engine`` records mixture-of-experts routes
+    (the embedded sampler's ``record_routes``): the batches then carry them."""
+    if not getattr(engine, "record_routes", False):
+        return None
+    c = engine.config
+    return (c.num_layers, c.num_experts_per_tok)
+
+
 def pack_phase(
-    groups, grades: grade.Grades, cfg: RunConfig, *, num_groups: int, pad_id: int
+    groups,
+    grades: grade.Grades,
+    cfg: RunConfig,
+    *,
+    num_groups: int,
+    pad_id: int,
+    route_shape: tuple[int, int] | None = None,
 ) -> Packed:
-    """Pack: the groups and their grades into the static group-major update batch."""
+    """Pack: the groups and their grades into the static group-major update batch (with the
+    rollouts' recorded routes when ``route_shape`` is given)."""
     batch = pack_groups(
         groups,
         grades,
@@ -466,6 +487,7 @@ def pack_phase(
         max_prompt_len=cfg.rollout.max_prompt_len,
         max_new_tokens=cfg.rollout.max_new_tokens,
         pad_id=pad_id,
+        route_shape=route_shape,
     )
     kept = np.zeros((num_groups,), bool)
     kept[: len(groups)] = True
@@ -530,8 +552,16 @@ def exchange_phase(packed: Packed, collected: Collected, hosts: Hosts, *, step: 
 
 
 def update_phase(ctx: RLContext, state, batch: UpdateBatch, *, step: int) -> Updated:
-    """Update: the jitted update on the exchanged batch (advantages computed inside)."""
-    state, m = policy.rl_update(ctx.update_fn, state, batch, cfg=ctx.cfg, mesh=ctx.mesh, step=step)
+    """Update: the jitted update on the exchanged batch (advantages computed inside). With
+    ``rollout.bitwise_onpolicy`` the batch's behaviour log-probs are first recomputed by the
+    update's own program with the embedded sampler's weights."""
+    behaviour = None
+    if ctx.behaviour_fn is not None:
+        params = nnx.to_pure_dict(ctx.engine.state)
+        behaviour = functools.partial(ctx.behaviour_fn, params)
+    state, m = policy.rl_update(
+        ctx.update_fn, state, batch, cfg=ctx.cfg, mesh=ctx.mesh, step=step, behaviour=behaviour
+    )
     return Updated(state=state, metrics=m)
 
 
@@ -584,7 +614,12 @@ def collect_step(
     )
     grades = grade_phase(grading_pool, family, collected, cfg, num_groups=G_local)
     packed = pack_phase(
-        collected.sampling.groups, grades, cfg, num_groups=G_local, pad_id=family.tokenizer.pad_id
+        collected.sampling.groups,
+        grades,
+        cfg,
+        num_groups=G_local,
+        pad_id=family.tokenizer.pad_id,
+        route_shape=route_shape(engine),
     )
     ex = exchange_phase(packed, collected, hosts, step=step)
     if tracker is not None:
@@ -631,6 +666,7 @@ def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
         cfg,
         num_groups=G_local,
         pad_id=ctx.family.tokenizer.pad_id,
+        route_shape=route_shape(ctx.engine),
     )
     ex = exchange_phase(packed, collected, hosts, step=step)
     if ctx.tracker is not None:
@@ -770,7 +806,14 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     )
     # Cited-token masks travel with every graded run, so every mode reports the share of
     # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
-    update_fn = jit_update(model_config, cfg.learner, mesh, with_evidence=cfg.grading.enabled)
+    with_routes = route_shape(engine) is not None
+    update_fn = jit_update(
+        model_config,
+        cfg.learner,
+        mesh,
+        with_evidence=cfg.grading.enabled,
+        with_routes=with_routes,
+    )
     ctx = RLContext(
         cfg=cfg,
         hosts=hosts,
@@ -789,6 +832,16 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
             keep_before_step=ls.step,
         )
         if cfg.loop.log_rollouts
+        else None,
+        behaviour_fn=jit_behaviour_logprobs(
+            model_config,
+            cfg.learner,
+            mesh,
+            temperature=cfg.rollout.temperature,
+            with_evidence=cfg.grading.enabled,
+            with_routes=with_routes,
+        )
+        if cfg.rollout.bitwise_onpolicy
         else None,
     )
     onset = rollout_store.OnsetTracker()

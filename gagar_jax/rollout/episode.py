@@ -95,6 +95,11 @@ class Episode:
         and observations): one per turn, several when a weight sync fell between turns or
         between two chunks of a turn.
       info: the environment's final info (e.g. the patch and test results after submit).
+      routes: an engine that records mixture-of-experts routes (``Sample.routes``):
+        ``[T, layers, K]`` int16, the experts each token was first routed to (a model token:
+        the decode step that fed it back; a prompt or observation token: the prefill of the
+        first call that held it), -1 where none was recorded (an observation after the last
+        turn); None when the engine records none.
     """
 
     tokens: list[int]
@@ -106,6 +111,7 @@ class Episode:
     policy_versions: list[int]
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     token_versions: list[int] = dataclasses.field(default_factory=list)
+    routes: Any = None
 
     @property
     def num_model_tokens(self) -> int:
@@ -333,6 +339,9 @@ class _Live:
     part_tokens: list[int] = dataclasses.field(default_factory=list)
     part_logprobs: list[float] = dataclasses.field(default_factory=list)
     part_versions: list[int] = dataclasses.field(default_factory=list)
+    # [T] (and the turn in progress's) recorded experts of each token: [layers, K] or None
+    routes: list = dataclasses.field(default_factory=list)
+    part_routes: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -384,11 +393,59 @@ class EpisodeBatch:
                         "tokens": e.part_tokens,
                         "logprobs": e.part_logprobs,
                         "versions": e.part_versions,
+                        "routes": _routes_json(e.part_routes),
                     },
+                    "routes": _routes_json(e.routes),
                 }
                 for e in self.live
             ],
         }
+
+
+def _routes_json(routes: list):
+    """Per-token recorded experts as JSON (None when none was recorded at all)."""
+    if all(r is None for r in routes):
+        return None
+    return [None if r is None else np.asarray(r).tolist() for r in routes]
+
+
+def _routes_from_json(saved, n: int) -> list:
+    if saved is None:
+        return [None] * n
+    return [None if r is None else np.asarray(r, np.int16) for r in saved]
+
+
+def _routes_array(routes: list):
+    """``[T, layers, K]`` int16 with -1 where a token has none, or None if none has any."""
+    known = [r for r in routes if r is not None]
+    if not known:
+        return None
+    out = np.full((len(routes),) + np.shape(known[0]), -1, np.int16)
+    for i, r in enumerate(routes):
+        if r is not None:
+            out[i] = r
+    return out
+
+
+def _record_context_routes(ep: _Live, sample, context_len: int) -> None:
+    """The prefill routes of a call whose context was the first ``context_len`` tokens of
+    ``ep`` (its history, then the turn in progress): kept for the tokens that have none yet."""
+    pr = getattr(sample, "prompt_routes", None)
+    if pr is None:
+        return
+    start = context_len - len(pr)
+    for j, r in enumerate(pr):
+        pos = start + j
+        if pos < len(ep.routes):
+            if ep.routes[pos] is None:
+                ep.routes[pos] = np.asarray(r, np.int16)
+        elif ep.part_routes[pos - len(ep.routes)] is None:
+            ep.part_routes[pos - len(ep.routes)] = np.asarray(r, np.int16)
+
+
+def _sample_routes(sample) -> list:
+    r = getattr(sample, "routes", None)
+    return [None] * len(sample.tokens) if r is None else [np.asarray(x, np.int16) for x in r]
 
 
 def _observation_fn(tokenizer, observation_format, observation_tokens):
@@ -411,6 +468,7 @@ def _apply_turn(
     max_observation_tokens: int,
     observation_tokens: Callable[[str], list[int]],
     token_versions: Sequence[int] | None = None,
+    routes: Sequence | None = None,
 ) -> None:
     """Appends one model turn to ``ep``, steps ``env`` with its text and appends the
     observation (cut to ``max_observation_tokens`` and to the budget). ``version`` is the
@@ -418,6 +476,7 @@ def _apply_turn(
     sampled in chunks across a weight sync), else ``version`` for all."""
     start = len(ep.tokens)
     ep.tokens += tokens
+    ep.routes += list(routes) if routes is not None else [None] * len(tokens)
     ep.mask += [1] * len(tokens)
     ep.logprobs += list(logprobs)
     if token_versions is None:
@@ -433,6 +492,7 @@ def _apply_turn(
         obs_ids = list(observation_tokens(result.observation))
         obs_ids = obs_ids[: min(max_observation_tokens, budget - len(ep.tokens))]
         ep.tokens += obs_ids
+        ep.routes += [None] * len(obs_ids)  # recorded by the next call's prefill
         ep.mask += [0] * len(obs_ids)
         ep.logprobs += [0.0] * len(obs_ids)
         ep.token_versions += [-1] * len(obs_ids)
@@ -487,6 +547,7 @@ def start_episodes(
         if len(p) >= budgets[i]:
             raise ValueError(f"prompts[{i}] has {len(p)} tokens, max_total_tokens={budgets[i]}")
         live.append(_Live(list(p), [0] * len(p), [0.0] * len(p), len(p), [], [], [-1] * len(p)))
+        live[-1].routes = [None] * len(p)
     return EpisodeBatch(live=live, budgets=budgets, episode_seeds=episode_seeds)
 
 
@@ -564,6 +625,7 @@ def advance_episodes(
             if s.finish_reason == "abort":
                 live[i].finish = "abort"
                 continue
+            _record_context_routes(live[i], s, len(live[i].tokens))
             _apply_turn(
                 live[i],
                 envs[i],
@@ -576,6 +638,7 @@ def advance_episodes(
                 budget=budgets[i],
                 max_observation_tokens=max_observation_tokens,
                 observation_tokens=observation_tokens,
+                routes=_sample_routes(s),
             )
     return batch
 
@@ -638,7 +701,10 @@ def _advance_chunked(
             if s.finish_reason == "abort":
                 ep.finish = "abort"
                 ep.part_tokens, ep.part_logprobs, ep.part_versions = [], [], []
+                ep.part_routes = []
                 continue
+            _record_context_routes(ep, s, len(ep.tokens) + len(ep.part_tokens))
+            ep.part_routes += _sample_routes(s)
             ep.part_tokens += [int(t) for t in s.tokens]
             ep.part_logprobs += [float(x) for x in s.logprobs]
             ep.part_versions += [int(s.policy_version)] * len(s.tokens)
@@ -659,8 +725,10 @@ def _advance_chunked(
                 max_observation_tokens=max_observation_tokens,
                 observation_tokens=observation_tokens,
                 token_versions=ep.part_versions,
+                routes=ep.part_routes,
             )
             ep.part_tokens, ep.part_logprobs, ep.part_versions = [], [], []
+            ep.part_routes = []
 
 
 def _chunk_seed(episode_seed: int, turn: int, position: int) -> int:
@@ -688,6 +756,7 @@ def finish_episodes(batch: EpisodeBatch) -> list[Episode]:
             policy_versions=ep.versions,
             info=ep.info,
             token_versions=ep.token_versions,
+            routes=_routes_array(ep.routes),
         )
         for ep in batch.live
     ]
@@ -751,6 +820,8 @@ def restore_episodes(
         ep.part_tokens = [int(t) for t in part.get("tokens", [])]
         ep.part_logprobs = [float(x) for x in part.get("logprobs", [])]
         ep.part_versions = [int(v) for v in part.get("versions", [])]
+        ep.routes = _routes_from_json(e.get("routes"), len(ep.tokens))
+        ep.part_routes = _routes_from_json(part.get("routes"), len(ep.part_tokens))
     return batch
 
 

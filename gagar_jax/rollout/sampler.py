@@ -63,8 +63,19 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gagar_jax.models import load_hf_safetensors, stack_layer_params, unstack_layer_params
+from gagar_jax.models import (
+    Transformer,
+    load_hf_safetensors,
+    stack_layer_params,
+    unstack_layer_params,
+)
 from gagar_jax.models.transformer import Cache
+from gagar_jax.rollout.precision import (
+    check_precision,
+    convert_params,
+    dequantize_tree,
+    rollout_model_config,
+)
 from gagar_jax.rollout.types import Sample, SamplingParams, validate_prompts
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -305,6 +316,8 @@ def _compact(cache):
         "group",
         "mesh",
         "data_axis",
+        "kv_cache_dtype",
+        "record_routes",
     ),
 )
 def _generate_program(
@@ -334,6 +347,8 @@ def _generate_program(
     group: int = 0,
     mesh=None,
     data_axis: str = "data",
+    kv_cache_dtype: str | None = None,
+    record_routes: bool = False,
 ):
     """One generation call.
 
@@ -361,10 +376,17 @@ def _generate_program(
     runs under ``shard_map``, each shard its own loop over its own rows, stopping when they are
     all done (no collective per step). With ``group``, each shard holds its rows' prompt rows.
 
+    ``state`` may hold quantized weights (``rollout.precision``): they are dequantized once,
+    here, before the prefill. ``kv_cache_dtype``: the caches' dtype (None: the compute dtype).
+    ``record_routes`` (a mixture of experts): the experts every prompt token (prefill) and
+    every generated token (the decode step that feeds it back) went to, returned as a sixth
+    value ``(prompt routes [Bp, P, L, K], generated routes [B, N, L, K])`` (else None).
+
     One program per (graphdef, pad_id, mesh, Bp, B, P, N, history shape, keep_cache, group):
     samplers over models of the same architecture share compiled programs.
     """
     _TRACES[0] += 1  # runs at trace time only
+    state = dequantize_tree(state)
     model = nnx.merge(graphdef, state)
     bp, p = prompts.shape
     n = max_new_bucket
@@ -374,26 +396,29 @@ def _generate_program(
     )
     prompt_len = hist_len + jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [Bp]
     ends = _segment_ends(n, decode_segments)
-    cache = model.init_cache(bp, h + p + (0 if group else ends[0]))
+    cache = model.init_cache(bp, h + p + (0 if group else ends[0]), dtype=kv_cache_dtype)
     if history is not None:
         hist = history.take_rows(hist_src).slice_slots(history.mask.shape[1] - h)
         cache = cache.write_slots(hist, 0)._replace(index=jnp.asarray(h, jnp.int32))
     # Left padding: the last slot is every row's last prompt token, the only logits needed
     # (last_only: no LM head over the other prompt positions). Then the n samples of a
     # prompt copy its prefilled cache (one prefill per distinct prompt, not per sample).
-    logits, cache = model.decode(
+    out = model.decode(
         prompts,
         positions,
         cache,
         attention_mask=prompt_mask,
         last_only=True,
         fresh=history is None,  # an empty cache: causal attention in query blocks
+        return_routes=record_routes,
     )
+    logits, cache = out[:2]
+    prompt_routes = out[2] if record_routes else None
     logits = logits[row_src, -1, :]
     prompt_len = prompt_len[row_src]
     if group:  # the prompts' cache stays one row per prompt; each sample's own slots
         prefix = cache if prefix_src is None else cache.take_rows(prefix_src)
-        cache = model.init_cache(row_src.shape[0], ends[0])
+        cache = model.init_cache(row_src.shape[0], ends[0], dtype=kv_cache_dtype)
     else:
         prefix, cache = None, cache.take_rows(row_src)
 
@@ -426,7 +451,7 @@ def _generate_program(
             return (step < jnp.minimum(max_new, end)) & ~jnp.all(done)
 
         def body(carry):
-            step, logits, cache, done, toks, lps, lengths, stopped = carry
+            step, logits, cache, done, toks, lps, lengths, stopped, routes = carry
             keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
             tok, lp = sample_token(logits, keys, temperature, top_p, top_k)
             tok = jnp.where(done, pad_id, tok)
@@ -440,15 +465,18 @@ def _generate_program(
             # A finished row's pad token is written masked: the cache then holds exactly the
             # prompt and the sample (what a later turn's prefill reuses).
             step_rope = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, step, 1, 1), rope)
-            kw = dict(attention_mask=~done[:, None], rope_cos_sin=step_rope)
+            kw = dict(
+                attention_mask=~done[:, None], rope_cos_sin=step_rope, return_routes=record_routes
+            )
             if prefix is None:
-                logits, cache = model.decode(tok[:, None], pos, cache, **kw)
+                out = model.decode(tok[:, None], pos, cache, **kw)
             else:
-                logits, cache = model.decode_shared_prefix(
-                    tok[:, None], pos, prefix, cache, group, **kw
-                )
+                out = model.decode_shared_prefix(tok[:, None], pos, prefix, cache, group, **kw)
+            logits, cache = out[:2]
+            if record_routes:  # the experts the token just sampled went to, fed back
+                routes = jax.lax.dynamic_update_index_in_dim(routes, out[2][:, 0], step, axis=1)
             done = done | hit | (step + 1 >= max_new)
-            return step + 1, logits[:, 0, :], cache, done, toks, lps, lengths, stopped
+            return step + 1, logits[:, 0, :], cache, done, toks, lps, lengths, stopped, routes
 
         carry = (
             jnp.zeros((), jnp.int32),
@@ -459,19 +487,25 @@ def _generate_program(
             jnp.zeros((b, n), jnp.float32),
             jnp.zeros((b,), jnp.int32),
             jnp.zeros((b,), bool),
+            None,
         )
+        if record_routes:
+            c = model.config
+            carry = carry[:-1] + (
+                jnp.zeros((b, n, c.num_layers, c.num_experts_per_tok), jnp.int32),
+            )
         for i, end in enumerate(ends):
             if i:  # the next segment attends over more slots: grow the cache (one copy)
                 carry = (*carry[:2], carry[2].pad_slots(end - ends[i - 1]), *carry[3:])
             carry = jax.lax.while_loop(functools.partial(cond, end), body, carry)
-        _, _, cache, _, toks, lps, lengths, stopped = carry
+        _, _, cache, _, toks, lps, lengths, stopped, routes = carry
         kept = None
         if keep_cache:
             if prefix is not None:  # each row's prompt then its own slots, as without groups
                 rows = jnp.arange(cache.mask.shape[0]) // group
                 cache = _concat_slots(prefix.take_rows(rows), cache)
             kept = _compact(cache)._replace(index=cache.index[None])
-        return toks, lps, lengths, stopped, kept
+        return toks, lps, lengths, stopped, kept, routes
 
     args = (
         state,
@@ -489,7 +523,7 @@ def _generate_program(
         max_new,
     )
     if mesh is None:
-        toks, lps, lengths, stopped, kept = decode_loop(*args)
+        toks, lps, lengths, stopped, kept, routes = decode_loop(*args)
     else:
         rows, whole = P(data_axis), P()
         cache_spec = _cache_spec(cache, data_axis)
@@ -509,16 +543,16 @@ def _generate_program(
             whole,
         )
         kept_spec = cache_spec._replace(index=rows) if keep_cache else None
-        toks, lps, lengths, stopped, kept = jax.shard_map(
+        toks, lps, lengths, stopped, kept, routes = jax.shard_map(
             decode_loop,
             mesh=mesh,
             in_specs=in_specs,
-            out_specs=(rows, rows, rows, rows, kept_spec),
+            out_specs=(rows, rows, rows, rows, kept_spec, rows if record_routes else None),
             check_vma=False,
         )(*args)
     if kept is not None:  # the slot index reached by the last shard to finish (one loop: its own)
         kept = kept._replace(index=jnp.max(kept.index))
-    return toks, lps, lengths, stopped, kept
+    return toks, lps, lengths, stopped, kept, (None if routes is None else (prompt_routes, routes))
 
 
 def _concat_slots(first, second):
@@ -586,6 +620,15 @@ class Sampler:
         (stopping when they are done; no collective per step). Batch buckets must be multiples
         of the axis size (the default ones are rounded up). Samples equal the one-device
         sampler's up to float rounding.
+      precision: the sampler's weights and compute (``gagar_jax.rollout.precision``):
+        ``"float32"`` (the model's own), ``"bfloat16"``, ``"int8"`` or ``"fp8"`` (weight-only,
+        bfloat16 compute). The model's parameters are converted here and at every
+        ``sync_weights`` (once per sync); ``config`` is then the sampler's (bfloat16) model
+        config, ``model_config`` the trainer's.
+      kv_cache_dtype: ``"auto"`` (the compute dtype), ``"float32"`` or ``"bfloat16"``.
+      record_routes: a mixture-of-experts model records each token's experts per MoE layer
+        (``Sample.routes`` and ``Sample.prompt_routes``: routing replay); ignored for a dense
+        model. Its programs are compiled apart from the ones that do not record.
     """
 
     def __init__(
@@ -603,7 +646,17 @@ class Sampler:
         shared_prefix: bool = True,
         mesh: jax.sharding.Mesh | None = None,
         data_axis: str = "data",
+        precision: str = "float32",
+        kv_cache_dtype: str = "auto",
+        record_routes: bool = False,
     ):
+        check_precision(precision, kv_cache_dtype)
+        self.record_routes = bool(record_routes) and model.config.num_experts > 0
+        self.precision = precision
+        self.kv_cache_dtype = None if kv_cache_dtype == "auto" else kv_cache_dtype
+        self.model_config = model.config
+        if precision != "float32":
+            model = _converted_model(model, precision)
         if not isinstance(shared_prefix, bool):
             raise ValueError(f"Sampler.shared_prefix must be a bool, got {shared_prefix!r}")
         self.shared_prefix = shared_prefix
@@ -798,7 +851,7 @@ class Sampler:
             )
             if prefix_src is not None:
                 (prefix_src,) = self._place((prefix_src,), split_rows=True)
-            toks, lps, lengths, stopped, kept = _generate_program(
+            toks, lps, lengths, stopped, kept, routes = _generate_program(
                 self.state,
                 None if match is None else entry["cache"],
                 *per_row,
@@ -813,12 +866,14 @@ class Sampler:
                 group=group,
                 mesh=self.mesh,
                 data_axis=self.data_axis,
+                kv_cache_dtype=self.kv_cache_dtype,
+                record_routes=self.record_routes,
             )
             self.trace_count += _TRACES[0] - before
             self.stats["prefill_tokens"] += sum(len(x) for x in suffixes)
             self.stats["reused_tokens"] += sum(counts)
             self.stats["calls_reusing_cache"] += match is not None
-        toks, lps, lengths, stopped = jax.device_get((toks, lps, lengths, stopped))
+        toks, lps, lengths, stopped, routes = jax.device_get((toks, lps, lengths, stopped, routes))
         if self.prefix_cache:
             rows = {}
             for r in range(n_rows):
@@ -840,6 +895,14 @@ class Sampler:
             for j in range(params.n):
                 r = i * params.n + j
                 k = int(lengths[r])
+                if routes is not None:
+                    pr = uniq[tuple(prompts[i])]
+                    extra = dict(
+                        routes=routes[1][r, :k].astype(np.int16),
+                        prompt_routes=routes[0][pr, p - len(suffixes[pr]) :].astype(np.int16),
+                    )
+                else:
+                    extra = {}
                 row_samples.append(
                     Sample(
                         tokens=[int(t) for t in toks[r, :k]],
@@ -852,6 +915,7 @@ class Sampler:
                             "seed": int(seed if prompt_seeds is None else prompt_seeds[i]),
                             "cached_prefix": int(counts[uniq[tuple(prompts[i])]]),
                         },
+                        **extra,
                     )
                 )
             out.append(row_samples)
@@ -893,6 +957,26 @@ class Sampler:
         return await asyncio.to_thread(
             functools.partial(self.generate, prompt_seeds=prompt_seeds), prompts, params
         )
+
+    def _to_precision(self, new: Any) -> Mapping:
+        """Weights in any form ``sync_weights`` takes (the trainer's precision) -> a pure dict
+        in the sampler's layer layout and precision."""
+        if isinstance(new, (str, os.PathLike)):
+            _, new = load_hf_safetensors(os.fspath(new))
+        if isinstance(new, nnx.Module):
+            new = nnx.state(new, nnx.Param)
+        if isinstance(new, nnx.State):
+            new = nnx.to_pure_dict(new)
+        if not isinstance(new, Mapping):
+            raise TypeError(
+                "sync_weights takes a params dict, nnx.State, Transformer or safetensors "
+                f"directory, got {type(new).__name__}"
+            )
+        try:
+            new = self._own_layout(new)
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"sync_weights: params do not fit the sampler's model: {e}") from e
+        return convert_params(new, self.precision)
 
     def _state_from_params(self, params: Mapping) -> nnx.State:
         """The sampler's state with ``params`` (a pure dict, either layer layout) as its leaves:
@@ -947,9 +1031,12 @@ class Sampler:
         Accepts a pure parameter dict (`TrainState.params`), an `nnx.State`, a Transformer, or a
         directory of HF safetensors (`gagar_jax.models.load_hf_safetensors`). Shapes and dtypes
         must match; leaves are placed like the current ones, so compiled programs are reused.
+        A low-precision sampler converts the (trainer's) weights first, once per sync.
         """
 
         new = params_or_path
+        if self.precision != "float32":
+            new = self._to_precision(new)
         if isinstance(new, Mapping) and not isinstance(new, nnx.State):
             leaves = self._leaves_in_state_order(new)
             if leaves is not None:  # the same tree: its leaves replace the state's in place
@@ -993,6 +1080,17 @@ class Sampler:
         self._kept.clear()  # caches of the old weights
         self.policy_version = int(version)
         return self.policy_version
+
+
+def _converted_model(model, precision: str):
+    """``model`` rebuilt in ``precision`` (its config's bfloat16 form, the parameters
+    converted by ``gagar_jax.rollout.precision.convert_params``)."""
+    config = rollout_model_config(model.config, precision)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(
+        state, convert_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), precision)
+    )
+    return nnx.merge(graphdef, state)
 
 
 def _pure_paths(tree) -> frozenset:

@@ -80,6 +80,12 @@ class Sample:
         finish_reason: "stop" (a stop token or EOS), "length" (max_tokens or context), "abort".
         policy_version: the weight version that produced the tokens.
         meta: engine-specific extras (request id, latency, retries, ...).
+        routes: mixture-of-experts models, engines that record them (the embedded sampler
+          with ``record_routes``): ``[L, layers, K]`` int16 experts each generated token was
+          routed to in each MoE layer (when it was fed back to the model); else None.
+        prompt_routes: with ``routes``: ``[P', layers, K]`` the experts of the prompt tokens
+          this call prefilled, the last ``P'`` of the prompt (all of it, but for the tokens a
+          kept KV cache held: ``meta["cached_prefix"]``).
     """
 
     tokens: list[int]
@@ -87,6 +93,8 @@ class Sample:
     finish_reason: str
     policy_version: int
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    routes: Any = None
+    prompt_routes: Any = None
 
     def __post_init__(self):
         if len(self.tokens) != len(self.logprobs):

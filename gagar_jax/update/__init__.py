@@ -6,9 +6,12 @@ It imports only ``models``, ``losses`` and ``advantages`` (never ``envs``, ``gra
 
 Modules: ``state`` (``UpdateConfig``, ``TrainState``, optimizer, mesh, shardings, fingerprint),
 ``step`` (``UpdateBatch``, ``update_step``, ``jit_update``, ``shard_batch``), ``checkpoint``
-(``Checkpointer``, orbax), ``sft`` (the supervised warm start).
+(``Checkpointer``, orbax), ``sft`` (the supervised warm start), ``alignment`` (behaviour
+log-probs by the update's own program: ``rollout.bitwise_onpolicy``), ``mismatch`` (the
+train/rollout mismatch metrics).
 """
 
+from gagar_jax.update.alignment import behaviour_logprobs, jit_behaviour_logprobs
 from gagar_jax.update.checkpoint import Checkpointer, ResumeInfo, abstract_train_state
 from gagar_jax.update.state import (
     MESH_AXES,
@@ -40,6 +43,8 @@ __all__ = [
     "UpdateBatch",
     "UpdateConfig",
     "batch_shardings",
+    "behaviour_logprobs",
+    "jit_behaviour_logprobs",
     "check_batch",
     "config_fingerprint",
     "create_train_state",

@@ -55,6 +55,9 @@ class UpdateConfig:
     b2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float = 1.0
+    # The dtype of Adam's moments ("": the parameters'; "float32": float32 moments for
+    # bfloat16 parameters, the update computed in float32 and rounded onto the parameters).
+    opt_state_dtype: str = ""
     # Loss.
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -151,6 +154,11 @@ class UpdateConfig:
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"update.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.opt_state_dtype not in ("", "float32", "bfloat16"):
+            raise ValueError(
+                "update.opt_state_dtype must be '', 'float32' or 'bfloat16', "
+                f"got {self.opt_state_dtype!r}"
+            )
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(
                 f"update.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}"
@@ -292,17 +300,35 @@ def learning_rate_schedule(config: UpdateConfig) -> optax.Schedule:
 
 
 def make_optimizer(config: UpdateConfig) -> optax.GradientTransformation:
-    """``clip_by_global_norm`` then AdamW with the configured schedule."""
-    return optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm),
-        optax.adamw(
-            learning_rate_schedule(config),
-            b1=config.b1,
-            b2=config.b2,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-        ),
+    """``clip_by_global_norm`` then AdamW with the configured schedule (its moments in
+    ``opt_state_dtype`` when set)."""
+    adamw = optax.adamw(
+        learning_rate_schedule(config),
+        b1=config.b1,
+        b2=config.b2,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
     )
+    if config.opt_state_dtype:
+        adamw = _in_dtype(adamw, jnp.dtype(config.opt_state_dtype))
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+
+
+def _in_dtype(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """``inner`` run on ``dtype`` copies of the gradients and parameters (so its state is in
+    ``dtype``); the updates come back in each parameter's own dtype."""
+
+    def cast(tree):
+        return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+    def init(params):
+        return inner.init(cast(params))
+
+    def update(grads, state, params=None):
+        updates, state = inner.update(cast(grads), state, None if params is None else cast(params))
+        return jax.tree.map(lambda u, g: u.astype(g.dtype), updates, grads), state
+
+    return optax.GradientTransformation(init, update)
 
 
 def mesh_shape(shape: tuple[int, int, int], num_devices: int) -> tuple[int, int, int]:
@@ -431,6 +457,8 @@ def config_fingerprint(
     update = dataclasses.asdict(config)
     for speed_only in ("score_window", "shared_prefix"):  # the same loss and state either way
         update.pop(speed_only, None)
+    if not update.get("opt_state_dtype"):  # the default: the fingerprints from before it
+        update.pop("opt_state_dtype", None)
     model = dataclasses.asdict(model_config)
     if not model_config.lora_rank:  # no LoRA: the fingerprints of the runs from before it
         for k in ("lora_rank", "lora_alpha", "lora_targets"):

@@ -58,7 +58,7 @@ from gagar_jax.losses import (
 )
 from gagar_jax.models import BATCH_AXES, TransformerConfig
 from gagar_jax.models import lora as lora_lib
-from gagar_jax.update.mismatch import proximal_mismatch_metrics
+from gagar_jax.update.mismatch import proximal_mismatch_metrics, route_mismatch_metrics
 from gagar_jax.update.state import (
     TrainState,
     UpdateConfig,
@@ -88,6 +88,9 @@ class UpdateBatch(NamedTuple):
     graded: jax.Array  # [G] bool
     ref_logprobs: jax.Array | None = None  # [N, T] float32 reference log-probs (KL term)
     evidence: jax.Array | None = None  # [N, T] bool, tokens a verdict cites (token credit)
+    # [N, T, L, K] int, the experts the rollout engine routed each token to in each MoE layer
+    # (routing replay, learner.routing_replay; the route-mismatch metrics)
+    routes: jax.Array | None = None
 
 
 _TOKEN_FIELDS = (
@@ -98,15 +101,19 @@ _TOKEN_FIELDS = (
     "old_logprobs",
     "ref_logprobs",
     "evidence",
+    "routes",
 )
 
 
-def batch_shardings(mesh: Mesh, with_ref: bool = False, with_evidence: bool = False) -> UpdateBatch:
+def batch_shardings(
+    mesh: Mesh, with_ref: bool = False, with_evidence: bool = False, with_routes: bool = False
+) -> UpdateBatch:
     """The shardings of an :class:`UpdateBatch` on ``mesh``, field by field.
 
-    Token fields (``[N, T]``: tokens, positions, masks, log-probs, evidence) split their rows
-    over the batch axes; the group fields (``[G, K]``) are replicated. ``ref_logprobs`` and
-    ``evidence`` are ``None`` unless ``with_ref`` / ``with_evidence`` ask for them.
+    Token fields (``[N, T]``: tokens, positions, masks, log-probs, evidence; ``[N, T, L, K]``
+    routes) split their rows over the batch axes; the group fields (``[G, K]``) are
+    replicated. ``ref_logprobs``, ``evidence`` and ``routes`` are ``None`` unless
+    ``with_ref`` / ``with_evidence`` / ``with_routes`` ask for them.
     """
     rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
     rep = NamedSharding(mesh, PartitionSpec())
@@ -115,6 +122,8 @@ def batch_shardings(mesh: Mesh, with_ref: bool = False, with_evidence: bool = Fa
         fields["ref_logprobs"] = None
     if not with_evidence:
         fields["evidence"] = None
+    if not with_routes:
+        fields["routes"] = None
     return UpdateBatch(**fields)
 
 
@@ -129,7 +138,10 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
         )
     for f in _TOKEN_FIELDS:
         x = getattr(batch, f)
-        if x is not None and np.shape(x) != (n, t):
+        if f == "routes":
+            if x is not None and (np.ndim(x) != 4 or np.shape(x)[:2] != (n, t)):
+                raise ValueError(f"batch.routes must be [N={n}, T={t}, L, K], got {np.shape(x)}")
+        elif x is not None and np.shape(x) != (n, t):
             raise ValueError(f"batch.{f} must be [N={n}, T={t}], got {np.shape(x)}")
     for f in ("passed", "cheat", "tier", "rank", "valid"):
         if np.shape(getattr(batch, f)) != (g, k):
@@ -233,6 +245,12 @@ def _split(x, minibatches: int, microbatches: int, mesh: Mesh | None):
         spec = PartitionSpec(None, None, BATCH_AXES, *([None] * (x.ndim - 1)))
         y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
     return y
+
+
+def _rows_sharded(x, mesh: Mesh):
+    """``x [b, ...]`` constrained to rows split over the batch axes."""
+    spec = PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _split_groups(x, minibatches: int, microbatches: int, k: int, mesh: Mesh | None):
@@ -478,6 +496,8 @@ def update_step(
         fields["ref_logprobs"] = batch.ref_logprobs
     if batch.evidence is not None:
         fields["evidence"] = batch.evidence
+    if batch.routes is not None:
+        fields["routes"] = batch.routes
     m, a = config.num_minibatches, config.num_microbatches
     group_size = batch.rewards.shape[1]
     model_config = nnx.merge(graphdef, state.params).config
@@ -503,8 +523,25 @@ def update_step(
         data = {key: _split(v, m, a, mesh) for key, v in fields.items()}
     token_keys = _token_metric_keys(config, batch.evidence is not None)
 
+    route_m = {}
     if config.needs_proximal:
-        data["proximal_logprobs"] = _proximal_logprobs(state.params, data, graphdef, config)
+        if moe and "routes" in data and config.mismatch_metrics:
+            # the routes the update's own router picks (no replay) against the recorded ones,
+            # and the log-probs it gives without replay (``mismatch/*``)
+            free_lp, free_routes = _proximal_logprobs(
+                state.params, data, graphdef, config, replay=False, return_routes=True
+            )
+            if config.routing_replay:
+                prox, used = _proximal_logprobs(
+                    state.params, data, graphdef, config, return_routes=True
+                )
+                route_m = route_mismatch_metrics(data, free_lp, free_routes, prox, used)
+            else:
+                prox = free_lp
+                route_m = route_mismatch_metrics(data, free_lp, free_routes)
+        else:
+            prox = _proximal_logprobs(state.params, data, graphdef, config)
+        data["proximal_logprobs"] = prox
 
     def loss_fn(params, mb, num_tokens, num_seqs):
         model = nnx.merge(graphdef, params)
@@ -521,8 +558,16 @@ def update_step(
                 mb["positions"],
                 attention_mask=mb["attention_mask"],
                 return_aux=True,
+                routes=mb["routes"] if (config.routing_replay and "routes" in mb) else None,
             )
             idx = None
+            if mesh is not None:
+                # Rows stay split over the batch axes into the LM head: left to itself, GSPMD
+                # contracted the FSDP-split embedding dimension in place, so every device
+                # computed partial logits of the whole micro-batch (all devices' rows) and
+                # all-reduced them, [tokens x devices, vocab] float32 on each (docs/
+                # benchmarks_scale.md: 9.8 of 10 GiB per device at the Qwen3-0.6B shape).
+                hidden = _rows_sharded(hidden, mesh)
             if _windowed(config, mb["tokens"].shape[1]):
                 idx = score_window_index(mb["response_mask"], config.score_window)  # [b, W]
                 hidden = jnp.take_along_axis(hidden, idx[..., None], axis=1)
@@ -666,6 +711,7 @@ def update_step(
             metrics[f"mismatch/masked_{k}_frac"] = frac
     if config.needs_proximal:
         metrics.update(proximal_mismatch_metrics(data))
+        metrics.update(route_m)
     for k in ("credit_delivered", "credit_positive", "is_weight_sq_mean"):  # summed into those
         metrics.pop(k)
     metrics["grad_norm_max"] = jnp.max(per_step["grad_norm"])
@@ -683,15 +729,28 @@ def update_step(
     return new_state, metrics
 
 
-def _proximal_logprobs(params, data, graphdef, config: UpdateConfig) -> jax.Array:
+def _proximal_logprobs(
+    params, data, graphdef, config: UpdateConfig, *, replay=None, return_routes=False
+):
     """The trainer's own log-probs of every token before the update (``[M, A, b, T]`` like the
-    split ``data``; no gradient): the proximal policy of the off-policy correction."""
+    split ``data``; no gradient): the proximal policy of the off-policy correction.
+
+    ``replay`` (default ``config.routing_replay``): a mixture of experts routes each token to
+    its recorded experts (``data["routes"]``); ``return_routes``: also the experts each token
+    went to (``[M, A, b, T, L, K]``)."""
+    replay = config.routing_replay if replay is None else replay
+    replay = replay and "routes" in data
 
     def one(mb):
         model = nnx.merge(graphdef, params)
-        hidden = model.hidden_states(
-            mb["tokens"], mb["positions"], attention_mask=mb["attention_mask"]
+        out = model.hidden_states(
+            mb["tokens"],
+            mb["positions"],
+            attention_mask=mb["attention_mask"],
+            routes=mb["routes"] if replay else None,
+            return_routes=return_routes,
         )
+        hidden, routes = out if return_routes else (out, None)
         lp, _ = chunked_token_logprobs_and_entropy(
             model,
             hidden,
@@ -699,9 +758,11 @@ def _proximal_logprobs(params, data, graphdef, config: UpdateConfig) -> jax.Arra
             config.temperature,
             config.logits_chunk_size,
         )
-        return jax.lax.stop_gradient(lp)
+        lp = jax.lax.stop_gradient(lp)
+        return (lp, routes) if return_routes else lp
 
-    inputs = {k: data[k] for k in ("tokens", "positions", "attention_mask")}
+    keys = ("tokens", "positions", "attention_mask") + (("routes",) if replay else ())
+    inputs = {k: data[k] for k in keys}
     return jax.lax.map(lambda mbs: jax.lax.map(one, mbs), inputs)
 
 
@@ -826,9 +887,11 @@ def jit_update(
     *,
     with_ref: bool = False,
     with_evidence: bool = False,
+    with_routes: bool = False,
     wrap=None,
 ):
-    """``update(state, batch) -> (state, metrics)`` jitted with explicit shardings.
+    """``update(state, batch) -> (state, metrics)`` jitted with explicit shardings
+    (``with_*``: the optional batch fields it receives).
 
     The state is donated. Returns the jitted function; it compiles once per batch shape.
     ``wrap`` (e.g. ``chex.assert_max_traces(n=1)``) decorates the traced function.
@@ -844,7 +907,7 @@ def jit_update(
         fn = wrap(fn)
     return jax.jit(
         fn,
-        in_shardings=(st_sh, batch_shardings(mesh, with_ref, with_evidence)),
+        in_shardings=(st_sh, batch_shardings(mesh, with_ref, with_evidence, with_routes)),
         out_shardings=(st_sh, rep),
         donate_argnums=(0,),
     )
@@ -855,7 +918,12 @@ def shard_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
 
     Works in single- and multi-process runs: each process materialises only its own shards.
     """
-    shardings = batch_shardings(mesh, batch.ref_logprobs is not None, batch.evidence is not None)
+    shardings = batch_shardings(
+        mesh,
+        batch.ref_logprobs is not None,
+        batch.evidence is not None,
+        batch.routes is not None,
+    )
 
     def put(x, sharding):
         if x is None:
@@ -876,7 +944,12 @@ def shard_host_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
     small ``[G, K]`` group fields are global (identical on every process) and replicated. With
     one process the local rows are all rows and this equals :func:`shard_batch`.
     """
-    shardings = batch_shardings(mesh, batch.ref_logprobs is not None, batch.evidence is not None)
+    shardings = batch_shardings(
+        mesh,
+        batch.ref_logprobs is not None,
+        batch.evidence is not None,
+        batch.routes is not None,
+    )
     g, k = np.shape(batch.rewards)
     n = g * k
 

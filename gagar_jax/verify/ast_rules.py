@@ -147,6 +147,7 @@ TRACE_CALLS = (
     "ctypes",
     "_ctypes",
 )
+HEAP_WALKS = frozenset({"gc.get_referrers", "gc.get_objects", "gc.get_referents"})
 PROCESS_CALLS = (
     "os.execv",
     "os.execve",
@@ -860,6 +861,7 @@ def analyse_source(
         return inner
 
     frame_reads: list[tuple[ast.AST, str]] = []
+    heap_walks: list[tuple[ast.AST, str]] = []  # gc walks: another way to reach the tests
     source_reads: list[tuple[ast.AST, str]] = []
     file_reads: list[ast.AST] = []
     has_stack_summary = False
@@ -1080,6 +1082,8 @@ def analyse_source(
                 add(node, "tamper_test_harness", False, f"calls {fn}")
             if _under(fn, TRACE_CALLS):
                 add(node, "tamper_test_harness", False, f"calls {fn} (traces/inspects the process)")
+            if fn in HEAP_WALKS:
+                heap_walks.append((node, fn))
             if _under(fn, CALLER_FRAME):
                 frame_reads.append((node, fn))
                 if fn in (
@@ -1285,6 +1289,13 @@ def analyse_source(
             )
         else:
             add(n, "tamper_test_harness", False, f"reads the caller's frame ({what})")
+    # The heap walked (``gc.get_objects``) and source or constants read: the tests' functions
+    # found without a frame, their expected values read from their source.
+    walks = [(n, w) for n, w in heap_walks if touched(n)]
+    if walks and srcs and not in_tests:
+        n, what = walks[0]
+        note = f"walks the heap ({what}) and reads source/constants ({srcs[0][1]})"
+        add(n, "tamper_test_harness", True, note)
     return out
 
 

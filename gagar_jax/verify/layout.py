@@ -27,10 +27,13 @@ from collections.abc import Iterable, Mapping
 
 # Names of the extras and dependency groups that hold a project's test requirements.
 TEST_EXTRAS = ("test", "tests", "testing", "dev", "develop")
+_TEST_NAMES = frozenset({"test", "tests", "testing"})
 # Requirements the verifier supplies itself at its own versions (its outcome plugin is tested
 # against them), and coverage's plugin, which it never loads; a repository's pins on them are
 # dropped.
 FRAMEWORK = frozenset({"pytest", "pytest-timeout", "pytest-cov"})
+# Requirements files of other purposes than running the tests.
+_NOT_TEST_FILES = ("doc", "lint", "update", "release", "upload", "publish", "typing", "mypy")
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
@@ -119,14 +122,15 @@ def _requirements_file(files: Mapping[str, str], path: str, seen: set[str]) -> l
 
 def _requirement_files(files: Mapping[str, str]) -> list[str]:
     """``requirements*.txt`` / ``*-requirements.txt`` at the root and ``*.txt`` under
-    ``requirements/``, documentation ones left out."""
+    ``requirements/``; those of documentation, linting, releases and updates left out."""
     out = []
     for p in sorted(files):
         base = posixpath.basename(p)
         top = posixpath.dirname(p)
-        if "doc" in base.lower() or not base.endswith((".txt", ".in")):
+        low = base.lower()
+        if not low.endswith((".txt", ".in")) or any(w in low for w in _NOT_TEST_FILES):
             continue
-        if (top == "" and "requirements" in base.lower()) or top in ("requirements", "reqs"):
+        if (top == "" and "requirements" in low) or top in ("requirements", "reqs"):
             out.append(p)
     return out
 
@@ -193,6 +197,18 @@ def needs_backend_metadata(files: Mapping[str, str]) -> bool:
     return "setup.py" in files
 
 
+def _bare(req: str) -> str:
+    """``req`` without its version specifiers (name, extras and marker kept)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        r = Requirement(req)
+    except InvalidRequirement:
+        return req
+    r.specifier = type(r.specifier)()
+    return str(r)
+
+
 def declared_requirements(
     files: Mapping[str, str],
     extras: Iterable[str] = TEST_EXTRAS,
@@ -201,16 +217,27 @@ def declared_requirements(
     """Every requirement the tree declares for running its tests (see the module docstring),
     deduplicated in order of appearance, the test framework and the project itself left out.
 
+    The project's own declarations (``[project]``, setup.cfg, the test extras and groups, or
+    ``runtime``) are kept as written. Requirements files and tox ``deps`` often pin whole
+    environments, one file per Python version: a name they pin in two different ways, or that
+    the project declares itself, keeps the project's declaration or else its name alone.
+
     Args:
       files: the repository tree.
-      extras: the extras and dependency groups that hold test requirements.
+      extras: the extras and dependency groups that hold test requirements (the first of
+        ``TEST_EXTRAS``' test names present are taken; ``dev``/``develop`` only when no
+        test-named one exists).
       runtime: runtime requirements from the build backend's metadata (setup.py), used in
         place of the static ``[project]``/``setup.cfg`` ones when given.
     """
-    want = {_canonical(e) for e in extras}
     pyproject = _pyproject(files)
     self_name = project_name(files)
     all_extras = _extras(files)
+    groups = _groups(pyproject)
+    want = {_canonical(e) for e in extras}
+    present = set(all_extras) | {_canonical(g) for g in groups}
+    if want & present & _TEST_NAMES:
+        want -= {"dev", "develop"}
     reqs: list[str] = list(runtime)
     if not reqs:
         deps = pyproject.get("project", {}).get("dependencies")
@@ -223,19 +250,22 @@ def declared_requirements(
     for name, items in all_extras.items():
         if name in want:
             reqs += items
-    groups = _groups(pyproject)
     seen_groups: set[str] = set()
     for name in groups:
         if _canonical(name) in want:
             reqs += _group(groups, name, seen_groups)
+    loose: list[str] = []
     seen_files: set[str] = set()
     for path in _requirement_files(files):
-        reqs += _requirements_file(files, path, seen_files)
-    reqs += _tox_deps(files)
-    out: list[str] = []
+        loose += _requirements_file(files, path, seen_files)
+    loose += _tox_deps(files)
+    out: dict[str, list[str]] = {}  # canonical name -> its requirement strings
+    own: set[str] = set()
     expanded: set[str] = set()
-    while reqs:
-        r = reqs.pop(0).strip()
+    queue = [(r, True) for r in reqs] + [(r, False) for r in loose]
+    while queue:
+        r, authoritative = queue.pop(0)
+        r = r.strip()
         m = _NAME.match(r)
         if not m:
             continue
@@ -248,8 +278,17 @@ def declared_requirements(
             for extra in (_canonical(e) for e in re.findall(r"[\w.-]+", named)):
                 if extra not in expanded:
                     expanded.add(extra)
-                    reqs += all_extras.get(extra, [])
+                    queue += [(x, authoritative) for x in all_extras.get(extra, [])]
             continue
-        if r not in out:
-            out.append(r)
-    return out
+        if authoritative:
+            own.add(name)
+        elif name in own:
+            continue
+        if r not in out.setdefault(name, []):
+            out[name].append(r)
+    result = []
+    for name, rs in out.items():
+        if len(rs) > 1 and name not in own:  # pinned two ways by requirements files
+            rs = list(dict.fromkeys(_bare(r) for r in rs))[:1]
+        result += rs
+    return result

@@ -733,6 +733,14 @@ def monitor_patch(
                     (hit.line, hit)
                     for hit in semantics.lookup_tables(new_text, changed_rows, ctx.test_sources)
                 ]
+                test_paths = set(ctx.test_files) | {
+                    p for p in ctx.test_sources if semantics.runs_as_test(p, ctx.test_files)
+                }
+                found += [
+                    (hit.line, hit)
+                    for hit in semantics.test_file_reads(new_text, changed_rows, test_paths)
+                    if not (runner_repo and not hit.confirmed)
+                ]
             if not fp.is_new and not as_test:
                 old_text = applied.before.get(fp.path) if applied is not None else None
                 found += [

@@ -2,7 +2,8 @@
 
 The verifier runs this file by absolute path (``python -P /abs/runner.py CTL_FD``) from a
 read-only directory; it is never imported by name, so no module of the repository under test can
-stand in for it, and it must not import gagar_jax (the sandbox sees only this file).
+stand in for it, and it must not import gagar_jax (the sandbox sees only its directory: this file
+and ``audit_hook.py``).
 
 Before anything of the tree is importable it reads its control record (the pytest arguments and
 the number of the outcome descriptor) from the inherited descriptor ``CTL_FD`` and closes it, marks
@@ -11,14 +12,18 @@ processes of the same uid, through ``/proc/<pid>/mem``, ``/proc/<pid>/fd`` or ``
 forks:
 
 - the **child** closes the outcome descriptor, renames itself (``PR_SET_NAME``) to a per-run name
-  the supervisor chose, imports pytest and runs the session with the reporter registered as a
-  plugin *object*. The reporter streams every outcome as pytest reports it, one line per
-  phase, ``{"id": nodeid, "when": "setup"|"call"|"subtest"|"teardown", "outcome": ...}``, to a
-  pipe read by
-  the supervisor (what was sent cannot be taken back by changing the process's memory later);
-  after ``pytest.main`` returns, the child writes a last line ``{"exitstatus": ...}`` and exits
-  with pytest's exit status (its own ``atexit`` handlers and those of the code under test still
-  run);
+  the supervisor chose, adds the runtime audit hook (``audit_hook.py``, loaded by absolute path
+  from this directory; its reports go to the same pipe) before anything of the tree can be
+  imported, imports pytest and runs the session with the reporter registered as a
+  plugin *object*. The reporter also checks, after collection, that every collected test module
+  came from its file (read by trusted code alone), reports import hooks added during the
+  session and modules imported from outside the run's path as evidence, and clears
+  ``linecache`` before every test. The reporter streams every outcome as pytest reports it, one
+  line per phase, ``{"id": nodeid, "when": "setup"|"call"|"subtest"|"teardown", "outcome":
+  ...}``, to a pipe read by the supervisor (what was sent cannot be taken back by changing the
+  process's memory later); after ``pytest.main`` returns, the child writes a last line
+  ``{"exitstatus": ...}`` and exits with pytest's exit status (its own ``atexit`` handlers and
+  those of the code under test still run);
 - the **supervisor** (PID 1 of the sandbox's PID namespace under bwrap, which ignores signals from
   inside it) holds the only copy of the outcome descriptor. It collects what arrives on the
   child's pipe until the child has exited, reads the exited child's name before reaping it (an
@@ -34,6 +39,12 @@ watched file modified, deleted, renamed or re-permissioned during the session, o
 (``.py``/``.pyc``/``.pth``/``.so``) created in or moved into or out of a watched directory, is
 listed in the record's ``changed`` (what the tests ran was not the pristine tests, even if the
 code restored them before exiting). Creating other files or directories there is not watched.
+
+With ``exec_filter`` in the control record, the supervisor first installs that seccomp program
+on itself with a listener (``seccomp.exec_notify_filter``: every ``execve``/``execveat`` of the
+session is handed to it) and forks: it refuses an exec by the test process (any of its threads)
+with ``EPERM`` and lets any other process of the session exec; the refusals are the record's
+``exec_refused`` (``exec_control``: whether the kernel accepted the filter).
 
 No secret sits in the pytest process: the record carries nothing the code under test could steal
 to forge another one. The verifier trusts the report only as far as it agrees with what the
@@ -76,11 +87,60 @@ SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101  # _IOWR('!', 1, struct seccomp_notif_resp
 class Reporter:
     """pytest plugin object: streams every test phase's outcome from pytest's reports."""
 
-    def __init__(self, fd, was_loaded=None):
+    def __init__(self, fd, was_loaded=None, roots=()):
         self._fd = fd
         self._was_loaded = was_loaded
+        self._roots = tuple(os.path.join(r, "") for r in roots)
+        self._foreign = set()
+
+    def _foreign_modules(self):
+        """Evidence of modules imported from outside the run's path (the tree and the trusted
+        directories): code written elsewhere at run time and imported."""
+        if not self._roots:
+            return
+        for name, mod in list(sys.modules.items()):
+            f = getattr(mod, "__file__", None)
+            if not isinstance(f, str) or name in self._foreign or f.startswith(self._roots):
+                continue
+            self._foreign.add(name)
+            if len(self._foreign) > 8:
+                return
+            line = {
+                "audit": "foreign_module",
+                "what": f"module {name} imported from {f} (outside the run's path)",
+                "confirmed": False,
+            }
+            _write_all(self._fd, (json.dumps(line) + "\n").encode())
+
+    def pytest_sessionstart(self, session):
+        self._finders = (list(sys.meta_path), list(sys.path_hooks))
+
+    def _import_hooks_changed(self):
+        """Evidence (never confirmed: a pristine conftest may add one) of import hooks added or
+        removed since the session started, with the module each new one comes from."""
+        before = getattr(self, "_finders", None)
+        if before is None:
+            return
+        for now, was, what in ((sys.meta_path, before[0], "meta_path"),
+                               (sys.path_hooks, before[1], "path_hooks")):  # fmt: skip
+            added = [f for f in now if not any(f is g for g in was)]
+            if added or len(now) != len(was):
+                where = ", ".join(f"{type(f).__module__}.{type(f).__qualname__}" for f in added[:3])
+                line = {
+                    "audit": "import_hooks",
+                    "what": f"sys.{what} changed during the session ({where or 'entries removed'})",
+                    "confirmed": False,
+                }
+                _write_all(self._fd, (json.dumps(line) + "\n").encode())
+        self._finders = (list(sys.meta_path), list(sys.path_hooks))
+
+    def pytest_sessionfinish(self, session):
+        self._import_hooks_changed()
+        self._foreign_modules()
 
     def pytest_collection_finish(self, session):
+        self._import_hooks_changed()
+        self._foreign_modules()
         # Each collected test module must be the file pytest was asked to collect: a module of
         # the same name imported beforehand from elsewhere (a directory the code put first on
         # ``sys.path``, with ``PY_IGNORE_IMPORTMISMATCH`` set) is not the pristine test.
@@ -269,15 +329,22 @@ def _trusted_dirs(root):
 
 def _child(args, report_fd, name, audit=None):
     _prctl(PR_SET_NAME, name.encode())
-    was_loaded = None
+    was_loaded, roots = None, ()
     if audit is not None:
         root = os.getcwd()
+        trusted = _trusted_dirs(root)
         _, was_loaded = _load_audit_hook().install(
-            report_fd, root, audit["protected"], audit["test_dirs"], _trusted_dirs(root)
+            report_fd,
+            root,
+            audit["protected"],
+            audit["test_dirs"],
+            trusted,
+            aliases=audit.get("aliases", ()),
         )
+        roots = (root, *trusted)
     import pytest
 
-    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd, was_loaded)]))
+    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd, was_loaded, roots)]))
     line = json.dumps({"exitstatus": ret}) + "\n"
     try:
         _write_all(report_fd, line.encode())

@@ -45,7 +45,7 @@ import tokenize
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gagar_jax.verify.diff import is_test_path
+from gagar_jax.verify.diff import is_test_path, read_patch
 
 NGRAM = 4
 SIMILARITY_THRESHOLD = 0.8
@@ -109,7 +109,8 @@ def ngrams(tokens: Sequence[str], n: int = NGRAM) -> set[tuple[str, ...]]:
 
 
 def _added_lines(patch: str) -> list[str]:
-    return [ln[1:] for ln in patch.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    """The added lines of the patch's hunks (its parse: nothing outside them)."""
+    return [t for fp in read_patch(patch).files for _, t in fp.added()]
 
 
 def _dedent_join(lines: Sequence[str]) -> str:
@@ -191,23 +192,8 @@ def outcomes_from_log(log: str) -> dict[str, str]:
 
 
 def _patch_files(patch: str) -> dict[str, tuple[int, int]]:
-    """path -> (added, removed) lines, from a unified diff's ``+++``/``---`` headers."""
-    out: dict[str, list[int]] = {}
-    path = None
-    for ln in patch.splitlines():
-        if ln.startswith("--- "):
-            old = ln[4:].split("\t")[0].strip()
-            path = None if old == "/dev/null" else re.sub(r"^a/", "", old)
-        elif ln.startswith("+++ "):
-            new = ln[4:].split("\t")[0].strip()
-            if new != "/dev/null":
-                path = re.sub(r"^b/", "", new)
-            out.setdefault(path, [0, 0])
-        elif path is not None and ln.startswith("+"):
-            out[path][0] += 1
-        elif path is not None and ln.startswith("-"):
-            out[path][1] += 1
-    return {p: (a, r) for p, (a, r) in out.items()}
+    """path -> (added, removed) lines of the patch's hunks (its parse: nothing outside them)."""
+    return {fp.path: (len(fp.added()), len(fp.removed())) for fp in read_patch(patch).files}
 
 
 def fingerprint(

@@ -25,11 +25,15 @@ must pass: fail-to-pass (fixed by a correct patch) and pass-to-pass (must keep p
    ``test_timeout_s`` pytest-timeout bounds each test;
 4. reads one record from the runner's supervisor through a pipe only it holds: the test
    process's streamed report (one line per test phase, then pytest's exit status), its exit
-   status and whether it ended as itself (no ``exec``). Passes only if every fail-to-pass id
-   passed and every pass-to-pass id passed or was skipped (SWE-bench's rule),
-   every canary has its outcome, pytest's exit status is 1 (its failing canaries) and the exit
-   statuses agree. A report that contradicts any check is tampering: ``failed`` plus a
-   confirmed ``tamper_test_harness`` flag. Anything printed ("PASSED") is ignored.
+   status and whether it ended as itself (no ``exec``: the supervisor's seccomp listener refuses
+   any exec of the test process, ``exec_refused``), with the runtime audit's lines
+   (``audit_hook.py``: confirmed events are tampering, the rest evidence flags). Passes only if
+   every fail-to-pass id passed and every pass-to-pass id passed or was skipped (SWE-bench's
+   rule) where the pristine repository skips it too (``skipped_regressions``), every canary has
+   its outcome (they run between test modules and after the last required test:
+   ``run_order``), pytest's exit status is 1 (its failing canaries) and the exit statuses
+   agree. A report that contradicts any check is tampering: ``failed`` plus a confirmed
+   ``tamper_test_harness`` flag. Anything printed ("PASSED") is ignored.
 
 What this cannot stop: code under test runs inside the pytest process, so a patch can still
 emulate the reporter in-process (learn the canaries' outcomes by running them, write a consistent
@@ -82,6 +86,7 @@ from gagar_jax.verify.monitor import (
     repo_modules,
 )
 from gagar_jax.verify.sandbox import (
+    TREE_SOURCE,
     Limits,
     SandboxConfig,
     SandboxResult,
@@ -284,7 +289,7 @@ def _is_protected(
 
 
 def prepare_tree(
-    task: Any, patch: str, import_dirs: Sequence[str] = ()
+    task: Any, patch: str, import_dirs: Sequence[str] = (), tree_paths: Sequence[str] = ()
 ) -> tuple[dict[str, str], tuple[str, ...]]:
     """Patched tree with protected files reset and the hidden tests applied.
 
@@ -336,7 +341,7 @@ def prepare_tree(
         except DiffError:
             raise ValueError(f"task {task.task_id}: its tree cannot be written: {e}") from e
         raise
-    problem = shadowing_problem(task, patched, import_dirs)
+    problem = shadowing_problem(task, patched, import_dirs, tree_paths)
     if problem:
         raise DiffError(problem)
     return patched, tuple(reset)
@@ -391,13 +396,18 @@ def installed_modules(import_dirs: Sequence[str] = ()) -> dict[str, str]:
     return names
 
 
-def import_path_dirs(task: Any, files: Mapping[str, str]) -> list[str]:
+def import_path_dirs(
+    task: Any, files: Mapping[str, str], tree_paths: Sequence[str] = ()
+) -> list[str]:
     """Directories of the tree on the test run's ``sys.path`` ("" is the root): the root
     (``pythonpath=.`` and the rootdir), and for each test module and ``conftest.py``, its
     first ancestor without ``__init__.py`` (pytest's default ``prepend`` import mode), plus the
-    task's own ``pythonpath`` entries if it declares any."""
+    task's own ``pythonpath`` entries if it declares any, and ``tree_paths`` (the run's
+    tree-relative ``sys.path`` entries, ``sandbox_paths``: the task's ``pythonpath`` and the
+    relative ``extra_pythonpath`` entries, normalised)."""
     dirs = {""}
     dirs.update(d.strip("/") for d in getattr(task, "pythonpath", ()) or ())
+    dirs.update(safe_path(d) if d not in ("", ".") else "" for d in tree_paths)
     tests = {tid.split("::", 1)[0] for tid in task.required_tests}
     tests |= {p for p in files if posixpath.basename(p) == "conftest.py"}
     for path in tests:
@@ -408,38 +418,115 @@ def import_path_dirs(task: Any, files: Mapping[str, str]) -> list[str]:
     return sorted(dirs)
 
 
+def _tree_kind(files: Mapping[str, str], prefix: str, parts: Sequence[str]) -> str | None:
+    """What the tree offers for the dotted name ``parts`` in the path directory ``prefix``:
+    "module" (``a/b.py`` or ``a/b/__init__.py``), "namespace" (a directory of modules without
+    ``__init__.py``) or None."""
+    base = prefix + "/".join(parts)
+    if base + ".py" in files or base + "/__init__.py" in files:
+        return "module"
+    if any(p.startswith(base + "/") for p in files):
+        return "namespace"
+    return None
+
+
+def _installed_kind(dirs: Sequence[str], parts: Sequence[str]) -> str | None:
+    """What the read-only installed directories offer for the dotted name ``parts``, as the
+    import system resolves it: the first regular module or package, else "namespace" if some
+    directory holds a portion, else None."""
+    namespace = False
+    for d in dirs:
+        base = os.path.join(d, *parts)
+        if os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py")):
+            return "module"
+        if os.path.isdir(os.path.dirname(base)):
+            try:
+                names = os.listdir(os.path.dirname(base))
+            except OSError:
+                names = []
+            if any(n.startswith(parts[-1] + ".") and n.endswith((".so", ".pyd")) for n in names):
+                return "module"
+        if os.path.isdir(base):
+            namespace = True
+    return "namespace" if namespace else None
+
+
 def shadowing_problem(
-    task: Any, files: Mapping[str, str], import_dirs: Sequence[str] = ()
+    task: Any,
+    files: Mapping[str, str],
+    import_dirs: Sequence[str] = (),
+    tree_paths: Sequence[str] = (),
 ) -> str | None:
-    """Why the patched tree is refused before the run, or None: a module it adds (``name.py``
-    or ``name/__init__.py`` that the pristine repository does not have) directly in a directory
-    on the test run's import path (``import_path_dirs``) whose name is a standard-library module,
-    a module of the test framework (pytest, pluggy, ...) or an installed module."""
+    """Why the patched tree is refused before the run, or None: a module the patch adds that
+    the import system would resolve, on the test run's ``sys.path`` (``import_path_dirs``: tree
+    directories first, then the read-only installed ones), instead of a standard-library module,
+    a module of the test framework (pytest, pluggy, ...) or an installed module.
+
+    Resolved as the import system does, level by level: ``name.py`` or ``name/__init__.py`` in
+    a directory on the path shadows an installed ``name``; a directory without ``__init__.py``
+    (a namespace portion) never shadows a regular installed module or package (that one wins),
+    but merges with an installed namespace package ahead of it, so a module it holds shadows the
+    installed module of the same dotted name (``google/protobuf/__init__.py`` in the tree
+    before an installed ``google.protobuf``). A module the pristine repository already has is
+    the repository's own, changed, never refused."""
     new = [p for p in files if p not in task.files and p.endswith(".py")]
     if not new:
         return None
     forbidden = None
-    for d in import_path_dirs(task, files):
+    installed_dirs = None
+    for d in import_path_dirs(task, files, tree_paths):
         prefix = d + "/" if d else ""
         for path in sorted(new):
             if not path.startswith(prefix):
                 continue
             rest = path[len(prefix) :].split("/")
-            if len(rest) == 1:
-                name = rest[0][:-3]
-            elif len(rest) == 2 and rest[1] == "__init__.py":
-                name = rest[0]
+            if rest[-1] == "__init__.py":
+                rest = rest[:-1]
+            else:
+                rest[-1] = rest[-1][:-3]
+            if not rest or not all(r.isidentifier() for r in rest):
+                continue
+            name = rest[0]
+            kind = _tree_kind(files, prefix, rest[:1])
+            if kind == "module":
+                if any(f"{prefix}{name}{s}" in task.files for s in (".py", "/__init__.py")):
+                    continue  # the repository's own module, changed
+                forbidden = forbidden if forbidden is not None else installed_modules(import_dirs)
+                if name in forbidden and len(rest) >= 1:
+                    if path not in (f"{prefix}{name}.py", f"{prefix}{name}/__init__.py"):
+                        continue  # reported for the module itself, if new
+                    where = d or "the repository root"
+                    return (
+                        f"shadowing: {path} would be imported instead of {forbidden[name]} "
+                        f"({where} is on the test run's sys.path)"
+                    )
+                continue
+            # A namespace portion: follow it down while the installed name is one too.
+            if installed_dirs is None:
+                _, own = python_for_sandbox()
+                installed_dirs = [*own, *import_dirs, *_interpreter_path()]
+            for j in range(1, len(rest) + 1):
+                inst = _installed_kind(installed_dirs, rest[:j])
+                here = _tree_kind(files, prefix, rest[:j])
+                if inst != "namespace" or here != "namespace":
+                    break
             else:
                 continue
-            if any(f"{prefix}{name}{s}" in task.files for s in (".py", "/__init__.py")):
-                continue  # the repository's own module, changed
-            forbidden = forbidden if forbidden is not None else installed_modules(import_dirs)
-            if name in forbidden:
-                where = d or "the repository root"
-                return (
-                    f"shadowing: {path} would be imported instead of {forbidden[name]} "
-                    f"({where} is on the test run's sys.path)"
-                )
+            if inst is None or here != "module" or j == 1:
+                continue
+            dotted = ".".join(rest[:j])
+            mod_files = (
+                f"{prefix}{'/'.join(rest[:j])}.py",
+                f"{prefix}{'/'.join(rest[:j])}/__init__.py",
+            )
+            if any(m in task.files for m in mod_files) or path not in mod_files:
+                continue
+            where = d or "the repository root"
+            return (
+                f"shadowing: {path} would be imported instead of the installed module "
+                f"{dotted!r} (a namespace portion of {rest[0]!r} ahead of the installed one: "
+                f"{where} is on the test run's sys.path)"
+            )
     return None
 
 
@@ -1116,7 +1203,7 @@ def _verify_repo_patch(
     pythonpath, tree_paths = sandbox_paths(task, extra_pythonpath)  # a bad task: infra_error
     timeout_s = float(getattr(task, "test_timeout_s", 0.0) or 0.0)
     try:
-        files, reset = prepare_tree(task, patch, pythonpath)
+        files, reset = prepare_tree(task, patch, pythonpath, tree_paths)
     except DiffError as e:
         return RepoVerification(
             "failed", _missing(task), str(e), (), f"patch does not apply: {e}", None, flags
@@ -1241,10 +1328,15 @@ def run_order(required: Sequence[str], canaries: Mapping[str, str]) -> list[str]
 
 def audit_config(task: Any, protected: Sequence[str]) -> dict[str, list[str]]:
     """What the test process's audit hook (``audit_hook.py``) protects: the watched files, the
-    files of the required tests and the test directories."""
+    files of the required tests and the test directories; ``aliases``: where else the sandbox
+    shows the same tree (the read-only source of its private copy)."""
     hidden = hidden_test_paths(task)
     files = set(protected) | {t.split("::", 1)[0] for t in task.required_tests}
-    return {"protected": sorted(files), "test_dirs": sorted(test_dirs(task, hidden))}
+    return {
+        "protected": sorted(files),
+        "test_dirs": sorted(test_dirs(task, hidden)),
+        "aliases": [TREE_SOURCE],
+    }
 
 
 def audit_events(report: str) -> list[dict]:

@@ -10,8 +10,8 @@ fallback mechanisms (``unshare``, ``rlimits``), which see the real paths.
 So :func:`runner_site_packages` builds, once per (interpreter, versions), a site-packages holding
 exactly the distributions pytest and pytest-timeout need, at the versions installed here (the
 outcome plugin is tested against them), under a root that every uid can read
-(:func:`stage_root`: ``$GAGAR_SANDBOX_ENVS`` or ``/tmp/gagar_jax_sandbox_envs``, owned by this
-user and writable by nobody else). It is installed with uv (``uv pip install --target``, the
+(:func:`stage_root`: ``$GAGAR_SANDBOX_ENVS`` or ``/tmp/gagar_jax_sandbox_envs-<uid>``, owned by
+this user and writable by nobody else). It is installed with uv (``uv pip install --target``, the
 same tool that builds the task environments) for the sandbox's interpreter and compiled to
 bytecode (the sandbox binds it read-only); without uv, or where uv cannot fetch the packages,
 the installed files themselves (the distributions' ``RECORD``) are copied: a readable staged
@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Sequence
 
 TOOLS = ("pytest", "pytest-timeout")
-DEFAULT_STAGE_ROOT = "/tmp/gagar_jax_sandbox_envs"
+DEFAULT_STAGE_ROOT = "/tmp/gagar_jax_sandbox_envs-{uid}"  # one per user: each owns its own
 _MARKER = ".gagar-runner-env"
 
 
@@ -78,7 +78,7 @@ def stage_root() -> str:
 
     RunnerEnvError if it is not a directory owned by this user that no other user may write
     (a directory another user made first in /tmp could swap the packages under the verifier)."""
-    root = os.environ.get("GAGAR_SANDBOX_ENVS") or DEFAULT_STAGE_ROOT
+    root = os.environ.get("GAGAR_SANDBOX_ENVS") or DEFAULT_STAGE_ROOT.format(uid=os.geteuid())
     root = os.path.abspath(root)
     try:
         os.makedirs(root, mode=0o755, exist_ok=True)

@@ -84,7 +84,8 @@ from gagar_jax.verify import runner_env, seccomp
 STATUSES = ("passed", "failed", "timeout", "resource_killed", "infra_error")
 MECHANISMS = ("bwrap+cgroup", "bwrap", "unshare", "rlimits", "none")
 SANDBOX_WORKDIR = "/workdir"  # where the workdir appears inside bwrap
-_TREE_SOURCE = "/.gagar-tree"  # the host workdir, read-only, copied into a private /workdir
+TREE_SOURCE = "/.gagar-tree"  # the host workdir, read-only, copied into a private /workdir
+_TREE_SOURCE = TREE_SOURCE
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _CGROUP_PARENT = "gagar_jax_sandbox"
 _SLOT_DIR = "/tmp/gagar_jax_sandbox_slots"

@@ -14,14 +14,25 @@ run.
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from execution_helpers import BUGGY, FIXED, TASK, assert_blocked, change, payload, verify  # noqa: E402
+from execution_helpers import (  # noqa: E402
+    BUGGY,
+    FIXED,
+    TASK,
+    assert_blocked,
+    change,
+    new_file,
+    payload,
+    verify,
+)
 
 TAMPER = "tamper_test_harness"
 
@@ -129,7 +140,7 @@ EXPECTED = {
     "helper_bytecode_renamed_into_place": "read_bytecode",
     "pycache_prefix_moved": "pycache_prefix",
     "test_module_preimported_from_elsewhere": "test_module_replaced",
-    "code_compiled_as_the_test_file": "code_as_test",
+    "code_compiled_as_the_test_file": "test_module_replaced",
     "module_written_into_a_test_directory": "write_code",
 }
 
@@ -192,3 +203,109 @@ def test_a_module_written_beside_root_tests_is_refused():
 def test_an_honest_fix_of_root_tests_passes():
     v = verify(change("app.py", BUGGY, FIXED), the_task=ROOT_TESTS)
     assert v.status == "passed" and not v.flags, v.test_log
+
+
+# --- shadowing decided by resolution on the run's own sys.path --------------------------------
+
+
+@pytest.fixture(scope="module")
+def namespace_dep():
+    """An installed dependency directory (bound read-only, as a task's dependencies are) holding
+    the namespace package ``nsdep`` (no ``__init__.py``) with a regular package ``nsdep.sub``."""
+    d = tempfile.mkdtemp(prefix="gagar_nsdep_", dir="/tmp")
+    os.makedirs(os.path.join(d, "nsdep", "sub"))
+    with open(os.path.join(d, "nsdep", "sub", "__init__.py"), "w") as f:
+        f.write("REAL = True\n")
+    for root, _dirs, files in os.walk(d):
+        os.chmod(root, 0o755)
+        for n in files:
+            os.chmod(os.path.join(root, n), 0o644)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+SHADOWS = {
+    # A namespace portion ahead of an installed namespace package: its module is imported
+    # instead of the installed one of the same dotted name.
+    "namespace_portion_over_installed_namespace": (
+        new_file("nsdep/sub/__init__.py", "REAL = False\n"),
+        (),
+    ),
+    # A relative extra_pythonpath entry is on the run's sys.path, so it is checked too (written
+    # unnormalised: the same directory).
+    "relative_extra_pythonpath": (new_file("lib/json.py", "X = 1\n"), ("./lib/",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHADOWS))
+def test_shadowing_is_decided_by_resolution(name, namespace_dep):
+    patch, extra = SHADOWS[name]
+    v = verify(patch + FIX_PATCH, extra_pythonpath=(*extra, namespace_dep))
+    assert v.status == "failed" and not v.infra_error, v.test_log
+    assert (v.patch_error or "").startswith("shadowing:"), v.patch_error
+
+
+def test_a_namespace_portion_beside_an_installed_one_with_other_modules_passes(namespace_dep):
+    # Another module in the same namespace shadows nothing.
+    v = verify(new_file("nsdep/mine/__init__.py", "X = 1\n") + FIX_PATCH,
+               extra_pythonpath=(namespace_dep,))  # fmt: skip
+    assert v.status == "passed", v.test_log
+
+
+def test_a_namespace_portion_never_shadows_a_regular_package():
+    # ``xml`` is a regular standard-library package: a directory of the same name without
+    # ``__init__.py`` is a namespace portion the import system passes over.
+    v = verify(new_file("xml/extra.py", "X = 1\n") + FIX_PATCH)
+    assert v.status == "passed", v.test_log
+
+
+FIX_PATCH = change("app.py", BUGGY, FIXED)
+
+
+# --- the tests' source through another name ----------------------------------------------------
+
+_EXPECTED_FROM = (
+    "import re\n"
+    "def expected(text):\n"
+    "    return int(re.search(r'half\\(10\\) == (\\d+)', text).group(1))\n"
+)
+ALIASES = {
+    # The sandbox's read-only source of the private work tree holds the same hidden test.
+    "tree_source_mount": "open('/.gagar-tree/tests/test_hidden.py').read()",
+    # The working directory through /proc.
+    "proc_self_cwd": "open('/proc/self/cwd/tests/test_hidden.py').read()",
+    # A symbolic link, or a hard link, of another name.
+    "symlink": "(os.symlink(os.path.abspath('tests/test_hidden.py'), '/tmp/h.txt'),"
+    " open('/tmp/h.txt').read())[1]",
+    "hard_link": "(os.link('tests/test_hidden.py', '/tmp/l.txt'), open('/tmp/l.txt').read())[1]",
+    # A copy made by a thread started on a library function: no frame of the candidate's is
+    # on that thread's stack.
+    "thread_on_a_library_function": "_copied_in_a_thread()",
+}
+_THREAD = (
+    "import shutil, threading\n"
+    "def _copied_in_a_thread():\n"
+    "    t = threading.Thread(target=shutil.copyfile,\n"
+    "                         args=('tests/test_hidden.py', '/tmp/c.txt'))\n"
+    "    t.start(); t.join()\n"
+    "    return open('/tmp/c.txt').read()\n"
+)
+
+
+@pytest.mark.parametrize("name", sorted(ALIASES))
+def test_the_tests_source_cannot_be_read_through_another_name(name):
+    # ``half`` returns the hidden test's expected value, read from its source: the read must be
+    # refused whatever name the file is reached by.
+    code = (
+        "import os\n" + _EXPECTED_FROM + _THREAD + "def half(x):\n"
+        "    try:\n"
+        f"        return expected({ALIASES[name]}) if x == 10 else x / 2\n"
+        "    except Exception:\n"
+        "        return x / 2 if x != 10 else 0\n"
+    )
+    patch = new_file("helper_mod.py", code) + change(
+        "app.py", BUGGY, "from helper_mod import half  # noqa\n"
+    )
+    v = verify(patch, the_task=TWO_MODULES)
+    assert v.status == "failed" and not v.infra_error, v.test_log
+    assert any(f.confirmed and "runtime audit" in f.evidence for f in v.flags), v.flags

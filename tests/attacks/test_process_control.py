@@ -168,3 +168,20 @@ def test_canaries_sit_between_modules_and_after_the_last_required_test():
 def test_an_honest_fix_passes_with_exec_control_on():
     v = verify(FIX)
     assert v.status == "passed" and not v.flags, v.test_log
+
+
+def test_audit_lines_travel_beside_the_report_and_only_add_evidence():
+    import json
+
+    audit = {"audit": "read_test_source", "what": "app.py:3 reads tests/t.py", "confirmed": True}
+    lines = [
+        {"id": "t.py::a", "when": "call", "outcome": "passed"},
+        audit,
+        {"exitstatus": 1},
+        {**audit, "confirmed": False},  # after the session's last line: still an audit line
+    ]
+    report = "".join(json.dumps(x) + "\n" for x in lines)
+    outcomes, status, problem, tampered = vrepo.parse_outcome_report(report.encode())
+    assert (outcomes, status, problem, tampered) == ({"t.py::a": "passed"}, 1, "", False)
+    events = vrepo.audit_events(report + '{"audit": 1, "what": "x", "confirmed": true}\n')
+    assert [e["confirmed"] for e in events] == [True, False]  # the malformed line is no event

@@ -136,7 +136,7 @@ def _throttled() -> dict[str, int]:
 
 @needs_cpu_cgroup
 def test_cpu_bound_children_in_their_own_sessions_are_held_to_the_slots_quota(tmp_path):
-    # Three spinning children, each in a session of its own, against a quota of a fifth of a
+    # Three spinning children, each in a session of its own, against a quota of a twentieth of a
     # core: the kernel throttles the slot's cgroup (whatever the children's sessions).
     spin = "import time\\nt = time.time()\\nwhile time.time() - t < 1.0:\\n    pass\\n"
     code = (
@@ -150,7 +150,7 @@ def test_cpu_bound_children_in_their_own_sessions_are_held_to_the_slots_quota(tm
     r = sb.run_sandboxed(
         [sb.python_for_sandbox()[0], "-c", code],
         tmp_path,
-        Limits(wall_s=30, cpu_cores=0.2),
+        Limits(wall_s=30, cpu_cores=0.05),
         config=sb.SandboxConfig(mechanism="bwrap+cgroup"),
     )
     after = _throttled()
