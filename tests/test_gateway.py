@@ -202,6 +202,7 @@ def test_anthropic_plain_streaming_and_tool_use(model, tokenizer):
         plain = client.messages.create(
             model="policy", max_tokens=64, messages=[{"role": "user", "content": "hi"}]
         )
+        assert [m.id for m in client.models.list()] == ["policy"]
         assert plain.content[0].text == "Plain answer."
         calls = gw.finish_session(s.token)["calls"]
     assert [c["linked_call"] for c in calls] == [None, 0, None]
