@@ -51,6 +51,29 @@ def test_the_environment_follows_the_task_and_the_setting():
         ctr.container_spec(plain, "docker")
 
 
+def test_swebench_image_names_and_rows_with_an_image():
+    from gagar_jax.data import swe
+
+    # the harness's names: local key lower-cased; a registry's with __ spelled _1776_
+    assert swe.swebench_image_name("Django__django-11099") == (
+        "sweb.eval.x86_64.django__django-11099:latest"
+    )
+    assert swe.swebench_image_name("django__django-11099", namespace="swebench") == (
+        "swebench/sweb.eval.x86_64.django_1776_django-11099:latest"
+    )
+    row = {
+        "instance_id": "o__r-1",
+        "repo": "o/r",
+        "base_commit": "abc",
+        "patch": "",
+        "test_patch": "",
+        "problem_statement": "p",
+        "FAIL_TO_PASS": '["t.py::test_a"]',
+        "image_name": "swesmith.x86_64.o__r.abc",
+    }
+    assert swe.parse_instance(row).image_name == "swesmith.x86_64.o__r.abc"
+
+
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="image or a dockerfile"):
         ctr.ContainerSpec()

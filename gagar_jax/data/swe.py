@@ -119,6 +119,7 @@ class SweInstance:
     python_deps: tuple[str, ...] = ()
     install: str = ""
     layout: str = "swebench"
+    image_name: str = ""  # a container image holding the repository at /testbed (SWE-smith's)
 
     def to_row(self) -> dict[str, Any]:
         """The row as SWE-bench stores it (test lists JSON-encoded)."""
@@ -386,6 +387,7 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
             "environment_setup_commit",
             "test_cmd",
             "install",
+            "image_name",
         )
     }
     return SweInstance(
@@ -533,6 +535,22 @@ def grade(
 # ---------------------------------------------------------------------------------------------
 # Tasks
 # ---------------------------------------------------------------------------------------------
+SWEBENCH_PYTHON = "/opt/miniconda3/envs/testbed/bin/python"  # the conda env of the images
+SWEBENCH_WORKDIR = "/testbed"
+
+
+def swebench_image_name(
+    instance_id: str, *, namespace: str = "", arch: str = "x86_64", tag: str = "latest"
+) -> str:
+    """The name of SWE-bench's evaluation image of ``instance_id``, as its harness names it:
+    ``sweb.eval.<arch>.<instance_id>:<tag>`` in lower case; under a registry ``namespace``
+    (``swebench``) with ``__`` spelled ``_1776_`` (registries refuse double underscores)."""
+    key = f"sweb.eval.{arch}.{instance_id}:{tag}"
+    if namespace:
+        key = f"{namespace}/{key}".replace("__", "_1776_")
+    return key.lower()
+
+
 def to_repo_task(
     inst: SweInstance,
     repos_dir: str,
@@ -540,11 +558,14 @@ def to_repo_task(
     cache_dir: str | None = None,
     build_envs: bool = True,
     test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
+    use_image: bool = False,
 ) -> RepoTask:
     """The ``RepoTask`` of ``inst``: the tree of ``base_commit`` from ``repos_dir``, the hidden
     ``test_patch``, the gold ``patch`` as reference, the layout's ``pythonpath`` and (with
     ``build_envs``) the environment of ``python_deps`` or, without them, of the dependencies
-    the repository declares."""
+    the repository declares. With ``use_image`` a row that names an ``image_name`` runs its
+    tests in that image instead (the container back-end: the repository at ``/testbed``, the
+    conda environment ``testbed``, as SWE-bench's and SWE-smith's images hold them)."""
     files = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit, cache_dir)
     reference = inst.patch
     if inst.layout == "swesmith":
@@ -558,6 +579,24 @@ def to_repo_task(
     named = {t.split("::", 1)[0] for t in inst.FAIL_TO_PASS + inst.PASS_TO_PASS}
     test_files = tuple(sorted(set(hidden) | {p for p in named if p in files}))
     env_path = env_hash = ""
+    if use_image and inst.image_name:
+        # the image holds the repository, installed, and its environment (SWE-bench's and
+        # SWE-smith's layout): the tests run there, on the container back-end, unchanged
+        return RepoTask(
+            task_id=inst.instance_id,
+            issue=inst.problem_statement,
+            files=files,
+            fail_to_pass=inst.FAIL_TO_PASS,
+            pass_to_pass=inst.PASS_TO_PASS,
+            test_files=test_files,
+            test_patch=inst.test_patch,
+            reference_patch=reference,
+            pythonpath=repos.detect_pythonpath(files),
+            test_timeout_s=test_timeout_s,
+            image=inst.image_name,
+            image_python=SWEBENCH_PYTHON,
+            image_workdir=SWEBENCH_WORKDIR,
+        )
     if build_envs:
         files, reqs, metadata = _install(inst, files, cache_dir)
         test_files = tuple(sorted({*test_files, *metadata}))
