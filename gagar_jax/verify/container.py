@@ -427,8 +427,11 @@ def run_in_container(
             timed_out = disk_hit = False
             with open(out_p, "wb") as out, open(err_p, "wb") as err:
                 try:
+                    # cwd: conmon drops an ``oom`` file in its working directory when the
+                    # kernel's OOM killer ends the container (read below)
                     proc = subprocess.Popen(
                         shell,
+                        cwd=io,
                         stdin=subprocess.DEVNULL,
                         stdout=out,
                         stderr=err,
@@ -474,6 +477,7 @@ def run_in_container(
                 started = os.read(marker_r, 1) == b"S"
             except BlockingIOError:
                 started = False
+            oom = os.path.exists(os.path.join(io, "oom"))
             stdout, out_trunc = _read_capped(out_p, limits.output_bytes)
             stderr, err_trunc = _read_capped(err_p, limits.output_bytes)
             out_size, err_size = os.path.getsize(out_p), os.path.getsize(err_p)
@@ -487,21 +491,24 @@ def run_in_container(
             os.close(h)
     return _verdict(
         rc, started, timed_out, disk_hit, stdout, stderr, out_trunc, err_trunc, wall, limits,
-        max(out_size, err_size),
+        max(out_size, err_size), oom,
     )  # fmt: skip
 
 
 def _verdict(
-    rc, started, timed_out, disk_hit, stdout, stderr, out_trunc, err_trunc, wall, limits, size
-):
+    rc, started, timed_out, disk_hit, stdout, stderr, out_trunc, err_trunc, wall, limits, size,
+    oom=False,
+):  # fmt: skip
     hits: list[str] = []
     sig = -rc if rc < 0 else (rc - 128 if rc > 128 else None)
     if sig == signal.SIGXCPU:
         hits.append("cpu")
     if sig == signal.SIGXFSZ or size >= limits.file_bytes:
         hits.append("file_size")
-    if sig == signal.SIGKILL and not timed_out and not disk_hit:
-        hits.append("memory")  # the cgroup's OOM killer, or RLIMIT_CPU's hard limit
+    if oom:
+        hits.append("memory")  # the memory cgroup's OOM killer (conmon's record of it)
+    elif sig == signal.SIGKILL and not timed_out and not disk_hit:
+        hits.append("cpu")  # RLIMIT_CPU's hard limit: nothing else inside can SIGKILL PID 1
     if disk_hit:
         hits.append("disk")
     if timed_out:

@@ -62,6 +62,14 @@ def test_held_past_the_quota_is_resource_killed(name):
     assert v.status == "resource_killed" and "disk" in v.sandbox.limit_hits, v.test_log
 
 
+def test_memory_past_the_limit_is_the_oom_killers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing of the engine's lands in the caller's directory
+    v = verify(payload(resources.ATTACKS["memory_hog"], "res_mod"), CTR)
+    assert_blocked(v)
+    assert "memory" in v.sandbox.limit_hits, (v.sandbox.limit_hits, v.test_log)
+    assert not os.listdir(tmp_path)
+
+
 def test_a_fix_that_writes_within_the_quota_passes():
     code = "with open('scratch.bin', 'wb') as f:\n    f.write(b'x' * (4 << 20))\n"
     assert verify(payload(code, "res_mod", fixed=True), CTR).status == "passed"
