@@ -41,7 +41,8 @@ are the same, and a run the infrastructure failed on every attempt counts in ``i
 ``validate --harbor TASK_DIR...`` validates Harbor task directories instead (``data.harbor``:
 the solution as gold, the reward of ``tests/test.sh`` in the task's container), with the same
 lines; ``--environment container`` runs the rows' tests on the container back-end
-(``verify.container``; a row that names an image runs there anyway).
+(``verify.container``): a row's ``image_name`` when it has one (``to_repo_task(use_image=True)``),
+else the back-end's base image.
 """
 
 from __future__ import annotations
@@ -851,7 +852,12 @@ def validate(
                     finish(pending.popleft())
                 t0 = time.monotonic()
                 try:
-                    task = to_repo_task(inst, repos_dir, cache_dir=cache_dir)
+                    task = to_repo_task(
+                        inst,
+                        repos_dir,
+                        cache_dir=cache_dir,
+                        use_image=getattr(backend, "environment", "uv") == "container",
+                    )
                     futures = [
                         (kind, pool.submit(_verify_job, task, patch, {}, backend))
                         for kind, patch in _jobs(task, runs)
