@@ -1,0 +1,212 @@
+"""Harness episodes as the rollouts of a training step (``rollout.harness`` other than
+``"native"``).
+
+Each rollout of a group is one episode of an agent harness (``gagar_jax.envs.harness``): the
+harness runs inside the sandbox and talks to the run's own engine through one in-process
+gateway per engine (:func:`harness_runner`; the embedded sampler behind ``BatchingBackend``,
+SGLang behind ``DirectBackend``: the same code path), with the update's sampling temperature
+forced on every call so behaviour and training log-probs are of one distribution. The episode's
+final diff goes through the standard verifier (``verify_harness_episode``); the behaviour
+monitor reads the commands and outputs from the gateway's record; the graders get the
+trajectory summary and the diff (:class:`HarnessAttempt`). An episode without a diff fails; a
+harness that crashes, hangs or loops fails with the reason; an engine or sandbox failure is
+``infra_error`` (masked, counted).
+
+**Rows of the update batch.** The update's batch is one row per rollout (``[G, K, T]``). An
+episode's linked calls are one segment (``gagar_jax.rollout.segments``): the segment is the
+rollout's row, the first call's prompt its prompt and everything after it (completions with
+response mask 1 and their recorded log-probs, tool results between with mask 0) its response.
+That is the same layout as a native multi-turn episode, so the advantage kernels, dynamic
+sampling, staleness and the update take it unchanged, and the update scores every recorded
+call's completion with its own prompt, exactly as the engine sampled it. An episode whose
+history was edited (several segments) is placed as its segments one after another on the row
+only where they link; where they do not, its later segments cannot share a causal row without
+attending to the earlier ones (the model has no block-diagonal mask), so such an episode is
+trained on its first segment with the episode's reward (its credit conserved over that
+segment's tokens) and the rest is counted (``episode/untrained_segments``) rather than scored
+wrongly. ``episode/segments``, ``episode/calls`` and ``episode/tokens`` (means over the step's
+harness episodes) are logged by ``StepCounters``.
+
+A segment longer than the row (``rollout.max_prompt_len`` + ``rollout.max_new_tokens``) is cut
+at the row's end (its kept tokens stay exact) and finishes with ``"length"``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import os
+import tempfile
+import weakref
+from typing import Any
+
+from gagar_jax.envs.family import Attempt, Outcome
+from gagar_jax.envs.harness import (
+    HarnessConfig,
+    HarnessEpisode,
+    HarnessRunner,
+    verify_harness_episode,
+)
+from gagar_jax.rl.config import RunConfig
+from gagar_jax.rollout.gateway import (
+    BatchingBackend,
+    DirectBackend,
+    Gateway,
+    GatewayConfig,
+    GatewayServer,
+)
+from gagar_jax.rollout.segments import Segment
+
+
+@dataclasses.dataclass
+class HarnessAttempt(Attempt):
+    """A harness episode as the family's graders see it: the gateway's trajectory (commands
+    and their outputs) and the final diff."""
+
+    harness: HarnessEpisode | None = None
+
+    def trajectory(self) -> list[dict[str, Any]]:
+        return [] if self.harness is None else self.harness.events()
+
+    def summary(self) -> str:
+        if self.harness is None:
+            return ""
+        lines = [e["summary"] for e in self.harness.trajectory()]
+        lines.append(f"harness: {self.harness.finish_reason}")
+        return "\n".join(lines)
+
+
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _harness_config(cfg: RunConfig) -> HarnessConfig:
+    r = cfg.rollout
+    return HarnessConfig(
+        harness=r.harness,
+        command=r.harness_command,
+        max_calls=r.harness_max_calls,
+        max_completion_tokens=r.max_new_tokens,
+        max_wall_s=r.harness_max_wall_s,
+        agents_venv=r.harness_agents_venv,
+    )
+
+
+def harness_runner(engine, tokenizer, cfg: RunConfig) -> HarnessRunner:
+    """The harness runner of ``engine`` (built once per engine and kept while it lives): a
+    gateway on the engine, served on a Unix socket in a private directory, with the run's
+    row budget as its context limit and ``rollout.temperature`` on every call."""
+    got = _RUNNERS.get(engine)
+    if got is not None:
+        return got
+    r = cfg.rollout
+    backend = BatchingBackend(engine) if r.engine == "embedded" else DirectBackend(engine)
+    gw_cfg = GatewayConfig(
+        model_name="policy",
+        context_limit=r.max_prompt_len + r.max_new_tokens,
+        default_max_tokens=r.max_turn_tokens or r.max_new_tokens,
+        max_tokens_cap=r.max_turn_tokens or r.max_new_tokens,
+        temperature=r.temperature,
+    )
+    gateway = Gateway(backend, tokenizer, gw_cfg)
+    sock_dir = tempfile.mkdtemp(prefix="gagar_gw_")
+    server = GatewayServer(gateway, uds=os.path.join(sock_dir, "gateway.sock")).start()
+    atexit.register(server.stop)
+    runner = HarnessRunner(gateway, server, _harness_config(cfg))
+    _RUNNERS[engine] = runner
+    return runner
+
+
+def _row_fields(ep: HarnessEpisode, fallback_prompt: list[int], cfg: RunConfig) -> tuple[dict, int]:
+    """The rollout fields of an episode's row and its untrained segments (see the module
+    docstring)."""
+    P_max, R_max = cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens
+    segs: list[Segment] = ep.segments
+    calls = len(ep.record.get("calls", []))
+    if not segs:
+        return (
+            dict(
+                prompt=list(fallback_prompt[:P_max]) or [0],
+                response_tokens=[],
+                logprobs=[],
+                response_mask=[],
+                token_versions=[],
+                finish_reason="abort" if ep.infra_error else "stop",
+                policy_version=0,
+                num_turns=0,
+                num_tool_calls=0,
+            ),
+            0,
+        )
+    seg = segs[0]
+    P = min(seg.prompt_len, P_max)
+    tokens = seg.tokens[: P + R_max]
+    finish = "length" if len(seg.tokens) > P + R_max or seg.prompt_len > P_max else "stop"
+    mask = [0] * (seg.prompt_len - P) + seg.response_mask[seg.prompt_len :]
+    lps = [0.0] * (seg.prompt_len - P) + seg.logprobs[seg.prompt_len :]
+    vers = [-1] * (seg.prompt_len - P) + seg.token_versions[seg.prompt_len :]
+    R = len(tokens) - P
+    versions = [v for v in vers[:R] if v >= 0]
+    traj = ep.trajectory()
+    return (
+        dict(
+            prompt=tokens[:P],
+            response_tokens=tokens[P:],
+            logprobs=lps[:R],
+            response_mask=mask[:R],
+            token_versions=vers[:R],
+            finish_reason=finish,
+            policy_version=min(versions, default=0),
+            num_turns=calls,
+            num_tool_calls=sum(len(e["tool_calls"]) for e in traj),
+        ),
+        len(segs) - 1,
+    )
+
+
+def harness_rollouts(
+    engine,
+    family,
+    tasks,
+    prompts,
+    *,
+    cfg: RunConfig,
+    num_rollouts: int,
+    episode_ids: list[list[str]],
+    seeds: list[list[int]],
+):
+    """``num_rollouts`` harness episodes per task, run ``rollout.harness_concurrency`` at a
+    time, verified: per task a list of ``(attempt, outcome, rollout fields)``."""
+    runner = harness_runner(engine, family.tokenizer, cfg)
+    jobs = [(i, k) for i in range(len(tasks)) for k in range(num_rollouts)]
+
+    def one(job):
+        i, k = job
+        ep = runner.run(tasks[i], episode_id=episode_ids[i][k], seed=seeds[i][k])
+        try:
+            out = verify_harness_episode(tasks[i], ep)
+        except Exception as e:  # noqa: BLE001 -- a verifier crash is masked, never scored
+            out = Outcome(
+                passed=False,
+                infra_error=True,
+                test_log=f"infra error: verifier raised {type(e).__name__}: {e}",
+            )
+        return ep, out
+
+    with concurrent.futures.ThreadPoolExecutor(cfg.rollout.harness_concurrency) as pool:
+        done = list(pool.map(one, jobs))
+    per_task: list[list] = [[] for _ in tasks]
+    for (i, _k), (ep, out) in zip(jobs, done):
+        fields, untrained = _row_fields(ep, prompts[i], cfg)
+        fields["harness_stats"] = {
+            "segments": len(ep.segments),
+            "calls": len(ep.record.get("calls", [])),
+            "tokens": sum(len(s.tokens) for s in ep.segments),
+            "untrained_segments": untrained,
+        }
+        attempt = HarnessAttempt(response_tokens=list(fields["response_tokens"]), harness=ep)
+        per_task[i].append((attempt, out, fields))
+    return per_task
+
+
+__all__ = ["HarnessAttempt", "harness_rollouts", "harness_runner"]
