@@ -148,3 +148,100 @@ def test_harness_groups_pack_into_rows_the_update_scores_exactly(tokenizer):
     log_ratio = old[mask] - lp[mask]
     k3 = float(np.mean(np.exp(-log_ratio) - 1 + log_ratio))
     assert np.max(np.abs(diff)) < 1e-5 and abs(k3) < 1e-9, (np.max(np.abs(diff)), k3)
+
+
+# A harness that compacts its history: its second call starts from a summary, not from the
+# first call's messages (a new segment of the same episode).
+COMPACTING_HARNESS = HTTP_HARNESS.replace(
+    'm += [answer, {"role": "user", "content": out}]',
+    'm = [{"role": "user", "content": "summary of the work so far: " + out}]',
+)
+
+
+def test_edited_history_trains_every_segment_as_a_row_of_its_episode(tokenizer):
+    model = tiny_policy(tokenizer)
+    sampler = Sampler(
+        model,
+        pad_id=tokenizer.pad_id,
+        batch_buckets=(1, 2),
+        prompt_buckets=(256,),
+        new_token_buckets=(16,),
+    )
+    cfg = _cfg(
+        harness="command",
+        harness_command=_script(COMPACTING_HARNESS),
+        harness_max_wall_s=60,
+        harness_max_segments=2,
+    )
+    counters = collect.StepCounters()
+    (group,) = collect.generate_groups(
+        sampler,
+        RepoFamily(tokenizer),
+        [TASK],
+        cfg=cfg,
+        step=0,
+        round_id=0,
+        num_rollouts=2,
+        temperature=1.0,
+        id_prefix="s0",
+        counters=counters,
+        prompt_seeds=[3],
+    )
+    for r in group.rollouts:
+        assert r.harness_stats["segments"] == 2 and r.harness_stats["untrained_segments"] == 0
+        assert len(r.extra_segments) == 1 and sum(r.extra_segments[0]["response_mask"]) > 0
+    m = counters.metrics()
+    assert (m["episode/segments"], m["episode/calls"]) == (2.0, 2.0)
+    assert m["episode/untrained_segments"] == 0.0
+    with pytest.raises(ValueError, match="more than max_segments=1"):
+        collect.pack_groups(
+            [group],
+            num_groups=1,
+            num_rollouts=2,
+            max_prompt_len=256,
+            max_new_tokens=256,
+            pad_id=tokenizer.pad_id,
+        )
+    batch = collect.pack_groups(
+        [group],
+        num_groups=1,
+        num_rollouts=2,
+        max_prompt_len=256,
+        max_new_tokens=256,
+        pad_id=tokenizer.pad_id,
+        max_segments=2,
+    )
+    assert batch.tokens.shape[0] == 4 and list(batch.row_episode) == [0, 1, 0, 1]
+    graphdef, params = nnx.split(model)
+    lp = np.asarray(
+        behaviour_logprobs(
+            params, batch, graphdef=graphdef, config=UpdateConfig(shared_prefix=False)
+        )
+    )
+    mask = np.asarray(batch.response_mask)
+    old = np.asarray(batch.old_logprobs)
+    # both calls of each episode, each in its own row, scored as sampled
+    assert mask[2:].sum() > 0 and mask.sum() == sum(
+        sum(r.response_mask) + sum(r.extra_segments[0]["response_mask"]) for r in group.rollouts
+    )
+    assert np.max(np.abs(lp - old)[mask]) < 1e-5
+    # the same episodes with one segment per row budget: the second is counted, not trained
+    cfg1 = dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, harness_max_segments=1)
+    )
+    counters = collect.StepCounters()
+    (group1,) = collect.generate_groups(
+        sampler,
+        RepoFamily(tokenizer),
+        [TASK],
+        cfg=cfg1,
+        step=0,
+        round_id=0,
+        num_rollouts=2,
+        temperature=1.0,
+        id_prefix="s0",
+        counters=counters,
+        prompt_seeds=[3],
+    )
+    assert counters.metrics()["episode/untrained_segments"] == 2.0
+    assert all(not r.extra_segments for r in group1.rollouts)

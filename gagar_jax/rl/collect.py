@@ -87,6 +87,9 @@ class Rollout:
     # a harness episode (rl.harness_rollouts): its segments, calls, tokens over its segments
     # and segments its row does not hold; None for native rollouts
     harness_stats: dict | None = None
+    # a harness episode's segments after its first (each ``tokens``, ``response_mask``,
+    # ``logprobs``: one more row of the batch with the rollout's advantage, ``pack_groups``)
+    extra_segments: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def reward(self) -> float:
@@ -100,8 +103,10 @@ class Rollout:
 
     @property
     def oldest_version(self) -> int:
-        """The oldest version among its model tokens (its staleness counts from it)."""
-        return min((v for v in self.versions() if v >= 0), default=self.policy_version)
+        """The oldest version among its model tokens, its extra segments' too (its staleness
+        counts from it)."""
+        extra = [v for s in self.extra_segments for v in s.get("token_versions", ())]
+        return min((v for v in [*self.versions(), *extra] if v >= 0), default=self.policy_version)
 
 
 @dataclasses.dataclass
@@ -377,6 +382,7 @@ def pack_groups(
     max_new_tokens: int,
     pad_id: int,
     route_shape: tuple[int, int] | None = None,
+    max_segments: int = 1,
 ) -> UpdateBatch:
     """Packs up to ``num_groups`` groups and their grades into the update's batch (NumPy).
 
@@ -397,6 +403,12 @@ def pack_groups(
         ``[N, T, layers, K]`` (each rollout's recorded experts at its tokens' positions; -1
         where none were recorded: padding, rollouts without routes, which then route freely
         under replay). None: no routes.
+      max_segments: rows per rollout (a harness episode's linked segments,
+        ``Rollout.extra_segments``). Above 1 the batch has ``N = G * K * max_segments`` rows:
+        the first ``G * K`` as above, then ``max_segments - 1`` rows per rollout (rollout
+        ``n``'s at ``G * K + n * (max_segments - 1) + j``), each segment's tokens from
+        position 0, and ``row_episode`` maps every row to its rollout (unused rows: no
+        response tokens).
 
     Raises:
       ValueError: more groups or rollouts than the static shape holds, grades of another shape,
@@ -428,7 +440,9 @@ def pack_groups(
         graded = np.array(grades.graded, bool)
         grade_cheat = np.asarray(grades.cheat, bool)
         cited = np.asarray(grades.evidence, bool)
-    N = G * K
+    if max_segments < 1:
+        raise ValueError(f"max_segments must be >= 1, got {max_segments}")
+    N = G * K * max_segments
     tokens = np.full((N, T), pad_id, np.int32)
     positions = np.zeros((N, T), np.int32)
     attn = np.zeros((N, T), bool)
@@ -487,6 +501,25 @@ def pack_groups(
             passed[gi, ki] = r.passed
             cheat[gi, ki] = r.cheat or bool(grade_cheat[gi, ki])
             valid[gi, ki] = not r.infra_error
+            if len(r.extra_segments) > max_segments - 1:
+                raise ValueError(
+                    f"group {g.group_id} rollout {ki}: {1 + len(r.extra_segments)} segments, "
+                    f"more than max_segments={max_segments} (rollout.harness_max_segments)"
+                )
+            for j, seg in enumerate(r.extra_segments):
+                row = G * K + n * (max_segments - 1) + j
+                L = len(seg["tokens"])
+                if L > T or len(seg["response_mask"]) != L or len(seg["logprobs"]) != L:
+                    raise ValueError(
+                        f"group {g.group_id} rollout {ki} segment {j + 1}: {L} tokens (row "
+                        f"length {T}) with {len(seg['response_mask'])} mask entries and "
+                        f"{len(seg['logprobs'])} log-probs"
+                    )
+                tokens[row, :L] = seg["tokens"]
+                positions[row, :L] = np.arange(L)
+                attn[row, :L] = True
+                resp[row, :L] = np.asarray(seg["response_mask"], bool)
+                old_lp[row, :L] = seg["logprobs"]
     if not np.isfinite(old_lp).all():
         raise ValueError("non-finite behaviour log-probs in the batch")
     return UpdateBatch(
@@ -504,6 +537,11 @@ def pack_groups(
         graded=graded,
         evidence=evidence,
         routes=routes,
+        row_episode=None
+        if max_segments == 1
+        else np.concatenate(
+            [np.arange(G * K), np.repeat(np.arange(G * K), max_segments - 1)]
+        ).astype(np.int32),
     )
 
 
@@ -692,6 +730,7 @@ def _rollout(
     routes=None,
     outcome=None,
     harness_stats=None,
+    extra_segments=(),
 ) -> Rollout:
     """Verifies one attempt (a verifier crash is an infra error: masked, never a failure);
     ``outcome``: its verification when already done (a harness episode's)."""
@@ -728,6 +767,7 @@ def _rollout(
         attempt=attempt,
         outcome=out,
         harness_stats=harness_stats,
+        extra_segments=list(extra_segments),
     )
 
 

@@ -256,6 +256,11 @@ class RolloutConfig:
     harness_max_calls: int = 16
     harness_max_wall_s: float = 300.0
     harness_concurrency: int = 2
+    # rows of the update batch per harness episode: an episode whose history was edited
+    # (compaction, a sub-agent, a template that drops old reasoning) has several linked
+    # segments, each a row with the episode's advantage; segments beyond this many are not
+    # trained (counted: episode/untrained_segments). The batch is G * K * this many rows
+    harness_max_segments: int = 1
 
     def __post_init__(self):
         _check(
@@ -287,6 +292,12 @@ class RolloutConfig:
             "rollout.harness_max_wall_s",
             "> 0 seconds",
             self.harness_max_wall_s,
+        )
+        _check(
+            self.harness_max_segments >= 1,
+            "rollout.harness_max_segments",
+            ">= 1",
+            self.harness_max_segments,
         )
         _check(
             self.harness_concurrency >= 1,

@@ -13,19 +13,28 @@ harness that crashes, hangs or loops fails with the reason; an engine or sandbox
 ``infra_error`` (masked, counted).
 
 **Rows of the update batch.** The update's batch is one row per rollout (``[G, K, T]``). An
-episode's linked calls are one segment (``gagar_jax.rollout.segments``): the segment is the
-rollout's row, the first call's prompt its prompt and everything after it (completions with
-response mask 1 and their recorded log-probs, tool results between with mask 0) its response.
-That is the same layout as a native multi-turn episode, so the advantage kernels, dynamic
+episode's linked calls are one segment (``gagar_jax.rollout.segments``): its first segment is
+the rollout's row, the first call's prompt its prompt and everything after it (completions
+with response mask 1 and their recorded log-probs, tool results between with mask 0) its
+response: the layout of a native multi-turn episode, so the advantage kernels, dynamic
 sampling, staleness and the update take it unchanged, and the update scores every recorded
-call's completion with its own prompt, exactly as the engine sampled it. An episode whose
-history was edited (several segments) is placed as its segments one after another on the row
-only where they link; where they do not, its later segments cannot share a causal row without
-attending to the earlier ones (the model has no block-diagonal mask), so such an episode is
-trained on its first segment with the episode's reward (its credit conserved over that
-segment's tokens) and the rest is counted (``episode/untrained_segments``) rather than scored
-wrongly. ``episode/segments``, ``episode/calls`` and ``episode/tokens`` (means over the step's
-harness episodes) are logged by ``StepCounters``.
+call's completion against its own prompt, as the engine sampled it.
+
+An episode whose history was edited (a compaction, a sub-agent, a template that drops old
+reasoning) has several segments. They cannot share one causal row (a later segment would
+attend to the earlier one's tokens, which its calls never saw, and the model has no
+block-diagonal mask), so each later segment is an extra row of the batch carrying its
+episode's index (``UpdateBatch.row_episode``, ``rollout.harness_max_segments`` rows per
+rollout, ``pack_groups``). The advantage kernels still see ``[G, K]``: one reward per
+episode, group statistics per episode, not per row; each row then takes its episode's
+advantage (``segment_advantages``' broadcast), so with the token-mean loss the episode's
+credit is ``A_e |M_e|`` whatever its number of segments (its segments' model tokens partition
+its model tokens). This was chosen over a new batch layout because it changes only how the
+update broadcasts advantages to rows (one gather) and leaves every kernel, the dynamic
+sampling and the staleness accounting as they are. Segments beyond
+``rollout.harness_max_segments`` are counted (``episode/untrained_segments``), never trained
+with a wrong context. ``episode/segments``, ``episode/calls`` and ``episode/tokens`` (means
+over the step's harness episodes) are logged by ``StepCounters``.
 
 A segment longer than the row (``rollout.max_prompt_len`` + ``rollout.max_new_tokens``) is cut
 at the row's end (its kept tokens stay exact) and finishes with ``"length"``.
@@ -36,6 +45,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import itertools
 import os
 import tempfile
 import weakref
@@ -78,6 +88,9 @@ class HarnessAttempt(Attempt):
 
 
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# draws of this process: a step drawn again (a resumed run, an evaluation of the same tasks)
+# opens new sessions, never a finished one's episode id
+_DRAWS = itertools.count()
 
 
 def _harness_config(cfg: RunConfig) -> HarnessConfig:
@@ -138,6 +151,15 @@ def _row_fields(ep: HarnessEpisode, fallback_prompt: list[int], cfg: RunConfig) 
             ),
             0,
         )
+    extra = [
+        {
+            "tokens": s.tokens,
+            "response_mask": s.response_mask,
+            "logprobs": s.logprobs,
+            "token_versions": s.token_versions,
+        }
+        for s in segs[1 : cfg.rollout.harness_max_segments]
+    ]
     seg = segs[0]
     P = min(seg.prompt_len, P_max)
     tokens = seg.tokens[: P + R_max]
@@ -147,6 +169,7 @@ def _row_fields(ep: HarnessEpisode, fallback_prompt: list[int], cfg: RunConfig) 
     vers = [-1] * (seg.prompt_len - P) + seg.token_versions[seg.prompt_len :]
     R = len(tokens) - P
     versions = [v for v in vers[:R] if v >= 0]
+    versions += [v for s in extra for v in s["token_versions"] if v >= 0]
     traj = ep.trajectory()
     return (
         dict(
@@ -159,8 +182,9 @@ def _row_fields(ep: HarnessEpisode, fallback_prompt: list[int], cfg: RunConfig) 
             policy_version=min(versions, default=0),
             num_turns=calls,
             num_tool_calls=sum(len(e["tool_calls"]) for e in traj),
+            extra_segments=extra,
         ),
-        len(segs) - 1,
+        len(segs) - 1 - len(extra),
     )
 
 
@@ -178,11 +202,12 @@ def harness_rollouts(
     """``num_rollouts`` harness episodes per task, run ``rollout.harness_concurrency`` at a
     time, verified: per task a list of ``(attempt, outcome, rollout fields)``."""
     runner = harness_runner(engine, family.tokenizer, cfg)
+    draw = next(_DRAWS)
     jobs = [(i, k) for i in range(len(tasks)) for k in range(num_rollouts)]
 
     def one(job):
         i, k = job
-        ep = runner.run(tasks[i], episode_id=episode_ids[i][k], seed=seeds[i][k])
+        ep = runner.run(tasks[i], episode_id=f"{episode_ids[i][k]}-d{draw}", seed=seeds[i][k])
         try:
             out = verify_harness_episode(tasks[i], ep)
         except Exception as e:  # noqa: BLE001 -- a verifier crash is masked, never scored

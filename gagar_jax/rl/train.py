@@ -468,6 +468,12 @@ def route_shape(engine) -> tuple[int, int] | None:
     return (c.num_layers, c.num_experts_per_tok)
 
 
+def harness_rows(cfg: RunConfig) -> int:
+    """Rows of the update batch per rollout: ``rollout.harness_max_segments`` with a harness,
+    else 1."""
+    return 1 if cfg.rollout.harness == "native" else cfg.rollout.harness_max_segments
+
+
 def pack_phase(
     groups,
     grades: grade.Grades,
@@ -488,6 +494,7 @@ def pack_phase(
         max_new_tokens=cfg.rollout.max_new_tokens,
         pad_id=pad_id,
         route_shape=route_shape,
+        max_segments=harness_rows(cfg),
     )
     kept = np.zeros((num_groups,), bool)
     kept[: len(groups)] = True
@@ -813,6 +820,7 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
         mesh,
         with_evidence=cfg.grading.enabled,
         with_routes=with_routes,
+        with_row_episode=harness_rows(cfg) > 1,
     )
     ctx = RLContext(
         cfg=cfg,
