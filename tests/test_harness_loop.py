@@ -245,3 +245,42 @@ def test_edited_history_trains_every_segment_as_a_row_of_its_episode(tokenizer):
     )
     assert counters.metrics()["episode/untrained_segments"] == 2.0
     assert all(not r.extra_segments for r in group1.rollouts)
+
+
+def test_a_dead_engine_makes_masked_counted_infra_errors(tokenizer, tmp_path):
+    import socket
+
+    from gagar_jax.rollout import SGLangClient
+    from gagar_jax.rollout.sglang_engine import SGLangEngine
+
+    with socket.socket() as s:  # a port nothing listens on: the SGLang server is down
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    client = SGLangClient(url, request_timeout_s=2.0, max_retry_time_s=1.0)
+    engine = SGLangEngine(client, export_fn=None, sync_dir=str(tmp_path))
+    cfg = _cfg(
+        engine="sglang",
+        sglang_url=url,
+        harness="command",
+        harness_command=_script(HTTP_HARNESS),
+        harness_max_wall_s=60,
+    )
+    counters = collect.StepCounters()
+    (group,) = collect.generate_groups(
+        engine,
+        RepoFamily(tokenizer),
+        [TASK],
+        cfg=cfg,
+        step=0,
+        round_id=0,
+        num_rollouts=2,
+        temperature=1.0,
+        id_prefix="dead",
+        counters=counters,
+        prompt_seeds=[1],
+    )
+    assert [r.infra_error for r in group.rollouts] == [True, True]
+    assert group.outcome == "empty" and group.valid_mask() == [False, False]
+    assert "engine:" in group.rollouts[0].test_log
+    assert counters.metrics()["infra_errors"] == 2.0
