@@ -8,9 +8,10 @@ gateway, on the fixture repositories, with the embedded sampler.
    (``make_tiny_model``, in ``.venv-sglang``; nothing from a model hub);
 2. writes the fixture tasks (``tests/fixtures/repos``) as the pool;
 3. trains 3 RL steps of ``configs/swe_agent.py:smoke`` with ``rollout.harness=mini_swe_agent``
-   on the embedded sampler: each rollout is mini-swe-agent (from ``.venv-agents``, built by
-   ``scripts/setup_agents.sh``) in the sandbox, the run's gateway its only endpoint; its diff
-   verified by the standard verifier;
+   on the embedded sampler (one group of two episodes a step, at most three calls each): each
+   rollout is mini-swe-agent (from ``.venv-agents``, built by ``scripts/setup_agents.sh``) in
+   the sandbox, the run's gateway its only endpoint; its diff verified by the standard
+   verifier;
 4. checks (:func:`check`) the steps ran, every step's episodes made model calls through the
    gateway, the update's log-probs at the sampling weights equal the recorded ones (the
    embedded sampler's k3 is 0) and the losses are finite. A random model's episodes mostly
@@ -85,6 +86,7 @@ def trainer_cmd(run_dir, model_dir, pool, agents_venv, steps, asynchronous) -> l
         "--config.rollout.harness_max_wall_s=120",
         "--config.rollout.harness_max_segments=2",
         "--config.rollout.max_turn_tokens=48",
+        "--config.rollout.num_prompts=1",
         "--config.grading.grader=heuristic",
         "--config.sft.steps=0",
         f"--config.loop.total_steps={steps}",
