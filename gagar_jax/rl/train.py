@@ -814,6 +814,11 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     # Cited-token masks travel with every graded run, so every mode reports the share of
     # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
     with_routes = route_shape(engine) is not None
+    if harness_rows(cfg) > 1 and hosts.count > 1:
+        raise ValueError(
+            f"rollout.harness_max_segments={cfg.rollout.harness_max_segments} runs in one "
+            f"process (this run has {hosts.count}): set it to 1"
+        )
     update_fn = jit_update(
         model_config,
         cfg.learner,
