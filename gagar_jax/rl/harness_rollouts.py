@@ -33,11 +33,16 @@ its model tokens). This was chosen over a new batch layout because it changes on
 update broadcasts advantages to rows (one gather) and leaves every kernel, the dynamic
 sampling and the staleness accounting as they are. Segments beyond
 ``rollout.harness_max_segments`` are counted (``episode/untrained_segments``), never trained
-with a wrong context. ``episode/segments``, ``episode/calls`` and ``episode/tokens`` (means
-over the step's harness episodes) are logged by ``StepCounters``.
+with a wrong context. With token-level credit (``learner.token_credit``) the update
+redistributes within each row, which conserves each row's credit and so the episode's, but
+centres the token weights per segment rather than over the episode as
+``redistribute_segment_tokens`` does. ``episode/segments``, ``episode/calls`` and
+``episode/tokens`` (means over the step's harness episodes) are logged by ``StepCounters``.
 
-A segment longer than the row (``rollout.max_prompt_len`` + ``rollout.max_new_tokens``) is cut
-at the row's end (its kept tokens stay exact) and finishes with ``"length"``.
+The gateway's context limit is the row (``rollout.max_prompt_len + rollout.max_new_tokens``),
+so every segment fits one; a first segment whose prompt is longer than ``max_prompt_len``
+carries the prompt's tail in the response with mask 0, and one whose response part would pass
+``max_new_tokens`` is cut there (its kept tokens stay exact) and finishes with ``"length"``.
 """
 
 from __future__ import annotations
