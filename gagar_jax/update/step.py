@@ -21,6 +21,12 @@
    tokens;
 4. optax AdamW (global-norm clipped) once per mini-batch.
 
+Train/rollout mismatch (``docs/concepts/mismatch.md``): ``learner.rollout_correction`` masks
+and weights tokens on the trainer/behaviour ratio (``gagar_jax.losses.rollout_correction``),
+``learner.mismatch_metrics`` reports ``mismatch/*`` from the proximal pass
+(``update/mismatch.py``), and ``learner.routing_replay`` routes a mixture of experts' tokens to
+the experts the rollout engine recorded (``UpdateBatch.routes``).
+
 Token alignment: ``response_mask[n, t]`` marks token ``t`` as a model-generated token to train
 on, and ``old_logprobs[n, t]`` is its behaviour log-probability; it is predicted by the logits
 at ``t - 1``, so the first column of ``response_mask`` must be False.
