@@ -682,7 +682,7 @@ def update_step(
     )
 
     def minibatch(carry, i):
-        params, opt_state, opt_step = carry
+        params, opt_state, opt_step = carry  # params: the trainable ones (LoRA: the adapters)
         mb_all = jax.tree.map(lambda x: x[i % m], data)  # [A, b, ...]
         mask = mb_all["response_mask"][..., 1:]
         num_tokens = jnp.sum(mask.astype(jnp.float32))
