@@ -156,9 +156,12 @@ tasks: setup system-deps
 		--tasks-per-package $(TASKS_PER_PACKAGE) --out data/tasks
 
 # `make e2e E2E_ARGS=--execution=ray`: the same run with verification on a simulated Ray cluster.
+# Then scripts/e2e_harness.py: 3 RL steps whose every episode is an unmodified mini-swe-agent run
+# through the gateway (embedded sampler; the update's log-probs equal the recorded ones).
 E2E_ARGS ?=
-e2e: setup system-deps sglang-venv
+e2e: setup system-deps sglang-venv agents-venv
 	$(PY) scripts/e2e.py --out=runs/e2e $(E2E_ARGS)
+	$(PY) scripts/e2e_harness.py --out=runs/e2e_harness --model-dir=runs/e2e/model
 
 # The feedback study: sft, rw_sft, span_kto, sft_drop_negative, sft_penalize_negative x 3 seeds on
 # one shared simulated-user feedback dataset -> runs/feedback_compare/comparison.{md,png}.
