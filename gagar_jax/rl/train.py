@@ -572,9 +572,12 @@ def update_phase(ctx: RLContext, state, batch: UpdateBatch, *, step: int) -> Upd
     return Updated(state=state, metrics=m)
 
 
-def sync_phase(ctx: RLContext, state, ls: LoopState, *, step: int) -> int:
+def sync_phase(
+    ctx: RLContext, state, ls: LoopState, *, step: int, metrics: dict | None = None
+) -> int:
     """Sync: the new parameters to the rollout engine as ``policy_version + 1``; returns the
-    version the engine reports (it must be that one)."""
+    version the engine reports (it must be that one). ``metrics`` receives the sync check's
+    (``sync/probe_max_abs_diff``: the engine's probe log-probs against the trainer's)."""
     ls.policy_version += 1
     version = policy.sync_engine(
         ctx.engine,
@@ -583,6 +586,7 @@ def sync_phase(ctx: RLContext, state, ls: LoopState, *, step: int) -> int:
         mesh=ctx.mesh,
         device=ctx.sampler_device,
         version=ls.policy_version,
+        metrics=metrics,
     )
     if version != ls.policy_version:
         raise RuntimeError(
@@ -682,7 +686,8 @@ def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
     t_update = time.monotonic()
     with hosts.collective(f"the update of step {step}"):
         updated = update_phase(ctx, state, ex.batch, step=step)
-        weight_version = sync_phase(ctx, updated.state, ls, step=step)
+        sync_m: dict = {}
+        weight_version = sync_phase(ctx, updated.state, ls, step=step, metrics=sync_m)
     ls.step = step + 1
     t_end = time.monotonic()
     grading_m = (
@@ -706,6 +711,7 @@ def rl_step(step: int, state, ls: LoopState, ctx: RLContext):
         policy_version=float(ls.policy_version),
         data_position=float(ls.data_position),
     )
+    m.update(sync_m)
     return updated.state, m
 
 

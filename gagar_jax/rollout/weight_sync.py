@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gagar_jax.models import Transformer
 from gagar_jax.models import lora as lora_lib
@@ -62,14 +63,15 @@ def probe_prompt(vocab_size: int, length: int = PROBE_LEN) -> list[int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _scorer(model_config):
+def _scorer(model_config, mesh):
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
+    out = None if mesh is None else NamedSharding(mesh, PartitionSpec())
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=out)
     def score(params, tokens):
         model = nnx.merge(graphdef, params)
         t = tokens.shape[1]
-        pos = jnp.arange(t, dtype=jnp.int32)[None]
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
         logits = model(tokens, pos)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
@@ -77,12 +79,34 @@ def _scorer(model_config):
     return score
 
 
+def _mesh_of(params):
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
+
+
 def trainer_logprobs(params: dict, model_config, tokens: list[int], prompt_len: int) -> np.ndarray:
     """The trainer's log-probabilities (temperature 1) of ``tokens[prompt_len:]`` given their
-    prefix, from ``params`` as they are (sharded on the trainer's mesh or not)."""
-    ids = jnp.asarray([tokens], jnp.int32)
-    lp = _scorer(model_config)(params, ids)
-    return np.asarray(jax.device_get(lp))[0, prompt_len - 1 :]
+    prefix, from ``params`` as they are (sharded on the trainer's mesh or not).
+
+    Several processes (every one calls this, each with its own engine's probe tokens): the rows
+    of all processes are gathered and scored as one batch, identical on every process (the
+    global program's input), and each process reads its own row.
+    """
+    # the same width on every process: the prompt (the same everywhere) and the longest sample
+    width = max(prompt_len + PROBE_NEW_TOKENS, len(tokens))
+    ids = np.zeros((1, width), np.int32)
+    ids[0, : len(tokens)] = tokens
+    row = 0
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        ids = np.asarray(multihost_utils.process_allgather(ids)).reshape(-1, width)
+        row = jax.process_index()
+    lp = _scorer(model_config, _mesh_of(params))(params, ids)
+    return np.asarray(lp)[row, prompt_len - 1 : len(tokens) - 1]
 
 
 def engine_name(engine) -> str:
