@@ -35,6 +35,7 @@ from _red_team_kit import (
 from _runtime_kit import PARTIAL, verify2
 from execution_helpers import LIMITS, TASK, verify
 
+from gagar_jax.verify.repo import verify_repo_patch
 from gagar_jax.verify.sandbox import Limits, SandboxConfig
 
 
@@ -489,11 +490,40 @@ def test_c5_slot_held_to_the_wall_limit_does_not_fail_a_waiting_sibling():
     sleeper = "def half(x):\n    import time\n\n    time.sleep(60)\n"
     short = Limits(wall_s=8, cpu_s=8, memory_bytes=512 << 20, disk_bytes=32 << 20, disk_files=2000)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        attacker = pool.submit(run, app(sleeper), limits=short, config=cfg)
+        attacker = pool.submit(verify_repo_patch, TASK, app(sleeper), limits=short, config=cfg)
         time.sleep(1.5)
-        honest = pool.submit(run, app(FIXED), limits=HONEST_LIMITS, config=cfg)
+        honest = pool.submit(verify_repo_patch, TASK, app(FIXED), limits=HONEST_LIMITS, config=cfg)
         assert_honest(honest.result())
         assert_not_paid(attacker.result())
+
+
+@pytest.mark.e2e
+@escapes(
+    "the grader waits for run_check past its time budget and the group's vote is then dropped "
+    "as budget_exhausted: one candidate's check degrades every sibling's grade"
+)
+def test_c5_run_check_stall_starves_the_group_grade():
+    """A passing candidate whose module sleeps unless the verifier's runner imports it (the
+    grader's ``run_check`` runs ``python -m pytest``): the check eats the grader's budget, and
+    the honest sibling's tier with it. Safe: the group still gets a verdict."""
+    from gagar_jax.envs.repo import SandboxCheckRunner, repo_candidate, repo_workspace
+    from gagar_jax.grading import AgenticGrader, VerdictRejected
+    from gagar_jax.grading.scripted import ScriptedGraderPolicy
+
+    stall = "import sys\nimport time\n\nif 'runner' not in sys.argv[0]:\n    time.sleep(25)\n\n\n"
+    cands = []
+    for i, p in enumerate([app(FIXED), app(stall + FIXED)]):
+        v = run(p)
+        assert v.status == "passed", describe(v)
+        cands.append(repo_candidate(f"r{i}", p, v, task=TASK))
+    runner = SandboxCheckRunner(limits=Limits(wall_s=30, cpu_s=30))
+    grader = AgenticGrader(
+        ScriptedGraderPolicy(use_check=True), check_runner=runner, time_budget_s=10
+    )
+    try:
+        grader.grade(repo_workspace(TASK, "g-starve", cands))
+    except VerdictRejected as e:
+        pytest.fail(f"the group lost its grade: {e}")
 
 
 # ---------------------------------------------------------------------------------------------
