@@ -510,20 +510,23 @@ def test_c5_run_check_stall_starves_the_group_grade():
     from gagar_jax.grading import AgenticGrader, VerdictRejected
     from gagar_jax.grading.scripted import ScriptedGraderPolicy
 
-    stall = "import sys\nimport time\n\nif 'runner' not in sys.argv[0]:\n    time.sleep(25)\n\n\n"
+    stall = "import sys\nimport time\n\nif 'runner' not in sys.argv[0]:\n    time.sleep(12)\n\n\n"
     cands = []
-    for i, p in enumerate([app(FIXED), app(stall + FIXED)]):
+    for i, p in enumerate([app(FIXED), app(stall + FIXED), app(stall + FIXED.replace("2", "2.0"))]):
         v = run(p)
         assert v.status == "passed", describe(v)
         cands.append(repo_candidate(f"r{i}", p, v, task=TASK))
-    runner = SandboxCheckRunner(limits=Limits(wall_s=30, cpu_s=30))
+    runner = SandboxCheckRunner(limits=Limits(wall_s=15, cpu_s=15))
     grader = AgenticGrader(
-        ScriptedGraderPolicy(use_check=True), check_runner=runner, time_budget_s=10
+        ScriptedGraderPolicy(use_check=True), check_runner=runner, time_budget_s=5
     )
-    try:
-        grader.grade(repo_workspace(TASK, "g-starve", cands))
-    except VerdictRejected as e:
-        pytest.fail(f"the group lost its grade: {e}")
+    # The scripted grader checks one candidate, chosen through an anonymising shuffle: several
+    # groups make sure one of them checks a stalling candidate (2 of 3 are).
+    for k in range(6):
+        try:
+            grader.grade(repo_workspace(TASK, f"g{k}", cands))
+        except VerdictRejected as e:
+            pytest.fail(f"the group lost its grade: {e}")
 
 
 # ---------------------------------------------------------------------------------------------
