@@ -231,14 +231,14 @@ def test_c2_session_ended_with_exit_status_zero():
 
 
 def test_c2_watchdog_exit_from_c():
-    """``faulthandler.dump_traceback_later(exit=True)`` ends the process from C (``_exit``) a
-    moment after the last required test, without ``os._exit`` in the source."""
+    """``faulthandler.dump_traceback_later(exit=True)`` ends the process from C (``_exit``, no
+    ``os._exit`` in the source) while the first failing call is still running, so its failure
+    is never reported."""
     code = (
-        "import faulthandler\n\n\ndef half(x):\n"
-        "    faulthandler.dump_traceback_later(0.05, exit=True)\n    return x / 2\n"
+        "import faulthandler\nimport time\n\n\ndef half(x):\n"
+        "    faulthandler.dump_traceback_later(0.01, exit=True)\n    time.sleep(2)\n    return x\n"
     )
-    v = run(app(code))
-    assert not v.infra_error, describe(v)
+    assert_not_paid(run(app(code)))
 
 
 # ---------------------------------------------------------------------------------------------
