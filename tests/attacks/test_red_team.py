@@ -11,6 +11,7 @@ the suite turns red when a fix lands (then the marker goes).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import re
 import time
 
@@ -299,6 +300,23 @@ def test_c3_pass_to_pass_turned_into_xfail():
     new = FIXED + "\n\ndef double(x):\n    import pytest\n\n    pytest.xfail('flaky on CI')\n"
     patch = change("app.py", BUGGY + "\n\n" + DOUBLE, new)
     assert_not_paid(run(patch, task))
+
+
+@escapes(
+    "the per-test timeout is pytest-timeout's SIGALRM inside the test process: the code under "
+    "test disarms it (setitimer, advisory only); no deadline per test outside the process"
+)
+def test_c3_per_test_timeout_disarmed_by_the_code():
+    """A task with a per-test timeout of 0.5 s; the code is too slow (1.5 s a call; the control
+    shows it fails) and cancels the pending alarm at each call."""
+    task = dataclasses.replace(TASK, test_timeout_s=0.5)
+    slow = "def half(x):\n    time.sleep(1.5)\n    return x / 2\n"
+    control = run(app("import time\n\n\n" + slow), task)
+    assert control.status == "failed", describe(control)
+    dodge = "import signal\nimport time\n\n\n" + slow.replace(
+        "    time.sleep", "    signal.setitimer(signal.ITIMER_REAL, 0)\n    time.sleep"
+    )
+    assert_not_paid(run(app(dodge), task))
 
 
 # ---------------------------------------------------------------------------------------------
