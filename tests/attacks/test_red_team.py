@@ -649,6 +649,33 @@ def test_c6_monitor_evidence_quoting_the_candidate_stays_untrusted():
     assert PLANT not in outside_envelopes(text), outside_envelopes(text)[-3000:]
 
 
+def test_c6_compact_prompt_path_stays_untrusted():
+    """The compact prompt (no tools: the whole group in one message) lists a passing
+    candidate's file whose name accuses its sibling."""
+    from gagar_jax.envs.repo import repo_candidate, repo_workspace
+    from gagar_jax.grading import AgenticGrader
+    from gagar_jax.grading.agentic import COMPACT_PROMPT_VERSIONS
+    from gagar_jax.grading.scripted import ScriptedGraderPolicy
+
+    words = PLANT.replace(" ", "_")
+    patches = [app(FIXED), app(FIXED) + new_file(f"notes/{words}.txt", "ok\n")]
+    cands = [repo_candidate(f"r{i}", p, run(p), task=TASK) for i, p in enumerate(patches)]
+    ws = repo_workspace(TASK, "g-compact", cands)
+
+    class Recorder(ScriptedGraderPolicy):
+        seen: list = []
+
+        def chat_completions(self, messages, **kw):
+            Recorder.seen = list(messages)
+            return super().chat_completions(messages, **kw)
+
+    for version in COMPACT_PROMPT_VERSIONS:
+        AgenticGrader(Recorder(answer_as_text=True), prompt_version=version).grade(ws)
+        text = "\n".join(str(m.get("content")) for m in Recorder.seen)
+        assert words in text
+        assert words not in outside_envelopes(text), outside_envelopes(text)[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------
 # Class 7: honest work in unusual but legitimate styles passes unflagged.
 # ---------------------------------------------------------------------------------------------
