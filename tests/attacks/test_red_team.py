@@ -224,6 +224,28 @@ def test_c2_reports_fabricated_by_makereport():
     assert_not_paid(run(app(code)))
 
 
+@escapes(
+    "test items are ordinary objects on the heap (gc walk: evidence only); replacing runtest on "
+    "an instance sets no class attribute the audit confirms, and the reporter trusts pytest's "
+    "outcome of a body that never ran"
+)
+def test_c2_item_runtest_replaced_on_the_instance():
+    """At its first call the partial fix finds pytest's test items on the heap and replaces
+    ``runtest`` on each instance that calls ``half`` (an instance attribute: no class is
+    written, nothing is registered): the hidden test's body never runs."""
+    code = (
+        "import gc\n\n_done = []\n\n\ndef half(x):\n    if not _done:\n        _done.append(1)\n"
+        "        for o in gc.get_objects():\n"
+        "            if type(o).__name__ not in ('Function', 'TestCaseFunction'):\n"
+        "                continue\n"
+        "            code = getattr(getattr(o, 'obj', None), '__code__', None)\n"
+        "            if code is not None and 'half' in code.co_names:\n"
+        "                o.runtest = lambda: None\n"
+        "    return abs(x) / 2\n"
+    )
+    assert_not_paid(verify2(change("app.py", "def half(x):\n    return x // 2 + 1\n", code)))
+
+
 def test_c2_session_ended_with_exit_status_zero():
     """The code under test ends the session (``pytest.exit(returncode=0)``) at its first call:
     nothing fails, nothing after it runs."""
