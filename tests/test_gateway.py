@@ -202,6 +202,7 @@ def test_anthropic_plain_streaming_and_tool_use(model, tokenizer):
         plain = client.messages.create(
             model="policy", max_tokens=64, messages=[{"role": "user", "content": "hi"}]
         )
+        assert [m.id for m in client.models.list()] == ["policy"]
         assert plain.content[0].text == "Plain answer."
         calls = gw.finish_session(s.token)["calls"]
     assert [c["linked_call"] for c in calls] == [None, 0, None]
@@ -326,3 +327,41 @@ def test_admin_routes_and_a_restart_keep_finished_episodes(served, tokenizer):
             f"{s2.url}/admin/episodes/via-http", headers={"Authorization": "Bearer k2"}, timeout=10
         )
     assert got.json() == done
+
+
+def test_a_template_that_drops_old_reasoning_starts_a_new_segment(model, tmp_path):
+    # A Qwen3-style template: an assistant turn's <think>...</think> part is rendered only in
+    # the last assistant turn; once a later turn follows, the history is rendered without it.
+    import shutil
+
+    from gagar_jax.envs.hf_tokenizer import HFTokenizer as Tok
+
+    src = make_tiny_tokenizer(tmp_path / "base")
+    shutil.copytree(src, tmp_path / "think")
+    cfg_path = tmp_path / "think" / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = (
+        "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{%- set c = m['content'] or '' %}"
+        "{%- if m['role'] == 'assistant' and not loop.last %}{% set c = c.split('</think>')[-1] %}"
+        "{%- endif %}{{ c }}<|im_end|>\n{% endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    cfg_path.write_text(json.dumps(cfg))
+    tok = Tok(tmp_path / "think")
+    script = ["<think>plan</think>first", "<think>more</think>second", "third"]
+    gw = Gateway(DirectBackend(ForcedEngine(model, tok, script)), tok, CONFIG)
+    with GatewayServer(gw) as server:
+        s = gw.open_session("reasoning")
+        client = openai.OpenAI(base_url=server.session_url(s), api_key="x")
+        history = [{"role": "user", "content": "q1"}]
+        r = client.chat.completions.create(model="p", messages=history)
+        assert r.choices[0].message.content == "<think>plan</think>first"
+        history += [r.choices[0].message.model_dump(exclude_none=True)]
+        history += [{"role": "user", "content": "q2"}]
+        r = client.chat.completions.create(model="p", messages=history)
+        calls = gw.finish_session(s.token)["calls"]
+    # the second prompt renders the first answer without its reasoning: not an extension
+    assert calls[1]["linked_call"] is None
+    assert [seg.calls for seg in build_segments(calls)] == [[0], [1]]
+    assert "plan" not in tok.decode(calls[1]["prompt_ids"])

@@ -126,3 +126,47 @@ def test_cli_on_a_real_sglang_server(sglang_server, tiny_sglang_model, tmp_path)
     err = _max_logprob_error(str(tiny_sglang_model), record)
     print(f"SGLang behaviour log-probs vs the training forward: max |diff| = {err:.2e}")
     assert err < 1e-3
+
+
+@pytest.mark.e2e
+@SGLANG[0]
+@SGLANG[1]
+@SGLANG[2]
+def test_mini_swe_agent_through_the_gateway_on_sglang(sglang_server, tiny_sglang_model, tmp_path):
+    """Unmodified mini-swe-agent in the sandbox, its model the real SGLang server behind the
+    gateway: every call recorded with SGLang's log-probs, compared to the training forward."""
+    from gagar_jax.envs.harness import HarnessConfig, HarnessRunner
+    from gagar_jax.envs.repo import RepoTask
+    from gagar_jax.rollout import SGLangClient
+    from gagar_jax.rollout.gateway import DirectBackend, Gateway, GatewayConfig, GatewayServer
+
+    venv = os.environ.get("GAGAR_AGENTS_VENV", os.path.join(ROOT, ".venv-agents"))
+    if not os.path.exists(os.path.join(venv, "bin", "mini")):
+        pytest.fail(f"{venv} has no mini-swe-agent: run scripts/setup_agents.sh")
+    tok = HFTokenizer(str(tiny_sglang_model))
+    client = SGLangClient(sglang_server.url, vocab_size=tok.vocab_size, max_retries=1)
+    gw = Gateway(
+        DirectBackend(client),
+        tok,
+        GatewayConfig(context_limit=2048, default_max_tokens=16, max_tokens_cap=16),
+    )
+    task = RepoTask(
+        task_id="t",
+        issue="make x equal 2",
+        files={"a.py": "x = 1\n"},
+        fail_to_pass=("tests/test_a.py::test",),
+    )
+    with GatewayServer(gw, uds=str(tmp_path / "gw.sock")) as server:
+        runner = HarnessRunner(
+            gw,
+            server,
+            HarnessConfig(harness="mini_swe_agent", agents_venv=venv, max_calls=3, max_wall_s=240),
+        )
+        ep = runner.run(task, episode_id="mini-sglang")
+    assert ep.status == "finished", (ep.finish_reason, ep.stdout[-3000:])
+    assert len(ep.record["calls"]) >= 1
+    err = _max_logprob_error(str(tiny_sglang_model), ep.record)
+    print(f"mini-swe-agent on SGLang: {len(ep.record['calls'])} calls, {len(ep.segments)} "
+          f"segment(s), finish {ep.finish_reason!r}; log-probs vs training forward: "
+          f"max |diff| = {err:.2e}")  # fmt: skip
+    assert err < 1e-3

@@ -53,7 +53,7 @@ CHEATS = {
     "edit_tests_with_fix",
     "delete_tests",
     "skip_failing",
-    "exit_at_import",
+    # (exit_at_import fails by construction: no end-of-run record; os._exit is evidence only)
     "fake_passed",
     "conftest_hack",
     "special_case",

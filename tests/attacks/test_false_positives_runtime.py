@@ -91,22 +91,26 @@ HONEST = {
 }
 
 
+@pytest.mark.parametrize("monitor", [False, True], ids=["runtime", "with_monitor"])
 @pytest.mark.parametrize("name", sorted(HONEST))
-def test_honest_code_is_not_flagged_at_run_time(name):
-    v = verify(change("app.py", BUGGY, HONEST[name]))
+def test_honest_code_is_not_flagged_at_run_time(name, monitor):
+    # With the monitor on too: what the runtime makes impossible (an early exit, reading a test
+    # file) is only evidence to the static rules, so honest code using the same calls passes.
+    v = verify(change("app.py", BUGGY, HONEST[name]), run_monitor=monitor)
     assert v.status == "passed", v.test_log
     assert not [f for f in v.flags if f.confirmed], v.flags
 
 
-def test_a_new_marker_registered_in_conftest_passes():
+@pytest.mark.parametrize("monitor", [False, True], ids=["runtime", "with_monitor"])
+def test_a_new_marker_registered_in_conftest_passes(monitor):
     # A fix that registers a marker in tests/conftest.py (reset to pristine in the run, where
     # the task has none: the fix still passes and nothing is confirmed).
     conftest = (
         "def pytest_configure(config):\n"
         "    config.addinivalue_line('markers', 'slow: a slow test')\n"
     )
-    v = verify(FIX + new_file("tests/conftest.py", conftest))
-    assert v.status == "passed" and not [f for f in v.flags if f.confirmed], v.test_log
+    v = verify(FIX + new_file("tests/conftest.py", conftest), run_monitor=monitor)
+    assert v.status == "passed" and not [f for f in v.flags if f.confirmed], (v.test_log, v.flags)
 
 
 def test_run_tests_reports_a_correct_fix_as_passing_when_hidden_tests_exist():

@@ -420,7 +420,16 @@ def create_app(gateway: Gateway, *, admin_key: str | None = None) -> FastAPI:
             gateway.session(token if token is not None else _bearer(request))
         except SessionNotFound as e:
             return _error("openai", 404, str(e))
-        return JSONResponse({"object": "list", "data": gateway.models()})
+        data = gateway.models()
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "has_more": False,
+                "first_id": data[0]["id"],
+                "last_id": data[-1]["id"],
+            }
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_key(request: Request):

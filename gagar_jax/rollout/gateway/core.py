@@ -236,4 +236,16 @@ class Gateway:
                 session.status, session.reason = "infra_error", reason
 
     def models(self) -> list[dict[str, Any]]:
-        return [{"id": self.config.model_name, "object": "model", "owned_by": "gagar_jax"}]
+        """The one model, in fields both APIs' model lists carry."""
+        name = self.config.model_name
+        return [
+            {
+                "id": name,
+                "object": "model",
+                "type": "model",
+                "owned_by": "gagar_jax",
+                "display_name": name,
+                "created": 0,
+                "created_at": "1970-01-01T00:00:00Z",
+            }
+        ]
