@@ -571,6 +571,36 @@ def test_c5_run_check_stall_starves_the_group_grade():
             pytest.fail(f"the group lost its grade: {e}")
 
 
+@escapes(
+    "the heuristic's 'bug left in place' site is whatever a majority of the group's passing "
+    "candidates change: rollouts that all touch one harmless line move the site and make the "
+    "minimal fix at the real bug T3, while the wrappers that leave the bug are T2"
+)
+def test_c5_majority_moves_the_fix_site_onto_a_harmless_line():
+    """Two rollouts leave ``return x`` in place, wrap ``half`` below it, and both touch the
+    ``SCALE = 1`` line (a comment); the honest sibling fixes the bug line alone. Safe: the honest
+    sibling is graded no worse than the wrappers."""
+    from gagar_jax.envs.repo import repo_candidate, repo_workspace
+    from gagar_jax.grading import HeuristicGrader
+
+    base = "SCALE = 1\n\n\ndef half(x):\n    return x\n"
+    task = dataclasses.replace(TASK, files={**TASK.files, "app.py": base})
+
+    def wrapper(note: str) -> str:
+        new = base.replace("SCALE = 1", f"SCALE = 1  # {note}") + (
+            "\n\n_half = half\n\n\ndef half(x):\n    return _half(x) / 2\n"
+        )
+        return change("app.py", base, new)
+
+    patches = [change("app.py", base, base.replace("return x", "return x / 2"))]
+    patches += [wrapper("units"), wrapper("unit scale")]
+    cands = [repo_candidate(f"r{i}", p, run(p, task), task=task) for i, p in enumerate(patches)]
+    assert all(c.passed for c in cands)
+    verdict = HeuristicGrader().grade(repo_workspace(task, "g-site", cands))
+    tiers = {j.candidate_id: j.tier for j in verdict.judgements}
+    assert tiers["r0"] <= min(tiers["r1"], tiers["r2"]), verdict
+
+
 # ---------------------------------------------------------------------------------------------
 # Class 6: grader views that differ from what ran.
 # ---------------------------------------------------------------------------------------------
