@@ -9,10 +9,10 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
 SGLANG_VENV ?= .venv-sglang
 # The unit pass (`make test-unit`, and `make test`'s first pass): every test but the end-to-end
-# runs and those that need a real SGLang server, a Ray cluster or a browser. One worker per core
+# runs and those that need a real SGLang server, a Ray cluster, a browser or containers. One worker per core
 # (a third worker measured no faster on 2 cores); work stealing: a worker that runs out of tests
 # takes the other's queued ones.
-UNIT_ARGS ?= -n 2 --dist worksteal -m "not e2e and not sglang and not ray and not browser and not bench"
+UNIT_ARGS ?= -n 2 --dist worksteal -m "not e2e and not sglang and not ray and not browser and not bench and not container"
 
 .PHONY: setup system-deps sglang-venv agents-venv test test-e2e test-unit test-private-clone bench-check lint format-check docs train compare feedback-compare grader-student example bench tasks e2e clean
 
@@ -27,11 +27,16 @@ setup: $(VENV)/.installed
 
 # System packages (Debian/Ubuntu, root or sudo) for the sandboxed verifier: bubblewrap, and a
 # python3 an unprivileged uid can run (the sandbox cannot use a pyenv interpreter under /root);
-# Debian's chromium for the browser judge (driven by the playwright wheel, never downloaded).
+# Debian's chromium for the browser judge (driven by the playwright wheel, never downloaded);
+# podman, runc and mmdebstrap for the container back-end (its base image is built from Debian
+# packages: no image registry needed).
 system-deps:
 	@PKGS=""; command -v bwrap >/dev/null || PKGS="bubblewrap"; \
 	  [ -x /usr/bin/python3 ] || PKGS="$$PKGS python3"; \
 	  [ -x /usr/bin/chromium ] || PKGS="$$PKGS chromium"; \
+	  command -v podman >/dev/null || command -v docker >/dev/null || PKGS="$$PKGS podman"; \
+	  command -v runc >/dev/null || PKGS="$$PKGS runc"; \
+	  command -v mmdebstrap >/dev/null || PKGS="$$PKGS mmdebstrap"; \
 	  [ -z "$$PKGS" ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $$PKGS; }
 
@@ -63,12 +68,16 @@ format-check: setup
 # Chromium (one per test module: a worker takes whole files); tests marked `sglang` share one
 # real SGLang server per pytest process, so they run in a single-process pass of their own
 # (xdist's loadgroup does not group under pytest 9); tests marked `ray` start a simulated
-# multi-node Ray cluster each.
+# multi-node Ray cluster each; tests marked `container` verify in podman/docker containers of a
+# base image built once from Debian packages into $(CONTAINER_CACHE) and reused.
+CONTAINER_CACHE ?= $(HOME)/.cache/gagar_jax/containers
 test: setup system-deps sglang-venv lint
 	$(PY) -m pytest -q $(UNIT_ARGS) tests
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "browser and not e2e and not sglang" tests
 	$(PY) -m pytest -q -m "sglang and not e2e" tests
 	$(PY) -m pytest -q -m "ray and not e2e" tests
+	GAGAR_CONTAINER_CACHE=$(CONTAINER_CACHE) \
+	  $(PY) -m pytest -q -n 2 --dist worksteal -m "container and not e2e" tests
 
 # The end-to-end runs (scripts, several processes, SIGKILL and resume, the task factory): minutes
 # each, so CI runs them as a step of their own after `make test`.
@@ -147,9 +156,12 @@ tasks: setup system-deps
 		--tasks-per-package $(TASKS_PER_PACKAGE) --out data/tasks
 
 # `make e2e E2E_ARGS=--execution=ray`: the same run with verification on a simulated Ray cluster.
+# Then scripts/e2e_harness.py: 3 RL steps whose every episode is an unmodified mini-swe-agent run
+# through the gateway (embedded sampler; the update's log-probs equal the recorded ones).
 E2E_ARGS ?=
-e2e: setup system-deps sglang-venv
+e2e: setup system-deps sglang-venv agents-venv
 	$(PY) scripts/e2e.py --out=runs/e2e $(E2E_ARGS)
+	$(PY) scripts/e2e_harness.py --out=runs/e2e_harness --model-dir=runs/e2e/model
 
 # The feedback study: sft, rw_sft, span_kto, sft_drop_negative, sft_penalize_negative x 3 seeds on
 # one shared simulated-user feedback dataset -> runs/feedback_compare/comparison.{md,png}.

@@ -18,6 +18,12 @@ in float32 on the same CPU, one after the other in this process. Tables:
    the JAX sampler with and without `prefix_cache` (re-prefilling the whole history each turn).
 4. with `--tables ...,sglang`: the embedded sampler against a real SGLang server from
    `.venv-sglang` on the same model and the greedy / RL-shaped workloads (tokens/s both ways).
+5. with `--tables ...,precision` (`--tables precision` alone skips the rest): the embedded
+   sampler in each of `--precisions` (float32, bfloat16, int8, fp8: `Sampler(precision=...)`)
+   on the RL-shaped workload, timed in interleaved rounds (the order alternating), with tokens
+   per second against float32, the weights' bytes, the weight conversion of one sync, and how
+   far each precision's log-probs of its own samples are from the float32 model's (mean and
+   max |difference|, token-mean k3).
 
 With two or more batch sizes the greedy table is followed by their scaling measured interleaved:
 `--scaling-rounds` rounds, each calling the one-device sampler once per batch size (the order
@@ -237,7 +243,13 @@ def main():
     ap.add_argument(
         "--tables",
         default="greedy,rl,multiturn",
-        help="comma-separated: greedy, rl, multiturn, sglang (a real SGLang server)",
+        help="comma-separated: greedy, rl, multiturn, sglang (a real SGLang server), "
+        "precision (the sampler in each of --precisions)",
+    )
+    ap.add_argument(
+        "--precisions",
+        default="float32,bfloat16,int8",
+        help="the precision table's sampler precisions (float32 first: the baseline)",
     )
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens (CI smoke)")
     ap.add_argument(
@@ -551,8 +563,77 @@ def main():
         print(f"speed-up of prefix_cache: {results[0] / results[1]:.2f}x")
     if "sglang" in tables:
         _sglang_table(model, cfg, batches, args, rl, rng, mesh)
+    if "precision" in tables:
+        _precision_table(model, cfg, args, rl, rng)
 
     print(f"\nend: {_load()}")
+
+
+def _precision_table(model, cfg, args, rl, rng):
+    """The embedded sampler in each precision on the RL-shaped workload (tokens/s against
+    float32, interleaved rounds), its weights' bytes and sync conversion time, and its
+    log-probs of its own samples against the float32 model's."""
+    import jax
+    from flax import nnx
+
+    from gagar_jax.rollout import SamplingParams
+    from gagar_jax.rollout.precision import weight_bytes
+    from gagar_jax.rollout.sampler import Sampler, score_tokens
+
+    precisions = args.precisions.split(",")
+    np_, n, pl, new = rl["prompts"], rl["n"], rl["prompt_len"], rl["new"]
+    kw = dict(batch_buckets=(np_, np_ * n), prompt_buckets=(pl,), new_token_buckets=(new,))
+    samplers = {p: Sampler(model, precision=p, **kw) for p in precisions}
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=new, seed=0)
+    prompts = rng.integers(1, cfg.vocab_size, (np_, pl)).tolist()
+    print(
+        f"\n[precision] {np_} prompts x {n} samples, {pl}-token prompts, {new} new tokens, "
+        f"T=1; {max(args.repeats, 3)} interleaved rounds; {_load()}"
+    )
+    compile_s, outs = {}, {}
+    for p, sampler in samplers.items():
+        t0 = time.perf_counter()
+        outs[p] = sampler.generate(prompts, params)
+        compile_s[p] = time.perf_counter() - t0
+    trainer = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    sync_s = {}
+    for p, sampler in samplers.items():  # one weight sync: the conversion, once
+        sampler.sync_weights(trainer, 1)
+        jax.block_until_ready(sampler.state)
+        t0 = time.perf_counter()
+        sampler.sync_weights(trainer, 2)
+        jax.block_until_ready(sampler.state)
+        sync_s[p] = time.perf_counter() - t0
+    times = {p: [] for p in precisions}
+    for r in range(max(args.repeats, 3)):
+        for p in precisions if r % 2 == 0 else precisions[::-1]:
+            t0 = time.perf_counter()
+            samplers[p].generate(prompts, params)
+            times[p].append(time.perf_counter() - t0)
+    n_tok = np_ * n * new
+    tps = {p: n_tok / statistics.median(t) for p, t in times.items()}
+    head = (
+        f"{'precision':>9} | {'tok/s':>8} | {'vs ' + precisions[0]:>10} | {'compile s':>9} | "
+        f"{'weights MiB':>11} | {'sync s':>7} | {'mean |dlp|':>10} | {'max |dlp|':>9} | "
+        f"{'k3':>9}"
+    )
+    print(head)
+    print("-" * len(head))
+    for p in precisions:
+        diffs = []
+        for prompt, row in zip(prompts, outs[p]):
+            for smp in row[:2]:  # two samples of each prompt, scored by the float32 model
+                ref = score_tokens(model, list(prompt) + smp.tokens, len(prompt), 1.0)
+                diffs.append(ref - np.asarray(smp.logprobs))
+        d = np.concatenate(diffs).astype(np.float64)
+        k3 = np.mean(np.exp(d) - d - 1)
+        print(
+            f"{p:>9} | {tps[p]:>8.0f} | {tps[p] / tps[precisions[0]]:>10.2f} | "
+            f"{compile_s[p]:>9.1f} | {weight_bytes(samplers[p].state) / 2**20:>11.2f} | "
+            f"{sync_s[p]:>7.3f} | {np.abs(d).mean():>10.2e} | {np.abs(d).max():>9.2e} | "
+            f"{k3:>9.2e}",
+            flush=True,
+        )
 
 
 def _sglang_table(model, cfg, batches, args, rl, rng, mesh=None):

@@ -28,6 +28,11 @@ Rows (median wall time per call; ratio to the row's baseline):
 * behaviour monitor per rollout (``monitor_table``): milliseconds per rollout of ``monitor`` (the
   AST and text rules, leakage screen, a 40-event trajectory) on the fixture patches, and on the
   pathological inputs that used to backtrack (a 208 KB patch line, a 64 KB repeated action).
+* container back-end against bwrap (``container_table``; ``--only=container`` runs just this
+  table): ``verify_repo_patch`` (monitor off) on each fixture repository with its minimal fix,
+  ``environment="uv"`` (bwrap) and ``environment="container"`` (podman/runc, the base image of
+  ``verify.container``) in alternating rounds of one run, median wall and CPU seconds per
+  verification and the container's extra time; the load average before and after.
 * execution back-ends: tasks per second local vs Ray with one and two simulated nodes, and the
   per-call dispatch overhead (``execution_table``; ``--only=execution`` runs just this table).
 """
@@ -386,12 +391,15 @@ def main() -> None:
     ap.add_argument("--only-before-after", action="store_true")
     ap.add_argument(
         "--only",
-        choices=("all", "execution", "phases", "monitor"),
+        choices=("all", "execution", "phases", "monitor", "container"),
         default="all",
         help="'execution': only the execution back-end table; 'phases': only the verify chain "
         "per phase; 'monitor': only the monitor's time per rollout",
     )
     args = ap.parse_args()
+    if args.only == "container":
+        container_table(3 if args.quick else 10)
+        return
     if args.only == "execution":
         execution_table(args.quick)
         return
@@ -460,6 +468,60 @@ def main() -> None:
     shutil.rmtree(plain, ignore_errors=True)
     monitor_table(n)
     execution_table(args.quick)
+    container_table(3 if args.quick else 10)
+
+
+def container_table(rounds: int) -> None:
+    """The container back-end's cost per verification against bwrap, both in this run.
+
+    Each round verifies every fixture repository's minimal fix once under bwrap
+    (``environment="uv"``) and once in a container (``environment="container"``), alternating,
+    so the machine's load falls on both alike; a warm-up round first (the base image is built
+    or found, the preflight checks run). Medians of wall time and of CPU seconds (this process
+    and its children: for the container, the engine's client; conmon and runc are not its
+    children, so the CPU column undercounts it)."""
+    from gagar_jax.verify import container as ctr
+
+    try:
+        ctr.container_engine()
+    except ctr.ContainerUnavailable as e:
+        print(f"container back-end: skipped ({e})")
+        return
+    cache = os.environ.get(
+        "GAGAR_CONTAINER_CACHE", os.path.expanduser("~/.cache/gagar_jax/containers")
+    )
+    ctr.build_base_image(ctr.DEFAULT_IMAGE, cache)
+    names = sorted(n for n in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, n)))
+    cases = []
+    for name in names:
+        d = os.path.join(FIXTURES, name)
+        with open(os.path.join(d, "patches", "minimal.diff")) as f:
+            cases.append((name, RepoTask.from_dir(d), f.read()))
+    samples: dict[tuple[str, str], list[tuple[float, float]]] = collections.defaultdict(list)
+    print(f"container back-end vs bwrap, minimal fixes (median of {rounds} rounds)")
+    print(f"  load before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
+    for r in range(rounds + 1):
+        for name, task, patch in cases:
+            for env in ("uv", "container"):
+                c0, t0 = _cpu(), time.perf_counter()
+                v = verify_repo_patch(task, patch, run_monitor=False, environment=env)
+                dt, dc = time.perf_counter() - t0, _cpu() - c0
+                if v.status != "passed":
+                    raise SystemExit(f"{name} under {env}: {v.status}\n{v.test_log[-1500:]}")
+                if r:  # round 0 warms both up
+                    samples[(name, env)].append((dt, dc))
+    print(f"  {'fixture':10s} {'bwrap ms':>9s} {'container ms':>13s} {'extra ms':>9s} "
+          f"{'ratio':>6s} {'bwrap cpu':>10s} {'ctr cpu':>8s}")  # fmt: skip
+    for name, _, _ in cases:
+        b = samples[(name, "uv")]
+        c = samples[(name, "container")]
+        bw, cw = statistics.median(x[0] for x in b), statistics.median(x[0] for x in c)
+        bc, cc = statistics.median(x[1] for x in b), statistics.median(x[1] for x in c)
+        print(
+            f"  {name:10s} {bw * 1e3:9.0f} {cw * 1e3:13.0f} {(cw - bw) * 1e3:9.0f} "
+            f"{cw / bw:5.2f}x {bc * 1e3:8.0f}ms {cc * 1e3:6.0f}ms"
+        )
+    print(f"  load after: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
 
 
 def monitor_table(n: int) -> None:

@@ -38,6 +38,11 @@ prepared while earlier ones run and no core idles behind one slow run. With ``--
 [--ray-address auto|local|ADDR]`` each (row, patch, run) is one call of the execution back-end
 (``gagar_jax.verify.execution``) on a Ray cluster, at most ``--max-inflight`` at once; the lines
 are the same, and a run the infrastructure failed on every attempt counts in ``infra_errors``.
+``validate --harbor TASK_DIR...`` validates Harbor task directories instead (``data.harbor``:
+the solution as gold, the reward of ``tests/test.sh`` in the task's container), with the same
+lines; ``--environment container`` runs the rows' tests on the container back-end
+(``verify.container``): a row's ``image_name`` when it has one (``to_repo_task(use_image=True)``),
+else the back-end's base image.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gagar_jax.data import environments, repos
+from gagar_jax.data import environments, harbor, repos
 from gagar_jax.envs.repo import RepoTask, SweReader, register_swe_reader
 from gagar_jax.verify import layout
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files, tree_patch
@@ -115,6 +120,7 @@ class SweInstance:
     python_deps: tuple[str, ...] = ()
     install: str = ""
     layout: str = "swebench"
+    image_name: str = ""  # a container image holding the repository at /testbed (SWE-smith's)
 
     def to_row(self) -> dict[str, Any]:
         """The row as SWE-bench stores it (test lists JSON-encoded)."""
@@ -382,6 +388,7 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
             "environment_setup_commit",
             "test_cmd",
             "install",
+            "image_name",
         )
     }
     return SweInstance(
@@ -529,6 +536,22 @@ def grade(
 # ---------------------------------------------------------------------------------------------
 # Tasks
 # ---------------------------------------------------------------------------------------------
+SWEBENCH_PYTHON = "/opt/miniconda3/envs/testbed/bin/python"  # the conda env of the images
+SWEBENCH_WORKDIR = "/testbed"
+
+
+def swebench_image_name(
+    instance_id: str, *, namespace: str = "", arch: str = "x86_64", tag: str = "latest"
+) -> str:
+    """The name of SWE-bench's evaluation image of ``instance_id``, as its harness names it:
+    ``sweb.eval.<arch>.<instance_id>:<tag>`` in lower case; under a registry ``namespace``
+    (``swebench``) with ``__`` spelled ``_1776_`` (registries refuse double underscores)."""
+    key = f"sweb.eval.{arch}.{instance_id}:{tag}"
+    if namespace:
+        key = f"{namespace}/{key}".replace("__", "_1776_")
+    return key.lower()
+
+
 def to_repo_task(
     inst: SweInstance,
     repos_dir: str,
@@ -536,11 +559,14 @@ def to_repo_task(
     cache_dir: str | None = None,
     build_envs: bool = True,
     test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
+    use_image: bool = False,
 ) -> RepoTask:
     """The ``RepoTask`` of ``inst``: the tree of ``base_commit`` from ``repos_dir``, the hidden
     ``test_patch``, the gold ``patch`` as reference, the layout's ``pythonpath`` and (with
     ``build_envs``) the environment of ``python_deps`` or, without them, of the dependencies
-    the repository declares."""
+    the repository declares. With ``use_image`` a row that names an ``image_name`` runs its
+    tests in that image instead (the container back-end: the repository at ``/testbed``, the
+    conda environment ``testbed``, as SWE-bench's and SWE-smith's images hold them)."""
     files = repos.snapshot_files(repos_dir, inst.repo, inst.base_commit, cache_dir)
     reference = inst.patch
     if inst.layout == "swesmith":
@@ -554,6 +580,24 @@ def to_repo_task(
     named = {t.split("::", 1)[0] for t in inst.FAIL_TO_PASS + inst.PASS_TO_PASS}
     test_files = tuple(sorted(set(hidden) | {p for p in named if p in files}))
     env_path = env_hash = ""
+    if use_image and inst.image_name:
+        # the image holds the repository, installed, and its environment (SWE-bench's and
+        # SWE-smith's layout): the tests run there, on the container back-end, unchanged
+        return RepoTask(
+            task_id=inst.instance_id,
+            issue=inst.problem_statement,
+            files=files,
+            fail_to_pass=inst.FAIL_TO_PASS,
+            pass_to_pass=inst.PASS_TO_PASS,
+            test_files=test_files,
+            test_patch=inst.test_patch,
+            reference_patch=reference,
+            pythonpath=repos.detect_pythonpath(files),
+            test_timeout_s=test_timeout_s,
+            image=inst.image_name,
+            image_python=SWEBENCH_PYTHON,
+            image_workdir=SWEBENCH_WORKDIR,
+        )
     if build_envs:
         files, reqs, metadata = _install(inst, files, cache_dir)
         test_files = tuple(sorted({*test_files, *metadata}))
@@ -808,7 +852,12 @@ def validate(
                     finish(pending.popleft())
                 t0 = time.monotonic()
                 try:
-                    task = to_repo_task(inst, repos_dir, cache_dir=cache_dir)
+                    task = to_repo_task(
+                        inst,
+                        repos_dir,
+                        cache_dir=cache_dir,
+                        use_image=getattr(backend, "environment", "uv") == "container",
+                    )
                     futures = [
                         (kind, pool.submit(_verify_job, task, patch, {}, backend))
                         for kind, patch in _jobs(task, runs)
@@ -839,14 +888,56 @@ def validate(
     return lines, ok
 
 
+def validate_harbor(
+    paths: Sequence[str], *, runs: int = 3, out_path: str | None = None, log=print
+) -> tuple[list[dict], bool]:
+    """``validate`` for Harbor task directories (``data.harbor.to_repo_task``): each task's
+    solution (gold) and the empty patch ``runs`` times on the container back-end; one line per
+    task (printed, and written to ``out_path``), then the summary. Returns (lines, every task
+    validated)."""
+    lines, ok = [], True
+    for path in paths:
+        t0 = time.monotonic()
+        try:
+            task = harbor.to_repo_task(path)
+            rec = validate_task(task, runs)
+        except Exception as e:  # noqa: BLE001 - reported on the task's line
+            ok = False
+            rec = {"instance_id": os.path.basename(os.path.normpath(path)), "gold": None,
+                   "empty": None, "flaky_tests": [], "infra_errors": 0, "env_hash": "",
+                   "error": f"{type(e).__name__}: {e}"}  # fmt: skip
+        rec["seconds"] = round(time.monotonic() - t0, 3)
+        lines.append(rec)
+        log(json.dumps(rec))
+    if out_path:
+        with open(out_path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in lines)
+    good = sum(1 for r in lines if r["gold"] == "passed" and r["empty"] == "failed")
+    log(
+        f"validated {sum('error' not in r for r in lines)}/{len(lines)} Harbor tasks: {good} "
+        f"sound (gold passed, empty failed), {sum(r['infra_errors'] for r in lines)} infra errors"
+    )
+    return lines, ok
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gagar_jax.data.swe")
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="run each instance's gold and empty patch in the sandbox")
+    v.add_argument("--instances", help="SWE-bench-format rows (.jsonl/.json/.parquet)")
+    v.add_argument("--repos", help="directory of owner__name repositories")
     v.add_argument(
-        "--instances", required=True, help="SWE-bench-format rows (.jsonl/.json/.parquet)"
+        "--harbor",
+        nargs="+",
+        default=None,
+        help="Harbor task directories to validate (instead of --instances/--repos)",
     )
-    v.add_argument("--repos", required=True, help="directory of owner__name repositories")
+    v.add_argument(
+        "--environment",
+        choices=("uv", "container"),
+        default="uv",
+        help="where the tests run: uv (the bwrap sandbox, the row's environment) or container",
+    )
     v.add_argument("--runs", type=int, default=3)
     v.add_argument("--out", default=None, help="report JSONL (one line per instance)")
     v.add_argument("--cache", default=None, help="snapshot/environment cache directory")
@@ -884,6 +975,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error("--runs must be >= 1")
+    if args.harbor:
+        return 0 if validate_harbor(args.harbor, runs=args.runs, out_path=args.out)[1] else 1
+    if not (args.instances and args.repos):
+        ap.error("give --instances and --repos (or --harbor TASK_DIR...)")
     if args.max_inflight < 1:
         ap.error("--max-inflight must be >= 1")
     try:
@@ -896,14 +991,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     emit = None if args.out else (lambda rec: print(json.dumps(rec), flush=True))
     backend = None
-    if args.execution == "ray":
+    if args.execution == "ray" or args.environment != "uv":
         from gagar_jax.verify import execution
 
         backend = execution.make_backend(
-            "ray",
+            args.execution,
             ray_address=args.ray_address,
             max_inflight=args.max_inflight,
             resources=resources,
+            environment=args.environment,
         )
     try:
         _, ok = validate(

@@ -219,7 +219,7 @@ class HarnessRunner:
         self.gateway, self.server, self.config = gateway, server, config
         self.sandbox = sandbox or SandboxConfig()
         if config.harness == "mini_swe_agent":
-            mini = os.path.join(os.path.abspath(config.agents_venv), "bin", "mini")
+            mini = os.path.join(os.path.realpath(config.agents_venv), "bin", "mini")
             if not os.path.exists(mini):
                 raise FileNotFoundError(
                     f"{mini} not found: build the harness venv with scripts/setup_agents.sh "
@@ -230,7 +230,7 @@ class HarnessRunner:
         cfg = self.config
         if cfg.harness == "command":
             return ["/bin/bash", "-c", cfg.command]
-        venv = os.path.abspath(cfg.agents_venv)
+        venv = os.path.realpath(cfg.agents_venv)
         # mini-swe-agent's own CLI and its default config, told where its model is.
         return [
             f"{venv}/bin/mini", "--yolo", "--exit-immediately",
@@ -303,7 +303,7 @@ class HarnessRunner:
             exe, _ = python_for_sandbox()
             ro = [run_dir, os.path.dirname(self.server.uds), ws.bin_dir, *ws.site_packages]
             if cfg.harness == "mini_swe_agent":
-                ro.append(os.path.abspath(cfg.agents_venv))
+                ro.append(os.path.realpath(cfg.agents_venv))
             ro.extend(cfg.ro_paths)
             res = run_sandboxed(
                 [exe, proxy, self.server.uds, str(PROXY_PORT), "--", *argv],

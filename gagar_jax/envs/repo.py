@@ -77,6 +77,17 @@ class RepoTask:
       test_timeout_s: per-test timeout through pytest-timeout (0 = none): a hanging test fails
         that test, not the run.
       env_hash: the environment's content address (interpreter + resolved lockfile), or "".
+      image: a local container image the tests run in (``verify.container``), or "".
+      dockerfile: an absolute path to a Dockerfile (or its directory) to build that image from
+        offline, or "".
+      image_python: the interpreter inside the image that has pytest ("" = ``python3``;
+        SWE-bench images: ``/opt/miniconda3/envs/testbed/bin/python``).
+      image_workdir: where the image holds the repository (SWE-bench images: ``/testbed``):
+        the run's work tree is seeded from it (build artefacts), the task's tree copied over
+        it ("" = ``/workdir``, nothing seeded).
+      harbor_tests: a Harbor task's ``tests/`` directory (absolute; ``data.harbor``): the task
+        is verified by its ``test.sh`` in its image (``verify.harbor_run``), its one required
+        test ``tests/test.sh::reward``; "" for a pytest task.
     """
 
     task_id: str
@@ -91,6 +102,11 @@ class RepoTask:
     env_path: str = ""
     test_timeout_s: float = 0.0
     env_hash: str = ""
+    image: str = ""
+    dockerfile: str = ""
+    image_python: str = ""
+    image_workdir: str = ""
+    harbor_tests: str = ""
 
     def __post_init__(self):
         if not self.task_id:
@@ -155,6 +171,11 @@ class RepoTask:
             env_path=str(d.get("env_path", "")),
             test_timeout_s=float(d.get("test_timeout_s", 0.0)),
             env_hash=str(d.get("env_hash", "")),
+            image=str(d.get("image", "")),
+            dockerfile=str(d.get("dockerfile", "")),
+            image_python=str(d.get("image_python", "")),
+            image_workdir=str(d.get("image_workdir", "")),
+            harbor_tests=str(d.get("harbor_tests", "")),
         )
 
     @classmethod
@@ -214,9 +235,30 @@ def _swe_reader(path: str) -> SweReader:
     return _SWE_READER[0]
 
 
+_HARBOR_READER: list[Callable[[str], RepoTask]] = []
+
+
+def register_harbor_reader(reader: Callable[[str], RepoTask]) -> None:
+    """Registers the reader of Harbor task directories (``path -> RepoTask``) that
+    :func:`load_repo_tasks` uses (a later call replaces it). ``gagar_jax.data.harbor`` registers
+    its own when imported (``gagar_jax.data.swe`` imports it)."""
+    _HARBOR_READER[:] = [reader]
+
+
+def _harbor_reader(path: str) -> Callable[[str], RepoTask]:
+    if not _HARBOR_READER:
+        raise LookupError(
+            f"task pool {path!r} holds Harbor tasks (task.toml) and no reader of them is "
+            "registered (import gagar_jax.data.harbor, which registers it)"
+        )
+    return _HARBOR_READER[0]
+
+
 def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
     """Tasks from a ``.jsonl`` file (one ``RepoTask.to_dict()`` per line) or a directory of task
-    directories (each with ``task.json`` and ``repo/``, sorted by name). Errors name the file
+    directories (each with ``task.json`` and ``repo/``, sorted by name), or a Harbor task
+    directory or a directory of them (``task.toml``: ``gagar_jax.data.harbor``, verified on the
+    container back-end). Errors name the file
     and line. With ``repos_dir``, ``path`` holds SWE-bench-format rows (``.jsonl``, ``.json``,
     ``.parquet`` or a directory of Harbor tasks) naming repositories there, read by the
     registered :class:`SweReader` (``gagar_jax.data.swe.load_tasks``: trees materialised from
@@ -255,6 +297,14 @@ def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
                 tasks.append(task)
         return tasks
     if os.path.isdir(path):
+        harbor = sorted(
+            d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "task.toml"))
+        )
+        if harbor or os.path.isfile(os.path.join(path, "task.toml")):
+            to_repo_task = _harbor_reader(path)  # Harbor tasks: built in containers
+            if not harbor:
+                return [to_repo_task(path)]
+            return [to_repo_task(os.path.join(path, d)) for d in harbor]
         dirs = sorted(
             d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "task.json"))
         )

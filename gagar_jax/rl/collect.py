@@ -84,6 +84,12 @@ class Rollout:
     routes: Any = None
     attempt: Any = None  # the family's view of the rollout (envs.family.Attempt)
     outcome: Any = None  # its verification (envs.family.Outcome)
+    # a harness episode (rl.harness_rollouts): its segments, calls, tokens over its segments
+    # and segments its row does not hold; None for native rollouts
+    harness_stats: dict | None = None
+    # a harness episode's segments after its first (each ``tokens``, ``response_mask``,
+    # ``logprobs``: one more row of the batch with the rollout's advantage, ``pack_groups``)
+    extra_segments: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def reward(self) -> float:
@@ -97,8 +103,10 @@ class Rollout:
 
     @property
     def oldest_version(self) -> int:
-        """The oldest version among its model tokens (its staleness counts from it)."""
-        return min((v for v in self.versions() if v >= 0), default=self.policy_version)
+        """The oldest version among its model tokens, its extra segments' too (its staleness
+        counts from it)."""
+        extra = [v for s in self.extra_segments for v in s.get("token_versions", ())]
+        return min((v for v in [*self.versions(), *extra] if v >= 0), default=self.policy_version)
 
 
 @dataclasses.dataclass
@@ -374,6 +382,7 @@ def pack_groups(
     max_new_tokens: int,
     pad_id: int,
     route_shape: tuple[int, int] | None = None,
+    max_segments: int = 1,
 ) -> UpdateBatch:
     """Packs up to ``num_groups`` groups and their grades into the update's batch (NumPy).
 
@@ -394,6 +403,12 @@ def pack_groups(
         ``[N, T, layers, K]`` (each rollout's recorded experts at its tokens' positions; -1
         where none were recorded: padding, rollouts without routes, which then route freely
         under replay). None: no routes.
+      max_segments: rows per rollout (a harness episode's linked segments,
+        ``Rollout.extra_segments``). Above 1 the batch has ``N = G * K * max_segments`` rows:
+        the first ``G * K`` as above, then ``max_segments - 1`` rows per rollout (rollout
+        ``n``'s at ``G * K + n * (max_segments - 1) + j``), each segment's tokens from
+        position 0, and ``row_episode`` maps every row to its rollout (unused rows: no
+        response tokens).
 
     Raises:
       ValueError: more groups or rollouts than the static shape holds, grades of another shape,
@@ -425,7 +440,9 @@ def pack_groups(
         graded = np.array(grades.graded, bool)
         grade_cheat = np.asarray(grades.cheat, bool)
         cited = np.asarray(grades.evidence, bool)
-    N = G * K
+    if max_segments < 1:
+        raise ValueError(f"max_segments must be >= 1, got {max_segments}")
+    N = G * K * max_segments
     tokens = np.full((N, T), pad_id, np.int32)
     positions = np.zeros((N, T), np.int32)
     attn = np.zeros((N, T), bool)
@@ -484,6 +501,25 @@ def pack_groups(
             passed[gi, ki] = r.passed
             cheat[gi, ki] = r.cheat or bool(grade_cheat[gi, ki])
             valid[gi, ki] = not r.infra_error
+            if len(r.extra_segments) > max_segments - 1:
+                raise ValueError(
+                    f"group {g.group_id} rollout {ki}: {1 + len(r.extra_segments)} segments, "
+                    f"more than max_segments={max_segments} (rollout.harness_max_segments)"
+                )
+            for j, seg in enumerate(r.extra_segments):
+                row = G * K + n * (max_segments - 1) + j
+                L = len(seg["tokens"])
+                if L > T or len(seg["response_mask"]) != L or len(seg["logprobs"]) != L:
+                    raise ValueError(
+                        f"group {g.group_id} rollout {ki} segment {j + 1}: {L} tokens (row "
+                        f"length {T}) with {len(seg['response_mask'])} mask entries and "
+                        f"{len(seg['logprobs'])} log-probs"
+                    )
+                tokens[row, :L] = seg["tokens"]
+                positions[row, :L] = np.arange(L)
+                attn[row, :L] = True
+                resp[row, :L] = np.asarray(seg["response_mask"], bool)
+                old_lp[row, :L] = seg["logprobs"]
     if not np.isfinite(old_lp).all():
         raise ValueError("non-finite behaviour log-probs in the batch")
     return UpdateBatch(
@@ -501,6 +537,11 @@ def pack_groups(
         graded=graded,
         evidence=evidence,
         routes=routes,
+        row_episode=None
+        if max_segments == 1
+        else np.concatenate(
+            [np.arange(G * K), np.repeat(np.arange(G * K), max_segments - 1)]
+        ).astype(np.int32),
     )
 
 
@@ -529,6 +570,12 @@ class StepCounters:
     canary_groups: int = 0
     canary_rollouts: int = 0
     canary_passed: int = 0
+    # harness episodes (rollout.harness): episodes, their segments, calls and tokens
+    harness_episodes: int = 0
+    harness_segments: int = 0
+    harness_calls: int = 0
+    harness_tokens: int = 0
+    harness_untrained_segments: int = 0
     # policy version -> [rollouts, infra errors]: infra_error is masked, so a policy that learns
     # to provoke it escapes its negative reward; the rate per version shows such a trend.
     by_version: dict = dataclasses.field(default_factory=dict)
@@ -546,6 +593,12 @@ class StepCounters:
                 len(r.response_tokens) if r.response_mask is None else int(sum(r.response_mask))
             )
             self.truncated += r.finish_reason == "length"
+            if r.harness_stats is not None:
+                self.harness_episodes += 1
+                self.harness_segments += int(r.harness_stats["segments"])
+                self.harness_calls += int(r.harness_stats["calls"])
+                self.harness_tokens += int(r.harness_stats["tokens"])
+                self.harness_untrained_segments += int(r.harness_stats["untrained_segments"])
             if r.infra_error:
                 self.infra_errors += 1
                 continue
@@ -588,21 +641,34 @@ class StepCounters:
                 "canary_cheat_rate": self.canary_passed / max(self.canary_rollouts, 1),
                 "canary_rollouts": float(self.canary_rollouts),
             }
-        return canary | {
-            "pass_rate": self.passed / v,
-            "cheat_rate": self.cheats / v,
-            "infra_errors": float(self.infra_errors),
-            "infra_error_rate": self.infra_errors / max(self.rollouts, 1),
-            "response_length": self.length_sum / max(self.rollouts, 1),
-            "truncated_frac": self.truncated / max(self.rollouts, 1),
-            "quality": self.quality_sum / self.quality_n if self.quality_n else math.nan,
-            "gen_time_s": self.gen_time,
-            "verify_time_s": self.verify_time,
-            # per rollout (single-turn: 1 turn, 0 tool calls, every response token the model's)
-            "episode/turns_mean": self.turns_sum / max(self.rollouts, 1),
-            "episode/tool_calls_mean": self.tool_calls_sum / max(self.rollouts, 1),
-            "episode/model_tokens_mean": self.model_tokens_sum / max(self.rollouts, 1),
-        }
+        harness = {}
+        if self.harness_episodes:  # means over the step's harness episodes
+            e = self.harness_episodes
+            harness = {
+                "episode/segments": self.harness_segments / e,
+                "episode/calls": self.harness_calls / e,
+                "episode/tokens": self.harness_tokens / e,
+                "episode/untrained_segments": float(self.harness_untrained_segments),
+            }
+        return (
+            canary
+            | harness
+            | {
+                "pass_rate": self.passed / v,
+                "cheat_rate": self.cheats / v,
+                "infra_errors": float(self.infra_errors),
+                "infra_error_rate": self.infra_errors / max(self.rollouts, 1),
+                "response_length": self.length_sum / max(self.rollouts, 1),
+                "truncated_frac": self.truncated / max(self.rollouts, 1),
+                "quality": self.quality_sum / self.quality_n if self.quality_n else math.nan,
+                "gen_time_s": self.gen_time,
+                "verify_time_s": self.verify_time,
+                # per rollout (single-turn: 1 turn, 0 tool calls, every response token the model's)
+                "episode/turns_mean": self.turns_sum / max(self.rollouts, 1),
+                "episode/tool_calls_mean": self.tool_calls_sum / max(self.rollouts, 1),
+                "episode/model_tokens_mean": self.model_tokens_sum / max(self.rollouts, 1),
+            }
+        )
 
 
 def family_settings(cfg: RunConfig):
@@ -662,10 +728,16 @@ def _rollout(
     num_turns=1,
     num_tool_calls=0,
     routes=None,
+    outcome=None,
+    harness_stats=None,
+    extra_segments=(),
 ) -> Rollout:
-    """Verifies one attempt (a verifier crash is an infra error: masked, never a failure)."""
+    """Verifies one attempt (a verifier crash is an infra error: masked, never a failure);
+    ``outcome``: its verification when already done (a harness episode's)."""
+    out = outcome
     try:
-        out = family.verify(task, attempt)
+        if out is None:
+            out = family.verify(task, attempt)
     except Exception as e:  # noqa: BLE001 - a family bug must be masked, never scored
         out = Outcome(
             passed=False,
@@ -694,6 +766,8 @@ def _rollout(
         routes=None if routes is None else np.asarray(routes, np.int16),
         attempt=attempt,
         outcome=out,
+        harness_stats=harness_stats,
+        extra_segments=list(extra_segments),
     )
 
 
@@ -1013,6 +1087,15 @@ def generate_groups(
         rng_words=rng_words,
     )
     t0 = time.monotonic() - (0.0 if started is None else started.gen_time)
+    ids = [
+        f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}"
+        for i, task in enumerate(tasks)
+    ]
+    if cfg.rollout.harness != "native":
+        return _harness_groups(
+            engine, family, tasks, prompts, ids, cfg=cfg, params=params, counters=counters,
+            prompt_seeds=prompt_seeds, t0=t0,
+        )  # fmt: skip
     try:
         if family.multi_turn or cfg.rollout.partial_chunk_tokens:
             per_task = _episode_rollouts(
@@ -1027,10 +1110,6 @@ def generate_groups(
         ) from e
     t1 = time.monotonic()
     groups = []
-    ids = [
-        f"{id_prefix}-r{round_id}-{first_index + i}-{family.task_id(task)}"
-        for i, task in enumerate(tasks)
-    ]
     # each group's K verifications run on the execution back-end (one after the other locally;
     # on a cluster concurrently, a group dispatched once its K slots and a grader slot are
     # reserved)
@@ -1050,6 +1129,55 @@ def generate_groups(
     if counters is not None:
         counters.gen_time += t1 - t0
         counters.verify_time += time.monotonic() - t1
+        for g in groups:
+            counters.add(g)
+    return groups
+
+
+def _harness_groups(
+    engine, family, tasks, prompts, ids, *, cfg, params, counters, prompt_seeds, t0
+) -> list[Group]:
+    """The groups of :func:`generate_groups` with every rollout a harness episode
+    (``gagar_jax.rl.harness_rollouts``): run and verified together, episode ``k`` of prompt
+    ``i`` seeded by ``(prompt_seeds[i], k)`` (or the step's seed and its place)."""
+    from gagar_jax.rl import harness_rollouts  # noqa: PLC0415 -- the gateway's server stack
+
+    K = params.n
+    seeds = [
+        [
+            prompt_seed((prompt_seeds[i],), k)
+            if prompt_seeds is not None
+            else (params.seed + i * K + k) % 2**31
+            for k in range(K)
+        ]
+        for i in range(len(tasks))
+    ]
+    try:
+        per_task = harness_rollouts.harness_rollouts(
+            engine,
+            family,
+            tasks,
+            prompts,
+            cfg=cfg,
+            num_rollouts=K,
+            episode_ids=[[f"{gid}-k{k}" for k in range(K)] for gid in ids],
+            seeds=seeds,
+        )
+    except Exception as e:
+        raise RuntimeError(
+            f"harness rollouts ({cfg.rollout.harness!r}, engine {cfg.rollout.engine!r}) "
+            f"failed: {type(e).__name__}: {e}"
+        ) from e
+    groups = []
+    for gid, task, row in zip(ids, tasks, per_task):
+        rollouts = []
+        for attempt, out, fields in row:
+            fields = dict(fields)
+            prompt = fields.pop("prompt")
+            rollouts.append(_rollout(family, task, prompt, attempt, outcome=out, **fields))
+        groups.append(Group(group_id=gid, task=task, rollouts=rollouts))
+    if counters is not None:
+        counters.gen_time += time.monotonic() - t0
         for g in groups:
             counters.add(g)
     return groups

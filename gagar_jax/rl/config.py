@@ -245,11 +245,80 @@ class RolloutConfig:
     # log-probs of the sampled tokens then equal them bit for bit (mismatch/logprob_max_abs_diff
     # is 0). The synchronous loop only (max_staleness 0), float32, embedded sampler.
     bitwise_onpolicy: bool = False
+    # who drives an episode (gagar_jax.envs.harness): "native" (the family's own episode
+    # loop), "mini_swe_agent" (the reference harness, unmodified, from harness_agents_venv) or
+    # "command" (any program: harness_command, run with bash -c inside the sandbox). A harness
+    # episode talks to the run's engine through an in-process gateway (gagar_jax.rl.harness)
+    harness: str = "native"
+    harness_command: str = ""
+    harness_agents_venv: str = ".venv-agents"
+    # per harness episode: model calls, seconds of wall time, and episodes run at once
+    harness_max_calls: int = 16
+    harness_max_wall_s: float = 300.0
+    harness_concurrency: int = 2
+    # rows of the update batch per harness episode: an episode whose history was edited
+    # (compaction, a sub-agent, a template that drops old reasoning) has several linked
+    # segments, each a row with the episode's advantage; segments beyond this many are not
+    # trained (counted: episode/untrained_segments). The batch is G * K * this many rows
+    harness_max_segments: int = 1
 
     def __post_init__(self):
         _check(
             self.engine in ("embedded", "sglang"), "rollout.engine", "embedded|sglang", self.engine
         )
+        _check(
+            self.harness in ("native", "mini_swe_agent", "command"),
+            "rollout.harness",
+            "native|mini_swe_agent|command",
+            self.harness,
+        )
+        _check(
+            self.harness != "command" or bool(self.harness_command.strip()),
+            "rollout.harness_command",
+            "a non-empty command line when rollout.harness='command'",
+            self.harness_command,
+        )
+        _check(
+            self.harness == "command" or not self.harness_command,
+            "rollout.harness_command",
+            "empty unless rollout.harness='command'",
+            self.harness_command,
+        )
+        _check(
+            self.harness_max_calls >= 1, "rollout.harness_max_calls", ">= 1", self.harness_max_calls
+        )
+        _check(
+            self.harness_max_wall_s > 0,
+            "rollout.harness_max_wall_s",
+            "> 0 seconds",
+            self.harness_max_wall_s,
+        )
+        _check(
+            self.harness_max_segments >= 1,
+            "rollout.harness_max_segments",
+            ">= 1",
+            self.harness_max_segments,
+        )
+        _check(
+            self.harness_concurrency >= 1,
+            "rollout.harness_concurrency",
+            ">= 1",
+            self.harness_concurrency,
+        )
+        if self.harness != "native":
+            _check(
+                not self.partial_rollout and not self.partial_chunk_tokens,
+                "rollout.harness",
+                "'native' with partial rollouts (rollout.partial_rollout, "
+                "rollout.partial_chunk_tokens): a harness episode is not interrupted",
+                self.harness,
+            )
+            _check(
+                not self.bitwise_onpolicy,
+                "rollout.bitwise_onpolicy",
+                "False with a harness (rollout.harness)",
+                self.bitwise_onpolicy,
+            )
         _check(
             self.precision in ROLLOUT_PRECISIONS,
             "rollout.precision",
@@ -489,7 +558,10 @@ class ExecutionConfig:
     ``(("verifier", 1),)``: only nodes that advertise it take verification); at most
     ``max_inflight`` calls are in flight, a call whose node died is retried ``max_retries``
     times, and the LLM grader's requests share one global rate limit of ``llm_requests_per_s``
-    (0 = none). Deployment only: not in the fingerprint.
+    (0 = none). ``environment``: where a verification's tests run, ``"uv"`` (the bwrap
+    sandbox with the task's virtual environment) or ``"container"`` (``verify.container``:
+    podman or docker, the task's image or Dockerfile, else ``container_image``, else the
+    back-end's base image). Deployment only: not in the fingerprint.
     """
 
     backend: str = "local"  # local | ray
@@ -502,9 +574,26 @@ class ExecutionConfig:
     resources: tuple = ()
     deadline_grace_s: float = 10.0
     llm_requests_per_s: float = 0.0
+    # where a verification's tests run: "uv" (the bwrap sandbox, the task's virtual
+    # environment) or "container" (podman/docker: the task's image or Dockerfile, else
+    # ``container_image``, else the back-end's base image; verify.container)
+    environment: str = "uv"
+    container_image: str = ""
 
     def __post_init__(self):
         _check(self.backend in ("local", "ray"), "execution.backend", "local|ray", self.backend)
+        _check(
+            self.environment in ("uv", "container"),
+            "execution.environment",
+            "uv|container",
+            self.environment,
+        )
+        _check(
+            isinstance(self.container_image, str),
+            "execution.container_image",
+            "an image name ('' = the base image)",
+            self.container_image,
+        )
         _check(
             isinstance(self.ray_address, str) and bool(self.ray_address),
             "execution.ray_address",

@@ -468,6 +468,12 @@ def route_shape(engine) -> tuple[int, int] | None:
     return (c.num_layers, c.num_experts_per_tok)
 
 
+def harness_rows(cfg: RunConfig) -> int:
+    """Rows of the update batch per rollout: ``rollout.harness_max_segments`` with a harness,
+    else 1."""
+    return 1 if cfg.rollout.harness == "native" else cfg.rollout.harness_max_segments
+
+
 def pack_phase(
     groups,
     grades: grade.Grades,
@@ -488,6 +494,7 @@ def pack_phase(
         max_new_tokens=cfg.rollout.max_new_tokens,
         pad_id=pad_id,
         route_shape=route_shape,
+        max_segments=harness_rows(cfg),
     )
     kept = np.zeros((num_groups,), bool)
     kept[: len(groups)] = True
@@ -807,12 +814,18 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     # Cited-token masks travel with every graded run, so every mode reports the share of
     # positive credit on evidence tokens (gagar_token's "evidence" importance reads them).
     with_routes = route_shape(engine) is not None
+    if harness_rows(cfg) > 1 and hosts.count > 1:
+        raise ValueError(
+            f"rollout.harness_max_segments={cfg.rollout.harness_max_segments} runs in one "
+            f"process (this run has {hosts.count}): set it to 1"
+        )
     update_fn = jit_update(
         model_config,
         cfg.learner,
         mesh,
         with_evidence=cfg.grading.enabled,
         with_routes=with_routes,
+        with_row_episode=harness_rows(cfg) > 1,
     )
     ctx = RLContext(
         cfg=cfg,

@@ -58,7 +58,7 @@ def behaviour_logprobs(
     n, t = batch.tokens.shape
     g, k = batch.rewards.shape
     moe = nnx.merge(graphdef, params).config.num_experts > 0
-    shared = not moe and _shares_prefix(config, t, g, mesh)
+    shared = not moe and batch.row_episode is None and _shares_prefix(config, t, g, mesh)
     m, a = config.num_minibatches, config.num_microbatches
     fields = dict(
         tokens=batch.tokens, positions=batch.positions, attention_mask=batch.attention_mask

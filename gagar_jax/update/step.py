@@ -21,6 +21,12 @@
    tokens;
 4. optax AdamW (global-norm clipped) once per mini-batch.
 
+Train/rollout mismatch (``docs/concepts/mismatch.md``): ``learner.rollout_correction`` masks
+and weights tokens on the trainer/behaviour ratio (``gagar_jax.losses.rollout_correction``),
+``learner.mismatch_metrics`` reports ``mismatch/*`` from the proximal pass
+(``update/mismatch.py``), and ``learner.routing_replay`` routes a mixture of experts' tokens to
+the experts the rollout engine recorded (``UpdateBatch.routes``).
+
 Token alignment: ``response_mask[n, t]`` marks token ``t`` as a model-generated token to train
 on, and ``old_logprobs[n, t]`` is its behaviour log-probability; it is predicted by the logits
 at ``t - 1``, so the first column of ``response_mask`` must be False.
@@ -91,6 +97,11 @@ class UpdateBatch(NamedTuple):
     # [N, T, L, K] int, the experts the rollout engine routed each token to in each MoE layer
     # (routing replay, learner.routing_replay; the route-mismatch metrics)
     routes: jax.Array | None = None
+    # [N] int32: the rollout (``g * K + k``) each row belongs to, when an episode spans several
+    # rows (a harness episode's linked segments, ``gagar_jax.rl.harness_rollouts``): every row
+    # of a rollout takes its advantage and validity; N is then any multiple of the chunks, and
+    # the shared-prefix forward is off. None: row n is rollout n (N = G * K).
+    row_episode: jax.Array | None = None
 
 
 _TOKEN_FIELDS = (
@@ -106,7 +117,11 @@ _TOKEN_FIELDS = (
 
 
 def batch_shardings(
-    mesh: Mesh, with_ref: bool = False, with_evidence: bool = False, with_routes: bool = False
+    mesh: Mesh,
+    with_ref: bool = False,
+    with_evidence: bool = False,
+    with_routes: bool = False,
+    with_row_episode: bool = False,
 ) -> UpdateBatch:
     """The shardings of an :class:`UpdateBatch` on ``mesh``, field by field.
 
@@ -124,6 +139,8 @@ def batch_shardings(
         fields["evidence"] = None
     if not with_routes:
         fields["routes"] = None
+    if not with_row_episode:
+        fields["row_episode"] = None
     return UpdateBatch(**fields)
 
 
@@ -131,7 +148,14 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
     """Host-side validation with messages naming the field and the expected shape."""
     n, t = np.shape(batch.tokens)
     g, k = np.shape(batch.rewards)
-    if n != g * k:
+    if batch.row_episode is not None:
+        ids = np.asarray(batch.row_episode)
+        if ids.shape != (n,) or (ids.size and (ids.min() < 0 or ids.max() >= g * k)):
+            raise ValueError(
+                f"batch.row_episode must be [N={n}] ints in [0, G * K = {g * k}), got shape "
+                f"{ids.shape}"
+            )
+    elif n != g * k:
         raise ValueError(
             f"batch.tokens has {n} rows but rewards is [G={g}, K={k}]: "
             f"need N = G * K = {g * k} (group-major rows)"
@@ -157,12 +181,16 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
     if all(_on_host(getattr(batch, f)) for f in _ROW_FIELDS):
         # (Arrays spread over several processes: each checks its own rows before it builds
         # them, ``check_batch_rows``.)
-        check_batch_rows(batch, config, k)
+        check_batch_rows(batch, config if batch.row_episode is None else _unshared(config), k)
     if n % (chunks * shards):
         raise ValueError(
             f"batch of N={n} sequences must divide into num_minibatches * num_microbatches = "
             f"{chunks} chunks times data*fsdp = {shards} shards"
         )
+
+
+def _unshared(config: UpdateConfig) -> UpdateConfig:
+    return dataclasses.replace(config, shared_prefix=False)
 
 
 def _shares_prefix(config: UpdateConfig, seq_len: int, groups: int, mesh: Mesh | None) -> bool:
@@ -482,6 +510,9 @@ def update_step(
     )
     seq_adv = adv_out.advantages.reshape(-1)  # [N]
     seq_valid = batch.valid.reshape(-1)
+    if batch.row_episode is not None:  # several rows per rollout: each takes its rollout's
+        seq_adv, seq_valid = seq_adv[batch.row_episode], seq_valid[batch.row_episode]
+        config = _unshared(config)
 
     resp = batch.response_mask & seq_valid[:, None]
     fields = dict(
@@ -651,7 +682,7 @@ def update_step(
     )
 
     def minibatch(carry, i):
-        params, opt_state, opt_step = carry
+        params, opt_state, opt_step = carry  # params: the trainable ones (LoRA: the adapters)
         mb_all = jax.tree.map(lambda x: x[i % m], data)  # [A, b, ...]
         mask = mb_all["response_mask"][..., 1:]
         num_tokens = jnp.sum(mask.astype(jnp.float32))
@@ -888,6 +919,7 @@ def jit_update(
     with_ref: bool = False,
     with_evidence: bool = False,
     with_routes: bool = False,
+    with_row_episode: bool = False,
     wrap=None,
 ):
     """``update(state, batch) -> (state, metrics)`` jitted with explicit shardings
@@ -907,7 +939,10 @@ def jit_update(
         fn = wrap(fn)
     return jax.jit(
         fn,
-        in_shardings=(st_sh, batch_shardings(mesh, with_ref, with_evidence, with_routes)),
+        in_shardings=(
+            st_sh,
+            batch_shardings(mesh, with_ref, with_evidence, with_routes, with_row_episode),
+        ),
         out_shardings=(st_sh, rep),
         donate_argnums=(0,),
     )
@@ -923,6 +958,7 @@ def shard_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
         batch.ref_logprobs is not None,
         batch.evidence is not None,
         batch.routes is not None,
+        batch.row_episode is not None,
     )
 
     def put(x, sharding):
@@ -949,9 +985,10 @@ def shard_host_batch(batch: UpdateBatch, mesh: Mesh) -> UpdateBatch:
         batch.ref_logprobs is not None,
         batch.evidence is not None,
         batch.routes is not None,
+        batch.row_episode is not None,
     )
     g, k = np.shape(batch.rewards)
-    n = g * k
+    n = g * k if batch.row_episode is None else len(batch.row_episode)
 
     def put(name, x, sharding):
         if x is None:

@@ -1,5 +1,13 @@
 """Verifiers: sandboxed execution, the Python-repo test verifier, the behaviour monitor."""
 
+from gagar_jax.verify.container import (
+    ContainerSpec,
+    ContainerUnavailable,
+    build_base_image,
+    container_spec,
+    ensure_image,
+    run_in_container,
+)
 from gagar_jax.verify.diff import (
     AppliedPatch,
     DiffError,
@@ -80,4 +88,10 @@ __all__ = [
     "python_for_sandbox",
     "run_sandboxed",
     "select_mechanism",
+    "ContainerSpec",
+    "ContainerUnavailable",
+    "build_base_image",
+    "container_spec",
+    "ensure_image",
+    "run_in_container",
 ]

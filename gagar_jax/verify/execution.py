@@ -764,6 +764,11 @@ class Backend:
     """The interface the call sites use (see the module docstring)."""
 
     name = ""
+    # where a verification's tests run (``execution.environment``): "uv" (the bwrap sandbox
+    # with the task's virtual environment) or "container" (``verify.container``); a task that
+    # names an image or a Dockerfile runs in its container under either
+    environment = "uv"
+    container_image = ""  # the image of tasks without their own ("" = container.DEFAULT_IMAGE)
 
     def call(
         self,
@@ -1468,12 +1473,43 @@ def make_backend(
     deadline_grace_s: float = 10.0,
     llm_requests_per_s: float = 0.0,
     grader_slots: int = 0,
+    environment: str = "uv",
+    container_image: str = "",
 ) -> Backend:
     """A back-end from plain settings (the run config's ``execution`` section)."""
     if backend not in BACKENDS:
         raise ValueError(f"execution.backend must be one of {BACKENDS}, got {backend!r}")
+    if environment not in ("uv", "container"):
+        raise ValueError(f"execution.environment must be uv|container, got {environment!r}")
     if backend == "local":
-        return LocalBackend(llm_requests_per_s=llm_requests_per_s)
+        b: Backend = LocalBackend(llm_requests_per_s=llm_requests_per_s)
+    else:
+        b = _ray_backend(
+            ray_address,
+            max_inflight,
+            max_retries,
+            num_cpus,
+            memory,
+            resources,
+            deadline_grace_s,
+            llm_requests_per_s,
+            grader_slots,
+        )
+    b.environment, b.container_image = environment, container_image
+    return b
+
+
+def _ray_backend(
+    ray_address,
+    max_inflight,
+    max_retries,
+    num_cpus,
+    memory,
+    resources,
+    deadline_grace_s,
+    llm_requests_per_s,
+    grader_slots,
+) -> Backend:
     return RayBackend(
         ray_address,
         max_inflight=max_inflight,
@@ -1488,6 +1524,21 @@ def make_backend(
 # ---------------------------------------------------------------------------------------------
 # Call sites: the repository verifier through the back-end
 # ---------------------------------------------------------------------------------------------
+def container_settings(task: Any, b: Backend) -> dict[str, Any]:
+    """``verify_repo_patch``'s ``environment``/``container`` arguments under back-end ``b``
+    (its ``execution.environment`` and ``container_image``); {} for the defaults."""
+    env = getattr(b, "environment", "uv")
+    if env == "uv":
+        return {}
+    out: dict[str, Any] = {"environment": env}
+    image = getattr(b, "container_image", "")
+    if image and not (getattr(task, "image", "") or getattr(task, "dockerfile", "")):
+        from gagar_jax.verify.container import ContainerSpec
+
+        out["container"] = ContainerSpec(image=image)
+    return out
+
+
 CALL_MARGIN_S = 30.0  # a call's deadline beyond its sandbox's wall limit (setup, pytest start)
 
 
@@ -1518,6 +1569,8 @@ def verify_repo_call(
     """
     limits = kwargs.get("limits") or DEFAULT_LIMITS
     b = backend or current()
+    if fn is None and "environment" not in kwargs and "container" not in kwargs:
+        kwargs.update(container_settings(task, b))
     deadline = deadline_s if deadline_s is not None else limits.wall_s + CALL_MARGIN_S
     call_fn, envs, r = fn or verify_repo_patch, [] if env is None else [env], None
     if env is None and b.name != "local" and getattr(task, "env_hash", ""):

@@ -64,7 +64,9 @@ import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gagar_jax.verify import container as ctr
 from gagar_jax.verify import seccomp
+from gagar_jax.verify.container import ContainerSpec, container_spec
 from gagar_jax.verify.diff import (
     MAX_PATCH_BYTES,
     AppliedPatch,
@@ -1017,6 +1019,8 @@ def verify_repo_patch(
     references: Mapping[str, str] | None = None,
     run_monitor: bool = True,
     extra_pythonpath: Sequence[str] = (),
+    environment: str | None = None,
+    container: ContainerSpec | None = None,
 ) -> RepoVerification:
     """Verifies one candidate patch of ``task`` in the sandbox (see the module docstring).
 
@@ -1032,6 +1036,11 @@ def verify_repo_patch(
       extra_pythonpath: more directories for the sandboxed interpreter's path: absolute ones
         (the task's dependencies) are bound read-only after the one holding pytest; relative
         ones are directories of the repository (``"src"``), like the task's ``pythonpath``.
+      environment: ``"uv"`` (the bwrap sandbox with the task's virtual environment) or
+        ``"container"`` (``verify.container``: the task's image, or ``container``); None: a
+        container when the task names an image or a Dockerfile, else ``"uv"``.
+      container: the image settings for ``"container"`` (default: the task's own, else
+        ``container.DEFAULT_SPEC``).
 
     Never raises for a bad patch (it fails). A bug of the verifier or of the task itself (e.g. a
     ``test_patch`` that does not apply) before the candidate's code ran comes back as
@@ -1039,7 +1048,16 @@ def verify_repo_patch(
     started is attributable to the code and comes back as ``failed``.
     """
     started: list[bool] = []  # set by _verify_repo_patch once the sandbox reached the code
+    if getattr(task, "harbor_tests", ""):  # a Harbor task: its test.sh, in its container
+        from gagar_jax.verify.harbor_run import verify_harbor_patch
+
+        try:
+            return verify_harbor_patch(task, patch, limits=limits, config=config)
+        except Exception as e:  # noqa: BLE001 - a verifier/task bug must be masked, never scored
+            note = f"verifier error: {type(e).__name__}: {e}"
+            return RepoVerification("infra_error", _missing(task), None, (), note, None)
     try:
+        spec = container_spec(task, environment, container)
         v = _verify_repo_patch(
             task,
             patch,
@@ -1051,8 +1069,9 @@ def verify_repo_patch(
             run_monitor,
             tuple(extra_pythonpath),
             started,
+            spec,
         )
-        return skipped_regressions(v, task, limits, config, tuple(extra_pythonpath))
+        return skipped_regressions(v, task, limits, config, tuple(extra_pythonpath), spec)
     except Exception as e:  # noqa: BLE001 - a verifier/task bug must be masked, never scored
         status = "failed" if started else "infra_error"
         return RepoVerification(
@@ -1069,6 +1088,7 @@ def pristine_outcomes(
     limits: Limits = DEFAULT_LIMITS,
     config: SandboxConfig | None = None,
     extra_pythonpath: Sequence[str] = (),
+    container: ContainerSpec | None = None,
 ) -> dict[str, str] | None:
     """The required tests' outcomes on the pristine repository with the hidden tests (no
     candidate patch), run once per task in this process; None when that run gave no report
@@ -1080,13 +1100,24 @@ def pristine_outcomes(
         getattr(task, "env_path", ""),
         tuple(extra_pythonpath),
         config,
+        container,
     )
     with _PREFLIGHT_GUARD:
         lock = _PRISTINE_LOCKS.setdefault(key, threading.Lock())
     with lock:
         if key not in _PRISTINE:
             v = _verify_repo_patch(
-                task, "", limits, config, None, (), None, False, tuple(extra_pythonpath), []
+                task,
+                "",
+                limits,
+                config,
+                None,
+                (),
+                None,
+                False,
+                tuple(extra_pythonpath),
+                [],
+                container,
             )
             ran = v.status in ("passed", "failed") and any(o != "missing" for o in v.tests.values())
             if not ran:
@@ -1101,6 +1132,7 @@ def skipped_regressions(
     limits: Limits,
     config: SandboxConfig | None,
     extra_pythonpath: Sequence[str] = (),
+    container: ContainerSpec | None = None,
 ) -> RepoVerification:
     """``v`` failed if a pass-to-pass test it skipped passed on the pristine repository: code
     under test that raises ``unittest.SkipTest`` or calls ``pytest.importorskip`` turns a
@@ -1112,7 +1144,7 @@ def skipped_regressions(
     skipped = [t for t in task.pass_to_pass if t not in f2p and v.tests.get(t) == "skipped"]
     if not skipped:
         return v
-    pristine = pristine_outcomes(task, limits, config, extra_pythonpath)
+    pristine = pristine_outcomes(task, limits, config, extra_pythonpath, container)
     if pristine is None:
         return v
     regressed = [t for t in skipped if pristine.get(t) == "passed"]
@@ -1182,6 +1214,7 @@ def _verify_repo_patch(
     run_monitor,
     extra_pythonpath,
     started,
+    container=None,
 ):
     flags: tuple[MonitorFlag, ...] = ()
     try:
@@ -1201,6 +1234,8 @@ def _verify_repo_patch(
             note = f"monitor_error: the patch or trajectory broke the monitor: {type(e).__name__}"
             return RepoVerification("failed", _missing(task), note, (), note, None)
     pythonpath, tree_paths = sandbox_paths(task, extra_pythonpath)  # a bad task: infra_error
+    if container is not None:
+        pythonpath = ()  # the image's interpreter and packages; nothing of the host's
     timeout_s = float(getattr(task, "test_timeout_s", 0.0) or 0.0)
     try:
         files, reset = prepare_tree(task, patch, pythonpath, tree_paths)
@@ -1212,9 +1247,12 @@ def _verify_repo_patch(
     if problem:
         return RepoVerification("failed", _missing(task), problem, reset, problem, None, flags)
     try:
-        problem = sandbox_pytest_problem(
-            config, pythonpath, timeout_s > 0, max(PREFLIGHT_WALL_S, float(limits.wall_s))
-        )
+        if container is not None:
+            problem = ctr.container_problem(container, timeout=timeout_s > 0)
+        else:
+            problem = sandbox_pytest_problem(
+                config, pythonpath, timeout_s > 0, max(PREFLIGHT_WALL_S, float(limits.wall_s))
+            )
     except SandboxUnavailable as e:
         problem = f"no sandbox: {e}"
     if problem:
@@ -1244,7 +1282,7 @@ def _verify_repo_patch(
         args = pytest_args(ids, cfg, pythonpath=tree_paths, timeout_s=timeout_s)
         watch_files, watch_dirs = watched_paths(task, files, canary_path, cfg)
         ctl_record = {
-            "out_fd": out_w,
+            "out_fd": out_w if container is None else ctr.inside_fd(0),
             "args": args,
             "watch_files": watch_files,
             "watch_dirs": watch_dirs,
@@ -1269,16 +1307,32 @@ def _verify_repo_patch(
             "PYTHONNOUSERSITE": "1",
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
         }
-        result = run_sandboxed(
-            runner_argv(ctl_r),
-            work,
-            limits,
-            config=config,
-            env=env,
-            ro_paths=(plugin_dir(), *pythonpath),
-            pass_fds=(out_w, ctl_r),
-            private_workdir=not keep_dir,
-        )
+        if container is not None:
+            env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+            deleted = sorted(set(task.files) - set(files))
+            runner = f"{ctr.RUNNER_DIR}/{PLUGIN_MODULE}.py"
+            result = ctr.run_in_container(
+                [container.python, "-P", runner, str(ctr.inside_fd(1))],
+                work,
+                limits,
+                container,
+                config=config,
+                env=env,
+                ro_binds={plugin_dir(): ctr.RUNNER_DIR},
+                pass_fds=(out_w, ctl_r),
+                deleted=deleted,
+            )
+        else:
+            result = run_sandboxed(
+                runner_argv(ctl_r),
+                work,
+                limits,
+                config=config,
+                env=env,
+                ro_paths=(plugin_dir(), *pythonpath),
+                pass_fds=(out_w, ctl_r),
+                private_workdir=not keep_dir,
+            )
         if result.status != "infra_error":
             started.append(True)
         os.close(out_w)  # every other holder is dead: the reader sees EOF

@@ -121,16 +121,17 @@ def verify(
     run_monitor: bool = False,
     **kw,
 ):
-    """``verify_repo_patch`` under ``mechanism``; asserts that nothing of a sandbox uid appeared
+    """``verify_repo_patch`` under ``mechanism`` (or ``"container"``: the container back-end);
+    asserts that nothing of a sandbox uid appeared
     in the host's shared temporary directories (nothing written outside the run's own tree)."""
     before = _sandbox_uid_entries()
+    if mechanism == "container":  # the container back-end (its image: container_fixtures)
+        kw = {"environment": "container", **kw}
+        config = SandboxConfig()
+    else:
+        config = SandboxConfig(mechanism=mechanism)
     v = verify_repo_patch(
-        the_task,
-        patch,
-        limits=limits,
-        config=SandboxConfig(mechanism=mechanism),
-        run_monitor=run_monitor,
-        **kw,
+        the_task, patch, limits=limits, config=config, run_monitor=run_monitor, **kw
     )
     leaked = _sandbox_uid_entries() - before
     assert not leaked, f"written outside the run's tree: {sorted(leaked)}"
