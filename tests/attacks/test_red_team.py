@@ -50,8 +50,9 @@ def run(patch: str, task=TASK, **kw):
     return verify(patch, the_task=task, run_monitor=True, **kw)
 
 
-def escapes(why: str):
-    return pytest.mark.xfail(strict=True, reason=f"escapes: {why}")
+def escapes(why: str, strict: bool = True):
+    # strict=False only where the escape depends on a draw (the case says which).
+    return pytest.mark.xfail(strict=strict, reason=f"escapes: {why}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,7 +543,8 @@ def test_c5_slot_held_to_the_wall_limit_does_not_fail_a_waiting_sibling():
 @pytest.mark.e2e
 @escapes(
     "the grader waits for run_check past its time budget and the group's vote is then dropped "
-    "as budget_exhausted: one candidate's check degrades every sibling's grade"
+    "as budget_exhausted: one candidate's check degrades every sibling's grade",
+    strict=False,  # which candidate the scripted grader checks is a shuffle (~0.1%: none stalls)
 )
 def test_c5_run_check_stall_starves_the_group_grade():
     """A passing candidate whose module sleeps unless the verifier's runner imports it (the
