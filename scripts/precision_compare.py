@@ -14,10 +14,11 @@ Conditions (``configs/toy_gagar.py`` in mode ``gagar``, everything else its defa
 
 Each run is ``scripts/train.py`` in a process of its own, one after the other, niced and on
 one CPU device (``XLA_FLAGS`` cleared; ``--cpu`` pins it to one core with ``taskset``), into
-``ROOT/<condition>/seed<s>``; an existing finished run is kept. Writes
-``OUT/precision_compare.{png,md,json}``: per condition the mean and standard error over seeds
-of the held-out pass rate, the train pass rate, the quality of passing solutions and
-``mismatch/k3`` (the update's k3 of its log-probs against the sampler's) at each logged step.
+``ROOT/<condition>/seed<s>``; a finished run is kept (an unfinished one resumes). Writes
+``OUT/precision_compare.{png,md,json}`` (docs/results/low_precision.md holds the table): per
+condition the mean and standard error over seeds of the held-out pass rate, the train pass
+rate, the quality of passing solutions and ``mismatch/k3`` (the update's k3 of its log-probs
+against the sampler's) at each logged step.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ CONDITIONS = {
     "int8_tis": ["--config.rollout.precision=int8"],
     "int8_no_tis": ["--config.rollout.precision=int8", "--config.learner.rollout_is=none"],
 }
+WINDOW = 5  # train steps averaged for a run's first and last figures
 PANELS = (
     ("eval_pass_rate", "held-out pass rate", "eval"),
     ("pass_rate", "train pass rate", "train"),
@@ -60,7 +62,8 @@ def run_dir(condition: str, seed: int) -> str:
 
 
 def finished(workdir: str) -> bool:
-    return os.path.exists(os.path.join(workdir, "summary.json"))
+    """The run ended (its final plot is written after the last step)."""
+    return os.path.exists(os.path.join(workdir, "training_dynamics.png"))
 
 
 def run_all() -> None:
@@ -87,7 +90,7 @@ def run_all() -> None:
 
 
 def curves() -> dict:
-    """condition -> key -> step -> [value per seed]."""
+    """condition -> key -> step -> {seed: value}."""
     from gagar_jax.analysis import writers
 
     out: dict = {}
@@ -100,7 +103,7 @@ def curves() -> dict:
             for row in writers.read_jsonl(path):
                 for key, _, phase in PANELS:
                     if row.get("phase") == phase and row.get(key) is not None:
-                        per[key].setdefault(int(row["step"]), []).append(float(row[key]))
+                        per[key].setdefault(int(row["step"]), {})[seed] = float(row[key])
     return out
 
 
@@ -113,9 +116,16 @@ def mean_se(values):
     return mean, math.sqrt(var / n), n
 
 
+def windowed(per_key: dict, steps: list[int]) -> list[float]:
+    """Each seed's mean over ``steps`` (the seeds that logged all of them)."""
+    seeds = set.intersection(*(set(per_key[s]) for s in steps))
+    return [sum(per_key[s][seed] for s in steps) / len(steps) for seed in sorted(seeds)]
+
+
 def table(data: dict) -> str:
-    """Per condition: each panel's figure at the first and the last logged step (mean +- SE
-    over seeds), the k3 averaged over all steps."""
+    """Per condition: each panel's first -> last figure, mean +- SE over seeds of each seed's
+    mean over the first and the last ``WINDOW`` logged steps (the held-out evaluations: the
+    first and the last one), and the k3's mean over all steps."""
     lines = [
         "| condition | seeds | " + " | ".join(title for _, title, _ in PANELS) + " |",
         "|---|---|" + "---|" * len(PANELS),
@@ -128,15 +138,14 @@ def table(data: dict) -> str:
                 cells.append("-")
                 continue
             if key == "mismatch/k3":
-                means = [mean_se(per[key][s])[0] for s in steps]
-                cells.append(f"{sum(means) / len(means):.2e} (mean over steps)")
+                k3 = mean_se(windowed(per[key], steps))
+                cells.append(f"{k3[0]:.1e} ± {k3[1]:.0e} (all steps)")
                 continue
-            first, last = mean_se(per[key][steps[0]]), mean_se(per[key][steps[-1]])
+            w = 1 if key.startswith("eval_") else WINDOW
+            first = mean_se(windowed(per[key], steps[:w]))
+            last = mean_se(windowed(per[key], steps[-w:]))
             seeds = max(seeds, last[2])
-            cells.append(
-                f"{first[0]:.3f} ± {first[1]:.3f} → {last[0]:.3f} ± {last[1]:.3f} "
-                f"(step {steps[-1]})"
-            )
+            cells.append(f"{first[0]:.3f} ± {first[1]:.3f} → {last[0]:.3f} ± {last[1]:.3f}")
         lines.append(f"| {condition} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -153,7 +162,7 @@ def plot(data: dict, path: str) -> None:
             steps = sorted(per[key])
             if not steps:
                 continue
-            stats = [mean_se(per[key][s]) for s in steps]
+            stats = [mean_se(list(per[key][s].values())) for s in steps]
             m = [s[0] for s in stats]
             se = [s[1] for s in stats]
             ax.plot(steps, m, label=condition)
@@ -181,8 +190,8 @@ def main(argv):
     with open(os.path.join(out, "precision_compare.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(out, "precision_compare.json"), "w") as f:
-        json.dump({c: {k: {str(s): v for s, v in d.items()} for k, d in per.items()}
-                   for c, per in data.items()}, f)  # fmt: skip
+        json.dump({c: {k: {str(s): {str(a): b for a, b in v.items()} for s, v in d.items()}
+                   for k, d in per.items()} for c, per in data.items()}, f)  # fmt: skip
     plot(data, os.path.join(out, "precision_compare.png"))
 
 

@@ -35,6 +35,11 @@ training forward recomputes on the same tokens (`log_softmax(model(tokens) / tem
 PPO ratio is 1 at the behaviour policy. (Truncation changes the sampling distribution, not the
 scored one; the usual choice of vLLM/SGLang-based RL trainers.)
 
+Precision (``precision``, ``gagar_jax.rollout.precision``): the sampler may hold and run its
+weights in bfloat16, or as weight-only int8 / fp8 (dequantized once per call), converted from
+the trainer's at each weight sync. Routes (``record_routes``, a mixture of experts): each
+token's experts per MoE layer come back with the samples, for the update's routing replay.
+
 Data parallel (``mesh``): the rows of a call are split over the mesh's data axis; the prefill
 is partitioned by XLA, the decode loop runs under ``shard_map``, one loop per device.
 
