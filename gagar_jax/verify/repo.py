@@ -65,7 +65,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gagar_jax.verify import container as ctr
-from gagar_jax.verify import seccomp
+from gagar_jax.verify import seccomp, semantics
 from gagar_jax.verify.container import ContainerSpec, container_spec
 from gagar_jax.verify.diff import (
     MAX_PATCH_BYTES,
@@ -257,7 +257,7 @@ def hidden_test_paths(task: Any) -> frozenset[str]:
         raise ValueError(f"task {task.task_id}: test_patch does not parse: {e}") from e
 
 
-TEST_DIR_NAMES = ("test", "tests", "testing")
+TEST_DIR_NAMES = semantics.TEST_DIR_NAMES
 
 
 def test_dirs(task: Any, hidden: frozenset[str] = frozenset()) -> frozenset[str]:
@@ -267,14 +267,7 @@ def test_dirs(task: Any, hidden: frozenset[str] = frozenset()) -> frozenset[str]
     hidden tests); a test file outside such a directory is protected alone."""
     paths = set(task.test_files) | set(hidden)
     paths |= {tid.split("::", 1)[0] for tid in task.required_tests}
-    out = set()
-    for path in paths:
-        parts = path.split("/")[:-1]
-        for i, part in enumerate(parts):
-            if part in TEST_DIR_NAMES:
-                out.add("/".join(parts[: i + 1]))
-                break
-    return frozenset(out)
+    return semantics.tested_dirs(paths)
 
 
 def _is_protected(
