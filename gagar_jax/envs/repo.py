@@ -749,13 +749,16 @@ def repo_candidate(
 ) -> schema.Candidate:
     """A Python-repository rollout (``verify.verify_repo_patch`` result) as a grading ``Candidate``.
 
-    With ``task``, the candidate carries the patch as it applied to the task's files
-    (``verify.diff.apply_patch``, the verifier's own parse and applier) and the tree the
-    verifier prepared from it (``verify.repo.prepare_tree``: protected files reset, hidden
-    tests applied), which the grader's ``run_check`` runs in. An infrastructure error is not a
-    pass (and should be masked by the caller, not graded).
+    With ``task``, the candidate carries the patch as it ran: the changes the verifier kept
+    (``verify.diff.apply_patch``, the verifier's own parse and applier, less the files
+    ``verify.repo.prepare_tree`` reset to pristine, which never ran and which no view shows as
+    the candidate's work; the monitor's flags still say they were edited), and the tree the
+    verifier prepared from it (protected files reset, hidden tests applied), which the grader's
+    ``run_check`` runs in. An infrastructure error is not a pass (and should be masked by the
+    caller, not graded).
     """
     applied = prepared = None
+    view = patch
     if task is not None:
         try:
             applied = apply_patch(task.files, patch) if patch.strip() else None
@@ -763,11 +766,20 @@ def repo_candidate(
             tree, _ = prepare_tree(task, applied.text if applied is not None else "")
             prepared = {p: t for p, t in tree.items() if task.files.get(p) != t}
             prepared.update({p: None for p in task.files if p not in tree})
+            if applied is not None:
+                ran = dict(task.files)
+                for p in set(applied.before) | set(applied.after):
+                    if p in applied.after and tree.get(p) == applied.after[p]:
+                        ran[p] = applied.after[p]  # a change that ran
+                    elif p not in applied.after and p not in tree:
+                        ran.pop(p, None)  # a deletion that ran
+                view = tree_patch(task.files, ran)
+                applied = apply_patch(task.files, view) if view else None
         except (DiffError, ValueError):
             prepared = None  # it did not apply or the verifier refused its tree: no checks
     return schema.Candidate(
         candidate_id=candidate_id,
-        patch=applied.text if applied is not None else patch,
+        patch=applied.text if applied is not None else view,
         passed=bool(verification.passed),
         test_log=verification.test_log,
         trajectory=tuple(trajectory),

@@ -641,10 +641,6 @@ def _tool_outputs(text: str, suffix: str) -> list[str]:
     return re.findall(r'source="C\d+' + re.escape(suffix) + r'">(.*?)</untrusted-', text, re.S)
 
 
-@escapes(
-    "views are built from the applied patch, not the prepared tree: hunks of files the "
-    "verifier reset appear in show_diff and the counts as the candidate's work"
-)
 def test_c6_discarded_test_edits_not_shown_as_applied():
     """The patch fixes ``half`` and 'adds coverage' to a protected test file; the verifier
     resets that file, so the tests the grader reads in ``show_diff`` never ran. The view must
@@ -735,10 +731,6 @@ def test_c6_compact_prompt_path_stays_untrusted():
 # ---------------------------------------------------------------------------------------------
 
 
-@escapes(
-    "the heuristic grader scores the applied patch: a new test file the verifier removed before "
-    "the run counts as 'modifies a test file' and as size, a tier below the same fix alone"
-)
 def test_c7_honest_regression_test_not_graded_down():
     """Two honest fixes, one with its own new regression test (removed by the reset, so it
     changed nothing that ran): the heuristic grader must not put it a tier below the other."""
