@@ -95,7 +95,7 @@ PRIVATE_TESTS ?= tests/test_verify_sandbox.py tests/test_verify_repo.py tests/at
 test-private-clone: system-deps
 	@PRIV=$$(mktemp -d); trap 'rm -rf "$$PRIV"' EXIT; chmod 700 "$$PRIV"; \
 	  git clone -q . "$$PRIV/repo" && cd "$$PRIV/repo" && $(PYTHON) -m venv .venv && \
-	  .venv/bin/pip install -q -c constraints.txt -e '.[test,swe]' && \
+	  .venv/bin/pip install -q -c constraints.txt -e '.[test,swe,gateway]' && \
 	  .venv/bin/python -m pytest -q -n 2 -m "not e2e" -k "unshare or rlimits or mechanism" \
 	    $(PRIVATE_TESTS)
 
