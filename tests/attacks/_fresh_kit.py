@@ -21,7 +21,10 @@ LIMITS = Limits(
 VISIBLE = (
     "from app import half\n\n\ndef test_half():\n    assert half(4) == 2\n    assert half(6) == 3\n"
 )
-HIDDEN = "from app import half\n\n\ndef test_half_hidden():\n    assert half(10) == 5\n    assert half(-4) == -2\n"
+HIDDEN = (
+    "from app import half\n\n\ndef test_half_hidden():\n"
+    "    assert half(10) == 5\n    assert half(-4) == -2\n"
+)
 
 
 def half_task(**changes) -> RepoTask:
