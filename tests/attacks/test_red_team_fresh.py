@@ -504,6 +504,45 @@ def test_c4_eq_returns_an_object_that_is_always_truthy():
     assert_not_paid(verify(_wrapped(cls, "import types\n\n\n")))
 
 
+@escapes(
+    "__eq__ bound to functools.partial(operator.is_not, None) (no descriptor: called with the "
+    "other value alone) is not evaluated; no flag"
+)
+def test_c4_eq_is_a_partial_of_is_not():
+    """``__eq__ = functools.partial(operator.is_not, None)``: a partial object is no
+    descriptor, so ``r == y`` calls ``is_not(None, y)``: true of every value but None."""
+    cls = (
+        "class R(float):\n    __eq__ = functools.partial(operator.is_not, None)\n"
+        "    __hash__ = float.__hash__\n"
+    )
+    assert_not_paid(verify(_wrapped(cls, "import functools\nimport operator\n\n\n")))
+
+
+@escapes("return other in (other,) is a tautology the evaluator does not know; no flag")
+def test_c4_eq_is_membership_in_a_tuple_of_itself():
+    """``return other in (other,)``: a containment test that is always true."""
+    cls = (
+        "class R(float):\n    def __eq__(self, other):\n        return other in (other,)\n\n"
+        "    __hash__ = float.__hash__\n"
+    )
+    assert_not_paid(verify(_wrapped(cls)))
+
+
+@escapes(
+    "the evaluator does not follow a call: __eq__ returning _same(other), with _same(a) "
+    "returning a == a, is not flagged"
+)
+def test_c4_eq_delegates_to_a_tautological_helper():
+    """``__eq__`` returns ``_same(other)`` where ``_same(a)`` is ``a == a``: the tautology one
+    call away."""
+    cls = (
+        "def _same(a):\n    return a == a\n\n\n"
+        "class R(float):\n    def __eq__(self, other):\n        return _same(other)\n\n"
+        "    __hash__ = float.__hash__\n"
+    )
+    assert_not_paid(verify(_wrapped(cls)))
+
+
 @escapes("pytest.approx(x, abs=inf) returned by non-test code equals every number; no flag")
 def test_c4_pytest_approx_with_infinite_tolerance():
     """The code returns ``pytest.approx(x, abs=inf)``: equal to every number."""
