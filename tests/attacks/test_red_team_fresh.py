@@ -445,6 +445,14 @@ def test_c3_path_max_in_bytes_not_characters():
     _bad_tree(new_file("/".join(["\u20ac" * 80] * 20) + "/x.py", "x = 1\n"))
 
 
+def test_c3_option_like_and_odd_file_names():
+    """Files named like command-line options (``-rf``, ``--help.py``, ``-``), with a trailing
+    space and a doubled slash: whatever tool copies the tree, none is read as an option and
+    none masks the candidate's failure."""
+    names = ("-rf", "--help.py", "-", "notes .txt", "docs//guide.txt", "--/x.py")
+    _bad_tree("".join(new_file(n, "x = 1\n") for n in names))
+
+
 @escapes(
     "pthread_sigmask blocks SIGALRM, so pytest-timeout's in-process alarm never arrives; no "
     "per-test deadline outside the process"
@@ -789,6 +797,18 @@ def test_c5_detached_child_does_not_hold_the_only_slot():
     honest = verify(app(FIXED.replace("x / 2", "x * 0.5")), config=cfg, limits=SHORT)
     assert_honest(honest)
     assert time.monotonic() - t < 20, "the sibling waited for the slot"
+
+
+def test_c5_huge_failure_message_does_not_bloat_the_trusted_side():
+    """Every call raises an exception whose message is 40 MB (pytest does not shorten exception
+    messages in a report's text): the verifier must answer in bounded time with a verdict of
+    bounded size, the candidate's failure."""
+    code = "def half(x):\n    raise ValueError('x' * (40 << 20))\n"
+    t = time.monotonic()
+    v = verify(app(code))
+    _not_masked(v, t, 120)
+    assert v.status != "passed", describe(v)
+    assert len(repr(v)) < 1_000_000, len(repr(v))
 
 
 # ---------------------------------------------------------------------------------------------
