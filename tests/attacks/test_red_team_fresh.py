@@ -228,7 +228,6 @@ def test_c1_rewrite_finder_instance_method_replaced():
     assert_not_paid(verify(app(code), helper_task()))
 
 
-@escapes("x")
 def test_c1_bootstrap_find_and_load_replaced():
     """The interpreter's import statement calls ``_find_and_load`` of the frozen
     ``importlib._bootstrap`` module, looked up on that module at each import: replaced there (a
