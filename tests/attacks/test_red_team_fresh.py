@@ -1182,6 +1182,7 @@ def test_c7_honest_thread_dump_helper():
     assert_honest(verify(app(code)))
 
 
+@pytest.mark.e2e
 def test_c0_controls():
     """Controls: the fix passes unflagged; the buggy code and the partial fix fail, on each task
     used (so an attack's failure is the defence's doing, not the task's)."""
