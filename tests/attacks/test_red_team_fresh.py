@@ -247,6 +247,26 @@ def test_c1_bootstrap_find_and_load_replaced():
     assert_not_paid(verify(app(code), helper_task()))
 
 
+def test_c1_bootstrap_globals_reached_through_a_module_spec():
+    """The same ``_find_and_load`` swap without ``sys.modules`` or ``setattr``: the frozen
+    bootstrap's globals are the ``__globals__`` of ``ModuleSpec.__init__`` (the class of this
+    module's own ``__spec__``), written as a dictionary."""
+    code = (
+        DECODER
+        + "import types\n\n"
+        + NOOP_MODULE_FACTORY
+        + f"_g = getattr(type(__spec__).__init__, {hide('__globals__')})\n"
+        f"_key = {hide('_find_and_load')}\n"
+        "_orig = _g[_key]\n\n\n"
+        "def _load(name, import_):\n"
+        f"    if name == {hide('tests.helpers')}:\n"
+        "        return _noop_module(name)\n"
+        "    return _orig(name, import_)\n\n\n"
+        "_g[_key] = _load\n\n\n" + BUGGY
+    )
+    assert_not_paid(verify(app(code), helper_task()))
+
+
 # ---------------------------------------------------------------------------------------------
 # Class 2: the outcome stream forged (in-process, before the reporter sees it), early exits.
 # ---------------------------------------------------------------------------------------------
