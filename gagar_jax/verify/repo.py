@@ -112,6 +112,7 @@ CONFIG_NAMES = (
 PROTECTED_CONFIG = CONFIG_NAMES
 PLUGIN_MODULE = "_gagar_outcome_plugin"
 AUDIT_MODULE = "_gagar_audit_hook"  # verify/audit_hook.py beside the runner
+ASSERTS_MODULE = "_gagar_pristine_asserts"  # verify/pristine_asserts.py beside the runner
 MAX_REPORT_BYTES = 16 << 20
 MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 3000  # well below PATH_MAX (4096) once the workdir prefix is added
@@ -698,7 +699,11 @@ def plugin_dir() -> str:
     """A read-only directory (0555, world-readable) holding the test runner."""
     d = tempfile.mkdtemp(prefix="gagar_outcome_plugin_")
     here = os.path.dirname(os.path.abspath(__file__))
-    for src, name in (("outcome_plugin.py", PLUGIN_MODULE), ("audit_hook.py", AUDIT_MODULE)):
+    for src, name in (
+        ("outcome_plugin.py", PLUGIN_MODULE),
+        ("audit_hook.py", AUDIT_MODULE),
+        ("pristine_asserts.py", ASSERTS_MODULE),
+    ):
         dst = os.path.join(d, name + ".py")
         shutil.copyfile(os.path.join(here, src), dst)
         os.chmod(dst, 0o444)
@@ -1279,7 +1284,7 @@ def _verify_repo_patch(
             "args": args,
             "watch_files": watch_files,
             "watch_dirs": watch_dirs,
-            "audit": audit_config(task, watch_files),
+            "audit": audit_config(task, watch_files, tree_paths, files),
         }
         exec_filter = seccomp.host_exec_filter()
         if exec_filter is not None:
@@ -1373,16 +1378,26 @@ def run_order(required: Sequence[str], canaries: Mapping[str, str]) -> list[str]
     return out
 
 
-def audit_config(task: Any, protected: Sequence[str]) -> dict[str, list[str]]:
+def audit_config(
+    task: Any,
+    protected: Sequence[str],
+    tree_paths: Sequence[str] = (),
+    tree: Mapping[str, str] | None = None,
+) -> dict[str, list[str]]:
     """What the test process's audit hook (``audit_hook.py``) protects: the watched files, the
     files of the required tests and the test directories; ``aliases``: where else the sandbox
-    shows the same tree (the read-only source of its private copy)."""
+    shows the same tree (the read-only source of its private copy); ``paths``: the run's
+    tree-relative ``sys.path`` entries (the names test modules are imported under);
+    ``changed``: the files of the prepared ``tree`` the patch added or changed."""
     hidden = hidden_test_paths(task)
     files = set(protected) | {t.split("::", 1)[0] for t in task.required_tests}
+    changed = sorted(p for p, text in (tree or {}).items() if task.files.get(p) != text)
     return {
         "protected": sorted(files),
         "test_dirs": sorted(test_dirs(task, hidden)),
         "aliases": [TREE_SOURCE],
+        "paths": [".", *tree_paths],
+        "changed": changed,
     }
 
 

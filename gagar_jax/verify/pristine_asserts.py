@@ -1,0 +1,175 @@
+"""Equality in the tests' assertions decided by the expected value as well as the result.
+
+The test runner (``outcome_plugin.py``) loads this file by absolute path from its read-only
+directory (it must not import gagar_jax) and calls :func:`install` in the test process before
+pytest collects anything. From then on every ``assert a == b`` of a protected test file (the
+task's tests, its helpers, every file under the test directories) that pytest's assertion
+rewriting compiles is evaluated by :func:`make_eq`'s comparison instead of the bare ``==``:
+
+- the comparison runs as Python runs it; a false result stays false;
+- a true result is checked against the operands themselves: an operand whose type has an
+  equality of its own written outside the trusted code and the tests (the candidate's code, or
+  a class built at run time) is compared once more with values it cannot honestly equal: a
+  fresh object of a private class and, for a number, the expected value plus and minus one (for
+  a string, with a character appended). An operand equal to one of those is not equal to the
+  expected value; it is equal to everything, and the assertion fails (an ``always_equal``
+  evidence line says why).
+
+Honest value classes pass: a dataclass's or ``total_ordering`` class's equality, a value class
+restoring ``float.__eq__``, a tolerant comparison (``math.isclose``), a matcher defined by the
+tests themselves or by an installed library (``unittest.mock.ANY``, ``pytest.approx``) are
+never probed or never equal to the probes. Knowingly mistreated: a library whose feature is an
+object equal to everything (a wildcard) fails the assertion that checks it.
+
+The helpers of the tests (protected modules that are not test files) are registered for
+pytest's assertion rewriting too, so their assertions get the same comparison, and so does
+``unittest.TestCase.assertEqual`` (its comparison of last resort, ``first == second``).
+"""
+
+import ast
+import builtins
+import math
+import os
+
+EQ_NAME = "@gagar_eq"  # an attribute of ``builtins`` no source can spell as a name
+_BUILTIN_TYPES = frozenset(
+    {int, float, complex, str, bytes, bytearray, bool, type(None), tuple, list, dict, set}
+    | {frozenset, range}
+)
+_SLOT = type(object.__eq__)
+_FUNCTION = type(lambda: None)
+_TYPE_DICT = type.__dict__["__dict__"].__get__
+
+
+class _Probe:
+    """A value nothing honest equals."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return "<probe>"
+
+
+def make_eq(report, sources, trusted):
+    """The comparison the rewritten assertions call (see the module docstring)."""
+    trusted = tuple(trusted)
+
+    def own_equality(tp):
+        if tp in _BUILTIN_TYPES:
+            return False
+        for k in tp.__mro__:
+            impl = _TYPE_DICT(k).get("__eq__")
+            if impl is None:
+                continue
+            if k is object:
+                return False
+            if type(impl) is _SLOT:  # a builtin's own equality (float.__eq__) or another slot
+                return impl.__name__ != "__eq__"
+            if type(impl) is _FUNCTION:
+                fn = os.path.normpath(impl.__code__.co_filename)
+                return not (fn.startswith(trusted) or fn in sources)
+            return True  # a type, a partialmethod, a builtin bound as ``__eq__``
+        return False
+
+    def probes(y):
+        yield _Probe()
+        if type(y) in (int, float) and (type(y) is int or math.isfinite(y)):
+            for p in (y + 1, y - 1):
+                if p != y:
+                    yield p
+        elif type(y) is str:
+            yield y + "\x00"
+
+    def eq(a, b):
+        result = a == b
+        if not result:
+            return result
+        for x, y in ((a, b), (b, a)):
+            if not own_equality(type(x)):
+                continue
+            for p in probes(y):
+                try:
+                    hit = bool(x == p)
+                except Exception:  # noqa: BLE001 - an honest equality refusing a stranger
+                    hit = False
+                if hit:
+                    name = f"{type(x).__module__}.{type(x).__qualname__}"
+                    report("always_equal", f"an instance of {name} equals {p!r} too", False)
+                    return False
+        return result
+
+    return eq
+
+
+class _Equalities(ast.NodeTransformer):
+    """``@py_assertN = a == b`` (pytest's rewritten assertions) -> ``@py_assertN =
+    builtins.@gagar_eq(a, b)``."""
+
+    def visit_Assign(self, node):
+        v = node.value
+        if (
+            len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id.startswith("@py_assert")
+            and isinstance(v, ast.Compare)
+            and len(v.ops) == 1
+            and isinstance(v.ops[0], ast.Eq)
+        ):
+            func = ast.Attribute(ast.Name("@py_builtins", ast.Load()), EQ_NAME, ast.Load())
+            node.value = ast.Call(func, [v.left, v.comparators[0]], [])
+            ast.copy_location(node.value, v)
+            ast.fix_missing_locations(node)
+        return self.generic_visit(node)
+
+
+class _Plugin:
+    def __init__(self, names):
+        self._names = names
+
+    def pytest_load_initial_conftests(self, early_config):
+        import pytest
+
+        if self._names:
+            try:
+                pytest.register_assert_rewrite(*self._names)
+            except Exception:  # noqa: BLE001, S110 - assertion rewriting off (--assert=plain)
+                pass
+
+
+def _unittest_equality(eq):
+    """``TestCase.assertEqual``'s last resort (``first == second``) through ``eq`` too."""
+    import unittest.case as case
+
+    def _baseAssertEqual(self, first, second, msg=None):  # noqa: N802 - unittest's name
+        if not eq(first, second):
+            standard = "%s != %s" % case._common_shorten_repr(first, second)  # noqa: UP031
+            raise self.failureException(self._formatMessage(msg, standard))
+
+    case.TestCase._baseAssertEqual = _baseAssertEqual
+
+
+def install(report, root, protected, trusted, helper_names=()):
+    """Routes the protected files' rewritten ``==`` assertions through :func:`make_eq`;
+    returns the pytest plugin that registers ``helper_names`` (the module names of the tests'
+    helpers) for assertion rewriting."""
+    import sys
+
+    import _pytest.assertion.rewrite as rewrite
+
+    root = os.path.normpath(root)
+    sources = frozenset(
+        os.path.normpath(os.path.join(root, p)) for p in protected if p.endswith(".py")
+    )
+    eq = make_eq(report, sources, trusted)
+    setattr(builtins, EQ_NAME, eq)
+    original = rewrite.rewrite_asserts
+
+    def rewrite_asserts(mod, source, module_path=None, config=None):
+        original(mod, source, module_path, config)
+        if module_path is not None and os.path.normpath(str(module_path)) in sources:
+            _Equalities().visit(mod)
+
+    rewrite.rewrite_asserts = rewrite_asserts
+    _unittest_equality(eq)
+    names = sorted(n for n in helper_names if n not in sys.modules)
+    return _Plugin(names)
