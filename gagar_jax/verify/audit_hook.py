@@ -54,7 +54,28 @@ pytest or pluggy
 of the interpreter
 ``sys.pycache_prefix`` changed    bytecode caches moved (checked at each      restored, confirmed
                                   import)
+``compile`` under a protected     a loader or importer serving other text     refused, confirmed
+file's name of text that is not   for a test module or helper (any frame,
+the file's (nor a contiguous run  the import system's too)
+of its lines)
+``object.__getattr__``:           the expected values (its constants)         refused, confirmed
+``__code__`` of a collected test
+function, ``f_code`` of its
+frame (directly, through ``dis``
+or ``inspect.getmembers``)
+``object.__setattr__``:           a helper or test neutered in place          refused, confirmed
+``__code__``/``__defaults__``/
+``__kwdefaults__`` of a function
+of the tests
 ================================  ==========================================  ================
+
+The ``exec`` event records the module code that trusted code (importlib, pytest's rewriting
+importer) executes from each protected file; :func:`install`'s ``check_modules`` (called by the
+runner after collection, after each test's call and at the session's end) compares
+``sys.modules`` with it: every name a protected file can be imported under (from the run's
+path entries and pytest's prepend rule) must hold a module of that file, read and executed by
+trusted code, whose functions are still the file's (``test_module_replaced``,
+``test_function_replaced``, confirmed).
 
 Reports travel out of band, never on stdout: one JSON line per event,
 ``{"audit": kind, "what": detail, "confirmed": bool}``, written to the test process's outcome
