@@ -445,9 +445,7 @@ def _child(args, report_fd, name, audit=None):
     plugins = [Reporter(report_fd, was_loaded, roots, hook, Function)]
     if audit is not None:
         asserts = _load_runner_module(ASSERTS_MODULE)
-        plugins.append(
-            asserts.install(hook.report, root, audit["protected"], trusted, hook.helper_names)
-        )
+        plugins.append(asserts.install(hook.report, root, audit["protected"], hook.helper_names))
     ret = int(pytest.main(list(args), plugins=plugins))
     line = json.dumps({"exitstatus": ret}) + "\n"
     try:

@@ -8,18 +8,21 @@ rewriting compiles is evaluated by :func:`make_eq`'s comparison instead of the b
 
 - the comparison runs as Python runs it; a false result stays false;
 - a true result is checked against the operands themselves: an operand whose type has an
-  equality of its own written outside the trusted code and the tests (the candidate's code, or
-  a class built at run time) is compared once more with values it cannot honestly equal: a
+  equality of its own that is not a builtin type's and not written in the tests' files (the
+  candidate's code, a class built at run time, an installed library's class such as
+  ``unittest.mock.ANY`` returned by the code) is compared once more with values it cannot
+  honestly equal: a
   fresh object of a private class and, for a number, the expected value plus and minus one (for
   a string, with a character appended). An operand equal to one of those is not equal to the
   expected value; it is equal to everything, and the assertion fails (an ``always_equal``
   evidence line says why).
 
 Honest value classes pass: a dataclass's or ``total_ordering`` class's equality, a value class
-restoring ``float.__eq__``, a tolerant comparison (``math.isclose``), a matcher defined by the
-tests themselves or by an installed library (``unittest.mock.ANY``, ``pytest.approx``) are
-never probed or never equal to the probes. Knowingly mistreated: a library whose feature is an
-object equal to everything (a wildcard) fails the assertion that checks it.
+restoring ``float.__eq__``, a tolerant comparison (``math.isclose``), ``pytest.approx``, a
+matcher defined by the tests themselves, matchers nested in a container (``{'id': mock.ANY}``)
+are never probed or never equal to the probes. Knowingly mistreated: a library whose feature is
+an object equal to everything (a wildcard) fails the assertion that checks it, and so does a
+bare ``assert x == mock.ANY`` (which asserts nothing).
 
 The helpers of the tests (protected modules that are not test files) are registered for
 pytest's assertion rewriting too, so their assertions get the same comparison, and so does
@@ -50,9 +53,8 @@ class _Probe:
         return "<probe>"
 
 
-def make_eq(report, sources, trusted):
+def make_eq(report, sources):
     """The comparison the rewritten assertions call (see the module docstring)."""
-    trusted = tuple(trusted)
 
     def own_equality(tp):
         if tp in _BUILTIN_TYPES:
@@ -66,8 +68,9 @@ def make_eq(report, sources, trusted):
             if type(impl) is _SLOT:  # a builtin's own equality (float.__eq__) or another slot
                 return impl.__name__ != "__eq__"
             if type(impl) is _FUNCTION:
-                fn = os.path.normpath(impl.__code__.co_filename)
-                return not (fn.startswith(trusted) or fn in sources)
+                # The tests' own matchers are theirs to define; any other Python equality is
+                # probed, an installed library's too (``mock.ANY`` returned by the code).
+                return os.path.normpath(impl.__code__.co_filename) not in sources
             return True  # a type, a partialmethod, a builtin bound as ``__eq__``
         return False
 
@@ -148,7 +151,7 @@ def _unittest_equality(eq):
     case.TestCase._baseAssertEqual = _baseAssertEqual
 
 
-def install(report, root, protected, trusted, helper_names=()):
+def install(report, root, protected, helper_names=()):
     """Routes the protected files' rewritten ``==`` assertions through :func:`make_eq`;
     returns the pytest plugin that registers ``helper_names`` (the module names of the tests'
     helpers) for assertion rewriting."""
@@ -160,7 +163,7 @@ def install(report, root, protected, trusted, helper_names=()):
     sources = frozenset(
         os.path.normpath(os.path.join(root, p)) for p in protected if p.endswith(".py")
     )
-    eq = make_eq(report, sources, trusted)
+    eq = make_eq(report, sources)
     setattr(builtins, EQ_NAME, eq)
     original = rewrite.rewrite_asserts
 
