@@ -620,7 +620,11 @@ def install(
                 continue
             where = canonical(f, root)
             if where != path:
-                honest = where.startswith(prefix) and where not in changed and _isfile(where)
+                # A clash of names with an unchanged file of the repository or an installed
+                # module (read-only to the candidate) is the repository's own business.
+                honest = where.startswith(trusted) or (
+                    where.startswith(prefix) and where not in changed and _isfile(where)
+                )
                 what = f"{name} ({r}) was loaded from {rel(where)}"
                 report("test_module_replaced", what, not honest)
                 continue

@@ -97,13 +97,16 @@ class Reporter:
     reaches the reporter, all report a pass for a body that never ran (or raised), and the
     reporter sends ``failed`` with a confirmed ``outcome_forged`` line instead."""
 
-    def __init__(self, fd, was_loaded=None, roots=(), audit=None, function_type=None):
+    def __init__(
+        self, fd, was_loaded=None, roots=(), audit=None, function_type=None, unittest_obj=True
+    ):
         self._fd = fd
         self._was_loaded = was_loaded
         self._roots = tuple(os.path.join(r, "") for r in roots)
         self._foreign = set()
         self._audit = audit
         self._function_type = function_type
+        self._unittest_calls_obj = unittest_obj
         self._functions = set()  # node ids of the collected test functions
         self._returned = {}  # node id -> whether its wrapped function returned (last call)
 
@@ -186,6 +189,9 @@ class Reporter:
         for item in session.items:
             if self._function_type is None or not isinstance(item, self._function_type):
                 continue
+            unittest_item = any(k.__name__ == "TestCaseFunction" for k in type(item).__mro__)
+            if unittest_item and not self._unittest_calls_obj:
+                continue  # pytest < 5.4 calls a unittest method without ``item.obj``
             self._functions.add(item.nodeid)
             f = getattr(item, "obj", None)
             f = getattr(f, "__func__", f)
@@ -442,7 +448,8 @@ def _child(args, report_fd, name, audit=None):
     from _pytest.python import Function
 
     Reporter.pytest_runtest_call = pytest.hookimpl(hookwrapper=True)(Reporter.pytest_runtest_call)
-    plugins = [Reporter(report_fd, was_loaded, roots, hook, Function)]
+    version = tuple(int(x) for x in pytest.__version__.split(".")[:2] if x.isdigit())
+    plugins = [Reporter(report_fd, was_loaded, roots, hook, Function, version >= (5, 4))]
     if audit is not None:
         asserts = _load_runner_module(ASSERTS_MODULE)
         plugins.append(asserts.install(hook.report, root, audit["protected"], hook.helper_names))
