@@ -71,7 +71,7 @@ of the tests
 
 The ``exec`` event records the module code that trusted code (importlib, pytest's rewriting
 importer) executes from each protected file; :func:`install`'s ``check_modules`` (called by the
-runner after collection, after each test's call and at the session's end) compares
+runner after collection, after each test's teardown and at the session's end) compares
 ``sys.modules`` with it: every name a protected file can be imported under (from the run's
 path entries and pytest's prepend rule) must hold a module of that file, read and executed by
 trusted code, whose functions are still the file's (``test_module_replaced``,

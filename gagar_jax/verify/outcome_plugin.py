@@ -132,8 +132,11 @@ class Reporter:
             if restore is not None:
                 item.obj = restore
                 self._returned[item.nodeid] = bool(done)
-            if self._audit is not None:
-                self._audit.check_modules()
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        # After the test's teardown (a ``monkeypatch`` of the tests' own modules is undone).
+        if self._audit is not None:
+            self._audit.check_modules()
 
     def _foreign_modules(self):
         """Evidence of modules imported from outside the run's path (the tree and the trusted
