@@ -325,10 +325,6 @@ def test_c3_pass_to_pass_turned_into_xfail():
     assert_not_paid(run(patch, task))
 
 
-@escapes(
-    "the per-test timeout is pytest-timeout's SIGALRM inside the test process: the code under "
-    "test disarms it (setitimer, advisory only); no deadline per test outside the process"
-)
 def test_c3_per_test_timeout_disarmed_by_the_code():
     """A task with a per-test timeout of 0.3 s; the code is too slow (1 s a call; the control
     shows it fails) and cancels the pending alarm at each call."""

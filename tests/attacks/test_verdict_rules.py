@@ -7,6 +7,10 @@
 - A tree that cannot be materialised (a path 1,200 directories deep, more entries than
   ``disk_files``, more bytes than ``disk_bytes``): refused before anything is written, in bounded
   time, as the candidate's ``failed`` (never ``infra_error``).
+- The per-test timeout disarmed by the code under test (pytest-timeout's alarm lives in the
+  test process: ``setitimer(0)``, ``SIGALRM`` ignored or blocked, a forged early ``finish``
+  line): the timeout is kept by the runner's supervisor on its own clock, so a test past it
+  fails (or, still running, gets the test process killed: ``timeout``) whatever the process did.
 - CPU-bound children of one run in sessions of their own: each sandbox slot has its own CPU
   cgroup with a CFS quota (``Limits.cpu_cores``), so the scheduler shares the CPU between runs,
   not between processes.
@@ -16,6 +20,7 @@ import dataclasses
 import glob
 import os
 import sys
+import time
 
 import pytest
 
@@ -115,6 +120,87 @@ def test_tree_size_counts_files_and_directories():
     small = Limits(disk_files=10)
     assert vrepo.tree_fit_problem(t, t.files, small) is None
     assert "tree_too_large" in vrepo.tree_fit_problem(TASK, t.files, small)
+
+
+# --- the per-test timeout, kept outside the test process -------------------------------------
+
+SLOW = "def half(x):\n    time.sleep(1.0)\n    return x / 2\n"
+DISARMS = {
+    "setitimer_zero": "    signal.setitimer(signal.ITIMER_REAL, 0)\n",
+    "sigalrm_ignored": "    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n",
+    "sigalrm_blocked": "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n",
+    # A ``finish`` line for the running test, written to every pipe the process holds, then the
+    # slow work: the real lines that follow are timed from the test's start all the same.
+    "finish_forged_early": (
+        "    signal.setitimer(signal.ITIMER_REAL, 0)\n"
+        "    _t = os.environ.get('PYTEST_CURRENT_TEST', '').rsplit(' ', 1)[0]\n"
+        "    for _fd in map(int, os.listdir('/proc/self/fd')):\n"
+        "        try:\n"
+        "            if stat.S_ISFIFO(os.fstat(_fd).st_mode):\n"
+        '                os.write(_fd, (\'{"finish": "%s"}\\n\' % _t).encode())\n'
+        "        except OSError:\n"
+        "            pass\n"
+    ),
+}
+TIMED = dataclasses.replace(TASK, task_id="half_timed", test_timeout_s=0.3)
+
+
+def _slow(disarm: str) -> str:
+    head = "import os\nimport signal\nimport stat\nimport time\n\n\n"
+    return change("app.py", BUGGY, head + SLOW.replace("    time.sleep", disarm + "    time.sleep"))
+
+
+def test_a_slow_test_fails_its_per_test_timeout():
+    v = verify(_slow(""), the_task=TIMED)
+    assert v.status == "failed" and v.tests["tests/test_app.py::test_half"] == "failed", v.test_log
+
+
+@pytest.mark.parametrize("name", sorted(DISARMS))
+def test_a_per_test_timeout_disarmed_by_the_code_still_fails_the_test(name):
+    v = verify(_slow(DISARMS[name]), the_task=TIMED)
+    assert v.status == "failed" and not v.infra_error, v.test_log
+    assert v.tests["tests/test_app.py::test_half"] == "failed", v.test_log
+    assert "past the per-test timeout" in v.test_log, v.test_log
+
+
+def test_a_hang_with_the_alarm_disarmed_is_killed_by_the_supervisor():
+    """No alarm, no end: the supervisor kills the test process once the test is ``grace``
+    seconds past the timeout (5 s), long before the run's wall limit (30 s)."""
+    hang = (
+        "import signal\nimport time\n\n\ndef half(x):\n"
+        "    signal.setitimer(signal.ITIMER_REAL, 0)\n    while True:\n        time.sleep(0.05)\n"
+    )
+    t0 = time.monotonic()
+    v = verify(change("app.py", BUGGY, hang), the_task=TIMED)
+    assert v.status == "timeout" and not v.infra_error, v.test_log
+    assert "killed the test process" in v.test_log, v.test_log
+    assert time.monotonic() - t0 < LIMITS.wall_s - 5, "the supervisor did not kill it"
+
+
+def test_an_honest_fix_within_the_per_test_timeout_passes():
+    v = verify(FIX, the_task=TIMED)
+    assert v.status == "passed" and not v.cheat, v.test_log
+
+
+def test_deadlines_time_each_test_from_its_first_start_to_its_last_line():
+    """The supervisor's bookkeeping on a scripted clock: a forged early finish is overtaken by
+    the real lines; an outcome of a test never started is reported; a test past its grace is
+    the one killed."""
+    from gagar_jax.verify.outcome_plugin import _Deadlines
+
+    d = _Deadlines(1.0)
+    out = d.feed(b'{"start": "a"}\n{"finish": "a"}\n', 0.0)
+    assert out == b"" and d.current is None
+    assert d.feed(b'{"id": "a", "when": "call", "outcome": "passed"}\n', 3.0).startswith(b'{"id"')
+    assert d.overran == {"a": 3.0}
+    d.feed(b'{"id": "b", "when": "call", "outcome": "passed"}\n{"start": "c"}\n{"fin', 4.0)
+    assert d.unstarted == ["b"] and d.rest() == b'{"fin'
+    assert d.wait(4.0) == pytest.approx(6.0) and d.expired(9.0) is None
+    assert d.expired(10.5) == "c" and d.killed == "c" and d.wait(11.0) is None
+    d2 = _Deadlines(1.0)
+    d2.feed(b'{"start": "x"}\n', 0.0)
+    d2.feed(b'{"id": "x", "when": "call", "outcome": "passed"}\n{"finish": "x"}\n', 1.2)
+    assert d2.overran == {}  # within the slack (a quarter of the timeout, at least 0.25 s)
 
 
 # --- CPU per slot ----------------------------------------------------------------------------
