@@ -59,6 +59,12 @@ SKIPS = {
         "def double(x):\n    import pytest\n\n    pytest.importorskip('no_such_module_here')\n"
     ),
     "pytest_skip": "def double(x):\n    import pytest\n\n    pytest.skip('n/a')\n",
+    # An expected failure is reported as skipped (``wasxfail``): the same regression.
+    "pytest_xfail": "def double(x):\n    import pytest\n\n    pytest.xfail('flaky')\n",
+    "skiptest_subclass": (
+        "import unittest\n\n\nclass Unsupported(unittest.SkipTest):\n    pass\n\n\n"
+        "def double(x):\n    raise Unsupported('platform')\n"
+    ),
 }
 
 
@@ -90,6 +96,19 @@ TREES = {
     "path_1200_directories_deep": (
         new_file("/".join(["d"] * 1200) + "/x.py", "x = 1\n") + FIX,
         "path_too_deep",
+    ),
+    # 100 characters, 300 bytes: NAME_MAX counts bytes, not characters.
+    "name_of_multibyte_characters_over_name_max": (
+        new_file("\u20ac" * 100 + ".py", "x = 1\n") + FIX,
+        "over 255 bytes",
+    ),
+    "a_file_where_the_test_directory_goes": (
+        new_file("tests", "not a directory\n") + FIX,
+        "both a file and a directory",
+    ),
+    "a_directory_where_the_configuration_file_goes": (
+        new_file("pytest.ini/x.py", "x = 1\n") + FIX,
+        "both a file and a directory",
     ),
     "more_entries_than_disk_files": (
         "".join(new_file(f"pkg/f{i}.py", "x = 1\n") for i in range(LIMITS.disk_files + 10)) + FIX,
