@@ -11,12 +11,16 @@
   test process: ``setitimer(0)``, ``SIGALRM`` ignored or blocked, a forged early ``finish``
   line): the timeout is kept by the runner's supervisor on its own clock, so a test past it
   fails (or, still running, gets the test process killed: ``timeout``) whatever the process did.
+- A candidate whose code stalls the grader's ``run_check``: the time a check runs a candidate's
+  code is not charged to the vote's time budget but to a check budget of its own, and each
+  check runs at most what is left of it, so the group still gets its verdict.
 - CPU-bound children of one run in sessions of their own: each sandbox slot has its own CPU
   cgroup with a CFS quota (``Limits.cpu_cores``), so the scheduler shares the CPU between runs,
   not between processes.
 """
 
 import dataclasses
+import functools
 import glob
 import os
 import sys
@@ -220,6 +224,106 @@ def test_deadlines_time_each_test_from_its_first_start_to_its_last_line():
     d2.feed(b'{"start": "x"}\n', 0.0)
     d2.feed(b'{"id": "x", "when": "call", "outcome": "passed"}\n{"finish": "x"}\n', 1.2)
     assert d2.overran == {}  # within the slack (a quarter of the timeout, at least 0.25 s)
+
+
+# --- the grader's checks cannot starve the group's verdict ----------------------------------
+
+# Sleeps on import unless the verifier's runner imports it: the verification passes, every
+# grader check (``python -m pytest``) stalls.
+STALL = (
+    "import sys\nimport time\n\nif 'outcome_plugin' not in sys.argv[0]:\n    time.sleep(30)\n\n\n"
+)
+
+
+@functools.cache
+def _stalling_group():
+    from gagar_jax.envs.repo import repo_candidate, repo_workspace
+
+    patches = [FIX, change("app.py", BUGGY, STALL + FIXED)]
+    patches.append(change("app.py", BUGGY, STALL + FIXED.replace("2", "2.0")))
+    cands = []
+    for i, p in enumerate(patches):
+        v = verify(p)
+        assert v.status == "passed", v.test_log
+        cands.append(repo_candidate(f"r{i}", p, v, task=TASK))
+    return repo_workspace(TASK, "g-stall", cands)
+
+
+def _check_every_candidate():
+    """The scripted grader policy, checking every passing candidate instead of one."""
+    import json
+
+    from gagar_jax.grading.scripted import ScriptedGraderPolicy
+
+    class CheckEvery(ScriptedGraderPolicy):
+        outputs: list = []
+
+        def chat_completions(self, messages, **kw):
+            done = {m.get("tool_call_id"): m.get("content", "") for m in messages}
+            CheckEvery.outputs = [v for k, v in done.items() if str(k).startswith("check:")]
+            if "summaries" in done:
+                summ = json.loads(done["summaries"])["candidates"]
+                todo = [
+                    (f"check:{c['candidate']}", "run_check", {"candidate": c["candidate"],
+                                                               "command": self.check_command})
+                    for c in summ
+                    if c["status"] == "passed" and f"check:{c['candidate']}" not in done
+                ]  # fmt: skip
+                if todo:
+                    return self._calls(todo[:1])
+            return super().chat_completions(messages, **kw)
+
+    return CheckEvery(use_check=True)
+
+
+def test_stalling_checks_cost_the_vote_its_check_budget_not_its_verdict():
+    """Two of three candidates stall every check for 30 s; the grader's time budget is 1 s and
+    its check budget 3 s: each check is cut to what is left of the check budget, the later
+    ones answer that it is spent, and the group is graded in bounded time."""
+    from gagar_jax.grading import AgenticGrader
+    from gagar_jax.grading.adapters import SandboxCheckRunner
+
+    ws = _stalling_group()
+    policy = _check_every_candidate()
+    runner = SandboxCheckRunner(limits=Limits(wall_s=60, cpu_s=60))
+    grader = AgenticGrader(policy, check_runner=runner, time_budget_s=1, check_budget_s=3)
+    t0 = time.monotonic()
+    verdict = grader.grade(ws)
+    assert {j.candidate_id for j in verdict.judgements} == {"r0", "r1", "r2"}
+    assert time.monotonic() - t0 < 25, "the checks were not held to the check budget"
+    assert len(policy.outputs) == 3
+    assert any("check budget (3 s) is spent" in o for o in policy.outputs), policy.outputs
+
+
+@pytest.mark.e2e
+def test_a_check_runner_without_a_time_limit_is_not_charged_to_the_vote():
+    """A runner of the plain protocol (no ``time_limit_s``) whose check of a stalling
+    candidate runs past the vote's whole time budget: the vote still ends in a verdict."""
+    from gagar_jax.grading import AgenticGrader
+    from gagar_jax.grading.adapters import SandboxCheckRunner
+    from gagar_jax.grading.scripted import ScriptedGraderPolicy
+
+    inner = SandboxCheckRunner(limits=Limits(wall_s=4, cpu_s=4))
+
+    class Plain:
+        def run(self, workspace, candidate, command):
+            return inner.run(workspace, candidate, command)
+
+    ws = _stalling_group()
+    grader = AgenticGrader(
+        ScriptedGraderPolicy(use_check=True), check_runner=Plain(), time_budget_s=2
+    )
+    for k in range(3):  # the candidate checked is a shuffle: several groups, 2 of 3 stall
+        g = dataclasses.replace(ws, group_id=f"g-stall-{k}")
+        assert len(grader.grade(g).judgements) == 3
+
+
+def test_check_budget_must_not_be_negative():
+    from gagar_jax.grading import AgenticGrader
+    from gagar_jax.grading.scripted import ScriptedGraderPolicy
+
+    with pytest.raises(ValueError, match="check_budget_s"):
+        AgenticGrader(ScriptedGraderPolicy(), check_budget_s=-1)
 
 
 # --- CPU per slot ----------------------------------------------------------------------------
