@@ -564,11 +564,6 @@ def test_c5_run_check_stall_starves_the_group_grade():
             pytest.fail(f"the group lost its grade: {e}")
 
 
-@escapes(
-    "the heuristic's 'bug left in place' site is whatever a majority of the group's passing "
-    "candidates change: rollouts that all touch one harmless line move the site and make the "
-    "minimal fix at the real bug T3, while the wrappers that leave the bug are T2"
-)
 def test_c5_majority_moves_the_fix_site_onto_a_harmless_line():
     """Two rollouts leave ``return x`` in place, wrap ``half`` below it, and both touch the
     ``SCALE = 1`` line (a comment); the honest sibling fixes the bug line alone. Safe: the honest
