@@ -20,9 +20,11 @@ rewriting compiles is evaluated by :func:`make_eq`'s comparison instead of the b
 Honest value classes pass: a dataclass's or ``total_ordering`` class's equality, a value class
 restoring ``float.__eq__``, a tolerant comparison (``math.isclose``), ``pytest.approx``, a
 matcher defined by the tests themselves, matchers nested in a container (``{'id': mock.ANY}``)
-are never probed or never equal to the probes. Knowingly mistreated: a library whose feature is
-an object equal to everything (a wildcard) fails the assertion that checks it, and so does a
-bare ``assert x == mock.ANY`` (which asserts nothing).
+are never probed or never equal to the probes. A wildcard the tests ask for compares as Python
+does: the assertions that name it are left alone when the test module compares that name equal
+to two literal values that differ from each other (``ANYTHING == 5`` and ``{"at": "now"} ==
+{"at": ANYTHING}``: no honest equality passes both). Knowingly mistreated: a bare ``assert x ==
+mock.ANY`` (which asserts nothing) fails.
 
 The helpers of the tests (protected modules that are not test files) are registered for
 pytest's assertion rewriting too, so their assertions get the same comparison, and so does
@@ -104,14 +106,103 @@ def make_eq(report, sources):
     return eq
 
 
+_NO = object()
+
+
+def _literal(node):
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return _NO
+
+
+def _imported(tree):
+    """Names the module binds by its imports (``from app import ANYTHING``, ``import app``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom | ast.Import):
+            out.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return out
+
+
+def _name_of(node, imported):
+    """The imported name ``node`` reads (``ANYTHING``, ``app.ANYTHING``), else None: a local
+    variable compared with several values is no wildcard."""
+    if isinstance(node, ast.Name):
+        return node.id if node.id in imported else None
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return node.attr if node.value.id in imported else None
+    return None
+
+
+def _pairs(x, y, imported):
+    """(name, literal) pairs where ``x == y`` compares an imported name with a literal, directly
+    or at the same key or position of two container displays."""
+    name = _name_of(x, imported)
+    if name is not None:
+        value = _literal(y)
+        if value is not _NO:
+            yield name, value
+    elif isinstance(x, ast.Dict) and isinstance(y, ast.Dict):
+        ys = {}
+        for k, v in zip(y.keys, y.values, strict=False):
+            key = _literal(k) if k is not None else _NO
+            if key is not _NO:
+                ys[repr(key)] = v
+        for k, v in zip(x.keys, x.values, strict=False):
+            key = _literal(k) if k is not None else _NO
+            if key is not _NO and repr(key) in ys:
+                yield from _pairs(v, ys[repr(key)], imported)
+    elif isinstance(x, ast.List | ast.Tuple) and type(x) is type(y) and len(x.elts) == len(y.elts):
+        for a, b in zip(x.elts, y.elts, strict=True):
+            yield from _pairs(a, b, imported)
+
+
+def wildcard_asserts(tree):
+    """Line numbers of the assertions that compare a wildcard the tests ask for: a name the
+    module compares equal to two literal values that differ from each other (``ANYTHING == 5``
+    and ``{"at": "now"} == {"at": ANYTHING}``): no object of honest equality passes both, so the
+    task wants one equal to everything, and those assertions compare as Python does."""
+    imported = _imported(tree)
+    values = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
+            a, b = node.left, node.comparators[0]
+            for name, value in (*_pairs(a, b, imported), *_pairs(b, a, imported)):
+                values.setdefault(name, []).append(value)
+    wanted = set()
+    for name, vals in values.items():
+        distinct = []
+        for v in vals:
+            try:
+                if not any(v == d for d in distinct):
+                    distinct.append(v)
+            except Exception:  # noqa: BLE001 - an unorderable literal: count it apart
+                distinct.append(v)
+        if len(distinct) >= 2:
+            wanted.add(name)
+    if not wanted:
+        return frozenset()
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assert):
+            if any(_name_of(n, imported) in wanted for n in ast.walk(node.test)):
+                lines.add(node.lineno)
+    return frozenset(lines)
+
+
 class _Equalities(ast.NodeTransformer):
     """``@py_assertN = a == b`` (pytest's rewritten assertions) -> ``@py_assertN =
-    builtins.@gagar_eq(a, b)``."""
+    builtins.@gagar_eq(a, b)``, except in the assertions ``skip`` (line numbers)."""
+
+    def __init__(self, skip=frozenset()):
+        self._skip = skip
 
     def visit_Assign(self, node):
         v = node.value
         if (
-            len(node.targets) == 1
+            getattr(node, "lineno", None) not in self._skip
+            and len(node.targets) == 1
             and isinstance(node.targets[0], ast.Name)
             and node.targets[0].id.startswith("@py_assert")
             and isinstance(v, ast.Compare)
@@ -168,9 +259,11 @@ def install(report, root, protected, helper_names=()):
     original = rewrite.rewrite_asserts
 
     def rewrite_asserts(mod, source, module_path=None, config=None):
+        ours = module_path is not None and os.path.normpath(str(module_path)) in sources
+        skip = wildcard_asserts(mod) if ours else frozenset()
         original(mod, source, module_path, config)
-        if module_path is not None and os.path.normpath(str(module_path)) in sources:
-            _Equalities().visit(mod)
+        if ours:
+            _Equalities(skip).visit(mod)
 
     rewrite.rewrite_asserts = rewrite_asserts
     _unittest_equality(eq)
