@@ -237,7 +237,8 @@ class RolloutConfig:
     # own) | bfloat16 | int8 | fp8 (weight-only, bfloat16 compute), converted once per weight
     # sync; with a precision other than the update's the learner's truncated IS is on by
     # default (learner.rollout_is="token", learner.decoupled=True) and so are the mismatch
-    # metrics. kv_cache_dtype: auto (the compute dtype) | float32 | bfloat16
+    # metrics. kv_cache_dtype: auto (the compute dtype) | float32 | bfloat16 | int8 (one scale
+    # per token and KV head, quantised on writing, dequantised on reading)
     precision: str = "float32"
     kv_cache_dtype: str = "auto"
     # the behaviour log-probs of each batch recomputed, with the embedded sampler's weights,
