@@ -734,13 +734,6 @@ class RunConfig:
             u.temperature,
         )
         _check(
-            not (u.routing_replay and self.rollout.engine != "embedded"),
-            "learner.routing_replay",
-            "False with rollout.engine='sglang' (the embedded sampler records the routes; "
-            "the SGLang client does not read them yet)",
-            u.routing_replay,
-        )
-        _check(
             not (u.shared_prefix and self.rollout.partial_rollout),
             "learner.shared_prefix",
             "False with rollout.partial_rollout (a resumed episode's prompt holds its history, "
