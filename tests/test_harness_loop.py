@@ -16,6 +16,7 @@ from gagar_jax.rl.config import ConfigError, RunConfig
 from gagar_jax.rollout.sampler import Sampler
 from gagar_jax.update import UpdateConfig
 from gagar_jax.update.alignment import behaviour_logprobs
+from gagar_jax.update.step import _split, episode_token_advantages
 from tests.gateway_fixtures import tiny_policy
 from tests.hf_fixtures import make_tiny_tokenizer
 from tests.test_harness import HTTP_HARNESS, TASK, _script
@@ -225,6 +226,25 @@ def test_edited_history_trains_every_segment_as_a_row_of_its_episode(tokenizer):
         sum(r.response_mask) + sum(r.extra_segments[0]["response_mask"]) for r in group.rollouts
     )
     assert np.max(np.abs(lp - old)[mask]) < 1e-5
+    # token-level credit as the update runs it: each episode's credit is conserved over its
+    # two rows (not row by row: the statistics span the episode)
+    adv = np.array([0.75, -0.5], np.float32)
+    ids = np.asarray(batch.row_episode)
+    tok, err = episode_token_advantages(
+        params,
+        {
+            f: _split(np.asarray(getattr(batch, f)), 1, 1, None)
+            for f in ("tokens", "positions", "attention_mask", "response_mask")
+        },
+        adv,
+        ids,
+        graphdef=graphdef,
+        config=UpdateConfig(shared_prefix=False, token_credit="entropy", token_gamma=1.0),
+    )
+    tok = np.asarray(tok)
+    assert float(err) < 1e-6
+    for e in range(2):
+        np.testing.assert_allclose(tok[ids == e].sum(), adv[e] * mask[ids == e].sum(), rtol=1e-5)
     # the same episodes with one segment per row budget: the second is counted, not trained
     cfg1 = dataclasses.replace(
         cfg, rollout=dataclasses.replace(cfg.rollout, harness_max_segments=1)

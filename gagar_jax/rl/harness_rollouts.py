@@ -34,9 +34,10 @@ update broadcasts advantages to rows (one gather) and leaves every kernel, the d
 sampling and the staleness accounting as they are. Segments beyond
 ``rollout.harness_max_segments`` are counted (``episode/untrained_segments``), never trained
 with a wrong context. With token-level credit (``learner.token_credit``) the update
-redistributes within each row, which conserves each row's credit and so the episode's, but
-centres the token weights per segment rather than over the episode as
-``redistribute_segment_tokens`` does. ``episode/segments``, ``episode/calls`` and
+redistributes each episode's advantage over the tokens of all its rows at once
+(``redistribute_segment_tokens``, see ``gagar_jax.update.step``), so its credit is conserved
+across its segments and each token gets the weight it would get were the episode one row.
+``episode/segments``, ``episode/calls`` and
 ``episode/tokens`` (means over the step's harness episodes) are logged by ``StepCounters``.
 
 The gateway's context limit is the row (``rollout.max_prompt_len + rollout.max_new_tokens``),
