@@ -15,7 +15,11 @@ gateway, on the fixture repositories, with the embedded sampler.
 4. checks (:func:`check`) the steps ran, every step's episodes made model calls through the
    gateway, the update's log-probs at the sampling weights equal the recorded ones (the
    embedded sampler's k3 is 0) and the losses are finite. A random model's episodes mostly
-   fail: the plumbing is what is checked, not learning.
+   fail: the plumbing is what is checked, not learning;
+5. exports the run's episodes (the gateway's records under ``RUN_DIR/episodes``) as ATIF
+   trajectories (``python -m gagar_jax.data.trajectories export RUN_DIR --format atif``) and
+   reads each back (:func:`check_export`): every episode of every step, each call's ids,
+   log-probs and policy version as recorded.
 """
 
 from __future__ import annotations
@@ -66,6 +70,51 @@ def check(rows: list[dict], steps: int) -> list[str]:
         if r.get("infra_errors"):
             problems.append(f"step {r['step']}: {r['infra_errors']} infra errors")
     return problems
+
+
+def check_export(run_dir: str, steps: int, episodes_per_step: int) -> tuple[list[str], str]:
+    """The ATIF export of the run's episodes, read back: (problems, a summary line)."""
+    from gagar_jax.data import trajectories
+
+    problems = []
+    records = {r["episode_id"]: r for r in trajectories.find_records(run_dir)}
+    train = sorted(e for e in records if e.startswith("s"))
+    for step in range(steps):
+        got = [e for e in train if e.startswith(f"s{step}-")]
+        if len(got) < episodes_per_step:
+            problems.append(f"step {step}: {len(got)} recorded episodes, want {episodes_per_step}")
+    out = subprocess.run(
+        [sys.executable, "-m", "gagar_jax.data.trajectories", "export", run_dir],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=600,
+    )
+    if out.returncode:
+        return problems + [f"export exited {out.returncode}: {out.stderr[-2000:]}"], ""
+    files = out.stdout.split()
+    calls = 0
+    for path in files:
+        try:
+            traj = trajectories.read_atif(path)
+        except (OSError, ValueError) as e:
+            problems.append(f"{path}: {e}")
+            continue
+        rec = records.get(traj["session_id"])
+        got = trajectories.atif_calls(traj)
+        calls += len(got)
+        keys = ("prompt_ids", "completion_ids", "logprobs", "policy_version", "linked_call")
+        if rec is None or [{k: c[k] for k in keys} for c in got] != [
+            {k: c[k] for k in keys} for c in rec["calls"]
+        ]:
+            problems.append(f"{path}: its calls differ from the episode's record")
+    if len(files) != len(records):
+        problems.append(f"{len(files)} ATIF files for {len(records)} recorded episodes")
+    return problems, (
+        f"exported {len(files)} episodes ({len(train)} of training, {calls} calls) as ATIF "
+        f"and read them back"
+    )
 
 
 def trainer_cmd(run_dir, model_dir, pool, agents_venv, steps, asynchronous) -> list[str]:
@@ -139,6 +188,10 @@ def main() -> int:
         if r.get("phase") == "train":
             print("e2e-harness: step", r["step"], " ".join(f"{k}={r.get(k)}" for k in KEYS))
     problems = check(rows, args.steps)
+    export_problems, summary = check_export(run_dir, args.steps, episodes_per_step=2)
+    problems += export_problems
+    if summary:
+        print(f"e2e-harness: {summary}")
     print(f"e2e-harness: done in {time.monotonic() - t0:.0f} s; metrics in {run_dir}")
     for p in problems:
         print(f"e2e-harness: FAILED: {p}")

@@ -40,6 +40,14 @@ across its segments and each token gets the weight it would get were the episode
 ``episode/segments``, ``episode/calls`` and
 ``episode/tokens`` (means over the step's harness episodes) are logged by ``StepCounters``.
 
+**Records.** With a record directory (the training loop gives ``RUN_DIR/episodes``, see
+:func:`harness_runner`) the gateway writes every finished episode there as one JSON file (per
+call: the prompt ids, completion ids, behaviour log-probs, policy version, the messages in and
+the answer out with its tool calls; the harness's tool results are the next call's messages), so
+``python -m gagar_jax.data.trajectories export RUN_DIR --format atif`` exports a run's episodes,
+and a gateway started again on the same directory (a resumed run) keeps them: an episode drawn
+again gets a new id (``-r<n>``), never a finished one's.
+
 The gateway's context limit is the row (``rollout.max_prompt_len + rollout.max_new_tokens``),
 so every segment fits one; a first segment whose prompt is longer than ``max_prompt_len``
 carries the prompt's tail in the response with mask 0, and one whose response part would pass
@@ -111,12 +119,23 @@ def _harness_config(cfg: RunConfig) -> HarnessConfig:
     )
 
 
-def harness_runner(engine, tokenizer, cfg: RunConfig) -> HarnessRunner:
+def harness_runner(
+    engine, tokenizer, cfg: RunConfig, *, record_dir: str | None = None
+) -> HarnessRunner:
     """The harness runner of ``engine`` (built once per engine and kept while it lives): a
     gateway on the engine, served on a Unix socket in a private directory, with the run's
-    row budget as its context limit and ``rollout.temperature`` on every call."""
+    row budget as its context limit and ``rollout.temperature`` on every call, writing each
+    finished episode's record to ``record_dir`` (None: kept in memory). The first call for an
+    engine decides its record directory; a later call naming another one is an error."""
     got = _RUNNERS.get(engine)
     if got is not None:
+        have = got.gateway.store.record_dir
+        if record_dir is not None and (
+            have is None or os.path.realpath(have) != os.path.realpath(record_dir)
+        ):
+            raise ValueError(
+                f"harness_runner: this engine's gateway records to {have!r}, not {record_dir!r}"
+            )
         return got
     r = cfg.rollout
     backend = BatchingBackend(engine) if r.engine == "embedded" else DirectBackend(engine)
@@ -127,7 +146,7 @@ def harness_runner(engine, tokenizer, cfg: RunConfig) -> HarnessRunner:
         max_tokens_cap=r.max_turn_tokens or r.max_new_tokens,
         temperature=r.temperature,
     )
-    gateway = Gateway(backend, tokenizer, gw_cfg)
+    gateway = Gateway(backend, tokenizer, gw_cfg, record_dir=record_dir)
     sock_dir = tempfile.mkdtemp(prefix="gagar_gw_")
     server = GatewayServer(gateway, uds=os.path.join(sock_dir, "gateway.sock")).start()
     atexit.register(server.stop)
@@ -194,6 +213,16 @@ def _row_fields(ep: HarnessEpisode, fallback_prompt: list[int], cfg: RunConfig) 
     )
 
 
+def _fresh_id(runner: HarnessRunner, episode_id: str) -> str:
+    """``episode_id``, or ``episode_id-r<n>`` if the gateway knows it already (a record read
+    back from an earlier process of the run)."""
+    n, got = 0, episode_id
+    while runner.gateway.store.known(got):
+        n += 1
+        got = f"{episode_id}-r{n}"
+    return got
+
+
 def harness_rollouts(
     engine,
     family,
@@ -213,7 +242,8 @@ def harness_rollouts(
 
     def one(job):
         i, k = job
-        ep = runner.run(tasks[i], episode_id=f"{episode_ids[i][k]}-d{draw}", seed=seeds[i][k])
+        eid = _fresh_id(runner, f"{episode_ids[i][k]}-d{draw}")
+        ep = runner.run(tasks[i], episode_id=eid, seed=seeds[i][k])
         try:
             out = verify_harness_episode(tasks[i], ep)
         except Exception as e:  # noqa: BLE001 -- a verifier crash is masked, never scored
