@@ -8,7 +8,9 @@ SGLang behind ``DirectBackend``: the same code path), with the update's sampling
 forced on every call so behaviour and training log-probs are of one distribution. The episode's
 final diff goes through the standard verifier (``verify_harness_episode``); the behaviour
 monitor reads the commands and outputs from the gateway's record; the graders get the
-trajectory summary and the diff (:class:`HarnessAttempt`). An episode without a diff fails; a
+trajectory summary and the diff (:class:`HarnessAttempt`); the verification runs on the execution
+back-end like a native group's (a Ray cluster's nodes with ``execution.backend=ray``, the
+group admitted with its verifier slots and grader slot). An episode without a diff fails; a
 harness that crashes, hangs or loops fails with the reason; an engine or sandbox failure is
 ``infra_error`` (masked, counted).
 
@@ -59,6 +61,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import os
 import tempfile
@@ -81,6 +84,7 @@ from gagar_jax.rollout.gateway import (
     GatewayServer,
 )
 from gagar_jax.rollout.segments import Segment
+from gagar_jax.verify import execution
 
 
 @dataclasses.dataclass
@@ -213,6 +217,19 @@ def _row_fields(ep: HarnessEpisode, fallback_prompt: list[int], cfg: RunConfig) 
     )
 
 
+def _verify(task, ep: HarnessEpisode) -> Outcome:
+    """``verify_harness_episode``; a verifier that raises is an infrastructure failure
+    (masked, never scored)."""
+    try:
+        return verify_harness_episode(task, ep)
+    except Exception as e:  # noqa: BLE001 -- a verifier crash is masked, never scored
+        return Outcome(
+            passed=False,
+            infra_error=True,
+            test_log=f"infra error: verifier raised {type(e).__name__}: {e}",
+        )
+
+
 def _fresh_id(runner: HarnessRunner, episode_id: str) -> str:
     """``episode_id``, or ``episode_id-r<n>`` if the gateway knows it already (a record read
     back from an earlier process of the run)."""
@@ -233,9 +250,15 @@ def harness_rollouts(
     num_rollouts: int,
     episode_ids: list[list[str]],
     seeds: list[list[int]],
+    group_ids: list[str] | None = None,
+    hold_grader: bool = False,
 ):
     """``num_rollouts`` harness episodes per task, run ``rollout.harness_concurrency`` at a
-    time, verified: per task a list of ``(attempt, outcome, rollout fields)``."""
+    time on this host (the gateway is in this process), then verified on the execution
+    back-end (``execution.backend``: in this thread, or as Ray calls on the cluster's nodes)
+    group by group: per task a list of ``(attempt, outcome, rollout fields)``.
+    ``hold_grader``: each group keeps a grader slot under its ``group_ids`` entry
+    (``collect.generate_groups``)."""
     runner = harness_runner(engine, family.tokenizer, cfg)
     draw = next(_DRAWS)
     jobs = [(i, k) for i in range(len(tasks)) for k in range(num_rollouts)]
@@ -243,19 +266,27 @@ def harness_rollouts(
     def one(job):
         i, k = job
         eid = _fresh_id(runner, f"{episode_ids[i][k]}-d{draw}")
-        ep = runner.run(tasks[i], episode_id=eid, seed=seeds[i][k])
-        try:
-            out = verify_harness_episode(tasks[i], ep)
-        except Exception as e:  # noqa: BLE001 -- a verifier crash is masked, never scored
-            out = Outcome(
-                passed=False,
-                infra_error=True,
-                test_log=f"infra error: verifier raised {type(e).__name__}: {e}",
-            )
-        return ep, out
+        return runner.run(tasks[i], episode_id=eid, seed=seeds[i][k])
 
     with concurrent.futures.ThreadPoolExecutor(cfg.rollout.harness_concurrency) as pool:
-        done = list(pool.map(one, jobs))
+        eps = list(pool.map(one, jobs))
+    # Verified as the native groups are (``collect.generate_groups``): each group's K calls on
+    # the execution back-end once admitted (on a cluster: its K verifier slots and, with
+    # ``hold_grader``, a grader slot held under its group id until released).
+    if hold_grader and (group_ids is None or len(group_ids) != len(tasks)):
+        raise ValueError("harness_rollouts: hold_grader needs one group id per task")
+    verified = execution.current().gather_groups(
+        [
+            [
+                functools.partial(_verify, tasks[i], eps[i * num_rollouts + k])
+                for k in range(num_rollouts)
+            ]
+            for i in range(len(tasks))
+        ],
+        grader=int(hold_grader),
+        keys=list(group_ids) if hold_grader else None,
+    )
+    done = [(eps[i * num_rollouts + k], verified[i][k]) for i, k in jobs]
     per_task: list[list] = [[] for _ in tasks]
     for (i, _k), (ep, out) in zip(jobs, done):
         fields, untrained = _row_fields(ep, prompts[i], cfg)
