@@ -160,7 +160,7 @@ def trainer_cmd(
         "--config.rollout.harness=mini_swe_agent",
         f"--config.rollout.harness_agents_venv={agents_venv}",
         "--config.rollout.harness_max_calls=3",
-        "--config.rollout.harness_max_wall_s=120",
+        "--config.rollout.harness_max_wall_s=300",
         "--config.rollout.harness_max_segments=2",
         "--config.rollout.max_turn_tokens=48",
         "--config.rollout.num_prompts=1",
