@@ -55,6 +55,7 @@ KEYS = (
     "pass_rate",
     "infra_errors",
     "loss",
+    "token_credit/conservation_error",
 )
 
 
@@ -208,6 +209,14 @@ def main() -> int:
         "--sglang-url", default="", help="with --engine=sglang: a server serving --model-dir"
     )
     ap.add_argument("--pool", choices=("factory", "fixtures"), default="factory")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another config override (e.g. mode=gagar_token), repeatable",
+    )
+    ap.add_argument("--run-name", default="", help="the run's folder under --out")
     ap.add_argument("--timeout-s", type=float, default=1200.0)
     args = ap.parse_args()
 
@@ -215,7 +224,8 @@ def main() -> int:
 
     out = os.path.abspath(args.out)
     name = "run" + ("_sglang" if args.engine == "sglang" else "")
-    run_dir = os.path.join(out, name + ("_async" if args.asynchronous else ""))
+    name = args.run_name or name + ("_async" if args.asynchronous else "")
+    run_dir = os.path.join(out, name)
     os.makedirs(out, exist_ok=True)
     if os.path.isdir(run_dir):
         import shutil
@@ -244,7 +254,7 @@ def main() -> int:
         args.asynchronous,
         repos_dir=repos_dir,
         sglang_url=url,
-    )
+    ) + [f"--config.{kv}" for kv in args.set]
     env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
     t_train = time.monotonic()
     try:
