@@ -94,8 +94,7 @@ def _split_rows_across_microbatches(batch, seed=0):
     return split._replace(row_episode=np.asarray(split.row_episode)[order], **fields)
 
 
-@pytest.mark.parametrize("credit", ["entropy", "evidence"])
-@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize("credit, microbatches", [("entropy", 2), ("evidence", 1)])
 def test_token_credit_over_segment_rows_trains_as_the_episode_in_one_row(credit, microbatches):
     # Token-level credit takes its statistics over each episode's tokens in all its rows: the
     # split batch gives every token the advantage it has in the one-row batch, so the update
