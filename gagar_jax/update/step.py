@@ -953,7 +953,10 @@ def _token_metrics(
     clip set is the same for both: it depends on the ratio and the sign only); both over
     ``num_tokens``, with ``delivered_abs`` = ``sum_t |A_t r_t [active_t]|`` as their scale.
     ``gini``: mean over sequences of the Gini of ``|A_t|``. ``positive`` /
-    ``positive_on_evidence``: positive token credit in all / on cited tokens.
+    ``positive_on_evidence``: positive token credit in all / on cited tokens. With several rows
+    per episode (``UpdateBatch.row_episode``) these are per row: ``conservation_error`` is then
+    replaced by the episode figure (:func:`episode_token_advantages`), and
+    ``conservation_error_clipped`` also counts the credit moved between an episode's rows.
     """
     sg = jax.lax.stop_gradient
     tok_adv = jnp.broadcast_to(tok_adv if tok_adv.ndim == 2 else tok_adv[:, None], mask.shape)
