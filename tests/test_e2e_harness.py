@@ -70,7 +70,7 @@ def test_mini_swe_agent_episodes_train_token_exact(mode, out):
 
 
 # The SGLang run adds about 9 minutes on a 2-core machine (the server's start, then 3 steps):
-# out of CI by default, GAGAR_E2E_HARNESS_SGLANG=1 runs it (as `make e2e E2E_HARNESS_SGLANG=1`).
+# `make e2e` runs it; in the test suite GAGAR_E2E_HARNESS_SGLANG=1 turns it on.
 @pytest.mark.sglang
 @pytest.mark.skipif(
     os.environ.get("GAGAR_E2E_HARNESS_SGLANG") != "1",
