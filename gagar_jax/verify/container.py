@@ -37,6 +37,7 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import json
 import os
 import secrets
 import shlex
@@ -186,6 +187,49 @@ def ensure_image(spec: ContainerSpec, *, timeout_s: float = 1800.0) -> str:
         r = subprocess.run([*argv, context], capture_output=True, text=True, timeout=timeout_s)
         if r.returncode != 0:
             raise ValueError(f"building {dockerfile}: {(r.stderr or r.stdout).strip()[-800:]}")
+    return tag
+
+
+def setup_image(base: str, commands: Sequence[str], *, timeout_s: float = 1800.0) -> str:
+    """An image derived from ``base`` by running ``commands`` (a task's system setup steps:
+    ``apt-get install -y ...``, ``locale-gen ...``) as root, in order, as one ``bash -e``
+    script, with the host's network (as SWE-bench builds its images: the package archives must
+    be reachable; the tests that run later in the image never have a network). Tagged
+    ``localhost/gagar-setup:<hash of base's id and the commands>`` and reused while neither
+    changes.
+
+    Raises ContainerUnavailable (no engine), ValueError (no ``base``, or a command failed: the
+    task's fault, named with the build's output)."""
+    if not image_exists(base):
+        raise ValueError(f"image {base!r} is not present locally (no registry here)")
+    argv = _engine_argv()
+    r = subprocess.run([*argv, "image", "inspect", "--format", "{{.Id}}", base],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    key = hashlib.sha256(f"{r.stdout.strip()}\0{json.dumps(list(commands))}".encode())
+    tag = f"localhost/gagar-setup:{key.hexdigest()[:16]}"
+    with _BUILD_LOCK:
+        if image_exists(tag):
+            return tag
+        with tempfile.TemporaryDirectory(prefix="gagar_setup_image_") as ctx:
+            with open(os.path.join(ctx, "setup.sh"), "w") as f:
+                f.write("set -e\nexport DEBIAN_FRONTEND=noninteractive\n")
+                f.write("\n".join(commands) + "\n")
+            with open(os.path.join(ctx, "Containerfile"), "w") as f:
+                f.write(
+                    f"FROM {base}\nUSER root\nCOPY setup.sh /.gagar-setup.sh\n"
+                    "RUN if command -v bash >/dev/null; then bash -e /.gagar-setup.sh; "
+                    "else sh -e /.gagar-setup.sh; fi && rm -f /.gagar-setup.sh\n"
+                )
+            build = [*argv, "build", "--network", "host", "-f",
+                     os.path.join(ctx, "Containerfile"), "-t", tag]  # fmt: skip
+            if container_engine()[0] == "podman":
+                build.append("--pull=never")
+            r = subprocess.run([*build, ctx], capture_output=True, text=True, timeout=timeout_s)
+            if r.returncode != 0:
+                raise ValueError(
+                    f"the setup commands {list(commands)!r} failed on {base}: "
+                    f"{(r.stderr or r.stdout).strip()[-1200:]}"
+                )
     return tag
 
 
