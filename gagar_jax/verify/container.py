@@ -39,6 +39,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -90,6 +91,11 @@ class ContainerSpec:
       seed_workdir: copy the image's own ``workdir`` first (what its build made there: compiled
         extensions, generated files, an editable install's metadata), then the task's tree over
         it, removing the files the candidate deleted.
+      activate: shell commands sourced (by ``bash``) in the work directory before the command
+        runs, as an image's own evaluation script activates its environment (SWE-bench's:
+        ``source /opt/miniconda3/bin/activate && conda activate testbed``: the environment's
+        ``bin`` first on ``PATH``, its ``activate.d`` scripts run). A failing activation is an
+        ``infra_error`` (the run never reached its command).
     """
 
     image: str = ""
@@ -97,6 +103,7 @@ class ContainerSpec:
     python: str = "python3"
     workdir: str = "/workdir"
     seed_workdir: bool = False
+    activate: str = ""
 
     def __post_init__(self):
         if not (self.image or self.dockerfile):
@@ -296,6 +303,10 @@ def _start_script(spec: ContainerSpec, deleted: Sequence[str]) -> str:
     parts.append(f"cd {wd}")
     if spec.seed_workdir and deleted:
         parts.append("rm -f -- " + " ".join(shlex.quote(p) for p in deleted))
+    if spec.activate:
+        # in a function: a sourced script sees no positional parameters (a script's own
+        # activation has none), not the command's
+        parts.append(f"_gagar_activate() {{ {spec.activate}; }} && _gagar_activate >&2")
     steps = " && ".join(parts)
     return (
         f"{{ {steps}; }} || exit {_COPY_EXIT}; "
@@ -343,7 +354,7 @@ def container_argv(
         + ("mode=0700,notmpcopyup,U" if engine == "podman" else "mode=1777"),
         "-v", f"{workdir}:{TREE_SOURCE}:ro",
         "--workdir", "/",
-        "--entrypoint", "/bin/sh",
+        "--entrypoint", "/bin/bash" if spec.activate else "/bin/sh",
     ]  # fmt: skip  # argv pairs
     if engine == "podman":
         cmd += ["--read-only-tmpfs=false"]
@@ -584,41 +595,63 @@ def _verdict(
 def container_problem(
     spec: ContainerSpec, image: str | None = None, *, timeout: bool = False
 ) -> str | None:
-    """None if a container of ``spec`` can start and its interpreter imports pytest (and
-    pytest-timeout with ``timeout``: a task's per-test timeout), else why (an ``infra_error``
-    of every verification on it, never the candidate's failure). Definitive answers are
-    cached."""
+    """None if a container of ``spec`` can start and its interpreter imports pytest, else why
+    (an ``infra_error`` of every verification on it, never the candidate's failure). An image
+    without pytest-timeout (an environment SWE-bench's harness built need not have it) is no
+    problem: its runs go without the per-test timeout (:func:`image_has_pytest_timeout`), the
+    wall limit still kills the whole container. Definitive answers are cached. ``timeout`` is
+    accepted for callers that ask about it and changes nothing."""
+    del timeout
     try:
         image = image or ensure_image(spec)
     except (ContainerUnavailable, ValueError, OSError, subprocess.SubprocessError) as e:
         return f"no container image: {e}"
-    return _preflight(image, spec, timeout)
+    return _probe(image, spec)[0]
 
 
-_PREFLIGHT: dict[tuple, str | None] = {}
-_PREFLIGHT_LOCK = threading.Lock()
+def image_has_pytest_timeout(spec: ContainerSpec, image: str | None = None) -> bool:
+    """Whether the interpreter of ``spec`` imports pytest-timeout (a task's per-test timeout
+    needs it); False when the image cannot be probed (``container_problem`` says why)."""
+    try:
+        image = image or ensure_image(spec)
+    except (ContainerUnavailable, ValueError, OSError, subprocess.SubprocessError):
+        return False
+    return _probe(image, spec)[1]
 
 
-def _preflight(image: str, spec: ContainerSpec, timeout: bool = False) -> str | None:
-    key = (image, spec, timeout)
-    code = "import pytest" + (", pytest_timeout" if timeout else "")
-    with _PREFLIGHT_LOCK:
-        if key in _PREFLIGHT:
-            return _PREFLIGHT[key]
+_PROBES: dict[tuple, tuple[str | None, bool]] = {}
+_PROBE_LOCK = threading.Lock()
+_PROBE_CODE = (
+    "import pytest\ntry:\n    import pytest_timeout\nexcept ImportError:\n"
+    "    print('no-pytest-timeout')\nelse:\n    print('pytest-timeout')\n"
+)
+
+
+def _probe(image: str, spec: ContainerSpec) -> tuple[str | None, bool]:
+    """(why a container of ``spec`` cannot run the tests or None, whether it has
+    pytest-timeout), cached when definitive."""
+    key = (image, spec)
+    with _PROBE_LOCK:
+        if key in _PROBES:
+            return _PROBES[key]
         with tempfile.TemporaryDirectory(prefix="gagar_ctr_check_") as d:
             os.chmod(d, 0o755)
             r = run_in_container(
-                [spec.python, "-c", code], d, Limits(wall_s=120, cpu_s=120), spec, image=image
+                [spec.python, "-c", _PROBE_CODE],
+                d,
+                Limits(wall_s=120, cpu_s=120),
+                spec,
+                image=image,
             )
         if r.status in ("infra_error", "timeout"):
-            return f"the container could not run the pytest check ({r.status}): {r.error or ''}"
-        problem = (
-            None
-            if r.passed
-            else f"{code[7:]} not importable by {spec.python} in {image}: {r.stderr[-300:]}"
-        )
-        _PREFLIGHT[key] = problem
-        return problem
+            why = f"the container could not run the pytest check ({r.status}): {r.error or ''}"
+            return why, False
+        if not r.passed:
+            out = (f"pytest not importable by {spec.python} in {image}: {r.stderr[-300:]}", False)
+        else:
+            out = (None, r.stdout.strip().splitlines()[-1:] == ["pytest-timeout"])
+        _PROBES[key] = out
+        return out
 
 
 DEFAULT_IMAGE = "localhost/gagar-base:bookworm"
@@ -647,10 +680,22 @@ def container_spec(
     if not (image or dockerfile):
         return DEFAULT_SPEC
     workdir = getattr(task, "image_workdir", "") or ""
+    python = getattr(task, "image_python", "") or "python3"
     return ContainerSpec(
         image=image,
         dockerfile=dockerfile,
-        python=getattr(task, "image_python", "") or "python3",
+        python=python,
         workdir=workdir or "/workdir",
         seed_workdir=bool(workdir),
+        activate=conda_activation(python),
     )
+
+
+def conda_activation(python: str) -> str:
+    """How an image's evaluation script activates the conda environment of ``python``
+    (``<conda root>/envs/<name>/bin/python``: ``source <conda root>/bin/activate && conda
+    activate <name>``, as SWE-bench's eval scripts do), or "" for any other interpreter."""
+    m = re.fullmatch(r"(/[^\0]+?)/envs/([\w.+-]+)/bin/python[\d.]*", python)
+    if not m:
+        return ""
+    return f"source {shlex.quote(m.group(1) + '/bin/activate')} && conda activate {m.group(2)}"

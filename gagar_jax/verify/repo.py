@@ -1241,7 +1241,9 @@ def _verify_repo_patch(
         return RepoVerification("failed", _missing(task), problem, reset, problem, None, flags)
     try:
         if container is not None:
-            problem = ctr.container_problem(container, timeout=timeout_s > 0)
+            problem = ctr.container_problem(container)
+            if not problem and timeout_s > 0 and not ctr.image_has_pytest_timeout(container):
+                timeout_s = 0.0  # the image has no pytest-timeout: the wall limit only
         else:
             problem = sandbox_pytest_problem(
                 config, pythonpath, timeout_s > 0, max(PREFLIGHT_WALL_S, float(limits.wall_s))
