@@ -654,6 +654,86 @@ def _probe(image: str, spec: ContainerSpec) -> tuple[str | None, bool]:
         return out
 
 
+# Lists, inside the container, what the interpreter's sys.path offers outside the work tree:
+# {dotted name: [kind, directory]}, kind "module" (a module or regular package) or "namespace"
+# (a directory without __init__.py, followed down); a regular module anywhere wins, as the
+# import system resolves it. Runs on any Python 3.
+_LIST_MODULES = r"""
+import json, os, sys
+wd = os.path.realpath(sys.argv[1])
+out = {}
+def add(name, kind, d):
+    if name not in out or (out[name][0] == "namespace" and kind == "module"):
+        out[name] = [kind, d]
+def scan(d, prefix, depth):
+    try:
+        entries = sorted(os.listdir(d))
+    except OSError:
+        return
+    for e in entries:
+        p = os.path.join(d, e)
+        if os.path.isdir(p):
+            if not e.isidentifier():
+                continue
+            if os.path.isfile(os.path.join(p, "__init__.py")):
+                add(prefix + e, "module", d)
+            else:
+                add(prefix + e, "namespace", d)
+                if depth < 4:
+                    scan(p, prefix + e + ".", depth + 1)
+        elif e.endswith((".py", ".pyc", ".so", ".pyd")):
+            name = e.split(".", 1)[0]
+            if name.isidentifier():
+                add(prefix + name, "module", d)
+for d in sys.path:
+    if not d:
+        continue
+    r = os.path.realpath(d)
+    if r == wd or r.startswith(wd + "/") or not os.path.isdir(r):
+        continue
+    scan(r, "", 0)
+print(json.dumps(out))
+"""
+_MODULES: dict[tuple, dict[str, tuple[str, str]]] = {}
+
+
+def image_modules(
+    spec: ContainerSpec, image: str | None = None
+) -> dict[str, tuple[str, str]] | None:
+    """What the interpreter of ``spec`` imports from the image, outside the work directory:
+    ``{dotted name: (kind, directory)}``, kind ``"module"`` (a module or a regular package) or
+    ``"namespace"`` (a namespace portion, followed down four levels). A candidate's new module
+    must not shadow any of them (``verify.repo.shadowing_problem``), as it must not shadow what
+    the bwrap sandbox's environment holds. Cached per (image, spec); None when the image cannot
+    be probed (``container_problem`` then says why)."""
+    try:
+        image = image or ensure_image(spec)
+    except (ContainerUnavailable, ValueError, OSError, subprocess.SubprocessError):
+        return None
+    key = (image, spec)
+    with _PROBE_LOCK:
+        if key in _MODULES:
+            return _MODULES[key]
+        with tempfile.TemporaryDirectory(prefix="gagar_ctr_modules_") as d:
+            os.chmod(d, 0o755)
+            r = run_in_container(
+                [spec.python, "-c", _LIST_MODULES, spec.workdir],
+                d,
+                Limits(wall_s=120, cpu_s=120),
+                dataclasses.replace(spec, seed_workdir=False),
+                image=image,
+            )
+        if not r.passed:
+            return None
+        try:
+            listing = json.loads(r.stdout.strip().splitlines()[-1])
+            out = {str(k): (str(v[0]), str(v[1])) for k, v in listing.items()}
+        except (ValueError, IndexError, TypeError, KeyError):
+            return None
+        _MODULES[key] = out
+        return out
+
+
 DEFAULT_IMAGE = "localhost/gagar-base:bookworm"
 DEFAULT_SPEC = ContainerSpec(image=DEFAULT_IMAGE)
 
