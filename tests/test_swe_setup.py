@@ -229,3 +229,29 @@ def test_apt_get_install_runs_on_the_container_back_end(tmp_path):
         replace(task, image=""), task.reference_patch, limits=FAST, environment="container"
     )
     assert bare.status == "failed" and "jq" in bare.test_log, bare.test_log
+
+
+def test_swesmith_and_r2egym_rows_keep_their_setup_commands():
+    import json
+
+    from tests.swe_fixtures import LAYOUTS
+
+    with open(os.path.join(LAYOUTS, "r2egym_rows.jsonl")) as f:
+        (r2e,) = [json.loads(line) for line in f if line.strip()]
+    r2e = {**r2e, "pre_install": ["sed -i 's/a/b/' setup.cfg"], "install": ["pip install -e ."]}
+    inst = swe.parse_instance(r2e)
+    assert inst.layout == "r2egym" and inst.pre_install == ("sed -i 's/a/b/' setup.cfg",)
+    assert inst.install == "pip install -e ."
+    smith = {"instance_id": "o__n.abc.x", "repo": "swesmith/o__n.abc", "patch": "",
+             "FAIL_TO_PASS": ["t.py::t"], "image_name": "swesmith.x86_64.o__n.abc",
+             "problem_statement": "p", "pre_install": "apt-get install -y libxml2-dev",
+             "install": ["python -m pip install -e .", "pip install pytest-mock"]}  # fmt: skip
+    inst = swe.parse_instance(smith)
+    assert inst.layout == "swesmith" and inst.pre_install == ("apt-get install -y libxml2-dev",)
+    assert [s.kind for s in swe_setup.plan([*inst.pre_install, inst.install])] == [
+        "system",
+        "install",
+        "requirements",
+    ]
+    with pytest.raises(swe.InstanceError, match="pre_install must be"):
+        swe.parse_instance({**smith, "pre_install": [1]})

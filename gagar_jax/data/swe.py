@@ -288,6 +288,7 @@ def r2egym_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
         "PASS_TO_PASS": p2p,
         "environment_setup_commit": old_sha,
         "layout": "r2egym",
+        **{k: row[k] for k in ("install", "pre_install", "test_cmd", "python_deps") if row.get(k)},
     }
 
 
