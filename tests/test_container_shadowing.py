@@ -43,3 +43,22 @@ def test_a_module_shadowing_an_image_installed_package_is_refused():
     # a new module of a name the image does not have is the candidate's own
     v = run(_new_file_diff("statkit_helpers.py", "HELP = 1\n"))
     assert v.status == "passed", v.test_log
+
+
+@pytest.mark.container
+def test_a_task_environment_for_another_python_is_an_infra_error(tmp_path):
+    """The task's uv environment is bound into the back-end's own image only when the image's
+    interpreter is the Python it was built for; otherwise every run is an infra_error naming
+    both versions, never a candidate's failure."""
+    import dataclasses
+
+    base_image()
+    site = tmp_path / "env" / "lib" / "python3.99" / "site-packages"
+    site.mkdir(parents=True)
+    os.chmod(tmp_path, 0o755)
+    task = dataclasses.replace(_task("statkit"), env_path=str(tmp_path / "env"))
+    spec = ctr.container_spec(task, "container")
+    assert spec.site_dirs == (str(site),)
+    assert "built for python3.99" in ctr.container_problem(spec)
+    v = verify_repo_patch(task, _patch("statkit", "minimal"), limits=FAST, environment="container")
+    assert v.infra_error and "python3.99" in v.test_log, v.test_log

@@ -184,9 +184,11 @@ def test_system_commands_under_the_uv_environment_are_a_task_error(tmp_path):
 JQWRAP = """\
 import subprocess
 
+import toolz
+
 
 def first(text):
-    argv = ["jq", "-r", ".[1]"]
+    argv = toolz.identity(["jq", "-r", ".[1]"])
     out = subprocess.run(argv, input=text, capture_output=True, text=True, check=True)
     return out.stdout.strip()
 """
@@ -199,6 +201,7 @@ JQWRAP_TEST = (
 def test_apt_get_install_runs_on_the_container_back_end(tmp_path):
     from container_fixtures import base_image
 
+    from gagar_jax.verify import container as ctr
     from tests.swe_fixtures import make_instance
 
     base_image()
@@ -212,12 +215,16 @@ def test_apt_get_install_runs_on_the_container_back_end(tmp_path):
         ["tests/test_first.py::test_first"],
         [],
         pre_install=["apt-get update -q", "apt-get install -y -q --no-install-recommends jq"],
+        install="python -m pip install toolz",
     )
     inst = swe.parse_instance(row)
     with pytest.raises(swe.InstanceError, match="apt-get update"):
         swe.to_repo_task(inst, repos_dir, cache_dir=cache)  # the uv environment
     task = swe.to_repo_task(inst, repos_dir, cache_dir=cache, use_image=True)
     assert task.image.startswith("localhost/gagar-setup:")
+    # the system packages come from the image, the Python ones from the task's uv environment
+    spec = ctr.container_spec(task, "container")
+    assert spec.site_dirs and all(d.startswith(task.env_path) for d in spec.site_dirs)
     gold = verify_repo_patch(task, task.reference_patch, limits=FAST, environment="container")
     assert gold.status == "passed" and gold.sandbox.mechanism == "container", gold.test_log
     empty = verify_repo_patch(task, "", limits=FAST, environment="container")

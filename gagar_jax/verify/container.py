@@ -96,6 +96,10 @@ class ContainerSpec:
         ``source /opt/miniconda3/bin/activate && conda activate testbed``: the environment's
         ``bin`` first on ``PATH``, its ``activate.d`` scripts run). A failing activation is an
         ``infra_error`` (the run never reached its command).
+      site_dirs: host directories of installed packages (a task's uv environment) bound
+        read-only at the same paths and put on ``PYTHONPATH``: for an image whose interpreter is
+        the Python the environment was built for (the back-end's own images; checked,
+        ``container_problem``), never for an image with an environment of its own.
     """
 
     image: str = ""
@@ -104,6 +108,7 @@ class ContainerSpec:
     workdir: str = "/workdir"
     seed_workdir: bool = False
     activate: str = ""
+    site_dirs: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not (self.image or self.dockerfile):
@@ -116,6 +121,9 @@ class ContainerSpec:
                 raise ValueError(f"ContainerSpec.{name} {v!r} must be an absolute directory")
         if not self.python:
             raise ValueError("ContainerSpec.python must name an interpreter")
+        for d in self.site_dirs:
+            if not os.path.isabs(d) or ":" in d:
+                raise ValueError(f"ContainerSpec.site_dirs: {d!r} must be an absolute path")
 
 
 def inside_fd(i: int) -> int:
@@ -365,6 +373,10 @@ def container_argv(
         cmd += ["--mount", f"type=image,source={image},destination={IMAGE_ROOT}"]
     for host, inside in (ro_binds or {}).items():
         cmd += ["-v", f"{host}:{inside}:ro"]
+    for d in spec.site_dirs:
+        cmd += ["-v", f"{d}:{d}:ro"]
+    if spec.site_dirs:
+        env = {**(env or {}), "PYTHONPATH": ":".join(spec.site_dirs)}
     for inside, size in (tmpfs or {}).items():
         own = ",mode=0700,notmpcopyup,U" if engine == "podman" else ",mode=1777"
         cmd += ["--tmpfs", f"{inside}:rw,nosuid,nodev,size={int(size)}{own}"]
@@ -622,6 +634,7 @@ def image_has_pytest_timeout(spec: ContainerSpec, image: str | None = None) -> b
 _PROBES: dict[tuple, tuple[str | None, bool]] = {}
 _PROBE_LOCK = threading.Lock()
 _PROBE_CODE = (
+    "import sys\nprint('python%d.%d' % sys.version_info[:2])\n"
     "import pytest\ntry:\n    import pytest_timeout\nexcept ImportError:\n"
     "    print('no-pytest-timeout')\nelse:\n    print('pytest-timeout')\n"
 )
@@ -646,10 +659,20 @@ def _probe(image: str, spec: ContainerSpec) -> tuple[str | None, bool]:
         if r.status in ("infra_error", "timeout"):
             why = f"the container could not run the pytest check ({r.status}): {r.error or ''}"
             return why, False
-        if not r.passed:
+        lines = r.stdout.strip().splitlines()
+        built = {
+            m.group(1) for d in spec.site_dirs for m in [re.search(r"/lib/(python[\d.]+)/", d)] if m
+        }
+        if built and lines[:1] and built != {lines[0]}:
+            out = (
+                f"the task's environment was built for {', '.join(sorted(built))}, the "
+                f"interpreter {spec.python} of {image} is {lines[0]}",
+                False,
+            )
+        elif not r.passed:
             out = (f"pytest not importable by {spec.python} in {image}: {r.stderr[-300:]}", False)
         else:
-            out = (None, r.stdout.strip().splitlines()[-1:] == ["pytest-timeout"])
+            out = (None, lines[-1:] == ["pytest-timeout"])
         _PROBES[key] = out
         return out
 
@@ -757,9 +780,11 @@ def container_spec(
         return None
     if container is not None:
         return container
-    if not (image or dockerfile):
-        return DEFAULT_SPEC
     workdir = getattr(task, "image_workdir", "") or ""
+    # the task's uv environment, unless the image holds the repository and its own environment
+    sites = () if workdir else _site_dirs(getattr(task, "env_path", "") or "")
+    if not (image or dockerfile):
+        return dataclasses.replace(DEFAULT_SPEC, site_dirs=sites) if sites else DEFAULT_SPEC
     python = getattr(task, "image_python", "") or "python3"
     return ContainerSpec(
         image=image,
@@ -768,7 +793,18 @@ def container_spec(
         workdir=workdir or "/workdir",
         seed_workdir=bool(workdir),
         activate=conda_activation(python),
+        site_dirs=sites,
     )
+
+
+def _site_dirs(env_path: str) -> tuple[str, ...]:
+    """The site-packages directories of the virtual environment ``env_path`` (none for "")."""
+    if not env_path:
+        return ()
+    lib = os.path.join(os.path.abspath(env_path), "lib")
+    names = sorted(os.listdir(lib)) if os.path.isdir(lib) else []
+    found = [os.path.join(lib, n, "site-packages") for n in names if n.startswith("python")]
+    return tuple(d for d in found if os.path.isdir(d))
 
 
 def conda_activation(python: str) -> str:
