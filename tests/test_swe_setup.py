@@ -148,6 +148,10 @@ def test_pre_install_edits_python_commands_and_pip_installs_run_in_the_sandbox(t
     assert gold.status == "passed", gold.test_log
     empty = verify_repo_patch(task, "", limits=FAST)
     assert empty.status == "failed" and empty.tests["tests/test_built.py::test_built"] == "passed"
+    # `python setup.py develop` is the same install of the tree
+    develop = {**row, "install": "python setup.py develop && pip install toolz"}
+    again = swe.to_repo_task(swe.parse_instance(develop), repos_dir, cache_dir=cache)
+    assert again.files == task.files and again.env_hash == task.env_hash
     # without the pre_install steps the pinned package cannot be resolved: a task error
     with pytest.raises(swe.InstanceError, match="gagar-no-such-package-anywhere"):
         swe.to_repo_task(swe.parse_instance({**row, "pre_install": []}), repos_dir, cache_dir=cache)
