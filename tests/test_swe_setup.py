@@ -56,11 +56,22 @@ def test_real_rows_commands_are_classified_as_swebench_runs_them():
     (un,) = swe_setup.plan(["pip uninstall -y pytest-xdist"])
     assert un.kind == "uninstall" and swe_setup.uninstalled([un]) == {"pytest-xdist"}
     # a quoted && is part of its command, a here-document stays whole
-    assert _kinds("sed -i 's/a && b/c/' x.py; rm -f y") == [
+    assert swe_setup.split_chain("sed -i 's/a && b/c/' x.py; rm -f y") == [
+        "sed -i 's/a && b/c/' x.py",
+        "rm -f y",
+    ]
+    assert _kinds("sed -i 's/a && b/c/' x.py && pip install -e .") == [
         ("sed -i 's/a && b/c/' x.py", "shell"),
-        ("rm -f y", "shell"),
+        ("pip install -e .", "install"),
     ]
     assert len(swe_setup.plan(["cat <<'EOF' > a.txt\nx && y\nEOF"])) == 1
+    # a chain of tree edits stays whole (its || keeps its meaning, as sphinx's rows need);
+    # only the command before || or a redirection says what a pip call installs
+    guard = "grep -q 'htmlhelp>=2.0.0' setup.py && sed -i 's/a/b/' setup.py || sed -i 's/c/d/' x"
+    assert _kinds(guard) == [(guard, "shell")]
+    assert _kinds("pip install -e . || true") == [("pip install -e . || true", "install")]
+    # matplotlib's qhull download needs the network: only an image build has it
+    assert [k for _, k in _kinds('wget -O "$T" "$URL"', "git clone https://x/y")] == ["system"] * 2
     with pytest.raises(swe_setup.SetupError, match="neither the repository nor a package"):
         swe_setup.plan(["pip install -e ./plugins/extra"])
     with pytest.raises(swe_setup.SetupError, match="does not parse"):

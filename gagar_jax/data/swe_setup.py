@@ -58,6 +58,8 @@ SYSTEM_PROGRAMS = frozenset(
         "service",
     }
 )  # fmt: skip  # one set
+# Programs that fetch from the network (the sandbox has none; an image build has).
+NETWORK_PROGRAMS = frozenset({"wget", "curl", "aria2c"})
 # An argument (or a redirection's target) naming a system directory: the command writes
 # outside the tree (``echo 'en_US UTF-8' > /etc/locale.gen``).
 _SYSTEM_PATH = re.compile(r"^/(etc|usr|opt|var|root|lib|lib32|lib64|bin|sbin|boot|srv|home)(/|$)")
@@ -180,12 +182,19 @@ def _pip_argv(prog: str, argv: list[str]) -> list[str] | None:
 
 
 def classify(part: str) -> SetupStep:
-    """What one command (a part of a chain) is: see the module docstring."""
+    """What one command (a part of a chain) is: see the module docstring. Only the command
+    before a ``||``, ``|`` or redirection says what it installs (``pip install -e . || true``
+    is an install of the tree)."""
     words = _words(part)
-    prog, argv = _program([w for w in words if w not in (";", "&&")])
+    cut = next((i for i, w in enumerate(words) if w and set(w) <= set("|&<>;")), len(words))
+    prog, argv = _program(words[:cut])
     if not prog:
         return SetupStep(part, "shell")
     if prog in SYSTEM_PROGRAMS and not (prog == "conda" and argv[1:2] == ["activate"]):
+        return SetupStep(part, "system")
+    if prog in NETWORK_PROGRAMS or (
+        prog == "git" and argv[1:2] in (["clone"], ["fetch"], ["pull"])
+    ):
         return SetupStep(part, "system")
     if any(_SYSTEM_PATH.match(w) for w in words) and prog not in ("source", "."):
         return SetupStep(part, "system")
@@ -256,8 +265,17 @@ def _pip_install(part: str, args: list[str]) -> SetupStep:
 
 
 def plan(cmds: Iterable[str]) -> list[SetupStep]:
-    """Every step of ``cmds`` (see :func:`commands`), classified, in order."""
-    return [classify(p) for c in cmds for p in split_chain(c)]
+    """Every step of ``cmds`` (see :func:`commands`), classified, in order. A chain whose
+    commands are all tree edits stays one step, run as written (``grep -q x setup.py && sed
+    -i ... || sed -i ...`` keeps its meaning); a chain of several kinds is split."""
+    out: list[SetupStep] = []
+    for c in cmds:
+        steps = [classify(p) for p in split_chain(c)]
+        if len(steps) > 1 and all(s.kind == "shell" for s in steps):
+            out.append(SetupStep(c.strip(), "shell"))
+        else:
+            out += steps
+    return out
 
 
 def system_steps(steps: Sequence[SetupStep]) -> list[str]:
@@ -269,8 +287,8 @@ def require_no_system(steps: Sequence[SetupStep]) -> None:
     for s in steps:
         if s.kind == "system":
             raise SetupError(
-                f"setup command {s.command!r} needs system packages or writes outside the "
-                "repository: it needs a container environment (run this task with "
+                f"setup command {s.command!r} needs system packages, the network or writes "
+                "outside the repository: it needs a container environment (run this task with "
                 'execution.environment="container": the command then runs while its image '
                 "is built)"
             )
