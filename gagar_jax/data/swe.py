@@ -4,11 +4,13 @@
 parquet, with the fields ``instance_id, repo, base_commit, patch, test_patch,
 problem_statement, hints_text, created_at, version, FAIL_TO_PASS, PASS_TO_PASS,
 environment_setup_commit`` (``FAIL_TO_PASS``/``PASS_TO_PASS`` as JSON-encoded strings or lists)
-plus the optional ``test_cmd``, ``python_deps`` (requirement strings for the environment) and
-``install``. A row with an empty ``FAIL_TO_PASS`` is refused (:class:`EmptyFailToPass`); any
-other bad field raises :class:`InstanceError` naming the row and the field. SWE-smith rows (no
-``base_commit``, an ``image_name``; the bug on the branch ``instance_id`` of the mirror
-repository, ``patch`` the bug) are read too (:func:`swesmith_row`).
+plus the optional ``test_cmd``, ``python_deps`` (requirement strings for the environment),
+``pre_install`` (a list of setup commands) and ``install``, run as SWE-bench's harness runs them
+(``gagar_jax.data.swe_setup``). A row with an empty ``FAIL_TO_PASS`` is refused
+(:class:`EmptyFailToPass`); any other bad field raises :class:`InstanceError` naming the row
+and the field. SWE-smith rows (no ``base_commit``, an ``image_name``; the bug on the branch
+``instance_id`` of the mirror repository, ``patch`` the bug) are read too
+(:func:`swesmith_row`).
 
 **Repositories.** ``repos_dir`` holds, per ``repo`` ``owner/name``, ``owner__name/``,
 ``owner__name.git/`` or ``owner__name.bundle``; :func:`to_repo_task` materialises the tree of
