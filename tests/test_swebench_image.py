@@ -108,7 +108,7 @@ def test_a_swebench_layout_image_verifies_gold_and_empty_unchanged(tmp_path):
     assert task.image == "sweb.eval.x86_64." + instance_id.lower() + ":latest"
     spec = ctr.container_spec(task, "container")
     assert spec.workdir == "/testbed" and spec.seed_workdir
-    assert spec.activate == "source /opt/miniconda3/bin/activate && conda activate testbed"
+    assert "source /opt/miniconda3/bin/activate && conda activate testbed" in spec.activate
     # the environment has no pytest-timeout: the runs go without the per-test timeout (the
     # wall limit still holds); the back-end's own image has it
     assert not ctr.image_has_pytest_timeout(spec) and task.test_timeout_s > 0
@@ -127,3 +127,14 @@ def test_a_swebench_layout_image_verifies_gold_and_empty_unchanged(tmp_path):
     assert v.status == "failed", v.test_log
     assert v.tests["tests/test_activated.py::test_python_on_path_is_the_environment"] == "failed"
     assert v.tests["tests/test_verpkg.py::test_shout"] == "passed"
+
+
+def test_conda_environments_are_activated_as_swebench_eval_scripts_do():
+    act = ctr.conda_activation("/opt/miniconda3/envs/testbed/bin/python")
+    assert act == (
+        "if [ -f /opt/miniconda3/bin/activate ]; then source /opt/miniconda3/bin/activate"
+        " && conda activate testbed; fi"
+    )
+    assert "conda activate py39" in ctr.conda_activation("/opt/conda/envs/py39/bin/python3.9")
+    for other in ("python3", "/usr/bin/python3", "/opt/testbed/bin/python"):
+        assert ctr.conda_activation(other) == ""

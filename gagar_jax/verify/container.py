@@ -810,8 +810,10 @@ def _site_dirs(env_path: str) -> tuple[str, ...]:
 def conda_activation(python: str) -> str:
     """How an image's evaluation script activates the conda environment of ``python``
     (``<conda root>/envs/<name>/bin/python``: ``source <conda root>/bin/activate && conda
-    activate <name>``, as SWE-bench's eval scripts do), or "" for any other interpreter."""
+    activate <name>``, as SWE-bench's eval scripts do, where the image has that script; an
+    image without it runs the interpreter as it is), or "" for any other interpreter."""
     m = re.fullmatch(r"(/[^\0]+?)/envs/([\w.+-]+)/bin/python[\d.]*", python)
     if not m:
         return ""
-    return f"source {shlex.quote(m.group(1) + '/bin/activate')} && conda activate {m.group(2)}"
+    script = shlex.quote(m.group(1) + "/bin/activate")
+    return f"if [ -f {script} ]; then source {script} && conda activate {m.group(2)}; fi"
