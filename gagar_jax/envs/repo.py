@@ -478,9 +478,9 @@ class TaskEnvCheckRunner:
             self._by_env[key] = r
         return self._by_env[key]
 
-    def run(self, workspace, candidate, command):
+    def run(self, workspace, candidate, command, time_limit_s=None):
         return self.runner_for(self._groups.get(workspace.group_id)).run(
-            workspace, candidate, command
+            workspace, candidate, command, time_limit_s=time_limit_s
         )
 
 

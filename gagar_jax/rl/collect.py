@@ -1094,7 +1094,7 @@ def generate_groups(
     if cfg.rollout.harness != "native":
         return _harness_groups(
             engine, family, tasks, prompts, ids, cfg=cfg, params=params, counters=counters,
-            prompt_seeds=prompt_seeds, t0=t0,
+            prompt_seeds=prompt_seeds, t0=t0, hold_grader=hold_grader,
         )  # fmt: skip
     try:
         if family.multi_turn or cfg.rollout.partial_chunk_tokens:
@@ -1135,7 +1135,18 @@ def generate_groups(
 
 
 def _harness_groups(
-    engine, family, tasks, prompts, ids, *, cfg, params, counters, prompt_seeds, t0
+    engine,
+    family,
+    tasks,
+    prompts,
+    ids,
+    *,
+    cfg,
+    params,
+    counters,
+    prompt_seeds,
+    t0,
+    hold_grader=False,
 ) -> list[Group]:
     """The groups of :func:`generate_groups` with every rollout a harness episode
     (``gagar_jax.rl.harness_rollouts``): run and verified together, episode ``k`` of prompt
@@ -1162,6 +1173,8 @@ def _harness_groups(
             num_rollouts=K,
             episode_ids=[[f"{gid}-k{k}" for k in range(K)] for gid in ids],
             seeds=seeds,
+            group_ids=ids,
+            hold_grader=hold_grader,
         )
     except Exception as e:
         raise RuntimeError(

@@ -73,6 +73,7 @@ FILE_EVENTS = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_
 DIR_EVENTS = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF | IN_MOVE_SELF
 CODE_SUFFIXES = (".py", ".pyc", ".pth", ".so")
 MAX_WATCHES = 4096
+DEADLINE_EXIT = 124  # the supervisor's exit status after it killed a test past its deadline
 AUDIT_MODULE = "_gagar_audit_hook"
 # seccomp(2) user notifications (linux/seccomp.h)
 PR_SET_NO_NEW_PRIVS = 38
@@ -87,11 +88,23 @@ SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101  # _IOWR('!', 1, struct seccomp_notif_resp
 class Reporter:
     """pytest plugin object: streams every test phase's outcome from pytest's reports."""
 
-    def __init__(self, fd, was_loaded=None, roots=()):
+    def __init__(self, fd, was_loaded=None, roots=(), timed=False):
         self._fd = fd
         self._was_loaded = was_loaded
         self._roots = tuple(os.path.join(r, "") for r in roots)
         self._foreign = set()
+        self._timed = timed
+
+    def _timing(self, key, nodeid):
+        # Read by the supervisor, which keeps the per-test deadline (``_Deadlines``).
+        if self._timed:
+            _write_all(self._fd, (json.dumps({key: nodeid}) + "\n").encode())
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self._timing("start", nodeid)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self._timing("finish", nodeid)
 
     def _foreign_modules(self):
         """Evidence of modules imported from outside the run's path (the tree and the trusted
@@ -185,6 +198,102 @@ class Reporter:
             when = "subtest"
         line = {"id": report.nodeid, "when": when, "outcome": outcome}
         _write_all(self._fd, (json.dumps(line) + "\n").encode())
+
+
+class _Deadlines:
+    """The per-test timeout, kept by the supervisor on its own clock (``test_timeout_s`` of the
+    control record): the code under test shares a process with pytest-timeout's alarm and can
+    disarm it, but not this.
+
+    The reporter sends ``{"start": id}`` and ``{"finish": id}`` around each test (setup, call
+    and teardown); the supervisor takes them out of the report and times each test from the
+    first line that started it to the last line about it that arrives (its outcomes, its
+    finish: a finish forged early is overtaken by the real lines that follow). A test that took
+    longer than the timeout plus ``slack`` (scheduling jitter of the two processes) is
+    ``overran``; a test still running ``grace`` seconds past the timeout (pytest-timeout had
+    its chance to fail it) gets the test process killed (``killed``). An outcome line of a test
+    that was never started is ``unstarted`` (the timing lines were suppressed)."""
+
+    def __init__(self, limit_s):
+        self.limit = float(limit_s)
+        self.slack = max(0.25, 0.25 * self.limit)
+        self.grace = max(5.0, self.limit)
+        self.first = {}  # id -> when its first start line arrived
+        self.current = None  # (id, when it started): the test running now
+        self.overran = {}  # id -> seconds
+        self.unstarted = []
+        self.killed = None
+        self._buf = b""
+
+    def feed(self, data, now):
+        """The report's bytes in ``data`` with the timing lines taken out (a partial last line
+        is kept back until its end arrives)."""
+        lines = (self._buf + data).split(b"\n")
+        self._buf = lines.pop()
+        keep = []
+        for line in lines:
+            if line.startswith((b'{"start": ', b'{"finish": ', b'{"id": ')):
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    rec = None
+                if isinstance(rec, dict) and len(rec) == 1:
+                    ((key, nodeid),) = rec.items()
+                    if key in ("start", "finish") and isinstance(nodeid, str):
+                        self._timing(key, nodeid, now)
+                        continue
+                elif isinstance(rec, dict) and isinstance(rec.get("id"), str):
+                    self._seen(rec["id"], now)
+            keep.append(line + b"\n")
+        return b"".join(keep)
+
+    def rest(self):
+        """What is left of the report: a last line without its end."""
+        rest, self._buf = self._buf, b""
+        return rest
+
+    def _timing(self, key, nodeid, now):
+        if key == "start":
+            self.first.setdefault(nodeid, now)
+            self.current = (nodeid, now)
+            return
+        self._seen(nodeid, now)
+        if self.current is not None and self.current[0] == nodeid:
+            self.current = None
+
+    def _seen(self, nodeid, now):
+        t0 = self.first.get(nodeid)
+        if t0 is None:
+            if len(self.unstarted) < 8:
+                self.unstarted.append(nodeid)
+            return
+        took = now - t0
+        if took > self.limit + self.slack and len(self.overran) < 64:
+            self.overran[nodeid] = round(max(took, self.overran.get(nodeid, 0.0)), 3)
+
+    def wait(self, now):
+        """Seconds until the running test's kill deadline (None: no test is running)."""
+        if self.current is None:
+            return None
+        return max(0.0, self.current[1] + self.limit + self.grace - now)
+
+    def expired(self, now):
+        """The running test's id once it is past its kill deadline, else None."""
+        if self.current is None or now < self.current[1] + self.limit + self.grace:
+            return None
+        nodeid = self.current[0]
+        self._seen(nodeid, now)
+        self.killed = nodeid
+        self.current = None
+        return nodeid
+
+    def record(self):
+        return {
+            "test_timeout_s": self.limit,
+            "overran": [{"id": k, "s": v} for k, v in self.overran.items()],
+            "unstarted": self.unstarted,
+            "killed": self.killed,
+        }
 
 
 def _read_all(fd, cap=_MAX_REPORT):
@@ -327,7 +436,7 @@ def _trusted_dirs(root):
     return out
 
 
-def _child(args, report_fd, name, audit=None):
+def _child(args, report_fd, name, audit=None, timed=False):
     _prctl(PR_SET_NAME, name.encode())
     was_loaded, roots = None, ()
     if audit is not None:
@@ -344,7 +453,7 @@ def _child(args, report_fd, name, audit=None):
         roots = (root, *trusted)
     import pytest
 
-    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd, was_loaded, roots)]))
+    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd, was_loaded, roots, timed)]))
     line = json.dumps({"exitstatus": ret}) + "\n"
     try:
         _write_all(report_fd, line.encode())
@@ -412,24 +521,42 @@ def _answer_exec(listener, pid, refused):
         pass
 
 
-def _supervise(pid, report_r, out_fd, name, watch=None, listener=-1):
+def _supervise(pid, report_r, out_fd, name, watch=None, listener=-1, deadlines=None):
+    import time
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pidfd = os.pidfd_open(pid)
     chunks, total = [], 0
     refused = []
     fds = [report_r, pidfd] + ([listener] if listener >= 0 else [])
+
+    def take(b):
+        nonlocal total
+        if deadlines is not None:
+            b = deadlines.feed(b, time.monotonic())
+        if b and total <= _MAX_REPORT:
+            chunks.append(b)
+            total += len(b)
+
     while True:
-        ready, _, _ = select.select(fds, [], [])
+        wait = None if deadlines is None else deadlines.wait(time.monotonic())
+        ready, _, _ = select.select(fds, [], [], wait)
+        if not ready:
+            if deadlines.expired(time.monotonic()) is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)  # past its per-test deadline
+                except ProcessLookupError:
+                    pass
+            continue
         if listener in ready:
             _answer_exec(listener, pid, refused)
             if len(ready) == 1:
                 continue
         if report_r in ready:
             b = os.read(report_r, 1 << 16)
-            if b and total <= _MAX_REPORT:
-                chunks.append(b)
-                total += len(b)
-            elif not b:
+            if b:
+                take(b)
+            else:
                 ready = [pidfd]  # every writer closed: the child has exited or is about to
         if pidfd in ready:
             break
@@ -440,10 +567,11 @@ def _supervise(pid, report_r, out_fd, name, watch=None, listener=-1):
             b = os.read(report_r, 1 << 16)
             if not b:
                 break
-            chunks.append(b)
-            total += len(b)
+            take(b)
     except BlockingIOError:
         pass
+    if deadlines is not None:
+        chunks.append(deadlines.rest())
     try:
         with open(f"/proc/{pid}/comm", "rb") as f:
             seen = f.read().strip().decode("ascii", "replace")
@@ -462,8 +590,13 @@ def _supervise(pid, report_r, out_fd, name, watch=None, listener=-1):
     if watch is not None:
         record["changed"] = watch.changes()
         record["unwatched"] = watch.unwatched
+    if deadlines is not None:
+        record["deadlines"] = deadlines.record()
     _write_all(out_fd, (json.dumps(record) + "\n").encode())
     os.close(out_fd)
+    if deadlines is not None and deadlines.killed is not None:
+        # Killed by this process, not by a limit of the sandbox: an ordinary failing exit.
+        os._exit(DEADLINE_EXIT)
     os._exit(code if code >= 0 else 128 - code)
 
 
@@ -486,6 +619,8 @@ def main(argv):
     watch = None
     if "watch_files" in ctl or "watch_dirs" in ctl:
         watch = _Watch(ctl.get("watch_files", ()), ctl.get("watch_dirs", ()))
+    limit = float(ctl.get("test_timeout_s") or 0)
+    deadlines = _Deadlines(limit) if limit > 0 else None
     report_r, report_w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -498,9 +633,9 @@ def main(argv):
         os.close(report_r)
         os.close(out_fd)
         del ctl["out_fd"]
-        sys.exit(_child(ctl["args"], report_w, name, ctl.get("audit")))
+        sys.exit(_child(ctl["args"], report_w, name, ctl.get("audit"), deadlines is not None))
     os.close(report_w)
-    _supervise(pid, report_r, out_fd, name, watch, listener)
+    _supervise(pid, report_r, out_fd, name, watch, listener, deadlines)
     return 0
 
 
