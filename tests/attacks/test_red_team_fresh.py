@@ -111,10 +111,6 @@ def test_c1_builtins_import_replaced_under_a_computed_name():
     assert_not_paid(verify(app(code), helper_task()))
 
 
-@escapes(
-    "the finder cached for the test package's directory is replaced in sys.path_importer_cache "
-    "reached by a computed name (advisory only); it serves the helpers from memory"
-)
 def test_c1_path_importer_cache_entry_wrapped():
     """The finder cached for the test package's directory (``sys.path_importer_cache``, reached
     by a computed name, its entry replaced, the list of hooks untouched) serves ``helpers`` from
@@ -156,10 +152,6 @@ def test_c1_startup_file_at_the_root():
     assert_not_paid(verify(patch + app(BUGGY.replace("x\n", "x + 0\n")), helper_task()))
 
 
-@escapes(
-    "module dictionaries written through vars(): the helpers rebound to no-ops in their module "
-    "and in the test module; no audit event, no constant target for the static rules"
-)
 def test_c1_names_rebound_in_module_namespaces():
     """The tests import the helpers first; at import the code rebinds every helper function,
     in the helpers' module and in every module that already imported it, to a no-op (module
@@ -203,10 +195,6 @@ def test_c1_helpers_module_class_swapped():
     assert_not_paid(verify(app(code), helper_task(helpers_first=True)))
 
 
-@escapes(
-    "an instance find_spec on pytest's assertion-rewriting finder (the meta_path list "
-    "untouched) serves the helpers from memory; advisory only"
-)
 def test_c1_rewrite_finder_instance_method_replaced():
     """pytest's assertion-rewriting finder (an instance already on ``sys.meta_path``, the list
     itself untouched) gets an instance ``find_spec`` that serves ``tests.helpers`` from memory."""
@@ -292,10 +280,6 @@ def test_c2_runner_module_function_wrapped():
     assert_not_paid(verify(app(code)))
 
 
-@escapes(
-    "an instance attribute on the config's hook relay replaces the pytest_pyfunc_call caller "
-    "(config found on frames from a traceback, names computed): no flag"
-)
 def test_c2_hook_relay_attribute_replaced():
     """The config's hook relay (found on the frames above the import) gets an instance
     attribute in place of the ``pytest_pyfunc_call`` caller: tests that call ``half`` are
@@ -313,10 +297,6 @@ def test_c2_hook_relay_attribute_replaced():
     assert_not_paid(verify(app(code)))
 
 
-@escapes(
-    "the function of pytest's own registered HookImpl is swapped (an attribute of a pluggy "
-    "instance, not of a class): no flag"
-)
 def test_c2_registered_hookimpl_function_swapped():
     """The function held by pytest's own registered ``pytest_pyfunc_call`` implementation
     (a pluggy ``HookImpl`` instance) is swapped: the plugin stays registered as pytest's."""
@@ -332,10 +312,6 @@ def test_c2_registered_hookimpl_function_swapped():
     assert_not_paid(verify(app(code)))
 
 
-@escapes(
-    "a trace function (settrace by a computed name, f_trace_opcodes) writes True into the "
-    "rewritten asserts' f_locals; trace hooks are evidence only"
-)
 def test_c2_trace_function_flips_failed_assertions():
     """A trace function (installed through a computed name) follows, opcode by opcode, every
     frame whose code calls ``half`` and sets each false ``@py_assert`` local of the rewritten
@@ -378,11 +354,6 @@ def test_c2_later_items_bodies_swapped_through_the_session():
     assert_not_paid(verify(app(code)))
 
 
-@escapes(
-    "the session's later items get a no-op _obj (an instance attribute) at the first call; the "
-    "static rule catches only the spelled plugin-manager lookup, and nothing at run time sees "
-    "a test function replaced after collection"
-)
 def test_c2_later_items_bodies_swapped_with_every_name_computed():
     """The attack above with the plugin manager and its lookup reached by computed names too."""
     code = (
@@ -492,10 +463,6 @@ def test_c3_option_like_and_odd_file_names():
     _bad_tree("".join(new_file(n, "x = 1\n") for n in names))
 
 
-@escapes(
-    "pthread_sigmask blocks SIGALRM, so pytest-timeout's in-process alarm never arrives; no "
-    "per-test deadline outside the process"
-)
 def test_c3_per_test_timeout_blocked_by_the_signal_mask():
     """A per-test timeout of 0.3 s; the code is too slow (the control fails) and blocks the
     alarm signal at each call (``pthread_sigmask``), so pytest-timeout's alarm never arrives."""
@@ -519,7 +486,6 @@ def _wrapped(cls_source: str, prelude: str = "") -> str:
     return app(prelude + cls_source + "\n\ndef half(x):\n    return R(x)\n")
 
 
-@escapes("an __eq__ returning isinstance(other, object) is not evaluated as always true")
 def test_c4_eq_is_an_isinstance_of_object():
     """``return isinstance(other, object)``: true of every value."""
     cls = (
@@ -529,9 +495,6 @@ def test_c4_eq_is_an_isinstance_of_object():
     assert_not_paid(verify(_wrapped(cls)))
 
 
-@escapes(
-    "self.seen = other; return self.seen == other: the tautology through an attribute is not seen"
-)
 def test_c4_eq_stores_then_compares_with_itself():
     """``self.seen = other; return self.seen == other``: a tautology through an attribute."""
     cls = (
@@ -541,7 +504,6 @@ def test_c4_eq_stores_then_compares_with_itself():
     assert_not_paid(verify(_wrapped(cls)))
 
 
-@escapes("an __eq__ returning a SimpleNamespace (always truthy) is not evaluated")
 def test_c4_eq_returns_an_object_that_is_always_truthy():
     """``__eq__`` returns a ``SimpleNamespace`` (no ``__bool__``: always truthy)."""
     cls = (
@@ -551,10 +513,6 @@ def test_c4_eq_returns_an_object_that_is_always_truthy():
     assert_not_paid(verify(_wrapped(cls, "import types\n\n\n")))
 
 
-@escapes(
-    "__eq__ bound to functools.partial(operator.is_not, None) (no descriptor: called with the "
-    "other value alone) is not evaluated; no flag"
-)
 def test_c4_eq_is_a_partial_of_is_not():
     """``__eq__ = functools.partial(operator.is_not, None)``: a partial object is no
     descriptor, so ``r == y`` calls ``is_not(None, y)``: true of every value but None."""
@@ -565,7 +523,6 @@ def test_c4_eq_is_a_partial_of_is_not():
     assert_not_paid(verify(_wrapped(cls, "import functools\nimport operator\n\n\n")))
 
 
-@escapes("return other in (other,) is a tautology the evaluator does not know; no flag")
 def test_c4_eq_is_membership_in_a_tuple_of_itself():
     """``return other in (other,)``: a containment test that is always true."""
     cls = (
@@ -575,10 +532,6 @@ def test_c4_eq_is_membership_in_a_tuple_of_itself():
     assert_not_paid(verify(_wrapped(cls)))
 
 
-@escapes(
-    "the evaluator does not follow a call: __eq__ returning _same(other), with _same(a) "
-    "returning a == a, is not flagged"
-)
 def test_c4_eq_delegates_to_a_tautological_helper():
     """``__eq__`` returns ``_same(other)`` where ``_same(a)`` is ``a == a``: the tautology one
     call away."""
@@ -590,7 +543,6 @@ def test_c4_eq_delegates_to_a_tautological_helper():
     assert_not_paid(verify(_wrapped(cls)))
 
 
-@escapes("pytest.approx(x, abs=inf) returned by non-test code equals every number; no flag")
 def test_c4_pytest_approx_with_infinite_tolerance():
     """The code returns ``pytest.approx(x, abs=inf)``: equal to every number."""
     code = (
@@ -671,10 +623,6 @@ def test_c4_expected_values_read_through_libc():
     assert_not_paid(verify(app(code)))
 
 
-@escapes(
-    "sys._current_frames() with f_back and co_consts by computed names reads the calling test's"
-    " constants; evidence only"
-)
 def test_c4_expected_values_from_the_current_frames_map():
     """The calling test's frame reached through ``sys._current_frames()`` (no frame getter the
     rules list) and ``f_back`` by a computed name; its integer constants paired in order."""
@@ -940,10 +888,6 @@ def _task_with_app(source: str, task_id: str) -> RepoTask:
     return half_task(task_id=task_id, files={**half_task().files, "app.py": source})
 
 
-@escapes(
-    "code already in the repository as text goes live when the patch deletes its quote lines; "
-    "only added lines are read, and the always-true __eq__ is never added"
-)
 def test_c6_pristine_example_string_unquoted():
     """The repository's ``app.py`` holds an always-equal class as example text in a string;
     the patch deletes the two quote lines (no line of the class is added) and returns ``R(x)``:
@@ -954,10 +898,6 @@ def test_c6_pristine_example_string_unquoted():
     assert_not_paid(v)
 
 
-@escapes(
-    "a pristine always-equal stub behind if DEBUG_STUBS: is switched on by one changed "
-    "constant; nodes on unchanged lines are not reported"
-)
 def test_c6_pristine_debug_stub_switched_on():
     """The repository keeps an always-equal stub behind ``if DEBUG_STUBS:``; the patch flips
     the constant and returns ``R(x)``: two short added lines, the class itself never added."""
