@@ -25,17 +25,19 @@ What it prints (and writes to ``--out``), per scheme:
 * ``decision margin``: over every pair of passes (i, j) of one group with ``f_i > f_j``, the
   token advantage of i minus that of j at the first position where their tokens differ (the
   state they share, where the policy chooses between them): how hard the update pushes the
-  better choice over the worse one there. Binary: 0. Also the share of pairs with a positive
-  margin (and a negative one: the worse choice pushed harder).
+  better choice over the worse one there. Binary: 0. ``T1-vs-lower margin``: the same over
+  the pairs of a T1 pass and a pass of a lower tier; ``pairs with margin < 0``: the share of
+  pairs where the worse choice is pushed harder;
+* ``worse passes, ... / binary``: the mean token advantage on the passes below their group's
+  mean factor, as a multiple of the binary advantage, on their cited, uncited and
+  distinguishing tokens (1 = no quality signal; Gagar's sequence level: the pass's
+  ``A*_i / A_i`` on every token);
 * ``moved onto distinguishing``: of the credit moved away from the binary broadcast
   (``sum |A_t - A_binary|`` over passing rows), the share on distinguishing tokens;
-* ``quality push (dist / shared)``: ``sum_i sign(f_i - mean f) sum_t (A_t - A_binary)`` over
-  the distinguishing, and over the shared tokens, per passing rollout: credit added to the
-  better passes' and taken from the worse passes' tokens;
-* ``positive credit on``: the shares of the positive credit on distinguishing, shared and
-  cited tokens; ``failed-side credit``: the negative total (the same in every scheme);
-* ``max conservation error``: ``max |sum_t A_t - n A*|`` per sequence (token-level schemes
-  against ``gagar``).
+* ``positive on cited``: the share of the positive credit on cited tokens;
+  ``failed-side credit``: the negative total (the same in every scheme);
+* ``max conservation error``: ``max |sum_t A_t - n A|`` per sequence, A the scheme's
+  sequence advantage (binary's own, Gagar's for the others).
 """
 
 from __future__ import annotations
@@ -180,37 +182,45 @@ def tabulate(b, out, gagar, a_bin, dist):
             fbar[g] = f[g][passed[g]].mean()
     sign = np.sign(f - fbar[:, None]) * passed
     prow = passed[..., None] & mask
-    shared = prow & ~dist
     dmask = prow & dist
+    tier = b["tier"]
+    t1_pairs = [(g, i, j, p) for g, i, j, p in pairs if tier[g, i] == 1 and tier[g, j] > 1]
+    worse = (sign < 0)[..., None] & mask
+    ev = b["evidence"]
     table = {}
     for name, a in out.items():
         margins = np.array([a[g, i, p] - a[g, j, p] for g, i, j, p in pairs])
+        t1_margins = np.array([a[g, i, p] - a[g, j, p] for g, i, j, p in t1_pairs])
         moved = np.abs(a - binary_tok) * prow
         pos = np.maximum(a, 0) * prow
         total_pos = max(pos.sum(), 1e-30)
         n_tok = mask.sum(-1)
-        err = np.abs((a * mask).sum(-1) - n_tok * a_g)
-        delta = (a - binary_tok) * sign[..., None]
-        n_pass = max(passed.sum(), 1)
+        own = a_bin if name == "binary" else a_g
+        err = np.abs((a * mask).sum(-1) - n_tok * own)
+        ratio = a / np.where(binary_tok != 0, binary_tok, 1.0)
+
+        def mean(x, sel):
+            return float(x[sel].mean()) if sel.any() else float("nan")
+
         table[name] = {
             "decision margin": float(margins.mean()) if len(margins) else 0.0,
-            "pairs with margin > 0": float((margins > 1e-6).mean()) if len(margins) else 0.0,
+            "T1-vs-lower margin": float(t1_margins.mean()) if len(t1_margins) else 0.0,
             "pairs with margin < 0": float((margins < -1e-6).mean()) if len(margins) else 0.0,
+            "worse passes, cited tokens / binary": mean(ratio, worse & ev),
+            "worse passes, uncited tokens / binary": mean(ratio, worse & ~ev),
+            "worse passes, distinguishing / binary": mean(ratio, worse & dist),
             "moved onto distinguishing": float(moved[dmask].sum() / max(moved.sum(), 1e-30)),
-            "quality push, distinguishing": float(delta[dmask].sum() / n_pass),
-            "quality push, shared": float(delta[shared].sum() / n_pass),
-            "positive on distinguishing": float(pos[dmask].sum() / total_pos),
-            "positive on shared": float(pos[shared].sum() / total_pos),
-            "positive on cited": float(pos[prow & b["evidence"]].sum() / total_pos),
+            "positive on cited": float(pos[prow & ev].sum() / total_pos),
             "failed-side credit": float(
                 (a * (mask & ~passed[..., None] & b["valid"][..., None])).sum()
             ),
-            "max conservation error": float(err[passed].max()) if passed.any() else 0.0,
+            "max conservation error": float(err[b["valid"]].max()),
         }
     counts = {
         "groups": int(G),
         "passing rollouts": int(passed.sum()),
         "pairs of passes of different factors that part": len(pairs),
+        "of them T1 against a lower tier": len(t1_pairs),
         "passing tokens": int(prow.sum()),
         "distinguishing share of passing tokens": float(dmask.sum() / max(prow.sum(), 1)),
         "cited share of passing tokens": float((prow & b["evidence"]).sum() / max(prow.sum(), 1)),
