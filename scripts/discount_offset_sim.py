@@ -62,6 +62,58 @@ def decomposition(passed, factor):
     )
 
 
+def measure_run(run, steps, tier_factors=(1.0, 0.6, 0.3)):
+    """The decomposition on a toy run's own graded groups (``rollouts.jsonl``)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from token_credit_analysis import build_batch, load_groups
+
+    from gagar_jax import advantages as adv
+
+    b = build_batch(load_groups(run, steps))
+    args = (
+        b["rewards"],
+        b["passed"],
+        np.zeros_like(b["passed"]),
+        b["tier"],
+        b["rank"],
+        np.ones(len(b["rewards"]), bool),
+        b["valid"],
+    )
+    cfg = dict(tier_factors=tuple(tier_factors))
+    g = adv.gagar_advantages(*args, config=adv.GagarConfig(mode="sum_preserving", **cfg))
+    d = np.asarray(
+        adv.gagar_advantages(*args, config=adv.GagarConfig(mode="discount_only", **cfg)).advantages
+    )
+    f = np.asarray(g.factors)
+    rows = []
+    for gi in range(len(f)):
+        v, p = b["valid"][gi], b["passed"][gi] & b["valid"][gi]
+        r = p.sum() / v.sum()
+        fbar = f[gi][p].mean()
+        c = (1 - fbar) * r * (1 - r)
+        rows.append(
+            (
+                c,
+                fbar,
+                float(np.sum(c**2 * v)),
+                float(np.sum(d[gi][v] ** 2)),
+                float(np.abs(d[gi][v].sum() + c * v.sum())),
+            )
+        )
+    rows = np.array(rows)
+    return {
+        "groups": len(rows),
+        "mean offset c": float(rows[:, 0].mean()),
+        "mean fbar": float(rows[:, 1].mean()),
+        "offset share of sum A^2": float(rows[:, 2].sum() / rows[:, 3].sum()),
+        "max |sum A_discount + n c|": float(rows[:, 4].max()),
+        "credit ratio": float(d[d > 0].sum() / -d[d < 0].sum()),
+    }
+
+
 def simulate(
     mode,
     *,
@@ -140,6 +192,9 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--init_scale", type=float, default=3.0, help="spread of the initial logits")
     ap.add_argument("--out", default="", help="write <out>.json and <out>.png")
+    ap.add_argument("--runs", default="", help="toy run dirs (comma-separated) to measure c on")
+    ap.add_argument("--steps", default="0-9", help="their steps, 'a-b'")
+    ap.add_argument("--tier_factors", default="1.0,0.6,0.3")
     args = ap.parse_args(argv)
 
     # The decomposition, checked on random groups.
@@ -152,6 +207,13 @@ def main(argv=None):
             a, b, _ = decomposition(passed, factor)
             worst = max(worst, float(np.abs(a - b).max()))
     print(f"decomposition A_discount = fbar A* + (1 - fbar) r A - c: max error {worst:.2e}")
+
+    measured = {}
+    for run in filter(None, args.runs.split(",")):
+        lo, _, hi = args.steps.partition("-")
+        tf = tuple(float(x) for x in args.tier_factors.split(","))
+        measured[run] = measure_run(run, range(int(lo), int(hi or lo) + 1), tf)
+        print(run, ", ".join(f"{k} {v:.4g}" for k, v in measured[run].items()))
 
     settings = {
         "on-policy (1 step per batch)": dict(epochs=1, minibatches=1),
