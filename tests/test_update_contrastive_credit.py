@@ -82,6 +82,8 @@ def test_strength_moves_parameters_and_conserves_credit(runs):
     )
     assert diff > 1e-6
     assert m["token_credit/conservation_error"] < 1e-6
+    # every row shares its first response tokens with the group's other rows
+    assert 0.0 < m["token_credit/distinguishing_share"] < 1.0
     assert np.isfinite(m["loss"])
 
 

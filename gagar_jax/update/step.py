@@ -784,6 +784,12 @@ def update_step(
     n_resp_seqs = jnp.sum(jnp.any(resp[:, 1:], axis=-1).astype(jnp.float32))
     metrics["response_length"] = metrics["tokens"] / jnp.maximum(n_resp_seqs, 1.0)
     metrics.update(adv_out.metrics)
+    if "distinguishing" in fields:
+        # the share of the passes' response tokens that no pass of another factor shares
+        on_pass = resp[:, 1:] & adv_out.passed.reshape(-1)[:, None]
+        metrics["token_credit/distinguishing_share"] = jnp.sum(
+            fields["distinguishing"][:, 1:] & on_pass
+        ) / jnp.maximum(jnp.sum(on_pass), 1)
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
