@@ -8,7 +8,7 @@ completed steps, the train pass rate over the first / last 5 steps, the held-out
 the SFT start and at the last evaluation, response length, the credit ratio and the share of
 tokens clipped below (ratio < 1 - clip_low). Then per condition, mean and standard error over
 seeds per mode, and the per-seed differences ``discount_only - gagar`` (mean +- SE). Writes
-``<out>.md``, ``<out>.json`` and ``<out>.png`` (entropy and train pass rate per step, every run).
+``<out>.md``, ``<out>.json`` and ``<out>.png`` (entropy, train pass rate and response length per step, every run).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def summarise(path):
         "clip_low": float(np.mean([r.get("clip_frac_low", np.nan) for r in tr])),
         "entropy_curve": ent.tolist(),
         "pass_curve": pas.tolist(),
+        "length_curve": [r["response_length"] for r in tr],
     }
 
 
@@ -112,17 +113,19 @@ def main(argv=None):
         import matplotlib.pyplot as plt
 
         conds = list(runs)
-        fig, axes = plt.subplots(2, len(conds), figsize=(4 * len(conds), 6), squeeze=False)
+        fig, axes = plt.subplots(3, len(conds), figsize=(4 * len(conds), 8.5), squeeze=False)
         for c, cond in enumerate(conds):
             for mode, color in (("gagar", "C0"), ("discount_only", "C3")):
                 for s, v in runs[cond].get(mode, {}).items():
                     lab = mode if s == min(runs[cond][mode]) else None
                     axes[0, c].plot(v["entropy_curve"], color=color, alpha=0.7, label=lab)
                     axes[1, c].plot(v["pass_curve"], color=color, alpha=0.7, label=lab)
+                    axes[2, c].plot(v["length_curve"], color=color, alpha=0.7, label=lab)
             axes[0, c].set_title(cond)
-            axes[1, c].set_xlabel("RL step")
+            axes[2, c].set_xlabel("RL step")
         axes[0, 0].set_ylabel("policy entropy")
         axes[1, 0].set_ylabel("train pass rate")
+        axes[2, 0].set_ylabel("response length (tokens)")
         axes[0, 0].legend()
         fig.tight_layout()
         fig.savefig(args.out + ".png", dpi=100)
