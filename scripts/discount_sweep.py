@@ -8,7 +8,8 @@ completed steps, the train pass rate over the first / last 5 steps, the held-out
 the SFT start and at the last evaluation, response length, the credit ratio and the share of
 tokens clipped below (ratio < 1 - clip_low). Then per condition, mean and standard error over
 seeds per mode, and the per-seed differences ``discount_only - gagar`` (mean +- SE). Writes
-``<out>.md``, ``<out>.json`` and ``<out>.png`` (entropy, train pass rate and response length per step, every run).
+``<out>.md``, ``<out>.json`` and ``<out>.png`` (entropy, train pass rate and response length
+per step, every run).
 """
 
 from __future__ import annotations
