@@ -60,6 +60,25 @@ def summarise(path):
     }
 
 
+def unparseable_shares(run):
+    """Per step, the share of a toy run's rollouts whose patch does not parse."""
+    from gagar_jax.envs import toy
+
+    by_step = {}
+    with open(os.path.join(run, "rollouts.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            _, d, s, i = r["task_id"].split("-")
+            task = toy.ToyTaskGenerator(seed=int(s[1:]), difficulty=int(d[1:])).task(int(i))
+            try:
+                toy.parse_patch(r["patch"], len(task.lines))
+                bad = 0
+            except toy.PatchError:
+                bad = 1
+            by_step.setdefault(r["step"], []).append(bad)
+    return {k: float(np.mean(v)) for k, v in sorted(by_step.items())}
+
+
 def _ms(x):
     x = np.asarray(x, float)
     if len(x) < 2:
@@ -71,7 +90,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", required=True)
     ap.add_argument("--out", default="")
+    ap.add_argument(
+        "--parse_check",
+        default="",
+        help="comma-separated run dirs: print the share of unparseable patches per step",
+    )
     args = ap.parse_args(argv)
+    for run in filter(None, args.parse_check.split(",")):
+        shares = unparseable_shares(run)
+        print(run, "unparseable share per step:", {k: round(v, 2) for k, v in shares.items()})
+    if args.parse_check:
+        return
     runs = {}
     for path in sorted(glob.glob(os.path.join(args.root, "*", "*", "seed*"))):
         if not os.path.exists(os.path.join(path, "metrics.jsonl")):
