@@ -157,11 +157,16 @@ tasks: setup system-deps
 
 # `make e2e E2E_ARGS=--execution=ray`: the same run with verification on a simulated Ray cluster.
 # Then scripts/e2e_harness.py: 3 RL steps whose every episode is an unmodified mini-swe-agent run
-# through the gateway (embedded sampler; the update's log-probs equal the recorded ones).
+# through the gateway on the factory's real-package task (embedded sampler; the update's
+# log-probs equal the recorded ones; the run's episodes exported as ATIF and read back).
+# Then the same on the CPU SGLang server (its k3 printed; about 9 minutes on a loaded 2-core
+# machine); `make e2e E2E_HARNESS_SGLANG=` leaves it out.
 E2E_ARGS ?=
+E2E_HARNESS_SGLANG ?= 1
 e2e: setup system-deps sglang-venv agents-venv
 	$(PY) scripts/e2e.py --out=runs/e2e $(E2E_ARGS)
 	$(PY) scripts/e2e_harness.py --out=runs/e2e_harness --model-dir=runs/e2e/model
+	$(if $(E2E_HARNESS_SGLANG),$(PY) scripts/e2e_harness.py --out=runs/e2e_harness --model-dir=runs/e2e/model --engine=sglang)
 
 # The feedback study: sft, rw_sft, span_kto, sft_drop_negative, sft_penalize_negative x 3 seeds on
 # one shared simulated-user feedback dataset -> runs/feedback_compare/comparison.{md,png}.

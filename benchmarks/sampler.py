@@ -19,11 +19,12 @@ in float32 on the same CPU, one after the other in this process. Tables:
 4. with `--tables ...,sglang`: the embedded sampler against a real SGLang server from
    `.venv-sglang` on the same model and the greedy / RL-shaped workloads (tokens/s both ways).
 5. with `--tables ...,precision` (`--tables precision` alone skips the rest): the embedded
-   sampler in each of `--precisions` (float32, bfloat16, int8, fp8: `Sampler(precision=...)`)
-   on the RL-shaped workload, timed in interleaved rounds (the order alternating), with tokens
-   per second against float32, the weights' bytes, the weight conversion of one sync, and how
-   far each precision's log-probs of its own samples are from the float32 model's (mean and
-   max |difference|, token-mean k3).
+   sampler in each of `--precisions` (float32, bfloat16, int8, fp8: `Sampler(precision=...)`;
+   `PRECISION:KV` adds a KV-cache dtype, e.g. `float32:int8` for float32 weights with an int8
+   KV cache, `Sampler(kv_cache_dtype=...)`) on the RL-shaped workload, timed in interleaved
+   rounds (the order alternating), with tokens per second against float32, the weights'
+   bytes, the weight conversion of one sync, and how far each precision's log-probs of its own
+   samples are from the float32 model's (mean and max |difference|, token-mean k3).
 
 With two or more batch sizes the greedy table is followed by their scaling measured interleaved:
 `--scaling-rounds` rounds, each calling the one-device sampler once per batch size (the order
@@ -248,8 +249,9 @@ def main():
     )
     ap.add_argument(
         "--precisions",
-        default="float32,bfloat16,int8",
-        help="the precision table's sampler precisions (float32 first: the baseline)",
+        default="float32,bfloat16,int8,float32:int8,bfloat16:int8",
+        help="the precision table's sampler precisions (float32 first: the baseline), each "
+        "PRECISION or PRECISION:KV_CACHE_DTYPE (float32:int8: an int8 KV cache)",
     )
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens (CI smoke)")
     ap.add_argument(
@@ -583,7 +585,12 @@ def _precision_table(model, cfg, args, rl, rng):
     precisions = args.precisions.split(",")
     np_, n, pl, new = rl["prompts"], rl["n"], rl["prompt_len"], rl["new"]
     kw = dict(batch_buckets=(np_, np_ * n), prompt_buckets=(pl,), new_token_buckets=(new,))
-    samplers = {p: Sampler(model, precision=p, **kw) for p in precisions}
+
+    def sampler_of(label):
+        precision, _, kv = label.partition(":")
+        return Sampler(model, precision=precision, kv_cache_dtype=kv or "auto", **kw)
+
+    samplers = {p: sampler_of(p) for p in precisions}
     params = SamplingParams(n=n, temperature=1.0, max_tokens=new, seed=0)
     prompts = rng.integers(1, cfg.vocab_size, (np_, pl)).tolist()
     print(
@@ -613,7 +620,7 @@ def _precision_table(model, cfg, args, rl, rng):
     n_tok = np_ * n * new
     tps = {p: n_tok / statistics.median(t) for p, t in times.items()}
     head = (
-        f"{'precision':>9} | {'tok/s':>8} | {'vs ' + precisions[0]:>10} | {'compile s':>9} | "
+        f"{'precision:kv':>13} | {'tok/s':>8} | {'vs ' + precisions[0]:>10} | {'compile s':>9} | "
         f"{'weights MiB':>11} | {'sync s':>7} | {'mean |dlp|':>10} | {'max |dlp|':>9} | "
         f"{'k3':>9}"
     )
@@ -628,7 +635,7 @@ def _precision_table(model, cfg, args, rl, rng):
         d = np.concatenate(diffs).astype(np.float64)
         k3 = np.mean(np.exp(d) - d - 1)
         print(
-            f"{p:>9} | {tps[p]:>8.0f} | {tps[p] / tps[precisions[0]]:>10.2f} | "
+            f"{p:>13} | {tps[p]:>8.0f} | {tps[p] / tps[precisions[0]]:>10.2f} | "
             f"{compile_s[p]:>9.1f} | {weight_bytes(samplers[p].state) / 2**20:>11.2f} | "
             f"{sync_s[p]:>7.3f} | {np.abs(d).mean():>10.2e} | {np.abs(d).max():>9.2e} | "
             f"{k3:>9.2e}",

@@ -18,6 +18,9 @@
 #   --config.grading.grader=agentic --config.grading.sglang_url=http://127.0.0.1:GRADER_PORT
 # Weight sync: the loop exports safetensors to WORKDIR/sync/step_N and calls
 # /update_weights_from_disk, so MODEL_DIR must be the same architecture as the policy.
+# Routing replay of a mixture of experts (--config.learner.routing_replay=True): pass
+# --enable-return-routed-experts; on a CPU-only machine also put scripts/sglang_cpu/host_memory
+# on the server's PYTHONPATH (SGLang page-locks the routes' host buffer with CUDA otherwise).
 set -euo pipefail
 MODEL_DIR=${1:?usage: launch_sglang.sh MODEL_DIR [PORT] [extra args]}
 PORT=${2:-30000}

@@ -7,8 +7,8 @@ are compared with the behaviour log-probs the rollout recorded:
 * ``rollout.bitwise_onpolicy`` (the behaviour log-probs recomputed by the update's own program
   with the sampler's weights, ``gagar_jax.update.alignment``): exactly 0, on one device and on
   a sharded mesh;
-* the sampler's own log-probs, per precision: within a bound measured on this model (below,
-  with what was measured when it was set);
+* the sampler's own log-probs, per precision and per KV-cache dtype: within a bound measured
+  on this model (below, with what was measured when it was set);
 * an SGLang server's (marked ``sglang``): within its measured bound.
 
 Each check must fail when the alignment breaks: a weight of the sampler off the trainer's, or
@@ -53,6 +53,14 @@ BOUNDS = {
     "bfloat16": (0.5, 3e-3),
     "int8": (0.75, 1e-2),
     "fp8": (1.75, 6e-2),
+}
+# The same, per KV-cache dtype of a float32 sampler (float32 weights and compute, only the
+# cached keys and values rounded). Measured when set (max abs, k3; T = 1.0 / 0.7): bfloat16
+# 0.029 / 0.057, 4.3e-5 / 1.1e-4; int8 (one scale per token and KV head) 0.097 / 0.078,
+# 3.0e-4 / 3.6e-4. The wrong-temperature and scaled-head checks gave k3 0.14-0.19.
+KV_BOUNDS = {
+    "bfloat16": (0.12, 2.5e-4),
+    "int8": (0.2, 8e-4),
 }
 
 
@@ -128,8 +136,8 @@ def _compiled(make, config, mesh, **kw):
     return make(MODEL, config, mesh, **kw)
 
 
-def within(measured, precision):
-    (diff, k3), (max_diff, max_k3) = measured, BOUNDS[precision]
+def within(measured, precision, bounds=BOUNDS):
+    (diff, k3), (max_diff, max_k3) = measured, bounds[precision]
     return diff <= max_diff and k3 <= max_k3
 
 
@@ -199,3 +207,23 @@ def test_each_precision_check_turns_red(model, precision):
     off["lm_head"] *= 1.5
     sampler.sync_weights(off, 1)
     assert not within(mismatch(params, sampled_batch(sampler, 1.0)), precision)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", list(KV_BOUNDS))
+def test_each_kv_cache_dtype_is_within_its_measured_bound_and_turns_red(model, kv_cache_dtype):
+    """A float32 sampler with a bfloat16 or int8 KV cache: within the cache dtype's bound at
+    both temperatures, above float32's rounding, and outside the bound when the temperature
+    or the sampler's weights are wrong."""
+    buckets = dict(batch_buckets=(8,), prompt_buckets=(8,), new_token_buckets=(16,))
+    sampler = Sampler(model, kv_cache_dtype=kv_cache_dtype, **buckets)
+    params = trainer_params(model)
+    for temperature in (1.0, 0.7):
+        measured = mismatch(params, sampled_batch(sampler, temperature), temperature=temperature)
+        assert within(measured, kv_cache_dtype, KV_BOUNDS), (kv_cache_dtype, measured)
+        assert measured[1] > BOUNDS["float32"][1]
+    wrong_t = mismatch(params, sampled_batch(sampler, 0.7), temperature=1.0)
+    assert not within(wrong_t, kv_cache_dtype, KV_BOUNDS)
+    off = jax.tree.map(np.array, params)
+    off["lm_head"] *= 1.5
+    sampler.sync_weights(off, 1)
+    assert not within(mismatch(params, sampled_batch(sampler, 1.0)), kv_cache_dtype, KV_BOUNDS)

@@ -1,9 +1,10 @@
 """``scripts/e2e_harness.py`` as a test: RL steps whose every episode is an unmodified
-mini-swe-agent run through the gateway on the embedded sampler (the fixture repositories, the
-tiny random Qwen2), in the synchronous loop and in the asynchronous scheduler at staleness 0.
-The script's own checks: each step's episodes made model calls through the gateway, the
-update's log-probs at the sampling weights equal the recorded ones (k3 = 0), finite losses and
-no infra error."""
+mini-swe-agent run through the gateway on the task factory's real-package task (the tiny random
+Qwen2): on the embedded sampler in the synchronous loop and in the asynchronous scheduler at
+staleness 0, and on the CPU SGLang server. The script's own checks: each step's episodes made
+model calls through the gateway on that task, the update's log-probs at the sampling weights
+equal the recorded ones (k3 = 0 with the embedded sampler; small with SGLang), finite losses,
+no infra error, and the run's episodes export as ATIF and read back."""
 
 import json
 import math
@@ -66,3 +67,40 @@ def test_mini_swe_agent_episodes_train_token_exact(mode, out):
         assert x["episode/calls"] > 0 and x["episode/segments"] >= 1
         assert x["episode/tokens"] > 0 and math.isfinite(x["loss"])
         assert abs(x["rollout/logprob_mismatch_k3"]) < 1e-6
+
+
+# The SGLang run adds about 9 minutes on a 2-core machine (the server's start, then 3 steps):
+# `make e2e` runs it; in the test suite GAGAR_E2E_HARNESS_SGLANG=1 turns it on.
+@pytest.mark.sglang
+@pytest.mark.skipif(
+    os.environ.get("GAGAR_E2E_HARNESS_SGLANG") != "1",
+    reason="the SGLang harness run is opt-in (GAGAR_E2E_HARNESS_SGLANG=1)",
+)
+def test_mini_swe_agent_episodes_on_the_sglang_server(out):
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "e2e_harness.py"),
+        f"--out={out}",
+        f"--agents-venv={AGENTS_VENV}",
+        "--engine=sglang",
+    ]
+    r = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT},
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    rows = [
+        json.loads(x)
+        for x in (out / "run_sglang" / "metrics.jsonl").read_text().splitlines()
+        if x.strip()
+    ]
+    train = [x for x in rows if x.get("phase") == "train"]
+    assert [x["step"] for x in train] == [0, 1, 2]
+    for x in train:
+        assert x["episode/calls"] > 0 and math.isfinite(x["rollout/logprob_mismatch_k3"])
+        assert 0 < x["rollout/logprob_mismatch_max_abs"] < 1.0
+    assert "as ATIF and read them back" in r.stdout

@@ -265,7 +265,7 @@ def test_errors_name_the_field_and_the_limit(served):
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
             ],
         )
-    with pytest.raises(openai.BadRequestError, match="context limit is 256 tokens"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens"):
         client.chat.completions.create(
             model="p", messages=[{"role": "user", "content": "word " * 400}]
         )

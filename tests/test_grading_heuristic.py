@@ -4,6 +4,7 @@ determinism and permutation invariance."""
 import dataclasses
 
 import hypothesis.strategies as st
+import pytest
 from grading_strategies import BASE_REPO, EXTRA_EDITS, FIX, apply_edits, make_diff, workspaces
 from hypothesis import HealthCheck, given, settings
 
@@ -272,3 +273,53 @@ def test_meets_kappa_target_on_toy_dev_and_heldout():
         assert len(s.groups) == 12 and s.version == f"v1:{split}"
         row = ev.evaluate(HeuristicGrader(), s, probes=("permute",), n_boot=0)
         assert row["kappa"] >= 0.8 and row["flip_rate"] == 0.0
+
+
+# --- the fix site cannot be steered by the group's own candidates ----------------------------
+
+# Leaves ``return a - b`` in place and compensates: a wrapper redefining ``add`` at the end.
+WRAP = ("pkg/core.py", "", "\n\n_add = add\n\n\ndef add(a, b):\n    return _add(a, -b)\n")
+TOUCHES = {
+    "comment": ("pkg/core.py", "import os\n", "import os  # paths\n"),
+    "whitespace": ("pkg/core.py", "    out = []\n", "    out = [ ]\n"),
+    "code": ("pkg/core.py", "    out = []\n", "    out = list()\n"),
+}
+
+
+def _tiers(cands):
+    ws = schema.GroupWorkspace("g-site", "fix add", BASE_REPO, cands)
+    v = schema.validate(HeuristicGrader().grade(ws), ws)
+    return {j.candidate_id: j.tier for j in v.judgements}
+
+
+@pytest.mark.parametrize("touch", sorted(TOUCHES))
+def test_a_majority_touching_a_harmless_line_does_not_move_the_fix_site(touch):
+    """Two wrappers that leave the bug and both touch one harmless line (by a comment, by
+    whitespace, or by an equivalent code change) against one fix at the bug: the fix is
+    graded no worse than they are."""
+    edit = TOUCHES[touch]
+    tiers = _tiers([_cand("fix", [FIX]), _cand("w1", [edit, WRAP]), _cand("w2", [edit, WRAP])])
+    assert tiers["fix"] <= min(tiers["w1"], tiers["w2"]), tiers
+    assert tiers["fix"] != 3, tiers
+
+
+def test_a_comment_on_the_bug_line_does_not_count_as_changing_it():
+    """A wrapper that appends a comment to the bug line, with two fixes in the group: it still
+    leaves the bug in place (T3)."""
+    note = ("pkg/core.py", "    return a - b\n", "    return a - b  # see add below\n")
+    tiers = _tiers([_cand("a", [FIX]), _cand("b", [FIX]), _cand("w", [note, WRAP])])
+    assert tiers["w"] == 3 and tiers["a"] == 1, tiers
+
+
+def test_a_wrapper_touching_a_harmless_line_is_still_caught_by_an_honest_majority():
+    tiers = _tiers([_cand("a", [FIX]), _cand("b", [FIX]), _cand("w", [TOUCHES["code"], WRAP])])
+    assert tiers["w"] == 3 and tiers["a"] == 1, tiers
+
+
+def test_code_removed_ignores_comment_and_whitespace_edits():
+    from gagar_jax.grading.heuristic import code_removed
+    from gagar_jax.verify import diff
+
+    patch = apply_edits(BASE_REPO, [TOUCHES["comment"], TOUCHES["whitespace"], FIX])
+    (f,) = diff.parse_unified_diff(patch)
+    assert code_removed(f) == {5}  # `return a - b`, line 5; lines 1 and 9 only restyled

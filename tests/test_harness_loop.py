@@ -10,12 +10,14 @@ import pytest
 from flax import nnx
 
 from configs import toy_gagar
+from gagar_jax.data import trajectories
 from gagar_jax.envs.hf_tokenizer import HFTokenizer
-from gagar_jax.rl import collect
+from gagar_jax.rl import collect, harness_rollouts
 from gagar_jax.rl.config import ConfigError, RunConfig
 from gagar_jax.rollout.sampler import Sampler
 from gagar_jax.update import UpdateConfig
 from gagar_jax.update.alignment import behaviour_logprobs
+from gagar_jax.update.step import _split, episode_token_advantages
 from tests.gateway_fixtures import tiny_policy
 from tests.hf_fixtures import make_tiny_tokenizer
 from tests.test_harness import HTTP_HARNESS, TASK, _script
@@ -79,7 +81,7 @@ def tokenizer(tmp_path_factory):
     return HFTokenizer(make_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
-def test_harness_groups_pack_into_rows_the_update_scores_exactly(tokenizer):
+def test_harness_groups_pack_into_rows_the_update_scores_exactly(tokenizer, tmp_path):
     model = tiny_policy(tokenizer)
     sampler = Sampler(
         model,
@@ -89,6 +91,9 @@ def test_harness_groups_pack_into_rows_the_update_scores_exactly(tokenizer):
         new_token_buckets=(16,),
     )
     cfg = _cfg(harness="command", harness_command=_script(HTTP_HARNESS), harness_max_wall_s=60)
+    # the training loop's gateway records every episode under the run (RUN_DIR/episodes)
+    run_dir = tmp_path / "run"
+    harness_rollouts.harness_runner(sampler, tokenizer, cfg, record_dir=str(run_dir / "episodes"))
     counters = collect.StepCounters()
     (group,) = collect.generate_groups(
         sampler,
@@ -148,6 +153,49 @@ def test_harness_groups_pack_into_rows_the_update_scores_exactly(tokenizer):
     log_ratio = old[mask] - lp[mask]
     k3 = float(np.mean(np.exp(-log_ratio) - 1 + log_ratio))
     assert np.max(np.abs(diff)) < 1e-5 and abs(k3) < 1e-9, (np.max(np.abs(diff)), k3)
+    _check_export(run_dir, group, tokenizer, sampler, cfg)
+
+
+def _check_export(run_dir, group, tokenizer, sampler, cfg):
+    """The run's episode records export as ATIF and read back to the calls each rollout was
+    trained on; a gateway started again on the directory keeps them, and the same episode
+    drawn again gets a new id."""
+    files = trajectories.export(str(run_dir), fmt="atif")
+    assert len(files) == len(group.rollouts) == 2
+    by_id = {}
+    for path in files:
+        traj = trajectories.read_atif(path)
+        by_id[traj["session_id"]] = traj
+    for r in group.rollouts:
+        ep = r.attempt.harness
+        traj = by_id[ep.episode_id]
+        calls = trajectories.atif_calls(traj)
+        assert calls == [
+            {k: c[k] for k in ("index", "prompt_ids", "completion_ids", "logprobs",
+                               "policy_version", "linked_call")}
+            for c in ep.record["calls"]
+        ]  # fmt: skip
+        # the row the update trained: the first call's prompt, then every completion with its
+        # recorded log-probs (tool results between them, mask 0)
+        assert r.prompt_tokens == calls[0]["prompt_ids"]
+        trained = [t for t, m in zip(r.response_tokens, r.response_mask) if m]
+        assert trained == [t for c in calls for t in c["completion_ids"]]
+        lps = [x for x, m in zip(r.logprobs, r.response_mask) if m]
+        assert lps == [x for c in calls for x in c["logprobs"]]
+        # this harness sends its command's output back as a user message
+        assert [st["source"] for st in traj["steps"]] == ["user", "agent", "user", "agent"]
+        assert traj["steps"][2]["message"] == "a.py\ntests\n"
+        assert traj["final_metrics"]["extra"]["status"] == "finished"
+    # a gateway started again on the records (a resumed run): the episodes are kept
+    from gagar_jax.rollout.gateway.sessions import SessionStore
+
+    store = SessionStore(str(run_dir / "episodes"))
+    eid = group.rollouts[0].attempt.harness.episode_id
+    assert store.known(eid) and store.finished(eid)["calls"]
+    runner = harness_rollouts.harness_runner(sampler, tokenizer, cfg)
+    assert harness_rollouts._fresh_id(runner, eid) == eid + "-r1"
+    with pytest.raises(ValueError, match="this engine's gateway records to"):
+        harness_rollouts.harness_runner(sampler, tokenizer, cfg, record_dir=str(run_dir / "x"))
 
 
 # A harness that compacts its history: its second call starts from a summary, not from the
@@ -225,6 +273,25 @@ def test_edited_history_trains_every_segment_as_a_row_of_its_episode(tokenizer):
         sum(r.response_mask) + sum(r.extra_segments[0]["response_mask"]) for r in group.rollouts
     )
     assert np.max(np.abs(lp - old)[mask]) < 1e-5
+    # token-level credit as the update runs it: each episode's credit is conserved over its
+    # two rows (not row by row: the statistics span the episode)
+    adv = np.array([0.75, -0.5], np.float32)
+    ids = np.asarray(batch.row_episode)
+    tok, err = episode_token_advantages(
+        params,
+        {
+            f: _split(np.asarray(getattr(batch, f)), 1, 1, None)
+            for f in ("tokens", "positions", "attention_mask", "response_mask")
+        },
+        adv,
+        ids,
+        graphdef=graphdef,
+        config=UpdateConfig(shared_prefix=False, token_credit="entropy", token_gamma=1.0),
+    )
+    tok = np.asarray(tok)
+    assert float(err) < 1e-6
+    for e in range(2):
+        np.testing.assert_allclose(tok[ids == e].sum(), adv[e] * mask[ids == e].sum(), rtol=1e-5)
     # the same episodes with one segment per row budget: the second is counted, not trained
     cfg1 = dataclasses.replace(
         cfg, rollout=dataclasses.replace(cfg.rollout, harness_max_segments=1)

@@ -100,7 +100,12 @@ def test_sampler_converts_once_per_sync_and_compiles_nothing_new(model, precisio
 def test_low_precision_logprobs_are_close_to_the_float32_trainers(model):
     params = SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=1)
     worst = {}
-    for precision, kv in (("float32", "auto"), ("float32", "bfloat16"), ("int8", "auto")):
+    for precision, kv in (
+        ("float32", "auto"),
+        ("float32", "bfloat16"),
+        ("float32", "int8"),
+        ("int8", "auto"),
+    ):
         out = Sampler(model, precision=precision, kv_cache_dtype=kv, **BUCKETS).generate(
             PROMPTS, params
         )
@@ -111,6 +116,7 @@ def test_low_precision_logprobs_are_close_to_the_float32_trainers(model):
         )
     assert worst[("float32", "auto")] < 1e-4
     assert 1e-4 < worst[("float32", "bfloat16")] < 0.2  # keys and values rounded to bfloat16
+    assert 1e-4 < worst[("float32", "int8")] < 0.3  # keys and values on a per-token int8 grid
     assert 1e-3 < worst[("int8", "auto")] < 0.5
 
 
@@ -118,7 +124,7 @@ def test_bad_precision_names_the_argument(model):
     with pytest.raises(ValueError, match="precision"):
         Sampler(model, precision="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        Sampler(model, kv_cache_dtype="int8")
+        Sampler(model, kv_cache_dtype="int4")
 
 
 def test_run_config_turns_truncated_is_on_for_a_low_precision():
@@ -152,3 +158,7 @@ def test_run_config_turns_truncated_is_on_for_a_low_precision():
         )
     with pytest.raises(ConfigError, match="rollout.precision"):
         RunConfig.from_config_dict({"rollout": {"precision": "int4"}})
+    int8_kv = RunConfig.from_config_dict({"rollout": {"kv_cache_dtype": "int8"}})
+    assert int8_kv.learner.rollout_is == "token" and int8_kv.learner.mismatch_metrics
+    with pytest.raises(ConfigError, match="rollout.kv_cache_dtype"):
+        RunConfig.from_config_dict({"rollout": {"kv_cache_dtype": "int4"}})

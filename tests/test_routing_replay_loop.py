@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gagar_jax.rl import asynchronous, collect, engines, policy, train
-from gagar_jax.rl.config import ConfigError, RunConfig
+from gagar_jax.rl.config import RunConfig
 from gagar_jax.rl.multihost import prompt_seed
 from tests.test_loop_pieces import load_config_module
 
@@ -190,11 +190,17 @@ def test_single_turn_samples_interrupted_mid_sample_keep_their_routes():
     check_routes(one_call, model)
 
 
-def test_routing_replay_needs_the_embedded_sampler():
-    with pytest.raises(ConfigError, match="learner.routing_replay"):
-        RunConfig.from_config_dict(
-            {
-                "rollout": {"engine": "sglang", "sglang_url": "http://x"},
-                "learner": {"routing_replay": True},
-            }
-        )
+def test_routing_replay_with_sglang_asks_the_server_for_routes():
+    """With ``rollout.engine='sglang'`` the client records the server's routes for replay
+    (``tests/test_routing_replay_sglang.py`` runs it against a real server); the mismatch
+    metrics alone do not ask a server for them."""
+    from gagar_jax.rl.engines import sglang_record_routes
+    from tests.update_fixtures import tiny_config
+
+    moe = tiny_config(**MOE)
+    sglang = {"engine": "sglang", "sglang_url": "http://x"}
+    replay = RunConfig.from_config_dict({"rollout": sglang, "learner": {"routing_replay": True}})
+    assert sglang_record_routes(replay, moe) == (moe.num_layers, 2, 4)
+    assert sglang_record_routes(replay, tiny_config()) is None  # a dense model has none
+    metrics = RunConfig.from_config_dict({"rollout": sglang, "learner": {"mismatch_metrics": True}})
+    assert sglang_record_routes(metrics, moe) is None

@@ -19,6 +19,7 @@ with them without importing any family.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -62,8 +63,17 @@ class SandboxCheckRunner:
         self.node_call: tuple[Any, Any, tuple] | None = None
 
     def run(
-        self, workspace: schema.GroupWorkspace, candidate: schema.Candidate, command: str
+        self,
+        workspace: schema.GroupWorkspace,
+        candidate: schema.Candidate,
+        command: str,
+        time_limit_s: float | None = None,
     ) -> CheckResult:
+        """Runs ``command``; ``time_limit_s`` lowers the wall limit for this check (what is
+        left of the grader's check budget)."""
+        limits = self.limits
+        if time_limit_s is not None and time_limit_s < limits.wall_s:
+            limits = dataclasses.replace(limits, wall_s=max(0.5, float(time_limit_s)))
         try:
             argv = shlex.split(command)
         except ValueError as e:
@@ -85,10 +95,10 @@ class SandboxCheckRunner:
             fn,
             files,
             argv,
-            self.limits,
+            limits,
             self.config,
             *args,
-            deadline_s=self.limits.wall_s + execution.CALL_MARGIN_S,
+            deadline_s=limits.wall_s + execution.CALL_MARGIN_S,
             kind="check",
             env=node_env,
         )

@@ -26,10 +26,16 @@ real ids and validated against the real workspace (``schema.validate``), with th
 checks the grader ran counted as execution evidence.
 
 Budgets: ``max_steps`` model calls and ``time_budget_s`` seconds per vote; the pool's cancel event
-is checked before each call. A model that never produces a valid verdict (e.g. a tiny random
-model) ends in ``VerdictRejected`` with the last rejection's reason (``malformed_output`` for text
-with no verdict) or ``budget_exhausted``; the pool turns it into a counted fallback. A client
-error (server down after its retries) propagates and becomes ``grader_error``.
+is checked before each call. The time a ``run_check`` spends running a candidate's code is not
+the grader's: it is not charged to ``time_budget_s`` but to a budget of its own,
+``check_budget_s`` per vote, and each check runs at most what is left of it (a runner that takes
+``time_limit_s`` is held to it; a later check once it is spent answers that it is, unrun). A
+candidate whose code stalls its check therefore costs the vote at most ``check_budget_s``
+seconds and never the group's verdict. A model that never produces a valid verdict (e.g. a
+tiny random model) ends in ``VerdictRejected`` with the last rejection's reason
+(``malformed_output`` for text with no verdict) or ``budget_exhausted``; the pool turns it into
+a counted fallback. A client error (server down after its retries) propagates and becomes
+``grader_error``.
 
 Self-consistency: ``votes > 1`` runs independent episodes (each on its own shuffle of the
 candidates; sampled at ``vote_temperature``, greedy by default) and merges the accepted ones:
@@ -78,6 +84,7 @@ import dataclasses
 import hashlib
 import hmac
 import importlib.resources
+import inspect
 import json
 import random
 import secrets
@@ -141,6 +148,15 @@ class CheckResult:
 
 class CheckRunner(Protocol):
     def run(self, workspace: GroupWorkspace, candidate: Candidate, command: str) -> CheckResult: ...
+
+
+def _takes_time_limit(runner: Any) -> bool:
+    """Whether ``runner.run`` accepts ``time_limit_s`` (the most seconds a check may run)."""
+    try:
+        params = inspect.signature(runner.run).parameters
+    except (TypeError, ValueError):
+        return False
+    return "time_limit_s" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class NoCheckRunner:
@@ -266,6 +282,7 @@ class AnonymisedView:
         self.real_of = {a: cid for cid, a in self.alias_of.items()}
         self.order = order
         self.check_logs: dict[str, list[str]] = collections.defaultdict(list)
+        self.check_s = 0.0  # seconds this vote's checks ran (``AgenticGrader.check_budget_s``)
 
     def candidate(self, alias: Any) -> Candidate:
         cid = self.real_of.get(alias) if isinstance(alias, str) else None
@@ -488,7 +505,10 @@ class AgenticGrader:
       client: anything with ``chat_completions`` (``SGLangClient``, ``ScriptedGraderPolicy``).
       check_runner: runs ``run_check`` (default: ``NoCheckRunner``).
       max_steps: model calls per vote.
-      time_budget_s: wall-clock budget per vote.
+      time_budget_s: wall-clock budget per vote, the time ``run_check`` runs a candidate's code
+        left out.
+      check_budget_s: seconds of ``run_check`` per vote (None: ``time_budget_s``); each check
+        runs at most what is left of it.
       max_tokens: per model call.
       temperature: sampling temperature of the first vote.
       votes: self-consistency votes (independent episodes).
@@ -545,6 +565,7 @@ class AgenticGrader:
         check_runner: CheckRunner | None = None,
         max_steps: int = 12,
         time_budget_s: float = 600.0,
+        check_budget_s: float | None = None,
         max_tokens: int = 1024,
         temperature: float = 0.0,
         votes: int = 1,
@@ -566,6 +587,13 @@ class AgenticGrader:
         self.check_runner = check_runner or NoCheckRunner()
         self.max_steps = max_steps
         self.time_budget_s = float(time_budget_s)
+        check_budget_s = self.time_budget_s if check_budget_s is None else check_budget_s
+        if not check_budget_s >= 0:
+            raise ValueError(
+                f"AgenticGrader.check_budget_s must be >= 0 seconds, got {check_budget_s!r}"
+            )
+        self.check_budget_s = float(check_budget_s)
+        self._check_takes_limit = _takes_time_limit(self.check_runner)
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.votes = votes
@@ -618,6 +646,11 @@ class AgenticGrader:
             *(("ranks:" + rank_order,) if rank_order != "strict" else ()),
             *(("scores:" + uncited_scores,) if uncited_scores != "cite" else ()),
             *(("seeded",) if self.seed_votes else ()),
+            *(
+                (f"checks:{self.check_budget_s:g}",)
+                if self.check_budget_s != self.time_budget_s
+                else ()
+            ),
             type(client).__name__,
             getattr(client, "base_url", ""),
             type(self.check_runner).__name__,
@@ -698,7 +731,7 @@ class AgenticGrader:
         while stats.steps < self.max_steps:
             if cancel is not None and cancel.is_set():
                 raise VerdictRejected(RejectReason.BUDGET_EXHAUSTED, "cancelled by the pool")
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline + view.check_s:  # the checks' time is not the model's
                 break
             stats.steps += 1
             self._count("steps")
@@ -968,7 +1001,20 @@ class AgenticGrader:
             command = args.get("command")
             if not isinstance(command, str) or not command.strip():
                 raise ValueError("run_check needs a non-empty 'command'")
-            res = self.check_runner.run(ws, c, command)
+            left = self.check_budget_s - view.check_s
+            if left <= 0:
+                return (
+                    f"check status: unavailable\nthis vote's check budget "
+                    f"({self.check_budget_s:g} s) is spent; grade with the evidence you have"
+                )
+            t0 = time.monotonic()
+            try:
+                if self._check_takes_limit:
+                    res = self.check_runner.run(ws, c, command, time_limit_s=left)
+                else:
+                    res = self.check_runner.run(ws, c, command)
+            finally:
+                view.check_s += time.monotonic() - t0
             log = _clip(res.log, 4000)
             if res.status != "unavailable":
                 view.check_logs[c.candidate_id].append(log)

@@ -67,6 +67,7 @@ import numpy as np
 from flax import nnx
 
 from gagar_jax.models import lora as _lora
+from gagar_jax.models.kv_quant import QuantizedKV, empty_kv, quantize_kv, read_kv
 
 _MASK_VALUE = -1e30  # finite: a fully masked row softmaxes to uniform, not NaN.
 REMAT_POLICIES = ("full", "dots", "dots_no_batch")
@@ -476,8 +477,11 @@ SMALL_DECODER = TransformerConfig(
 class Cache(NamedTuple):
     """Key/value cache for incremental decoding (a pytree; pass it through ``jit``)."""
 
-    k: Any  # keys after RoPE, compute dtype: per layer [B, KV, D, S] (tuple); scan [L, B, KV, D, S]
-    v: Any  # values, compute dtype: per layer [B, KV, S, D] (tuple); scan [L, B, KV, S, D]
+    # keys after RoPE: per layer [B, KV, D, S] (tuple); scan [L, B, KV, D, S]; values: per
+    # layer [B, KV, S, D] (tuple); scan [L, B, KV, S, D]. Arrays of the cache dtype, or int8
+    # ``gagar_jax.models.kv_quant.QuantizedKV`` buffers (one scale per token and head).
+    k: Any
+    v: Any
     mask: jax.Array  # [B, S] bool, True where a slot holds a real (non-padding) token
     index: jax.Array  # [] int32, next slot to write
 
@@ -1175,16 +1179,15 @@ class Attention(nnx.Module):
         qm = q.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
         if shared:
             prefix_k, prefix_v = (
-                x if layer is None else jax.lax.dynamic_index_in_dim(x, layer, 0, False)
-                for x in (pk_buf, pv_buf)
+                x if layer is None else _layer_of(x, layer) for x in (pk_buf, pv_buf)
             )
             prefix_mask, mask = mask
             out = _shared_prefix_attention(
                 qm,
-                prefix_k.astype(dt),
-                prefix_v.astype(dt),
-                keys.astype(dt),
-                values.astype(dt),
+                read_kv(prefix_k, dt),
+                read_kv(prefix_v, dt),
+                read_kv(keys, dt),
+                read_kv(values, dt),
                 prefix_mask,
                 mask,
                 g,
@@ -1194,29 +1197,43 @@ class Attention(nnx.Module):
         elif fresh:  # slots 0..T-1 are these tokens: causal attention among them
             return self._attend_causal(q, k, v, mask[:, :, :t]), (k_buf, v_buf)
         else:
-            out = _cached_attention(qm, keys.astype(dt), values.astype(dt), mask, g)
+            out = _cached_attention(qm, read_kv(keys, dt), read_kv(values, dt), mask, g)
             new = (k_buf, v_buf)
         return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4), new
+
+
+def _layer_of(buf, layer):
+    """Layer ``layer`` (traced) of a stacked ``[L, ...]`` cache buffer (a quantised one too)."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False), buf)
 
 
 def _write_slots(k_buf, v_buf, k, v, layer, index):
     """k / v [B, T, KV, D] written into a layer's cache buffers at slot ``index`` (``layer``
     None: the layer's own ``[B, KV, D, S]`` / ``[B, KV, S, D]``; else its index in the stacked
-    ``[L, ...]`` ones): (k_buf, v_buf, this layer's keys, its values)."""
+    ``[L, ...]`` ones): (k_buf, v_buf, this layer's keys, its values). A quantised buffer
+    (:class:`gagar_jax.models.kv_quant.QuantizedKV`) takes each new token's int8 values and
+    scale; its keys and values come back quantised (read with ``kv_quant.read_kv``)."""
     index = jnp.asarray(index, jnp.int32)
-    k_new = k.transpose(0, 2, 3, 1).astype(k_buf.dtype)  # [B, KV, D, T]
-    v_new = v.transpose(0, 2, 1, 3).astype(v_buf.dtype)  # [B, KV, T, D]
+    k_new = k.transpose(0, 2, 3, 1)  # [B, KV, D, T]
+    v_new = v.transpose(0, 2, 1, 3)  # [B, KV, T, D]
+    if isinstance(k_buf, QuantizedKV):
+        k_new, v_new = quantize_kv(k_new, k_buf.axis), quantize_kv(v_new, v_buf.axis)
+    else:
+        k_new, v_new = k_new.astype(k_buf.dtype), v_new.astype(v_buf.dtype)
     zero = jnp.zeros((), jnp.int32)
+
+    def put(buf, new, start):
+        return jax.tree.map(lambda b, n: jax.lax.dynamic_update_slice(b, n, start), buf, new)
+
     if layer is None:
-        k_buf = jax.lax.dynamic_update_slice(k_buf, k_new, (zero, zero, zero, index))
-        v_buf = jax.lax.dynamic_update_slice(v_buf, v_new, (zero, zero, index, zero))
+        k_buf = put(k_buf, k_new, (zero, zero, zero, index))
+        v_buf = put(v_buf, v_new, (zero, zero, index, zero))
         return k_buf, v_buf, k_buf, v_buf
     layer = jnp.asarray(layer, jnp.int32)
-    k_buf = jax.lax.dynamic_update_slice(k_buf, k_new[None], (layer, zero, zero, zero, index))
-    v_buf = jax.lax.dynamic_update_slice(v_buf, v_new[None], (layer, zero, zero, index, zero))
-    keys = jax.lax.dynamic_index_in_dim(k_buf, layer, 0, keepdims=False)
-    values = jax.lax.dynamic_index_in_dim(v_buf, layer, 0, keepdims=False)
-    return k_buf, v_buf, keys, values
+    add = lambda x: jax.tree.map(lambda y: y[None], x)  # noqa: E731
+    k_buf = put(k_buf, add(k_new), (layer, zero, zero, zero, index))
+    v_buf = put(v_buf, add(v_new), (layer, zero, zero, index, zero))
+    return k_buf, v_buf, _layer_of(k_buf, layer), _layer_of(v_buf, layer)
 
 
 @jax.custom_vjp
@@ -1594,18 +1611,29 @@ class Transformer(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
         """An empty cache for ``batch`` sequences of at most ``max_len`` slots, its keys and
-        values in ``dtype`` (None: the compute dtype; another one is rounded to on writing and
-        widened from on reading)."""
+        values in ``dtype`` (None: the compute dtype; another float dtype is rounded to on
+        writing and widened from on reading; ``"int8"``: :class:`gagar_jax.models.kv_quant.
+        QuantizedKV` buffers, each token's head vectors quantised on writing with a scale of
+        their own and dequantised to the compute dtype on reading)."""
         c = self.config
-        dt = _dtype(c.dtype if dtype is None else dtype)
         k_shape = (batch, c.num_kv_heads, c.head_dim, max_len)
         v_shape = (batch, c.num_kv_heads, max_len, c.head_dim)
-        if c.scan_layers:
-            k = jnp.zeros((c.num_layers, *k_shape), dt)
-            v = jnp.zeros((c.num_layers, *v_shape), dt)
+        if dtype is not None and jnp.dtype(dtype) == jnp.int8:
+
+            def zeros(shape, which):
+                return empty_kv(shape, -2 if which == "k" else -1)
         else:
-            k = tuple(jnp.zeros(k_shape, dt) for _ in range(c.num_layers))
-            v = tuple(jnp.zeros(v_shape, dt) for _ in range(c.num_layers))
+            dt = _dtype(c.dtype if dtype is None else dtype)
+
+            def zeros(shape, which):
+                return jnp.zeros(shape, dt)
+
+        if c.scan_layers:
+            k = zeros((c.num_layers, *k_shape), "k")
+            v = zeros((c.num_layers, *v_shape), "v")
+        else:
+            k = tuple(zeros(k_shape, "k") for _ in range(c.num_layers))
+            v = tuple(zeros(v_shape, "v") for _ in range(c.num_layers))
         return Cache(
             k=k, v=v, mask=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32)
         )

@@ -594,7 +594,8 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
     t_update = time.monotonic()
     with hosts.collective(f"the update of step {step}"):
         updated = train.update_phase(ctx, state, ex.batch, step=step)
-        weight_version = train.sync_phase(ctx, updated.state, ls, step=step)
+        sync_m: dict = {}
+        weight_version = train.sync_phase(ctx, updated.state, ls, step=step, metrics=sync_m)
     ls.step = step + 1
     t_end = time.monotonic()
     grading_m = (
@@ -653,6 +654,7 @@ def async_step(step: int, state, ls, ctx, aq: AsyncQueue, *, steps_left: int | N
         }
     )
     aq.latencies = []
+    m.update(sync_m)
     m.update(
         grade_wait_s=t_update - t_wait,
         update_time_s=t_end - t_update,

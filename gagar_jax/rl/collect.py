@@ -690,6 +690,12 @@ def family_settings(cfg: RunConfig):
             **({"demo_kinds": t.demo_kinds} if t.demo_kinds else {}),
             **({"autosubmit": True} if t.autosubmit else {}),
             **({"tools": t.tools} if t.tools != "structured" else {}),
+            # SWE-bench-format rows of a container run: read for their images
+            **(
+                {"environment": cfg.execution.environment}
+                if cfg.execution.environment != "uv"
+                else {}
+            ),
         },
     )
 
@@ -1094,7 +1100,7 @@ def generate_groups(
     if cfg.rollout.harness != "native":
         return _harness_groups(
             engine, family, tasks, prompts, ids, cfg=cfg, params=params, counters=counters,
-            prompt_seeds=prompt_seeds, t0=t0,
+            prompt_seeds=prompt_seeds, t0=t0, hold_grader=hold_grader,
         )  # fmt: skip
     try:
         if family.multi_turn or cfg.rollout.partial_chunk_tokens:
@@ -1135,7 +1141,18 @@ def generate_groups(
 
 
 def _harness_groups(
-    engine, family, tasks, prompts, ids, *, cfg, params, counters, prompt_seeds, t0
+    engine,
+    family,
+    tasks,
+    prompts,
+    ids,
+    *,
+    cfg,
+    params,
+    counters,
+    prompt_seeds,
+    t0,
+    hold_grader=False,
 ) -> list[Group]:
     """The groups of :func:`generate_groups` with every rollout a harness episode
     (``gagar_jax.rl.harness_rollouts``): run and verified together, episode ``k`` of prompt
@@ -1162,6 +1179,8 @@ def _harness_groups(
             num_rollouts=K,
             episode_ids=[[f"{gid}-k{k}" for k in range(K)] for gid in ids],
             seeds=seeds,
+            group_ids=ids,
+            hold_grader=hold_grader,
         )
     except Exception as e:
         raise RuntimeError(

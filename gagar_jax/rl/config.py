@@ -240,7 +240,8 @@ class RolloutConfig:
     # own) | bfloat16 | int8 | fp8 (weight-only, bfloat16 compute), converted once per weight
     # sync; with a precision other than the update's the learner's truncated IS is on by
     # default (learner.rollout_is="token", learner.decoupled=True) and so are the mismatch
-    # metrics. kv_cache_dtype: auto (the compute dtype) | float32 | bfloat16
+    # metrics. kv_cache_dtype: auto (the compute dtype) | float32 | bfloat16 | int8 (one scale
+    # per token and KV head, quantised on writing, dequantised on reading)
     precision: str = "float32"
     kv_cache_dtype: str = "auto"
     # the behaviour log-probs of each batch recomputed, with the embedded sampler's weights,
@@ -734,13 +735,6 @@ class RunConfig:
             f"rollout.temperature={self.rollout.temperature} (the sampler's: the update "
             "scores the behaviour policy at its temperature)",
             u.temperature,
-        )
-        _check(
-            not (u.routing_replay and self.rollout.engine != "embedded"),
-            "learner.routing_replay",
-            "False with rollout.engine='sglang' (the embedded sampler records the routes; "
-            "the SGLang client does not read them yet)",
-            u.routing_replay,
         )
         _check(
             not (u.shared_prefix and self.rollout.partial_rollout),

@@ -30,8 +30,9 @@ def build_engine(cfg: RunConfig, model, *, workdir: str, pad_id: int, hosts=None
     ``pad_id``: the tokenizer's; its rows split over ``rollout.embedded_data_parallel`` of
     this process's devices, see :func:`sampler_mesh`; in ``rollout.precision``; recording
     mixture-of-experts routes with ``learner.routing_replay`` or ``learner.mismatch_metrics``),
-    or an SGLang engine (health-checked;
-    ``hosts``: see :func:`build_sglang_engine`)."""
+    or an SGLang engine (health-checked; its client recording the server's routes with
+    ``learner.routing_replay``: :func:`sglang_record_routes`; ``hosts``: see
+    :func:`build_sglang_engine`)."""
     if cfg.rollout.engine == "embedded":
         return Sampler(
             model,
@@ -59,6 +60,17 @@ def sampler_mesh(devices: int):
     if n == 1:
         return None
     return jax.sharding.Mesh(np.array(local[:n]), ("data",))
+
+
+def sglang_record_routes(cfg: RunConfig, model_config):
+    """What the SGLang client records for routing replay: a mixture of experts' ``(layers,
+    experts_per_token, num_experts)`` with ``learner.routing_replay`` (the server must run with
+    ``--enable-return-routed-experts``: the client's first request says so otherwise), else
+    None (the route-mismatch metrics alone do not ask a server for routes)."""
+    if not (cfg.learner.routing_replay and model_config.num_experts > 0):
+        return None
+    c = model_config
+    return (c.num_layers, c.num_experts_per_tok, c.num_experts)
 
 
 def build_sglang_engine(cfg: RunConfig, model_config, *, workdir: str, hosts=None):
@@ -89,6 +101,7 @@ def build_sglang_engine(cfg: RunConfig, model_config, *, workdir: str, hosts=Non
         url,
         request_timeout_s=cfg.rollout.request_timeout_s,
         max_retry_time_s=cfg.rollout.request_timeout_s,
+        record_routes=sglang_record_routes(cfg, model_config),
     )
     if not client.health():
         raise RuntimeError(

@@ -8,7 +8,9 @@ SGLang behind ``DirectBackend``: the same code path), with the update's sampling
 forced on every call so behaviour and training log-probs are of one distribution. The episode's
 final diff goes through the standard verifier (``verify_harness_episode``); the behaviour
 monitor reads the commands and outputs from the gateway's record; the graders get the
-trajectory summary and the diff (:class:`HarnessAttempt`). An episode without a diff fails; a
+trajectory summary and the diff (:class:`HarnessAttempt`); the verification runs on the execution
+back-end like a native group's (a Ray cluster's nodes with ``execution.backend=ray``, the
+group admitted with its verifier slots and grader slot). An episode without a diff fails; a
 harness that crashes, hangs or loops fails with the reason; an engine or sandbox failure is
 ``infra_error`` (masked, counted).
 
@@ -34,10 +36,19 @@ update broadcasts advantages to rows (one gather) and leaves every kernel, the d
 sampling and the staleness accounting as they are. Segments beyond
 ``rollout.harness_max_segments`` are counted (``episode/untrained_segments``), never trained
 with a wrong context. With token-level credit (``learner.token_credit``) the update
-redistributes within each row, which conserves each row's credit and so the episode's, but
-centres the token weights per segment rather than over the episode as
-``redistribute_segment_tokens`` does. ``episode/segments``, ``episode/calls`` and
+redistributes each episode's advantage over the tokens of all its rows at once
+(``redistribute_segment_tokens``, see ``gagar_jax.update.step``), so its credit is conserved
+across its segments and each token gets the weight it would get were the episode one row.
+``episode/segments``, ``episode/calls`` and
 ``episode/tokens`` (means over the step's harness episodes) are logged by ``StepCounters``.
+
+**Records.** With a record directory (the training loop gives ``RUN_DIR/episodes``, see
+:func:`harness_runner`) the gateway writes every finished episode there as one JSON file (per
+call: the prompt ids, completion ids, behaviour log-probs, policy version, the messages in and
+the answer out with its tool calls; the harness's tool results are the next call's messages), so
+``python -m gagar_jax.data.trajectories export RUN_DIR --format atif`` exports a run's episodes,
+and a gateway started again on the same directory (a resumed run) keeps them: an episode drawn
+again gets a new id (``-r<n>``), never a finished one's.
 
 The gateway's context limit is the row (``rollout.max_prompt_len + rollout.max_new_tokens``),
 so every segment fits one; a first segment whose prompt is longer than ``max_prompt_len``
@@ -50,6 +61,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import os
 import tempfile
@@ -72,6 +84,7 @@ from gagar_jax.rollout.gateway import (
     GatewayServer,
 )
 from gagar_jax.rollout.segments import Segment
+from gagar_jax.verify import execution
 
 
 @dataclasses.dataclass
@@ -110,12 +123,23 @@ def _harness_config(cfg: RunConfig) -> HarnessConfig:
     )
 
 
-def harness_runner(engine, tokenizer, cfg: RunConfig) -> HarnessRunner:
+def harness_runner(
+    engine, tokenizer, cfg: RunConfig, *, record_dir: str | None = None
+) -> HarnessRunner:
     """The harness runner of ``engine`` (built once per engine and kept while it lives): a
     gateway on the engine, served on a Unix socket in a private directory, with the run's
-    row budget as its context limit and ``rollout.temperature`` on every call."""
+    row budget as its context limit and ``rollout.temperature`` on every call, writing each
+    finished episode's record to ``record_dir`` (None: kept in memory). The first call for an
+    engine decides its record directory; a later call naming another one is an error."""
     got = _RUNNERS.get(engine)
     if got is not None:
+        have = got.gateway.store.record_dir
+        if record_dir is not None and (
+            have is None or os.path.realpath(have) != os.path.realpath(record_dir)
+        ):
+            raise ValueError(
+                f"harness_runner: this engine's gateway records to {have!r}, not {record_dir!r}"
+            )
         return got
     r = cfg.rollout
     backend = BatchingBackend(engine) if r.engine == "embedded" else DirectBackend(engine)
@@ -126,7 +150,7 @@ def harness_runner(engine, tokenizer, cfg: RunConfig) -> HarnessRunner:
         max_tokens_cap=r.max_turn_tokens or r.max_new_tokens,
         temperature=r.temperature,
     )
-    gateway = Gateway(backend, tokenizer, gw_cfg)
+    gateway = Gateway(backend, tokenizer, gw_cfg, record_dir=record_dir)
     sock_dir = tempfile.mkdtemp(prefix="gagar_gw_")
     server = GatewayServer(gateway, uds=os.path.join(sock_dir, "gateway.sock")).start()
     atexit.register(server.stop)
@@ -193,6 +217,29 @@ def _row_fields(ep: HarnessEpisode, fallback_prompt: list[int], cfg: RunConfig) 
     )
 
 
+def _verify(task, ep: HarnessEpisode) -> Outcome:
+    """``verify_harness_episode``; a verifier that raises is an infrastructure failure
+    (masked, never scored)."""
+    try:
+        return verify_harness_episode(task, ep)
+    except Exception as e:  # noqa: BLE001 -- a verifier crash is masked, never scored
+        return Outcome(
+            passed=False,
+            infra_error=True,
+            test_log=f"infra error: verifier raised {type(e).__name__}: {e}",
+        )
+
+
+def _fresh_id(runner: HarnessRunner, episode_id: str) -> str:
+    """``episode_id``, or ``episode_id-r<n>`` if the gateway knows it already (a record read
+    back from an earlier process of the run)."""
+    n, got = 0, episode_id
+    while runner.gateway.store.known(got):
+        n += 1
+        got = f"{episode_id}-r{n}"
+    return got
+
+
 def harness_rollouts(
     engine,
     family,
@@ -203,28 +250,43 @@ def harness_rollouts(
     num_rollouts: int,
     episode_ids: list[list[str]],
     seeds: list[list[int]],
+    group_ids: list[str] | None = None,
+    hold_grader: bool = False,
 ):
     """``num_rollouts`` harness episodes per task, run ``rollout.harness_concurrency`` at a
-    time, verified: per task a list of ``(attempt, outcome, rollout fields)``."""
+    time on this host (the gateway is in this process), then verified on the execution
+    back-end (``execution.backend``: in this thread, or as Ray calls on the cluster's nodes)
+    group by group: per task a list of ``(attempt, outcome, rollout fields)``.
+    ``hold_grader``: each group keeps a grader slot under its ``group_ids`` entry
+    (``collect.generate_groups``)."""
     runner = harness_runner(engine, family.tokenizer, cfg)
     draw = next(_DRAWS)
     jobs = [(i, k) for i in range(len(tasks)) for k in range(num_rollouts)]
 
     def one(job):
         i, k = job
-        ep = runner.run(tasks[i], episode_id=f"{episode_ids[i][k]}-d{draw}", seed=seeds[i][k])
-        try:
-            out = verify_harness_episode(tasks[i], ep)
-        except Exception as e:  # noqa: BLE001 -- a verifier crash is masked, never scored
-            out = Outcome(
-                passed=False,
-                infra_error=True,
-                test_log=f"infra error: verifier raised {type(e).__name__}: {e}",
-            )
-        return ep, out
+        eid = _fresh_id(runner, f"{episode_ids[i][k]}-d{draw}")
+        return runner.run(tasks[i], episode_id=eid, seed=seeds[i][k])
 
     with concurrent.futures.ThreadPoolExecutor(cfg.rollout.harness_concurrency) as pool:
-        done = list(pool.map(one, jobs))
+        eps = list(pool.map(one, jobs))
+    # Verified as the native groups are (``collect.generate_groups``): each group's K calls on
+    # the execution back-end once admitted (on a cluster: its K verifier slots and, with
+    # ``hold_grader``, a grader slot held under its group id until released).
+    if hold_grader and (group_ids is None or len(group_ids) != len(tasks)):
+        raise ValueError("harness_rollouts: hold_grader needs one group id per task")
+    verified = execution.current().gather_groups(
+        [
+            [
+                functools.partial(_verify, tasks[i], eps[i * num_rollouts + k])
+                for k in range(num_rollouts)
+            ]
+            for i in range(len(tasks))
+        ],
+        grader=int(hold_grader),
+        keys=list(group_ids) if hold_grader else None,
+    )
+    done = [(eps[i * num_rollouts + k], verified[i][k]) for i, k in jobs]
     per_task: list[list] = [[] for _ in tasks]
     for (i, _k), (ep, out) in zip(jobs, done):
         fields, untrained = _row_fields(ep, prompts[i], cfg)

@@ -810,6 +810,15 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     engine = engines.build_engine(cfg, model, workdir=workdir, pad_id=tok.pad_id, hosts=hosts)
     if cfg.rollout.engine == "embedded" and engine.mesh is not None:
         writer.log(f"embedded sampler: rows split over {engine.mesh.devices.size} local devices")
+    if cfg.rollout.harness != "native":  # the gateway records every episode under the run
+        from gagar_jax.rl import harness_rollouts  # noqa: PLC0415 -- the gateway's server stack
+
+        harness_rollouts.harness_runner(
+            engine,
+            tok,
+            cfg,
+            record_dir=os.path.join(workdir, "episodes" if primary else f"episodes.p{hosts.index}"),
+        )
     # one grading pool per host, for its own groups; each keeps its own verdict cache
     cache_path = os.path.join(
         workdir, "grader_cache.jsonl" if primary else f"grader_cache.p{hosts.index}.jsonl"

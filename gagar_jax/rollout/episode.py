@@ -444,8 +444,13 @@ def _record_context_routes(ep: _Live, sample, context_len: int) -> None:
 
 
 def _sample_routes(sample) -> list:
+    """Per generated token its recorded experts, None where it has none (a row of -1: an
+    SGLang sample's last token, never fed back; a later call's prefill may fill it in)."""
     r = getattr(sample, "routes", None)
-    return [None] * len(sample.tokens) if r is None else [np.asarray(x, np.int16) for x in r]
+    if r is None:
+        return [None] * len(sample.tokens)
+    rows = [np.asarray(x, np.int16) for x in r]
+    return [None if np.any(x < 0) else x for x in rows]
 
 
 def _observation_fn(tokenizer, observation_format, observation_tokens):

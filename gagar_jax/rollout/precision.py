@@ -24,8 +24,11 @@ loop's matrix products read bfloat16 weights whose values are exactly the int8 /
 dequantizing product would read the narrow values instead).
 
 The KV cache is the compute dtype (bfloat16 under every precision but ``float32``), or
-``kv_cache_dtype`` when given: a float32 model may keep its keys and values in bfloat16 (they
-are rounded as they are written and widened as they are read).
+``kv_cache_dtype`` when given (``rollout.kv_cache_dtype``): ``bfloat16`` keys and values are
+rounded as they are written and widened as they are read; ``int8`` ones are quantised as they
+are written, one float32 scale per token and KV head (symmetric, absmax / 127), and
+dequantised to the compute dtype as they are read (:mod:`gagar_jax.models.kv_quant`). The
+prompt's own prefill attends to its unrounded keys and values; the decode reads the cache.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 from flax import struct
 
 ROLLOUT_PRECISIONS = ("float32", "bfloat16", "int8", "fp8")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 # value grids of the weight-only formats: (storage dtype, largest magnitude)
 _QUANT = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
 # parameter names that are never quantized: gathered rows, and the MoE router (whose top-k

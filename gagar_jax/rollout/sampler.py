@@ -630,7 +630,9 @@ class Sampler:
         bfloat16 compute). The model's parameters are converted here and at every
         ``sync_weights`` (once per sync); ``config`` is then the sampler's (bfloat16) model
         config, ``model_config`` the trainer's.
-      kv_cache_dtype: ``"auto"`` (the compute dtype), ``"float32"`` or ``"bfloat16"``.
+      kv_cache_dtype: ``"auto"`` (the compute dtype), ``"float32"``, ``"bfloat16"`` or
+        ``"int8"`` (quantised on writing, one scale per token and KV head; dequantised on
+        reading: ``gagar_jax.models.kv_quant``).
       record_routes: a mixture-of-experts model records each token's experts per MoE layer
         (``Sample.routes`` and ``Sample.prompt_routes``: routing replay); ignored for a dense
         model. Its programs are compiled apart from the ones that do not record.

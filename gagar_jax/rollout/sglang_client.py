@@ -5,6 +5,8 @@ Native API, the one that keeps token ids exact:
                     "rid": ...}
   -> {"output_ids": [...], "meta_info": {"output_token_logprobs": [[logprob, id, text], ...],
       "finish_reason": {"type": "stop" | "length" | "abort", ...}, "weight_version": "...", ...}}
+  with `record_routes` (a mixture of experts) also `"return_routed_experts": true` ->
+  `meta_info["routed_experts"]` (`gagar_jax.rollout.sglang_routes`).
   `POST /update_weights_from_disk` {"model_path": dir, "weight_version": "7"} -> {"success": ...}
   `GET /health`; `POST /v1/chat/completions` (OpenAI-compatible, tools allowed) for the agentic
   grader.
@@ -44,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from gagar_jax.rollout.sglang_routes import RoutesFormatError, routes_from_meta
 from gagar_jax.rollout.types import Sample, SamplingParams, validate_prompts
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -113,6 +116,11 @@ class SGLangClient:
       seed: seeds the backoff jitter (tests); sampling seeds go in SamplingParams.seed.
       vocab_size: if given, prompt token ids are checked against it before sending (SGLang 0.5.23
         does not check them: an out-of-vocabulary id crashes the server's scheduler).
+      record_routes: a mixture-of-experts model's ``(layers, experts_per_token,
+        num_experts)``: every request asks for the routed experts (``return_routed_experts``;
+        the server must run with ``--enable-return-routed-experts``) and each sample carries
+        them as the embedded sampler's do (``Sample.routes``, ``Sample.prompt_routes``;
+        ``gagar_jax.rollout.sglang_routes``), for the update's routing replay. None: no routes.
     """
 
     def __init__(
@@ -130,6 +138,7 @@ class SGLangClient:
         policy_version: int = 0,
         seed: int | None = None,
         vocab_size: int | None = None,
+        record_routes: tuple[int, int, int] | None = None,
     ):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"SGLangClient.base_url must be an http(s) URL, got {base_url!r}")
@@ -141,6 +150,15 @@ class SGLangClient:
             raise ValueError(
                 f"SGLangClient.on_failure must be 'raise' or 'abort', got {on_failure!r}"
             )
+        if record_routes is not None and (
+            len(tuple(record_routes)) != 3
+            or not all(isinstance(x, int) and x > 0 for x in record_routes)
+        ):
+            raise ValueError(
+                "SGLangClient.record_routes must be None or (layers, experts_per_token, "
+                f"num_experts), positive ints, got {record_routes!r}"
+            )
+        self.record_routes = None if record_routes is None else tuple(record_routes)
         self.base_url = base_url.rstrip("/")
         self.max_concurrency = int(max_concurrency)
         self.max_retries = int(max_retries)
@@ -305,7 +323,13 @@ class SGLangClient:
         if fr.get("type") == "abort":
             raise _Retryable(f"generation aborted by the server: {fr}")
 
-    def _to_sample(self, body: dict, rid: str, stop_token_ids: tuple[int, ...] = ()) -> Sample:
+    def _to_sample(
+        self,
+        body: dict,
+        rid: str,
+        stop_token_ids: tuple[int, ...] = (),
+        prompt_len: int | None = None,
+    ) -> Sample:
         meta = body["meta_info"]
         lp = meta.get("output_token_logprobs")
         if lp is None:
@@ -316,6 +340,16 @@ class SGLangClient:
             raise SGLangRequestError(
                 f"/generate output_ids disagree with output_token_logprobs ids for request {rid}"
             )
+        routes = {}
+        if self.record_routes is not None and prompt_len is not None:
+            layers, k, experts = self.record_routes
+            try:
+                prompt_routes, gen_routes = routes_from_meta(
+                    meta, prompt_len, len(tokens), layers, k, experts
+                )
+            except RoutesFormatError as e:
+                raise SGLangRequestError(f"/generate request {rid}: {e}") from e
+            routes = dict(routes=gen_routes, prompt_routes=prompt_routes)
         fr = (meta.get("finish_reason") or {}).get("type", "length")
         matched = (meta.get("finish_reason") or {}).get("matched")
         logprobs = [float(x[0]) for x in lp]
@@ -326,6 +360,8 @@ class SGLangClient:
             if cut is not None:
                 tokens, logprobs = tokens[: cut + 1], logprobs[: cut + 1]
                 fr, matched = "stop", tokens[cut]
+                if routes:  # the stop token was fed back: its row is known
+                    routes["routes"] = routes["routes"][: cut + 1]
         version = meta.get("weight_version")
         try:
             version = int(version)
@@ -350,6 +386,7 @@ class SGLangClient:
                 # as the worker reported it ("default": its launch weights, never pushed)
                 "weight_version": str(meta.get("weight_version") or "default"),
             },
+            **routes,
         )
 
     async def agenerate(
@@ -394,6 +431,8 @@ class SGLangClient:
                 }
                 if self.lora_name:
                     body["lora_path"] = self.lora_name
+                if self.record_routes is not None:
+                    body["return_routed_experts"] = True
                 return body
 
             async with sem:
@@ -414,7 +453,7 @@ class SGLangClient:
                 self.metrics["aborted_samples"] += 1
                 sample = Sample([], [], "abort", self.policy_version, {"rid": rid})
             else:
-                sample = self._to_sample(body, rid, params.stop_token_ids)
+                sample = self._to_sample(body, rid, params.stop_token_ids, len(prompts[i]))
             if results[i][j] is not None:  # cannot happen by construction; guard the invariant
                 raise AssertionError(f"sample slot {rid} filled twice")
             results[i][j] = sample

@@ -31,6 +31,10 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / ".venv-sglang"
 DEFAULT_STUB_DIR = REPO_ROOT / "scripts" / "sglang_cpu"
+# On the PYTHONPATH of a server that returns routed experts: its host buffer without CUDA
+# page-locking (scripts/sglang_cpu/host_memory/sitecustomize.py says why)
+HOST_MEMORY_DIR = DEFAULT_STUB_DIR / "host_memory"
+ROUTES_FLAG = "--enable-return-routed-experts"
 
 CPU_FLAGS = (
     "--device",
@@ -122,6 +126,10 @@ class SGLangServer:
       extra_args: more flags for launch_server.
       model_modules: SGLang model modules to import at start-up (None: all; see
         `disabled_model_modules`). Must include the served architecture's module.
+      return_routes: a mixture-of-experts model's server that returns each token's routed
+        experts (``--enable-return-routed-experts``; `SGLangClient(record_routes=...)` asks
+        for them). On a machine without CUDA its host buffer is allocated without
+        page-locking (``HOST_MEMORY_DIR`` on the server's PYTHONPATH).
     """
 
     def __init__(
@@ -137,6 +145,7 @@ class SGLangServer:
         log_path: str | os.PathLike | None = None,
         extra_args: tuple[str, ...] = (),
         model_modules: tuple[str, ...] | None = ("qwen2", "llama"),
+        return_routes: bool = False,
     ):
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").exists():
@@ -152,6 +161,9 @@ class SGLangServer:
         self.url = f"http://{self.host}:{self.port}"
         self.log_path = Path(log_path or self.model_dir.parent / f"sglang-{self.port}.log")
         self.env = server_env(stub_dir, venv, model_modules)
+        if return_routes:
+            self.env["PYTHONPATH"] = str(HOST_MEMORY_DIR) + os.pathsep + self.env["PYTHONPATH"]
+            extra_args = (ROUTES_FLAG, *extra_args)
         self.argv = [
             str(self.python),
             "-m",

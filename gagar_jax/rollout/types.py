@@ -81,11 +81,13 @@ class Sample:
         policy_version: the weight version that produced the tokens.
         meta: engine-specific extras (request id, latency, retries, ...).
         routes: mixture-of-experts models, engines that record them (the embedded sampler
-          with ``record_routes``): ``[L, layers, K]`` int16 experts each generated token was
-          routed to in each MoE layer (when it was fed back to the model); else None.
+          with ``record_routes``, an SGLang client with ``record_routes``): ``[L, layers, K]``
+          int16 experts each generated token was routed to in each MoE layer (when it was fed
+          back to the model; -1 for a token never fed back: an SGLang sample's last); else
+          None.
         prompt_routes: with ``routes``: ``[P', layers, K]`` the experts of the prompt tokens
           this call prefilled, the last ``P'`` of the prompt (all of it, but for the tokens a
-          kept KV cache held: ``meta["cached_prefix"]``).
+          kept KV cache held: ``meta["cached_prefix"]``; SGLang: all of it).
     """
 
     tokens: list[int]

@@ -16,7 +16,8 @@ that forward's log-probs),
 and with ``learner.routing_replay`` ``mismatch/k3_replay`` (the same as ``mismatch/k3``) and
 ``mismatch/route_replay_match_frac`` (attended tokens whose experts in the replayed forward
 are the recorded ones in every layer: 1), with ``mismatch/route_recorded_frac`` the share of
-attended tokens that have recorded routes (the others route freely).
+attended tokens that have recorded routes (the others route freely: e.g. each SGLang sample's
+last token, which the server never fed to its model).
 """
 
 from __future__ import annotations

@@ -18,7 +18,13 @@
    ``redistribute_tokens`` on the micro-batch (``[b, T]``, still inside the loss), which
    conserves every sequence's credit, and ``token_credit/*`` metrics report the conservation
    error before and after the clip, the token-credit Gini and the positive credit on evidence
-   tokens;
+   tokens. With several rows per rollout (``UpdateBatch.row_episode``: a harness episode's
+   linked segments, which the strided split may put in different micro-batches) the token
+   advantages are computed once for the whole batch before the first optimizer step by
+   ``redistribute_segment_tokens`` (statistics over each episode's tokens in all its rows, the
+   entropy importance from a forward at the pre-update parameters), so an episode's credit is
+   conserved over its rows and each token gets the weight it would get were the episode one
+   row; ``token_credit/conservation_error`` is then per episode;
 4. optax AdamW (global-norm clipped) once per mini-batch.
 
 Train/rollout mismatch (``docs/concepts/mismatch.md``): ``learner.rollout_correction`` masks
@@ -60,6 +66,7 @@ from gagar_jax.advantages.contrast import (
     contrastive_tokens_unchecked,
     distinguishing_tokens_unchecked,
 )
+from gagar_jax.advantages.segments import redistribute_segment_tokens
 from gagar_jax.advantages.tokens import redistribute_tokens_unchecked
 from gagar_jax.losses import (
     PolicyLossTerms,
@@ -574,6 +581,18 @@ def update_step(
     else:
         data = {key: _split(v, m, a, mesh) for key, v in fields.items()}
     token_keys = _token_metric_keys(config, batch.evidence is not None)
+    episode_credit = None
+    if batch.row_episode is not None and config.token_credit != "broadcast":
+        tok_adv, episode_credit = episode_token_advantages(
+            state.params,
+            data,
+            adv_out.advantages.reshape(-1),
+            batch.row_episode,
+            graphdef=graphdef,
+            config=config,
+            mesh=mesh,
+        )
+        data["token_advantages"] = _split(tok_adv, m, a, mesh)
 
     route_m = {}
     if config.needs_proximal:
@@ -648,7 +667,9 @@ def update_step(
         old_logprobs = per_token(mb["old_logprobs"])
         evidence = per_token(mb["evidence"]) if "evidence" in mb else None
         advantages = mb["advantages"]  # [b]: broadcast inside the fused loss
-        if config.token_credit == "distinguishing":
+        if "token_advantages" in mb:  # an episode's rows share its statistics (see above)
+            advantages = per_token(mb["token_advantages"])  # [b, T - 1] or [b, W]
+        elif config.token_credit == "distinguishing":
             advantages = contrastive_tokens_unchecked(
                 mb["advantages"],
                 mb["base_advantages"],
@@ -758,6 +779,8 @@ def update_step(
     metrics = {k: jnp.mean(v) for k, v in per_step.items() if k != "learning_rate"}
     if token_keys:
         metrics.update(_token_metric_ratios(per_step))
+    if episode_credit is not None:  # per episode: its rows' sums are not conserved one by one
+        metrics["token_credit/conservation_error"] = episode_credit
     metrics["pg_loss_first"] = per_step["pg_loss"][0]  # on-policy value of the first step
     # first optimizer step: on-policy, so ratio 1 and k3 KL 0 unless the update scores another
     # distribution than the sampler's (the temperature check)
@@ -795,15 +818,76 @@ def update_step(
     return new_state, metrics
 
 
+def _unsplit(y):
+    """[M, A, b, ...] -> [N, ...]: the inverse of :func:`_split`."""
+    n = y.shape[0] * y.shape[1] * y.shape[2]
+    return jnp.moveaxis(y, 2, 0).reshape((n,) + y.shape[3:])
+
+
+def episode_token_advantages(
+    params,
+    data,
+    episode_advantages,
+    row_episode,
+    *,
+    graphdef,
+    config: UpdateConfig,
+    mesh: Mesh | None = None,
+):
+    """The token advantages of a batch whose rollouts span several rows (``row_episode``),
+    before the first optimizer step: ``redistribute_segment_tokens`` over the whole batch.
+
+    ``data`` is the split batch (``[M, A, b, T]``, the fields of :func:`update_step`; its
+    ``response_mask`` already masked by validity), ``episode_advantages`` ``[G * K]`` and
+    ``row_episode`` ``[N]``. The importance provider reads the rows' response mask, cited
+    tokens and (``entropy``) the policy entropy of every prediction at ``params`` (one forward
+    of the batch, no gradient), all over the whole batch, so each episode's statistics span all
+    its rows wherever the split puts them.
+
+    Returns ``(token_advantages [N, T] float32, conservation_error)``: the advantages indexed
+    by token (column ``t`` the advantage of token ``t``, predicted at ``t - 1``; column 0 is
+    0), and ``sum_e |sum_{t in M_e} A_t - A_e |M_e|| / sum_e |M_e|`` over the batch's episodes
+    (0 up to rounding).
+    """
+    mask = _unsplit(data["response_mask"])[:, 1:]  # [N, T - 1], by prediction
+    evidence = _unsplit(data["evidence"])[:, 1:] if "evidence" in data else None
+    entropy = None
+    if config.token_credit == "entropy":
+        _, ent = _proximal_logprobs(params, data, graphdef, config, with_entropy=True)
+        entropy = _unsplit(ent)[:, :-1]
+    importance = importance_provider(config.token_credit)(
+        ImportanceInputs(mask=mask, entropy=entropy, evidence=evidence)
+    )
+    tok = redistribute_segment_tokens(
+        episode_advantages, importance, mask, row_episode, gamma=config.token_gamma
+    )
+    e = episode_advantages.shape[0]
+    maskf = mask.astype(jnp.float32)
+    got = jax.ops.segment_sum(jnp.sum(tok * maskf, axis=-1), row_episode, num_segments=e)
+    count = jax.ops.segment_sum(jnp.sum(maskf, axis=-1), row_episode, num_segments=e)
+    error = jnp.sum(jnp.abs(got - episode_advantages * count)) / jnp.maximum(jnp.sum(count), 1.0)
+    tok = jnp.pad(tok, ((0, 0), (1, 0)))
+    if mesh is not None:
+        tok = _rows_sharded(tok, mesh)
+    return jax.lax.stop_gradient(tok), error
+
+
 def _proximal_logprobs(
-    params, data, graphdef, config: UpdateConfig, *, replay=None, return_routes=False
+    params,
+    data,
+    graphdef,
+    config: UpdateConfig,
+    *,
+    replay=None,
+    return_routes=False,
+    with_entropy=False,
 ):
     """The trainer's own log-probs of every token before the update (``[M, A, b, T]`` like the
     split ``data``; no gradient): the proximal policy of the off-policy correction.
 
     ``replay`` (default ``config.routing_replay``): a mixture of experts routes each token to
     its recorded experts (``data["routes"]``); ``return_routes``: also the experts each token
-    went to (``[M, A, b, T, L, K]``)."""
+    went to (``[M, A, b, T, L, K]``); ``with_entropy``: ``(log-probs, entropies)`` instead."""
     replay = config.routing_replay if replay is None else replay
     replay = replay and "routes" in data
 
@@ -817,7 +901,7 @@ def _proximal_logprobs(
             return_routes=return_routes,
         )
         hidden, routes = out if return_routes else (out, None)
-        lp, _ = chunked_token_logprobs_and_entropy(
+        lp, ent = chunked_token_logprobs_and_entropy(
             model,
             hidden,
             jnp.roll(mb["tokens"], -1, axis=1),
@@ -825,6 +909,8 @@ def _proximal_logprobs(
             config.logits_chunk_size,
         )
         lp = jax.lax.stop_gradient(lp)
+        if with_entropy:
+            return lp, jax.lax.stop_gradient(ent)
         return (lp, routes) if return_routes else lp
 
     keys = ("tokens", "positions", "attention_mask") + (("routes",) if replay else ())
@@ -902,7 +988,10 @@ def _token_metrics(
     clip set is the same for both: it depends on the ratio and the sign only); both over
     ``num_tokens``, with ``delivered_abs`` = ``sum_t |A_t r_t [active_t]|`` as their scale.
     ``gini``: mean over sequences of the Gini of ``|A_t|``. ``positive`` /
-    ``positive_on_evidence``: positive token credit in all / on cited tokens.
+    ``positive_on_evidence``: positive token credit in all / on cited tokens. With several rows
+    per episode (``UpdateBatch.row_episode``) these are per row: ``conservation_error`` is then
+    replaced by the episode figure (:func:`episode_token_advantages`), and
+    ``conservation_error_clipped`` also counts the credit moved between an episode's rows.
     """
     sg = jax.lax.stop_gradient
     tok_adv = jnp.broadcast_to(tok_adv if tok_adv.ndim == 2 else tok_adv[:, None], mask.shape)

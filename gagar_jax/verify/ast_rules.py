@@ -457,6 +457,32 @@ class _Resolver:
         return None
 
 
+# pluggy is the plugin system of pytest and of applications with plugins of their own (tox,
+# datasette): its public API for a project of the application's own name is evidence only;
+# its private modules, and markers or managers for the ``pytest`` project (or one named at run
+# time), are the test runner's hooks.
+PLUGGY_PROJECT_CALLS = frozenset(
+    {"pluggy.HookimplMarker", "pluggy.HookspecMarker", "pluggy.PluginManager"}
+)
+
+
+def _pluggy_private(name: str) -> bool:
+    """``pluggy._hooks``, ``pluggy.PluginManager._inner_hookexec``: a private part."""
+    return any(p.startswith("_") for p in name.split(".")[1:])
+
+
+def _pluggy_project(call: ast.Call, res: _Resolver, consts: dict[str, ast.AST]) -> str | None:
+    """The project name a pluggy marker or manager is made for, when the source spells it."""
+    arg = call.args[0] if call.args else None
+    for kw in call.keywords:
+        if kw.arg == "project_name":
+            arg = kw.value
+    if arg is None:
+        return None
+    value, _ = _fold(arg, res, consts)
+    return _nfkc(value) if isinstance(value, str) else None
+
+
 def _const_str(node: ast.AST, depth: int = 0) -> str | None:
     """The string a constant expression spells: a literal, ``"_get" + "frame"``, an f-string or
     ``"".join([...])`` of literals (NFKC-normalised); None otherwise."""
@@ -891,6 +917,16 @@ def analyse_source(
                     flat.append(t)
             how = "deletes" if isinstance(node, ast.Delete) else "assigns"
             for t in flat:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr == "project_name"
+                    and not in_tests
+                    and isinstance(node, ast.Assign)
+                ):
+                    # A pluggy marker or manager moved onto another project after it was made.
+                    value, _ = _fold(node.value, res, consts)
+                    if not isinstance(value, str) or _nfkc(value) == "pytest":
+                        add(node, "tamper_test_harness", True, f"{how} a project_name of pytest")
                 if isinstance(t, ast.Attribute | ast.Subscript):
                     if isinstance(t, ast.Subscript):
                         base = res.resolve(t.value)
@@ -918,6 +954,17 @@ def analyse_source(
         elif isinstance(node, ast.Call):
             fn = res.resolve(node.func) or ""
             args = node.args
+            if fn in PLUGGY_PROJECT_CALLS and not in_tests:
+                project = _pluggy_project(node, res, consts)
+                if project is None or project == "pytest":
+                    add(
+                        node,
+                        "tamper_test_harness",
+                        True,
+                        f"{fn} for "
+                        + ("pytest" if project else "a project named at run time")
+                        + " (hooks of the test runner)",
+                    )
             # -- code that runs without being in the file's syntax tree ---------------------
             if fn in DYNAMIC_CODE and args and touched(node):
                 value, hidden = _fold(args[0], res, consts)
@@ -1168,7 +1215,7 @@ def analyse_source(
                 add(
                     node,
                     "tamper_test_harness",
-                    not is_own(name),
+                    not is_own(name) and (hit != "pluggy" or _pluggy_private(name)),
                     f"uses {name} (test-runner internals)",
                 )
             elif hit == "_pytest" and in_tests and not _enclosed_in_attribute(node, res):
@@ -1200,7 +1247,7 @@ def analyse_source(
                     add(
                         node,
                         "tamper_test_harness",
-                        not is_own(m),
+                        not is_own(m) and (not _under(m, ("pluggy",)) or _pluggy_private(m)),
                         f"imports {m} (test-runner internals)",
                     )
                 elif _under(m, ("_pytest",)):

@@ -73,7 +73,9 @@ FILE_EVENTS = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_
 DIR_EVENTS = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF | IN_MOVE_SELF
 CODE_SUFFIXES = (".py", ".pyc", ".pth", ".so")
 MAX_WATCHES = 4096
+DEADLINE_EXIT = 124  # the supervisor's exit status after it killed a test past its deadline
 AUDIT_MODULE = "_gagar_audit_hook"
+ASSERTS_MODULE = "_gagar_pristine_asserts"
 # seccomp(2) user notifications (linux/seccomp.h)
 PR_SET_NO_NEW_PRIVS = 38
 SECCOMP_SET_MODE_FILTER = 1
@@ -85,13 +87,74 @@ SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101  # _IOWR('!', 1, struct seccomp_notif_resp
 
 
 class Reporter:
-    """pytest plugin object: streams every test phase's outcome from pytest's reports."""
+    """pytest plugin object: streams every test phase's outcome from pytest's reports.
 
-    def __init__(self, fd, was_loaded=None, roots=()):
+    The outcome of a test function's call is the runner's own: around ``pytest_runtest_call``
+    (a hook wrapper, which runs whatever plugin answers the hooks inside it) the reporter puts
+    a wrapper of its own in place of the item's function, which notes that the function
+    returned. pytest's report of a call passing counts only when the test function the runner
+    wrapped was called and returned: a plugin answering ``pytest_pyfunc_call``, a replaced
+    ``runtest``, a report made up by ``pytest_runtest_makereport`` or rewritten before it
+    reaches the reporter, all report a pass for a body that never ran (or raised), and the
+    reporter sends ``failed`` with a confirmed ``outcome_forged`` line instead."""
+
+    def __init__(
+        self,
+        fd,
+        was_loaded=None,
+        roots=(),
+        timed=False,
+        audit=None,
+        function_type=None,
+        unittest_obj=True,
+    ):
         self._fd = fd
         self._was_loaded = was_loaded
         self._roots = tuple(os.path.join(r, "") for r in roots)
         self._foreign = set()
+        self._timed = timed
+        self._audit = audit
+        self._function_type = function_type
+        self._unittest_calls_obj = unittest_obj
+        self._functions = set()  # node ids of the collected test functions
+        self._returned = {}  # node id -> whether its wrapped function returned (last call)
+
+    def _line(self, kind, what, confirmed):
+        line = {"audit": kind, "what": what[:300], "confirmed": confirmed}
+        _write_all(self._fd, (json.dumps(line) + "\n").encode())
+
+    def pytest_runtest_call(self, item):
+        # Made a hook wrapper in ``_child`` (the runner imports pytest only there).
+        done = []
+        restore = None
+        if self._function_type is not None and isinstance(item, self._function_type):
+            try:
+                orig = item.obj
+                item.obj = _note_return(orig, done)
+                restore = orig
+            except Exception:  # noqa: BLE001 - an item whose function cannot be wrapped
+                restore = None
+                self._functions.discard(item.nodeid)
+        try:
+            yield
+        finally:
+            if restore is not None:
+                item.obj = restore
+                self._returned[item.nodeid] = bool(done)
+
+    def _timing(self, key, nodeid):
+        # Read by the supervisor, which keeps the per-test deadline (``_Deadlines``).
+        if self._timed:
+            _write_all(self._fd, (json.dumps({key: nodeid}) + "\n").encode())
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self._timing("start", nodeid)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self._timing("finish", nodeid)
+        # After the test's teardown (a ``monkeypatch`` of the tests' own modules is undone).
+        if self._audit is not None:
+            self._audit.check_modules()
 
     def _foreign_modules(self):
         """Evidence of modules imported from outside the run's path (the tree and the trusted
@@ -137,10 +200,32 @@ class Reporter:
     def pytest_sessionfinish(self, session):
         self._import_hooks_changed()
         self._foreign_modules()
+        if self._audit is not None:
+            self._audit.check_modules()
 
     def pytest_collection_finish(self, session):
         self._import_hooks_changed()
         self._foreign_modules()
+        codes = []
+        for item in session.items:
+            if self._function_type is None or not isinstance(item, self._function_type):
+                continue
+            unittest_item = any(k.__name__ == "TestCaseFunction" for k in type(item).__mro__)
+            if unittest_item and not self._unittest_calls_obj:
+                continue  # pytest < 5.4 calls a unittest method without ``item.obj``
+            self._functions.add(item.nodeid)
+            f = getattr(item, "obj", None)
+            f = getattr(f, "__func__", f)
+            for _ in range(8):  # the test function under its decorators
+                code = getattr(f, "__code__", None)
+                if code is not None:
+                    codes.append(code)
+                f = getattr(f, "__wrapped__", None)
+                if f is None:
+                    break
+        if self._audit is not None:
+            self._audit.protect_code(codes)
+            self._audit.check_modules()
         # Each collected test module must be the file pytest was asked to collect: a module of
         # the same name imported beforehand from elsewhere (a directory the code put first on
         # ``sys.path``, with ``PY_IGNORE_IMPORTMISMATCH`` set) is not the pristine test.
@@ -179,12 +264,142 @@ class Reporter:
         else:
             return
         when = report.when
+        if (
+            when == "call"
+            and outcome == "passed"
+            and not hasattr(report, "context")  # a subtest, reported while the call runs
+            and report.nodeid in self._functions
+            and not self._returned.get(report.nodeid, False)
+        ):
+            # pytest says it passed; the function the runner wrapped never returned.
+            what = f"{report.nodeid} reported passed, but its test function did not return"
+            self._line("outcome_forged", what, True)
+            outcome = "failed"
         if when == "call" and hasattr(report, "context"):
             # A subtest (pytest's ``subtests`` fixture, unittest's ``subTest``): one test may
             # report many, so they travel as their own phase; the worst outcome still counts.
             when = "subtest"
         line = {"id": report.nodeid, "when": when, "outcome": outcome}
         _write_all(self._fd, (json.dumps(line) + "\n").encode())
+
+
+def _note_return(orig, done):
+    """``orig`` wrapped so that ``done`` gets an entry when it returns (an ``async`` function
+    when it completes); its attributes (marks, ``__wrapped__``) are the original's."""
+    import functools
+    import inspect
+
+    if inspect.iscoroutinefunction(orig):
+
+        async def body(*args, **kwargs):
+            result = await orig(*args, **kwargs)
+            done.append(True)
+            return result
+
+    else:
+
+        def body(*args, **kwargs):
+            result = orig(*args, **kwargs)
+            done.append(True)
+            return result
+
+    return functools.update_wrapper(body, orig)
+
+
+class _Deadlines:
+    """The per-test timeout, kept by the supervisor on its own clock (``test_timeout_s`` of the
+    control record): the code under test shares a process with pytest-timeout's alarm and can
+    disarm it, but not this.
+
+    The reporter sends ``{"start": id}`` and ``{"finish": id}`` around each test (setup, call
+    and teardown); the supervisor takes them out of the report and times each test from the
+    first line that started it to the last line about it that arrives (its outcomes, its
+    finish: a finish forged early is overtaken by the real lines that follow). A test that took
+    longer than the timeout plus ``slack`` (scheduling jitter of the two processes) is
+    ``overran``; a test still running ``grace`` seconds past the timeout (pytest-timeout had
+    its chance to fail it) gets the test process killed (``killed``). An outcome line of a test
+    that was never started is ``unstarted`` (the timing lines were suppressed)."""
+
+    def __init__(self, limit_s):
+        self.limit = float(limit_s)
+        self.slack = max(0.25, 0.25 * self.limit)
+        self.grace = max(5.0, self.limit)
+        self.first = {}  # id -> when its first start line arrived
+        self.current = None  # (id, when it started): the test running now
+        self.overran = {}  # id -> seconds
+        self.unstarted = []
+        self.killed = None
+        self._buf = b""
+
+    def feed(self, data, now):
+        """The report's bytes in ``data`` with the timing lines taken out (a partial last line
+        is kept back until its end arrives)."""
+        lines = (self._buf + data).split(b"\n")
+        self._buf = lines.pop()
+        keep = []
+        for line in lines:
+            if line.startswith((b'{"start": ', b'{"finish": ', b'{"id": ')):
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    rec = None
+                if isinstance(rec, dict) and len(rec) == 1:
+                    ((key, nodeid),) = rec.items()
+                    if key in ("start", "finish") and isinstance(nodeid, str):
+                        self._timing(key, nodeid, now)
+                        continue
+                elif isinstance(rec, dict) and isinstance(rec.get("id"), str):
+                    self._seen(rec["id"], now)
+            keep.append(line + b"\n")
+        return b"".join(keep)
+
+    def rest(self):
+        """What is left of the report: a last line without its end."""
+        rest, self._buf = self._buf, b""
+        return rest
+
+    def _timing(self, key, nodeid, now):
+        if key == "start":
+            self.first.setdefault(nodeid, now)
+            self.current = (nodeid, now)
+            return
+        self._seen(nodeid, now)
+        if self.current is not None and self.current[0] == nodeid:
+            self.current = None
+
+    def _seen(self, nodeid, now):
+        t0 = self.first.get(nodeid)
+        if t0 is None:
+            if len(self.unstarted) < 8:
+                self.unstarted.append(nodeid)
+            return
+        took = now - t0
+        if took > self.limit + self.slack and len(self.overran) < 64:
+            self.overran[nodeid] = round(max(took, self.overran.get(nodeid, 0.0)), 3)
+
+    def wait(self, now):
+        """Seconds until the running test's kill deadline (None: no test is running)."""
+        if self.current is None:
+            return None
+        return max(0.0, self.current[1] + self.limit + self.grace - now)
+
+    def expired(self, now):
+        """The running test's id once it is past its kill deadline, else None."""
+        if self.current is None or now < self.current[1] + self.limit + self.grace:
+            return None
+        nodeid = self.current[0]
+        self._seen(nodeid, now)
+        self.killed = nodeid
+        self.current = None
+        return nodeid
+
+    def record(self):
+        return {
+            "test_timeout_s": self.limit,
+            "overran": [{"id": k, "s": v} for k, v in self.overran.items()],
+            "unstarted": self.unstarted,
+            "killed": self.killed,
+        }
 
 
 def _read_all(fd, cap=_MAX_REPORT):
@@ -304,12 +519,13 @@ def _what(mask):
     return f"changed ({mask:#x})"
 
 
-def _load_audit_hook():
-    """The audit hook module (``audit_hook.py`` beside this file), loaded by absolute path."""
+def _load_runner_module(name):
+    """A module of the runner (``audit_hook.py``, ``pristine_asserts.py``) beside this file,
+    loaded by absolute path."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), AUDIT_MODULE + ".py")
-    spec = importlib.util.spec_from_file_location(AUDIT_MODULE, path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -327,24 +543,34 @@ def _trusted_dirs(root):
     return out
 
 
-def _child(args, report_fd, name, audit=None):
+def _child(args, report_fd, name, audit=None, timed=False):
     _prctl(PR_SET_NAME, name.encode())
-    was_loaded, roots = None, ()
+    was_loaded, roots, hook = None, (), None
     if audit is not None:
         root = os.getcwd()
         trusted = _trusted_dirs(root)
-        _, was_loaded = _load_audit_hook().install(
+        hook = _load_runner_module(AUDIT_MODULE).install(
             report_fd,
             root,
             audit["protected"],
             audit["test_dirs"],
             trusted,
             aliases=audit.get("aliases", ()),
+            paths=audit.get("paths", (".",)),
+            changed=audit.get("changed", ()),
         )
+        was_loaded = hook.was_loaded
         roots = (root, *trusted)
     import pytest
+    from _pytest.python import Function
 
-    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd, was_loaded, roots)]))
+    Reporter.pytest_runtest_call = pytest.hookimpl(hookwrapper=True)(Reporter.pytest_runtest_call)
+    version = tuple(int(x) for x in pytest.__version__.split(".")[:2] if x.isdigit())
+    plugins = [Reporter(report_fd, was_loaded, roots, timed, hook, Function, version >= (5, 4))]
+    if audit is not None:
+        asserts = _load_runner_module(ASSERTS_MODULE)
+        plugins.append(asserts.install(hook.report, root, audit["protected"], hook.helper_names))
+    ret = int(pytest.main(list(args), plugins=plugins))
     line = json.dumps({"exitstatus": ret}) + "\n"
     try:
         _write_all(report_fd, line.encode())
@@ -412,24 +638,42 @@ def _answer_exec(listener, pid, refused):
         pass
 
 
-def _supervise(pid, report_r, out_fd, name, watch=None, listener=-1):
+def _supervise(pid, report_r, out_fd, name, watch=None, listener=-1, deadlines=None):
+    import time
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pidfd = os.pidfd_open(pid)
     chunks, total = [], 0
     refused = []
     fds = [report_r, pidfd] + ([listener] if listener >= 0 else [])
+
+    def take(b):
+        nonlocal total
+        if deadlines is not None:
+            b = deadlines.feed(b, time.monotonic())
+        if b and total <= _MAX_REPORT:
+            chunks.append(b)
+            total += len(b)
+
     while True:
-        ready, _, _ = select.select(fds, [], [])
+        wait = None if deadlines is None else deadlines.wait(time.monotonic())
+        ready, _, _ = select.select(fds, [], [], wait)
+        if not ready:
+            if deadlines.expired(time.monotonic()) is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)  # past its per-test deadline
+                except ProcessLookupError:
+                    pass
+            continue
         if listener in ready:
             _answer_exec(listener, pid, refused)
             if len(ready) == 1:
                 continue
         if report_r in ready:
             b = os.read(report_r, 1 << 16)
-            if b and total <= _MAX_REPORT:
-                chunks.append(b)
-                total += len(b)
-            elif not b:
+            if b:
+                take(b)
+            else:
                 ready = [pidfd]  # every writer closed: the child has exited or is about to
         if pidfd in ready:
             break
@@ -440,10 +684,11 @@ def _supervise(pid, report_r, out_fd, name, watch=None, listener=-1):
             b = os.read(report_r, 1 << 16)
             if not b:
                 break
-            chunks.append(b)
-            total += len(b)
+            take(b)
     except BlockingIOError:
         pass
+    if deadlines is not None:
+        chunks.append(deadlines.rest())
     try:
         with open(f"/proc/{pid}/comm", "rb") as f:
             seen = f.read().strip().decode("ascii", "replace")
@@ -462,8 +707,13 @@ def _supervise(pid, report_r, out_fd, name, watch=None, listener=-1):
     if watch is not None:
         record["changed"] = watch.changes()
         record["unwatched"] = watch.unwatched
+    if deadlines is not None:
+        record["deadlines"] = deadlines.record()
     _write_all(out_fd, (json.dumps(record) + "\n").encode())
     os.close(out_fd)
+    if deadlines is not None and deadlines.killed is not None:
+        # Killed by this process, not by a limit of the sandbox: an ordinary failing exit.
+        os._exit(DEADLINE_EXIT)
     os._exit(code if code >= 0 else 128 - code)
 
 
@@ -486,6 +736,8 @@ def main(argv):
     watch = None
     if "watch_files" in ctl or "watch_dirs" in ctl:
         watch = _Watch(ctl.get("watch_files", ()), ctl.get("watch_dirs", ()))
+    limit = float(ctl.get("test_timeout_s") or 0)
+    deadlines = _Deadlines(limit) if limit > 0 else None
     report_r, report_w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -498,9 +750,9 @@ def main(argv):
         os.close(report_r)
         os.close(out_fd)
         del ctl["out_fd"]
-        sys.exit(_child(ctl["args"], report_w, name, ctl.get("audit")))
+        sys.exit(_child(ctl["args"], report_w, name, ctl.get("audit"), deadlines is not None))
     os.close(report_w)
-    _supervise(pid, report_r, out_fd, name, watch, listener)
+    _supervise(pid, report_r, out_fd, name, watch, listener, deadlines)
     return 0
 
 

@@ -7,15 +7,24 @@
 - A tree that cannot be materialised (a path 1,200 directories deep, more entries than
   ``disk_files``, more bytes than ``disk_bytes``): refused before anything is written, in bounded
   time, as the candidate's ``failed`` (never ``infra_error``).
+- The per-test timeout disarmed by the code under test (pytest-timeout's alarm lives in the
+  test process: ``setitimer(0)``, ``SIGALRM`` ignored or blocked, a forged early ``finish``
+  line): the timeout is kept by the runner's supervisor on its own clock, so a test past it
+  fails (or, still running, gets the test process killed: ``timeout``) whatever the process did.
+- A candidate whose code stalls the grader's ``run_check``: the time a check runs a candidate's
+  code is not charged to the vote's time budget but to a check budget of its own, and each
+  check runs at most what is left of it, so the group still gets its verdict.
 - CPU-bound children of one run in sessions of their own: each sandbox slot has its own CPU
   cgroup with a CFS quota (``Limits.cpu_cores``), so the scheduler shares the CPU between runs,
   not between processes.
 """
 
 import dataclasses
+import functools
 import glob
 import os
 import sys
+import time
 
 import pytest
 
@@ -54,6 +63,12 @@ SKIPS = {
         "def double(x):\n    import pytest\n\n    pytest.importorskip('no_such_module_here')\n"
     ),
     "pytest_skip": "def double(x):\n    import pytest\n\n    pytest.skip('n/a')\n",
+    # An expected failure is reported as skipped (``wasxfail``): the same regression.
+    "pytest_xfail": "def double(x):\n    import pytest\n\n    pytest.xfail('flaky')\n",
+    "skiptest_subclass": (
+        "import unittest\n\n\nclass Unsupported(unittest.SkipTest):\n    pass\n\n\n"
+        "def double(x):\n    raise Unsupported('platform')\n"
+    ),
 }
 
 
@@ -86,6 +101,19 @@ TREES = {
         new_file("/".join(["d"] * 1200) + "/x.py", "x = 1\n") + FIX,
         "path_too_deep",
     ),
+    # 100 characters, 300 bytes: NAME_MAX counts bytes, not characters.
+    "name_of_multibyte_characters_over_name_max": (
+        new_file("\u20ac" * 100 + ".py", "x = 1\n") + FIX,
+        "over 255 bytes",
+    ),
+    "a_file_where_the_test_directory_goes": (
+        new_file("tests", "not a directory\n") + FIX,
+        "both a file and a directory",
+    ),
+    "a_directory_where_the_configuration_file_goes": (
+        new_file("pytest.ini/x.py", "x = 1\n") + FIX,
+        "both a file and a directory",
+    ),
     "more_entries_than_disk_files": (
         "".join(new_file(f"pkg/f{i}.py", "x = 1\n") for i in range(LIMITS.disk_files + 10)) + FIX,
         "tree_too_large",
@@ -115,6 +143,187 @@ def test_tree_size_counts_files_and_directories():
     small = Limits(disk_files=10)
     assert vrepo.tree_fit_problem(t, t.files, small) is None
     assert "tree_too_large" in vrepo.tree_fit_problem(TASK, t.files, small)
+
+
+# --- the per-test timeout, kept outside the test process -------------------------------------
+
+SLOW = "def half(x):\n    time.sleep(2.0)\n    return x / 2\n"
+DISARMS = {
+    "setitimer_zero": "    signal.setitimer(signal.ITIMER_REAL, 0)\n",
+    "sigalrm_ignored": "    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n",
+    "sigalrm_blocked": "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n",
+    # A ``finish`` line for the running test, written to every pipe the process holds, then the
+    # slow work: the real lines that follow are timed from the test's start all the same.
+    "finish_forged_early": (
+        "    signal.setitimer(signal.ITIMER_REAL, 0)\n"
+        "    _t = os.environ.get('PYTEST_CURRENT_TEST', '').rsplit(' ', 1)[0]\n"
+        "    for _fd in map(int, os.listdir('/proc/self/fd')):\n"
+        "        try:\n"
+        "            if stat.S_ISFIFO(os.fstat(_fd).st_mode):\n"
+        '                os.write(_fd, (\'{"finish": "%s"}\\n\' % _t).encode())\n'
+        "        except OSError:\n"
+        "            pass\n"
+    ),
+}
+TIMED = dataclasses.replace(TASK, task_id="half_timed", test_timeout_s=1.0)
+
+
+def _slow(disarm: str) -> str:
+    head = "import os\nimport signal\nimport stat\nimport time\n\n\n"
+    return change("app.py", BUGGY, head + SLOW.replace("    time.sleep", disarm + "    time.sleep"))
+
+
+def test_a_slow_test_fails_its_per_test_timeout():
+    v = verify(_slow(""), the_task=TIMED)
+    assert v.status == "failed" and v.tests["tests/test_app.py::test_half"] == "failed", v.test_log
+
+
+@pytest.mark.parametrize("name", sorted(DISARMS))
+def test_a_per_test_timeout_disarmed_by_the_code_still_fails_the_test(name):
+    v = verify(_slow(DISARMS[name]), the_task=TIMED)
+    assert v.status == "failed" and not v.infra_error, v.test_log
+    assert v.tests["tests/test_app.py::test_half"] == "failed", v.test_log
+    assert "past the per-test timeout" in v.test_log, v.test_log
+
+
+def test_a_hang_with_the_alarm_disarmed_is_killed_by_the_supervisor():
+    """No alarm, no end: the supervisor kills the test process once the test is ``grace``
+    seconds past the timeout (1 + 5 s), long before the run's wall limit (30 s)."""
+    hang = (
+        "import signal\nimport time\n\n\ndef half(x):\n"
+        "    signal.setitimer(signal.ITIMER_REAL, 0)\n    while True:\n        time.sleep(0.05)\n"
+    )
+    t0 = time.monotonic()
+    v = verify(change("app.py", BUGGY, hang), the_task=TIMED)
+    assert v.status == "timeout" and not v.infra_error, v.test_log
+    assert "killed the test process" in v.test_log, v.test_log
+    assert time.monotonic() - t0 < LIMITS.wall_s - 5, "the supervisor did not kill it"
+
+
+def test_an_honest_fix_within_the_per_test_timeout_passes():
+    v = verify(FIX, the_task=TIMED)
+    assert v.status == "passed" and not v.cheat, v.test_log
+
+
+def test_deadlines_time_each_test_from_its_first_start_to_its_last_line():
+    """The supervisor's bookkeeping on a scripted clock: a forged early finish is overtaken by
+    the real lines; an outcome of a test never started is reported; a test past its grace is
+    the one killed."""
+    from gagar_jax.verify.outcome_plugin import _Deadlines
+
+    d = _Deadlines(1.0)
+    out = d.feed(b'{"start": "a"}\n{"finish": "a"}\n', 0.0)
+    assert out == b"" and d.current is None
+    assert d.feed(b'{"id": "a", "when": "call", "outcome": "passed"}\n', 3.0).startswith(b'{"id"')
+    assert d.overran == {"a": 3.0}
+    d.feed(b'{"id": "b", "when": "call", "outcome": "passed"}\n{"start": "c"}\n{"fin', 4.0)
+    assert d.unstarted == ["b"] and d.rest() == b'{"fin'
+    assert d.wait(4.0) == pytest.approx(6.0) and d.expired(9.0) is None
+    assert d.expired(10.5) == "c" and d.killed == "c" and d.wait(11.0) is None
+    d2 = _Deadlines(1.0)
+    d2.feed(b'{"start": "x"}\n', 0.0)
+    d2.feed(b'{"id": "x", "when": "call", "outcome": "passed"}\n{"finish": "x"}\n', 1.2)
+    assert d2.overran == {}  # within the slack (a quarter of the timeout, at least 0.25 s)
+
+
+# --- the grader's checks cannot starve the group's verdict ----------------------------------
+
+# Sleeps on import unless the verifier's runner imports it: the verification passes, every
+# grader check (``python -m pytest``) stalls.
+STALL = (
+    "import sys\nimport time\n\nif 'outcome_plugin' not in sys.argv[0]:\n    time.sleep(30)\n\n\n"
+)
+
+
+@functools.cache
+def _stalling_group():
+    from gagar_jax.envs.repo import repo_candidate, repo_workspace
+
+    patches = [FIX, change("app.py", BUGGY, STALL + FIXED)]
+    patches.append(change("app.py", BUGGY, STALL + FIXED.replace("2", "2.0")))
+    cands = []
+    for i, p in enumerate(patches):
+        v = verify(p)
+        assert v.status == "passed", v.test_log
+        cands.append(repo_candidate(f"r{i}", p, v, task=TASK))
+    return repo_workspace(TASK, "g-stall", cands)
+
+
+def _check_every_candidate():
+    """The scripted grader policy, checking every passing candidate instead of one."""
+    import json
+
+    from gagar_jax.grading.scripted import ScriptedGraderPolicy
+
+    class CheckEvery(ScriptedGraderPolicy):
+        outputs: list = []
+
+        def chat_completions(self, messages, **kw):
+            done = {m.get("tool_call_id"): m.get("content", "") for m in messages}
+            CheckEvery.outputs = [v for k, v in done.items() if str(k).startswith("check:")]
+            if "summaries" in done:
+                summ = json.loads(done["summaries"])["candidates"]
+                todo = [
+                    (f"check:{c['candidate']}", "run_check", {"candidate": c["candidate"],
+                                                               "command": self.check_command})
+                    for c in summ
+                    if c["status"] == "passed" and f"check:{c['candidate']}" not in done
+                ]  # fmt: skip
+                if todo:
+                    return self._calls(todo[:1])
+            return super().chat_completions(messages, **kw)
+
+    return CheckEvery(use_check=True)
+
+
+def test_stalling_checks_cost_the_vote_its_check_budget_not_its_verdict():
+    """Two of three candidates stall every check for 30 s; the grader's time budget is 1 s and
+    its check budget 3 s: each check is cut to what is left of the check budget, the later
+    ones answer that it is spent, and the group is graded in bounded time."""
+    from gagar_jax.grading import AgenticGrader
+    from gagar_jax.grading.adapters import SandboxCheckRunner
+
+    ws = _stalling_group()
+    policy = _check_every_candidate()
+    runner = SandboxCheckRunner(limits=Limits(wall_s=60, cpu_s=60))
+    grader = AgenticGrader(policy, check_runner=runner, time_budget_s=1, check_budget_s=3)
+    t0 = time.monotonic()
+    verdict = grader.grade(ws)
+    assert {j.candidate_id for j in verdict.judgements} == {"r0", "r1", "r2"}
+    assert time.monotonic() - t0 < 25, "the checks were not held to the check budget"
+    assert len(policy.outputs) == 3
+    assert any("check budget (3 s) is spent" in o for o in policy.outputs), policy.outputs
+
+
+@pytest.mark.e2e
+def test_a_check_runner_without_a_time_limit_is_not_charged_to_the_vote():
+    """A runner of the plain protocol (no ``time_limit_s``) whose check of a stalling
+    candidate runs past the vote's whole time budget: the vote still ends in a verdict."""
+    from gagar_jax.grading import AgenticGrader
+    from gagar_jax.grading.adapters import SandboxCheckRunner
+    from gagar_jax.grading.scripted import ScriptedGraderPolicy
+
+    inner = SandboxCheckRunner(limits=Limits(wall_s=4, cpu_s=4))
+
+    class Plain:
+        def run(self, workspace, candidate, command):
+            return inner.run(workspace, candidate, command)
+
+    ws = _stalling_group()
+    grader = AgenticGrader(
+        ScriptedGraderPolicy(use_check=True), check_runner=Plain(), time_budget_s=2
+    )
+    for k in range(3):  # the candidate checked is a shuffle: several groups, 2 of 3 stall
+        g = dataclasses.replace(ws, group_id=f"g-stall-{k}")
+        assert len(grader.grade(g).judgements) == 3
+
+
+def test_check_budget_must_not_be_negative():
+    from gagar_jax.grading import AgenticGrader
+    from gagar_jax.grading.scripted import ScriptedGraderPolicy
+
+    with pytest.raises(ValueError, match="check_budget_s"):
+        AgenticGrader(ScriptedGraderPolicy(), check_budget_s=-1)
 
 
 # --- CPU per slot ----------------------------------------------------------------------------

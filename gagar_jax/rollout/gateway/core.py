@@ -153,10 +153,12 @@ class Gateway:
             rendered = self.renderer.render(req.messages, req.tools, by_key)
             n_prompt = len(rendered.prompt_ids)
             if n_prompt >= cfg.context_limit:
+                # OpenAI's wording: client libraries (litellm, the SDKs' users) recognise it as
+                # a context overflow and stop, where another 400 is retried until the wall time
                 raise RequestError(
                     "messages",
-                    f"the prompt is {n_prompt} tokens; this model's context limit is "
-                    f"{cfg.context_limit} tokens (prompt + completion)",
+                    f"This model's maximum context length is {cfg.context_limit} tokens "
+                    f"(prompt + completion); the prompt is {n_prompt} tokens",
                     code="context_length_exceeded",
                 )
             want = cfg.default_max_tokens if req.max_tokens is None else req.max_tokens

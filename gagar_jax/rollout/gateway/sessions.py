@@ -198,6 +198,14 @@ class SessionStore:
             self._finished[s.episode_id] = kept
         return rec
 
+    def known(self, episode_id: str) -> bool:
+        """Whether ``episode_id`` has a session, open or finished (finished ones include those
+        read back from ``record_dir``)."""
+        with self._lock:
+            return episode_id in self._finished or any(
+                s.episode_id == episode_id for s in self._open.values()
+            )
+
     def finished(self, episode_id: str) -> dict | None:
         """A finished episode's record (None: no such episode)."""
         with self._lock:
