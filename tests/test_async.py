@@ -121,7 +121,9 @@ def _run(monkeypatch, cfg, seconds, steps):
     def stand_in_update(ctx, state, batch, *, step):  # the jitted update's stand-in
         return train.Updated(state=state, metrics={"loss": 0.0})
 
-    def stand_in_sync(ctx, state, ls, *, step):  # the engine's stand-in: reports the version
+    def stand_in_sync(
+        ctx, state, ls, *, step, metrics=None
+    ):  # the engine's stand-in: reports the version
         ls.policy_version += 1
         return ls.policy_version
 

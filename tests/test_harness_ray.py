@@ -7,20 +7,17 @@ import dataclasses
 import os
 
 import pytest
+import ray
+from ray.cluster_utils import Cluster
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("fastapi")
-
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from gagar_jax.envs.hf_tokenizer import HFTokenizer  # noqa: E402
-from gagar_jax.rl import collect  # noqa: E402
-from gagar_jax.rollout.sampler import Sampler  # noqa: E402
-from gagar_jax.verify import execution  # noqa: E402
-from tests.gateway_fixtures import tiny_policy  # noqa: E402
-from tests.hf_fixtures import make_tiny_tokenizer  # noqa: E402
-from tests.test_harness import HTTP_HARNESS, TASK, _script  # noqa: E402
-from tests.test_harness_loop import RepoFamily, _cfg  # noqa: E402
+from gagar_jax.envs.hf_tokenizer import HFTokenizer
+from gagar_jax.rl import collect
+from gagar_jax.rollout.sampler import Sampler
+from gagar_jax.verify import execution
+from tests.gateway_fixtures import tiny_policy
+from tests.hf_fixtures import make_tiny_tokenizer
+from tests.test_harness import HTTP_HARNESS, TASK, _script
+from tests.test_harness_loop import RepoFamily, _cfg
 
 pytestmark = pytest.mark.ray
 
