@@ -167,6 +167,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {args.jobs}")
+    from gagar_jax.data import swe  # noqa: F401 - registers the SWE-bench row reader, as rl does
     from gagar_jax.envs.repo import load_repo_tasks
 
     tasks = []
