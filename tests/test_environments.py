@@ -312,17 +312,6 @@ def test_a_repository_installed_into_its_environment(tmp_path):
     assert verify_repo_patch(bare, gold, limits=FAST).status == "failed"
 
 
-def test_install_commands_of_task_rows():
-    from gagar_jax.data.environments import InstallError, install_extras
-
-    assert install_extras("pip install -e .") == ()
-    assert install_extras("python -m pip install -e '.[test,dev]'") == ("test", "dev")
-    assert install_extras("uv pip install . && python setup.py develop") == ()
-    for bad in ("apt-get install -y libxml2", "pip install numpy==1.0", "bash build.sh"):
-        with pytest.raises(InstallError, match="container environment"):
-            install_extras(bad)
-
-
 def test_test_commands_of_task_rows():
     from gagar_jax.data.environments import InstallError, check_test_command
 

@@ -27,14 +27,12 @@ extras' too) feed :func:`gagar_jax.verify.layout.declared_requirements` when the
 them nowhere static (``needs_backend_metadata``).
 
 A row's ``test_cmd`` must be a pytest run (:func:`check_test_command`): the verifier runs the
-named tests with its own runner. Install commands of a task row (``install``) are honoured
-when they are an install of the tree
-(``pip install -e .[extras]``, ``pip install .``, ``python setup.py develop|install``, with
-``uv pip`` or ``python -m pip``): the extras' requirements join the environment. Anything else
-(system packages, ``pre_install`` steps, scripts) needs a container environment and is a task
-error (:class:`InstallError`), never silently skipped. ``install: "pythonpath"`` (the task
-factory's rows) means no install: the package is imported from the tree as the factory
-validated it.
+named tests with its own runner. A row's setup commands (``pre_install``, ``install``) are run
+by ``gagar_jax.data.swe_setup`` as SWE-bench's harness runs them: its install of the tree
+(``pip install -e .[extras]``, ``python setup.py develop``, ...) is this module's
+:func:`install_repository` on the tree the other steps left (the extras' requirements join the
+environment). ``install: "pythonpath"`` (the task factory's rows) means no install: the package
+is imported from the tree as the factory validated it.
 """
 
 from __future__ import annotations
@@ -143,43 +141,6 @@ def is_project(files: Mapping[str, str]) -> bool:
     except tomllib.TOMLDecodeError:
         return True  # let the install say what is wrong with it
     return "project" in data or "build-system" in data
-
-
-def install_extras(command: str) -> tuple[str, ...]:
-    """The extras an ``install`` command of a task row asks for (``pip install -e .[test]``
-    -> ``("test",)``); InstallError for a command that is not an install of the tree."""
-    out: list[str] = []
-    for part in re.split(r"\s*(?:&&|;)\s*", command.strip()):
-        if not part:
-            continue
-        try:
-            argv = shlex.split(part)
-        except ValueError as e:
-            raise InstallError(f"install command {command!r} does not parse: {e}") from e
-        if argv[:2] in (["python", "setup.py"], ["python3", "setup.py"]) and argv[2:3] in (
-            ["develop"],
-            ["install"],
-        ):
-            continue
-        if argv[:3] in (["python", "-m", "pip"], ["python3", "-m", "pip"]):
-            argv = ["pip", *argv[3:]]
-        if argv[:2] == ["uv", "pip"]:
-            argv = argv[1:]
-        if argv[:2] != ["pip", "install"]:
-            raise InstallError(
-                f"install command {part!r} is not an install of the repository: it needs a "
-                "container environment"
-            )
-        targets = [a for a in argv[2:] if not a.startswith("-")]
-        if not targets or any(not re.fullmatch(r"\.(\[[\w,.\- ]*\])?", t) for t in targets):
-            raise InstallError(
-                f"install command {part!r} installs more than the repository (only "
-                "'.', '-e .' and '.[extras]' are done without a container environment)"
-            )
-        for t in targets:
-            if "[" in t:
-                out += [e.strip() for e in t[2:-1].split(",") if e.strip()]
-    return tuple(dict.fromkeys(out))
 
 
 def check_test_command(command: str) -> None:

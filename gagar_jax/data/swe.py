@@ -4,11 +4,13 @@
 parquet, with the fields ``instance_id, repo, base_commit, patch, test_patch,
 problem_statement, hints_text, created_at, version, FAIL_TO_PASS, PASS_TO_PASS,
 environment_setup_commit`` (``FAIL_TO_PASS``/``PASS_TO_PASS`` as JSON-encoded strings or lists)
-plus the optional ``test_cmd``, ``python_deps`` (requirement strings for the environment) and
-``install``. A row with an empty ``FAIL_TO_PASS`` is refused (:class:`EmptyFailToPass`); any
-other bad field raises :class:`InstanceError` naming the row and the field. SWE-smith rows (no
-``base_commit``, an ``image_name``; the bug on the branch ``instance_id`` of the mirror
-repository, ``patch`` the bug) are read too (:func:`swesmith_row`).
+plus the optional ``test_cmd``, ``python_deps`` (requirement strings for the environment),
+``pre_install`` (a list of setup commands) and ``install``, run as SWE-bench's harness runs them
+(``gagar_jax.data.swe_setup``). A row with an empty ``FAIL_TO_PASS`` is refused
+(:class:`EmptyFailToPass`); any other bad field raises :class:`InstanceError` naming the row
+and the field. SWE-smith rows (no ``base_commit``, an ``image_name``; the bug on the branch
+``instance_id`` of the mirror repository, ``patch`` the bug) are read too
+(:func:`swesmith_row`).
 
 **Repositories.** ``repos_dir`` holds, per ``repo`` ``owner/name``, ``owner__name/``,
 ``owner__name.git/`` or ``owner__name.bundle``; :func:`to_repo_task` materialises the tree of
@@ -57,11 +59,11 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gagar_jax.data import environments, harbor, repos
+from gagar_jax.data import environments, harbor, repos, swe_setup
 from gagar_jax.envs.repo import RepoTask, SweReader, register_swe_reader
 from gagar_jax.verify import layout
 from gagar_jax.verify.diff import DiffError, apply_unified_diff, touched_files, tree_patch
-from gagar_jax.verify.repo import verify_repo_patch
+from gagar_jax.verify.repo import env_site_packages, verify_repo_patch
 
 FIELDS = (
     "instance_id",
@@ -86,7 +88,7 @@ REQUIRED = (
     "problem_statement",
     "FAIL_TO_PASS",
 )
-OPTIONAL = ("test_cmd", "python_deps", "install")
+OPTIONAL = ("test_cmd", "python_deps", "install", "pre_install")
 STATUSES = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL")
 RESOLVED_FULL, RESOLVED_PARTIAL, RESOLVED_NO = "RESOLVED_FULL", "RESOLVED_PARTIAL", "RESOLVED_NO"
 DEFAULT_TEST_TIMEOUT_S = 60.0
@@ -119,6 +121,7 @@ class SweInstance:
     test_cmd: str = ""
     python_deps: tuple[str, ...] = ()
     install: str = ""
+    pre_install: tuple[str, ...] = ()
     layout: str = "swebench"
     image_name: str = ""  # a container image holding the repository at /testbed (SWE-smith's)
 
@@ -128,6 +131,7 @@ class SweInstance:
         d["FAIL_TO_PASS"] = json.dumps(list(self.FAIL_TO_PASS))
         d["PASS_TO_PASS"] = json.dumps(list(self.PASS_TO_PASS))
         d["python_deps"] = list(self.python_deps)
+        d["pre_install"] = list(self.pre_install)
         return d
 
 
@@ -286,6 +290,7 @@ def r2egym_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
         "PASS_TO_PASS": p2p,
         "environment_setup_commit": old_sha,
         "layout": "r2egym",
+        **{k: row[k] for k in ("install", "pre_install", "test_cmd", "python_deps") if row.get(k)},
     }
 
 
@@ -379,6 +384,11 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
         deps = deps.tolist()
     if not all(isinstance(d, str) for d in deps):
         raise InstanceError(f"{where}: python_deps must be a list of requirement strings")
+    try:
+        pre_install = tuple(swe_setup.commands(row.get("pre_install") or ()))
+        install = " && ".join(swe_setup.commands((), row.get("install") or ""))
+    except swe_setup.SetupError as e:
+        raise InstanceError(f"{where}: {e}") from None
     text = {
         k: row.get(k) or ""
         for k in (
@@ -387,7 +397,6 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
             "version",
             "environment_setup_commit",
             "test_cmd",
-            "install",
             "image_name",
         )
     }
@@ -401,6 +410,8 @@ def parse_instance(row: Mapping[str, Any], where: str = "row") -> SweInstance:
         f2p,
         p2p,
         python_deps=tuple(deps),
+        install=install,
+        pre_install=pre_install,
         layout=str(row.get("layout") or "swebench"),
         **{k: str(v) for k, v in text.items()},
     )
@@ -598,14 +609,22 @@ def to_repo_task(
             image_python=SWEBENCH_PYTHON,
             image_workdir=SWEBENCH_WORKDIR,
         )
+    image = ""
     if build_envs:
-        files, reqs, metadata = _install(inst, files, cache_dir)
+        files, reqs, metadata, system = _install(inst, files, cache_dir, container=use_image)
         test_files = tuple(sorted({*test_files, *metadata}))
         try:
             env = repos.build_env(reqs, cache_dir=cache_dir)
         except repos.EnvBuildError as e:  # the task's, never a candidate's failure
             raise InstanceError(f"{inst.instance_id}: its environment: {e}") from e
         env_path, env_hash = env.path, env.env_hash
+        if system:  # system packages: an image derived from the back-end's base image
+            from gagar_jax.verify import container as ctr
+
+            try:
+                image = ctr.setup_image(ctr.DEFAULT_IMAGE, system)
+            except (ctr.ContainerUnavailable, ValueError, OSError) as e:
+                raise InstanceError(f"{inst.instance_id}: install: {e}") from e
     return RepoTask(
         task_id=inst.instance_id,
         issue=inst.problem_statement,
@@ -619,36 +638,65 @@ def to_repo_task(
         env_path=env_path,
         test_timeout_s=test_timeout_s,
         env_hash=env_hash,
+        image=image,
     )
 
 
 def _install(
-    inst: SweInstance, files: dict[str, str], cache_dir: str | None
-) -> tuple[dict[str, str], list[str], tuple[str, ...]]:
-    """(the tree with the repository installed into it, the environment's requirements, the
-    installed metadata files): the row's ``test_cmd`` checked to be a pytest run, its
-    ``install`` command honoured (an install of the tree,
-    its extras' requirements added), or an install of the tree inferred for a Python project
+    inst: SweInstance, files: dict[str, str], cache_dir: str | None, container: bool = False
+) -> tuple[dict[str, str], list[str], tuple[str, ...], list[str]]:
+    """(the tree with the row's setup done and the repository installed into it, the
+    environment's requirements, the installed metadata files, the system commands left for
+    the container image): the row's ``test_cmd`` checked to be a pytest run; its
+    ``pre_install`` and ``install`` commands run as SWE-bench's harness runs them
+    (``swe_setup``: tree edits and Python commands in the sandbox, the install of the tree
+    through the build backend, packages into the requirements, system commands only in a
+    container, ``container``), or an install of the tree inferred for a Python project
     (``environments.install_repository``); the requirements are the row's ``python_deps`` or,
     without them, every declaration of the tree (the build backend's metadata where only
-    setup.py knows them). A row that cannot be installed is an ``InstanceError``."""
+    setup.py knows them), plus the packages the commands install. A row that cannot be set up
+    is an ``InstanceError`` naming the command."""
+    no_install = inst.install.strip() == environments.NO_INSTALL  # the factory's rows
     try:
         if inst.test_cmd.strip():
             environments.check_test_command(inst.test_cmd)
-        if inst.install.strip() == environments.NO_INSTALL:  # the factory's rows
-            return files, list(inst.python_deps) or layout.declared_requirements(files), ()
-        extras = environments.install_extras(inst.install) if inst.install.strip() else ()
-        if not (inst.install.strip() or environments.is_project(files)):
-            return files, list(inst.python_deps) or layout.declared_requirements(files), ()
+        steps = swe_setup.plan(
+            swe_setup.commands(inst.pre_install, "" if no_install else inst.install)
+        )
+        if not container:
+            swe_setup.require_no_system(steps)
+        system = swe_setup.system_steps(steps)
+        if any(s.kind == "shell" for s in steps):
+            requires, _, _ = environments.build_system(files)
+            benv = repos.build_env(list(requires), cache_dir=cache_dir)
+            files = swe_setup.run_shell_steps(
+                files,
+                steps,
+                site=env_site_packages(benv.path),
+                cache_dir=cache_dir,
+                key_extra=benv.env_hash,
+            )
+        extras = swe_setup.extras_of(steps)
+        added = swe_setup.requirements_of(steps, files)
+        gone = swe_setup.uninstalled(steps)
+        install_tree = any(s.kind == "install" for s in steps) or (
+            not no_install and not inst.install.strip() and environments.is_project(files)
+        )
+        if not install_tree:
+            reqs = list(inst.python_deps) or layout.declared_requirements(files)
+            return files, swe_setup.drop_uninstalled([*reqs, *added], gone), (), system
         installed = environments.install_repository(files, extras=extras, cache_dir=cache_dir)
-    except environments.InstallError as e:
+    except (environments.InstallError, swe_setup.SetupError) as e:
         raise InstanceError(f"{inst.instance_id}: install: {e}") from e
+    except (repos.EnvBuildError, ValueError) as e:
+        raise InstanceError(f"{inst.instance_id}: install: the build environment: {e}") from e
     files = {**files, **installed.files}
     runtime = installed.requires if layout.needs_backend_metadata(files) else ()
     reqs = list(inst.python_deps) or layout.declared_requirements(
         files, extras=(*layout.TEST_EXTRAS, *extras), runtime=runtime
     )
-    return files, reqs, installed.metadata_paths
+    reqs = swe_setup.drop_uninstalled([*reqs, *added], gone)
+    return files, list(dict.fromkeys(reqs)), installed.metadata_paths, system
 
 
 def _swesmith_fix(

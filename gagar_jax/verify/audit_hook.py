@@ -54,7 +54,28 @@ pytest or pluggy
 of the interpreter
 ``sys.pycache_prefix`` changed    bytecode caches moved (checked at each      restored, confirmed
                                   import)
+``compile`` under a protected     a loader or importer serving other text     refused, confirmed
+file's name of text that is not   for a test module or helper (any frame,
+the file's (nor a contiguous run  the import system's too)
+of its lines)
+``object.__getattr__``:           the expected values (its constants)         refused, confirmed
+``__code__`` of a collected test
+function, ``f_code`` of its
+frame (directly, through ``dis``
+or ``inspect.getmembers``)
+``object.__setattr__``:           a helper or test neutered in place          refused, confirmed
+``__code__``/``__defaults__``/
+``__kwdefaults__`` of a function
+of the tests
 ================================  ==========================================  ================
+
+The ``exec`` event records the module code that trusted code (importlib, pytest's rewriting
+importer) executes from each protected file; :func:`install`'s ``check_modules`` (called by the
+runner after collection, after each test's teardown and at the session's end) compares
+``sys.modules`` with it: every name a protected file can be imported under (from the run's
+path entries and pytest's prepend rule) must hold a module of that file, read and executed by
+trusted code, whose functions are still the file's (``test_module_replaced``,
+``test_function_replaced``, confirmed).
 
 Reports travel out of band, never on stdout: one JSON line per event,
 ``{"audit": kind, "what": detail, "confirmed": bool}``, written to the test process's outcome
@@ -92,8 +113,17 @@ EVENTS = frozenset(
         "import",
         "os.symlink",
         "os.link",
+        "exec",
+        "object.__getattr__",
     }
 )
+# Trusted readers that hand a code object to their caller (``dis.get_instructions(f)``,
+# ``inspect.getmembers(f)``): a test function's code read through them is read by the caller.
+READERS = ("/dis.py",)
+INSPECT_READERS = frozenset({"getmembers", "getmembers_static", "_getmembers"})
+# Attributes of a function that decide what it does: set on a function of the tests (its code
+# compiled from a protected file) they are refused from anywhere but the tests' own frames.
+FUNCTION_STATE = frozenset({"__code__", "__defaults__", "__kwdefaults__"})
 MAX_EVENTS = 64
 CODE_WRITE_SUFFIXES = (".pyc", ".pth")
 TEST_DIR_WRITE_SUFFIXES = (".py", ".pyc", ".pth", ".so")
@@ -107,12 +137,60 @@ FRAMEWORK_MODULES = ("unittest", "_pytest", "pytest", "pluggy")
 _O_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
+def module_names(root, sources, paths):
+    """{module name: absolute test source} for every name a protected ``.py`` file can be
+    imported under: relative to each of the run's path entries, and as pytest's prepend mode
+    names it (relative to the first ancestor directory without ``__init__.py``). A name two
+    files could take is left out (which one wins is the run's own business)."""
+    out, clash = {}, set()
+    bases = []
+    for p in paths:
+        b = os.path.normpath(os.path.join(root, p))
+        if b == root or b.startswith(root + "/"):
+            bases.append(b)
+    for src in sources:
+        d = os.path.dirname(src)
+        while d.startswith(root + "/") and os.path.isfile(os.path.join(d, "__init__.py")):
+            d = os.path.dirname(d)
+        for base in {*bases, d}:
+            if not src.startswith(base + "/"):
+                continue
+            parts = src[len(base) + 1 : -3].split("/")
+            if parts[-1] == "__init__":
+                parts.pop()
+            if not parts or not all(x.isidentifier() for x in parts):
+                continue
+            name = ".".join(parts)
+            if out.get(name, src) != src:
+                clash.add(name)
+            out[name] = src
+    for name in clash:
+        del out[name]
+    return out
+
+
+def is_fragment(text, whole):
+    """Whether ``text`` is the pristine file ``whole`` or a contiguous run of its lines
+    (indentation and blank lines aside: an instrumenting library recompiles one function's
+    dedented source)."""
+    if text == whole:
+        return True
+    a = [x.strip() for x in text.splitlines() if x.strip()]
+    b = [x.strip() for x in whole.splitlines() if x.strip()]
+    if not a:
+        return True
+    n = len(a)
+    return any(b[i : i + n] == a for i in range(len(b) - n + 1) if b[i] == a[0])
+
+
 class Refused(PermissionError):
     """What the hook raises to refuse an operation (any other fault inside the hook is
     swallowed: a bug of the audit must never break honest code)."""
 
 
-def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
+def install(
+    fd, root, protected, test_dirs, trusted, test_pid=None, aliases=(), paths=(".",), changed=()
+):
     """Adds the audit hook to this process (see the module docstring).
 
     Args:
@@ -126,11 +204,20 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
       test_pid: the test process (``os.exec*`` there is the runner replaced); default: this one.
       aliases: other absolute directories where the same tree is visible (the sandbox's
         read-only source of the private work tree): a path under one is the tree's.
+      paths: the run's tree-relative ``sys.path`` entries (the root and the task's
+        ``pythonpath``), computed once before the run: the names a test module or helper is
+        imported under are computed from them (and from pytest's prepend rule).
+      changed: tree-relative files the candidate's patch added or changed (a module of a test
+        file's name loaded from one of them is the candidate's doing).
 
     Returns:
-      (report, was_loaded): ``report(kind, what, confirmed)`` writes one line as the hook does;
-      ``was_loaded(path)`` says whether trusted code alone read the tree-relative test file
-      ``path`` (a test module pytest collected without reading its file came from elsewhere).
+      an object with ``report``, ``was_loaded``, ``check_modules`` and ``protect_code``:
+      ``report(kind, what, confirmed)`` writes one line as the hook does; ``was_loaded(path)``
+      says whether trusted code alone read the tree-relative test file ``path`` (a test module
+      pytest collected without reading its file came from elsewhere); ``check_modules()``
+      reports every module of ``sys.modules`` under a test file's name that is not what the
+      import system made of that pristine file; ``protect_code(codes)`` makes the collected
+      test functions' code objects unreadable to the candidate's code.
     """
     # Everything the hook calls is bound here: replacing ``os.write`` or ``json.dumps`` later
     # changes nothing it does.
@@ -158,6 +245,17 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
     busy = set()
     sent = {}
     loaded = set()  # test sources read by trusted code alone (pytest, importlib)
+    module_code = {}  # test source -> the module code trusted code last executed from it
+    test_codes = set()  # ids of every code object of those modules (kept alive in module_code)
+    _modules, _ModuleType, _FunctionType = sys.modules, type(sys), type(install)
+    _module_dict = _ModuleType.__dict__["__dict__"].__get__
+    _code_type = type(install.__code__)
+    changed = frozenset(_normpath(_join(root, p)) for p in changed)
+    names = module_names(root, sources, paths)
+    kept = []  # the recorded code objects, alive so that their ids stay theirs
+    bound = {}  # test source -> names first seen bound to a function of the tests
+    item_codes = set()  # ids of the collected test functions' code (``protect_code``)
+    _open, _isfile, _frame_type = open, os.path.isfile, type(sys._getframe())
 
     def is_test(path):
         return path in protected_abs or path.startswith(dirs)
@@ -299,17 +397,43 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
                 report("read_test_source", f"{who} reads {rel(path)}", True)
             raise Refused(13, "the tests' source is not readable here", path)
 
-    def code_named(filename):
+    pristine = {}  # test source -> its bytes, read once by the hook itself
+
+    def pristine_text(path):
+        if path not in pristine:
+            try:
+                with _open(path, "rb") as f:
+                    pristine[path] = f.read()
+            except OSError:
+                pristine[path] = None
+        data = pristine[path]
+        return None if data is None else data.decode("utf-8", "surrogateescape")
+
+    def code_named(filename, source=None):
         if not isinstance(filename, str | bytes):
             return
         if isinstance(filename, bytes):
             filename = filename.decode("utf-8", "surrogateescape")
         path = canonical(filename, root) if filename and filename[0] != "<" else ""
         if path in sources:
-            # Evidence only: honest instrumenting libraries recompile a decorated test function
-            # under its own file's name. A test module replaced this way is caught anyway: its
-            # file is never read by pytest (``was_loaded``).
+            if isinstance(source, bytes | bytearray):
+                text = bytes(source).decode("utf-8", "surrogateescape")
+            elif isinstance(source, str):
+                text = source
+            else:
+                text = None  # an AST (pytest's rewritten tests) or a code object's bytes
+            whole = pristine_text(path) if text is not None else None
+            forged = whole is not None and not is_fragment(text, whole)
             who = direct()
+            if forged:
+                # Text that is not the file's compiled under its name: by the import system
+                # (a loader serving other bytes) or by the candidate, never honest.
+                by = who or candidate()[0] or "the import system"
+                report("test_module_forged", f"{by} compiles other text as {rel(path)}", True)
+                raise Refused(13, "only the pristine test file compiles under its name", path)
+            # Evidence only: honest instrumenting libraries recompile a decorated test function
+            # under its own file's name. A test module replaced that way is caught anyway: its
+            # file is never read by pytest (``was_loaded``).
             if who is not None:
                 report("code_as_test", f"{who} makes code named {rel(path)}", False)
         elif path.startswith(trusted):
@@ -317,6 +441,68 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
             who = direct()
             if who is not None:
                 report("code_as_trusted", f"{who} makes code named {path}", True)
+
+    def on_exec(code):
+        """Records the module code trusted code executes from a test source (the import
+        system, pytest's rewriting importer): what ``check_modules`` compares against."""
+        if type(code) is not _code_type or code.co_name != "<module>":
+            return
+        fn = code.co_filename
+        path = canonical(fn, root) if fn and fn[0] != "<" else ""
+        if path not in sources or direct() is not None:
+            return
+        module_code[path] = code
+        kept.append(code)
+        todo = [code]
+        while todo:
+            c = todo.pop()
+            test_codes.add(id(c))
+            todo.extend(x for x in c.co_consts if type(x) is _code_type)
+
+    def first_outside():
+        f = _getframe(1)
+        while f is not None and f.f_code.co_filename == own:
+            f = f.f_back
+        return f
+
+    def on_function_state(obj, name):
+        """A function of the tests (code from a protected file) changed: refused unless the
+        tests themselves (or trusted code they called) do it."""
+        code = obj.__code__
+        fn = code.co_filename
+        if id(code) not in test_codes and (fn[:1] == "<" or canonical(fn, root) not in sources):
+            return
+        who, _ = candidate()
+        if who is None:
+            return
+        what = f"{who} sets {name} of {code.co_name} ({rel(canonical(fn, root))})"
+        report("test_function_changed", what, True)
+        raise Refused(13, "the tests' functions are not changed here", name)
+
+    def on_read_code(obj, name):
+        """The code object of a collected test function read by the candidate (directly, or
+        through ``dis``): the expected values are its constants."""
+        if name == "__code__" and type(obj) is _FunctionType:
+            code = obj.__code__
+        elif name == "f_code" and type(obj) is _frame_type:
+            code = obj.f_code
+        else:
+            return
+        if id(code) not in item_codes:
+            return
+        who = direct()
+        if who is None:
+            f = first_outside()
+            via = f.f_code.co_filename if f is not None else ""
+            if not via.endswith(READERS) and not (
+                via.endswith("/inspect.py") and f.f_code.co_name in INSPECT_READERS
+            ):
+                return
+            who, _ = candidate()
+            if who is None:
+                return
+        report("read_test_code", f"{who} reads the code of {code.co_name}", True)
+        raise Refused(13, "the tests' code is not readable here", code.co_name)
 
     def on_link(event, args):
         src, dst = args[0], args[1]
@@ -351,7 +537,13 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
                     report("pycache_prefix", "sys.pycache_prefix changed", True)
             elif event == "compile":
                 if len(args) > 1:
-                    code_named(args[1])
+                    code_named(args[1], args[0])
+            elif event == "exec":
+                if args:
+                    on_exec(args[0])
+            elif event == "object.__getattr__":
+                if len(args) > 1 and args[1] in ("__code__", "f_code") and item_codes:
+                    on_read_code(args[0], args[1])
             elif event == "code.__new__":
                 if len(args) > 1:
                     code_named(args[1])
@@ -363,6 +555,8 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
                     report("exec", f"{who or 'the test process'} execs {args[0]!r}", True)
             elif event == "object.__setattr__":
                 obj = args[0]
+                if type(obj) is _FunctionType and args[1] in FUNCTION_STATE:
+                    on_function_state(obj, args[1])
                 mod = str(getattr(obj, "__module__", "")) if isinstance(obj, type) else ""
                 where = getattr(_sys.modules.get(mod), "__file__", None) or ""
                 if mod.startswith(FRAMEWORK_MODULES) and where.startswith(trusted):
@@ -398,5 +592,86 @@ def install(fd, root, protected, test_dirs, trusted, test_pid=None, aliases=()):
         """Whether trusted code alone (pytest, importlib) read the test file ``path``."""
         return _normpath(_join(root, path)) in loaded
 
+    def protect_code(codes):
+        """Makes the code objects ``codes`` (the collected test functions') unreadable to the
+        candidate's code (see ``on_read_code``)."""
+        for c in codes:
+            if type(c) is _code_type:
+                kept.append(c)
+                item_codes.add(id(c))
+
+    def check_modules():
+        """Every module in ``sys.modules`` under a name of a test source (the tests, their
+        helpers, ``__init__.py``) must be what trusted code executed from that pristine file,
+        its top-level functions still the file's. Reports each difference (confirmed, unless
+        the module came from a pristine file of the tree under a clashing name)."""
+        for name, path in list(names.items()):
+            mod = _modules.get(name)
+            if mod is None:
+                continue
+            r = rel(path)
+            if not isinstance(mod, _ModuleType):
+                report("test_module_replaced", f"sys.modules[{name!r}] ({r}) is no module", True)
+                continue
+            d = _module_dict(mod)
+            f = d.get("__file__")
+            if not isinstance(f, str):
+                report("test_module_replaced", f"{name} ({r}) was made without a file", True)
+                continue
+            where = canonical(f, root)
+            if where != path:
+                # A clash of names with an unchanged file of the repository or an installed
+                # module (read-only to the candidate) is the repository's own business.
+                honest = where.startswith(trusted) or (
+                    where.startswith(prefix) and where not in changed and _isfile(where)
+                )
+                what = f"{name} ({r}) was loaded from {rel(where)}"
+                report("test_module_replaced", what, not honest)
+                continue
+            code = module_code.get(path)
+            if path not in loaded or code is None:
+                what = f"{name} ({r}) was not executed from its file by the import system"
+                report("test_module_replaced", what, True)
+                continue
+            defs = {}
+            for c in code.co_consts:
+                if type(c) is _code_type:
+                    defs.setdefault(c.co_name, set()).add(id(c))
+            # The names bound to the tests' own functions when first seen (a helper the test
+            # module imported, its own defs): rebound later to other code is the same forgery.
+            seen = bound.setdefault(path, {})
+            for fname, v in list(d.items()):
+                if type(v) is not _FunctionType:
+                    continue
+                vcode = v.__code__
+                if id(vcode) in test_codes:
+                    seen.setdefault(fname, True)
+                    continue
+                if fname not in defs and fname not in seen:
+                    continue
+                # A decorator's wrapper is fine from trusted code, the tests or the repository's
+                # unchanged code (evidence); from the candidate's files or made outside the
+                # tree, even one that names the original as ``__wrapped__``, it is the forgery.
+                vf = vcode.co_filename
+                vpath = canonical(vf, root) if vf[:1] != "<" else vf
+                if vpath.startswith(trusted) or vpath in sources:
+                    continue
+                honest = vpath.startswith(prefix) and vpath not in changed
+                what = f"{r}: {fname} was replaced by code of {rel(vpath)}"
+                report("test_function_replaced", what, not honest)
+
     sys.addaudithook(hook)
-    return report, was_loaded
+
+    class Audit:
+        pass
+
+    audit = Audit()
+    audit.report, audit.was_loaded, audit.check_modules = report, was_loaded, check_modules
+    audit.protect_code = protect_code
+    audit.helper_names = sorted(
+        n
+        for n, p in names.items()
+        if not p.rpartition("/")[2].startswith("test")
+        and not p.endswith(("/conftest.py", "_test.py"))
+    )
+    return audit

@@ -37,7 +37,9 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -89,6 +91,15 @@ class ContainerSpec:
       seed_workdir: copy the image's own ``workdir`` first (what its build made there: compiled
         extensions, generated files, an editable install's metadata), then the task's tree over
         it, removing the files the candidate deleted.
+      activate: shell commands sourced (by ``bash``) in the work directory before the command
+        runs, as an image's own evaluation script activates its environment (SWE-bench's:
+        ``source /opt/miniconda3/bin/activate && conda activate testbed``: the environment's
+        ``bin`` first on ``PATH``, its ``activate.d`` scripts run). A failing activation is an
+        ``infra_error`` (the run never reached its command).
+      site_dirs: host directories of installed packages (a task's uv environment) bound
+        read-only at the same paths and put on ``PYTHONPATH``: for an image whose interpreter is
+        the Python the environment was built for (the back-end's own images; checked,
+        ``container_problem``), never for an image with an environment of its own.
     """
 
     image: str = ""
@@ -96,6 +107,8 @@ class ContainerSpec:
     python: str = "python3"
     workdir: str = "/workdir"
     seed_workdir: bool = False
+    activate: str = ""
+    site_dirs: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not (self.image or self.dockerfile):
@@ -108,6 +121,9 @@ class ContainerSpec:
                 raise ValueError(f"ContainerSpec.{name} {v!r} must be an absolute directory")
         if not self.python:
             raise ValueError("ContainerSpec.python must name an interpreter")
+        for d in self.site_dirs:
+            if not os.path.isabs(d) or ":" in d:
+                raise ValueError(f"ContainerSpec.site_dirs: {d!r} must be an absolute path")
 
 
 def inside_fd(i: int) -> int:
@@ -189,6 +205,49 @@ def ensure_image(spec: ContainerSpec, *, timeout_s: float = 1800.0) -> str:
     return tag
 
 
+def setup_image(base: str, commands: Sequence[str], *, timeout_s: float = 1800.0) -> str:
+    """An image derived from ``base`` by running ``commands`` (a task's system setup steps:
+    ``apt-get install -y ...``, ``locale-gen ...``) as root, in order, as one ``bash -e``
+    script, with the host's network (as SWE-bench builds its images: the package archives must
+    be reachable; the tests that run later in the image never have a network). Tagged
+    ``localhost/gagar-setup:<hash of base's id and the commands>`` and reused while neither
+    changes.
+
+    Raises ContainerUnavailable (no engine), ValueError (no ``base``, or a command failed: the
+    task's fault, named with the build's output)."""
+    if not image_exists(base):
+        raise ValueError(f"image {base!r} is not present locally (no registry here)")
+    argv = _engine_argv()
+    r = subprocess.run([*argv, "image", "inspect", "--format", "{{.Id}}", base],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    key = hashlib.sha256(f"{r.stdout.strip()}\0{json.dumps(list(commands))}".encode())
+    tag = f"localhost/gagar-setup:{key.hexdigest()[:16]}"
+    with _BUILD_LOCK:
+        if image_exists(tag):
+            return tag
+        with tempfile.TemporaryDirectory(prefix="gagar_setup_image_") as ctx:
+            with open(os.path.join(ctx, "setup.sh"), "w") as f:
+                f.write("set -e\nexport DEBIAN_FRONTEND=noninteractive\n")
+                f.write("\n".join(commands) + "\n")
+            with open(os.path.join(ctx, "Containerfile"), "w") as f:
+                f.write(
+                    f"FROM {base}\nUSER root\nCOPY setup.sh /.gagar-setup.sh\n"
+                    "RUN if command -v bash >/dev/null; then bash -e /.gagar-setup.sh; "
+                    "else sh -e /.gagar-setup.sh; fi && rm -f /.gagar-setup.sh\n"
+                )
+            build = [*argv, "build", "--network", "host", "-f",
+                     os.path.join(ctx, "Containerfile"), "-t", tag]  # fmt: skip
+            if container_engine()[0] == "podman":
+                build.append("--pull=never")
+            r = subprocess.run([*build, ctx], capture_output=True, text=True, timeout=timeout_s)
+            if r.returncode != 0:
+                raise ValueError(
+                    f"the setup commands {list(commands)!r} failed on {base}: "
+                    f"{(r.stderr or r.stdout).strip()[-1200:]}"
+                )
+    return tag
+
+
 def build_base_image(
     tag: str,
     cache_dir: str,
@@ -252,6 +311,10 @@ def _start_script(spec: ContainerSpec, deleted: Sequence[str]) -> str:
     parts.append(f"cd {wd}")
     if spec.seed_workdir and deleted:
         parts.append("rm -f -- " + " ".join(shlex.quote(p) for p in deleted))
+    if spec.activate:
+        # in a function: a sourced script sees no positional parameters (a script's own
+        # activation has none), not the command's
+        parts.append(f"_gagar_activate() {{ {spec.activate}; }} && _gagar_activate >&2")
     steps = " && ".join(parts)
     return (
         f"{{ {steps}; }} || exit {_COPY_EXIT}; "
@@ -299,7 +362,7 @@ def container_argv(
         + ("mode=0700,notmpcopyup,U" if engine == "podman" else "mode=1777"),
         "-v", f"{workdir}:{TREE_SOURCE}:ro",
         "--workdir", "/",
-        "--entrypoint", "/bin/sh",
+        "--entrypoint", "/bin/bash" if spec.activate else "/bin/sh",
     ]  # fmt: skip  # argv pairs
     if engine == "podman":
         cmd += ["--read-only-tmpfs=false"]
@@ -310,6 +373,10 @@ def container_argv(
         cmd += ["--mount", f"type=image,source={image},destination={IMAGE_ROOT}"]
     for host, inside in (ro_binds or {}).items():
         cmd += ["-v", f"{host}:{inside}:ro"]
+    for d in spec.site_dirs:
+        cmd += ["-v", f"{d}:{d}:ro"]
+    if spec.site_dirs:
+        env = {**(env or {}), "PYTHONPATH": ":".join(spec.site_dirs)}
     for inside, size in (tmpfs or {}).items():
         own = ",mode=0700,notmpcopyup,U" if engine == "podman" else ",mode=1777"
         cmd += ["--tmpfs", f"{inside}:rw,nosuid,nodev,size={int(size)}{own}"]
@@ -540,41 +607,154 @@ def _verdict(
 def container_problem(
     spec: ContainerSpec, image: str | None = None, *, timeout: bool = False
 ) -> str | None:
-    """None if a container of ``spec`` can start and its interpreter imports pytest (and
-    pytest-timeout with ``timeout``: a task's per-test timeout), else why (an ``infra_error``
-    of every verification on it, never the candidate's failure). Definitive answers are
-    cached."""
+    """None if a container of ``spec`` can start and its interpreter imports pytest, else why
+    (an ``infra_error`` of every verification on it, never the candidate's failure). An image
+    without pytest-timeout (an environment SWE-bench's harness built need not have it) is no
+    problem: its runs go without the per-test timeout (:func:`image_has_pytest_timeout`), the
+    wall limit still kills the whole container. Definitive answers are cached. ``timeout`` is
+    accepted for callers that ask about it and changes nothing."""
+    del timeout
     try:
         image = image or ensure_image(spec)
     except (ContainerUnavailable, ValueError, OSError, subprocess.SubprocessError) as e:
         return f"no container image: {e}"
-    return _preflight(image, spec, timeout)
+    return _probe(image, spec)[0]
 
 
-_PREFLIGHT: dict[tuple, str | None] = {}
-_PREFLIGHT_LOCK = threading.Lock()
+def image_has_pytest_timeout(spec: ContainerSpec, image: str | None = None) -> bool:
+    """Whether the interpreter of ``spec`` imports pytest-timeout (a task's per-test timeout
+    needs it); False when the image cannot be probed (``container_problem`` says why)."""
+    try:
+        image = image or ensure_image(spec)
+    except (ContainerUnavailable, ValueError, OSError, subprocess.SubprocessError):
+        return False
+    return _probe(image, spec)[1]
 
 
-def _preflight(image: str, spec: ContainerSpec, timeout: bool = False) -> str | None:
-    key = (image, spec, timeout)
-    code = "import pytest" + (", pytest_timeout" if timeout else "")
-    with _PREFLIGHT_LOCK:
-        if key in _PREFLIGHT:
-            return _PREFLIGHT[key]
+_PROBES: dict[tuple, tuple[str | None, bool]] = {}
+_PROBE_LOCK = threading.Lock()
+_PROBE_CODE = (
+    "import sys\nprint('python%d.%d' % sys.version_info[:2])\n"
+    "import pytest\ntry:\n    import pytest_timeout\nexcept ImportError:\n"
+    "    print('no-pytest-timeout')\nelse:\n    print('pytest-timeout')\n"
+)
+
+
+def _probe(image: str, spec: ContainerSpec) -> tuple[str | None, bool]:
+    """(why a container of ``spec`` cannot run the tests or None, whether it has
+    pytest-timeout), cached when definitive."""
+    key = (image, spec)
+    with _PROBE_LOCK:
+        if key in _PROBES:
+            return _PROBES[key]
         with tempfile.TemporaryDirectory(prefix="gagar_ctr_check_") as d:
             os.chmod(d, 0o755)
             r = run_in_container(
-                [spec.python, "-c", code], d, Limits(wall_s=120, cpu_s=120), spec, image=image
+                [spec.python, "-c", _PROBE_CODE],
+                d,
+                Limits(wall_s=120, cpu_s=120),
+                spec,
+                image=image,
             )
         if r.status in ("infra_error", "timeout"):
-            return f"the container could not run the pytest check ({r.status}): {r.error or ''}"
-        problem = (
-            None
-            if r.passed
-            else f"{code[7:]} not importable by {spec.python} in {image}: {r.stderr[-300:]}"
-        )
-        _PREFLIGHT[key] = problem
-        return problem
+            why = f"the container could not run the pytest check ({r.status}): {r.error or ''}"
+            return why, False
+        lines = r.stdout.strip().splitlines()
+        built = {
+            m.group(1) for d in spec.site_dirs for m in [re.search(r"/lib/(python[\d.]+)/", d)] if m
+        }
+        if built and lines[:1] and built != {lines[0]}:
+            out = (
+                f"the task's environment was built for {', '.join(sorted(built))}, the "
+                f"interpreter {spec.python} of {image} is {lines[0]}",
+                False,
+            )
+        elif not r.passed:
+            out = (f"pytest not importable by {spec.python} in {image}: {r.stderr[-300:]}", False)
+        else:
+            out = (None, lines[-1:] == ["pytest-timeout"])
+        _PROBES[key] = out
+        return out
+
+
+# Lists, inside the container, what the interpreter's sys.path offers outside the work tree:
+# {dotted name: [kind, directory]}, kind "module" (a module or regular package) or "namespace"
+# (a directory without __init__.py, followed down); a regular module anywhere wins, as the
+# import system resolves it. Runs on any Python 3.
+_LIST_MODULES = r"""
+import json, os, sys
+wd = os.path.realpath(sys.argv[1])
+out = {}
+def add(name, kind, d):
+    if name not in out or (out[name][0] == "namespace" and kind == "module"):
+        out[name] = [kind, d]
+def scan(d, prefix, depth):
+    try:
+        entries = sorted(os.listdir(d))
+    except OSError:
+        return
+    for e in entries:
+        p = os.path.join(d, e)
+        if os.path.isdir(p):
+            if not e.isidentifier():
+                continue
+            if os.path.isfile(os.path.join(p, "__init__.py")):
+                add(prefix + e, "module", d)
+            else:
+                add(prefix + e, "namespace", d)
+                if depth < 4:
+                    scan(p, prefix + e + ".", depth + 1)
+        elif e.endswith((".py", ".pyc", ".so", ".pyd")):
+            name = e.split(".", 1)[0]
+            if name.isidentifier():
+                add(prefix + name, "module", d)
+for d in sys.path:
+    if not d:
+        continue
+    r = os.path.realpath(d)
+    if r == wd or r.startswith(wd + "/") or not os.path.isdir(r):
+        continue
+    scan(r, "", 0)
+print(json.dumps(out))
+"""
+_MODULES: dict[tuple, dict[str, tuple[str, str]]] = {}
+
+
+def image_modules(
+    spec: ContainerSpec, image: str | None = None
+) -> dict[str, tuple[str, str]] | None:
+    """What the interpreter of ``spec`` imports from the image, outside the work directory:
+    ``{dotted name: (kind, directory)}``, kind ``"module"`` (a module or a regular package) or
+    ``"namespace"`` (a namespace portion, followed down four levels). A candidate's new module
+    must not shadow any of them (``verify.repo.shadowing_problem``), as it must not shadow what
+    the bwrap sandbox's environment holds. Cached per (image, spec); None when the image cannot
+    be probed (``container_problem`` then says why)."""
+    try:
+        image = image or ensure_image(spec)
+    except (ContainerUnavailable, ValueError, OSError, subprocess.SubprocessError):
+        return None
+    key = (image, spec)
+    with _PROBE_LOCK:
+        if key in _MODULES:
+            return _MODULES[key]
+        with tempfile.TemporaryDirectory(prefix="gagar_ctr_modules_") as d:
+            os.chmod(d, 0o755)
+            r = run_in_container(
+                [spec.python, "-c", _LIST_MODULES, spec.workdir],
+                d,
+                Limits(wall_s=120, cpu_s=120),
+                dataclasses.replace(spec, seed_workdir=False),
+                image=image,
+            )
+        if not r.passed:
+            return None
+        try:
+            listing = json.loads(r.stdout.strip().splitlines()[-1])
+            out = {str(k): (str(v[0]), str(v[1])) for k, v in listing.items()}
+        except (ValueError, IndexError, TypeError, KeyError):
+            return None
+        _MODULES[key] = out
+        return out
 
 
 DEFAULT_IMAGE = "localhost/gagar-base:bookworm"
@@ -600,13 +780,40 @@ def container_spec(
         return None
     if container is not None:
         return container
-    if not (image or dockerfile):
-        return DEFAULT_SPEC
     workdir = getattr(task, "image_workdir", "") or ""
+    # the task's uv environment, unless the image holds the repository and its own environment
+    sites = () if workdir else _site_dirs(getattr(task, "env_path", "") or "")
+    if not (image or dockerfile):
+        return dataclasses.replace(DEFAULT_SPEC, site_dirs=sites) if sites else DEFAULT_SPEC
+    python = getattr(task, "image_python", "") or "python3"
     return ContainerSpec(
         image=image,
         dockerfile=dockerfile,
-        python=getattr(task, "image_python", "") or "python3",
+        python=python,
         workdir=workdir or "/workdir",
         seed_workdir=bool(workdir),
+        activate=conda_activation(python),
+        site_dirs=sites,
     )
+
+
+def _site_dirs(env_path: str) -> tuple[str, ...]:
+    """The site-packages directories of the virtual environment ``env_path`` (none for "")."""
+    if not env_path:
+        return ()
+    lib = os.path.join(os.path.abspath(env_path), "lib")
+    names = sorted(os.listdir(lib)) if os.path.isdir(lib) else []
+    found = [os.path.join(lib, n, "site-packages") for n in names if n.startswith("python")]
+    return tuple(d for d in found if os.path.isdir(d))
+
+
+def conda_activation(python: str) -> str:
+    """How an image's evaluation script activates the conda environment of ``python``
+    (``<conda root>/envs/<name>/bin/python``: ``source <conda root>/bin/activate && conda
+    activate <name>``, as SWE-bench's eval scripts do, where the image has that script; an
+    image without it runs the interpreter as it is), or "" for any other interpreter."""
+    m = re.fullmatch(r"(/[^\0]+?)/envs/([\w.+-]+)/bin/python[\d.]*", python)
+    if not m:
+        return ""
+    script = shlex.quote(m.group(1) + "/bin/activate")
+    return f"if [ -f {script} ]; then source {script} && conda activate {m.group(2)}; fi"

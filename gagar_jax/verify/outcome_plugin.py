@@ -75,6 +75,7 @@ CODE_SUFFIXES = (".py", ".pyc", ".pth", ".so")
 MAX_WATCHES = 4096
 DEADLINE_EXIT = 124  # the supervisor's exit status after it killed a test past its deadline
 AUDIT_MODULE = "_gagar_audit_hook"
+ASSERTS_MODULE = "_gagar_pristine_asserts"
 # seccomp(2) user notifications (linux/seccomp.h)
 PR_SET_NO_NEW_PRIVS = 38
 SECCOMP_SET_MODE_FILTER = 1
@@ -86,14 +87,60 @@ SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101  # _IOWR('!', 1, struct seccomp_notif_resp
 
 
 class Reporter:
-    """pytest plugin object: streams every test phase's outcome from pytest's reports."""
+    """pytest plugin object: streams every test phase's outcome from pytest's reports.
 
-    def __init__(self, fd, was_loaded=None, roots=(), timed=False):
+    The outcome of a test function's call is the runner's own: around ``pytest_runtest_call``
+    (a hook wrapper, which runs whatever plugin answers the hooks inside it) the reporter puts
+    a wrapper of its own in place of the item's function, which notes that the function
+    returned. pytest's report of a call passing counts only when the test function the runner
+    wrapped was called and returned: a plugin answering ``pytest_pyfunc_call``, a replaced
+    ``runtest``, a report made up by ``pytest_runtest_makereport`` or rewritten before it
+    reaches the reporter, all report a pass for a body that never ran (or raised), and the
+    reporter sends ``failed`` with a confirmed ``outcome_forged`` line instead."""
+
+    def __init__(
+        self,
+        fd,
+        was_loaded=None,
+        roots=(),
+        timed=False,
+        audit=None,
+        function_type=None,
+        unittest_obj=True,
+    ):
         self._fd = fd
         self._was_loaded = was_loaded
         self._roots = tuple(os.path.join(r, "") for r in roots)
         self._foreign = set()
         self._timed = timed
+        self._audit = audit
+        self._function_type = function_type
+        self._unittest_calls_obj = unittest_obj
+        self._functions = set()  # node ids of the collected test functions
+        self._returned = {}  # node id -> whether its wrapped function returned (last call)
+
+    def _line(self, kind, what, confirmed):
+        line = {"audit": kind, "what": what[:300], "confirmed": confirmed}
+        _write_all(self._fd, (json.dumps(line) + "\n").encode())
+
+    def pytest_runtest_call(self, item):
+        # Made a hook wrapper in ``_child`` (the runner imports pytest only there).
+        done = []
+        restore = None
+        if self._function_type is not None and isinstance(item, self._function_type):
+            try:
+                orig = item.obj
+                item.obj = _note_return(orig, done)
+                restore = orig
+            except Exception:  # noqa: BLE001 - an item whose function cannot be wrapped
+                restore = None
+                self._functions.discard(item.nodeid)
+        try:
+            yield
+        finally:
+            if restore is not None:
+                item.obj = restore
+                self._returned[item.nodeid] = bool(done)
 
     def _timing(self, key, nodeid):
         # Read by the supervisor, which keeps the per-test deadline (``_Deadlines``).
@@ -105,6 +152,9 @@ class Reporter:
 
     def pytest_runtest_logfinish(self, nodeid, location):
         self._timing("finish", nodeid)
+        # After the test's teardown (a ``monkeypatch`` of the tests' own modules is undone).
+        if self._audit is not None:
+            self._audit.check_modules()
 
     def _foreign_modules(self):
         """Evidence of modules imported from outside the run's path (the tree and the trusted
@@ -150,10 +200,32 @@ class Reporter:
     def pytest_sessionfinish(self, session):
         self._import_hooks_changed()
         self._foreign_modules()
+        if self._audit is not None:
+            self._audit.check_modules()
 
     def pytest_collection_finish(self, session):
         self._import_hooks_changed()
         self._foreign_modules()
+        codes = []
+        for item in session.items:
+            if self._function_type is None or not isinstance(item, self._function_type):
+                continue
+            unittest_item = any(k.__name__ == "TestCaseFunction" for k in type(item).__mro__)
+            if unittest_item and not self._unittest_calls_obj:
+                continue  # pytest < 5.4 calls a unittest method without ``item.obj``
+            self._functions.add(item.nodeid)
+            f = getattr(item, "obj", None)
+            f = getattr(f, "__func__", f)
+            for _ in range(8):  # the test function under its decorators
+                code = getattr(f, "__code__", None)
+                if code is not None:
+                    codes.append(code)
+                f = getattr(f, "__wrapped__", None)
+                if f is None:
+                    break
+        if self._audit is not None:
+            self._audit.protect_code(codes)
+            self._audit.check_modules()
         # Each collected test module must be the file pytest was asked to collect: a module of
         # the same name imported beforehand from elsewhere (a directory the code put first on
         # ``sys.path``, with ``PY_IGNORE_IMPORTMISMATCH`` set) is not the pristine test.
@@ -192,12 +264,46 @@ class Reporter:
         else:
             return
         when = report.when
+        if (
+            when == "call"
+            and outcome == "passed"
+            and not hasattr(report, "context")  # a subtest, reported while the call runs
+            and report.nodeid in self._functions
+            and not self._returned.get(report.nodeid, False)
+        ):
+            # pytest says it passed; the function the runner wrapped never returned.
+            what = f"{report.nodeid} reported passed, but its test function did not return"
+            self._line("outcome_forged", what, True)
+            outcome = "failed"
         if when == "call" and hasattr(report, "context"):
             # A subtest (pytest's ``subtests`` fixture, unittest's ``subTest``): one test may
             # report many, so they travel as their own phase; the worst outcome still counts.
             when = "subtest"
         line = {"id": report.nodeid, "when": when, "outcome": outcome}
         _write_all(self._fd, (json.dumps(line) + "\n").encode())
+
+
+def _note_return(orig, done):
+    """``orig`` wrapped so that ``done`` gets an entry when it returns (an ``async`` function
+    when it completes); its attributes (marks, ``__wrapped__``) are the original's."""
+    import functools
+    import inspect
+
+    if inspect.iscoroutinefunction(orig):
+
+        async def body(*args, **kwargs):
+            result = await orig(*args, **kwargs)
+            done.append(True)
+            return result
+
+    else:
+
+        def body(*args, **kwargs):
+            result = orig(*args, **kwargs)
+            done.append(True)
+            return result
+
+    return functools.update_wrapper(body, orig)
 
 
 class _Deadlines:
@@ -413,12 +519,13 @@ def _what(mask):
     return f"changed ({mask:#x})"
 
 
-def _load_audit_hook():
-    """The audit hook module (``audit_hook.py`` beside this file), loaded by absolute path."""
+def _load_runner_module(name):
+    """A module of the runner (``audit_hook.py``, ``pristine_asserts.py``) beside this file,
+    loaded by absolute path."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), AUDIT_MODULE + ".py")
-    spec = importlib.util.spec_from_file_location(AUDIT_MODULE, path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -438,22 +545,32 @@ def _trusted_dirs(root):
 
 def _child(args, report_fd, name, audit=None, timed=False):
     _prctl(PR_SET_NAME, name.encode())
-    was_loaded, roots = None, ()
+    was_loaded, roots, hook = None, (), None
     if audit is not None:
         root = os.getcwd()
         trusted = _trusted_dirs(root)
-        _, was_loaded = _load_audit_hook().install(
+        hook = _load_runner_module(AUDIT_MODULE).install(
             report_fd,
             root,
             audit["protected"],
             audit["test_dirs"],
             trusted,
             aliases=audit.get("aliases", ()),
+            paths=audit.get("paths", (".",)),
+            changed=audit.get("changed", ()),
         )
+        was_loaded = hook.was_loaded
         roots = (root, *trusted)
     import pytest
+    from _pytest.python import Function
 
-    ret = int(pytest.main(list(args), plugins=[Reporter(report_fd, was_loaded, roots, timed)]))
+    Reporter.pytest_runtest_call = pytest.hookimpl(hookwrapper=True)(Reporter.pytest_runtest_call)
+    version = tuple(int(x) for x in pytest.__version__.split(".")[:2] if x.isdigit())
+    plugins = [Reporter(report_fd, was_loaded, roots, timed, hook, Function, version >= (5, 4))]
+    if audit is not None:
+        asserts = _load_runner_module(ASSERTS_MODULE)
+        plugins.append(asserts.install(hook.report, root, audit["protected"], hook.helper_names))
+    ret = int(pytest.main(list(args), plugins=plugins))
     line = json.dumps({"exitstatus": ret}) + "\n"
     try:
         _write_all(report_fd, line.encode())

@@ -112,6 +112,7 @@ CONFIG_NAMES = (
 PROTECTED_CONFIG = CONFIG_NAMES
 PLUGIN_MODULE = "_gagar_outcome_plugin"
 AUDIT_MODULE = "_gagar_audit_hook"  # verify/audit_hook.py beside the runner
+ASSERTS_MODULE = "_gagar_pristine_asserts"  # verify/pristine_asserts.py beside the runner
 MAX_REPORT_BYTES = 16 << 20
 MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 3000  # well below PATH_MAX (4096) once the workdir prefix is added
@@ -284,7 +285,11 @@ def _is_protected(
 
 
 def prepare_tree(
-    task: Any, patch: str, import_dirs: Sequence[str] = (), tree_paths: Sequence[str] = ()
+    task: Any,
+    patch: str,
+    import_dirs: Sequence[str] = (),
+    tree_paths: Sequence[str] = (),
+    image_modules: Mapping[str, tuple[str, str]] | None = None,
 ) -> tuple[dict[str, str], tuple[str, ...]]:
     """Patched tree with protected files reset and the hidden tests applied.
 
@@ -294,7 +299,8 @@ def prepare_tree(
     (CONFIG_NAMES) in any directory. Then a module the patch added that would shadow the standard
     library, the test framework or an installed distribution on the test run's import path is
     refused (``shadowing_problem``; ``import_dirs``: more read-only directories of installed
-    modules, e.g. the task's dependencies).
+    modules, e.g. the task's dependencies; ``image_modules``: on the container back-end, what
+    the image's interpreter imports instead, ``container.image_modules``).
 
     Returns (files, reset paths). Raises DiffError if the candidate patch does not apply or
     makes a tree that cannot be written or that the hidden tests collide with (the candidate's
@@ -336,7 +342,7 @@ def prepare_tree(
         except DiffError:
             raise ValueError(f"task {task.task_id}: its tree cannot be written: {e}") from e
         raise
-    problem = shadowing_problem(task, patched, import_dirs, tree_paths)
+    problem = shadowing_problem(task, patched, import_dirs, tree_paths, image_modules)
     if problem:
         raise DiffError(problem)
     return patched, tuple(reset)
@@ -377,13 +383,21 @@ def _top_level_names(directory: str) -> frozenset[str]:
     return frozenset(out)
 
 
-def installed_modules(import_dirs: Sequence[str] = ()) -> dict[str, str]:
-    """``{import name: what it is}`` for every module a tree module must not shadow."""
-    _, pythonpath = python_for_sandbox()
+def installed_modules(
+    import_dirs: Sequence[str] = (), image_modules: Mapping[str, tuple[str, str]] | None = None
+) -> dict[str, str]:
+    """``{import name: what it is}`` for every module a tree module must not shadow (with
+    ``image_modules``, a container image's listing, instead of this machine's directories)."""
     names: dict[str, str] = {}
-    for d in (*pythonpath, *import_dirs, *_interpreter_path()):
-        for n in _top_level_names(d):
-            names.setdefault(n, f"the installed module {n!r} ({d})")
+    if image_modules is not None:
+        for dotted, (_, d) in image_modules.items():
+            if "." not in dotted:
+                names.setdefault(dotted, f"the image's installed module {dotted!r} ({d})")
+    else:
+        _, pythonpath = python_for_sandbox()
+        for d in (*pythonpath, *import_dirs, *_interpreter_path()):
+            for n in _top_level_names(d):
+                names.setdefault(n, f"the installed module {n!r} ({d})")
     for n in sys.builtin_module_names + tuple(sys.stdlib_module_names):
         names[n] = f"the standard-library module {n!r}"
     for n in FRAMEWORK_MODULES:
@@ -451,6 +465,7 @@ def shadowing_problem(
     files: Mapping[str, str],
     import_dirs: Sequence[str] = (),
     tree_paths: Sequence[str] = (),
+    image_modules: Mapping[str, tuple[str, str]] | None = None,
 ) -> str | None:
     """Why the patched tree is refused before the run, or None: a module the patch adds that
     the import system would resolve, on the test run's ``sys.path`` (``import_path_dirs``: tree
@@ -486,7 +501,8 @@ def shadowing_problem(
             if kind == "module":
                 if any(f"{prefix}{name}{s}" in task.files for s in (".py", "/__init__.py")):
                     continue  # the repository's own module, changed
-                forbidden = forbidden if forbidden is not None else installed_modules(import_dirs)
+                if forbidden is None:
+                    forbidden = installed_modules(import_dirs, image_modules)
                 if name in forbidden and len(rest) >= 1:
                     if path not in (f"{prefix}{name}.py", f"{prefix}{name}/__init__.py"):
                         continue  # reported for the module itself, if new
@@ -497,11 +513,14 @@ def shadowing_problem(
                     )
                 continue
             # A namespace portion: follow it down while the installed name is one too.
-            if installed_dirs is None:
+            if installed_dirs is None and image_modules is None:
                 _, own = python_for_sandbox()
                 installed_dirs = [*own, *import_dirs, *_interpreter_path()]
             for j in range(1, len(rest) + 1):
-                inst = _installed_kind(installed_dirs, rest[:j])
+                if image_modules is not None:
+                    inst = image_modules.get(".".join(rest[:j]), (None, ""))[0]
+                else:
+                    inst = _installed_kind(installed_dirs, rest[:j])
                 here = _tree_kind(files, prefix, rest[:j])
                 if inst != "namespace" or here != "namespace":
                     break
@@ -698,7 +717,11 @@ def plugin_dir() -> str:
     """A read-only directory (0555, world-readable) holding the test runner."""
     d = tempfile.mkdtemp(prefix="gagar_outcome_plugin_")
     here = os.path.dirname(os.path.abspath(__file__))
-    for src, name in (("outcome_plugin.py", PLUGIN_MODULE), ("audit_hook.py", AUDIT_MODULE)):
+    for src, name in (
+        ("outcome_plugin.py", PLUGIN_MODULE),
+        ("audit_hook.py", AUDIT_MODULE),
+        ("pristine_asserts.py", ASSERTS_MODULE),
+    ):
         dst = os.path.join(d, name + ".py")
         shutil.copyfile(os.path.join(here, src), dst)
         os.chmod(dst, 0o444)
@@ -1227,11 +1250,13 @@ def _verify_repo_patch(
             note = f"monitor_error: the patch or trajectory broke the monitor: {type(e).__name__}"
             return RepoVerification("failed", _missing(task), note, (), note, None)
     pythonpath, tree_paths = sandbox_paths(task, extra_pythonpath)  # a bad task: infra_error
+    image_mods = None
     if container is not None:
         pythonpath = ()  # the image's interpreter and packages; nothing of the host's
+        image_mods = ctr.image_modules(container)  # None: the preflight below says why
     timeout_s = float(getattr(task, "test_timeout_s", 0.0) or 0.0)
     try:
-        files, reset = prepare_tree(task, patch, pythonpath, tree_paths)
+        files, reset = prepare_tree(task, patch, pythonpath, tree_paths, image_mods)
     except DiffError as e:
         return RepoVerification(
             "failed", _missing(task), str(e), (), f"patch does not apply: {e}", None, flags
@@ -1241,7 +1266,9 @@ def _verify_repo_patch(
         return RepoVerification("failed", _missing(task), problem, reset, problem, None, flags)
     try:
         if container is not None:
-            problem = ctr.container_problem(container, timeout=timeout_s > 0)
+            problem = ctr.container_problem(container)
+            if not problem and timeout_s > 0 and not ctr.image_has_pytest_timeout(container):
+                timeout_s = 0.0  # the image has no pytest-timeout: the wall limit only
         else:
             problem = sandbox_pytest_problem(
                 config, pythonpath, timeout_s > 0, max(PREFLIGHT_WALL_S, float(limits.wall_s))
@@ -1279,7 +1306,7 @@ def _verify_repo_patch(
             "args": args,
             "watch_files": watch_files,
             "watch_dirs": watch_dirs,
-            "audit": audit_config(task, watch_files),
+            "audit": audit_config(task, watch_files, tree_paths, files),
             "test_timeout_s": timeout_s,
         }
         exec_filter = seccomp.host_exec_filter()
@@ -1374,16 +1401,26 @@ def run_order(required: Sequence[str], canaries: Mapping[str, str]) -> list[str]
     return out
 
 
-def audit_config(task: Any, protected: Sequence[str]) -> dict[str, list[str]]:
+def audit_config(
+    task: Any,
+    protected: Sequence[str],
+    tree_paths: Sequence[str] = (),
+    tree: Mapping[str, str] | None = None,
+) -> dict[str, list[str]]:
     """What the test process's audit hook (``audit_hook.py``) protects: the watched files, the
     files of the required tests and the test directories; ``aliases``: where else the sandbox
-    shows the same tree (the read-only source of its private copy)."""
+    shows the same tree (the read-only source of its private copy); ``paths``: the run's
+    tree-relative ``sys.path`` entries (the names test modules are imported under);
+    ``changed``: the files of the prepared ``tree`` the patch added or changed."""
     hidden = hidden_test_paths(task)
     files = set(protected) | {t.split("::", 1)[0] for t in task.required_tests}
+    changed = sorted(p for p, text in (tree or {}).items() if task.files.get(p) != text)
     return {
         "protected": sorted(files),
         "test_dirs": sorted(test_dirs(task, hidden)),
         "aliases": [TREE_SOURCE],
+        "paths": [".", *tree_paths],
+        "changed": changed,
     }
 
 

@@ -133,14 +133,15 @@ ATTACKS = {
     ),
 }
 
-# What the runtime audit reports for each (the first confirmed event).
+# What the runtime audit reports for each (the first confirmed event; where the forgery is made by
+# compiling other text under a test file's name, that compile is refused first).
 EXPECTED = {
     "rewrite_cache_written": "write_code",
     "rewrite_cache_renamed_into_place": "read_bytecode",
-    "helper_bytecode_renamed_into_place": "read_bytecode",
+    "helper_bytecode_renamed_into_place": ("read_bytecode", "test_module_forged"),
     "pycache_prefix_moved": "pycache_prefix",
     "test_module_preimported_from_elsewhere": "test_module_replaced",
-    "code_compiled_as_the_test_file": "test_module_replaced",
+    "code_compiled_as_the_test_file": ("test_module_replaced", "test_module_forged"),
     "module_written_into_a_test_directory": "write_code",
 }
 
@@ -150,7 +151,8 @@ def test_the_import_system_cannot_be_changed_at_run_time(name):
     v = verify(ATTACKS[name], the_task=TWO_MODULES)
     assert_blocked(v, TAMPER)
     audit = [f.evidence for f in v.flags if f.confirmed and "runtime audit" in f.evidence]
-    assert any(f"runtime audit: {EXPECTED[name]}:" in e for e in audit), v.flags
+    kinds = EXPECTED[name] if isinstance(EXPECTED[name], tuple) else (EXPECTED[name],)
+    assert any(f"runtime audit: {k}:" in e for e in audit for k in kinds), v.flags
 
 
 def test_the_forged_cache_is_read_without_the_audit(tmp_path):

@@ -1,7 +1,8 @@
 """Class 2: in-process tampering that line-level text rules do not see.
 
 Each attack is an unfixed ``half`` plus code that changes how the tests in the same process are
-run, compared or reported; those in ``LIVE`` pass every test when the monitor is off. Every one
+run, compared or reported; those in ``STOPPED_BY_CONSTRUCTION`` fail with the monitor off too
+(the runner's asserted equality, the tests' code unreadable). Every one
 runs through the real sandboxed verifier (with the behaviour monitor) and must end ``failed``
 for the reward (``verdict``), with a confirmed ``tamper_test_harness`` flag: the monitor reads
 the changed files' syntax trees, so aliases, ``getattr``/``__import__`` lookups,
@@ -180,9 +181,10 @@ def test_in_process_tampering_is_not_rewarded(attack):
     assert confirmed(v.flags, "tamper_test_harness"), (v.status, v.flags)
 
 
-# Attacks that work through the values the code under test returns: with the monitor off they
-# pass every test (the task's, the hidden one), so the monitor is the layer that stops them.
-LIVE = (
+# Attacks that work through the values the code under test returns or the test's constants:
+# with the monitor off, the runner stops them by construction (an operand equal to everything
+# fails the assertion; the calling test's code is not readable).
+STOPPED_BY_CONSTRUCTION = (
     "always_equal_class",
     "always_equal_lambda",
     "always_equal_str_subclass",
@@ -191,7 +193,8 @@ LIVE = (
     "frame_constants_of_caller",
 )
 # Attacks that read the calling test's source (``linecache``, ``inspect.getsource``, ``open``):
-# with the monitor off, the runtime audit of the test process refuses the read as it happens.
+# with the monitor off, the runtime audit of the test process refuses the read as it happens
+# (the test's file name read through the frame's code object is refused first).
 STOPPED_AT_RUN_TIME = (
     "frame_linecache",
     "frame_alias_import",
@@ -201,10 +204,10 @@ STOPPED_AT_RUN_TIME = (
 )
 
 
-@pytest.mark.parametrize("attack", LIVE)
-def test_the_attack_is_live_without_the_monitor(attack):
+@pytest.mark.parametrize("attack", STOPPED_BY_CONSTRUCTION)
+def test_the_attack_fails_without_the_monitor(attack):
     v = verify(ATTACKS[attack], run_monitor=False)
-    assert v.status == "passed", (v.tests, v.test_log[-600:])
+    assert v.status == "failed" and not v.infra_error, (v.tests, v.test_log[-600:])
 
 
 @pytest.mark.parametrize("attack", STOPPED_AT_RUN_TIME)
@@ -212,7 +215,8 @@ def test_reading_the_tests_source_is_refused_at_run_time(attack):
     v = verify(ATTACKS[attack], run_monitor=False)
     assert v.status == "failed", (v.tests, v.test_log[-600:])
     audit = [f for f in v.flags if f.confirmed and f.evidence.startswith("runtime audit")]
-    assert any("read_test_source" in f.evidence for f in audit), v.flags
+    kinds = ("read_test_source", "read_test_code")
+    assert any(k in f.evidence for f in audit for k in kinds), v.flags
 
 
 # The same through a stack formatter (``inspect.stack``, ``traceback.extract_stack``), which honest
