@@ -29,6 +29,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -90,6 +91,12 @@ def check_gold(task) -> dict:
     return rec
 
 
+def kind(flag: dict) -> str:
+    """A flag's rule, with the runtime audit's event kind when it came from the audit."""
+    m = re.match(r"(?:test report: )?runtime audit: (\w+):", flag["evidence"])
+    return f"{flag['rule']}/{m.group(1)}" if m else flag["rule"]
+
+
 def summarise(recs: list[dict]) -> dict:
     """The table's figures over ``recs``."""
     confirmed = collections.defaultdict(list)  # rule -> task ids
@@ -98,7 +105,7 @@ def summarise(recs: list[dict]) -> dict:
     for r in recs:
         for f in r["flags"]:
             if f["confirmed"]:
-                confirmed[f["rule"]].append(r["task_id"])
+                confirmed[kind(f)].append(r["task_id"])
             else:
                 advisory[f["rule"]] += 1
                 advisory_tasks.add(r["task_id"])
@@ -113,6 +120,7 @@ def summarise(recs: list[dict]) -> dict:
             if r["status"] not in ("passed", "infra_error", "no_gold")
         },
         "confirmed": {k: sorted(set(v)) for k, v in sorted(confirmed.items())},
+        "confirmed_flags": sum(len(v) for v in confirmed.values()),
         "confirmed_tasks": len({t for v in confirmed.values() for t in v}),
         "advisory": dict(sorted(advisory.items())),
         "advisory_tasks": len(advisory_tasks),
@@ -140,7 +148,7 @@ def format_table(s: dict) -> str:
         ),
         (
             "confirmed flags",
-            f"{sum(len(v) for v in s['confirmed'].values())} on {s['confirmed_tasks']} tasks"
+            f"{s['confirmed_flags']} on {s['confirmed_tasks']} tasks"
             + (f" ({conf})" if conf else ""),
         ),
         (
@@ -201,7 +209,7 @@ def main(argv=None) -> int:
                 sink.write(json.dumps(rec) + "\n")
                 sink.flush()
                 done[task.task_id] = rec
-            conf = [f["rule"] for f in rec["flags"] if f["confirmed"]]
+            conf = sorted({kind(f) for f in rec["flags"] if f["confirmed"]})
             print(
                 f"[{n}/{len(todo)}] {task.task_id}: {rec['status']}"
                 + (f", CONFIRMED {conf}" if conf else "")
@@ -212,9 +220,8 @@ def main(argv=None) -> int:
     s = summarise(recs)
     print(format_table(s))
     for r in recs:
-        for f in r["flags"]:
-            if f["confirmed"]:
-                print(f"confirmed {f['rule']} on {r['task_id']}: {f['evidence']}")
+        for ev in sorted({f["evidence"] for f in r["flags"] if f["confirmed"]}):
+            print(f"confirmed on {r['task_id']}: {ev}")
     return 1 if s["confirmed"] or s["gold_not_passed"] else 0
 
 
