@@ -3,9 +3,18 @@ r"""The main job: Gagar on the toy code-repair family, embedded sampler + heuris
     python scripts/train.py --config=configs/toy_gagar.py --workdir=runs/toy_gagar
     python scripts/train.py --config=configs/toy_gagar.py:binary --workdir=runs/toy_binary
     python scripts/train.py --config=configs/toy_gagar.py:discount_only,smoke --workdir=/tmp/s
+    python scripts/train.py --config=configs/toy_gagar.py:gagar_token,distinguishing \
+        --workdir=runs/toy_distinguishing
 
 The argument is a comma-separated list: a mode (``gagar`` | ``binary`` | ``discount_only`` |
-``gagar_token``), ``imbalanced`` and/or ``smoke`` (a seconds-long run for CI and tests).
+``gagar_token``), ``imbalanced``, ``distinguishing`` and/or ``smoke`` (a seconds-long run for
+CI and tests).
+
+``distinguishing`` (mode ``gagar_token`` only) selects the contrastive token credit instead of
+the evidence importance: ``learner.token_credit=distinguishing`` at ``learner.token_gamma=1``,
+Gagar's redistribution moved onto the tokens where a pass parts from the passes of another
+quality, the tokens they share left at the binary advantage
+(``gagar_jax.advantages.contrastive_tokens``; docs/results/token_credit.md).
 ``make train`` runs the default (about 10 minutes on 2 CPU cores); ``make compare`` runs the four
 modes and compares them.
 
@@ -31,12 +40,23 @@ IMBALANCED_STEPS = 40
 
 def get_config(arg=None):
     arg = common.parse_arg(
-        arg, words={"mode": TRAINING_MODES}, mode="gagar", imbalanced=False, smoke=False
+        arg,
+        words={"mode": TRAINING_MODES},
+        mode="gagar",
+        imbalanced=False,
+        distinguishing=False,
+        smoke=False,
     )
+    if arg.distinguishing and arg.mode != "gagar_token":
+        raise ValueError(
+            f"config argument 'distinguishing' is a token credit: it needs mode gagar_token, "
+            f"got mode {arg.mode!r}"
+        )
     c = common.base()
     c.name = (
         f"toy_{arg.mode}"
         + ("_imbalanced" if arg.imbalanced else "")
+        + ("_distinguishing" if arg.distinguishing else "")
         + ("_smoke" if arg.smoke else "")
     )
     c.mode = arg.mode
@@ -53,6 +73,8 @@ def get_config(arg=None):
     c.learner.update(learning_rate=3e-4, warmup_steps=3)  # a short run from a small policy
     if arg.mode == "gagar_token":  # the importance provider of the token credit
         c.learner.token_credit = "evidence"
+    if arg.distinguishing:  # the contrastive token credit, at full strength
+        c.learner.update(token_credit="distinguishing", token_gamma=1.0)
     c.sft.update(steps=300, lr=3e-3)  # the warm start: demonstrations of five patch kinds
     # 60 RL steps, evaluated (32 tasks x 4 samples) and checkpointed every 10.
     c.loop.update(total_steps=60, checkpoint_every=10, eval_rollouts=4)

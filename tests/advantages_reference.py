@@ -183,3 +183,50 @@ def gini(values, mask):
             continue
         out[idx] = np.abs(x[:, None] - x[None, :]).sum() / (2 * len(x) ** 2 * x.mean())
     return out
+
+
+def distinguishing_tokens(tokens, mask, factors, passed, valid, tol=1e-6):
+    """Loops over groups, rows, other rows and positions: the prefix test written out."""
+    tokens = np.asarray(tokens)
+    G, K, T = tokens.shape
+    out = np.zeros((G, K, T), bool)
+    for g in range(G):
+        for i in range(K):
+            if not (passed[g, i] and valid[g, i]):
+                continue
+            others = [
+                j
+                for j in range(K)
+                if j != i
+                and passed[g, j]
+                and valid[g, j]
+                and abs(float(factors[g, j]) - float(factors[g, i])) > tol
+            ]
+            for t in range(T):
+                if not mask[g, i, t]:
+                    continue
+                shared = any(
+                    list(tokens[g, j, : t + 1]) == list(tokens[g, i, : t + 1]) for j in others
+                )
+                out[g, i, t] = not shared
+    return out
+
+
+def contrastive_tokens(seq, base, dist, mask, strength, keep_sign=True):
+    """Row by row: delta = strength (A* - A) on the distinguishing tokens' share n/d."""
+    seq = np.asarray(seq, np.float64)
+    base = np.asarray(base, np.float64)
+    out = np.zeros(np.shape(mask))
+    for r in np.ndindex(seq.shape):
+        m = np.asarray(mask[r], bool)
+        dm = np.asarray(dist[r], bool) & m
+        n, d = m.sum(), dm.sum()
+        a = seq[r]
+        delta = 0.0
+        if a > 0 and base[r] > 0 and 0 < d < n:
+            delta = strength * (a - base[r])
+            if keep_sign:
+                delta = min(max(delta, -a * d / (n - d)), a)
+        for t in np.flatnonzero(m):
+            out[r + (t,)] = a + delta * ((n / d if dm[t] else 0.0) - 1.0) if d else a
+    return out

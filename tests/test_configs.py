@@ -163,6 +163,7 @@ def test_main_job_choices_on_top_of_the_defaults():
     + [
         (toy_gagar, "smoke"),
         (toy_gagar, "discount_only,imbalanced"),
+        (toy_gagar, "gagar_token,distinguishing"),
         (toy_agent, None),
         (toy_agent, "binary,smoke"),
         (swe_agent, None),
@@ -191,6 +192,13 @@ def test_mode_words_give_the_redistribution():
         "discount_only": "discount_only",
         "gagar_token": "sum_preserving",
     }
+
+
+def test_distinguishing_selects_the_contrastive_token_credit():
+    cfg = RunConfig.from_config_dict(toy_gagar.get_config("gagar_token,distinguishing"))
+    assert (cfg.learner.token_credit, cfg.learner.token_gamma) == ("distinguishing", 1.0)
+    with pytest.raises(ValueError, match="needs mode gagar_token"):
+        toy_gagar.get_config("gagar,distinguishing")
 
 
 def test_tpu_pod_sglang_needs_smoke():

@@ -138,3 +138,42 @@ def test_conda_environments_are_activated_as_swebench_eval_scripts_do():
     assert "conda activate py39" in ctr.conda_activation("/opt/conda/envs/py39/bin/python3.9")
     for other in ("python3", "/usr/bin/python3", "/opt/testbed/bin/python"):
         assert ctr.conda_activation(other) == ""
+
+
+def test_a_container_run_reads_pool_rows_for_their_images(tmp_path):
+    """The training loop's task family reads a SWE-bench-format pool for the run's environment:
+    under ``execution.environment="container"`` a row that names an image runs there (its tests
+    on the container back-end); the run config hands the environment to the family."""
+    import dataclasses
+    import json
+
+    from gagar_jax.envs.repo import load_repo_tasks
+    from gagar_jax.rl import collect
+    from gagar_jax.rl.config import RunConfig
+    from tests.swe_fixtures import make_instance
+
+    repos_dir = str(tmp_path / "repos")
+    instance_id = "acme__verpkg-pool"
+    base = {k: v for k, v in VERPKG.items() if k != "tests/test_verpkg.py"}
+    row = make_instance(
+        repos_dir,
+        "acme/verpkg",
+        base,
+        {"verpkg/plugins.py": VERPKG_PLUGINS.replace("lower", "upper")},
+        {"tests/test_verpkg.py": VERPKG_TESTS},
+        ["tests/test_verpkg.py::test_shout"],
+        ["tests/test_verpkg.py::test_version"],
+        instance_id=instance_id,
+        image_name=swe.swebench_image_name(instance_id),
+        install="python -m pip install -e .[test]",
+    )
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text(json.dumps(row) + "\n")
+    (task,) = load_repo_tasks(str(pool), repos_dir, container=True)
+    assert task.image == row["image_name"] and not task.env_path
+    cfg = RunConfig()
+    assert "environment" not in collect.family_settings(cfg).extra
+    cfg = dataclasses.replace(
+        cfg, execution=dataclasses.replace(cfg.execution, environment="container")
+    )
+    assert collect.family_settings(cfg).extra["environment"] == "container"

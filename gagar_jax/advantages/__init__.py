@@ -5,6 +5,7 @@ Layouts: dense `[G, K]` (G groups, K rollout slots) with a `valid` mask, or flat
 This package imports nothing else from gagar_jax, so other JAX RL code can reuse it alone.
 """
 
+from gagar_jax.advantages.contrast import contrastive_tokens, distinguishing_tokens
 from gagar_jax.advantages.discount import NUM_TIERS, Factors, discount_factors
 from gagar_jax.advantages.estimators import (
     GroupStats,
@@ -59,6 +60,8 @@ __all__ = [
     "GroupStats",
     "Penalized",
     "broadcast_to_tokens",
+    "contrastive_tokens",
+    "distinguishing_tokens",
     "credit_balance",
     "discount_factors",
     "EntropyImportance",

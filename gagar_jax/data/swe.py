@@ -728,9 +728,10 @@ def load_tasks(path: str, repos_dir: str, **kwargs) -> list[RepoTask]:
     return [to_repo_task(inst, repos_dir, **kwargs) for inst in load_instances(path)]
 
 
-def row_task(row: Mapping[str, Any], where: str, repos_dir: str) -> RepoTask:
-    """The ``RepoTask`` of one SWE-bench-format row (errors name ``where``)."""
-    return to_repo_task(parse_instance(row, where), repos_dir)
+def row_task(row: Mapping[str, Any], where: str, repos_dir: str, **kwargs) -> RepoTask:
+    """The ``RepoTask`` of one SWE-bench-format row (errors name ``where``; ``kwargs`` as
+    :func:`to_repo_task`'s)."""
+    return to_repo_task(parse_instance(row, where), repos_dir, **kwargs)
 
 
 # The python_repo family reads SWE-bench-format pools (task.repos_dir) with these.

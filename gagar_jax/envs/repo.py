@@ -213,8 +213,10 @@ class SweReader(NamedTuple):
     ``gagar_jax.data.swe``, registered with :func:`register_swe_reader` when it is imported
     (it materialises trees from git and builds environments, a layer above the families)."""
 
-    load_tasks: Callable[[str, str], list]  # (pool path, repos_dir) -> RepoTasks
-    row_task: Callable[[Mapping[str, Any], str, str], Any]  # (row, where, repos_dir) -> RepoTask
+    # (pool path, repos_dir, *, use_image) -> RepoTasks
+    load_tasks: Callable[..., list]
+    # (row, where, repos_dir, *, use_image) -> RepoTask
+    row_task: Callable[..., Any]
 
 
 _SWE_READER: list[SweReader] = []
@@ -254,7 +256,7 @@ def _harbor_reader(path: str) -> Callable[[str], RepoTask]:
     return _HARBOR_READER[0]
 
 
-def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
+def load_repo_tasks(path: str, repos_dir: str = "", *, container: bool = False) -> list[RepoTask]:
     """Tasks from a ``.jsonl`` file (one ``RepoTask.to_dict()`` per line) or a directory of task
     directories (each with ``task.json`` and ``repo/``, sorted by name), or a Harbor task
     directory or a directory of them (``task.toml``: ``gagar_jax.data.harbor``, verified on the
@@ -263,11 +265,14 @@ def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
     ``.parquet`` or a directory of Harbor tasks) naming repositories there, read by the
     registered :class:`SweReader` (``gagar_jax.data.swe.load_tasks``: trees materialised from
     git per commit, environments built once and reused); a ``.jsonl`` pool may mix such rows (a
-    line with an ``instance_id``) with ``RepoTask`` lines."""
+    line with an ``instance_id``) with ``RepoTask`` lines. ``container`` (a run with
+    ``execution.environment="container"``): SWE-bench-format rows run in the image they name,
+    and their system setup commands become steps of a derived image, instead of a task error.
+    """
     if not path:
         return []
     if repos_dir and not (os.path.isfile(path) and path.endswith(".jsonl")):
-        return _swe_reader(path).load_tasks(path, repos_dir)
+        return _swe_reader(path).load_tasks(path, repos_dir, use_image=container)
     if os.path.isfile(path):
         tasks, seen = [], set()
         with open(path, encoding="utf-8") as f:
@@ -285,7 +290,9 @@ def load_repo_tasks(path: str, repos_dir: str = "") -> list[RepoTask]:
                             f"({obj['instance_id']!r}) needs task.repos_dir, the "
                             "directory of its repository"
                         )
-                    task = _swe_reader(path).row_task(obj, f"{path}:{n}", repos_dir)
+                    task = _swe_reader(path).row_task(
+                        obj, f"{path}:{n}", repos_dir, use_image=container
+                    )
                 else:
                     try:
                         task = RepoTask.from_dict(obj)
@@ -521,11 +528,14 @@ class PythonRepoFamily(TaskFamily):
             )
         self._tokenizer = HFTokenizer(settings.tokenizer_path)
         repos_dir = getattr(settings, "repos_dir", "")
-        pool = load_repo_tasks(settings.data_path, repos_dir)
+        container = settings.extra.get("environment", "uv") == "container"
+        pool = load_repo_tasks(settings.data_path, repos_dir, container=container)
         if not pool:
             raise ValueError(f"task.data_path={settings.data_path!r} holds no repo tasks")
         if settings.eval_data_path:
-            self._eval = load_repo_tasks(settings.eval_data_path, repos_dir)[: settings.num_eval]
+            self._eval = load_repo_tasks(settings.eval_data_path, repos_dir, container=container)[
+                : settings.num_eval
+            ]
             train = pool
         else:
             n_eval = min(settings.num_eval, len(pool) - 1)
@@ -538,7 +548,9 @@ class PythonRepoFamily(TaskFamily):
             raise ValueError(f"task.tools must be 'structured' or 'bash', got {self._tools!r}")
         self._group_tasks: dict[str, RepoTask] = {}
         demo_path = settings.extra.get("demo_data_path", "")
-        self._demo_tasks = load_repo_tasks(demo_path, repos_dir) if demo_path else self._train
+        self._demo_tasks = (
+            load_repo_tasks(demo_path, repos_dir, container=container) if demo_path else self._train
+        )
 
     @property
     def tokenizer(self):

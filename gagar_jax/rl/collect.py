@@ -690,6 +690,12 @@ def family_settings(cfg: RunConfig):
             **({"demo_kinds": t.demo_kinds} if t.demo_kinds else {}),
             **({"autosubmit": True} if t.autosubmit else {}),
             **({"tools": t.tools} if t.tools != "structured" else {}),
+            # SWE-bench-format rows of a container run: read for their images
+            **(
+                {"environment": cfg.execution.environment}
+                if cfg.execution.environment != "uv"
+                else {}
+            ),
         },
     )
 

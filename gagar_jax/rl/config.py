@@ -40,7 +40,10 @@ Modes (``config.mode``), the paper's ablation:
 * ``gagar_token``: ``gagar``, then each sequence advantage redistributed over its tokens by
   ``learner.token_credit`` (``evidence``: tokens the verdict cites get less of a positive
   advantage; ``entropy``; ``uniform`` = ``gagar``) with strength ``learner.token_gamma``,
-  conserving every sequence's credit (``gagar_jax.advantages.redistribute_tokens``).
+  conserving every sequence's credit (``gagar_jax.advantages.redistribute_tokens``), or
+  ``distinguishing``: the redistribution's change moved onto the tokens where a pass parts
+  from the passes of another quality, the shared tokens back towards the binary advantage
+  (``gagar_jax.advantages.contrastive_tokens``, strength ``learner.token_gamma``).
 
 These are *training* modes (``TRAINING_MODES``); the advantage kernels' redistribution modes
 are ``gagar_jax.advantages.REDISTRIBUTION_MODES``.
@@ -755,9 +758,9 @@ class RunConfig:
         )
         if self.mode == "gagar_token":
             _check(
-                u.token_credit in IMPORTANCE_PROVIDERS,
+                u.token_credit in (*IMPORTANCE_PROVIDERS, "distinguishing"),
                 "learner.token_credit",
-                "|".join(IMPORTANCE_PROVIDERS) + " for mode='gagar_token'",
+                "|".join((*IMPORTANCE_PROVIDERS, "distinguishing")) + " for mode='gagar_token'",
                 u.token_credit,
             )
         else:

@@ -33,6 +33,9 @@ from gagar_jax.models import lora as lora_lib
 MESH_AXES = ("data", "fsdp", "tensor")
 SCHEDULES = ("cosine", "linear", "constant")
 
+# `UpdateConfig.token_credit`: the broadcast, an importance provider, or the contrastive split.
+TOKEN_CREDITS = ("broadcast", *IMPORTANCE_PROVIDERS, "distinguishing")
+
 
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
@@ -98,9 +101,12 @@ class UpdateConfig:
     ppo_epochs: int = 1
     # Advantage kernels (run inside the update).
     advantages: GagarConfig = GagarConfig()
-    # Token credit: "broadcast" (each sequence advantage on all its tokens, the paper's) or an
+    # Token credit: "broadcast" (each sequence advantage on all its tokens, the paper's), an
     # importance provider ("uniform" | "entropy" | "evidence") whose importance
-    # `redistribute_tokens` uses, with strength `token_gamma` in [0, 1], inside the loss.
+    # `redistribute_tokens` uses, with strength `token_gamma` in [0, 1], inside the loss, or
+    # "distinguishing": the redistribution's change on the tokens where a pass parts from the
+    # passes of another quality (`contrastive_tokens`, strength `token_gamma`: 1 leaves the
+    # shared tokens at the base advantage).
     token_credit: str = "broadcast"
     token_gamma: float = 0.5
     # Off-policy correction (``gagar_jax.losses.policy_loss``): truncated importance sampling
@@ -194,10 +200,9 @@ class UpdateConfig:
             raise ValueError(f"update.temperature must be > 0, got {self.temperature}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"update.dual_clip must be > 1 or None, got {self.dual_clip}")
-        if self.token_credit != "broadcast" and self.token_credit not in IMPORTANCE_PROVIDERS:
+        if self.token_credit not in TOKEN_CREDITS:
             raise ValueError(
-                f"update.token_credit must be 'broadcast' or one of "
-                f"{tuple(IMPORTANCE_PROVIDERS)}, got {self.token_credit!r}"
+                f"update.token_credit must be one of {TOKEN_CREDITS}, got {self.token_credit!r}"
             )
         if not 0.0 <= self.token_gamma <= 1.0:
             raise ValueError(f"update.token_gamma must be in [0, 1], got {self.token_gamma}")

@@ -62,6 +62,10 @@ from gagar_jax.advantages import (
     importance_provider,
     token_credit,
 )
+from gagar_jax.advantages.contrast import (
+    contrastive_tokens_unchecked,
+    distinguishing_tokens_unchecked,
+)
 from gagar_jax.advantages.segments import redistribute_segment_tokens
 from gagar_jax.advantages.tokens import redistribute_tokens_unchecked
 from gagar_jax.losses import (
@@ -183,6 +187,11 @@ def check_batch(batch: UpdateBatch, config: UpdateConfig, mesh: Mesh | None = No
         raise ValueError("batch.ref_logprobs [N, T] is required when update.kl_coef > 0")
     if config.token_credit == "evidence" and batch.evidence is None:
         raise ValueError("batch.evidence [N, T] is required when update.token_credit='evidence'")
+    if config.token_credit == "distinguishing" and batch.row_episode is not None:
+        raise ValueError(
+            "update.token_credit='distinguishing' compares the rollouts of a group row by row: "
+            "it needs one row per rollout (batch.row_episode None)"
+        )
     chunks = config.num_minibatches * config.num_microbatches
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     if all(_on_host(getattr(batch, f)) for f in _ROW_FIELDS):
@@ -534,6 +543,18 @@ def update_step(
         fields["ref_logprobs"] = batch.ref_logprobs
     if batch.evidence is not None:
         fields["evidence"] = batch.evidence
+    if config.token_credit == "distinguishing":
+        # The group's context, taken before the rows are split: which tokens of each pass no
+        # pass of another factor shares, and the base advantage the shared ones go back to.
+        g_, k_ = batch.rewards.shape
+        fields["distinguishing"] = distinguishing_tokens_unchecked(
+            batch.tokens.reshape(g_, k_, -1),
+            resp.reshape(g_, k_, -1),
+            adv_out.factors,
+            adv_out.passed,
+            batch.valid,
+        ).reshape(resp.shape)
+        fields["base_advantages"] = adv_out.original.reshape(-1)
     if batch.routes is not None:
         fields["routes"] = batch.routes
     m, a = config.num_minibatches, config.num_microbatches
@@ -648,6 +669,14 @@ def update_step(
         advantages = mb["advantages"]  # [b]: broadcast inside the fused loss
         if "token_advantages" in mb:  # an episode's rows share its statistics (see above)
             advantages = per_token(mb["token_advantages"])  # [b, T - 1] or [b, W]
+        elif config.token_credit == "distinguishing":
+            advantages = contrastive_tokens_unchecked(
+                mb["advantages"],
+                mb["base_advantages"],
+                per_token(mb["distinguishing"]),
+                mask,
+                strength=config.token_gamma,
+            )  # [b, T - 1]
         elif config.token_credit != "broadcast":
             importance = importance_provider(config.token_credit)(
                 ImportanceInputs(mask=mask, entropy=entropy, evidence=evidence)
@@ -778,6 +807,12 @@ def update_step(
     n_resp_seqs = jnp.sum(jnp.any(resp[:, 1:], axis=-1).astype(jnp.float32))
     metrics["response_length"] = metrics["tokens"] / jnp.maximum(n_resp_seqs, 1.0)
     metrics.update(adv_out.metrics)
+    if "distinguishing" in fields:
+        # the share of the passes' response tokens that no pass of another factor shares
+        on_pass = resp[:, 1:] & adv_out.passed.reshape(-1)[:, None]
+        metrics["token_credit/distinguishing_share"] = jnp.sum(
+            fields["distinguishing"][:, 1:] & on_pass
+        ) / jnp.maximum(jnp.sum(on_pass), 1)
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
