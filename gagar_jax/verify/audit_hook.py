@@ -255,6 +255,7 @@ def install(
     kept = []  # the recorded code objects, alive so that their ids stay theirs
     bound = {}  # test source -> names first seen bound to a function of the tests
     item_codes = set()  # ids of the collected test functions' code (``protect_code``)
+    tracer = []  # the trace/profile hooks the candidate's code installed (``sys.settrace``)
     _open, _isfile, _frame_type = open, os.path.isfile, type(sys._getframe())
 
     def is_test(path):
@@ -481,7 +482,8 @@ def install(
 
     def on_read_code(obj, name):
         """The code object of a collected test function read by the candidate (directly, or
-        through ``dis``): the expected values are its constants."""
+        through ``dis``): the expected values are its constants. Refused and confirmed for a
+        function's ``__code__``; evidence only for a frame's ``f_code``."""
         if name == "__code__" and type(obj) is _FunctionType:
             code = obj.__code__
         elif name == "f_code" and type(obj) is _frame_type:
@@ -501,6 +503,14 @@ def install(
             who, _ = candidate()
             if who is None:
                 return
+        if name == "f_code" and not tracer:
+            # a frame's code is what stack-level helpers of honest libraries read (deprecation
+            # wrappers, traceback formatters: ``inspect.getfile(frame.f_code)``, ``co_name``):
+            # evidence for the grader, never refused; once the candidate's code has installed
+            # a trace or profile function (which can rewrite a test's frame as it runs), read
+            # and refused as a function's code is
+            report("read_test_code", f"{who} reads the code of {code.co_name} (a frame)", False)
+            return
         report("read_test_code", f"{who} reads the code of {code.co_name}", True)
         raise Refused(13, "the tests' code is not readable here", code.co_name)
 
@@ -580,6 +590,8 @@ def install(
                     what = f"{who} loads a library with ctypes ({args[0]!r})"
                 else:
                     what = f"{who} calls {event}"
+                    if event in ("sys.settrace", "sys.setprofile"):
+                        tracer.append(event)
                 report(event, what, False)
         except Refused:
             raise

@@ -51,6 +51,24 @@ HONEST = {
         "    return os.path.dirname(inspect.getfile(frame))\n\n\n"
         "def half(x):\n    assert os.path.isdir(caller_dir())\n    return x / 2\n"
     ),
+    # A deprecation wrapper that names the calling test's file and function through the
+    # frame's code object (semver's ``deprecated`` does ``inspect.getfile(frame.f_code)``).
+    "deprecation_wrapper_reads_f_code": (
+        "import inspect\nimport warnings\n\n\ndef _deprecated(fn):\n"
+        "    def wrapper(*args):\n"
+        "        frame = inspect.currentframe().f_back\n"
+        "        where = inspect.getfile(frame.f_code), frame.f_code.co_name, frame.f_lineno\n"
+        "        warnings.warn(f'{fn.__name__} is deprecated ({where})', DeprecationWarning)\n"
+        "        return fn(*args)\n\n    return wrapper\n\n\n"
+        "@_deprecated\ndef half(x):\n    return x / 2\n"
+    ),
+    # A traceback formatter that names each frame's function (``tb_frame.f_code.co_name``).
+    "traceback_callpoints_read_f_code": (
+        "import sys\n\n\ndef _callpoints():\n    out, f = [], sys._getframe(1)\n"
+        "    while f is not None:\n        out.append(f.f_code.co_name)\n"
+        "        f = f.f_back\n    return out\n\n\n"
+        "def half(x):\n    assert _callpoints()\n    return x / 2\n"
+    ),
     # ``inspect.stack()`` for the caller's name (it reads the lines of every frame).
     "inspect_stack_caller_name": (
         "import inspect\n\n\ndef half(x):\n    name = inspect.stack()[1].function\n"

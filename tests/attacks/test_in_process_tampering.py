@@ -190,7 +190,8 @@ STOPPED_BY_CONSTRUCTION = (
     "always_equal_str_subclass",
     "always_equal_patched_later",
     "mock_any_returned",
-    "frame_constants_of_caller",
+    # ("frame_constants_of_caller": a frame's code is readable at run time, for the stack
+    # helpers of honest libraries; the static monitor still confirms it)
 )
 # Attacks that read the calling test's source (``linecache``, ``inspect.getsource``, ``open``):
 # with the monitor off, the runtime audit of the test process refuses the read as it happens

@@ -339,6 +339,11 @@ def test_test_code_read_through_inspect_getmembers():
     assert confirmed(v, "read_test_code"), describe(v)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="escapes: a frame's code object is readable (honest stack helpers read f_code, "
+    "e.g. deprecation wrappers); the read is evidence for the grader, not refused",
+)
 def test_test_code_read_from_the_calling_frame():
     """``sys._getframe(1).f_code``: the calling test's constants."""
     code = (
