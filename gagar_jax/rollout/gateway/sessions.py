@@ -94,7 +94,7 @@ class Session:
         return sum(len(c.completion_ids) for c in self.calls)
 
     def spent(self) -> str:
-        """The limit this session has spent ("" if none)."""
+        """Which of the episode's limits (calls, tokens, wall time) is used up ("" if none)."""
         lim = self.limits
         if lim.max_calls and len(self.calls) + self.in_flight >= lim.max_calls:
             return f"max_calls={lim.max_calls} model calls per episode"
