@@ -115,8 +115,11 @@ EVENTS = frozenset(
         "os.link",
         "exec",
         "object.__getattr__",
+        "sys.addaudithook",
+        "gagar.pristine_source",
     }
 )
+SERVE_EVENT = "gagar.pristine_source"  # source_lock.SERVE_EVENT: a trusted read of a test source
 # Trusted readers that hand a code object to their caller (``dis.get_instructions(f)``,
 # ``inspect.getmembers(f)``): a test function's code read through them is read by the caller.
 READERS = ("/dis.py",)
@@ -183,13 +186,33 @@ def is_fragment(text, whole):
     return any(b[i : i + n] == a for i in range(len(b) - n + 1) if b[i] == a[0])
 
 
+class Served(BaseException):  # noqa: N818 - not an error: how the bytes travel
+    """What the hook raises to hand a protected source's pristine bytes (``args[0]``) to the
+    reader that asked through ``SERVE_EVENT`` (``source_lock.serve_reads``): raised by the first
+    hook, it reaches the reader and no hook added later."""
+
+
+class HookRefused(RuntimeError):
+    """Raised on ``sys.addaudithook``: the new hook is not added (the interpreter suppresses
+    a ``RuntimeError`` raised there)."""
+
+
 class Refused(PermissionError):
     """What the hook raises to refuse an operation (any other fault inside the hook is
     swallowed: a bug of the audit must never break honest code)."""
 
 
 def install(
-    fd, root, protected, test_dirs, trusted, test_pid=None, aliases=(), paths=(".",), changed=()
+    fd,
+    root,
+    protected,
+    test_dirs,
+    trusted,
+    test_pid=None,
+    aliases=(),
+    paths=(".",),
+    changed=(),
+    pristine=None,
 ):
     """Adds the audit hook to this process (see the module docstring).
 
@@ -209,6 +232,10 @@ def install(
         imported under are computed from them (and from pytest's prepend rule).
       changed: tree-relative files the candidate's patch added or changed (a module of a test
         file's name loaded from one of them is the candidate's doing).
+      pristine: {absolute path: bytes} of the protected sources, read before anything of the
+        tree ran (``source_lock.read_sources``): what trusted readers are served (``Served``)
+        once the files are unreadable, and what text compiled under a test file's name is
+        compared with. Default: each file read when first needed.
 
     Returns:
       an object with ``report``, ``was_loaded``, ``check_modules`` and ``protect_code``:
@@ -398,7 +425,26 @@ def install(
                 report("read_test_source", f"{who} reads {rel(path)}", True)
             raise Refused(13, "the tests' source is not readable here", path)
 
-    pristine = {}  # test source -> its bytes, read once by the hook itself
+    pristine = dict(pristine or {})  # test source -> its bytes, read once
+
+    def serve(args):
+        """A trusted reader asking for a protected source's pristine bytes (``SERVE_EVENT``):
+        answered with ``Served`` when no frame of the candidate's code is on the stack; any
+        other caller gets nothing here (its real ``open`` is refused below and by the kernel)."""
+        if not args or not isinstance(args[0], str | bytes):
+            return
+        p = args[0]
+        if isinstance(p, bytes):
+            p = p.decode("utf-8", "surrogateescape")
+        path = canonical(p)
+        data = pristine.get(path)
+        if data is None or path not in sources:
+            return
+        who, _ = candidate()
+        if who is not None:
+            return
+        loaded.add(path)
+        raise Served(data)
 
     def pristine_text(path):
         if path not in pristine:
@@ -541,6 +587,15 @@ def install(
         try:
             if event == "open":
                 on_open(args)
+            elif event == SERVE_EVENT:
+                serve(args)
+            elif event == "sys.addaudithook":
+                # A hook of the candidate's would see every event after this one's (the module
+                # code the import system executes, its constants): never added.
+                who, _ = candidate()
+                if who is not None:
+                    report("audit_hook_added", f"{who} adds an audit hook (not added)", False)
+                    raise HookRefused("audit hooks are not added here")
             elif event == "import":
                 if _sys.pycache_prefix != pycache_prefix:
                     _sys.pycache_prefix = pycache_prefix
@@ -593,7 +648,7 @@ def install(
                     if event in ("sys.settrace", "sys.setprofile"):
                         tracer.append(event)
                 report(event, what, False)
-        except Refused:
+        except (Refused, HookRefused):
             raise
         except Exception:  # noqa: BLE001, S110 - see Refused
             pass
