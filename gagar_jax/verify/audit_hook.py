@@ -526,6 +526,50 @@ def install(
         report("test_function_changed", what, True)
         raise Refused(13, "the tests' functions are not changed here", name)
 
+    def module_source(mod):
+        """The protected source a module object was made from (by its ``__file__`` or by the
+        name it is imported under), else None."""
+        try:
+            d = _module_dict(mod)
+        except Exception:  # noqa: BLE001 - not a module's dict
+            return None
+        f = d.get("__file__")
+        if isinstance(f, str) and f and f[0] != "<":
+            path = canonical(f, root)
+            if path in sources:
+                return path
+        name = d.get("__name__")
+        return names.get(name) if isinstance(name, str) else None
+
+    def foreign_type(cls):
+        """Where a module type other than ``ModuleType`` defines behaviour outside trusted code
+        and the tests (the candidate's attribute lookup), else None."""
+        for klass in cls.__mro__:
+            if klass is _ModuleType or klass is object:
+                continue
+            for v in list(vars(klass).values()):
+                code = getattr(getattr(v, "__func__", v), "__code__", None)
+                if type(code) is not _code_type:
+                    continue
+                fn = code.co_filename
+                path = canonical(fn, root) if fn[:1] != "<" else fn
+                if not path.startswith(trusted) and path not in sources:
+                    return f"{klass.__qualname__}.{code.co_name} ({rel(path)})"
+        return None
+
+    def on_module_class(mod, cls):
+        """A module of the tests (a test module, a helper) given another type: its attribute
+        lookup is then the new type's. Refused from the candidate's code."""
+        path = module_source(mod)
+        if path is None:
+            return
+        who, _ = candidate()
+        if who is None:
+            return
+        what = f"{who} sets the type of {rel(path)}'s module to {getattr(cls, '__name__', cls)}"
+        report("test_module_changed", what, True)
+        raise Refused(13, "the tests' modules keep their type", rel(path))
+
     def on_read_code(obj, name):
         """The code object of a collected test function read by the candidate (directly, or
         through ``dis``): the expected values are its constants. Refused and confirmed for a
@@ -622,6 +666,8 @@ def install(
                 obj = args[0]
                 if type(obj) is _FunctionType and args[1] in FUNCTION_STATE:
                     on_function_state(obj, args[1])
+                elif args[1] == "__class__" and isinstance(obj, _ModuleType):
+                    on_module_class(obj, args[2] if len(args) > 2 else None)
                 mod = str(getattr(obj, "__module__", "")) if isinstance(obj, type) else ""
                 where = getattr(_sys.modules.get(mod), "__file__", None) or ""
                 if mod.startswith(FRAMEWORK_MODULES) and where.startswith(trusted):
@@ -680,6 +726,14 @@ def install(
             if not isinstance(mod, _ModuleType):
                 report("test_module_replaced", f"sys.modules[{name!r}] ({r}) is no module", True)
                 continue
+            if type(mod) is not _ModuleType:
+                # A module type of the candidate's decides what the tests' names resolve to
+                # (however its ``__class__`` was set); one of the tests' own is theirs.
+                where = foreign_type(type(mod))
+                if where is not None:
+                    what = f"{name} ({r}) has the module type {type(mod).__name__}: {where}"
+                    report("test_module_replaced", what, True)
+                    continue
             d = _module_dict(mod)
             f = d.get("__file__")
             if not isinstance(f, str):
@@ -726,6 +780,21 @@ def install(
                 honest = vpath.startswith(prefix) and vpath not in changed
                 what = f"{r}: {fname} was replaced by code of {rel(vpath)}"
                 report("test_function_replaced", what, not honest)
+            hook_fn = d.get("__getattr__")
+            if hook_fn is not None and "__getattr__" not in code.co_names:
+                # A lookup hook the file does not make answers for every name the module lacks
+                # (one deleted, one a later test imports): the module's behaviour changed.
+                where = getattr(getattr(hook_fn, "__code__", None), "co_filename", "?")
+                where = rel(canonical(where)) if where.startswith("/") else where
+                what = f"{name} ({r}) was given a module __getattr__ ({where})"
+                report("test_module_changed", what, True)
+            for fname in list(seen):
+                # A name of the tests' functions deleted (a module ``__getattr__`` answers for
+                # it then) or bound to something that is no function (a callable object).
+                v = d.get(fname)
+                if type(v) is not _FunctionType:
+                    kind = "removed" if v is None else f"replaced by a {type(v).__name__}"
+                    report("test_function_replaced", f"{r}: {fname} was {kind}", True)
 
     sys.addaudithook(hook)
 
