@@ -23,7 +23,7 @@ import math
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -100,8 +100,8 @@ def run_summary(start, end, got):
         "end": paired_eval.pass_rate(b),
         "change": paired_eval.pass_rate(b) - paired_eval.pass_rate(a),
         "change_se_tasks": se,
-        "tasks_never_passed_start": sum(1 for x in a if x["passed"] == 0) / len(a),
-        "tasks_always_passed_start": sum(1 for x in a if x["passed"] == x["n"]) / len(a),
+        "never_passed": [sum(1 for x in r if x["passed"] == 0) / len(r) for r in (a, b)],
+        "always_passed": [sum(1 for x in r if x["passed"] == x["n"]) / len(r) for r in (a, b)],
         "kinds": {
             k: {"samples": n, "start": s / n, "end": e / n} for k, (n, s, e) in kinds.items()
         },
@@ -111,6 +111,8 @@ def run_summary(start, end, got):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:  # orbax logs every restore at INFO
+        logging.set_verbosity(logging.WARNING)
     from gagar_jax.rl import paired_eval
 
     out = FLAGS.out or FLAGS.root
@@ -157,13 +159,16 @@ def main(argv):
         f"({n_eval}) at temperature {FLAGS.temperature:g}, the same per-task sample seeds at "
         "step 0 (the SFT start) and at the run's last checkpoint.",
         "",
-        "| mode | seed | pass rate at the SFT start | after RL | change (± SE over tasks) |",
-        "|---|---|---|---|---|",
+        "| mode | seed | pass rate at the SFT start | after RL | change (± SE over tasks) "
+        "| tasks no sample passes | tasks every sample passes |",
+        "|---|---|---|---|---|---|---|",
     ]
     for (m, s), r in runs.items():
         lines.append(
             f"| {m} | {s} | {r['start']:.4f} | {r['end']:.4f} | "
-            f"{_fmt(r['change'], r['change_se_tasks'])} |"
+            f"{_fmt(r['change'], r['change_se_tasks'])} | "
+            f"{r['never_passed'][0]:.3f} -> {r['never_passed'][1]:.3f} | "
+            f"{r['always_passed'][0]:.3f} -> {r['always_passed'][1]:.3f} |"
         )
     lines += [
         "",
