@@ -117,8 +117,12 @@ EVENTS = frozenset(
         "object.__getattr__",
         "sys.addaudithook",
         "gagar.pristine_source",
+        "gagar.test_literals",
+        "gagar.test_literal",
     }
 )
+LITERALS_EVENT = "gagar.test_literals"  # pristine_asserts: a test module's assertion literals
+LITERAL_EVENT = "gagar.test_literal"  # pristine_asserts: one of them asked for
 SERVE_EVENT = "gagar.pristine_source"  # source_lock.SERVE_EVENT: a trusted read of a test source
 # Trusted readers that hand a code object to their caller (``dis.get_instructions(f)``,
 # ``inspect.getmembers(f)``): a test function's code read through them is read by the caller.
@@ -446,6 +450,25 @@ def install(
         loaded.add(path)
         raise Served(data)
 
+    literals = {}  # token -> a literal of the tests' assertions (pristine_asserts)
+
+    def on_literals(args):
+        """A rewritten test module's assertion literals, registered by trusted code."""
+        if len(args) < 2 or not isinstance(args[0], str) or type(args[1]) is not dict:
+            return
+        if canonical(args[0]) not in sources or candidate()[0] is not None:
+            return
+        literals.update(args[1])
+
+    def on_literal(args):
+        """One literal asked for: answered (``Served``) to a frame of the tests only."""
+        if not args or not isinstance(args[0], str) or args[0] not in literals:
+            return
+        who, _ = candidate()
+        if who is None:
+            raise Served(literals[args[0]])
+        report("read_test_literal", f"{who} asks for an expected value of the tests", True)
+
     def pristine_text(path):
         if path not in pristine:
             try:
@@ -633,6 +656,10 @@ def install(
                 on_open(args)
             elif event == SERVE_EVENT:
                 serve(args)
+            elif event == LITERAL_EVENT:
+                on_literal(args)
+            elif event == LITERALS_EVENT:
+                on_literals(args)
             elif event == "sys.addaudithook":
                 # A hook of the candidate's would see every event after this one's (the module
                 # code the import system executes, its constants): never added.

@@ -605,7 +605,11 @@ def _child(args, report_fd, name, audit=None, timed=False, sources=None):
     plugins = [Reporter(report_fd, was_loaded, roots, timed, hook, Function, version >= (5, 4))]
     if audit is not None:
         asserts = _load_runner_module(ASSERTS_MODULE)
-        plugins.append(asserts.install(hook.report, root, audit["protected"], hook.helper_names))
+        plugins.append(
+            asserts.install(
+                hook.report, root, audit["protected"], hook.helper_names, audit_mod.Served
+            )
+        )
     ret = int(pytest.main(list(args), plugins=plugins))
     line = json.dumps({"exitstatus": ret}) + "\n"
     try:
