@@ -67,6 +67,16 @@ or ``inspect.getmembers``)
 ``__code__``/``__defaults__``/
 ``__kwdefaults__`` of a function
 of the tests
+``object.__setattr__``:           the module's lookup taken over (no-ops for  refused, confirmed
+``__class__`` of a module of the  its checks, its test functions)
+tests
+``sys.addaudithook``              a hook that would see every later event     not added, evidence
+``SERVE_EVENT`` (a protected      the pristine bytes (the files themselves    answered to
+source asked for by the runner's  are unreadable, ``source_lock.py``)         trusted code only
+``open``)
+``LITERAL_EVENT`` (a literal of   the expected values                         answered to the
+the tests' assertions,                                                        tests' frames;
+``pristine_asserts.py``)                                                      else confirmed
 ================================  ==========================================  ================
 
 The ``exec`` event records the module code that trusted code (importlib, pytest's rewriting
