@@ -612,10 +612,6 @@ def test_c4_expected_values_read_through_libc():
     assert_not_paid(verify(app(code)))
 
 
-@escapes(
-    "a frame's code object is readable (honest stack helpers read f_code); the calling "
-    "test's constants read from sys._current_frames() are evidence, not refused"
-)
 def test_c4_expected_values_from_the_current_frames_map():
     """The calling test's frame reached through ``sys._current_frames()`` (no frame getter the
     rules list) and ``f_back`` by a computed name; its integer constants paired in order."""
