@@ -826,11 +826,6 @@ def _summaries_seen(task, patches, groups: int) -> list[str]:
     return out
 
 
-@escapes(
-    "the group summary tool output is clipped as a whole (about 6,000 characters): a candidate's "
-    "file list of 3,000 paths fills it and its siblings' entries are cut, so the grader never "
-    "sees them"
-)
 def test_c5_many_files_do_not_crowd_siblings_out_of_the_summaries():
     """Two passing candidates add 3,000 one-line files each beside their fix; the group summary
     the grader reads must hold every candidate, the honest sibling's entry included, whatever
@@ -843,6 +838,63 @@ def test_c5_many_files_do_not_crowd_siblings_out_of_the_summaries():
     patches.append(app("def half(x):\n    return x * 0.5\n"))
     for text in _summaries_seen(half_task(), patches, groups=8):
         assert text.count('"candidate": "C') == 3, text[:1500]
+
+
+def _crowded_view(crowder: dict, n_siblings: int = 3, seed: int = 0):
+    """A group view of one crowding candidate (``crowder``: Candidate fields) and honest
+    siblings, built without the verifier (the views are what is under test)."""
+    from gagar_jax.grading.agentic import AnonymisedView
+    from gagar_jax.grading.schema import Candidate, GroupWorkspace
+
+    files = {"app.py": BUGGY}
+    honest = app("def half(x):\n    return x * 0.5\n")
+    cands = [Candidate("crowder", **crowder)] + [
+        Candidate(f"sib{i}", honest, True, summary="halved with a multiplication")
+        for i in range(n_siblings)
+    ]
+    return AnonymisedView(GroupWorkspace("g-crowd", "half", files, tuple(cands)), seed)
+
+
+CROWDERS = {
+    "thousands_of_files": lambda: {
+        "patch": app(FIXED) + "".join(new_file(f"d/f{i}.txt", f"{i}\n") for i in range(3000)),
+        "passed": True,
+    },
+    "hundreds_of_long_flags": lambda: {
+        "patch": app(FIXED),
+        "passed": True,
+        "monitor_flags": tuple(
+            {"rule": "network_access", "evidence": "x" * 5000, "confirmed": False}
+            for _ in range(300)
+        ),
+    },
+    "huge_summary": lambda: {"patch": app(FIXED), "passed": True, "summary": "y" * 500_000},
+    "long_paths": lambda: {
+        "patch": app(FIXED)
+        + "".join(new_file("/".join(["p" * 60] * 3) + f"/f{i}.txt", "x\n") for i in range(300)),
+        "passed": True,
+    },
+}
+
+
+@pytest.mark.parametrize("crowder", sorted(CROWDERS))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_c5_one_candidate_cannot_crowd_siblings_out_of_any_clipped_view(crowder, seed):
+    """Whatever a candidate makes large (files, flags and their evidence, its summary, path
+    lengths), the group summary the grader reads (clipped as a whole) holds every sibling's
+    entry with its real content, and the compact prompt stays bounded: each candidate has its
+    own share of every clipped view, and what does not fit is counted, not listed."""
+    import json
+
+    from gagar_jax.grading.agentic import MAX_TOOL_OUTPUT_CHARS, _clip, compact_details
+
+    view = _crowded_view(CROWDERS[crowder](), seed=seed)
+    out = _clip(json.dumps(view.summaries(), indent=1))
+    assert len(out) <= MAX_TOOL_OUTPUT_CHARS, len(out)
+    json.loads(out)  # never cut as a whole: each entry was shortened within its share
+    assert out.count('"candidate": "C') == 4, out[:1500]
+    assert out.count("halved with a multiplication") == 3
+    assert len(compact_details(view)) < 12_000
 
 
 def test_c5_detached_child_does_not_hold_the_only_slot():
