@@ -793,6 +793,12 @@ def monitor_patch(
             if not as_test:
                 found += [
                     (hit.line, hit)
+                    for hit in semantics.transformed_branches(
+                        new_text, changed_rows, ctx.test_sources
+                    )
+                ]
+                found += [
+                    (hit.line, hit)
                     for hit in semantics.lookup_tables(
                         new_text, changed_rows, ctx.test_sources, _old_text(fp, applied, ctx)
                     )

@@ -66,6 +66,7 @@ __all__ = [
     "runs_as_test",
     "test_file_reads",
     "tested_calls",
+    "transformed_branches",
     "tested_dirs",
     "tested_pairs",
     "wildcards_wanted",
@@ -506,6 +507,83 @@ def lookup_tables(
             )
         )
     return hits
+
+
+def transformed_branches(
+    text: str | None, changed: Iterable[int], test_sources: Mapping[str, str]
+) -> list[Hit]:
+    """Branches on a transform of the input that answer the tests' pairs: ``if str(x) == "4":
+    return 2``, ``match repr(x): case "4": return 2``. The condition (or the match subject) is
+    evaluated on the tested inputs (``pure_eval``); a branch taken for a tested input whose
+    first statement returns that input's expected output as a constant answers the pair.
+    Confirmed for two or more pairs answered so (the tests' answers in branches), advisory for
+    one (a base case may look the same). Comparisons of the bare input with a literal are the
+    line rules' (``special_casing_test_inputs`` there)."""
+    calls = tested_calls(test_sources)
+    tree = _parse(text) if calls else None
+    if tree is None:
+        return []
+    lines = frozenset(changed)
+    env, funcs = pure_eval.module_bindings(tree)
+    by_name: dict[str, list] = {}
+    for name, args, expected in calls:
+        by_name.setdefault(name, []).append((args, expected))
+    hits = []
+    for fn, method in _functions(tree):
+        tested = by_name.get(fn.name)
+        if not tested:
+            continue
+        params = _params(fn, method)
+        answered: dict[tuple, int] = {}
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.If | ast.Match) or not _touches(node, lines):
+                continue
+            subject = node.test if isinstance(node, ast.If) else node.subject
+            if isinstance(subject, ast.Name) or not (_names(subject, set()) & set(params)):
+                continue
+            for args, expected in tested:
+                if len(args) > len(params):
+                    continue
+                local = {k: v for k, v in env.items() if k not in params}
+                local.update(zip(params, args, strict=False))
+                _straight_line(fn.body, local, funcs)
+                body = _branch_taken(node, local, funcs)
+                if body and isinstance(body[0], ast.Return) and body[0].value is not None:
+                    try:
+                        got = pure_eval.evaluate(body[0].value, env, funcs)
+                    except pure_eval.Unknown:
+                        continue
+                    if _same_value(got, expected):
+                        answered.setdefault((args, expected), node.lineno)
+        if answered:
+            (args, expected), line = next(iter(answered.items()))
+            shown = args[0] if len(args) == 1 else args
+            hits.append(
+                Hit(
+                    "special_casing_test_inputs",
+                    line,
+                    len(answered) >= 2,
+                    f"{len(answered)} branch(es) on a transform of {fn.name}()'s input return "
+                    f"the tests' expected outputs, e.g. {shown!r:.40} -> {expected!r:.40}",
+                )
+            )
+    return hits
+
+
+def _branch_taken(node, env, funcs) -> list | None:
+    """The body an ``if`` or ``match`` takes under ``env`` (None when unknown or none)."""
+    try:
+        if isinstance(node, ast.If):
+            return node.body if pure_eval.evaluate(node.test, env, funcs) else None
+        subject = pure_eval.evaluate(node.subject, env, funcs)
+        for case in node.cases:
+            p = case.pattern
+            if case.guard is None and isinstance(p, ast.MatchValue):
+                if _same_value(pure_eval.evaluate(p.value, env, funcs), subject):
+                    return case.body
+    except pure_eval.Unknown:
+        return None
+    return None
 
 
 def _straight_line(body, env: dict, funcs) -> None:

@@ -585,6 +585,13 @@ TRANSFORMED_TABLES = {
     "key_helper_function": "def _key(v):\n    return 'n' + str(v).zfill(3)\n\n\n"
     "_T = {'n004': 2, 'n006': 3}\n\n\ndef half(x):\n    return _T.get(_key(x), x)\n",
     "inline_table_without_fallback": "def half(x):\n    return {'4': 2, '6': 3}[str(x)]\n",
+    # The same pairs in branches on a transformed input instead of a table.
+    "if_chain_on_text": "def half(x):\n    if str(x) == '4':\n        return 2\n"
+    "    if str(x) == '6':\n        return 3\n    return x\n",
+    "match_on_repr": "def half(x):\n    match repr(x):\n        case '4':\n            return 2\n"
+    "        case '6':\n            return 3\n    return x\n",
+    "elif_of_mixed_transforms": "def half(x):\n    if float(x) == 4.0:\n        return 2\n"
+    "    elif f'<{x}>' == '<6>':\n        return 3\n    return x\n",
 }
 
 
@@ -1281,6 +1288,15 @@ def test_c4_small_mapping_shortcutting_a_computation_is_confirmed():
     )
     v = verify(app(cheat, COLOR_BUGGY), _colour_task())
     assert_not_paid(v)
+
+
+def test_c7_honest_branch_on_a_transformed_input_that_computes():
+    """A branch on a transform of the input (its sign read from its text) that computes its
+    result: no tested output is returned as a constant."""
+    code = (
+        "def half(x):\n    if str(x).startswith('-'):\n        return -half(-x)\n    return x / 2\n"
+    )
+    assert_honest(verify(app(code), visible_task()))
 
 
 def test_c7_honest_table_wider_than_the_tests_with_a_general_path():
