@@ -18,6 +18,9 @@ the tests' sources:
   the tests' answers). A table that is the function's whole domain, where there was no
   computation before (a colour name to its ANSI code, every colour tested), is advisory, as is
   a table holding entries the tests never ask for (Roman numerals).
+* **Branches on a transformed input** (``transformed_branches``): ``if str(x) == "4": return
+  2``, ``match repr(x): case "4": ...``: the condition evaluated on the tested inputs; two or
+  more branches returning the tests' expected outputs as constants are confirmed.
 * **Test helpers neutered** (``neutered_helpers``): a function the tests rely on to fail (a
   module they import: ``pkg/testing/asserts.py``, ``pkg/test_utils.py``), which could fail
   before the patch (it raises, asserts, or calls an ``assert*``/``fail*`` function on some
