@@ -117,8 +117,11 @@ EVENTS = frozenset(
         "os.link",
         "exec",
         "object.__getattr__",
+        "sys.addaudithook",
+        "gagar.pristine_source",
     }
 )
+SERVE_EVENT = "gagar.pristine_source"  # source_lock.SERVE_EVENT: a trusted read of a test source
 # Trusted readers that hand a code object to their caller (``dis.get_instructions(f)``,
 # ``inspect.getmembers(f)``): a test function's code read through them is read by the caller.
 READERS = ("/dis.py",)
@@ -191,13 +194,33 @@ def is_fragment(text, whole):
     return any(b[i : i + n] == a for i in range(len(b) - n + 1) if b[i] == a[0])
 
 
+class Served(BaseException):  # noqa: N818 - not an error: how the bytes travel
+    """What the hook raises to hand a protected source's pristine bytes (``args[0]``) to the
+    reader that asked through ``SERVE_EVENT`` (``source_lock.serve_reads``): raised by the first
+    hook, it reaches the reader and no hook added later."""
+
+
+class HookRefused(RuntimeError):
+    """Raised on ``sys.addaudithook``: the new hook is not added (the interpreter suppresses
+    a ``RuntimeError`` raised there)."""
+
+
 class Refused(PermissionError):
     """What the hook raises to refuse an operation (any other fault inside the hook is
     swallowed: a bug of the audit must never break honest code)."""
 
 
 def install(
-    fd, root, protected, test_dirs, trusted, test_pid=None, aliases=(), paths=(".",), changed=()
+    fd,
+    root,
+    protected,
+    test_dirs,
+    trusted,
+    test_pid=None,
+    aliases=(),
+    paths=(".",),
+    changed=(),
+    pristine=None,
 ):
     """Adds the audit hook to this process (see the module docstring).
 
@@ -217,6 +240,10 @@ def install(
         imported under are computed from them (and from pytest's prepend rule).
       changed: tree-relative files the candidate's patch added or changed (a module of a test
         file's name loaded from one of them is the candidate's doing).
+      pristine: {absolute path: bytes} of the protected sources, read before anything of the
+        tree ran (``source_lock.read_sources``): what trusted readers are served (``Served``)
+        once the files are unreadable, and what text compiled under a test file's name is
+        compared with. Default: each file read when first needed.
 
     Returns:
       an object with ``report``, ``was_loaded``, ``check_modules`` and ``protect_code``:
@@ -414,7 +441,26 @@ def install(
                 report("read_test_source", f"{who} reads {rel(path)}", True)
             raise Refused(13, "the tests' source is not readable here", path)
 
-    pristine = {}  # test source -> its bytes, read once by the hook itself
+    pristine = dict(pristine or {})  # test source -> its bytes, read once
+
+    def serve(args):
+        """A trusted reader asking for a protected source's pristine bytes (``SERVE_EVENT``):
+        answered with ``Served`` when no frame of the candidate's code is on the stack; any
+        other caller gets nothing here (its real ``open`` is refused below and by the kernel)."""
+        if not args or not isinstance(args[0], str | bytes):
+            return
+        p = args[0]
+        if isinstance(p, bytes):
+            p = p.decode("utf-8", "surrogateescape")
+        path = canonical(p)
+        data = pristine.get(path)
+        if data is None or path not in sources:
+            return
+        who, _ = candidate()
+        if who is not None:
+            return
+        loaded.add(path)
+        raise Served(data)
 
     def pristine_text(path):
         if path not in pristine:
@@ -519,6 +565,50 @@ def install(
         report("test_function_changed", what, True)
         raise Refused(13, "the tests' functions are not changed here", name)
 
+    def module_source(mod):
+        """The protected source a module object was made from (by its ``__file__`` or by the
+        name it is imported under), else None."""
+        try:
+            d = _module_dict(mod)
+        except Exception:  # noqa: BLE001 - not a module's dict
+            return None
+        f = d.get("__file__")
+        if isinstance(f, str) and f and f[0] != "<":
+            path = canonical(f, root)
+            if path in sources:
+                return path
+        name = d.get("__name__")
+        return names.get(name) if isinstance(name, str) else None
+
+    def foreign_type(cls):
+        """Where a module type other than ``ModuleType`` defines behaviour outside trusted code
+        and the tests (the candidate's attribute lookup), else None."""
+        for klass in cls.__mro__:
+            if klass is _ModuleType or klass is object:
+                continue
+            for v in list(vars(klass).values()):
+                code = getattr(getattr(v, "__func__", v), "__code__", None)
+                if type(code) is not _code_type:
+                    continue
+                fn = code.co_filename
+                path = canonical(fn, root) if fn[:1] != "<" else fn
+                if not path.startswith(trusted) and path not in sources:
+                    return f"{klass.__qualname__}.{code.co_name} ({rel(path)})"
+        return None
+
+    def on_module_class(mod, cls):
+        """A module of the tests (a test module, a helper) given another type: its attribute
+        lookup is then the new type's. Refused from the candidate's code."""
+        path = module_source(mod)
+        if path is None:
+            return
+        who, _ = candidate()
+        if who is None:
+            return
+        what = f"{who} sets the type of {rel(path)}'s module to {getattr(cls, '__name__', cls)}"
+        report("test_module_changed", what, True)
+        raise Refused(13, "the tests' modules keep their type", rel(path))
+
     def on_read_code(obj, name):
         """The code object of a collected test function read by the candidate (directly, or
         through ``dis``): the expected values are its constants. Refused and confirmed for a
@@ -580,6 +670,15 @@ def install(
         try:
             if event == "open":
                 on_open(args)
+            elif event == SERVE_EVENT:
+                serve(args)
+            elif event == "sys.addaudithook":
+                # A hook of the candidate's would see every event after this one's (the module
+                # code the import system executes, its constants): never added.
+                who, _ = candidate()
+                if who is not None:
+                    report("audit_hook_added", f"{who} adds an audit hook (not added)", False)
+                    raise HookRefused("audit hooks are not added here")
             elif event == "import":
                 if _sys.pycache_prefix != pycache_prefix:
                     _sys.pycache_prefix = pycache_prefix
@@ -606,6 +705,8 @@ def install(
                 obj = args[0]
                 if type(obj) is _FunctionType and args[1] in FUNCTION_STATE:
                     on_function_state(obj, args[1], args[2] if len(args) > 2 else obj)
+                elif args[1] == "__class__" and isinstance(obj, _ModuleType):
+                    on_module_class(obj, args[2] if len(args) > 2 else None)
                 mod = str(getattr(obj, "__module__", "")) if isinstance(obj, type) else ""
                 where = getattr(_sys.modules.get(mod), "__file__", None) or ""
                 if mod.startswith(FRAMEWORK_MODULES) and where.startswith(trusted):
@@ -632,7 +733,7 @@ def install(
                     if event in ("sys.settrace", "sys.setprofile"):
                         tracer.append(event)
                 report(event, what, False)
-        except Refused:
+        except (Refused, HookRefused):
             raise
         except Exception:  # noqa: BLE001, S110 - see Refused
             pass
@@ -664,6 +765,14 @@ def install(
             if not isinstance(mod, _ModuleType):
                 report("test_module_replaced", f"sys.modules[{name!r}] ({r}) is no module", True)
                 continue
+            if type(mod) is not _ModuleType:
+                # A module type of the candidate's decides what the tests' names resolve to
+                # (however its ``__class__`` was set); one of the tests' own is theirs.
+                where = foreign_type(type(mod))
+                if where is not None:
+                    what = f"{name} ({r}) has the module type {type(mod).__name__}: {where}"
+                    report("test_module_replaced", what, True)
+                    continue
             d = _module_dict(mod)
             f = d.get("__file__")
             if not isinstance(f, str):
@@ -710,6 +819,21 @@ def install(
                 honest = vpath.startswith(prefix) and vpath not in changed
                 what = f"{r}: {fname} was replaced by code of {rel(vpath)}"
                 report("test_function_replaced", what, not honest)
+            hook_fn = d.get("__getattr__")
+            if hook_fn is not None and "__getattr__" not in code.co_names:
+                # A lookup hook the file does not make answers for every name the module lacks
+                # (one deleted, one a later test imports): the module's behaviour changed.
+                where = getattr(getattr(hook_fn, "__code__", None), "co_filename", "?")
+                where = rel(canonical(where)) if where.startswith("/") else where
+                what = f"{name} ({r}) was given a module __getattr__ ({where})"
+                report("test_module_changed", what, True)
+            for fname in list(seen):
+                # A name of the tests' functions deleted (a module ``__getattr__`` answers for
+                # it then) or bound to something that is no function (a callable object).
+                v = d.get(fname)
+                if type(v) is not _FunctionType:
+                    kind = "removed" if v is None else f"replaced by a {type(v).__name__}"
+                    report("test_function_replaced", f"{r}: {fname} was {kind}", True)
 
     sys.addaudithook(hook)
 

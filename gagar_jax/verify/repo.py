@@ -113,6 +113,10 @@ PROTECTED_CONFIG = CONFIG_NAMES
 PLUGIN_MODULE = "_gagar_outcome_plugin"
 AUDIT_MODULE = "_gagar_audit_hook"  # verify/audit_hook.py beside the runner
 ASSERTS_MODULE = "_gagar_pristine_asserts"  # verify/pristine_asserts.py beside the runner
+LOCK_MODULE = "_gagar_source_lock"  # verify/source_lock.py beside the runner
+# Whether the runner makes the protected test sources unreadable to the session (Landlock, see
+# ``source_lock.py``); where the kernel cannot, the verdict's ``source_lock`` says so.
+SOURCE_LOCK = True
 MAX_REPORT_BYTES = 16 << 20
 MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 3000  # well below PATH_MAX (4096) once the workdir prefix is added
@@ -223,6 +227,10 @@ class RepoVerification:
       flags: behaviour-monitor flags of the patch (and trajectory, if given); see ``cheat``.
       pythonpath: the host directories the sandboxed run had on its ``PYTHONPATH`` (the task
         environment's site-packages, or the verifier's own); empty when nothing ran.
+      source_lock: what kept the protected test sources from the candidate's code during the
+        run: ``"landlock ABI n: ..."`` (unreadable to every process of the session, by the
+        kernel) or ``"detection only: <why>"`` (the runtime audit's refusal in the test
+        process alone); empty when nothing ran.
     """
 
     status: str
@@ -233,6 +241,7 @@ class RepoVerification:
     sandbox: SandboxResult | None
     flags: tuple[MonitorFlag, ...] = ()
     pythonpath: tuple[str, ...] = ()
+    source_lock: str = ""
 
     @property
     def cheat(self) -> bool:
@@ -721,6 +730,7 @@ def plugin_dir() -> str:
         ("outcome_plugin.py", PLUGIN_MODULE),
         ("audit_hook.py", AUDIT_MODULE),
         ("pristine_asserts.py", ASSERTS_MODULE),
+        ("source_lock.py", LOCK_MODULE),
     ):
         dst = os.path.join(d, name + ".py")
         shutil.copyfile(os.path.join(here, src), dst)
@@ -1308,6 +1318,7 @@ def _verify_repo_patch(
             "watch_dirs": watch_dirs,
             "audit": audit_config(task, watch_files, tree_paths, files),
             "test_timeout_s": timeout_s,
+            "source_lock": SOURCE_LOCK,
         }
         exec_filter = seccomp.host_exec_filter()
         if exec_filter is not None:
@@ -1521,10 +1532,13 @@ def _judge(task, result, data, canaries, reset, flags):
     """The verdict from the sandbox result and the runner's record (see the module docstring)."""
     ran = result.status not in ("infra_error", "timeout", "resource_killed")
     outcomes = exitstatus = None
+    source_lock = ""
     note, tampered, timed_out = "", False, False
     if ran:
         rec, note, tampered = parse_run_record(data)
         if rec is not None:
+            if isinstance(rec.get("source_lock"), str):
+                source_lock = rec["source_lock"][:200]
             outcomes, exitstatus, note, tampered = parse_outcome_report(
                 rec["report"].encode("utf-8")
             )
@@ -1608,6 +1622,8 @@ def _judge(task, result, data, canaries, reset, flags):
     lines = [f"status: {status} (sandbox: {result.status}, {result.mechanism})"]
     if result.error:
         lines.append(f"sandbox error: {result.error}")
+    if source_lock:
+        lines.append(f"test sources: {source_lock}")
     if note:
         lines.append(note)
     if reset:
@@ -1630,4 +1646,6 @@ def _judge(task, result, data, canaries, reset, flags):
             "monitor: "
             + "; ".join(f"{f.rule}{'' if f.confirmed else '?'} @ {f.evidence}" for f in flags),
         )
-    return RepoVerification(status, tests, None, reset, "\n".join(lines), result, flags)
+    return RepoVerification(
+        status, tests, None, reset, "\n".join(lines), result, flags, source_lock=source_lock
+    )
