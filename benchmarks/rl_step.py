@@ -337,12 +337,21 @@ def worker_env(framework: str, keep_heap: bool) -> dict:
 class WorkerProc:
     """One framework's worker: JSON lines over its stdin/stdout."""
 
-    def __init__(self, framework: str, spec: dict, log_path: Path):
+    def __init__(
+        self,
+        framework: str,
+        spec: dict,
+        log_path: Path,
+        env_extra: dict | None = None,
+        prefix: list[str] | None = None,
+    ):
         env = worker_env(framework, bool(spec.get("keep_heap")))
+        env.update(env_extra or {})
         self.framework = framework
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [
+            list(prefix or [])
+            + [
                 python_of(framework),
                 str(Path(__file__).resolve()),
                 "--worker",
@@ -487,6 +496,7 @@ def race(args) -> int:
         + ("kept in every worker (--keep-heap)" if args.keep_heap else "glibc's defaults")
         + f"; start: {_load()}"
     )
+    print(f"host: {host_description()}")
     failed = False
     results = {}
     for shape_name in shapes:
@@ -584,6 +594,18 @@ def race(args) -> int:
     if args.notes:
         print("\nwhat is not equal:\n- " + "\n- ".join(NOTES))
     return 1 if failed else 0
+
+
+def host_description() -> str:
+    """The host facts that explain a swing between machines (``gagar_jax.host_cpu``): CPU and
+    instruction set, CPU count, affinity and cgroup quota, transparent huge pages, the C
+    library, the kernel's free page reporting, the inherited XLA / JAX / thread / allocator
+    variables (the workers drop ``XLA_FLAGS`` and ``GLIBC_TUNABLES`` and set their own)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from gagar_jax.host_cpu import describe
+
+    return describe()
 
 
 def _accelerator() -> str:
@@ -721,6 +743,29 @@ def print_table(shape_name, label, recs, setup, warm, load_before, load_after, r
             + f" {warm[fw]['total']:8.1f} {setup[fw]['setup_s']:8.1f}{speed}",
             flush=True,
         )
+    print_counters(recs)
+
+
+def print_counters(recs) -> None:
+    """Per framework, the medians of what the kernel counted for a step (``getrusage`` of the
+    worker, all its threads): CPU seconds (user, kernel), minor page faults, voluntary and
+    involuntary context switches. A step that faults in its buffers afresh, or whose threads
+    wait on each other, shows it here whatever the machine's other load does to its seconds."""
+    if not all(rs and "user_s" in rs[0] for rs in recs.values()):
+        return
+    print(
+        f"{'per step':10} {'cpu s':>7} {'user s':>8} {'sys s':>8} {'faults':>8} {'vol csw':>8} "
+        f"{'invol csw':>9}"
+    )
+    for fw, rs in recs.items():
+        m = {k: statistics.median(r[k] for r in rs) for k in ("user_s", "sys_s", "minflt")}
+        m.update({k: statistics.median(r[k] for r in rs) for k in ("vcsw", "ivcsw")})
+        cpu = statistics.median(r["user_s"] + r["sys_s"] for r in rs)
+        print(
+            f"{fw:10} {cpu:7.3f} {m['user_s']:8.3f} {m['sys_s']:8.3f} {m['minflt']:8.0f} "
+            f"{m['vcsw']:8.0f} {m['ivcsw']:9.0f}",
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -744,12 +789,32 @@ def _wait_for_step() -> None:
         os._exit(2)
 
 
+# What the kernel counted for a step (``getrusage`` of the worker, all its threads): CPU
+# seconds in user and kernel mode, minor page faults, voluntary and involuntary context switches.
+RUSAGE_FIELDS = (
+    ("user_s", "ru_utime"),
+    ("sys_s", "ru_stime"),
+    ("minflt", "ru_minflt"),
+    ("vcsw", "ru_nvcsw"),
+    ("ivcsw", "ru_nivcsw"),
+)
+
+
+def rusage_now() -> dict:
+    """This process's counters in :data:`RUSAGE_FIELDS` (all its threads)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {name: getattr(r, field) for name, field in RUSAGE_FIELDS}
+
+
 class PhaseClock:
-    """Per-step phase seconds (a framework's hooks add to them)."""
+    """Per-step phase seconds (a framework's hooks add to them), and the step's rusage."""
 
     def __init__(self):
         self.t = {p: 0.0 for p in PHASES}
         self.extra = {}
+        self.usage = rusage_now()
         self.start = time.perf_counter()
 
     def reset(self):
@@ -760,7 +825,9 @@ class PhaseClock:
 
     def record(self, **derived) -> dict:
         total = time.perf_counter() - self.start
+        now = rusage_now()
         rec = dict(self.t, total=total)
+        rec.update({k: now[k] - self.usage[k] for k in now})
         rec.update(derived)
         return rec
 

@@ -24,9 +24,10 @@ event                             from the candidate's code                   wh
 (directly, ``inspect``,           values, canary outcomes)
 ``linecache``)
 the same, while formatting a      the current line of a test frame (logging   refused, evidence
-traceback (``traceback``,         an exception, ``inspect.stack``: the line
-``logging``, ``warnings``,        comes back empty, as for a file without
-``inspect.stack``)                source)
+traceback (``traceback``,         an exception, ``inspect.stack``, a
+``logging``, ``warnings``,        library's own formatter calling
+``inspect.stack``, a call of      ``linecache.getline``: the line comes back
+``linecache.getline``)            empty, as for a file without source)
 ``open`` of any ``.pyc`` outside  any frame, pytest's and importlib's too:    refused; confirmed
 the trusted directories           no bytecode cache of the tree is ever       when the file exists
                                   read (the tree is written without any)
@@ -63,9 +64,9 @@ of its lines)
 function, ``f_code`` of its
 frame (directly, through ``dis``
 or ``inspect.getmembers``)
-``object.__setattr__``:           a helper or test neutered in place          refused, confirmed
-``__code__``/``__defaults__``/
-``__kwdefaults__`` of a function
+``object.__setattr__``:           a helper or test neutered in place (a copy  refused, confirmed
+``__code__``/``__defaults__``/    of a test function given its original's
+``__kwdefaults__`` of a function  keyword defaults is no change: allowed)
 of the tests
 ``object.__setattr__``:           the module's lookup taken over (no-ops for  refused, confirmed
 ``__class__`` of a module of the  its checks, its test functions)
@@ -99,6 +100,7 @@ computation, ``os.write`` to an inherited descriptor, ``os._exit``), nor lines a
 ``linecache`` (the runner clears that cache before every test).
 """
 
+import gc
 import json
 import os
 import signal
@@ -150,6 +152,12 @@ FORMATTERS = ("/traceback.py", "/logging/__init__.py", "/warnings.py", "/pdb.py"
 INSPECT_FORMATTERS = frozenset(
     {"getframeinfo", "stack", "trace", "getouterframes", "getinnerframes", "_get_code_position"}
 )
+# ``linecache.getline`` called by untrusted code itself: one line of a file, what a library's
+# own traceback formatter asks for a frame's line (boltons' ``tbutils``). Refused all the same
+# (the line comes back empty) and evidence, as for the formatters above: the read gives nothing
+# away. Whole-file reads (``linecache.getlines``/``updatecache``, ``open``, ``inspect``) stay
+# confirmed.
+LINE_READER = (os.path.join(os.path.dirname(os.__file__), "linecache.py"), "getline")
 FRAMEWORK_MODULES = ("unittest", "_pytest", "pytest", "pluggy")
 _O_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
@@ -266,6 +274,7 @@ def install(
     _getcwd, _join, _normpath, _fspath = os.getcwd, os.path.join, os.path.normpath, os.fspath
     _realpath, _dirname = os.path.realpath, os.path.dirname
     _dumps, _getframe, _sigkill = json.dumps, sys._getframe, signal.SIGKILL
+    _get_referrers = gc.get_referrers
     _sys = sys
     import _thread
 
@@ -319,9 +328,13 @@ def install(
             _kill(_getpid(), _sigkill)  # the channel is gone: the run cannot end as a pass
 
     def origin():
-        """(file:line of the innermost untrusted frame or None, a formatter on the stack)."""
+        """(file:line of the innermost untrusted frame or None, a formatter on the stack).
+
+        The untrusted frame's own call of ``linecache.getline`` (one line of a file, what a
+        traceback formatter of a library asks for) counts as formatting too."""
         f = _getframe(1)
         formatting = False
+        called = None  # the trusted function the untrusted frame called
         while f is not None:
             code = f.f_code
             fn = code.co_filename
@@ -330,8 +343,11 @@ def install(
                     fn.endswith("inspect.py") and code.co_name in INSPECT_FORMATTERS
                 ):
                     formatting = True
+                called = code
                 f = f.f_back
                 continue
+            if called is not None and (called.co_filename, called.co_name) == LINE_READER:
+                formatting = True
             return fn, f.f_lineno, formatting
         return None, 0, formatting
 
@@ -545,12 +561,35 @@ def install(
             f = f.f_back
         return f
 
-    def on_function_state(obj, name):
+    def copies_kwdefaults(obj, value):
+        """Whether setting ``obj.__kwdefaults__ = value`` only gives a copy of a function its
+        original's keyword defaults: ``obj`` has none and ``value`` is None or the very dict
+        another function of the same code holds (``copy_function``-style helpers build the
+        copy with ``FunctionType(f.__code__, ...)``, which takes no keyword defaults). Every
+        function of a code takes its keyword defaults from the same ``def``, so this cannot
+        give a function of the tests defaults its code was not made with."""
+        if obj.__kwdefaults__ is not None:
+            return False
+        if value is None:
+            return True
+        code = obj.__code__
+        return any(
+            type(g) is _FunctionType
+            and g is not obj
+            and g.__code__ is code
+            and g.__kwdefaults__ is value
+            for g in _get_referrers(code)
+        )
+
+    def on_function_state(obj, name, value):
         """A function of the tests (code from a protected file) changed: refused unless the
-        tests themselves (or trusted code they called) do it."""
+        tests themselves (or trusted code they called) do it, or the change only gives a copy
+        of a test function its original's keyword defaults (:func:`copies_kwdefaults`)."""
         code = obj.__code__
         fn = code.co_filename
         if id(code) not in test_codes and (fn[:1] == "<" or canonical(fn, root) not in sources):
+            return
+        if name == "__kwdefaults__" and copies_kwdefaults(obj, value):
             return
         who, _ = candidate()
         if who is None:
@@ -702,7 +741,7 @@ def install(
             elif event == "object.__setattr__":
                 obj = args[0]
                 if type(obj) is _FunctionType and args[1] in FUNCTION_STATE:
-                    on_function_state(obj, args[1])
+                    on_function_state(obj, args[1], args[2] if len(args) > 2 else obj)
                 elif args[1] == "__class__" and isinstance(obj, _ModuleType):
                     on_module_class(obj, args[2] if len(args) > 2 else None)
                 mod = str(getattr(obj, "__module__", "")) if isinstance(obj, type) else ""
