@@ -155,6 +155,56 @@ def enable_compilation_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# Rows (tasks x samples) per sampler call of an evaluation: one call for the toy default
+# (32 tasks x 4 samples); a larger held-out set takes several calls of this size.
+EVAL_CALL_ROWS = 128
+
+
+def eval_groups(
+    engine,
+    family,
+    cfg: RunConfig,
+    tasks,
+    *,
+    step: int,
+    first_index: int = 0,
+    sample_step: int | None = None,
+    counters: StepCounters | None = None,
+) -> list[Group]:
+    """``loop.eval_rollouts`` samples of each task at ``loop.eval_temperature``, verified, in
+    calls of at most ``EVAL_CALL_ROWS`` rows.
+
+    Each task's samples are seeded by ``(seed, sample_step, its index)`` alone (``sample_step``
+    defaults to ``step``): the split into calls changes nothing, and two checkpoints sampled
+    with the same ``sample_step`` draw with the same seeds (paired samples).
+    ``first_index``: the index of ``tasks[0]`` within the evaluated set.
+    """
+    k = max(cfg.loop.eval_rollouts, 1)
+    per_call = max(1, EVAL_CALL_ROWS // k)
+    seed_step = step if sample_step is None else sample_step
+    groups: list[Group] = []
+    for a in range(0, len(tasks), per_call):
+        part = tasks[a : a + per_call]
+        lo = first_index + a
+        groups += generate_groups(
+            engine,
+            family,
+            part,
+            cfg=cfg,
+            step=step,
+            round_id=10_000,
+            num_rollouts=k,
+            temperature=cfg.loop.eval_temperature,
+            id_prefix=f"eval{step}",
+            counters=counters,
+            first_index=lo,
+            prompt_seeds=[
+                prompt_seed((cfg.seed,), 2, seed_step, i) for i in range(lo, lo + len(part))
+            ],
+        )
+    return groups
+
+
 def evaluate(
     engine, family, cfg: RunConfig, *, step: int, hosts: Hosts | None = None
 ) -> dict[str, float]:
@@ -162,7 +212,8 @@ def evaluate(
     turns / tool calls per episode for multi-turn families).
 
     Several hosts split the tasks (contiguous shares, each task seeded by its index) and
-    reduce their counters, so every host returns the figures of all of them.
+    reduce their counters, so every host returns the figures of all of them. Any number of
+    tasks: :func:`eval_groups` samples them in calls of ``EVAL_CALL_ROWS`` rows.
     """
     tasks = family.eval_tasks()
     if not tasks:
@@ -171,20 +222,7 @@ def evaluate(
     lo = len(tasks) * hosts.index // hosts.count
     hi = len(tasks) * (hosts.index + 1) // hosts.count
     counters = StepCounters()
-    generate_groups(
-        engine,
-        family,
-        tasks[lo:hi],
-        cfg=cfg,
-        step=step,
-        round_id=10_000,
-        num_rollouts=max(cfg.loop.eval_rollouts, 1),
-        temperature=cfg.loop.eval_temperature,
-        id_prefix=f"eval{step}",
-        counters=counters,
-        first_index=lo,
-        prompt_seeds=[prompt_seed((cfg.seed,), 2, step, i) for i in range(lo, hi)],
-    )
+    eval_groups(engine, family, cfg, tasks[lo:hi], step=step, first_index=lo, counters=counters)
     counters = StepCounters.merged(
         hosts.allgather(f"eval{step}/counters", dataclasses.asdict(counters))
     )
