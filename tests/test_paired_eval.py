@@ -104,6 +104,12 @@ def test_checkpoint_pass_counts_pairs_the_sft_start_and_the_end(smoke_run):
     assert [r["task_id"] for r in train_split[0]] != [r["task_id"] for r in got[0]]
 
 
+def test_evaluate_checkpoint_at_other_samples_and_temperature(smoke_run):
+    # the evaluation settings are not the checkpoint's: its config fingerprint still matches
+    metrics, step = train.evaluate_checkpoint(smoke_run, step=0, samples=3, temperature=1.0)
+    assert step == 0 and 0.0 <= metrics["eval_pass_rate"] <= 1.0
+
+
 def test_checkpoint_pass_counts_names_what_is_wrong(smoke_run, tmp_path):
     with pytest.raises(ValueError, match=r"checkpoints \[7\] not in"):
         paired_eval.checkpoint_pass_counts(smoke_run, [7], num_tasks=2, samples=1)
