@@ -131,6 +131,12 @@ COMPARE_MODES ?= gagar binary discount_only gagar_token
 COMPARE_ARGS ?=
 # a configs/toy_gagar.py variant word added to each mode (e.g. imbalanced: the discount-only regime)
 COMPARE_VARIANT ?=
+# a number of held-out tasks: then scripts/heldout_gain.py evaluates every run's SFT start and end
+# on that many tasks x 4 samples with the same draws, paired by seed, into
+# $(COMPARE)/heldout_gain.{md,png,json} (the runs keep step 0: COMPARE_VARIANT=weak_start does).
+# `make compare SEEDS=5 COMPARE_MODES="gagar binary" COMPARE_VARIANT=weak_start COMPARE_HELDOUT=512`
+# is docs/results/heldout_gain.md (~5 min a run on the shared 2-core machine).
+COMPARE_HELDOUT ?=
 comma := ,
 empty :=
 space := $(empty) $(empty)
@@ -143,6 +149,9 @@ compare: setup
 	$(PY) scripts/compare_runs.py --root=$(COMPARE) --seeds=$(SEEDS) --out=$(COMPARE) \
 	  --modes=$(subst $(space),$(comma),$(strip $(COMPARE_MODES))) \
 	  --command='make compare SEEDS=$(SEEDS) COMPARE_ARGS="$(COMPARE_ARGS)"$(if $(COMPARE_VARIANT), COMPARE_VARIANT=$(COMPARE_VARIANT))$(if $(filter-out gagar binary discount_only gagar_token,$(COMPARE_MODES))$(filter-out 4,$(words $(COMPARE_MODES))), COMPARE_MODES="$(COMPARE_MODES)")'
+	$(if $(COMPARE_HELDOUT),$(PY) scripts/heldout_gain.py --root=$(COMPARE) --seeds=$(SEEDS) \
+	  --modes=$(subst $(space),$(comma),$(strip $(COMPARE_MODES))) --num_tasks=$(COMPARE_HELDOUT) \
+	  --command='make compare SEEDS=$(SEEDS) COMPARE_MODES="$(COMPARE_MODES)" COMPARE_ARGS="$(COMPARE_ARGS)" COMPARE_VARIANT=$(COMPARE_VARIANT) COMPARE_HELDOUT=$(COMPARE_HELDOUT)')
 
 # End to end with a real SGLang server in the loop (scripts/e2e.py): tiny random Qwen2 + local
 # BPE tokenizer, the fixture repositories, SFT warm start on tool-call demonstrations, 3 RL steps

@@ -15,6 +15,7 @@ really keep busy.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import platform
@@ -212,3 +213,69 @@ def describe(facts: dict | None = None) -> str:
     if f["load"] is not None:
         parts.append("load {:.2f} {:.2f} {:.2f}".format(*f["load"]))
     return "; ".join(parts)
+
+
+_prepared: dict | None = None
+
+
+def prepare_cpu_host(*, platform: str = "cpu", log: logging.Logger | None = None) -> dict:
+    """Readies this process for CPU steps, once per process; later calls return the first
+    call's answer.
+
+    On a CPU backend (``platform``) it sets glibc's allocator to keep and reuse the memory the
+    process frees (:func:`gagar_jax.update.malloc.keep_heap`; the environment variable
+    ``GAGAR_MALLOC_KEEP_HEAP=0`` turns it off), so that an update step's temporary buffer is not
+    returned to the kernel and faulted in afresh every step: on a virtual machine with free page
+    reporting that memory goes back to the hypervisor, and each of the step's ~10^5 faults then
+    costs what the host makes it cost. It logs :func:`describe` and a warning for each fact that
+    slows CPU steps: a cgroup CPU quota below the CPUs XLA:CPU sizes its thread pool for (the
+    affinity), more simulated host devices (``--xla_force_host_platform_device_count``) than
+    CPUs to run them, and freed memory handed back to the hypervisor while the heap is not kept.
+
+    Returns ``{"keep_heap": applied, "warnings": [...], "facts": host_facts()}``.
+    """
+    global _prepared
+    if _prepared is not None:
+        return _prepared
+    from gagar_jax.update.malloc import keep_heap
+
+    log = log or logging.getLogger(__name__)
+    on_cpu = platform == "cpu"
+    kept = keep_heap() if on_cpu else False
+    facts = host_facts()
+    warnings = cpu_warnings(facts, keep_heap_applied=kept) if on_cpu else []
+    if on_cpu:
+        log.info("host: %s; heap kept: %s", describe(facts), kept)
+        for w in warnings:
+            log.warning("%s", w)
+    _prepared = {"keep_heap": kept, "warnings": warnings, "facts": facts}
+    return _prepared
+
+
+def cpu_warnings(facts: dict, *, keep_heap_applied: bool) -> list[str]:
+    """What in ``facts`` (:func:`host_facts`) slows CPU steps, one sentence each."""
+    out = []
+    quota = facts["cpu_quota"]
+    if quota is not None and quota < facts["affinity"]:
+        out.append(
+            f"the cgroup CPU quota ({quota:g} CPUs) is below the {facts['affinity']} CPUs "
+            "XLA:CPU sizes its thread pool for: its threads will wait for the quota's next "
+            f"period; an affinity of {facts['effective_cpus']} CPUs (taskset) matches them"
+        )
+    flags = facts["env"].get("XLA_FLAGS", "")
+    for word in flags.split():
+        if word.startswith("--xla_force_host_platform_device_count="):
+            n = int(word.split("=", 1)[1] or 0)
+            if n > facts["effective_cpus"]:
+                out.append(
+                    f"XLA_FLAGS asks for {n} simulated host devices on "
+                    f"{facts['effective_cpus']} CPUs: every device program shares them"
+                )
+    pr = facts["page_reporting"]
+    if pr is not None and pr.get("balloon") and not keep_heap_applied:
+        out.append(
+            "the kernel hands freed memory back to the hypervisor (free page reporting) and "
+            "the heap is not kept (GAGAR_MALLOC_KEEP_HEAP=0): every step faults its temporary "
+            "buffers in afresh, at a cost per fault that depends on the host"
+        )
+    return out

@@ -35,7 +35,18 @@ flags.DEFINE_integer("num_tasks", 512, "Tasks evaluated (the split's first n).")
 flags.DEFINE_integer("samples", 4, "Samples per task.")
 flags.DEFINE_float("temperature", 0.7, "Sampling temperature.")
 flags.DEFINE_integer("end_step", -1, "Checkpoint compared with step 0 (-1: each run's last).")
-flags.DEFINE_list("paired", [], "Mode pairs a-b whose per-seed changes are differenced.")
+flags.DEFINE_list(
+    "paired",
+    [],
+    "Mode pairs a-b whose per-seed changes are differenced (default: the first mode against "
+    "each other one).",
+)
+flags.DEFINE_integer(
+    "block",
+    32,
+    "Also report the change as evaluations of this many tasks would see it (disjoint blocks of "
+    "the evaluated tasks; 32 is the default toy job's held-out set). 0: off.",
+)
 flags.DEFINE_string("out", None, "Output directory (default: --root).")
 flags.DEFINE_string("prefix", "heldout_gain", "Output file names.")
 flags.DEFINE_string("command", "", "The command that trained the runs, for the report.")
@@ -88,6 +99,13 @@ def run_summary(start, end, got):
         (y["passed"] / y["n"] - x["passed"] / x["n"]) for x, y in zip(a, b) if x["n"] and y["n"]
     ]
     _, se = paired_eval.paired_mean_se(per_task)
+    blocks = []
+    if FLAGS.block:
+        for i in range(0, len(a) - FLAGS.block + 1, FLAGS.block):
+            blocks.append(
+                paired_eval.pass_rate(b[i : i + FLAGS.block])
+                - paired_eval.pass_rate(a[i : i + FLAGS.block])
+            )
     kinds = {}
     for x, y in zip(a, b):
         k = kinds.setdefault(x["kind"], [0, 0, 0])
@@ -102,6 +120,7 @@ def run_summary(start, end, got):
         "change_se_tasks": se,
         "never_passed": [sum(1 for x in r if x["passed"] == 0) / len(r) for r in (a, b)],
         "always_passed": [sum(1 for x in r if x["passed"] == x["n"]) / len(r) for r in (a, b)],
+        "block_changes": blocks,
         "kinds": {
             k: {"samples": n, "start": s / n, "end": e / n} for k, (n, s, e) in kinds.items()
         },
@@ -144,7 +163,7 @@ def main(argv):
             / FLAGS.seeds,
         }
     pairs = {}
-    for p in FLAGS.paired:
+    for p in FLAGS.paired or [f"{FLAGS.modes[0]}-{m}" for m in FLAGS.modes[1:]]:
         a, b = p.split("-")
         d = [runs[(a, s)]["change"] - runs[(b, s)]["change"] for s in range(FLAGS.seeds)]
         mean, se = paired_eval.paired_mean_se(d)
@@ -187,6 +206,17 @@ def main(argv):
             f"first ahead in {v['seeds_ahead']} of {FLAGS.seeds} seeds: "
             f"{_verdict(v['mean'], v['se'])}"
         )
+    if FLAGS.block and all(len(r["block_changes"]) >= 2 for r in runs.values()):
+        lines += ["", f"The same changes measured on {FLAGS.block}-task blocks (disjoint):", ""]
+        for m in FLAGS.modes:
+            bl = [x for s in range(FLAGS.seeds) for x in runs[(m, s)]["block_changes"]]
+            _, se = paired_eval.paired_mean_se(bl)
+            sd = se * math.sqrt(len(bl))
+            down = sum(1 for x in bl if x <= 0)
+            lines.append(
+                f"- {m}: {len(bl)} blocks, change {min(bl):+.3f} .. {max(bl):+.3f} "
+                f"(standard deviation {sd:.3f}); {down} of {len(bl)} show no rise"
+            )
     kinds = sorted({k for r in runs.values() for k in r["kinds"]})
     if any(kinds):
         lines += ["", "By bug kind (pooled over seeds; start -> end):", ""]

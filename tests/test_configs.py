@@ -164,6 +164,8 @@ def test_main_job_choices_on_top_of_the_defaults():
         (toy_gagar, "smoke"),
         (toy_gagar, "discount_only,imbalanced"),
         (toy_gagar, "gagar_token,distinguishing"),
+        (toy_gagar, "binary,weak_start"),
+        (toy_gagar, "weak_start,smoke"),
         (toy_agent, None),
         (toy_agent, "binary,smoke"),
         (swe_agent, None),
@@ -192,6 +194,22 @@ def test_mode_words_give_the_redistribution():
         "discount_only": "discount_only",
         "gagar_token": "sum_preserving",
     }
+
+
+def test_weak_start_keeps_the_sft_start_and_evaluates_a_large_held_out_set():
+    cfg = RunConfig.from_config_dict(toy_gagar.get_config("binary,weak_start"))
+    default = RunConfig.from_config_dict(toy_gagar.get_config("binary"))
+    assert cfg.sft.steps == toy_gagar.WEAK_START_SFT_STEPS < default.sft.steps
+    assert cfg.task.num_eval == toy_gagar.WEAK_START_EVAL_TASKS > default.task.num_eval
+    assert cfg.loop.eval_every == cfg.loop.total_steps == default.loop.total_steps
+    # every checkpoint of the run stays, step 0 (the SFT start) included
+    assert cfg.loop.keep_checkpoints >= cfg.loop.total_steps // cfg.loop.checkpoint_every + 1
+    assert cfg.name == "toy_binary_weak_start"
+    assert (cfg.learner, cfg.rollout, cfg.model) == (
+        default.learner,
+        default.rollout,
+        default.model,
+    )
 
 
 def test_distinguishing_selects_the_contrastive_token_credit():

@@ -1,6 +1,10 @@
-"""The host facts: cgroup CPU quotas (v1 and v2 trees), the instruction set, the one-line description."""
+"""The host facts: cgroup CPU quotas (v1 and v2), the instruction set, the description, the heap."""
 
 import os
+import subprocess
+import sys
+
+import pytest
 
 from gagar_jax import host_cpu
 
@@ -64,3 +68,71 @@ def test_describe_names_the_inherited_flags(monkeypatch):
     line = host_cpu.describe()
     assert "XLA_FLAGS='--xla_force_host_platform_device_count=8'" in line
     assert "GLIBC_TUNABLES='glibc.malloc.mmap_max=0'" in line
+
+
+def _facts(**over):
+    base = {
+        "cpu_quota": None,
+        "affinity": 2,
+        "effective_cpus": 2,
+        "env": {},
+        "page_reporting": None,
+    }
+    base.update(over)
+    return base
+
+
+def test_cpu_warnings_name_each_slowing_fact():
+    assert host_cpu.cpu_warnings(_facts(), keep_heap_applied=False) == []
+    (w,) = host_cpu.cpu_warnings(_facts(cpu_quota=1.0, effective_cpus=1), keep_heap_applied=True)
+    assert "quota (1 CPUs)" in w and "2 CPUs" in w
+    (w,) = host_cpu.cpu_warnings(
+        _facts(env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}),
+        keep_heap_applied=True,
+    )
+    assert "8 simulated host devices on 2 CPUs" in w
+    reporting = {"page_reporting_order": 9, "balloon": True}
+    assert host_cpu.cpu_warnings(_facts(page_reporting=reporting), keep_heap_applied=True) == []
+    (w,) = host_cpu.cpu_warnings(_facts(page_reporting=reporting), keep_heap_applied=False)
+    assert "free page reporting" in w
+
+
+_PREPARED_REFAULT = """
+import logging, resource, sys
+import numpy as np
+from gagar_jax import host_cpu
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+out = host_cpu.prepare_cpu_host(platform=sys.argv[1])
+assert host_cpu.prepare_cpu_host(platform="cpu") is out  # once per process
+a = np.ones(64 * 2**20, np.uint8); del a  # allocated, touched, freed
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+a = np.ones(64 * 2**20, np.uint8)  # the same size again
+print(out["keep_heap"], resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_prepare_cpu_host_keeps_the_heap_on_a_cpu_only():
+    """On a CPU backend a 64 MB block freed and allocated again comes from the kept heap
+    (almost no page faults), and the host line is logged; with GAGAR_MALLOC_KEEP_HEAP=0 the
+    block is faulted in afresh (the accelerator default: tests/test_update_malloc.py)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run(platform, **env):
+        full = {k: v for k, v in os.environ.items() if k != "GAGAR_MALLOC_KEEP_HEAP"}
+        full.update(env, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+        out = subprocess.run(
+            [sys.executable, "-c", _PREPARED_REFAULT, platform],
+            env=full,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        kept, faults = out.stdout.split()
+        return kept == "True", int(faults), out.stderr
+
+    kept, faults, log = run("cpu")
+    assert kept and faults < 100, (faults, log)
+    assert "host: cpu:" in log and "heap kept: True" in log
+    kept_off, faults_off, _ = run("cpu", GAGAR_MALLOC_KEEP_HEAP="0")
+    assert not kept_off and faults_off > 10 * max(faults, 1)

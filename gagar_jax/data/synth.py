@@ -913,7 +913,7 @@ def _order_dependent(gold, f2p: Sequence[str], p2p: Sequence[str]) -> set[str]:
 def flag_kind(flag) -> str:
     """A monitor flag's kind: the runtime audit's event kind when it came from the audit
     (``read_test_source``, ``test_function_changed``, ...), else its rule."""
-    m = re.match(r"(?:test report: )?runtime audit: (\w+):", flag.evidence)
+    m = re.match(r"(?:test report: )?runtime audit: ([\w.]+):", flag.evidence)
     return m.group(1) if m else flag.rule
 
 
@@ -925,6 +925,11 @@ def _confirmed_kinds(v) -> collections.Counter:
         for f in v.flags
         if f.confirmed and not f.evidence.startswith("test report: runtime audit:")
     )
+
+
+# The runtime audit's evidence-level events that refuse what was asked (the test's line comes
+# back empty): a test of the package's own suite can fail on them.
+REFUSED_EVIDENCE = frozenset({"read_test_line"})
 
 
 def _evidence_kinds(v) -> collections.Counter:
@@ -959,7 +964,8 @@ def check_suite_order(
       then run one by one, and the tests of each file whose run is judged tampered are lost
       to the verifier, by the kinds of its confirmed events;
     - a test that fails in reverse order runs again in suite order (with every test kept so
-      far): failing again, it is lost to the verifier (by the kinds of the audit's evidence in that run, or
+      far): failing again, it is lost to the verifier, by what the audit refused when its file's
+      lost tests run alone (confirmed kinds, else ``read_test_line``, else
       ``fails_under_verifier``); passing, it depends on the order of the tests.
 
     Every loss is named in ``notes`` (the factory's log) and counted by reason in ``lost_by``
@@ -977,8 +983,15 @@ def check_suite_order(
     def kinds_text(c):
         return ", ".join(f"{k} {n}" for k, n in sorted(c.items()))
 
-    def sample(v):
-        ev = next((f.evidence for f in v.flags if f.confirmed), "")
+    def sample(v, refused=False):
+        ev = next((f.evidence for f in v.flags if f.confirmed), "") or next(
+            (
+                f.evidence
+                for f in v.flags
+                if refused and flag_kind(f) in REFUSED_EVIDENCE and not f.confirmed
+            ),
+            "",
+        )
         return f"; e.g. {ev[:200]}" if ev else ""
 
     rv = run(list(passing)[::-1], "order-check")
@@ -1013,17 +1026,23 @@ def check_suite_order(
         # the suite order of every test still kept (a test needing another one gets it first)
         fwd = run([t for t in passing if t in ok], "order-check-forward")
         again = [t for t in failing if fwd.tests.get(t) != "passed"]
-        why = _confirmed_kinds(fwd) + _evidence_kinds(fwd) or collections.Counter(
-            {"fails_under_verifier": 1}
-        )
-        if again:
-            out.verifier_lost += again
+        by_file = {}
+        for t in again:
+            by_file.setdefault(t.split("::")[0], []).append(t)
+        for path, ids in by_file.items():
+            # alone, so that the audit's events are theirs: what the run refused
+            lone = run(ids, "order-check-lost")
+            why = _confirmed_kinds(lone) or collections.Counter(
+                {k: n for k, n in _evidence_kinds(lone).items() if k in REFUSED_EVIDENCE}
+            )
+            why = why or collections.Counter({"fails_under_verifier": 1})
+            out.verifier_lost += ids
             for k in why:
-                out.lost_by[k] += len(again)
+                out.lost_by[k] += len(ids)
             out.notes.append(
-                f"{len(again)} tests fail under the verifier in suite order too, lost to it "
-                f"(the run's audit: {kinds_text(why)}): {', '.join(again[:3])}"
-                + (" ..." if len(again) > 3 else "")
+                f"{len(ids)} tests of {path} fail under the verifier in suite order too, lost to "
+                f"it ({kinds_text(why)}{sample(lone, refused=True)}): {', '.join(ids[:3])}"
+                + (" ..." if len(ids) > 3 else "")
             )
         out.order_dependent = [t for t in failing if t not in again]
         ok -= set(failing)

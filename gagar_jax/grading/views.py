@@ -27,7 +27,7 @@ import re
 from gagar_jax.verify import diff
 from gagar_jax.verify.untrusted import Envelope, sanitize, split_test_log
 
-__all__ = ["changed_lines", "file_list", "patch_text", "verifier_log"]
+__all__ = ["changed_lines", "file_list", "files_not_listed", "patch_text", "verifier_log"]
 
 # Header lines of ``verify.repo``'s log that carry nothing the candidate chose.
 _TRUSTED_HEADER = (
@@ -60,9 +60,18 @@ def changed_lines(patch: diff.Patch) -> str:
     return "\n".join(row for row in rows if row[0] != " ")
 
 
-def file_list(patch: diff.Patch) -> str:
-    """The touched paths, one a line (candidate-chosen: callers put it in an envelope)."""
-    return "\n".join(patch.paths)
+def file_list(patch: diff.Patch, limit: int | None = None) -> str:
+    """The touched paths, one a line (candidate-chosen: callers put it in an envelope); with
+    ``limit``, the first ``limit`` of them (``files_not_listed`` says how many more)."""
+    paths = patch.paths if limit is None else patch.paths[: max(0, limit)]
+    return "\n".join(paths)
+
+
+def files_not_listed(patch: diff.Patch, limit: int) -> str:
+    """The note a view built with ``file_list(patch, limit)`` adds (empty when it lists every
+    path): a count, nothing the candidate chose."""
+    more = len(patch.paths) - max(0, limit)
+    return f"... and {more} more files (not listed)" if more > 0 else ""
 
 
 def _trusted(line: str) -> bool:

@@ -66,6 +66,7 @@ from flax import nnx
 
 from gagar_jax.analysis import writers
 from gagar_jax.data.audit import PassRateTracker
+from gagar_jax.host_cpu import prepare_cpu_host
 from gagar_jax.rl import asynchronous, canary, engines, grade, policy
 from gagar_jax.rl import rollout_log as rollout_store
 from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests import them here)
@@ -819,6 +820,9 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     tok = family.tokenizer
     model_config, model = policy.build_model(cfg, tok.vocab_size)
     mesh = make_mesh(cfg.mesh.shape)
+    # On a CPU: keep freed memory for the next step's buffers, log the host facts that slow
+    # CPU steps (gagar_jax.host_cpu; GAGAR_MALLOC_KEEP_HEAP=0 opts out of the first).
+    prepare_cpu_host(platform=mesh.devices.flat[0].platform)
     check_process_rows(mesh, G * K)
     ckpt = policy.checkpointer(cfg, workdir, model_config)
     try:

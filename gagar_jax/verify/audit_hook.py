@@ -68,6 +68,16 @@ or ``inspect.getmembers``)
 ``__code__``/``__defaults__``/    of a test function given its original's
 ``__kwdefaults__`` of a function  keyword defaults is no change: allowed)
 of the tests
+``object.__setattr__``:           the module's lookup taken over (no-ops for  refused, confirmed
+``__class__`` of a module of the  its checks, its test functions)
+tests
+``sys.addaudithook``              a hook that would see every later event     not added, evidence
+``SERVE_EVENT`` (a protected      the pristine bytes (the files themselves    answered to
+source asked for by the runner's  are unreadable, ``source_lock.py``)         trusted code only
+``open``)
+``LITERAL_EVENT`` (a literal of   the expected values                         answered to the
+the tests' assertions,                                                        tests' frames;
+``pristine_asserts.py``)                                                      else confirmed
 ================================  ==========================================  ================
 
 The ``exec`` event records the module code that trusted code (importlib, pytest's rewriting
@@ -119,8 +129,12 @@ EVENTS = frozenset(
         "object.__getattr__",
         "sys.addaudithook",
         "gagar.pristine_source",
+        "gagar.test_literals",
+        "gagar.test_literal",
     }
 )
+LITERALS_EVENT = "gagar.test_literals"  # pristine_asserts: a test module's assertion literals
+LITERAL_EVENT = "gagar.test_literal"  # pristine_asserts: one of them asked for
 SERVE_EVENT = "gagar.pristine_source"  # source_lock.SERVE_EVENT: a trusted read of a test source
 # Trusted readers that hand a code object to their caller (``dis.get_instructions(f)``,
 # ``inspect.getmembers(f)``): a test function's code read through them is read by the caller.
@@ -462,6 +476,25 @@ def install(
         loaded.add(path)
         raise Served(data)
 
+    literals = {}  # token -> a literal of the tests' assertions (pristine_asserts)
+
+    def on_literals(args):
+        """A rewritten test module's assertion literals, registered by trusted code."""
+        if len(args) < 2 or not isinstance(args[0], str) or type(args[1]) is not dict:
+            return
+        if canonical(args[0]) not in sources or candidate()[0] is not None:
+            return
+        literals.update(args[1])
+
+    def on_literal(args):
+        """One literal asked for: answered (``Served``) to a frame of the tests only."""
+        if not args or not isinstance(args[0], str) or args[0] not in literals:
+            return
+        who, _ = candidate()
+        if who is None:
+            raise Served(literals[args[0]])
+        report("read_test_literal", f"{who} asks for an expected value of the tests", True)
+
     def pristine_text(path):
         if path not in pristine:
             try:
@@ -672,6 +705,10 @@ def install(
                 on_open(args)
             elif event == SERVE_EVENT:
                 serve(args)
+            elif event == LITERAL_EVENT:
+                on_literal(args)
+            elif event == LITERALS_EVENT:
+                on_literals(args)
             elif event == "sys.addaudithook":
                 # A hook of the candidate's would see every event after this one's (the module
                 # code the import system executes, its constants): never added.

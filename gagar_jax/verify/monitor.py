@@ -793,7 +793,15 @@ def monitor_patch(
             if not as_test:
                 found += [
                     (hit.line, hit)
-                    for hit in semantics.lookup_tables(new_text, changed_rows, ctx.test_sources)
+                    for hit in semantics.transformed_branches(
+                        new_text, changed_rows, ctx.test_sources
+                    )
+                ]
+                found += [
+                    (hit.line, hit)
+                    for hit in semantics.lookup_tables(
+                        new_text, changed_rows, ctx.test_sources, _old_text(fp, applied, ctx)
+                    )
                 ]
                 test_paths = set(ctx.test_files) | {
                     p for p in ctx.test_sources if semantics.runs_as_test(p, ctx.test_files)
@@ -937,6 +945,14 @@ def monitor_patch(
                         )
     flags += leakage_screen(patch, ctx.references)
     return _dedupe(flags)
+
+
+def _old_text(fp: FilePatch, applied: AppliedPatch | None, ctx: MonitorContext) -> str | None:
+    """The file's text before the patch (None for a new file or when unknown)."""
+    if fp.is_new:
+        return None
+    old = applied.before.get(fp.path) if applied is not None else None
+    return old if old is not None else ctx.files.get(fp.path)
 
 
 def _wildcard_advisory(f: Any, wanted: Mapping[str, str]) -> Any:

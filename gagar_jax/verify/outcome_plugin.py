@@ -40,6 +40,11 @@ watched file modified, deleted, renamed or re-permissioned during the session, o
 listed in the record's ``changed`` (what the tests ran was not the pristine tests, even if the
 code restored them before exiting). Creating other files or directories there is not watched.
 
+With ``audit`` in the control record, the supervisor also reads the protected test sources
+into memory and makes them unreadable to itself and every process it starts (Landlock,
+``source_lock.py``; ``source_lock`` of the record says what held, ``detection only`` where the
+kernel cannot); the test process's audit hook serves them to trusted readers from memory.
+
 With ``exec_filter`` in the control record, the supervisor first installs that seccomp program
 on itself with a listener (``seccomp.exec_notify_filter``: every ``execve``/``execveat`` of the
 session is handed to it) and forks: it refuses an exec by the test process (any of its threads)
@@ -605,7 +610,11 @@ def _child(args, report_fd, name, audit=None, timed=False, sources=None):
     plugins = [Reporter(report_fd, was_loaded, roots, timed, hook, Function, version >= (5, 4))]
     if audit is not None:
         asserts = _load_runner_module(ASSERTS_MODULE)
-        plugins.append(asserts.install(hook.report, root, audit["protected"], hook.helper_names))
+        plugins.append(
+            asserts.install(
+                hook.report, root, audit["protected"], hook.helper_names, audit_mod.Served
+            )
+        )
     ret = int(pytest.main(list(args), plugins=plugins))
     line = json.dumps({"exitstatus": ret}) + "\n"
     try:

@@ -123,7 +123,10 @@ def lock(protected):
     abi, why = landlock_abi()
     if abi < 1:
         raise OSError(errno.ENOSYS, why)
+    # A protected path that is a symbolic link protects its target too (the target's own
+    # directory would otherwise give it a rule).
     protected = [p for p in protected if os.path.exists(p)]
+    protected = sorted({*protected, *(os.path.realpath(p) for p in protected)})
     libc = _libc()
     attr = struct.pack("=Q", LANDLOCK_ACCESS_FS_READ_FILE)  # handled_access_fs only (ABI 1)
     buf = ctypes.create_string_buffer(attr, len(attr))

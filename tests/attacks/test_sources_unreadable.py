@@ -188,12 +188,18 @@ HONEST_TESTS = (
 
 def test_honest_scratch_data_and_own_source():
     """A correct fix whose test writes and reads scratch files (in-process and in a child),
-    reads a data file beside the tests through a child, reads its own source, and starts an
-    interpreter importing the code: passes unflagged under the lock."""
+    reads a data file beside the tests through a child, reads its own source, uses a fixture of
+    a ``conftest.py``, and starts an interpreter importing the code: passes unflagged under the
+    lock."""
     task = half_task()
     files = dict(task.files)
     files["tests/test_app.py"] = HONEST_TESTS
     files["tests/data/cases.txt"] = "8 4\n"
+    # a conftest (read and rewritten by pytest from memory) whose fixture the test uses
+    files["tests/conftest.py"] = "import pytest\n\n\n@pytest.fixture\ndef two():\n    return 2\n"
+    files["tests/test_app.py"] = HONEST_TESTS.replace(
+        "def test_half(tmp_path):\n", "def test_half(tmp_path, two):\n    assert two == 2\n"
+    )
     v = verify(app(FIXED), dataclasses.replace(task, files=files))
     assert_honest(v)
     assert v.source_lock.startswith("landlock"), describe(v)
