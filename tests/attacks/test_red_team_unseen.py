@@ -479,10 +479,6 @@ def test_c4_equality_latched_on_its_first_comparison():
     _run_attack(app(code))
 
 
-@escapes(
-    "gc.get_referents(test function) hands over its code object without the audited "
-    "__code__ read; co_consts give the pairs (evidence only)"
-)
 def test_c4_expected_values_from_code_objects_reached_by_get_referents():
     """The test functions are found in ``sys.modules`` (no frame); their code objects come from
     ``gc.get_referents(function)`` (no ``__code__`` read), their constants are paired into a
