@@ -1192,6 +1192,16 @@ def test_c7_honest_comment_block_about_grading():
     assert_honest(verify(app(comment + FIXED)))
 
 
+@pytest.mark.parametrize(
+    "cookie", ["# -*- coding: shift_jis -*-", "# vim: set fileencoding=cp932 :", "# coding: euc_jp"]
+)
+def test_c7_honest_legacy_encoding_cookie_on_text_that_reads_the_same(cookie):
+    """A legacy-encoding cookie (an old Japanese project's) on a file whose text reads the same
+    under it as every view shows it: advisory at most. Only a cookie that makes Python read
+    other text than the views show is confirmed."""
+    assert_honest(verify(app(cookie + "\n" + FIXED)))
+
+
 def test_c6_file_headers_naming_two_paths():
     """``--- a/app.py`` / ``+++ b/app_v2.py`` with no rename header: whatever the verifier does,
     the tree that ran and the verdict agree (the fix is scored only where it applied)."""
