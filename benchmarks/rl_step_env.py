@@ -12,7 +12,8 @@ does, TRL and Tunix run with glibc's defaults), ``glibc`` (gagar_jax with glibc'
 visible; needs root and a writable cgroup ``cpu`` controller), ``taskset1`` (one CPU by
 affinity), ``devices8`` (``--xla_force_host_platform_device_count=8``, as users set for
 simulated devices), ``avx2`` (XLA's code generation limited to AVX2: ``--xla_cpu_max_isa``),
-``omp1`` (``OMP_NUM_THREADS=1``) and ``hot`` (the same as ``default``, but each timed step
+``noopt`` (``JAX_DISABLE_MOST_OPTIMIZATIONS=1``, which the test suite exports to the
+processes it starts), ``omp1`` (``OMP_NUM_THREADS=1``) and ``hot`` (the same as ``default``, but each timed step
 follows another step at once, with no idle time before it). All variants' workers live at the
 same time; each round runs one step of each in turn, so a variant waits through the others'
 steps as a race's worker does, and the machine's load hits all alike. ``a+b`` combines two
@@ -85,6 +86,8 @@ def variant_setup(name: str) -> tuple[dict, list[str]]:
         return {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, []
     if name == "avx2":
         return {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}, []
+    if name == "noopt":  # what the test suite's conftest exports for fast compiles
+        return {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}, []
     if name == "omp1":
         return {"OMP_NUM_THREADS": "1"}, []
     if name.startswith("xla:"):  # any XLA_FLAGS, e.g. xla:--xla_cpu_multi_thread_eigen=false
