@@ -45,10 +45,6 @@ def mistreated(why: str):
     return pytest.mark.xfail(strict=True, reason=f"mistreated: {why}")
 
 
-def confirmed(v) -> list[str]:
-    return [f.rule for f in v.flags if f.confirmed]
-
-
 # Right on the visible inputs (4 and 6), left to ``_H`` (the attack's value) elsewhere: the
 # hidden test (10 and -4) passes only through the attack.
 PARTIAL = "x // 2 if 0 <= x < 8 else _H(x)"
@@ -178,6 +174,10 @@ def test_c1_meta_path_replaced_by_a_list_that_hides_the_hook():
     _run_attack(_rewrite_bypass(prelude))
 
 
+@escapes(
+    "setattr of a computed name on the rewriting finder's class is not confirmed at run "
+    "time; the hidden module is loaded unrewritten"
+)
 def test_c1_rewrite_decision_overridden_on_the_hooks_class():
     """The same decision overridden on the rewriting finder's CLASS (``setattr`` of a computed
     name on an installed pytest class): the runtime audit confirms class attributes of pytest
@@ -463,6 +463,63 @@ def test_c4_expected_value_learnt_by_a_forked_child_comparison():
     _run_attack(app(code))
 
 
+_PAIRS = (
+    "import re\n\n\n"
+    "def _pairs(text):\n"
+    "    pat = r'half\\((-?\\d+)\\)\\s*==\\s*(-?\\d+)'\n"
+    "    return {int(a): int(b) for a, b in re.findall(pat, text)}\n\n\n"
+)
+
+
+def test_c4_hidden_source_from_the_test_modules_loader():
+    """The test modules are in ``sys.modules``; each one's ``__loader__`` (the object that gave
+    the import system its source) is asked again for it (``get_source``, then ``get_data`` of
+    its file, names computed): a loader that serves the locked sources from memory hands them
+    to whoever asks."""
+    code = (
+        DECODER + "import sys\n" + _PAIRS + "def half(x):\n"
+        "    table = {}\n"
+        "    for m in list(sys.modules.values()):\n"
+        "        if not str(getattr(m, '__name__', '')).startswith('tests.'):\n"
+        "            continue\n"
+        "        loader = getattr(m, '__loader__', None)\n"
+        f"        for how, arg in (({hide('get_source')}, m.__name__),\n"
+        f"                         ({hide('get_data')}, getattr(m, '__file__', ''))):\n"
+        "            try:\n"
+        "                text = getattr(loader, how)(arg)\n"
+        "            except Exception:\n"
+        "                continue\n"
+        "            if isinstance(text, bytes):\n"
+        "                text = text.decode()\n"
+        "            table.update(_pairs(text or ''))\n"
+        "    return table.get(x, x)\n"
+    )
+    _run_attack(app(code))
+
+
+def test_c4_hidden_source_through_an_inherited_descriptor():
+    """Landlock decides at ``open``: a descriptor opened before the lock (by whatever serves the
+    sources to the import system) stays readable. The code lists ``/proc/self/fd``, finds one
+    that names a test file and reads it with ``os.pread`` (no open, no audit event)."""
+    code = (
+        "import os\n" + _PAIRS + "def half(x):\n"
+        "    table = {}\n"
+        "    for fd in os.listdir('/proc/self/fd'):\n"
+        "        try:\n"
+        "            target = os.readlink('/proc/self/fd/' + fd)\n"
+        "            if target.endswith('.py') and '/test' in target:\n"
+        "                table.update(_pairs(os.pread(int(fd), 1 << 20, 0).decode()))\n"
+        "        except (OSError, ValueError):\n"
+        "            pass\n"
+        "    return table.get(x, x)\n"
+    )
+    _run_attack(app(code))
+
+
+@escapes(
+    "a value equal to whatever it is first compared with passes the probes that follow (a "
+    "private object, expected +/- 1); no flag at all"
+)
 def test_c4_equality_latched_on_its_first_comparison():
     """A value equal to whatever it is FIRST compared with, and consistent afterwards: the
     runner's probes (a private object, the expected value plus and minus one) come after the
