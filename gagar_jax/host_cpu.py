@@ -248,8 +248,8 @@ def prepare_cpu_host(*, platform: str | None = None, log: logging.Logger | None 
     global _prepared
     if _prepared is not None:
         return _prepared
-    from gagar_jax.update.malloc import accelerator_plugin, keep_heap
-
+    malloc = _malloc()
+    accelerator_plugin, keep_heap = malloc.accelerator_plugin, malloc.keep_heap
     log = log or logging.getLogger(__name__)
     on_cpu = accelerator_plugin() is None if platform is None else platform == "cpu"
     late = _backend_started()
@@ -268,6 +268,21 @@ def prepare_cpu_host(*, platform: str | None = None, log: logging.Logger | None 
             log.warning("%s", w)
     _prepared = {"keep_heap": kept, "late": late, "warnings": warnings, "facts": facts}
     return _prepared
+
+
+def _malloc():
+    """``gagar_jax.update.malloc``, loaded without its package (whose import brings in JAX and
+    starts a thread that takes an allocator arena of its own before the setting is made)."""
+    mod = sys.modules.get("gagar_jax.update.malloc")
+    if mod is not None:
+        return mod
+    import importlib.util
+
+    path = Path(__file__).resolve().parent / "update" / "malloc.py"
+    spec = importlib.util.spec_from_file_location("gagar_jax._malloc_standalone", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _backend_started() -> bool:
