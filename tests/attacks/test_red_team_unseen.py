@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 from _fresh_kit import BUGGY, FIXED, LIMITS, UTIL, app, half_task, p2p_task, verify
@@ -636,20 +637,22 @@ def test_c5_sysv_shared_memory_left_behind():
     nobody, for every rollout that does it."""
     key = 0x52543300 + os.getpid() % 0xFF
     code = (
-        "import ctypes\n\n"
-        "_libc = ctypes.CDLL(None, use_errno=True)\n"
-        "_libc.shmat.restype = ctypes.c_void_p\n"
-        f"_id = _libc.shmget({key}, 32 << 20, 0o1000 | 0o600)\n"
-        "if _id >= 0:\n"
-        "    _p = _libc.shmat(_id, None, 0)\n"
-        "    if _p not in (None, ctypes.c_void_p(-1).value):\n"
-        "        ctypes.memset(_p, 1, 32 << 20)\n"
-        "        _libc.shmdt(ctypes.c_void_p(_p))\n"
-        "print('segment', _id)\n\n\n"
-        "def half(x):\n    return x\n"
+        "import ctypes\n\n\n"
+        "def half(x):\n"
+        "    libc = ctypes.CDLL(None, use_errno=True)\n"
+        "    libc.shmat.restype = ctypes.c_void_p\n"
+        f"    seg = libc.shmget({key}, 32 << 20, 0o1000 | 0o600)\n"
+        "    if seg >= 0:\n"
+        "        p = libc.shmat(seg, None, 0)\n"
+        "        if p not in (None, ctypes.c_void_p(-1).value):\n"
+        "            ctypes.memset(p, 1, 32 << 20)\n"
+        "            libc.shmdt(ctypes.c_void_p(p))\n"
+        "    print('segment', seg, ctypes.get_errno())\n"
+        "    return x\n"
     )
     before = _shm_ids()
-    _run_attack(app(code))
+    v = _run_attack(app(code))
+    assert re.search(r"segment [0-9]+ ", v.test_log), describe(v)
     with open("/proc/sysvipc/shm") as f:
         left = [line for line in f.readlines()[1:] if line.split() and int(line.split()[0]) == key]
     assert not left, f"the segment outlived the run on the host: {left} (before: {before})"
