@@ -37,11 +37,14 @@ framework's own function boundaries; medians over rounds are reported with the m
 average before and after. What could not be made equal is listed by ``--notes`` and in the docs
 page ``docs/benchmarks_rl_step.md``.
 
-``--keep-heap`` starts every framework's worker with glibc's allocator keeping the memory it
-frees (``GLIBC_TUNABLES``: one arena, no ``mmap`` for large blocks, no trimming; the setting
-``gagar_jax.update.malloc.keep_heap`` applies in ``scripts/train.py``), the same for all three.
-Without it every worker runs with glibc's defaults. Large buffers freed and allocated again each
-step are then returned to the system and faulted in afresh.
+The heap: by default each framework's worker runs as the framework sets up its process.
+gagar_jax's worker calls ``gagar_jax.host_cpu.prepare_cpu_host`` as its trainer does, which on a
+CPU keeps the memory glibc frees for reuse (``gagar_jax.update.malloc.keep_heap``: one arena, no
+``mmap`` for large blocks, no trimming); TRL and Tunix run with glibc's defaults, under which the
+large buffers a step frees are returned to the kernel and faulted in afresh the next step.
+``--keep-heap`` gives every worker the kept heap (``GLIBC_TUNABLES``), ``--glibc-heap`` every
+worker glibc's defaults (gagar_jax's with ``GAGAR_MALLOC_KEEP_HEAP=0``). Each step's page faults,
+CPU seconds and context switches are printed below its table (``getrusage`` of the worker).
 
 ``--check`` starts every worker on the initial weights and compares, before any step, (1) the
 log-probabilities each framework's own training-side scoring gives the first tokens of a fixed
@@ -105,10 +108,11 @@ CHECK_REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.5, 0.0, 1.0, 0.25, 0.
 CHECK_GROUP = 4  # CHECK_REWARDS as 4 groups of 4
 
 NOTES = [
-    "The allocator: every worker runs with glibc's defaults, or with --keep-heap every worker "
-    "keeps the memory it frees (the same GLIBC_TUNABLES for all; gagar_jax's scripts/train.py "
-    "applies this setting with mallopt, TRL and Tunix leave glibc's defaults). The header line "
-    "says which.",
+    "The allocator: each worker as its framework sets up its process: gagar_jax keeps the "
+    "memory glibc frees for reuse (its trainer's prepare_cpu_host, on a CPU), TRL and Tunix "
+    "run with glibc's defaults, which return a step's large freed buffers to the kernel (the "
+    "per-step page faults are printed under each table). --keep-heap gives every worker the "
+    "kept heap, --glibc-heap every worker glibc's defaults. The header line says which.",
     "TRL samples with transformers' generate on the trained model (no separate generator, so "
     "its sync phase is zero); gagar_jax samples with its embedded jitted sampler and syncs a "
     "copy of the weights into it; Tunix samples with its vanilla JAX sampler and syncs its "
@@ -305,10 +309,12 @@ KEEP_HEAP_TUNABLES = (
 )
 
 
-def worker_env(framework: str, keep_heap: bool) -> dict:
+def worker_env(framework: str, keep_heap: bool, glibc_heap: bool = False) -> dict:
     """The environment of ``framework``'s worker process: this one's, with the offline
     switches, its host devices and, with ``keep_heap``, :data:`KEEP_HEAP_TUNABLES` (without
-    it, glibc's defaults: any ``GLIBC_TUNABLES`` of this process is dropped)."""
+    it, any ``GLIBC_TUNABLES`` of this process is dropped). ``glibc_heap``: gagar_jax's worker
+    leaves glibc's defaults too (``GAGAR_MALLOC_KEEP_HEAP=0``); without it, it keeps the heap
+    as its trainer does."""
     env = dict(os.environ)
     inherited = env.get("PYTHONPATH", "") if env.get(PYTHON_ENV) else ""
     own = [str(ROOT)] if is_gagar(framework) else []
@@ -329,8 +335,9 @@ def worker_env(framework: str, keep_heap: bool) -> dict:
     env.pop("GLIBC_TUNABLES", None)
     if keep_heap:
         env["GLIBC_TUNABLES"] = KEEP_HEAP_TUNABLES
-    # The gagar_jax worker does not apply keep_heap itself: the heap is the race's setting.
-    env["GAGAR_MALLOC_KEEP_HEAP"] = "0"
+    env.pop("GAGAR_MALLOC_KEEP_HEAP", None)
+    if glibc_heap:
+        env["GAGAR_MALLOC_KEEP_HEAP"] = "0"
     return env
 
 
@@ -345,7 +352,7 @@ class WorkerProc:
         env_extra: dict | None = None,
         prefix: list[str] | None = None,
     ):
-        env = worker_env(framework, bool(spec.get("keep_heap")))
+        env = worker_env(framework, bool(spec.get("keep_heap")), bool(spec.get("glibc_heap")))
         env.update(env_extra or {})
         self.framework = framework
         self.log = open(log_path, "w")
@@ -493,7 +500,13 @@ def race(args) -> int:
     )
     print(
         f"cpus: {os.cpu_count()}; accelerator: {accelerator}; heap: "
-        + ("kept in every worker (--keep-heap)" if args.keep_heap else "glibc's defaults")
+        + (
+            "kept in every worker (--keep-heap)"
+            if args.keep_heap
+            else "glibc's defaults in every worker (--glibc-heap)"
+            if args.glibc_heap
+            else "gagar_jax kept (as its trainer sets it on a CPU), TRL and Tunix glibc's defaults"
+        )
         + f"; start: {_load()}"
     )
     print(f"host: {host_description()}")
@@ -509,6 +522,7 @@ def race(args) -> int:
             epsilon=EPSILON,
             max_grad_norm=MAX_GRAD_NORM,
             keep_heap=bool(args.keep_heap),
+            glibc_heap=bool(args.glibc_heap),
         )
         progress(f"[{shape_name}] equal-configuration check")
         checks = run_check(frameworks, spec, logdir)
@@ -577,6 +591,7 @@ def race(args) -> int:
             warm=warm,
             load=(load_before, load_after),
             keep_heap=bool(args.keep_heap),
+            glibc_heap=bool(args.glibc_heap),
         )
         print_table(shape_name, label, recs, setup, warm, load_before, load_after, rounds)
         peak = gemm_peak()
@@ -919,6 +934,7 @@ def _gagar_worker(spec: dict) -> None:
     from transformers import AutoTokenizer
 
     from gagar_jax.advantages import gagar_advantages
+    from gagar_jax.host_cpu import prepare_cpu_host
     from gagar_jax.models import load_hf_safetensors
     from gagar_jax.rl.collect import Group, Rollout, pack_groups
     from gagar_jax.rl.engines import sampler_mesh
@@ -933,6 +949,9 @@ def _gagar_worker(spec: dict) -> None:
     )
     from gagar_jax.update.step import chunked_token_logprobs_and_entropy
 
+    # As the trainer sets up its process (on a CPU: the heap kept, unless
+    # GAGAR_MALLOC_KEEP_HEAP=0), before the first buffers are allocated.
+    prepare_cpu_host(platform=jax.devices()[0].platform)
     meta = json.loads((Path(spec["assets"]) / "bench-assets.json").read_text())
     tok = AutoTokenizer.from_pretrained(spec["assets"])
     cfg, model = load_hf_safetensors(spec["assets"])
@@ -1408,6 +1427,12 @@ def main():
         action="store_true",
         help="every worker keeps the memory glibc frees (GLIBC_TUNABLES; default: glibc's "
         "defaults in every worker)",
+    )
+    parser.add_argument(
+        "--glibc-heap",
+        action="store_true",
+        help="every worker with glibc's allocator defaults, gagar_jax's too "
+        "(GAGAR_MALLOC_KEEP_HEAP=0; default: gagar_jax keeps its heap as its trainer does)",
     )
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--spec", default="", help=argparse.SUPPRESS)

@@ -5,15 +5,19 @@
         --variants gagar_jax:default,gagar_jax:quota1,trl:default --rounds 6
 
 Each variant is a framework (``gagar_jax``, ``trl``, ``tunix``: the race's workers) started in
-an environment of its own: ``default`` (the race's), ``keep_heap`` (glibc keeps the memory it
-frees: ``GLIBC_TUNABLES``), ``quota1`` (a cgroup CPU quota of one CPU while both CPUs stay
+an environment of its own: ``default`` (the race's: gagar_jax keeps its heap as its trainer
+does, TRL and Tunix run with glibc's defaults), ``glibc`` (gagar_jax with glibc's defaults too:
+``GAGAR_MALLOC_KEEP_HEAP=0``), ``keep_heap`` (glibc keeps the memory it frees:
+``GLIBC_TUNABLES``), ``quota1`` (a cgroup CPU quota of one CPU while both CPUs stay
 visible; needs root and a writable cgroup ``cpu`` controller), ``taskset1`` (one CPU by
 affinity), ``devices8`` (``--xla_force_host_platform_device_count=8``, as users set for
 simulated devices), ``avx2`` (XLA's code generation limited to AVX2: ``--xla_cpu_max_isa``),
-``omp1`` (``OMP_NUM_THREADS=1``) and ``hot`` (the same as ``default``, but each timed step
+``noopt`` (``JAX_DISABLE_MOST_OPTIMIZATIONS=1``, which the test suite exports to the
+processes it starts), ``omp1`` (``OMP_NUM_THREADS=1``) and ``hot`` (the same as ``default``, but each timed step
 follows another step at once, with no idle time before it). All variants' workers live at the
 same time; each round runs one step of each in turn, so a variant waits through the others'
-steps as a race's worker does, and the machine's load hits all alike.
+steps as a race's worker does, and the machine's load hits all alike. ``a+b`` combines two
+variants (``glibc+quota1``).
 
 Per variant and step it prints the medians of the wall seconds, the CPU seconds (user and
 kernel), the minor page faults and the context switches (voluntary, involuntary) the kernel
@@ -57,11 +61,22 @@ def _quota_prefix(cpus: float) -> list[str]:
 
 
 def variant_setup(name: str) -> tuple[dict, list[str]]:
-    """(environment additions, command prefix) of a variant."""
+    """(environment additions, command prefix) of a variant; ``a+b`` combines two."""
+    if "+" in name:
+        env, prefix = {}, []
+        for part in name.split("+"):
+            e, p = variant_setup(part)
+            if "XLA_FLAGS" in e and "XLA_FLAGS" in env:
+                e = dict(e, XLA_FLAGS=env["XLA_FLAGS"] + " " + e["XLA_FLAGS"])
+            env.update(e)
+            prefix += p
+        return env, prefix
     if name in ("default", "hot"):
         return {}, []
     if name == "keep_heap":
         return {"GLIBC_TUNABLES": rl_step.KEEP_HEAP_TUNABLES}, []
+    if name == "glibc":  # gagar_jax's worker without its trainer's kept heap
+        return {"GAGAR_MALLOC_KEEP_HEAP": "0"}, []
     if name.startswith("quota"):
         return {}, _quota_prefix(float(name[len("quota") :]))
     if name.startswith("taskset"):
@@ -71,6 +86,8 @@ def variant_setup(name: str) -> tuple[dict, list[str]]:
         return {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, []
     if name == "avx2":
         return {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}, []
+    if name == "noopt":  # what the test suite's conftest exports for fast compiles
+        return {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}, []
     if name == "omp1":
         return {"OMP_NUM_THREADS": "1"}, []
     if name.startswith("xla:"):  # any XLA_FLAGS, e.g. xla:--xla_cpu_multi_thread_eigen=false
@@ -85,8 +102,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--variants",
-        default="gagar_jax:default,gagar_jax:hot,gagar_jax:keep_heap,gagar_jax:quota1,"
-        "gagar_jax:taskset1,gagar_jax:devices8,gagar_jax:avx2,trl:default,trl:quota1",
+        default="gagar_jax:glibc,gagar_jax:default,gagar_jax:glibc+quota1,"
+        "gagar_jax:glibc+devices8,gagar_jax:glibc+avx2,trl:default,trl:quota1,tunix:default",
         help="comma list of framework:variant",
     )
     parser.add_argument("--shape", default="rl")
@@ -136,7 +153,13 @@ def main() -> int:
             for (fw, var), w in workers.items():
                 if var == "hot":
                     w.send("step")
-                recs[(fw, var)].append(w.send("step"))
+                rec = w.send("step")
+                recs[(fw, var)].append(rec)
+                print(
+                    f"round {i + 1} {fw}:{var} "
+                    + " ".join(f"{c} {rec.get(c, 0.0):.3f}" for c in COLUMNS),
+                    flush=True,
+                )
             rl_step.progress(f"round {i + 1} of {args.rounds} done")
         load_after = os.getloadavg()
     finally:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 _ENV_PREFIXES = ("XLA_", "JAX_", "TF_", "OMP_", "MKL_", "OPENBLAS_", "GLIBC_", "MALLOC_")
 _ENV_SKIP = ("TF_CLI_CONFIG_FILE",)  # terraform's, not TensorFlow's
+_TRUE = ("1", "true", "yes", "on")
 _PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
 
 
@@ -230,7 +231,9 @@ def prepare_cpu_host(*, platform: str = "cpu", log: logging.Logger | None = None
     costs what the host makes it cost. It logs :func:`describe` and a warning for each fact that
     slows CPU steps: a cgroup CPU quota below the CPUs XLA:CPU sizes its thread pool for (the
     affinity), more simulated host devices (``--xla_force_host_platform_device_count``) than
-    CPUs to run them, and freed memory handed back to the hypervisor while the heap is not kept.
+    CPUs to run them, XLA's optimisations turned off (``JAX_DISABLE_MOST_OPTIMIZATIONS``, which
+    test suites export for fast compiles, or ``--xla_backend_optimization_level=0``), and freed
+    memory handed back to the hypervisor while the heap is not kept.
 
     Returns ``{"keep_heap": applied, "warnings": [...], "facts": host_facts()}``.
     """
@@ -271,6 +274,14 @@ def cpu_warnings(facts: dict, *, keep_heap_applied: bool) -> list[str]:
                     f"XLA_FLAGS asks for {n} simulated host devices on "
                     f"{facts['effective_cpus']} CPUs: every device program shares them"
                 )
+    if facts["env"].get("JAX_DISABLE_MOST_OPTIMIZATIONS", "").strip().lower() in _TRUE:
+        out.append(
+            "JAX_DISABLE_MOST_OPTIMIZATIONS is set (a test suite's fast-compile setting): XLA "
+            "compiles without its backend optimisations and the step's fused loops run slower"
+        )
+    for word in flags.split():
+        if word.startswith("--xla_backend_optimization_level=") and word.endswith("=0"):
+            out.append(f"XLA_FLAGS holds {word}: the step's fused loops run unoptimised")
     pr = facts["page_reporting"]
     if pr is not None and pr.get("balloon") and not keep_heap_applied:
         out.append(

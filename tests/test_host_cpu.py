@@ -91,6 +91,14 @@ def test_cpu_warnings_name_each_slowing_fact():
         keep_heap_applied=True,
     )
     assert "8 simulated host devices on 2 CPUs" in w
+    (w,) = host_cpu.cpu_warnings(
+        _facts(env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}), keep_heap_applied=True
+    )
+    assert "JAX_DISABLE_MOST_OPTIMIZATIONS" in w
+    (w,) = host_cpu.cpu_warnings(
+        _facts(env={"XLA_FLAGS": "--xla_backend_optimization_level=0"}), keep_heap_applied=True
+    )
+    assert "unoptimised" in w
     reporting = {"page_reporting_order": 9, "balloon": True}
     assert host_cpu.cpu_warnings(_facts(page_reporting=reporting), keep_heap_applied=True) == []
     (w,) = host_cpu.cpu_warnings(_facts(page_reporting=reporting), keep_heap_applied=False)
