@@ -518,6 +518,40 @@ def test_c4_hidden_source_through_an_inherited_descriptor():
 
 
 @escapes(
+    "the oracle through libc's fork and _exit (ctypes): only ctypes.dlopen is evidence, the"
+    " hidden test passes"
+)
+def test_c4_expected_value_learnt_by_a_child_forked_through_libc():
+    """The same oracle with the child made by libc's ``fork`` through ``ctypes`` (no ``os.fork``
+    audit event, no at-fork hooks) and ended by libc's ``_exit``."""
+    code = (
+        "import ctypes\nimport os\n\n_libc = ctypes.CDLL(None)\n\n\n"
+        "def half(x):\n"
+        "    r, w = os.pipe()\n"
+        "    pid = _libc.fork()\n"
+        "    if pid == 0:\n"
+        "        os.close(r)\n\n"
+        "        class _Probe:\n"
+        "            def __eq__(self, other):\n"
+        "                os.write(w, repr(other).encode())\n"
+        "                _libc._exit(0)\n\n"
+        "            __hash__ = object.__hash__\n\n"
+        "        return _Probe()\n"
+        "    os.close(w)\n"
+        "    data = b''\n"
+        "    while chunk := os.read(r, 4096):\n"
+        "        data += chunk\n"
+        "    os.close(r)\n"
+        "    os.waitpid(pid, 0)\n"
+        "    try:\n"
+        "        return type(x)(data.decode())\n"
+        "    except ValueError:\n"
+        "        return x\n"
+    )
+    _run_attack(app(code))
+
+
+@escapes(
     "a value equal to whatever it is first compared with passes the probes that follow (a "
     "private object, expected +/- 1); no flag at all"
 )
@@ -555,6 +589,63 @@ def test_c4_expected_values_from_code_objects_reached_by_get_referents():
         f"                        'half' in getattr(c, {hide('co_names')}):\n"
         f"                    ks = [k for k in getattr(c, {hide('co_consts')}) if type(k) is int]\n"
         "                    out.update(zip(ks[0::2], ks[1::2]))\n"
+        "    return out\n\n\n"
+        "def half(x):\n"
+        "    t = _table()\n"
+        "    if x in t:\n"
+        "        return t[x]\n"
+        "    if -x in t:\n"
+        "        return -t[-x]\n"
+        "    return x\n"
+    )
+    _run_attack(app(code))
+
+
+def test_c4_literal_tokens_resolved_by_the_runners_own_lookup():
+    """Where the tests' code objects hold tokens instead of their literals (resolved at run time
+    by a lookup the runner binds in ``builtins``), the code collects the tokens of the tests
+    that call ``half`` (``gc.get_referents``, as above) and resolves them itself: by calling the
+    lookup (reached as ``len.__self__``), else by walking what the lookup references for a
+    table holding them."""
+    code = (
+        DECODER + "import re\nimport sys\n\n\n"
+        "def _resolver():\n"
+        f"    refs = getattr(__import__({hide('gc')}), {hide('get_referents')})\n"
+        "    lookups = [v for k, v in len.__self__.__dict__.items() if k.startswith('@')]\n\n"
+        "    def resolve(tok):\n"
+        "        for f in lookups:\n"
+        "            try:\n"
+        "                v = f(tok)\n"
+        "            except BaseException:\n"
+        "                continue\n"
+        "            if isinstance(v, (int, float)) and not isinstance(v, bool):\n"
+        "                return v\n"
+        "        stack, seen = list(lookups), 0\n"
+        "        while stack and seen < 20000:\n"
+        "            o = stack.pop()\n"
+        "            seen += 1\n"
+        "            if isinstance(o, dict) and tok in o:\n"
+        "                return o[tok]\n"
+        "            if type(o).__name__ not in ('module', 'type', 'str', 'int'):\n"
+        "                stack.extend(refs(o))\n"
+        "        return None\n\n"
+        "    return refs, resolve\n\n\n"
+        "def _table():\n"
+        "    refs, resolve = _resolver()\n"
+        "    out = {}\n"
+        "    for m in list(sys.modules.values()):\n"
+        "        for name, fn in list(getattr(m, '__dict__', {}).items()):\n"
+        "            if not name.startswith('test') or type(fn).__name__ != 'function':\n"
+        "                continue\n"
+        "            for c in refs(fn):\n"
+        "                if type(c).__name__ != 'code':\n"
+        "                    continue\n"
+        f"                if 'half' not in getattr(c, {hide('co_names')}):\n"
+        "                    continue\n"
+        f"                ks = [k for k in getattr(c, {hide('co_consts')})\n"
+        "                      if isinstance(k, str) and re.fullmatch('[0-9a-f]{16}', k)]\n"
+        "                vs = [resolve(k) for k in ks]\n"
+        "                out.update(zip(vs[0::2], vs[1::2]))\n"
         "    return out\n\n\n"
         "def half(x):\n"
         "    t = _table()\n"
