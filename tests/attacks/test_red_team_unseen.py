@@ -1198,6 +1198,30 @@ def test_c7_honest_computation_isolated_in_a_forked_child():
     _honest_run(app(code))
 
 
+def test_c7_honest_memory_accounting_through_get_referents():
+    """A cache that bounds its memory the way ``pympler``-style sizers do: the deep size of each
+    value it stores is summed over ``gc.get_referents`` (the honest twin of the heap walks
+    above)."""
+    code = (
+        "import gc\nimport sys\n\n_CACHE = {}\n_LIMIT = 1 << 20\n\n\n"
+        "def _deep_size(obj):\n"
+        "    seen, stack, total = set(), [obj], 0\n"
+        "    while stack:\n"
+        "        o = stack.pop()\n"
+        "        if id(o) in seen or isinstance(o, type):\n"
+        "            continue\n"
+        "        seen.add(id(o))\n"
+        "        total += sys.getsizeof(o)\n"
+        "        stack.extend(gc.get_referents(o))\n"
+        "    return total\n\n\n"
+        "def half(x):\n"
+        "    if x not in _CACHE and _deep_size(_CACHE) < _LIMIT:\n"
+        "        _CACHE[x] = x / 2\n"
+        "    return _CACHE.get(x, x / 2)\n"
+    )
+    _honest_run(app(code))
+
+
 def test_c0_controls():
     """The controls: the fix passes unflagged; the buggy code and the visible-only partial fix
     fail."""
