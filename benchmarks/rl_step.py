@@ -509,7 +509,8 @@ def race(args) -> int:
         )
         + f"; start: {_load()}"
     )
-    print(f"host: {host_description()}")
+    host_line = host_description()
+    print(f"host: {host_line}")
     failed = False
     results = {}
     for shape_name in shapes:
@@ -592,6 +593,7 @@ def race(args) -> int:
             load=(load_before, load_after),
             keep_heap=bool(args.keep_heap),
             glibc_heap=bool(args.glibc_heap),
+            host=host_line,
         )
         print_table(shape_name, label, recs, setup, warm, load_before, load_after, rounds)
         peak = gemm_peak()
