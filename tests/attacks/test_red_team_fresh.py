@@ -818,6 +818,19 @@ def test_c5_many_program_literals_do_not_stall_the_monitor():
     _not_masked(v, t, 120)
 
 
+def test_c5_many_tables_and_lookups_do_not_stall_the_monitor():
+    """A patch just under 1 MiB of small tables, each looked up in a function named like the
+    tested one (the table rule evaluates lookups on the tested inputs): bounded time."""
+    tables = "".join(f"T{i} = {{'{i}': {i}, '{i + 1}': {i + 1}}}\n" for i in range(12000))
+    lookups = "".join(f"    y = T{i}.get(str(x), y)\n" for i in range(0, 12000, 40))
+    code = tables + "\n\ndef half(x):\n    y = x\n" + lookups + "    return x / 2\n"
+    patch = app(code)
+    assert len(patch) < 1 << 20
+    t = time.monotonic()
+    v = verify(patch)
+    _not_masked(v, t, 120)
+
+
 def _compact_prompt_text(task, patches) -> str:
     from gagar_jax.envs.repo import repo_candidate, repo_workspace
     from gagar_jax.grading import AgenticGrader
