@@ -65,30 +65,42 @@ def _verdict(mean, se):
 
 
 def run_counts(workdir):
-    """(start step, end step, {step: records}) of one run, cached in the run directory."""
+    """(start step, end step, {step: records}) of one run; every evaluated step is kept in a
+    cache in the run directory, and only missing steps are evaluated."""
     from gagar_jax.rl import paired_eval
 
     cache = os.path.join(
         workdir,
         f"paired_eval_{FLAGS.split}_{FLAGS.num_tasks}x{FLAGS.samples}_t{FLAGS.temperature:g}.json",
     )
+    end = FLAGS.end_step
+    if end < 0:  # the last checkpoint: orbax keeps each step in a directory named by it
+        ckpts = os.path.join(workdir, "checkpoints")
+        steps = (
+            sorted(int(d) for d in os.listdir(ckpts) if d.isdigit()) if os.path.isdir(ckpts) else []
+        )
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {ckpts}")
+        end = steps[-1]
+    got = {}
     if os.path.exists(cache):
         with open(cache, encoding="utf-8") as f:
             got = {int(k): v for k, v in json.load(f).items()}
-        end = max(got) if FLAGS.end_step < 0 else FLAGS.end_step
-        if {0, end} <= set(got):
-            return 0, end, got
-    got = paired_eval.checkpoint_pass_counts(
-        workdir,
-        [0, FLAGS.end_step],
-        split=FLAGS.split,
-        num_tasks=FLAGS.num_tasks,
-        samples=FLAGS.samples,
-        temperature=FLAGS.temperature,
-    )
-    with open(cache, "w", encoding="utf-8") as f:
-        json.dump({str(k): v for k, v in got.items()}, f)
-    return 0, max(got), got
+    missing = [s for s in (0, end) if s not in got]
+    if missing:
+        got.update(
+            paired_eval.checkpoint_pass_counts(
+                workdir,
+                missing,
+                split=FLAGS.split,
+                num_tasks=FLAGS.num_tasks,
+                samples=FLAGS.samples,
+                temperature=FLAGS.temperature,
+            )
+        )
+        with open(cache, "w", encoding="utf-8") as f:
+            json.dump({str(k): v for k, v in sorted(got.items())}, f)
+    return 0, end, got
 
 
 def run_summary(start, end, got):

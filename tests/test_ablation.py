@@ -166,3 +166,17 @@ def test_step_fits_and_paired_differences(tmp_path):
     assert d["entropy_drift"] == pytest.approx((0.2, 0.1, 2))  # seed 5 has no gagar partner
     assert d["credit_imbalance"][0] == pytest.approx(0.25)
     assert ablation.paired_differences(summaries, seeds, "binary", "gagar") == {}
+
+
+def test_a_run_without_held_out_evaluation_is_complete_at_its_total_steps(tmp_path):
+    rows = [{"step": s, "phase": "train", "entropy": 0.3} for s in range(10)]
+    assert not ablation.is_complete(rows)  # no final evaluation, no step count: unknown
+    assert ablation.is_complete(rows, total_steps=10)
+    assert not ablation.is_complete(rows[:7], total_steps=10)  # cut short
+    for s, n in ((0, 10), (1, 7)):  # load_runs reads the count from the run's config.json
+        wd = tmp_path / "gagar" / f"seed{s}"
+        _write_run(wd, entropy=[0.3] * n, ratio=[1.0] * n, eval_pass=[])
+        (wd / "config.json").write_text(json.dumps({"loop": {"total_steps": 10}}))
+    runs, _, seeds, missing = ablation.load_runs(str(tmp_path), ["gagar"], range(2))
+    assert seeds == {"gagar": [0]} and len(runs["gagar"]) == 1
+    assert missing == [str(tmp_path / "gagar" / "seed1") + " (unfinished)"]

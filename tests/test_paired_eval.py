@@ -1,8 +1,9 @@
 """Paired evaluation: held-out sampling in calls of any size, the same seeds at two
 checkpoints, and the paired statistics (``gagar_jax.rl.paired_eval``, ``train.eval_groups``).
 
-The real embedded sampler over the toy ``smoke`` policy; the checkpoint test trains the smoke
-run itself (3 steps) and evaluates its step-0 and last checkpoints."""
+The real embedded sampler over the toy ``smoke`` policy; the checkpoint tests (``e2e``: about
+a minute on a loaded 2-core machine) train the smoke run itself (3 steps) and evaluate its
+step-0 and last checkpoints."""
 
 import math
 
@@ -89,6 +90,7 @@ def smoke_run(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.e2e
 def test_checkpoint_pass_counts_pairs_the_sft_start_and_the_end(smoke_run):
     got = paired_eval.checkpoint_pass_counts(smoke_run, [0, -1], num_tasks=6, samples=2)
     assert sorted(got) == [0, 3]  # -1 resolved to the last checkpoint
@@ -104,6 +106,14 @@ def test_checkpoint_pass_counts_pairs_the_sft_start_and_the_end(smoke_run):
     assert [r["task_id"] for r in train_split[0]] != [r["task_id"] for r in got[0]]
 
 
+@pytest.mark.e2e
+def test_evaluate_checkpoint_at_other_samples_and_temperature(smoke_run):
+    # the evaluation settings are not the checkpoint's: its config fingerprint still matches
+    metrics, step = train.evaluate_checkpoint(smoke_run, step=0, samples=3, temperature=1.0)
+    assert step == 0 and 0.0 <= metrics["eval_pass_rate"] <= 1.0
+
+
+@pytest.mark.e2e
 def test_checkpoint_pass_counts_names_what_is_wrong(smoke_run, tmp_path):
     with pytest.raises(ValueError, match=r"checkpoints \[7\] not in"):
         paired_eval.checkpoint_pass_counts(smoke_run, [7], num_tasks=2, samples=1)

@@ -83,11 +83,15 @@ def series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list
     return xs, ys
 
 
-def is_complete(rows: Sequence[Mapping[str, Any]]) -> bool:
+def is_complete(rows: Sequence[Mapping[str, Any]], total_steps: int | None = None) -> bool:
     """True when the run reached its final evaluation (the loop evaluates after the last
-    step, at ``step = last train step + 1``); a run still in progress or killed is not."""
+    step, at ``step = last train step + 1``), or, given the run's ``total_steps``, logged its
+    last train step (a run without held-out evaluation); a run still in progress or killed is
+    not."""
     train = [int(r["step"]) for r in rows if r.get("phase") == "train"]
     evals = [int(r["step"]) for r in rows if r.get("phase") == "eval"]
+    if total_steps is not None and train and max(train) + 1 >= total_steps:
+        return True
     return bool(train) and bool(evals) and max(evals) >= max(train) + 1
 
 
@@ -397,13 +401,22 @@ def load_runs(
             except FileNotFoundError:
                 missing.append(wd)
                 continue
-            if not is_complete(rows):
+            if not is_complete(rows, _total_steps(wd)):
                 missing.append(wd + " (unfinished)")
                 continue
             runs.setdefault(mode, []).append(rows)
             summaries.setdefault(mode, []).append(run_summary(rows, window=window))
             done_seeds.setdefault(mode, []).append(s)
     return runs, summaries, done_seeds, missing
+
+
+def _total_steps(workdir: str) -> int | None:
+    """``loop.total_steps`` of the run's ``config.json`` (None without one)."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return int(json.load(f)["loop"]["total_steps"])
 
 
 def run_fit(summaries: Mapping[Any, Sequence[Mapping[str, float]]]) -> dict[str, float]:

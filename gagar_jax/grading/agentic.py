@@ -61,9 +61,11 @@ Compact prompts (``COMPACT_PROMPT_VERSIONS``, ``c1``): for small models with a s
 No tool schemas are sent (``use_tools`` defaults to False for them) and the task message carries,
 per candidate, what ``read_summaries``, ``show_diff`` and ``read_test_log`` would return, cut
 short (``compact_details``): status, file and line counts and monitor flag rules outside the
-envelope; the file paths, the applied hunks' changed lines (first ``COMPACT_DIFF_CHARS``) and the
-test output (last ``COMPACT_LOG_CHARS``) inside one untrusted envelope per passing candidate; a
-failed candidate is one line. The task text is cut to ``COMPACT_TASK_CHARS``. The verdict
+envelope; the file paths (at most ``COMPACT_MAX_FILES``, then a count), the applied hunks'
+changed lines (``views.changed_sections``: ``COMPACT_DIFF_CHARS`` in all, per file under a
+header line, code files first, each file its own share) and the test output (last
+``COMPACT_LOG_CHARS``) inside one untrusted envelope per passing candidate; a failed candidate is
+one line. The task text is cut to ``COMPACT_TASK_CHARS``. The verdict
 format, its validation and the voting are the same as for every other version; what a compact
 prompt loses is everything a tool would have shown beyond the cut (context lines, hunk
 positions, trajectories, the rest of a long diff or log) and the ability to run checks.
@@ -1085,7 +1087,9 @@ def compact_details(view: AnonymisedView) -> str:
                 for f in c.monitor_flags[:40]
             )
         )
-        changed = views.changed_lines(pp)  # the applied hunks' lines, nothing split from text
+        # The applied hunks' lines, nothing split from text: per file, code first, each file
+        # its own share.
+        changed = views.changed_sections(pp, COMPACT_DIFF_CHARS)
         log = c.test_log.strip()
         if len(log) > COMPACT_LOG_CHARS:
             log = "[...] " + log[-COMPACT_LOG_CHARS:]
@@ -1093,7 +1097,7 @@ def compact_details(view: AnonymisedView) -> str:
         body = (
             f"files:\n{views.file_list(pp, COMPACT_MAX_FILES)}\n"
             + (f"{more}\n" if more else "")
-            + f"changes:\n{_clip(changed, COMPACT_DIFF_CHARS)}\ntest output:\n"
+            + f"changes:\n{changed}\ntest output:\n"
             f"{mark(log) if log else '(none)'}"
         )
         blocks.append(

@@ -1081,19 +1081,22 @@ def evaluate_checkpoint(
         raise FileNotFoundError(f"{path} not found: is {workdir} a run directory?")
     with open(path, encoding="utf-8") as f:
         d = json.load(f)
+    run_cfg = RunConfig.from_config_dict(d)  # the checkpoints' own (their fingerprint)
     d["loop"].update(eval_rollouts=samples, eval_temperature=temperature)
     cfg = RunConfig.from_config_dict(d)
     family = build_family(cfg)
     model_config, model = policy.build_model(cfg, family.tokenizer.vocab_size)
     mesh = make_mesh(cfg.mesh.shape)
-    ckpt = policy.checkpointer(cfg, workdir, model_config)
+    ckpt = policy.checkpointer(run_cfg, workdir, model_config)
     try:
         steps = ckpt.all_steps()
         if not steps:
             raise FileNotFoundError(f"no complete checkpoint in {workdir}")
         if step >= 0 and step not in steps:
             raise ValueError(f"checkpoint {step} not in {workdir} (complete ones: {steps})")
-        state, step, ls = policy.restore(ckpt, cfg, model_config, mesh, None if step < 0 else step)
+        state, step, ls = policy.restore(
+            ckpt, run_cfg, model_config, mesh, None if step < 0 else step
+        )
         engine = engines.build_engine(cfg, model, workdir=workdir, pad_id=family.tokenizer.pad_id)
         policy.sync_engine(
             engine,

@@ -570,8 +570,8 @@ def _lock_sources(audit, lock):
     own, other = _protected_sources(audit, root)
     lockmod = _load_runner_module(LOCK_MODULE)
     pristine = lockmod.read_sources(own)
-    if not lock:
-        return pristine, "detection only: the source lock is off"
+    if lock is not True:
+        return pristine, f"detection only: {lock or 'the source lock is off'}"
     try:
         return pristine, lockmod.lock(own + other)
     except OSError as e:

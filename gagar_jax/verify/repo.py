@@ -88,6 +88,7 @@ from gagar_jax.verify.monitor import (
     repo_modules,
 )
 from gagar_jax.verify.sandbox import (
+    ISOLATION,
     TREE_SOURCE,
     Limits,
     SandboxConfig,
@@ -95,6 +96,7 @@ from gagar_jax.verify.sandbox import (
     SandboxUnavailable,
     python_for_sandbox,
     run_sandboxed,
+    select_mechanism,
 )
 
 # Every file name pytest reads configuration from, in its precedence order (pytest 9.2:
@@ -1355,7 +1357,7 @@ def _verify_repo_patch(
             "watch_dirs": watch_dirs,
             "audit": audit_config(task, watch_files, tree_paths, files),
             "test_timeout_s": timeout_s,
-            "source_lock": SOURCE_LOCK,
+            "source_lock": source_lock_wanted(config, container),
         }
         exec_filter = seccomp.host_exec_filter()
         if exec_filter is not None:
@@ -1421,6 +1423,24 @@ def _verify_repo_patch(
         os.close(out_r)
     verdict = _judge(task, result, data, canaries, reset, flags)
     return dataclasses.replace(verdict, pythonpath=tuple(pythonpath))
+
+
+def source_lock_wanted(config: SandboxConfig | None, container: Any = None) -> bool | str:
+    """True where the runner should lock the tests' source (``source_lock.py``), else why not:
+    switched off, or a sandbox without filesystem isolation (the tree is the host's own
+    directory, under the host's shared ``/tmp``, and the task's files are readable elsewhere on
+    the host, so the lock would only cost the scratch space above the tree)."""
+    if not SOURCE_LOCK:
+        return "the source lock is off"
+    if container is not None:
+        return True
+    try:
+        mechanism = select_mechanism(config)
+    except SandboxUnavailable:
+        return True  # the run itself reports the missing sandbox
+    if "filesystem" not in ISOLATION.get(mechanism, frozenset()):
+        return f"no filesystem isolation under {mechanism}"
+    return True
 
 
 def run_order(required: Sequence[str], canaries: Mapping[str, str]) -> list[str]:

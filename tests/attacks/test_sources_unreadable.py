@@ -247,3 +247,14 @@ def test_candidate_audit_hook_is_not_added():
     v = verify(change("app.py", "def half(x):\n    return x\n", code))
     assert_not_paid(v)
     assert "audit_hook_added" in describe(v), describe(v)
+
+
+def test_no_lock_where_the_sandbox_does_not_isolate_the_filesystem():
+    """Under a fallback without filesystem isolation the tree is the host's own directory (and
+    the task's files are readable elsewhere on the host): the lock is not applied, and the
+    verdict says why; an honest fix passes unflagged."""
+    from gagar_jax.verify.sandbox import SandboxConfig
+
+    v = verify(app(FIXED), config=SandboxConfig(mechanism="unshare"))
+    assert_honest(v)
+    assert v.source_lock == "detection only: no filesystem isolation under unshare", describe(v)
