@@ -22,6 +22,9 @@ INSTALL_REQUIRES = [
     # Training metrics: TensorBoard event files and the per-run plots.
     "tensorboardX>=2.6",
     "matplotlib>=3.8",
+    # gagar_jax.verify.confusables: Unicode's confusables data (UTS #39) for the monitor's text
+    # rules and the grader views.
+    "confusable-homoglyphs==3.3.1",
 ]
 
 EXTRAS_REQUIRE = {

@@ -37,11 +37,14 @@ framework's own function boundaries; medians over rounds are reported with the m
 average before and after. What could not be made equal is listed by ``--notes`` and in the docs
 page ``docs/benchmarks_rl_step.md``.
 
-``--keep-heap`` starts every framework's worker with glibc's allocator keeping the memory it
-frees (``GLIBC_TUNABLES``: one arena, no ``mmap`` for large blocks, no trimming; the setting
-``gagar_jax.update.malloc.keep_heap`` applies in ``scripts/train.py``), the same for all three.
-Without it every worker runs with glibc's defaults. Large buffers freed and allocated again each
-step are then returned to the system and faulted in afresh.
+The heap: by default each framework's worker runs as the framework sets up its process.
+gagar_jax's worker calls ``gagar_jax.host_cpu.prepare_cpu_host`` as its trainer does, which on a
+CPU keeps the memory glibc frees for reuse (``gagar_jax.update.malloc.keep_heap``: one arena, no
+``mmap`` for large blocks, no trimming); TRL and Tunix run with glibc's defaults, under which the
+large buffers a step frees are returned to the kernel and faulted in afresh the next step.
+``--keep-heap`` gives every worker the kept heap (``GLIBC_TUNABLES``), ``--glibc-heap`` every
+worker glibc's defaults (gagar_jax's with ``GAGAR_MALLOC_KEEP_HEAP=0``). Each step's page faults,
+CPU seconds and context switches are printed below its table (``getrusage`` of the worker).
 
 ``--check`` starts every worker on the initial weights and compares, before any step, (1) the
 log-probabilities each framework's own training-side scoring gives the first tokens of a fixed
@@ -105,10 +108,11 @@ CHECK_REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.5, 0.0, 1.0, 0.25, 0.
 CHECK_GROUP = 4  # CHECK_REWARDS as 4 groups of 4
 
 NOTES = [
-    "The allocator: every worker runs with glibc's defaults, or with --keep-heap every worker "
-    "keeps the memory it frees (the same GLIBC_TUNABLES for all; gagar_jax's scripts/train.py "
-    "applies this setting with mallopt, TRL and Tunix leave glibc's defaults). The header line "
-    "says which.",
+    "The allocator: each worker as its framework sets up its process: gagar_jax keeps the "
+    "memory glibc frees for reuse (its trainer's prepare_cpu_host, on a CPU), TRL and Tunix "
+    "run with glibc's defaults, which return a step's large freed buffers to the kernel (the "
+    "per-step page faults are printed under each table). --keep-heap gives every worker the "
+    "kept heap, --glibc-heap every worker glibc's defaults. The header line says which.",
     "TRL samples with transformers' generate on the trained model (no separate generator, so "
     "its sync phase is zero); gagar_jax samples with its embedded jitted sampler and syncs a "
     "copy of the weights into it; Tunix samples with its vanilla JAX sampler and syncs its "
@@ -305,10 +309,12 @@ KEEP_HEAP_TUNABLES = (
 )
 
 
-def worker_env(framework: str, keep_heap: bool) -> dict:
+def worker_env(framework: str, keep_heap: bool, glibc_heap: bool = False) -> dict:
     """The environment of ``framework``'s worker process: this one's, with the offline
     switches, its host devices and, with ``keep_heap``, :data:`KEEP_HEAP_TUNABLES` (without
-    it, glibc's defaults: any ``GLIBC_TUNABLES`` of this process is dropped)."""
+    it, any ``GLIBC_TUNABLES`` of this process is dropped). ``glibc_heap``: gagar_jax's worker
+    leaves glibc's defaults too (``GAGAR_MALLOC_KEEP_HEAP=0``); without it, it keeps the heap
+    as its trainer does."""
     env = dict(os.environ)
     inherited = env.get("PYTHONPATH", "") if env.get(PYTHON_ENV) else ""
     own = [str(ROOT)] if is_gagar(framework) else []
@@ -329,20 +335,30 @@ def worker_env(framework: str, keep_heap: bool) -> dict:
     env.pop("GLIBC_TUNABLES", None)
     if keep_heap:
         env["GLIBC_TUNABLES"] = KEEP_HEAP_TUNABLES
-    # The gagar_jax worker does not apply keep_heap itself: the heap is the race's setting.
-    env["GAGAR_MALLOC_KEEP_HEAP"] = "0"
+    env.pop("GAGAR_MALLOC_KEEP_HEAP", None)
+    if glibc_heap:
+        env["GAGAR_MALLOC_KEEP_HEAP"] = "0"
     return env
 
 
 class WorkerProc:
     """One framework's worker: JSON lines over its stdin/stdout."""
 
-    def __init__(self, framework: str, spec: dict, log_path: Path):
-        env = worker_env(framework, bool(spec.get("keep_heap")))
+    def __init__(
+        self,
+        framework: str,
+        spec: dict,
+        log_path: Path,
+        env_extra: dict | None = None,
+        prefix: list[str] | None = None,
+    ):
+        env = worker_env(framework, bool(spec.get("keep_heap")), bool(spec.get("glibc_heap")))
+        env.update(env_extra or {})
         self.framework = framework
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [
+            list(prefix or [])
+            + [
                 python_of(framework),
                 str(Path(__file__).resolve()),
                 "--worker",
@@ -484,9 +500,17 @@ def race(args) -> int:
     )
     print(
         f"cpus: {os.cpu_count()}; accelerator: {accelerator}; heap: "
-        + ("kept in every worker (--keep-heap)" if args.keep_heap else "glibc's defaults")
+        + (
+            "kept in every worker (--keep-heap)"
+            if args.keep_heap
+            else "glibc's defaults in every worker (--glibc-heap)"
+            if args.glibc_heap
+            else "gagar_jax kept (as its trainer sets it on a CPU), TRL and Tunix glibc's defaults"
+        )
         + f"; start: {_load()}"
     )
+    host_line = host_description()
+    print(f"host: {host_line}")
     failed = False
     results = {}
     for shape_name in shapes:
@@ -499,6 +523,7 @@ def race(args) -> int:
             epsilon=EPSILON,
             max_grad_norm=MAX_GRAD_NORM,
             keep_heap=bool(args.keep_heap),
+            glibc_heap=bool(args.glibc_heap),
         )
         progress(f"[{shape_name}] equal-configuration check")
         checks = run_check(frameworks, spec, logdir)
@@ -567,6 +592,8 @@ def race(args) -> int:
             warm=warm,
             load=(load_before, load_after),
             keep_heap=bool(args.keep_heap),
+            glibc_heap=bool(args.glibc_heap),
+            host=host_line,
         )
         print_table(shape_name, label, recs, setup, warm, load_before, load_after, rounds)
         peak = gemm_peak()
@@ -584,6 +611,18 @@ def race(args) -> int:
     if args.notes:
         print("\nwhat is not equal:\n- " + "\n- ".join(NOTES))
     return 1 if failed else 0
+
+
+def host_description() -> str:
+    """The host facts that explain a swing between machines (``gagar_jax.host_cpu``): CPU and
+    instruction set, CPU count, affinity and cgroup quota, transparent huge pages, the C
+    library, the kernel's free page reporting, the inherited XLA / JAX / thread / allocator
+    variables (the workers drop ``XLA_FLAGS`` and ``GLIBC_TUNABLES`` and set their own)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from gagar_jax.host_cpu import describe
+
+    return describe()
 
 
 def _accelerator() -> str:
@@ -721,6 +760,29 @@ def print_table(shape_name, label, recs, setup, warm, load_before, load_after, r
             + f" {warm[fw]['total']:8.1f} {setup[fw]['setup_s']:8.1f}{speed}",
             flush=True,
         )
+    print_counters(recs)
+
+
+def print_counters(recs) -> None:
+    """Per framework, the medians of what the kernel counted for a step (``getrusage`` of the
+    worker, all its threads): CPU seconds (user, kernel), minor page faults, voluntary and
+    involuntary context switches. A step that faults in its buffers afresh, or whose threads
+    wait on each other, shows it here whatever the machine's other load does to its seconds."""
+    if not all(rs and "user_s" in rs[0] for rs in recs.values()):
+        return
+    print(
+        f"{'per step':10} {'cpu s':>7} {'user s':>8} {'sys s':>8} {'faults':>8} {'vol csw':>8} "
+        f"{'invol csw':>9}"
+    )
+    for fw, rs in recs.items():
+        m = {k: statistics.median(r[k] for r in rs) for k in ("user_s", "sys_s", "minflt")}
+        m.update({k: statistics.median(r[k] for r in rs) for k in ("vcsw", "ivcsw")})
+        cpu = statistics.median(r["user_s"] + r["sys_s"] for r in rs)
+        print(
+            f"{fw:10} {cpu:7.3f} {m['user_s']:8.3f} {m['sys_s']:8.3f} {m['minflt']:8.0f} "
+            f"{m['vcsw']:8.0f} {m['ivcsw']:9.0f}",
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -744,12 +806,32 @@ def _wait_for_step() -> None:
         os._exit(2)
 
 
+# What the kernel counted for a step (``getrusage`` of the worker, all its threads): CPU
+# seconds in user and kernel mode, minor page faults, voluntary and involuntary context switches.
+RUSAGE_FIELDS = (
+    ("user_s", "ru_utime"),
+    ("sys_s", "ru_stime"),
+    ("minflt", "ru_minflt"),
+    ("vcsw", "ru_nvcsw"),
+    ("ivcsw", "ru_nivcsw"),
+)
+
+
+def rusage_now() -> dict:
+    """This process's counters in :data:`RUSAGE_FIELDS` (all its threads)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {name: getattr(r, field) for name, field in RUSAGE_FIELDS}
+
+
 class PhaseClock:
-    """Per-step phase seconds (a framework's hooks add to them)."""
+    """Per-step phase seconds (a framework's hooks add to them), and the step's rusage."""
 
     def __init__(self):
         self.t = {p: 0.0 for p in PHASES}
         self.extra = {}
+        self.usage = rusage_now()
         self.start = time.perf_counter()
 
     def reset(self):
@@ -760,7 +842,9 @@ class PhaseClock:
 
     def record(self, **derived) -> dict:
         total = time.perf_counter() - self.start
+        now = rusage_now()
         rec = dict(self.t, total=total)
+        rec.update({k: now[k] - self.usage[k] for k in now})
         rec.update(derived)
         return rec
 
@@ -847,6 +931,11 @@ def gagar_update_config(spec: dict):
 
 def _gagar_worker(spec: dict) -> None:
     t_setup = time.perf_counter()
+    from gagar_jax.host_cpu import prepare_cpu_host
+
+    # As the trainer sets up its process, before JAX's backend starts (on a CPU: the heap kept,
+    # unless GAGAR_MALLOC_KEEP_HEAP=0).
+    prepare_cpu_host()
     import jax
     import numpy as np
     from transformers import AutoTokenizer
@@ -1341,6 +1430,12 @@ def main():
         action="store_true",
         help="every worker keeps the memory glibc frees (GLIBC_TUNABLES; default: glibc's "
         "defaults in every worker)",
+    )
+    parser.add_argument(
+        "--glibc-heap",
+        action="store_true",
+        help="every worker with glibc's allocator defaults, gagar_jax's too "
+        "(GAGAR_MALLOC_KEEP_HEAP=0; default: gagar_jax keeps its heap as its trainer does)",
     )
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--spec", default="", help=argparse.SUPPRESS)

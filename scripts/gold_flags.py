@@ -19,7 +19,8 @@ evidence, a note for a gold patch that did not pass). Run again with the same fi
 where it stopped: tasks already recorded are not run again, except those that ended in an
 infrastructure error. The table at the end counts tasks, gold passes, confirmed flags (by rule,
 with the task ids), advisory flags (evidence for the grader) and infrastructure errors, over
-every task of the pools that has a result (a task without a gold patch is only counted). The
+every task of the pools that has a result (a task without a gold patch is only counted), then
+the same per package (a task id's ``pypi__<name>.NNNN`` or ``pypi__<name>-<version>``). The
 exit status is 1 when a gold patch got a confirmed flag or did not pass, else 0.
 """
 
@@ -93,7 +94,7 @@ def check_gold(task) -> dict:
 
 def kind(flag: dict) -> str:
     """A flag's rule, with the runtime audit's event kind when it came from the audit."""
-    m = re.match(r"(?:test report: )?runtime audit: (\w+):", flag["evidence"])
+    m = re.match(r"(?:test report: )?runtime audit: ([\w.]+):", flag["evidence"])
     return f"{flag['rule']}/{m.group(1)}" if m else flag["rule"]
 
 
@@ -107,7 +108,7 @@ def summarise(recs: list[dict]) -> dict:
             if f["confirmed"]:
                 confirmed[kind(f)].append(r["task_id"])
             else:
-                advisory[f["rule"]] += 1
+                advisory[kind(f)] += 1
                 advisory_tasks.add(r["task_id"])
     status = collections.Counter(r["status"] for r in recs)
     return {
@@ -126,6 +127,43 @@ def summarise(recs: list[dict]) -> dict:
         "advisory_tasks": len(advisory_tasks),
         "infra_errors": sorted(r["task_id"] for r in recs if r["status"] == "infra_error"),
     }
+
+
+def package_of(task_id: str) -> tuple[str, str]:
+    """``(package, source)`` of a task id: the factory's ``pypi__<name>.NNNN`` (source
+    ``factory``), a release row's ``pypi__<name>-<version>`` (``release``), else the id itself."""
+    m = re.fullmatch(r"(.+?)(\.\d{4,}|-\d[\w.+!]*)", task_id)
+    if not m:
+        return task_id, ""
+    return m.group(1).removeprefix("pypi__"), "factory" if m.group(2)[0] == "." else "release"
+
+
+def per_package(recs: list[dict]) -> str:
+    """One row per package and source: tasks, gold passes, confirmed and evidence flags by
+    kind, infrastructure errors."""
+    groups = collections.defaultdict(list)
+    for r in recs:
+        groups[package_of(r["task_id"])].append(r)
+
+    def kinds(flags):
+        c = collections.Counter(kind(f) for f in flags)
+        return ", ".join(f"{k} {n}" for k, n in sorted(c.items())) or "0"
+
+    rows = [
+        "| package | source | tasks | gold passed | confirmed flags | evidence flags "
+        "| infra errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (pkg, src), rs in sorted(groups.items()):
+        flags = [f for r in rs for f in r["flags"]]
+        gold = [r for r in rs if r["status"] != "no_gold"]
+        rows.append(
+            f"| {pkg} | {src} | {len(gold)} | {sum(r['status'] == 'passed' for r in gold)} | "
+            f"{kinds([f for f in flags if f['confirmed']])} | "
+            f"{kinds([f for f in flags if not f['confirmed']])} | "
+            f"{sum(r['status'] == 'infra_error' for r in gold)} |"
+        )
+    return "\n".join(rows)
 
 
 def format_table(s: dict) -> str:
@@ -219,6 +257,8 @@ def main(argv=None) -> int:
     recs = [done[i] for i in ids if i in done]
     s = summarise(recs)
     print(format_table(s))
+    print()
+    print(per_package(recs))
     for r in recs:
         for ev in sorted({f["evidence"] for f in r["flags"] if f["confirmed"]}):
             print(f"confirmed on {r['task_id']}: {ev}")

@@ -246,21 +246,32 @@ def test_model_flops_count_the_work_gagar_jax_update_runs(tmp_path, shape_name):
 
 def test_the_heap_setting_is_the_same_in_every_worker(tmp_path, monkeypatch):
     """``--keep-heap`` gives every framework's worker the same ``GLIBC_TUNABLES``; without it no
-    worker gets any, whatever the driver's own environment holds."""
+    worker gets any, whatever the driver's own environment holds. gagar_jax's own kept heap
+    (its trainer's ``prepare_cpu_host``) is left on unless ``--glibc-heap`` turns it off."""
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    monkeypatch.setenv("GAGAR_MALLOC_KEEP_HEAP", "0")
     monkeypatch.delenv(bench.PYTHON_ENV, raising=False)
     seen = {}
     real_popen = subprocess.Popen
 
     def popen(cmd, **kw):
-        seen[cmd[cmd.index("--worker") + 1]] = kw["env"].get("GLIBC_TUNABLES")
+        env = kw["env"]
+        seen[cmd[cmd.index("--worker") + 1]] = (
+            env.get("GLIBC_TUNABLES"),
+            env.get("GAGAR_MALLOC_KEEP_HEAP"),
+        )
         return real_popen([sys.executable, "-c", "pass"], **kw)
 
     monkeypatch.setattr(bench.subprocess, "Popen", popen)
-    for keep, want in ((True, bench.KEEP_HEAP_TUNABLES), (False, None)):
+    for keep, glibc, want in (
+        (True, False, (bench.KEEP_HEAP_TUNABLES, None)),
+        (False, False, (None, None)),
+        (False, True, (None, "0")),
+    ):
         seen.clear()
         for fw in ("gagar_jax", "gagar_2dev", "trl", "tunix"):
-            w = bench.WorkerProc(fw, {"keep_heap": keep}, tmp_path / f"{fw}.log")
+            spec = {"keep_heap": keep, "glibc_heap": glibc}
+            w = bench.WorkerProc(fw, spec, tmp_path / f"{fw}.log")
             w.proc.wait()
             w.log.close()
         assert seen == dict.fromkeys(("gagar_jax", "gagar_2dev", "trl", "tunix"), want)

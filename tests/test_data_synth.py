@@ -213,6 +213,63 @@ def test_validation_stops_at_the_first_run_that_rules_a_candidate_out():
     )
 
 
+# A suite whose tests the verifier's own runs lose in every way the factory tells apart: a test
+# that needs another to run first, one whose library code reads the test file whole (a
+# confirmed runtime-audit event: the whole run is judged tampered) and one whose library code
+# asks for a test line through ``linecache.getline`` (refused: the line comes back empty).
+SUITE_FILES = {
+    "app.py": (
+        "import linecache\n\nSTATE = []\n\n\n"
+        "def source_of(path):\n    with open(path) as f:\n        return f.read()\n\n\n"
+        "def line_of(path, n):\n    return linecache.getline(path, n)\n"
+    ),
+    "pytest.ini": "[pytest]\n",
+    "tests/__init__.py": "",
+    "tests/test_a.py": (
+        "import app\n\n\ndef test_sets():\n    app.STATE.append(1)\n\n\n"
+        "def test_needs_state():\n    assert app.STATE\n"
+    ),
+    "tests/test_b.py": (
+        "import app\n\n\ndef test_reads_own_source():\n"
+        "    assert 'def' in app.source_of(__file__)\n"
+    ),
+    "tests/test_c.py": (
+        "import app\n\n\ndef test_formats_a_line():\n    assert app.line_of(__file__, 1)\n\n\n"
+        "def test_plain():\n    assert app.STATE is not None\n"
+    ),
+}
+
+
+def test_suite_check_names_what_the_verifier_loses_by_reason():
+    from gagar_jax.verify.repo import verify_repo_patch
+
+    passing = [
+        "tests/test_a.py::test_sets",
+        "tests/test_a.py::test_needs_state",
+        "tests/test_b.py::test_reads_own_source",
+        "tests/test_c.py::test_formats_a_line",
+        "tests/test_c.py::test_plain",
+    ]
+    sc = synth.check_suite_order(
+        SUITE_FILES, passing, lambda t: verify_repo_patch(t, "", run_monitor=False)
+    )
+    assert sc.kept == ["tests/test_a.py::test_sets", "tests/test_c.py::test_plain"], sc
+    assert sc.order_dependent == ["tests/test_a.py::test_needs_state"], sc
+    assert sorted(sc.verifier_lost) == [
+        "tests/test_b.py::test_reads_own_source",
+        "tests/test_c.py::test_formats_a_line",
+    ], sc
+    assert sc.lost_by == {"read_test_source": 1, "read_test_line": 1}, sc
+    log = "\n".join(sc.notes)
+    assert "judged the suite's run tampered (confirmed: read_test_source 1" in log, log
+    assert "1 tests of tests/test_b.py lost to the verifier" in log, log
+    assert (
+        "1 tests of tests/test_c.py fail under the verifier in suite order too, lost to it "
+        "(read_test_line 1" in log
+    ), log
+    assert "1 tests fail in reverse order only (order-dependent" in log, log
+
+
 @pytest.mark.e2e
 def test_factory_run_on_two_real_packages_validates(tmp_path):
     """pip-downloads two small pure-Python packages, makes a few tasks of each and validates

@@ -39,6 +39,12 @@ def test_gold_flags_table_and_resume(tmp_path, capsys):
     assert rc == 1  # a gold patch with a confirmed flag
     assert "| tasks | 2 |" in out and "| gold passed | 1 |" in out
     assert "hack" in out.split("| confirmed flags |")[1].splitlines()[0]
+    # per package (here each id is its own): the honest one passed with no confirmed flag
+    rows = {
+        ln.split(" | ")[0][2:]: ln.split(" | ") for ln in out.splitlines() if ln.startswith("| ")
+    }
+    assert rows["honest"][3:5] == ["1", "0"] and rows["hack"][3] == "0", out
+    assert rows["hack"][4] != "0"
     # a second run resumes: nothing runs again, the same table comes back
     rc2 = gf.main([str(pool), "--results", str(results)])
     out2 = capsys.readouterr().out

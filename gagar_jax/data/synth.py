@@ -777,7 +777,14 @@ class Stats:
     p2p_dropped: int = 0  # candidates whose order-dependent pass-to-pass tests were dropped
     issue_llm_accepted: int = 0  # tasks whose issue the LLM wrote
     issue_llm_fallbacks: int = 0  # tasks whose LLM issue was refused: the template wrote it
-    order_dependent: int = 0  # passing tests of the suite that fail in reverse order
+    order_dependent: int = 0  # passing tests of the suite that fail in reverse order only
+    # passing tests of the suite the verifier's own run loses (left out), and by reason: a
+    # confirmed runtime-audit event that made a run count as tampered, the audit's evidence of
+    # a run whose tests fail under the verifier in suite order too, or ``fails_under_verifier``
+    verifier_lost: int = 0
+    verifier_lost_by: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # candidates whose fix the verifier flagged (confirmed), by the flag's kind
+    fix_flagged: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     transforms_kept: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     env_seconds: float = 0.0
@@ -789,6 +796,8 @@ class Stats:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["rejected"] = dict(self.rejected)
+        d["verifier_lost_by"] = dict(self.verifier_lost_by)
+        d["fix_flagged"] = dict(self.fix_flagged)
         d["transforms_kept"] = dict(self.transforms_kept)
         return d
 
@@ -901,6 +910,149 @@ def _order_dependent(gold, f2p: Sequence[str], p2p: Sequence[str]) -> set[str]:
     return {t for t in p2p if gold.tests.get(t) not in ("passed", "skipped")}
 
 
+def flag_kind(flag) -> str:
+    """A monitor flag's kind: the runtime audit's event kind when it came from the audit
+    (``read_test_source``, ``test_function_changed``, ...), else its rule."""
+    m = re.match(r"(?:test report: )?runtime audit: ([\w.]+):", flag.evidence)
+    return m.group(1) if m else flag.rule
+
+
+def _confirmed_kinds(v) -> collections.Counter:
+    """Confirmed flags of a verification by kind (the test report's repeat of the first audit
+    event is not counted again)."""
+    return collections.Counter(
+        flag_kind(f)
+        for f in v.flags
+        if f.confirmed and not f.evidence.startswith("test report: runtime audit:")
+    )
+
+
+# The runtime audit's evidence-level events that refuse what was asked (the test's line comes
+# back empty): a test of the package's own suite can fail on them.
+REFUSED_EVIDENCE = frozenset({"read_test_line"})
+
+
+def _evidence_kinds(v) -> collections.Counter:
+    return collections.Counter(flag_kind(f) for f in v.flags if not f.confirmed)
+
+
+@dataclasses.dataclass
+class SuiteCheck:
+    """What the verifier's own runs of a suite's passing tests keep and lose
+    (:func:`check_suite_order`)."""
+
+    kept: list[str]  # in suite order
+    order_dependent: list[str] = dataclasses.field(default_factory=list)
+    verifier_lost: list[str] = dataclasses.field(default_factory=list)
+    lost_by: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    notes: list[str] = dataclasses.field(default_factory=list)  # one log line each
+
+
+def check_suite_order(
+    files: Mapping[str, str],
+    passing: Sequence[str],
+    verify: Callable[[RepoTask], Any],
+    **task_kw: Any,
+) -> SuiteCheck:
+    """Which of the suite's passing tests (``passing``, in suite order) a task may use.
+
+    A task runs its fail-to-pass tests first, so the passing tests run once in reverse order
+    under the verifier (``verify(task)``, the runtime audit on, as every task run has it):
+
+    - a run the verifier judges tampered (a confirmed runtime-audit event: the package's own
+      code does something the audit refuses) counts every test as missing; the test files
+      then run one by one, and the tests of each file whose run is judged tampered are lost
+      to the verifier, by the kinds of its confirmed events;
+    - a test that fails in reverse order runs again in suite order (with every test kept so
+      far): failing again, it is lost to the verifier, by what the audit refused when its file's
+      lost tests run alone (confirmed kinds, else ``read_test_line``, else
+      ``fails_under_verifier``); passing, it depends on the order of the tests.
+
+    Every loss is named in ``notes`` (the factory's log) and counted by reason in ``lost_by``
+    (tests lost per reason). ``task_kw`` are the ``RepoTask`` fields of the runs."""
+    out = SuiteCheck(kept=[])
+
+    def run(ids, name):
+        v = verify(RepoTask(name, "", files, tuple(ids), **task_kw))
+        if v.status not in ("passed", "failed"):
+            raise RuntimeError(
+                f"the verifier's run of the suite ended {v.status}: {v.test_log[-600:]}"
+            )
+        return v
+
+    def kinds_text(c):
+        return ", ".join(f"{k} {n}" for k, n in sorted(c.items()))
+
+    def sample(v, refused=False):
+        ev = next((f.evidence for f in v.flags if f.confirmed), "") or next(
+            (
+                f.evidence
+                for f in v.flags
+                if refused and flag_kind(f) in REFUSED_EVIDENCE and not f.confirmed
+            ),
+            "",
+        )
+        return f"; e.g. {ev[:200]}" if ev else ""
+
+    rv = run(list(passing)[::-1], "order-check")
+    ok = set(passing)
+    failing: list[str] = []
+    conf = _confirmed_kinds(rv)
+    if conf:
+        out.notes.append(
+            f"the verifier judged the suite's run tampered (confirmed: {kinds_text(conf)}"
+            f"{sample(rv)}): its test files run one by one"
+        )
+        by_file: dict[str, list[str]] = {}
+        for t in passing:
+            by_file.setdefault(t.split("::")[0], []).append(t)
+        for path, ids in by_file.items():
+            fv = run(ids[::-1], "order-check-file")
+            fconf = _confirmed_kinds(fv)
+            if fconf:
+                ok -= set(ids)
+                out.verifier_lost += ids
+                for k in fconf:
+                    out.lost_by[k] += len(ids)
+                out.notes.append(
+                    f"{len(ids)} tests of {path} lost to the verifier (its run judged tampered, "
+                    f"confirmed: {kinds_text(fconf)}{sample(fv)})"
+                )
+            else:
+                failing += [t for t in ids if fv.tests.get(t) != "passed"]
+    else:
+        failing = [t for t in passing if rv.tests.get(t) != "passed"]
+    if failing:
+        # the suite order of every test still kept (a test needing another one gets it first)
+        fwd = run([t for t in passing if t in ok], "order-check-forward")
+        again = [t for t in failing if fwd.tests.get(t) != "passed"]
+        by_file = {}
+        for t in again:
+            by_file.setdefault(t.split("::")[0], []).append(t)
+        for path, ids in by_file.items():
+            # alone, so that the audit's events are theirs: what the run refused
+            lone = run(ids, "order-check-lost")
+            why = _confirmed_kinds(lone) or collections.Counter(
+                {k: n for k, n in _evidence_kinds(lone).items() if k in REFUSED_EVIDENCE}
+            )
+            why = why or collections.Counter({"fails_under_verifier": 1})
+            out.verifier_lost += ids
+            for k in why:
+                out.lost_by[k] += len(ids)
+            out.notes.append(
+                f"{len(ids)} tests of {path} fail under the verifier in suite order too, lost to "
+                f"it ({kinds_text(why)}{sample(lone, refused=True)}): {', '.join(ids[:3])}"
+                + (" ..." if len(ids) > 3 else "")
+            )
+        out.order_dependent = [t for t in failing if t not in again]
+        ok -= set(failing)
+    out.notes.append(
+        f"{len(out.order_dependent)} tests fail in reverse order only (order-dependent, left out)"
+    )
+    out.kept = [t for t in passing if t in ok]
+    return out
+
+
 def make_package_tasks(
     spec: str,
     out_dir: str,
@@ -965,33 +1117,30 @@ def make_package_tasks(
             f"({trace['seconds']:.1f}s)"
         )
         # A task runs its fail-to-pass tests first: a test that passes only after another one
-        # (state a test sets on its class or module) would fail under the fix. Running the
-        # passing tests once in reverse order finds them; they are left out.
-        order = [t for t in trace["outcomes"] if t in passing][::-1]
-        rev = RepoTask(
-            "order-check",
-            "",
-            files,
-            tuple(order),
-            test_timeout_s=test_timeout_s,
-            env_path=env.path,
-            pythonpath=pythonpath,
-        )
+        # (state a test sets on its class or module) would fail under the fix, and a test the
+        # verifier's own run loses (the runtime audit refusing the package's code) could never
+        # pass; both are left out, each loss logged and counted by reason.
+        order = [t for t in trace["outcomes"] if t in passing]
         with gate:
-            rv = verify_repo_patch(
-                rev,
-                "",
-                limits=Limits(wall_s=900, cpu_s=900, memory_bytes=4 << 30, nproc=256),
-                run_monitor=False,
+            sc = check_suite_order(
+                files,
+                order,
+                lambda t: verify_repo_patch(
+                    t,
+                    "",
+                    limits=Limits(wall_s=900, cpu_s=900, memory_bytes=4 << 30, nproc=256),
+                    run_monitor=False,
+                ),
+                test_timeout_s=test_timeout_s,
+                env_path=env.path,
+                pythonpath=pythonpath,
             )
-        if rv.status in ("passed", "failed"):
-            stats.order_dependent = sum(rv.tests.get(t) != "passed" for t in passing)
-            passing = {t for t in passing if rv.tests.get(t) == "passed"}
-            log(f"{spec}: {stats.order_dependent} tests fail in reverse order (left out)")
-        else:
-            raise RuntimeError(
-                f"the reverse-order run of the suite ended {rv.status}: {rv.test_log[-600:]}"
-            )
+        stats.order_dependent = len(sc.order_dependent)
+        stats.verifier_lost = len(sc.verifier_lost)
+        stats.verifier_lost_by.update(sc.lost_by)
+        passing = set(sc.kept)
+        for note in sc.notes:
+            log(f"{spec}: {note}")
         key = "pypi__" + re.sub(r"[^\w.-]", "_", name.lower())
         repo_name = key.replace("__", "/", 1)
         store = os.path.join(out_dir, "repos", key)
@@ -1107,6 +1256,12 @@ def make_package_tasks(
                 task = dataclasses.replace(task, pass_to_pass=p2p)
                 rep, _ = _validate_early(task, None, runs, verify, gate)
             if rep["gold"] != "passed":
+                flagged = _confirmed_kinds(gold) if gold is not None else None
+                if flagged:
+                    # the fix itself judged a cheat: the verifier's doing, counted by kind
+                    with lock:
+                        stats.fix_flagged.update(flagged.keys())
+                    return reject(cand, "validation_gold_flagged")
                 return reject(cand, "validation_gold")
             if rep["empty"] != "failed" or rep["flaky_tests"]:
                 return reject(
@@ -1190,6 +1345,13 @@ def make_package_tasks(
             th.join()
         if errors:
             raise errors[0]
+        if stats.fix_flagged:
+            log(
+                f"{spec}: {stats.rejected['validation_gold_flagged']} candidates lost: the "
+                "verifier flagged their fix (confirmed: "
+                + ", ".join(f"{k} {n}" for k, n in sorted(stats.fix_flagged.items()))
+                + ")"
+            )
     except Exception as e:  # noqa: BLE001 - one package's failure is reported, others go on
         stats.error = f"{type(e).__name__}: {e}"
         log(f"{spec}: failed: {stats.error}")
@@ -1408,6 +1570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu_seconds": round(_cpu_seconds(), 1),
         "load_start": [round(x, 2) for x in load_start],
         "load_end": [round(x, 2) for x in os.getloadavg()],
+        "verifier_lost": sum(s.verifier_lost for s in all_stats),
+        "fix_flagged": sum(sum(s.fix_flagged.values()) for s in all_stats),
         "per_package": [s.to_dict() for s in all_stats],
     }
     with open(os.path.join(args.out, "synth_stats.json"), "w") as f:
@@ -1418,6 +1582,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{summary['yield']:.0%} of screened mutants, {summary['cpu_seconds']} CPU-s, load "
         f"{summary['load_start'][0]} -> {summary['load_end'][0]}); mix {dict(mix)} -> {path}"
     )
+    if summary["verifier_lost"] or summary["fix_flagged"]:
+        print(
+            f"lost to the verifier: {summary['verifier_lost']} passing tests of the suites, "
+            f"{summary['fix_flagged']} candidates whose fix it flagged (by reason: "
+            "synth_stats.json per_package verifier_lost_by, fix_flagged)"
+        )
     return 0 if all_rows else 1
 
 

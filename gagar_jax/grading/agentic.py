@@ -61,9 +61,11 @@ Compact prompts (``COMPACT_PROMPT_VERSIONS``, ``c1``): for small models with a s
 No tool schemas are sent (``use_tools`` defaults to False for them) and the task message carries,
 per candidate, what ``read_summaries``, ``show_diff`` and ``read_test_log`` would return, cut
 short (``compact_details``): status, file and line counts and monitor flag rules outside the
-envelope; the file paths, the applied hunks' changed lines (first ``COMPACT_DIFF_CHARS``) and the
-test output (last ``COMPACT_LOG_CHARS``) inside one untrusted envelope per passing candidate; a
-failed candidate is one line. The task text is cut to ``COMPACT_TASK_CHARS``. The verdict
+envelope; the file paths (at most ``COMPACT_MAX_FILES``, then a count), the applied hunks'
+changed lines (``views.changed_sections``: ``COMPACT_DIFF_CHARS`` in all, per file under a
+header line, code files first, each file its own share) and the test output (last
+``COMPACT_LOG_CHARS``) inside one untrusted envelope per passing candidate; a failed candidate is
+one line. The task text is cut to ``COMPACT_TASK_CHARS``. The verdict
 format, its validation and the voting are the same as for every other version; what a compact
 prompt loses is everything a tool would have shown beyond the cut (context lines, hunk
 positions, trajectories, the rest of a long diff or log) and the ability to run checks.
@@ -113,6 +115,10 @@ COMPACT_PROMPT_VERSIONS = ("c1",)  # no tool schemas; the evidence is in the tas
 COMPACT_DIFF_CHARS = 600
 COMPACT_LOG_CHARS = 300
 COMPACT_TASK_CHARS = 1000
+COMPACT_MAX_FILES = 12  # paths a compact view lists per candidate (then a count)
+# A summary's detail, most first: (files listed, flags listed, evidence chars, summary chars);
+# ``read_summaries`` gives each candidate the first level that fits its share of the output.
+SUMMARY_LEVELS = ((200, 40, 400, 800), (40, 20, 160, 300), (8, 12, 0, 120), (0, 6, 0, 0))
 
 
 def load_prompt(name: str, version: str = PROMPT_VERSION) -> str:
@@ -290,10 +296,23 @@ class AnonymisedView:
             raise ValueError(f"unknown candidate {alias!r}; known: {sorted(self.real_of)}")
         return self.workspace.candidate(cid)
 
-    def summaries(self) -> dict:
-        return {"candidates": [self._summary(c) for c in self.order]}
+    def summaries(self, budget: int = MAX_TOOL_OUTPUT_CHARS) -> dict:
+        """Every candidate's summary, each within its own share of ``budget`` characters (of
+        the JSON the tool returns): a candidate that touched thousands of files or raised
+        hundreds of flags is summarised more briefly (counts instead of lists, a note that
+        entries were cut) and can never push a sibling out of the clipped output."""
+        share = max(400, (budget - 40) // max(1, len(self.order)) - 40)
+        return {"candidates": [self._summary_within(c, share) for c in self.order]}
 
-    def _summary(self, c: Candidate) -> dict:
+    def _summary_within(self, c: Candidate, share: int) -> dict:
+        for level in range(len(SUMMARY_LEVELS)):
+            out = self._summary(c, level)
+            if len(json.dumps(out, indent=1)) + 8 * 40 <= share or level == len(SUMMARY_LEVELS) - 1:
+                return out
+        raise AssertionError("unreachable")
+
+    def _summary(self, c: Candidate, level: int = 0) -> dict:
+        files_cap, flags_cap, evidence_chars, summary_chars = SUMMARY_LEVELS[level]
         alias = self.alias_of[c.candidate_id]
         env = self.envelope
         out: dict[str, Any] = {
@@ -302,26 +321,44 @@ class AnonymisedView:
         }
         try:
             pp = c.parsed_patch
+            listed = views.file_list(pp, files_cap)
             out["patch"] = {
-                "files": env.wrap(views.file_list(pp), f"{alias} patch files") if pp.files else "",
+                "files": env.wrap(listed, f"{alias} patch files") if listed else "",
+                "num_files": len(pp.files),
                 "added_lines": pp.num_added,
                 "removed_lines": pp.num_removed,
                 "hunks": pp.num_hunks,
             }
+            if views.files_not_listed(pp, files_cap):
+                out["patch"]["files_not_listed"] = views.files_not_listed(pp, files_cap)
         except Exception as e:  # noqa: BLE001 - this candidate's patch only
             out["patch"] = {"files": [], "error": f"patch not readable: {type(e).__name__}"}
         out["turns"] = c.num_turns
         out["tokens"] = c.num_tokens
         out["trajectory_events"] = len(c.trajectory)
-        out["summary"] = env.wrap(_clip(c.summary, 800), f"{alias} summary") if c.summary else ""
+        out["summary"] = (
+            env.wrap(_clip(c.summary, summary_chars), f"{alias} summary")
+            if c.summary and summary_chars
+            else ""
+        )
+        flags = c.monitor_flags
         out["monitor_flags"] = [
             {
                 "rule": sanitize(f.rule)[:64],
-                "evidence": env.wrap(_clip(f.evidence, 400), f"{alias} monitor evidence"),
+                **(
+                    {"evidence": env.wrap(_clip(f.evidence, evidence_chars), f"{alias} evidence")}
+                    if evidence_chars
+                    else {}
+                ),
                 "confirmed": f.confirmed,
             }
-            for f in c.monitor_flags[:40]
+            for f in flags[:flags_cap]
         ]
+        if len(flags) > flags_cap:
+            out["monitor_flags_not_listed"] = (
+                f"{len(flags) - flags_cap} more flags, "
+                f"{sum(f.confirmed for f in flags[flags_cap:])} of them confirmed"
+            )
         return out
 
     def anonymise_text(self, text: str) -> str:
@@ -1050,13 +1087,17 @@ def compact_details(view: AnonymisedView) -> str:
                 for f in c.monitor_flags[:40]
             )
         )
-        changed = views.changed_lines(pp)  # the applied hunks' lines, nothing split from text
+        # The applied hunks' lines, nothing split from text: per file, code first, each file
+        # its own share.
+        changed = views.changed_sections(pp, COMPACT_DIFF_CHARS)
         log = c.test_log.strip()
         if len(log) > COMPACT_LOG_CHARS:
             log = "[...] " + log[-COMPACT_LOG_CHARS:]
+        more = views.files_not_listed(pp, COMPACT_MAX_FILES)
         body = (
-            f"files:\n{views.file_list(pp)}\n"
-            f"changes:\n{_clip(changed, COMPACT_DIFF_CHARS)}\ntest output:\n"
+            f"files:\n{views.file_list(pp, COMPACT_MAX_FILES)}\n"
+            + (f"{more}\n" if more else "")
+            + f"changes:\n{changed}\ntest output:\n"
             f"{mark(log) if log else '(none)'}"
         )
         blocks.append(

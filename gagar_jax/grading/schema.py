@@ -465,7 +465,10 @@ def _check_evidence(
             *check_logs.get(ev.candidate_id, ()),
         ]
         plain = untrusted.unmark(quote)  # the grader saw candidate lines marked with "| "
-        if not any(quote in s or plain in s for s in sources):
+        # ... and escapes of what it could not be shown (controls, letters posing as Latin).
+        if not any(quote in s or plain in s for s in sources) and not any(
+            quote in t or plain in t for t in map(untrusted.sanitize, sources)
+        ):
             return f"quote {quote[:40]!r} not in candidate {ev.candidate_id!r}'s execution output"
     else:
         return f"evidence kind {ev.kind!r} not in {EVIDENCE_KINDS}"

@@ -27,7 +27,14 @@ import re
 from gagar_jax.verify import diff
 from gagar_jax.verify.untrusted import Envelope, sanitize, split_test_log
 
-__all__ = ["changed_lines", "file_list", "patch_text", "verifier_log"]
+__all__ = [
+    "changed_lines",
+    "changed_sections",
+    "file_list",
+    "files_not_listed",
+    "patch_text",
+    "verifier_log",
+]
 
 # Header lines of ``verify.repo``'s log that carry nothing the candidate chose.
 _TRUSTED_HEADER = (
@@ -55,14 +62,65 @@ def patch_text(patch: diff.Patch, file: str | None = None) -> str:
 
 
 def changed_lines(patch: diff.Patch) -> str:
-    """The ``+``/``-`` lines of every hunk, in patch order (what a compact view shows)."""
+    """The ``+``/``-`` lines of every hunk, in patch order."""
     rows = (row for fp in patch.files for h in fp.hunks for row in h.lines)
     return "\n".join(row for row in rows if row[0] != " ")
 
 
-def file_list(patch: diff.Patch) -> str:
-    """The touched paths, one a line (candidate-chosen: callers put it in an envelope)."""
-    return "\n".join(patch.paths)
+# Suffixes of files whose changes a compact view shows first (code before data and docs).
+CODE_SUFFIXES = (".py", ".pyi", ".pyx", ".c", ".h", ".cc", ".cpp", ".js", ".ts", ".go", ".rs")
+
+
+def changed_sections(patch: diff.Patch, budget: int) -> str:
+    """The ``+``/``-`` lines of each file under a header line naming it (``@ path``), within
+    ``budget`` characters in all (what a compact view shows): code files first, each file its
+    own share (a file needing less leaves the rest to the others), a file cut where its share
+    ends and the number of its lines not shown said; files beyond the budget are counted.
+    Lines of two files never sit side by side, and no file crowds another out."""
+    sections = []
+    for fp in patch.files:
+        rows = [row for h in fp.hunks for row in h.lines if row[0] != " "]
+        if rows:
+            sections.append((fp.path, rows))
+    sections.sort(key=lambda s: not s[0].endswith(CODE_SUFFIXES))  # stable: patch order kept
+    shown, left = [], budget
+    for i, (path, rows) in enumerate(sections):
+        share = left // (len(sections) - i)
+        header = f"@ {path}"
+        if share < len(header) + 40 and shown:
+            rest = len(sections) - i
+            shown.append(f"... {rest} more changed file(s) not shown")
+            break
+        body, used, cut = [header], len(header) + 1, 0
+        for k, row in enumerate(rows):
+            if used + len(row) + 1 > share:
+                room = share - used - 1
+                if room > 20:
+                    body.append(row[:room] + " [...]")
+                cut = len(rows) - k
+                break
+            body.append(row)
+            used += len(row) + 1
+        if cut:
+            body.append(f"... {cut} more changed line(s) of this file not shown")
+        text = "\n".join(body)
+        shown.append(text)
+        left -= min(len(text), share)
+    return "\n".join(shown)
+
+
+def file_list(patch: diff.Patch, limit: int | None = None) -> str:
+    """The touched paths, one a line (candidate-chosen: callers put it in an envelope); with
+    ``limit``, the first ``limit`` of them (``files_not_listed`` says how many more)."""
+    paths = patch.paths if limit is None else patch.paths[: max(0, limit)]
+    return "\n".join(paths)
+
+
+def files_not_listed(patch: diff.Patch, limit: int) -> str:
+    """The note a view built with ``file_list(patch, limit)`` adds (empty when it lists every
+    path): a count, nothing the candidate chose."""
+    more = len(patch.paths) - max(0, limit)
+    return f"... and {more} more files (not listed)" if more > 0 else ""
 
 
 def _trusted(line: str) -> bool:

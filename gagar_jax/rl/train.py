@@ -66,6 +66,7 @@ from flax import nnx
 
 from gagar_jax.analysis import writers
 from gagar_jax.data.audit import PassRateTracker
+from gagar_jax.host_cpu import prepare_cpu_host
 from gagar_jax.rl import asynchronous, canary, engines, grade, policy
 from gagar_jax.rl import rollout_log as rollout_store
 from gagar_jax.rl.collect import (  # noqa: F401 - some re-exported (tests import them here)
@@ -806,6 +807,10 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
       grader: optional grader object (``grade(workspace[, cancel])``) used instead of the one
         ``cfg.grading.grader`` names, e.g. a custom grader from a notebook.
     """
+    # On a CPU: keep freed memory for the next step's buffers (before JAX's backend starts: its
+    # threads' allocator arenas), log the host facts that slow CPU steps (gagar_jax.host_cpu;
+    # GAGAR_MALLOC_KEEP_HEAP=0 opts out of the first).
+    prepare_cpu_host()
     workdir = os.path.abspath(workdir)
     hosts = Hosts(cfg.mesh.host_timeout_s)
     primary = hosts.primary

@@ -1313,7 +1313,11 @@ def analyse_source(
                         f"assigns {t.id}",
                     )
     if cookie is not None and cookie not in PLAIN_ENCODINGS:
-        hiding = cookie in HIDING_ENCODINGS or cookie.startswith(("utf_16", "utf_32"))
+        hiding = (
+            cookie in HIDING_ENCODINGS
+            or cookie.startswith(("utf_16", "utf_32"))
+            or _reads_differently(source, cookie)
+        )
         if lines is None or (lines and lines[0] <= 2):
             out.append(
                 Finding(
@@ -1370,6 +1374,16 @@ HIDING_ENCODINGS = frozenset(
         "cp875",
     }
 )
+
+
+def _reads_differently(source: str, codec: str) -> bool:
+    """Whether Python, decoding the file's bytes (the text as UTF-8, as the verifier writes
+    it) with ``codec``, reads other text than every view shows (a Shift-JIS cookie swallowing
+    the backslash before a quote): by behaviour, whatever the codec."""
+    try:
+        return source.encode("utf-8").decode(codec) != source
+    except (UnicodeError, LookupError):
+        return False  # Python cannot read the file at all: it fails, it hides nothing
 
 
 def _source_encoding(source: str) -> str | None:

@@ -24,9 +24,10 @@ event                             from the candidate's code                   wh
 (directly, ``inspect``,           values, canary outcomes)
 ``linecache``)
 the same, while formatting a      the current line of a test frame (logging   refused, evidence
-traceback (``traceback``,         an exception, ``inspect.stack``: the line
-``logging``, ``warnings``,        comes back empty, as for a file without
-``inspect.stack``)                source)
+traceback (``traceback``,         an exception, ``inspect.stack``, a
+``logging``, ``warnings``,        library's own formatter calling
+``inspect.stack``, a call of      ``linecache.getline``: the line comes back
+``linecache.getline``)            empty, as for a file without source)
 ``open`` of any ``.pyc`` outside  any frame, pytest's and importlib's too:    refused; confirmed
 the trusted directories           no bytecode cache of the tree is ever       when the file exists
                                   read (the tree is written without any)
@@ -63,10 +64,20 @@ of its lines)
 function, ``f_code`` of its
 frame (directly, through ``dis``
 or ``inspect.getmembers``)
-``object.__setattr__``:           a helper or test neutered in place          refused, confirmed
-``__code__``/``__defaults__``/
-``__kwdefaults__`` of a function
+``object.__setattr__``:           a helper or test neutered in place (a copy  refused, confirmed
+``__code__``/``__defaults__``/    of a test function given its original's
+``__kwdefaults__`` of a function  keyword defaults is no change: allowed)
 of the tests
+``object.__setattr__``:           the module's lookup taken over (no-ops for  refused, confirmed
+``__class__`` of a module of the  its checks, its test functions)
+tests
+``sys.addaudithook``              a hook that would see every later event     not added, evidence
+``SERVE_EVENT`` (a protected      the pristine bytes (the files themselves    answered to
+source asked for by the runner's  are unreadable, ``source_lock.py``)         trusted code only
+``open``)
+``LITERAL_EVENT`` (a literal of   the expected values                         answered to the
+the tests' assertions,                                                        tests' frames;
+``pristine_asserts.py``)                                                      else confirmed
 ================================  ==========================================  ================
 
 The ``exec`` event records the module code that trusted code (importlib, pytest's rewriting
@@ -89,6 +100,7 @@ computation, ``os.write`` to an inherited descriptor, ``os._exit``), nor lines a
 ``linecache`` (the runner clears that cache before every test).
 """
 
+import gc
 import json
 import os
 import signal
@@ -115,8 +127,15 @@ EVENTS = frozenset(
         "os.link",
         "exec",
         "object.__getattr__",
+        "sys.addaudithook",
+        "gagar.pristine_source",
+        "gagar.test_literals",
+        "gagar.test_literal",
     }
 )
+LITERALS_EVENT = "gagar.test_literals"  # pristine_asserts: a test module's assertion literals
+LITERAL_EVENT = "gagar.test_literal"  # pristine_asserts: one of them asked for
+SERVE_EVENT = "gagar.pristine_source"  # source_lock.SERVE_EVENT: a trusted read of a test source
 # Trusted readers that hand a code object to their caller (``dis.get_instructions(f)``,
 # ``inspect.getmembers(f)``): a test function's code read through them is read by the caller.
 READERS = ("/dis.py",)
@@ -133,6 +152,12 @@ FORMATTERS = ("/traceback.py", "/logging/__init__.py", "/warnings.py", "/pdb.py"
 INSPECT_FORMATTERS = frozenset(
     {"getframeinfo", "stack", "trace", "getouterframes", "getinnerframes", "_get_code_position"}
 )
+# ``linecache.getline`` called by untrusted code itself: one line of a file, what a library's
+# own traceback formatter asks for a frame's line (boltons' ``tbutils``). Refused all the same
+# (the line comes back empty) and evidence, as for the formatters above: the read gives nothing
+# away. Whole-file reads (``linecache.getlines``/``updatecache``, ``open``, ``inspect``) stay
+# confirmed.
+LINE_READER = (os.path.join(os.path.dirname(os.__file__), "linecache.py"), "getline")
 FRAMEWORK_MODULES = ("unittest", "_pytest", "pytest", "pluggy")
 _O_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
@@ -183,13 +208,33 @@ def is_fragment(text, whole):
     return any(b[i : i + n] == a for i in range(len(b) - n + 1) if b[i] == a[0])
 
 
+class Served(BaseException):  # noqa: N818 - not an error: how the bytes travel
+    """What the hook raises to hand a protected source's pristine bytes (``args[0]``) to the
+    reader that asked through ``SERVE_EVENT`` (``source_lock.serve_reads``): raised by the first
+    hook, it reaches the reader and no hook added later."""
+
+
+class HookRefused(RuntimeError):
+    """Raised on ``sys.addaudithook``: the new hook is not added (the interpreter suppresses
+    a ``RuntimeError`` raised there)."""
+
+
 class Refused(PermissionError):
     """What the hook raises to refuse an operation (any other fault inside the hook is
     swallowed: a bug of the audit must never break honest code)."""
 
 
 def install(
-    fd, root, protected, test_dirs, trusted, test_pid=None, aliases=(), paths=(".",), changed=()
+    fd,
+    root,
+    protected,
+    test_dirs,
+    trusted,
+    test_pid=None,
+    aliases=(),
+    paths=(".",),
+    changed=(),
+    pristine=None,
 ):
     """Adds the audit hook to this process (see the module docstring).
 
@@ -209,6 +254,10 @@ def install(
         imported under are computed from them (and from pytest's prepend rule).
       changed: tree-relative files the candidate's patch added or changed (a module of a test
         file's name loaded from one of them is the candidate's doing).
+      pristine: {absolute path: bytes} of the protected sources, read before anything of the
+        tree ran (``source_lock.read_sources``): what trusted readers are served (``Served``)
+        once the files are unreadable, and what text compiled under a test file's name is
+        compared with. Default: each file read when first needed.
 
     Returns:
       an object with ``report``, ``was_loaded``, ``check_modules`` and ``protect_code``:
@@ -225,6 +274,7 @@ def install(
     _getcwd, _join, _normpath, _fspath = os.getcwd, os.path.join, os.path.normpath, os.fspath
     _realpath, _dirname = os.path.realpath, os.path.dirname
     _dumps, _getframe, _sigkill = json.dumps, sys._getframe, signal.SIGKILL
+    _get_referrers = gc.get_referrers
     _sys = sys
     import _thread
 
@@ -278,9 +328,13 @@ def install(
             _kill(_getpid(), _sigkill)  # the channel is gone: the run cannot end as a pass
 
     def origin():
-        """(file:line of the innermost untrusted frame or None, a formatter on the stack)."""
+        """(file:line of the innermost untrusted frame or None, a formatter on the stack).
+
+        The untrusted frame's own call of ``linecache.getline`` (one line of a file, what a
+        traceback formatter of a library asks for) counts as formatting too."""
         f = _getframe(1)
         formatting = False
+        called = None  # the trusted function the untrusted frame called
         while f is not None:
             code = f.f_code
             fn = code.co_filename
@@ -289,8 +343,11 @@ def install(
                     fn.endswith("inspect.py") and code.co_name in INSPECT_FORMATTERS
                 ):
                     formatting = True
+                called = code
                 f = f.f_back
                 continue
+            if called is not None and (called.co_filename, called.co_name) == LINE_READER:
+                formatting = True
             return fn, f.f_lineno, formatting
         return None, 0, formatting
 
@@ -398,7 +455,45 @@ def install(
                 report("read_test_source", f"{who} reads {rel(path)}", True)
             raise Refused(13, "the tests' source is not readable here", path)
 
-    pristine = {}  # test source -> its bytes, read once by the hook itself
+    pristine = dict(pristine or {})  # test source -> its bytes, read once
+
+    def serve(args):
+        """A trusted reader asking for a protected source's pristine bytes (``SERVE_EVENT``):
+        answered with ``Served`` when no frame of the candidate's code is on the stack; any
+        other caller gets nothing here (its real ``open`` is refused below and by the kernel)."""
+        if not args or not isinstance(args[0], str | bytes):
+            return
+        p = args[0]
+        if isinstance(p, bytes):
+            p = p.decode("utf-8", "surrogateescape")
+        path = canonical(p)
+        data = pristine.get(path)
+        if data is None or path not in sources:
+            return
+        who, _ = candidate()
+        if who is not None:
+            return
+        loaded.add(path)
+        raise Served(data)
+
+    literals = {}  # token -> a literal of the tests' assertions (pristine_asserts)
+
+    def on_literals(args):
+        """A rewritten test module's assertion literals, registered by trusted code."""
+        if len(args) < 2 or not isinstance(args[0], str) or type(args[1]) is not dict:
+            return
+        if canonical(args[0]) not in sources or candidate()[0] is not None:
+            return
+        literals.update(args[1])
+
+    def on_literal(args):
+        """One literal asked for: answered (``Served``) to a frame of the tests only."""
+        if not args or not isinstance(args[0], str) or args[0] not in literals:
+            return
+        who, _ = candidate()
+        if who is None:
+            raise Served(literals[args[0]])
+        report("read_test_literal", f"{who} asks for an expected value of the tests", True)
 
     def pristine_text(path):
         if path not in pristine:
@@ -466,12 +561,35 @@ def install(
             f = f.f_back
         return f
 
-    def on_function_state(obj, name):
+    def copies_kwdefaults(obj, value):
+        """Whether setting ``obj.__kwdefaults__ = value`` only gives a copy of a function its
+        original's keyword defaults: ``obj`` has none and ``value`` is None or the very dict
+        another function of the same code holds (``copy_function``-style helpers build the
+        copy with ``FunctionType(f.__code__, ...)``, which takes no keyword defaults). Every
+        function of a code takes its keyword defaults from the same ``def``, so this cannot
+        give a function of the tests defaults its code was not made with."""
+        if obj.__kwdefaults__ is not None:
+            return False
+        if value is None:
+            return True
+        code = obj.__code__
+        return any(
+            type(g) is _FunctionType
+            and g is not obj
+            and g.__code__ is code
+            and g.__kwdefaults__ is value
+            for g in _get_referrers(code)
+        )
+
+    def on_function_state(obj, name, value):
         """A function of the tests (code from a protected file) changed: refused unless the
-        tests themselves (or trusted code they called) do it."""
+        tests themselves (or trusted code they called) do it, or the change only gives a copy
+        of a test function its original's keyword defaults (:func:`copies_kwdefaults`)."""
         code = obj.__code__
         fn = code.co_filename
         if id(code) not in test_codes and (fn[:1] == "<" or canonical(fn, root) not in sources):
+            return
+        if name == "__kwdefaults__" and copies_kwdefaults(obj, value):
             return
         who, _ = candidate()
         if who is None:
@@ -479,6 +597,50 @@ def install(
         what = f"{who} sets {name} of {code.co_name} ({rel(canonical(fn, root))})"
         report("test_function_changed", what, True)
         raise Refused(13, "the tests' functions are not changed here", name)
+
+    def module_source(mod):
+        """The protected source a module object was made from (by its ``__file__`` or by the
+        name it is imported under), else None."""
+        try:
+            d = _module_dict(mod)
+        except Exception:  # noqa: BLE001 - not a module's dict
+            return None
+        f = d.get("__file__")
+        if isinstance(f, str) and f and f[0] != "<":
+            path = canonical(f, root)
+            if path in sources:
+                return path
+        name = d.get("__name__")
+        return names.get(name) if isinstance(name, str) else None
+
+    def foreign_type(cls):
+        """Where a module type other than ``ModuleType`` defines behaviour outside trusted code
+        and the tests (the candidate's attribute lookup), else None."""
+        for klass in cls.__mro__:
+            if klass is _ModuleType or klass is object:
+                continue
+            for v in list(vars(klass).values()):
+                code = getattr(getattr(v, "__func__", v), "__code__", None)
+                if type(code) is not _code_type:
+                    continue
+                fn = code.co_filename
+                path = canonical(fn, root) if fn[:1] != "<" else fn
+                if not path.startswith(trusted) and path not in sources:
+                    return f"{klass.__qualname__}.{code.co_name} ({rel(path)})"
+        return None
+
+    def on_module_class(mod, cls):
+        """A module of the tests (a test module, a helper) given another type: its attribute
+        lookup is then the new type's. Refused from the candidate's code."""
+        path = module_source(mod)
+        if path is None:
+            return
+        who, _ = candidate()
+        if who is None:
+            return
+        what = f"{who} sets the type of {rel(path)}'s module to {getattr(cls, '__name__', cls)}"
+        report("test_module_changed", what, True)
+        raise Refused(13, "the tests' modules keep their type", rel(path))
 
     def on_read_code(obj, name):
         """The code object of a collected test function read by the candidate (directly, or
@@ -541,6 +703,19 @@ def install(
         try:
             if event == "open":
                 on_open(args)
+            elif event == SERVE_EVENT:
+                serve(args)
+            elif event == LITERAL_EVENT:
+                on_literal(args)
+            elif event == LITERALS_EVENT:
+                on_literals(args)
+            elif event == "sys.addaudithook":
+                # A hook of the candidate's would see every event after this one's (the module
+                # code the import system executes, its constants): never added.
+                who, _ = candidate()
+                if who is not None:
+                    report("audit_hook_added", f"{who} adds an audit hook (not added)", False)
+                    raise HookRefused("audit hooks are not added here")
             elif event == "import":
                 if _sys.pycache_prefix != pycache_prefix:
                     _sys.pycache_prefix = pycache_prefix
@@ -566,7 +741,9 @@ def install(
             elif event == "object.__setattr__":
                 obj = args[0]
                 if type(obj) is _FunctionType and args[1] in FUNCTION_STATE:
-                    on_function_state(obj, args[1])
+                    on_function_state(obj, args[1], args[2] if len(args) > 2 else obj)
+                elif args[1] == "__class__" and isinstance(obj, _ModuleType):
+                    on_module_class(obj, args[2] if len(args) > 2 else None)
                 mod = str(getattr(obj, "__module__", "")) if isinstance(obj, type) else ""
                 where = getattr(_sys.modules.get(mod), "__file__", None) or ""
                 if mod.startswith(FRAMEWORK_MODULES) and where.startswith(trusted):
@@ -593,7 +770,7 @@ def install(
                     if event in ("sys.settrace", "sys.setprofile"):
                         tracer.append(event)
                 report(event, what, False)
-        except Refused:
+        except (Refused, HookRefused):
             raise
         except Exception:  # noqa: BLE001, S110 - see Refused
             pass
@@ -625,6 +802,14 @@ def install(
             if not isinstance(mod, _ModuleType):
                 report("test_module_replaced", f"sys.modules[{name!r}] ({r}) is no module", True)
                 continue
+            if type(mod) is not _ModuleType:
+                # A module type of the candidate's decides what the tests' names resolve to
+                # (however its ``__class__`` was set); one of the tests' own is theirs.
+                where = foreign_type(type(mod))
+                if where is not None:
+                    what = f"{name} ({r}) has the module type {type(mod).__name__}: {where}"
+                    report("test_module_replaced", what, True)
+                    continue
             d = _module_dict(mod)
             f = d.get("__file__")
             if not isinstance(f, str):
@@ -671,6 +856,21 @@ def install(
                 honest = vpath.startswith(prefix) and vpath not in changed
                 what = f"{r}: {fname} was replaced by code of {rel(vpath)}"
                 report("test_function_replaced", what, not honest)
+            hook_fn = d.get("__getattr__")
+            if hook_fn is not None and "__getattr__" not in code.co_names:
+                # A lookup hook the file does not make answers for every name the module lacks
+                # (one deleted, one a later test imports): the module's behaviour changed.
+                where = getattr(getattr(hook_fn, "__code__", None), "co_filename", "?")
+                where = rel(canonical(where)) if where.startswith("/") else where
+                what = f"{name} ({r}) was given a module __getattr__ ({where})"
+                report("test_module_changed", what, True)
+            for fname in list(seen):
+                # A name of the tests' functions deleted (a module ``__getattr__`` answers for
+                # it then) or bound to something that is no function (a callable object).
+                v = d.get(fname)
+                if type(v) is not _FunctionType:
+                    kind = "removed" if v is None else f"replaced by a {type(v).__name__}"
+                    report("test_function_replaced", f"{r}: {fname} was {kind}", True)
 
     sys.addaudithook(hook)
 

@@ -40,6 +40,11 @@ watched file modified, deleted, renamed or re-permissioned during the session, o
 listed in the record's ``changed`` (what the tests ran was not the pristine tests, even if the
 code restored them before exiting). Creating other files or directories there is not watched.
 
+With ``audit`` in the control record, the supervisor also reads the protected test sources
+into memory and makes them unreadable to itself and every process it starts (Landlock,
+``source_lock.py``; ``source_lock`` of the record says what held, ``detection only`` where the
+kernel cannot); the test process's audit hook serves them to trusted readers from memory.
+
 With ``exec_filter`` in the control record, the supervisor first installs that seccomp program
 on itself with a listener (``seccomp.exec_notify_filter``: every ``execve``/``execveat`` of the
 session is handed to it) and forks: it refuses an exec by the test process (any of its threads)
@@ -76,6 +81,7 @@ MAX_WATCHES = 4096
 DEADLINE_EXIT = 124  # the supervisor's exit status after it killed a test past its deadline
 AUDIT_MODULE = "_gagar_audit_hook"
 ASSERTS_MODULE = "_gagar_pristine_asserts"
+LOCK_MODULE = "_gagar_source_lock"
 # seccomp(2) user notifications (linux/seccomp.h)
 PR_SET_NO_NEW_PRIVS = 38
 SECCOMP_SET_MODE_FILTER = 1
@@ -543,13 +549,44 @@ def _trusted_dirs(root):
     return out
 
 
-def _child(args, report_fd, name, audit=None, timed=False):
+def _protected_sources(audit, root):
+    """The absolute paths of the protected ``.py`` files (the audit hook's sources) and of the
+    same files under the tree's aliases."""
+    rels = sorted({os.path.normpath(p) for p in audit.get("protected", ()) if p.endswith(".py")})
+    own = [os.path.join(root, p) for p in rels]
+    other = [
+        os.path.join(a, p)
+        for a in audit.get("aliases", ())
+        if a and os.path.normpath(a) != root
+        for p in rels
+    ]
+    return own, other
+
+
+def _lock_sources(audit, lock):
+    """Reads the protected sources, then makes them unreadable to this process and every
+    process it starts (``source_lock.py``). Returns ({path: bytes}, what held)."""
+    root = os.getcwd()
+    own, other = _protected_sources(audit, root)
+    lockmod = _load_runner_module(LOCK_MODULE)
+    pristine = lockmod.read_sources(own)
+    if lock is not True:
+        return pristine, f"detection only: {lock or 'the source lock is off'}"
+    try:
+        return pristine, lockmod.lock(own + other)
+    except OSError as e:
+        return pristine, f"detection only: {e.strerror or e}"
+
+
+def _child(args, report_fd, name, audit=None, timed=False, sources=None):
     _prctl(PR_SET_NAME, name.encode())
     was_loaded, roots, hook = None, (), None
     if audit is not None:
         root = os.getcwd()
         trusted = _trusted_dirs(root)
-        hook = _load_runner_module(AUDIT_MODULE).install(
+        pristine = sources.pop() if sources else None
+        audit_mod = _load_runner_module(AUDIT_MODULE)
+        hook = audit_mod.install(
             report_fd,
             root,
             audit["protected"],
@@ -558,7 +595,11 @@ def _child(args, report_fd, name, audit=None, timed=False):
             aliases=audit.get("aliases", ()),
             paths=audit.get("paths", (".",)),
             changed=audit.get("changed", ()),
+            pristine=pristine,
         )
+        del pristine  # held by the hook alone from here
+        # Trusted readers get the pristine sources from the hook (the files may be unreadable).
+        _load_runner_module(LOCK_MODULE).serve_reads(audit_mod.Served)
         was_loaded = hook.was_loaded
         roots = (root, *trusted)
     import pytest
@@ -569,7 +610,11 @@ def _child(args, report_fd, name, audit=None, timed=False):
     plugins = [Reporter(report_fd, was_loaded, roots, timed, hook, Function, version >= (5, 4))]
     if audit is not None:
         asserts = _load_runner_module(ASSERTS_MODULE)
-        plugins.append(asserts.install(hook.report, root, audit["protected"], hook.helper_names))
+        plugins.append(
+            asserts.install(
+                hook.report, root, audit["protected"], hook.helper_names, audit_mod.Served
+            )
+        )
     ret = int(pytest.main(list(args), plugins=plugins))
     line = json.dumps({"exitstatus": ret}) + "\n"
     try:
@@ -638,7 +683,9 @@ def _answer_exec(listener, pid, refused):
         pass
 
 
-def _supervise(pid, report_r, out_fd, name, watch=None, listener=-1, deadlines=None):
+def _supervise(
+    pid, report_r, out_fd, name, watch=None, listener=-1, deadlines=None, source_lock=""
+):
     import time
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -703,6 +750,7 @@ def _supervise(pid, report_r, out_fd, name, watch=None, listener=-1, deadlines=N
         "name": seen,
         "exec_control": listener >= 0,
         "exec_refused": refused,
+        "source_lock": source_lock,
     }
     if watch is not None:
         record["changed"] = watch.changes()
@@ -736,6 +784,12 @@ def main(argv):
     watch = None
     if "watch_files" in ctl or "watch_dirs" in ctl:
         watch = _Watch(ctl.get("watch_files", ()), ctl.get("watch_dirs", ()))
+    sources, source_lock = [], ""
+    if ctl.get("audit") is not None:
+        # Before the fork, so that the test process and everything it starts inherit the lock.
+        pristine, source_lock = _lock_sources(ctl["audit"], ctl.get("source_lock", True))
+        sources.append(pristine)
+        del pristine
     limit = float(ctl.get("test_timeout_s") or 0)
     deadlines = _Deadlines(limit) if limit > 0 else None
     report_r, report_w = os.pipe()
@@ -750,9 +804,11 @@ def main(argv):
         os.close(report_r)
         os.close(out_fd)
         del ctl["out_fd"]
-        sys.exit(_child(ctl["args"], report_w, name, ctl.get("audit"), deadlines is not None))
+        timed = deadlines is not None
+        sys.exit(_child(ctl["args"], report_w, name, ctl.get("audit"), timed, sources))
+    sources.clear()
     os.close(report_w)
-    _supervise(pid, report_r, out_fd, name, watch, listener, deadlines)
+    _supervise(pid, report_r, out_fd, name, watch, listener, deadlines, source_lock)
     return 0
 
 

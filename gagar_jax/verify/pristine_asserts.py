@@ -29,14 +29,32 @@ mock.ANY`` (which asserts nothing) fails.
 The helpers of the tests (protected modules that are not test files) are registered for
 pytest's assertion rewriting too, so their assertions get the same comparison, and so does
 ``unittest.TestCase.assertEqual`` (its comparison of last resort, ``first == second``).
+
+The literals of those assertions are not in the tests' code objects. With the runtime audit
+installed (``served``), every literal operand of a rewritten ``assert`` (``assert half(10) ==
+5``: the ``10`` and the ``5``) and every literal argument of a ``self.assert*(...)`` call is
+replaced by ``builtins.@gagar_lit(token)``, a random token; the values go to the audit hook
+(``LITERALS_EVENT``) as the module is rewritten, and ``@gagar_lit`` asks the hook for one
+(``LITERAL_EVENT``) when the assertion evaluates it: the hook answers a frame of the tests only,
+so the expected value exists nowhere the code under test can read (the test's ``co_consts``,
+its frame's locals, ``dis`` of its code, an ``exec`` event's module code) until the code under
+test has returned and the comparison runs. A candidate's own call of ``@gagar_lit`` is refused
+and confirmed (``read_test_literal``).
 """
 
 import ast
 import builtins
+import copy
 import math
 import os
+import secrets
+import sys
 
 EQ_NAME = "@gagar_eq"  # an attribute of ``builtins`` no source can spell as a name
+LIT_NAME = "@gagar_lit"
+LITERALS_EVENT = "gagar.test_literals"  # audit_hook.LITERALS_EVENT
+LITERAL_EVENT = "gagar.test_literal"  # audit_hook.LITERAL_EVENT
+_PLAIN = frozenset({int, float, complex, str, bytes, bool, type(None)})
 _BUILTIN_TYPES = frozenset(
     {int, float, complex, str, bytes, bytearray, bool, type(None), tuple, list, dict, set}
     | {frozenset, range}
@@ -216,6 +234,83 @@ class _Equalities(ast.NodeTransformer):
         return self.generic_visit(node)
 
 
+def _has_value(v):
+    """Whether the literal value ``v`` holds a number, a string or bytes (not only ``None``,
+    ``True``/``False``, empty containers)."""
+    if type(v) in (int, float, complex, str, bytes):
+        return True
+    if isinstance(v, dict):
+        return any(_has_value(k) or _has_value(x) for k, x in v.items())
+    if isinstance(v, list | tuple | set | frozenset):
+        return any(_has_value(x) for x in v)
+    return False
+
+
+class _Literals(ast.NodeTransformer):
+    """The literals of pytest's rewritten assertions (``@py_assertN = <literal>``) and of
+    ``self.assert*(...)`` calls -> ``@py_builtins.@gagar_lit(token)``; ``table``: token ->
+    value."""
+
+    def __init__(self):
+        self.table = {}
+
+    def _hide(self, node):
+        v = _literal(node)
+        if v is _NO or not _has_value(v):
+            return node
+        token = secrets.token_hex(8)
+        self.table[token] = v
+        func = ast.Attribute(ast.Name("@py_builtins", ast.Load()), LIT_NAME, ast.Load())
+        call = ast.copy_location(ast.Call(func, [ast.Constant(token)], []), node)
+        return ast.fix_missing_locations(call)
+
+    def visit_Assign(self, node):
+        if (
+            len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id.startswith("@py_assert")
+        ):
+            node.value = self._hide(node.value)
+        return self.generic_visit(node)
+
+    def visit_Call(self, node):
+        f = node.func
+        if (
+            isinstance(f, ast.Attribute)
+            and f.attr.startswith("assert")
+            and isinstance(f.value, ast.Name)
+            and f.value.id == "self"
+        ):
+            node.args = [self._hide(a) for a in node.args]
+            for k in node.keywords:
+                k.value = self._hide(k.value)
+        return self.generic_visit(node)
+
+
+def _imports_builtins(mod):
+    """Whether pytest's rewriting put ``import builtins as @py_builtins`` in the module."""
+    return any(
+        isinstance(n, ast.Import) and any(a.asname == "@py_builtins" for a in n.names)
+        for n in mod.body
+    )
+
+
+def make_lit(served):
+    """``@gagar_lit``: a literal of the tests' assertions, from the audit hook (see the module
+    docstring)."""
+    _audit, _deepcopy = sys.audit, copy.deepcopy
+
+    def lit(token):
+        try:
+            _audit(LITERAL_EVENT, token)
+        except served as e:
+            v = e.args[0]
+            return v if type(v) in _PLAIN else _deepcopy(v)
+        raise AssertionError("an expected value of the tests is not available here")
+
+    return lit
+
+
 class _Plugin:
     def __init__(self, names):
         self._names = names
@@ -242,12 +337,11 @@ def _unittest_equality(eq):
     case.TestCase._baseAssertEqual = _baseAssertEqual
 
 
-def install(report, root, protected, helper_names=()):
-    """Routes the protected files' rewritten ``==`` assertions through :func:`make_eq`;
-    returns the pytest plugin that registers ``helper_names`` (the module names of the tests'
-    helpers) for assertion rewriting."""
-    import sys
-
+def install(report, root, protected, helper_names=(), served=None):
+    """Routes the protected files' rewritten ``==`` assertions through :func:`make_eq`; with
+    ``served`` (the audit hook's ``Served``), keeps their literals out of the tests' code (see
+    the module docstring). Returns the pytest plugin that registers ``helper_names`` (the
+    module names of the tests' helpers) for assertion rewriting."""
     import _pytest.assertion.rewrite as rewrite
 
     root = os.path.normpath(root)
@@ -256,7 +350,10 @@ def install(report, root, protected, helper_names=()):
     )
     eq = make_eq(report, sources)
     setattr(builtins, EQ_NAME, eq)
+    if served is not None:
+        setattr(builtins, LIT_NAME, make_lit(served))
     original = rewrite.rewrite_asserts
+    _audit = sys.audit
 
     def rewrite_asserts(mod, source, module_path=None, config=None):
         ours = module_path is not None and os.path.normpath(str(module_path)) in sources
@@ -264,6 +361,11 @@ def install(report, root, protected, helper_names=()):
         original(mod, source, module_path, config)
         if ours:
             _Equalities(skip).visit(mod)
+            if served is not None and _imports_builtins(mod):
+                lits = _Literals()
+                lits.visit(mod)
+                if lits.table:
+                    _audit(LITERALS_EVENT, os.path.normpath(str(module_path)), lits.table)
 
     rewrite.rewrite_asserts = rewrite_asserts
     _unittest_equality(eq)

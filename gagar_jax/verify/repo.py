@@ -65,7 +65,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gagar_jax.verify import container as ctr
-from gagar_jax.verify import seccomp, semantics
+from gagar_jax.verify import helper_probes, seccomp, semantics
 from gagar_jax.verify.container import ContainerSpec, container_spec
 from gagar_jax.verify.diff import (
     MAX_PATCH_BYTES,
@@ -88,6 +88,7 @@ from gagar_jax.verify.monitor import (
     repo_modules,
 )
 from gagar_jax.verify.sandbox import (
+    ISOLATION,
     TREE_SOURCE,
     Limits,
     SandboxConfig,
@@ -95,6 +96,7 @@ from gagar_jax.verify.sandbox import (
     SandboxUnavailable,
     python_for_sandbox,
     run_sandboxed,
+    select_mechanism,
 )
 
 # Every file name pytest reads configuration from, in its precedence order (pytest 9.2:
@@ -112,7 +114,12 @@ CONFIG_NAMES = (
 PROTECTED_CONFIG = CONFIG_NAMES
 PLUGIN_MODULE = "_gagar_outcome_plugin"
 AUDIT_MODULE = "_gagar_audit_hook"  # verify/audit_hook.py beside the runner
+PROBE_OUTCOME = "failed (helper probe)"  # a canary id's expectation for a helper probe
 ASSERTS_MODULE = "_gagar_pristine_asserts"  # verify/pristine_asserts.py beside the runner
+LOCK_MODULE = "_gagar_source_lock"  # verify/source_lock.py beside the runner
+# Whether the runner makes the protected test sources unreadable to the session (Landlock, see
+# ``source_lock.py``); where the kernel cannot, the verdict's ``source_lock`` says so.
+SOURCE_LOCK = True
 MAX_REPORT_BYTES = 16 << 20
 MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 3000  # well below PATH_MAX (4096) once the workdir prefix is added
@@ -223,6 +230,10 @@ class RepoVerification:
       flags: behaviour-monitor flags of the patch (and trajectory, if given); see ``cheat``.
       pythonpath: the host directories the sandboxed run had on its ``PYTHONPATH`` (the task
         environment's site-packages, or the verifier's own); empty when nothing ran.
+      source_lock: what kept the protected test sources from the candidate's code during the
+        run: ``"landlock ABI n: ..."`` (unreadable to every process of the session, by the
+        kernel) or ``"detection only: <why>"`` (the runtime audit's refusal in the test
+        process alone); empty when nothing ran.
     """
 
     status: str
@@ -233,6 +244,7 @@ class RepoVerification:
     sandbox: SandboxResult | None
     flags: tuple[MonitorFlag, ...] = ()
     pythonpath: tuple[str, ...] = ()
+    source_lock: str = ""
 
     @property
     def cheat(self) -> bool:
@@ -721,6 +733,7 @@ def plugin_dir() -> str:
         ("outcome_plugin.py", PLUGIN_MODULE),
         ("audit_hook.py", AUDIT_MODULE),
         ("pristine_asserts.py", ASSERTS_MODULE),
+        ("source_lock.py", LOCK_MODULE),
     ):
         dst = os.path.join(d, name + ".py")
         shutil.copyfile(os.path.join(here, src), dst)
@@ -867,13 +880,18 @@ def _config_value(task: Any, cfg: str | None, key: str) -> str | None:
 
 
 def make_canaries(
-    task: Any, cfg: str | None, existing: Mapping[str, str]
+    task: Any,
+    cfg: str | None,
+    existing: Mapping[str, str],
+    probes: Sequence[helper_probes.HelperProbe] = (),
 ) -> tuple[str, str, dict[str, str]]:
     """Sentinel tests for one run: (path, source, {node id: expected outcome}).
 
     A module of an unpredictable name at the repository root with tests of unpredictable names
     in a random order: two must pass, two must fail, one must error in its fixture. Their names
-    follow the task's ``python_functions`` pattern so its own collection rules collect them."""
+    follow the task's ``python_functions`` pattern so its own collection rules collect them.
+    Each of ``probes`` (``helper_probes``) adds a test that must fail; its node id maps to
+    ``PROBE_OUTCOME``."""
     pattern = (_config_value(task, cfg, "python_functions") or "test").split()[0]
 
     def name() -> str:
@@ -925,14 +943,45 @@ def make_canaries(
                 "",
             ]
         expected[f"{path}::{fn}"] = outcome
+    for probe in probes:
+        fn = name()
+        lines += helper_probes.probe_source(fn, probe)
+        expected[f"{path}::{fn}"] = PROBE_OUTCOME
     return path, "\n".join(lines), expected
+
+
+def task_helper_probes(task: Any) -> list[helper_probes.HelperProbe]:
+    """The helper probes of a task (``helper_probes``): helpers of files the candidate may
+    change that the tests (hidden ones included) decide with."""
+    hidden = hidden_test_paths(task)
+    dirs = test_dirs(task, hidden)
+    try:
+        files, _ = prepare_tree(task, "")
+    except (DiffError, ValueError):
+        return []
+    tests = {p: t for p, t in files.items() if _is_protected(p, task, hidden, dirs)}
+    return helper_probes.helper_probes(
+        files, tests, lambda p: not _is_protected(p, task, hidden, dirs)
+    )
+
+
+def weakened_helpers(outcomes: Mapping[str, str], expected: Mapping[str, str]) -> list[str]:
+    """Helper probes (``PROBE_OUTCOME`` in ``expected``) that did not fail: the helper the
+    tests decide with accepted a wrong result."""
+    return [
+        k
+        for k, v in expected.items()
+        if v == PROBE_OUTCOME and outcomes.get(k) not in ("failed", "error")
+    ]
 
 
 def check_canaries(outcomes: Mapping[str, str], expected: Mapping[str, str]) -> str:
     """Why the report's canary outcomes prove it forged ("" if they do not).
 
     A canary with another outcome than it must have is forged; a canary missing while other
-    tests were reported (the session ran them) was left out of the report."""
+    tests were reported (the session ran them) was left out of the report. Helper probes
+    (``PROBE_OUTCOME``) are judged by ``weakened_helpers`` instead."""
+    expected = {k: v for k, v in expected.items() if v != PROBE_OUTCOME}
     wrong = [
         f"{k.split('::')[1]} {outcomes[k]} (must be {v})"
         for k, v in expected.items()
@@ -1278,7 +1327,7 @@ def _verify_repo_patch(
     if problem:
         return RepoVerification("infra_error", _missing(task), None, reset, problem, None, flags)
     cfg = pristine_config(task)
-    canary_path, canary_src, canaries = make_canaries(task, cfg, files)
+    canary_path, canary_src, canaries = make_canaries(task, cfg, files, task_helper_probes(task))
     work_parent = tempfile.mkdtemp(prefix="gagar_repo_")
     os.chmod(work_parent, 0o711)  # the sandbox uid must traverse it (mkdtemp makes 0700)
     out_r = out_w = ctl_r = -1
@@ -1308,6 +1357,7 @@ def _verify_repo_patch(
             "watch_dirs": watch_dirs,
             "audit": audit_config(task, watch_files, tree_paths, files),
             "test_timeout_s": timeout_s,
+            "source_lock": source_lock_wanted(config, container),
         }
         exec_filter = seccomp.host_exec_filter()
         if exec_filter is not None:
@@ -1373,6 +1423,24 @@ def _verify_repo_patch(
         os.close(out_r)
     verdict = _judge(task, result, data, canaries, reset, flags)
     return dataclasses.replace(verdict, pythonpath=tuple(pythonpath))
+
+
+def source_lock_wanted(config: SandboxConfig | None, container: Any = None) -> bool | str:
+    """True where the runner should lock the tests' source (``source_lock.py``), else why not:
+    switched off, or a sandbox without filesystem isolation (the tree is the host's own
+    directory, under the host's shared ``/tmp``, and the task's files are readable elsewhere on
+    the host, so the lock would only cost the scratch space above the tree)."""
+    if not SOURCE_LOCK:
+        return "the source lock is off"
+    if container is not None:
+        return True
+    try:
+        mechanism = select_mechanism(config)
+    except SandboxUnavailable:
+        return True  # the run itself reports the missing sandbox
+    if "filesystem" not in ISOLATION.get(mechanism, frozenset()):
+        return f"no filesystem isolation under {mechanism}"
+    return True
 
 
 def run_order(required: Sequence[str], canaries: Mapping[str, str]) -> list[str]:
@@ -1521,10 +1589,13 @@ def _judge(task, result, data, canaries, reset, flags):
     """The verdict from the sandbox result and the runner's record (see the module docstring)."""
     ran = result.status not in ("infra_error", "timeout", "resource_killed")
     outcomes = exitstatus = None
+    source_lock = ""
     note, tampered, timed_out = "", False, False
     if ran:
         rec, note, tampered = parse_run_record(data)
         if rec is not None:
+            if isinstance(rec.get("source_lock"), str):
+                source_lock = rec["source_lock"][:200]
             outcomes, exitstatus, note, tampered = parse_outcome_report(
                 rec["report"].encode("utf-8")
             )
@@ -1577,6 +1648,14 @@ def _judge(task, result, data, canaries, reset, flags):
                 canary_note = check_canaries(outcomes, canaries)
                 if canary_note:
                     note, tampered = canary_note, True
+            if outcomes is not None and not tampered:
+                weak = weakened_helpers(outcomes, canaries)
+                if weak:
+                    note = (
+                        f"{len(weak)} probe(s) of the helpers the tests decide with did not fail: "
+                        "a helper accepts a wrong result it rejected before the patch"
+                    )
+                    flags = flags + (MonitorFlag("disable_checks", f"helper probe: {note}", True),)
             if late and not tampered:
                 # The per-test timeout, kept by the supervisor: a test that ran past it failed,
                 # whatever the test process reported (its own alarm can be disarmed).
@@ -1608,6 +1687,8 @@ def _judge(task, result, data, canaries, reset, flags):
     lines = [f"status: {status} (sandbox: {result.status}, {result.mechanism})"]
     if result.error:
         lines.append(f"sandbox error: {result.error}")
+    if source_lock:
+        lines.append(f"test sources: {source_lock}")
     if note:
         lines.append(note)
     if reset:
@@ -1615,8 +1696,9 @@ def _judge(task, result, data, canaries, reset, flags):
     lines += [f"{v.upper():8s} {t}" for t, v in tests.items()]
     if outcomes is not None:
         n_fail = CANARY_OUTCOMES.count("failed")
+        n_canaries = sum(v != PROBE_OUTCOME for v in canaries.values())
         lines.append(
-            f"({len(canaries)} hidden canary tests ran with the required ones: "
+            f"({n_canaries} hidden canary tests ran with the required ones: "
             f"{n_fail} fail and one errors by design)"
         )
     lines.append("--- pytest output (untrusted) ---")
@@ -1630,4 +1712,6 @@ def _judge(task, result, data, canaries, reset, flags):
             "monitor: "
             + "; ".join(f"{f.rule}{'' if f.confirmed else '?'} @ {f.evidence}" for f in flags),
         )
-    return RepoVerification(status, tests, None, reset, "\n".join(lines), result, flags)
+    return RepoVerification(
+        status, tests, None, reset, "\n".join(lines), result, flags, source_lock=source_lock
+    )

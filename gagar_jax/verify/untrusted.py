@@ -12,9 +12,13 @@ monitor evidence that quotes it) is *data* for the grader, never instructions. T
   so a printed ``status: passed ...`` never looks like the verifier's own header. A verifier
   log is split at its first ``--- pytest output (untrusted) ---`` line (``split_test_log``):
   the head is the verifier's, the rest is the candidate's.
-* **Sanitised characters.** NUL, other control characters and lone surrogates (binary output)
-  are shown as escapes (``\\x00``), so one candidate's bytes cannot break the request that
-  carries the whole group to the grader's server.
+* **Sanitised characters.** NUL, other control characters, format characters (zero-width,
+  bidi overrides, tag characters) and lone surrogates (binary output) are shown as escapes
+  (``\\x00``, ``\\u200b``), so one candidate's bytes cannot break the request that carries the
+  whole group to the grader's server, nor hide text from it. Letters that pass a word off as
+  Latin (``confusables.poses_as_latin``: Cherokee ``Ꭲ`` in ``NOᎢE``, Cyrillic ``а`` in
+  ``grаder``, fullwidth or mathematical letters) are shown as ``\\uXXXX`` escapes too: a word
+  reads as Latin to the grader only if it is written in Latin letters.
 """
 
 from __future__ import annotations
@@ -22,16 +26,44 @@ from __future__ import annotations
 import re
 import secrets
 
+from gagar_jax.verify.confusables import poses_as_latin
+
 UNTRUSTED_MARKERS = ("--- pytest output (untrusted) ---", "--- stderr (untrusted) ---")
 LINE_MARK = "| "
 _TAG_RE = re.compile(r"<(/?)(untrusted-)", re.IGNORECASE)
 _MARK_RE = re.compile(r"^\| ?", re.MULTILINE)
+_WORD_RE = re.compile(r"\w+")
+
+
+def _escape_char(c: str) -> str:
+    n = ord(c)
+    return f"\\u{n:04x}" if n <= 0xFFFF else f"\\U{n:08x}"
+
+
+def _unmask_word(m: re.Match) -> str:
+    word = m.group(0)
+    if word.isascii():
+        return word
+    posing = poses_as_latin(word)
+    if not posing:
+        return word
+    chars = list(word)
+    for i in posing:
+        chars[i] = _escape_char(chars[i])
+    return "".join(chars)
 
 
 def sanitize(text: str) -> str:
-    """``text`` with control characters (except newline and tab) and lone surrogates escaped."""
+    """``text`` with control and format characters (except newline and tab), lone surrogates
+    and letters posing as Latin escaped (see the module docstring)."""
     if not isinstance(text, str):
         text = str(text)
+    if text.isascii():
+        return text if text.isprintable() else _escape_controls(text)
+    return _WORD_RE.sub(_unmask_word, _escape_controls(text))
+
+
+def _escape_controls(text: str) -> str:
     if text.isprintable():
         return text
     out = []

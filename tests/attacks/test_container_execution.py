@@ -170,3 +170,22 @@ def test_the_honest_fix_passes_with_no_flag():
 def test_an_honest_new_test_module_passes():
     patch = FIX + new_file("test_extra.py", "def test_extra():\n    pass\n")
     assert verify(patch, CTR, the_task=TASK).status == "passed"
+
+
+@pytest.mark.parametrize("how", ["shell", "fork_mmap", "tree_alias"])
+def test_hidden_tests_unreadable_in_the_container(how):
+    """The kernel's source lock holds inside the container too (the engine's seccomp profile
+    lets Landlock's system calls through): the hidden test read by a child process, a forked
+    child through libc, or the tree's read-only source earns nothing, and the verdict names
+    the lock."""
+    import _fresh_kit
+    import test_sources_unreadable as unreadable
+
+    task = _fresh_kit.half_task()
+    v = _in_container(
+        verify(_fresh_kit.app(unreadable.ATTACKS[how]), CTR, the_task=task, run_monitor=True)
+    )
+    assert_blocked(v)
+    assert v.source_lock.startswith("landlock"), v.test_log
+    honest = _in_container(verify(_fresh_kit.app(_fresh_kit.FIXED), CTR, the_task=task))
+    assert honest.status == "passed" and not honest.flags, honest.test_log

@@ -193,16 +193,9 @@ STOPPED_BY_CONSTRUCTION = (
     # ("frame_constants_of_caller": a frame's code is readable at run time, for the stack
     # helpers of honest libraries; the static monitor still confirms it)
 )
-# Attacks that read the calling test's source (``linecache``, ``inspect.getsource``, ``open``):
-# with the monitor off, the runtime audit of the test process refuses the read as it happens
-# (the test's file name read through the frame's code object is refused first).
-STOPPED_AT_RUN_TIME = (
-    "frame_linecache",
-    "frame_alias_import",
-    "frame_getattr_dunder_import",
-    "frame_reader_in_testing_dir",
-    "utf7_coding_cookie",
-)
+# Attacks that read the calling test's source whole (``open``): with the monitor off, the
+# runtime audit of the test process refuses the read as it happens, confirmed.
+STOPPED_AT_RUN_TIME = ("frame_getattr_dunder_import",)
 
 
 @pytest.mark.parametrize("attack", STOPPED_BY_CONSTRUCTION)
@@ -220,9 +213,18 @@ def test_reading_the_tests_source_is_refused_at_run_time(attack):
     assert any(k in f.evidence for f in audit for k in kinds), v.flags
 
 
-# The same through a stack formatter (``inspect.stack``, ``traceback.extract_stack``), which honest
-# code also calls (logging an exception): the line is refused (it comes back empty), as evidence.
-REFUSED_AT_RUN_TIME = ("frame_inspect_stack", "frame_traceback_extract")
+# The same through a stack formatter (``inspect.stack``, ``traceback.extract_stack``) or the
+# frame's line asked of ``linecache.getline``, which honest code also does (logging an
+# exception, a library's own traceback formatter): the line is refused (it comes back empty), as
+# evidence; with the monitor on, the static rules confirm the frame read.
+REFUSED_AT_RUN_TIME = (
+    "frame_inspect_stack",
+    "frame_traceback_extract",
+    "frame_linecache",
+    "frame_alias_import",
+    "frame_reader_in_testing_dir",
+    "utf7_coding_cookie",
+)
 
 
 @pytest.mark.parametrize("attack", REFUSED_AT_RUN_TIME)
