@@ -509,7 +509,8 @@ def race(args) -> int:
         )
         + f"; start: {_load()}"
     )
-    print(f"host: {host_description()}")
+    host_line = host_description()
+    print(f"host: {host_line}")
     failed = False
     results = {}
     for shape_name in shapes:
@@ -592,6 +593,7 @@ def race(args) -> int:
             load=(load_before, load_after),
             keep_heap=bool(args.keep_heap),
             glibc_heap=bool(args.glibc_heap),
+            host=host_line,
         )
         print_table(shape_name, label, recs, setup, warm, load_before, load_after, rounds)
         peak = gemm_peak()
@@ -929,12 +931,16 @@ def gagar_update_config(spec: dict):
 
 def _gagar_worker(spec: dict) -> None:
     t_setup = time.perf_counter()
+    from gagar_jax.host_cpu import prepare_cpu_host
+
+    # As the trainer sets up its process, before JAX's backend starts (on a CPU: the heap kept,
+    # unless GAGAR_MALLOC_KEEP_HEAP=0).
+    prepare_cpu_host()
     import jax
     import numpy as np
     from transformers import AutoTokenizer
 
     from gagar_jax.advantages import gagar_advantages
-    from gagar_jax.host_cpu import prepare_cpu_host
     from gagar_jax.models import load_hf_safetensors
     from gagar_jax.rl.collect import Group, Rollout, pack_groups
     from gagar_jax.rl.engines import sampler_mesh
@@ -949,9 +955,6 @@ def _gagar_worker(spec: dict) -> None:
     )
     from gagar_jax.update.step import chunked_token_logprobs_and_entropy
 
-    # As the trainer sets up its process (on a CPU: the heap kept, unless
-    # GAGAR_MALLOC_KEEP_HEAP=0), before the first buffers are allocated.
-    prepare_cpu_host(platform=jax.devices()[0].platform)
     meta = json.loads((Path(spec["assets"]) / "bench-assets.json").read_text())
     tok = AutoTokenizer.from_pretrained(spec["assets"])
     cfg, model = load_hf_safetensors(spec["assets"])

@@ -13,11 +13,11 @@ visible; needs root and a writable cgroup ``cpu`` controller), ``taskset1`` (one
 affinity), ``devices8`` (``--xla_force_host_platform_device_count=8``, as users set for
 simulated devices), ``avx2`` (XLA's code generation limited to AVX2: ``--xla_cpu_max_isa``),
 ``noopt`` (``JAX_DISABLE_MOST_OPTIMIZATIONS=1``, which the test suite exports to the
-processes it starts), ``omp1`` (``OMP_NUM_THREADS=1``) and ``hot`` (the same as ``default``, but each timed step
-follows another step at once, with no idle time before it). All variants' workers live at the
-same time; each round runs one step of each in turn, so a variant waits through the others'
-steps as a race's worker does, and the machine's load hits all alike. ``a+b`` combines two
-variants (``glibc+quota1``).
+processes it starts), ``omp1`` (``OMP_NUM_THREADS=1``) and ``hot`` (the same as
+``default``, but each timed step follows another step at once, with no idle time before
+it). All variants' workers live at the same time; each round runs one step of each in turn,
+so a variant waits through the others' steps as a race's worker does, and the machine's load
+hits all alike. ``a+b`` combines two variants (``glibc+quota1``).
 
 Per variant and step it prints the medians of the wall seconds, the CPU seconds (user and
 kernel), the minor page faults and the context switches (voluntary, involuntary) the kernel

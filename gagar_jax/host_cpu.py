@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import platform
+import sys
 from pathlib import Path
 
 _ENV_PREFIXES = ("XLA_", "JAX_", "TF_", "OMP_", "MKL_", "OPENBLAS_", "GLIBC_", "MALLOC_")
@@ -219,40 +220,75 @@ def describe(facts: dict | None = None) -> str:
 _prepared: dict | None = None
 
 
-def prepare_cpu_host(*, platform: str = "cpu", log: logging.Logger | None = None) -> dict:
+def prepare_cpu_host(*, platform: str | None = None, log: logging.Logger | None = None) -> dict:
     """Readies this process for CPU steps, once per process; later calls return the first
-    call's answer.
+    call's answer. Call it before JAX starts its backend (the first array, ``jax.devices()``).
 
-    On a CPU backend (``platform``) it sets glibc's allocator to keep and reuse the memory the
-    process frees (:func:`gagar_jax.update.malloc.keep_heap`; the environment variable
-    ``GAGAR_MALLOC_KEEP_HEAP=0`` turns it off), so that an update step's temporary buffer is not
-    returned to the kernel and faulted in afresh every step: on a virtual machine with free page
-    reporting that memory goes back to the hypervisor, and each of the step's ~10^5 faults then
-    costs what the host makes it cost. It logs :func:`describe` and a warning for each fact that
-    slows CPU steps: a cgroup CPU quota below the CPUs XLA:CPU sizes its thread pool for (the
-    affinity), more simulated host devices (``--xla_force_host_platform_device_count``) than
-    CPUs to run them, XLA's optimisations turned off (``JAX_DISABLE_MOST_OPTIMIZATIONS``, which
-    test suites export for fast compiles, or ``--xla_backend_optimization_level=0``), and freed
-    memory handed back to the hypervisor while the heap is not kept.
+    On a CPU it sets glibc's allocator to keep and reuse the memory the process frees
+    (:func:`gagar_jax.update.malloc.keep_heap`; the environment variable
+    ``GAGAR_MALLOC_KEEP_HEAP=0`` turns it off), so that an update step's temporary buffers are
+    not returned to the kernel and faulted in afresh every step (about 145,000 minor faults per
+    step of the race's ``rl`` shape otherwise). XLA:CPU's threads take their own allocator
+    arenas when the backend starts; an arena taken before this call still maps and unmaps large
+    buffers, so a call after the backend started keeps only part of them (it logs a warning).
+    ``platform``: the backend the steps run on (``"cpu"``, ``"gpu"``, ``"tpu"``); None decides
+    as :func:`~gagar_jax.update.malloc.keep_heap` does, without starting JAX (CPU unless
+    ``JAX_PLATFORMS`` or an installed plugin names an accelerator).
 
-    Returns ``{"keep_heap": applied, "warnings": [...], "facts": host_facts()}``.
+    It logs :func:`describe` and a warning for each fact that slows CPU steps: a cgroup CPU
+    quota below the CPUs XLA:CPU sizes its thread pool for (the affinity), more simulated host
+    devices (``--xla_force_host_platform_device_count``) than CPUs to run them, XLA's
+    optimisations turned off (``JAX_DISABLE_MOST_OPTIMIZATIONS``, which test suites export for
+    fast compiles, or ``--xla_backend_optimization_level=0``), and freed memory handed back to
+    the hypervisor (free page reporting) while the heap is not kept.
+
+    Returns ``{"keep_heap": applied, "late": backend already started, "warnings": [...],
+    "facts": host_facts()}``.
     """
     global _prepared
     if _prepared is not None:
         return _prepared
-    from gagar_jax.update.malloc import keep_heap
-
+    malloc = _malloc()
+    accelerator_plugin, keep_heap = malloc.accelerator_plugin, malloc.keep_heap
     log = log or logging.getLogger(__name__)
-    on_cpu = platform == "cpu"
+    on_cpu = accelerator_plugin() is None if platform is None else platform == "cpu"
+    late = _backend_started()
     kept = keep_heap() if on_cpu else False
     facts = host_facts()
     warnings = cpu_warnings(facts, keep_heap_applied=kept) if on_cpu else []
+    if kept and late:
+        warnings.append(
+            "the heap setting came after JAX started its backend: XLA's threads that already "
+            "allocated keep mapping their large buffers afresh (call "
+            "gagar_jax.host_cpu.prepare_cpu_host before the first JAX array)"
+        )
     if on_cpu:
         log.info("host: %s; heap kept: %s", describe(facts), kept)
         for w in warnings:
             log.warning("%s", w)
-    _prepared = {"keep_heap": kept, "warnings": warnings, "facts": facts}
+    _prepared = {"keep_heap": kept, "late": late, "warnings": warnings, "facts": facts}
     return _prepared
+
+
+def _malloc():
+    """``gagar_jax.update.malloc``, loaded without its package (whose import brings in JAX and
+    starts a thread that takes an allocator arena of its own before the setting is made)."""
+    mod = sys.modules.get("gagar_jax.update.malloc")
+    if mod is not None:
+        return mod
+    import importlib.util
+
+    path = Path(__file__).resolve().parent / "update" / "malloc.py"
+    spec = importlib.util.spec_from_file_location("gagar_jax._malloc_standalone", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _backend_started() -> bool:
+    """Whether this process's JAX has started a backend (without starting one)."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))
 
 
 def cpu_warnings(facts: dict, *, keep_heap_applied: bool) -> list[str]:

@@ -807,6 +807,10 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
       grader: optional grader object (``grade(workspace[, cancel])``) used instead of the one
         ``cfg.grading.grader`` names, e.g. a custom grader from a notebook.
     """
+    # On a CPU: keep freed memory for the next step's buffers (before JAX's backend starts: its
+    # threads' allocator arenas), log the host facts that slow CPU steps (gagar_jax.host_cpu;
+    # GAGAR_MALLOC_KEEP_HEAP=0 opts out of the first).
+    prepare_cpu_host()
     workdir = os.path.abspath(workdir)
     hosts = Hosts(cfg.mesh.host_timeout_s)
     primary = hosts.primary
@@ -820,9 +824,6 @@ def train_and_evaluate(cfg: RunConfig, workdir: str, *, grader: Any = None) -> d
     tok = family.tokenizer
     model_config, model = policy.build_model(cfg, tok.vocab_size)
     mesh = make_mesh(cfg.mesh.shape)
-    # On a CPU: keep freed memory for the next step's buffers, log the host facts that slow
-    # CPU steps (gagar_jax.host_cpu; GAGAR_MALLOC_KEEP_HEAP=0 opts out of the first).
-    prepare_cpu_host(platform=mesh.devices.flat[0].platform)
     check_process_rows(mesh, G * K)
     ckpt = policy.checkpointer(cfg, workdir, model_config)
     try:
