@@ -967,6 +967,26 @@ def test_c5_one_candidate_cannot_crowd_siblings_out_of_any_clipped_view(crowder,
     assert len(compact_details(view)) < 12_000
 
 
+def test_c6_many_new_code_files_cannot_hide_the_change_to_the_repository():
+    """Forty new Python modules of constants sorted before ``app.py`` (new files, code like
+    the fix): the compact view and the file lists show the change to the repository's own
+    module first."""
+    from gagar_jax.grading.agentic import compact_details
+
+    filler = "".join(
+        new_file(f"aa_{i:03d}.py", "".join(f"V{j} = {j}\n" for j in range(200))) for i in range(40)
+    )
+    view = _crowded_view(
+        {
+            "patch": filler + app("def half(x):\n    return x / 2  # unusual_marker\n"),
+            "passed": True,
+        }
+    )
+    text = compact_details(view)
+    assert "unusual_marker" in text, text[:2000]
+    assert "app.py" in text.split("changes:")[0]
+
+
 def test_c5_detached_child_does_not_hold_the_only_slot():
     """A correct fix that leaves a detached interpreter behind (a session of its own, SIGTERM
     ignored, sleeping for minutes). With one slot on the machine, the next sibling must still
