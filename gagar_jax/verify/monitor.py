@@ -340,6 +340,22 @@ _ADDRESS_ADVISORY_RE = re.compile(
 _PLANTED_VERDICT_RE = re.compile(r'"verdicts"\s{0,16}+:\s{0,16}+\[|"tier"\s{0,16}+:\s{0,16}+[123]')
 
 
+# Separators a reader skips inside a word: a hyphenated line break (and the next line's
+# comment marker), two adjacent string literals Python joins, single letters spaced or
+# hyphenated apart (``g-r-a-d-e-r``, ``g r a d e r``).
+_HYPHEN_BREAK_RE = re.compile(r"-[ \t]*+\n[ \t]*+(?:#|//|\*)?[ \t]*+")
+_ADJACENT_LITERALS_RE = re.compile(r"([\"'])[ \t]*+\\?\n?[ \t]*+\1")
+_SPACED_LETTERS_RE = re.compile(r"(?<![^\W_])[^\W_](?:[ \-_.·*][^\W_](?![^\W_]))++")
+
+
+def squeezed(text: str) -> str:
+    """``text`` with the separators a reader skips inside a word removed (see above): what a
+    model reads as ``grader`` in ``g-r-a-d-e-r``, ``"gra" "der"`` or ``GRA-`` / ``DER``."""
+    t = _HYPHEN_BREAK_RE.sub("", text)
+    t = _ADJACENT_LITERALS_RE.sub("", t)
+    return _SPACED_LETTERS_RE.sub(lambda m: re.sub(r"[ \-_.·*]", "", m.group(0)), t)
+
+
 def addressed_to_grader(text: str) -> tuple[bool, str] | None:
     """``(confirmed, what)`` when ``text`` speaks to the grader, else None (linear time).
 
@@ -352,7 +368,7 @@ def addressed_to_grader(text: str) -> tuple[bool, str] | None:
     verdict = _PLANTED_VERDICT_RE.findall(t)
     if '"verdicts"' in t and any(v.startswith('"tier"') for v in verdict):
         return True, "a planted verdict (JSON with verdicts and tiers)"
-    m = _ADDRESS_CONFIRMED_RE.search(t)
+    m = _ADDRESS_CONFIRMED_RE.search(t) or _ADDRESS_CONFIRMED_RE.search(squeezed(t))
     if m:
         return True, f"text addressed to the grader ({_quote(m.group(0), 40)!r})"
     m = _ROLE_MARKER_RE.search(t) or _ADDRESS_ADVISORY_RE.search(t)
