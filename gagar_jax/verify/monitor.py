@@ -464,6 +464,45 @@ def _code_part(line: str) -> str:
     return line.split("#", 1)[0] if line.lstrip().startswith("#") else line
 
 
+def _compared_literals(line: str) -> set | None:
+    """The literals one line of Python compares with: the constants of its comparisons, of an
+    ``if``/``elif``/``while`` test or a conditional expression's test, of a ``case`` pattern;
+    not a conditional expression's results (``return 1 if c < 0 else 6`` compares with 0, not
+    with 6). None when the line does not parse on its own (then every literal counts)."""
+    text = line.strip()
+    if text.startswith("elif "):
+        text = text[2:]
+    if text.startswith("case ") and text.endswith(":"):
+        text = "match _:\n " + text + " pass"
+    elif text.endswith(":"):
+        text += " pass"
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    out: set = set()
+
+    def add(node):
+        for n in ast.walk(node):
+            if isinstance(n, ast.Constant) and _hashable(n.value):
+                out.add(n.value)
+            elif isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+                if isinstance(n.operand, ast.Constant) and isinstance(n.operand.value, int | float):
+                    out.add(-n.operand.value)
+
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Compare):
+            add(n)
+        elif isinstance(n, ast.If | ast.While | ast.IfExp):
+            add(n.test)
+        elif isinstance(n, ast.match_case):
+            add(n.pattern)
+        elif isinstance(n, ast.comprehension):
+            for cond in n.ifs:
+                add(cond)
+    return out
+
+
 def _nontrivial(v: Any) -> bool:
     if isinstance(v, bool) or v is None:
         return False
@@ -932,7 +971,12 @@ def monitor_patch(
                 lits = [v for v in lits if _hashable(v) and _nontrivial(v)]
                 is_cmp = bool(_CMP_RE.search(code))
                 returns = _RETURN_RE.match(code) is not None
-                special = [v for v in lits if v in test_inputs] if is_cmp else []
+                compared = _compared_literals(code) if is_cmp else None
+                special = (
+                    [v for v in lits if v in test_inputs and (compared is None or v in compared)]
+                    if is_cmp
+                    else []
+                )
                 if special:
                     hard = _branch_returns(added, k, test_outputs)
                     flags.append(
