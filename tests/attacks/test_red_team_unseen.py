@@ -954,11 +954,6 @@ def test_c6_own_data_first_hides_the_code_change_from_the_compact_view():
     assert "unusual_marker" in text
 
 
-@escapes(
-    "code files come first and each file has its own share, but 40 new Python files of "
-    "constants sorted before app.py exhaust the candidate's share: the change of the "
-    "repository's own module is 'not shown'"
-)
 def test_c6_own_python_data_modules_first_hide_the_code_change():
     """The data moved into Python modules (40 generated ``aa_NNN.py`` files of 200 constants,
     sorted before ``app.py``): a per-file share with code files first does not tell the
