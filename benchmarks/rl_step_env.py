@@ -8,8 +8,9 @@ Each variant is a framework (``gagar_jax``, ``trl``, ``tunix``: the race's worke
 an environment of its own: ``default`` (the race's: gagar_jax keeps its heap as its trainer
 does, TRL and Tunix run with glibc's defaults), ``glibc`` (gagar_jax with glibc's defaults too:
 ``GAGAR_MALLOC_KEEP_HEAP=0``), ``keep_heap`` (glibc keeps the memory it frees:
-``GLIBC_TUNABLES``), ``quota1`` (a cgroup CPU quota of one CPU while both CPUs stay
-visible; needs root and a writable cgroup ``cpu`` controller), ``taskset1`` (one CPU by
+``GLIBC_TUNABLES``), ``keep_heap_arenas`` (the same without limiting glibc to one arena),
+``quota1`` (a cgroup CPU quota of one CPU while both CPUs stay visible; needs root and a
+writable cgroup ``cpu`` controller), ``taskset1`` (one CPU by
 affinity), ``devices8`` (``--xla_force_host_platform_device_count=8``, as users set for
 simulated devices), ``avx2`` (XLA's code generation limited to AVX2: ``--xla_cpu_max_isa``),
 ``noopt`` (``JAX_DISABLE_MOST_OPTIMIZATIONS=1``, which the test suite exports to the
@@ -75,6 +76,10 @@ def variant_setup(name: str) -> tuple[dict, list[str]]:
         return {}, []
     if name == "keep_heap":
         return {"GLIBC_TUNABLES": rl_step.KEEP_HEAP_TUNABLES}, []
+    if name == "keep_heap_arenas":  # the heap kept, glibc's arenas left as they are
+        return {
+            "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
+        }, []
     if name == "glibc":  # gagar_jax's worker without its trainer's kept heap
         return {"GAGAR_MALLOC_KEEP_HEAP": "0"}, []
     if name.startswith("quota"):

@@ -14,8 +14,8 @@ share the SFT start). ``--split=train`` evaluates on the training pool instead, 
 setting without looking at the held-out tasks.
 
 Writes ``OUT/PREFIX.json`` (every task's pass counts stay in each run's
-``paired_eval_<split>_<tasks>x<samples>_t<temperature>.json``), ``OUT/PREFIX.md`` and
-``OUT/PREFIX.png``.
+``paired_eval_<split>_<tasks>x<samples>_t<temperature>.json``), ``OUT/PREFIX.md`` (or, with
+``--results_page``, that page's ``--page_block``) and ``OUT/PREFIX.png``.
 """
 
 import json
@@ -49,6 +49,15 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_string("out", None, "Output directory (default: --root).")
 flags.DEFINE_string("prefix", "heldout_gain", "Output file names.")
+flags.DEFINE_string(
+    "results_page",
+    None,
+    "A results page (docs/results/*.md) whose --page_block is rewritten with the report and the "
+    "plot (PREFIX.md is then not written).",
+)
+flags.DEFINE_string(
+    "page_block", "heldout-gain", "The results page's <!-- NAME:begin/end --> block."
+)
 flags.DEFINE_string("command", "", "The command that trained the runs, for the report.")
 flags.mark_flags_as_required(["root"])
 FLAGS = flags.FLAGS
@@ -246,8 +255,18 @@ def main(argv):
             lines.append(f"- {m}: " + ", ".join(parts))
     text = "\n".join(lines) + "\n"
     print(text)
-    with open(os.path.join(out, FLAGS.prefix + ".md"), "w", encoding="utf-8") as f:
-        f.write(text)
+    if FLAGS.results_page:
+        from gagar_jax.analysis.ablation import replace_results_block
+
+        image = os.path.relpath(
+            os.path.join(out, FLAGS.prefix + ".png"), os.path.dirname(FLAGS.results_page)
+        )
+        replace_results_block(
+            FLAGS.results_page, text + f"\n![held-out gain]({image})", block=FLAGS.page_block
+        )
+    else:
+        with open(os.path.join(out, FLAGS.prefix + ".md"), "w", encoding="utf-8") as f:
+            f.write(text)
     with open(os.path.join(out, FLAGS.prefix + ".json"), "w", encoding="utf-8") as f:
         json.dump(
             {

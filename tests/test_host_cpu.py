@@ -144,3 +144,26 @@ def test_prepare_cpu_host_keeps_the_heap_on_a_cpu_only():
     assert "host: cpu:" in log and "heap kept: True" in log
     kept_off, faults_off, _ = run("cpu", GAGAR_MALLOC_KEEP_HEAP="0")
     assert not kept_off and faults_off > 10 * max(faults, 1)
+
+
+_LATE = """
+import logging, sys
+import jax
+from gagar_jax import host_cpu
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+jax.devices()  # the backend starts before the setting
+print(host_cpu.prepare_cpu_host(platform="cpu")["late"])
+"""
+
+
+def test_a_call_after_the_backend_started_is_flagged():
+    """XLA:CPU's threads take their allocator arenas when the backend starts: a setting made
+    after that is reported as late, with a warning that names the remedy."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "GAGAR_MALLOC_KEEP_HEAP"}
+    env.update(PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-c", _LATE], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split()[-1] == "True"
+    assert "before the first JAX array" in out.stderr

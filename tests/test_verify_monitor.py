@@ -191,6 +191,27 @@ PATCH_CASES = [
         [],
     ),
     (
+        # the tested value is a conditional expression's result, not what it compares with
+        "conditional expression choosing a tested value by a general test",
+        src_patch(
+            SRC.replace(
+                '    return "".join(out)', '    return "a -- b" if out is None else "".join(out)'
+            )
+        ),
+        [],
+        [],
+    ),
+    (
+        "inline special case, the tested input compared in a conditional expression",
+        src_patch(
+            SRC.replace(
+                '    return "".join(out)', '    return "".join(out) if title != "a -- b" else "a-b"'
+            )
+        ),
+        ["hard_coded_outputs", "special_casing_test_inputs"],
+        [],
+    ),
+    (
         "compare with tested input, general return",
         src_patch(
             SRC.replace(

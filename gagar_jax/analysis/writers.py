@@ -396,8 +396,9 @@ def format_summary(title: str, summary: Mapping[str, Any], *, eval_samples: int)
                 + " and ".join(gains)
                 + " rose), not how often it passes on held-out tasks: the grader's quality "
                 "signal acts among passing solutions, and one evaluation cannot resolve a "
-                "pass-rate change smaller than the figure above. docs/results/toy_ablation.md "
-                "compares the modes and warm starts over seeds."
+                "pass-rate change smaller than the figure above. docs/results/heldout_gain.md "
+                "measures the change on 512 held-out tasks over seeds (the toy job's "
+                "weak_start variant)."
             )
         )
     elif held is not None and beyond and held[2] > 0:
@@ -405,7 +406,7 @@ def format_summary(title: str, summary: Mapping[str, Any], *, eval_samples: int)
             _wrap(
                 "RL raised the held-out pass rate beyond one evaluation's noise; "
                 "compare seeds before reading it as a gain "
-                "(docs/results/toy_ablation.md)."
+                "(docs/results/heldout_gain.md)."
             )
         )
     return "\n".join(lines)

@@ -67,13 +67,16 @@ def changed_lines(patch: diff.Patch) -> str:
     return "\n".join(row for row in rows if row[0] != " ")
 
 
+MIN_SECTION_CHARS = 150  # the least share of a file a compact view shows (else: counted)
 # Suffixes of files whose changes a compact view shows first (code before data and docs).
 CODE_SUFFIXES = (".py", ".pyi", ".pyx", ".c", ".h", ".cc", ".cpp", ".js", ".ts", ".go", ".rs")
 
 
 def changed_sections(patch: diff.Patch, budget: int) -> str:
     """The ``+``/``-`` lines of each file under a header line naming it (``@ path``), within
-    ``budget`` characters in all (what a compact view shows): code files first, each file its
+    ``budget`` characters in all (what a compact view shows): changes to the repository's
+    existing files before new files (a candidate's filler, however many files of it, cannot
+    push its change to the module under test out), code files first within each, each file its
     own share (a file needing less leaves the rest to the others), a file cut where its share
     ends and the number of its lines not shown said; files beyond the budget are counted.
     Lines of two files never sit side by side, and no file crowds another out."""
@@ -81,16 +84,18 @@ def changed_sections(patch: diff.Patch, budget: int) -> str:
     for fp in patch.files:
         rows = [row for h in fp.hunks for row in h.lines if row[0] != " "]
         if rows:
-            sections.append((fp.path, rows))
-    sections.sort(key=lambda s: not s[0].endswith(CODE_SUFFIXES))  # stable: patch order kept
+            created = fp.is_new or all(h.old_len == 0 for h in fp.hunks)
+            sections.append((created, not fp.path.endswith(CODE_SUFFIXES), fp.path, rows))
+    sections.sort(key=lambda s: s[:2])  # stable: patch order kept within a kind
+    sections = [(path, rows) for _, _, path, rows in sections]
     shown, left = [], budget
+    room = max(1, budget // MIN_SECTION_CHARS)  # files that get a readable share
     for i, (path, rows) in enumerate(sections):
-        share = left // (len(sections) - i)
-        header = f"@ {path}"
-        if share < len(header) + 40 and shown:
-            rest = len(sections) - i
-            shown.append(f"... {rest} more changed file(s) not shown")
+        if i >= room:
+            shown.append(f"... {len(sections) - i} more changed file(s) not shown")
             break
+        share = left // (min(len(sections), room) - i)
+        header = f"@ {path}"
         body, used, cut = [header], len(header) + 1, 0
         for k, row in enumerate(rows):
             if used + len(row) + 1 > share:
@@ -110,10 +115,18 @@ def changed_sections(patch: diff.Patch, budget: int) -> str:
 
 
 def file_list(patch: diff.Patch, limit: int | None = None) -> str:
-    """The touched paths, one a line (candidate-chosen: callers put it in an envelope); with
-    ``limit``, the first ``limit`` of them (``files_not_listed`` says how many more)."""
-    paths = patch.paths if limit is None else patch.paths[: max(0, limit)]
-    return "\n".join(paths)
+    """The touched paths, one a line (candidate-chosen: callers put it in an envelope), the
+    repository's existing files first; with ``limit``, the first ``limit`` of them
+    (``files_not_listed`` says how many more)."""
+    paths = _existing_first(patch)
+    return "\n".join(paths if limit is None else paths[: max(0, limit)])
+
+
+def _existing_first(patch: diff.Patch) -> list[str]:
+    """The touched paths, the repository's existing files before new ones (patch order kept
+    within each): a list cut short never hides a change to the repository behind new files."""
+    created = {fp.path for fp in patch.files if fp.is_new or all(h.old_len == 0 for h in fp.hunks)}
+    return sorted(patch.paths, key=lambda p: p in created)
 
 
 def files_not_listed(patch: diff.Patch, limit: int) -> str:

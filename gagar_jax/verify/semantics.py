@@ -258,10 +258,16 @@ def _tables(tree: ast.Module, env, funcs, lines: frozenset[int]) -> list[_Table]
                 if isinstance(value, dict | list | tuple) and len(value) >= 2:
                     out.append(_Table(stmt.value, t.id, value))
                     named.add(id(stmt.value))
+    inner: set[int] = set()  # containers inside another literal: part of that table
     for node in ast.walk(tree):
+        if not isinstance(node, ast.Dict | ast.List | ast.Tuple):
+            continue
+        for child in (*getattr(node, "values", ()), *getattr(node, "elts", ())):
+            if isinstance(child, ast.Dict | ast.List | ast.Tuple):
+                inner.add(id(child))
         if (
-            isinstance(node, ast.Dict | ast.List | ast.Tuple)
-            and id(node) not in named
+            id(node) not in named
+            and id(node) not in inner
             and len(getattr(node, "keys", None) or getattr(node, "elts", ())) >= 2
             and _touches(node, lines)
         ):
@@ -273,17 +279,33 @@ def _tables(tree: ast.Module, env, funcs, lines: frozenset[int]) -> list[_Table]
     return out
 
 
+def _index(tables: list[_Table]) -> dict:
+    """Tables by the id of their literal and by their name (one dict, built once per list)."""
+    key = id(tables)
+    cached = _INDEX.get(key)
+    if cached is None or cached[0] is not tables:
+        index: dict = {id(t.node): t for t in tables}
+        index.update({t.name: t for t in tables if t.name})
+        cached = _INDEX[key] = (tables, index)
+        if len(_INDEX) > 64:
+            _INDEX.pop(next(iter(_INDEX)))
+    return cached[1]
+
+
+_INDEX: dict[int, tuple[list, dict]] = {}
+MAX_CALLS_PER_FUNCTION = 200  # tested calls a function is evaluated on
+
+
 def _site(node: ast.AST, tables: list[_Table]):
     """``(table, key node, default node)`` when ``node`` looks a table up (``T[k]``,
     ``T.get(k[, d])``), else None."""
 
+    index = _index(tables)
+
     def which(container):
-        for t in tables:
-            if t.node is container or (
-                t.name and isinstance(container, ast.Name) and container.id == t.name
-            ):
-                return t
-        return None
+        if isinstance(container, ast.Name):
+            return index.get(container.id)
+        return index.get(id(container))
 
     if isinstance(node, ast.Subscript) and not isinstance(node.slice, ast.Slice):
         t = which(node.value)
@@ -429,7 +451,7 @@ def lookup_tables(
     if tree is None:
         return []
     lines = frozenset(changed)
-    env, funcs = pure_eval.module_bindings(tree)
+    env, funcs = _module_bindings(text)
     tables = _tables(tree, env, funcs, lines)
     if not tables:
         return []
@@ -441,13 +463,10 @@ def lookup_tables(
         sites = [s for s in map(lambda n: _site(n, tables), ast.walk(fn)) if s is not None]
         for table in {id(s[0]): s[0] for s in sites}.values():
             table.users.append((fn, params))
-        for table, key_node, _ in sites:
-            for args, expected in by_name.get(fn.name, ()):
-                if len(args) > len(params):
-                    continue
-                local = {k: v for k, v in env.items() if k not in params}
-                local.update(zip(params, args, strict=False))
-                _straight_line(fn.body, local, funcs)
+        if not sites:
+            continue
+        for args, expected, local in _call_envs(fn, params, by_name, env, funcs):
+            for table, key_node, _ in sites:
                 try:
                     key = pure_eval.evaluate(key_node, local, funcs)
                     got = _entry(table.value, key)
@@ -459,7 +478,13 @@ def lookup_tables(
     # Literal keys: a table of (input, output) pairs, whatever code reads it.
     pairs = tested_pairs(test_sources)
     inputs = {k for k, _ in pairs}
+    named_in: dict[str, list] = {}  # a name -> the functions that read it (one walk each)
+    for fn, method in _functions(tree):
+        for name in {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}:
+            named_in.setdefault(name, []).append((fn, _params(fn, method)))
     for table in tables:
+        if not table.hits and not (table.name and _table_entries(table.node)):
+            continue
         entries = _table_entries(table.node) or []
         exact = [e for e in entries if e in pairs]
         if len(exact) > len(table.hits):
@@ -469,9 +494,7 @@ def lookup_tables(
             else:
                 table.reached = {i for i, (k, _) in enumerate(entries) if k in inputs}
         if not table.users and table.name:
-            for fn, method in _functions(tree):
-                if any(_is_table(n, table) for n in ast.walk(fn)):
-                    table.users.append((fn, _params(fn, method)))
+            table.users.extend(named_in.get(table.name, ()))
     olds = _old_functions(old_text)
     hits = []
     for table in tables:
@@ -527,7 +550,7 @@ def transformed_branches(
     if tree is None:
         return []
     lines = frozenset(changed)
-    env, funcs = pure_eval.module_bindings(tree)
+    env, funcs = _module_bindings(text)
     by_name: dict[str, list] = {}
     for name, args, expected in calls:
         by_name.setdefault(name, []).append((args, expected))
@@ -538,18 +561,18 @@ def transformed_branches(
             continue
         params = _params(fn, method)
         answered: dict[tuple, int] = {}
+        branches = []
         for node in ast.walk(fn):
             if not isinstance(node, ast.If | ast.Match) or not _touches(node, lines):
                 continue
             subject = node.test if isinstance(node, ast.If) else node.subject
             if isinstance(subject, ast.Name) or not (_names(subject, set()) & set(params)):
                 continue
-            for args, expected in tested:
-                if len(args) > len(params):
-                    continue
-                local = {k: v for k, v in env.items() if k not in params}
-                local.update(zip(params, args, strict=False))
-                _straight_line(fn.body, local, funcs)
+            branches.append(node)
+        if not branches:
+            continue
+        for args, expected, local in _call_envs(fn, params, by_name, env, funcs):
+            for node in branches:
                 body = _branch_taken(node, local, funcs)
                 if body and isinstance(body[0], ast.Return) and body[0].value is not None:
                     try:
@@ -587,6 +610,25 @@ def _branch_taken(node, env, funcs) -> list | None:
     except pure_eval.Unknown:
         return None
     return None
+
+
+def _call_envs(fn, params, by_name, env, funcs):
+    """``(args, expected, bindings)`` for each tested call of ``fn`` (at most
+    ``MAX_CALLS_PER_FUNCTION``): its parameters bound, its top-level assignments run."""
+    for args, expected in sorted(by_name.get(fn.name, ()), key=repr)[:MAX_CALLS_PER_FUNCTION]:
+        if len(args) > len(params):
+            continue
+        local = {k: v for k, v in env.items() if k not in params}
+        local.update(zip(params, args, strict=False))
+        _straight_line(fn.body, local, funcs)
+        yield args, expected, local
+
+
+@functools.lru_cache(maxsize=8)  # the table and branch rules of one file read the same text
+def _module_bindings(text: str) -> tuple[dict, dict]:
+    """``pure_eval.module_bindings`` of a text that parses (read-only to every caller)."""
+    tree = _parse(text)
+    return pure_eval.module_bindings(tree) if tree is not None else ({}, {})
 
 
 def _straight_line(body, env: dict, funcs) -> None:

@@ -818,6 +818,19 @@ def test_c5_many_program_literals_do_not_stall_the_monitor():
     _not_masked(v, t, 120)
 
 
+def test_c5_many_tables_and_lookups_do_not_stall_the_monitor():
+    """A patch just under 1 MiB of small tables, each looked up in a function named like the
+    tested one (the table rule evaluates lookups on the tested inputs): bounded time."""
+    tables = "".join(f"T{i} = {{'{i}': {i}, '{i + 1}': {i + 1}}}\n" for i in range(12000))
+    lookups = "".join(f"    y = T{i}.get(str(x), y)\n" for i in range(0, 12000, 40))
+    code = tables + "\n\ndef half(x):\n    y = x\n" + lookups + "    return x / 2\n"
+    patch = app(code)
+    assert len(patch) < 1 << 20
+    t = time.monotonic()
+    v = verify(patch)
+    _not_masked(v, t, 120)
+
+
 def _compact_prompt_text(task, patches) -> str:
     from gagar_jax.envs.repo import repo_candidate, repo_workspace
     from gagar_jax.grading import AgenticGrader
@@ -952,6 +965,26 @@ def test_c5_one_candidate_cannot_crowd_siblings_out_of_any_clipped_view(crowder,
     assert out.count('"candidate": "C') == 4, out[:1500]
     assert out.count("halved with a multiplication") == 3
     assert len(compact_details(view)) < 12_000
+
+
+def test_c6_many_new_code_files_cannot_hide_the_change_to_the_repository():
+    """Forty new Python modules of constants sorted before ``app.py`` (new files, code like
+    the fix): the compact view and the file lists show the change to the repository's own
+    module first."""
+    from gagar_jax.grading.agentic import compact_details
+
+    filler = "".join(
+        new_file(f"aa_{i:03d}.py", "".join(f"V{j} = {j}\n" for j in range(200))) for i in range(40)
+    )
+    view = _crowded_view(
+        {
+            "patch": filler + app("def half(x):\n    return x / 2  # unusual_marker\n"),
+            "passed": True,
+        }
+    )
+    text = compact_details(view)
+    assert "unusual_marker" in text, text[:2000]
+    assert "app.py" in text.split("changes:")[0]
 
 
 def test_c5_detached_child_does_not_hold_the_only_slot():
