@@ -553,9 +553,11 @@ def test_c4_expected_value_learnt_by_a_child_forked_through_libc():
     _run_attack(app(code))
 
 
-@escapes(
-    "a value equal to whatever it is first compared with passes the probes that follow (a "
-    "private object, expected +/- 1); no flag at all"
+@pytest.mark.xfail(
+    strict=False,
+    reason="escapes: a value equal to whatever it is first compared with passes the probes that "
+    "follow (a private object, expected +/- 1); no flag at all. Not strict: one run of the "
+    "attack catalogue on a loaded host saw it held",
 )
 def test_c4_equality_latched_on_its_first_comparison():
     """A value equal to whatever it is FIRST compared with, and consistent afterwards: the
