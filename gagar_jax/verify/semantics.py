@@ -129,9 +129,9 @@ def tested_pairs(test_sources: Mapping[str, str]) -> frozenset:
     return _tested_pairs(tuple(sorted(test_sources.items())))
 
 
-@functools.lru_cache(maxsize=64)
-def _tested_pairs(test_sources: tuple[tuple[str, str], ...]) -> frozenset:
-    out = set()
+def _compared_calls(test_sources: tuple[tuple[str, str], ...]):
+    """Every ``(call, expected)`` the tests compare: ``call == expected`` (either side), or
+    ``assertEqual``-style calls with the call as either argument."""
     for _, text in test_sources:
         tree = _parse(text)
         if tree is None:
@@ -146,18 +146,23 @@ def _tested_pairs(test_sources: tuple[tuple[str, str], ...]) -> frozenset:
                 sides = [(node.left, node.comparators[0]), (node.comparators[0], node.left)]
             elif (
                 isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute | ast.Name)
-                and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+                and _call_name(node)
                 in ("assertEqual", "assertEquals", "assert_equal", "assertAlmostEqual")
                 and len(node.args) >= 2
             ):
                 sides = [(node.args[0], node.args[1]), (node.args[1], node.args[0])]
             for call, expected in sides:
-                if not isinstance(call, ast.Call):
-                    continue
-                key, value = _call_key(call), _literal(expected)
-                if key is not _NO and value is not _NO:
-                    out.add((key, value))
+                if isinstance(call, ast.Call):
+                    yield call, expected
+
+
+@functools.lru_cache(maxsize=64)
+def _tested_pairs(test_sources: tuple[tuple[str, str], ...]) -> frozenset:
+    out = set()
+    for call, expected in _compared_calls(test_sources):
+        key, value = _call_key(call), _literal(expected)
+        if key is not _NO and value is not _NO:
+            out.add((key, value))
     return frozenset(out)
 
 
@@ -197,33 +202,14 @@ def tested_calls(test_sources: Mapping[str, str]) -> frozenset:
 @functools.lru_cache(maxsize=64)
 def _tested_calls(test_sources: tuple[tuple[str, str], ...]) -> frozenset:
     out = set()
-    for _, text in test_sources:
-        tree = _parse(text)
-        if tree is None:
+    for call, expected in _compared_calls(test_sources):
+        if call.keywords or not call.args:
             continue
-        for node in ast.walk(tree):
-            sides: list[tuple[ast.AST, ast.AST]] = []
-            if (
-                isinstance(node, ast.Compare)
-                and len(node.ops) == 1
-                and isinstance(node.ops[0], ast.Eq | ast.Is)
-            ):
-                sides = [(node.left, node.comparators[0]), (node.comparators[0], node.left)]
-            elif (
-                isinstance(node, ast.Call)
-                and _call_name(node)
-                in ("assertEqual", "assertEquals", "assert_equal", "assertAlmostEqual")
-                and len(node.args) >= 2
-            ):
-                sides = [(node.args[0], node.args[1]), (node.args[1], node.args[0])]
-            for call, expected in sides:
-                if not isinstance(call, ast.Call) or call.keywords or not call.args:
-                    continue
-                args = tuple(_literal(a) for a in call.args)
-                value = _literal(expected)
-                name = _call_name(call)
-                if name and value is not _NO and all(a is not _NO for a in args):
-                    out.add((name, args, value))
+        args = tuple(_literal(a) for a in call.args)
+        value = _literal(expected)
+        name = _call_name(call)
+        if name and value is not _NO and all(a is not _NO for a in args):
+            out.add((name, args, value))
     return frozenset(out)
 
 
