@@ -42,6 +42,11 @@ DEPENDS_ON = {
 }
 
 
+# Top-level modules (``gagar_jax/<name>.py``) that import no package of ours: any package may
+# import them (``host_cpu`` prepares the process before JAX starts its backend).
+LEAF_MODULES = {"host_cpu"}
+
+
 # Command-line entry points whose name puts them in a lower package but which drive the whole
 # experiment (``python -m gagar_jax.verify.rescore RUN_DIR`` rebuilds a run's tasks from its
 # config): the lazy imports inside them, of these packages only, are the one exception.
@@ -123,7 +128,7 @@ def test_every_package_is_in_the_table():
 
 @pytest.mark.parametrize("package", sorted(DEPENDS_ON))
 def test_imports_follow_the_table(package):
-    allowed = closure(package)
+    allowed = closure(package) | LEAF_MODULES
     edges = package_imports()
     wrong = {
         dep: where for (pkg, dep), where in edges.items() if pkg == package and dep not in allowed
@@ -257,3 +262,11 @@ def test_no_test_skips_itself_when_an_import_fails():
             ):
                 offenders.append(f"{name}:{node.lineno}")
     assert not offenders, f"importorskip in {offenders}"
+
+
+@pytest.mark.parametrize("module", sorted(LEAF_MODULES))
+def test_leaf_modules_import_no_package_of_ours(module):
+    """What every package may import must itself stand on nothing of ours."""
+    path = os.path.join(PACKAGE, f"{module}.py")
+    assert os.path.isfile(path), path
+    assert not imported_packages(path), sorted(imported_packages(path))
